@@ -1,0 +1,30 @@
+# Every target installs what it needs into .venv first (idempotent: a stamp file skips the install when
+# pyproject.toml and constraints.txt have not changed).
+PYTHON ?= python3
+VENV ?= .venv
+CONSTRAINTS ?= constraints.txt
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.bnpfed-installed
+
+.PHONY: install demo test bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml $(CONSTRAINTS)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e '.[vision,test]'
+	$(PY) -c "import torch, torchvision, pyro; print('installed torch', torch.__version__, 'torchvision', torchvision.__version__, 'pyro', pyro.__version__)"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/bnpfed demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) benchmarks/run.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info
