@@ -1,0 +1,530 @@
+"""MAP matching of one federated layer: the Hungarian step of PFNM.
+
+Yurochkin et al., "Bayesian Nonparametric Federated Learning of Neural Networks", ICML 2019, section 3.2. Given J
+clients' neurons (vectors in R^D), find the assignment of every local neuron to a global atom (distinct atoms within a
+client) that maximises the posterior of the Beta-Bernoulli model of :mod:`bnpfed.models.beta_bernoulli`.
+
+Notation (natural parameters, per atom i and coordinate d). A client j's neuron v_jl has noise precision
+``w_jd = s_jd / sigma2``. An atom with members S_i has
+
+    P_id = 1/sigma0_2 + sum_{(j,l) in S_i} w_jd                 (posterior precision)
+    g_id = mu0_d/sigma0_2 + sum_{(j,l) in S_i} w_jd v_jld        (precision-weighted sum)
+
+and posterior mean ``theta_i = g_i / P_i``. With m_i = |S_i| clients on atom i, L atoms, c the popularity factor:
+
+**objective="map"** (the published objective: atoms at their MAP values, normalising constants dropped)
+
+    F(Z) = sum_i [ sum_d (g_id^2/P_id - g0_d^2/P0) + 2 log(gamma0/J) + c sum_{k=1}^{m_i-1} log(k/(J-k)) ]
+
+with ``g0 = mu0/sigma0_2``, ``P0 = 1/sigma0_2``. For c = 2 this is twice the log density of the configuration:
+
+    F(Z) = 2 log p_conf(Z, theta_hat, V) + L * D * log(2 pi sigma0_2) + const(V, J, gamma0)
+
+where ``p_conf`` is the Beta-Bernoulli density of the configuration (the IBP prior in its exchangeable form, see
+:func:`bnpfed.models.beta_bernoulli.log_joint`) and const(V, J, gamma0) = 2 gamma0 H_J + 2 sum_j log L_j! +
+sum_{j,l,d} [log(2 pi sigma2 / s_jd) + s_jd v_jld^2 / sigma2]. The term ``L D log(2 pi sigma0_2)`` -- the atoms'
+prior normalising constants, which depend on the number of atoms alone -- is what the published objective drops.
+
+**objective="marginal"** integrates every atom out instead of plugging in its MAP value (the Gaussian marginal
+likelihood; Yurochkin et al., "Statistical Model Aggregation via Parameter Matching", NeurIPS 2019):
+
+    F_marg(Z) = F(Z) - sum_i sum_d log(P_id / P0)
+
+The extra Occam factor charges every atom for the precision it concentrates. The MAP objective has no such charge:
+at sigma2 equal to the true noise, merging two noisy copies of one atom and keeping them apart are worth about the
+same (both of order D), so it over-splits; the marginal objective does not.
+
+Both objectives decompose over clients: with the other clients fixed, client j's contribution is a sum of per-pair
+scores, so its best assignment is a linear assignment problem. Client j's neuron l scores
+
+* against existing atom i (m_i clients other than j):
+  ``sum_d [(g_id + w_jd v_jld)^2/(P_id + w_jd) - g_id^2/P_id] + c log(m_i/(J - m_i))`` (marginal: minus
+  ``sum_d log((P_id + w_jd)/P_id)``);
+* against a new atom: ``sum_d [(g0_d + w_jd v_jld)^2/(P0 + w_jd) - g0_d^2/P0] + 2 log(gamma0/J)`` (marginal: minus
+  ``sum_d log((P0 + w_jd)/P0)``),
+
+and ``scipy.optimize.linear_sum_assignment`` solves it exactly. These per-client scores are the exact change of F
+(or F_marg) for any c, so a greedy pass followed by sweeps of remove-and-rematch is coordinate ascent: F never
+decreases across sweeps (with ``max_atoms`` off).
+
+Reference constants (the published code, ``REFERENCE_CONSTANTS``): popularity factor c = 1; popularity counts capped
+at 10 (``min(m, 10)`` inside the log; the cap keeps the ascent exact, the objective then sums the capped terms);
+at most 700 atoms in total (a client may open ``min(L_j, max(700 - L, 1))`` new ones); and ``- 2 log k`` on the k-th
+new atom of a client. That last term is the 1/K! of the IBP's left-ordered form for a binary matrix; atoms here carry
+distinct parameters, so the orderings it divides out are distinct configurations, and no joint density has those
+scores as its conditionals. It is available (``new_atom_penalty="log_k"``) but off by default. Every sweep then
+still reports F, which the ``log_k`` penalty may lower slightly.
+
+Implementation. Coordinates on which every client has precision scale 1 (all of them unless ``precisions`` is given;
+in PFNM all but the output-layer ones) form block A, where ``P_i = P0 + m_i / sigma2`` is one number per atom: the
+cross terms of all of a client's neurons against all atoms are one matrix product ``V_j g_A^T``, and the per-atom
+statistics (g, m, ||g_A||^2) are updated in place when a client leaves or joins. The remaining coordinates (block B)
+keep a dense per-coordinate precision and cost two more, small, products.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Literal, Sequence
+
+import numpy as np
+import torch
+from scipy.optimize import linear_sum_assignment
+from torch import Tensor
+
+__all__ = ["MatchResult", "match_layer", "assignment_objective", "REFERENCE_CONSTANTS"]
+
+#: The constants of the published PFNM code (IBM/probabilistic-federated-neural-matching, ``matching/pfnm.py``):
+#: popularity term without the factor 2, popularity counts capped at 10, at most 700 global atoms, and -2 log k on the
+#: k-th new atom of a client. Pass as ``match_layer(..., **REFERENCE_CONSTANTS)`` to reproduce it.
+REFERENCE_CONSTANTS = dict(popularity_factor=1.0, popularity_cap=10, max_atoms=700, new_atom_penalty="log_k")
+
+
+@dataclass
+class MatchResult:
+    """Result of :func:`match_layer`.
+
+    :param Tensor global_atoms: (L, D) posterior means ``g_i / P_i`` given the assignment.
+    :param Tensor posterior_precision: (L, D) posterior precisions ``P_i``.
+    :param list assignments: J long tensors of length L_j with values in [0, L), distinct within a client.
+    :param Tensor counts: (L,) number of clients on each atom (m_i).
+    :param list objective: the objective after the greedy pass and after every sweep.
+    :param float seconds: wall time of the matching.
+    :param float lsa_seconds: part of ``seconds`` spent inside ``linear_sum_assignment``.
+    :param list rematches: one ``(client, L_j, L)`` per client (re-)matching, L the atoms it was scored against.
+    """
+
+    global_atoms: Tensor
+    posterior_precision: Tensor
+    assignments: list
+    counts: Tensor
+    objective: list
+    seconds: float = 0.0
+    lsa_seconds: float = 0.0
+    rematches: list = field(default_factory=list, repr=False)
+
+    @property
+    def num_atoms(self) -> int:
+        return int(self.global_atoms.shape[0])
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# input validation
+
+
+def _positive(value, name: str) -> float:
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number > 0, got {value!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value}")
+    return value
+
+
+def _to_numpy(x, name: str) -> np.ndarray:
+    if isinstance(x, Tensor):
+        x = x.detach().cpu().numpy()
+    try:
+        return np.asarray(x, dtype=np.float64)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{name} must be numeric arrays or tensors: {e}") from None
+
+
+def _validate_neurons(neurons) -> list[np.ndarray]:
+    if isinstance(neurons, (Tensor, np.ndarray)) and np.ndim(neurons) == 3:
+        neurons = list(neurons)
+    if not isinstance(neurons, Sequence) or isinstance(neurons, (str, bytes)):
+        raise ValueError(f"neurons must be a sequence of J arrays of shape (L_j, D), got {type(neurons).__name__}")
+    if len(neurons) == 0:
+        raise ValueError("neurons is empty: expected at least one client's (L_j, D) array")
+    out = []
+    for j, v in enumerate(neurons):
+        a = _to_numpy(v, f"neurons[{j}]")
+        if a.ndim != 2:
+            raise ValueError(f"neurons[{j}] must have shape (L_j, D), got shape {a.shape}")
+        if a.shape[0] == 0:
+            raise ValueError(f"neurons[{j}] has no neurons: every client needs L_j >= 1")
+        if a.shape[1] != out[0].shape[1] if out else False:
+            raise ValueError(f"neurons[{j}] has D = {a.shape[1]} coordinates but neurons[0] has {out[0].shape[1]}: "
+                             "every client must share D")
+        if not np.isfinite(a).all():
+            raise ValueError(f"neurons[{j}] contains NaN or inf")
+        out.append(np.ascontiguousarray(a))
+    return out
+
+
+def _validate_precisions(precisions, J: int, D: int) -> np.ndarray | None:
+    if precisions is None:
+        return None
+    if isinstance(precisions, (Tensor, np.ndarray)) and np.ndim(precisions) == 2:
+        s = _to_numpy(precisions, "precisions")
+    else:
+        if len(precisions) != J:
+            raise ValueError(f"precisions must hold one (D,) vector per client: expected {J}, got {len(precisions)}")
+        rows = [_to_numpy(p, f"precisions[{j}]") for j, p in enumerate(precisions)]
+        for j, r in enumerate(rows):
+            if r.shape != (D,):
+                raise ValueError(f"precisions[{j}] must have shape ({D},), got {r.shape}")
+        s = np.stack(rows)
+    if s.shape != (J, D):
+        raise ValueError(f"precisions must have shape ({J}, {D}), got {s.shape}")
+    if not np.isfinite(s).all() or (s <= 0).any():
+        raise ValueError("precisions must be finite and > 0 (a zero precision would mean infinite noise)")
+    return s
+
+
+def _validate_mu0(mu0, D: int) -> np.ndarray:
+    m = _to_numpy(mu0, "mu0")
+    if m.ndim == 0:
+        m = np.full(D, float(m))
+    if m.shape != (D,):
+        raise ValueError(f"mu0 must be a scalar or have shape ({D},), got {m.shape}")
+    if not np.isfinite(m).all():
+        raise ValueError("mu0 contains NaN or inf")
+    return m
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the state of a matching: per-atom sufficient statistics, updated in place
+
+
+class _LayerMatcher:
+    """Per-atom statistics of a partial assignment, and the per-client scoring / rematching on them."""
+
+    def __init__(self, neurons, precisions, *, sigma2, sigma0_2, gamma0, mu0, popularity_factor, popularity_cap,
+                 max_atoms, new_atom_penalty, marginal):
+        self.J = J = len(neurons)
+        self.D = D = neurons[0].shape[1]
+        tau = 1.0 / sigma2
+        self.P0 = P0 = 1.0 / sigma0_2
+        g0 = mu0 * P0
+        if precisions is None:
+            A = np.arange(D)
+        else:
+            A = np.flatnonzero((precisions == 1.0).all(axis=0))
+        B = np.setdiff1d(np.arange(D), A)
+        self.A, self.B, self.tau = A, B, tau
+        self.g0A, self.g0B = g0[A].copy(), g0[B].copy()
+        self.g0A_sq = float(self.g0A @ self.g0A)
+        # per-client natural-parameter contributions x = w * v (w = s / sigma2) and precisions w on block B
+        self.xA = [np.ascontiguousarray(v[:, A] * tau) for v in neurons]
+        self.xA_sq = [np.einsum("ld,ld->l", x, x) for x in self.xA]
+        if len(B):
+            wB = [(precisions[j, B] if precisions is not None else np.ones(len(B))) * tau for j in range(J)]
+        else:
+            wB = [np.zeros(0) for _ in range(J)]
+        self.wB = wB
+        self.xB = [np.ascontiguousarray(v[:, B] * wB[j]) for j, v in enumerate(neurons)]
+        self.L = [v.shape[0] for v in neurons]
+        self.marginal = marginal
+        self.c = float(popularity_factor)
+        self.log_new = 2.0 * math.log(gamma0 / J)
+        # popularity score of joining an atom held by m other clients, and its cumulative sum over an atom's life
+        m = np.arange(J + 1, dtype=np.float64)
+        mc = np.minimum(m, popularity_cap) if popularity_cap is not None else m
+        with np.errstate(divide="ignore"):
+            self.pop = self.c * (np.log(mc) - np.log(J - mc))  # pop[m], m = 1 .. J-1 used
+        self.pop_cum = np.zeros(J + 1)
+        self.pop_cum[2:] = np.cumsum(self.pop[1:J])  # pop_cum[m] = sum_{k=1}^{m-1} pop[k]
+        self.max_atoms = max_atoms
+        self.new_atom_penalty = new_atom_penalty
+        # storage for atoms: rows [0, n_rows) used, some of them free (m == 0)
+        cap = max(2 * max(self.L), 64)
+        self.gA = np.tile(self.g0A, (cap, 1))
+        self.gB = np.tile(self.g0B, (cap, 1))
+        self.PB = np.full((cap, len(B)), P0)
+        self.gA_sq = np.full(cap, self.g0A_sq)
+        self.m = np.zeros(cap, dtype=np.int64)
+        self.n_rows = 0
+        self.free: list[int] = []
+        self.assign: list[np.ndarray | None] = [None] * J
+        self.lsa_seconds = 0.0
+        self.rematches: list[tuple[int, int, int]] = []
+
+    # --- storage ----------------------------------------------------------------------------------------------------
+    def _grow(self, needed: int):
+        cap = self.m.shape[0]
+        if needed <= cap:
+            return
+        new_cap = max(needed, 2 * cap)
+        extra = new_cap - cap
+        self.gA = np.vstack([self.gA, np.tile(self.g0A, (extra, 1))])
+        self.gB = np.vstack([self.gB, np.tile(self.g0B, (extra, 1))])
+        self.PB = np.vstack([self.PB, np.full((extra, len(self.B)), self.P0)])
+        self.gA_sq = np.concatenate([self.gA_sq, np.full(extra, self.g0A_sq)])
+        self.m = np.concatenate([self.m, np.zeros(extra, dtype=np.int64)])
+
+    def _new_rows(self, k: int) -> np.ndarray:
+        take = self.free[-k:] if k else []
+        del self.free[len(self.free) - len(take):]
+        rest = k - len(take)
+        self._grow(self.n_rows + rest)
+        rows = np.array(list(take) + list(range(self.n_rows, self.n_rows + rest)), dtype=np.int64)
+        self.n_rows += rest
+        return rows
+
+    # --- adding and removing a client -------------------------------------------------------------------------------
+    def add(self, j: int, rows: np.ndarray):
+        xA = self.xA[j]
+        self.gA[rows] += xA
+        self.gA_sq[rows] = np.einsum("ld,ld->l", self.gA[rows], self.gA[rows])
+        if len(self.B):
+            self.gB[rows] += self.xB[j]
+            self.PB[rows] += self.wB[j]
+        self.m[rows] += 1
+        self.assign[j] = rows
+
+    def remove(self, j: int):
+        rows = self.assign[j]
+        self.assign[j] = None
+        self.m[rows] -= 1
+        empty = rows[self.m[rows] == 0]
+        kept = rows[self.m[rows] > 0]
+        self.gA[kept] -= self.xA[j][self.m[rows] > 0]
+        self.gA_sq[kept] = np.einsum("ld,ld->l", self.gA[kept], self.gA[kept])
+        self.gA[empty] = self.g0A
+        self.gA_sq[empty] = self.g0A_sq
+        if len(self.B):
+            keep = self.m[rows] > 0
+            self.gB[kept] -= self.xB[j][keep]
+            self.PB[kept] -= self.wB[j]
+            self.gB[empty] = self.g0B
+            self.PB[empty] = self.P0
+        self.free.extend(int(r) for r in empty)
+
+    # --- scores -------------------------------------------------------------------------------------------------------
+    def scores(self, j: int) -> tuple[np.ndarray, np.ndarray]:
+        """Score matrix of client j (assumed removed) against the active atoms, and the active atom rows."""
+        active = np.flatnonzero(self.m[: self.n_rows] > 0)
+        L_j, tau, P0 = self.L[j], self.tau, self.P0
+        xA, xA_sq = self.xA[j], self.xA_sq[j]
+        # new atoms: gain of the neuron against the prior alone
+        new = (np.einsum("ld,ld->l", xA + self.g0A, xA + self.g0A) / (P0 + tau) - self.g0A_sq / P0)
+        if len(self.B):
+            w = self.wB[j]
+            new = new + (((self.xB[j] + self.g0B) ** 2) / (P0 + w) - self.g0B ** 2 / P0).sum(axis=1)
+        new += self.log_new
+        if self.marginal:
+            new -= len(self.A) * math.log1p(tau / P0)
+            if len(self.B):
+                new -= np.log1p(self.wB[j] / P0).sum()
+        L = active.size
+        n_new = L_j
+        if self.max_atoms is not None:
+            n_new = min(L_j, max(self.max_atoms - L, 1))
+            if L + n_new < L_j:
+                raise ValueError(f"max_atoms={self.max_atoms} leaves client {j} ({L_j} neurons) only {L + n_new} "
+                                 "atoms to choose from: raise max_atoms")
+        S = np.empty((L_j, L + n_new))
+        S[:, L:] = new[:, None]
+        if self.new_atom_penalty == "log_k":
+            S[:, L:] -= 2.0 * np.log(np.arange(1, n_new + 1))
+        if L:
+            m = self.m[active]
+            P = P0 + m * tau  # block A posterior precision, one per atom
+            gA = self.gA[: self.n_rows]
+            cross = (xA @ gA.T)[:, active] if L < self.n_rows else xA @ gA.T
+            Gsq = self.gA_sq[active]
+            inv_new = 1.0 / (P + tau)
+            atom_term = Gsq * (inv_new - 1.0 / P) + self.pop[m]
+            if self.marginal:
+                atom_term -= len(self.A) * np.log1p(tau / P)
+            ex = (2.0 * cross + xA_sq[:, None]) * inv_new[None, :]
+            ex += atom_term[None, :]
+            if len(self.B):
+                w = self.wB[j]
+                gB, PB = self.gB[active], self.PB[active]
+                R = 1.0 / (PB + w)
+                t1 = (gB ** 2 * (R - 1.0 / PB)).sum(axis=1)
+                ex += t1[None, :] + 2.0 * (self.xB[j] @ (gB * R).T) + (self.xB[j] ** 2) @ R.T
+                if self.marginal:
+                    ex -= np.log1p(w[None, :] / PB).sum(axis=1)[None, :]
+            S[:, :L] = ex
+        return S, active
+
+    def match(self, j: int) -> float:
+        """Assign client j (not currently in) optimally given everyone else; return its score."""
+        S, active = self.scores(j)
+        L = active.size
+        t0 = time.perf_counter()
+        rows, cols = linear_sum_assignment(S, maximize=True)
+        self.lsa_seconds += time.perf_counter() - t0
+        self.rematches.append((j, self.L[j], L))
+        order = np.empty(self.L[j], dtype=np.int64)
+        is_new = cols >= L
+        order[rows[~is_new]] = active[cols[~is_new]]
+        order[rows[is_new]] = self._new_rows(int(is_new.sum()))
+        self.add(j, order)
+        return float(S[rows, cols].sum())
+
+    # --- the objective ----------------------------------------------------------------------------------------------
+    def objective(self) -> float:
+        active = np.flatnonzero(self.m[: self.n_rows] > 0)
+        m = self.m[active]
+        P = self.P0 + m * self.tau
+        F = float((self.gA_sq[active] / P).sum() - active.size * self.g0A_sq / self.P0)
+        if len(self.B):
+            gB, PB = self.gB[active], self.PB[active]
+            F += float((gB ** 2 / PB).sum() - active.size * (self.g0B ** 2).sum() / self.P0)
+        F += active.size * self.log_new + float(self.pop_cum[m].sum())
+        if self.marginal:
+            F -= float(len(self.A) * np.log(P / self.P0).sum())
+            if len(self.B):
+                F -= float(np.log(self.PB[active] / self.P0).sum())
+        return F
+
+    def result(self, objective: list[float], seconds: float, dtype) -> MatchResult:
+        active = np.flatnonzero(self.m[: self.n_rows] > 0)
+        relabel = np.full(self.n_rows, -1, dtype=np.int64)
+        relabel[active] = np.arange(active.size)
+        m = self.m[active]
+        P = np.empty((active.size, self.D))
+        g = np.empty((active.size, self.D))
+        P[:, self.A] = (self.P0 + m * self.tau)[:, None]
+        g[:, self.A] = self.gA[active]
+        if len(self.B):
+            P[:, self.B] = self.PB[active]
+            g[:, self.B] = self.gB[active]
+        return MatchResult(
+            global_atoms=torch.as_tensor(g / P, dtype=dtype),
+            posterior_precision=torch.as_tensor(P, dtype=dtype),
+            assignments=[torch.as_tensor(relabel[a]) for a in self.assign],
+            counts=torch.as_tensor(m),
+            objective=objective,
+            seconds=seconds,
+            lsa_seconds=self.lsa_seconds,
+            rematches=self.rematches,
+        )
+
+
+def _make_matcher(neurons, *, sigma2, sigma0_2, gamma0, mu0, precisions, objective, popularity_factor,
+                  popularity_cap, max_atoms, new_atom_penalty):
+    arrays = _validate_neurons(neurons)
+    J, D = len(arrays), arrays[0].shape[1]
+    sigma2 = _positive(sigma2, "sigma2")
+    sigma0_2 = _positive(sigma0_2, "sigma0_2")
+    gamma0 = _positive(gamma0, "gamma0")
+    popularity_factor = float(popularity_factor)
+    if not math.isfinite(popularity_factor) or popularity_factor < 0:
+        raise ValueError(f"popularity_factor must be a finite number >= 0, got {popularity_factor}")
+    if popularity_cap is not None and (int(popularity_cap) != popularity_cap or popularity_cap < 1):
+        raise ValueError(f"popularity_cap must be None or an integer >= 1, got {popularity_cap}")
+    if max_atoms is not None and (int(max_atoms) != max_atoms or max_atoms < 1):
+        raise ValueError(f"max_atoms must be None or an integer >= 1, got {max_atoms}")
+    if objective not in ("map", "marginal"):
+        raise ValueError(f"objective must be 'map' or 'marginal', got {objective!r}")
+    if new_atom_penalty not in ("none", "log_k"):
+        raise ValueError(f"new_atom_penalty must be 'none' or 'log_k', got {new_atom_penalty!r}")
+    return _LayerMatcher(
+        arrays, _validate_precisions(precisions, J, D), sigma2=sigma2, sigma0_2=sigma0_2, gamma0=gamma0,
+        mu0=_validate_mu0(mu0, D), popularity_factor=popularity_factor, popularity_cap=popularity_cap,
+        max_atoms=max_atoms, new_atom_penalty=new_atom_penalty, marginal=objective == "marginal")
+
+
+def match_layer(
+    neurons,
+    *,
+    sigma2: float,
+    sigma0_2: float,
+    gamma0: float,
+    mu0=0.0,
+    precisions=None,
+    sweeps: int = 5,
+    seed: int | None = None,
+    objective: Literal["map", "marginal"] = "map",
+    popularity_factor: float = 2.0,
+    popularity_cap: int | None = None,
+    max_atoms: int | None = None,
+    new_atom_penalty: Literal["none", "log_k"] = "none",
+) -> MatchResult:
+    """Match J clients' neurons to global atoms by MAP under the Beta-Bernoulli process (PFNM's server step).
+
+    Greedy pass over the clients (largest first), then ``sweeps`` passes in a fresh random order, each removing a
+    client and re-matching it with the Hungarian algorithm given all the others. See the module docstring for the
+    objective and the scores.
+
+    Usage::
+
+        layer = sample_federated_layer(10, 50, seed=0, gamma0=20.0, sigma2=0.01)
+        result = match_layer(layer.neurons, sigma2=0.02, sigma0_2=1.0, gamma0=20.0, seed=0)
+        result.global_atoms.shape, result.counts, result.objective
+
+    :param neurons: sequence of J arrays or tensors of shape (L_j, D); L_j may differ, D may not.
+    :param float sigma2: local noise variance.
+    :param float sigma0_2: prior variance of the atoms.
+    :param float gamma0: IBP mass.
+    :param mu0: prior mean of the atoms, scalar or (D,) (PFNM: 0 for weights, 0.1 for bias coordinates).
+    :param precisions: optional per-client per-coordinate scales s_j, shape (J, D) or J vectors (D,); client j's
+        noise variance on coordinate d is ``sigma2 / s_jd``.
+    :param int sweeps: remove-and-rematch passes after the greedy one.
+    :param int seed: seed of the sweeps' client order.
+    :param str objective: ``"map"`` (published; atoms plugged in at their MAP values) or ``"marginal"`` (atoms
+        integrated out; Occam factor included).
+    :param float popularity_factor: factor c on the IBP popularity term ``log(m/(J-m))``; 2 makes the objective twice
+        the log density (consistent with the Gaussian part); the published code used 1.
+    :param int popularity_cap: cap m at this value inside the popularity term (published: 10; default: no cap).
+    :param int max_atoms: at most this many atoms in total, at least one new one per client (published: 700).
+    :param str new_atom_penalty: ``"log_k"`` subtracts 2 log k from the k-th new atom of a client (published);
+        ``"none"`` (default) keeps the scores the exact conditionals of the objective.
+    :returns: :class:`MatchResult`.
+    """
+    t0 = time.perf_counter()
+    if int(sweeps) != sweeps or sweeps < 0:
+        raise ValueError(f"sweeps must be an integer >= 0, got {sweeps}")
+    matcher = _make_matcher(neurons, sigma2=sigma2, sigma0_2=sigma0_2, gamma0=gamma0, mu0=mu0, precisions=precisions,
+                            objective=objective, popularity_factor=popularity_factor, popularity_cap=popularity_cap,
+                            max_atoms=max_atoms, new_atom_penalty=new_atom_penalty)
+    for j in np.argsort(-np.array(matcher.L), kind="stable"):
+        matcher.match(int(j))
+    history = [matcher.objective()]
+    rng = np.random.default_rng(seed)
+    for _ in range(int(sweeps)):
+        for j in rng.permutation(matcher.J):
+            matcher.remove(int(j))
+            matcher.match(int(j))
+        history.append(matcher.objective())
+    dtype = neurons[0].dtype if isinstance(neurons[0], Tensor) else torch.get_default_dtype()
+    if not dtype.is_floating_point:
+        dtype = torch.get_default_dtype()
+    return matcher.result(history, time.perf_counter() - t0, dtype)
+
+
+def assignment_objective(
+    neurons,
+    assignments,
+    *,
+    sigma2: float,
+    sigma0_2: float,
+    gamma0: float,
+    mu0=0.0,
+    precisions=None,
+    objective: Literal["map", "marginal"] = "map",
+    popularity_factor: float = 2.0,
+    popularity_cap: int | None = None,
+) -> float:
+    """The objective F (or F_marg) of :func:`match_layer` at a given assignment.
+
+    :param assignments: J integer arrays of length L_j: atom labels, distinct within a client (any labels).
+    """
+    matcher = _make_matcher(neurons, sigma2=sigma2, sigma0_2=sigma0_2, gamma0=gamma0, mu0=mu0, precisions=precisions,
+                            objective=objective, popularity_factor=popularity_factor, popularity_cap=popularity_cap,
+                            max_atoms=None, new_atom_penalty="none")
+    if len(assignments) != matcher.J:
+        raise ValueError(f"assignments must hold one array per client: expected {matcher.J}, got {len(assignments)}")
+    labels = [np.asarray(torch.as_tensor(a).cpu().numpy(), dtype=np.int64).reshape(-1) for a in assignments]
+    for j, a in enumerate(labels):
+        if a.size != matcher.L[j]:
+            raise ValueError(f"assignments[{j}] has {a.size} entries but client {j} has {matcher.L[j]} neurons")
+        if np.unique(a).size != a.size:
+            raise ValueError(f"assignments[{j}] uses an atom twice")
+    uniq, flat = np.unique(np.concatenate(labels), return_inverse=True)
+    matcher._grow(uniq.size)
+    matcher.n_rows = uniq.size
+    start = 0
+    for j, a in enumerate(labels):
+        matcher.add(j, flat[start:start + a.size])
+        start += a.size
+    return matcher.objective()

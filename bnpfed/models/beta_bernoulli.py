@@ -1,0 +1,313 @@
+"""The Beta-Bernoulli (Indian buffet) process over neurons: the generative story of PFNM.
+
+Yurochkin et al., "Bayesian Nonparametric Federated Learning of Neural Networks", ICML 2019, section 3. A layer of
+a neural network is a set of neurons; a neuron is a vector in R^D (its incoming weights, its bias and, when the
+layer above is already matched, its outgoing weights). Across J clients the story is:
+
+* global neurons (atoms) ``theta_i ~ N(mu0, sigma0_2 I)`` in R^D, ``mu0`` possibly different per coordinate;
+* a Beta-Bernoulli process with mass ``gamma0`` decides which atoms client j uses. With the Beta process' weights
+  integrated out it is the Indian buffet process (Griffiths & Ghahramani 2011), written here in its sequential
+  form: client j (counting from 1) takes each atom already used by m_i of the first j - 1 clients with probability
+  ``m_i / j`` and opens ``Poisson(gamma0 / j)`` new ones. This form needs **no truncation**: the number of atoms is
+  finite with probability one (its mean is ``gamma0 * H_J``, H_J the J-th harmonic number), and every client uses
+  ``gamma0`` atoms on average;
+* each atom that client j uses gives one local neuron ``v_jl ~ N(theta_i, sigma2 / s_j)`` with per-coordinate
+  precision scales ``s_j`` (1 by default; PFNM's output-layer coordinates use the client's class shares);
+* a client's neurons come in a uniformly random order (``perm_j``): hidden units are permutation invariant, and
+  matching is what undoes this permutation.
+
+Sites, for client ``j = 0 .. J-1`` (a site with nothing to sample is left out, as Pyro plates cannot be empty):
+
+``z_j``      (L,) Bernoulli: which of the L atoms opened by earlier clients client j uses
+``new_j``    ()   Poisson(gamma0 / (j + 1)): how many atoms client j opens
+``theta_j``  (new_j, D): the atoms client j opens, from ``atom_prior``
+``perm_j``   (L_j,) uniform permutation: the order in which client j's neurons are reported
+``v_j``      (L_j, D): client j's neurons, from ``noise``
+
+Atoms are labelled in order of first use (client 0's new atoms first). A trace of this program has density
+``p_seq`` with the IBP prior in its *sequential, labelled* form:
+
+    log p_seq(Z) = L log gamma0 - gamma0 H_J + sum_i log[(m_i - 1)! (J - m_i)! / J!] - sum_j log K_j!
+
+where m_i counts the clients using atom i and K_j the atoms first used by client j. The K_j! orderings of a
+client's new atoms are distinct traces of one configuration (which neurons share an atom, and the atoms' values), so
+the density of a *configuration* is ``p_seq * prod_j K_j!``; :func:`log_joint` returns either.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import pyro
+import pyro.distributions as dist
+import torch
+from pyro.distributions import constraints
+from torch import Tensor
+
+__all__ = [
+    "FederatedLayer",
+    "UniformPermutation",
+    "beta_bernoulli_layer",
+    "sample_federated_layer",
+    "log_joint",
+    "canonical_conditioning",
+    "gaussian_noise",
+]
+
+
+class UniformPermutation(dist.TorchDistribution):
+    """Uniform distribution over the permutations of ``range(n)``: ``log p(perm) = -log n!``.
+
+    :param int n: number of items permuted.
+    """
+
+    arg_constraints: dict = {}
+    has_enumerate_support = False
+
+    def __init__(self, n: int, validate_args=None):
+        self.n = int(n)
+        super().__init__(batch_shape=torch.Size(), event_shape=torch.Size([self.n]), validate_args=validate_args)
+
+    @constraints.dependent_property
+    def support(self):
+        return constraints.independent(constraints.integer_interval(0, max(self.n - 1, 0)), 1)
+
+    def sample(self, sample_shape=torch.Size()):
+        if sample_shape != torch.Size():
+            return torch.stack([torch.randperm(self.n) for _ in range(int(torch.Size(sample_shape).numel()))]).reshape(
+                *sample_shape, self.n
+            )
+        return torch.randperm(self.n)
+
+    def log_prob(self, value):
+        value = torch.as_tensor(value)
+        is_perm = (torch.sort(value, dim=-1).values == torch.arange(self.n, device=value.device)).all(-1)
+        lp = torch.full(is_perm.shape, -math.lgamma(self.n + 1), dtype=torch.get_default_dtype())
+        return torch.where(is_perm, lp, torch.full_like(lp, -math.inf))
+
+
+def gaussian_noise(loc: Tensor, variance: Tensor) -> dist.Distribution:
+    """Default local-neuron noise: independent ``N(loc, variance)`` per coordinate."""
+    return dist.Normal(loc, variance.sqrt())
+
+
+@dataclass(frozen=True)
+class FederatedLayer:
+    """One layer across J clients, with its ground truth.
+
+    :param Tensor atoms: (L, D) global neurons theta, labelled in order of first use.
+    :param list assignments: J long tensors; ``assignments[j][l]`` is the atom behind client j's l-th neuron.
+    :param list neurons: J tensors (L_j, D), each client's neurons in their reported (permuted) order.
+    """
+
+    atoms: Tensor
+    assignments: list
+    neurons: list
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.neurons)
+
+    @property
+    def num_atoms(self) -> int:
+        return int(self.atoms.shape[0])
+
+    @property
+    def counts(self) -> Tensor:
+        """(L,) number of clients using each atom (m_i)."""
+        if not self.assignments:
+            return torch.zeros(self.num_atoms, dtype=torch.long)
+        return torch.bincount(torch.cat(list(self.assignments)), minlength=self.num_atoms)
+
+
+def _as_vector(value, dim: int, name: str) -> Tensor:
+    t = torch.as_tensor(value, dtype=torch.get_default_dtype())
+    if t.dim() == 0:
+        return t.expand(dim).clone()
+    if t.shape != (dim,):
+        raise ValueError(f"{name} must be a scalar or have shape ({dim},), got shape {tuple(t.shape)}")
+    return t
+
+
+def _check_positive(value: float, name: str) -> float:
+    value = float(value)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value}")
+    return value
+
+
+def _precision_matrix(precisions, num_clients: int, dim: int) -> Tensor:
+    if precisions is None:
+        return torch.ones(num_clients, dim)
+    s = torch.stack([torch.as_tensor(p, dtype=torch.get_default_dtype()) for p in precisions])
+    if s.shape != (num_clients, dim):
+        raise ValueError(f"precisions must have shape ({num_clients}, {dim}) (one (D,) vector per client), "
+                         f"got {tuple(s.shape)}")
+    if not torch.isfinite(s).all() or (s <= 0).any():
+        raise ValueError("precisions must be finite and > 0")
+    return s
+
+
+def beta_bernoulli_layer(
+    num_clients: int,
+    dim: int,
+    *,
+    gamma0: float,
+    sigma2: float,
+    sigma0_2: float = 1.0,
+    mu0=0.0,
+    precisions=None,
+    atom_prior: dist.Distribution | None = None,
+    noise: Callable[[Tensor, Tensor], dist.Distribution] = gaussian_noise,
+) -> FederatedLayer:
+    """Pyro program of one federated layer under the Beta-Bernoulli process (see the module docstring).
+
+    Usage::
+
+        layer = beta_bernoulli_layer(5, 20, gamma0=8.0, sigma2=0.01)          # a draw (under Pyro's RNG)
+        trace = pyro.poutine.trace(beta_bernoulli_layer).get_trace(5, 20, gamma0=8.0, sigma2=0.01)
+        laplace = dist.Laplace(torch.zeros(20), 1.0)                          # swap the atom prior
+        layer = beta_bernoulli_layer(5, 20, gamma0=8.0, sigma2=0.01, atom_prior=laplace)
+
+    :param int num_clients: J.
+    :param int dim: D, the length of a neuron vector.
+    :param float gamma0: IBP mass; each client uses ``gamma0`` atoms on average.
+    :param float sigma2: local noise variance (divided by the client's precision scales ``s_j``).
+    :param float sigma0_2: variance of the default Gaussian atom prior.
+    :param mu0: mean of the default atom prior: a scalar or a (D,) vector (PFNM: 0 for weights, 0.1 for biases).
+    :param precisions: optional J per-client (D,) precision scales s_j (default all 1).
+    :param atom_prior: distribution of one atom in R^D (event or batch shape (D,)); default
+        ``Normal(mu0, sqrt(sigma0_2))``. ``mu0`` and ``sigma0_2`` are ignored when it is given.
+    :param noise: ``noise(loc, variance) -> Distribution`` with batch shape of ``loc`` (L_j, D): the law of a local
+        neuron around its atom; default independent Gaussians.
+    :returns: :class:`FederatedLayer` with the sampled (or conditioned) atoms, assignments and neurons.
+    """
+    J, D = int(num_clients), int(dim)
+    if J < 1 or D < 1:
+        raise ValueError(f"num_clients and dim must be >= 1, got {J} and {D}")
+    gamma0 = _check_positive(gamma0, "gamma0")
+    sigma2 = _check_positive(sigma2, "sigma2")
+    if atom_prior is None:
+        sigma0_2 = _check_positive(sigma0_2, "sigma0_2")
+        atom_prior = dist.Normal(_as_vector(mu0, D, "mu0"), math.sqrt(sigma0_2))
+    if atom_prior.event_shape == torch.Size():
+        if atom_prior.batch_shape not in (torch.Size(), torch.Size([D])):
+            raise ValueError(f"atom_prior must describe one atom in R^{D}, got batch shape "
+                             f"{tuple(atom_prior.batch_shape)}")
+        atom_prior = atom_prior.expand(torch.Size([D])).to_event(1)
+    if atom_prior.event_shape != torch.Size([D]):
+        raise ValueError(f"atom_prior must describe one atom in R^{D}, got event shape {tuple(atom_prior.event_shape)}")
+    scales = _precision_matrix(precisions, J, D)
+
+    atoms = torch.zeros(0, D)
+    counts = torch.zeros(0)
+    assignments, neurons = [], []
+    for j in range(J):
+        num_old = atoms.shape[0]
+        if num_old:
+            z = pyro.sample(f"z_{j}", dist.Bernoulli(counts / (j + 1)).to_event(1))
+        else:
+            z = torch.zeros(0)
+        num_new = int(pyro.sample(f"new_{j}", dist.Poisson(torch.tensor(gamma0 / (j + 1)))))
+        if num_new:
+            with pyro.plate(f"atoms_{j}", num_new):
+                theta_new = pyro.sample(f"theta_{j}", atom_prior)
+            atoms = torch.cat([atoms, theta_new])
+        used = torch.cat([torch.nonzero(z > 0.5).flatten(), torch.arange(num_old, num_old + num_new)])
+        counts = torch.cat([counts, torch.zeros(num_new)])
+        counts[used] += 1
+        L_j = used.numel()
+        if L_j == 0:
+            assignments.append(torch.zeros(0, dtype=torch.long))
+            neurons.append(torch.zeros(0, D))
+            continue
+        perm = pyro.sample(f"perm_{j}", UniformPermutation(L_j)).long()
+        assign_j = used[perm]
+        variance = sigma2 / scales[j]
+        with pyro.plate(f"neurons_{j}", L_j):
+            v = pyro.sample(f"v_{j}", noise(atoms[assign_j], variance.expand(L_j, D)).to_event(1))
+        assignments.append(assign_j)
+        neurons.append(v)
+    return FederatedLayer(atoms=atoms, assignments=assignments, neurons=neurons)
+
+
+def sample_federated_layer(num_clients: int, dim: int, *, seed: int, **model_kwargs) -> FederatedLayer:
+    """Draw a federated layer from :func:`beta_bernoulli_layer` with a seed (the global RNG is left untouched).
+
+    Usage::
+
+        layer = sample_federated_layer(10, 50, seed=0, gamma0=20.0, sigma2=0.01)
+        layer.atoms.shape, layer.counts, [v.shape for v in layer.neurons]
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return beta_bernoulli_layer(num_clients, dim, **model_kwargs)
+
+
+def canonical_conditioning(neurons: Sequence[Tensor], assignments: Sequence[Tensor], atoms: Tensor) -> dict:
+    """The values of every site of :func:`beta_bernoulli_layer` that produce the given layer.
+
+    Atoms may carry any labels: they are relabelled in order of first use (client by client, and within a client
+    by the position of the first neuron that uses them), which is the labelling the sequential IBP generates.
+
+    :returns: dict site name -> value, for ``pyro.poutine.condition``.
+    """
+    J = len(neurons)
+    atoms = torch.as_tensor(atoms, dtype=torch.get_default_dtype())
+    relabel: dict[int, int] = {}
+    data: dict = {}
+    for j in range(J):
+        a = [int(x) for x in torch.as_tensor(assignments[j]).tolist()]
+        if len(set(a)) != len(a):
+            raise ValueError(f"assignments[{j}] uses an atom twice: {a}")
+        num_old = len(relabel)
+        if num_old:
+            z = torch.zeros(num_old)
+            for x in a:
+                if x in relabel:
+                    z[relabel[x]] = 1.0
+            data[f"z_{j}"] = z
+        new_labels = [x for x in a if x not in relabel]
+        for x in new_labels:
+            relabel[x] = len(relabel)
+        data[f"new_{j}"] = torch.tensor(float(len(new_labels)))
+        if new_labels:
+            data[f"theta_{j}"] = atoms[torch.tensor(new_labels)]
+        if a:
+            canon = torch.tensor([relabel[x] for x in a])
+            used = torch.sort(canon).values  # the model lists old atoms (ascending) then new ones (ascending)
+            data[f"perm_{j}"] = torch.searchsorted(used, canon)
+            data[f"v_{j}"] = torch.as_tensor(neurons[j], dtype=torch.get_default_dtype())
+    if len(relabel) != atoms.shape[0]:
+        raise ValueError(f"atoms has {atoms.shape[0]} rows but the assignments use {len(relabel)} atoms")
+    return data
+
+
+def log_joint(
+    layer: FederatedLayer,
+    *,
+    configuration: bool = False,
+    **model_kwargs,
+) -> Tensor:
+    """Log joint density of atoms + assignments + neurons, evaluated through Pyro (a conditioned trace).
+
+    ``log p_seq = trace.log_prob_sum()`` of :func:`beta_bernoulli_layer` conditioned on every site (see
+    :func:`canonical_conditioning`). With ``configuration=True`` adds ``sum_j log K_j!``: the density of the
+    configuration (which neurons share an atom, and the atoms' values) rather than of one labelled trace.
+
+    Usage::
+
+        layer = sample_federated_layer(4, 10, seed=0, gamma0=5.0, sigma2=0.1)
+        log_joint(layer, gamma0=5.0, sigma2=0.1)
+    """
+    data = canonical_conditioning(layer.neurons, layer.assignments, layer.atoms)
+    J = len(layer.neurons)
+    D = int(layer.atoms.shape[1])
+    conditioned = pyro.poutine.condition(beta_bernoulli_layer, data=data)
+    trace = pyro.poutine.trace(conditioned).get_trace(J, D, **model_kwargs)
+    lp = trace.log_prob_sum()
+    if configuration:
+        lp = lp + sum(math.lgamma(float(data[f"new_{j}"]) + 1) for j in range(J))
+    return lp

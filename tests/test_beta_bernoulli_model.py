@@ -1,0 +1,165 @@
+"""The Beta-Bernoulli neuron model of PFNM as a Pyro program: sampling and log densities."""
+
+import math
+
+import numpy as np
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from _reference import ibp_configuration_logprob
+from scipy import stats
+
+from bnpfed.models import UniformPermutation, beta_bernoulli_layer, log_joint, sample_federated_layer
+
+
+def harmonic(J):
+    return sum(1.0 / j for j in range(1, J + 1))
+
+
+def test_sampled_layer_is_consistent():
+    layer = sample_federated_layer(6, 7, seed=3, gamma0=5.0, sigma2=0.01)
+    assert layer.atoms.shape == (layer.num_atoms, 7)
+    for a, v in zip(layer.assignments, layer.neurons):
+        assert v.shape == (a.numel(), 7)
+        assert a.unique().numel() == a.numel()  # one neuron per atom per client
+        assert (a >= 0).all() and (a < layer.num_atoms).all()
+    assert (layer.counts >= 1).all()  # every atom is used by the client that opened it
+
+
+def test_same_seed_same_layer_and_global_rng_untouched():
+    torch.manual_seed(123)
+    before = torch.rand(1)
+    torch.manual_seed(123)
+    a = sample_federated_layer(4, 5, seed=11, gamma0=4.0, sigma2=0.1)
+    after = torch.rand(1)
+    b = sample_federated_layer(4, 5, seed=11, gamma0=4.0, sigma2=0.1)
+    assert torch.equal(before, after)
+    assert torch.equal(a.atoms, b.atoms)
+    assert all(torch.equal(x, y) for x, y in zip(a.neurons, b.neurons))
+
+
+def test_ibp_moments_match_closed_form():
+    """Each client uses gamma0 atoms on average; the number of atoms has mean gamma0 * H_J (Poisson)."""
+    J, gamma0, n = 5, 6.0, 400
+    per_client, atoms = [], []
+    for seed in range(n):
+        layer = sample_federated_layer(J, 1, seed=seed, gamma0=gamma0, sigma2=1.0)
+        per_client.append(np.mean([a.numel() for a in layer.assignments]))
+        atoms.append(layer.num_atoms)
+    # 4 standard errors: per-client count is Poisson(gamma0) marginally, total atoms Poisson(gamma0 H_J)
+    assert abs(np.mean(per_client) - gamma0) < 4 * math.sqrt(gamma0 / n)
+    assert abs(np.mean(atoms) - gamma0 * harmonic(J)) < 4 * math.sqrt(gamma0 * harmonic(J) / n)
+
+
+def test_neuron_noise_has_variance_sigma2_over_precision():
+    J, D, sigma2 = 4, 200, 0.05
+    s = torch.full((J, D), 1.0)
+    s[:, :100] = 4.0
+    layer = sample_federated_layer(J, D, seed=0, gamma0=30.0, sigma2=sigma2, precisions=s)
+    resid = torch.cat([v - layer.atoms[a] for v, a in zip(layer.neurons, layer.assignments)])
+    n = resid[:, :100].numel()
+    # sample variance of n Gaussians: relative standard error sqrt(2/n); allow 5 of them
+    assert abs(resid[:, :100].var().item() - sigma2 / 4) < 5 * math.sqrt(2 / n) * sigma2 / 4
+    assert abs(resid[:, 100:].var().item() - sigma2) < 5 * math.sqrt(2 / n) * sigma2
+
+
+def test_atoms_follow_prior_mean_per_coordinate():
+    mu0 = torch.tensor([0.0, 0.1, -2.0])
+    layer = sample_federated_layer(3, 3, seed=1, gamma0=300.0, sigma2=1.0, sigma0_2=0.25, mu0=mu0)
+    n = layer.num_atoms
+    assert torch.allclose(layer.atoms.mean(0), mu0, atol=5 * 0.5 / math.sqrt(n))
+
+
+def test_log_joint_equals_closed_form(float64):
+    """trace.log_prob_sum() of the conditioned program = sequential IBP + Gaussian atoms + noise + permutations."""
+    J, D, gamma0, sigma2, sigma0_2 = 5, 4, 3.0, 0.2, 1.5
+    mu0 = torch.tensor([0.0, 0.0, 0.0, 0.1])
+    s = torch.rand(J, D) + 0.5
+    layer = sample_federated_layer(J, D, seed=2, gamma0=gamma0, sigma2=sigma2, sigma0_2=sigma0_2, mu0=mu0,
+                                   precisions=s)
+    counts = layer.counts.tolist()
+    # K_j: atoms first used by client j
+    seen, K = set(), []
+    for a in layer.assignments:
+        new = set(a.tolist()) - seen
+        K.append(len(new))
+        seen |= new
+    expected = ibp_configuration_logprob(counts, J, gamma0) - sum(math.lgamma(k + 1) for k in K)
+    expected += stats.norm.logpdf(layer.atoms.numpy(), mu0.numpy(), math.sqrt(sigma0_2)).sum()
+    for j, (a, v) in enumerate(zip(layer.assignments, layer.neurons)):
+        expected += stats.norm.logpdf(v.numpy(), layer.atoms[a].numpy(), np.sqrt(sigma2 / s[j].numpy())).sum()
+        expected -= math.lgamma(a.numel() + 1)
+    kw = dict(gamma0=gamma0, sigma2=sigma2, sigma0_2=sigma0_2, mu0=mu0, precisions=s)
+    assert log_joint(layer, **kw).item() == pytest.approx(expected, rel=1e-10)
+    conf = log_joint(layer, configuration=True, **kw).item()
+    assert conf == pytest.approx(expected + sum(math.lgamma(k + 1) for k in K), rel=1e-10)
+
+
+def test_log_joint_does_not_depend_on_atom_labels(float64):
+    layer = sample_federated_layer(4, 3, seed=5, gamma0=4.0, sigma2=0.1)
+    perm = torch.randperm(layer.num_atoms, generator=torch.Generator().manual_seed(0))
+    inv = torch.argsort(perm)
+    relabelled = type(layer)(atoms=layer.atoms[perm], assignments=[inv[a] for a in layer.assignments],
+                             neurons=layer.neurons)
+    kw = dict(gamma0=4.0, sigma2=0.1)
+    assert log_joint(relabelled, **kw).item() == pytest.approx(log_joint(layer, **kw).item(), rel=1e-12)
+
+
+def test_swapping_the_atom_prior_changes_only_the_atom_terms(float64):
+    """A Laplace prior on the atoms: the log joint moves by sum log Laplace(theta) - sum log Normal(theta)."""
+    J, D = 4, 6
+    laplace = dist.Laplace(torch.zeros(D), 0.5)
+    layer = sample_federated_layer(J, D, seed=0, gamma0=5.0, sigma2=0.05, atom_prior=laplace)
+    gauss = log_joint(layer, gamma0=5.0, sigma2=0.05, sigma0_2=1.0)
+    lap = log_joint(layer, gamma0=5.0, sigma2=0.05, atom_prior=laplace)
+    theta = layer.atoms.numpy()
+    delta = stats.laplace.logpdf(theta, 0, 0.5).sum() - stats.norm.logpdf(theta, 0, 1).sum()
+    assert (lap - gauss).item() == pytest.approx(delta, rel=1e-10)
+    # and the samples really are Laplace: a KS test accepts Laplace(0, 0.5) and rejects the Gaussian of equal variance
+    many = sample_federated_layer(2, D, seed=1, gamma0=300.0, sigma2=0.01, atom_prior=laplace)
+    x = many.atoms.flatten().numpy()
+    assert stats.kstest(x, stats.laplace(0, 0.5).cdf).pvalue > 0.01
+    assert stats.kstest(x, stats.norm(0, math.sqrt(2) * 0.5).cdf).pvalue < 1e-3
+
+
+def test_student_t_noise_can_replace_the_gaussian(float64):
+    def student_t(loc, variance):
+        return dist.StudentT(3.0, loc, variance.sqrt())
+
+    layer = sample_federated_layer(3, 5, seed=0, gamma0=4.0, sigma2=0.1, noise=student_t)
+    lp = log_joint(layer, gamma0=4.0, sigma2=0.1, noise=student_t)
+    lp_gauss = log_joint(layer, gamma0=4.0, sigma2=0.1)
+    resid = np.concatenate([(v - layer.atoms[a]).numpy().ravel() for v, a in zip(layer.neurons, layer.assignments)])
+    delta = stats.t.logpdf(resid, 3.0, 0, math.sqrt(0.1)).sum() - stats.norm.logpdf(resid, 0, math.sqrt(0.1)).sum()
+    assert (lp - lp_gauss).item() == pytest.approx(delta, rel=1e-10)
+
+
+def test_conditioning_on_neurons_fixes_them():
+    layer = sample_federated_layer(3, 4, seed=0, gamma0=3.0, sigma2=0.1)
+    # condition client 0's count of new atoms and its neurons; the program must reproduce them
+    data = {"new_0": torch.tensor(float(layer.neurons[0].shape[0])), "v_0": layer.neurons[0]}
+    with torch.random.fork_rng():
+        torch.manual_seed(9)
+        out = pyro.poutine.condition(beta_bernoulli_layer, data=data)(3, 4, gamma0=3.0, sigma2=0.1)
+    assert torch.equal(out.neurons[0], layer.neurons[0])
+
+
+def test_uniform_permutation_log_prob():
+    d = UniformPermutation(4)
+    assert d.log_prob(torch.tensor([2, 0, 3, 1])).item() == pytest.approx(-math.log(24))
+    assert d.log_prob(torch.tensor([0, 0, 3, 1])).item() == -math.inf
+    assert sorted(d.sample().tolist()) == [0, 1, 2, 3]
+
+
+def test_bad_model_arguments_raise():
+    with pytest.raises(ValueError, match="gamma0"):
+        beta_bernoulli_layer(2, 3, gamma0=0.0, sigma2=1.0)
+    with pytest.raises(ValueError, match="sigma2"):
+        beta_bernoulli_layer(2, 3, gamma0=1.0, sigma2=-1.0)
+    with pytest.raises(ValueError, match="precisions"):
+        beta_bernoulli_layer(2, 3, gamma0=1.0, sigma2=1.0, precisions=torch.ones(2, 4))
+    with pytest.raises(ValueError, match="atom_prior"):
+        beta_bernoulli_layer(2, 3, gamma0=1.0, sigma2=1.0, atom_prior=dist.Normal(torch.zeros(4), 1.0))
+    with pytest.raises(ValueError, match="mu0"):
+        beta_bernoulli_layer(2, 3, gamma0=1.0, sigma2=1.0, mu0=torch.zeros(4))

@@ -1,0 +1,281 @@
+"""Hungarian MAP matching of one layer (PFNM's server step), checked against brute force, Pyro and ground truth."""
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+from _reference import map_log_density, marginal_log_density
+from sklearn.metrics import adjusted_rand_score
+
+from bnpfed.inference import REFERENCE_CONSTANTS, assignment_objective, match_layer
+from bnpfed.models import FederatedLayer, log_joint, sample_federated_layer
+
+
+def small_problem(J, seed, D=3, L_max=3):
+    rng = np.random.default_rng(seed)
+    atoms = rng.normal(size=(4, D))
+    neurons = []
+    for _ in range(J):
+        L = int(rng.integers(1, L_max + 1))
+        idx = rng.choice(4, size=L, replace=False)
+        neurons.append(atoms[idx] + 0.3 * rng.normal(size=(L, D)))
+    return neurons
+
+
+def client_assignments(j, assignments):
+    """Every assignment of client j's neurons given the others: each neuron to a distinct atom used by another
+    client, or to its own new atom."""
+    others = sorted({int(i) for k, a in enumerate(assignments) if k != j for i in np.asarray(a)})
+    L_j = len(assignments[j])
+    fresh = [10_000 + l for l in range(L_j)]
+    for choice in itertools.product(others + ["new"], repeat=L_j):
+        taken = [c for c in choice if c != "new"]
+        if len(set(taken)) != len(taken):
+            continue
+        yield [fresh[l] if c == "new" else c for l, c in enumerate(choice)]
+
+
+def brute_force_best(j, assignments, neurons, **hyper):
+    best = -math.inf
+    for cand in client_assignments(j, assignments):
+        trial = [np.asarray(a) for a in assignments]
+        trial[j] = np.array(cand)
+        # the matcher's objective is 2 log p(configuration, theta_hat) plus the L D log(2 pi sigma0_2) it drops
+        L = len({int(i) for a in trial for i in a})
+        D = neurons[0].shape[1]
+        value = 2 * map_log_density(neurons, trial, **hyper) + L * D * math.log(2 * math.pi * hyper["sigma0_2"])
+        best = max(best, value)
+    return best
+
+
+def objective_of(assignments, neurons, **hyper):
+    L = len({int(i) for a in assignments for i in np.asarray(a)})
+    D = neurons[0].shape[1]
+    return 2 * map_log_density(neurons, assignments, **hyper) + L * D * math.log(2 * math.pi * hyper["sigma0_2"])
+
+
+@pytest.mark.parametrize("J", [2, 3])
+@pytest.mark.parametrize("seed", range(4))
+def test_greedy_step_maximises_objective_over_all_assignments_of_last_client(J, seed):
+    """With sweeps=0 the last client of the greedy pass is matched once, given all the others."""
+    neurons = small_problem(J, seed)
+    hyper = dict(sigma2=0.2, sigma0_2=1.0, gamma0=2.0, mu0=0.1)
+    r = match_layer(neurons, sweeps=0, **hyper)
+    last = int(np.argsort(-np.array([len(v) for v in neurons]), kind="stable")[-1])
+    found = objective_of(r.assignments, neurons, **hyper)
+    assert found == pytest.approx(brute_force_best(last, r.assignments, neurons, **hyper), rel=1e-9, abs=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_converged_matching_is_optimal_for_every_client_given_the_others(seed):
+    neurons = small_problem(3, seed + 10)
+    precisions = np.random.default_rng(seed).uniform(0.5, 2.0, size=(3, 3))
+    precisions[:, 0] = 1.0  # one block-A coordinate, two per-client-precision coordinates
+    hyper = dict(sigma2=0.2, sigma0_2=1.0, gamma0=2.0, mu0=np.array([0.0, 0.1, -0.1]), precisions=precisions)
+    r = match_layer(neurons, sweeps=10, seed=seed, **hyper)
+    assert r.objective[-1] == pytest.approx(r.objective[-2], rel=1e-12)  # converged
+    found = objective_of(r.assignments, neurons, **hyper)
+    for j in range(3):
+        assert found == pytest.approx(brute_force_best(j, r.assignments, neurons, **hyper), rel=1e-9)
+
+
+def random_assignments(sizes, num_atoms, rng):
+    return [rng.choice(num_atoms, size=L, replace=False) for L in sizes]
+
+
+@pytest.mark.parametrize("with_precisions", [False, True])
+def test_objective_is_twice_the_pyro_log_joint_up_to_terms_in_the_number_of_atoms(float64, with_precisions):
+    """F(Z) - 2 log p_conf(Z, theta_hat, V) = L D log(2 pi sigma0_2) + const, for any assignment Z: the published
+    objective drops only the atoms' prior normalising constants (popularity factor 2, caps off)."""
+    J, D = 4, 5
+    gamma0, sigma2, sigma0_2 = 3.0, 0.3, 0.7
+    mu0 = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.1])
+    rng = np.random.default_rng(0)
+    neurons = [torch.randn(L, D, generator=torch.Generator().manual_seed(L)) for L in (3, 2, 4, 3)]
+    s = torch.ones(J, D)
+    if with_precisions:
+        s[:, 3:] = torch.rand(J, 2, generator=torch.Generator().manual_seed(1)) + 0.2
+    kw = dict(gamma0=gamma0, sigma2=sigma2, sigma0_2=sigma0_2, mu0=mu0, precisions=s)
+    offsets = []
+    for trial in range(6):
+        assignments = random_assignments([len(v) for v in neurons], 7, rng)
+        F = assignment_objective(neurons, assignments, **kw)
+        # atoms at their MAP values given the assignment
+        labels = sorted({int(i) for a in assignments for i in a})
+        theta = []
+        for i in labels:
+            members = [(j, l) for j, a in enumerate(assignments) for l, x in enumerate(a) if x == i]
+            prec = 1 / sigma0_2 + sum(s[j] / sigma2 for j, _ in members)
+            theta.append((mu0 / sigma0_2 + sum(s[j] * neurons[j][l] / sigma2 for j, l in members)) / prec)
+        relabel = {x: k for k, x in enumerate(labels)}
+        layer = FederatedLayer(atoms=torch.stack(theta),
+                               assignments=[torch.tensor([relabel[int(x)] for x in a]) for a in assignments],
+                               neurons=neurons)
+        lp = log_joint(layer, configuration=True, **kw).item()
+        offsets.append(F - 2 * lp - len(labels) * D * math.log(2 * math.pi * sigma0_2))
+    # the constant, written out: 2 gamma0 H_J + 2 sum_j log L_j! + sum_{j,l,d} [log(2 pi sigma2/s) + s v^2/sigma2]
+    H = sum(1 / j for j in range(1, J + 1))
+    const = 2 * gamma0 * H + sum(2 * math.lgamma(len(v) + 1) for v in neurons)
+    const += sum(float((torch.log(2 * math.pi * sigma2 / s[j]) + s[j] * v ** 2 / sigma2).sum())
+                 for j, v in enumerate(neurons))
+    assert np.allclose(offsets, const, rtol=1e-9, atol=1e-7)
+
+
+def test_marginal_objective_is_twice_the_marginal_likelihood_up_to_a_constant():
+    """F_marg(Z) = 2 log p_conf(Z, V) with the atoms integrated out, + a constant in V alone (no L-dependent term)."""
+    neurons = small_problem(3, 5, D=4)
+    prec = np.ones((3, 4))
+    prec[:, 2:] = [[0.5, 2.0], [1.5, 0.7], [1.0, 3.0]]
+    hyper = dict(sigma2=0.2, sigma0_2=1.3, gamma0=2.0, mu0=0.1, precisions=prec)
+    rng = np.random.default_rng(1)
+    offsets = []
+    for _ in range(6):
+        assignments = random_assignments([len(v) for v in neurons], 6, rng)
+        F = assignment_objective(neurons, assignments, objective="marginal", **hyper)
+        offsets.append(F - 2 * marginal_log_density(neurons, assignments, **hyper))
+    assert np.ptp(offsets) < 1e-8 * max(1.0, abs(offsets[0]))
+
+
+@pytest.mark.parametrize("objective", ["map", "marginal"])
+@pytest.mark.parametrize("settings", [{}, {"popularity_factor": 1.0, "popularity_cap": 3}])
+@pytest.mark.parametrize("seed", range(3))
+def test_objective_never_decreases_across_sweeps(objective, settings, seed):
+    layer = sample_federated_layer(8, 20, seed=seed, gamma0=6.0, sigma2=0.3, sigma0_2=1.0)
+    r = match_layer(layer.neurons, sigma2=0.3, sigma0_2=1.0, gamma0=6.0, sweeps=8, seed=seed, objective=objective,
+                    **settings)
+    diffs = np.diff(r.objective)
+    assert (diffs >= -1e-9 * abs(r.objective[0])).all(), r.objective
+
+
+def test_reported_objective_equals_objective_of_returned_assignment():
+    layer = sample_federated_layer(5, 6, seed=0, gamma0=4.0, sigma2=0.1)
+    kw = dict(sigma2=0.1, sigma0_2=1.0, gamma0=4.0, mu0=0.05)
+    r = match_layer(layer.neurons, seed=0, **kw)
+    assert r.objective[-1] == pytest.approx(assignment_objective(layer.neurons, r.assignments, **kw), rel=1e-10)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_recovers_ground_truth_at_twice_the_noise_variance(seed):
+    """Noise variance 0.01 << sigma0_2 = 1; matching with sigma2 = 0.02."""
+    layer = sample_federated_layer(10, 100, seed=seed, gamma0=20.0, sigma2=0.01, sigma0_2=1.0)
+    r = match_layer(layer.neurons, sigma2=0.02, sigma0_2=1.0, gamma0=20.0, seed=seed)
+    ari = adjusted_rand_score(torch.cat(layer.assignments), torch.cat(r.assignments))
+    assert ari >= 0.95
+    assert abs(r.num_atoms - layer.num_atoms) <= 0.05 * layer.num_atoms
+
+
+def test_recovered_atoms_are_the_posterior_means():
+    layer = sample_federated_layer(10, 30, seed=4, gamma0=10.0, sigma2=0.001, sigma0_2=1.0)
+    r = match_layer(layer.neurons, sigma2=0.002, sigma0_2=1.0, gamma0=10.0, seed=0)
+    # map found atoms to true ones through any member neuron
+    for j, (a_true, a_found) in enumerate(zip(layer.assignments, r.assignments)):
+        assert torch.allclose(r.global_atoms[a_found], layer.atoms[a_true], atol=0.15)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_marginal_objective_recovers_truth_at_the_true_noise_where_map_oversplits(seed):
+    """J = 10, D = 50, noise 0.01: at sigma2 = the true noise the published objective splits atoms (merging and
+    splitting are balanced, both of order D); integrating the atoms out adds the Occam factor that settles it."""
+    layer = sample_federated_layer(10, 50, seed=seed, gamma0=20.0, sigma2=0.01, sigma0_2=1.0)
+    truth = torch.cat(layer.assignments)
+    hyper = dict(sigma2=0.01, sigma0_2=1.0, gamma0=20.0, seed=seed)
+    published = match_layer(layer.neurons, **hyper)
+    marginal = match_layer(layer.neurons, objective="marginal", **hyper)
+    assert adjusted_rand_score(truth, torch.cat(published.assignments)) < 0.8
+    assert published.num_atoms > 1.2 * layer.num_atoms
+    assert adjusted_rand_score(truth, torch.cat(marginal.assignments)) >= 0.99
+    assert abs(marginal.num_atoms - layer.num_atoms) <= 0.05 * layer.num_atoms
+
+
+def test_permuting_a_clients_neurons_permutes_its_assignment_and_nothing_else():
+    layer = sample_federated_layer(6, 12, seed=2, gamma0=6.0, sigma2=0.05)
+    kw = dict(sigma2=0.1, sigma0_2=1.0, gamma0=6.0, seed=3, sweeps=3)
+    base = match_layer(layer.neurons, **kw)
+    for j in range(6):
+        perm = torch.randperm(layer.neurons[j].shape[0], generator=torch.Generator().manual_seed(j))
+        permuted = list(layer.neurons)
+        permuted[j] = permuted[j][perm]
+        r = match_layer(permuted, **kw)
+        # atoms carry no labels: find the relabelling through the other clients' (unchanged) neurons
+        relabel = {}
+        for k in range(6):
+            ids = base.assignments[k] if k != j else base.assignments[k][perm]
+            for x, y in zip(ids.tolist(), r.assignments[k].tolist()):
+                assert relabel.setdefault(x, y) == y  # same partition
+        assert len(relabel) == base.num_atoms == r.num_atoms
+        order = torch.tensor([relabel[i] for i in range(base.num_atoms)])
+        assert torch.equal(r.assignments[j], order[base.assignments[j][perm]])
+        torch.testing.assert_close(r.global_atoms[order], base.global_atoms, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(r.counts[order], base.counts)
+        assert r.objective == pytest.approx(base.objective, rel=1e-10)
+
+
+def test_single_client_returns_its_neurons_shrunk_towards_the_prior():
+    v = torch.randn(7, 4, dtype=torch.float64)
+    sigma2, sigma0_2, mu0 = 0.5, 2.0, 0.1
+    r = match_layer([v], sigma2=sigma2, sigma0_2=sigma0_2, gamma0=1.0, mu0=mu0)
+    assert r.num_atoms == 7 and (r.counts == 1).all()
+    expected = (mu0 / sigma0_2 + v / sigma2) / (1 / sigma0_2 + 1 / sigma2)
+    torch.testing.assert_close(r.global_atoms[r.assignments[0]], expected)
+
+
+def test_identical_clients_are_merged_one_to_one():
+    v = torch.randn(5, 30, dtype=torch.float64)
+    r = match_layer([v, v[torch.tensor([3, 0, 4, 1, 2])], v], sigma2=0.01, sigma0_2=1.0, gamma0=5.0, seed=0)
+    assert r.num_atoms == 5 and (r.counts == 3).all()
+
+
+def test_reference_constants_run_and_respect_the_atom_cap():
+    layer = sample_federated_layer(6, 10, seed=0, gamma0=30.0, sigma2=0.5)
+    r = match_layer(layer.neurons, sigma2=0.5, sigma0_2=1.0, gamma0=30.0, sweeps=0,
+                    **{**REFERENCE_CONSTANTS, "max_atoms": 45})
+    # a client may open min(L_j, max(45 - L, 1)) atoms: past the cap, still one per client (as published)
+    assert r.num_atoms <= 45 + len(layer.neurons)
+    uncapped = match_layer(layer.neurons, sigma2=0.5, sigma0_2=1.0, gamma0=30.0, sweeps=0)
+    assert uncapped.num_atoms > r.num_atoms
+
+
+def test_same_seed_same_result_and_result_types():
+    layer = sample_federated_layer(6, 8, seed=1, gamma0=5.0, sigma2=0.2)
+    a = match_layer(layer.neurons, sigma2=0.2, sigma0_2=1.0, gamma0=5.0, seed=7)
+    b = match_layer(layer.neurons, sigma2=0.2, sigma0_2=1.0, gamma0=5.0, seed=7)
+    assert a.objective == b.objective
+    assert all(torch.equal(x, y) for x, y in zip(a.assignments, b.assignments))
+    assert a.global_atoms.dtype == layer.neurons[0].dtype
+    assert all(x.dtype == torch.long for x in a.assignments)
+    assert len(a.objective) == 6  # greedy pass + 5 sweeps
+    assert torch.equal(a.counts, torch.bincount(torch.cat(a.assignments)))
+
+
+def test_numpy_input_is_accepted():
+    v = [np.random.default_rng(0).normal(size=(3, 4)), np.random.default_rng(1).normal(size=(2, 4))]
+    r = match_layer(v, sigma2=0.1, sigma0_2=1.0, gamma0=1.0)
+    assert r.global_atoms.shape[1] == 4
+
+
+@pytest.mark.parametrize(
+    "neurons, kwargs, match",
+    [
+        ([], {}, "neurons is empty"),
+        ([torch.zeros(2, 3), torch.zeros(2, 4)], {}, r"neurons\[1\] has D = 4"),
+        ([torch.zeros(2, 3), torch.zeros(0, 3)], {}, r"neurons\[1\] has no neurons"),
+        ([torch.tensor([[0.0, float("nan")]])], {}, r"neurons\[0\] contains NaN"),
+        ([torch.tensor([[0.0, float("inf")]])], {}, r"neurons\[0\] contains NaN or inf"),
+        ([torch.zeros(2, 3)], {"sigma2": 0.0}, "sigma2 must be"),
+        ([torch.zeros(2, 3)], {"sigma0_2": -1.0}, "sigma0_2 must be"),
+        ([torch.zeros(2, 3)], {"gamma0": float("nan")}, "gamma0 must be"),
+        ([torch.zeros(2, 3)], {"precisions": torch.ones(1, 4)}, "precisions"),
+        ([torch.zeros(2, 3)], {"precisions": torch.zeros(1, 3)}, "precisions must be finite and > 0"),
+        ([torch.zeros(2, 3)], {"mu0": torch.zeros(2)}, "mu0"),
+        ([torch.zeros(2, 3)], {"objective": "exact"}, "objective"),
+        ([torch.zeros(2, 3)], {"sweeps": -1}, "sweeps"),
+        ([torch.zeros(2)], {}, r"neurons\[0\] must have shape"),
+    ],
+)
+def test_bad_input_raises_value_error_naming_the_argument(neurons, kwargs, match):
+    hyper = dict(sigma2=1.0, sigma0_2=1.0, gamma0=1.0)
+    hyper.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        match_layer(neurons, **hyper)
