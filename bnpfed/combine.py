@@ -1,0 +1,435 @@
+"""Posterior fusion rules for mean-field Gaussian clients.
+
+Ozer et al. (2022), "How to Combine Variational Bayesian Networks in Federated Learning". Each of K clients
+holds a mean-field Gaussian posterior over the same weights, ``q_k(w) = N(mu_k, sigma_k^2)`` weight by weight;
+the server fuses the K Gaussians of every weight into one Gaussian ``N(mu, sigma^2)`` with client weights
+``b_k >= 0`` (normalised inside to ``sum_k b_k = 1``; the paper uses local data set sizes).
+
+Built-in rules, fused mean ``mu`` and variance ``sigma^2`` (``b_max = max_k b_k``):
+
+- ``eaa``: ``mu = sum_k b_k mu_k``, ``sigma^2 = sum_k b_k sigma_k^2``
+- ``gaa``: ``mu = sum_k b_k mu_k``, ``sigma^2 = sum_k b_k^2 sigma_k^2``
+- ``log_variance``: ``mu = sum_k b_k mu_k``, ``sigma^2 = exp(sum_k b_k log sigma_k^2)``
+- ``pooling``: mean and unbiased variance of a sample pooled from the clients, ``floor(b_k N)`` draws from ``q_k``
+- ``conflation``: ``mu = sum_k (b_k / sigma_k^2) mu_k / sum_k (b_k / sigma_k^2)``,
+  ``sigma^2 = b_max / sum_k (b_k / sigma_k^2)``
+
+A rule is a small pure function ``rule(locs, variances, weights, *, num_samples, generator) -> (loc, variance)``
+on already validated tensors; :func:`register_rule` adds one under a name that :func:`fuse`, :func:`fuse_sites`
+and everything above them accept.
+
+Usage::
+
+    loc, variance = fuse(locs, variances, "conflation", weights=n_examples)   # locs: (K, *shape)
+    global_sites = fuse_sites(client_sites, "eaa", weights=n_examples)  # K dicts name -> (loc, variance)
+"""
+
+import math
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "FusedGaussian",
+    "FusionRule",
+    "available_rules",
+    "average_deterministic",
+    "conflation",
+    "eaa",
+    "fuse",
+    "fuse_sites",
+    "gaa",
+    "log_variance",
+    "pooling",
+    "register_rule",
+]
+
+#: Number of floats one chunk of pooled draws may hold (64 MiB of float32); keeps :func:`pooling` from building a
+#: ``num_samples x numel`` tensor when a layer is large.
+POOLING_CHUNK_ELEMENTS = 1 << 24
+
+
+class FusedGaussian(NamedTuple):
+    """The fused posterior of one site: ``N(loc, variance)`` weight by weight; unpacks as ``loc, variance``."""
+
+    loc: Tensor
+    variance: Tensor
+
+
+#: ``rule(locs, variances, weights, *, num_samples, generator) -> (loc, variance)``
+FusionRule = Callable[..., tuple[Tensor, Tensor]]
+
+_RULES: dict[str, FusionRule] = {}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Registry
+
+
+def register_rule(name: str, fn: FusionRule, *, overwrite: bool = False) -> FusionRule:
+    """Make ``fn`` available as ``fuse(..., rule=name)``.
+
+    :param str name: the rule's name.
+    :param callable fn: ``fn(locs, variances, weights, *, num_samples, generator) -> (loc, variance)``. It
+        receives validated tensors: ``locs`` and ``variances`` of shape ``(K, *shape)`` with finite entries and
+        ``variances > 0``, ``weights`` of shape ``(K,)`` non-negative and summing to 1, all of one floating dtype
+        and device; it returns two tensors of shape ``shape``.
+    :param bool overwrite: replace a rule already registered under ``name``; default False raises instead.
+    :returns: ``fn``, so that ``register_rule`` also reads well as ``fn = register_rule("name", fn)``.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty string, got {name!r}")
+    if not callable(fn):
+        raise ValueError(f"fn must be callable with signature fn(locs, variances, weights, *, num_samples, "
+                         f"generator), got {type(fn).__name__}")
+    if name in _RULES and not overwrite:
+        raise ValueError(f"rule {name!r} is already registered; pass overwrite=True to replace it")
+    _RULES[name] = fn
+    return fn
+
+
+def available_rules() -> list[str]:
+    """Names accepted as ``rule``, in registration order (built-ins first)."""
+    return list(_RULES)
+
+
+def _get_rule(rule: str) -> FusionRule:
+    if not isinstance(rule, str) or rule not in _RULES:
+        raise ValueError(f"rule must be one of {available_rules()}, got {rule!r}")
+    return _RULES[rule]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The rules: pure functions on validated tensors, locs/variances (K, *shape), weights (K,)
+
+
+def _weighted_sum(weights: Tensor, x: Tensor) -> Tensor:
+    """``sum_k weights_k x_k`` over the leading client dimension of ``x``."""
+    return torch.tensordot(weights, x, dims=1)
+
+
+def eaa(locs: Tensor, variances: Tensor, weights: Tensor, **_: Any) -> tuple[Tensor, Tensor]:
+    """Empirical arithmetic aggregation: ``mu = sum_k b_k mu_k``, ``sigma^2 = sum_k b_k sigma_k^2``.
+
+    Averages means and variances as if they were ordinary parameters (FedAvg on both).
+    """
+    return _weighted_sum(weights, locs), _weighted_sum(weights, variances)
+
+
+def gaa(locs: Tensor, variances: Tensor, weights: Tensor, **_: Any) -> tuple[Tensor, Tensor]:
+    """Gaussian arithmetic aggregation: the law of ``sum_k b_k w_k`` for independent ``w_k ~ q_k``.
+
+    ``mu = sum_k b_k mu_k``, ``sigma^2 = sum_k b_k^2 sigma_k^2`` (not renormalised, so K agreeing clients with
+    uniform weights shrink the variance K times).
+    """
+    return _weighted_sum(weights, locs), _weighted_sum(weights.square(), variances)
+
+
+def log_variance(locs: Tensor, variances: Tensor, weights: Tensor, **_: Any) -> tuple[Tensor, Tensor]:
+    """Average of log variances: ``mu = sum_k b_k mu_k``, ``sigma^2 = exp(sum_k b_k log sigma_k^2)``.
+
+    The fused variance is the weighted geometric mean of the client variances.
+    """
+    return _weighted_sum(weights, locs), torch.exp(_weighted_sum(weights, variances.log()))
+
+
+def conflation(locs: Tensor, variances: Tensor, weights: Tensor, **_: Any) -> tuple[Tensor, Tensor]:
+    """Conflation: the normalised product of the client densities, each raised to ``b_k / b_max``.
+
+    With ``q_k(w) ∝ exp(-(w - mu_k)^2 / (2 sigma_k^2))``,
+
+    ``prod_k q_k(w)^(b_k / b_max) ∝ exp(-sum_k (b_k / b_max) (w - mu_k)^2 / (2 sigma_k^2))``,
+
+    a quadratic in ``w`` with precision ``lambda = sum_k (b_k / b_max) / sigma_k^2`` and linear coefficient
+    ``sum_k (b_k / b_max) mu_k / sigma_k^2``. Completing the square gives the Gaussian
+
+    ``mu = sum_k (b_k / sigma_k^2) mu_k / sum_k (b_k / sigma_k^2)``,
+    ``sigma^2 = 1 / lambda = b_max / sum_k (b_k / sigma_k^2)``.
+
+    Both are unchanged when all ``b_k`` are scaled by the same factor. With equal weights the exponents are all 1
+    and this is the plain product of the K densities.
+
+    The published code forms the product of all variances, which underflows to 0 in float32 at about a dozen
+    clients with small variances. Here the log-precisions ``l_k = log b_k - log sigma_k^2`` are shifted by their
+    maximum ``m`` before exponentiating, ``r_k = exp(l_k - m) in [0, 1]`` with ``max_k r_k = 1``, so
+
+    ``mu = sum_k r_k mu_k / sum_k r_k``,  ``log sigma^2 = log b_max - m - log sum_k r_k``,
+
+    which stays finite and accurate for any number of clients and any positive variances.
+    """
+    log_precisions = weights.log().reshape(-1, *([1] * (locs.dim() - 1))) - variances.log()
+    shift = log_precisions.amax(dim=0)
+    relative_precisions = torch.exp(log_precisions - shift)  # in [0, 1]; clients with b_k = 0 give exactly 0
+    total = relative_precisions.sum(dim=0)  # >= 1
+    loc = (relative_precisions * locs).sum(dim=0) / total
+    variance = torch.exp(weights.max().log() - shift - total.log())
+    return loc, variance
+
+
+def _chunked_moments(loc: Tensor, scale: Tensor, count: int, generator: torch.Generator | None
+                     ) -> tuple[Tensor, Tensor]:
+    """Mean and sum of squared deviations of ``count`` draws from ``N(loc, scale^2)``, drawn in chunks.
+
+    Chunks are merged with the pairwise update of Chan, Golub & LeVeque (1979), which avoids the cancellation of
+    ``sum x^2 - n mean^2``.
+    """
+    chunk = max(1, POOLING_CHUNK_ELEMENTS // max(1, loc.numel()))
+    mean = torch.zeros_like(loc)
+    sum_sq = torch.zeros_like(loc)
+    seen = 0
+    while seen < count:
+        n = min(chunk, count - seen)
+        draws = loc + scale * torch.randn((n, *loc.shape), generator=generator, dtype=loc.dtype,
+                                          device=loc.device)
+        chunk_mean = draws.mean(dim=0)
+        chunk_sum_sq = (draws - chunk_mean).square().sum(dim=0)
+        total = seen + n
+        delta = chunk_mean - mean
+        mean = mean + delta * (n / total)
+        sum_sq = sum_sq + chunk_sum_sq + delta.square() * (seen * n / total)
+        seen = total
+    return mean, sum_sq
+
+
+def pooling(locs: Tensor, variances: Tensor, weights: Tensor, *, num_samples: int = 1000,
+            generator: torch.Generator | None = None, **_: Any) -> tuple[Tensor, Tensor]:
+    """Pooling: moment-match a Gaussian to a sample pooled from all clients.
+
+    Client k contributes ``n_k = floor(b_k N)`` draws of every weight from ``q_k`` (``N = num_samples``); with
+    ``M = sum_k n_k`` pooled draws ``x_1..x_M``, ``mu = (1/M) sum_i x_i`` and
+    ``sigma^2 = 1/(M-1) sum_i (x_i - mu)^2``. As ``N -> infinity`` this tends to the moments of the mixture
+    ``sum_k b_k q_k``: ``mu = sum_k b_k mu_k``, ``sigma^2 = sum_k b_k (sigma_k^2 + mu_k^2) - mu^2``.
+
+    The pooled sample is never held whole: each client's draws are reduced in chunks of at most
+    :data:`POOLING_CHUNK_ELEMENTS` floats to a mean and a sum of squared deviations, and those are merged
+    across clients exactly as if the draws had been concatenated.
+
+    :param int num_samples: ``N``, the size of the pooled sample before flooring.
+    :param torch.Generator generator: source of the draws; the same seed gives the same result.
+    :raises ValueError: if the floored counts give fewer than two draws in all.
+    """
+    # b_k N within rounding of the weights' dtype of an integer is that integer (b = 0.7 in float32 is 0.69999999)
+    slack = 1 + 4 * torch.finfo(weights.dtype).eps
+    counts = [math.floor(b * num_samples * slack) for b in weights.tolist()]
+    total = sum(counts)
+    if total < 2:
+        raise ValueError(f"num_samples={num_samples} gives {total} pooled draw(s) (floor(b_k * num_samples) per "
+                         f"client with weights {weights.tolist()}); pooling needs at least 2: increase num_samples")
+    scales = variances.sqrt()
+    pooled_mean = torch.zeros_like(locs[0])
+    pooled_sum_sq = torch.zeros_like(locs[0])
+    seen = 0
+    for k, n in enumerate(counts):
+        if n == 0:
+            continue
+        mean, sum_sq = _chunked_moments(locs[k], scales[k], n, generator)
+        merged = seen + n
+        delta = mean - pooled_mean
+        pooled_mean = pooled_mean + delta * (n / merged)
+        pooled_sum_sq = pooled_sum_sq + sum_sq + delta.square() * (seen * n / merged)
+        seen = merged
+    return pooled_mean, pooled_sum_sq / (total - 1)
+
+
+for _name, _fn in (("eaa", eaa), ("gaa", gaa), ("log_variance", log_variance), ("pooling", pooling),
+                   ("conflation", conflation)):
+    register_rule(_name, _fn)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Validation at the boundary
+
+
+def _as_client_stack(x: Any, name: str) -> Tensor:
+    """``x`` as a tensor ``(K, *shape)``: a tensor, an array, or a sequence of K per-client tensors."""
+    if isinstance(x, Tensor):
+        stacked = x
+    elif isinstance(x, Sequence) and not isinstance(x, str) and len(x) > 0 and any(
+            isinstance(item, Tensor) or hasattr(item, "__array__") for item in x):
+        items = [torch.as_tensor(item) for item in x]
+        for k, item in enumerate(items):
+            if item.shape != items[0].shape:
+                raise ValueError(f"{name} must hold one tensor of the same shape per client; client 0 has shape "
+                                 f"{tuple(items[0].shape)} but client {k} has shape {tuple(item.shape)}")
+        stacked = torch.stack([item.to(items[0].device) for item in items])
+    else:
+        try:
+            stacked = torch.as_tensor(x)
+        except (TypeError, ValueError, RuntimeError) as error:
+            raise ValueError(f"{name} must be a tensor of shape (K, *shape) or a sequence of K equally shaped "
+                             f"tensors, got {type(x).__name__}: {error}") from None
+    if stacked.dim() == 0:
+        raise ValueError(f"{name} must have a leading client dimension, shape (K, *shape); got a scalar")
+    if stacked.shape[0] == 0:
+        raise ValueError(f"{name} must hold at least one client (K >= 1), got shape {tuple(stacked.shape)}")
+    if stacked.dtype == torch.bool or stacked.is_complex():
+        raise ValueError(f"{name} must be real-valued, got dtype {stacked.dtype}")
+    return stacked
+
+
+def _check_finite(x: Tensor, name: str) -> None:
+    if not torch.isfinite(x).all():
+        bad = (~torch.isfinite(x)).nonzero()[0].tolist()
+        raise ValueError(f"{name} must be finite, got {x[tuple(bad)].item()} at index {tuple(bad)}")
+
+
+def _floating_dtype(*tensors: Tensor) -> torch.dtype:
+    dtype = tensors[0].dtype
+    for t in tensors[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype if dtype.is_floating_point else torch.get_default_dtype()
+
+
+def _normalised_weights(weights: Any, num_clients: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``b_k / sum_j b_j`` as a ``(K,)`` tensor; uniform when ``weights`` is None."""
+    if weights is None:
+        return torch.full((num_clients,), 1.0 / num_clients, dtype=dtype, device=device)
+    try:
+        b = torch.as_tensor(weights, dtype=torch.float64).to(device)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise ValueError(f"weights must be a sequence of {num_clients} non-negative numbers, got "
+                         f"{type(weights).__name__}: {error}") from None
+    if b.shape != (num_clients,):
+        raise ValueError(f"weights must have shape ({num_clients},), one per client, got shape {tuple(b.shape)}")
+    _check_finite(b, "weights")
+    if (b < 0).any():
+        raise ValueError(f"weights must be non-negative, got {b.tolist()}")
+    if b.sum() <= 0:
+        raise ValueError(f"weights must sum to a positive number, got {b.tolist()}")
+    return (b / b.sum()).to(dtype)
+
+
+def _validated(locs: Any, variances: Any, weights: Any) -> tuple[Tensor, Tensor, Tensor]:
+    locs = _as_client_stack(locs, "locs")
+    variances = _as_client_stack(variances, "variances")
+    if locs.shape != variances.shape:
+        raise ValueError(f"locs and variances must have the same shape (K, *shape); got locs "
+                         f"{tuple(locs.shape)} and variances {tuple(variances.shape)}")
+    dtype = _floating_dtype(locs, variances)
+    locs = locs.to(dtype)
+    variances = variances.to(dtype=dtype, device=locs.device)
+    _check_finite(locs, "locs")
+    _check_finite(variances, "variances")
+    if (variances <= 0).any():
+        bad = (variances <= 0).nonzero()[0].tolist()
+        raise ValueError(f"variances must be > 0, got {variances[tuple(bad)].item()} at index {tuple(bad)}")
+    return locs, variances, _normalised_weights(weights, locs.shape[0], dtype, locs.device)
+
+
+def _check_num_samples(num_samples: Any) -> None:
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+        raise ValueError(f"num_samples must be a positive integer, got {num_samples!r}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Public entry points
+
+
+def fuse(locs: Any, variances: Any, rule: str, weights: Any = None, *, num_samples: int = 1000,
+         generator: torch.Generator | None = None) -> FusedGaussian:
+    """Fuse K clients' Gaussian posteriors ``N(mu_k, sigma_k^2)`` weight by weight into one.
+
+    Parameters
+    ----------
+    locs : Tensor, array or sequence of K tensors, shape ``(K, *shape)``
+        Client means ``mu_k``.
+    variances : same as ``locs``
+        Client variances ``sigma_k^2 > 0``.
+    rule : str
+        One of :func:`available_rules`: ``"eaa"``, ``"gaa"``, ``"log_variance"``, ``"pooling"``,
+        ``"conflation"`` or a name added by :func:`register_rule`.
+    weights : shape ``(K,)``, optional
+        Client weights ``b_k >= 0`` (e.g. local data set sizes), normalised to sum to 1; uniform by default.
+    num_samples : int
+        ``N`` for ``"pooling"``: client k contributes ``floor(b_k N)`` draws. Default 1000.
+    generator : torch.Generator, optional
+        Random source for ``"pooling"``; the same seed gives the same result.
+
+    Returns
+    -------
+    FusedGaussian
+        ``(loc, variance)``, each of shape ``shape`` and the inputs' floating dtype.
+
+    Examples
+    --------
+    Two clients ``N(1, 1)`` and ``N(5, 4)`` with equal weights (Figure 2 of the paper):
+
+    >>> fuse(torch.tensor([[1.0], [5.0]]), torch.tensor([[1.0], [4.0]]), "conflation")
+    FusedGaussian(loc=tensor([1.8000]), variance=tensor([0.8000]))
+    """
+    fn = _get_rule(rule)
+    _check_num_samples(num_samples)
+    locs, variances, b = _validated(locs, variances, weights)
+    loc, variance = fn(locs, variances, b, num_samples=num_samples, generator=generator)
+    shape = locs.shape[1:]
+    for what, value in (("loc", loc), ("variance", variance)):
+        if not isinstance(value, Tensor) or value.shape != shape:
+            got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+            raise ValueError(f"rule {rule!r} must return (loc, variance) tensors of shape {tuple(shape)}; its "
+                             f"{what} is {got}")
+    return FusedGaussian(loc, variance)
+
+
+def fuse_sites(sites: Sequence[Mapping[str, tuple[Any, Any]]], rule: str, weights: Any = None,
+               **kwargs: Any) -> dict[str, FusedGaussian]:
+    """Fuse whole networks: every site (e.g. a layer's weight) with :func:`fuse`, under the same ``weights``.
+
+    :param sites: K dicts, one per client, ``name -> (loc, variance)``; every client has the same names and
+        shapes.
+    :param str rule: as in :func:`fuse`.
+    :param weights: ``(K,)`` client weights ``b_k``, as in :func:`fuse`.
+    :param kwargs: ``num_samples`` and ``generator``, passed to :func:`fuse`.
+    :returns: ``name -> FusedGaussian(loc, variance)``, in client 0's order.
+    """
+    _get_rule(rule)
+    if isinstance(sites, Mapping) or not isinstance(sites, Sequence) or len(sites) == 0:
+        raise ValueError(f"sites must be a non-empty sequence of per-client dicts name -> (loc, variance), got "
+                         f"{type(sites).__name__}" + (" of length 0" if isinstance(sites, Sequence) else ""))
+    for k, client in enumerate(sites):
+        if not isinstance(client, Mapping):
+            raise ValueError(f"sites[{k}] must be a dict name -> (loc, variance), got {type(client).__name__}")
+    _normalised_weights(weights, len(sites), torch.float64, torch.device("cpu"))
+    names = list(sites[0])
+    for k, client in enumerate(sites):
+        missing, extra = set(names) - set(client), set(client) - set(names)
+        if missing or extra:
+            key = sorted(missing or extra)[0]
+            raise ValueError(f"sites: every client must have the same site names; client {k} "
+                             f"{'lacks' if missing else 'has an extra'} site {key!r} (client 0 has {names})")
+    fused = {}
+    for name in names:
+        pairs = []
+        for k, client in enumerate(sites):
+            pair = client[name]
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise ValueError(f"sites[{k}][{name!r}] must be a (loc, variance) pair, got "
+                                 f"{type(pair).__name__}")
+            pairs.append((torch.as_tensor(pair[0]), torch.as_tensor(pair[1])))
+        for k, (loc, variance) in enumerate(pairs):
+            for what, value in (("loc", loc), ("variance", variance)):
+                if value.shape != pairs[0][0].shape:
+                    raise ValueError(f"sites: site {name!r} has shape {tuple(pairs[0][0].shape)} in client 0's "
+                                     f"loc but {tuple(value.shape)} in client {k}'s {what}")
+        try:
+            fused[name] = fuse([p[0] for p in pairs], [p[1] for p in pairs], rule, weights, **kwargs)
+        except ValueError as error:
+            raise ValueError(f"site {name!r}: {error}") from None
+    return fused
+
+
+def average_deterministic(params_list: Any, weights: Any = None) -> Tensor:
+    """Weighted average ``sum_k b_k theta_k`` of a deterministic parameter held by every client.
+
+    The paper fuses the non-Bayesian parameters of a network (convolutions, biases) this way, with the same
+    normalised client weights ``b_k`` as the Bayesian ones.
+
+    :param params_list: K equally shaped tensors, or one tensor of shape ``(K, *shape)``.
+    :param weights: ``(K,)`` client weights ``b_k >= 0``, normalised to sum to 1; uniform by default.
+    :returns: a tensor of shape ``shape`` and the parameters' floating dtype.
+    """
+    params = _as_client_stack(params_list, "params_list")
+    params = params.to(_floating_dtype(params))
+    _check_finite(params, "params_list")
+    b = _normalised_weights(weights, params.shape[0], params.dtype, params.device)
+    return _weighted_sum(b, params)
