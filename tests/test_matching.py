@@ -279,3 +279,15 @@ def test_bad_input_raises_value_error_naming_the_argument(neurons, kwargs, match
     hyper.update(kwargs)
     with pytest.raises(ValueError, match=match):
         match_layer(neurons, **hyper)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_stopping_at_a_fixed_point_gives_the_result_of_all_sweeps(seed):
+    layer = sample_federated_layer(8, 15, seed=seed, gamma0=6.0, sigma2=0.2)
+    kw = dict(sigma2=0.2, sigma0_2=1.0, gamma0=6.0, seed=seed, sweeps=6)
+    early = match_layer(layer.neurons, **kw)
+    full = match_layer(layer.neurons, stop_at_fixed_point=False, **kw)
+    assert len(early.rematches) < len(full.rematches) == 8 * 7
+    assert early.objective == pytest.approx(full.objective, rel=1e-12)
+    torch.testing.assert_close(early.counts.sort().values, full.counts.sort().values)
+    assert adjusted_rand_score(torch.cat(early.assignments), torch.cat(full.assignments)) == 1.0

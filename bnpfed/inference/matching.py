@@ -212,6 +212,7 @@ class _LayerMatcher:
         # per-client natural-parameter contributions x = w * v (w = s / sigma2) and precisions w on block B
         self.xA = [np.ascontiguousarray(v[:, A] * tau) for v in neurons]
         self.xA_sq = [np.einsum("ld,ld->l", x, x) for x in self.xA]
+        self.g0x = [x @ self.g0A for x in self.xA]  # cross term of each neuron with an empty (prior-only) atom
         if len(B):
             wB = [(precisions[j, B] if precisions is not None else np.ones(len(B))) * tau for j in range(J)]
         else:
@@ -231,6 +232,7 @@ class _LayerMatcher:
         self.pop_cum[2:] = np.cumsum(self.pop[1:J])  # pop_cum[m] = sum_{k=1}^{m-1} pop[k]
         self.max_atoms = max_atoms
         self.new_atom_penalty = new_atom_penalty
+        self.new_scores = [self._new_atom_scores(j) for j in range(J)]
         # storage for atoms: rows [0, n_rows) used, some of them free (m == 0)
         cap = max(2 * max(self.L), 64)
         self.gA = np.tile(self.g0A, (cap, 1))
@@ -267,50 +269,65 @@ class _LayerMatcher:
         return rows
 
     # --- adding and removing a client -------------------------------------------------------------------------------
-    def add(self, j: int, rows: np.ndarray):
-        xA = self.xA[j]
-        self.gA[rows] += xA
-        self.gA_sq[rows] = np.einsum("ld,ld->l", self.gA[rows], self.gA[rows])
+    # ||g_A||^2 is kept per atom and updated from the cross terms g.x that scoring computes anyway:
+    #   joining:  ||g + x||^2 = ||g||^2 + 2 g.x + ||x||^2      (g before the join)
+    #   leaving:  ||g - x||^2 = ||g||^2 - 2 (g - x).x - ||x||^2 (g - x after the leave)
+    # so neither costs a pass over the (L_j, D) block beyond the update of g itself.
+    def add(self, j: int, rows: np.ndarray, cross: np.ndarray | None = None):
+        """Put client j's neurons on atom ``rows``; ``cross[l] = g_rows[l] . x_l`` before the update, if known."""
+        self.gA[rows] += self.xA[j]
+        if cross is None:
+            self.gA_sq[rows] = np.einsum("ld,ld->l", self.gA[rows], self.gA[rows])
+        else:
+            self.gA_sq[rows] += 2.0 * cross + self.xA_sq[j]
         if len(self.B):
             self.gB[rows] += self.xB[j]
             self.PB[rows] += self.wB[j]
         self.m[rows] += 1
         self.assign[j] = rows
 
-    def remove(self, j: int):
+    def _remove_stats(self, j: int) -> tuple[np.ndarray, np.ndarray]:
+        """Take client j off its atoms except for ||g_A||^2; return the positions whose atom survives, and those
+        atoms."""
         rows = self.assign[j]
         self.assign[j] = None
         self.m[rows] -= 1
-        empty = rows[self.m[rows] == 0]
-        kept = rows[self.m[rows] > 0]
-        self.gA[kept] -= self.xA[j][self.m[rows] > 0]
-        self.gA_sq[kept] = np.einsum("ld,ld->l", self.gA[kept], self.gA[kept])
+        keep = self.m[rows] > 0
+        kept, empty = rows[keep], rows[~keep]
+        self.gA[kept] -= self.xA[j][keep]
         self.gA[empty] = self.g0A
         self.gA_sq[empty] = self.g0A_sq
         if len(self.B):
-            keep = self.m[rows] > 0
             self.gB[kept] -= self.xB[j][keep]
             self.PB[kept] -= self.wB[j]
             self.gB[empty] = self.g0B
             self.PB[empty] = self.P0
         self.free.extend(int(r) for r in empty)
+        return np.flatnonzero(keep), kept
 
     # --- scores -------------------------------------------------------------------------------------------------------
-    def scores(self, j: int) -> tuple[np.ndarray, np.ndarray]:
-        """Score matrix of client j (assumed removed) against the active atoms, and the active atom rows."""
-        active = np.flatnonzero(self.m[: self.n_rows] > 0)
-        L_j, tau, P0 = self.L[j], self.tau, self.P0
-        xA, xA_sq = self.xA[j], self.xA_sq[j]
-        # new atoms: gain of the neuron against the prior alone
-        new = (np.einsum("ld,ld->l", xA + self.g0A, xA + self.g0A) / (P0 + tau) - self.g0A_sq / P0)
+    def _new_atom_scores(self, j: int) -> np.ndarray:
+        """(L_j,) score of each of client j's neurons against a new atom (the prior alone)."""
+        tau, P0 = self.tau, self.P0
+        xA = self.xA[j]
+        new = (self.xA_sq[j] + 2.0 * (xA @ self.g0A)) / (P0 + tau) + self.g0A_sq * (1.0 / (P0 + tau) - 1.0 / P0)
         if len(self.B):
             w = self.wB[j]
             new = new + (((self.xB[j] + self.g0B) ** 2) / (P0 + w) - self.g0B ** 2 / P0).sum(axis=1)
-        new += self.log_new
+        new = new + self.log_new
         if self.marginal:
             new -= len(self.A) * math.log1p(tau / P0)
             if len(self.B):
                 new -= np.log1p(self.wB[j] / P0).sum()
+        return new
+
+    def scores(self, j: int, cross: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Score matrix of client j (not on any atom) against the active atoms and new ones, and the active rows.
+
+        ``cross``: (L_j, n_rows) products of client j's block-A contributions with every stored atom's g_A.
+        """
+        active = np.flatnonzero(self.m[: self.n_rows] > 0)
+        L_j, tau, P0 = self.L[j], self.tau, self.P0
         L = active.size
         n_new = L_j
         if self.max_atoms is not None:
@@ -319,20 +336,20 @@ class _LayerMatcher:
                 raise ValueError(f"max_atoms={self.max_atoms} leaves client {j} ({L_j} neurons) only {L + n_new} "
                                  "atoms to choose from: raise max_atoms")
         S = np.empty((L_j, L + n_new))
-        S[:, L:] = new[:, None]
+        S[:, L:] = self.new_scores[j][:, None]
         if self.new_atom_penalty == "log_k":
             S[:, L:] -= 2.0 * np.log(np.arange(1, n_new + 1))
         if L:
             m = self.m[active]
             P = P0 + m * tau  # block A posterior precision, one per atom
-            gA = self.gA[: self.n_rows]
-            cross = (xA @ gA.T)[:, active] if L < self.n_rows else xA @ gA.T
-            Gsq = self.gA_sq[active]
             inv_new = 1.0 / (P + tau)
-            atom_term = Gsq * (inv_new - 1.0 / P) + self.pop[m]
+            atom_term = self.gA_sq[active] * (inv_new - 1.0 / P) + self.pop[m]
             if self.marginal:
                 atom_term -= len(self.A) * np.log1p(tau / P)
-            ex = (2.0 * cross + xA_sq[:, None]) * inv_new[None, :]
+            ex = S[:, :L]
+            np.multiply(cross[:, active] if L < cross.shape[1] else cross, 2.0, out=ex)
+            ex += self.xA_sq[j][:, None]
+            ex *= inv_new[None, :]
             ex += atom_term[None, :]
             if len(self.B):
                 w = self.wB[j]
@@ -342,23 +359,40 @@ class _LayerMatcher:
                 ex += t1[None, :] + 2.0 * (self.xB[j] @ (gB * R).T) + (self.xB[j] ** 2) @ R.T
                 if self.marginal:
                     ex -= np.log1p(w[None, :] / PB).sum(axis=1)[None, :]
-            S[:, :L] = ex
         return S, active
 
-    def match(self, j: int) -> float:
-        """Assign client j (not currently in) optimally given everyone else; return its score."""
-        S, active = self.scores(j)
+    def match(self, j: int, *, rematch: bool = False) -> bool:
+        """Assign client j optimally given everyone else (taking it off its atoms first if ``rematch``); return
+        whether the partition changed (a client that is new to it always changes it)."""
+        if rematch:
+            previous = self.assign[j]
+            positions, kept = self._remove_stats(j)
+        cross = self.xA[j] @ self.gA[: self.n_rows].T
+        if rematch:
+            self.gA_sq[kept] -= 2.0 * cross[positions, kept] + self.xA_sq[j][positions]
+        S, active = self.scores(j, cross)
         L = active.size
         t0 = time.perf_counter()
         rows, cols = linear_sum_assignment(S, maximize=True)
         self.lsa_seconds += time.perf_counter() - t0
         self.rematches.append((j, self.L[j], L))
-        order = np.empty(self.L[j], dtype=np.int64)
+        target = np.empty(self.L[j], dtype=np.int64)
+        target_cross = np.empty(self.L[j])
         is_new = cols >= L
-        order[rows[~is_new]] = active[cols[~is_new]]
-        order[rows[is_new]] = self._new_rows(int(is_new.sum()))
-        self.add(j, order)
-        return float(S[rows, cols].sum())
+        old_rows, new_rows = rows[~is_new], rows[is_new]
+        target[old_rows] = active[cols[~is_new]]
+        target_cross[old_rows] = cross[old_rows, target[old_rows]]
+        target[new_rows] = self._new_rows(new_rows.size)
+        target_cross[new_rows] = self.g0x[j][new_rows]
+        self.add(j, target, target_cross)
+        if not rematch:
+            return True
+        # unchanged: the neurons whose atom survived the removal went back to it, and the others opened new atoms
+        was_shared = np.zeros(self.L[j], dtype=bool)
+        was_shared[positions] = True
+        opened = np.zeros(self.L[j], dtype=bool)
+        opened[new_rows] = True
+        return bool((was_shared == opened).any() or (target[positions] != previous[positions]).any())
 
     # --- the objective ----------------------------------------------------------------------------------------------
     def objective(self) -> float:
@@ -439,6 +473,7 @@ def match_layer(
     popularity_cap: int | None = None,
     max_atoms: int | None = None,
     new_atom_penalty: Literal["none", "log_k"] = "none",
+    stop_at_fixed_point: bool = True,
 ) -> MatchResult:
     """Match J clients' neurons to global atoms by MAP under the Beta-Bernoulli process (PFNM's server step).
 
@@ -469,6 +504,9 @@ def match_layer(
     :param int max_atoms: at most this many atoms in total, at least one new one per client (published: 700).
     :param str new_atom_penalty: ``"log_k"`` subtracts 2 log k from the k-th new atom of a client (published);
         ``"none"`` (default) keeps the scores the exact conditionals of the objective.
+    :param bool stop_at_fixed_point: skip the remaining sweeps once a whole sweep changed no client's assignment
+        (the state is then a fixed point of every re-match, so the result is the same; ``objective`` repeats its last
+        value for the skipped sweeps and ``rematches`` shows how many were run).
     :returns: :class:`MatchResult`.
     """
     t0 = time.perf_counter()
@@ -482,10 +520,14 @@ def match_layer(
     history = [matcher.objective()]
     rng = np.random.default_rng(seed)
     for _ in range(int(sweeps)):
+        changed = False
         for j in rng.permutation(matcher.J):
-            matcher.remove(int(j))
-            matcher.match(int(j))
+            changed |= matcher.match(int(j), rematch=True)
         history.append(matcher.objective())
+        if not changed and stop_at_fixed_point:
+            # every client's re-match returned its own assignment: any further sweep, in any order, does the same
+            history.extend([history[-1]] * (int(sweeps) + 1 - len(history)))
+            break
     dtype = neurons[0].dtype if isinstance(neurons[0], Tensor) else torch.get_default_dtype()
     if not dtype.is_floating_point:
         dtype = torch.get_default_dtype()

@@ -1,0 +1,49 @@
+"""``make bench``: run every benchmark and print its table.
+
+Usage: python benchmarks/run.py [--only matching,...] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from bnpfed.report import format_table  # noqa: E402
+
+
+def bench_matching(quick: bool):
+    import bench_matching
+
+    configs = [(10, 795), (30, 795)] if quick else None
+    print(format_table(bench_matching.run(configs)))
+
+
+BENCHMARKS = {"matching": bench_matching}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--only", default=",".join(BENCHMARKS), help="comma-separated subset of " + ", ".join(BENCHMARKS))
+    parser.add_argument("--quick", action="store_true", help="small configurations only")
+    args = parser.parse_args(argv)
+    print(f"# machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+          f"numpy {np.__version__}, torch threads {torch.get_num_threads()}")
+    for name in args.only.split(","):
+        if name not in BENCHMARKS:
+            raise SystemExit(f"unknown benchmark {name!r}; known: {', '.join(BENCHMARKS)}")
+        print(f"\n## {name}")
+        t0 = time.perf_counter()
+        BENCHMARKS[name](args.quick)
+        print(f"({time.perf_counter() - t0:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""Prior objects: which parameters of a plain network are random, and with which distribution.
+
+A prior maps ``(name, module, param)`` — the qualified parameter name as in ``net.named_parameters()``, the module
+that owns it, and the parameter — to a scalar Pyro distribution, or to ``None`` to keep that parameter
+deterministic. :meth:`Prior.apply_` then replaces every chosen ``nn.Parameter`` of a ``PyroModule`` by a
+``PyroSample`` with that distribution expanded to the parameter's shape; the network's own code is untouched.
+
+Parameters are picked by *selectors*, one of
+
+- a name pattern (``str``, shell-style, matched against the whole qualified name): ``"fc1.weight"``, ``"*.bias"``,
+  ``"fc*"``;
+- an ``nn.Module`` subclass: every parameter of modules of that type, e.g. ``nn.Conv2d``;
+- a callable ``(name, module) -> bool``, such as :func:`linear_weights`.
+
+Usage::
+
+    IIDPrior()                                          # every parameter ~ N(0, 1)
+    IIDPrior(dist.Normal(0.0, 0.1), hide=["*.bias"])    # biases deterministic
+    only_linear_weights()                               # Ozer et al. (2022): nn.Linear weights only
+    LayerwisePrior({"fc1.weight": dist.Normal(0.0, 0.05), nn.Linear: dist.Normal(0.0, 1.0)})
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from fnmatch import fnmatchcase
+from typing import Callable, Iterable, Mapping, Optional, Union
+
+import pyro.distributions as dist
+from pyro.distributions.torch_distribution import TorchDistributionMixin as Distribution
+from pyro.nn.module import PyroModule, PyroSample
+from torch import Tensor, nn
+
+__all__ = ["IIDPrior", "LayerwisePrior", "Prior", "Selector", "linear_weights", "only_linear_weights"]
+
+#: A name pattern, an ``nn.Module`` subclass, or a callable ``(name, module) -> bool``.
+Selector = Union[str, type, Callable[[str, nn.Module], bool]]
+
+
+def linear_weights(name: str, module: nn.Module) -> bool:
+    """Selector of the weight matrices of ``nn.Linear`` layers (not their biases, not convolutions)."""
+    return isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] == "weight"
+
+
+class Prior(ABC):
+    """Base class: maps each parameter of a network to a prior distribution, or to ``None`` (deterministic).
+
+    Subclasses implement :meth:`distribution`; :meth:`apply_` does the conversion.
+    """
+
+    @abstractmethod
+    def distribution(self, name: str, module: nn.Module, param: Tensor) -> Optional[Distribution]:
+        """The prior of one parameter: a distribution with empty ``event_shape`` whose ``batch_shape`` broadcasts
+        to ``param.shape`` (usually a scalar one such as ``Normal(0, 1)``), or ``None`` to keep it deterministic.
+
+        :param str name: qualified parameter name, as in ``net.named_parameters()`` (``"fc1.weight"``).
+        :param nn.Module module: the module owning the parameter.
+        :param Tensor param: the parameter itself.
+        """
+
+    def apply_(self, net: PyroModule) -> dict[str, Tensor]:
+        """Replace the chosen parameters of ``net``, in place, by ``PyroSample`` sites.
+
+        A parameter of shape ``shape`` gets the prior ``distribution(...).expand(shape).to_event(len(shape))``, so
+        its Pyro sample site is named by its qualified name and holds the whole tensor as one event.
+
+        :param PyroModule net: a network already converted with ``pyro.nn.module.to_pyro_module_``.
+        :returns: the values the chosen parameters had, ``{name: tensor}`` in ``named_parameters`` order (useful
+            to start a guide's means at the network's initialisation).
+        """
+        if not isinstance(net, PyroModule):
+            raise ValueError(
+                f"net: expected a PyroModule (convert it with pyro.nn.module.to_pyro_module_), got {type(net).__name__}"
+            )
+        chosen: list[tuple[nn.Module, str, str, Distribution]] = []
+        for module_name, module in net.named_modules():
+            for param_name, param in module.named_parameters(recurse=False):
+                name = f"{module_name}.{param_name}" if module_name else param_name
+                prior = self.distribution(name, module, param)
+                if prior is not None:
+                    chosen.append((module, param_name, name, _expanded(prior, param, name)))
+        self._check_selectors_used([name for name, _ in net.named_parameters()])
+        values = {}
+        for module, param_name, name, prior in chosen:
+            values[name] = getattr(module, param_name).detach().clone()
+            setattr(module, param_name, PyroSample(prior))
+        return values
+
+    def _check_selectors_used(self, names: list[str]) -> None:
+        """Hook for subclasses that pick parameters with selectors: complain about selectors that matched nothing."""
+
+
+class _SelectorPrior(Prior):
+    """A prior given by ordered rules ``(selector, distribution or None)``: the first matching rule decides; a
+    parameter no rule matches is deterministic."""
+
+    def __init__(self, rules: list[tuple[Selector, Optional[Distribution], str]]):
+        for selector, prior, argument in rules:
+            _check_selector(selector, argument)
+            if prior is not None:
+                _check_distribution(prior, argument)
+        self._rules = rules
+        self._used: set[int] = set()
+
+    def distribution(self, name, module, param):
+        for i, (selector, prior, _) in enumerate(self._rules):
+            if _matches(selector, name, module):
+                self._used.add(i)
+                return prior
+        return None
+
+    def apply_(self, net):
+        self._used = set()
+        return super().apply_(net)
+
+    def _check_selectors_used(self, names):
+        unused = [argument for i, (_, _, argument) in enumerate(self._rules) if i not in self._used and argument]
+        if unused:
+            raise ValueError(
+                f"{type(self).__name__}: {', '.join(unused)} matched no parameter of the network; "
+                f"its parameters are {names}"
+            )
+
+
+class IIDPrior(_SelectorPrior):
+    """The same scalar distribution, independently for every entry of every chosen parameter.
+
+    Usage::
+
+        IIDPrior()                                       # everything Bayesian, N(0, 1)
+        IIDPrior(dist.Normal(0.0, 0.1), expose=[nn.Linear], hide=["*.bias"])
+
+    :param Distribution distribution: scalar prior of each entry. Default ``Normal(0, 1)``.
+    :param expose: selectors of the parameters to make Bayesian; ``None`` (default) means all of them.
+    :param hide: selectors of parameters to keep deterministic; they win over ``expose``. Default none.
+
+    Every selector given must match at least one parameter, or :meth:`apply_` raises a ``ValueError``.
+    """
+
+    def __init__(
+        self,
+        distribution: Optional[Distribution] = None,
+        *,
+        expose: Optional[Iterable[Selector]] = None,
+        hide: Iterable[Selector] = (),
+    ):
+        if distribution is None:
+            distribution = dist.Normal(0.0, 1.0)
+        _check_distribution(distribution, "distribution")
+        rules = [(s, None, f"hide[{i}]={s!r}") for i, s in enumerate(_as_list(hide, "hide"))]
+        if expose is None:
+            rules.append(("*", distribution, ""))
+        else:
+            rules += [(s, distribution, f"expose[{i}]={s!r}") for i, s in enumerate(_as_list(expose, "expose"))]
+        super().__init__(rules)
+
+
+class LayerwisePrior(_SelectorPrior):
+    """A prior per group of parameters in one line: ``{selector: distribution or None}``.
+
+    The first key (in dict order) that matches a parameter gives its prior; ``None`` keeps it deterministic;
+    parameters no key matches are deterministic.
+
+    Usage::
+
+        LayerwisePrior({"fc3.*": dist.Normal(0.0, 0.1), linear_weights: dist.Normal(0.0, 1.0)})
+
+    :param Mapping rules: selector -> scalar distribution (or ``None``). Every key must match at least one
+        parameter, or :meth:`apply_` raises a ``ValueError``.
+    """
+
+    def __init__(self, rules: Mapping[Selector, Optional[Distribution]]):
+        if not isinstance(rules, Mapping):
+            raise ValueError(f"rules: expected a mapping selector -> distribution, got {type(rules).__name__}")
+        super().__init__([(s, d, f"rules[{s!r}]") for s, d in rules.items()])
+
+
+def only_linear_weights(distribution: Optional[Distribution] = None) -> IIDPrior:
+    """Ozer et al. (2022)'s choice: only the weight matrices of ``nn.Linear`` layers are Bayesian; convolutions and
+    all biases stay deterministic.
+
+    :param Distribution distribution: scalar prior of each weight. Default ``Normal(0, 1)``.
+    """
+    return IIDPrior(distribution, expose=[linear_weights])
+
+
+def _matches(selector: Selector, name: str, module: nn.Module) -> bool:
+    if isinstance(selector, str):
+        return fnmatchcase(name, selector)
+    if isinstance(selector, type):
+        return isinstance(module, selector)
+    return bool(selector(name, module))
+
+
+def _check_selector(selector, argument: str) -> None:
+    ok = (
+        isinstance(selector, str)
+        or (isinstance(selector, type) and issubclass(selector, nn.Module))
+        or (callable(selector) and not isinstance(selector, type))
+    )
+    if not ok:
+        raise ValueError(
+            f"{argument}: expected a name pattern (str), an nn.Module subclass or a callable (name, module) -> bool, "
+            f"got {selector!r}"
+        )
+
+
+def _check_distribution(prior, argument: str) -> None:
+    if not isinstance(prior, Distribution):
+        raise ValueError(f"{argument}: expected a pyro.distributions distribution or None, got {prior!r}")
+    if prior.event_shape != ():
+        raise ValueError(
+            f"{argument}: expected a distribution with empty event_shape (it is expanded to each parameter's shape), "
+            f"got event_shape {tuple(prior.event_shape)}"
+        )
+
+
+def _expanded(prior, param: Tensor, name: str):
+    _check_distribution(prior, f"prior of {name!r}")
+    try:
+        return prior.expand(param.shape).to_event(param.dim())
+    except (RuntimeError, ValueError) as error:
+        raise ValueError(
+            f"prior of {name!r}: batch_shape {tuple(prior.batch_shape)} does not broadcast to the parameter's shape "
+            f"{tuple(param.shape)}"
+        ) from error
+
+
+def _as_list(selectors, argument: str) -> list:
+    if isinstance(selectors, (str, type)) or callable(selectors):
+        raise ValueError(f"{argument}: expected a list of selectors, got the single selector {selectors!r}")
+    return list(selectors)
