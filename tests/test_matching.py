@@ -267,7 +267,9 @@ def test_numpy_input_is_accepted():
         ([torch.zeros(2, 3)], {"sigma0_2": -1.0}, "sigma0_2 must be"),
         ([torch.zeros(2, 3)], {"gamma0": float("nan")}, "gamma0 must be"),
         ([torch.zeros(2, 3)], {"precisions": torch.ones(1, 4)}, "precisions"),
-        ([torch.zeros(2, 3)], {"precisions": torch.zeros(1, 3)}, "precisions must be finite and > 0"),
+        ([torch.zeros(2, 3)], {"precisions": -torch.ones(1, 3)}, "precisions must be finite and >= 0"),
+        ([torch.zeros(2, 3)], {"precisions": torch.zeros(1, 3)}, "precisions of client 0 are all 0"),
+        ([torch.zeros(2, 3)], {"precisions": torch.tensor([[1.0, float("nan"), 1.0]])}, "precisions must be finite"),
         ([torch.zeros(2, 3)], {"mu0": torch.zeros(2)}, "mu0"),
         ([torch.zeros(2, 3)], {"objective": "exact"}, "objective"),
         ([torch.zeros(2, 3)], {"sweeps": -1}, "sweeps"),
@@ -291,3 +293,15 @@ def test_stopping_at_a_fixed_point_gives_the_result_of_all_sweeps(seed):
     assert early.objective == pytest.approx(full.objective, rel=1e-12)
     torch.testing.assert_close(early.counts.sort().values, full.counts.sort().values)
     assert adjusted_rand_score(torch.cat(early.assignments), torch.cat(full.assignments)) == 1.0
+
+
+def test_zero_precision_coordinates_are_ignored():
+    """A coordinate with precision 0 (a class the client never saw) does not pull the atom: the posterior mean on it
+    comes from the clients that did see it."""
+    a = torch.tensor([[1.0, 2.0, 5.0]], dtype=torch.float64)
+    b = torch.tensor([[1.0, 2.0, -7.0]], dtype=torch.float64)
+    prec = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]], dtype=torch.float64)
+    r = match_layer([a, b], sigma2=0.01, sigma0_2=1.0, gamma0=1.0, precisions=prec)
+    assert r.num_atoms == 1
+    expected_last = (5.0 / 0.01) / (1.0 + 1 / 0.01)
+    assert r.global_atoms[0, 2].item() == pytest.approx(expected_last)

@@ -171,8 +171,12 @@ def _validate_precisions(precisions, J: int, D: int) -> np.ndarray | None:
         s = np.stack(rows)
     if s.shape != (J, D):
         raise ValueError(f"precisions must have shape ({J}, {D}), got {s.shape}")
-    if not np.isfinite(s).all() or (s <= 0).any():
-        raise ValueError("precisions must be finite and > 0 (a zero precision would mean infinite noise)")
+    if not np.isfinite(s).all() or (s < 0).any():
+        raise ValueError("precisions must be finite and >= 0")
+    silent = np.flatnonzero((s == 0).all(axis=1))
+    if silent.size:
+        raise ValueError(f"precisions of client {int(silent[0])} are all 0: its neurons would carry no information "
+                         "(a zero precision marks one coordinate a client says nothing about; some must be > 0)")
     return s
 
 
@@ -492,8 +496,9 @@ def match_layer(
     :param float sigma0_2: prior variance of the atoms.
     :param float gamma0: IBP mass.
     :param mu0: prior mean of the atoms, scalar or (D,) (PFNM: 0 for weights, 0.1 for bias coordinates).
-    :param precisions: optional per-client per-coordinate scales s_j, shape (J, D) or J vectors (D,); client j's
-        noise variance on coordinate d is ``sigma2 / s_jd``.
+    :param precisions: optional per-client per-coordinate scales s_j >= 0, shape (J, D) or J vectors (D,); client
+        j's noise variance on coordinate d is ``sigma2 / s_jd``. A zero marks a coordinate the client says nothing
+        about (PFNM: the output weights of a class the client never saw); each client needs some s_jd > 0.
     :param int sweeps: remove-and-rematch passes after the greedy one.
     :param int seed: seed of the sweeps' client order.
     :param str objective: ``"map"`` (published; atoms plugged in at their MAP values) or ``"marginal"`` (atoms
