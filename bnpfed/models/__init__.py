@@ -1,4 +1,4 @@
-"""Pyro generative programs: the Beta-Bernoulli neuron model of PFNM."""
+"""Pyro generative programs: the Beta-Bernoulli neuron model of PFNM, and Bayesian neural networks."""
 
 from bnpfed.models.beta_bernoulli import (
     FederatedLayer,
@@ -9,6 +9,10 @@ from bnpfed.models.beta_bernoulli import (
     log_joint,
     sample_federated_layer,
 )
+from bnpfed.models.bayesian import LIKELIHOODS, BayesianNetwork
+from bnpfed.models.local_reparameterization import LocalReparameterizationMessenger, local_reparameterization
+from bnpfed.models.networks import LeNet, mlp
+from bnpfed.models.priors import IIDPrior, LayerwisePrior, Prior, Selector, linear_weights, only_linear_weights
 
 __all__ = [
     "FederatedLayer",
@@ -18,4 +22,16 @@ __all__ = [
     "gaussian_noise",
     "log_joint",
     "sample_federated_layer",
+    "LIKELIHOODS",
+    "BayesianNetwork",
+    "LocalReparameterizationMessenger",
+    "local_reparameterization",
+    "LeNet",
+    "mlp",
+    "IIDPrior",
+    "LayerwisePrior",
+    "Prior",
+    "Selector",
+    "linear_weights",
+    "only_linear_weights",
 ]

@@ -103,11 +103,9 @@ class _SelectorPrior(Prior):
         self._used: set[int] = set()
 
     def distribution(self, name, module, param):
-        for i, (selector, prior, _) in enumerate(self._rules):
-            if _matches(selector, name, module):
-                self._used.add(i)
-                return prior
-        return None
+        matched = [i for i, (selector, _, _) in enumerate(self._rules) if _matches(selector, name, module)]
+        self._used.update(matched)  # a rule shadowed by an earlier one still counts as matching
+        return self._rules[matched[0]][1] if matched else None
 
     def apply_(self, net):
         self._used = set()

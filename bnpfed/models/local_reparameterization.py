@@ -1,0 +1,124 @@
+"""The local reparameterisation trick (Kingma, Salimans & Welling 2015) as a Pyro effect handler.
+
+For a linear layer ``b = x W^T + c`` whose weights are mean-field Gaussian, ``W_ij ~ N(mu_ij, sigma2_ij)``, each
+pre-activation is Gaussian too:
+
+    b ~ N(x mu^T + E[c],  x^2 (sigma2)^T + Var[c])
+
+(squares elementwise), independently for every example. Sampling ``b`` instead of ``W`` gives every example of a
+mini-batch its own weight noise, which lowers the variance of ELBO gradients at the same cost. Ozer et al. (2022)
+train their clients this way.
+
+How: inside :func:`local_reparameterization`, every non-observed Pyro sample site records which distribution its
+value came from; every ``torch.nn.functional.linear`` call (what ``nn.Linear`` runs) whose weight is such a value
+with a (possibly ``Independent``) ``Normal`` distribution returns a sample of ``b`` instead. The bias may be a
+Gaussian sample too, or any tensor (variance 0), or ``None``. Other calls run unchanged. The handler must wrap the
+guide *and* the model of one ELBO evaluation, so that the model's linear layers see the guide's distributions (the
+idea of TyXe's ``LocalReparameterizationMessenger``); here calls are intercepted with a ``TorchFunctionMode`` rather
+than by patching ``torch.nn.functional``.
+
+Usage::
+
+    with local_reparameterization():
+        loss = TraceMeanField_ELBO().differentiable_loss(model, guide, x, y)
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from pyro.poutine.messenger import Messenger
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["LocalReparameterizationMessenger", "local_reparameterization"]
+
+#: Floor on pre-activation variances before the square root (a row of zero inputs with a deterministic bias has
+#: variance 0, whose square root has an infinite gradient).
+MIN_VARIANCE = 1e-16
+
+
+def _gaussian_base(fn):
+    while isinstance(fn, torch.distributions.Independent):
+        fn = fn.base_dist
+    return fn if isinstance(fn, torch.distributions.Normal) else None
+
+
+class LocalReparameterizationMessenger(Messenger):
+    """Samples the pre-activations of linear layers with Gaussian weights instead of the weights.
+
+    See the module docstring for the math. Use it through :func:`local_reparameterization`.
+    """
+
+    def __enter__(self):
+        # id(value) -> (weak reference to value, distribution); the weak reference guards against a reused id
+        self._sources: dict[int, tuple[weakref.ref, object]] = {}
+        self._mode = _LinearInterceptor(self)
+        self._mode.__enter__()
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._mode.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        try:
+            return super().__exit__(exc_type, exc_value, traceback)
+        finally:
+            self._mode.__exit__(exc_type, exc_value, traceback)
+            self._sources = {}
+
+    def _pyro_post_sample(self, msg):
+        if msg["is_observed"] or not torch.is_tensor(msg["value"]):
+            return
+        # keep the first source: under replay the model re-reports the guide's value with the prior's distribution
+        self._sources.setdefault(id(msg["value"]), (weakref.ref(msg["value"]), msg["fn"]))
+
+    def _moments(self, tensor: Tensor) -> Optional[tuple[Tensor, Tensor]]:
+        """``(mean, variance)`` of a Gaussian sample, or ``None`` if ``tensor`` is not one."""
+        source = self._sources.get(id(tensor))
+        if source is None or source[0]() is not tensor:
+            return None
+        base = _gaussian_base(source[1])
+        return None if base is None else (base.mean, base.variance)
+
+    def linear(self, input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Optional[Tensor]:
+        """A sample of ``F.linear(input, weight, bias)`` drawn through the pre-activations, or ``None`` when ``weight``
+        (or a random ``bias``) is not a Gaussian sample from this context."""
+        w = self._moments(weight)
+        if w is None:
+            return None
+        b_loc, b_var = bias, None
+        if bias is not None and id(bias) in self._sources:
+            b = self._moments(bias)
+            if b is None:
+                return None
+            b_loc, b_var = b
+        loc = F.linear(input, w[0], b_loc)
+        var = F.linear(input.pow(2), w[1], b_var).clamp_min(MIN_VARIANCE)
+        return loc + var.sqrt() * torch.randn_like(loc)
+
+
+class _LinearInterceptor(TorchFunctionMode):
+    def __init__(self, messenger: LocalReparameterizationMessenger):
+        super().__init__()
+        self.messenger = messenger
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            # the mode is switched off while this method runs, so the F.linear calls below are plain ones
+            result = self.messenger.linear(*args, **kwargs)
+            if result is not None:
+                return result
+        return func(*args, **kwargs)
+
+
+def local_reparameterization(fn=None):
+    """Effect handler applying :class:`LocalReparameterizationMessenger`: a context manager, or a wrapper of
+    ``fn`` when given."""
+    messenger = LocalReparameterizationMessenger()
+    return messenger(fn) if fn is not None else messenger
