@@ -11,7 +11,7 @@ from bnpfed.models.beta_bernoulli import (
 )
 from bnpfed.models.bayesian import LIKELIHOODS, BayesianNetwork
 from bnpfed.models.local_reparameterization import LocalReparameterizationMessenger, local_reparameterization
-from bnpfed.models.networks import LeNet, mlp
+from bnpfed.models.networks import LeNet, mlp, reference_init_
 from bnpfed.models.priors import IIDPrior, LayerwisePrior, Prior, Selector, linear_weights, only_linear_weights
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "local_reparameterization",
     "LeNet",
     "mlp",
+    "reference_init_",
     "IIDPrior",
     "LayerwisePrior",
     "Prior",

@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 from torch import Tensor, nn
 
-__all__ = ["LeNet", "mlp"]
+__all__ = ["LeNet", "mlp", "reference_init_"]
 
 
 def mlp(in_features: int, hidden: Sequence[int], out_features: int) -> nn.Sequential:
@@ -98,3 +98,16 @@ class LeNet(nn.Module):
 def _check_positive_int(value, argument: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{argument}: expected a positive int, got {value!r}")
+
+
+def reference_init_(net: nn.Module, *, generator: torch.Generator, weight_std: float = 0.1,
+                    bias: float = 0.1) -> nn.Module:
+    """Initialise every ``nn.Linear`` and ``nn.Conv2d`` of ``net`` in place as the PFNM reference code does
+    (Yurochkin et al. 2019, ``model.py``): weights N(0, weight_std^2), biases ``bias``. Returns ``net``."""
+    with torch.no_grad():
+        for module in net.modules():
+            if isinstance(module, (nn.Linear, nn.Conv2d)):
+                module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * weight_std)
+                if module.bias is not None:
+                    module.bias.fill_(bias)
+    return net

@@ -1,0 +1,8 @@
+"""Subcommands of ``bnpfed``: each module has ``add_parser(subparsers)`` and a ``run(args)`` it registers.
+
+A command parses arguments, calls the library, and prints / plots / writes results; it adds no math of its own.
+"""
+
+from bnpfed.commands import demo
+
+COMMANDS = [demo]
