@@ -1,0 +1,271 @@
+"""PFNM for fully connected networks of any depth: one layer at a time, every layer through :func:`match_layer`.
+
+Yurochkin et al. 2019, appendix B. Client j holds a ReLU MLP with weights ``W_c`` (H_c^j x H_{c-1}^j, torch's
+(out, in) convention) and biases ``b_c`` for hidden layers c = 1..K, and an output layer ``(W_out, b_out)`` with C
+classes. A hidden neuron of layer c is matched as one vector in R^D made of
+
+* its incoming weights, when the layer below is the input (c = 1) or already matched: the columns are then re-indexed
+  to the L_{c-1} global neurons below (a global neuron the client lacks contributes a weight 0, as in the reference);
+* its bias (prior mean ``bias_mu0``, 0.1 in the reference);
+* its outgoing weights, when the layer above is the output (c = K) or already matched. Output-layer coordinates carry
+  precision ``share_jk / sigma2`` with ``share_jk = n_jk / sum_j' n_j'k`` the share of class k's training examples
+  held by client j (as in the reference code), so a client that never saw class k does not pull that class's
+  weights.
+
+``direction="top-down"`` is the published order: layers K..1, a neuron being (incoming weights if c = 1, bias,
+outgoing weights re-indexed to the matched layer above). Above the first layer a neuron is then only its bias and
+its outgoing weights -- for the last hidden layer just C + 1 numbers -- too little evidence to tell neurons apart, and
+with the published constants the upper layers of a 784-100-100-10 net collapse towards one client's width.
+``direction="bottom-up"`` (default) matches layers 1..K, a neuron being (incoming weights re-indexed to the matched
+layer below, bias, and outgoing weights if c = K): every layer is matched on its incoming weights, hundreds of
+coordinates. For one hidden layer both orders give the same vectors ``[W_in, b, W_out]``.
+
+The global network's weights are posterior means; the output bias is the class-share-weighted posterior mean of the
+clients' output biases, ``b_out_k = (bias_mu0/sigma0_2 + sum_j share_jk b_out_jk / sigma2) / (1/sigma0_2 +
+sum_j share_jk / sigma2)`` (sigma2, sigma0_2 of the last hidden layer; the reference's ``process_softmax_bias``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Literal, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from bnpfed.inference.matching import MatchResult, match_layer
+
+__all__ = ["NetworkMatch", "match_networks", "linear_layers", "network_from_layers"]
+
+
+def linear_layers(net: nn.Module) -> list[tuple[Tensor, Tensor]]:
+    """The (weight, bias) pairs of every ``nn.Linear`` in ``net``, in order (weight in torch's (out, in) layout)."""
+    layers = [(m.weight.detach().clone(), m.bias.detach().clone()) for m in net.modules() if isinstance(m, nn.Linear)]
+    if not layers:
+        raise ValueError("net has no nn.Linear layers")
+    return layers
+
+
+def network_from_layers(layers: Sequence[tuple[Tensor, Tensor]]) -> nn.Sequential:
+    """A ReLU MLP ``Flatten, Linear, ReLU, ..., Linear`` carrying exactly the given (weight, bias) pairs."""
+    modules: list[nn.Module] = [nn.Flatten()]
+    for i, (w, b) in enumerate(layers):
+        lin = nn.Linear(w.shape[1], w.shape[0])
+        with torch.no_grad():
+            lin.weight.copy_(torch.as_tensor(w))
+            lin.bias.copy_(torch.as_tensor(b))
+        modules.append(lin)
+        if i < len(layers) - 1:
+            modules.append(nn.ReLU())
+    return nn.Sequential(*modules)
+
+
+@dataclass
+class NetworkMatch:
+    """Result of :func:`match_networks`.
+
+    :param list layers: global (weight, bias) per layer, hidden layers then the output layer.
+    :param list assignments: per hidden layer, J long tensors mapping each client's neurons to global neurons.
+    :param list layer_results: the :class:`MatchResult` of every hidden layer, bottom layer first.
+    :param float seconds: wall time of all the matching.
+    """
+
+    layers: list
+    assignments: list
+    layer_results: list
+    direction: str
+    seconds: float = 0.0
+    class_shares: Tensor | None = field(default=None, repr=False)
+
+    @property
+    def hidden_sizes(self) -> list[int]:
+        return [int(w.shape[0]) for w, _ in self.layers[:-1]]
+
+    def network(self) -> nn.Sequential:
+        """The global network: posterior-mean weights of every layer."""
+        return network_from_layers(self.layers)
+
+    def client_slice(self, j: int) -> list[tuple[Tensor, Tensor]]:
+        """Client j's slice of the global network: for every hidden layer, the global neurons its own neurons were
+        matched to (in its own order), and the weights between them; the whole output layer."""
+        out, prev = [], None
+        for c, (w, b) in enumerate(self.layers[:-1]):
+            rows = self.assignments[c][j]
+            w_rows = w[rows]
+            out.append((w_rows if prev is None else w_rows[:, prev], b[rows]))
+            prev = rows
+        w_out, b_out = self.layers[-1]
+        out.append((w_out[:, prev], b_out))
+        return out
+
+
+def _per_layer(value, K: int, name: str) -> list:
+    if isinstance(value, (list, tuple)):
+        if len(value) != K:
+            raise ValueError(f"{name} must be a scalar or one value per hidden layer ({K}), got {len(value)}")
+        return list(value)
+    return [value] * K
+
+
+def _validate(client_layers, class_counts):
+    if not isinstance(client_layers, Sequence) or len(client_layers) == 0:
+        raise ValueError("client_layers must be a non-empty sequence (one list of (weight, bias) per client)")
+    J = len(client_layers)
+    layers = []
+    for j, net in enumerate(client_layers):
+        if isinstance(net, nn.Module):
+            net = linear_layers(net)
+        pairs = [(torch.as_tensor(w, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)) for w, b in net]
+        if len(pairs) < 2:
+            raise ValueError(f"client_layers[{j}] has {len(pairs)} layer(s): PFNM needs at least one hidden layer")
+        for c, (w, b) in enumerate(pairs):
+            if w.dim() != 2 or b.shape != (w.shape[0],):
+                raise ValueError(f"client_layers[{j}] layer {c}: weight must be (out, in) and bias (out,), got "
+                                 f"{tuple(w.shape)} and {tuple(b.shape)}")
+            if c and w.shape[1] != pairs[c - 1][0].shape[0]:
+                raise ValueError(f"client_layers[{j}] layer {c} takes {w.shape[1]} inputs but layer {c - 1} has "
+                                 f"{pairs[c - 1][0].shape[0]} outputs")
+            if not (torch.isfinite(w).all() and torch.isfinite(b).all()):
+                raise ValueError(f"client_layers[{j}] layer {c} contains NaN or inf")
+        if layers:
+            ref = layers[0]
+            if len(pairs) != len(ref):
+                raise ValueError(f"client_layers[{j}] has {len(pairs)} layers but client 0 has {len(ref)}")
+            if pairs[0][0].shape[1] != ref[0][0].shape[1] or pairs[-1][0].shape[0] != ref[-1][0].shape[0]:
+                raise ValueError(f"client_layers[{j}] maps {pairs[0][0].shape[1]} inputs to {pairs[-1][0].shape[0]} "
+                                 f"outputs but client 0 maps {ref[0][0].shape[1]} to {ref[-1][0].shape[0]}")
+        layers.append(pairs)
+    C = layers[0][-1][0].shape[0]
+    if class_counts is None:
+        counts = torch.ones(J, C, dtype=torch.float64)
+    else:
+        counts = torch.as_tensor(np.asarray(class_counts), dtype=torch.float64)
+        if counts.shape != (J, C):
+            raise ValueError(f"class_counts must have shape ({J}, {C}) (clients x classes), got {tuple(counts.shape)}")
+        if not torch.isfinite(counts).all() or (counts < 0).any() or (counts.sum(1) <= 0).any():
+            raise ValueError("class_counts must be finite, >= 0, with a positive total per client")
+    # share of each class's examples held by each client; a class nobody holds gets share 0 everywhere
+    total = counts.sum(0, keepdim=True)
+    shares = torch.where(total > 0, counts / total.clamp_min(1.0), torch.zeros_like(counts))
+    return layers, shares
+
+
+def match_networks(
+    client_layers,
+    class_counts=None,
+    *,
+    sigma2=1.0,
+    sigma0_2=1.0,
+    gamma0=1.0,
+    mu0: float = 0.0,
+    bias_mu0: float = 0.1,
+    direction: Literal["bottom-up", "top-down"] = "bottom-up",
+    sweeps: int = 5,
+    seed: int | None = None,
+    **matcher_kwargs,
+) -> NetworkMatch:
+    """Match J clients' MLPs into one global MLP (PFNM's server step, one communication round).
+
+    Usage::
+
+        nets = [train_classifier(...) for ...]                       # J ReLU MLPs of the same depth
+        counts = class_counts(labels, parts, num_classes)            # (J, C)
+        result = match_networks(nets, counts, sigma2=1.0, sigma0_2=1.0, gamma0=1.0, seed=0)
+        global_net = result.network(); result.hidden_sizes
+
+    :param client_layers: J networks, each an ``nn.Module`` (its ``nn.Linear`` layers in order) or a list of
+        (weight (out, in), bias (out,)) pairs. Depths, input and output sizes must agree; widths may differ.
+    :param class_counts: (J, C) number of training examples of each class at each client (any positive multiple
+        works: only ``n_jk / sum_j' n_j'k`` is used); default: all ones.
+    :param sigma2: noise variance, ``sigma0_2`` prior variance, ``gamma0`` IBP mass: scalars, or one per hidden layer.
+    :param mu0: prior mean of the weights (reference 0); ``bias_mu0`` of the biases (reference 0.1).
+    :param direction: ``"bottom-up"`` (default) or ``"top-down"`` (the published order); see the module docstring.
+    :param matcher_kwargs: passed to :func:`match_layer` (``objective``, ``popularity_factor``, ...).
+    """
+    t0 = time.perf_counter()
+    layers, shares = _validate(client_layers, class_counts)
+    if direction not in ("bottom-up", "top-down"):
+        raise ValueError(f"direction must be 'bottom-up' or 'top-down', got {direction!r}")
+    J, K = len(layers), len(layers[0]) - 1
+    sig, sig0, gam = (_per_layer(v, K, n) for v, n in ((sigma2, "sigma2"), (sigma0_2, "sigma0_2"),
+                                                         (gamma0, "gamma0")))
+    D_in = layers[0][0][0].shape[1]
+    C = layers[0][-1][0].shape[0]
+    weights: list = [None] * (K + 1)
+    biases: list = [None] * (K + 1)
+    assignments: list = [None] * K
+    results: list = [None] * K
+
+    def match(c: int, parts: list[list[Tensor]], part_mu0: list[float], output_part: int | None) -> MatchResult:
+        """Match layer c (0-based) from per-client blocks of coordinates; ``output_part`` indexes the block holding
+        output-layer weights (class-share precision)."""
+        neurons = [torch.cat(p, dim=1) for p in parts]
+        widths = [p.shape[1] for p in parts[0]]
+        mu = torch.cat([torch.full((w,), m, dtype=torch.float64) for w, m in zip(widths, part_mu0)])
+        precisions = None
+        if output_part is not None:
+            start = sum(widths[:output_part])
+            precisions = torch.ones(J, sum(widths), dtype=torch.float64)
+            precisions[:, start:start + C] = shares
+        r = match_layer(neurons, sigma2=sig[c], sigma0_2=sig0[c], gamma0=gam[c], mu0=mu, precisions=precisions,
+                        sweeps=sweeps, seed=None if seed is None else seed + c, **matcher_kwargs)
+        results[c] = r
+        assignments[c] = r.assignments
+        return r
+
+    def reindex(w: Tensor, rows_or_cols: Tensor, size: int) -> Tensor:
+        """Put the columns of ``w`` at the given global positions of a ``size``-wide zero matrix."""
+        out = torch.zeros(w.shape[0], size, dtype=w.dtype)
+        out[:, rows_or_cols] = w
+        return out
+
+    if direction == "bottom-up":
+        for c in range(K):
+            parts, mu = [], []
+            for j in range(J):
+                w, b = layers[j][c]
+                incoming = w if c == 0 else reindex(w, assignments[c - 1][j], weights[c - 1].shape[0])
+                block = [incoming, b[:, None]]
+                if c == K - 1:
+                    block.append(layers[j][K][0].T)
+                parts.append(block)
+            mu = [mu0, bias_mu0] + ([mu0] if c == K - 1 else [])
+            r = match(c, parts, mu, 2 if c == K - 1 else None)
+            atoms = r.global_atoms.to(torch.float64)
+            n_in = parts[0][0].shape[1]
+            weights[c], biases[c] = atoms[:, :n_in], atoms[:, n_in]
+            if c == K - 1:
+                weights[K] = atoms[:, n_in + 1:].T
+    else:
+        for c in reversed(range(K)):
+            parts = []
+            for j in range(J):
+                w, b = layers[j][c]
+                block = [w] if c == 0 else []
+                block.append(b[:, None])
+                w_up = layers[j][c + 1][0]
+                block.append(w_up.T if c == K - 1 else reindex(w_up.T, assignments[c + 1][j], biases[c + 1].shape[0]))
+                parts.append(block)
+            mu = ([mu0] if c == 0 else []) + [bias_mu0, mu0]
+            r = match(c, parts, mu, len(parts[0]) - 1 if c == K - 1 else None)
+            atoms = r.global_atoms.to(torch.float64)
+            n_in = D_in if c == 0 else 0
+            if c == 0:
+                weights[0] = atoms[:, :D_in]
+            biases[c] = atoms[:, n_in]
+            weights[c + 1] = atoms[:, n_in + 1:].T  # the layer above's incoming weights
+    # output bias: posterior mean under N(bias_mu0, sigma0_2) with client j's bias seen at precision share_jk / sigma2
+    b_out = torch.stack([layers[j][K][1] for j in range(J)])
+    precision = 1.0 / sig0[-1] + shares.sum(0) / sig[-1]
+    biases[K] = (bias_mu0 / sig0[-1] + (shares * b_out).sum(0) / sig[-1]) / precision
+    dtype = torch.get_default_dtype()
+    return NetworkMatch(
+        layers=[(w.to(dtype), b.to(dtype)) for w, b in zip(weights, biases)],
+        assignments=assignments,
+        layer_results=results,
+        direction=direction,
+        seconds=time.perf_counter() - t0,
+        class_shares=shares,
+    )
