@@ -95,7 +95,8 @@ class Dataset:
         )
 
 
-def load_dataset(name: str = "digits", *, data_dir: str | os.PathLike | None = None, download: bool = False) -> Dataset:
+def load_dataset(name: str = "digits", *, data_dir: str | os.PathLike | None = None, download: bool = False,
+                 standardize: bool = True) -> Dataset:
     """Load a dataset by name into memory.
 
     Parameters
@@ -108,6 +109,10 @@ def load_dataset(name: str = "digits", *, data_dir: str | os.PathLike | None = N
         ignored otherwise.
     download : bool
         Let torchvision download missing files into ``data_dir``. Off by default: nothing is fetched unasked.
+    standardize : bool
+        Standardise images with the train split's constants (default). ``False`` keeps pixel values in [0, 1],
+        as the PFNM reference code feeds them (its hyper-parameters sigma2 = sigma0_2 = 1 are set for that scale).
+        Ignored for ``"npz:PATH"`` (stored values are used as they are).
 
     Returns
     -------
@@ -141,9 +146,9 @@ def load_dataset(name: str = "digits", *, data_dir: str | os.PathLike | None = N
         return _load_npz(name[len(NPZ_PREFIX):])
     canonical = _ALIASES.get(name.lower(), name.lower())
     if canonical == "digits":
-        return _load_digits()
+        return _load_digits(standardize)
     if canonical in _VISION:
-        return _load_vision(canonical, data_dir=data_dir, download=download)
+        return _load_vision(canonical, data_dir=data_dir, download=download, standardize=standardize)
     raise ValueError(f"name={name!r} is not a known dataset; expected one of {_known_names()}")
 
 
@@ -151,7 +156,7 @@ def _known_names() -> str:
     return ", ".join([*map(repr, DATASET_NAMES), f"'{NPZ_PREFIX}PATH'"])
 
 
-def _load_digits() -> Dataset:
+def _load_digits(standardize: bool = True) -> Dataset:
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -161,7 +166,7 @@ def _load_digits() -> Dataset:
     x_train, x_test, y_train, y_test = train_test_split(
         x, y, test_size=DIGITS_TEST_FRACTION, stratify=y, random_state=DIGITS_SPLIT_SEED
     )
-    mean, std = float(x_train.mean()), float(x_train.std())
+    mean, std = (float(x_train.mean()), float(x_train.std())) if standardize else (0.0, 1.0)
     return Dataset(
         x_train=_standardise(torch.from_numpy(x_train), (mean,), (std,)),
         y_train=torch.from_numpy(y_train),
@@ -190,7 +195,7 @@ _VISION = {
 }
 
 
-def _load_vision(name: str, *, data_dir, download: bool) -> Dataset:
+def _load_vision(name: str, *, data_dir, download: bool, standardize: bool = True) -> Dataset:
     spec = _VISION[name]
     if data_dir is None:
         raise ValueError(
@@ -217,7 +222,7 @@ def _load_vision(name: str, *, data_dir, download: bool) -> Dataset:
                 f"{name} files not found (or failing torchvision's integrity check) in {where}; "
                 f"pass --download (download=True) to fetch them into data_dir={root!r}"
             ) from err
-        splits.append(_images_to_tensors(ds.data, ds.targets, spec))
+        splits.append(_images_to_tensors(ds.data, ds.targets, spec, standardize))
     (x_train, y_train), (x_test, y_test) = splits
     return Dataset(
         x_train=x_train,
@@ -230,7 +235,7 @@ def _load_vision(name: str, *, data_dir, download: bool) -> Dataset:
     )
 
 
-def _images_to_tensors(data, targets, spec: _VisionSpec) -> tuple[torch.Tensor, torch.Tensor]:
+def _images_to_tensors(data, targets, spec: _VisionSpec, standardize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """torchvision's raw arrays -> normalised float32 ``(N, C, H, W)`` and int64 labels.
 
     MNIST-style datasets hold a uint8 tensor ``(N, H, W)``; CIFAR-10 a uint8 numpy array ``(N, H, W, C)``.
@@ -239,7 +244,7 @@ def _images_to_tensors(data, targets, spec: _VisionSpec) -> tuple[torch.Tensor, 
     x = x.unsqueeze(1) if x.ndim == 3 else x.permute(0, 3, 1, 2)
     x = x.to(torch.float32).div_(255.0)
     y = torch.as_tensor(np.asarray(targets), dtype=torch.int64)
-    return _standardise(x, spec.mean, spec.std), y
+    return (_standardise(x, spec.mean, spec.std) if standardize else x.contiguous()), y
 
 
 def _standardise(x: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:

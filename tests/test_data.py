@@ -193,3 +193,12 @@ def test_cifar10_files_failing_the_checksum_are_reported_not_loaded(tmp_path):
     write_fake_cifar10(tmp_path)
     with pytest.raises(FileNotFoundError, match="integrity check.*--download"):
         load_dataset("cifar10", data_dir=tmp_path)
+
+
+def test_unstandardized_images_stay_in_the_unit_interval():
+    raw = load_dataset("digits", standardize=False)
+    std = load_dataset("digits")
+    assert float(raw.x_train.min()) == 0.0 and float(raw.x_train.max()) == 1.0
+    # the standardised data is the same images, shifted and scaled by the train constants
+    mean, sd = float(raw.x_train.mean()), float(raw.x_train.std(unbiased=False))
+    torch.testing.assert_close(std.x_test, (raw.x_test - mean) / sd, rtol=1e-5, atol=1e-5)
