@@ -164,6 +164,7 @@ def match_networks(
     direction: Literal["bottom-up", "top-down"] = "bottom-up",
     sweeps: int = 5,
     seed: int | None = None,
+    layer_fn=match_layer,
     **matcher_kwargs,
 ) -> NetworkMatch:
     """Match J clients' MLPs into one global MLP (PFNM's server step, one communication round).
@@ -182,7 +183,10 @@ def match_networks(
     :param sigma2: noise variance, ``sigma0_2`` prior variance, ``gamma0`` IBP mass: scalars, or one per hidden layer.
     :param mu0: prior mean of the weights (reference 0); ``bias_mu0`` of the biases (reference 0.1).
     :param direction: ``"bottom-up"`` (default) or ``"top-down"`` (the published order); see the module docstring.
-    :param matcher_kwargs: passed to :func:`match_layer` (``objective``, ``popularity_factor``, ...).
+    :param layer_fn: the one-layer matcher, :func:`match_layer` by default; any function with its signature
+        returning an object with ``global_atoms``, ``assignments`` and ``num_atoms`` (a baseline such as k-means
+        plugs in here and gets the same neuron vectors, re-indexing and output bias).
+    :param matcher_kwargs: passed to ``layer_fn`` (``objective``, ``popularity_factor``, ...).
     """
     t0 = time.perf_counter()
     layers, shares = _validate(client_layers, class_counts)
@@ -209,17 +213,16 @@ def match_networks(
             start = sum(widths[:output_part])
             precisions = torch.ones(J, sum(widths), dtype=torch.float64)
             precisions[:, start:start + C] = shares
-        r = match_layer(neurons, sigma2=sig[c], sigma0_2=sig0[c], gamma0=gam[c], mu0=mu, precisions=precisions,
-                        sweeps=sweeps, seed=None if seed is None else seed + c, **matcher_kwargs)
+        r = layer_fn(neurons, sigma2=sig[c], sigma0_2=sig0[c], gamma0=gam[c], mu0=mu, precisions=precisions,
+                     sweeps=sweeps, seed=None if seed is None else seed + c, **matcher_kwargs)
         results[c] = r
         assignments[c] = r.assignments
         return r
 
-    def reindex(w: Tensor, rows_or_cols: Tensor, size: int) -> Tensor:
-        """Put the columns of ``w`` at the given global positions of a ``size``-wide zero matrix."""
-        out = torch.zeros(w.shape[0], size, dtype=w.dtype)
-        out[:, rows_or_cols] = w
-        return out
+    def reindex(w: Tensor, columns: Tensor, size: int) -> Tensor:
+        """Add the columns of ``w`` into the given global positions of a ``size``-wide zero matrix (positions are
+        distinct for a matching; a baseline that maps two neurons to one global neuron adds their weights)."""
+        return torch.zeros(w.shape[0], size, dtype=w.dtype).index_add_(1, columns, w)
 
     if direction == "bottom-up":
         for c in range(K):

@@ -1,0 +1,67 @@
+"""The baselines PFNM is compared with (Yurochkin et al. 2019, section 4): local models, their uniform ensemble,
+FedAvg (weight averaging, which needs a shared initialisation to mean anything) and k-means over pooled neurons."""
+
+from __future__ import annotations
+
+import copy
+from typing import Sequence
+
+import numpy as np
+import torch
+from sklearn.cluster import KMeans
+from torch import Tensor, nn
+
+from bnpfed.combine import average_deterministic
+from bnpfed.inference.matching import MatchResult
+
+__all__ = ["ensemble_proba", "fedavg_network", "kmeans_layer_fn"]
+
+
+@torch.no_grad()
+def ensemble_proba(nets: Sequence[nn.Module], x: Tensor) -> Tensor:
+    """(N, C) uniform ensemble: the mean of every network's softmax."""
+    if not nets:
+        raise ValueError("nets is empty: the ensemble needs at least one network")
+    return torch.stack([torch.softmax(net.eval()(x), dim=-1) for net in nets]).mean(0)
+
+
+def fedavg_network(nets: Sequence[nn.Module], weights=None) -> nn.Module:
+    """One FedAvg aggregation: every parameter averaged with client weights ``b_k`` (default uniform; FedAvg uses
+    the clients' data sizes). All networks must have the same architecture."""
+    if not nets:
+        raise ValueError("nets is empty: FedAvg needs at least one network")
+    states = [dict(n.named_parameters()) for n in nets]
+    names = list(states[0])
+    for k, s in enumerate(states[1:], 1):
+        if list(s) != names or any(s[n].shape != states[0][n].shape for n in names):
+            raise ValueError(f"nets[{k}] does not have nets[0]'s parameter names and shapes: FedAvg averages "
+                             "parameters position by position")
+    out = copy.deepcopy(nets[0])
+    with torch.no_grad():
+        for name, param in out.named_parameters():
+            param.copy_(average_deterministic([s[name].detach() for s in states], weights))
+    return out
+
+
+def kmeans_layer_fn(widths: Sequence[int], *, n_init: int = 3):
+    """A ``layer_fn`` for :func:`~bnpfed.inference.multilayer.match_networks` that clusters the pooled neuron
+    vectors of hidden layer c into ``widths[c]`` atoms with k-means (scikit-learn) instead of matching them: the
+    k-means baseline of the PFNM paper, at the same global width as PFNM. Cluster centres are the global neurons;
+    precisions and priors are ignored (k-means has none), and two neurons of one client may share a centre (their
+    weights to the layer above then add up). Use it with ``direction="bottom-up"``: the layers come in order."""
+    widths = list(widths)
+    calls = iter(range(len(widths)))
+
+    def layer_fn(neurons, *, seed=None, **_ignored) -> MatchResult:
+        c = next(calls)
+        stacked = torch.cat([torch.as_tensor(v, dtype=torch.float64) for v in neurons]).numpy()
+        k = min(int(widths[c]), stacked.shape[0])
+        km = KMeans(n_clusters=k, n_init=n_init, random_state=0 if seed is None else seed).fit(stacked)
+        labels = torch.as_tensor(km.labels_, dtype=torch.long)
+        sizes = [len(v) for v in neurons]
+        centers = torch.as_tensor(km.cluster_centers_)
+        return MatchResult(global_atoms=centers, posterior_precision=torch.ones_like(centers),
+                           assignments=list(torch.split(labels, sizes)),
+                           counts=torch.bincount(labels, minlength=k), objective=[float(-km.inertia_)])
+
+    return layer_fn
