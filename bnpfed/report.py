@@ -41,8 +41,20 @@ def _is_number(text: str) -> bool:
         return False
 
 
+def _plain(value):
+    """NaN / inf become null (JSON has no NaN); containers are walked."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
 def write_json(path: str | Path, payload: dict) -> None:
-    """Write ``payload`` as indented JSON (tensors and numpy values must already be plain Python)."""
+    """Write ``payload`` as indented, standard JSON (tensors and numpy values must already be plain Python;
+    NaN and inf are written as null)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+    path.write_text(json.dumps(_plain(payload), indent=2, allow_nan=False) + "\n")

@@ -1,0 +1,140 @@
+"""Tables (and the width plot) from the JSON lines written by ``bench_pfnm.py``.
+
+Usage: python benchmarks/summarize_pfnm.py benchmarks/results/pfnm_mnist_*.jsonl [--plot PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import defaultdict
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bnpfed.report import format_table  # noqa: E402
+
+# The published reference code run on this machine (the PFNM issue): seed 0, and the mean over seeds 0-4 (J = 10).
+PUBLISHED = {
+    ("homogeneous", "seed0"): dict(local=0.94, ensemble=0.969, fedavg=0.124, pfnm=0.9665, width=408, seconds=4.3),
+    ("dirichlet", "seed0"): dict(local=0.73, ensemble=0.951, fedavg=0.174, pfnm=0.953, width=389, seconds=4.1),
+    ("homogeneous", "mean"): dict(ensemble=0.9692, pfnm=0.9681, width=413),
+    ("dirichlet", "mean"): dict(ensemble=0.9503, pfnm=0.9499, width=388),
+}
+
+
+def load(paths):
+    records = {}
+    for path in paths:
+        for line in open(path):
+            if line.strip():
+                rec = json.loads(line)
+                records[rec["key"]] = rec
+    return records
+
+
+def pareto(points):
+    """Points (width, accuracy) not beaten by a narrower-or-equal point with higher-or-equal accuracy."""
+    front, best = [], -1.0
+    for w, a in sorted(points, key=lambda p: (p[0], -p[1])):
+        if a > best:
+            front.append((w, a))
+            best = a
+    return front
+
+
+def dominates(front_a, front_b):
+    """Every point of front_b has a point of front_a at no larger width with at least its accuracy."""
+    return all(any(wa <= wb and aa >= ab for wa, aa in front_a) for wb, ab in front_b)
+
+
+def reference_tables(records):
+    groups = defaultdict(list)
+    for key, rec in records.items():
+        if key.startswith("reference/"):
+            groups[(rec["J"], rec["partition"])].append(rec)
+    out = []
+    for (J, partition), recs in sorted(groups.items()):
+        recs.sort(key=lambda r: r["seed"])
+        for label, chosen in (("seed 0", [r for r in recs if r["seed"] == 0]), (f"mean of {len(recs)} seeds", recs)):
+            if not chosen:
+                continue
+
+            def m(method, field="accuracy"):
+                vals = [r["rows"][method][field] for r in chosen]
+                vals = [sum(v) if isinstance(v, list) else v for v in vals]
+                return float(np.mean(vals))
+
+            out.append(dict(J=J, partition=partition, seeds=label, local_mean=m("local (mean)"),
+                            ensemble=m("ensemble"), fedavg_no_shared=m("fedavg (1 round)"), kmeans=m("k-means"),
+                            pfnm=m("pfnm (1 round)"), pfnm_width=m("pfnm (1 round)", "hidden"),
+                            pfnm_s=m("pfnm (1 round)", "seconds"),
+                            ref_constants=m("pfnm (reference constants)"),
+                            ref_width=m("pfnm (reference constants)", "hidden"),
+                            ref_s=m("pfnm (reference constants)", "seconds")))
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("paths", nargs="+")
+    p.add_argument("--plot", help="PNG of accuracy against global width")
+    args = p.parse_args(argv)
+    records = load(args.paths)
+
+    rows = reference_tables(records)
+    if rows:
+        print("## One-shot PFNM on MNIST, 784-100-10 (this repo)")
+        print(format_table(rows))
+        print("\n## The published reference code on this machine (from the issue)")
+        print(format_table([dict(partition=k[0], seeds=k[1], **v) for k, v in PUBLISHED.items()]))
+
+    width = records.get("width/J=10/homogeneous/seed=0")
+    if width:
+        pts = width["points"]
+        print("\n## Accuracy against global width (J = 10, homogeneous, seed 0)")
+        print(format_table(sorted(pts, key=lambda q: (q["constants"], q["width"])),
+                           ["constants", "sigma2", "gamma0", "width", "accuracy", "seconds"]))
+        fronts = {c: pareto([(q["width"], q["accuracy"]) for q in pts if q["constants"] == c])
+                  for c in ("bnpfed", "reference")}
+        for c, f in fronts.items():
+            print(f"Pareto front, {c} constants: " + ", ".join(f"({w}, {a:.4f})" for w, a in f))
+        print("bnpfed front dominates the reference-constants front:", dominates(fronts["bnpfed"], fronts["reference"]))
+        if args.plot:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+
+            fig, ax = plt.subplots(figsize=(6, 4))
+            for c, marker in (("bnpfed", "o"), ("reference", "s")):
+                mine = [(q["width"], q["accuracy"]) for q in pts if q["constants"] == c]
+                ax.scatter(*zip(*mine), marker=marker, label=f"{c} constants", alpha=0.7)
+                ax.step(*zip(*fronts[c]), where="post", alpha=0.6)
+            ax.set(xlabel="global hidden size", ylabel="test accuracy", xscale="log",
+                   title="PFNM on MNIST (J=10, homogeneous): accuracy against width")
+            ax.legend()
+            fig.tight_layout()
+            fig.savefig(args.plot, dpi=120)
+
+    for key, rec in sorted(records.items()):
+        if key.startswith("rounds/"):
+            print(f"\n## PFNM with communication: {key}")
+            hist = rec["history"]
+            table = [dict(round=h["round"], pfnm=h["accuracy"], pfnm_width=sum(h["hidden"]),
+                          pfnm_s=h.get("seconds", float("nan")), fedavg=f["accuracy"])
+                     for h, f in zip(hist["pfnm"], hist["fedavg"])]
+            print(format_table(table))
+            print("ensemble:", rec["rows"]["ensemble"]["accuracy"], " local (mean):",
+                  rec["rows"]["local (mean)"]["accuracy"])
+        if key.startswith("deep/"):
+            print(f"\n## Two hidden layers (784-100-100-10): {key}")
+            print(format_table([dict(method=k, accuracy=v["accuracy"], hidden=v["hidden"])
+                                for k, v in rec["rows"].items()]))
+
+
+if __name__ == "__main__":
+    main()
