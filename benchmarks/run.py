@@ -26,7 +26,13 @@ def bench_matching(quick: bool):
     print(format_table(bench_matching.run(configs)))
 
 
-BENCHMARKS = {"matching": bench_matching}
+def bench_fusion_fn(quick: bool):
+    import bench_fusion
+
+    bench_fusion.run(quick=quick)  # fusion rules, SVI clients, and (not --quick) the paper's Fashion-MNIST setting
+
+
+BENCHMARKS = {"matching": bench_matching, "fusion": bench_fusion_fn}
 
 
 def main(argv=None):

@@ -49,6 +49,12 @@ __all__ = [
 #: ``num_samples x numel`` tensor when a layer is large.
 POOLING_CHUNK_ELEMENTS = 1 << 24
 
+#: Number of floats one block of a rule's ``(K, numel)`` temporaries may hold (4 MiB of float32).
+#: :func:`log_variance` and :func:`conflation` work through the weights one block of columns at a time: a block
+#: stays in cache, and no ``(K, numel)`` tensor is allocated (for a large layer, the page faults of a fresh
+#: allocation of that size cost several times the reading of the inputs; see ``benchmarks/fusion.md``).
+BLOCK_ELEMENTS = 1 << 20
+
 
 class FusedGaussian(NamedTuple):
     """The fused posterior of one site: ``N(loc, variance)`` weight by weight; unpacks as ``loc, variance``."""
@@ -131,7 +137,11 @@ def log_variance(locs: Tensor, variances: Tensor, weights: Tensor, **_: Any) -> 
 
     The fused variance is the weighted geometric mean of the client variances.
     """
-    return _weighted_sum(weights, locs), torch.exp(_weighted_sum(weights, variances.log()))
+    flat = variances.reshape(len(variances), -1)
+    variance = torch.empty(flat.shape[1], dtype=flat.dtype, device=flat.device)
+    for cols, buffer in _column_blocks(flat):
+        torch.mv(torch.log(flat[:, cols], out=buffer).t(), weights, out=variance[cols]).exp_()
+    return _weighted_sum(weights, locs), variance.reshape(locs.shape[1:])
 
 
 def conflation(locs: Tensor, variances: Tensor, weights: Tensor, **_: Any) -> tuple[Tensor, Tensor]:
@@ -151,13 +161,33 @@ def conflation(locs: Tensor, variances: Tensor, weights: Tensor, **_: Any) -> tu
     and this is the plain product of the K densities.
 
     The published code forms the product of all variances, which underflows to 0 in float32 at about a dozen
-    clients with small variances. Here the log-precisions ``l_k = log b_k - log sigma_k^2`` are shifted by their
-    maximum ``m`` before exponentiating, ``r_k = exp(l_k - m) in [0, 1]`` with ``max_k r_k = 1``, so
+    clients with small variances. Here the sums of precisions ``lambda_k = b_k / sigma_k^2`` are formed directly
+    (one division per weight and client, no product), which is exact to rounding unless a precision overflows
+    (a variance below about ``b_k * 3e-39`` in float32) or the total falls below the smallest normal number; for
+    such inputs the log-precisions ``l_k = log b_k - log sigma_k^2`` are shifted by their maximum ``m`` before
+    exponentiating, ``r_k = exp(l_k - m) in [0, 1]`` with ``max_k r_k = 1``, so
 
     ``mu = sum_k r_k mu_k / sum_k r_k``,  ``log sigma^2 = log b_max - m - log sum_k r_k``,
 
     which stays finite and accurate for any number of clients and any positive variances.
     """
+    num_clients, shape = len(locs), locs.shape[1:]
+    flat_locs, flat_variances = locs.reshape(num_clients, -1), variances.reshape(num_clients, -1)
+    loc = torch.empty(flat_locs.shape[1], dtype=locs.dtype, device=locs.device)
+    variance = torch.empty_like(loc)
+    b, b_max = weights[:, None], weights.max()
+    for cols, buffer in _column_blocks(flat_variances):
+        precisions = torch.div(b, flat_variances[:, cols], out=buffer)  # lambda_k = b_k / sigma_k^2
+        total = precisions.sum(dim=0)
+        block_loc = torch.sum(precisions.mul_(flat_locs[:, cols]), dim=0, out=loc[cols]).div_(total)
+        if not (_all_normal_positive(total) and _all_finite(block_loc)):
+            return _conflation_log_shifted(locs, variances, weights)
+        torch.div(b_max, total, out=variance[cols])
+    return loc.reshape(shape), variance.reshape(shape)
+
+
+def _conflation_log_shifted(locs: Tensor, variances: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`conflation` through shifted log-precisions, finite for any positive variances."""
     log_precisions = weights.log().reshape(-1, *([1] * (locs.dim() - 1))) - variances.log()
     shift = log_precisions.amax(dim=0)
     relative_precisions = torch.exp(log_precisions - shift)  # in [0, 1]; clients with b_k = 0 give exactly 0
@@ -165,6 +195,17 @@ def conflation(locs: Tensor, variances: Tensor, weights: Tensor, **_: Any) -> tu
     loc = (relative_precisions * locs).sum(dim=0) / total
     variance = torch.exp(weights.max().log() - shift - total.log())
     return loc, variance
+
+
+def _column_blocks(flat: Tensor):
+    """``(cols, buffer)`` for blocks of columns of a ``(K, N)`` tensor, ``buffer`` an uninitialised ``(K, width)``
+    tensor of its dtype to write the block's temporary into (reused across blocks)."""
+    num_clients, numel = flat.shape
+    width = max(1, BLOCK_ELEMENTS // max(1, num_clients))
+    buffer = torch.empty(num_clients, min(width, numel), dtype=flat.dtype, device=flat.device)
+    for start in range(0, numel, width):
+        stop = min(start + width, numel)
+        yield slice(start, stop), buffer[:, : stop - start] if stop - start < buffer.shape[1] else buffer
 
 
 def _chunked_moments(loc: Tensor, scale: Tensor, count: int, generator: torch.Generator | None
@@ -268,8 +309,32 @@ def _as_client_stack(x: Any, name: str) -> Tensor:
     return stacked
 
 
+def _all_finite(x: Tensor) -> bool:
+    """Whether every entry is finite, in one read: the minimum and maximum are finite (both propagate NaN)."""
+    if x.numel() == 0:
+        return True
+    low, high = torch.aminmax(x)
+    return bool(torch.isfinite(low) & torch.isfinite(high))
+
+
+def _all_positive_finite(x: Tensor) -> bool:
+    """Whether every entry is finite and > 0, in one read of ``x``."""
+    if x.numel() == 0:
+        return True
+    low, high = torch.aminmax(x)
+    return bool((low > 0) & torch.isfinite(high))
+
+
+def _all_normal_positive(x: Tensor) -> bool:
+    """Whether every entry is finite and at least the smallest normal number of its dtype (no precision lost)."""
+    if x.numel() == 0:
+        return True
+    low, high = torch.aminmax(x)
+    return bool((low >= torch.finfo(x.dtype).tiny) & torch.isfinite(high))
+
+
 def _check_finite(x: Tensor, name: str) -> None:
-    if not torch.isfinite(x).all():
+    if not _all_finite(x):
         bad = (~torch.isfinite(x)).nonzero()[0].tolist()
         raise ValueError(f"{name} must be finite, got {x[tuple(bad)].item()} at index {tuple(bad)}")
 
@@ -310,8 +375,8 @@ def _validated(locs: Any, variances: Any, weights: Any) -> tuple[Tensor, Tensor,
     locs = locs.to(dtype)
     variances = variances.to(dtype=dtype, device=locs.device)
     _check_finite(locs, "locs")
-    _check_finite(variances, "variances")
-    if (variances <= 0).any():
+    if not _all_positive_finite(variances):  # then find the first bad entry and name it
+        _check_finite(variances, "variances")
         bad = (variances <= 0).nonzero()[0].tolist()
         raise ValueError(f"variances must be > 0, got {variances[tuple(bad)].item()} at index {tuple(bad)}")
     return locs, variances, _normalised_weights(weights, locs.shape[0], dtype, locs.device)
