@@ -3,6 +3,6 @@
 A command parses arguments, calls the library, and prints / plots / writes results; it adds no math of its own.
 """
 
-from bnpfed.commands import demo
+from bnpfed.commands import demo, flower, fuse, pfnm
 
-COMMANDS = [demo]
+COMMANDS = [demo, pfnm, fuse, flower]

@@ -31,7 +31,8 @@ from bnpfed.inference.multilayer import NetworkMatch, linear_layers, match_netwo
 from bnpfed.metrics import count_parameters
 from bnpfed.models import mlp, reference_init_
 
-__all__ = ["PFNMSettings", "MethodResult", "PFNMRun", "run_pfnm_experiment", "width_sweep", "METHODS"]
+__all__ = ["PFNMSettings", "MethodResult", "PFNMRun", "LocalSchedule", "run_pfnm_experiment", "width_sweep",
+           "client_split", "initial_network", "local_schedule", "train_client", "METHODS"]
 
 #: Methods a run can include; ``pfnm-rounds`` and ``fedavg-rounds`` only when ``rounds > 1``.
 METHODS = ("local", "ensemble", "fedavg", "fedavg-shared", "kmeans", "pfnm", "pfnm-rounds", "fedavg-rounds")
@@ -128,6 +129,8 @@ class PFNMRun:
     curve: list = field(default_factory=list)  # (sigma2, sigma0_2, gamma0, width, accuracy) of every candidate
     local_models: list = field(default_factory=list, repr=False)  # the clients' trained networks (not serialised)
     class_counts: np.ndarray | None = field(default=None, repr=False)
+    # method ("pfnm", "pfnm-rounds") -> the global network's (weight, bias) layers after its last round (not serialised)
+    global_layers: dict = field(default_factory=dict, repr=False)
 
     def row(self, method: str) -> MethodResult:
         for r in self.rows:
@@ -146,7 +149,29 @@ def _accuracy(net: nn.Module, x, y) -> float:
     return float((net.eval()(x).argmax(-1) == y).double().mean())
 
 
-def _client_split(settings: PFNMSettings, y_train: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
+@dataclass(frozen=True)
+class LocalSchedule:
+    """What every client does in one communication round: ``epochs`` of Adam at learning rate ``lr``; client j's
+    fit draws from seed ``seed * 100_003 + j`` (:func:`train_client`)."""
+
+    epochs: int
+    lr: float
+    seed: int
+
+
+def local_schedule(settings: PFNMSettings, round: int) -> LocalSchedule:
+    """The local training of round ``round`` (1-based): round 1 trains ``epochs`` at ``lr`` from the clients'
+    initialisations; a later round r retrains ``round_epochs`` at ``lr * lr_decay ** (r - 1)``."""
+    if round < 1:
+        raise ValueError(f"round must be >= 1, got {round}")
+    if round == 1:
+        return LocalSchedule(settings.epochs, settings.lr, settings.seed)
+    return LocalSchedule(settings.round_epochs, settings.lr * settings.lr_decay ** (round - 1), settings.seed + round)
+
+
+def client_split(settings: PFNMSettings, y_train: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Every client's training indices into ``y_train`` and its held-out indices (empty unless
+    ``settings.select == "federated"``), as ``(train, validation)`` lists of J arrays."""
     J = settings.clients
     if settings.partition == "homogeneous":
         parts = partition_homogeneous(y_train, J, seed=settings.seed)
@@ -159,24 +184,34 @@ def _client_split(settings: PFNMSettings, y_train: np.ndarray) -> tuple[list[np.
     return [s.train for s in splits], [s.validation for s in splits]
 
 
-def _train_clients(nets, data, settings: PFNMSettings, *, epochs: int, lr: float, seed: int, progress) -> list:
+def train_client(net: nn.Module, x, y, settings: PFNMSettings, client: int, schedule: LocalSchedule) -> nn.Module:
+    """Client ``client`` 's local step: a copy of ``net`` trained on its ``(x, y)`` by AMSGrad with the settings'
+    batch size and L2 strength; returns the trained copy in eval mode."""
+    fitted = DeterministicClient(net).fit(x, y, epochs=schedule.epochs, batch_size=settings.batch_size,
+                                          lr=schedule.lr, seed=schedule.seed * 100_003 + client, amsgrad=True,
+                                          weight_decay=settings.weight_decay)
+    return fitted.net.eval()
+
+
+def initial_network(settings: PFNMSettings, client: int, in_features: int, num_classes: int, *,
+                    shared: bool) -> nn.Module:
+    """Client ``client`` 's MLP before any training, in the reference initialisation: one seed for every client
+    when ``shared``, else its own."""
+    seed = settings.seed if shared else settings.seed * 100_003 + client + 1
+    net = mlp(in_features, list(settings.hidden), num_classes)
+    return reference_init_(net, generator=torch.Generator().manual_seed(seed))
+
+
+def _train_clients(nets, data, settings: PFNMSettings, schedule: LocalSchedule, *, progress) -> list:
     out = []
     for j, (net, (x, y)) in enumerate(zip(nets, data)):
-        client = DeterministicClient(net).fit(x, y, epochs=epochs, batch_size=settings.batch_size, lr=lr,
-                                              seed=seed * 100_003 + j, amsgrad=True,
-                                              weight_decay=settings.weight_decay)
-        out.append(client.net.eval())
+        out.append(train_client(net, x, y, settings, j, schedule))
         progress(1)
     return out
 
 
 def _initial_nets(settings: PFNMSettings, in_features: int, num_classes: int, *, shared: bool) -> list[nn.Module]:
-    nets = []
-    for j in range(settings.clients):
-        seed = settings.seed if shared else settings.seed * 100_003 + j + 1
-        net = mlp(in_features, list(settings.hidden), num_classes)
-        nets.append(reference_init_(net, generator=torch.Generator().manual_seed(seed)))
-    return nets
+    return [initial_network(settings, j, in_features, num_classes, shared=shared) for j in range(settings.clients)]
 
 
 def run_pfnm_experiment(dataset: Dataset, settings: PFNMSettings = PFNMSettings(), *, progress: bool = True,
@@ -193,7 +228,7 @@ def run_pfnm_experiment(dataset: Dataset, settings: PFNMSettings = PFNMSettings(
     x_train, y_train, x_test, y_test = ds.x_train, ds.y_train, ds.x_test, ds.y_test
     C, D = ds.num_classes, ds.input_shape[0]
     methods = set(settings.methods)
-    train_idx, val_idx = _client_split(settings, y_train.numpy())
+    train_idx, val_idx = client_split(settings, y_train.numpy())
     counts = class_counts(y_train.numpy(), train_idx, C)
     sizes = np.array([len(i) for i in train_idx], dtype=np.float64)
     client_data = [(x_train[torch.as_tensor(i)], y_train[torch.as_tensor(i)]) for i in train_idx]
@@ -204,10 +239,11 @@ def run_pfnm_experiment(dataset: Dataset, settings: PFNMSettings = PFNMSettings(
     bar = tqdm(total=n_steps, desc="client training", disable=not progress, leave=False)
     rows: list[MethodResult] = []
     history: dict = {}
+    global_layers: dict = {}
 
     # local models, trained once, from independent (reference) initialisations
     local = _train_clients(_initial_nets(settings, D, C, shared=settings.shared_init), client_data, settings,
-                           epochs=settings.epochs, lr=settings.lr, seed=settings.seed, progress=bar.update)
+                           local_schedule(settings, 1), progress=bar.update)
     local_acc = [_accuracy(n, x_test, y_test) for n in local]
     width = list(settings.hidden)
     n_params = count_parameters(local[0])
@@ -226,8 +262,8 @@ def run_pfnm_experiment(dataset: Dataset, settings: PFNMSettings = PFNMSettings(
     shared = None
     if "fedavg-shared" in methods or "fedavg-rounds" in methods:
         shared = local if settings.shared_init else _train_clients(
-            _initial_nets(settings, D, C, shared=True), client_data, settings, epochs=settings.epochs,
-            lr=settings.lr, seed=settings.seed, progress=bar.update)
+            _initial_nets(settings, D, C, shared=True), client_data, settings, local_schedule(settings, 1),
+            progress=bar.update)
         if "fedavg-shared" in methods and not settings.shared_init:
             rows.append(MethodResult("fedavg (1 round)", _accuracy(fedavg_network(shared, sizes), x_test, y_test),
                                      width, n_params, 1, note="shared init"))
@@ -237,8 +273,7 @@ def run_pfnm_experiment(dataset: Dataset, settings: PFNMSettings = PFNMSettings(
         hist = [dict(round=1, accuracy=_accuracy(global_net, x_test, y_test), hidden=width)]
         for r in range(2, settings.rounds + 1):
             trained = _train_clients([global_net] * settings.clients, client_data, settings,
-                                     epochs=settings.round_epochs, lr=settings.lr * settings.lr_decay ** (r - 1),
-                                     seed=settings.seed + r, progress=bar.update)
+                                     local_schedule(settings, r), progress=bar.update)
             global_net = fedavg_network(trained, sizes)
             hist.append(dict(round=r, accuracy=_accuracy(global_net, x_test, y_test), hidden=width))
         history["fedavg"] = hist
@@ -275,6 +310,7 @@ def run_pfnm_experiment(dataset: Dataset, settings: PFNMSettings = PFNMSettings(
             selection["validation_accuracy"] = best_score
         selection.update(sigma2=hyper[0], sigma0_2=hyper[1], gamma0=hyper[2])
         global_net = best.network()
+        global_layers["pfnm"] = best.layers
         pfnm_acc = _accuracy(global_net, x_test, y_test)
         if "pfnm" in methods:
             rows.append(MethodResult("pfnm (1 round)", pfnm_acc, best.hidden_sizes, count_parameters(global_net), 1,
@@ -292,8 +328,7 @@ def run_pfnm_experiment(dataset: Dataset, settings: PFNMSettings = PFNMSettings(
             hist = [dict(round=1, accuracy=pfnm_acc, hidden=best.hidden_sizes, seconds=best.seconds)]
             for r in range(2, settings.rounds + 1):
                 starts = [network_from_layers(result.client_slice(j)) for j in range(settings.clients)]
-                current = _train_clients(starts, client_data, settings, epochs=settings.round_epochs,
-                                         lr=settings.lr * settings.lr_decay ** (r - 1), seed=settings.seed + r,
+                current = _train_clients(starts, client_data, settings, local_schedule(settings, r),
                                          progress=bar.update)
                 result = match(current, *hyper)
                 acc = _accuracy(result.network(), x_test, y_test)
@@ -301,13 +336,14 @@ def run_pfnm_experiment(dataset: Dataset, settings: PFNMSettings = PFNMSettings(
                 if log:
                     log(f"pfnm round {r}: accuracy {acc:.4f}, hidden {result.hidden_sizes}, {result.seconds:.2f} s")
             history["pfnm"] = hist
+            global_layers["pfnm-rounds"] = result.layers
             net = result.network()
             rows.append(MethodResult(f"pfnm ({settings.rounds} rounds)", hist[-1]["accuracy"], result.hidden_sizes,
                                      count_parameters(net), settings.rounds,
                                      seconds=float(np.mean([h["seconds"] for h in hist]))))
     bar.close()
     return PFNMRun(settings=settings, rows=rows, local_accuracies=local_acc, history=history, selection=selection,
-                   curve=curve, local_models=local, class_counts=counts)
+                   curve=curve, local_models=local, class_counts=counts, global_layers=global_layers)
 
 
 def width_sweep(dataset: Dataset, settings: PFNMSettings, *, sigma2: Sequence[float], gamma0: Sequence[float],

@@ -1,0 +1,25 @@
+"""PFNM and posterior fusion on Flower (1.42, the Message API): the same servers and clients as
+:mod:`bnpfed.federated`, run as real server and client processes. Needs the extra ``bnpfed[flower]``.
+
+* :mod:`bnpfed.flower.strategies`: :class:`PFNMStrategy` (one-shot or multi-round neuron matching; each client
+  gets its slice of the global network back) and :class:`PosteriorFusionStrategy` (any rule of
+  :mod:`bnpfed.combine`). They check every reply at the boundary and call the library's matching and fusion
+  functions; no aggregation math is written here.
+* :mod:`bnpfed.flower.client`: the ClientApp (``bnpfed.flower.client:app``), with Torch, Pyro and the data.
+* :mod:`bnpfed.flower.server`: the ServerApp (``bnpfed.flower.server:app``) and :func:`run_federation`.
+* :mod:`bnpfed.flower.records`: packing arrays into Flower records, checking replies.
+* :mod:`bnpfed.flower.local`: :class:`LocalGrid`, an in-process grid for tests.
+
+``examples/flower_app`` is an app ``flwr run`` accepts; ``bnpfed flower --help`` says how to start the pieces.
+"""
+
+try:
+    import flwr  # noqa: F401
+except ImportError as error:  # pragma: no cover - depends on the environment
+    raise ImportError("bnpfed.flower needs Flower: pip install 'bnpfed[flower]' (flwr[simulation]>=1.42,<1.43)"
+                      ) from error
+
+from bnpfed.flower.records import ReplyError
+from bnpfed.flower.strategies import PFNMStrategy, PosteriorFusionStrategy
+
+__all__ = ["PFNMStrategy", "PosteriorFusionStrategy", "ReplyError"]

@@ -1,0 +1,1 @@
+"""bnpfed's PFNM and posterior fusion as a Flower app."""
