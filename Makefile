@@ -19,6 +19,8 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 
 demo: $(STAMP)
 	$(VENV)/bin/bnpfed demo
+	$(VENV)/bin/bnpfed pfnm --partition hetero --sigma2 0.3 --rounds 3
+	$(VENV)/bin/bnpfed fuse --rounds 3
 
 test: $(STAMP)
 	$(PY) -m pytest -q
