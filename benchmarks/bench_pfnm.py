@@ -19,12 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
-from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from bnpfed.data import load_dataset

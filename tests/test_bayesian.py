@@ -36,15 +36,6 @@ LENET_PARAMS = [
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny networks run much faster on one thread than on a shared machine's several."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 def weight_sites(bnn, x):
     """The model trace's weight sites: name -> (prior distribution, sampled value)."""
     trace = poutine.trace(bnn.model).get_trace(x)

@@ -55,16 +55,6 @@ FUSION = {"method": "fusion", "rounds": 2, "hidden": "16", "local-epochs": 1, "p
 DEPLOYMENT_TIMEOUT = 300
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny networks run faster on one thread, and the in-process reference then sums in the order the Flower
-    clients (OMP_NUM_THREADS=1) do."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 @pytest.fixture(scope="module")
 def pfnm_reference():
     """The in-process PFNM run: the global layers after round 1 and after round 2, and the widths per round."""

@@ -20,15 +20,6 @@ from bnpfed.inference import BayesianClient, DeterministicClient
 METRICS = ("accuracy", "nll", "ece", "brier")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny networks run much faster on one thread than on a shared machine's several."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 @pytest.fixture(scope="module")
 def digits():
     return load_dataset("digits")

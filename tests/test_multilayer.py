@@ -4,7 +4,6 @@ import numpy as np
 import pytest
 import torch
 
-from bnpfed.inference import match_layer
 from bnpfed.inference.multilayer import linear_layers, match_networks, network_from_layers
 from bnpfed.models import mlp
 

@@ -2,9 +2,7 @@
 
 import json
 
-import numpy as np
 import pytest
-import torch
 
 from bnpfed.cli import main
 from bnpfed.data import load_dataset
@@ -16,17 +14,8 @@ def digits():
     return load_dataset("digits", standardize=False)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 @pytest.fixture(scope="module")
 def homogeneous_run(digits):
-    torch.set_num_threads(1)
     settings = PFNMSettings(clients=5, sigma2=0.3, gamma0=1.0, methods=("local", "ensemble", "fedavg", "pfnm",
                                                                          "kmeans"))
     return run_pfnm_experiment(digits, settings, progress=False)

@@ -13,15 +13,6 @@ from bnpfed.inference import BayesianClient, DeterministicClient, MeanFieldGuide
 from bnpfed.models import IIDPrior, LeNet, mlp, only_linear_weights
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny networks run much faster on one thread than on a shared machine's several."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 def blobs(n=200, seed=0):
     """Two well separated Gaussian blobs in 2-D, at (-3, -3) and (3, 3)."""
     g = torch.Generator().manual_seed(seed)

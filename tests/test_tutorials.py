@@ -1,6 +1,5 @@
 """Every tutorial notebook runs top to bottom (in a reduced size: BNPFED_TUTORIAL_QUICK=1)."""
 
-import os
 from pathlib import Path
 
 import nbformat

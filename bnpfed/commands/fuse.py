@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from bnpfed.combine import available_rules
+from bnpfed.commands._args import dataset_name, fraction, positive_float, positive_int, positive_ints
 from bnpfed.data import DATASET_NAMES, NPZ_PREFIX, load_dataset
 from bnpfed.federated import partition_dirichlet, partition_homogeneous
 from bnpfed.federated.fusion import (ARCHITECTURES, CLIENT_WEIGHTS, FEDAVG, PRIORS, FusionConfig,
@@ -17,18 +18,6 @@ from bnpfed.report import format_table, write_json
 PARTITIONS = ("iid", "dirichlet")
 #: Metrics the plot shows, one panel each.
 PLOTTED = ("accuracy", "nll", "ece", "brier", "mean_sigma")
-
-
-def dataset_name(value: str) -> str:
-    """argparse type of ``--dataset``: a known name or ``npz:PATH`` (which no ``choices`` list can hold)."""
-    if value.startswith(NPZ_PREFIX):
-        if not value[len(NPZ_PREFIX):]:
-            raise argparse.ArgumentTypeError(f"{value!r} has no path; expected {NPZ_PREFIX}PATH naming an .npz file")
-        return value
-    if value.lower().replace("_", "-") in DATASET_NAMES:
-        return value.lower().replace("_", "-")
-    raise argparse.ArgumentTypeError(f"unknown dataset {value!r}; expected one of {', '.join(DATASET_NAMES)} or "
-                                     f"{NPZ_PREFIX}PATH")
 
 
 def rule_list(value: str) -> tuple[str, ...]:
@@ -43,47 +32,6 @@ def rule_list(value: str) -> tuple[str, ...]:
     if len(set(rules)) != len(rules):
         raise argparse.ArgumentTypeError(f"rule listed twice in {value!r}")
     return rules
-
-
-def hidden_widths(value: str) -> tuple[int, ...]:
-    """argparse type of ``--hidden``: comma-separated positive widths, e.g. ``100`` or ``200,100``."""
-    try:
-        widths = tuple(int(w) for w in value.split(","))
-    except ValueError:
-        widths = ()
-    if not widths or min(widths) < 1:
-        raise argparse.ArgumentTypeError(f"{value!r}: expected comma-separated positive ints, e.g. 100 or 200,100")
-    return widths
-
-
-def fraction(value: str) -> float:
-    try:
-        f = float(value)
-    except ValueError:
-        f = float("nan")
-    if not 0 < f <= 1:
-        raise argparse.ArgumentTypeError(f"{value!r}: expected a number in (0, 1]")
-    return f
-
-
-def positive_int(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{value!r}: expected a positive int")
-    return n
-
-
-def positive_float(value: str) -> float:
-    try:
-        x = float(value)
-    except ValueError:
-        x = float("nan")
-    if not 0 < x < float("inf"):
-        raise argparse.ArgumentTypeError(f"{value!r}: expected a positive number")
-    return x
 
 
 def add_parser(sub):
@@ -116,7 +64,7 @@ def add_parser(sub):
                    help="iid (homogeneous) or dirichlet (label-Dirichlet, see --alpha)")
     p.add_argument("--alpha", type=positive_float, default=0.5, help="Dirichlet concentration of --partition dirichlet")
     p.add_argument("--arch", choices=ARCHITECTURES, default=d.arch, help="MLP, or LeNet-5 for square images")
-    p.add_argument("--hidden", type=hidden_widths, default=",".join(map(str, d.hidden)),
+    p.add_argument("--hidden", type=positive_ints, default=",".join(map(str, d.hidden)),
                    help="hidden widths of the MLP, comma-separated")
     p.add_argument("--prior", choices=PRIORS, default=d.prior,
                    help="which parameters are Bayesian: linear-weights (the paper) or all")

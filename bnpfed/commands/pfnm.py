@@ -14,35 +14,12 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict, fields
 
+from bnpfed.commands._args import dataset_name, floats, positive_ints
 from bnpfed.data import DATASET_NAMES, NPZ_PREFIX, load_dataset
 from bnpfed.federated.pfnm import METHODS, PFNMSettings, run_pfnm_experiment, width_sweep
 from bnpfed.report import format_table, write_json
 
 COLUMNS = ["method", "accuracy", "hidden", "parameters", "rounds", "seconds", "note"]
-
-
-def _floats(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(t) for t in text.split(",") if t.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(t) for t in text.split(",") if t.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
-def _dataset_name(text: str) -> str:
-    if text in DATASET_NAMES or text == "fashion_mnist" or text.startswith(NPZ_PREFIX):
-        return text
-    raise argparse.ArgumentTypeError(f"unknown dataset {text!r}; expected one of {', '.join(DATASET_NAMES)} "
-                                     f"or {NPZ_PREFIX}PATH")
 
 
 def add_parser(sub):
@@ -56,19 +33,19 @@ def add_parser(sub):
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     g = p.add_argument_group("data")
-    g.add_argument("--dataset", type=_dataset_name, default="digits",
+    g.add_argument("--dataset", type=dataset_name, default="digits",
                    help=f"{', '.join(DATASET_NAMES)} or {NPZ_PREFIX}PATH (x_train, y_train, x_test, y_test)")
     g.add_argument("--data-dir", help="torchvision root for mnist / fashion-mnist / cifar10")
     g.add_argument("--download", action="store_true", help="let torchvision download missing files")
     g.add_argument("--standardize", action="store_true",
                    help="standardise pixels (default: keep them in [0, 1] as the reference does)")
-    g.add_argument("--clients", type=_ints, default=(d.clients,), help="J, or a list such as 5,10,20")
+    g.add_argument("--clients", type=positive_ints, default=(d.clients,), help="J, or a list such as 5,10,20")
     g.add_argument("--partition", choices=["homogeneous", "homo", "hetero", "dirichlet"], default="homogeneous",
                    help="homogeneous (IID) or heterogeneous label-Dirichlet(alpha)")
     g.add_argument("--alpha", type=float, default=d.alpha, help="Dirichlet concentration")
     g.add_argument("--min-size", type=int, default=d.min_size, help="minimum examples per client (Dirichlet)")
     g = p.add_argument_group("local training")
-    g.add_argument("--hidden", type=_ints, default=d.hidden, help="hidden widths, e.g. 100 or 100,100")
+    g.add_argument("--hidden", type=positive_ints, default=d.hidden, help="hidden widths, e.g. 100 or 100,100")
     g.add_argument("--epochs", type=int, default=d.epochs)
     g.add_argument("--batch-size", type=int, default=d.batch_size)
     g.add_argument("--lr", type=float, default=d.lr)
@@ -87,9 +64,9 @@ def add_parser(sub):
     g.add_argument("--select", choices=["none", "federated", "pooled-train"], default=d.select,
                    help="choose sigma2 / sigma0_2 / gamma0 from the grids by the clients' held-out splits "
                    "(federated) or by pooled training accuracy (the reference's way)")
-    g.add_argument("--grid-sigma2", type=_floats, default=d.grid_sigma2)
-    g.add_argument("--grid-sigma0-2", type=_floats, default=d.grid_sigma0_2)
-    g.add_argument("--grid-gamma0", type=_floats, default=d.grid_gamma0)
+    g.add_argument("--grid-sigma2", type=floats, default=d.grid_sigma2)
+    g.add_argument("--grid-sigma0-2", type=floats, default=d.grid_sigma0_2)
+    g.add_argument("--grid-gamma0", type=floats, default=d.grid_gamma0)
     g.add_argument("--holdout", type=float, default=d.holdout, help="held-out share per client (federated)")
     g = p.add_argument_group("communication")
     g.add_argument("--rounds", type=int, default=d.rounds, help="PFNM communication rounds (and FedAvg's)")
@@ -100,8 +77,8 @@ def add_parser(sub):
     g.add_argument("--width-sweep", action="store_true",
                    help="instead: accuracy against global width, sweeping --sweep-sigma2 x --sweep-gamma0 under "
                    "both sets of constants")
-    g.add_argument("--sweep-sigma2", type=_floats, default=(0.5, 0.7, 0.85, 1.0, 1.15, 1.3, 1.6, 2.0))
-    g.add_argument("--sweep-gamma0", type=_floats, default=(1e-3, 1.0))
+    g.add_argument("--sweep-sigma2", type=floats, default=(0.5, 0.7, 0.85, 1.0, 1.15, 1.3, 1.6, 2.0))
+    g.add_argument("--sweep-gamma0", type=floats, default=(1e-3, 1.0))
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument("--json", metavar="PATH", help="write all results as JSON")
     g.add_argument("--plot", metavar="PATH", help="write a PNG: accuracy and global size per round, per J, or "

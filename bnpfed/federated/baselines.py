@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 from typing import Sequence
 
-import numpy as np
 import torch
 from sklearn.cluster import KMeans
 from torch import Tensor, nn

@@ -9,7 +9,6 @@ Everything here is orchestration: local training is :class:`~bnpfed.inference.De
 from __future__ import annotations
 
 import itertools
-import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Literal, Sequence
 
@@ -27,7 +26,7 @@ from bnpfed.federated.partition import (
     train_validation_split,
 )
 from bnpfed.inference import REFERENCE_CONSTANTS, DeterministicClient
-from bnpfed.inference.multilayer import NetworkMatch, linear_layers, match_networks, network_from_layers
+from bnpfed.inference.multilayer import NetworkMatch, match_networks, network_from_layers
 from bnpfed.metrics import count_parameters
 from bnpfed.models import mlp, reference_init_
 
