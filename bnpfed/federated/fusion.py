@@ -76,6 +76,7 @@ from bnpfed.models.bayesian import seeded
 
 __all__ = [
     "ARCHITECTURES",
+    "bayesian_client",
     "CLIENT_WEIGHTS",
     "FEDAVG",
     "FIT",
@@ -300,9 +301,14 @@ def build_network(arch: str, input_shape: Sequence[int], num_classes: int, hidde
     return LeNet(in_channels=input_shape[0], image_size=input_shape[1], num_classes=num_classes)
 
 
-def _prior(config: FusionConfig):
+def bayesian_client(config: FusionConfig, network: nn.Module) -> BayesianClient:
+    """A Bayesian client of ``network`` with the experiment's prior (N(0, prior_scale^2) on the fully connected
+    weights only, the paper's choice, or on every parameter), initial posterior scale and local reparameterisation;
+    the in-process federation and the Flower client app both build their clients here."""
     weight_prior = dist.Normal(0.0, float(config.prior_scale))
-    return only_linear_weights(weight_prior) if config.prior == "linear-weights" else IIDPrior(weight_prior)
+    prior = only_linear_weights(weight_prior) if config.prior == "linear-weights" else IIDPrior(weight_prior)
+    return BayesianClient(network, prior, init_scale=config.init_scale,
+                          local_reparameterization=config.local_reparameterization)
 
 
 class _Federation:
@@ -412,12 +418,8 @@ class FusionFederation(_Federation):
         self.method = rule
         self.rule = rule
 
-        def client() -> BayesianClient:
-            return BayesianClient(self.network, _prior(config), init_scale=config.init_scale,
-                                  local_reparameterization=config.local_reparameterization)
-
-        self.global_model = client()
-        self.clients = [client() for _ in range(self.num_clients)]
+        self.global_model = bayesian_client(config, self.network)
+        self.clients = [bayesian_client(config, self.network) for _ in range(self.num_clients)]
         self.global_posterior: dict[str, FusedGaussian] = {
             name: FusedGaussian(loc, variance) for name, (loc, variance) in self.global_model.posterior().items()}
         self.global_deterministic: dict[str, Tensor] = self.global_model.deterministic_state()

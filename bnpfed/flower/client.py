@@ -35,7 +35,8 @@ from flwr.clientapp import ClientApp
 
 from bnpfed.data import Dataset, load_dataset
 from bnpfed.federated import class_counts, partition_dirichlet, partition_homogeneous
-from bnpfed.federated.fusion import FIT, INIT, PREDICT, FusionConfig, _prior, build_network, derive_seed
+from bnpfed.federated.fusion import FIT, INIT, PREDICT, FusionConfig, build_network, derive_seed
+from bnpfed.federated.fusion import bayesian_client as _fusion_client
 from bnpfed.federated.pfnm import (LocalSchedule, PFNMSettings, client_split, initial_network, local_schedule,
                                   train_client)
 from bnpfed.flower.config import dataclass_from_config
@@ -106,8 +107,7 @@ def bayesian_client(config: FusionConfig, input_shape, num_classes: int) -> Baye
     builds its clients (the network from seed ``derive_seed(seed, INIT)``, the prior, the initial scale)."""
     with seeded(derive_seed(config.seed, INIT)):
         network = build_network(config.arch, input_shape, num_classes, config.hidden)
-    return BayesianClient(network, _prior(config), init_scale=config.init_scale,
-                          local_reparameterization=config.local_reparameterization)
+    return _fusion_client(config, network)
 
 
 def initial_global_model(config: FusionConfig, input_shape, num_classes: int) -> ArrayRecord:
