@@ -12,7 +12,9 @@ Parts (each writes JSON lines to ``--out`` and can be resumed: finished configur
 * ``width``: accuracy against global width (J = 10, homogeneous, seed 0), sweeping sigma2 and gamma0 under both
   sets of constants;
 * ``rounds``: PFNM with communication against multi-round FedAvg and the ensemble (J = 25, 10 rounds);
-* ``deep``: 784-100-100-10, top-down against bottom-up under both sets of constants (J = 10, homogeneous, seed 0).
+* ``deep``: 784-100-100-10, top-down against bottom-up under both sets of constants (J = 10, homogeneous, seed 0);
+* ``timing``: matching seconds per round at J = 25 (homogeneous and Dirichlet, seed 0) with the process's default
+  BLAS threads, best of 3, under both sets of constants (run it on a quiet machine).
 """
 
 from __future__ import annotations
@@ -107,14 +109,33 @@ def part_deep(ds, out: Path) -> None:
     _emit(out, key, dict(rows=rows))
 
 
+def part_timing(ds, out: Path) -> None:
+    for partition in ("homogeneous", "dirichlet"):
+        key = f"timing/J=25/{partition}/seed=0"
+        if key in _done(out):
+            continue
+        run = run_pfnm_experiment(ds, PFNMSettings(clients=25, partition=partition, methods=("local",)),
+                                  progress=False)
+        rows = {}
+        for constants in ("bnpfed", "reference"):
+            extra = dict(REFERENCE_CONSTANTS, direction="top-down") if constants == "reference" else {}
+            results = [match_networks(run.local_models, run.class_counts, sigma2=1.0, sigma0_2=1.0, gamma0=1.0,
+                                      sweeps=5, seed=0, **extra) for _ in range(3)]
+            best = min(results, key=lambda r: r.seconds)
+            rows[constants] = dict(seconds=best.seconds, hidden=best.hidden_sizes,
+                                   lsa_seconds=best.layer_results[0].lsa_seconds,
+                                   rematches=len(best.layer_results[0].rematches))
+        _emit(out, key, dict(rows=rows))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-dir", default=str(DEFAULT_DATA))
     p.add_argument("--out", default=str(HERE / "results" / "pfnm_mnist.jsonl"))
-    p.add_argument("--parts", default="reference,width,rounds,deep")
+    p.add_argument("--parts", default="reference,width,rounds,deep,timing")
     p.add_argument("--seeds", default="0,1,2,3,4")
     p.add_argument("--clients", default="10,25")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process (local training)")
     args = p.parse_args(argv)
     if not (Path(args.data_dir) / "MNIST" / "raw").is_dir():
         print(f"skipped: no MNIST under {args.data_dir}")
@@ -127,7 +148,8 @@ def main(argv=None):
     Js = [int(j) for j in args.clients.split(",")]
     for part in args.parts.split(","):
         {"reference": lambda: part_reference(ds, out, seeds, Js), "width": lambda: part_width(ds, out),
-         "rounds": lambda: part_rounds(ds, out), "deep": lambda: part_deep(ds, out)}[part]()
+         "rounds": lambda: part_rounds(ds, out), "deep": lambda: part_deep(ds, out),
+         "timing": lambda: part_timing(ds, out)}[part]()
 
 
 if __name__ == "__main__":
