@@ -305,3 +305,18 @@ def test_zero_precision_coordinates_are_ignored():
     assert r.num_atoms == 1
     expected_last = (5.0 / 0.01) / (1.0 + 1 / 0.01)
     assert r.global_atoms[0, 2].item() == pytest.approx(expected_last)
+
+
+@pytest.mark.parametrize("objective", ["map", "marginal"])
+@pytest.mark.parametrize("seed", range(3))
+def test_gram_and_direct_cross_products_give_the_same_matching(objective, seed):
+    layer = sample_federated_layer(7, 12, seed=seed, gamma0=6.0, sigma2=0.3)
+    prec = torch.ones(7, 12)
+    prec[:, -2:] = torch.rand(7, 2, generator=torch.Generator().manual_seed(seed)) + 0.1
+    kw = dict(sigma2=0.3, sigma0_2=1.0, gamma0=6.0, seed=seed, objective=objective, precisions=prec, mu0=0.1,
+              stop_at_fixed_point=False)
+    direct = match_layer(layer.neurons, cross_products="direct", **kw)
+    gram = match_layer(layer.neurons, cross_products="gram", **kw)
+    assert gram.objective == pytest.approx(direct.objective, rel=1e-10)
+    assert all(torch.equal(a, b) for a, b in zip(gram.assignments, direct.assignments))
+    torch.testing.assert_close(gram.global_atoms, direct.global_atoms)

@@ -72,6 +72,7 @@ from typing import Literal, Sequence
 import numpy as np
 import torch
 from scipy.optimize import linear_sum_assignment
+from scipy.sparse import csr_matrix
 from torch import Tensor
 
 __all__ = ["MatchResult", "match_layer", "assignment_objective", "REFERENCE_CONSTANTS"]
@@ -224,6 +225,8 @@ class _LayerMatcher:
         self.wB = wB
         self.xB = [np.ascontiguousarray(v[:, B] * wB[j]) for j, v in enumerate(neurons)]
         self.L = [v.shape[0] for v in neurons]
+        self.offsets = np.concatenate([[0], np.cumsum(self.L)])
+        self.gram: np.ndarray | None = None  # (N, N) products x_u . x_v of all neurons' block-A parts, when used
         self.marginal = marginal
         self.c = float(popularity_factor)
         self.log_new = 2.0 * math.log(gamma0 / J)
@@ -371,7 +374,7 @@ class _LayerMatcher:
         if rematch:
             previous = self.assign[j]
             positions, kept = self._remove_stats(j)
-        cross = self.xA[j] @ self.gA[: self.n_rows].T
+        cross = self._gram_cross(j) if self.gram is not None else self.xA[j] @ self.gA[: self.n_rows].T
         if rematch:
             self.gA_sq[kept] -= 2.0 * cross[positions, kept] + self.xA_sq[j][positions]
         S, active = self.scores(j, cross)
@@ -397,6 +400,28 @@ class _LayerMatcher:
         opened = np.zeros(self.L[j], dtype=bool)
         opened[new_rows] = True
         return bool((was_shared == opened).any() or (target[positions] != previous[positions]).any())
+
+    def use_gram(self) -> None:
+        """Score through the Gram matrix of all neurons from now on (see :meth:`_gram_cross`)."""
+        x = np.concatenate(self.xA)
+        self.gram = x @ x.T
+        self.g0x_all = np.concatenate(self.g0x)
+
+    def _gram_cross(self, j: int) -> np.ndarray:
+        """``x_l . g_i`` for client j's neurons l and every stored atom i, from the Gram matrix: an atom's g is
+        g0 plus its members' x, so ``x_l . g_i = x_l . g0 + sum_{u in S_i} x_l . x_u``. One gather of client j's
+        (L_j, N) block of the Gram matrix and a sum per atom replace the (L_j, D) x (D, L) product; worth it when
+        the layer stays wide (many atoms against few neurons). The sum per atom is a product with the sparse (N, L)
+        membership matrix."""
+        others = [k for k in range(self.J) if k != j and self.assign[k] is not None]
+        if not others:
+            return np.repeat(self.g0x[j][:, None], self.n_rows, axis=1)
+        members = np.concatenate([np.arange(self.offsets[k], self.offsets[k + 1]) for k in others])
+        atoms = np.concatenate([self.assign[k] for k in others])
+        membership = csr_matrix((np.ones(members.size), (members, atoms)), shape=(self.gram.shape[0], self.n_rows))
+        cross = np.asarray(self.gram[self.offsets[j]:self.offsets[j + 1]] @ membership)
+        cross += self.g0x[j][:, None]
+        return cross
 
     # --- the objective ----------------------------------------------------------------------------------------------
     def objective(self) -> float:
@@ -478,6 +503,7 @@ def match_layer(
     max_atoms: int | None = None,
     new_atom_penalty: Literal["none", "log_k"] = "none",
     stop_at_fixed_point: bool = True,
+    cross_products: Literal["auto", "direct", "gram"] = "auto",
 ) -> MatchResult:
     """Match J clients' neurons to global atoms by MAP under the Beta-Bernoulli process (PFNM's server step).
 
@@ -512,9 +538,16 @@ def match_layer(
     :param bool stop_at_fixed_point: skip the remaining sweeps once a whole sweep changed no client's assignment
         (the state is then a fixed point of every re-match, so the result is the same; ``objective`` repeats its last
         value for the skipped sweeps and ``rematches`` shows how many were run).
+    :param str cross_products: how a re-match gets the products of a client's neurons with every atom:
+        ``"direct"``, one (L_j, D) x (D, L) matrix product; ``"gram"``, from the (N, N) Gram matrix of all N neurons,
+        computed once after the greedy pass (a gather and a sum per atom per re-match); ``"auto"`` (default) takes the
+        Gram matrix when the sweeps' products would cost more than it (``sweeps * L > N`` after the greedy pass, a
+        wide layer) and it fits in 512 MiB. Same scores up to rounding.
     :returns: :class:`MatchResult`.
     """
     t0 = time.perf_counter()
+    if cross_products not in ("auto", "direct", "gram"):
+        raise ValueError(f"cross_products must be 'auto', 'direct' or 'gram', got {cross_products!r}")
     if int(sweeps) != sweeps or sweeps < 0:
         raise ValueError(f"sweeps must be an integer >= 0, got {sweeps}")
     matcher = _make_matcher(neurons, sigma2=sigma2, sigma0_2=sigma0_2, gamma0=gamma0, mu0=mu0, precisions=precisions,
@@ -523,6 +556,10 @@ def match_layer(
     for j in np.argsort(-np.array(matcher.L), kind="stable"):
         matcher.match(int(j))
     history = [matcher.objective()]
+    N, L = int(matcher.offsets[-1]), int((matcher.m[: matcher.n_rows] > 0).sum())
+    wide = sweeps > 0 and sweeps * L > N and N * N * 8 <= 512 * 2 ** 20
+    if cross_products == "gram" or (cross_products == "auto" and wide):
+        matcher.use_gram()
     rng = np.random.default_rng(seed)
     for _ in range(int(sweeps)):
         changed = False
