@@ -167,6 +167,10 @@ def _plot_rounds(run_, path: str) -> None:
         names = [r.method for r in run_.rows]
         ax_acc.barh(names, [r.accuracy for r in run_.rows])
         ax_size.barh(names, [sum(r.hidden) for r in run_.rows])
+    from matplotlib.ticker import MaxNLocator
+
+    for ax in (ax_acc, ax_size):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax_acc.set(xlabel="communication round", ylabel="test accuracy")
     ax_size.set(xlabel="communication round", ylabel="global hidden size (sum over layers)")
     ax_acc.legend(fontsize=8)

@@ -57,6 +57,8 @@ Usage::
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -311,7 +313,7 @@ def bayesian_client(config: FusionConfig, network: nn.Module) -> BayesianClient:
                           local_reparameterization=config.local_reparameterization)
 
 
-class _Federation:
+class _Federation(ABC):
     """What the Bayesian and the FedAvg federation share: data, client sampling, client weights, the round loop."""
 
     method: str
@@ -377,17 +379,21 @@ class _Federation:
         probs = torch.cat([self._predict(x[i:i + EVAL_CHUNK]) for i in range(0, len(x), EVAL_CHUNK)])
         return classification_report(probs, self.dataset.y_test, n_bins=self.config.ece_bins)
 
+    @abstractmethod
     def broadcast(self) -> None:
-        raise NotImplementedError
+        """Implemented by each subclass."""
 
+    @abstractmethod
     def _fit(self, k: int, x: Tensor, y: Tensor, seed: int) -> float:
-        raise NotImplementedError
+        """Implemented by each subclass."""
 
+    @abstractmethod
     def _aggregate(self, round: int, sampled: list[int], weights: list[float]) -> None:
-        raise NotImplementedError
+        """Implemented by each subclass."""
 
+    @abstractmethod
     def _predict(self, x: Tensor) -> Tensor:
-        raise NotImplementedError
+        """Implemented by each subclass."""
 
 
 class FusionFederation(_Federation):

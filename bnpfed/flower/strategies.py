@@ -25,6 +25,8 @@ missing nodes, and (PFNM) the global hidden sizes.
 
 from __future__ import annotations
 
+from abc import abstractmethod
+
 import logging
 import random
 import time
@@ -212,14 +214,17 @@ class _RoundStrategy(Strategy):
             metrics[key.replace("_", "-")] = value
         return arrays, metrics
 
+    @abstractmethod
     def _train_content(self, server_round: int, node: int, arrays: ArrayRecord) -> tuple[ArrayRecord, dict]:
-        raise NotImplementedError
+        """Implemented by each subclass."""
 
+    @abstractmethod
     def _parse_train(self, reply: Message) -> _Accepted:
-        raise NotImplementedError
+        """Implemented by each subclass."""
 
+    @abstractmethod
     def _aggregate(self, server_round: int, accepted: list[_Accepted]) -> tuple[ArrayRecord, dict]:
-        raise NotImplementedError
+        """Implemented by each subclass."""
 
     # ------------------------------------------------------------------------------------------------ evaluation
 
