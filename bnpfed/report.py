@@ -41,14 +41,14 @@ def _is_number(text: str) -> bool:
         return False
 
 
-def _plain(value):
+def json_safe(value):
     """NaN / inf become null (JSON has no NaN); containers are walked."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
+        return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [json_safe(v) for v in value]
     return value
 
 
@@ -57,4 +57,4 @@ def write_json(path: str | Path, payload: dict) -> None:
     NaN and inf are written as null)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_plain(payload), indent=2, allow_nan=False) + "\n")
+    path.write_text(json.dumps(json_safe(payload), indent=2, allow_nan=False) + "\n")

@@ -75,6 +75,7 @@ from bnpfed.inference.svi import BayesianClient, DeterministicClient
 from bnpfed.metrics import classification_report
 from bnpfed.models import IIDPrior, LeNet, mlp, only_linear_weights
 from bnpfed.models.bayesian import seeded
+from bnpfed.report import json_safe
 
 __all__ = [
     "ARCHITECTURES",
@@ -282,7 +283,7 @@ class FusionExperiment:
 
     def to_dict(self) -> dict:
         """Plain Python (JSON-ready; NaN becomes None): config, client sizes, every method's rounds."""
-        return _json_safe({
+        return json_safe({
             "config": asdict(self.config),
             "client_sizes": self.client_sizes,
             "histories": {m: {"rounds": h.rounds, "sampled": h.sampled} for m, h in self.histories.items()},
@@ -576,13 +577,3 @@ def _check_choice(value, choices: Sequence[str], name: str) -> None:
 def _check_int(value, name: str, *, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
         raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
-
-
-def _json_safe(value):
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
