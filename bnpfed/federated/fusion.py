@@ -384,9 +384,11 @@ class _Federation(ABC):
     def broadcast(self) -> None:
         """Implemented by each subclass."""
 
-    @abstractmethod
     def _fit(self, k: int, x: Tensor, y: Tensor, seed: int) -> float:
-        """Implemented by each subclass."""
+        """Client k's local epochs (Bayesian and deterministic clients share ``fit``); its last epoch's loss."""
+        c = self.clients[k]
+        c.fit(x, y, epochs=self.config.local_epochs, batch_size=self.config.batch_size, lr=self.config.lr, seed=seed)
+        return c.losses_[-1]
 
     @abstractmethod
     def _aggregate(self, round: int, sampled: list[int], weights: list[float]) -> None:
@@ -443,11 +445,6 @@ class FusionFederation(_Federation):
             c.load_posterior(self.global_posterior)
             c.load_deterministic(self.global_deterministic)
 
-    def _fit(self, k, x, y, seed):
-        c = self.clients[k]
-        c.fit(x, y, epochs=self.config.local_epochs, batch_size=self.config.batch_size, lr=self.config.lr, seed=seed)
-        return c.losses_[-1]
-
     def _aggregate(self, round, sampled, weights):
         generator = torch.Generator().manual_seed(self.pooling_seed(round))
         self.global_posterior = fuse_sites([self.clients[k].posterior() for k in sampled], self.rule, weights,
@@ -491,11 +488,6 @@ class FedAvgFederation(_Federation):
     def broadcast(self) -> None:
         for c in self.clients:
             c.load_state(self.global_state)
-
-    def _fit(self, k, x, y, seed):
-        c = self.clients[k]
-        c.fit(x, y, epochs=self.config.local_epochs, batch_size=self.config.batch_size, lr=self.config.lr, seed=seed)
-        return c.losses_[-1]
 
     def _aggregate(self, round, sampled, weights):
         states = [self.clients[k].state() for k in sampled]
