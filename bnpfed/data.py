@@ -4,15 +4,17 @@ One entry point, :func:`load_dataset`, returns a :class:`Dataset` whatever the s
 
 - ``"digits"`` (the default everywhere): scikit-learn's bundled 8x8 handwritten digits, no files needed.
 - ``"mnist"``, ``"fashion-mnist"`` (also ``"fashion_mnist"``), ``"cifar10"``: torchvision's datasets, read from
-  ``data_dir`` in torchvision's on-disk layout (the optional extra ``bnpfed[vision]``).
-- ``"npz:PATH"``: any ``.npz`` file holding ``x_train, y_train, x_test, y_test``.
+  ``data_dir`` in torchvision's on-disk layout (the optional extra ``bnpfed[vision]``), e.g.
+  ``load_dataset("mnist", data_dir="data/mnist", download=True)``.
+- ``"npz:PATH"``: a ``.npz`` file of your own; :data:`NPZ_FORMAT` says what it must hold.
 
 Usage::
 
-    ds = load_dataset("digits")
-    ds.x_train.shape            # torch.Size([1347, 1, 8, 8])
-    ds.flat().x_train.shape     # torch.Size([1347, 64]), for MLPs
-    mnist = load_dataset("mnist", data_dir="data/mnist", download=True)
+    >>> ds = load_dataset("digits")
+    >>> ds.x_train.shape
+    torch.Size([1347, 1, 8, 8])
+    >>> ds.flat().x_train.shape             # for MLPs
+    torch.Size([1347, 64])
 """
 
 from __future__ import annotations
@@ -21,19 +23,33 @@ import dataclasses
 import importlib
 import math
 import os
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-__all__ = ["DATASET_NAMES", "NPZ_PREFIX", "Dataset", "load_dataset"]
+from bnpfed.validation import check_bool, check_int
+
+__all__ = ["DATASET_NAMES", "NPZ_FORMAT", "NPZ_PREFIX", "Dataset", "load_dataset"]
 
 #: Names accepted by :func:`load_dataset` (besides the ``"npz:PATH"`` form); the CLI offers these as choices.
 DATASET_NAMES = ("digits", "mnist", "fashion-mnist", "cifar10")
 
 #: Prefix of the ``"npz:PATH"`` dataset name.
 NPZ_PREFIX = "npz:"
+
+#: What the ``.npz`` file of an ``"npz:PATH"`` dataset must hold, in words (the commands' ``--help`` quotes it; the
+#: docstring of :func:`load_dataset` says the same).
+NPZ_FORMAT = (
+    "an .npz file (numpy.savez) holding four arrays: x_train (N_train, *input_shape) and x_test "
+    "(N_test, *input_shape) with the same input_shape, either images stored channels-first (N, C, H, W), or "
+    "(N, H, W) for one channel, or feature vectors (N, F); of an unsigned integer dtype (pixels: uint8 values are "
+    "divided by 255, uint16 by 65535, ..., the dtype's maximum) or a float dtype (used as stored), all finite; "
+    "y_train (N_train,) and y_test (N_test,) of an integer dtype, class labels 0 .. C-1 (C is the largest label "
+    "+ 1); neither split empty."
+)
 
 _ALIASES = {"fashion_mnist": "fashion-mnist"}
 
@@ -48,18 +64,24 @@ _NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")
 class Dataset:
     """A train/test split held in memory as tensors.
 
+    Construction checks the split (cheaply): shapes agree with ``input_shape``, ``x`` is finite floating point,
+    labels are integers in ``[0, num_classes)``.
+
     Usage::
 
-        ds = load_dataset("digits")
-        model = torch.nn.Linear(ds.flat().input_shape[0], ds.num_classes)
+        >>> ds = load_dataset("digits")
+        >>> model = torch.nn.Linear(ds.flat().input_shape[0], ds.num_classes)
+        >>> model(ds.flat().x_test).shape
+        torch.Size([450, 10])
 
     :param torch.Tensor x_train: inputs, float32, ``(N_train, *input_shape)``; images are ``(N, C, H, W)``,
-        normalised (mean about 0, standard deviation about 1 per channel on the train split).
+        normalised (mean about 0, standard deviation about 1 per channel on the train split) unless loaded with
+        ``standardize=False``.
     :param torch.Tensor y_train: class labels, int64, ``(N_train,)``, in ``0 .. num_classes - 1``.
     :param torch.Tensor x_test: inputs, float32, ``(N_test, *input_shape)``, normalised with the train constants.
-    :param torch.Tensor y_test: class labels, int64, ``(N_test,)``.
+    :param torch.Tensor y_test: class labels, int64, ``(N_test,)``, in ``0 .. num_classes - 1``.
     :param str name: the canonical dataset name (``"digits"``, ``"fashion-mnist"``, ``"npz:PATH"``, ...).
-    :param int num_classes: number of classes.
+    :param int num_classes: number of classes, at least 1.
     :param tuple input_shape: shape of one input, e.g. ``(1, 28, 28)``; ``(F,)`` for flat data.
     """
 
@@ -72,16 +94,31 @@ class Dataset:
     input_shape: tuple[int, ...]
 
     def __post_init__(self):
+        check_int(self.num_classes, "num_classes", low=1)
         for split in ("train", "test"):
             x, y = getattr(self, f"x_{split}"), getattr(self, f"y_{split}")
             if tuple(x.shape[1:]) != tuple(self.input_shape):
                 raise ValueError(
-                    f"x_{split} has shape {tuple(x.shape)}; expected (N, *input_shape) with "
-                    f"input_shape={tuple(self.input_shape)}"
+                    f"x_{split}: expected shape (N, *input_shape) with input_shape={tuple(self.input_shape)}, "
+                    f"got {tuple(x.shape)}"
+                )
+            if not x.is_floating_point():
+                raise ValueError(f"x_{split}: expected a floating-point tensor, got dtype {x.dtype}")
+            finite = torch.isfinite(x)
+            if not bool(finite.all()):
+                raise ValueError(
+                    f"x_{split}: expected finite values, got {int((~finite).sum())} NaN or infinite value(s)"
                 )
             if y.ndim != 1 or y.shape[0] != x.shape[0]:
                 raise ValueError(
-                    f"y_{split} has shape {tuple(y.shape)}; expected ({x.shape[0]},), one label per row of x_{split}"
+                    f"y_{split}: expected shape ({x.shape[0]},), one label per row of x_{split}, got {tuple(y.shape)}"
+                )
+            if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
+                raise ValueError(f"y_{split}: expected an integer tensor of class labels, got dtype {y.dtype}")
+            if y.numel() and (int(y.min()) < 0 or int(y.max()) >= self.num_classes):
+                raise ValueError(
+                    f"y_{split}: expected class labels in [0, {self.num_classes}) (num_classes={self.num_classes}), "
+                    f"got labels from {int(y.min())} to {int(y.max())}"
                 )
 
     def flat(self) -> Dataset:
@@ -99,20 +136,30 @@ def load_dataset(name: str = "digits", *, data_dir: str | os.PathLike | None = N
                  standardize: bool = True) -> Dataset:
     """Load a dataset by name into memory.
 
+    An ``"npz:PATH"`` file must be an .npz file (numpy.savez) holding four arrays: x_train (N_train, *input_shape) and
+    x_test (N_test, *input_shape) with the same input_shape, either images stored channels-first (N, C, H, W), or
+    (N, H, W) for one channel, or feature vectors (N, F); of an unsigned integer dtype (pixels: uint8 values are
+    divided by 255, uint16 by 65535, ..., the dtype's maximum) or a float dtype (used as stored), all finite;
+    y_train (N_train,) and y_test (N_test,) of an integer dtype, class labels 0 .. C-1 (C is the largest label + 1);
+    neither split empty.
+
+    (This paragraph is :data:`NPZ_FORMAT`.) Signed integer inputs are refused rather than guessed at: their maximum
+    (2**63 - 1 for int64) is no pixel scale; save ``x.astype(np.uint8)`` or ``x.astype(np.float32)``.
+
     Parameters
     ----------
     name : str
         One of :data:`DATASET_NAMES` (``"fashion_mnist"`` is accepted for ``"fashion-mnist"``), or
-        ``"npz:PATH"`` for a ``.npz`` file with arrays ``x_train, y_train, x_test, y_test``.
+        ``"npz:PATH"`` for an ``.npz`` file as above.
     data_dir : path, optional
         torchvision's ``root`` for ``"mnist"``, ``"fashion-mnist"`` and ``"cifar10"`` (required for those);
         ignored otherwise.
     download : bool
         Let torchvision download missing files into ``data_dir``. Off by default: nothing is fetched unasked.
     standardize : bool
-        Standardise images with the train split's constants (default). ``False`` keeps pixel values in [0, 1],
-        as the PFNM reference code feeds them (its hyper-parameters sigma2 = sigma0_2 = 1 are set for that scale).
-        Ignored for ``"npz:PATH"`` (stored values are used as they are).
+        Standardise inputs with the train split's constants (default). ``False`` keeps pixel values in [0, 1],
+        as the PFNM reference code feeds them (its hyper-parameters sigma2 = sigma0_2 = 1 are set for that scale),
+        and float ``.npz`` inputs as stored.
 
     Returns
     -------
@@ -121,13 +168,18 @@ def load_dataset(name: str = "digits", *, data_dir: str | os.PathLike | None = N
         train split's scalar mean and standard deviation; split 75/25, stratified by class, with a fixed seed
         (:data:`DIGITS_TEST_FRACTION`, :data:`DIGITS_SPLIT_SEED`): 1347 train and 450 test images.
         torchvision datasets: images ``(N, C, H, W)`` in [0, 1], normalised per channel with the standard
-        constants. ``"npz:PATH"``: ``x`` as stored (cast to float32, no normalisation),
-        ``num_classes = max label + 1`` over both splits.
+        constants. ``"npz:PATH"``: float32 inputs, pixels scaled to [0, 1]; ``(N, H, W)`` images become
+        ``(N, 1, H, W)``; standardised with the train split's mean and (population) standard deviation, per
+        channel for images and one scalar pair for feature vectors (so features keep their stored relative
+        scales, as flattened pixels should; standardise differently-scaled features yourself before saving);
+        a constant channel is only centred. ``num_classes`` is the largest label over both splits + 1.
 
     Raises
     ------
     ValueError
-        Unknown name, ``data_dir`` missing for a torchvision dataset, or an ``.npz`` with missing keys or bad shapes.
+        Unknown name, ``data_dir`` missing for a torchvision dataset, or an ``.npz`` that breaks
+        :data:`NPZ_FORMAT` (not an ``.npz`` archive, missing arrays, mismatched shapes, an empty split, NaN or
+        infinite values, labels that are not non-negative integers); the message names the file.
     ImportError
         torchvision is not installed (``pip install bnpfed[vision]``).
     FileNotFoundError
@@ -139,11 +191,28 @@ def load_dataset(name: str = "digits", *, data_dir: str | os.PathLike | None = N
     >>> ds = load_dataset("digits")
     >>> tuple(ds.x_train.shape), ds.num_classes
     ((1347, 1, 8, 8), 10)
+
+    An ``.npz`` of uint8 greyscale images ``(N, H, W)``:
+
+    >>> import tempfile
+    >>> rng = np.random.default_rng(0)
+    >>> with tempfile.TemporaryDirectory() as folder:
+    ...     path = os.path.join(folder, "toy.npz")
+    ...     np.savez(path, x_train=rng.integers(0, 256, (20, 6, 6), dtype=np.uint8), y_train=np.arange(20) % 3,
+    ...              x_test=rng.integers(0, 256, (5, 6, 6), dtype=np.uint8), y_test=np.arange(5) % 3)
+    ...     raw = load_dataset(f"npz:{path}", standardize=False)
+    ...     ds = load_dataset(f"npz:{path}")
+    >>> raw.input_shape, raw.num_classes, 0 <= float(raw.x_train.min()) <= float(raw.x_train.max()) <= 1
+    ((1, 6, 6), 3, True)
+    >>> round(float(ds.x_train.mean()), 4) + 0.0, round(float(ds.x_train.std(unbiased=False)), 4)
+    (0.0, 1.0)
     """
     if not isinstance(name, str):
-        raise ValueError(f"name={name!r} is not a string; expected one of {_known_names()}")
+        raise ValueError(f"name: expected one of {_known_names()}, got {name!r}")
+    check_bool(download, "download")
+    check_bool(standardize, "standardize")
     if name.startswith(NPZ_PREFIX):
-        return _load_npz(name[len(NPZ_PREFIX):])
+        return _load_npz(name[len(NPZ_PREFIX):], standardize)
     canonical = _ALIASES.get(name.lower(), name.lower())
     if canonical == "digits":
         return _load_digits(standardize)
@@ -199,8 +268,8 @@ def _load_vision(name: str, *, data_dir, download: bool, standardize: bool = Tru
     spec = _VISION[name]
     if data_dir is None:
         raise ValueError(
-            f"data_dir=None for dataset {name!r}; expected the folder holding (or to receive, with download=True) "
-            f"torchvision's {spec.class_name} files"
+            f"data_dir: expected the folder holding (or to receive, with download=True) torchvision's "
+            f"{spec.class_name} files for dataset {name!r} (--data-dir on the command line), got None"
         )
     try:
         datasets = importlib.import_module("torchvision.datasets")
@@ -255,41 +324,128 @@ def _standardise(x: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...
     return ((x - mean_t) / std_t).contiguous()
 
 
-def _load_npz(path: str) -> Dataset:
+def _load_npz(path: str, standardize: bool = True) -> Dataset:
+    """An ``"npz:PATH"`` dataset: read, check against :data:`NPZ_FORMAT`, scale pixels, standardise on request."""
     if not path:
         raise ValueError(f"name={NPZ_PREFIX!r} has no path; expected '{NPZ_PREFIX}PATH' naming an .npz file")
     file = Path(path).expanduser()
+    if not file.exists():
+        raise FileNotFoundError(
+            f"npz dataset file {str(file.absolute())!r} does not exist; expected an .npz file holding "
+            f"{', '.join(_NPZ_KEYS)}"
+        )
     if not file.is_file():
-        raise FileNotFoundError(f"npz dataset file {str(file.absolute())!r} does not exist")
-    with np.load(file, allow_pickle=False) as npz:
+        raise ValueError(f"npz file {str(file)!r}: expected an .npz file, got a directory")
+    arrays = _read_npz(file)
+    _check_npz(file, arrays)
+    x_train, x_test = (_npz_inputs(arrays[key]) for key in ("x_train", "x_test"))
+    for key, x in (("x_train", x_train), ("x_test", x_test)):
+        finite = np.isfinite(x)
+        if not finite.all():  # after the cast: float64 values beyond float32's range are infinite too
+            raise ValueError(
+                f"npz file {str(file)!r}: {key}: expected finite values (in float32's range), "
+                f"got {int(x.size - finite.sum())} NaN or infinite value(s)"
+            )
+    x_train_t, x_test_t = torch.from_numpy(x_train), torch.from_numpy(x_test)
+    if standardize:
+        mean, std = _train_constants(x_train_t)
+        x_train_t, x_test_t = _standardise(x_train_t, mean, std), _standardise(x_test_t, mean, std)
+    y_train, y_test = (torch.from_numpy(arrays[key].astype(np.int64)) for key in ("y_train", "y_test"))
+    return Dataset(
+        x_train=x_train_t,
+        y_train=y_train,
+        x_test=x_test_t,
+        y_test=y_test,
+        name=f"{NPZ_PREFIX}{path}",
+        num_classes=int(max(y_train.max(), y_test.max())) + 1,
+        input_shape=tuple(x_train_t.shape[1:]),
+    )
+
+
+def _read_npz(file: Path) -> dict[str, np.ndarray]:
+    """The four arrays of :data:`NPZ_FORMAT` from ``file``, or a ``ValueError`` naming the file."""
+    try:
+        npz = np.load(file, allow_pickle=False)
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as err:
+        raise ValueError(
+            f"npz file {str(file)!r}: expected an .npz archive written by numpy.savez, got a file numpy cannot read "
+            f"as one ({type(err).__name__}: {err})"
+        ) from err
+    if not isinstance(npz, np.lib.npyio.NpzFile):
+        raise ValueError(
+            f"npz file {str(file)!r}: expected an .npz archive written by numpy.savez holding "
+            f"{list(_NPZ_KEYS)}, got a single .npy array of shape {npz.shape}"
+        )
+    with npz:
         missing = [key for key in _NPZ_KEYS if key not in npz.files]
         if missing:
             raise ValueError(
-                f"npz file {str(file)!r} lacks arrays {missing}; expected {list(_NPZ_KEYS)}, "
+                f"npz file {str(file)!r}: lacks arrays {missing}; expected {list(_NPZ_KEYS)}, "
                 f"found {sorted(npz.files)}"
             )
-        arrays = {key: npz[key] for key in _NPZ_KEYS}
-    for key in ("y_train", "y_test"):
-        y = arrays[key]
-        if y.ndim != 1 or y.dtype.kind not in "iu" or (y.size and y.min() < 0):
-            raise ValueError(
-                f"{key} in {str(file)!r} has shape {y.shape} and dtype {y.dtype}; "
-                f"expected a 1-D array of non-negative integer labels"
-            )
+        arrays = {}
+        for key in _NPZ_KEYS:
+            try:
+                arrays[key] = npz[key]
+            except (ValueError, OSError, EOFError, zipfile.BadZipFile) as err:
+                raise ValueError(
+                    f"npz file {str(file)!r}: {key}: expected a numeric array, got one numpy cannot read without "
+                    f"pickle ({type(err).__name__}: {err})"
+                ) from err
+    return arrays
+
+
+def _check_npz(file: Path, arrays: dict[str, np.ndarray]) -> None:
+    """Dtypes, shapes, empty splits and label values against :data:`NPZ_FORMAT` (finiteness is checked later)."""
+
+    def bad(key: str, expected: str, got: str) -> ValueError:
+        return ValueError(f"npz file {str(file)!r}: {key}: expected {expected}, got {got}")
+
+    for key in ("x_train", "x_test"):
+        x = arrays[key]
+        if x.dtype.kind == "i":
+            raise bad(key, "unsigned integer pixels (uint8, uint16, ...) or floats",
+                      f"dtype {x.dtype}; save x.astype(np.uint8) for 0..255 pixels, or x.astype(np.float32) for "
+                      f"values to use as stored")
+        if x.dtype.kind not in "uf":
+            raise bad(key, "unsigned integer pixels (uint8, uint16, ...) or floats", f"dtype {x.dtype}")
+        if x.ndim not in (2, 3, 4):
+            raise bad(key, "(N, F) feature vectors, (N, H, W) or (N, C, H, W) images", f"shape {x.shape}")
+        if x.shape[0] == 0:
+            raise bad(key, "at least one example (neither split may be empty)", f"shape {x.shape}")
+        if 0 in x.shape[1:]:
+            raise bad(key, "inputs of at least one value each", f"shape {x.shape}")
     x_train, x_test = arrays["x_train"], arrays["x_test"]
-    if x_train.ndim < 2 or x_train.shape[1:] != x_test.shape[1:]:
-        raise ValueError(
-            f"x_train {x_train.shape} and x_test {x_test.shape} in {str(file)!r}; "
-            f"expected (N, *input_shape) arrays with the same input_shape"
-        )
-    labels = np.concatenate([arrays["y_train"], arrays["y_test"]])
-    num_classes = int(labels.max()) + 1 if labels.size else 0
-    return Dataset(
-        x_train=torch.from_numpy(np.ascontiguousarray(x_train, dtype=np.float32)),
-        y_train=torch.from_numpy(arrays["y_train"].astype(np.int64)),
-        x_test=torch.from_numpy(np.ascontiguousarray(x_test, dtype=np.float32)),
-        y_test=torch.from_numpy(arrays["y_test"].astype(np.int64)),
-        name=f"{NPZ_PREFIX}{path}",
-        num_classes=num_classes,
-        input_shape=tuple(x_train.shape[1:]),
-    )
+    if x_test.shape[1:] != x_train.shape[1:]:
+        raise bad("x_test", f"shape (N_test, {', '.join(map(str, x_train.shape[1:]))}), the input shape of x_train "
+                  f"{x_train.shape}", f"shape {x_test.shape}")
+    for key, x_key in (("y_train", "x_train"), ("y_test", "x_test")):
+        y, n = arrays[key], arrays[x_key].shape[0]
+        if y.dtype.kind not in "iu":
+            hint = ""
+            if y.dtype.kind == "f" and y.ndim == 1 and np.all(np.isfinite(y)) and np.all(y == np.round(y)):
+                hint = "; save y.astype(np.int64)"
+            raise bad(key, "integer class labels 0 .. C-1", f"dtype {y.dtype}{hint}")
+        if y.shape != (n,):
+            raise bad(key, f"shape ({n},), one label per row of {x_key} {arrays[x_key].shape}", f"shape {y.shape}")
+        if y.min() < 0:
+            raise bad(key, "class labels 0 .. C-1", f"{int((y < 0).sum())} negative label(s), the smallest {y.min()}")
+
+
+def _npz_inputs(x: np.ndarray) -> np.ndarray:
+    """Stored inputs as float32: unsigned integers are pixels, divided by the dtype's maximum; ``(N, H, W)`` gets a
+    channel axis."""
+    if x.dtype.kind == "u":
+        x = x.astype(np.float32) / np.float32(np.iinfo(x.dtype).max)
+    with np.errstate(over="ignore"):  # values beyond float32's range become inf, which the caller reports
+        x = np.ascontiguousarray(x, dtype=np.float32)
+    return x[:, None] if x.ndim == 3 else x
+
+
+def _train_constants(x: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Mean and population standard deviation of the train inputs: per channel of ``(N, C, H, W)`` images, one
+    scalar pair for ``(N, F)`` vectors. A standard deviation of 0 (a constant channel) is replaced by 1."""
+    dims = (0, 2, 3) if x.ndim == 4 else tuple(range(x.ndim))
+    std, mean = torch.std_mean(x, dim=dims, correction=0)
+    std = torch.where(std > 0, std, torch.ones_like(std))
+    return tuple(mean.reshape(-1).tolist()), tuple(std.reshape(-1).tolist())

@@ -7,9 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from bnpfed.data import DATASET_NAMES, Dataset, load_dataset
+from bnpfed.data import DATASET_NAMES, NPZ_FORMAT, Dataset, load_dataset
 
-SHARED_DATA = Path(os.environ.get("BNPFED_SHARED_DATA", "/work/shared/data"))
+# The shared data folder sits next to the repository (<repo root>/../shared/data) unless BNPFED_SHARED_DATA says
+# otherwise; tests that need it skip when it is absent.
+SHARED_DATA = Path(
+    os.environ.get("BNPFED_SHARED_DATA") or Path(__file__).resolve().parents[1].parent / "shared" / "data"
+)
 
 
 # ---------------------------------------------------------------- digits
@@ -60,8 +64,14 @@ def test_unknown_name_lists_the_known_names():
 
 @pytest.mark.parametrize("name", ["mnist", "fashion-mnist", "fashion_mnist", "cifar10"])
 def test_torchvision_datasets_need_data_dir(name):
-    with pytest.raises(ValueError, match="data_dir=None"):
+    with pytest.raises(ValueError, match=r"^data_dir: expected the folder .*--data-dir.*got None$"):
         load_dataset(name)
+
+
+@pytest.mark.parametrize("argument", ["standardize", "download"])
+def test_flags_must_be_bools(argument):
+    with pytest.raises(ValueError, match=f"{argument}: expected a bool, got 'false'"):
+        load_dataset("digits", **{argument: "false"})
 
 
 def test_missing_torchvision_says_how_to_install_it(monkeypatch, tmp_path):
@@ -87,8 +97,20 @@ def write_npz(path, **arrays):
     return f"npz:{path}"
 
 
+def toy_arrays(input_shape=(5,), dtype=np.float64, n_train=12, n_test=4, seed=0):
+    rng = np.random.default_rng(seed)
+    if np.issubdtype(dtype, np.integer):
+        high = np.iinfo(dtype).max
+        x_train = rng.integers(0, high, size=(n_train, *input_shape), dtype=dtype, endpoint=True)
+        x_test = rng.integers(0, high, size=(n_test, *input_shape), dtype=dtype, endpoint=True)
+    else:
+        x_train = rng.normal(3.0, 2.0, size=(n_train, *input_shape)).astype(dtype)
+        x_test = rng.normal(3.0, 2.0, size=(n_test, *input_shape)).astype(dtype)
+    return dict(x_train=x_train, y_train=np.arange(n_train) % 3, x_test=x_test, y_test=np.arange(n_test) % 3)
+
+
 @pytest.mark.parametrize("input_shape", [(5,), (2, 3, 3)])
-def test_npz_round_trip_keeps_stored_shape(tmp_path, input_shape):
+def test_npz_round_trip_keeps_stored_shape_and_float_values_without_standardize(tmp_path, input_shape):
     rng = np.random.default_rng(0)
     arrays = dict(
         x_train=rng.normal(size=(12, *input_shape)),
@@ -97,7 +119,7 @@ def test_npz_round_trip_keeps_stored_shape(tmp_path, input_shape):
         y_test=np.array([0, 1, 6, 2], dtype=np.int32),
     )
     name = write_npz(tmp_path / "toy.npz", **arrays)
-    ds = load_dataset(name)
+    ds = load_dataset(name, standardize=False)
     assert ds.name == name and ds.input_shape == input_shape
     assert ds.num_classes == 7  # max label over both splits + 1
     assert ds.x_train.dtype == torch.float32 and ds.y_test.dtype == torch.int64
@@ -105,24 +127,185 @@ def test_npz_round_trip_keeps_stored_shape(tmp_path, input_shape):
     np.testing.assert_array_equal(ds.y_test.numpy(), arrays["y_test"])
 
 
+@pytest.mark.parametrize("dtype, maximum", [(np.uint8, 255), (np.uint16, 65535)])
+def test_npz_integer_pixels_are_divided_by_the_dtype_maximum(tmp_path, dtype, maximum):
+    arrays = toy_arrays((1, 4, 4), dtype=dtype)
+    arrays["x_train"][0, 0, 0, :2] = (0, maximum)
+    ds = load_dataset(write_npz(tmp_path / "pixels.npz", **arrays), standardize=False)
+    assert float(ds.x_train.min()) == 0.0 and float(ds.x_train.max()) == 1.0
+    torch.testing.assert_close(ds.x_test, torch.from_numpy(arrays["x_test"].astype(np.float32) / maximum))
+
+
+def test_npz_greyscale_images_stored_n_h_w_get_a_channel_axis(tmp_path):
+    arrays = toy_arrays((6, 6), dtype=np.uint8)
+    ds = load_dataset(write_npz(tmp_path / "grey.npz", **arrays), standardize=False)
+    assert ds.input_shape == (1, 6, 6) and tuple(ds.x_train.shape) == (12, 1, 6, 6)
+    torch.testing.assert_close(ds.x_train[:, 0], torch.from_numpy(arrays["x_train"] / np.float32(255)))
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.float32])
+def test_npz_images_are_standardised_per_channel_with_the_train_constants(tmp_path, dtype):
+    arrays = toy_arrays((3, 4, 4), dtype=dtype, n_train=50, n_test=10)
+    ds = load_dataset(write_npz(tmp_path / "rgb.npz", **arrays))
+    raw = load_dataset(write_npz(tmp_path / "rgb.npz", **arrays), standardize=False)
+    torch.testing.assert_close(ds.x_train.mean(dim=(0, 2, 3)), torch.zeros(3), atol=1e-5, rtol=0)
+    torch.testing.assert_close(ds.x_train.std(dim=(0, 2, 3), unbiased=False), torch.ones(3), atol=1e-5, rtol=0)
+    mean = raw.x_train.mean(dim=(0, 2, 3), keepdim=True)
+    std = raw.x_train.std(dim=(0, 2, 3), unbiased=False, keepdim=True)
+    torch.testing.assert_close(ds.x_test, (raw.x_test - mean) / std, atol=1e-5, rtol=1e-5)
+
+
+def test_npz_feature_vectors_are_standardised_with_one_scalar_pair(tmp_path):
+    arrays = toy_arrays((4,))
+    arrays["x_train"][:, 0] *= 100  # a feature with its own scale keeps it relative to the others
+    ds = load_dataset(write_npz(tmp_path / "flat.npz", **arrays))
+    x = arrays["x_train"].astype(np.float32)
+    mean, std = x.mean(), x.std()
+    np.testing.assert_allclose(ds.x_train.numpy(), (x - mean) / std, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ds.x_test.numpy(), (arrays["x_test"].astype(np.float32) - mean) / std,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_npz_constant_channel_is_centred_not_divided_by_zero(tmp_path):
+    arrays = toy_arrays((2, 3, 3), dtype=np.uint8)
+    arrays["x_train"][:, 1] = 7
+    ds = load_dataset(write_npz(tmp_path / "const.npz", **arrays))
+    assert torch.isfinite(ds.x_test).all()
+    assert torch.equal(ds.x_train[:, 1], torch.zeros(12, 3, 3))
+
+
+def test_npz_format_is_what_load_dataset_documents():
+    assert " ".join(NPZ_FORMAT.split()) in " ".join(load_dataset.__doc__.split())
+    for words in ("x_train", "y_train", "x_test", "y_test", "(N, C, H, W)", "(N, H, W)", "(N, F)", "uint8",
+                  "255", "65535", "0 .. C-1", "finite", "empty"):
+        assert words in NPZ_FORMAT
+
+
 def test_npz_missing_keys_list_what_was_found(tmp_path):
     name = write_npz(tmp_path / "bad.npz", x_train=np.zeros((2, 3)), y_train=np.zeros(2, dtype=int), X=np.zeros(1))
-    with pytest.raises(ValueError, match=r"lacks arrays \['x_test', 'y_test'\].*found \['X', 'x_train', 'y_train'\]"):
-        load_dataset(name)
-
-
-def test_npz_with_float_labels_is_rejected(tmp_path):
-    name = write_npz(
-        tmp_path / "bad.npz",
-        x_train=np.zeros((2, 3)), y_train=np.zeros(2), x_test=np.zeros((1, 3)), y_test=np.zeros(1, dtype=int),
-    )
-    with pytest.raises(ValueError, match="y_train .*float64.*integer labels"):
+    with pytest.raises(ValueError, match=r"bad.npz': lacks arrays \['x_test', 'y_test'\].*found \['X', 'x_train', "
+                                         r"'y_train'\]"):
         load_dataset(name)
 
 
 def test_npz_missing_file_says_where_it_looked(tmp_path):
-    with pytest.raises(FileNotFoundError, match="nowhere.npz"):
+    with pytest.raises(FileNotFoundError, match="nowhere.npz' does not exist"):
         load_dataset(f"npz:{tmp_path / 'nowhere.npz'}")
+
+
+def bad_npz_cases():
+    def edit(**changes):
+        def make(path):
+            arrays = toy_arrays()
+            arrays.update(changes)
+            np.savez(path, **arrays)
+        return make
+
+    def text(path):
+        path.write_text("x_train,y_train\n1,2\n")
+
+    def npy(path):
+        with open(path, "wb") as f:
+            np.save(f, np.zeros((3, 2)))
+
+    nan = toy_arrays()["x_train"].copy()
+    nan[2, 1] = np.nan
+    inf = toy_arrays()["x_test"].copy()
+    inf[0, 0] = -np.inf
+    return {
+        "text file": (text, r"expected an .npz archive written by numpy.savez, got a file numpy cannot read"),
+        "npy file": (npy, r"expected an .npz archive .*got a single .npy array of shape \(3, 2\)"),
+        "x_train/y_train lengths": (edit(y_train=np.zeros(11, dtype=int)),
+                                    r"y_train: expected shape \(12,\), one label per row of x_train"),
+        "x_test/y_test lengths": (edit(y_test=np.zeros((4, 1), dtype=int)),
+                                  r"y_test: expected shape \(4,\), one label per row of x_test .*got shape \(4, 1\)"),
+        "feature shapes": (edit(x_test=np.zeros((4, 6))),
+                           r"x_test: expected shape \(N_test, 5\), the input shape of x_train \(12, 5\), "
+                           r"got shape \(4, 6\)"),
+        "NaN": (edit(x_train=nan), r"x_train: expected finite values .*got 1 NaN or infinite value"),
+        "inf": (edit(x_test=inf), r"x_test: expected finite values .*got 1 NaN or infinite value"),
+        "beyond float32": (edit(x_test=np.full((4, 5), 1e300)), r"x_test: expected finite values \(in float32's"),
+        "negative labels": (edit(y_test=np.array([0, -1, 2, -3])),
+                            r"y_test: expected class labels 0 .. C-1, got 2 negative label\(s\), the smallest -3"),
+        "float labels": (edit(y_train=np.zeros(12)),
+                         r"y_train: expected integer class labels 0 .. C-1, got dtype float64; save y.astype"),
+        "fractional labels": (edit(y_train=np.full(12, 0.5)),
+                              r"y_train: expected integer class labels 0 .. C-1, got dtype float64$"),
+        "bool labels": (edit(y_test=np.ones(4, dtype=bool)), r"y_test: expected integer class labels .*got dtype bool"),
+        "empty train split": (edit(x_train=np.zeros((0, 5)), y_train=np.zeros(0, dtype=int)),
+                              r"x_train: expected at least one example \(neither split may be empty\), "
+                              r"got shape \(0, 5\)"),
+        "empty test split": (edit(x_test=np.zeros((0, 5)), y_test=np.zeros(0, dtype=int)),
+                             r"x_test: expected at least one example"),
+        "signed integer pixels": (edit(x_train=np.ones((12, 5), dtype=np.int64)),
+                                  r"x_train: expected unsigned integer pixels \(uint8, uint16, ...\) or floats, "
+                                  r"got dtype int64; save x.astype\(np.uint8\)"),
+        "string inputs": (edit(x_train=np.full((12, 5), "a")), r"x_train: expected .* or floats, got dtype <U1"),
+        "one-dimensional x": (edit(x_train=np.zeros(12), x_test=np.zeros(4)),
+                              r"x_train: expected \(N, F\) feature vectors, \(N, H, W\) or \(N, C, H, W\) images, "
+                              r"got shape \(12,\)"),
+        "five-dimensional x": (edit(x_train=np.zeros((12, 1, 1, 2, 2))), r"x_train: expected \(N, F\)"),
+        "no features": (edit(x_train=np.zeros((12, 0)), x_test=np.zeros((4, 0))),
+                        r"x_train: expected inputs of at least one value each, got shape \(12, 0\)"),
+    }
+
+
+@pytest.mark.parametrize("case", list(bad_npz_cases()))
+def test_bad_npz_is_rejected_at_load_time_naming_the_file(tmp_path, case):
+    make, message = bad_npz_cases()[case]
+    path = tmp_path / "user data.npz"
+    make(path)
+    with pytest.raises(ValueError, match=message) as info:
+        load_dataset(f"npz:{path}")
+    assert str(info.value).startswith(f"npz file {str(path)!r}: ")
+
+
+def test_npz_of_object_arrays_is_refused_without_unpickling(tmp_path):
+    arrays = toy_arrays()
+    arrays["y_train"] = np.array([0, "a"] * 6, dtype=object)
+    path = tmp_path / "pickled.npz"
+    np.savez(path, **arrays)
+    with pytest.raises(ValueError, match=r"pickled.npz': y_train: expected a numeric array, got one numpy cannot "
+                                         r"read without pickle"):
+        load_dataset(f"npz:{path}")
+
+
+def test_npz_path_that_is_a_directory_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"expected an .npz file, got a directory"):
+        load_dataset(f"npz:{tmp_path}")
+
+
+# ---------------------------------------------------------------- Dataset's own checks
+
+
+def tiny_dataset(**changes):
+    fields = dict(x_train=torch.zeros(4, 3), y_train=torch.tensor([0, 1, 2, 1]), x_test=torch.zeros(2, 3),
+                  y_test=torch.tensor([2, 0]), name="tiny", num_classes=3, input_shape=(3,))
+    fields.update(changes)
+    return Dataset(**fields)
+
+
+def test_dataset_accepts_a_consistent_split():
+    assert tiny_dataset().num_classes == 3
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(x_train=torch.tensor([[0.0, float("nan"), 1.0]] * 4)),
+     r"x_train: expected finite values, got 4 NaN or infinite value\(s\)"),
+    (dict(x_test=torch.tensor([[float("inf"), 0.0, 0.0], [0.0, 0.0, 0.0]])), r"x_test: expected finite values"),
+    (dict(y_train=torch.tensor([0, 1, 3, 1])),
+     r"y_train: expected class labels in \[0, 3\) \(num_classes=3\), got labels from 0 to 3"),
+    (dict(y_test=torch.tensor([-1, 0])), r"y_test: expected class labels in \[0, 3\).*got labels from -1 to 0"),
+    (dict(y_test=torch.tensor([0.0, 1.0])), r"y_test: expected an integer tensor of class labels, got dtype"),
+    (dict(x_train=torch.zeros(4, 3, dtype=torch.int64)), r"x_train: expected a floating-point tensor"),
+    (dict(x_test=torch.zeros(2, 4)), r"x_test: expected shape \(N, \*input_shape\) with input_shape=\(3,\), "
+                                     r"got \(2, 4\)"),
+    (dict(y_train=torch.tensor([0, 1])), r"y_train: expected shape \(4,\), one label per row of x_train, got \(2,\)"),
+    (dict(num_classes=0), r"num_classes: expected an int >= 1, got 0"),
+])
+def test_dataset_rejects_inconsistent_splits_by_name(changes, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_dataset(**changes)
 
 
 # ---------------------------------------------------------------- MNIST / Fashion-MNIST (local files, if present)
