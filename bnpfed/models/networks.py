@@ -5,9 +5,16 @@ Bayesian copy of any of them (or of a network of your own) with a prior object.
 
 Usage::
 
-    net = mlp(64, [100, 100], 10)            # Flatten, then Linear-ReLU-Linear-ReLU-Linear
-    cnn = LeNet()                            # (N, 1, 28, 28) MNIST / Fashion-MNIST images
-    small = LeNet(image_size=8)              # (N, 1, 8, 8) bundled digits
+    >>> net = mlp(64, [100, 100], 10)        # Flatten, then Linear-ReLU-Linear-ReLU-Linear
+    >>> net(torch.zeros(32, 1, 8, 8)).shape
+    torch.Size([32, 10])
+    >>> cnn = LeNet()                        # (N, 1, 28, 28) MNIST / Fashion-MNIST images
+    >>> paper = LeNet.paper()                # the same, without conv1's padding, as Ozer et al. (2022) publish it
+    >>> cnn.fc1.in_features, paper.fc1.in_features
+    (400, 256)
+    >>> small = LeNet(image_size=8)          # (N, 1, 8, 8) bundled digits
+    >>> small(torch.zeros(32, 1, 8, 8)).shape
+    torch.Size([32, 10])
 """
 
 from __future__ import annotations
@@ -17,11 +24,21 @@ from typing import Sequence
 import torch
 from torch import Tensor, nn
 
+from bnpfed.validation import check_int, check_ints
+
 __all__ = ["LeNet", "mlp", "reference_init_"]
 
 
 def mlp(in_features: int, hidden: Sequence[int], out_features: int) -> nn.Sequential:
     """A ReLU multi-layer perceptron that flattens its input first.
+
+    >>> mlp(64, [100], 10)
+    Sequential(
+      (0): Flatten(start_dim=1, end_dim=-1)
+      (1): Linear(in_features=64, out_features=100, bias=True)
+      (2): ReLU()
+      (3): Linear(in_features=100, out_features=10, bias=True)
+    )
 
     :param int in_features: number of input features after flattening (64 for 8x8 digits, 784 for MNIST).
     :param hidden: widths of the hidden layers, e.g. ``[100]``; empty for a linear (softmax regression) model.
@@ -29,11 +46,9 @@ def mlp(in_features: int, hidden: Sequence[int], out_features: int) -> nn.Sequen
     :returns: ``nn.Sequential(Flatten, Linear, ReLU, ..., Linear)``; parameter names are ``"1.weight"``,
         ``"1.bias"``, ``"3.weight"``, ... as numbered by ``nn.Sequential``.
     """
-    _check_positive_int(in_features, "in_features")
-    _check_positive_int(out_features, "out_features")
-    hidden = list(hidden)
-    for i, width in enumerate(hidden):
-        _check_positive_int(width, f"hidden[{i}]")
+    in_features = check_int(in_features, "in_features", low=1)
+    out_features = check_int(out_features, "out_features", low=1)
+    hidden = check_ints(list(hidden), "hidden", low=1, nonempty=False)
     layers: list[nn.Module] = [nn.Flatten()]
     widths = [in_features, *hidden]
     for fan_in, fan_out in zip(widths[:-1], widths[1:]):
@@ -43,45 +58,85 @@ def mlp(in_features: int, hidden: Sequence[int], out_features: int) -> nn.Sequen
 
 
 class LeNet(nn.Module):
-    """The LeNet-5 CNN that Ozer et al. (2022) train on (Fashion-)MNIST.
+    """The LeNet-5 CNN that Ozer et al. (2022) train on (Fashion-)MNIST, in two variants that differ only in conv1's
+    padding.
 
-    ``conv1(in_channels->6, 5x5, padding 2) - ReLU - maxpool 2 - conv2(6->16, 5x5) - ReLU - maxpool 2 -
-    fc1(flat->120) - ReLU - fc2(120->84) - ReLU - fc3(84->num_classes)``; for 28x28 images ``flat = 16*5*5 = 400``.
+    ``conv1(in_channels->6, 5x5, padding conv1_padding) - ReLU - maxpool 2 - conv2(6->16, 5x5) - ReLU - maxpool 2 -
+    fc1(flat->120) - ReLU - fc2(120->84) - ReLU - fc3(84->num_classes)``.
 
-    Smaller images do not leave room for conv2's 5x5 kernel after the first pooling (8x8 digits give 4x4 maps), so
-    when the map after the first pooling is smaller than 5 pixels conv2 gets padding 2 (a "same" convolution) as
-    well; ``flat`` is then computed by a forward pass of a zero image at construction (8x8 digits: ``16*2*2 = 64``).
+    - ``LeNet()`` (``conv1_padding=2``, the default, kept for backwards compatibility): conv1 keeps the image size,
+      as in LeCun's 32x32 LeNet-5 fed 28x28 images. On 28x28 images ``flat = 16*5*5 = 400``; the fully connected
+      layers hold 400*120 + 120*84 + 84*10 = 58,920 weights (59,134 with biases), the whole network 61,706
+      parameters.
+    - ``LeNet.paper()`` (``conv1_padding=0``): the network of Ozer et al.'s published code, no padding. On 28x28
+      images ``flat = 16*4*4 = 256``; the fully connected layers hold 256*120 + 120*84 + 84*10 = 41,640 weights
+      (41,854 with biases), the whole network 44,426 parameters.
+
+    The convolutions hold 156 + 2,416 parameters in both (for one input channel); the Bayesian clients put priors on
+    the fully connected weights only (:func:`~bnpfed.models.priors.only_linear_weights`), so those counts are the
+    size of their posteriors.
+
+    Small images: when the map after the first pooling is under 6 pixels wide, an unpadded conv2 would leave less
+    than the 2x2 the second pooling needs, so conv2 gets padding 2 (a "same" convolution) instead; ``flat`` is
+    computed by a forward pass of a zero image at construction. 8x8 digits give ``flat = 16*2*2 = 64`` with the
+    default and ``16*1*1 = 16`` with the paper's network. The smallest images are 4x4 with the default and 8x8 with
+    the paper's network (``8 - 2 * conv1_padding``); smaller ones raise a ``ValueError`` naming ``image_size``.
 
     Usage::
 
-        net = LeNet()                                  # MNIST
-        net = LeNet(in_channels=1, image_size=8)       # bundled digits
-        logits = net(torch.zeros(32, 1, 8, 8))         # (32, 10)
+        >>> net = LeNet()                                          # MNIST
+        >>> sum(net.get_parameter(f"fc{i}.weight").numel() for i in (1, 2, 3))
+        58920
+        >>> paper = LeNet.paper()                                  # as published by Ozer et al. (2022)
+        >>> sum(paper.get_parameter(f"fc{i}.weight").numel() for i in (1, 2, 3))
+        41640
+        >>> digits = LeNet(in_channels=1, image_size=8)            # bundled digits
+        >>> digits(torch.zeros(32, 1, 8, 8)).shape
+        torch.Size([32, 10])
 
     :param int in_channels: input channels (1 for greyscale). Default 1.
-    :param int image_size: height = width of the input images in pixels, at least 4. Default 28.
+    :param int image_size: height = width of the input images in pixels, at least ``8 - 2 * conv1_padding``.
+        Default 28.
     :param int num_classes: number of outputs. Default 10.
+    :param int conv1_padding: zero padding of conv1 in pixels, >= 0. Default 2 (this library's LeNet); 0 is the
+        paper's, also built by :meth:`paper`.
     """
 
     #: Kernel size of both convolutions in LeNet-5.
     KERNEL = 5
+    #: conv1's padding in the published code of Ozer et al. (2022).
+    PAPER_CONV1_PADDING = 0
 
-    def __init__(self, in_channels: int = 1, image_size: int = 28, num_classes: int = 10):
+    def __init__(self, in_channels: int = 1, image_size: int = 28, num_classes: int = 10, *,
+                 conv1_padding: int = 2):
         super().__init__()
-        _check_positive_int(in_channels, "in_channels")
-        _check_positive_int(num_classes, "num_classes")
-        _check_positive_int(image_size, "image_size")
-        if image_size < 4:
-            raise ValueError(f"image_size: LeNet needs images of at least 4x4 pixels, got {image_size}")
-        self.conv1 = nn.Conv2d(in_channels, 6, self.KERNEL, padding=2)
-        pooled = image_size // 2
-        self.conv2 = nn.Conv2d(6, 16, self.KERNEL, padding=0 if pooled >= self.KERNEL else 2)
+        in_channels = check_int(in_channels, "in_channels", low=1)
+        num_classes = check_int(num_classes, "num_classes", low=1)
+        image_size = check_int(image_size, "image_size", low=1)
+        conv1_padding = check_int(conv1_padding, "conv1_padding", low=0)
+        # Each 2x2 pooling needs a map at least 2 wide: conv1's map (image_size + 2p - 4) must pool to >= 2.
+        smallest = max(1, 2 * 2 + self.KERNEL - 1 - 2 * conv1_padding)
+        if image_size < smallest:
+            raise ValueError(
+                f"image_size: expected at least {smallest} pixels for LeNet with conv1_padding={conv1_padding} "
+                f"(a 5x5 convolution and two 2x2 poolings must fit), got {image_size}"
+            )
+        self.conv1 = nn.Conv2d(in_channels, 6, self.KERNEL, padding=conv1_padding)
+        pooled = (image_size + 2 * conv1_padding - self.KERNEL + 1) // 2
+        unpadded_fits = pooled - self.KERNEL + 1 >= 2
+        self.conv2 = nn.Conv2d(6, 16, self.KERNEL, padding=0 if unpadded_fits else (self.KERNEL - 1) // 2)
         self.pool = nn.MaxPool2d(2)
         with torch.no_grad():
             flat = self.features(torch.zeros(1, in_channels, image_size, image_size)).shape[1]
         self.fc1 = nn.Linear(flat, 120)
         self.fc2 = nn.Linear(120, 84)
         self.fc3 = nn.Linear(84, num_classes)
+
+    @classmethod
+    def paper(cls, in_channels: int = 1, image_size: int = 28, num_classes: int = 10) -> LeNet:
+        """The LeNet-5 of Ozer et al.'s (2022) published code: ``LeNet(..., conv1_padding=0)``, 256 features into
+        fc1 and 41,640 fully connected weights on 28x28 images; images must be at least 8x8."""
+        return cls(in_channels, image_size, num_classes, conv1_padding=cls.PAPER_CONV1_PADDING)
 
     def features(self, x: Tensor) -> Tensor:
         """The convolutional part: ``(N, C, H, W)`` images to ``(N, flat)`` features."""
@@ -95,15 +150,16 @@ class LeNet(nn.Module):
         return self.fc3(x)
 
 
-def _check_positive_int(value, argument: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{argument}: expected a positive int, got {value!r}")
-
-
 def reference_init_(net: nn.Module, *, generator: torch.Generator, weight_std: float = 0.1,
                     bias: float = 0.1) -> nn.Module:
     """Initialise every ``nn.Linear`` and ``nn.Conv2d`` of ``net`` in place as the PFNM reference code does
-    (Yurochkin et al. 2019, ``model.py``): weights N(0, weight_std^2), biases ``bias``. Returns ``net``."""
+    (Yurochkin et al. 2019, ``model.py``): weights N(0, weight_std^2), biases ``bias``. Returns ``net``.
+
+    >>> net = reference_init_(mlp(4, [3], 2), generator=torch.Generator().manual_seed(0))
+    >>> net[1].bias
+    Parameter containing:
+    tensor([0.1000, 0.1000, 0.1000], requires_grad=True)
+    """
     with torch.no_grad():
         for module in net.modules():
             if isinstance(module, (nn.Linear, nn.Conv2d)):
