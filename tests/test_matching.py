@@ -85,6 +85,38 @@ def random_assignments(sizes, num_atoms, rng):
     return [rng.choice(num_atoms, size=L, replace=False) for L in sizes]
 
 
+def offset_from_log_joint(neurons, assignments, *, gamma0, sigma2, sigma0_2, mu0, precisions):
+    """F(Z) - 2 log p_conf(Z, theta_hat, V) - L D log(2 pi sigma0_2), the log joint from the Pyro model at the atoms'
+    MAP values given Z."""
+    s, D = precisions, neurons[0].shape[1]
+    kw = dict(gamma0=gamma0, sigma2=sigma2, sigma0_2=sigma0_2, mu0=mu0, precisions=s)
+    F = assignment_objective(neurons, assignments, **kw)
+    labels = sorted({int(i) for a in assignments for i in a})
+    theta = []
+    for i in labels:
+        members = [(j, l) for j, a in enumerate(assignments) for l, x in enumerate(a) if x == i]
+        prec = 1 / sigma0_2 + sum(s[j] / sigma2 for j, _ in members)
+        theta.append((mu0 / sigma0_2 + sum(s[j] * neurons[j][l] / sigma2 for j, l in members)) / prec)
+    relabel = {x: k for k, x in enumerate(labels)}
+    layer = FederatedLayer(atoms=torch.stack(theta),
+                           assignments=[torch.tensor([relabel[int(x)] for x in a], dtype=torch.long)
+                                        for a in assignments],
+                           neurons=neurons)
+    lp = log_joint(layer, configuration=True, **kw).item()
+    return F - 2 * lp - len(labels) * D * math.log(2 * math.pi * sigma0_2)
+
+
+def written_out_constant(neurons, *, gamma0, sigma2, precisions):
+    """const(V, J, gamma0) = 2 gamma0 H_J + 2 sum_j log L_j! + sum_{j,l,d} [log(2 pi sigma2/s_jd) + s_jd v_jld^2 /
+    sigma2]; J counts every client, those without neurons included."""
+    J, s = len(neurons), precisions
+    H = sum(1 / j for j in range(1, J + 1))
+    const = 2 * gamma0 * H + sum(2 * math.lgamma(len(v) + 1) for v in neurons)
+    const += sum(float((torch.log(2 * math.pi * sigma2 / s[j]) + s[j] * v ** 2 / sigma2).sum())
+                 for j, v in enumerate(neurons))
+    return const
+
+
 @pytest.mark.parametrize("with_precisions", [False, True])
 def test_objective_is_twice_the_pyro_log_joint_up_to_terms_in_the_number_of_atoms(float64, with_precisions):
     """F(Z) - 2 log p_conf(Z, theta_hat, V) = L D log(2 pi sigma0_2) + const, for any assignment Z: the published
@@ -98,29 +130,111 @@ def test_objective_is_twice_the_pyro_log_joint_up_to_terms_in_the_number_of_atom
     if with_precisions:
         s[:, 3:] = torch.rand(J, 2, generator=torch.Generator().manual_seed(1)) + 0.2
     kw = dict(gamma0=gamma0, sigma2=sigma2, sigma0_2=sigma0_2, mu0=mu0, precisions=s)
-    offsets = []
-    for trial in range(6):
-        assignments = random_assignments([len(v) for v in neurons], 7, rng)
-        F = assignment_objective(neurons, assignments, **kw)
-        # atoms at their MAP values given the assignment
-        labels = sorted({int(i) for a in assignments for i in a})
-        theta = []
-        for i in labels:
-            members = [(j, l) for j, a in enumerate(assignments) for l, x in enumerate(a) if x == i]
-            prec = 1 / sigma0_2 + sum(s[j] / sigma2 for j, _ in members)
-            theta.append((mu0 / sigma0_2 + sum(s[j] * neurons[j][l] / sigma2 for j, l in members)) / prec)
-        relabel = {x: k for k, x in enumerate(labels)}
-        layer = FederatedLayer(atoms=torch.stack(theta),
-                               assignments=[torch.tensor([relabel[int(x)] for x in a]) for a in assignments],
-                               neurons=neurons)
-        lp = log_joint(layer, configuration=True, **kw).item()
-        offsets.append(F - 2 * lp - len(labels) * D * math.log(2 * math.pi * sigma0_2))
-    # the constant, written out: 2 gamma0 H_J + 2 sum_j log L_j! + sum_{j,l,d} [log(2 pi sigma2/s) + s v^2/sigma2]
-    H = sum(1 / j for j in range(1, J + 1))
-    const = 2 * gamma0 * H + sum(2 * math.lgamma(len(v) + 1) for v in neurons)
-    const += sum(float((torch.log(2 * math.pi * sigma2 / s[j]) + s[j] * v ** 2 / sigma2).sum())
-                 for j, v in enumerate(neurons))
+    offsets = [offset_from_log_joint(neurons, random_assignments([len(v) for v in neurons], 7, rng), **kw)
+               for _ in range(6)]
+    const = written_out_constant(neurons, gamma0=gamma0, sigma2=sigma2, precisions=s)
     assert np.allclose(offsets, const, rtol=1e-9, atol=1e-7)
+
+
+def layer_with_empty_clients(J, D, *, at_least=1, gamma0=1.0, sigma2=0.1, **model_kwargs):
+    """The first sampled layer (seeds 0, 1, ...) in which at least ``at_least`` clients drew no atom (probability
+    exp(-gamma0) each) and the others hold at least 3 neurons in all."""
+    for seed in range(1000):
+        layer = sample_federated_layer(J, D, seed=seed, gamma0=gamma0, sigma2=sigma2, **model_kwargs)
+        sizes = [len(a) for a in layer.assignments]
+        if sizes.count(0) >= at_least and sum(sizes) >= 3:
+            return layer
+    raise AssertionError("no such layer in 1000 seeds")
+
+
+def by_hand_layer_with_empty_clients(D):
+    """Clients 0 and 3 of five hold no neuron; client 0 is first, so client 1 opens the first atoms."""
+    g = torch.Generator().manual_seed(0)
+    atoms = torch.randn(3, D, generator=g)
+    assignments = [torch.zeros(0, dtype=torch.long), torch.tensor([1, 0]), torch.tensor([2, 0, 1]),
+                   torch.zeros(0, dtype=torch.long), torch.tensor([2])]
+    neurons = [atoms[a] + 0.3 * torch.randn(len(a), D, generator=g) for a in assignments]
+    return FederatedLayer(atoms=atoms, assignments=assignments, neurons=neurons)
+
+
+@pytest.mark.parametrize("source", ["sampled", "by hand"])
+@pytest.mark.parametrize("with_precisions", [False, True])
+def test_objective_with_clients_without_neurons_is_twice_the_pyro_log_joint_up_to_the_same_constant(
+        float64, source, with_precisions):
+    """The relation above holds with clients that have no neurons: they count in J (in log(gamma0/J), m/(J-m) and
+    the model's IBP), have no assignment, and add nothing else to either side."""
+    D, gamma0, sigma2, sigma0_2 = 4, 1.5, 0.2, 0.8
+    if source == "sampled":
+        layer = layer_with_empty_clients(6, D, at_least=1, gamma0=gamma0, sigma2=sigma2, sigma0_2=sigma0_2)
+    else:
+        layer = by_hand_layer_with_empty_clients(D)
+    neurons, J = layer.neurons, layer.num_clients
+    sizes = [len(v) for v in neurons]
+    assert 0 in sizes
+    mu0 = torch.tensor([0.0, 0.0, 0.0, 0.1])
+    s = torch.ones(J, D)
+    if with_precisions:
+        s[:, 2:] = torch.rand(J, 2, generator=torch.Generator().manual_seed(1)) + 0.2
+    kw = dict(gamma0=gamma0, sigma2=sigma2, sigma0_2=sigma0_2, mu0=mu0, precisions=s)
+    rng = np.random.default_rng(0)
+    trials = [layer.assignments] + [random_assignments(sizes, max(sizes) + 3, rng) for _ in range(5)]
+    offsets = [offset_from_log_joint(neurons, assignments, **kw) for assignments in trials]
+    const = written_out_constant(neurons, gamma0=gamma0, sigma2=sigma2, precisions=s)
+    assert np.allclose(offsets, const, rtol=1e-9, atol=1e-7)
+    # the row of a client without neurons is never used: zeros there change nothing
+    silent = s.clone()
+    silent[[j for j in range(J) if sizes[j] == 0]] = 0.0
+    for assignments in trials[:2]:
+        assert assignment_objective(neurons, assignments, **{**kw, "precisions": silent}) == pytest.approx(
+            assignment_objective(neurons, assignments, **kw), rel=1e-12)
+
+
+def test_a_client_without_neurons_counts_in_J_so_dropping_it_changes_the_objective():
+    """F depends on J only through the IBP terms, sum_i [2 log(gamma0/J) + 2 sum_{k<m_i} log(k/(J-k))]: dropping the
+    empty clients changes F by exactly the change of those terms."""
+    layer = by_hand_layer_with_empty_clients(3)
+    gamma0 = 2.0
+    kw = dict(sigma2=0.1, sigma0_2=1.0, gamma0=gamma0)
+    kept = [j for j, v in enumerate(layer.neurons) if len(v)]
+    full = assignment_objective(layer.neurons, layer.assignments, **kw)
+    dropped = assignment_objective([layer.neurons[j] for j in kept], [layer.assignments[j] for j in kept], **kw)
+
+    def ibp_terms(J):
+        return sum(2 * math.log(gamma0 / J) + 2 * sum(math.log(k / (J - k)) for k in range(1, m))
+                   for m in layer.counts.tolist())
+
+    assert full - dropped == pytest.approx(ibp_terms(5) - ibp_terms(3), rel=1e-10)
+    assert abs(full - dropped) > 1.0
+    # and the matcher reports the objective with J = 5
+    r = match_layer(layer.neurons, seed=0, **kw)
+    assert r.objective[-1] == pytest.approx(assignment_objective(layer.neurons, r.assignments, **kw), rel=1e-10)
+
+
+@pytest.mark.parametrize("settings", [{}, REFERENCE_CONSTANTS])
+def test_clients_without_neurons_get_empty_assignments_on_every_path(settings):
+    """Greedy pass, sweeps, direct and Gram cross products, zero precision rows for the empty clients."""
+    layer = layer_with_empty_clients(8, 6, at_least=2, gamma0=1.0, sigma2=0.05)
+    J = layer.num_clients
+    empty = [j for j, v in enumerate(layer.neurons) if len(v) == 0]
+    prec = torch.ones(J, 6)
+    prec[:, -2:] = 0.5
+    prec[empty] = 0.0
+    kw = dict(sigma2=0.05, sigma0_2=1.0, gamma0=1.0, precisions=prec)
+    runs = {cp: match_layer(layer.neurons, seed=0, sweeps=4, cross_products=cp, stop_at_fixed_point=False, **kw,
+                            **settings) for cp in ("direct", "gram")}
+    r = runs["direct"]
+    assert len(r.assignments) == J and all(r.assignments[j].numel() == 0 for j in empty)
+    assert all(a.dtype == torch.long for a in r.assignments)
+    assert torch.equal(r.counts, torch.bincount(torch.cat(r.assignments), minlength=r.num_atoms))
+    assert (r.counts <= J - len(empty)).all()
+    assert len(r.rematches) == J * 5  # every client once per pass, the empty ones included
+    assert all(torch.equal(a, b) for a, b in zip(runs["gram"].assignments, r.assignments))
+    assert runs["gram"].objective == pytest.approx(r.objective, rel=1e-10)
+    pop = {k: v for k, v in settings.items() if k in ("popularity_factor", "popularity_cap")}
+    assert r.objective[-1] == pytest.approx(assignment_objective(layer.neurons, r.assignments, **kw, **pop),
+                                            rel=1e-10)
+    if not settings:
+        assert (np.diff(r.objective) >= -1e-9 * abs(r.objective[0])).all()
 
 
 def test_marginal_objective_is_twice_the_marginal_likelihood_up_to_a_constant():
@@ -260,7 +374,10 @@ def test_numpy_input_is_accepted():
     [
         ([], {}, "neurons is empty"),
         ([torch.zeros(2, 3), torch.zeros(2, 4)], {}, r"neurons\[1\] has D = 4"),
-        ([torch.zeros(2, 3), torch.zeros(0, 3)], {}, r"neurons\[1\] has no neurons"),
+        ([torch.zeros(0, 3), torch.zeros(0, 3)], {}, r"neurons: expected at least one client with a neuron.*all "
+                                                     "with L_j = 0: nothing to match"),
+        ([torch.zeros(0, 3), torch.zeros(2, 3)], {"precisions": torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])},
+         "precisions of client 1 are all 0"),
         ([torch.tensor([[0.0, float("nan")]])], {}, r"neurons\[0\] contains NaN"),
         ([torch.tensor([[0.0, float("inf")]])], {}, r"neurons\[0\] contains NaN or inf"),
         ([torch.zeros(2, 3)], {"sigma2": 0.0}, "sigma2 must be"),
@@ -320,3 +437,77 @@ def test_gram_and_direct_cross_products_give_the_same_matching(objective, seed):
     assert gram.objective == pytest.approx(direct.objective, rel=1e-10)
     assert all(torch.equal(a, b) for a, b in zip(gram.assignments, direct.assignments))
     torch.testing.assert_close(gram.global_atoms, direct.global_atoms)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# warm starts: init_assignments
+
+
+@pytest.mark.parametrize("objective", ["map", "marginal"])
+@pytest.mark.parametrize("cross_products", ["direct", "gram"])
+@pytest.mark.parametrize("seed", range(3))
+def test_sweeps_from_the_true_assignment_start_at_its_objective_and_never_lower_it(objective, cross_products, seed):
+    layer = sample_federated_layer(8, 15, seed=seed, gamma0=6.0, sigma2=0.3)
+    kw = dict(sigma2=0.3, sigma0_2=1.0, gamma0=6.0, mu0=0.05, objective=objective)
+    start = assignment_objective(layer.neurons, layer.assignments, **kw)
+    r = match_layer(layer.neurons, init_assignments=layer.assignments, sweeps=10, seed=seed,
+                    cross_products=cross_products, **kw)
+    assert len(r.objective) == 11
+    assert r.objective[0] == pytest.approx(start, rel=1e-10)
+    assert (np.diff(r.objective) >= -1e-9 * abs(start)).all(), r.objective
+    assert r.objective[-1] >= start - 1e-9 * abs(start)
+    assert r.objective[-1] == pytest.approx(assignment_objective(layer.neurons, r.assignments, **kw), rel=1e-10)
+
+
+def test_initial_labels_may_take_any_values():
+    layer = sample_federated_layer(6, 10, seed=1, gamma0=5.0, sigma2=0.2)
+    kw = dict(sigma2=0.2, sigma0_2=1.0, gamma0=5.0, seed=0, sweeps=2)
+    perm = torch.randperm(layer.num_atoms, generator=torch.Generator().manual_seed(0))
+    odd = [(5 - 3 * perm[a]).numpy() for a in layer.assignments]  # negative, sparse, shuffled, numpy
+    a = match_layer(layer.neurons, init_assignments=layer.assignments, **kw)
+    b = match_layer(layer.neurons, init_assignments=odd, **kw)
+    c = match_layer(layer.neurons, init_assignments=[x.tolist() for x in layer.assignments], **kw)
+    assert b.objective == pytest.approx(a.objective, rel=1e-10)
+    assert adjusted_rand_score(torch.cat(a.assignments), torch.cat(b.assignments)) == 1.0
+    assert all(torch.equal(x, y) for x, y in zip(a.assignments, c.assignments))
+
+
+def test_warm_start_from_a_previous_result_returns_it():
+    """With no sweeps the initial assignment comes back as it was given (labels 0..L-1 stay as they are); from a
+    fixed point of the sweeps, sweeping changes nothing either."""
+    layer = sample_federated_layer(8, 12, seed=2, gamma0=6.0, sigma2=0.1)
+    kw = dict(sigma2=0.1, sigma0_2=1.0, gamma0=6.0)
+    previous = match_layer(layer.neurons, seed=0, sweeps=30, **kw)
+    assert len(previous.rematches) < 8 * 31  # stopped at a fixed point
+    for sweeps in (0, 3):
+        again = match_layer(layer.neurons, init_assignments=previous.assignments, sweeps=sweeps, seed=5, **kw)
+        assert all(torch.equal(a, b) for a, b in zip(again.assignments, previous.assignments))
+        assert torch.equal(again.counts, previous.counts)
+        torch.testing.assert_close(again.global_atoms, previous.global_atoms)
+        assert again.objective == pytest.approx([previous.objective[-1]] * (sweeps + 1), rel=1e-10)
+
+
+def test_warm_start_with_clients_without_neurons():
+    layer = layer_with_empty_clients(6, 5, at_least=1)
+    kw = dict(sigma2=0.1, sigma0_2=1.0, gamma0=1.0)
+    r = match_layer(layer.neurons, init_assignments=layer.assignments, sweeps=3, seed=0, **kw)
+    assert r.objective[0] == pytest.approx(assignment_objective(layer.neurons, layer.assignments, **kw), rel=1e-10)
+    assert [len(a) for a in r.assignments] == [len(a) for a in layer.assignments]
+
+
+@pytest.mark.parametrize(
+    "init, match",
+    [
+        ([[0, 1, 2], [0, 1]], r"init_assignments: expected one integer array per client \(3\), got 2"),
+        ([[0, 1, 2], [0], [0, 1, 2, 3]], r"init_assignments\[1\]: expected 2 atom labels \(client 1 has L_j = 2"),
+        ([[0, 1, 2], [[0, 1]], [0, 1, 2, 3]], r"init_assignments\[1\]: expected 2 atom labels"),
+        ([[0, 1, 2], [0, 1], [0, 1, 1, 3]], r"init_assignments\[2\]: expected atom labels distinct within client 2"),
+        ([[0, 1, 2], [0.5, 1], [0, 1, 2, 3]], r"init_assignments\[1\]: expected integer atom labels"),
+        ("abc", r"init_assignments: expected one integer array per client"),
+    ],
+)
+def test_bad_initial_assignment_raises_naming_the_client(init, match):
+    g = torch.Generator().manual_seed(0)
+    neurons = [torch.randn(L, 4, generator=g) for L in (3, 2, 4)]
+    with pytest.raises(ValueError, match=match):
+        match_layer(neurons, sigma2=1.0, sigma0_2=1.0, gamma0=1.0, init_assignments=init)

@@ -34,6 +34,9 @@ The extra Occam factor charges every atom for the precision it concentrates. The
 at sigma2 equal to the true noise, merging two noisy copies of one atom and keeping them apart are worth about the
 same (both of order D), so it over-splits; the marginal objective does not.
 
+A client without neurons (L_j = 0; the Beta-Bernoulli process gives one with probability exp(-gamma0)) holds no
+atom and adds nothing to the sums, but it counts in J: it is one of the clients that did not take each atom.
+
 Both objectives decompose over clients: with the other clients fixed, client j's contribution is a sum of per-pair
 scores, so its best assignment is a linear assignment problem. Client j's neuron l scores
 
@@ -89,9 +92,10 @@ class MatchResult:
 
     :param Tensor global_atoms: (L, D) posterior means ``g_i / P_i`` given the assignment.
     :param Tensor posterior_precision: (L, D) posterior precisions ``P_i``.
-    :param list assignments: J long tensors of length L_j with values in [0, L), distinct within a client.
+    :param list assignments: J long tensors of length L_j with values in [0, L), distinct within a client (empty
+        for a client without neurons).
     :param Tensor counts: (L,) number of clients on each atom (m_i).
-    :param list objective: the objective after the greedy pass and after every sweep.
+    :param list objective: the objective after the greedy pass (or at ``init_assignments``) and after every sweep.
     :param float seconds: wall time of the matching.
     :param float lsa_seconds: part of ``seconds`` spent inside ``linear_sum_assignment``.
     :param list rematches: one ``(client, L_j, L)`` per client (re-)matching, L the atoms it was scored against.
@@ -146,20 +150,24 @@ def _validate_neurons(neurons) -> list[np.ndarray]:
         a = _to_numpy(v, f"neurons[{j}]")
         if a.ndim != 2:
             raise ValueError(f"neurons[{j}] must have shape (L_j, D), got shape {a.shape}")
-        if a.shape[0] == 0:
-            raise ValueError(f"neurons[{j}] has no neurons: every client needs L_j >= 1")
         if a.shape[1] != out[0].shape[1] if out else False:
             raise ValueError(f"neurons[{j}] has D = {a.shape[1]} coordinates but neurons[0] has {out[0].shape[1]}: "
                              "every client must share D")
         if not np.isfinite(a).all():
             raise ValueError(f"neurons[{j}] contains NaN or inf")
         out.append(np.ascontiguousarray(a))
+    if not any(a.shape[0] for a in out):
+        # a client without neurons still counts in J, but some client must hold one for there to be a layer
+        raise ValueError(f"neurons: expected at least one client with a neuron (L_j >= 1), got {len(out)} "
+                         "client(s), all with L_j = 0: nothing to match")
     return out
 
 
-def _validate_precisions(precisions, J: int, D: int) -> np.ndarray | None:
+def _validate_precisions(precisions, sizes: Sequence[int], D: int) -> np.ndarray | None:
+    """(J, D) precision scales; ``sizes`` are the clients' L_j."""
     if precisions is None:
         return None
+    J = len(sizes)
     if isinstance(precisions, (Tensor, np.ndarray)) and np.ndim(precisions) == 2:
         s = _to_numpy(precisions, "precisions")
     else:
@@ -174,7 +182,8 @@ def _validate_precisions(precisions, J: int, D: int) -> np.ndarray | None:
         raise ValueError(f"precisions must have shape ({J}, {D}), got {s.shape}")
     if not np.isfinite(s).all() or (s < 0).any():
         raise ValueError("precisions must be finite and >= 0")
-    silent = np.flatnonzero((s == 0).all(axis=1))
+    # a client without neurons says nothing whatever its precisions: its row is never used
+    silent = np.flatnonzero((s == 0).all(axis=1) & (np.asarray(sizes) > 0))
     if silent.size:
         raise ValueError(f"precisions of client {int(silent[0])} are all 0: its neurons would carry no information "
                          "(a zero precision marks one coordinate a client says nothing about; some must be > 0)")
@@ -370,7 +379,12 @@ class _LayerMatcher:
 
     def match(self, j: int, *, rematch: bool = False) -> bool:
         """Assign client j optimally given everyone else (taking it off its atoms first if ``rematch``); return
-        whether the partition changed (a client that is new to it always changes it)."""
+        whether the partition changed (a client that is new to it always changes it, unless it has no neurons)."""
+        if self.L[j] == 0:
+            # no neurons, no atoms: the client counts in J (the scores' gamma0/J and m/(J-m)) and nowhere else
+            self.assign[j] = np.empty(0, dtype=np.int64)
+            self.rematches.append((j, 0, int((self.m[: self.n_rows] > 0).sum())))
+            return False
         if rematch:
             previous = self.assign[j]
             positions, kept = self._remove_stats(j)
@@ -423,6 +437,18 @@ class _LayerMatcher:
         cross += self.g0x[j][:, None]
         return cross
 
+    def start_from(self, labels: list[np.ndarray]) -> None:
+        """Put every client on the atoms of a given assignment (labels from :func:`_validate_labels`; any values,
+        compacted here to rows ``0 .. U-1`` in sorted label order)."""
+        uniq, flat = np.unique(np.concatenate(labels), return_inverse=True)
+        flat = flat.reshape(-1)
+        self._grow(uniq.size)
+        self.n_rows = uniq.size
+        start = 0
+        for j, a in enumerate(labels):
+            self.add(j, flat[start:start + a.size])
+            start += a.size
+
     # --- the objective ----------------------------------------------------------------------------------------------
     def objective(self) -> float:
         active = np.flatnonzero(self.m[: self.n_rows] > 0)
@@ -463,10 +489,35 @@ class _LayerMatcher:
         )
 
 
+def _validate_labels(assignments, sizes: Sequence[int], name: str) -> list[np.ndarray]:
+    """J int64 arrays of atom labels, one of length L_j per client, distinct within a client (any values)."""
+    J = len(sizes)
+    if isinstance(assignments, (str, bytes)) or not isinstance(assignments, (Sequence, Tensor, np.ndarray)):
+        raise ValueError(f"{name}: expected one integer array per client ({J}), got {type(assignments).__name__}")
+    if len(assignments) != J:
+        raise ValueError(f"{name}: expected one integer array per client ({J}), got {len(assignments)} arrays")
+    out = []
+    for j, a in enumerate(assignments):
+        a = a.detach().cpu().numpy() if isinstance(a, Tensor) else np.asarray(a)
+        if a.ndim != 1 or a.size != sizes[j]:
+            raise ValueError(f"{name}[{j}]: expected {sizes[j]} atom labels (client {j} has L_j = {sizes[j]} "
+                             f"neurons), got shape {a.shape}")
+        integral = np.issubdtype(a.dtype, np.integer) or (
+            np.issubdtype(a.dtype, np.floating) and bool(np.isfinite(a).all() and (a == np.round(a)).all()))
+        if a.size and not integral:
+            raise ValueError(f"{name}[{j}]: expected integer atom labels, got {a.tolist()}")
+        a = a.astype(np.int64)
+        if np.unique(a).size != a.size:
+            raise ValueError(f"{name}[{j}]: expected atom labels distinct within client {j} (one neuron per atom), "
+                             f"got {a.tolist()}")
+        out.append(a)
+    return out
+
+
 def _make_matcher(neurons, *, sigma2, sigma0_2, gamma0, mu0, precisions, objective, popularity_factor,
                   popularity_cap, max_atoms, new_atom_penalty):
     arrays = _validate_neurons(neurons)
-    J, D = len(arrays), arrays[0].shape[1]
+    D = arrays[0].shape[1]
     sigma2 = _positive(sigma2, "sigma2")
     sigma0_2 = _positive(sigma0_2, "sigma0_2")
     gamma0 = _positive(gamma0, "gamma0")
@@ -482,7 +533,7 @@ def _make_matcher(neurons, *, sigma2, sigma0_2, gamma0, mu0, precisions, objecti
     if new_atom_penalty not in ("none", "log_k"):
         raise ValueError(f"new_atom_penalty must be 'none' or 'log_k', got {new_atom_penalty!r}")
     return _LayerMatcher(
-        arrays, _validate_precisions(precisions, J, D), sigma2=sigma2, sigma0_2=sigma0_2, gamma0=gamma0,
+        arrays, _validate_precisions(precisions, [a.shape[0] for a in arrays], D), sigma2=sigma2, sigma0_2=sigma0_2, gamma0=gamma0,
         mu0=_validate_mu0(mu0, D), popularity_factor=popularity_factor, popularity_cap=popularity_cap,
         max_atoms=max_atoms, new_atom_penalty=new_atom_penalty, marginal=objective == "marginal")
 
@@ -504,27 +555,48 @@ def match_layer(
     new_atom_penalty: Literal["none", "log_k"] = "none",
     stop_at_fixed_point: bool = True,
     cross_products: Literal["auto", "direct", "gram"] = "auto",
+    init_assignments=None,
 ) -> MatchResult:
     """Match J clients' neurons to global atoms by MAP under the Beta-Bernoulli process (PFNM's server step).
 
-    Greedy pass over the clients (largest first), then ``sweeps`` passes in a fresh random order, each removing a
-    client and re-matching it with the Hungarian algorithm given all the others. See the module docstring for the
-    objective and the scores.
+    Greedy pass over the clients (largest first) -- or, given ``init_assignments``, that assignment instead -- then
+    ``sweeps`` passes in a fresh random order, each removing a client and re-matching it with the Hungarian algorithm
+    given all the others. See the module docstring for the objective and the scores.
 
     Usage::
 
-        layer = sample_federated_layer(10, 50, seed=0, gamma0=20.0, sigma2=0.01)
-        result = match_layer(layer.neurons, sigma2=0.02, sigma0_2=1.0, gamma0=20.0, seed=0)
-        result.global_atoms.shape, result.counts, result.objective
+        >>> from bnpfed.models import sample_federated_layer
+        >>> layer = sample_federated_layer(10, 50, seed=0, gamma0=20.0, sigma2=0.01)
+        >>> hyper = dict(sigma2=0.01, sigma0_2=1.0, gamma0=20.0, objective="marginal", seed=0)
+        >>> result = match_layer(layer.neurons, **hyper)
+        >>> result.num_atoms, layer.num_atoms, tuple(result.global_atoms.shape)
+        (49, 49, (49, 50))
+        >>> result.counts.sort().values.tolist() == layer.counts.sort().values.tolist()
+        True
+        >>> len(result.objective)                   # after the greedy pass and after each of the 5 sweeps
+        6
 
-    :param neurons: sequence of J arrays or tensors of shape (L_j, D); L_j may differ, D may not.
+    A communication round warm-starts from the previous round's assignment (any labels, distinct within a client);
+    the sweeps then run from there, and ``objective[0]`` is the objective of that starting point::
+
+        >>> again = match_layer(layer.neurons, init_assignments=result.assignments, sweeps=2, **hyper)
+        >>> math.isclose(again.objective[0], result.objective[-1], rel_tol=1e-9)
+        True
+        >>> all(bool((a == b).all()) for a, b in zip(again.assignments, result.assignments))
+        True
+
+    :param neurons: sequence of J arrays or tensors of shape (L_j, D); L_j may differ, D may not. A client may have
+        no neurons (shape (0, D), which the Beta-Bernoulli process gives with probability ``exp(-gamma0)``): it still
+        counts in J (in ``log(gamma0/J)`` and ``m/(J-m)``) and gets an empty assignment. At least one client must have
+        a neuron.
     :param float sigma2: local noise variance.
     :param float sigma0_2: prior variance of the atoms.
     :param float gamma0: IBP mass.
     :param mu0: prior mean of the atoms, scalar or (D,) (PFNM: 0 for weights, 0.1 for bias coordinates).
     :param precisions: optional per-client per-coordinate scales s_j >= 0, shape (J, D) or J vectors (D,); client
         j's noise variance on coordinate d is ``sigma2 / s_jd``. A zero marks a coordinate the client says nothing
-        about (PFNM: the output weights of a class the client never saw); each client needs some s_jd > 0.
+        about (PFNM: the output weights of a class the client never saw); each client with neurons needs some
+        s_jd > 0 (the row of a client without neurons is never used: any finite values >= 0).
     :param int sweeps: remove-and-rematch passes after the greedy one.
     :param int seed: seed of the sweeps' client order.
     :param str objective: ``"map"`` (published; atoms plugged in at their MAP values) or ``"marginal"`` (atoms
@@ -543,6 +615,11 @@ def match_layer(
         computed once after the greedy pass (a gather and a sum per atom per re-match); ``"auto"`` (default) takes the
         Gram matrix when the sweeps' products would cost more than it (``sweeps * L > N`` after the greedy pass, a
         wide layer) and it fits in 512 MiB. Same scores up to rounding.
+    :param init_assignments: optional starting point replacing the greedy pass: J integer arrays or tensors, the
+        j-th of length L_j (empty for a client without neurons), ``init_assignments[j][l]`` the atom of client j's
+        l-th neuron. Labels may take any values (they are compacted internally) but must be distinct within a client.
+        Default None: the greedy pass. The sweeps only ever raise the objective from there (with ``max_atoms`` off),
+        so the result is at least as good as the starting point; ``max_atoms`` limits only the atoms the sweeps open.
     :returns: :class:`MatchResult`.
     """
     t0 = time.perf_counter()
@@ -553,8 +630,11 @@ def match_layer(
     matcher = _make_matcher(neurons, sigma2=sigma2, sigma0_2=sigma0_2, gamma0=gamma0, mu0=mu0, precisions=precisions,
                             objective=objective, popularity_factor=popularity_factor, popularity_cap=popularity_cap,
                             max_atoms=max_atoms, new_atom_penalty=new_atom_penalty)
-    for j in np.argsort(-np.array(matcher.L), kind="stable"):
-        matcher.match(int(j))
+    if init_assignments is None:
+        for j in np.argsort(-np.array(matcher.L), kind="stable"):
+            matcher.match(int(j))
+    else:
+        matcher.start_from(_validate_labels(init_assignments, matcher.L, "init_assignments"))
     history = [matcher.objective()]
     N, L = int(matcher.offsets[-1]), int((matcher.m[: matcher.n_rows] > 0).sum())
     wide = sweeps > 0 and sweeps * L > N and N * N * 8 <= 512 * 2 ** 20
@@ -591,24 +671,11 @@ def assignment_objective(
 ) -> float:
     """The objective F (or F_marg) of :func:`match_layer` at a given assignment.
 
-    :param assignments: J integer arrays of length L_j: atom labels, distinct within a client (any labels).
+    :param assignments: J integer arrays of length L_j: atom labels, distinct within a client (any labels; empty for
+        a client without neurons). The other parameters are those of :func:`match_layer`.
     """
     matcher = _make_matcher(neurons, sigma2=sigma2, sigma0_2=sigma0_2, gamma0=gamma0, mu0=mu0, precisions=precisions,
                             objective=objective, popularity_factor=popularity_factor, popularity_cap=popularity_cap,
                             max_atoms=None, new_atom_penalty="none")
-    if len(assignments) != matcher.J:
-        raise ValueError(f"assignments must hold one array per client: expected {matcher.J}, got {len(assignments)}")
-    labels = [np.asarray(torch.as_tensor(a).cpu().numpy(), dtype=np.int64).reshape(-1) for a in assignments]
-    for j, a in enumerate(labels):
-        if a.size != matcher.L[j]:
-            raise ValueError(f"assignments[{j}] has {a.size} entries but client {j} has {matcher.L[j]} neurons")
-        if np.unique(a).size != a.size:
-            raise ValueError(f"assignments[{j}] uses an atom twice")
-    uniq, flat = np.unique(np.concatenate(labels), return_inverse=True)
-    matcher._grow(uniq.size)
-    matcher.n_rows = uniq.size
-    start = 0
-    for j, a in enumerate(labels):
-        matcher.add(j, flat[start:start + a.size])
-        start += a.size
+    matcher.start_from(_validate_labels(assignments, matcher.L, "assignments"))
     return matcher.objective()

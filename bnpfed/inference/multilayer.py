@@ -23,6 +23,11 @@ coordinates. For one hidden layer both orders give the same vectors ``[W_in, b, 
 The global network's weights are posterior means; the output bias is the class-share-weighted posterior mean of the
 clients' output biases, ``b_out_k = (bias_mu0/sigma0_2 + sum_j share_jk b_out_jk / sigma2) / (1/sigma0_2 +
 sum_j share_jk / sigma2)`` (sigma2, sigma0_2 of the last hidden layer; the reference's ``process_softmax_bias``).
+
+Communication rounds ("PFNM with communication" in the paper's experiments): in round r client j starts from its
+slice of round r-1's global network (:meth:`NetworkMatch.client_slice`), whose hidden-layer-c neurons are, in order,
+the global neurons ``assignments[c][j]``. ``match_networks(..., warm_start=previous)`` starts each layer's matching
+from that assignment instead of the greedy pass, as the published code does, and the sweeps improve on it from there.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from bnpfed.inference.matching import MatchResult, match_layer
+from bnpfed.models.networks import mlp
 
 __all__ = ["NetworkMatch", "match_networks", "linear_layers", "network_from_layers"]
 
@@ -49,17 +55,40 @@ def linear_layers(net: nn.Module) -> list[tuple[Tensor, Tensor]]:
 
 
 def network_from_layers(layers: Sequence[tuple[Tensor, Tensor]]) -> nn.Sequential:
-    """A ReLU MLP ``Flatten, Linear, ReLU, ..., Linear`` carrying exactly the given (weight, bias) pairs."""
-    modules: list[nn.Module] = [nn.Flatten()]
-    for i, (w, b) in enumerate(layers):
-        lin = nn.Linear(w.shape[1], w.shape[0])
-        with torch.no_grad():
-            lin.weight.copy_(torch.as_tensor(w))
-            lin.bias.copy_(torch.as_tensor(b))
-        modules.append(lin)
-        if i < len(layers) - 1:
-            modules.append(nn.ReLU())
-    return nn.Sequential(*modules)
+    """The ReLU MLP of :func:`bnpfed.models.mlp` (``Flatten, Linear, ReLU, ..., Linear``; parameters ``"1.weight"``,
+    ``"1.bias"``, ``"3.weight"``, ...) carrying exactly the given (weight (out, in), bias (out,)) pairs, in the
+    default dtype.
+
+    Usage::
+
+        >>> net = network_from_layers([(torch.ones(3, 4), torch.zeros(3)), (torch.ones(2, 3), torch.full((2,), 0.5))])
+        >>> net
+        Sequential(
+          (0): Flatten(start_dim=1, end_dim=-1)
+          (1): Linear(in_features=4, out_features=3, bias=True)
+          (2): ReLU()
+          (3): Linear(in_features=3, out_features=2, bias=True)
+        )
+        >>> net(torch.ones(1, 2, 2)).tolist()                   # each hidden unit sums 4 ones; the output sums 3 of them
+        [[12.5, 12.5]]
+    """
+    pairs = [(torch.as_tensor(w), torch.as_tensor(b)) for w, b in layers]
+    if not pairs:
+        raise ValueError("layers: expected at least one (weight, bias) pair, got none")
+    for i, (w, b) in enumerate(pairs):
+        if w.dim() != 2 or b.shape != (w.shape[0],):
+            raise ValueError(f"layers[{i}]: expected weight (out, in) and bias (out,), got {tuple(w.shape)} and "
+                             f"{tuple(b.shape)}")
+        if i and w.shape[1] != pairs[i - 1][0].shape[0]:
+            raise ValueError(f"layers[{i}]: expected a weight taking the {pairs[i - 1][0].shape[0]} outputs of "
+                             f"layers[{i - 1}], got one taking {w.shape[1]} inputs")
+    widths = [int(w.shape[0]) for w, _ in pairs]
+    net = mlp(int(pairs[0][0].shape[1]), widths[:-1], widths[-1])
+    with torch.no_grad():
+        for linear, (w, b) in zip((m for m in net if isinstance(m, nn.Linear)), pairs):
+            linear.weight.copy_(w)
+            linear.bias.copy_(b)
+    return net
 
 
 @dataclass
@@ -69,7 +98,9 @@ class NetworkMatch:
     :param list layers: global (weight, bias) per layer, hidden layers then the output layer.
     :param list assignments: per hidden layer, J long tensors mapping each client's neurons to global neurons.
     :param list layer_results: the :class:`MatchResult` of every hidden layer, bottom layer first.
+    :param str direction: the order the layers were matched in, ``"bottom-up"`` or ``"top-down"``.
     :param float seconds: wall time of all the matching.
+    :param Tensor class_shares: (J, C) ``share_jk = n_jk / sum_j' n_j'k`` (0 for a class nobody holds).
     """
 
     layers: list
@@ -146,10 +177,42 @@ def _validate(client_layers, class_counts):
             raise ValueError(f"class_counts must have shape ({J}, {C}) (clients x classes), got {tuple(counts.shape)}")
         if not torch.isfinite(counts).all() or (counts < 0).any() or (counts.sum(1) <= 0).any():
             raise ValueError("class_counts must be finite, >= 0, with a positive total per client")
-    # share of each class's examples held by each client; a class nobody holds gets share 0 everywhere
+    # share of each class's examples held by each client; a class nobody holds gets share 0 everywhere (dividing by
+    # the total only where it is positive, so that any positive multiple of the counts gives the same shares)
     total = counts.sum(0, keepdim=True)
-    shares = torch.where(total > 0, counts / total.clamp_min(1.0), torch.zeros_like(counts))
+    held = total > 0
+    shares = torch.where(held, counts / torch.where(held, total, torch.ones_like(total)), torch.zeros_like(counts))
     return layers, shares
+
+
+def _warm_start_assignments(warm_start, layers) -> list | None:
+    """Per hidden layer, J initial assignments from a previous :class:`NetworkMatch`, checked against the clients'
+    widths (labels distinct within a client are checked by the layer matcher)."""
+    if warm_start is None:
+        return None
+    if not isinstance(warm_start, NetworkMatch):
+        raise ValueError(f"warm_start: expected a NetworkMatch (a previous match_networks result) or None, got "
+                         f"{type(warm_start).__name__}")
+    J, K = len(layers), len(layers[0]) - 1
+    previous = warm_start.assignments
+    if len(previous) != K:
+        raise ValueError(f"warm_start: expected a match of {K} hidden layer(s), as deep as the clients' networks, got "
+                         f"one of {len(previous)}")
+    out = []
+    for c in range(K):
+        if len(previous[c]) != J:
+            raise ValueError(f"warm_start.assignments[{c}]: expected one assignment per client ({J}), got "
+                             f"{len(previous[c])}")
+        per_client = []
+        for j in range(J):
+            labels = torch.as_tensor(previous[c][j])
+            width = int(layers[j][c][0].shape[0])
+            if labels.dim() != 1 or labels.numel() != width:
+                raise ValueError(f"warm_start.assignments[{c}][{j}]: expected {width} labels (client {j}'s hidden "
+                                 f"layer {c} has {width} neurons), got shape {tuple(labels.shape)}")
+            per_client.append(labels)
+        out.append(per_client)
+    return out
 
 
 def match_networks(
@@ -164,17 +227,38 @@ def match_networks(
     direction: Literal["bottom-up", "top-down"] = "bottom-up",
     sweeps: int = 5,
     seed: int | None = None,
+    warm_start: NetworkMatch | None = None,
     layer_fn=match_layer,
     **matcher_kwargs,
 ) -> NetworkMatch:
     """Match J clients' MLPs into one global MLP (PFNM's server step, one communication round).
 
-    Usage::
+    The networks come from the clients' local training (``nn.Module`` s such as :func:`bnpfed.models.mlp`, or their
+    (weight, bias) pairs) and ``class_counts`` from their labels. Here two clients hold the same 4-3-2 network with
+    its hidden neurons in different orders, and matching puts them back together::
 
-        nets = [train_classifier(...) for ...]                       # J ReLU MLPs of the same depth
-        counts = class_counts(labels, parts, num_classes)            # (J, C)
-        result = match_networks(nets, counts, sigma2=1.0, sigma0_2=1.0, gamma0=1.0, seed=0)
-        global_net = result.network(); result.hidden_sizes
+        >>> g = torch.Generator().manual_seed(0)
+        >>> net = [(torch.randn(3, 4, generator=g), torch.randn(3, generator=g)),     # hidden layer, 4 -> 3
+        ...        (torch.randn(2, 3, generator=g), torch.randn(2, generator=g))]     # output layer, 3 -> 2
+        >>> perm = torch.tensor([2, 0, 1])
+        >>> shuffled = [(net[0][0][perm], net[0][1][perm]), (net[1][0][:, perm], net[1][1])]
+        >>> counts = [[10, 5], [5, 10]]                                               # (J, C) examples per class
+        >>> result = match_networks([net, shuffled], counts, sigma2=0.01, sigma0_2=1.0, gamma0=1.0, seed=0)
+        >>> result.hidden_sizes
+        [3]
+        >>> torch.equal(result.assignments[0][1], result.assignments[0][0][perm])
+        True
+        >>> result.network()(torch.zeros(5, 4)).shape
+        torch.Size([5, 2])
+
+    The next communication round starts every client from its slice of the global network; warm-started from this
+    match, and with no sweeps, the round-2 matching returns the same assignment::
+
+        >>> slices = [result.client_slice(j) for j in range(2)]
+        >>> again = match_networks(slices, counts, sigma2=0.01, sigma0_2=1.0, gamma0=1.0, seed=0, warm_start=result,
+        ...                        sweeps=0)
+        >>> all(torch.equal(a, b) for a, b in zip(again.assignments[0], result.assignments[0]))
+        True
 
     :param client_layers: J networks, each an ``nn.Module`` (its ``nn.Linear`` layers in order) or a list of
         (weight (out, in), bias (out,)) pairs. Depths, input and output sizes must agree; widths may differ.
@@ -183,13 +267,22 @@ def match_networks(
     :param sigma2: noise variance, ``sigma0_2`` prior variance, ``gamma0`` IBP mass: scalars, or one per hidden layer.
     :param mu0: prior mean of the weights (reference 0); ``bias_mu0`` of the biases (reference 0.1).
     :param direction: ``"bottom-up"`` (default) or ``"top-down"`` (the published order); see the module docstring.
+    :param int sweeps: remove-and-rematch passes per layer (see :func:`match_layer`).
+    :param int seed: seed of the sweeps' client order; layer c uses ``seed + c``.
+    :param warm_start: optional :class:`NetworkMatch` of the same J clients with the same number of hidden layers,
+        typically the previous communication round's, when every client's network is its
+        :meth:`~NetworkMatch.client_slice` (trained further): for each hidden layer c, ``warm_start.assignments[c][j]``
+        (one label per neuron of client j's layer c, distinct within a client) is client j's initial assignment,
+        replacing the greedy pass (``init_assignments`` of :func:`match_layer`). Default None: match from scratch.
     :param layer_fn: the one-layer matcher, :func:`match_layer` by default; any function with its signature
         returning an object with ``global_atoms``, ``assignments`` and ``num_atoms`` (a baseline such as k-means
-        plugs in here and gets the same neuron vectors, re-indexing and output bias).
+        plugs in here and gets the same neuron vectors, re-indexing and output bias). It is passed
+        ``init_assignments`` only when ``warm_start`` is given.
     :param matcher_kwargs: passed to ``layer_fn`` (``objective``, ``popularity_factor``, ...).
     """
     t0 = time.perf_counter()
     layers, shares = _validate(client_layers, class_counts)
+    init = _warm_start_assignments(warm_start, layers)
     if direction not in ("bottom-up", "top-down"):
         raise ValueError(f"direction must be 'bottom-up' or 'top-down', got {direction!r}")
     J, K = len(layers), len(layers[0]) - 1
@@ -213,8 +306,9 @@ def match_networks(
             start = sum(widths[:output_part])
             precisions = torch.ones(J, sum(widths), dtype=torch.float64)
             precisions[:, start:start + C] = shares
+        start = {} if init is None else {"init_assignments": init[c]}
         r = layer_fn(neurons, sigma2=sig[c], sigma0_2=sig0[c], gamma0=gam[c], mu0=mu, precisions=precisions,
-                     sweeps=sweeps, seed=None if seed is None else seed + c, **matcher_kwargs)
+                     sweeps=sweeps, seed=None if seed is None else seed + c, **start, **matcher_kwargs)
         results[c] = r
         assignments[c] = r.assignments
         return r

@@ -16,6 +16,10 @@ layer above is already matched, its outgoing weights). Across J clients the stor
 * a client's neurons come in a uniformly random order (``perm_j``): hidden units are permutation invariant, and
   matching is what undoes this permutation.
 
+A client may use no atom at all (its number of atoms is Poisson(gamma0) marginally, so with probability
+``exp(-gamma0)``): it then has no neurons, an empty assignment and no ``perm_j`` / ``v_j`` sites, and it still counts
+in J -- the later clients' ``m_i / j`` and ``gamma0 / j`` count it, and so do the densities below.
+
 Sites, for client ``j = 0 .. J-1`` (a site with nothing to sample is left out, as Pyro plates cannot be empty):
 
 ``z_j``      (L,) Bernoulli: which of the L atoms opened by earlier clients client j uses
@@ -98,8 +102,10 @@ class FederatedLayer:
     """One layer across J clients, with its ground truth.
 
     :param Tensor atoms: (L, D) global neurons theta, labelled in order of first use.
-    :param list assignments: J long tensors; ``assignments[j][l]`` is the atom behind client j's l-th neuron.
-    :param list neurons: J tensors (L_j, D), each client's neurons in their reported (permuted) order.
+    :param list assignments: J long tensors; ``assignments[j][l]`` is the atom behind client j's l-th neuron (empty
+        for a client without neurons).
+    :param list neurons: J tensors (L_j, D), each client's neurons in their reported (permuted) order; (0, D) for a
+        client without neurons.
     """
 
     atoms: Tensor
@@ -117,9 +123,10 @@ class FederatedLayer:
     @property
     def counts(self) -> Tensor:
         """(L,) number of clients using each atom (m_i)."""
-        if not self.assignments:
+        used = [torch.as_tensor(a).reshape(-1).long() for a in self.assignments]
+        if not used:
             return torch.zeros(self.num_atoms, dtype=torch.long)
-        return torch.bincount(torch.cat(list(self.assignments)), minlength=self.num_atoms)
+        return torch.bincount(torch.cat(used), minlength=self.num_atoms)
 
 
 def _as_vector(value, dim: int, name: str) -> Tensor:
@@ -166,10 +173,22 @@ def beta_bernoulli_layer(
 
     Usage::
 
-        layer = beta_bernoulli_layer(5, 20, gamma0=8.0, sigma2=0.01)          # a draw (under Pyro's RNG)
-        trace = pyro.poutine.trace(beta_bernoulli_layer).get_trace(5, 20, gamma0=8.0, sigma2=0.01)
-        laplace = dist.Laplace(torch.zeros(20), 1.0)                          # swap the atom prior
-        layer = beta_bernoulli_layer(5, 20, gamma0=8.0, sigma2=0.01, atom_prior=laplace)
+        >>> layer = beta_bernoulli_layer(5, 20, gamma0=8.0, sigma2=0.01)      # a draw (under Pyro's RNG)
+        >>> layer.num_clients, layer.atoms.shape[1]
+        (5, 20)
+        >>> trace = pyro.poutine.trace(beta_bernoulli_layer).get_trace(5, 20, gamma0=8.0, sigma2=0.01)
+        >>> trace.nodes["new_0"]["fn"]                                         # client 0 opens Poisson(gamma0) atoms
+        Poisson(rate: 8.0)
+        >>> laplace = dist.Laplace(torch.zeros(20), 1.0)                      # swap the atom prior
+        >>> layer = beta_bernoulli_layer(5, 20, gamma0=8.0, sigma2=0.01, atom_prior=laplace)
+
+    Conditioning fixes any site; here client 0 uses no atom, so it has no neurons and the next client opens
+    ``Poisson(gamma0 / 2)`` atoms::
+
+        >>> data = {"new_0": torch.tensor(0.0), "new_1": torch.tensor(2.0)}
+        >>> layer = pyro.poutine.condition(beta_bernoulli_layer, data=data)(2, 3, gamma0=1.0, sigma2=0.1)
+        >>> [tuple(v.shape) for v in layer.neurons], layer.num_atoms
+        ([(0, 3), (2, 3)], 2)
 
     :param int num_clients: J.
     :param int dim: D, the length of a neuron vector.
@@ -238,8 +257,12 @@ def sample_federated_layer(num_clients: int, dim: int, *, seed: int, **model_kwa
 
     Usage::
 
-        layer = sample_federated_layer(10, 50, seed=0, gamma0=20.0, sigma2=0.01)
-        layer.atoms.shape, layer.counts, [v.shape for v in layer.neurons]
+        >>> layer = sample_federated_layer(10, 50, seed=0, gamma0=20.0, sigma2=0.01)
+        >>> layer.num_atoms, tuple(layer.atoms.shape), [tuple(v.shape) for v in layer.neurons[:2]]
+        (49, (49, 50), [(19, 50), (23, 50)])
+        >>> same = sample_federated_layer(10, 50, seed=0, gamma0=20.0, sigma2=0.01)
+        >>> torch.equal(same.atoms, layer.atoms)
+        True
     """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -250,18 +273,30 @@ def canonical_conditioning(neurons: Sequence[Tensor], assignments: Sequence[Tens
     """The values of every site of :func:`beta_bernoulli_layer` that produce the given layer.
 
     Atoms may carry any labels: they are relabelled in order of first use (client by client, and within a client
-    by the position of the first neuron that uses them), which is the labelling the sequential IBP generates.
+    by the position of the first neuron that uses them), which is the labelling the sequential IBP generates. A
+    client without neurons (an empty assignment, neurons of shape (0, D)) gets ``z_j`` all 0 and ``new_j`` = 0.
 
+    :param neurons: J tensors (L_j, D).
+    :param assignments: J integer sequences of length L_j, distinct within a client.
+    :param Tensor atoms: (L, D), every atom used by some client.
     :returns: dict site name -> value, for ``pyro.poutine.condition``.
     """
     J = len(neurons)
+    if len(assignments) != J:
+        raise ValueError(f"assignments: expected one per client ({J}, as many as neurons), got {len(assignments)}")
     atoms = torch.as_tensor(atoms, dtype=torch.get_default_dtype())
+    if atoms.dim() != 2:
+        raise ValueError(f"atoms: expected shape (L, D), got {tuple(atoms.shape)}")
     relabel: dict[int, int] = {}
     data: dict = {}
     for j in range(J):
-        a = [int(x) for x in torch.as_tensor(assignments[j]).tolist()]
+        a = [int(x) for x in torch.as_tensor(assignments[j]).reshape(-1).tolist()]
         if len(set(a)) != len(a):
             raise ValueError(f"assignments[{j}] uses an atom twice: {a}")
+        shape = tuple(torch.as_tensor(neurons[j]).shape)
+        if shape != (len(a), atoms.shape[1]):
+            raise ValueError(f"neurons[{j}]: expected shape ({len(a)}, {atoms.shape[1]}) (one row per entry of "
+                             f"assignments[{j}], one column per atom coordinate), got {shape}")
         num_old = len(relabel)
         if num_old:
             z = torch.zeros(num_old)
@@ -299,8 +334,20 @@ def log_joint(
 
     Usage::
 
-        layer = sample_federated_layer(4, 10, seed=0, gamma0=5.0, sigma2=0.1)
-        log_joint(layer, gamma0=5.0, sigma2=0.1)
+        >>> layer = sample_federated_layer(4, 10, seed=0, gamma0=5.0, sigma2=0.1)
+        >>> lp = log_joint(layer, gamma0=5.0, sigma2=0.1)            # a scalar tensor
+        >>> bool(lp > log_joint(layer, gamma0=5.0, sigma2=1.0))          # the noise it was drawn with fits best
+        True
+
+    By hand: one atom at 0 in R^1, held by client 0 with its neuron at 0, and client 1 without neurons. With gamma0 =
+    sigma2 = sigma0_2 = 1 the IBP prior is ``log gamma0 - gamma0 H_2 + log[0! 1! / 2!]`` = -1.5 - log 2, each Gaussian
+    density at its mean is ``-log(2 pi) / 2``, and client 0's one neuron has one order::
+
+        >>> by_hand = FederatedLayer(atoms=torch.zeros(1, 1), assignments=[torch.tensor([0]), torch.tensor([])],
+        ...                          neurons=[torch.zeros(1, 1), torch.zeros(0, 1)])
+        >>> expected = -1.5 - math.log(2) - math.log(2 * math.pi)
+        >>> math.isclose(float(log_joint(by_hand, gamma0=1.0, sigma2=1.0)), expected, rel_tol=1e-6)
+        True
     """
     data = canonical_conditioning(layer.neurons, layer.assignments, layer.atoms)
     J = len(layer.neurons)
