@@ -10,7 +10,14 @@ import torch
 from _reference import ibp_configuration_logprob
 from scipy import stats
 
-from bnpfed.models import UniformPermutation, beta_bernoulli_layer, log_joint, sample_federated_layer
+from bnpfed.models import (
+    FederatedLayer,
+    UniformPermutation,
+    beta_bernoulli_layer,
+    canonical_conditioning,
+    log_joint,
+    sample_federated_layer,
+)
 
 
 def harmonic(J):
@@ -71,13 +78,9 @@ def test_atoms_follow_prior_mean_per_coordinate():
     assert torch.allclose(layer.atoms.mean(0), mu0, atol=5 * 0.5 / math.sqrt(n))
 
 
-def test_log_joint_equals_closed_form(float64):
-    """trace.log_prob_sum() of the conditioned program = sequential IBP + Gaussian atoms + noise + permutations."""
-    J, D, gamma0, sigma2, sigma0_2 = 5, 4, 3.0, 0.2, 1.5
-    mu0 = torch.tensor([0.0, 0.0, 0.0, 0.1])
-    s = torch.rand(J, D) + 0.5
-    layer = sample_federated_layer(J, D, seed=2, gamma0=gamma0, sigma2=sigma2, sigma0_2=sigma0_2, mu0=mu0,
-                                   precisions=s)
+def closed_form_log_joint(layer, s, *, gamma0, sigma2, sigma0_2, mu0):
+    """(sequential, configuration) log densities from scipy: IBP + Gaussian atoms + noise + permutations."""
+    J = layer.num_clients
     counts = layer.counts.tolist()
     # K_j: atoms first used by client j
     seen, K = set(), []
@@ -90,10 +93,78 @@ def test_log_joint_equals_closed_form(float64):
     for j, (a, v) in enumerate(zip(layer.assignments, layer.neurons)):
         expected += stats.norm.logpdf(v.numpy(), layer.atoms[a].numpy(), np.sqrt(sigma2 / s[j].numpy())).sum()
         expected -= math.lgamma(a.numel() + 1)
-    kw = dict(gamma0=gamma0, sigma2=sigma2, sigma0_2=sigma0_2, mu0=mu0, precisions=s)
-    assert log_joint(layer, **kw).item() == pytest.approx(expected, rel=1e-10)
-    conf = log_joint(layer, configuration=True, **kw).item()
-    assert conf == pytest.approx(expected + sum(math.lgamma(k + 1) for k in K), rel=1e-10)
+    return expected, expected + sum(math.lgamma(k + 1) for k in K)
+
+
+def test_log_joint_equals_closed_form(float64):
+    """trace.log_prob_sum() of the conditioned program = sequential IBP + Gaussian atoms + noise + permutations."""
+    J, D, gamma0, sigma2, sigma0_2 = 5, 4, 3.0, 0.2, 1.5
+    mu0 = torch.tensor([0.0, 0.0, 0.0, 0.1])
+    s = torch.rand(J, D) + 0.5
+    layer = sample_federated_layer(J, D, seed=2, gamma0=gamma0, sigma2=sigma2, sigma0_2=sigma0_2, mu0=mu0,
+                                   precisions=s)
+    kw = dict(gamma0=gamma0, sigma2=sigma2, sigma0_2=sigma0_2, mu0=mu0)
+    expected, expected_conf = closed_form_log_joint(layer, s, **kw)
+    assert log_joint(layer, precisions=s, **kw).item() == pytest.approx(expected, rel=1e-10)
+    assert log_joint(layer, configuration=True, precisions=s, **kw).item() == pytest.approx(expected_conf, rel=1e-10)
+
+
+def sampled_layer_with_an_empty_client(J, D, **model_kwargs):
+    for seed in range(1000):
+        layer = sample_federated_layer(J, D, seed=seed, **model_kwargs)
+        sizes = [a.numel() for a in layer.assignments]
+        if 0 in sizes[:-1] and sum(sizes) > 0:  # an empty client some later client comes after
+            return layer
+    raise AssertionError("no such layer in 1000 seeds")
+
+
+def by_hand_layer_with_empty_clients(D, first_empty=True):
+    g = torch.Generator().manual_seed(0)
+    atoms = torch.randn(3, D, generator=g)
+    empty = torch.zeros(0, dtype=torch.long)
+    assignments = [empty, torch.tensor([1, 0]), torch.tensor([2, 0, 1]), empty, torch.tensor([2])]
+    if not first_empty:
+        assignments = assignments[1:] + assignments[:1]
+    neurons = [atoms[a] + 0.3 * torch.randn(len(a), D, generator=g) for a in assignments]
+    return FederatedLayer(atoms=atoms, assignments=assignments, neurons=neurons)
+
+
+@pytest.mark.parametrize("source", ["sampled", "by hand, first client empty", "by hand, last client empty"])
+def test_log_joint_with_clients_without_neurons_equals_closed_form(float64, source):
+    """A client without neurons counts in the IBP's J and in the later clients' m_i / j and gamma0 / j; it has no
+    permutation or neuron term."""
+    D, gamma0, sigma2, sigma0_2 = 3, 1.0, 0.2, 1.5
+    mu0 = torch.tensor([0.0, 0.0, 0.1])
+    if source == "sampled":
+        layer = sampled_layer_with_an_empty_client(5, D, gamma0=gamma0, sigma2=sigma2, sigma0_2=sigma0_2, mu0=mu0)
+    else:
+        layer = by_hand_layer_with_empty_clients(D, first_empty=source.endswith("first client empty"))
+    s = torch.rand(layer.num_clients, D, generator=torch.Generator().manual_seed(0)) + 0.5
+    kw = dict(gamma0=gamma0, sigma2=sigma2, sigma0_2=sigma0_2, mu0=mu0)
+    expected, expected_conf = closed_form_log_joint(layer, s, **kw)
+    assert log_joint(layer, precisions=s, **kw).item() == pytest.approx(expected, rel=1e-10)
+    assert log_joint(layer, configuration=True, precisions=s, **kw).item() == pytest.approx(expected_conf, rel=1e-10)
+
+
+def test_a_client_without_neurons_has_no_neuron_sites():
+    layer = by_hand_layer_with_empty_clients(3)
+    data = canonical_conditioning(layer.neurons, layer.assignments, layer.atoms)
+    trace = pyro.poutine.trace(pyro.poutine.condition(beta_bernoulli_layer, data=data)).get_trace(
+        5, 3, gamma0=1.0, sigma2=0.1)
+    for j in (0, 3):
+        assert f"perm_{j}" not in trace.nodes and f"v_{j}" not in trace.nodes
+        assert trace.nodes[f"new_{j}"]["value"].item() == 0
+    assert "z_0" not in trace.nodes  # nothing was open before client 0
+    assert torch.equal(trace.nodes["z_3"]["value"], torch.zeros(3))
+    out = trace.nodes["_RETURN"]["value"]
+    assert [tuple(v.shape) for v in out.neurons] == [(0, 3), (2, 3), (3, 3), (0, 3), (1, 3)]
+    assert out.counts.tolist() == [2, 2, 2]
+
+
+def test_counts_accept_empty_assignments_of_any_dtype():
+    layer = FederatedLayer(atoms=torch.zeros(2, 1), assignments=[torch.tensor([]), torch.tensor([1, 0])],
+                           neurons=[torch.zeros(0, 1), torch.zeros(2, 1)])
+    assert layer.counts.tolist() == [1, 1]
 
 
 def test_log_joint_does_not_depend_on_atom_labels(float64):
@@ -150,6 +221,16 @@ def test_uniform_permutation_log_prob():
     assert d.log_prob(torch.tensor([2, 0, 3, 1])).item() == pytest.approx(-math.log(24))
     assert d.log_prob(torch.tensor([0, 0, 3, 1])).item() == -math.inf
     assert sorted(d.sample().tolist()) == [0, 1, 2, 3]
+
+
+def test_conditioning_on_a_layer_with_mismatched_neurons_raises():
+    layer = by_hand_layer_with_empty_clients(3)
+    neurons = list(layer.neurons)
+    neurons[0] = torch.zeros(1, 3)  # client 0's assignment is empty
+    with pytest.raises(ValueError, match=r"neurons\[0\]: expected shape \(0, 3\)"):
+        canonical_conditioning(neurons, layer.assignments, layer.atoms)
+    with pytest.raises(ValueError, match=r"assignments: expected one per client \(5"):
+        canonical_conditioning(layer.neurons, layer.assignments[:4], layer.atoms)
 
 
 def test_bad_model_arguments_raise():

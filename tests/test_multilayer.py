@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from bnpfed.inference import assignment_objective
 from bnpfed.inference.multilayer import linear_layers, match_networks, network_from_layers
 from bnpfed.models import mlp
 
@@ -126,6 +127,96 @@ def test_mlp_modules_are_accepted_and_layers_round_trip():
     torch.testing.assert_close(rebuilt(x), net(x))
     r = match_networks([net, mlp(10, [4], 3)], None, sigma2=1.0, sigma0_2=1.0, gamma0=1.0)
     assert r.network()(x).shape == (5, 3)
+
+
+def test_network_from_layers_is_the_models_mlp_with_the_given_weights():
+    layers = random_net([6, 5, 4, 3], 0)
+    net = network_from_layers(layers)
+    reference = mlp(6, [5, 4], 3)
+    assert [type(m) for m in net] == [type(m) for m in reference]
+    assert list(net.state_dict()) == list(reference.state_dict()) == ["1.weight", "1.bias", "3.weight", "3.bias",
+                                                                      "5.weight", "5.bias"]
+    for (w, b), (w_net, b_net) in zip(layers, linear_layers(net)):
+        torch.testing.assert_close(w_net, w.to(w_net.dtype))
+        torch.testing.assert_close(b_net, b.to(b_net.dtype))
+    with pytest.raises(ValueError, match=r"layers\[1\]: expected a weight taking the 5 outputs of layers\[0\]"):
+        network_from_layers([layers[0], random_net([4, 3], 1)[0]])
+
+
+def test_class_shares_do_not_depend_on_the_scale_of_class_counts():
+    nets = [random_net([5, 4, 2], seed) for seed in range(2)]
+    counts = np.array([[30.0, 10.0], [10.0, 30.0]])
+    kw = dict(sigma2=0.3, sigma0_2=1.0, gamma0=1.0, seed=0)
+    a = match_networks(nets, counts, **kw)
+    b = match_networks(nets, counts / 1000, **kw)
+    torch.testing.assert_close(b.class_shares, a.class_shares, rtol=1e-12, atol=0.0)
+    torch.testing.assert_close(a.class_shares, torch.tensor([[0.75, 0.25], [0.25, 0.75]], dtype=torch.float64))
+    assert a.hidden_sizes == b.hidden_sizes
+    assert all(torch.equal(x, y) for x, y in zip(a.assignments[0], b.assignments[0]))
+    for (wa, ba), (wb, bb) in zip(a.layers, b.layers):
+        torch.testing.assert_close(wb, wa, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(bb, ba, rtol=1e-6, atol=1e-7)
+    # a class nobody holds still gets share 0
+    none = match_networks(nets, np.array([[0.003, 0.0], [0.001, 0.0]]), **kw)
+    torch.testing.assert_close(none.class_shares, torch.tensor([[0.75, 0.0], [0.25, 0.0]], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("direction", ["bottom-up", "top-down"])
+def test_warm_start_from_a_previous_match_of_the_same_networks_returns_it(direction):
+    nets = [random_net([7, 5, 4, 3], seed) for seed in range(3)]
+    counts = np.array([[5, 1, 1], [1, 5, 1], [1, 1, 5]])
+    kw = dict(sigma2=0.3, sigma0_2=1.0, gamma0=2.0, direction=direction)
+    previous = match_networks(nets, counts, seed=0, **kw)
+    again = match_networks(nets, counts, seed=1, sweeps=0, warm_start=previous, **kw)
+    for c in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(again.assignments[c], previous.assignments[c]))
+        assert len(again.layer_results[c].objective) == 1
+    for (wa, ba), (wb, bb) in zip(again.layers, previous.layers):
+        torch.testing.assert_close(wa, wb)
+        torch.testing.assert_close(ba, bb)
+
+
+def test_warm_started_round_starts_every_layer_at_the_previous_assignment_and_only_improves_on_it():
+    """Round 2: every client holds its slice of round 1's global network, moved by local training (here noise);
+    each layer's matching starts from round 1's assignment, whose objective is objective[0], and sweeps only raise
+    it."""
+    nets = [random_net([7, 5, 4, 3], seed) for seed in range(3)]
+    counts = np.ones((3, 3))
+    kw = dict(sigma2=0.3, sigma0_2=1.0, gamma0=2.0)
+    round1 = match_networks(nets, counts, seed=0, **kw)
+    g = torch.Generator().manual_seed(0)
+    trained = [[(w.double() + 0.05 * torch.randn(w.shape, generator=g, dtype=torch.float64),
+                 b.double() + 0.05 * torch.randn(b.shape, generator=g, dtype=torch.float64))
+                for w, b in round1.client_slice(j)] for j in range(3)]
+    round2 = match_networks(trained, counts, seed=1, sweeps=4, warm_start=round1, **kw)
+    first = round2.layer_results[0]
+    # layer 0 is matched first (bottom-up), on the clients' incoming weights, bias and nothing else
+    neurons = [torch.cat([w, b[:, None]], dim=1) for w, b in (t[0] for t in trained)]
+    mu0 = torch.tensor([0.0] * 7 + [0.1], dtype=torch.float64)
+    start = assignment_objective(neurons, round1.assignments[0], sigma2=0.3, sigma0_2=1.0, gamma0=2.0, mu0=mu0)
+    assert first.objective[0] == pytest.approx(start, rel=1e-10)
+    for r in round2.layer_results:
+        assert (np.diff(r.objective) >= -1e-9 * abs(r.objective[0])).all(), r.objective
+
+
+@pytest.mark.parametrize(
+    "warm, match",
+    [
+        (lambda r: r.assignments, "warm_start: expected a NetworkMatch"),
+        (lambda r: type(r)(r.layers, r.assignments[:1], r.layer_results, r.direction),
+         r"warm_start: expected a match of 2 hidden layer\(s\)"),
+        (lambda r: type(r)(r.layers, [r.assignments[0][:2], r.assignments[1]], r.layer_results, r.direction),
+         r"warm_start.assignments\[0\]: expected one assignment per client \(3\), got 2"),
+        (lambda r: type(r)(r.layers, [r.assignments[0], [*r.assignments[1][:2], r.assignments[1][2][:-1]]],
+                           r.layer_results, r.direction),
+         r"warm_start.assignments\[1\]\[2\]: expected 4 labels \(client 2's hidden layer 1 has 4 neurons\)"),
+    ],
+)
+def test_bad_warm_start_raises_naming_the_layer_and_client(warm, match):
+    nets = [random_net([7, 5, 4, 3], seed) for seed in range(3)]
+    previous = match_networks(nets, None, sigma2=0.3, sigma0_2=1.0, gamma0=2.0, seed=0)
+    with pytest.raises(ValueError, match=match):
+        match_networks(nets, None, sigma2=0.3, sigma0_2=1.0, gamma0=2.0, warm_start=warm(previous))
 
 
 @pytest.mark.parametrize(

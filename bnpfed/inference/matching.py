@@ -533,9 +533,10 @@ def _make_matcher(neurons, *, sigma2, sigma0_2, gamma0, mu0, precisions, objecti
     if new_atom_penalty not in ("none", "log_k"):
         raise ValueError(f"new_atom_penalty must be 'none' or 'log_k', got {new_atom_penalty!r}")
     return _LayerMatcher(
-        arrays, _validate_precisions(precisions, [a.shape[0] for a in arrays], D), sigma2=sigma2, sigma0_2=sigma0_2, gamma0=gamma0,
-        mu0=_validate_mu0(mu0, D), popularity_factor=popularity_factor, popularity_cap=popularity_cap,
-        max_atoms=max_atoms, new_atom_penalty=new_atom_penalty, marginal=objective == "marginal")
+        arrays, _validate_precisions(precisions, [a.shape[0] for a in arrays], D), sigma2=sigma2, sigma0_2=sigma0_2,
+        gamma0=gamma0, mu0=_validate_mu0(mu0, D), popularity_factor=popularity_factor,
+        popularity_cap=popularity_cap, max_atoms=max_atoms, new_atom_penalty=new_atom_penalty,
+        marginal=objective == "marginal")
 
 
 def match_layer(

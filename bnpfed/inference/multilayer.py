@@ -69,7 +69,7 @@ def network_from_layers(layers: Sequence[tuple[Tensor, Tensor]]) -> nn.Sequentia
           (2): ReLU()
           (3): Linear(in_features=3, out_features=2, bias=True)
         )
-        >>> net(torch.ones(1, 2, 2)).tolist()                   # each hidden unit sums 4 ones; the output sums 3 of them
+        >>> net(torch.ones(1, 2, 2)).tolist()          # each hidden unit sums 4 ones; the output sums 3 of them
         [[12.5, 12.5]]
     """
     pairs = [(torch.as_tensor(w), torch.as_tensor(b)) for w, b in layers]
