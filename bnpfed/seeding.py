@@ -53,8 +53,10 @@ class Stream(IntEnum):
     PREDICT = 5
     #: the order of the matcher's sweeps in a round (``client`` is the layer)
     MATCH = 6
-    #: the evaluation split of a client (Flower clients' test shards)
+    #: which clients evaluate the global model after a round (Flower's client-side evaluation)
     EVALUATION = 7
+    #: a client's held-out split (federated hyper-parameter selection)
+    HOLDOUT = 8
 
 
 def _check_key(value, name: str) -> int:

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from bnpfed.combine import average_deterministic
 from bnpfed.inference.matching import MatchResult
 
-__all__ = ["ensemble_proba", "fedavg_network", "kmeans_layer_fn"]
+__all__ = ["ensemble_proba", "fedavg_network", "kmeans_layer", "kmeans_networks"]
 
 
 @torch.no_grad()
@@ -42,20 +42,18 @@ def fedavg_network(nets: Sequence[nn.Module], weights=None) -> nn.Module:
     return out
 
 
-def kmeans_layer_fn(widths: Sequence[int], *, n_init: int = 3):
-    """A ``layer_fn`` for :func:`~bnpfed.inference.multilayer.match_networks` that clusters the pooled neuron
-    vectors of hidden layer c into ``widths[c]`` atoms with k-means (scikit-learn) instead of matching them: the
-    k-means baseline of the PFNM paper, at the same global width as PFNM. Cluster centres are the global neurons;
-    precisions and priors are ignored (k-means has none), and two neurons of one client may share a centre (their
-    weights to the layer above then add up). Use it with ``direction="bottom-up"``: the layers come in order."""
-    widths = list(widths)
-    calls = iter(range(len(widths)))
+def kmeans_layer(width: int, *, n_init: int = 3):
+    """A one-layer matcher for :func:`~bnpfed.inference.multilayer.match_networks` (``layer_fn``, one per hidden
+    layer) that clusters the pooled neuron vectors into ``width`` atoms with k-means (scikit-learn) instead of
+    matching them: the k-means baseline of the PFNM paper. Cluster centres are the global neurons; precisions and
+    priors are ignored (k-means has none), and two neurons of one client may share a centre (their weights to the
+    layer above then add up)."""
+    width = int(width)
 
     def layer_fn(neurons, *, seed=None, **_ignored) -> MatchResult:
-        c = next(calls)
         stacked = torch.cat([torch.as_tensor(v, dtype=torch.float64) for v in neurons]).numpy()
-        k = min(int(widths[c]), stacked.shape[0])
-        km = KMeans(n_clusters=k, n_init=n_init, random_state=0 if seed is None else seed).fit(stacked)
+        k = min(width, stacked.shape[0])
+        km = KMeans(n_clusters=k, n_init=n_init, random_state=None if seed is None else seed % 2**32).fit(stacked)
         labels = torch.as_tensor(km.labels_, dtype=torch.long)
         sizes = [len(v) for v in neurons]
         centers = torch.as_tensor(km.cluster_centers_)
@@ -64,3 +62,12 @@ def kmeans_layer_fn(widths: Sequence[int], *, n_init: int = 3):
                            counts=torch.bincount(labels, minlength=k), objective=[float(-km.inertia_)])
 
     return layer_fn
+
+
+def kmeans_networks(nets: Sequence[nn.Module], class_counts, widths: Sequence[int], *, seed: int):
+    """The k-means baseline for whole networks: every hidden layer clustered bottom-up into ``widths[c]`` atoms, with
+    PFNM's neuron vectors, re-indexing and output layer (:func:`~bnpfed.inference.multilayer.match_networks`)."""
+    from bnpfed.inference.multilayer import match_networks
+
+    return match_networks(list(nets), class_counts, layer_fn=[kmeans_layer(w) for w in widths],
+                          direction="bottom-up", seed=seed)

@@ -1,0 +1,417 @@
+"""The settings of a federated run, one small frozen dataclass per concern, shared by the in-process federations,
+the experiment harness, the command line and the Flower apps.
+
+* :class:`PartitionConfig`: how the training data is split among the J clients;
+* :class:`NetworkConfig`: the clients' network and its initialisation;
+* :class:`TrainingConfig`: what a client does locally in a round (epochs, optimiser, the per-round schedule);
+* :class:`BayesianConfig`: what makes a client Bayesian (prior, guide initialisation, local reparameterisation);
+* :class:`PFNMConfig`: the PFNM server (Beta-Bernoulli matching hyper-parameters, client sampling);
+* :class:`FusionConfig`: the posterior-fusion server (rule, client weights, pooling draws, variance floor, client
+  sampling);
+* :class:`ExperimentConfig`: the harness around them (which methods, rounds, seed, hyper-parameter selection,
+  evaluation). Flower takes everything but this one (its run has ``rounds`` and ``seed`` of its own).
+
+Every field is checked in ``__post_init__``; a bad value raises ``ValueError("<field>: expected <what>, got
+<value>")``, so a command can name the flag. The words are the same everywhere: partitions are ``"iid"`` and
+``"dirichlet"`` (``"homogeneous"``/``"homo"`` and ``"hetero"``/``"heterogeneous"`` are accepted aliases), ``epochs``
+are local epochs, ``fraction`` is the share of clients sampled per round.
+
+Usage::
+
+    >>> PartitionConfig(clients=5, partition="hetero").partition
+    'dirichlet'
+    >>> PFNM_TRAINING.schedule(3)                # the reference code's schedule: round 3 retrains 5 epochs
+    LocalSchedule(epochs=5, lr=0.009801)
+    >>> TrainingConfig(lr=0)
+    Traceback (most recent call last):
+    ...
+    ValueError: lr: expected a positive finite number, got 0
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any, NamedTuple, Optional, Union
+
+import numpy as np
+import pyro.distributions as dist
+
+from bnpfed.combine import available_rules
+from bnpfed.federated.partition import partition_dirichlet, partition_homogeneous, train_validation_split
+from bnpfed.models.priors import IIDPrior, Prior, only_linear_weights
+from bnpfed.seeding import Stream, derive_seed
+from bnpfed.validation import (check_bool, check_choice, check_float, check_fraction, check_int, check_ints,
+                               check_positive, check_positives)
+
+__all__ = [
+    "ARCHITECTURES",
+    "CLIENT_WEIGHTS",
+    "FUSION_TRAINING",
+    "INITIALISATIONS",
+    "PARTITIONS",
+    "PARTITION_ALIASES",
+    "PFNM_NETWORK",
+    "PAPER_MIN_VARIANCE",
+    "PFNM_TRAINING",
+    "PRIORS",
+    "BayesianConfig",
+    "ExperimentConfig",
+    "FusionConfig",
+    "LocalSchedule",
+    "NetworkConfig",
+    "PFNMConfig",
+    "PartitionConfig",
+    "TrainingConfig",
+    "config_dict",
+    "holdout_split",
+]
+
+#: Partition schemes, and the older spellings accepted for them.
+PARTITIONS = ("iid", "dirichlet")
+PARTITION_ALIASES = {"homogeneous": "iid", "homo": "iid", "hetero": "dirichlet", "heterogeneous": "dirichlet"}
+#: Networks :meth:`NetworkConfig.build` makes: a ReLU MLP, LeNet-5 as Ozer et al.'s code has it (no padding on
+#: conv1, ``"lenet-paper"``) and our LeNet-5 (conv1 padded by 2, 400 features into fc1 on 28x28 images).
+ARCHITECTURES = ("mlp", "lenet", "lenet-paper")
+#: ``"torch"``: PyTorch's default initialisation; ``"reference"``: the PFNM reference code's (weights N(0, 0.1^2),
+#: biases 0.1).
+INITIALISATIONS = ("torch", "reference")
+#: Named priors of :class:`BayesianConfig`: N(0, prior_scale^2) on the ``nn.Linear`` weight matrices only (Ozer et
+#: al.'s choice) or on every parameter.
+PRIORS = ("linear-weights", "all")
+#: Client weights ``b_k`` of posterior fusion: proportional to the local data size, or uniform.
+CLIENT_WEIGHTS = ("size", "uniform")
+
+
+def config_dict(config) -> dict:
+    """A config as plain JSON-ready values (a prior object becomes its ``repr``)."""
+    out = {}
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if isinstance(value, Prior):
+            value = repr(value)
+        elif isinstance(value, tuple):
+            value = list(value)
+        out[f.name] = value
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ partitioning
+
+
+@dataclass(frozen=True)
+class PartitionConfig:
+    """How the training split is divided among the clients.
+
+    :param int clients: J, the number of clients. Default 10.
+    :param str partition: ``"iid"`` (shuffle and cut into J near-equal parts) or ``"dirichlet"`` (label-Dirichlet
+        with concentration ``alpha``; see :func:`~bnpfed.federated.partition.partition_dirichlet`). Default
+        ``"iid"``.
+    :param float alpha: Dirichlet concentration (``"dirichlet"`` only), > 0. Default 0.5.
+    :param int min_size: fewest examples a client may hold (``"dirichlet"`` only), >= 0. Default 10.
+    """
+
+    clients: int = 10
+    partition: str = "iid"
+    alpha: float = 0.5
+    min_size: int = 10
+
+    def __post_init__(self):
+        check_int(self.clients, "clients", low=1)
+        object.__setattr__(self, "partition", check_choice(self.partition, PARTITIONS, "partition",
+                                                           aliases=PARTITION_ALIASES))
+        check_positive(self.alpha, "alpha")
+        check_int(self.min_size, "min_size", low=0)
+
+    def check_fits(self, num_examples: int) -> None:
+        """Raise if ``num_examples`` training examples cannot be split this way (before anything trains)."""
+        if self.clients > num_examples:
+            raise ValueError(f"clients: expected at most the {num_examples} training examples, got {self.clients}")
+        if self.partition == "dirichlet" and self.min_size * self.clients > num_examples:
+            raise ValueError(f"min_size: expected at most {num_examples // self.clients} ({num_examples} training "
+                             f"examples over {self.clients} clients), got {self.min_size}")
+
+    def split(self, labels, seed: int) -> list[np.ndarray]:
+        """The J clients' sorted index arrays into ``labels``, drawn from the stream ``(seed, PARTITION)``."""
+        labels = np.asarray(labels)
+        self.check_fits(len(labels))
+        rng = derive_seed(seed, Stream.PARTITION)
+        if self.partition == "iid":
+            return partition_homogeneous(labels, self.clients, seed=rng)
+        return partition_dirichlet(labels, self.clients, alpha=self.alpha, min_size=self.min_size, seed=rng)
+
+
+def holdout_split(parts, fraction: float, seed: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Each client's indices split into (train, held-out) parts, client j from the stream ``(seed, HOLDOUT, 0,
+    j)``: the held-out splits of federated hyper-parameter selection."""
+    splits = [train_validation_split(p, fraction, seed=derive_seed(seed, Stream.HOLDOUT, 0, j))
+              for j, p in enumerate(parts)]
+    return [s.train for s in splits], [s.validation for s in splits]
+
+
+# ------------------------------------------------------------------------------------------------ clients
+
+
+@dataclass(frozen=True)
+class NetworkConfig:
+    """The clients' network.
+
+    :param str arch: ``"mlp"`` (ReLU MLP on flattened inputs, widths ``hidden``), ``"lenet"`` (LeNet-5, conv1
+        padded by 2) or ``"lenet-paper"`` (LeNet-5 as Ozer et al.'s code has it, no padding). Default ``"mlp"``.
+    :param tuple hidden: hidden widths of the MLP. Default ``(100,)``.
+    :param str init: ``"torch"`` (PyTorch's default initialisation) or ``"reference"`` (the PFNM reference code's:
+        weights N(0, 0.1^2), biases 0.1). Default ``"torch"``.
+    :param bool shared_init: every client starts from one initialisation (FedAvg needs it to mean anything;
+        PFNM does not). Default False; the posterior-fusion federations always share it (the global model).
+    """
+
+    arch: str = "mlp"
+    hidden: tuple[int, ...] = (100,)
+    init: str = "torch"
+    shared_init: bool = False
+
+    def __post_init__(self):
+        check_choice(self.arch, ARCHITECTURES, "arch")
+        object.__setattr__(self, "hidden", check_ints(self.hidden, "hidden", low=1))
+        check_choice(self.init, INITIALISATIONS, "init")
+        check_bool(self.shared_init, "shared_init")
+
+
+class LocalSchedule(NamedTuple):
+    """What every client does in one round: ``epochs`` passes of its optimiser at learning rate ``lr``."""
+
+    epochs: int
+    lr: float
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """A client's local training: Adam on mini-batches, round after round.
+
+    Round 1 trains ``epochs`` epochs at ``lr``; a later round r trains ``round_epochs`` epochs (``epochs`` when
+    None) at ``lr * lr_decay ** (r - 1)``.
+
+    :param int epochs: local epochs of round 1 (of every round when ``round_epochs`` is None). Default 2.
+    :param int batch_size: mini-batch size. Default 32.
+    :param float lr: Adam learning rate. Default ``1e-2``.
+    :param float weight_decay: L2 strength (coupled, as ``torch.optim.Adam``'s), >= 0. Default 0.
+    :param bool amsgrad: the AMSGrad variant of Adam. Default False.
+    :param int round_epochs: local epochs of rounds 2, 3, ...; None: ``epochs``. Default None.
+    :param float lr_decay: learning-rate factor per round, in (0, 1]. Default 1.
+
+    :data:`PFNM_TRAINING` is the PFNM reference code's (10 epochs of AMSGrad at 0.01, batch 32, L2 1e-6; later
+    rounds 5 epochs with the rate decayed by 0.99 a round); :data:`FUSION_TRAINING` (the defaults) suits posterior
+    fusion on the bundled digits (see :mod:`bnpfed.federated.fusion`).
+    """
+
+    epochs: int = 2
+    batch_size: int = 32
+    lr: float = 1e-2
+    weight_decay: float = 0.0
+    amsgrad: bool = False
+    round_epochs: Optional[int] = None
+    lr_decay: float = 1.0
+
+    def __post_init__(self):
+        check_int(self.epochs, "epochs", low=1)
+        check_int(self.batch_size, "batch_size", low=1)
+        check_positive(self.lr, "lr")
+        check_float(self.weight_decay, "weight_decay", low=0.0)
+        check_bool(self.amsgrad, "amsgrad")
+        if self.round_epochs is not None:
+            check_int(self.round_epochs, "round_epochs", low=1)
+        check_float(self.lr_decay, "lr_decay", low=0.0, high=1.0, low_open=True, what="a number in (0, 1]")
+
+    def schedule(self, round: int) -> LocalSchedule:
+        """The local training of round ``round`` (1-based)."""
+        check_int(round, "round", low=1)
+        if round == 1:
+            return LocalSchedule(self.epochs, self.lr)
+        epochs = self.epochs if self.round_epochs is None else self.round_epochs
+        return LocalSchedule(epochs, self.lr * self.lr_decay ** (round - 1))
+
+
+#: The PFNM reference code's local training (``experiment.py``).
+PFNM_TRAINING = TrainingConfig(epochs=10, batch_size=32, lr=0.01, weight_decay=1e-6, amsgrad=True, round_epochs=5,
+                               lr_decay=0.99)
+#: Posterior fusion's defaults on the bundled digits (the :class:`TrainingConfig` defaults).
+FUSION_TRAINING = TrainingConfig()
+#: PFNM's clients: MLPs in the reference initialisation, each from its own.
+PFNM_NETWORK = NetworkConfig(init="reference")
+
+
+@dataclass(frozen=True)
+class BayesianConfig:
+    """What makes a client Bayesian: a prior over (some of) the network's parameters and a mean-field Gaussian guide.
+
+    :param prior: a :class:`~bnpfed.models.Prior` object (any prior at all), or the name of a standard one:
+        ``"linear-weights"`` (N(0, prior_scale^2) on the ``nn.Linear`` weight matrices only, Ozer et al.'s choice) or
+        ``"all"`` (on every parameter). Default ``"linear-weights"``.
+    :param float prior_scale: the standard deviation of a named prior (unused with a prior object). Default 1.
+    :param float init_scale: the guide's initial posterior standard deviation. Default ``1e-2``.
+    :param bool local_reparameterization: train and predict with the local reparameterisation trick (the paper
+        does). Default True.
+    """
+
+    prior: Union[str, Prior] = "linear-weights"
+    prior_scale: float = 1.0
+    init_scale: float = 1e-2
+    local_reparameterization: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.prior, Prior):
+            check_choice(self.prior, PRIORS, "prior")
+        check_positive(self.prior_scale, "prior_scale")
+        check_positive(self.init_scale, "init_scale")
+        check_bool(self.local_reparameterization, "local_reparameterization")
+
+    def build_prior(self) -> Prior:
+        """The prior object (a new one for a named prior)."""
+        if isinstance(self.prior, Prior):
+            return self.prior
+        weight_prior = dist.Normal(0.0, float(self.prior_scale))
+        return only_linear_weights(weight_prior) if self.prior == "linear-weights" else IIDPrior(weight_prior)
+
+
+# ------------------------------------------------------------------------------------------------ servers
+
+
+@dataclass(frozen=True)
+class PFNMConfig:
+    """The PFNM server: Beta-Bernoulli matching of the clients' neurons (Yurochkin et al. 2019).
+
+    :param sigma2: local noise variance, > 0 (one value, or one per hidden layer). Default 1.
+    :param sigma0_2: prior variance of the global atoms, > 0 (one value or one per hidden layer). Default 1.
+    :param gamma0: IBP mass, > 0 (one value or one per hidden layer). Default 1.
+    :param str constants: ``"bnpfed"`` (the exact objective: popularity factor 2, no caps) or ``"reference"`` (the
+        published code's constants, :data:`~bnpfed.inference.REFERENCE_CONSTANTS`). Default ``"bnpfed"``.
+    :param str objective: ``"map"`` (published) or ``"marginal"`` (atoms integrated out). Default ``"map"``.
+    :param str direction: layer order, ``"bottom-up"`` or ``"top-down"`` (published). Default ``"bottom-up"``.
+    :param int sweeps: remove-and-rematch sweeps after the first assignment, >= 0. Default 5.
+    :param bool warm_start: in rounds after the first, start the matching from the assignment the clients' networks
+        came from (each client retrained its slice of the global network), as the published code does; False
+        re-matches from scratch (greedy pass). Default True.
+    :param float fraction: share of the clients sampled each round, in (0, 1]. Default 1.
+    """
+
+    sigma2: Union[float, tuple[float, ...]] = 1.0
+    sigma0_2: Union[float, tuple[float, ...]] = 1.0
+    gamma0: Union[float, tuple[float, ...]] = 1.0
+    constants: str = "bnpfed"
+    objective: str = "map"
+    direction: str = "bottom-up"
+    sweeps: int = 5
+    warm_start: bool = True
+    fraction: float = 1.0
+
+    def __post_init__(self):
+        for name in ("sigma2", "sigma0_2", "gamma0"):
+            value = getattr(self, name)
+            if isinstance(value, (tuple, list)):
+                object.__setattr__(self, name, check_positives(value, name))
+            else:
+                check_positive(value, name)
+        check_choice(self.constants, ("bnpfed", "reference"), "constants")
+        check_choice(self.objective, ("map", "marginal"), "objective")
+        check_choice(self.direction, ("bottom-up", "top-down"), "direction")
+        check_int(self.sweeps, "sweeps", low=0)
+        check_bool(self.warm_start, "warm_start")
+        check_fraction(self.fraction, "fraction")
+
+    def matcher_kwargs(self) -> dict[str, Any]:
+        """Keywords of :func:`~bnpfed.inference.multilayer.match_networks` (hyper-parameters, objective, order,
+        sweeps, and the reference constants when asked for)."""
+        from bnpfed.inference import REFERENCE_CONSTANTS
+
+        extra = dict(REFERENCE_CONSTANTS) if self.constants == "reference" else {}
+        return dict(sigma2=self.sigma2, sigma0_2=self.sigma0_2, gamma0=self.gamma0, objective=self.objective,
+                    direction=self.direction, sweeps=self.sweeps, **extra)
+
+
+#: The published code's clamp of log sigma^2 at -8 (Ozer et al. 2022), as a variance floor.
+PAPER_MIN_VARIANCE = math.exp(-8.0)
+
+
+@dataclass(frozen=True)
+class FusionConfig:
+    """The posterior-fusion server (Ozer et al. 2022).
+
+    :param str rule: a rule of :mod:`bnpfed.combine` (``"eaa"``, ``"gaa"``, ``"log_variance"``, ``"pooling"``,
+        ``"conflation"``, or a registered one). Default ``"conflation"``.
+    :param str weights: client weights ``b_k``: ``"size"`` (``n_k / sum_j n_j`` over the clients of the round, the
+        paper's) or ``"uniform"``. Default ``"size"``.
+    :param int pooling_samples: N of the pooling rule (client k contributes ``floor(b_k N)`` draws), >= 2.
+        Default 1000.
+    :param float min_variance: floor on every fused variance, >= 0 (0: none). GAA and conflation divide the variance
+        by about the number of clients a round; after a few dozen rounds it would leave float32 (the closed-form
+        KL's gradient, ``2 sigma_p^2 / sigma_q^3``, overflows below about 1e-26, and a variance below 1e-45 is 0).
+        The default 1e-16 (sigma = 1e-8) keeps every rule finite for any number of rounds and is far below any
+        variance that matters to a prediction; how many weights sit at the floor is reported every round.
+        :data:`PAPER_MIN_VARIANCE` (``exp(-8)``) is the published code's clamp of log sigma^2 at -8.
+    :param float fraction: share of the clients sampled each round, in (0, 1]. Default 1.
+    """
+
+    rule: str = "conflation"
+    weights: str = "size"
+    pooling_samples: int = 1000
+    min_variance: float = 1e-16
+    fraction: float = 1.0
+
+    def __post_init__(self):
+        check_choice(self.rule, available_rules(), "rule")
+        check_choice(self.weights, CLIENT_WEIGHTS, "weights")
+        check_int(self.pooling_samples, "pooling_samples", low=2)
+        check_float(self.min_variance, "min_variance", low=0.0)
+        check_fraction(self.fraction, "fraction")
+
+
+# ------------------------------------------------------------------------------------------------ the harness
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    """The experiment around the federations (not sent to Flower).
+
+    :param tuple methods: names from :func:`bnpfed.federated.methods.available_methods`, run in this order.
+    :param int rounds: communication rounds of the multi-round methods, >= 1. Default 1.
+    :param int seed: the one seed every random step derives from (:mod:`bnpfed.seeding`), >= 0. Default 0.
+    :param str select: how PFNM's sigma2 / sigma0_2 / gamma0 are chosen: ``"none"`` (as given), ``"federated"``
+        (on the clients' held-out splits) or ``"pooled-train"`` (on all clients' pooled training data, as the
+        reference code does; a federation does not have it). Default ``"none"``.
+    :param tuple grid_sigma2: candidates of the selection (and ``grid_sigma0_2``, ``grid_gamma0``).
+    :param float holdout: share of each client's data held out for ``select="federated"``, in (0, 1).
+    :param int ece_bins: equal-width bins of the expected calibration error. Default 15.
+    :param int predictive_samples: weight draws S of a Bayesian posterior predictive. Default 10.
+    """
+
+    methods: tuple[str, ...] = ("local", "ensemble", "fedavg", "pfnm")
+    rounds: int = 1
+    seed: int = 0
+    select: str = "none"
+    grid_sigma2: tuple[float, ...] = (0.05, 0.1, 0.3, 1.0)
+    grid_sigma0_2: tuple[float, ...] = (1.0,)
+    grid_gamma0: tuple[float, ...] = (1e-3, 1.0)
+    holdout: float = 0.1
+    ece_bins: int = 15
+    predictive_samples: int = 10
+
+    def __post_init__(self):
+        from bnpfed.federated.methods import available_methods
+
+        methods = self.methods
+        if isinstance(methods, str) or not isinstance(methods, (tuple, list)) or not methods:
+            raise ValueError(f"methods: expected a non-empty sequence of names from {available_methods()}, got "
+                             f"{methods!r}")
+        object.__setattr__(self, "methods", tuple(methods))
+        for m in self.methods:
+            check_choice(m, available_methods(), "methods")
+        if len(set(self.methods)) != len(self.methods):
+            raise ValueError(f"methods: expected each method at most once, got {list(self.methods)}")
+        check_int(self.rounds, "rounds", low=1)
+        check_int(self.seed, "seed", low=0)
+        check_choice(self.select, ("none", "federated", "pooled-train"), "select")
+        for name in ("grid_sigma2", "grid_sigma0_2", "grid_gamma0"):
+            object.__setattr__(self, name, check_positives(getattr(self, name), name))
+        check_fraction(self.holdout, "holdout", allow_one=False)
+        check_int(self.ece_bins, "ece_bins", low=1)
+        check_int(self.predictive_samples, "predictive_samples", low=1)

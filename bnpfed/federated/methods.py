@@ -1,0 +1,529 @@
+"""Comparison methods of a federated experiment, as a registry: one small runner per method, like the fusion rules
+of :mod:`bnpfed.combine`.
+
+A runner takes the :class:`Experiment` (the data, its partition, the configs, and what several methods share:
+the clients' local models, PFNM's selected hyper-parameters) and returns one or more :class:`MethodResult` rows.
+Adding a method is one function and one :func:`register_method` line; every fusion rule registered with
+:func:`bnpfed.combine.register_rule` is a method too (posterior fusion with that rule).
+
+Built-in methods (Yurochkin et al. 2019, section 4; Ozer et al. 2022):
+
+* ``local``: the clients' own networks (rows ``local-mean``, ``local-min``, ``local-max``);
+* ``ensemble``: the uniform average of their predicted probabilities (J times the parameters);
+* ``fedavg-oneshot``: one FedAvg average of the local networks, each from its own initialisation unless
+  ``network.shared_init`` (near chance without a shared initialisation: the point of the baseline);
+* ``fedavg``: FedAvg from a shared initialisation over ``rounds`` rounds (one round: the one-shot baseline with a
+  shared initialisation);
+* ``kmeans``: k-means over the pooled neurons of every layer, at PFNM's global width;
+* ``pfnm``: PFNM in one communication round, hyper-parameters chosen by ``select``;
+* ``pfnm-rounds``: PFNM with ``rounds`` communication rounds;
+* each fusion rule (``eaa``, ``gaa``, ``log_variance``, ``pooling``, ``conflation``): variational Bayesian clients
+  whose posteriors the server fuses with that rule, ``rounds`` rounds.
+
+Usage::
+
+    >>> from bnpfed.data import load_dataset
+    >>> from bnpfed.federated.config import ExperimentConfig, NetworkConfig, PartitionConfig, TrainingConfig
+    >>> ds = load_dataset("digits", standardize=False)
+    >>> result = run_experiment(ds, partition=PartitionConfig(clients=3), network=NetworkConfig(hidden=(20,)),
+    ...                         training=TrainingConfig(epochs=2),
+    ...                         config=ExperimentConfig(methods=("local", "ensemble", "pfnm")))
+    >>> [row.method for row in result.rows]
+    ['local-mean', 'local-min', 'local-max', 'ensemble', 'pfnm']
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from bnpfed.combine import available_rules
+from bnpfed.data import Dataset
+from bnpfed.federated.baselines import ensemble_proba, fedavg_network, kmeans_networks
+from bnpfed.federated.clients import initial_network, train_network
+from bnpfed.federated.config import (BayesianConfig, ExperimentConfig, FusionConfig, NetworkConfig, PFNMConfig,
+                                     PartitionConfig, TrainingConfig, config_dict, holdout_split)
+from bnpfed.federated.federation import Federation
+from bnpfed.federated.fusion import FedAvgFederation, FusionFederation
+from bnpfed.federated.partition import class_counts
+from bnpfed.federated.pfnm import PFNMFederation
+from bnpfed.federated.server import pfnm_step
+from bnpfed.inference.multilayer import NetworkMatch
+from bnpfed.metrics import classification_report, count_parameters
+from bnpfed.report import json_safe
+
+__all__ = [
+    "Experiment",
+    "ExperimentResult",
+    "MethodResult",
+    "Selection",
+    "available_methods",
+    "register_method",
+    "run_experiment",
+    "select_hyperparameters",
+    "width_sweep",
+]
+
+#: ``runner(experiment) -> MethodResult | list[MethodResult]``
+Runner = Callable[["Experiment"], "MethodResult | list[MethodResult]"]
+
+_METHODS: dict[str, Runner] = {}
+
+
+def register_method(name: str, runner: Runner, *, overwrite: bool = False) -> Runner:
+    """Make ``runner`` available as the method ``name`` (in :class:`~bnpfed.federated.config.ExperimentConfig`'s
+    ``methods`` and the commands' ``--methods``)."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name: expected a non-empty string, got {name!r}")
+    if not callable(runner):
+        raise ValueError(f"runner: expected a callable runner(experiment), got {type(runner).__name__}")
+    if (name in _METHODS or name in available_rules()) and not overwrite:
+        raise ValueError(f"name: method {name!r} is already registered; pass overwrite=True to replace it")
+    _METHODS[name] = runner
+    return runner
+
+
+def available_methods() -> list[str]:
+    """Every method name: the registered runners, then one per fusion rule of :mod:`bnpfed.combine`."""
+    return list(_METHODS) + [rule for rule in available_rules() if rule not in _METHODS]
+
+
+def _runner(name: str) -> Runner:
+    if name in _METHODS:
+        return _METHODS[name]
+    if name in available_rules():
+        return lambda experiment: _fusion(experiment, name)
+    raise ValueError(f"methods: expected names from {available_methods()}, got {name!r}")
+
+
+# ------------------------------------------------------------------------------------------------ results
+
+
+@dataclass
+class MethodResult:
+    """One row of an experiment's table.
+
+    :param str method: the row's name (a method, or ``local-mean`` / ``local-min`` / ``local-max``).
+    :param float accuracy: test accuracy of the method's final global model (``nll``, ``ece``, ``brier`` likewise;
+        ECE with the experiment's ``ece_bins``).
+    :param list hidden: hidden widths of the global model (MLPs; empty otherwise).
+    :param int parameters: its number of parameters (a Bayesian weight counts once).
+    :param int rounds: communication rounds it took.
+    :param float server_seconds: wall time of the server's aggregation (matching, fusion, averaging) summed over
+        the rounds; local training and evaluation are not included.
+    :param float mean_sigma: the mean posterior standard deviation of the Bayesian weights (NaN for deterministic
+        methods).
+    :param list history: the metrics after every round (dicts; see :class:`~bnpfed.federated.federation.RoundRecord`).
+    :param str note: what distinguishes the row.
+    """
+
+    method: str
+    accuracy: float
+    nll: float = math.nan
+    ece: float = math.nan
+    brier: float = math.nan
+    hidden: list = field(default_factory=list)
+    parameters: int = 0
+    rounds: int = 1
+    server_seconds: float = math.nan
+    mean_sigma: float = math.nan
+    history: list = field(default_factory=list)
+    note: str = ""
+
+
+@dataclass
+class Selection:
+    """PFNM's hyper-parameters as :func:`select_hyperparameters` chose them.
+
+    :param PFNMConfig config: the PFNM config with the chosen ``sigma2``, ``sigma0_2``, ``gamma0``.
+    :param str by: ``"none"``, ``"federated"`` or ``"pooled-train"``.
+    :param float score: the chosen candidate's validation accuracy (NaN when nothing was selected).
+    :param list curve: every candidate's ``sigma2, sigma0_2, gamma0, hidden, validation`` (and ``test``, when a
+        test split was given).
+    :param NetworkMatch match: the chosen candidate's one-shot matching.
+    """
+
+    config: PFNMConfig
+    by: str
+    score: float = math.nan
+    curve: list = field(default_factory=list)
+    match: Optional[NetworkMatch] = field(default=None, repr=False)
+
+    def as_dict(self) -> dict:
+        return {"by": self.by, "sigma2": self.config.sigma2, "sigma0_2": self.config.sigma0_2,
+                "gamma0": self.config.gamma0, "validation_accuracy": self.score, "curve": self.curve}
+
+
+@dataclass
+class ExperimentResult:
+    """What :func:`run_experiment` produced.
+
+    Attributes: ``settings`` (every config as plain values), ``rows`` (:class:`MethodResult` s in the order run),
+    ``local_accuracies`` (each client's test accuracy, when its local model was trained), ``selection`` (PFNM's,
+    when PFNM ran), ``client_sizes``, ``warnings`` (a method that diverged or sits at chance accuracy, said
+    plainly), and, not serialised, ``local_models`` and ``class_counts``.
+    """
+
+    settings: dict
+    rows: list[MethodResult]
+    client_sizes: list[int]
+    local_accuracies: list[float] = field(default_factory=list)
+    selection: Optional[Selection] = None
+    warnings: list[str] = field(default_factory=list)
+    local_models: list = field(default_factory=list, repr=False)
+    class_counts: Optional[np.ndarray] = field(default=None, repr=False)
+
+    def row(self, method: str) -> MethodResult:
+        """The row named ``method``."""
+        for r in self.rows:
+            if r.method == method:
+                return r
+        raise KeyError(f"no row for method {method!r}; rows: {[r.method for r in self.rows]}")
+
+    def as_dict(self) -> dict:
+        """JSON-ready (NaN becomes None): settings, rows (with their per-round histories), client sizes, local
+        accuracies, selection, warnings."""
+        return json_safe({"settings": self.settings, "rows": [asdict(r) for r in self.rows],
+                          "client_sizes": self.client_sizes, "local_accuracies": self.local_accuracies,
+                          "selection": None if self.selection is None else self.selection.as_dict(),
+                          "warnings": self.warnings})
+
+
+# ------------------------------------------------------------------------------------------------ the experiment
+
+
+class Experiment:
+    """One experiment's data, partition and configs, and what several of its methods share.
+
+    The partition is drawn once (``partition.split(labels, seed)``); with ``select="federated"`` each client then
+    holds out ``holdout`` of its examples. The clients' local models (round 1 of training, from their own
+    initialisations or from the shared one) are trained on first use and kept for the other methods, as are PFNM's
+    selected hyper-parameters. Nothing else is kept between calls.
+
+    :param Dataset dataset: the data.
+    :param progress: show a progress bar of client trainings (tqdm, on stderr). Default False.
+    :param log: called with a line of text after each round of a multi-round method, if given.
+    """
+
+    def __init__(self, dataset: Dataset, *, partition: Optional[PartitionConfig] = None,
+                 network: Optional[NetworkConfig] = None, training: Optional[TrainingConfig] = None,
+                 pfnm: Optional[PFNMConfig] = None, fusion: Optional[FusionConfig] = None,
+                 bayesian: Optional[BayesianConfig] = None, config: Optional[ExperimentConfig] = None,
+                 progress: bool = False, log: Optional[Callable[[str], None]] = None):
+        if not isinstance(dataset, Dataset):
+            raise ValueError(f"dataset: expected a bnpfed.data.Dataset, got {type(dataset).__name__}")
+        partition = PartitionConfig() if partition is None else partition
+        network = NetworkConfig() if network is None else network
+        training = TrainingConfig() if training is None else training
+        pfnm = PFNMConfig() if pfnm is None else pfnm
+        fusion = FusionConfig() if fusion is None else fusion
+        bayesian = BayesianConfig() if bayesian is None else bayesian
+        config = ExperimentConfig() if config is None else config
+        for name, value, kind in (("partition", partition, PartitionConfig), ("network", network, NetworkConfig),
+                                  ("training", training, TrainingConfig), ("pfnm", pfnm, PFNMConfig),
+                                  ("fusion", fusion, FusionConfig), ("bayesian", bayesian, BayesianConfig),
+                                  ("config", config, ExperimentConfig)):
+            if not isinstance(value, kind):
+                raise ValueError(f"{name}: expected a {kind.__name__}, got {type(value).__name__}")
+        self.dataset, self.partition, self.network, self.training = dataset, partition, network, training
+        self.pfnm, self.fusion, self.bayesian, self.config = pfnm, fusion, bayesian, config
+        self.seed = config.seed
+        labels = dataset.y_train.numpy()
+        parts = partition.split(labels, self.seed)
+        if config.select == "federated":
+            self.parts, self.validation_parts = holdout_split(parts, config.holdout, self.seed)
+        else:
+            self.parts, self.validation_parts = parts, [np.zeros(0, dtype=np.int64) for _ in parts]
+        self.class_counts = class_counts(labels, self.parts, dataset.num_classes)
+        self.client_data = [(dataset.x_train[torch.as_tensor(i)], dataset.y_train[torch.as_tensor(i)])
+                            for i in self.parts]
+        self.warnings: list[str] = []
+        self.log = log
+        self._bar = tqdm(desc="client training", unit="fit", disable=not progress, leave=False)
+        self._local: dict[bool, list[nn.Module]] = {}
+        self._selection: Optional[Selection] = None
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.parts)
+
+    def settings(self) -> dict:
+        """Every config as plain values."""
+        return {name: config_dict(getattr(self, name)) for name in
+                ("partition", "network", "training", "pfnm", "fusion", "bayesian", "config")}
+
+    def tick(self, method: str) -> None:
+        """One client training done (the progress bar)."""
+        self._bar.set_postfix_str(method)
+        self._bar.update()
+
+    def close(self) -> None:
+        self._bar.close()
+
+    def warn(self, message: str) -> None:
+        if message not in self.warnings:
+            self.warnings.append(message)
+
+    def chance_check(self, method: str, accuracy: float) -> None:
+        """Warn when ``accuracy`` is at or below chance (the largest class share of the test split, plus 0.02)."""
+        chance = float(torch.bincount(self.dataset.y_test).max()) / len(self.dataset.y_test)
+        if not accuracy > chance + 0.02:
+            self.warn(f"{method}: test accuracy {accuracy:.3f} is at chance ({chance:.3f}): training diverged or "
+                      "did not learn (try a lower --lr, more --epochs, or check the data)")
+
+    def report(self, probs: torch.Tensor) -> dict[str, float]:
+        """Accuracy, NLL, ECE (``ece_bins``) and Brier score of test-set probabilities."""
+        return classification_report(probs, self.dataset.y_test, n_bins=self.config.ece_bins)
+
+    @torch.no_grad()
+    def evaluate_network(self, net: nn.Module) -> dict[str, float]:
+        return self.report(net.eval()(self.dataset.x_test).softmax(-1))
+
+    def local_models(self, shared: Optional[bool] = None) -> list[nn.Module]:
+        """The clients' networks after round 1's local training, each from its own initialisation (``shared``
+        False; default ``network.shared_init``) or all from the shared one; trained on first use."""
+        shared = self.network.shared_init if shared is None else bool(shared)
+        if shared not in self._local:
+            network = replace(self.network, shared_init=shared)
+            models = []
+            for j, (x, y) in enumerate(self.client_data):
+                net = initial_network(network, self.dataset.input_shape, self.dataset.num_classes, seed=self.seed,
+                                      client=j)
+                models.append(train_network(net, x, y, self.training, seed=self.seed, round=1, client=j))
+                self.tick("local models" + (" (shared init)" if shared else ""))
+            self._local[shared] = models
+        return self._local[shared]
+
+    def selection(self) -> Selection:
+        """PFNM's hyper-parameters, chosen as ``config.select`` says on the local models (once)."""
+        if self._selection is None:
+            if self.config.select == "none":
+                match = pfnm_step(self.local_models(), self.class_counts, self.pfnm, seed=self.seed, round=1)
+                self._selection = Selection(self.pfnm, "none", match=match)
+            else:
+                if self.config.select == "federated":
+                    parts = self.validation_parts
+                else:
+                    parts = [np.concatenate(self.parts)]
+                validation = [(self.dataset.x_train[torch.as_tensor(i)], self.dataset.y_train[torch.as_tensor(i)])
+                              for i in parts]
+                self._selection = select_hyperparameters(
+                    self.local_models(), self.class_counts, validation, self.pfnm,
+                    grid_sigma2=self.config.grid_sigma2, grid_sigma0_2=self.config.grid_sigma0_2,
+                    grid_gamma0=self.config.grid_gamma0, seed=self.seed, by=self.config.select,
+                    test=(self.dataset.x_test, self.dataset.y_test))
+        return self._selection
+
+    def federation_row(self, federation: Federation, rounds: int, note: str = "") -> MethodResult:
+        """Run ``federation`` for ``rounds`` rounds and make its row (final metrics, per-round history)."""
+        for _ in range(rounds):
+            record = federation.run_round()
+            self._bar.update(len(record.sampled))
+            self._bar.set_postfix_str(f"{federation.method} round {record.round}")
+            if self.log is not None:
+                shown = {k: v for k, v in record.metrics.items() if k in ("accuracy", "hidden", "mean_sigma")}
+                self.log(f"{federation.method} round {record.round}: "
+                         + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+                                     for k, v in shown.items()))
+        history = [dict(r.metrics) for r in federation.history]
+        final = history[-1]
+        self.chance_check(federation.method, final["accuracy"])
+        return MethodResult(method=federation.method, accuracy=final["accuracy"], nll=final["nll"],
+                            ece=final["ece"], brier=final["brier"], hidden=list(final.get("hidden", [])),
+                            parameters=int(final.get("parameters", 0)), rounds=len(history),
+                            server_seconds=float(sum(h["server_seconds"] for h in history)),
+                            mean_sigma=float(final.get("mean_sigma", math.nan)), history=history, note=note)
+
+
+def _row(method: str, metrics: dict, **fields) -> MethodResult:
+    return MethodResult(method=method, accuracy=metrics["accuracy"], nll=metrics["nll"], ece=metrics["ece"],
+                        brier=metrics["brier"], **fields)
+
+
+def _widths(net: nn.Module) -> list[int]:
+    linears = [m for m in net.modules() if isinstance(m, nn.Linear)]
+    return [m.out_features for m in linears[:-1]]
+
+
+# ------------------------------------------------------------------------------------------------ runners
+
+
+def _local(experiment: Experiment) -> list[MethodResult]:
+    models = experiment.local_models()
+    reports = [experiment.evaluate_network(net) for net in models]
+    accuracies = [r["accuracy"] for r in reports]
+    experiment.chance_check("local models", float(np.mean(accuracies)))
+    width, params = _widths(models[0]), count_parameters(models[0])
+    rows = []
+    for name, pick in (("local-mean", None), ("local-min", int(np.argmin(accuracies))),
+                       ("local-max", int(np.argmax(accuracies)))):
+        metrics = ({k: float(np.mean([r[k] for r in reports])) for k in reports[0]} if pick is None
+                   else reports[pick])
+        rows.append(_row(name, metrics, hidden=width, parameters=params, rounds=0,
+                         note="mean over clients" if pick is None else f"client {pick}"))
+    return rows
+
+
+def _ensemble(experiment: Experiment) -> MethodResult:
+    models = experiment.local_models()
+    metrics = experiment.report(ensemble_proba(models, experiment.dataset.x_test))
+    return _row("ensemble", metrics, hidden=[h * len(models) for h in _widths(models[0])],
+                parameters=count_parameters(models[0]) * len(models), note="uniform average of the clients' softmax")
+
+
+def _fedavg_oneshot(experiment: Experiment) -> MethodResult:
+    models = experiment.local_models()
+    t0 = time.perf_counter()
+    net = fedavg_network(models, [len(p) for p in experiment.parts])
+    seconds = time.perf_counter() - t0
+    shared = experiment.network.shared_init
+    return _row("fedavg-oneshot", experiment.evaluate_network(net), hidden=_widths(net),
+                parameters=count_parameters(net), server_seconds=seconds,
+                note="shared init" if shared else "each client from its own init")
+
+
+def _fedavg(experiment: Experiment) -> MethodResult:
+    federation = FedAvgFederation(experiment.dataset, experiment.parts, network=experiment.network,
+                                  training=experiment.training, seed=experiment.seed,
+                                  weights=experiment.fusion.weights, fraction=experiment.fusion.fraction,
+                                  ece_bins=experiment.config.ece_bins)
+    row = experiment.federation_row(federation, experiment.config.rounds, note="shared init")
+    net = federation.global_model.net
+    row.hidden, row.parameters = _widths(net), count_parameters(net)
+    return row
+
+
+def _pfnm(experiment: Experiment) -> MethodResult:
+    selection = experiment.selection()
+    match = selection.match
+    net = match.network()
+    return _row("pfnm", experiment.evaluate_network(net), hidden=match.hidden_sizes, parameters=count_parameters(net),
+                server_seconds=match.seconds, note=f"one shot; hyper-parameters by {selection.by}")
+
+
+def _pfnm_rounds(experiment: Experiment) -> MethodResult:
+    selection = experiment.selection()
+    fraction_one = selection.config.fraction >= 1
+    federation = PFNMFederation(experiment.dataset, experiment.parts, network=experiment.network,
+                                training=experiment.training, pfnm=selection.config, seed=experiment.seed,
+                                ece_bins=experiment.config.ece_bins,
+                                initial_models=experiment.local_models() if fraction_one else None)
+    start = "warm" if selection.config.warm_start else "cold"
+    return experiment.federation_row(federation, experiment.config.rounds, note=f"{start}-started matching")
+
+
+def _kmeans(experiment: Experiment) -> MethodResult:
+    widths = experiment.selection().match.hidden_sizes
+    match = kmeans_networks(experiment.local_models(), experiment.class_counts, widths, seed=experiment.seed)
+    net = match.network()
+    return _row("kmeans", experiment.evaluate_network(net), hidden=match.hidden_sizes,
+                parameters=count_parameters(net), server_seconds=match.seconds, note="at PFNM's width")
+
+
+def _fusion(experiment: Experiment, rule: str) -> MethodResult:
+    federation = FusionFederation(experiment.dataset, experiment.parts, network=experiment.network,
+                                  training=experiment.training, bayesian=experiment.bayesian,
+                                  fusion=replace(experiment.fusion, rule=rule), seed=experiment.seed,
+                                  ece_bins=experiment.config.ece_bins,
+                                  predictive_samples=experiment.config.predictive_samples)
+    row = experiment.federation_row(federation, experiment.config.rounds, note="posterior fusion")
+    net = federation.global_model.bnn.net
+    row.parameters = sum(g.loc.numel() for g in federation.global_posterior.values()) + sum(
+        p.numel() for p in federation.global_deterministic.values())
+    row.hidden = _widths(net)
+    return row
+
+
+for _name, _fn in (("local", _local), ("ensemble", _ensemble), ("fedavg-oneshot", _fedavg_oneshot),
+                   ("fedavg", _fedavg), ("kmeans", _kmeans), ("pfnm", _pfnm), ("pfnm-rounds", _pfnm_rounds)):
+    register_method(_name, _fn)
+
+
+# ------------------------------------------------------------------------------------------------ entry points
+
+
+def select_hyperparameters(local_models: Sequence[nn.Module], class_counts, validation: Sequence, pfnm: PFNMConfig, *,
+                           grid_sigma2: Sequence[float], grid_sigma0_2: Sequence[float], grid_gamma0: Sequence[float],
+                           seed: int, by: str = "federated", test=None) -> Selection:
+    """Choose PFNM's ``sigma2, sigma0_2, gamma0`` from a grid by validation accuracy of the one-shot global network.
+
+    Every candidate matches ``local_models`` once; its score is the accuracy summed over the validation sets
+    (``[(x, y), ...]``: each client's held-out split, the federated way, or pooled training data) divided by their
+    total size. The best score wins, the narrower network on a tie.
+
+    :param test: optional ``(x, y)`` whose accuracy is recorded in the curve (never used to choose).
+    """
+    best: Optional[Selection] = None
+    curve = []
+    total = sum(len(y) for _, y in validation)
+    if total == 0:
+        raise ValueError("validation: expected at least one held-out example, got none")
+    for s2, s02, g in itertools.product(grid_sigma2, grid_sigma0_2, grid_gamma0):
+        candidate = replace(pfnm, sigma2=s2, sigma0_2=s02, gamma0=g)
+        match = pfnm_step(local_models, class_counts, candidate, seed=seed, round=1)
+        net = match.network().eval()
+        with torch.no_grad():
+            correct = sum(float((net(x).argmax(-1) == y).double().sum()) for x, y in validation)
+            point = dict(sigma2=s2, sigma0_2=s02, gamma0=g, hidden=match.hidden_sizes, validation=correct / total)
+            if test is not None:
+                point["test"] = float((net(test[0]).argmax(-1) == test[1]).double().mean())
+        curve.append(point)
+        narrower = best is not None and sum(match.hidden_sizes) < sum(best.match.hidden_sizes)
+        if best is None or point["validation"] > best.score or (point["validation"] == best.score and narrower):
+            best = Selection(candidate, by, point["validation"], match=match)
+    best.curve = curve
+    return best
+
+
+def run_experiment(dataset: Dataset, *, progress: bool = False, log: Optional[Callable[[str], None]] = None,
+                   **configs) -> ExperimentResult:
+    """Run ``config.methods`` (an :class:`~bnpfed.federated.config.ExperimentConfig`) on ``dataset``, one after the
+    other, and collect their rows.
+
+    :param configs: the configs of :class:`Experiment` (``partition``, ``network``, ``training``, ``pfnm``,
+        ``fusion``, ``bayesian``, ``config``); each defaults to its dataclass's defaults.
+    """
+    experiment = Experiment(dataset, progress=progress, log=log, **configs)
+    rows: list[MethodResult] = []
+    try:
+        for method in experiment.config.methods:
+            out = _runner(method)(experiment)
+            rows.extend(out if isinstance(out, list) else [out])
+    finally:
+        experiment.close()
+    local = experiment._local.get(experiment.network.shared_init, [])
+    accuracies = [experiment.evaluate_network(n)["accuracy"] for n in local]
+    return ExperimentResult(settings=experiment.settings(), rows=rows, client_sizes=[len(p) for p in experiment.parts],
+                            local_accuracies=accuracies, selection=experiment._selection,
+                            warnings=experiment.warnings, local_models=local, class_counts=experiment.class_counts)
+
+
+def width_sweep(dataset: Dataset, *, sigma2: Sequence[float], gamma0: Sequence[float],
+                constants: Sequence[str] = ("bnpfed", "reference"), progress: bool = False, **configs) -> list[dict]:
+    """Accuracy against global width: the clients' local models trained once, then matched with every
+    (sigma2, gamma0) under each set of constants (the reference constants with the reference's top-down order).
+
+    :returns: one dict per point: constants, sigma2, gamma0, hidden, width (sum of hidden sizes), accuracy, seconds.
+    """
+    experiment = Experiment(dataset, progress=progress, **configs)
+    models = experiment.local_models()
+    experiment.close()
+    points = []
+    grid = list(itertools.product(constants, sigma2, gamma0))
+    for name, s2, g in tqdm(grid, desc="matching", disable=not progress, leave=False):
+        candidate = replace(experiment.pfnm, constants=name, sigma2=s2, gamma0=g,
+                            direction="top-down" if name == "reference" else experiment.pfnm.direction)
+        match = pfnm_step(models, experiment.class_counts, candidate, seed=experiment.seed, round=1)
+        points.append(dict(constants=name, sigma2=s2, gamma0=g, hidden=match.hidden_sizes,
+                           width=sum(match.hidden_sizes),
+                           accuracy=experiment.evaluate_network(match.network())["accuracy"],
+                           seconds=match.seconds))
+    return points
