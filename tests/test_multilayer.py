@@ -202,7 +202,7 @@ def test_warm_started_round_starts_every_layer_at_the_previous_assignment_and_on
 @pytest.mark.parametrize(
     "warm, match",
     [
-        (lambda r: r.assignments, "warm_start: expected a NetworkMatch"),
+        (lambda r: "round 1", "warm_start: expected a NetworkMatch"),
         (lambda r: type(r)(r.layers, r.assignments[:1], r.layer_results, r.direction),
          r"warm_start: expected a match of 2 hidden layer\(s\)"),
         (lambda r: type(r)(r.layers, [r.assignments[0][:2], r.assignments[1]], r.layer_results, r.direction),

@@ -178,9 +178,9 @@ def pfnm_step(client_layers: Sequence, class_counts, config: PFNMConfig, *, seed
     if config.warm_start and starts is not None:
         if len(starts) != len(client_layers) or any(s is None for s in starts):
             raise ValueError(f"starts: expected the start of each of the {len(client_layers)} clients, got {starts!r}")
-        init = list(starts)
+        init = [[start[c] for start in starts] for c in range(len(starts[0]))]  # per layer, per client
     return match_networks(client_layers, class_counts, seed=derive_seed(seed, Stream.MATCH, round),
-                          init_assignments=init, **config.matcher_kwargs())
+                          warm_start=init, **config.matcher_kwargs())
 
 
 def client_start(match: NetworkMatch, j: Optional[int]) -> tuple[list[tuple[Tensor, Tensor]], list[Tensor]]:

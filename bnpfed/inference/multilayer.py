@@ -190,11 +190,14 @@ def _warm_start_assignments(warm_start, layers) -> list | None:
     widths (labels distinct within a client are checked by the layer matcher)."""
     if warm_start is None:
         return None
-    if not isinstance(warm_start, NetworkMatch):
-        raise ValueError(f"warm_start: expected a NetworkMatch (a previous match_networks result) or None, got "
-                         f"{type(warm_start).__name__}")
+    if isinstance(warm_start, NetworkMatch):
+        previous = warm_start.assignments
+    elif isinstance(warm_start, Sequence) and not isinstance(warm_start, (str, bytes)):
+        previous = warm_start
+    else:
+        raise ValueError(f"warm_start: expected a NetworkMatch (a previous match_networks result), its per-layer "
+                         f"assignments, or None, got {type(warm_start).__name__}")
     J, K = len(layers), len(layers[0]) - 1
-    previous = warm_start.assignments
     if len(previous) != K:
         raise ValueError(f"warm_start: expected a match of {K} hidden layer(s), as deep as the clients' networks, got "
                          f"one of {len(previous)}")
@@ -273,11 +276,14 @@ def match_networks(
         typically the previous communication round's, when every client's network is its
         :meth:`~NetworkMatch.client_slice` (trained further): for each hidden layer c, ``warm_start.assignments[c][j]``
         (one label per neuron of client j's layer c, distinct within a client) is client j's initial assignment,
-        replacing the greedy pass (``init_assignments`` of :func:`match_layer`). Default None: match from scratch.
+        replacing the greedy pass (``init_assignments`` of :func:`match_layer`). Or the same labels without a match,
+        per hidden layer J label arrays (e.g. the global ids of what each client was sent: its slice, or the whole
+        network for a client that was not matched). Default None: match from scratch.
     :param layer_fn: the one-layer matcher, :func:`match_layer` by default; any function with its signature
         returning an object with ``global_atoms``, ``assignments`` and ``num_atoms`` (a baseline such as k-means
-        plugs in here and gets the same neuron vectors, re-indexing and output bias). It is passed
-        ``init_assignments`` only when ``warm_start`` is given.
+        plugs in here and gets the same neuron vectors, re-indexing and output bias), or one such function per
+        hidden layer (a sequence, in layer order). It is passed ``init_assignments`` only when ``warm_start`` is
+        given.
     :param matcher_kwargs: passed to ``layer_fn`` (``objective``, ``popularity_factor``, ...).
     """
     t0 = time.perf_counter()
@@ -286,6 +292,12 @@ def match_networks(
     if direction not in ("bottom-up", "top-down"):
         raise ValueError(f"direction must be 'bottom-up' or 'top-down', got {direction!r}")
     J, K = len(layers), len(layers[0]) - 1
+    if callable(layer_fn):
+        layer_fns = [layer_fn] * K
+    elif isinstance(layer_fn, Sequence) and len(layer_fn) == K and all(callable(f) for f in layer_fn):
+        layer_fns = list(layer_fn)
+    else:
+        raise ValueError(f"layer_fn: expected a one-layer matcher or one per hidden layer ({K}), got {layer_fn!r}")
     sig, sig0, gam = (_per_layer(v, K, n) for v, n in ((sigma2, "sigma2"), (sigma0_2, "sigma0_2"),
                                                          (gamma0, "gamma0")))
     D_in = layers[0][0][0].shape[1]
@@ -307,7 +319,7 @@ def match_networks(
             precisions = torch.ones(J, sum(widths), dtype=torch.float64)
             precisions[:, start:start + C] = shares
         start = {} if init is None else {"init_assignments": init[c]}
-        r = layer_fn(neurons, sigma2=sig[c], sigma0_2=sig0[c], gamma0=gam[c], mu0=mu, precisions=precisions,
+        r = layer_fns[c](neurons, sigma2=sig[c], sigma0_2=sig0[c], gamma0=gam[c], mu0=mu, precisions=precisions,
                      sweeps=sweeps, seed=None if seed is None else seed + c, **start, **matcher_kwargs)
         results[c] = r
         assignments[c] = r.assignments
