@@ -40,7 +40,6 @@ from torch.func import functional_call
 from bnpfed.combine import available_rules, fuse
 from bnpfed.data import load_dataset
 from bnpfed.federated import partition_homogeneous
-from bnpfed.federated.fusion import FusionConfig, run_fusion_experiment
 from bnpfed.inference import BayesianClient, DeterministicClient
 from bnpfed.models import LeNet, mlp, only_linear_weights
 from bnpfed.report import format_table
@@ -210,6 +209,8 @@ def paper_setting(data_dir=FASHION_MNIST_DIR, *, rounds: int = PAPER_SCHEDULE["r
     if not Path(data_dir, "FashionMNIST", "raw").is_dir():
         print(f"skipped: no Fashion-MNIST files under {data_dir} (torchvision layout FashionMNIST/raw)")
         return None
+    from bnpfed.federated.fusion import FusionConfig, run_fusion_experiment
+
     ds = load_dataset("fashion-mnist", data_dir=data_dir)
     parts = partition_homogeneous(ds.y_train.numpy(), 10, seed=seed)
     config = FusionConfig(rules=tuple(rules or available_rules()), arch="lenet", prior="linear-weights",

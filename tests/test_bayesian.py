@@ -255,16 +255,16 @@ def test_local_reparameterisation_matches_weight_sampling_moments(bayesian_bias)
     sampled = BayesianNetwork(layer, prior)
     local = BayesianNetwork(layer, prior, local_reparameterization=True)
     with torch.no_grad(), pyro.poutine.seed(rng_seed=1):
-        by_weights = torch.cat([sampled.sample_logits(x, guide) for _ in range(n)])  # a new W per row
-        by_activations = local.sample_logits(x.expand(n, 3), guide)  # one W draw, noise per row
+        by_weights = torch.cat([sampled.sample_output(x, guide) for _ in range(n)])  # a new W per row
+        by_activations = local.sample_output(x.expand(n, 3), guide)  # one W draw, noise per row
     for draws in (by_weights, by_activations):
         # 5 standard errors of the mean and (Gaussian) variance estimates
         assert_close(draws.mean(0), mean[0], atol=(5 * (variance[0] / n).sqrt()).max().item(), rtol=0)
         assert_close(draws.var(0), variance[0], rtol=5 * math.sqrt(2 / n), atol=0)
     # the trick is really in effect: identical inputs get different pre-activations within one draw
     with torch.no_grad():
-        assert torch.unique(local.sample_logits(x.expand(10, 3), guide)[:, 0]).numel() == 10
-        assert torch.unique(sampled.sample_logits(x.expand(10, 3), guide)[:, 0]).numel() == 1
+        assert torch.unique(local.sample_output(x.expand(10, 3), guide)[:, 0]).numel() == 10
+        assert torch.unique(sampled.sample_output(x.expand(10, 3), guide)[:, 0]).numel() == 1
 
 
 def test_local_reparameterisation_leaves_other_layers_alone():
@@ -273,7 +273,7 @@ def test_local_reparameterisation_leaves_other_layers_alone():
     for prior in (IIDPrior(dist.Laplace(0.0, 1.0)), IIDPrior(hide=["weight"])):
         bnn = BayesianNetwork(nn.Linear(3, 2), prior, local_reparameterization=True)
         with pyro.poutine.seed(rng_seed=0), local_reparameterization():
-            trace = poutine.trace(bnn.logits).get_trace(x)
+            trace = poutine.trace(bnn.output).get_trace(x)
         weight = trace.nodes["weight"]["value"] if "weight" in trace.nodes else bnn.net.weight
         bias = trace.nodes["bias"]["value"] if "bias" in trace.nodes else bnn.net.bias
         assert_close(trace.nodes["_RETURN"]["value"], x @ weight.T + bias)
@@ -299,7 +299,7 @@ def test_predict_averages_the_softmax_of_num_samples_draws():
     # the same draws, by hand: seed 3, then seven weight samples from the prior
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(3)
-        by_hand = torch.stack([bnn.sample_logits(x).softmax(-1) for _ in range(7)]).mean(0)
+        by_hand = torch.stack([bnn.sample_output(x).softmax(-1) for _ in range(7)]).mean(0)
     assert_close(probs, by_hand)
     assert torch.equal(bnn.predict(x, num_samples=7, seed=3), probs)
 

@@ -3,7 +3,8 @@
 from bnpfed.inference.matching import REFERENCE_CONSTANTS, MatchResult, assignment_objective, match_layer
 
 from bnpfed.inference.guides import MeanFieldGuide
-from bnpfed.inference.svi import BayesianClient, DeterministicClient
+from bnpfed.inference.elbo import MeanFieldELBO
+from bnpfed.inference.svi import BayesianClient, DeterministicClient, TrainingDiverged
 
 __all__ = [
     "REFERENCE_CONSTANTS",
@@ -11,6 +12,8 @@ __all__ = [
     "assignment_objective",
     "match_layer",
     "MeanFieldGuide",
+    "MeanFieldELBO",
     "BayesianClient",
     "DeterministicClient",
+    "TrainingDiverged",
 ]

@@ -7,12 +7,14 @@ one Ozer et al. 2022's clients use). A site's guide distribution is a ``Normal(.
 shape as its prior, so ``TraceMeanField_ELBO`` computes the KL term in closed form and the local
 reparameterisation handler sees Gaussian weights.
 
-The guide is a plain ``nn.Module`` with ``nn.Parameter`` s: Pyro's global parameter store never sees them.
+The guide is a plain ``nn.Module`` with ``nn.Parameter`` s: Pyro's global parameter store never sees them. Its
+posterior is read and written as ``{site: GaussianPosterior}``, the one Gaussian posterior type that the fusion
+rules of :mod:`bnpfed.combine` and the Flower records use too.
 """
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 import pyro
 import pyro.distributions as dist
@@ -20,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bnpfed.inference._checks import check_names, check_tensor
+from bnpfed.posterior import GaussianPosterior
+from bnpfed.validation import check_names, check_positive, check_tensor
 
 __all__ = ["MeanFieldGuide"]
 
@@ -35,10 +38,18 @@ class MeanFieldGuide(nn.Module):
 
     Usage::
 
-        bnn = BayesianNetwork(net, only_linear_weights())
-        guide = MeanFieldGuide(bnn.init_values, init_scale=1e-2)
-        loss = TraceMeanField_ELBO().differentiable_loss(bnn.model, guide, x, y)
-        guide.posterior()["fc1.weight"]          # (loc, variance)
+        >>> import torch
+        >>> from pyro.infer import TraceMeanField_ELBO
+        >>> from bnpfed.models import BayesianNetwork, mlp, only_linear_weights
+        >>> bnn = BayesianNetwork(mlp(4, [3], 2), only_linear_weights())
+        >>> guide = MeanFieldGuide(bnn.init_values, init_scale=0.1)
+        >>> guide.site_names
+        ('1.weight', '3.weight')
+        >>> x, y = torch.zeros(5, 4), torch.zeros(5, dtype=torch.long)
+        >>> loss = TraceMeanField_ELBO().differentiable_loss(bnn.model, guide, x, y)   # -ELBO, a scalar
+        >>> loc, variance = guide.posterior()["1.weight"]                               # a GaussianPosterior
+        >>> loc.shape, round(variance[0, 0].item(), 6)
+        (torch.Size([3, 4]), 0.01)
 
     :param Mapping init_locs: site name -> initial mean (its shape is the site's shape), e.g.
         ``BayesianNetwork.init_values`` (the network's own initialisation).
@@ -52,8 +63,7 @@ class MeanFieldGuide(nn.Module):
                 "init_locs: expected a non-empty dict site -> initial mean (did the prior make no parameter "
                 f"Bayesian?), got {init_locs!r}"
             )
-        if isinstance(init_scale, bool) or not isinstance(init_scale, (int, float)) or not init_scale > 0:
-            raise ValueError(f"init_scale: expected a positive number, got {init_scale!r}")
+        init_scale = check_positive(init_scale, "init_scale")
         for name, loc in init_locs.items():
             check_tensor(loc, loc.shape if torch.is_tensor(loc) else torch.Size(), f"init_locs[{name!r}]")
         #: Site names, in the order the guide samples them.
@@ -72,35 +82,29 @@ class MeanFieldGuide(nn.Module):
         }
 
     @torch.no_grad()
-    def posterior(self) -> dict[str, tuple[Tensor, Tensor]]:
-        """``{site: (loc, variance)}``: copies of the current means, and ``softplus(rho)^2``; each of the site's
-        shape."""
+    def posterior(self) -> dict[str, GaussianPosterior]:
+        """``{site: GaussianPosterior(loc, variance)}``: copies of the current means, and ``softplus(rho)^2``; each
+        of the site's shape."""
         return {
-            name: (loc.detach().clone(), F.softplus(rho).pow(2))
+            name: GaussianPosterior(loc.detach().clone(), F.softplus(rho).pow(2))
             for name, loc, rho in zip(self.site_names, self.locs, self.rhos)
         }
 
     @torch.no_grad()
-    def load_posterior(self, posterior: Mapping[str, tuple[Tensor, Tensor]]) -> None:
+    def load_posterior(self, posterior: Mapping[str, Any]) -> None:
         """Make the guide ``N(loc, variance)`` at every site, writing into its parameters in place
         (``loc_s <- loc``, ``rho_s <- softplus^{-1}(sqrt(variance))``); optimisers holding them keep working.
 
-        :param Mapping posterior: ``{site: (loc, variance)}`` for exactly this guide's sites, finite tensors of the
-            site's shape, variances > 0.
-        :raises ValueError: naming the site, for a missing or unknown site, a wrong shape, a NaN or a variance <= 0.
+        :param Mapping posterior: ``{site: GaussianPosterior}`` or ``{site: (loc, variance)}`` for exactly this
+            guide's sites, finite tensors of the site's shape, variances > 0.
+        :raises ValueError: naming the site, for a missing or unknown site, a wrong shape, a NaN or a variance <= 0;
+            the guide is then unchanged.
         """
         shapes = {name: loc.shape for name, loc in zip(self.site_names, self.locs)}
         check_names(posterior, shapes, "posterior", "site")
-        for name, shape in shapes.items():
-            pair = posterior[name]
-            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-                raise ValueError(f"posterior[{name!r}]: expected a pair (loc, variance), got {type(pair).__name__}")
-            check_tensor(pair[0], shape, f"posterior[{name!r}] loc")
-            check_tensor(pair[1], shape, f"posterior[{name!r}] variance")
-            if not (pair[1] > 0).all():
-                minimum = pair[1].min().item()
-                raise ValueError(f"posterior[{name!r}] variance: expected all entries > 0, got minimum {minimum}")
+        checked = {name: GaussianPosterior.of(posterior[name], f"posterior[{name!r}]", shape)
+                   for name, shape in shapes.items()}
         for name, loc, rho in zip(self.site_names, self.locs, self.rhos):
-            new_loc, new_variance = posterior[name]
+            new_loc, new_variance = checked[name]
             loc.copy_(new_loc)
             rho.copy_(_softplus_inverse(new_variance.to(rho).sqrt()))

@@ -1,91 +1,169 @@
 """Federated clients: a variational Bayesian client trained by SVI, and a deterministic (FedAvg) client.
 
-A Bayesian client k fits a mean-field Gaussian posterior ``q_k(w) = N(mu_k, sigma_k^2)`` to its ``n_k`` examples
-by maximising the ELBO divided by ``n_k`` (Ozer et al. 2022):
+A Bayesian client k fits a posterior ``q_k(w)`` (by default mean-field Gaussian, ``N(mu_k, sigma_k^2)``) to its
+``n_k`` examples by maximising the ELBO divided by ``n_k`` (Ozer et al. 2022):
 
     L_k(q) = 1/n_k sum_i E_q[log p(y_i | x_i, w)] - 1/n_k KL(q(w) || p(w))
 
 estimated on mini-batches (the model's data plate scales a batch's log-likelihood by ``n_k / B``), with the KL in
-closed form (``TraceMeanField_ELBO``) and Adam, for E local epochs. A server fuses the clients'
-:meth:`BayesianClient.posterior` s with :mod:`bnpfed.combine` and sends the result back through
-:meth:`BayesianClient.load_posterior`.
+closed form and Adam, for E local epochs. A server fuses the clients' :meth:`BayesianClient.posterior` s with
+:mod:`bnpfed.combine` and sends the result back through :meth:`BayesianClient.load_posterior`; where a client's
+prior is the last round's global posterior, :meth:`BayesianClient.update_prior_` makes it so.
 
-Isolation: a client's parameters are its own tensors: the guide's are ``nn.Parameter`` s of its
-:class:`~bnpfed.inference.guides.MeanFieldGuide`, the deterministic ones belong to its
-:class:`~bnpfed.models.BayesianNetwork` 's private copy of the network, which always runs in Pyro's
-``module_local_params`` mode (otherwise ``PyroModule`` parameters are registered in Pyro's global parameter store
-by name, and two copies of one architecture would share them). A ``torch.optim.Adam`` over exactly those tensors
-minimises ``TraceMeanField_ELBO().differentiable_loss`` — the PyTorch form of ``pyro.infer.SVI``, whose
+A client is composed, as in TyXe: a network, a prior object, a likelihood object, a guide factory, an ELBO. The
+default ELBO, :class:`~bnpfed.inference.elbo.MeanFieldELBO`, computes ``TraceMeanField_ELBO`` 's loss straight from
+the guide's parameters for the mean-field Gaussian guide and Normal priors (as fast as a hand-written
+Bayes-by-backprop step) and runs the Pyro program otherwise; any Pyro ELBO can be passed instead.
+
+Isolation: a client's parameters are its own tensors: the guide's are ``nn.Parameter`` s of its guide module, the
+deterministic ones belong to its :class:`~bnpfed.models.BayesianNetwork` 's private copy of the network, which
+always runs in Pyro's ``module_local_params`` mode (otherwise ``PyroModule`` parameters are registered in Pyro's
+global parameter store by name, and two copies of one architecture would share them). A ``torch.optim.Adam`` over
+exactly those tensors minimises the ELBO's ``differentiable_loss`` — the PyTorch form of ``pyro.infer.SVI``, whose
 ``PyroOptim`` looks parameters up in the global store. The global store's contents are never changed, so any
 number of clients of one architecture coexist, with each other and with a user's own Pyro code.
 
 Randomness: ``fit(seed=s)`` shuffles with a ``torch.Generator`` seeded with ``s`` and draws all samples under
 ``torch.random.fork_rng`` seeded with ``s``: the same seed gives the same numbers, and the global random state is
 left untouched. Each ``fit`` starts a fresh Adam state.
+
+Divergence: a loss that becomes NaN or infinite, or parameters that do, stop ``fit`` with a
+:class:`TrainingDiverged` that says where and why, instead of a traceback from deep inside Pyro.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Callable, Iterable, Mapping, Optional
+import functools
+import math
+from typing import Any, Callable, Iterable, Mapping, Optional
 
+import pyro.infer
 import torch
 import torch.nn.functional as F
-from pyro.infer import TraceMeanField_ELBO
 from torch import Tensor, nn
 
-from bnpfed.inference._checks import check_names, check_tensor
+from bnpfed.inference.elbo import MeanFieldELBO
 from bnpfed.inference.guides import MeanFieldGuide
-from bnpfed.models.bayesian import BayesianNetwork, seeded
+from bnpfed.models.bayesian import BayesianNetwork
+from bnpfed.models.likelihoods import Categorical, Likelihood
 from bnpfed.models.priors import Prior
+from bnpfed.posterior import GaussianPosterior
+from bnpfed.seeding import seeded
+from bnpfed.validation import check_bool, check_float, check_int, check_names, check_positive, check_tensor
 
-__all__ = ["BayesianClient", "DeterministicClient"]
+__all__ = ["BayesianClient", "DeterministicClient", "TrainingDiverged"]
+
+#: The initial posterior standard deviation of the default guide.
+DEFAULT_INIT_SCALE = 1e-2
+
+
+class TrainingDiverged(RuntimeError):
+    """``fit`` stopped because the loss or a parameter became NaN or infinite.
+
+    Attributes: ``epoch`` (1-based), ``step`` (1-based, within the epoch; 0 when found at the end of an epoch),
+    ``loss`` (the last loss seen, ``nan`` if none), ``lr``.
+    """
+
+    def __init__(self, trainer: str, epoch: int, step: int, steps: int, loss: float, lr: float, what: str):
+        self.epoch, self.step, self.loss, self.lr = epoch, step, loss, lr
+        where = f"epoch {epoch}, step {step} of {steps}" if step else f"the end of epoch {epoch}"
+        super().__init__(
+            f"{trainer} diverged at {where}: {what}. The likely cause is a learning rate too large for this model "
+            f"and data (lr={lr!r}): try one 10 to 100 times smaller. The client's parameters are left as they were "
+            f"at that step (not finite); load a posterior or state before fitting again.")
 
 
 class BayesianClient:
-    """A client holding a mean-field Gaussian posterior over the Bayesian parameters of its copy of a network.
+    """A client holding a variational posterior over the Bayesian parameters of its copy of a network.
 
     Usage::
 
-        client = BayesianClient(LeNet(image_size=8), only_linear_weights(), local_reparameterization=True)
-        client.fit(x, y, epochs=5, batch_size=64, lr=1e-3, seed=0)
-        sites = client.posterior()                      # {"fc1.weight": (loc, variance), ...}
-        client.load_posterior(fused)                    # a server's fused posterior, written into the guide
-        probs = client.predict_proba(x_test, num_samples=10)
+        >>> import torch
+        >>> from bnpfed.models import LeNet, only_linear_weights
+        >>> x, y = torch.randn(32, 1, 8, 8), torch.randint(0, 10, (32,))
+        >>> client = BayesianClient(LeNet(image_size=8), only_linear_weights(), local_reparameterization=True)
+        >>> client = client.fit(x, y, epochs=2, batch_size=16, lr=1e-3, seed=0)
+        >>> len(client.losses_)                                    # mean -ELBO per example, one per epoch
+        2
+        >>> posterior = client.posterior()                          # {site: GaussianPosterior(loc, variance)}
+        >>> list(posterior), tuple(posterior["fc3.weight"].loc.shape)
+        (['fc1.weight', 'fc2.weight', 'fc3.weight'], (10, 84))
+        >>> client.load_posterior(posterior)                        # e.g. a server's fused posterior
+        >>> client = client.update_prior_(posterior)                # ... and the next round's prior
+        >>> client.predict_proba(x, num_samples=4, seed=0).shape
+        torch.Size([32, 10])
+
+    Regression is a likelihood away::
+
+        >>> from bnpfed.models import Gaussian, mlp
+        >>> reg = BayesianClient(mlp(1, [8], 1), only_linear_weights(), likelihood=Gaussian(scale=0.1))
+        >>> reg = reg.fit(torch.randn(16, 1), torch.randn(16), epochs=1, batch_size=8, lr=1e-2, seed=0)
+        >>> reg.predict(torch.zeros(3, 1), num_samples=4, seed=0).variance.shape
+        torch.Size([3])
 
     :param nn.Module net: the network (deep-copied; the user's module is not changed). Clients built from the same
         ``net`` start from the same weights, as federated clients should.
     :param Prior prior: which parameters are Bayesian and their priors, e.g. ``only_linear_weights()``.
+    :param Likelihood likelihood: the observation model: ``Categorical()`` (default, classification) or
+        ``Gaussian(scale)`` (regression).
+    :param guide: a factory ``init_values -> guide``: called with ``{site: initial value}`` (the network's own
+        initialisation), it returns the guide, an ``nn.Module`` that is a Pyro guide of the model; for the federated
+        methods it also has ``posterior()`` and ``load_posterior(...)``. Default
+        ``functools.partial(MeanFieldGuide, init_scale=init_scale)``.
+    :param elbo: the objective: an object with ``differentiable_loss(model, guide, x, y, dataset_size=n)``
+        returning -ELBO. Default :class:`~bnpfed.inference.elbo.MeanFieldELBO` (closed-form fast path, else Pyro's
+        ``TraceMeanField_ELBO``); a Pyro ELBO (``pyro.infer.Trace_ELBO()``, ...) runs under ``bnn.context()``.
     :param bool local_reparameterization: train and predict with the local reparameterisation trick. Default False.
-    :param float init_scale: initial posterior standard deviation of every Bayesian weight; means start at the
-        network's own initial values. Default ``1e-2``.
+    :param float init_scale: initial posterior standard deviation of every Bayesian weight in the default guide;
+        means start at the network's own initial values. Default ``1e-2``. Not allowed together with ``guide``
+        (give it to your factory).
 
-    Attributes: ``bnn`` (the :class:`BayesianNetwork`), ``guide`` (the :class:`MeanFieldGuide`), ``losses_`` (mean
+    Attributes: ``bnn`` (the :class:`BayesianNetwork`), ``guide`` (the guide module), ``elbo``, ``losses_`` (mean
     negative ELBO per example, one per epoch of the last ``fit``).
     """
 
-    def __init__(
-        self, net: nn.Module, prior: Prior, *, local_reparameterization: bool = False, init_scale: float = 1e-2
-    ):
-        self.bnn = BayesianNetwork(net, prior, local_reparameterization=local_reparameterization)
-        self.guide = MeanFieldGuide(self.bnn.init_values, init_scale=init_scale)
-        self._elbo = TraceMeanField_ELBO(max_plate_nesting=1)
+    def __init__(self, net: nn.Module, prior: Prior, *, likelihood: Optional[Likelihood] = None,
+                 guide: Optional[Callable[[Mapping[str, Tensor]], nn.Module]] = None, elbo: Any = None,
+                 local_reparameterization: bool = False, init_scale: Optional[float] = None):
+        self.bnn = BayesianNetwork(net, prior, likelihood=likelihood, local_reparameterization=local_reparameterization)
+        if guide is None:
+            guide = functools.partial(MeanFieldGuide, init_scale=DEFAULT_INIT_SCALE if init_scale is None else init_scale)
+        elif init_scale is not None:
+            raise ValueError(f"init_scale: sets the default guide's scale; with guide= given, pass it to the guide "
+                             f"factory instead, got init_scale={init_scale!r}")
+        if isinstance(guide, nn.Module) or not callable(guide):
+            raise ValueError("guide: expected a factory init_values -> guide, such as "
+                             f"functools.partial(MeanFieldGuide, init_scale=0.1), got {guide!r}")
+        self.guide = guide(self.bnn.init_values)
+        if not isinstance(self.guide, nn.Module):
+            raise ValueError(f"guide: expected the factory to return a torch.nn.Module guide, got "
+                             f"{type(self.guide).__name__}")
+        self.elbo = MeanFieldELBO() if elbo is None else elbo
+        if not callable(getattr(self.elbo, "differentiable_loss", None)):
+            raise ValueError(f"elbo: expected an object with differentiable_loss(model, guide, ...) such as "
+                             f"MeanFieldELBO() or pyro.infer.TraceMeanField_ELBO(), got {elbo!r}")
         self.losses_: list[float] = []
 
-    def fit(
-        self, x: Tensor, y: Tensor, *, epochs: int = 1, batch_size: int = 64, lr: float = 1e-3, seed: int = 0,
-        amsgrad: bool = False,
-    ) -> "BayesianClient":
-        """Run SVI on the local data ``x`` ``(n, ...)``, ``y`` ``(n,)`` for ``epochs`` passes of mini-batches of
-        ``batch_size`` with Adam at learning rate ``lr``; every random step uses ``seed``. Returns ``self``."""
-        n = _check_data(x, y)
-        params = [*self.bnn.parameters(), *self.guide.parameters()]
+    def fit(self, x: Tensor, y: Tensor, *, epochs: int = 1, batch_size: int = 64, lr: float = 1e-3, seed: int = 0,
+            amsgrad: bool = False) -> "BayesianClient":
+        """Run SVI on the local data ``x`` ``(n, ...)``, ``y`` (targets the likelihood accepts, e.g. ``(n,)`` labels
+        in ``0 .. num_classes - 1``) for ``epochs`` passes of mini-batches of ``batch_size`` with Adam (AMSGrad if
+        ``amsgrad``) at learning rate ``lr``; every random step uses ``seed``. Returns ``self``.
+
+        :raises ValueError: naming the argument, for bad data or settings (checked before any training).
+        :raises TrainingDiverged: when the loss or a parameter becomes NaN or infinite.
+        """
+        n = _check_x(x)
+        self.bnn.likelihood.check_targets(y, n, self._probe(x))
+        named = [*(("bnn." + k, p) for k, p in self.bnn.named_parameters()),
+                 *(("guide." + k, p) for k, p in self.guide.named_parameters())]
 
         def loss(xb, yb):
-            return self.loss(xb, yb, dataset_size=n)
+            return self._loss(xb, yb, n)
 
-        self.losses_ = _train(params, loss, x, y, epochs=epochs, batch_size=batch_size, lr=lr, seed=seed,
-                              amsgrad=amsgrad)
+        self.losses_ = _train(named, loss, x, y, epochs=epochs, batch_size=batch_size, lr=lr, seed=seed,
+                              amsgrad=amsgrad, trainer="BayesianClient.fit")
         return self
 
     def loss(self, x: Tensor, y: Tensor, dataset_size: Optional[int] = None) -> Tensor:
@@ -97,19 +175,38 @@ class BayesianClient:
 
         :param int dataset_size: ``n_k``, the size of the local dataset the batch comes from. Default ``len(x)``.
         """
-        batch = _check_data(x, y)
-        n = batch if dataset_size is None else dataset_size
-        with self.bnn.context():
-            return self._elbo.differentiable_loss(self.bnn, self.guide, x, y, dataset_size=n) / n
+        _, n = self.bnn.check_batch(x, y, dataset_size)
+        return self._loss(x, y, n)
 
-    def posterior(self) -> dict[str, tuple[Tensor, Tensor]]:
-        """``{site: (loc, variance)}`` for every Bayesian site, copies of the guide's current values."""
+    def _loss(self, x: Tensor, y: Tensor, n: int) -> Tensor:
+        if isinstance(self.elbo, pyro.infer.ELBO):
+            with self.bnn.context():
+                return self.elbo.differentiable_loss(self.bnn, self.guide, x, y, dataset_size=n) / n
+        return self.elbo.differentiable_loss(self.bnn, self.guide, x, y, dataset_size=n) / n
+
+    @torch.no_grad()
+    def _probe(self, x: Tensor) -> Tensor:
+        """The network's output for ``x[0]`` (in eval mode, so no random draw and no running statistic changes), for
+        checks of the targets; a ``ValueError`` naming ``x`` if the network cannot run on it."""
+        values = {name: value.to(x.device) for name, value in self.bnn.init_values.items()}
+        return _probe(lambda: self.bnn.output_at(x[:1], values), self.bnn, x)
+
+    def posterior(self) -> dict[str, GaussianPosterior]:
+        """``{site: GaussianPosterior(loc, variance)}`` for every Bayesian site, copies of the guide's current
+        values."""
         return self.guide.posterior()
 
-    def load_posterior(self, posterior: Mapping[str, tuple[Tensor, Tensor]]) -> None:
-        """Set the guide to ``{site: (loc, variance)}`` (exactly the Bayesian sites), in place; see
-        :meth:`MeanFieldGuide.load_posterior`. Raises ``ValueError`` naming the site on a bad entry."""
+    def load_posterior(self, posterior: Mapping[str, Any]) -> None:
+        """Set the guide to ``{site: GaussianPosterior or (loc, variance)}`` (exactly the Bayesian sites), in place;
+        see :meth:`MeanFieldGuide.load_posterior`. Raises ``ValueError`` naming the site on a bad entry."""
         self.guide.load_posterior(posterior)
+
+    def update_prior_(self, posterior: Mapping[str, Any]) -> "BayesianClient":
+        """Make ``posterior`` (``{site: GaussianPosterior or (loc, variance)}``, some or all Bayesian sites) the
+        prior of those sites: ``self.bnn.prior.update_(posterior)`` (see :meth:`Prior.update_`; the prior object is
+        shared by every network built with it). Returns ``self``."""
+        self.bnn.prior.update_(posterior)
+        return self
 
     def deterministic_state(self) -> dict[str, Tensor]:
         """``{name: tensor}`` copies of the parameters the prior keeps deterministic (empty if there are none)."""
@@ -119,10 +216,19 @@ class BayesianClient:
         """Overwrite the deterministic parameters in place with ``state`` (exactly their names and shapes)."""
         _load_state(self.bnn.net, state, "state")
 
-    def predict_proba(self, x: Tensor, num_samples: int = 10, seed: Optional[int] = None) -> Tensor:
-        """Posterior predictive probabilities ``(B, num_classes)``: the softmax averaged over ``num_samples`` draws
-        from the guide (see :meth:`BayesianNetwork.predict`)."""
+    def predict(self, x: Tensor, num_samples: int = 10, seed: Optional[int] = None) -> Any:
+        """The posterior predictive from ``num_samples`` draws from the guide, as the likelihood aggregates them
+        (see :meth:`BayesianNetwork.predict`): class probabilities ``(B, num_classes)`` for ``Categorical``, a
+        ``GaussianPredictive(mean, variance)`` for ``Gaussian``."""
         return self.bnn.predict(x, num_samples=num_samples, guide=self.guide, seed=seed)
+
+    def predict_proba(self, x: Tensor, num_samples: int = 10, seed: Optional[int] = None) -> Tensor:
+        """Posterior predictive class probabilities ``(B, num_classes)``: the softmax averaged over ``num_samples``
+        draws from the guide (:meth:`predict` for a ``Categorical`` likelihood)."""
+        if not isinstance(self.bnn.likelihood, Categorical):
+            raise ValueError(f"predict_proba: the likelihood {self.bnn.likelihood!r} has no class probabilities; "
+                             "use predict")
+        return self.predict(x, num_samples=num_samples, seed=seed)
 
 
 class DeterministicClient:
@@ -131,12 +237,17 @@ class DeterministicClient:
 
     Usage::
 
-        client = DeterministicClient(LeNet(image_size=8))
-        client.fit(x, y, epochs=5, batch_size=64, lr=1e-3, seed=0)
-        server_state = average_deterministic([c.state() for c in clients], weights)
-        client.load_state(server_state)
+        >>> import torch
+        >>> from bnpfed.models import mlp
+        >>> x, y = torch.randn(20, 4), torch.randint(0, 2, (20,))
+        >>> client = DeterministicClient(mlp(4, [3], 2)).fit(x, y, epochs=2, batch_size=8, lr=1e-2, seed=0)
+        >>> sorted(client.state())                                  # what FedAvg averages
+        ['1.bias', '1.weight', '3.bias', '3.weight']
+        >>> client.load_state(client.state())
+        >>> client.predict_proba(x).shape
+        torch.Size([20, 2])
 
-    :param nn.Module net: the network (deep-copied; the user's module is not changed).
+    :param nn.Module net: the network (deep-copied; the user's module is not changed); ``net(x)`` returns logits.
 
     Attributes: ``net`` (the copy), ``losses_`` (mean cross-entropy per example, one per epoch of the last ``fit``).
     """
@@ -147,20 +258,20 @@ class DeterministicClient:
         self.net = copy.deepcopy(net)
         self.losses_: list[float] = []
 
-    def fit(
-        self, x: Tensor, y: Tensor, *, epochs: int = 1, batch_size: int = 64, lr: float = 1e-3, seed: int = 0,
-        amsgrad: bool = False, weight_decay: float = 0.0,
-    ) -> "DeterministicClient":
-        """Minimise the mean cross-entropy on ``x`` ``(n, ...)``, ``y`` ``(n,)``; same schedule and seeding as
-        :meth:`BayesianClient.fit`; ``weight_decay`` adds ``weight_decay * ||theta||^2 / 2`` to the loss (the L2
-        term of the PFNM reference, 1e-6 there). Returns ``self``."""
-        _check_data(x, y)
+    def fit(self, x: Tensor, y: Tensor, *, epochs: int = 1, batch_size: int = 64, lr: float = 1e-3, seed: int = 0,
+            amsgrad: bool = False, weight_decay: float = 0.0) -> "DeterministicClient":
+        """Minimise the mean cross-entropy on ``x`` ``(n, ...)``, ``y`` ``(n,)`` labels; same schedule, seeding and
+        checks as :meth:`BayesianClient.fit`; ``weight_decay`` adds ``weight_decay * ||theta||^2 / 2`` to the loss
+        (the L2 term of the PFNM reference, 1e-6 there). Returns ``self``."""
+        n = _check_x(x)
+        Categorical().check_targets(y, n, _probe(lambda: self.net(x[:1]), self.net, x))
 
         def loss(xb, yb):
             return F.cross_entropy(self.net(xb), yb)
 
-        self.losses_ = _train(self.net.parameters(), loss, x, y, epochs=epochs, batch_size=batch_size, lr=lr, seed=seed,
-                              amsgrad=amsgrad, weight_decay=weight_decay)
+        self.losses_ = _train(list(self.net.named_parameters()), loss, x, y, epochs=epochs, batch_size=batch_size,
+                              lr=lr, seed=seed, amsgrad=amsgrad, weight_decay=weight_decay,
+                              trainer="DeterministicClient.fit")
         return self
 
     @torch.no_grad()
@@ -178,7 +289,7 @@ class DeterministicClient:
 
 
 def _train(
-    params: Iterable[Tensor],
+    named_params: Iterable[tuple[str, Tensor]],
     loss_fn: Callable[[Tensor, Tensor], Tensor],
     x: Tensor,
     y: Tensor,
@@ -189,46 +300,78 @@ def _train(
     seed: int,
     amsgrad: bool = False,
     weight_decay: float = 0.0,
+    trainer: str = "fit",
 ) -> list[float]:
     """Adam (optionally AMSGrad, with coupled L2 ``weight_decay``) on ``loss_fn(x_batch, y_batch)`` over shuffled
-    mini-batches; returns the mean loss of each epoch."""
-    for value, argument in ((epochs, "epochs"), (batch_size, "batch_size")):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{argument}: expected a positive int, got {value!r}")
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
-        raise ValueError(f"lr: expected a positive number, got {lr!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"seed: expected an int, got {seed!r}")
-    if not (isinstance(weight_decay, (int, float)) and weight_decay >= 0):
-        raise ValueError(f"weight_decay: expected a number >= 0, got {weight_decay!r}")
-    optimizer = torch.optim.Adam(list(params), lr=lr, amsgrad=amsgrad, weight_decay=weight_decay)
+    mini-batches; returns the mean loss of each epoch. Raises :class:`TrainingDiverged` on a non-finite loss or
+    parameter."""
+    epochs = check_int(epochs, "epochs", low=1)
+    batch_size = check_int(batch_size, "batch_size", low=1)
+    lr = check_positive(lr, "lr")
+    seed = check_int(seed, "seed", low=-(2**63), high=2**64 - 1)
+    amsgrad = check_bool(amsgrad, "amsgrad")
+    weight_decay = check_float(weight_decay, "weight_decay", low=0.0)
+    named_params = list(named_params)
+    optimizer = torch.optim.Adam([p for _, p in named_params], lr=lr, amsgrad=amsgrad, weight_decay=weight_decay)
     shuffle = torch.Generator().manual_seed(seed)
     n = x.shape[0]
+    steps = math.ceil(n / batch_size)
     losses = []
     with seeded(seed, x.device):
-        for _ in range(epochs):
+        for epoch in range(1, epochs + 1):
             order = torch.randperm(n, generator=shuffle).to(x.device)
             total = 0.0
-            for start in range(0, n, batch_size):
+            for step, start in enumerate(range(0, n, batch_size), 1):
                 batch = order[start : start + batch_size]
-                loss = loss_fn(x[batch], y[batch])
+                try:
+                    loss = loss_fn(x[batch], y[batch])
+                except ValueError as error:  # e.g. Pyro's Normal refusing NaN parameters
+                    bad = _first_not_finite(named_params)
+                    if bad is None:
+                        raise
+                    raise TrainingDiverged(trainer, epoch, step, steps, math.nan, lr,
+                                           f"parameter {bad} is not finite") from error
+                value = loss.item()
+                if not math.isfinite(value):
+                    raise TrainingDiverged(trainer, epoch, step, steps, value, lr, f"the loss is {value}")
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()
-                total += loss.item() * batch.numel()
+                total += value * batch.numel()
+            bad = _first_not_finite(named_params)
+            if bad is not None:
+                raise TrainingDiverged(trainer, epoch, 0, steps, value, lr, f"parameter {bad} is not finite")
             losses.append(total / n)
     return losses
 
 
-def _check_data(x, y) -> int:
+def _first_not_finite(named_params) -> Optional[str]:
+    with torch.no_grad():
+        return next((name for name, p in named_params if not bool(torch.isfinite(p).all())), None)
+
+
+def _check_x(x) -> int:
     if not torch.is_tensor(x) or x.dim() < 1 or x.shape[0] < 1:
         raise ValueError(f"x: expected a tensor of shape (n, ...) with n >= 1, got {_describe(x)}")
-    n = x.shape[0]
-    if not torch.is_tensor(y) or y.shape != (n,):
-        raise ValueError(f"y: expected a tensor of shape ({n},) matching x, got {_describe(y)}")
-    if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
-        raise ValueError(f"y: expected integer class labels, got dtype {y.dtype}")
-    return n
+    if not x.is_floating_point():
+        raise ValueError(f"x: expected a floating-point tensor, got dtype {x.dtype}")
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError("x: contains NaN or infinite values")
+    return x.shape[0]
+
+
+@torch.no_grad()
+def _probe(run: Callable[[], Tensor], net: nn.Module, x: Tensor) -> Tensor:
+    """``run()`` (the network on ``x[:1]``) with every module of ``net`` in eval mode, restored afterwards."""
+    modes = [(module, module.training) for module in net.modules()]
+    net.eval()
+    try:
+        return run()
+    except (RuntimeError, ValueError, IndexError) as error:
+        raise ValueError(f"x: the network cannot run on inputs of shape {tuple(x.shape[1:])}: {error}") from error
+    finally:
+        for module, mode in modes:
+            module.training = mode
 
 
 def _describe(value) -> str:

@@ -9,10 +9,24 @@ from bnpfed.models.beta_bernoulli import (
     log_joint,
     sample_federated_layer,
 )
-from bnpfed.models.bayesian import LIKELIHOODS, BayesianNetwork
-from bnpfed.models.local_reparameterization import LocalReparameterizationMessenger, local_reparameterization
+from bnpfed.models.bayesian import BayesianNetwork
+from bnpfed.models.likelihoods import Categorical, Gaussian, GaussianPredictive, Likelihood
+from bnpfed.models.local_reparameterization import (
+    LocalReparameterizationMessenger,
+    LocalReparameterizedLinear,
+    local_reparameterization,
+    sample_linear,
+)
 from bnpfed.models.networks import LeNet, mlp, reference_init_
-from bnpfed.models.priors import IIDPrior, LayerwisePrior, Prior, Selector, linear_weights, only_linear_weights
+from bnpfed.models.priors import (
+    IIDPrior,
+    LayerwisePrior,
+    Prior,
+    Selector,
+    SitePrior,
+    linear_weights,
+    only_linear_weights,
+)
 
 __all__ = [
     "FederatedLayer",
@@ -22,10 +36,15 @@ __all__ = [
     "gaussian_noise",
     "log_joint",
     "sample_federated_layer",
-    "LIKELIHOODS",
     "BayesianNetwork",
+    "Categorical",
+    "Gaussian",
+    "GaussianPredictive",
+    "Likelihood",
     "LocalReparameterizationMessenger",
+    "LocalReparameterizedLinear",
     "local_reparameterization",
+    "sample_linear",
     "LeNet",
     "mlp",
     "reference_init_",
@@ -33,6 +52,7 @@ __all__ = [
     "LayerwisePrior",
     "Prior",
     "Selector",
+    "SitePrior",
     "linear_weights",
     "only_linear_weights",
 ]

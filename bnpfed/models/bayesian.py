@@ -1,39 +1,51 @@
-"""A Bayesian neural network as a Pyro program: any ``nn.Module`` plus a prior object plus a likelihood.
+"""A Bayesian neural network as a Pyro program: any ``nn.Module`` plus a prior object plus a likelihood object.
 
 The generative story for client k with ``n_k`` examples ``(x_i, y_i)``:
 
     w_s ~ p_s                                      for every Bayesian parameter site s (the prior object decides)
-    y_i | x_i, w ~ Categorical(softmax(f(x_i; w, theta)))     i = 1 .. n_k
+    y_i | x_i, w ~ p(y_i | f(x_i; w, theta))       i = 1 .. n_k (the likelihood object decides)
 
-where ``theta`` are the parameters the prior keeps deterministic. A mini-batch of B examples stands for all
-``n_k``: the likelihood sits in ``pyro.plate("data", size=n_k, subsample=...)``, which scales it by ``n_k / B``,
-so an ELBO on a batch is an unbiased estimate of the ELBO on the whole local dataset.
+where ``theta`` are the parameters the prior keeps deterministic; for classification (:class:`Categorical`, the
+default) ``p(y | f) = Categorical(softmax(f))``. A mini-batch of B examples stands for all ``n_k``: the likelihood
+sits in ``pyro.plate("data", size=n_k, subsample=...)``, which scales it by ``n_k / B``, so an ELBO on a batch is an
+unbiased estimate of the ELBO on the whole local dataset.
 
 Parameters live on the modules, never in Pyro's global parameter store: every run of the network is in Pyro's
 ``module_local_params`` mode (``PyroModule`` parameters are otherwise mirrored into, and shared through, the global
 store by name, so two clients' copies of one architecture would be the same parameters).
+
+The Pyro program (:meth:`BayesianNetwork.model`) is the reference semantics: users trace, condition and replay it.
+For code that evaluates the same function many times (a fast ELBO), :meth:`BayesianNetwork.output_at` runs the same
+network as plain torch with given values of the Bayesian sites; it shares the deterministic parameters and buffers.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import pyro
-import pyro.distributions as dist
 import torch
 from pyro import poutine
 from pyro.nn.module import to_pyro_module_
 from torch import Tensor, nn
 
-from bnpfed.models.local_reparameterization import local_reparameterization
-from bnpfed.models.priors import Prior
+from bnpfed.models.likelihoods import Categorical, Likelihood
+from bnpfed.models.local_reparameterization import LocalReparameterizedLinear, local_reparameterization
+from bnpfed.models.priors import Prior, SitePrior
+from bnpfed.seeding import seeded
+from bnpfed.validation import check_bool, check_int
 
-__all__ = ["LIKELIHOODS", "BayesianNetwork"]
+__all__ = ["BayesianNetwork"]
 
-#: Likelihoods :class:`BayesianNetwork` implements.
-LIKELIHOODS = ("categorical",)
+#: Layers whose forward never calls ``torch.nn.functional.linear`` on their own parameters, besides ``nn.Linear``
+#: (which does, on its weight): on a network whose Bayesian sites all belong to such layers (exactly these classes),
+#: converting its ``nn.Linear`` s to :class:`LocalReparameterizedLinear` does what the local reparameterisation
+#: handler does.
+_LAYERS_WITHOUT_LINEAR = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
+                          nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LayerNorm, nn.GroupNorm, nn.Embedding,
+                          nn.PReLU)
 
 
 def _module_local_params():
@@ -48,34 +60,49 @@ class BayesianNetwork(nn.Module):
 
     Usage::
 
-        bnn = BayesianNetwork(LeNet(image_size=8), only_linear_weights())
-        bnn.bayesian_sites                     # ("fc1.weight", "fc2.weight", "fc3.weight")
-        trace = poutine.trace(bnn.model).get_trace(x, y, dataset_size=1000)
-        probs = bnn.predict(x, num_samples=10, guide=guide)       # posterior predictive
+        >>> import torch
+        >>> from pyro import poutine
+        >>> from bnpfed.models import BayesianNetwork, Gaussian, LeNet, mlp, only_linear_weights
+        >>> bnn = BayesianNetwork(LeNet(image_size=8), only_linear_weights())
+        >>> bnn.bayesian_sites
+        ('fc1.weight', 'fc2.weight', 'fc3.weight')
+        >>> x, y = torch.zeros(5, 1, 8, 8), torch.zeros(5, dtype=torch.long)
+        >>> trace = poutine.trace(bnn.model).get_trace(x, y, dataset_size=1000)
+        >>> trace.nodes["y"]["scale"]                               # the batch stands for 1000 examples
+        200.0
+        >>> bnn.predict(x, num_samples=3, seed=0).shape            # prior predictive class probabilities
+        torch.Size([5, 10])
+        >>> regression = BayesianNetwork(mlp(1, [8], 1), only_linear_weights(), likelihood=Gaussian(scale=0.1))
+        >>> regression.predict(torch.zeros(4, 1), num_samples=3, seed=0).mean.shape
+        torch.Size([4])
 
-    :param nn.Module net: the network; ``net(x)`` returns logits ``(B, num_classes)``.
-    :param Prior prior: which parameters are random, and their priors.
-    :param str likelihood: observation model; only ``"categorical"`` (softmax classification). Default
-        ``"categorical"``.
+    :param nn.Module net: the network; ``net(x)`` returns the output the likelihood reads (logits
+        ``(B, num_classes)`` for :class:`~bnpfed.models.likelihoods.Categorical`).
+    :param Prior prior: which parameters are random, and their priors. The network reads it on every run, so
+        ``prior.update_(posterior)`` changes this network's prior.
+    :param Likelihood likelihood: the observation model, e.g. ``Categorical()`` (default) or ``Gaussian(scale)``.
     :param bool local_reparameterization: sample the pre-activations of linear layers with Gaussian weights instead
-        of the weights (see :mod:`bnpfed.models.local_reparameterization`) in every run under :meth:`context`.
-        Default ``False``.
+        of the weights (see :mod:`bnpfed.models.local_reparameterization`) in every run under :meth:`context` and in
+        :meth:`output_at`. Default ``False``.
     """
 
-    def __init__(
-        self, net: nn.Module, prior: Prior, *, likelihood: str = "categorical", local_reparameterization: bool = False
-    ):
+    def __init__(self, net: nn.Module, prior: Prior, *, likelihood: Optional[Likelihood] = None,
+                 local_reparameterization: bool = False):
         super().__init__()
         if not isinstance(net, nn.Module):
             raise ValueError(f"net: expected a torch.nn.Module, got {type(net).__name__}")
         if not isinstance(prior, Prior):
             raise ValueError(f"prior: expected a bnpfed.models.Prior, got {type(prior).__name__}")
-        if likelihood not in LIKELIHOODS:
-            raise ValueError(f"likelihood: expected one of {LIKELIHOODS}, got {likelihood!r}")
-        if not isinstance(local_reparameterization, bool):
-            raise ValueError(f"local_reparameterization: expected a bool, got {local_reparameterization!r}")
+        if likelihood is None:
+            likelihood = Categorical()
+        if not isinstance(likelihood, Likelihood):
+            raise ValueError(f"likelihood: expected a bnpfed.models.Likelihood such as Categorical() or "
+                             f"Gaussian(scale), got {likelihood!r}")
+        #: The prior object (read by the sample sites on every run).
+        self.prior = prior
+        #: The observation model.
         self.likelihood = likelihood
-        self.local_reparameterization = local_reparameterization
+        self.local_reparameterization = check_bool(local_reparameterization, "local_reparameterization")
         pyro_net = copy.deepcopy(net)
         with _module_local_params():  # a PyroModule's parameter bookkeeping is set up when it is created
             to_pyro_module_(pyro_net)
@@ -86,37 +113,62 @@ class BayesianNetwork(nn.Module):
         self.bayesian_sites: tuple[str, ...] = tuple(self.init_values)
         #: Names of the parameters kept deterministic (``nn.Parameter`` s of ``self.net``).
         self.deterministic_params: tuple[str, ...] = tuple(name for name, _ in pyro_net.named_parameters())
+        self._site_priors: dict[str, SitePrior] = {}
+        for name in self.bayesian_sites:
+            module_name, _, attr = name.rpartition(".")
+            self._site_priors[name] = pyro_net.get_submodule(module_name)._pyro_samples[attr]
+        self._build_plain(net)
 
-    def logits(self, x: Tensor) -> Tensor:
-        """Run the network once: ``(B, ...)`` inputs to ``(B, num_classes)`` logits. Bayesian parameters are sampled
-        at their sites (from the prior, or from a guide's trace under ``poutine.replay``)."""
+    # ------------------------------------------------------------------------------------------ the Pyro program
+
+    def output(self, x: Tensor) -> Tensor:
+        """Run the network once: ``(B, ...)`` inputs to its ``(B, ...)`` output (logits for classification).
+        Bayesian parameters are sampled at their sites (from the prior, or from a guide's trace under
+        ``poutine.replay``)."""
         with _module_local_params():
             return self.net(x)
 
     def model(self, x: Tensor, y: Optional[Tensor] = None, dataset_size: Optional[int] = None) -> Tensor:
-        """The Pyro model: weights from the prior, then labels ``y`` from the likelihood.
+        """The Pyro model: weights from the prior, then targets ``y`` from the likelihood.
 
         :param Tensor x: inputs, ``(B, ...)``.
-        :param Tensor y: labels ``(B,)`` (integers in ``0 .. num_classes - 1``) to condition on, or ``None`` to sample.
+        :param Tensor y: targets to condition on (``(B,)`` integer labels for classification), or ``None`` to sample.
         :param int dataset_size: number of examples ``n`` the batch stands for; the likelihood is scaled by
             ``n / B``. Default ``B`` (no scaling).
-        :returns: the logits, ``(B, num_classes)``.
+        :returns: the network's output, ``(B, ...)``.
         """
+        batch, dataset_size = self.check_batch(x, y, dataset_size)
+        output = self.output(x)
+        observations = self.likelihood.distribution(output)
+        if y is not None and y.shape != observations.shape():
+            raise ValueError(f"y: expected a tensor of shape {tuple(observations.shape())} for {self.likelihood!r}, "
+                             f"got {_describe(y)}")
+        with pyro.plate("data", size=dataset_size, subsample=torch.arange(batch, device=x.device)):
+            pyro.sample("y", observations, obs=y)
+        return output
+
+    @staticmethod
+    def check_batch(x: Tensor, y: Optional[Tensor] = None, dataset_size: Optional[int] = None) -> tuple[int, int]:
+        """``(B, n)`` for a batch of the model's arguments, or a ``ValueError`` naming the bad one: ``x`` a tensor
+        ``(B, ...)`` with B >= 1, ``y`` None or a tensor ``(B, ...)``, ``dataset_size`` None (then n = B) or an
+        int n >= B."""
         batch = _batch_size(x)
-        if y is not None and (not torch.is_tensor(y) or y.shape != (batch,)):
-            raise ValueError(f"y: expected a tensor of shape ({batch},) matching x, got {_describe(y)}")
+        if y is not None and (not torch.is_tensor(y) or y.dim() < 1 or y.shape[0] != batch):
+            raise ValueError(f"y: expected a tensor of shape ({batch}, ...) matching x, got {_describe(y)}")
         if dataset_size is None:
-            dataset_size = batch
+            return batch, batch
         if isinstance(dataset_size, bool) or not isinstance(dataset_size, int) or dataset_size < batch:
             raise ValueError(f"dataset_size: expected an int >= the batch size {batch}, got {dataset_size!r}")
-        logits = self.logits(x)
-        with pyro.plate("data", size=dataset_size, subsample=torch.arange(batch, device=x.device)):
-            pyro.sample("y", dist.Categorical(logits=logits), obs=y)
-        return logits
+        return batch, dataset_size
 
     # nn.Module entry point, so that ELBO modules (``TraceMeanField_ELBO()(bnn, guide)``) and optimisers find the
     # deterministic parameters.
     forward = model
+
+    def prior_distributions(self) -> dict[str, Any]:
+        """``{site: distribution}``: the prior each Bayesian site has now (after any ``prior.update_``), with the
+        site's shape as ``event_shape``."""
+        return {name: site_prior(None) for name, site_prior in self._site_priors.items()}
 
     @contextlib.contextmanager
     def context(self):
@@ -129,22 +181,20 @@ class BayesianNetwork(nn.Module):
             else:
                 yield
 
-    def sample_logits(self, x: Tensor, guide: Optional[Callable] = None) -> Tensor:
-        """Logits under one draw of the weights: from ``guide`` (called with ``x``) if given, else from the prior.
-
-        :returns: ``(B, num_classes)`` logits.
-        """
+    def sample_output(self, x: Tensor, guide: Optional[Callable] = None) -> Tensor:
+        """The output under one draw of the weights: from ``guide`` (called with ``x``) if given, else from the
+        prior."""
         with self.context():
             if guide is None:
-                return self.logits(x)
+                return self.output(x)
             guide_trace = poutine.trace(guide).get_trace(x)
-            return poutine.replay(self.logits, trace=guide_trace)(x)
+            return poutine.replay(self.output, trace=guide_trace)(x)
 
     @torch.no_grad()
-    def predict(
-        self, x: Tensor, num_samples: int = 10, guide: Optional[Callable] = None, seed: Optional[int] = None
-    ) -> Tensor:
-        """Predictive class probabilities, the softmax averaged over ``num_samples`` draws of the weights:
+    def predict(self, x: Tensor, num_samples: int = 10, guide: Optional[Callable] = None,
+                seed: Optional[int] = None) -> Any:
+        """The posterior predictive from ``num_samples`` draws of the weights, aggregated by the likelihood
+        (:meth:`Likelihood.predictive`). For classification, the mean of the softmax probabilities:
 
             p(y | x) ~= 1/S sum_s softmax(f(x; w_s)),   w_s ~ guide (posterior) or the prior when ``guide`` is None
 
@@ -152,36 +202,67 @@ class BayesianNetwork(nn.Module):
         :param int num_samples: S, the number of weight draws. Default 10.
         :param guide: a guide of this model, e.g. :class:`bnpfed.inference.MeanFieldGuide`; ``None`` samples the prior.
         :param int seed: if given, draws use this seed (Torch's global random state is left as it was).
-        :returns: ``(B, num_classes)`` probabilities; rows sum to 1.
+        :returns: what the likelihood's ``predictive`` returns: ``(B, num_classes)`` probabilities for
+            ``Categorical``, a ``GaussianPredictive(mean, variance)`` for ``Gaussian``.
         """
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-            raise ValueError(f"num_samples: expected a positive int, got {num_samples!r}")
+        num_samples = check_int(num_samples, "num_samples", low=1)
         _batch_size(x)
         with seeded(seed, x.device):
-            probs = self.sample_logits(x, guide).softmax(-1)
-            for _ in range(num_samples - 1):
-                probs += self.sample_logits(x, guide).softmax(-1)
-        return probs / num_samples
+            outputs = torch.stack([self.sample_output(x, guide) for _ in range(num_samples)])
+        return self.likelihood.predictive(outputs)
 
+    # ------------------------------------------------------------------------------------------ plain torch
 
-@contextlib.contextmanager
-def seeded(seed: Optional[int], device: torch.device | str = "cpu"):
-    """Context in which Torch's random numbers come from ``seed`` and after which the global random state is as
-    before; a no-op when ``seed`` is None."""
-    if seed is None:
-        yield
-        return
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"seed: expected an int or None, got {seed!r}")
-    device = torch.device(device)
-    cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=cuda):
-        # only the forked generators are seeded (torch.manual_seed would also reseed every CUDA device)
-        torch.random.default_generator.manual_seed(seed)
-        for index in cuda:
-            with torch.cuda.device(index):
-                torch.cuda.manual_seed(seed)
-        yield
+    def _build_plain(self, net: nn.Module) -> None:
+        """The user's network once more, as plain torch, for :meth:`output_at`: its deterministic parameters and
+        buffers are tied to ``self.net`` 's (re-tied on every call, so moves and reassignments carry over), its
+        Bayesian parameters removed (set per call)."""
+        plain = copy.deepcopy(net)
+        pyro_modules = dict(self.net.named_modules())
+        self._plain_pairs = [(pyro_modules[name], module) for name, module in plain.named_modules()]
+        self._plain_slots: dict[str, tuple[nn.Module, str]] = {}
+        for name in self.bayesian_sites:
+            module_name, _, attr = name.rpartition(".")
+            module = plain.get_submodule(module_name)
+            del module._parameters[attr]
+            self._plain_slots[name] = (module, attr)
+        owners = {type(module) for module, _ in self._plain_slots.values()}
+        #: Whether :meth:`output_at` can apply local reparameterisation exactly as the handler does (every Bayesian
+        #: site belongs to an ``nn.Linear`` or to a layer that never calls ``F.linear`` on its parameters).
+        self.plain_local_reparameterization = all(t is nn.Linear or t in _LAYERS_WITHOUT_LINEAR for t in owners)
+        self._plain_linears: list[tuple[LocalReparameterizedLinear, str, Optional[str]]] = []
+        if self.local_reparameterization and self.plain_local_reparameterization:
+            for module_name, module in plain.named_modules():
+                weight = f"{module_name}.weight" if module_name else "weight"
+                if type(module) is nn.Linear and weight in self._plain_slots:
+                    bias = weight[: -len("weight")] + "bias"
+                    self._plain_linears.append((LocalReparameterizedLinear.convert_(module), weight,
+                                                bias if bias in self._plain_slots else None))
+        object.__setattr__(self, "_plain", plain)  # not a submodule: its parameters are self.net's
+
+    def output_at(self, x: Tensor, values: Mapping[str, Tensor],
+                  moments: Optional[Mapping[str, tuple[Tensor, Tensor]]] = None) -> Tensor:
+        """The network's output with every Bayesian site s set to ``values[s]``, as plain torch (no Pyro): the same
+        function as ``poutine.condition(self.output, values)(x)``, differentiable in ``values`` and in the
+        deterministic parameters.
+
+        :param Mapping values: ``{site: tensor}`` for every Bayesian site.
+        :param Mapping moments: ``{site: (mean, variance)}`` of the Gaussian distributions the values were drawn
+            from. Given, and with ``local_reparameterization`` on, every ``nn.Linear`` whose weight is a site draws
+            its pre-activations from these moments (:class:`LocalReparameterizedLinear`) instead of using the value,
+            as :func:`local_reparameterization` does in the Pyro program (only when
+            :attr:`plain_local_reparameterization`).
+        """
+        for source, target in self._plain_pairs:
+            target.training = source.training
+            target._parameters.update(source._parameters)
+            target._buffers.update(source._buffers)
+        for name, (module, attr) in self._plain_slots.items():
+            module.__dict__[attr] = values[name]
+        for module, weight, bias in self._plain_linears:
+            module.weight_moments = None if moments is None else moments[weight]
+            module.bias_moments = None if moments is None or bias is None else moments[bias]
+        return self._plain(x)
 
 
 def _batch_size(x) -> int:

@@ -12,26 +12,43 @@ Parameters are picked by *selectors*, one of
 - an ``nn.Module`` subclass: every parameter of modules of that type, e.g. ``nn.Conv2d``;
 - a callable ``(name, module) -> bool``, such as :func:`linear_weights`.
 
+A prior is read, not copied: the network's sample sites ask the prior object for their distribution on every
+run, so :meth:`Prior.update_` (a posterior becomes the next prior, as when a federated client's prior is the global
+posterior of the last round) takes effect in every network built with that prior object.
+
 Usage::
 
-    IIDPrior()                                          # every parameter ~ N(0, 1)
-    IIDPrior(dist.Normal(0.0, 0.1), hide=["*.bias"])    # biases deterministic
-    only_linear_weights()                               # Ozer et al. (2022): nn.Linear weights only
-    LayerwisePrior({"fc1.weight": dist.Normal(0.0, 0.05), nn.Linear: dist.Normal(0.0, 1.0)})
+    >>> import pyro.distributions as dist
+    >>> from torch import nn
+    >>> from bnpfed.models import BayesianNetwork, mlp
+    >>> net = mlp(4, [3], 2)                                            # parameters "1.weight", "1.bias", "3.*"
+    >>> BayesianNetwork(net, IIDPrior()).bayesian_sites                  # every parameter ~ N(0, 1)
+    ('1.weight', '1.bias', '3.weight', '3.bias')
+    >>> BayesianNetwork(net, IIDPrior(dist.Normal(0.0, 0.1), hide=["*.bias"])).bayesian_sites
+    ('1.weight', '3.weight')
+    >>> BayesianNetwork(net, only_linear_weights()).bayesian_sites      # Ozer et al. (2022): nn.Linear weights
+    ('1.weight', '3.weight')
+    >>> prior = LayerwisePrior({"1.weight": dist.Normal(0.0, 0.05), nn.Linear: dist.Normal(0.0, 1.0)})
+    >>> BayesianNetwork(net, prior).bayesian_sites
+    ('1.weight', '1.bias', '3.weight', '3.bias')
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from fnmatch import fnmatchcase
-from typing import Callable, Iterable, Mapping, Optional, Union
+from types import MappingProxyType
+from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import pyro.distributions as dist
+import torch
 from pyro.distributions.torch_distribution import TorchDistributionMixin as Distribution
 from pyro.nn.module import PyroModule, PyroSample
 from torch import Tensor, nn
 
-__all__ = ["IIDPrior", "LayerwisePrior", "Prior", "Selector", "linear_weights", "only_linear_weights"]
+from bnpfed.posterior import GaussianPosterior
+
+__all__ = ["IIDPrior", "LayerwisePrior", "Prior", "Selector", "SitePrior", "linear_weights", "only_linear_weights"]
 
 #: A name pattern, an ``nn.Module`` subclass, or a callable ``(name, module) -> bool``.
 Selector = Union[str, type, Callable[[str, nn.Module], bool]]
@@ -45,8 +62,16 @@ def linear_weights(name: str, module: nn.Module) -> bool:
 class Prior(ABC):
     """Base class: maps each parameter of a network to a prior distribution, or to ``None`` (deterministic).
 
-    Subclasses implement :meth:`distribution`; :meth:`apply_` does the conversion.
+    Subclasses implement :meth:`distribution`; :meth:`apply_` does the conversion, :meth:`update_` replaces the
+    prior of named sites by a Gaussian posterior (the sites stay Bayesian; the others keep their prior).
     """
+
+    # Class-level defaults, replaced per instance on the first update_ / apply_ (subclasses need not call an
+    # __init__ of this base class).
+    _posterior_priors: Mapping[str, Distribution] = MappingProxyType({})
+    _site_shapes: Mapping[str, torch.Size] = MappingProxyType({})
+    #: Incremented by every :meth:`update_`; code that caches the prior's parameters compares it.
+    version: int = 0
 
     @abstractmethod
     def distribution(self, name: str, module: nn.Module, param: Tensor) -> Optional[Distribution]:
@@ -61,8 +86,9 @@ class Prior(ABC):
     def apply_(self, net: PyroModule) -> dict[str, Tensor]:
         """Replace the chosen parameters of ``net``, in place, by ``PyroSample`` sites.
 
-        A parameter of shape ``shape`` gets the prior ``distribution(...).expand(shape).to_event(len(shape))``, so
-        its Pyro sample site is named by its qualified name and holds the whole tensor as one event.
+        A parameter of shape ``shape`` gets the prior ``distribution(...).expand(shape).to_event(len(shape))`` (or,
+        after :meth:`update_`, the posterior given there), so its Pyro sample site is named by its qualified name and
+        holds the whole tensor as one event. The site asks this object for its distribution on every run.
 
         :param PyroModule net: a network already converted with ``pyro.nn.module.to_pyro_module_``.
         :returns: the values the chosen parameters had, ``{name: tensor}`` in ``named_parameters`` order (useful
@@ -80,14 +106,69 @@ class Prior(ABC):
                 if prior is not None:
                     chosen.append((module, param_name, name, _expanded(prior, param, name)))
         self._check_selectors_used([name for name, _ in net.named_parameters()])
+        shapes = {name: getattr(module, param_name).shape for module, param_name, name, _ in chosen}
+        unknown = [name for name in self._posterior_priors if name not in shapes]
+        if unknown:
+            raise ValueError(f"prior: update_ gave a posterior for {unknown}, which this prior does not make Bayesian "
+                             f"in this network; its Bayesian sites are {list(shapes)}")
+        for name, posterior in self._posterior_priors.items():
+            _check_event_shape(posterior, shapes[name], name)
         values = {}
         for module, param_name, name, prior in chosen:
             values[name] = getattr(module, param_name).detach().clone()
-            setattr(module, param_name, PyroSample(prior))
+            setattr(module, param_name, PyroSample(SitePrior(self, name, prior)))
+        self._site_shapes = {**self._site_shapes, **shapes}
         return values
+
+    def update_(self, posterior: Mapping[str, Any]) -> "Prior":
+        """Make the prior of every named site the Gaussian ``N(loc, variance)`` of ``posterior``, weight by weight,
+        in place; sites not named keep their prior. Every network built with this prior uses the new prior from its
+        next run on.
+
+            p(w_s) <- N(w_s | loc_s, diag(variance_s))     for every site s in ``posterior``
+
+        :param Mapping posterior: ``{site: GaussianPosterior}`` or ``{site: (loc, variance)}``, e.g. a client's
+            :meth:`~bnpfed.inference.BayesianClient.posterior` or a server's fused posterior; sites this prior has
+            made Bayesian (in a network it was applied to), finite tensors of the site's shape, variances > 0.
+            The tensors are copied.
+        :returns: ``self``.
+        :raises ValueError: naming the site, for a site this prior does not make Bayesian, a wrong shape, a NaN or
+            a variance <= 0; the prior is then unchanged.
+        """
+        if not isinstance(posterior, Mapping):
+            raise ValueError(f"posterior: expected a dict site -> (loc, variance), got {type(posterior).__name__}")
+        if self._site_shapes:
+            unknown = [name for name in posterior if name not in self._site_shapes]
+            if unknown:
+                raise ValueError(f"posterior: unknown site(s) {unknown}; this prior's Bayesian sites are "
+                                 f"{list(self._site_shapes)}")
+        updates = {}
+        for name, value in posterior.items():
+            loc, variance = GaussianPosterior.of(value, f"posterior[{name!r}]", self._site_shapes.get(name))
+            loc, scale = loc.detach().clone(), variance.detach().sqrt()
+            updates[name] = dist.Normal(loc, scale).to_event(loc.dim())
+        self._posterior_priors = {**self._posterior_priors, **updates}
+        self.version += 1
+        return self
 
     def _check_selectors_used(self, names: list[str]) -> None:
         """Hook for subclasses that pick parameters with selectors: complain about selectors that matched nothing."""
+
+
+class SitePrior:
+    """The prior of one sample site as a ``PyroSample`` reads it: the posterior :meth:`Prior.update_` gave for the
+    site if any, else the prior's own distribution expanded to the site's shape.
+
+    :param Prior prior: the prior object.
+    :param str name: the site (the parameter's qualified name).
+    :param Distribution default: the prior's own distribution of the site, expanded to its shape.
+    """
+
+    def __init__(self, prior: Prior, name: str, default: Distribution):
+        self.prior, self.name, self.default = prior, name, default
+
+    def __call__(self, module: Optional[nn.Module]) -> Distribution:  # PyroSample passes the owning module
+        return self.prior._posterior_priors.get(self.name, self.default)
 
 
 class _SelectorPrior(Prior):
@@ -222,6 +303,12 @@ def _expanded(prior, param: Tensor, name: str):
             f"prior of {name!r}: batch_shape {tuple(prior.batch_shape)} does not broadcast to the parameter's shape "
             f"{tuple(param.shape)}"
         ) from error
+
+
+def _check_event_shape(posterior, shape: torch.Size, name: str) -> None:
+    if posterior.event_shape != shape:
+        raise ValueError(f"prior: update_ gave a posterior of shape {tuple(posterior.event_shape)} for {name!r}, "
+                         f"whose parameter has shape {tuple(shape)}")
 
 
 def _as_list(selectors, argument: str) -> list:

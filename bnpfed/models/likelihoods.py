@@ -1,0 +1,172 @@
+"""Likelihood objects: how a Bayesian network's output ``f(x; w)`` generates the observations ``y``.
+
+A likelihood says four things, and :class:`~bnpfed.models.bayesian.BayesianNetwork` asks it each of them:
+
+- the observation distribution given the network's output, ``p(y | f(x; w))`` (:meth:`Likelihood.distribution`),
+  with a batch dimension of one entry per example;
+- the sum of ``log p(y_i | f(x_i; w))`` over a batch (:meth:`Likelihood.log_likelihood`), the data term of the ELBO;
+- how S predictive draws ``f(x; w_s)``, ``w_s ~ q``, make the posterior predictive, which is what ``predict``
+  returns (:meth:`Likelihood.predictive`);
+- which targets are valid (:meth:`Likelihood.check_targets`), so that ``fit`` fails at the boundary with a message.
+
+:class:`Categorical` is classification (logits in, probabilities out); :class:`Gaussian` is regression with a known
+noise scale. A new observation model is a new subclass; nothing else changes.
+
+Usage::
+
+    >>> import torch
+    >>> Categorical().predictive(torch.zeros(4, 3, 2))           # S = 4 draws, B = 3 examples, 2 classes
+    tensor([[0.5000, 0.5000],
+            [0.5000, 0.5000],
+            [0.5000, 0.5000]])
+    >>> draws = torch.tensor([[[1.0]], [[3.0]]])                   # S = 2 draws of one example's output
+    >>> Gaussian(scale=0.5).predictive(draws)                     # mean 2, variance 0.5^2 + 1
+    GaussianPredictive(mean=tensor([2.]), variance=tensor([1.2500]))
+    >>> Categorical().check_targets(torch.tensor([0, 4]), 2, output=torch.zeros(1, 3))
+    Traceback (most recent call last):
+    ...
+    ValueError: y: expected integer class labels in 0 .. 2 (the network has 3 outputs), got labels from 0 to 4
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, NamedTuple, Optional
+
+import pyro.distributions as dist
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from bnpfed.validation import check_int, check_positive
+
+__all__ = ["Categorical", "Gaussian", "GaussianPredictive", "Likelihood"]
+
+
+class Likelihood(ABC):
+    """Base class: the observation model ``p(y | f(x; w))`` of a Bayesian network.
+
+    Subclasses implement :meth:`distribution`, :meth:`predictive` and :meth:`check_targets`; they may override
+    :meth:`log_likelihood` with a faster formula of the same value.
+    """
+
+    @abstractmethod
+    def distribution(self, output: Tensor) -> dist.TorchDistribution:
+        """``p(y | f(x; w))`` for a batch: a distribution with ``batch_shape (B,)`` (one entry per example) given the
+        network's output ``(B, ...)``."""
+
+    def log_likelihood(self, output: Tensor, y: Tensor) -> Tensor:
+        """``sum_i log p(y_i | f(x_i; w))`` over the batch, a scalar (the same value as
+        ``distribution(output).log_prob(y).sum()``)."""
+        observations = self.distribution(output)
+        if y.shape != observations.shape():
+            raise ValueError(f"y: expected a tensor of shape {tuple(observations.shape())} for {self!r}, "
+                             f"got {_describe(y)}")
+        return observations.log_prob(y).sum()
+
+    @abstractmethod
+    def predictive(self, outputs: Tensor) -> Any:
+        """The posterior predictive from S draws of the network's output, ``outputs: (S, B, ...)``; what
+        ``BayesianNetwork.predict`` returns."""
+
+    @abstractmethod
+    def check_targets(self, y: Any, n: int, output: Tensor, label: str = "y") -> None:
+        """Raise a ``ValueError`` naming ``label`` unless ``y`` holds ``n`` valid targets for a network whose output
+        for one example looks like ``output`` ``(1, ...)``."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class Categorical(Likelihood):
+    """Classification: ``y_i ~ Categorical(softmax(f(x_i; w)))``, the network's output being logits ``(B, C)``.
+
+    The predictive is the mean of the S draws' softmax probabilities,
+    ``p(y | x) ~= 1/S sum_s softmax(f(x; w_s))``, a ``(B, C)`` tensor whose rows sum to 1.
+
+    :param int num_classes: C, if known; labels must then lie in ``0 .. C - 1`` and the network must output C
+        values per example. Default ``None``: C is the width of the network's output.
+    """
+
+    def __init__(self, num_classes: Optional[int] = None):
+        self.num_classes = None if num_classes is None else check_int(num_classes, "num_classes", low=1)
+
+    def distribution(self, output):
+        return dist.Categorical(logits=output)
+
+    def log_likelihood(self, output, y):
+        if output.dim() == 2:
+            return -F.cross_entropy(output, y, reduction="sum")  # the same value, one fused kernel
+        return super().log_likelihood(output, y)
+
+    def predictive(self, outputs):
+        return outputs.softmax(-1).mean(0)
+
+    def check_targets(self, y, n, output, label="y"):
+        if not torch.is_tensor(y) or y.shape != (n,):
+            raise ValueError(f"{label}: expected a tensor of shape ({n},) matching x, got {_describe(y)}")
+        if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
+            raise ValueError(f"{label}: expected integer class labels, got dtype {y.dtype}")
+        width = output.shape[-1]
+        if self.num_classes is not None and width != self.num_classes:
+            raise ValueError(f"likelihood: {self!r} but the network outputs {width} values per example")
+        low, high = int(y.min()), int(y.max())
+        if low < 0 or high >= width:
+            raise ValueError(f"{label}: expected integer class labels in 0 .. {width - 1} (the network has {width} "
+                             f"outputs), got labels from {low} to {high}")
+
+    def __repr__(self):
+        return "Categorical()" if self.num_classes is None else f"Categorical(num_classes={self.num_classes})"
+
+
+class GaussianPredictive(NamedTuple):
+    """The moments of a Gaussian likelihood's posterior predictive (a mixture of S Gaussians), each of the targets'
+    shape."""
+
+    mean: Tensor
+    variance: Tensor
+
+
+class Gaussian(Likelihood):
+    """Regression: ``y_i ~ N(f(x_i; w), scale^2)`` elementwise, with a known noise scale.
+
+    Targets have the shape of the network's output, except that an output ``(B, 1)`` (one regression target, as
+    ``nn.Linear(h, 1)`` gives) has targets ``(B,)``.
+
+    The predictive from S draws is the mixture ``1/S sum_s N(f(x; w_s), scale^2)``; :meth:`predictive` returns its
+    mean and variance, ``mean = 1/S sum_s f_s`` and ``variance = scale^2 + 1/S sum_s (f_s - mean)^2``.
+
+    :param float scale: the noise standard deviation, in the units of ``y``. Default 1.
+    """
+
+    def __init__(self, scale: float = 1.0):
+        self.scale = check_positive(scale, "scale")
+
+    @staticmethod
+    def _loc(output: Tensor) -> Tensor:
+        return output[..., 0] if output.dim() == 2 and output.shape[-1] == 1 else output
+
+    def distribution(self, output):
+        loc = self._loc(output)
+        return dist.Normal(loc, self.scale).to_event(loc.dim() - 1)
+
+    def predictive(self, outputs):
+        locs = self._loc(outputs.flatten(0, 1)).unflatten(0, outputs.shape[:2])
+        return GaussianPredictive(locs.mean(0), self.scale**2 + locs.var(0, unbiased=False))
+
+    def check_targets(self, y, n, output, label="y"):
+        shape = (n, *self._loc(output).shape[1:])
+        if not torch.is_tensor(y) or tuple(y.shape) != shape:
+            raise ValueError(f"{label}: expected a tensor of shape {shape} matching x and the network's output, "
+                             f"got {_describe(y)}")
+        if not y.is_floating_point():
+            raise ValueError(f"{label}: expected floating-point regression targets, got dtype {y.dtype}")
+        if not bool(torch.isfinite(y).all()):
+            raise ValueError(f"{label}: contains NaN or infinite values")
+
+    def __repr__(self):
+        return f"Gaussian(scale={self.scale})"
+
+
+def _describe(value) -> str:
+    return f"a tensor of shape {tuple(value.shape)}" if torch.is_tensor(value) else repr(value)
