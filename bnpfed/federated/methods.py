@@ -276,8 +276,9 @@ class Experiment:
         """Warn when ``accuracy`` is at or below chance (the largest class share of the test split, plus 0.02)."""
         chance = float(torch.bincount(self.dataset.y_test).max()) / len(self.dataset.y_test)
         if not accuracy > chance + 0.02:
-            self.warn(f"{method}: test accuracy {accuracy:.3f} is at chance ({chance:.3f}): training diverged or "
-                      "did not learn (try a lower --lr, more --epochs, or check the data)")
+            self.warn(f"{method}: test accuracy {accuracy:.3f} is at chance ({chance:.3f}, the largest class's "
+                      "share): training diverged or did not learn (check the learning rate, too large or too small, "
+                      "the epochs and the data)")
 
     def report(self, probs: torch.Tensor) -> dict[str, float]:
         """Accuracy, NLL, ECE (``ece_bins``) and Brier score of test-set probabilities."""

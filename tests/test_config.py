@@ -1,0 +1,127 @@
+"""The configuration shape: one small frozen dataclass per concern, each checking every field by name."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from bnpfed.federated.config import (PAPER_MIN_VARIANCE, PFNM_TRAINING, BayesianConfig, ExperimentConfig,
+                                     FusionConfig, LocalSchedule, NetworkConfig, PartitionConfig, PFNMConfig,
+                                     TrainingConfig, config_dict, holdout_split)
+from bnpfed.models import IIDPrior, Prior
+
+BAD = [
+    (PartitionConfig, dict(clients=0), "clients: expected an int >= 1, got 0"),
+    (PartitionConfig, dict(partition="random"), "partition: expected one of"),
+    (PartitionConfig, dict(alpha=0.0), "alpha: expected a positive finite number, got 0.0"),
+    (PartitionConfig, dict(alpha=math.nan), "alpha: expected a positive finite number"),
+    (PartitionConfig, dict(min_size=-1), "min_size: expected an int >= 0"),
+    (NetworkConfig, dict(arch="resnet"), "arch: expected one of"),
+    (NetworkConfig, dict(hidden=()), "hidden: expected at least one int >= 1"),
+    (NetworkConfig, dict(hidden=(10, 0)), r"hidden\[1\]: expected an int >= 1, got 0"),
+    (NetworkConfig, dict(init="xavier"), "init: expected one of"),
+    (NetworkConfig, dict(shared_init="yes"), "shared_init: expected a bool"),
+    (TrainingConfig, dict(epochs=0), "epochs: expected an int >= 1, got 0"),
+    (TrainingConfig, dict(batch_size=0), "batch_size: expected an int >= 1"),
+    (TrainingConfig, dict(lr=0.0), "lr: expected a positive finite number"),
+    (TrainingConfig, dict(lr=math.inf), "lr: expected a positive finite number"),
+    (TrainingConfig, dict(weight_decay=-1e-6), "weight_decay: expected a finite number >= 0.0"),
+    (TrainingConfig, dict(round_epochs=0), "round_epochs: expected an int >= 1, got 0"),
+    (TrainingConfig, dict(lr_decay=-1.0), r"lr_decay: expected a number in \(0, 1\], got -1.0"),
+    (TrainingConfig, dict(lr_decay=1.5), r"lr_decay: expected a number in \(0, 1\]"),
+    (BayesianConfig, dict(prior="conv"), "prior: expected one of"),
+    (BayesianConfig, dict(prior_scale=0.0), "prior_scale: expected a positive"),
+    (BayesianConfig, dict(init_scale=-1.0), "init_scale: expected a positive"),
+    (PFNMConfig, dict(sigma2=0.0), "sigma2: expected a positive finite number, got 0.0"),
+    (PFNMConfig, dict(sigma2=-1.0), "sigma2: expected a positive finite number"),
+    (PFNMConfig, dict(sigma2=math.nan), "sigma2: expected a positive finite number"),
+    (PFNMConfig, dict(sigma2=math.inf), "sigma2: expected a positive finite number"),
+    (PFNMConfig, dict(sigma2=(1.0, 0.0)), r"sigma2\[1\]: expected a positive"),
+    (PFNMConfig, dict(gamma0=0.0), "gamma0: expected a positive finite number"),
+    (PFNMConfig, dict(sigma0_2=-2.0), "sigma0_2: expected a positive finite number"),
+    (PFNMConfig, dict(constants="mine"), "constants: expected one of"),
+    (PFNMConfig, dict(objective="ml"), "objective: expected one of"),
+    (PFNMConfig, dict(direction="sideways"), "direction: expected one of"),
+    (PFNMConfig, dict(sweeps=-1), "sweeps: expected an int >= 0"),
+    (PFNMConfig, dict(fraction=0.0), r"fraction: expected a number in \(0, 1\]"),
+    (FusionConfig, dict(rule="median"), "rule: expected one of"),
+    (FusionConfig, dict(weights="count"), "weights: expected one of"),
+    (FusionConfig, dict(pooling_samples=1), "pooling_samples: expected an int >= 2"),
+    (FusionConfig, dict(min_variance=-1.0), "min_variance: expected a finite number >= 0.0"),
+    (FusionConfig, dict(fraction=1.5), r"fraction: expected a number in \(0, 1\]"),
+    (ExperimentConfig, dict(methods=("foo",)), "methods: expected one of"),
+    (ExperimentConfig, dict(methods="pfnm"), "methods: expected a non-empty sequence"),
+    (ExperimentConfig, dict(methods=("pfnm", "pfnm")), "methods: expected each method at most once"),
+    (ExperimentConfig, dict(rounds=0), "rounds: expected an int >= 1, got 0"),
+    (ExperimentConfig, dict(seed=-1), "seed: expected an int >= 0, got -1"),
+    (ExperimentConfig, dict(select="test"), "select: expected one of"),
+    (ExperimentConfig, dict(holdout=1.5), r"holdout: expected a number in \(0, 1\), got 1.5"),
+    (ExperimentConfig, dict(grid_sigma2=(0.1, -1.0)), r"grid_sigma2\[1\]: expected a positive"),
+    (ExperimentConfig, dict(ece_bins=0), "ece_bins: expected an int >= 1"),
+]
+
+
+@pytest.mark.parametrize("cls, kwargs, message", BAD, ids=[f"{c.__name__}-{next(iter(k))}" for c, k, _ in BAD])
+def test_every_field_is_checked_by_name(cls, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        cls(**kwargs)
+
+
+def test_configs_are_frozen():
+    with pytest.raises(AttributeError):
+        PFNMConfig().sigma2 = 2.0
+
+
+def test_one_vocabulary_with_the_old_spellings_accepted():
+    assert PartitionConfig(partition="homogeneous").partition == "iid"
+    assert PartitionConfig(partition="homo").partition == "iid"
+    assert PartitionConfig(partition="hetero").partition == "dirichlet"
+    assert NetworkConfig(hidden=[50, 20]).hidden == (50, 20)
+
+
+def test_the_reference_schedule_retrains_five_epochs_with_a_decayed_rate():
+    assert PFNM_TRAINING.schedule(1) == LocalSchedule(10, 0.01)
+    epochs, lr = PFNM_TRAINING.schedule(4)
+    assert epochs == 5 and lr == pytest.approx(0.01 * 0.99 ** 3)
+    assert TrainingConfig(epochs=3).schedule(7) == LocalSchedule(3, 1e-2)
+
+
+def test_a_partition_is_drawn_from_the_seed_and_checked_against_the_data_before_anything_trains():
+    labels = np.arange(200) % 10
+    a, b = (PartitionConfig(clients=4).split(labels, seed=3) for _ in range(2))
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert sorted(np.concatenate(a).tolist()) == list(range(200))
+    c = PartitionConfig(clients=4).split(labels, seed=4)
+    assert not all(np.array_equal(x, y) for x, y in zip(a, c))
+    with pytest.raises(ValueError, match="min_size: expected at most 50"):
+        PartitionConfig(clients=4, partition="dirichlet", min_size=100_000).split(labels, seed=0)
+    with pytest.raises(ValueError, match="clients: expected at most the 200 training examples, got 500"):
+        PartitionConfig(clients=500).check_fits(200)
+
+
+def test_holdout_splits_are_disjoint_and_per_client_seeded():
+    parts = PartitionConfig(clients=3).split(np.arange(90) % 3, seed=0)
+    train, held = holdout_split(parts, 0.2, seed=0)
+    for p, t, h in zip(parts, train, held):
+        assert len(h) == int(np.ceil(0.2 * len(p))) and not set(t) & set(h)
+        assert sorted([*t, *h]) == sorted(p)
+
+
+def test_a_prior_is_a_name_or_any_prior_object():
+    named = BayesianConfig(prior="all", prior_scale=0.5).build_prior()
+    assert isinstance(named, IIDPrior)
+    mine = IIDPrior()
+    assert BayesianConfig(prior=mine).build_prior() is mine
+    assert config_dict(BayesianConfig(prior=mine))["prior"] == repr(mine)
+    assert isinstance(BayesianConfig().build_prior(), Prior)
+
+
+def test_the_paper_variance_floor_is_the_published_clamp_of_log_variance():
+    assert math.log(PAPER_MIN_VARIANCE) == pytest.approx(-8.0)
+    assert FusionConfig().min_variance > 0
+
+
+def test_pfnm_config_gives_the_matcher_its_keywords():
+    kw = PFNMConfig(sigma2=(0.3, 0.5), constants="reference").matcher_kwargs()
+    assert kw["sigma2"] == (0.3, 0.5) and kw["popularity_factor"] == 1.0 and kw["max_atoms"] == 700

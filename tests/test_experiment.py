@@ -1,0 +1,137 @@
+"""The experiment harness: comparison methods as a registry, run on the bundled digits (pixels in [0, 1] for PFNM, as
+the reference feeds MNIST)."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from bnpfed import combine
+from bnpfed.data import load_dataset
+from bnpfed.federated.config import (PFNM_NETWORK, PFNM_TRAINING, ExperimentConfig, NetworkConfig, PartitionConfig,
+                                     PFNMConfig, TrainingConfig)
+from bnpfed.federated.methods import (MethodResult, available_methods, register_method, run_experiment,
+                                      width_sweep)
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_dataset("digits", standardize=False)
+
+
+def run(ds, *, clients=5, methods=("local", "pfnm"), rounds=1, epochs=10, hidden=(100,), seed=0, **pfnm):
+    return run_experiment(ds, partition=PartitionConfig(clients=clients),
+                          network=NetworkConfig(hidden=hidden, init="reference"),
+                          training=TrainingConfig(epochs=epochs, round_epochs=2, amsgrad=True, weight_decay=1e-6),
+                          pfnm=PFNMConfig(**{"sigma2": 0.3, **pfnm}),
+                          config=ExperimentConfig(methods=methods, rounds=rounds, seed=seed))
+
+
+@pytest.fixture(scope="module")
+def homogeneous_run(digits):
+    return run(digits, methods=("local", "ensemble", "fedavg-oneshot", "pfnm", "kmeans"))
+
+
+def test_one_shot_pfnm_beats_the_mean_local_model_and_fedavg_without_shared_init(homogeneous_run):
+    pfnm = homogeneous_run.row("pfnm").accuracy
+    assert pfnm > homogeneous_run.row("local-mean").accuracy
+    assert pfnm > homogeneous_run.row("fedavg-oneshot").accuracy
+    assert homogeneous_run.row("fedavg-oneshot").note == "each client from its own init"
+
+
+def test_rows_report_width_parameters_and_calibration(homogeneous_run):
+    pfnm = homogeneous_run.row("pfnm")
+    (width,) = pfnm.hidden
+    assert pfnm.parameters == 64 * width + width + width * 10 + 10
+    assert pfnm.rounds == 1 and pfnm.server_seconds > 0
+    assert all(0 <= getattr(pfnm, m) for m in ("nll", "ece", "brier"))
+    assert homogeneous_run.row("kmeans").hidden == pfnm.hidden   # at PFNM's global width
+    ens = homogeneous_run.row("ensemble")
+    assert ens.hidden == [500] and ens.parameters == 5 * homogeneous_run.row("local-mean").parameters
+    assert len(homogeneous_run.local_accuracies) == 5
+    assert [r.method for r in homogeneous_run.rows] == ["local-mean", "local-min", "local-max", "ensemble",
+                                                        "fedavg-oneshot", "pfnm", "kmeans"]   # unique names
+    json.dumps(homogeneous_run.as_dict(), allow_nan=False)
+
+
+def test_same_seed_gives_the_same_numbers(digits):
+    a, b, c = (run(digits, clients=3, epochs=2, seed=s) for s in (0, 0, 1))
+    assert [(r.method, r.accuracy, r.hidden) for r in a.rows] == [(r.method, r.accuracy, r.hidden) for r in b.rows]
+    assert [r.accuracy for r in a.rows] != [r.accuracy for r in c.rows]
+
+
+def test_communication_rounds_record_accuracy_and_width_per_round(digits):
+    result = run(digits, clients=4, epochs=3, rounds=3, methods=("pfnm", "pfnm-rounds", "fedavg"))
+    rows = {r.method: r for r in result.rows}
+    assert [h["round"] for h in rows["pfnm-rounds"].history] == [1, 2, 3]
+    assert [h["round"] for h in rows["fedavg"].history] == [1, 2, 3]
+    assert rows["pfnm-rounds"].history[0]["accuracy"] == rows["pfnm"].accuracy   # round 1 is the one-shot match
+    assert rows["pfnm-rounds"].rounds == 3 and rows["pfnm-rounds"].hidden == rows["pfnm-rounds"].history[-1]["hidden"]
+
+
+def test_federated_selection_picks_the_best_candidate_on_the_clients_held_out_data(digits):
+    result = run_experiment(digits, partition=PartitionConfig(clients=4), network=PFNM_NETWORK,
+                            training=TrainingConfig(epochs=3, amsgrad=True),
+                            config=ExperimentConfig(methods=("pfnm",), select="federated", grid_sigma2=(0.1, 1.0),
+                                                    grid_gamma0=(1.0,)))
+    curve = result.selection.curve
+    assert len(curve) == 2
+    best = max(curve, key=lambda c: (c["validation"], -sum(c["hidden"])))
+    assert result.selection.by == "federated" and result.selection.config.sigma2 == best["sigma2"]
+    assert result.selection.score == best["validation"]
+    assert result.row("pfnm").hidden == best["hidden"]
+    assert all("test" in c for c in curve)   # recorded, never used to choose
+
+
+def test_two_hidden_layers_bottom_up_does_not_collapse_the_top_layer(digits):
+    result = run(digits, clients=4, epochs=5, hidden=(50, 50))
+    assert result.row("pfnm").hidden[1] > 50
+
+
+def test_width_sweep_returns_points_for_both_sets_of_constants(digits):
+    points = width_sweep(digits, partition=PartitionConfig(clients=3), network=PFNM_NETWORK,
+                         training=TrainingConfig(epochs=2), sigma2=(0.1, 1.0), gamma0=(1.0,))
+    assert {p["constants"] for p in points} == {"bnpfed", "reference"} and len(points) == 4
+    assert all(0 <= p["accuracy"] <= 1 and p["width"] >= 1 for p in points)
+
+
+def test_adding_a_method_is_one_function_and_one_registration(digits):
+    def best_local(experiment):
+        models = experiment.local_models()
+        reports = [experiment.evaluate_network(net) for net in models]
+        best = max(reports, key=lambda r: r["accuracy"])
+        return MethodResult("best-local", **best)
+
+    register_method("best-local", best_local)
+    try:
+        assert "best-local" in available_methods()
+        result = run(digits, clients=3, epochs=2, methods=("local", "best-local"))
+        assert result.row("best-local").accuracy == result.row("local-max").accuracy
+        with pytest.raises(ValueError, match="already registered"):
+            register_method("best-local", best_local)
+    finally:
+        from bnpfed.federated import methods
+
+        methods._METHODS.pop("best-local")
+
+
+def test_every_fusion_rule_is_a_method_and_so_is_a_newly_registered_rule(digits):
+    assert set(combine.available_rules()) <= set(available_methods())
+    combine.register_rule("first", lambda locs, variances, weights, **_: (locs[0], variances[0]))
+    try:
+        assert "first" in available_methods()
+        result = run_experiment(load_dataset("digits"), partition=PartitionConfig(clients=2),
+                                network=NetworkConfig(hidden=(8,)), training=TrainingConfig(epochs=1),
+                                config=ExperimentConfig(methods=("first",), predictive_samples=2))
+        row = result.row("first")
+        assert math.isfinite(row.accuracy) and row.mean_sigma > 0 and row.history[0]["round"] == 1
+    finally:
+        combine._RULES.pop("first")
+
+
+def test_a_run_at_chance_accuracy_says_so(digits):
+    result = run_experiment(digits, partition=PartitionConfig(clients=2), network=NetworkConfig(hidden=(8,)),
+                            training=TrainingConfig(epochs=1, lr=1000.0),
+                            config=ExperimentConfig(methods=("local", "fedavg")))
+    assert any("local models: test accuracy" in w and "at chance" in w for w in result.warnings)
