@@ -12,6 +12,8 @@ Parts (each writes JSON lines to ``--out`` and can be resumed: finished configur
 * ``width``: accuracy against global width (J = 10, homogeneous, seed 0), sweeping sigma2 and gamma0 under both
   sets of constants;
 * ``rounds``: PFNM with communication against multi-round FedAvg and the ensemble (J = 25, 10 rounds);
+* ``start``: PFNM's communication rounds warm-started from the previous assignment (the published code's way, the
+  default) against re-matching from scratch every round, on the same local models (J = 25, 10 rounds);
 * ``deep``: 784-100-100-10, top-down against bottom-up under both sets of constants (J = 10, homogeneous, seed 0);
 * ``timing``: matching seconds per round at J = 25 (homogeneous and Dirichlet, seed 0) with the process's default
   BLAS threads, best of 3, under both sets of constants (run it on a quiet machine).
@@ -22,17 +24,22 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from bnpfed.data import load_dataset
-from bnpfed.federated.pfnm import PFNMSettings, _accuracy, run_pfnm_experiment, width_sweep
-from bnpfed.inference import REFERENCE_CONSTANTS
-from bnpfed.inference.multilayer import match_networks
+from bnpfed.federated.config import (PFNM_NETWORK, PFNM_TRAINING, ExperimentConfig, PartitionConfig, PFNMConfig)
+from bnpfed.federated.fusion import FedAvgFederation
+from bnpfed.federated.methods import Experiment, run_experiment, width_sweep
+from bnpfed.federated.pfnm import PFNMFederation
+from bnpfed.federated.server import pfnm_step
 
 HERE = Path(__file__).parent
 DEFAULT_DATA = HERE.parent.parent / "shared" / "data" / "mnist"
+#: The reference's matching: sigma2 = sigma0_2 = gamma0 = 1, 5 sweeps (PFNMConfig's defaults).
+PFNM = PFNMConfig()
 
 
 def _done(out: Path) -> set:
@@ -47,80 +54,109 @@ def _emit(out: Path, key: str, payload: dict) -> None:
     print(key, json.dumps(payload)[:300], flush=True)
 
 
+def _configs(J: int, partition: str, seed: int, **extra) -> dict:
+    config = ExperimentConfig(seed=seed, **extra)
+    return dict(partition=PartitionConfig(clients=J, partition=partition), network=PFNM_NETWORK,
+                training=PFNM_TRAINING, pfnm=PFNM, config=config)
+
+
+def _row(r) -> dict:
+    return dict(accuracy=r.accuracy, hidden=r.hidden, seconds=r.server_seconds)
+
+
 def part_reference(ds, out: Path, seeds, Js) -> None:
     done = _done(out)
     for J in Js:
-        for partition in ("homogeneous", "dirichlet"):
+        for partition in ("iid", "dirichlet"):
             for seed in seeds:
                 key = f"reference/J={J}/{partition}/seed={seed}"
                 if key in done:
                     continue
-                settings = PFNMSettings(clients=J, partition=partition, seed=seed,
-                                        methods=("local", "ensemble", "fedavg", "kmeans", "pfnm"))
                 t0 = time.perf_counter()
-                run = run_pfnm_experiment(ds, settings, progress=False)
-                ref = match_networks(run.local_models, run.class_counts, sigma2=1.0, sigma0_2=1.0, gamma0=1.0,
-                                     direction="top-down", sweeps=5, seed=seed, **REFERENCE_CONSTANTS)
-                flat = ds.flat()
-                rows = {r.method: dict(accuracy=r.accuracy, hidden=r.hidden, seconds=r.seconds) for r in run.rows}
+                experiment = Experiment(ds, **_configs(J, partition, seed))
+                result = run_experiment(ds, **_configs(J, partition, seed, methods=(
+                    "local", "ensemble", "fedavg-oneshot", "kmeans", "pfnm")))
+                ref = pfnm_step(result.local_models, result.class_counts,
+                                replace(PFNM, constants="reference", direction="top-down"), seed=seed, round=1)
+                rows = {r.method: _row(r) for r in result.rows}
                 rows["pfnm (reference constants)"] = dict(
-                    accuracy=_accuracy(ref.network(), flat.x_test, flat.y_test), hidden=ref.hidden_sizes,
+                    accuracy=experiment.evaluate_network(ref.network())["accuracy"], hidden=ref.hidden_sizes,
                     seconds=ref.seconds)
                 _emit(out, key, dict(J=J, partition=partition, seed=seed, rows=rows,
                                      wall_seconds=time.perf_counter() - t0))
 
 
 def part_width(ds, out: Path) -> None:
-    key = "width/J=10/homogeneous/seed=0"
+    key = "width/J=10/iid/seed=0"
     if key in _done(out):
         return
-    points = width_sweep(ds, PFNMSettings(clients=10), sigma2=(0.5, 0.7, 0.85, 1.0, 1.15, 1.3, 1.6, 2.0, 3.0),
-                         gamma0=(1e-3, 1.0), progress=False)
+    points = width_sweep(ds, sigma2=(0.5, 0.7, 0.85, 1.0, 1.15, 1.3, 1.6, 2.0, 3.0), gamma0=(1e-3, 1.0),
+                         **_configs(10, "iid", 0))
     _emit(out, key, dict(points=points))
 
 
 def part_rounds(ds, out: Path, J: int = 25, rounds: int = 10) -> None:
-    for partition in ("homogeneous", "dirichlet"):
+    for partition in ("iid", "dirichlet"):
         key = f"rounds/J={J}/{partition}/seed=0"
         if key in _done(out):
             continue
-        settings = PFNMSettings(clients=J, partition=partition, rounds=rounds,
-                                methods=("local", "ensemble", "pfnm", "pfnm-rounds", "fedavg-rounds"))
-        run = run_pfnm_experiment(ds, settings, progress=False)
-        _emit(out, key, dict(rows={r.method: dict(accuracy=r.accuracy, hidden=r.hidden) for r in run.rows},
-                             history=run.history))
+        result = run_experiment(ds, **_configs(J, partition, 0, rounds=rounds, methods=(
+            "local", "ensemble", "pfnm", "pfnm-rounds", "fedavg")))
+        rows = {r.method: _row(r) for r in result.rows}
+        history = {"pfnm": result.row("pfnm-rounds").history, "fedavg": result.row("fedavg").history}
+        _emit(out, key, dict(rows=rows, history=history))
+
+
+def part_start(ds, out: Path, J: int = 25, rounds: int = 10) -> None:
+    """Warm-started against cold re-matching, the same local models and schedule for both."""
+    for partition in ("iid", "dirichlet"):
+        key = f"start/J={J}/{partition}/seed=0"
+        if key in _done(out):
+            continue
+        experiment = Experiment(ds, **_configs(J, partition, 0))
+        local = experiment.local_models()
+        ensemble = run_experiment(ds, **_configs(J, partition, 0, methods=("ensemble",))).row("ensemble")
+        history, wall = {}, {}
+        for name, warm in (("warm", True), ("cold", False)):
+            t0 = time.perf_counter()
+            federation = PFNMFederation(ds, experiment.parts, network=PFNM_NETWORK, training=PFNM_TRAINING,
+                                        pfnm=replace(PFNM, warm_start=warm), seed=0, initial_models=local)
+            history[name] = [r.metrics for r in federation.run(rounds)]
+            wall[name] = time.perf_counter() - t0
+        _emit(out, key, dict(rows={"ensemble": _row(ensemble)}, history=history, wall_seconds=wall))
 
 
 def part_deep(ds, out: Path) -> None:
-    key = "deep/J=10/homogeneous/seed=0"
+    key = "deep/J=10/iid/seed=0"
     if key in _done(out):
         return
-    run = run_pfnm_experiment(ds, PFNMSettings(clients=10, hidden=(100, 100), methods=("local", "ensemble")),
-                              progress=False)
-    flat = ds.flat()
-    rows = {r.method: dict(accuracy=r.accuracy, hidden=r.hidden) for r in run.rows}
+    configs = _configs(10, "iid", 0, methods=("local", "ensemble"))
+    configs["network"] = replace(PFNM_NETWORK, hidden=(100, 100))
+    result = run_experiment(ds, **configs)
+    experiment = Experiment(ds, **configs)
+    rows = {r.method: _row(r) for r in result.rows}
     for constants in ("bnpfed", "reference"):
-        extra = REFERENCE_CONSTANTS if constants == "reference" else {}
         for direction in ("top-down", "bottom-up"):
-            r = match_networks(run.local_models, run.class_counts, sigma2=1.0, sigma0_2=1.0, gamma0=1.0,
-                               direction=direction, sweeps=5, seed=0, **extra)
+            r = pfnm_step(result.local_models, result.class_counts,
+                          replace(PFNM, constants=constants, direction=direction), seed=0, round=1)
             rows[f"pfnm {constants} {direction}"] = dict(
-                accuracy=_accuracy(r.network(), flat.x_test, flat.y_test), hidden=r.hidden_sizes, seconds=r.seconds)
+                accuracy=experiment.evaluate_network(r.network())["accuracy"], hidden=r.hidden_sizes,
+                seconds=r.seconds)
     _emit(out, key, dict(rows=rows))
 
 
 def part_timing(ds, out: Path) -> None:
-    for partition in ("homogeneous", "dirichlet"):
+    for partition in ("iid", "dirichlet"):
         key = f"timing/J=25/{partition}/seed=0"
         if key in _done(out):
             continue
-        run = run_pfnm_experiment(ds, PFNMSettings(clients=25, partition=partition, methods=("local",)),
-                                  progress=False)
+        experiment = Experiment(ds, **_configs(25, partition, 0))
+        local = experiment.local_models()
         rows = {}
         for constants in ("bnpfed", "reference"):
-            extra = dict(REFERENCE_CONSTANTS, direction="top-down") if constants == "reference" else {}
-            results = [match_networks(run.local_models, run.class_counts, sigma2=1.0, sigma0_2=1.0, gamma0=1.0,
-                                      sweeps=5, seed=0, **extra) for _ in range(3)]
+            config = replace(PFNM, constants=constants,
+                             direction="top-down" if constants == "reference" else "bottom-up")
+            results = [pfnm_step(local, experiment.class_counts, config, seed=0, round=1) for _ in range(3)]
             best = min(results, key=lambda r: r.seconds)
             rows[constants] = dict(seconds=best.seconds, hidden=best.hidden_sizes,
                                    lsa_seconds=best.layer_results[0].lsa_seconds,
@@ -128,15 +164,22 @@ def part_timing(ds, out: Path) -> None:
         _emit(out, key, dict(rows=rows))
 
 
+PARTS = {"reference": part_reference, "width": part_width, "rounds": part_rounds, "start": part_start,
+         "deep": part_deep, "timing": part_timing}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-dir", default=str(DEFAULT_DATA))
     p.add_argument("--out", default=str(HERE / "results" / "pfnm_mnist.jsonl"))
-    p.add_argument("--parts", default="reference,width,rounds,deep,timing")
+    p.add_argument("--parts", default="reference,width,rounds,start,deep,timing")
     p.add_argument("--seeds", default="0,1,2,3,4")
     p.add_argument("--clients", default="10,25")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (local training)")
     args = p.parse_args(argv)
+    unknown = [part for part in args.parts.split(",") if part not in PARTS]
+    if unknown:
+        p.error(f"--parts: unknown part(s) {unknown}; expected names from {list(PARTS)}")
     if not (Path(args.data_dir) / "MNIST" / "raw").is_dir():
         print(f"skipped: no MNIST under {args.data_dir}")
         return
@@ -147,9 +190,10 @@ def main(argv=None):
     seeds = [int(s) for s in args.seeds.split(",")]
     Js = [int(j) for j in args.clients.split(",")]
     for part in args.parts.split(","):
-        {"reference": lambda: part_reference(ds, out, seeds, Js), "width": lambda: part_width(ds, out),
-         "rounds": lambda: part_rounds(ds, out), "deep": lambda: part_deep(ds, out),
-         "timing": lambda: part_timing(ds, out)}[part]()
+        if part == "reference":
+            part_reference(ds, out, seeds, Js)
+        else:
+            PARTS[part](ds, out)
 
 
 if __name__ == "__main__":

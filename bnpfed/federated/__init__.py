@@ -1,4 +1,13 @@
-"""The federated loop: client partitions, clients, server rounds, baselines."""
+"""The federated floor: partitions, configs, the clients' and the server's steps, the federations, the experiments.
+
+* :mod:`~bnpfed.federated.partition`: splitting a dataset among clients (IID, label-Dirichlet);
+* :mod:`~bnpfed.federated.config`: one small frozen dataclass per concern (partition, network, local training,
+  Bayesian clients, PFNM server, fusion server, experiment harness);
+* :mod:`~bnpfed.federated.clients` and :mod:`~bnpfed.federated.server`: the steps, written once, that the in-process
+  federations and the Flower apps both call;
+* :mod:`~bnpfed.federated.pfnm`, :mod:`~bnpfed.federated.fusion`: PFNM, posterior fusion and FedAvg round by round;
+* :mod:`~bnpfed.federated.methods`: comparison methods as a registry, :func:`run_experiment`.
+"""
 
 from bnpfed.federated.partition import (
     TrainValidationSplit,
@@ -8,6 +17,21 @@ from bnpfed.federated.partition import (
     partition_homogeneous,
     train_validation_split,
 )
+from bnpfed.federated.config import (
+    FUSION_TRAINING,
+    PFNM_NETWORK,
+    PFNM_TRAINING,
+    BayesianConfig,
+    ExperimentConfig,
+    FusionConfig,
+    NetworkConfig,
+    PartitionConfig,
+    PFNMConfig,
+    TrainingConfig,
+)
+from bnpfed.federated.fusion import FedAvgFederation, FusionFederation
+from bnpfed.federated.pfnm import PFNMFederation
+from bnpfed.federated.methods import available_methods, register_method, run_experiment
 
 __all__ = [
     "TrainValidationSplit",
@@ -16,4 +40,20 @@ __all__ = [
     "partition_dirichlet",
     "partition_homogeneous",
     "train_validation_split",
+    "FUSION_TRAINING",
+    "PFNM_NETWORK",
+    "PFNM_TRAINING",
+    "BayesianConfig",
+    "ExperimentConfig",
+    "FusionConfig",
+    "NetworkConfig",
+    "PartitionConfig",
+    "PFNMConfig",
+    "TrainingConfig",
+    "FedAvgFederation",
+    "FusionFederation",
+    "PFNMFederation",
+    "available_methods",
+    "register_method",
+    "run_experiment",
 ]
