@@ -13,14 +13,18 @@ from torch.testing import assert_close
 
 from bnpfed.models import (
     BayesianNetwork,
+    Categorical,
+    Gaussian,
     IIDPrior,
     LayerwisePrior,
     LeNet,
+    LocalReparameterizedLinear,
     linear_weights,
     local_reparameterization,
     mlp,
     only_linear_weights,
 )
+from bnpfed.seeding import seeded
 
 LENET_PARAMS = [
     "conv1.weight",
@@ -315,3 +319,122 @@ def test_averaging_more_samples_makes_predictions_agree_across_seeds():
     assert spread[200] < spread[1] / 5  # roughly 1/sqrt(200) of it
     with pytest.raises(ValueError, match="num_samples"):
         bnn.predict(x, num_samples=0)
+
+
+# ---------------------------------------------------------------- likelihood objects
+
+
+def test_gaussian_likelihood_observes_y_around_the_output_and_mixes_the_draws():
+    bnn = BayesianNetwork(mlp(3, [5], 1), IIDPrior(), likelihood=Gaussian(scale=0.3))
+    x, y = torch.randn(6, 3), torch.randn(6)
+    trace = poutine.trace(bnn.model).get_trace(x, y, dataset_size=12)
+    site = trace.nodes["y"]
+    assert isinstance(site["fn"], dist.Normal) and site["scale"] == 2.0
+    output = trace.nodes["_RETURN"]["value"]
+    assert_close(site["fn"].loc, output[:, 0])
+    assert_close(site["fn"].scale, torch.full((6,), 0.3))
+    predictive = bnn.predict(x, num_samples=5, seed=1)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(1)
+        draws = torch.stack([bnn.sample_output(x)[:, 0] for _ in range(5)])
+    assert_close(predictive.mean, draws.mean(0))
+    assert_close(predictive.variance, 0.09 + draws.var(0, unbiased=False))
+    with pytest.raises(ValueError, match=r"y: expected a tensor of shape \(6,\)"):
+        bnn.model(x, torch.randn(6, 2))
+
+
+@pytest.mark.parametrize(
+    "likelihood,y,match",
+    [
+        (Categorical(), torch.tensor([0.0, 1.0]), "integer class labels"),
+        (Categorical(), torch.tensor([0, 3]), r"in 0 \.\. 2 \(the network has 3 outputs\), got labels from 0 to 3"),
+        (Categorical(num_classes=4), torch.tensor([0, 1]), r"Categorical\(num_classes=4\) but the network outputs 3"),
+        (Gaussian(), torch.tensor([0, 1]), "floating-point"),
+        (Gaussian(), torch.tensor([0.0, float("nan")]), "NaN"),
+        (Gaussian(), torch.zeros(2, 3), r"shape \(2,\)"),
+    ],
+)
+def test_likelihoods_name_bad_targets(likelihood, y, match):
+    with pytest.raises(ValueError, match=match):
+        likelihood.check_targets(y, 2, output=torch.zeros(1, 3 if isinstance(likelihood, Categorical) else 1))
+
+
+def test_bad_likelihood_arguments_are_errors_naming_them():
+    with pytest.raises(ValueError, match="scale"):
+        Gaussian(scale=0.0)
+    with pytest.raises(ValueError, match="num_classes"):
+        Categorical(num_classes=0)
+
+
+# ---------------------------------------------------------------- priors read on every run
+
+
+def test_prior_update_before_building_a_network_is_checked_against_it():
+    prior = only_linear_weights()
+    prior.update_({"1.weight": (torch.zeros(3, 4), torch.full((3, 4), 0.25))})
+    bnn = BayesianNetwork(mlp(4, [3], 2), prior)
+    normal = base(bnn.prior_distributions()["1.weight"])
+    assert_close(normal.scale, torch.full((3, 4), 0.5))
+    assert torch.equal(base(bnn.prior_distributions()["3.weight"]).scale, torch.ones(2, 3))
+    with pytest.raises(ValueError, match=r"shape \(3, 4\) for '1.weight'"):
+        BayesianNetwork(mlp(4, [5], 2), prior)
+    with pytest.raises(ValueError, match="1.weight"):
+        BayesianNetwork(mlp(4, [3], 2), IIDPrior(expose=["3.*"]).update_({"1.weight": (torch.zeros(1), torch.ones(1))}))
+
+
+def test_a_prior_shared_by_two_networks_is_updated_for_both():
+    prior = only_linear_weights()
+    a, b = BayesianNetwork(mlp(4, [3], 2), prior), BayesianNetwork(mlp(4, [3], 2), prior)
+    prior.update_({"3.weight": (torch.ones(2, 3), torch.ones(2, 3))})
+    for bnn in (a, b):
+        assert torch.equal(base(bnn.prior_distributions()["3.weight"]).loc, torch.ones(2, 3))
+
+
+# ---------------------------------------------------------------- the same network as plain torch
+
+
+@pytest.mark.parametrize("make,prior,shape", [
+    (lambda: LeNet(image_size=8), only_linear_weights(), (1, 8, 8)),
+    (lambda: nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.5), nn.BatchNorm1d(4), nn.Linear(4, 2)),
+     IIDPrior(hide=["2.*"]), (3,)),
+])
+def test_output_at_is_the_conditioned_pyro_program(make, prior, shape):
+    bnn = BayesianNetwork(make(), prior)
+    x = torch.randn(5, *shape)
+    values = {name: torch.randn(v.shape) for name, v in bnn.init_values.items()}
+    # deterministic parameters changed after construction, in place and by replacement, are seen
+    with torch.no_grad():
+        next(bnn.net.parameters()).add_(1.0)
+    module_name, _, attr = bnn.deterministic_params[-1].rpartition(".")
+    module = bnn.net.get_submodule(module_name)
+    with pyro.settings.context(module_local_params=True):
+        setattr(module, attr, nn.Parameter(torch.randn(getattr(module, attr).shape)))
+    for mode in ("eval", "train"):
+        getattr(bnn, mode)()
+        with seeded(0):
+            expected = poutine.condition(bnn.output, data=values)(x)
+        with seeded(0):
+            assert_close(bnn.output_at(x, values), expected)
+
+
+def test_module_level_local_reparameterisation_draws_what_the_handler_draws():
+    layer = nn.Linear(3, 2)
+    loc, var = torch.randn(2, 3), torch.rand(2, 3)
+    x = torch.randn(4, 3)
+    bnn = BayesianNetwork(layer, IIDPrior(hide=["bias"]), local_reparameterization=True)
+    guide = gaussian_guide({"weight": (loc, var)})
+    with seeded(0):
+        expected = bnn.sample_output(x, guide)  # draws the weight, then the pre-activations
+    with seeded(0):
+        weight = loc + torch.randn(2, 3) * var.sqrt()
+        assert_close(bnn.output_at(x, {"weight": weight}, {"weight": (loc, var)}), expected)
+    assert_close(bnn.output_at(x, {"weight": weight}), x @ weight.T + bnn.net.bias)  # no moments: plain layer
+    with pytest.raises(ValueError, match="Linear"):
+        LocalReparameterizedLinear.convert_(nn.Conv2d(1, 1, 1))
+
+
+def test_models_use_the_one_seeded_of_bnpfed_seeding():
+    import bnpfed.models.bayesian
+    import bnpfed.seeding
+
+    assert bnpfed.models.bayesian.seeded is bnpfed.seeding.seeded

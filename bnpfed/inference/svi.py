@@ -67,11 +67,19 @@ class TrainingDiverged(RuntimeError):
 
     def __init__(self, trainer: str, epoch: int, step: int, steps: int, loss: float, lr: float, what: str):
         self.epoch, self.step, self.loss, self.lr = epoch, step, loss, lr
+        self._args = (trainer, epoch, step, steps, loss, lr, what)
         where = f"epoch {epoch}, step {step} of {steps}" if step else f"the end of epoch {epoch}"
-        super().__init__(
-            f"{trainer} diverged at {where}: {what}. The likely cause is a learning rate too large for this model "
-            f"and data (lr={lr!r}): try one 10 to 100 times smaller. The client's parameters are left as they were "
-            f"at that step (not finite); load a posterior or state before fitting again.")
+        if epoch == 1 and step == 1:
+            cause = ("This is before any parameter update, so the network or the data produce it, not the learning "
+                     "rate.")
+        else:
+            cause = (f"The likely cause is a learning rate too large for this model and data (lr={lr!r}): try one 10 "
+                     f"to 100 times smaller. The parameters are left as that step made them: load a posterior or a "
+                     f"state before fitting again.")
+        super().__init__(f"{trainer} diverged at {where}: {what}. {cause}")
+
+    def __reduce__(self):  # so that it crosses process boundaries (Flower client apps) intact
+        return type(self), self._args
 
 
 class BayesianClient:
@@ -312,7 +320,10 @@ def _train(
     amsgrad = check_bool(amsgrad, "amsgrad")
     weight_decay = check_float(weight_decay, "weight_decay", low=0.0)
     named_params = list(named_params)
-    optimizer = torch.optim.Adam([p for _, p in named_params], lr=lr, amsgrad=amsgrad, weight_decay=weight_decay)
+    # foreach: one kernel per operation for all parameters instead of one per parameter, the same numbers (small
+    # networks' steps are dominated by per-call overhead; the default on CPU is the per-parameter loop)
+    optimizer = torch.optim.Adam([p for _, p in named_params], lr=lr, amsgrad=amsgrad, weight_decay=weight_decay,
+                                 foreach=True)
     shuffle = torch.Generator().manual_seed(seed)
     n = x.shape[0]
     steps = math.ceil(n / batch_size)
@@ -325,12 +336,16 @@ def _train(
                 batch = order[start : start + batch_size]
                 try:
                     loss = loss_fn(x[batch], y[batch])
-                except ValueError as error:  # e.g. Pyro's Normal refusing NaN parameters
+                except ValueError as error:
+                    # after a step of training, a NaN parameter, or a distribution refusing its parameters (Pyro's
+                    # Normal with a scale that underflowed to 0), is divergence; before any step it is a real error
                     bad = _first_not_finite(named_params)
-                    if bad is None:
+                    first = epoch == 1 and step == 1
+                    if first or (bad is None and "Expected parameter" not in str(error)):
                         raise
-                    raise TrainingDiverged(trainer, epoch, step, steps, math.nan, lr,
-                                           f"parameter {bad} is not finite") from error
+                    what = (f"parameter {bad} is not finite" if bad is not None
+                            else f"a distribution refused its parameters ({str(error).splitlines()[0]})")
+                    raise TrainingDiverged(trainer, epoch, step, steps, math.nan, lr, what) from error
                 value = loss.item()
                 if not math.isfinite(value):
                     raise TrainingDiverged(trainer, epoch, step, steps, value, lr, f"the loss is {value}")

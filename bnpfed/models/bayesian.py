@@ -253,15 +253,16 @@ class BayesianNetwork(nn.Module):
             as :func:`local_reparameterization` does in the Pyro program (only when
             :attr:`plain_local_reparameterization`).
         """
+        # plain attributes are written into __dict__: nn.Module.__setattr__ costs more than the small layers' math
         for source, target in self._plain_pairs:
-            target.training = source.training
+            target.__dict__["training"] = source.training
             target._parameters.update(source._parameters)
             target._buffers.update(source._buffers)
         for name, (module, attr) in self._plain_slots.items():
             module.__dict__[attr] = values[name]
         for module, weight, bias in self._plain_linears:
-            module.weight_moments = None if moments is None else moments[weight]
-            module.bias_moments = None if moments is None or bias is None else moments[bias]
+            module.__dict__["weight_moments"] = None if moments is None else moments[weight]
+            module.__dict__["bias_moments"] = None if moments is None or bias is None else moments[bias]
         return self._plain(x)
 
 
