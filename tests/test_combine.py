@@ -440,3 +440,38 @@ def test_log_variance_of_1000_identical_variances_is_that_variance():
     assert fused.variance.dtype == torch.float32
     # float32 accumulation is 6.5e-5 off here; what is left is the float32 rounding of the weights b_k = 1/1000
     torch.testing.assert_close(fused.variance, torch.full((257,), 1e-4), rtol=2e-6, atol=0.0)
+
+
+# ---------------------------------------------------------------- the fusion rules on large layers
+# bnpfed.combine works through large layers in column blocks (BLOCK_ELEMENTS) for the throughput this experiment's
+# benchmark asks of it; these check the blocked paths against closed forms.
+
+
+def test_every_deterministic_rule_gives_its_closed_form_in_column_blocks(monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    locs = torch.randn(5, 7, 13, generator=g, dtype=torch.float64)
+    variances = torch.exp(2 * torch.randn(5, 7, 13, generator=g, dtype=torch.float64))
+    b = torch.tensor([1.0, 2.0, 3.0, 0.0, 4.0], dtype=torch.float64) / 10
+    precision = b[:, None, None] / variances
+    closed_forms = {
+        "eaa": ((b[:, None, None] * locs).sum(0), (b[:, None, None] * variances).sum(0)),
+        "gaa": ((b[:, None, None] * locs).sum(0), (b[:, None, None] ** 2 * variances).sum(0)),
+        "log_variance": ((b[:, None, None] * locs).sum(0), torch.exp((b[:, None, None] * variances.log()).sum(0))),
+        "conflation": ((precision * locs).sum(0) / precision.sum(0), b.max() / precision.sum(0)),
+    }
+    monkeypatch.setattr(combine, "BLOCK_ELEMENTS", 5 * 8)  # blocks of 8 of the 91 columns, the last one of 3
+    for rule, (loc, variance) in closed_forms.items():
+        fused = fuse(locs, variances, rule, 10 * b)
+        assert_close(fused.loc, loc, rtol=1e-12, atol=1e-12)
+        assert_close(fused.variance, variance, rtol=1e-12, atol=0)
+
+
+def test_conflation_of_subnormal_variances_falls_back_to_log_precisions_and_stays_accurate():
+    locs = torch.tensor([[1.0, -2.0], [3.0, 0.5], [-1.0, 4.0]])
+    variances = torch.tensor([[1e-40, 2e-41], [3e-40, 1e-40], [1.0, 5e-41]])  # 1 / variance overflows float32
+    loc, variance = fuse(locs, variances, "conflation")
+    precision = 1 / variances.double()
+    assert_close(loc.double(), (precision * locs.double()).sum(0) / precision.sum(0), rtol=1e-4, atol=0)
+    assert_close(variance.double(), (1 / 3) / (precision / 3).sum(0), rtol=1e-4, atol=0)
+    with pytest.raises(ValueError, match=r"locs must be finite, got nan at index \(1, 0\)"):
+        fuse(torch.tensor([[0.0, 0.0], [math.nan, 0.0], [0.0, 0.0]]), variances, "conflation")
