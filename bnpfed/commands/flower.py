@@ -16,10 +16,39 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import sys
 
+from bnpfed.commands._args import positive_float, positive_int
 from bnpfed.report import format_table, write_json
 
-GUIDE = """\
+LOOPBACK = """\
+trying it on one machine: a SuperLink and three SuperNodes on 127.0.0.1 (plain HTTP: loopback only)
+
+  export FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1 OMP_NUM_THREADS=1
+  D=/tmp/bnpfed-flower; mkdir -p $D/link $D/cli $D/sn0 $D/sn1 $D/sn2
+  FLWR_HOME=$D/link flower-superlink --insecure --host 127.0.0.1 --port 18000 \\
+      --disable-runtime-dependency-installation > $D/superlink.log 2>&1 & echo $! > $D/superlink.pid
+  for i in 0 1 2; do
+    FLWR_HOME=$D/sn$i flower-supernode --insecure --superlink 127.0.0.1:18000 \\
+        --host 127.0.0.1 --port $((19094 + i)) --node-config "partition-id=$i num-partitions=3" \\
+        > $D/supernode$i.log 2>&1 & echo $! > $D/supernode$i.pid
+  done
+  printf '[superlink]\\ndefault = "loopback"\\n\\n[superlink.loopback]\\naddress = "127.0.0.1:18000"\\ninsecure = true\\n' \\
+      > $D/cli/config.toml
+  FLWR_HOME=$D/cli flwr supernode ls loopback                     (three nodes "online" after ~10 s)
+  FLWR_HOME=$D/cli flwr run examples/flower_app loopback --stream \\
+      --run-config 'method="fusion" rule="pooling" rounds=3 fraction=0.67 output-dir="/tmp/bnpfed-out"'
+  FLWR_HOME=$D/cli flwr ls loopback --run-id RUN_ID --format json  (status finished:completed)
+  FLWR_HOME=$D/cli flwr log RUN_ID loopback --show                 (the ServerApp's log)
+  for f in supernode0 supernode1 supernode2 superlink; do kill -TERM $(cat $D/$f.pid); done
+
+  `flwr run` exits 0 even when the run fails: check the status with `flwr ls`. Killing `flwr run` does not stop
+  the run: `flwr stop RUN_ID loopback` does. The SuperNodes' partition-id / num-partitions are the clients j / J
+  of the in-process run: the same settings and seed give the same global model, bit for bit.
+"""
+
+TLS = """\
 running on several machines (Flower 1.42; install bnpfed[flower] on every machine first):
 
   1. one SuperLink, on the server host (Fleet, Control and Runtime API on one HTTPS port):
@@ -43,13 +72,21 @@ TLS: the SuperLink serves HTTPS with --ssl-certfile/--ssl-keyfile (its certifica
 (--root-certificates, and root-certificates = "..." in the connection). --insecure on SuperLink and
 SuperNode, and insecure = true in the connection, turn TLS off: model updates then travel as plain HTTP that
 anyone on the network can read or alter. Use it only on 127.0.0.1 (tests, trying things out).
+"""
 
+NOTES = """\
 Also: --disable-runtime-dependency-installation stops the SuperLink from resolving the app's dependencies into a
 fresh environment (it would download torch); FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1 keep Flower
 from calling flower.ai; OMP_NUM_THREADS=1 suits SuperNodes on small machines (every message runs in a fresh
-process). A SuperNode that dies mid-run is left out after round-timeout seconds; a round with fewer than
+process). The run config keys are the configs' fields (`bnpfed flower keys`); J is the SuperNodes'
+num-partitions. A SuperNode that dies mid-run is left out after round-timeout seconds; a round with fewer than
 min-replies usable replies stops the run with a message naming the missing clients.
 """
+
+GUIDE = LOOPBACK + "\n" + TLS + "\n" + NOTES
+
+#: ``KEY=VALUE`` as ``flwr run --run-config`` reads it (flwr.common.config.parse_config_args).
+_PAIR = re.compile(r"(\S+?)=(\'[^\']*\'|\"[^\"]*\"|\S+)")
 
 
 def add_parser(sub):
@@ -66,13 +103,15 @@ def add_parser(sub):
     sim = actions.add_parser(
         "sim", help="run the app in a Flower simulation on this machine (Ray), or in-process with --local",
         description="Run the Flower app on this machine: Flower's simulation runtime (Ray; one virtual SuperNode "
-        "per client), or with --local in this process through an in-process grid. Prints one row per round.")
-    sim.add_argument("--supernodes", type=int, default=3, help="number of clients (SuperNodes)")
+        "per client), or with --local in this process through an in-process grid. Prints one row per round; "
+        "accuracy and NLL are the clients' evaluation of the global model on their test shards (together the "
+        "test split; fraction-evaluate=0 turns it off).")
+    sim.add_argument("--supernodes", type=positive_int, default=3, help="number of clients J (SuperNodes)")
     sim.add_argument("--run-config", default="", metavar="'KEY=VALUE ...'",
                      help="run config as for `flwr run --run-config`, e.g. 'method=\"pfnm\" rounds=2 hidden=\"50\"'; "
                      "`bnpfed flower keys` lists the keys")
     sim.add_argument("--local", action="store_true", help="in-process grid instead of Ray (quick, for debugging)")
-    sim.add_argument("--cpus-per-client", type=float, default=1.0, help="Ray CPUs per virtual SuperNode")
+    sim.add_argument("--cpus-per-client", type=positive_float, default=1.0, help="Ray CPUs per virtual SuperNode")
     sim.add_argument("--json", metavar="PATH", help="write the per-round record as JSON")
     actions.add_parser("keys", help="list every run config key with its default",
                        description="Every key of [tool.flwr.app.config] / --run-config with its default.")
@@ -84,42 +123,59 @@ def run(args) -> int:
         args.flower_parser.print_help()
         return 0
     try:
-        from bnpfed.flower import server
+        from bnpfed.flower import config as flower_config
     except ImportError as error:
-        print(f"error: {error}")
-        return 2
+        return _fail(str(error))
     if args.flower_action == "keys":
-        return _keys(server)
-    return _sim(args, server)
+        return _keys(flower_config)
+    return _sim(args, flower_config)
 
 
-def _keys(server) -> int:
-    from dataclasses import fields
+def _fail(message: str, status: int = 2) -> int:
+    """``bnpfed flower: error: <message>`` on one line of stderr; returns ``status``."""
+    print(f"bnpfed flower: error: {' '.join(message.split())}", file=sys.stderr)
+    return status
 
-    from bnpfed.federated.fusion import FusionConfig
-    from bnpfed.federated.pfnm import PFNMSettings
-    from bnpfed.flower.config import config_key
 
-    rows = []
-    for scope, cls in (("all", server.FlowerRun), ("pfnm", PFNMSettings), ("fusion", FusionConfig)):
-        for f in fields(cls):
-            default = ",".join(map(str, f.default)) if isinstance(f.default, tuple) else f.default
-            rows.append({"key": config_key(f.name), "method": scope, "default": str(default)})
-    print(format_table(rows))
+def _keys(flower_config) -> int:
+    print(format_table(flower_config.describe_keys()))
     return 0
 
 
-def _sim(args, server) -> int:
+def _run_config(text: str) -> dict:
+    """``--run-config`` as ``flwr run`` reads it; ``ValueError`` with one line if it cannot be read."""
     from flwr.common.config import parse_config_args
 
-    if args.supernodes < 1:
-        print(f"error: --supernodes must be >= 1, got {args.supernodes}")
-        return 2
-    config = parse_config_args([args.run_config]) if args.run_config.strip() else {}
-    config.setdefault("min-nodes", args.supernodes)
+    text = text.strip()
+    if not text:
+        return {}
+    leftover = _PAIR.sub("", text).strip()
+    if leftover and not text.endswith(".toml"):
+        raise ValueError(f"cannot read {leftover!r}: expected KEY=VALUE pairs, strings in double quotes "
+                         "(method=\"pfnm\" rounds=2)")
+    try:
+        return parse_config_args([text])
+    except Exception as error:  # click.ClickException (bad TOML), OSError (a .toml file): one line either way
+        message = getattr(error, "message", None) or str(error)
+        raise ValueError(f"cannot read it: {message.splitlines()[0] if message else type(error).__name__} "
+                         "(strings go in double quotes: method=\"pfnm\")") from None
+
+
+def _sim(args, flower_config) -> int:
+    # every key and value is checked before anything starts (Ray, the grid)
+    try:
+        config = _run_config(args.run_config)
+        settings = flower_config.parse_run_config(config)
+    except ValueError as error:
+        return _fail(f"--run-config: {error}")
+    if settings.run.min_nodes > args.supernodes:
+        return _fail(f"--run-config: min-nodes: expected at most the {args.supernodes} SuperNodes (--supernodes), "
+                     f"got {settings.run.min_nodes}")
+    from bnpfed.flower import server
+    from bnpfed.flower.client import app as client_app
+
     results = []
     if args.local:
-        from bnpfed.flower.client import app as client_app
         from bnpfed.flower.local import LocalGrid
 
         results.append(server.run_federation(LocalGrid(client_app, args.supernodes), config))
@@ -127,21 +183,27 @@ def _sim(args, server) -> int:
         os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
         from flwr.simulation import run_simulation
 
-        from bnpfed.flower.client import app as client_app
-
         run_simulation(server.make_server_app(config, on_result=results.append), client_app,
                        num_supernodes=args.supernodes,
                        backend_config={"client_resources": {"num_cpus": args.cpus_per_client, "num_gpus": 0.0}})
         if not results:
-            print("error: the simulation ended without a result (see the log above)")
-            return 1
+            return _fail("the simulation ended without a result (see the log above)", 1)
     result = results[0]
-    columns = ["round", "partition_ids", "rejected", "missing"]
-    columns += [c for c in ("hidden_sizes", "accuracy", "nll") if any(c in r for r in result.rounds)]
-    rows = [{**r, "rejected": len(r["rejected"]), "missing": len(r["missing"])} for r in result.rounds]
-    print(f"bnpfed {result.method} on Flower: {args.supernodes} clients "
-          f"({'in-process grid' if args.local else 'simulation'})")
+    history = result.history
+    own = "hidden" if result.method == "pfnm" else "mean_sigma"
+    columns = ["round", "clients", "rejected", "missing", own]
+    columns += [c for c in ("accuracy", "nll") if any(c in r for r in history)]
+    rows = [{**r, "rejected": len(r["rejected"]), "missing": len(r["missing"])} for r in history]
+    run_ = result.settings.run
+    where = "in-process grid" if args.local else "simulation"
+    print(f"bnpfed {result.method} on Flower ({where}): {args.supernodes} clients, {run_.dataset}, seed {run_.seed}"
+          + ("" if "accuracy" in columns else "; no evaluation (fraction-evaluate=0)"))
     print(format_table(rows, columns))
+    if "accuracy" in columns:
+        print("accuracy, nll: the global model on the clients' test shards (client-side evaluation)")
     if args.json:
-        write_json(args.json, {"command": "flower sim", **result.as_dict()})
+        arguments = {"supernodes": args.supernodes, "run_config": config, "local": args.local,
+                     "cpus_per_client": args.cpus_per_client}
+        write_json(args.json, server._command_record("flower sim", arguments, result.settings.as_dict(),
+                                                   result.results()))
     return 0

@@ -3,10 +3,12 @@
 
 * :mod:`bnpfed.flower.strategies`: :class:`PFNMStrategy` (one-shot or multi-round neuron matching; each client
   gets its slice of the global network back) and :class:`PosteriorFusionStrategy` (any rule of
-  :mod:`bnpfed.combine`). They check every reply at the boundary and call the library's matching and fusion
-  functions; no aggregation math is written here.
-* :mod:`bnpfed.flower.client`: the ClientApp (``bnpfed.flower.client:app``), with Torch, Pyro and the data.
+  :mod:`bnpfed.combine`). They sample partitions, check every reply at the boundary and call the server steps of
+  :mod:`bnpfed.federated.server`; no aggregation math is written here.
+* :mod:`bnpfed.flower.client`: the ClientApp (``bnpfed.flower.client:app``), with Torch, Pyro and the data; its
+  steps are :mod:`bnpfed.federated.clients`'.
 * :mod:`bnpfed.flower.server`: the ServerApp (``bnpfed.flower.server:app``) and :func:`run_federation`.
+* :mod:`bnpfed.flower.config`: the run config (the configs of :mod:`bnpfed.federated.config` as Flower keys).
 * :mod:`bnpfed.flower.records`: packing arrays into Flower records, checking replies.
 * :mod:`bnpfed.flower.local`: :class:`LocalGrid`, an in-process grid for tests.
 

@@ -1,23 +1,24 @@
 """The Flower ClientApp: one app that runs a PFNM client or a Bayesian (posterior fusion) client, as the server's
 message says (``config["task"]``). Torch, Pyro and the data live here, not in the strategies.
 
-A client is a SuperNode started with ``--node-config "partition-id=<j> num-partitions=<J>"`` (a simulation
-fills both in) and optionally ``data-dir=<path>`` (torchvision datasets). It loads the dataset the server names,
-keeps its share ``j`` of the training split -- the same share client ``j`` has in the in-process run with the same
-settings -- and its share of the test split for evaluation. Every setting of the local step (architecture,
-epochs, learning rate, seeds) comes from the server's message; nothing is read from the run config, so the server
-alone decides.
+A client is a SuperNode started with ``--node-config "partition-id=<j> num-partitions=<J>"`` (a simulation fills
+both in) and optionally ``data-dir=<path>`` (torchvision datasets). It loads the dataset the server names and holds
+its part of the training split, ``PartitionConfig.split(labels, seed)[j]`` -- the part client j has in the
+in-process run with the same settings -- and its test shard, the j-th of J contiguous near-equal slices of the test
+split (the shards together are the test split). Every setting comes from the server's message
+(:meth:`~bnpfed.flower.config.FlowerSettings.client_record`); nothing is read from the run config, so the server
+alone decides. The steps are :mod:`bnpfed.federated.clients`' (the in-process federations call them too):
 
+* ``query``: tell the server the partition ``(j, J)``, the input shape and the number of classes;
 * ``train``, task ``"pfnm"``: start from the MLP sent (its slice of the global network) or, when the message has no
-  arrays, from this client's own initialisation (:func:`bnpfed.federated.pfnm.initial_network`); train it
-  (:func:`bnpfed.federated.pfnm.train_client`) with the round's ``schedule-epochs`` / ``schedule-lr`` /
-  ``schedule-seed`` (or :func:`bnpfed.federated.pfnm.local_schedule` of the settings); reply with its layers,
-  ``num-examples`` and ``class-counts``.
-* ``train``, task ``"fusion"``: load the global posterior and deterministic parameters into a
-  :class:`~bnpfed.inference.BayesianClient`, fit it with seed ``derive_seed(seed, FIT, round, j)`` (as
-  :class:`~bnpfed.federated.fusion.FusionFederation`), reply with its posterior, parameters, ``num-examples`` and
-  ``train-loss``.
-* ``evaluate``: accuracy and NLL of the global model on this client's test shard.
+  arrays (round 1), from :func:`~bnpfed.federated.clients.initial_network` (its own initialisation); train it
+  with :func:`~bnpfed.federated.clients.train_network`; reply with its layers, ``num-examples``, ``class-counts``;
+* ``train``, task ``"fusion"``: a :func:`~bnpfed.federated.clients.bayesian_client` of the shared initial network
+  with the global posterior and deterministic parameters loaded, fitted by
+  :func:`~bnpfed.federated.clients.fit_bayesian`; reply with its posterior, parameters, ``num-examples``,
+  ``train-loss``;
+* ``evaluate``: accuracy and NLL of the global model on the test shard (fusion: the posterior predictive drawn from
+  ``(seed, PREDICT, round)``, as in process).
 
 Usage (the example app under ``examples/flower_app`` does exactly this)::
 
@@ -27,6 +28,7 @@ Usage (the example app under ``examples/flower_app`` does exactly this)::
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -34,17 +36,16 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 from bnpfed.data import Dataset, load_dataset
-from bnpfed.federated import class_counts, partition_dirichlet, partition_homogeneous
-from bnpfed.federated.fusion import FIT, INIT, PREDICT, FusionConfig, build_network, derive_seed
-from bnpfed.federated.fusion import bayesian_client as _fusion_client
-from bnpfed.federated.pfnm import (LocalSchedule, PFNMSettings, client_split, initial_network, local_schedule,
-                                  train_client)
-from bnpfed.flower.config import dataclass_from_config
+from bnpfed.federated.clients import bayesian_client, fit_bayesian, initial_network, train_network
+from bnpfed.federated.config import BayesianConfig, NetworkConfig, PartitionConfig
+from bnpfed.federated.partition import class_counts
+from bnpfed.flower.config import ClientSettings, client_settings
 from bnpfed.flower.records import (
     ARRAYS,
     CLIENT,
     CONFIG,
     METRICS,
+    NodeIdentity,
     array_shapes,
     from_array_record,
     network_from_arrays,
@@ -55,9 +56,9 @@ from bnpfed.flower.records import (
 from bnpfed.inference import BayesianClient
 from bnpfed.inference.multilayer import linear_layers, network_from_layers
 from bnpfed.metrics import classification_report
-from bnpfed.models.bayesian import seeded
+from bnpfed.seeding import Stream, derive_seed
 
-__all__ = ["app", "make_client_app", "bayesian_client", "initial_global_model", "node_partition", "client_data"]
+__all__ = ["app", "initial_global_model", "make_client_app", "node_partition", "evaluation_shard"]
 
 
 def node_partition(context: Context) -> tuple[int, int]:
@@ -69,141 +70,163 @@ def node_partition(context: Context) -> tuple[int, int]:
         raise ValueError("this SuperNode has no partition: start it with --node-config "
                          f"\"partition-id=<j> num-partitions=<J>\" (got node config {dict(config)})") from None
     if not 0 <= j < num:
-        raise ValueError(f"partition-id must be in [0, num-partitions), got {j} of {num}")
+        raise ValueError(f"partition-id: expected an int in [0, num-partitions={num}), got {j}")
     return j, num
 
 
 @lru_cache(maxsize=4)
-def _dataset(name: str, standardize: bool, data_dir: str | None) -> Dataset:
+def _dataset(name: str, standardize: bool, data_dir: Optional[str]) -> Dataset:
     """Loaded once per process (a simulation's actors and a test's in-process clients reuse it)."""
     return load_dataset(name, data_dir=data_dir, standardize=standardize)
 
 
-def client_data(config, context: Context) -> tuple[Dataset, int, int]:
-    """The dataset the server names (``dataset``, ``standardize``; ``data-dir`` from the node config) and this
-    node's ``(j, J)``."""
-    j, num = node_partition(context)
-    data_dir = context.node_config.get("data-dir")
-    ds = _dataset(str(config["dataset"]), bool(config["standardize"]), None if data_dir is None else str(data_dir))
-    return ds, j, num
+@lru_cache(maxsize=8)
+def _parts(name: str, standardize: bool, data_dir: Optional[str], partition: PartitionConfig, seed: int
+           ) -> tuple[np.ndarray, ...]:
+    return tuple(partition.split(_dataset(name, standardize, data_dir).y_train.numpy(), seed))
 
 
-def _train_indices(config, y_train: np.ndarray, j: int, num: int) -> np.ndarray:
-    """Client j's training indices for posterior fusion: a homogeneous or label-Dirichlet partition."""
-    seed = int(config["seed"])
-    if config["partition"] == "homogeneous":
-        return partition_homogeneous(y_train, num, seed=seed)[j]
-    return partition_dirichlet(y_train, num, alpha=float(config["alpha"]), min_size=int(config["min-size"]),
-                               seed=seed)[j]
+def _data_dir(context: Context) -> Optional[str]:
+    value = context.node_config.get("data-dir")
+    return None if value is None else str(value)
 
 
-def _test_shard(ds: Dataset, config, j: int, num: int) -> tuple[torch.Tensor, torch.Tensor]:
-    idx = torch.as_tensor(partition_homogeneous(ds.y_test.numpy(), num, seed=int(config["seed"]))[j])
-    return ds.x_test[idx], ds.y_test[idx]
+def evaluation_shard(num_test: int, j: int, num_clients: int) -> np.ndarray:
+    """Client j's indices into a test split of ``num_test`` examples: the j-th of J contiguous near-equal slices.
+
+    >>> [len(evaluation_shard(450, j, 4)) for j in range(4)]
+    [113, 113, 112, 112]
+    """
+    return np.array_split(np.arange(num_test), num_clients)[j]
 
 
-def bayesian_client(config: FusionConfig, input_shape, num_classes: int) -> BayesianClient:
-    """A Bayesian client of the experiment's network, built as :class:`~bnpfed.federated.fusion.FusionFederation`
-    builds its clients (the network from seed ``derive_seed(seed, INIT)``, the prior, the initial scale)."""
-    with seeded(derive_seed(config.seed, INIT)):
-        network = build_network(config.arch, input_shape, num_classes, config.hidden)
-    return _fusion_client(config, network)
+class _Client:
+    """This node's view of a message: the settings, the data, its part of it."""
+
+    def __init__(self, msg: Message, context: Context):
+        self.config = msg.content.config_records[CONFIG]
+        self.j, self.num = node_partition(context)
+        self.settings: ClientSettings = client_settings(self.config, self.num)
+        s = self.settings
+        key = (s.dataset, s.standardize, _data_dir(context))
+        self.ds = _dataset(*key)
+        self.idx = torch.as_tensor(_parts(*key, s.partition, s.seed)[self.j])
+        self.round = int(self.config.get("server-round", 0))
+
+    @property
+    def train_data(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ds.x_train[self.idx], self.ds.y_train[self.idx]
+
+    @property
+    def test_data(self) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.as_tensor(evaluation_shard(len(self.ds.y_test), self.j, self.num))
+        return self.ds.x_test[idx], self.ds.y_test[idx]
+
+    def global_client(self, record: ArrayRecord) -> BayesianClient:
+        """A Bayesian client of the shared initial network carrying the global model in ``record``."""
+        client = _bayesian(self.settings.network, self.settings.bayesian, self.ds.input_shape, self.ds.num_classes,
+                           self.settings.seed)
+        posterior, params = posterior_from_arrays(from_array_record(record), array_shapes(record))
+        client.load_posterior(posterior)
+        client.load_deterministic(params)
+        return client
+
+    def reply(self, msg: Message, arrays: Optional[ArrayRecord], metrics: dict) -> Message:
+        content = RecordDict({METRICS: MetricRecord(metrics), CLIENT: ConfigRecord({"partition-id": self.j})})
+        if arrays is not None:
+            content[ARRAYS] = arrays
+        return Message(content=content, reply_to=msg)
 
 
-def initial_global_model(config: FusionConfig, input_shape, num_classes: int) -> ArrayRecord:
-    """The global model before round 1: the initial posterior and deterministic parameters of
-    :func:`bayesian_client`, packed for :class:`~bnpfed.flower.strategies.PosteriorFusionStrategy`."""
-    client = bayesian_client(config, input_shape, num_classes)
+def _bayesian(network: NetworkConfig, bayesian: BayesianConfig, input_shape: Sequence[int], num_classes: int,
+              seed: int) -> BayesianClient:
+    """A Bayesian client of the shared initial network, as :class:`~bnpfed.federated.fusion.FusionFederation`
+    builds its clients."""
+    return bayesian_client(initial_network(network, input_shape, num_classes, seed=seed), bayesian)
+
+
+def initial_global_model(network: NetworkConfig, bayesian: BayesianConfig, input_shape: Sequence[int],
+                         num_classes: int, *, seed: int) -> ArrayRecord:
+    """Posterior fusion's global model before round 1 (the initial posterior and deterministic parameters of a
+    Bayesian client of the shared initial network), packed for
+    :class:`~bnpfed.flower.strategies.PosteriorFusionStrategy`.
+
+    >>> record = initial_global_model(NetworkConfig(hidden=(8,)), BayesianConfig(), (1, 8, 8), 10, seed=0)
+    >>> sorted(record)
+    ['loc/1.weight', 'loc/3.weight', 'param/1.bias', 'param/3.bias', 'variance/1.weight', 'variance/3.weight']
+    """
+    client = _bayesian(network, bayesian, input_shape, num_classes, seed)
     return posterior_to_record(client.posterior(), client.deterministic_state())
 
 
-def _reply(msg: Message, arrays: ArrayRecord, metrics: dict, j: int) -> Message:
-    content = RecordDict({ARRAYS: arrays, METRICS: MetricRecord(metrics),
-                          CLIENT: ConfigRecord({"partition-id": j})})
-    return Message(content=content, reply_to=msg)
+def _query(msg: Message, context: Context) -> Message:
+    j, num = node_partition(context)
+    config = msg.content.config_records[CONFIG]
+    ds = _dataset(str(config["dataset"]), bool(config["standardize"]), _data_dir(context))
+    identity = NodeIdentity(j, num, tuple(int(s) for s in ds.input_shape), int(ds.num_classes))
+    return Message(content=RecordDict({CLIENT: identity.record()}), reply_to=msg)
 
 
 def _train_pfnm(msg: Message, context: Context) -> Message:
-    config = msg.content.config_records[CONFIG]
-    ds, j, num = client_data(config, context)
-    ds = ds.flat()
-    settings = dataclass_from_config(PFNMSettings, config, clients=num)
-    idx = client_split(settings, ds.y_train.numpy())[0][j]
-    x, y = ds.x_train[torch.as_tensor(idx)], ds.y_train[torch.as_tensor(idx)]
+    c = _Client(msg, context)
+    s, ds = c.settings, c.ds
+    x, y = c.train_data
     sent = msg.content.array_records[ARRAYS]
-    if len(sent) == 0:
-        net = initial_network(settings, j, ds.input_shape[0], ds.num_classes, shared=settings.shared_init)
+    if len(sent) == 0:  # round 1: this client's own initialisation
+        net = initial_network(s.network, ds.input_shape, ds.num_classes, seed=s.seed, client=c.j)
     else:
-        net = network_from_layers(network_from_arrays(from_array_record(sent), in_features=ds.input_shape[0],
+        net = network_from_layers(network_from_arrays(from_array_record(sent),
+                                                      in_features=int(np.prod(ds.input_shape)),
                                                       num_classes=ds.num_classes))
-    if "schedule-epochs" in config:
-        schedule = LocalSchedule(int(config["schedule-epochs"]), float(config["schedule-lr"]),
-                                 int(config["schedule-seed"]))
-    else:  # a server that sends no schedule leaves it to the settings
-        schedule = local_schedule(settings, int(config["server-round"]))
-    trained = train_client(net, x, y, settings, j, schedule)
-    counts = class_counts(ds.y_train.numpy(), [idx], ds.num_classes)[0]
-    metrics = {"num-examples": int(len(idx)), "class-counts": [int(c) for c in counts]}
-    return _reply(msg, network_to_record(linear_layers(trained)), metrics, j)
-
-
-def _fusion_config(config) -> FusionConfig:
-    return dataclass_from_config(FusionConfig, config)
-
-
-def _load_global(client: BayesianClient, record: ArrayRecord) -> None:
-    posterior, params = posterior_from_arrays(from_array_record(record), array_shapes(record))
-    client.load_posterior(posterior)
-    client.load_deterministic(params)
+    trained = train_network(net, x, y, s.training, seed=s.seed, round=c.round, client=c.j)
+    counts = class_counts(ds.y_train.numpy(), [c.idx.numpy()], ds.num_classes)[0]
+    metrics = {"num-examples": int(len(y)), "class-counts": [int(k) for k in counts]}
+    return c.reply(msg, network_to_record(linear_layers(trained)), metrics)
 
 
 def _train_fusion(msg: Message, context: Context) -> Message:
-    config = msg.content.config_records[CONFIG]
-    ds, j, num = client_data(config, context)
-    fusion = _fusion_config(config)
-    idx = torch.as_tensor(_train_indices(config, ds.y_train.numpy(), j, num))
-    client = bayesian_client(fusion, ds.input_shape, ds.num_classes)
-    _load_global(client, msg.content.array_records[ARRAYS])
-    seed = derive_seed(fusion.seed, FIT, int(config["server-round"]), j)
-    client.fit(ds.x_train[idx], ds.y_train[idx], epochs=fusion.local_epochs, batch_size=fusion.batch_size,
-               lr=fusion.lr, seed=seed)
-    metrics = {"num-examples": int(len(idx)), "train-loss": float(client.losses_[-1])}
-    return _reply(msg, posterior_to_record(client.posterior(), client.deterministic_state()), metrics, j)
+    c = _Client(msg, context)
+    s = c.settings
+    x, y = c.train_data
+    client = c.global_client(msg.content.array_records[ARRAYS])
+    loss = fit_bayesian(client, x, y, s.training, seed=s.seed, round=c.round, index=c.j)
+    metrics = {"num-examples": int(len(y)), "train-loss": float(loss)}
+    return c.reply(msg, posterior_to_record(client.posterior(), client.deterministic_state()), metrics)
 
 
 def _evaluate(msg: Message, context: Context) -> Message:
-    config = msg.content.config_records[CONFIG]
-    ds, j, num = client_data(config, context)
-    x, y = _test_shard(ds, config, j, num)
+    c = _Client(msg, context)
+    x, y = c.test_data
     record = msg.content.array_records[ARRAYS]
-    if config["task"] == "pfnm":
+    if c.config["task"] == "pfnm":
         net = network_from_layers(network_from_arrays(from_array_record(record)))
         with torch.no_grad():
-            probs = net.eval()(x.reshape(len(x), -1)).softmax(-1)
+            probs = net.eval()(x).softmax(-1)
     else:
-        fusion = _fusion_config(config)
-        client = bayesian_client(fusion, ds.input_shape, ds.num_classes)
-        _load_global(client, record)
-        probs = client.predict_proba(x, num_samples=fusion.num_predictive_samples,
-                                     seed=derive_seed(fusion.seed, PREDICT, int(config["server-round"])))
+        probs = c.global_client(record).predict_proba(
+            x, num_samples=c.settings.predictive_samples, seed=derive_seed(c.settings.seed, Stream.PREDICT, c.round))
     report = classification_report(probs, y)
     metrics = {"num-examples": int(len(y)), "accuracy": float(report["accuracy"]), "nll": float(report["nll"])}
-    return Message(content=RecordDict({METRICS: MetricRecord(metrics), CLIENT: ConfigRecord({"partition-id": j})}),
-                   reply_to=msg)
+    return c.reply(msg, None, metrics)
 
 
 _TRAIN = {"pfnm": _train_pfnm, "fusion": _train_fusion}
 
 
 def make_client_app() -> ClientApp:
-    """A ``ClientApp`` with ``train`` (PFNM or posterior fusion, by the message's ``task``) and ``evaluate``."""
+    """A ``ClientApp`` with ``query`` (this node's partition and data shape), ``train`` (PFNM or posterior fusion,
+    by the message's ``task``) and ``evaluate``."""
     client_app = ClientApp()
+
+    @client_app.query()
+    def query(msg: Message, context: Context) -> Message:
+        return _query(msg, context)
 
     @client_app.train()
     def train(msg: Message, context: Context) -> Message:
         task = msg.content.config_records[CONFIG].get("task")
         if task not in _TRAIN:
-            raise ValueError(f"unknown task {task!r}; this client runs {sorted(_TRAIN)}")
+            raise ValueError(f"task: expected one of {sorted(_TRAIN)}, got {task!r}")
         return _TRAIN[task](msg, context)
 
     @client_app.evaluate()

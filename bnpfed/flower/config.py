@@ -1,82 +1,422 @@
-"""Settings across the wire: a frozen settings dataclass (``PFNMSettings``, ``FusionConfig``) to and from a flat
-mapping of Flower values.
+"""The run config of a Flower run, and the settings the server sends its clients: the configs of
+:mod:`bnpfed.federated.config`, one flat namespace of Flower keys.
 
-Flower carries configuration in two flat forms: a run config (``[tool.flwr.app.config]`` in the app's
-``pyproject.toml`` plus ``flwr run --run-config 'k=v'``: ints, floats, strings, bools) and the ``ConfigRecord``
-a server puts into every message (the same scalars and homogeneous lists of them, no ``None``). A dataclass field
-``sigma0_2`` is the key ``sigma0-2``; a tuple field is a list in a ``ConfigRecord`` and a comma-separated string
-(``hidden = "100,100"``) in a run config. Values are coerced to the type of the field's default, and a value that
-does not convert raises ``ValueError`` naming the key.
+Flower carries configuration in two flat forms: the run config (``[tool.flwr.app.config]`` of the app's
+``pyproject.toml`` plus ``flwr run --run-config 'k=v'``: ints, floats, strings, bools) and the ``ConfigRecord`` the
+server puts into every message (the same scalars and homogeneous lists of them, no ``None``). Both use the same
+keys: a config field's name with ``-`` for ``_`` (``sigma0_2`` is ``sigma0-2``, ``round_epochs`` is
+``round-epochs``). The keys are those of
+
+* :class:`FlowerRun`, the run itself: ``method``, ``dataset``, ``standardize``, ``rounds``, ``seed``,
+  ``fraction-evaluate``, ``predictive-samples``, ``min-nodes``, ``min-replies``, ``node-timeout``,
+  ``round-timeout``, ``output-dir``;
+* :class:`~bnpfed.federated.config.PartitionConfig` (but ``clients``: J is the SuperNodes' ``num-partitions``),
+  :class:`~bnpfed.federated.config.NetworkConfig`, :class:`~bnpfed.federated.config.TrainingConfig`,
+  :class:`~bnpfed.federated.config.BayesianConfig` (what the clients need);
+* :class:`~bnpfed.federated.config.PFNMConfig` and :class:`~bnpfed.federated.config.FusionConfig` (the servers;
+  their ``fraction``, the share of clients a round trains, is one key).
+
+Values are converted to the field's type: a tuple is a list or a comma-separated string (``hidden = "100,100"``,
+``sigma2 = "0.3,1"``), a bool may be ``"true"`` / ``"false"``, an optional int may be ``"none"``. The network and
+training keys whose defaults differ between the methods (PFNM's are the reference code's,
+:data:`~bnpfed.federated.config.PFNM_TRAINING` and :data:`~bnpfed.federated.config.PFNM_NETWORK`; posterior
+fusion's the config defaults) take ``"auto"``: the method's default. Every key and value is checked before anything
+starts; a bad one raises ``ValueError("<key>: expected ..., got ...")``, an unknown key ``ValueError("<key>: not a
+run config key ...")``.
+
+Usage::
+
+    >>> settings = parse_run_config({"method": "pfnm", "hidden": "32,16", "sigma0-2": 2, "fraction": 0.5})
+    >>> settings.network.hidden, settings.pfnm.sigma0_2, settings.pfnm.fraction, settings.training.epochs
+    ((32, 16), 2.0, 0.5, 10)
+    >>> parse_run_config({"method": "fusion"}).training.epochs      # "auto": the method's default
+    2
+    >>> parse_run_config({"lr": "fast"})
+    Traceback (most recent call last):
+    ...
+    ValueError: lr: expected a number, got 'fast'
+    >>> parse_run_config({"sigma": 1.0})
+    Traceback (most recent call last):
+    ...
+    ValueError: sigma: not a run config key (`bnpfed flower keys` lists them)
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+import math
+import types
+import typing
+from dataclasses import dataclass, fields, replace
+from typing import Any, Mapping, Union
 
-__all__ = ["config_key", "dataclass_from_config", "config_from_dataclass", "known_keys"]
+from bnpfed.data import DATASET_NAMES, NPZ_PREFIX
+from bnpfed.federated.config import (FUSION_TRAINING, PFNM_NETWORK, PFNM_TRAINING, BayesianConfig, FusionConfig,
+                                     NetworkConfig, PartitionConfig, PFNMConfig, TrainingConfig, config_dict)
+from bnpfed.validation import check_choice, check_fraction, check_int, check_positive
+
+__all__ = [
+    "AUTO",
+    "CONFIGS",
+    "METHODS",
+    "FlowerRun",
+    "FlowerSettings",
+    "auto_keys",
+    "client_settings",
+    "config_key",
+    "describe_keys",
+    "parse_run_config",
+    "run_config_defaults",
+]
+
+#: The methods a Flower run has: PFNM's neuron matching, posterior fusion.
+METHODS = ("pfnm", "fusion")
+#: The value of a method-dependent key that asks for the method's default.
+AUTO = "auto"
 
 
 def config_key(field_name: str) -> str:
-    """The Flower key of a dataclass field: ``sigma0_2`` -> ``sigma0-2``."""
+    """The Flower key of a config field: ``sigma0_2`` -> ``sigma0-2``."""
     return field_name.replace("_", "-")
 
 
-def known_keys(cls) -> set[str]:
-    """The Flower keys of every field of the dataclass ``cls``."""
-    return {config_key(f.name) for f in dataclasses.fields(cls)}
+@dataclass(frozen=True)
+class FlowerRun:
+    """The run: which method, on which data, for how many rounds, how long to wait for whom, where to write.
 
-
-def _coerce(value: Any, default: Any, key: str) -> Any:
-    """``value`` as the type of ``default``; tuples from lists or comma-separated strings."""
-    try:
-        if isinstance(default, bool):
-            if isinstance(value, str):
-                if value.strip().lower() not in ("true", "false", "1", "0"):
-                    raise ValueError(value)
-                return value.strip().lower() in ("true", "1")
-            if isinstance(value, (bool, int)):
-                return bool(value)
-            raise ValueError(value)
-        if isinstance(default, tuple):
-            items = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else list(value)
-            kind = type(default[0]) if default else str
-            return tuple(_coerce(v, kind(), key) for v in items)
-        if isinstance(default, int):
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError(value)
-            return int(value)
-        if isinstance(default, float):
-            return float(value)
-        return str(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"config key {key!r}: expected a value like {default!r} ({type(default).__name__}), got "
-                         f"{value!r}") from None
-
-
-def dataclass_from_config(cls, config: Mapping[str, Any], **overrides: Any):
-    """Build the settings dataclass ``cls`` from the keys of ``config`` it knows (others are ignored); fields
-    absent from ``config`` keep their defaults, and ``overrides`` (by field name) win over both.
-
-    Usage::
-
-        settings = dataclass_from_config(PFNMSettings, {"hidden": "32", "sigma2": 0.3}, clients=3)
-
-    :raises ValueError: naming the key whose value does not convert (the dataclass's own checks follow).
+    :param str method: ``"pfnm"`` or ``"fusion"``. Default ``"pfnm"``.
+    :param str dataset: the dataset every client loads (:func:`bnpfed.data.load_dataset`; ``mnist`` and the other
+        torchvision sets from each SuperNode's ``data-dir`` node config). Default ``"digits"`` (bundled).
+    :param str standardize: ``"true"``, ``"false"`` or ``"auto"``: as the method's command does (PFNM keeps pixels in
+        [0, 1] as the reference code, posterior fusion standardises). Default ``"auto"``.
+    :param int rounds: communication rounds. Default 1.
+    :param int seed: the experiment's seed, every random stream's root (:mod:`bnpfed.seeding`). Default 0.
+    :param float fraction_evaluate: share of the clients that score the global model on their test shards after
+        each round, in [0, 1] (0: no evaluation). Default 1 (every shard: the whole test split).
+    :param int predictive_samples: weight draws S of a Bayesian posterior predictive (fusion's evaluation).
+        Default 10.
+    :param int min_nodes: SuperNodes with a partition that must be connected before round 1; 0: every partition
+        (all J). Default 0.
+    :param int min_replies: usable replies a round needs; fewer stops the run with a message naming every rejected
+        and missing client. Default 1.
+    :param float node_timeout: seconds to wait for ``min_nodes`` SuperNodes. Default 120.
+    :param float round_timeout: seconds to wait for the replies of a round (and of a partition query); clients that
+        have not answered by then are left out. Default 600.
+    :param str output_dir: if set, the ServerApp writes ``<method>-summary.json`` and ``<method>-global.npz`` (the
+        final global model's arrays) there. Default ``""`` (nothing written).
     """
-    values = {}
-    for f in dataclasses.fields(cls):
-        key = config_key(f.name)
-        if key in config:
-            values[f.name] = _coerce(config[key], f.default, key)
-    values.update(overrides)
-    return cls(**values)
+
+    method: str = "pfnm"
+    dataset: str = "digits"
+    standardize: str = AUTO
+    rounds: int = 1
+    seed: int = 0
+    fraction_evaluate: float = 1.0
+    predictive_samples: int = 10
+    min_nodes: int = 0
+    min_replies: int = 1
+    node_timeout: float = 120.0
+    round_timeout: float = 600.0
+    output_dir: str = ""
+
+    def __post_init__(self):
+        check_choice(self.method, METHODS, "method")
+        if not isinstance(self.dataset, str) or not (self.dataset in DATASET_NAMES or (
+                self.dataset.startswith(NPZ_PREFIX) and len(self.dataset) > len(NPZ_PREFIX))):
+            raise ValueError(f"dataset: expected one of {list(DATASET_NAMES)} or {NPZ_PREFIX}PATH, got "
+                             f"{self.dataset!r}")
+        check_choice(self.standardize, ("true", "false", AUTO), "standardize")
+        check_int(self.rounds, "rounds", low=1)
+        check_int(self.seed, "seed", low=0)
+        check_fraction(self.fraction_evaluate, "fraction_evaluate", allow_zero=True)
+        check_int(self.predictive_samples, "predictive_samples", low=1)
+        check_int(self.min_nodes, "min_nodes", low=0)
+        check_int(self.min_replies, "min_replies", low=1)
+        check_positive(self.node_timeout, "node_timeout")
+        check_positive(self.round_timeout, "round_timeout")
+        if not isinstance(self.output_dir, str):
+            raise ValueError(f"output_dir: expected a path (a string), got {self.output_dir!r}")
+
+    @property
+    def standardized(self) -> bool:
+        """Whether the clients standardise their inputs."""
+        return self.method == "fusion" if self.standardize == AUTO else self.standardize == "true"
 
 
-def config_from_dataclass(settings) -> dict[str, Any]:
-    """Every field of ``settings`` under its Flower key, tuples as lists: ready for a ``ConfigRecord``."""
-    out = {}
-    for f in dataclasses.fields(settings):
-        value = getattr(settings, f.name)
-        out[config_key(f.name)] = list(value) if isinstance(value, tuple) else value
+#: The configs of a run, by name, as :class:`FlowerSettings` holds them (``run`` first).
+CONFIGS = {"run": FlowerRun, "partition": PartitionConfig, "network": NetworkConfig, "training": TrainingConfig,
+           "bayesian": BayesianConfig, "pfnm": PFNMConfig, "fusion": FusionConfig}
+#: Fields that are not run config keys, and why.
+_NOT_KEYS = {("partition", "clients"): "the number of clients J is the SuperNodes' num-partitions (their "
+             "--node-config; a simulation's number of SuperNodes), not a run config key"}
+#: Each method's defaults of the configs whose defaults depend on the method.
+_METHOD_DEFAULTS = {"pfnm": {"network": PFNM_NETWORK, "training": PFNM_TRAINING},
+                    "fusion": {"network": NetworkConfig(), "training": FUSION_TRAINING}}
+
+
+@dataclass(frozen=True)
+class FlowerSettings:
+    """Every setting of a Flower run, one config per concern. ``partition.clients`` is the config's default until
+    the server has asked the SuperNodes for J (:meth:`with_clients`)."""
+
+    run: FlowerRun
+    partition: PartitionConfig
+    network: NetworkConfig
+    training: TrainingConfig
+    bayesian: BayesianConfig
+    pfnm: PFNMConfig
+    fusion: FusionConfig
+
+    @property
+    def method_config(self) -> Union[PFNMConfig, FusionConfig]:
+        """The server's config: :class:`PFNMConfig` or :class:`FusionConfig`."""
+        return self.pfnm if self.run.method == "pfnm" else self.fusion
+
+    def with_clients(self, clients: int) -> "FlowerSettings":
+        return replace(self, partition=replace(self.partition, clients=clients))
+
+    def as_dict(self) -> dict[str, dict]:
+        """Every config as plain values (JSON-ready)."""
+        return {name: config_dict(getattr(self, name)) for name in CONFIGS}
+
+    def client_record(self) -> dict[str, Any]:
+        """What every message to a client carries (as ``ConfigRecord`` values): the data, the seed, and the
+        partition, network, training and Bayesian configs. The client rebuilds them with :func:`client_settings`."""
+        out = {"dataset": self.run.dataset, "standardize": self.run.standardized, "seed": self.run.seed,
+               "predictive-samples": self.run.predictive_samples}
+        for name in ("partition", "network", "training", "bayesian"):
+            for f in fields(CONFIGS[name]):
+                value = getattr(getattr(self, name), f.name)
+                if (name, f.name) in _NOT_KEYS or value is None:  # None travels as an absent key
+                    continue
+                if not isinstance(value, (bool, int, float, str, tuple)):
+                    raise ValueError(f"{config_key(f.name)}: a {type(value).__name__} cannot travel to Flower "
+                                     f"clients; use one of the named choices")
+                out[config_key(f.name)] = list(value) if isinstance(value, tuple) else value
+        return out
+
+
+def _keys() -> dict[str, list[tuple[str, dataclasses.Field]]]:
+    """``{key: [(config name, field), ...]}`` (``fraction`` belongs to two configs)."""
+    out: dict[str, list] = {}
+    for name, cls in CONFIGS.items():
+        for f in fields(cls):
+            if (name, f.name) not in _NOT_KEYS:
+                out.setdefault(config_key(f.name), []).append((name, f))
     return out
+
+
+def auto_keys() -> set[str]:
+    """The keys whose default depends on the method (they take ``"auto"``)."""
+    out = set()
+    for name in ("network", "training"):
+        pfnm, fusion = _METHOD_DEFAULTS["pfnm"][name], _METHOD_DEFAULTS["fusion"][name]
+        out |= {config_key(f.name) for f in fields(CONFIGS[name]) if getattr(pfnm, f.name) != getattr(fusion, f.name)}
+    return out
+
+
+def run_config_defaults() -> dict[str, Any]:
+    """Every run config key with its default as a run config holds it (``"auto"`` for the method-dependent keys,
+    tuples comma-separated): what ``[tool.flwr.app.config]`` of an app lists."""
+    auto = auto_keys()
+    out = {}
+    for key, owners in _keys().items():
+        name, f = owners[0]
+        if key in auto:
+            out[key] = AUTO
+            continue
+        value = getattr(CONFIGS[name](), f.name)
+        out[key] = ",".join(map(str, value)) if isinstance(value, tuple) else value
+    return out
+
+
+def describe_keys() -> list[dict[str, str]]:
+    """One row per run config key: ``key``, ``default`` (a method-dependent one with each method's value) and
+    ``config`` (the classes it sets)."""
+    auto = auto_keys()
+    rows = []
+    for key, value in run_config_defaults().items():
+        owners = _keys()[key]
+        if key in auto:
+            name, f = owners[0]
+            each = []
+            for method in METHODS:
+                v = getattr(_METHOD_DEFAULTS[method][name], f.name)
+                each.append(f"{method}: {','.join(map(str, v)) if isinstance(v, tuple) else v}")
+            value = f"{AUTO} ({', '.join(each)})"
+        rows.append({"key": key, "default": str(value), "config": ", ".join(CONFIGS[n].__name__ for n, _ in owners)})
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ conversion
+
+
+def _hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _describe(hint) -> str:
+    if hint is bool:
+        return "true or false"
+    if hint is int:
+        return "an int"
+    if hint is float:
+        return "a number"
+    if hint is str:
+        return "a string"
+    return "a value"
+
+
+def _scalar(value: Any, hint, key: str) -> Any:
+    """``value`` as the scalar type ``hint`` (bool, int, float, str)."""
+    ok = True
+    if hint is bool:
+        if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+            return value.strip().lower() == "true"
+        ok = isinstance(value, bool)
+    elif hint is int:
+        if isinstance(value, str):
+            try:
+                return int(value.strip())
+            except ValueError:
+                ok = False
+        elif isinstance(value, float) and value.is_integer():
+            return int(value)
+        ok = ok and isinstance(value, int) and not isinstance(value, bool)
+    elif hint is float:
+        if isinstance(value, str):
+            try:
+                value = float(value.strip())
+            except ValueError:
+                ok = False
+        ok = ok and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if ok:
+            return float(value)
+    elif hint is str:
+        ok = isinstance(value, str)
+    if not ok:
+        raise ValueError(f"{key}: expected {_describe(hint)}, got {value!r}")
+    return value
+
+
+def _items(value: Any) -> list:
+    if isinstance(value, str):
+        return [v.strip() for v in value.split(",") if v.strip()]
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    return [value]
+
+
+def _coerce(value: Any, hint, key: str) -> Any:
+    """``value`` (from a run config or a ``ConfigRecord``) as the field type ``hint``."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is tuple:  # tuple[X, ...]
+        items = _items(value)
+        if not items:
+            raise ValueError(f"{key}: expected one or more comma-separated values, got {value!r}")
+        return tuple(_coerce(v, args[0], key) for v in items)
+    if origin in (Union, types.UnionType):
+        options = [a for a in args if a is not type(None)]
+        if len(options) < len(args) and (value is None or (isinstance(value, str)
+                                                            and value.strip().lower() in ("none", ""))):
+            return None
+        if any(isinstance(a, type) and a is not str and not typing.get_origin(a) and a not in (int, float, bool)
+               for a in options):  # Union[str, Prior]: a name, over Flower
+            return _scalar(value, str, key)
+        tuples = [a for a in options if typing.get_origin(a) is tuple]
+        scalars = [a for a in options if typing.get_origin(a) is not tuple]
+        if tuples and (isinstance(value, (list, tuple)) or (isinstance(value, str) and "," in value)):
+            return _coerce(value, tuples[0], key)
+        if len(scalars) == 1:
+            try:
+                return _coerce(value, scalars[0], key)
+            except ValueError:
+                if tuples:
+                    raise ValueError(f"{key}: expected {_describe(scalars[0])} or comma-separated ones, got "
+                                     f"{value!r}") from None
+                raise
+    return _scalar(value, hint, key)
+
+
+def _build(cls, values: Mapping[str, Any], base=None):
+    """``cls`` from ``{field: value}`` (over ``base``'s values if given); its own check's message names the key."""
+    try:
+        return replace(base, **values) if base is not None else cls(**values)
+    except ValueError as error:
+        message = str(error)
+        for f in fields(cls):
+            if message.startswith(f.name) and message[len(f.name):len(f.name) + 1] in (":", "["):
+                message = config_key(f.name) + message[len(f.name):]
+                break
+        raise ValueError(message) from None
+
+
+def _config_values(config: Mapping[str, Any], name: str, *, auto: bool) -> dict[str, Any]:
+    """The fields of config ``name`` given in ``config``, converted (``"auto"`` left out when ``auto``)."""
+    cls = CONFIGS[name]
+    hints = _hints(cls)
+    out = {}
+    for f in fields(cls):
+        key = config_key(f.name)
+        if key not in config or (name, f.name) in _NOT_KEYS:
+            continue
+        value = config[key]
+        if auto and isinstance(value, str) and value.strip().lower() == AUTO and key in auto_keys():
+            continue
+        out[f.name] = _coerce(value, hints[f.name], key)
+    return out
+
+
+def parse_run_config(config: Mapping[str, Any]) -> FlowerSettings:
+    """Every setting of a run from its run config (keys absent take their defaults), each key and value checked.
+
+    :raises ValueError: ``"<key>: ..."`` for an unknown key or a bad value.
+    """
+    if not isinstance(config, Mapping):
+        raise ValueError(f"run config: expected a mapping of keys to values, got {type(config).__name__}")
+    known = _keys()
+    for key in config:
+        if key not in known:
+            for (name, field_name), why in _NOT_KEYS.items():
+                if key == config_key(field_name):
+                    raise ValueError(f"{key}: {why}")
+            raise ValueError(f"{key}: not a run config key (`bnpfed flower keys` lists them)")
+    run = _build(FlowerRun, _config_values(config, "run", auto=False))
+    built = {"run": run}
+    for name in ("partition", "network", "training", "bayesian", "pfnm", "fusion"):
+        base = _METHOD_DEFAULTS[run.method].get(name)
+        values = _config_values(config, name, auto=True)
+        built[name] = _build(CONFIGS[name], values, base)
+    if run.method == "pfnm" and built["network"].arch != "mlp":
+        raise ValueError(f"arch: PFNM matches fully connected networks, expected 'mlp', got "
+                         f"{built['network'].arch!r}")
+    return FlowerSettings(**built)
+
+
+@dataclass(frozen=True)
+class ClientSettings:
+    """What a client reads from a message (see :meth:`FlowerSettings.client_record`)."""
+
+    dataset: str
+    standardize: bool
+    seed: int
+    predictive_samples: int
+    partition: PartitionConfig
+    network: NetworkConfig
+    training: TrainingConfig
+    bayesian: BayesianConfig
+
+
+def client_settings(record: Mapping[str, Any], clients: int) -> ClientSettings:
+    """The settings a server sent (a message's ``ConfigRecord``) for a client of a federation of ``clients``."""
+    for key in ("dataset", "standardize", "seed", "predictive-samples"):
+        if key not in record:
+            raise ValueError(f"{key}: missing from the server's message")
+    configs = {name: _build(CONFIGS[name], _config_values(record, name, auto=False))
+               for name in ("network", "training", "bayesian")}
+    partition = _build(PartitionConfig, {**_config_values(record, "partition", auto=False), "clients": clients})
+    return ClientSettings(dataset=_scalar(record["dataset"], str, "dataset"),
+                          standardize=_scalar(record["standardize"], bool, "standardize"),
+                          seed=check_int(record["seed"], "seed", low=0),
+                          predictive_samples=check_int(record["predictive-samples"], "predictive-samples", low=1),
+                          partition=partition, **configs)

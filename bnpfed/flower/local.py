@@ -4,15 +4,18 @@ SuperLink or SuperNodes. For tests and for stepping through a run in a debugger.
 Every message is serialised to Flower's protobuf form and back on the way to the client and on the way back (so a
 payload that would not survive the wire fails here too), handed to ``client_app(message, context)`` with one
 persistent ``Context`` per node (``node_config`` has ``partition-id`` and ``num-partitions``, as a simulation's),
-and an exception in the ClientApp becomes an error reply, as on a SuperNode. Nodes listed in ``silent`` take
-messages and never answer, as a SuperNode killed mid-run: ``send_and_receive`` then waits out its ``timeout``
-and returns the replies it has.
+and an exception in the ClientApp becomes an error reply, as on a SuperNode. Nodes whose partitions are listed in
+``silent`` take messages of ``silent_types`` and never answer them, as a SuperNode killed mid-run:
+``send_and_receive`` then waits out its ``timeout`` and returns the replies it has.
 
 Usage::
 
-    grid = LocalGrid(bnpfed.flower.client.app, num_nodes=3)
-    result = run_federation(grid, {"method": "pfnm", "rounds": 2})
-    grid.calls          # [(node_id, message_type), ...] in the order the ClientApp ran
+    >>> from bnpfed.flower.client import app
+    >>> from bnpfed.flower.server import run_federation
+    >>> grid = LocalGrid(app, num_nodes=3, partitions=[2, 0, 1])     # node i holds partition partitions[i]
+    >>> result = run_federation(grid, {"method": "pfnm", "hidden": "8", "epochs": 1})
+    >>> grid.calls[:3] == [(node, "query") for node in grid.node_ids]  # then (node, "train"), (node, "evaluate")
+    True
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from __future__ import annotations
 import time
 import traceback
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from flwr.app import Context, Error, Message, RecordDict
@@ -41,26 +44,36 @@ class LocalGrid(Grid):
     """A ``Grid`` over ``num_nodes`` in-process nodes that each run ``client_app``.
 
     :param client_app: a ``ClientApp`` or any callable ``(Message, Context) -> Message``.
-    :param int num_nodes: number of nodes; node i has ``partition-id`` i.
+    :param int num_nodes: number of nodes (and of partitions, ``num-partitions``).
+    :param partitions: the ``partition-id`` of node i is ``partitions[i]``. Default ``range(num_nodes)``.
     :param dict run_config: the ``Context.run_config`` every node sees. Default empty.
-    :param silent: partition ids of nodes that never reply.
+    :param silent: partition ids whose nodes never reply to messages of ``silent_types``.
+    :param silent_types: the message types silent nodes ignore. Default ``("train", "evaluate")``: they tell their
+        partition, then go quiet (a SuperNode that dies after joining); add ``"query"`` for one that never answers.
     :param int run_id: the run id messages carry. Default 1.
     """
 
     def __init__(self, client_app: Callable[[Message, Context], Message], num_nodes: int, *,
-                 run_config: Mapping[str, Any] | None = None, silent: Iterable[int] = (), run_id: int = 1):
-        if num_nodes < 1:
+                 partitions: Sequence[int] | None = None, run_config: Mapping[str, Any] | None = None,
+                 silent: Iterable[int] = (), silent_types: Iterable[str] = ("train", "evaluate"), run_id: int = 1):
+        if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
             raise ValueError(f"num_nodes: expected an int >= 1, got {num_nodes!r}")
+        partitions = list(range(num_nodes)) if partitions is None else [int(p) for p in partitions]
+        if sorted(partitions) != list(range(num_nodes)):
+            raise ValueError(f"partitions: expected a permutation of range({num_nodes}), got {partitions}")
         # Message() reads the sender's identity from here; a ServerApp process has it set by Flower
         TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = run_id, 1, SUPERLINK_NODE_ID
         self.client_app = client_app
         self._run = Run.create_empty(run_id)
         self.node_ids = [10_000 + 7 * i for i in range(num_nodes)]
-        self.silent = {self.node_ids[i] for i in silent}
+        #: ``{partition id: node id}``.
+        self.node_of = {j: node for j, node in zip(partitions, self.node_ids)}
+        self.silent = {self.node_of[j] for j in silent}
+        self.silent_types = set(silent_types)
         self.contexts = {
             node: Context(run_id=run_id, node_id=node, state=RecordDict(), run_config=dict(run_config or {}),
-                          node_config={"partition-id": i, "num-partitions": num_nodes})
-            for i, node in enumerate(self.node_ids)}
+                          node_config={"partition-id": j, "num-partitions": num_nodes})
+            for j, node in self.node_of.items()}
         #: ``(node_id, message_type)`` of every message a ClientApp ran, in order.
         self.calls: list[tuple[int, str]] = []
         self._replies: dict[str, Message] = {}
@@ -88,7 +101,7 @@ class LocalGrid(Grid):
             node = msg.metadata.dst_node_id
             if node not in self.contexts:
                 raise ValueError(f"message to unknown node {node}; nodes are {self.node_ids}")
-            if node in self.silent:
+            if node in self.silent and msg.metadata.message_type in self.silent_types:
                 continue
             incoming = Message(_over_the_wire(msg.content), metadata=msg.metadata)
             self.calls.append((node, msg.metadata.message_type))

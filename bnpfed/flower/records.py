@@ -9,27 +9,43 @@ Layouts (one ``ArrayRecord`` per message, under the key ``"arrays"``):
 
 Per-client numbers travel in a ``MetricRecord`` under ``"metrics"`` (``num-examples``, ``train-loss``,
 ``class-counts`` for PFNM) and the client's identity in a ``ConfigRecord`` under ``"client"``
-(``partition-id``). A reply that does not follow its layout, has the wrong shapes, non-finite values or a
-variance <= 0 raises :class:`ReplyError` naming the entry; the strategies log it and drop that client's reply.
+(``partition-id``, and in a reply to the server's query ``num-partitions``, ``input-shape``, ``num-classes``). A
+reply that does not follow its layout, has the wrong shapes, non-finite values or a variance <= 0 raises
+:class:`ReplyError` naming the entry; the strategies log it and drop that client's reply.
+
+Usage::
+
+    >>> import torch
+    >>> from bnpfed.posterior import GaussianPosterior
+    >>> record = posterior_to_record({"1.weight": GaussianPosterior(torch.zeros(2, 3), torch.ones(2, 3))},
+    ...                              {"1.bias": torch.zeros(2)})
+    >>> sorted(record)
+    ['loc/1.weight', 'param/1.bias', 'variance/1.weight']
+    >>> posterior, params = posterior_from_arrays(from_array_record(record), array_shapes(record))
+    >>> posterior["1.weight"].variance.shape
+    torch.Size([2, 3])
 """
 
 from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
 
-from bnpfed.inference._checks import check_names, check_tensor
+from bnpfed.posterior import GaussianPosterior
+from bnpfed.validation import check_names, check_tensor
 
 __all__ = [
     "ARRAYS",
     "CLIENT",
     "CONFIG",
     "METRICS",
+    "NodeIdentity",
     "ReplyError",
     "to_array_record",
     "from_array_record",
@@ -41,6 +57,7 @@ __all__ = [
     "reply_parts",
     "read_count",
     "read_class_counts",
+    "read_identity",
     "read_partition_id",
     "read_finite",
 ]
@@ -151,8 +168,8 @@ def network_from_arrays(arrays: Mapping[str, np.ndarray], *, in_features: int | 
 # ------------------------------------------------------------------------------------------------ posteriors
 
 
-def posterior_to_record(posterior: Mapping[str, tuple[Any, Any]], deterministic: Mapping[str, Any]) -> ArrayRecord:
-    """A Bayesian network as an ``ArrayRecord``: ``{site: (loc, variance)}`` and ``{name: parameter}``."""
+def posterior_to_record(posterior: Mapping[str, GaussianPosterior], deterministic: Mapping[str, Any]) -> ArrayRecord:
+    """A Bayesian network as an ``ArrayRecord``: ``{site: GaussianPosterior}`` and ``{name: parameter}``."""
     arrays = {}
     for site, (loc, variance) in posterior.items():
         arrays[f"loc/{site}"], arrays[f"variance/{site}"] = loc, variance
@@ -162,8 +179,8 @@ def posterior_to_record(posterior: Mapping[str, tuple[Any, Any]], deterministic:
 
 
 def posterior_from_arrays(arrays: Mapping[str, np.ndarray], expected: Mapping[str, tuple[int, ...]]
-                          ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]]:
-    """``({site: (loc, variance)}, {name: parameter})`` of a network sent as :func:`posterior_to_record`, checked
+                          ) -> tuple[dict[str, GaussianPosterior], dict[str, torch.Tensor]]:
+    """``({site: GaussianPosterior}, {name: parameter})`` of a network sent as :func:`posterior_to_record`, checked
     against ``expected`` (``{key: shape}`` of the global model, e.g. :func:`array_shapes` of what was sent).
 
     :raises ReplyError: on missing or extra keys, other shapes, non-floating or non-finite values, or a variance
@@ -183,9 +200,9 @@ def posterior_from_arrays(arrays: Mapping[str, np.ndarray], expected: Mapping[st
         if kind == "loc":
             variance = tensors[f"variance/{name}"]
             if not (variance > 0).all():
-                raise ReplyError(f"'variance/{name}': every variance must be > 0, got minimum "
+                raise ReplyError(f"'variance/{name}': expected all entries > 0, got minimum "
                                  f"{variance.min().item()!r}")
-            posterior[name] = (value, variance)
+            posterior[name] = GaussianPosterior(value, variance)
         elif kind == "param":
             deterministic[name] = value
     return posterior, deterministic
@@ -223,15 +240,16 @@ def read_count(record: Mapping[str, Any], key: str = "num-examples") -> int:
 
 
 def read_class_counts(record: Mapping[str, Any], num_classes: int | None, key: str = "class-counts") -> np.ndarray:
-    """``record[key]``, a client's number of training examples per class, as a ``(C,)`` array: finite, >= 0, with a
-    positive total, and ``num_classes`` long when given; :class:`ReplyError` otherwise."""
+    """``record[key]``, a client's number of training examples per class, as an int64 ``(C,)`` array (the dtype of
+    :func:`bnpfed.federated.partition.class_counts`): ints >= 0 with a positive total, ``num_classes`` long when
+    given; :class:`ReplyError` otherwise."""
     value = record.get(key)
-    counts = np.asarray(value if isinstance(value, list) else [], dtype=np.float64)
-    if counts.ndim != 1 or counts.size == 0 or (num_classes is not None and counts.size != num_classes):
+    items = value if isinstance(value, list) else []
+    if not items or (num_classes is not None and len(items) != num_classes):
         raise ReplyError(f"{key!r}: expected a list of {num_classes or 'C'} class counts, got {value!r}")
-    if not np.isfinite(counts).all() or (counts < 0).any() or counts.sum() <= 0:
-        raise ReplyError(f"{key!r}: counts must be finite, >= 0 and not all 0, got {value!r}")
-    return counts
+    if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in items) or sum(items) <= 0:
+        raise ReplyError(f"{key!r}: expected ints >= 0, not all 0, got {value!r}")
+    return np.asarray(items, dtype=np.int64)
 
 
 def read_partition_id(record: Mapping[str, Any]) -> int:
@@ -240,3 +258,35 @@ def read_partition_id(record: Mapping[str, Any]) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ReplyError(f"'partition-id': expected an int >= 0, got {value!r}")
     return value
+
+
+@dataclass(frozen=True)
+class NodeIdentity:
+    """What a SuperNode answers to the server's query: its partition, and the shape of the data it holds."""
+
+    partition_id: int
+    num_partitions: int
+    input_shape: tuple[int, ...]
+    num_classes: int
+
+    def record(self) -> ConfigRecord:
+        return ConfigRecord({"partition-id": self.partition_id, "num-partitions": self.num_partitions,
+                             "input-shape": list(self.input_shape), "num-classes": self.num_classes})
+
+
+def read_identity(reply: Message) -> NodeIdentity:
+    """The :class:`NodeIdentity` a reply to a query carries; :class:`ReplyError` if it does not."""
+    if CLIENT not in reply.content.config_records:
+        raise ReplyError(f"reply lacks its {CLIENT!r} record")
+    record = reply.content.config_records[CLIENT]
+    j = read_partition_id(record)
+    num, classes, shape = record.get("num-partitions"), record.get("num-classes"), record.get("input-shape")
+    for key, value in (("num-partitions", num), ("num-classes", classes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ReplyError(f"{key!r}: expected an int >= 1, got {value!r}")
+    if j >= num:
+        raise ReplyError(f"'partition-id': expected an int in [0, num-partitions={num}), got {j}")
+    if not isinstance(shape, list) or not shape or any(isinstance(s, bool) or not isinstance(s, int) or s < 1
+                                                         for s in shape):
+        raise ReplyError(f"'input-shape': expected a list of ints >= 1, got {shape!r}")
+    return NodeIdentity(j, num, tuple(shape), classes)

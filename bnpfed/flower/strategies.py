@@ -1,53 +1,64 @@
 """PFNM and posterior fusion as Flower strategies (the Message API of Flower 1.42).
 
-A strategy has one method per phase of a round: ``configure_train`` (which nodes, what each gets),
-``aggregate_train`` (check the replies, then call the library), ``configure_evaluate`` / ``aggregate_evaluate``
-(the clients score the global model on their test shards). ``Strategy.start(grid, initial_arrays, num_rounds,
-timeout)`` runs the rounds. No aggregation math lives here: :class:`PFNMStrategy` calls
-:func:`bnpfed.inference.multilayer.match_networks`, :class:`PosteriorFusionStrategy` calls
-:func:`bnpfed.combine.fuse_sites` and :func:`bnpfed.combine.average_deterministic` -- the functions the in-process
-loops (:mod:`bnpfed.federated.pfnm`, :mod:`bnpfed.federated.fusion`) call.
+A strategy has one method per phase of a round: ``configure_train`` (which clients, what each gets),
+``aggregate_train`` (check the replies, then call the server step), ``configure_evaluate`` / ``aggregate_evaluate``
+(clients score the global model on their test shards). ``Strategy.start(grid, initial_arrays, num_rounds,
+timeout)`` runs the rounds. No server math lives here: :class:`PFNMStrategy` calls
+:func:`~bnpfed.federated.server.pfnm_step` and :func:`~bnpfed.federated.server.client_start`,
+:class:`PosteriorFusionStrategy` calls :func:`~bnpfed.federated.server.fuse_posteriors`, and both sample with
+:func:`~bnpfed.federated.server.sample_clients` -- the functions :class:`~bnpfed.federated.pfnm.PFNMFederation` and
+:class:`~bnpfed.federated.fusion.FusionFederation` call, with the same arguments, so the global models are the same
+bit for bit.
+
+Clients are *partitions*: client j is the SuperNode started with ``partition-id=j`` (a simulation numbers its
+nodes). Flower's node ids are random, so before round 1 the strategy asks every node for its identity (a
+``query`` message: partition id, number of partitions J, input shape, number of classes) and asks again whenever
+nodes it does not know connect. A round samples partition ids, exactly as the in-process run samples client
+indices, and sends each sampled partition's message to the node holding it; a sampled partition whose node is not
+connected is missing.
 
 Faults are handled at the boundary, per client:
 
 * a reply that is an error (the ClientApp raised, the node went away), or whose content is malformed (wrong keys or
-  shapes, NaN / inf, a variance <= 0, a bad count; see :mod:`bnpfed.flower.records`) is dropped and logged with
-  its reason on the ``flwr.bnpfed`` logger; the round goes on with the other clients;
-* a node that does not answer within ``timeout`` seconds of ``Strategy.start`` is logged as missing and the round
+  shapes, NaN / inf, a variance <= 0, a bad count, another partition id than the one it was sent as; see
+  :mod:`bnpfed.flower.records`) is dropped and logged with its reason on the ``flwr.bnpfed`` logger; the round goes
+  on with the other clients;
+* a client that does not answer within ``timeout`` seconds of ``Strategy.start`` is logged as missing and the round
   goes on without it (Flower's grid returns the replies it has at the deadline);
-* nodes are awaited for at most ``node_timeout`` seconds before a round (Flower's own sampling waits forever);
-* a round with fewer than ``min_replies`` usable replies stops the run with a ``RuntimeError`` that lists every
-  dropped and missing client.
+* SuperNodes are awaited for at most ``node_timeout`` seconds before round 1 (Flower's own sampling waits forever);
+  a node whose identity disagrees with the others' (another J, input shape or class count, a partition id another
+  node holds) is refused, with its reason logged;
+* a round with fewer than ``min_replies`` usable replies stops the run with a ``RuntimeError`` that names every
+  rejected and missing client.
 
-Every round is recorded in :attr:`rounds`: the partition ids used, the rejected nodes with their reasons, the
-missing nodes, and (PFNM) the global hidden sizes.
+Every round is recorded in :attr:`history`: the partitions sampled, those aggregated, the rejected ones with their
+reasons, the missing ones, the method's own numbers (PFNM: the global hidden widths; fusion: the client weights,
+the floored variances) and the evaluation.
 """
 
 from __future__ import annotations
 
-from abc import abstractmethod
-
 import logging
-import random
+import math
 import time
-from collections.abc import Callable, Iterable, Mapping
+from abc import abstractmethod
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional, Sequence
 
 import numpy as np
-import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from bnpfed.combine import available_rules, average_deterministic, fuse_sites
-from bnpfed.federated.fusion import POOLING, derive_seed
-from bnpfed.inference.multilayer import match_networks
+from bnpfed.federated.config import FusionConfig, PFNMConfig
+from bnpfed.federated.server import client_start, clients_per_round, fuse_posteriors, pfnm_step, sample_clients
 from bnpfed.flower.records import (
     ARRAYS,
     CLIENT,
     CONFIG,
     METRICS,
+    NodeIdentity,
     ReplyError,
     array_shapes,
     network_from_arrays,
@@ -57,22 +68,42 @@ from bnpfed.flower.records import (
     read_class_counts,
     read_count,
     read_finite,
+    read_identity,
     read_partition_id,
     reply_parts,
 )
+from bnpfed.seeding import Stream, numpy_rng
+from bnpfed.validation import check_fraction, check_int, check_positive
 
-__all__ = ["PFNMStrategy", "PosteriorFusionStrategy", "LOGGER"]
+__all__ = ["LOGGER", "PFNMStrategy", "PosteriorFusionStrategy", "evaluation_clients"]
 
-#: Where rejections, missing nodes and round summaries are logged: a child of Flower's logger, so the lines show up
-#: in the ServerApp's console and in ``flwr log``.
+#: Where rejections, missing clients and round summaries are logged: a child of Flower's logger, so the lines show
+#: up in the ServerApp's console and in ``flwr log``.
 LOGGER = logging.getLogger("flwr.bnpfed")
+
+
+def evaluation_clients(num_clients: int, fraction: float, *, seed: int, round: int) -> list[int]:
+    """The sorted clients that score the global model after round ``round``: all of them at ``fraction`` 1, none at
+    0, else :func:`~bnpfed.federated.server.clients_per_round` of them drawn without replacement from the stream
+    ``(seed, EVALUATION, round)`` (as :func:`~bnpfed.federated.server.sample_clients` draws from ``SAMPLING``).
+
+    >>> evaluation_clients(10, 0.3, seed=0, round=1)      # round 1 trains sample_clients(...): [4, 8, 9]
+    [1, 3, 6]
+    """
+    check_fraction(fraction, "fraction_evaluate", allow_zero=True)
+    if fraction == 0:
+        return []
+    m = clients_per_round(num_clients, fraction)
+    if m == num_clients:
+        return list(range(num_clients))
+    rng = numpy_rng(seed, Stream.EVALUATION, round)
+    return sorted(int(k) for k in rng.choice(num_clients, m, replace=False))
 
 
 @dataclass
 class _Accepted:
-    """One usable reply: who sent it and what it carried, parsed."""
+    """One usable reply: which client sent it and what it carried, parsed."""
 
-    node_id: int
     partition_id: int
     num_examples: int
     payload: Any
@@ -80,163 +111,238 @@ class _Accepted:
 
 
 class _RoundStrategy(Strategy):
-    """What both strategies share: node sampling with a deadline, per-client reply checking, the round record,
-    client-side evaluation. Subclasses say what a node gets (``_train_content``) and what a reply must carry
-    (``_parse_train``), and aggregate (``_aggregate``)."""
+    """What both strategies share: the node <-> partition map, partition sampling, per-client reply checking, the
+    round record, client-side evaluation. Subclasses say what a client gets (``_train_content``) and what its reply
+    must carry (``_parse_train``), and aggregate (``_aggregate``)."""
 
     task = ""
 
-    def __init__(self, *, fraction_train: float = 1.0, min_train_nodes: int = 2, min_available_nodes: int = 2,
-                 min_replies: int = 1, node_timeout: float = 120.0, fraction_evaluate: float = 0.0,
-                 min_evaluate_nodes: int = 1, client_config: Mapping[str, Any] | None = None, seed: int = 0):
-        for name, value in (("fraction_train", fraction_train), ("fraction_evaluate", fraction_evaluate)):
-            if not 0 <= value <= 1:
-                raise ValueError(f"{name}: expected a number in [0, 1], got {value!r}")
-        for name, value in (("min_train_nodes", min_train_nodes), ("min_available_nodes", min_available_nodes),
-                            ("min_replies", min_replies), ("min_evaluate_nodes", min_evaluate_nodes)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
-        if not node_timeout > 0:
-            raise ValueError(f"node_timeout: expected a positive number of seconds, got {node_timeout!r}")
-        self.fraction_train = fraction_train
-        self.fraction_evaluate = fraction_evaluate
-        self.min_train_nodes = min_train_nodes
-        self.min_available_nodes = min_available_nodes
-        self.min_evaluate_nodes = min_evaluate_nodes
-        self.min_replies = min_replies
-        self.node_timeout = float(node_timeout)
+    def __init__(self, *, seed: int, fraction: float = 1.0, fraction_evaluate: float = 1.0, min_nodes: int = 0,
+                 min_replies: int = 1, node_timeout: float = 120.0, query_timeout: float = 600.0,
+                 client_config: Optional[Mapping[str, Any]] = None):
+        self.seed = check_int(seed, "seed", low=0)
+        self.fraction = check_fraction(fraction, "fraction")
+        self.fraction_evaluate = check_fraction(fraction_evaluate, "fraction_evaluate", allow_zero=True)
+        self.min_nodes = check_int(min_nodes, "min_nodes", low=0)
+        self.min_replies = check_int(min_replies, "min_replies", low=1)
+        self.node_timeout = check_positive(node_timeout, "node_timeout")
+        self.query_timeout = check_positive(query_timeout, "query_timeout")
         self.client_config = dict(client_config or {})
-        self.seed = seed
+        #: ``{partition id: node id}`` of the connected SuperNodes that answered the query.
+        self.nodes: dict[int, int] = {}
+        #: J, the input shape and the number of classes every node reported (None before :meth:`connect`).
+        self.identity: Optional[NodeIdentity] = None
+        #: ``{node id: reason}`` of the nodes refused (their identity disagreed); not asked again.
+        self.refused: dict[int, str] = {}
         #: One dict per finished round (see the module docstring).
-        self.rounds: list[dict[str, Any]] = []
-        self._sent: dict[tuple[int, str], list[int]] = {}
+        self.history: list[dict[str, Any]] = []
+        self._sent: dict[tuple[int, str], dict[int, int]] = {}  # (round, type) -> {node: partition}
+        self._unconnected: dict[tuple[int, str], list[int]] = {}  # (round, type) -> sampled partitions without node
 
-    # ------------------------------------------------------------------------------------------------ sampling
+    # ------------------------------------------------------------------------------------------------ nodes
 
-    def _sample(self, grid: Grid, server_round: int, fraction: float, min_nodes: int) -> list[int]:
-        """Wait at most ``node_timeout`` s for ``max(min_available_nodes, min_nodes)`` nodes, then sample
-        ``max(floor(fraction * connected), min_nodes)`` of them (sorted node ids, seeded by seed and round)."""
-        need = max(self.min_available_nodes, min_nodes)
+    @property
+    def num_partitions(self) -> int:
+        if self.identity is None:
+            raise RuntimeError("no SuperNode has told its partition yet: call connect(grid) first")
+        return self.identity.num_partitions
+
+    def _query(self, grid: Grid, nodes: Sequence[int]) -> None:
+        """Ask ``nodes`` who they are; map those whose answer agrees with what is known."""
+        config = ConfigRecord({**self.client_config, "task": self.task})
+        messages = [Message(content=RecordDict({CONFIG: config}), dst_node_id=node, message_type=MessageType.QUERY,
+                            group_id="query") for node in nodes]
+        for reply in sorted(grid.send_and_receive(messages, timeout=self.query_timeout),
+                            key=lambda m: m.metadata.src_node_id):
+            node = reply.metadata.src_node_id
+            if reply.has_error():
+                LOGGER.warning("node %d did not tell its partition (error reply, code %s): %s", node,
+                               reply.error.code, reply.error.reason)
+                continue
+            try:
+                identity = read_identity(reply)
+                known = self.identity
+                if known is not None:
+                    for what, mine, theirs in (("num-partitions", known.num_partitions, identity.num_partitions),
+                                               ("input-shape", known.input_shape, identity.input_shape),
+                                               ("num-classes", known.num_classes, identity.num_classes)):
+                        if mine != theirs:
+                            raise ReplyError(f"{what} {theirs}, but the other nodes have {mine}")
+                holder = self.nodes.get(identity.partition_id)
+                if holder is not None and holder != node:
+                    raise ReplyError(f"partition-id {identity.partition_id} is held by node {holder} already")
+            except ReplyError as error:
+                self.refused[node] = str(error)
+                LOGGER.warning("node %d refused: %s", node, error)
+                continue
+            if self.identity is None:
+                self.identity = identity
+            self.nodes[identity.partition_id] = node
+        LOGGER.info("partitions of the connected nodes: %s", dict(sorted(self.nodes.items())))
+
+    def refresh(self, grid: Grid) -> None:
+        """Forget nodes that went away; ask the nodes that are new (or never answered) for their identity."""
+        connected = set(grid.get_node_ids())
+        self.nodes = {j: n for j, n in self.nodes.items() if n in connected}
+        new = sorted(connected - set(self.nodes.values()) - set(self.refused))
+        if new:
+            self._query(grid, new)
+
+    def connect(self, grid: Grid) -> NodeIdentity:
+        """Wait (at most ``node_timeout`` seconds) until ``min_nodes`` SuperNodes (0: all J) have told their
+        partition; return what they hold in common (J, input shape, classes).
+
+        :raises RuntimeError: if they do not connect in time.
+        :raises ValueError: if ``min_nodes`` exceeds J.
+        """
         deadline = time.monotonic() + self.node_timeout
-        while len(nodes := sorted(grid.get_node_ids())) < need:
+        while True:
+            self.refresh(grid)
+            if self.identity is not None:
+                if self.min_nodes > self.num_partitions:
+                    raise ValueError(f"min-nodes: expected at most the {self.num_partitions} partitions of the "
+                                     f"SuperNodes (num-partitions), got {self.min_nodes}")
+                need = self.min_nodes or self.num_partitions
+                if len(self.nodes) >= need:
+                    return self.identity
+            else:
+                need = max(self.min_nodes, 1)
             if time.monotonic() >= deadline:
-                raise RuntimeError(f"round {server_round}: waited {self.node_timeout:.0f} s for {need} nodes, only "
-                                   f"{len(nodes)} connected; start more SuperNodes or lower min-nodes")
-            LOGGER.info("waiting for nodes: %d connected, %d needed", len(nodes), need)
+                raise RuntimeError(f"waited {self.node_timeout:.0f} s for {need} SuperNode(s) with a partition, "
+                                   f"{len(self.nodes)} connected (partitions {sorted(self.nodes)}); start more "
+                                   f"SuperNodes or lower min-nodes"
+                                   + (f"; refused: {self.refused}" if self.refused else ""))
+            LOGGER.info("waiting for SuperNodes: %d of %d with a partition", len(self.nodes), need)
             time.sleep(1.0)
-        size = min(len(nodes), max(int(fraction * len(nodes)), min_nodes))
-        if size == len(nodes):
-            return nodes
-        return sorted(random.Random(f"{self.seed}-{server_round}").sample(nodes, size))
 
-    def _messages(self, server_round: int, nodes: list[int], message_type: str,
-                  content: Callable[[int], tuple[ArrayRecord, dict]], config: ConfigRecord) -> list[Message]:
-        self._sent[(server_round, message_type)] = nodes
-        messages = []
-        for node in nodes:
-            arrays, extra = content(node)
-            record = ConfigRecord({**self.client_config, **dict(config), **extra, "task": self.task,
-                                   "server-round": server_round})
-            messages.append(Message(content=RecordDict({ARRAYS: arrays, CONFIG: record}), dst_node_id=node,
+    def _messages(self, server_round: int, message_type: str, partitions: Sequence[int],
+                  content) -> list[Message]:
+        """One message per partition in ``partitions`` that has a node (``content(j) -> (arrays, extra config)``);
+        the others are recorded as unconnected."""
+        sent, unconnected, messages = {}, [], []
+        for j in partitions:
+            node = self.nodes.get(j)
+            if node is None:
+                unconnected.append(j)
+                continue
+            arrays, extra = content(j)
+            config = ConfigRecord({**self.client_config, **extra, "task": self.task, "server-round": server_round})
+            messages.append(Message(content=RecordDict({ARRAYS: arrays, CONFIG: config}), dst_node_id=node,
                                     message_type=message_type, group_id=str(server_round)))
+            sent[node] = j
+        if unconnected:
+            LOGGER.warning("round %d: partition(s) %s sampled for %s but no connected node holds them", server_round,
+                           unconnected, message_type)
+        self._sent[(server_round, message_type)] = sent
+        self._unconnected[(server_round, message_type)] = unconnected
         return messages
 
     # ------------------------------------------------------------------------------------------------ replies
 
-    def _accept(self, server_round: int, replies: Iterable[Message], message_type: str,
-                parse: Callable[[Message], _Accepted]) -> tuple[list[_Accepted], dict[int, str], list[int]]:
-        """Parse every reply; drop (and log) errors, malformed replies and duplicate partition ids; log the nodes
-        that never answered. Returns the accepted replies sorted by partition id (the order of the in-process run),
-        the rejected ``{node: reason}`` and the missing nodes."""
-        accepted: list[_Accepted] = []
+    def _accept(self, server_round: int, replies: Iterable[Message], message_type: str, parse
+                ) -> tuple[list[_Accepted], dict[int, str], list[int]]:
+        """Parse every reply; drop (and log) errors and malformed replies; log the clients that never answered.
+        Returns the accepted replies sorted by partition id (the order of the in-process run), the rejected
+        ``{partition: reason}`` and the missing partitions."""
+        sent = self._sent.get((server_round, message_type), {})
+        accepted: dict[int, _Accepted] = {}
         rejected: dict[int, str] = {}
-        answered = set()
         for reply in replies:
             node = reply.metadata.src_node_id
-            answered.add(node)
+            j = sent.get(node)
+            if j is None or j in accepted or j in rejected:
+                LOGGER.warning("round %d: unexpected %s reply from node %d ignored", server_round, message_type, node)
+                continue
             if reply.has_error():
-                rejected[node] = f"error reply (code {reply.error.code}): {reply.error.reason}"
+                rejected[j] = f"error reply (code {reply.error.code}): {reply.error.reason}"
             else:
                 try:
                     item = parse(reply)
-                    if any(a.partition_id == item.partition_id for a in accepted):
-                        raise ReplyError(f"partition-id {item.partition_id} already answered by another node")
-                    accepted.append(item)
+                    if item.partition_id != j:
+                        raise ReplyError(f"answered as partition-id {item.partition_id}, but was sent as {j}")
+                    accepted[j] = item
                     continue
                 except ReplyError as error:
-                    rejected[node] = str(error)
-            LOGGER.warning("round %d: %s reply of node %d rejected: %s", server_round, message_type, node,
-                           rejected[node])
-        missing = [n for n in self._sent.get((server_round, message_type), []) if n not in answered]
-        if missing:
-            LOGGER.warning("round %d: no %s reply from node(s) %s before the deadline; going on without them",
-                           server_round, message_type, missing)
-        accepted.sort(key=lambda a: a.partition_id)
-        return accepted, rejected, missing
-
-    def _require(self, server_round: int, accepted, rejected, missing) -> None:
-        if len(accepted) < self.min_replies:
-            raise RuntimeError(
-                f"round {server_round}: {len(accepted)} usable replies, fewer than min_replies={self.min_replies}; "
-                f"rejected: {rejected or 'none'}; missing (no reply before the deadline): {missing or 'none'}")
-
-    def _identity(self, reply: Message) -> tuple[Mapping, MetricRecord, int, int]:
-        arrays, metrics, client = reply_parts(reply)
-        return arrays, metrics, read_partition_id(client), read_count(metrics)
+                    rejected[j] = str(error)
+            LOGGER.warning("round %d: %s reply of client %d (node %d) rejected: %s", server_round, message_type, j,
+                           node, rejected[j])
+        silent = sorted(j for j in sent.values() if j not in accepted and j not in rejected)
+        if silent:
+            LOGGER.warning("round %d: no %s reply from client(s) %s before the deadline; going on without them",
+                           server_round, message_type, silent)
+        missing = sorted(self._unconnected.get((server_round, message_type), []) + silent)
+        return [accepted[j] for j in sorted(accepted)], rejected, missing
 
     # ------------------------------------------------------------------------------------------------ training
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
                         ) -> Iterable[Message]:
-        """Sample the nodes of this round and give each its training message (see the subclass)."""
-        if self.fraction_train == 0:
-            return []
-        nodes = self._sample(grid, server_round, self.fraction_train, self.min_train_nodes)
-        LOGGER.info("round %d: training on %d node(s)", server_round, len(nodes))
-        return self._messages(server_round, nodes, MessageType.TRAIN,
-                              lambda node: self._train_content(server_round, node, arrays), config)
+        """Sample this round's partitions (:func:`~bnpfed.federated.server.sample_clients`) and give each node
+        holding one its training message (see the subclass)."""
+        if self.identity is None:
+            self.connect(grid)
+        else:
+            self.refresh(grid)
+        sampled = sample_clients(self.num_partitions, self.fraction, seed=self.seed, round=server_round)
+        self._sampled = sampled
+        LOGGER.info("round %d: training client(s) %s", server_round, sampled)
+        extra = dict(config)
+        return self._messages(server_round, MessageType.TRAIN, sampled,
+                              lambda j: (self._train_content(server_round, j, arrays), extra))
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
-                        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+                        ) -> tuple[Optional[ArrayRecord], Optional[MetricRecord]]:
         """Check the replies, then aggregate the usable ones (see the subclass)."""
         start = time.perf_counter()
         accepted, rejected, missing = self._accept(server_round, replies, MessageType.TRAIN, self._parse_train)
-        self._require(server_round, accepted, rejected, missing)
+        if len(accepted) < self.min_replies:
+            raise RuntimeError(
+                f"round {server_round}: {len(accepted)} usable replies, fewer than min-replies={self.min_replies}; "
+                f"rejected: {rejected or 'none'}; missing (no reply before the deadline, or no node): "
+                f"{missing or 'none'}")
         arrays, summary = self._aggregate(server_round, accepted)
-        record = {"round": server_round, "partition_ids": [a.partition_id for a in accepted],
-                  "num_examples": [a.num_examples for a in accepted], "rejected": rejected, "missing": missing,
-                  **summary, "seconds": time.perf_counter() - start}
-        self.rounds.append(record)
-        LOGGER.info("round %d: aggregated %d client(s) %s%s", server_round, len(accepted), record["partition_ids"],
+        record = {"round": server_round, "sampled": list(self._sampled),
+                  "clients": [a.partition_id for a in accepted], "num_examples": [a.num_examples for a in accepted],
+                  "rejected": rejected, "missing": missing, **summary, "seconds": time.perf_counter() - start}
+        self.history.append(record)
+        LOGGER.info("round %d: aggregated client(s) %s%s", server_round, record["clients"],
                     "".join(f", {k} {v}" for k, v in summary.items()))
         metrics = MetricRecord({"num-clients": len(accepted), "num-examples": sum(a.num_examples for a in accepted)})
         for key, value in summary.items():
-            metrics[key.replace("_", "-")] = value
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                metrics[key.replace("_", "-")] = value
+            elif isinstance(value, list) and value and all(isinstance(v, (int, float)) for v in value):
+                metrics[key.replace("_", "-")] = [type(value[0])(v) for v in value]
         return arrays, metrics
 
+    def _identity_and_count(self, reply: Message) -> tuple[Mapping, MetricRecord, int, int]:
+        arrays, metrics, client = reply_parts(reply)
+        return arrays, metrics, read_partition_id(client), read_count(metrics)
+
     @abstractmethod
-    def _train_content(self, server_round: int, node: int, arrays: ArrayRecord) -> tuple[ArrayRecord, dict]:
-        """Implemented by each subclass."""
+    def _train_content(self, server_round: int, j: int, arrays: ArrayRecord) -> ArrayRecord:
+        """The arrays client ``j`` starts its round from."""
 
     @abstractmethod
     def _parse_train(self, reply: Message) -> _Accepted:
-        """Implemented by each subclass."""
+        """A training reply, checked and unpacked."""
 
     @abstractmethod
     def _aggregate(self, server_round: int, accepted: list[_Accepted]) -> tuple[ArrayRecord, dict]:
-        """Implemented by each subclass."""
+        """The server step on the accepted replies: the new global arrays and the round's own numbers."""
 
     # ------------------------------------------------------------------------------------------------ evaluation
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
                            ) -> Iterable[Message]:
-        """Send the global model to a ``fraction_evaluate`` of the nodes (none by default)."""
-        if self.fraction_evaluate == 0 or len(arrays) == 0:
+        """Send the global model to the clients of :func:`evaluation_clients` (every one by default)."""
+        if self.fraction_evaluate == 0 or len(arrays) == 0 or self.identity is None:
             return []
-        nodes = self._sample(grid, server_round, self.fraction_evaluate, self.min_evaluate_nodes)
-        return self._messages(server_round, nodes, MessageType.EVALUATE, lambda node: (arrays, {}), config)
+        chosen = evaluation_clients(self.num_partitions, self.fraction_evaluate, seed=self.seed, round=server_round)
+        extra = dict(config)
+        return self._messages(server_round, MessageType.EVALUATE, chosen, lambda j: (arrays, extra))
 
-    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> Optional[MetricRecord]:
         """Example-weighted means of the clients' ``accuracy`` and ``nll`` on their test shards."""
         def parse(reply: Message) -> _Accepted:
             content = reply.content
@@ -244,8 +350,7 @@ class _RoundStrategy(Strategy):
                 raise ReplyError("evaluation reply lacks its 'metrics' or 'client' record")
             metrics = content.metric_records[METRICS]
             scores = {key: read_finite(metrics, key) for key in ("accuracy", "nll")}
-            return _Accepted(reply.metadata.src_node_id, read_partition_id(content.config_records[CLIENT]),
-                             read_count(metrics), None, scores)
+            return _Accepted(read_partition_id(content.config_records[CLIENT]), read_count(metrics), None, scores)
 
         accepted, _, _ = self._accept(server_round, replies, MessageType.EVALUATE, parse)
         if not accepted:
@@ -254,160 +359,138 @@ class _RoundStrategy(Strategy):
         out = MetricRecord({"num-examples": total})
         for key in ("accuracy", "nll"):
             out[key] = float(sum(a.metrics[key] * a.num_examples for a in accepted) / total)
-        if self.rounds and self.rounds[-1]["round"] == server_round:
-            self.rounds[-1].update(accuracy=out["accuracy"], nll=out["nll"])
+        if self.history and self.history[-1]["round"] == server_round:
+            self.history[-1].update(accuracy=out["accuracy"], nll=out["nll"], test_examples=total,
+                                    evaluated=[a.partition_id for a in accepted])
         return out
 
     def summary(self) -> None:
         """Log the strategy's settings."""
-        LOGGER.info("%s: fraction_train %.2f, fraction_evaluate %.2f, min_available_nodes %d, min_replies %d, "
-                    "node_timeout %.0f s", type(self).__name__, self.fraction_train, self.fraction_evaluate,
-                    self.min_available_nodes, self.min_replies, self.node_timeout)
+        LOGGER.info("%s: fraction %.2f, fraction-evaluate %.2f, min-nodes %s, min-replies %d, node-timeout %.0f s, "
+                    "seed %d", type(self).__name__, self.fraction, self.fraction_evaluate,
+                    self.min_nodes or "all", self.min_replies, self.node_timeout, self.seed)
 
 
 class PFNMStrategy(_RoundStrategy):
-    """PFNM (Yurochkin et al. 2019) as a Flower strategy, one-shot (one round) or with communication rounds.
+    """PFNM (Yurochkin et al. 2019) as a Flower strategy, one-shot (one round) or with communication rounds; the
+    rounds of :class:`~bnpfed.federated.pfnm.PFNMFederation`.
 
-    Round 1: every sampled client trains its own MLP from its own initialisation (an empty ``ArrayRecord`` is
-    sent) and replies with its layers and its training examples per class. The server matches the layers
-    (:func:`~bnpfed.inference.multilayer.match_networks`; clients in partition-id order) into a global network
-    whose width is decided by the Beta-Bernoulli process, not fixed. Round r > 1: each client that was matched gets
-    *its slice* of the global network (:meth:`NetworkMatch.client_slice`: the global neurons its own neurons were
-    matched to), retrains it with the round's schedule, and the server re-matches, so the global width can change
-    from round to round; a node that was not matched gets the whole global network.
+    Round 1: each sampled client trains its own MLP from its own initialisation (an empty ``ArrayRecord`` is sent)
+    and replies with its layers and its training examples per class. The server matches them
+    (:func:`~bnpfed.federated.server.pfnm_step`, clients in partition order) into a global network whose width the
+    Beta-Bernoulli process decides. Round r > 1: each sampled client gets what
+    :func:`~bnpfed.federated.server.client_start` gives it -- its slice of the global network if it was matched
+    last round, the whole network otherwise -- retrains it, and the server matches again, warm-started from the
+    global ids each client was sent (``PFNMConfig.warm_start``); the global width can change from round to round.
 
-    Usage::
+    Usage (``grid`` is any Flower ``Grid``; :func:`bnpfed.flower.server.run_federation` builds this)::
 
-        strategy = PFNMStrategy(sigma2=0.3, in_features=64, num_classes=10, min_available_nodes=3,
-                                schedule=lambda r: asdict(local_schedule(settings, r)))
+        strategy = PFNMStrategy(PFNMConfig(sigma2=0.3), seed=0, hidden=(100,))
+        strategy.connect(grid)
         result = strategy.start(grid, ArrayRecord(), num_rounds=2, timeout=600)
-        strategy.match.hidden_sizes, strategy.rounds
+        strategy.match.hidden_sizes, strategy.history
 
-    :param float sigma2: noise variance of the matching (one value, or one per hidden layer as a list).
-    :param float sigma0_2: prior variance.
-    :param float gamma0: IBP mass.
-    :param dict match_kwargs: further keywords of ``match_networks`` (``objective``, ``direction``, ``sweeps``,
-        ``seed``, the reference constants; e.g. ``PFNMSettings.matcher_kwargs()``).
-    :param int in_features: input size every client's first layer must take; unchecked if None.
-    :param int num_classes: output size every client's last layer must have; unchecked if None.
-    :param schedule: ``round -> {"epochs", "lr", "seed"}``, the local training each client runs that round (sent as
-        ``schedule-epochs``, ``schedule-lr``, ``schedule-seed``). Default: none sent (the client
-        then follows ``local_schedule`` of the settings it was sent).
-    :param kwargs: sampling, deadline and evaluation settings: ``fraction_train`` (1.0), ``min_train_nodes`` (2),
-        ``min_available_nodes`` (2), ``min_replies`` (1), ``node_timeout`` (120 s), ``fraction_evaluate`` (0.0),
-        ``min_evaluate_nodes`` (1), ``client_config`` (sent to every client in every message), ``seed`` (node
-        sampling when ``fraction_train < 1``).
+    :param PFNMConfig pfnm: matching hyper-parameters, warm start, the share of clients a round trains.
+    :param int seed: the experiment's seed (client sampling, the matcher's sweeps).
+    :param hidden: the hidden widths every client's round-1 network has (checked); unchecked if None.
+    :param kwargs: ``fraction_evaluate`` (1), ``min_nodes`` (0: all J), ``min_replies`` (1), ``node_timeout``
+        (120 s), ``query_timeout`` (600 s), ``client_config`` (sent to every client in every message).
 
-    Attributes: ``match`` (the last :class:`~bnpfed.inference.multilayer.NetworkMatch`), ``rounds``.
+    Attributes: ``match`` (the last :class:`~bnpfed.inference.multilayer.NetworkMatch`), ``matched`` (the clients
+    it matched, in its order), ``history``.
     """
 
     task = "pfnm"
 
-    def __init__(self, *, sigma2=1.0, sigma0_2=1.0, gamma0=1.0, match_kwargs: Mapping[str, Any] | None = None,
-                 in_features: int | None = None, num_classes: int | None = None,
-                 schedule: Callable[[int], Mapping[str, Any]] | None = None, **kwargs: Any):
-        super().__init__(**kwargs)
-        self.sigma2, self.sigma0_2, self.gamma0 = sigma2, sigma0_2, gamma0
-        self.match_kwargs = dict(match_kwargs or {})
-        self.in_features, self.num_classes = in_features, num_classes
-        self.schedule = schedule
+    def __init__(self, pfnm: PFNMConfig, *, seed: int, hidden: Optional[Sequence[int]] = None, **kwargs: Any):
+        if not isinstance(pfnm, PFNMConfig):
+            raise ValueError(f"pfnm: expected a PFNMConfig, got {type(pfnm).__name__}")
+        super().__init__(seed=seed, fraction=pfnm.fraction, **kwargs)
+        self.pfnm = pfnm
+        self.hidden = None if hidden is None else [int(h) for h in hidden]
         self.match = None
-        self._slot: dict[int, int] = {}  # node -> its client index j in self.match
-        self._widths: dict[int, list[int] | None] = {}  # node -> hidden widths it must answer with
+        self.matched: list[int] = []
+        self._starts: dict[int, Any] = {}  # partition -> the global ids of the neurons it was sent
+        self._widths: dict[int, Optional[list[int]]] = {}  # partition -> hidden widths it must answer with
 
-    def _train_content(self, server_round, node, arrays):
-        extra = {}
-        if self.schedule is not None:
-            s = self.schedule(server_round)
-            extra = {"schedule-epochs": int(s["epochs"]), "schedule-lr": float(s["lr"]),
-                     "schedule-seed": int(s["seed"])}
-        if self.match is not None and node in self._slot:
-            layers = self.match.client_slice(self._slot[node])
-            self._widths[node] = [int(w.shape[0]) for w, _ in layers[:-1]]
-            return network_to_record(layers), extra
-        if len(arrays) == 0:  # round 1: the client starts from its own initialisation
-            self._widths[node] = None
-            return ArrayRecord(), extra
-        shapes = array_shapes(arrays)  # a node that was not matched last round starts from the whole global network
-        self._widths[node] = [shapes[f"{c}.weight"][0] for c in range(len(shapes) // 2 - 1)]
-        return arrays, extra
+    def _train_content(self, server_round, j, arrays):
+        if self.match is None:  # round 1: the client starts from its own initialisation
+            self._starts[j], self._widths[j] = None, self.hidden
+            return ArrayRecord()
+        layers, ids = client_start(self.match, self.matched.index(j) if j in self.matched else None)
+        self._starts[j] = ids
+        self._widths[j] = [int(w.shape[0]) for w, _ in layers[:-1]]
+        return network_to_record(layers)
 
     def _parse_train(self, reply):
-        arrays, metrics, partition_id, n = self._identity(reply)
-        layers = network_from_arrays(arrays, in_features=self.in_features, num_classes=self.num_classes,
-                                     widths=self._widths.get(reply.metadata.src_node_id))
-        counts = read_class_counts(metrics, self.num_classes if self.num_classes is not None else
-                                   int(layers[-1][0].shape[0]))
-        return _Accepted(reply.metadata.src_node_id, partition_id, n, (layers, counts), metrics)
+        arrays, metrics, j, n = self._identity_and_count(reply)
+        identity = self.identity
+        layers = network_from_arrays(arrays, in_features=math.prod(identity.input_shape),
+                                     num_classes=identity.num_classes, widths=self._widths.get(j))
+        counts = read_class_counts(metrics, identity.num_classes)
+        return _Accepted(j, n, (layers, counts), metrics)
 
     def _aggregate(self, server_round, accepted):
-        if self.num_classes is None:  # without a declared class count the first client's sets it for the others
-            outputs = {int(a.payload[0][-1][0].shape[0]) for a in accepted}
-            if len(outputs) > 1:
-                raise RuntimeError(f"round {server_round}: clients disagree on the number of classes {outputs}; "
-                                   "set num_classes so that the odd ones are rejected")
-        match = match_networks([a.payload[0] for a in accepted], np.stack([a.payload[1] for a in accepted]),
-                               sigma2=self.sigma2, sigma0_2=self.sigma0_2, gamma0=self.gamma0, **self.match_kwargs)
-        self.match = match
-        self._slot = {a.node_id: j for j, a in enumerate(accepted)}
-        return network_to_record(match.layers), {"hidden_sizes": match.hidden_sizes}
+        first = self.match is None
+        starts = None if first else [self._starts[a.partition_id] for a in accepted]
+        self.match = pfnm_step([a.payload[0] for a in accepted], np.stack([a.payload[1] for a in accepted]),
+                               self.pfnm, seed=self.seed, round=server_round, starts=starts)
+        self.matched = [a.partition_id for a in accepted]
+        return network_to_record(self.match.layers), {"hidden": self.match.hidden_sizes,
+                                                       "server_seconds": self.match.seconds}
 
 
 class PosteriorFusionStrategy(_RoundStrategy):
-    """Posterior fusion of variational Bayesian clients (Ozer et al. 2022) as a Flower strategy.
+    """Posterior fusion of variational Bayesian clients (Ozer et al. 2022) as a Flower strategy; the rounds of
+    :class:`~bnpfed.federated.fusion.FusionFederation`.
 
     Every round each sampled client gets the global model (the fused posterior ``loc/`` / ``variance/`` per
     Bayesian weight, the averaged deterministic parameters ``param/``), runs SVI on its data and replies with its
-    posterior and parameters and its example count ``n_k``. The server fuses the posteriors weight by weight with
-    one rule of :mod:`bnpfed.combine` (:func:`~bnpfed.combine.fuse_sites`) under client weights ``b_k``
-    (``"size"``: ``n_k / sum_j n_j``, ``"uniform"``: ``1 / m``) and averages the deterministic parameters with the
-    same ``b_k`` (:func:`~bnpfed.combine.average_deterministic`), as :class:`bnpfed.federated.fusion.FusionFederation`
-    does; the pooling rule draws from ``derive_seed(seed, POOLING, round)``, as there.
+    posterior, its parameters and its example count ``n_k``. The server step is
+    :func:`~bnpfed.federated.server.fuse_posteriors` (client weights, the rule, the pooling draws, the variance
+    floor, the averaged deterministic parameters), on the clients in partition order.
 
-    Usage::
+    Usage (``initial`` is the global model before round 1, see
+    :func:`bnpfed.flower.client.initial_global_model`)::
 
-        strategy = PosteriorFusionStrategy("conflation", weights="size", seed=0, min_available_nodes=3)
-        result = strategy.start(grid, posterior_to_record(initial_posterior, initial_params), num_rounds=5)
+        strategy = PosteriorFusionStrategy(FusionConfig(rule="pooling"), seed=0)
+        strategy.connect(grid)
+        result = strategy.start(grid, initial, num_rounds=5)
 
-    :param str rule: a name from :func:`bnpfed.combine.available_rules`. Default ``"conflation"``.
-    :param str weights: ``"size"`` (default) or ``"uniform"``.
-    :param int pooling_samples: N of the pooling rule. Default 1000.
-    :param int seed: the experiment's seed (pooling draws; node sampling when ``fraction_train < 1``).
-    :param kwargs: sampling, deadline and evaluation settings, as for :class:`PFNMStrategy`.
+    :param FusionConfig fusion: the rule, client weights, pooling draws, variance floor, share of clients a round
+        trains.
+    :param int seed: the experiment's seed (client sampling, the pooling draws).
+    :param kwargs: as for :class:`PFNMStrategy`.
     """
 
     task = "fusion"
 
-    def __init__(self, rule: str = "conflation", *, weights: str = "size", pooling_samples: int = 1000,
-                 **kwargs: Any):
-        super().__init__(**kwargs)
-        if rule not in available_rules():
-            raise ValueError(f"rule: expected one of {available_rules()}, got {rule!r}")
-        if weights not in ("size", "uniform"):
-            raise ValueError(f"weights: expected 'size' or 'uniform', got {weights!r}")
-        self.rule, self.weights, self.pooling_samples = rule, weights, pooling_samples
+    def __init__(self, fusion: FusionConfig, *, seed: int, **kwargs: Any):
+        if not isinstance(fusion, FusionConfig):
+            raise ValueError(f"fusion: expected a FusionConfig, got {type(fusion).__name__}")
+        super().__init__(seed=seed, fraction=fusion.fraction, **kwargs)
+        self.fusion = fusion
         self._expected: dict[str, tuple[int, ...]] = {}
 
-    def _train_content(self, server_round, node, arrays):
+    def _train_content(self, server_round, j, arrays):
         if len(arrays) == 0:
             raise ValueError("posterior fusion needs the initial global model as initial_arrays "
-                             "(see bnpfed.flower.client.initial_global_model)")
+                             "(bnpfed.flower.client.initial_global_model)")
         self._expected = array_shapes(arrays)
-        return arrays, {}
+        return arrays
 
     def _parse_train(self, reply):
-        arrays, metrics, partition_id, n = self._identity(reply)
-        return _Accepted(reply.metadata.src_node_id, partition_id, n, posterior_from_arrays(arrays, self._expected),
-                         metrics)
+        arrays, metrics, j, n = self._identity_and_count(reply)
+        posterior, params = posterior_from_arrays(arrays, self._expected)
+        return _Accepted(j, n, (posterior, params), {"train_loss": read_finite(metrics, "train-loss")})
 
     def _aggregate(self, server_round, accepted):
-        sizes = [a.num_examples for a in accepted]
-        weights = [n / sum(sizes) for n in sizes] if self.weights == "size" else [1.0 / len(sizes)] * len(sizes)
-        generator = torch.Generator().manual_seed(derive_seed(self.seed, POOLING, server_round))
-        fused = fuse_sites([a.payload[0] for a in accepted], self.rule, weights, num_samples=self.pooling_samples,
-                           generator=generator)
-        names = list(accepted[0].payload[1])
-        params = {name: average_deterministic([a.payload[1][name] for a in accepted], weights) for name in names}
-        record = posterior_to_record({site: (g.loc, g.variance) for site, g in fused.items()}, params)
-        return record, {"weights": weights}
-
+        step = fuse_posteriors([a.payload[0] for a in accepted], [a.payload[1] for a in accepted],
+                               [a.num_examples for a in accepted], self.fusion, seed=self.seed, round=server_round)
+        total = sum(g.variance.sqrt().sum().item() for g in step.posterior.values())
+        count = sum(g.variance.numel() for g in step.posterior.values())
+        summary = {"weights": step.weights,
+                   "train_loss": sum(a.metrics["train_loss"] for a in accepted) / len(accepted),
+                   "mean_sigma": total / count, "min_variance": step.min_variance, "floored": step.floored,
+                   "server_seconds": step.seconds}
+        return posterior_to_record(step.posterior, step.deterministic), summary
