@@ -70,7 +70,7 @@ class MeanFieldELBO:
     def __init__(self):
         self._reference = TraceMeanField_ELBO(max_plate_nesting=1)
         self._key: Optional[tuple] = None
-        self._plan: Optional[list[tuple[str, int, _Param, _Param]]] = None
+        self._plan: Optional[list[tuple[str, Tensor, Tensor, _Param, _Param]]] = None
 
     @staticmethod
     def supports(model, guide) -> bool:
@@ -91,8 +91,9 @@ class MeanFieldELBO:
         plan = None
         if self.supports(model, guide):
             priors = model.prior_distributions()
-            plan = [(name, i, *(_scalar_or_tensor(p) for p in _normal(priors[name])))
-                    for i, name in enumerate(guide.site_names)]
+            # the guide's Parameter objects themselves: indexing a ParameterList costs more than a small layer
+            plan = [(name, loc, rho, *(_scalar_or_tensor(p) for p in _normal(priors[name])))
+                    for name, loc, rho in zip(guide.site_names, guide.locs, guide.rhos)]
         self._key, self._plan = (weakref.ref(model), weakref.ref(guide), model.prior.version), plan
         return plan
 
@@ -108,8 +109,8 @@ class MeanFieldELBO:
         batch, n = model.check_batch(x, y, dataset_size)
         local = model.local_reparameterization
         values, moments, kl = {}, {} if local else None, 0.0
-        for name, i, prior_loc, prior_scale in plan:
-            loc, scale = guide.locs[i], F.softplus(guide.rhos[i])
+        for name, loc, rho, prior_loc, prior_scale in plan:
+            scale = F.softplus(rho)
             # Normal(loc, scale).rsample(): the guide's draw, in the guide's order
             values[name] = loc + torch.empty_like(loc).normal_() * scale
             if local:
@@ -127,7 +128,7 @@ class MeanFieldELBO:
         if plan is None:
             raise ValueError("model, guide: expected a BayesianNetwork with Normal priors and a MeanFieldGuide over "
                              "its Bayesian sites (see MeanFieldELBO.supports)")
-        return sum(_kl_normal_normal(guide.locs[i], F.softplus(guide.rhos[i]), m, t).sum() for _, i, m, t in plan)
+        return sum(_kl_normal_normal(loc, F.softplus(rho), m, t).sum() for _, loc, rho, m, t in plan)
 
 
 def _normal(fn) -> Optional[tuple[Tensor, Tensor]]:

@@ -196,7 +196,7 @@ class BayesianClient:
     def _probe(self, x: Tensor) -> Tensor:
         """The network's output for ``x[0]`` (in eval mode, so no random draw and no running statistic changes), for
         checks of the targets; a ``ValueError`` naming ``x`` if the network cannot run on it."""
-        values = {name: value.to(x.device) for name, value in self.bnn.init_values.items()}
+        values = {name: value.to(device=x.device, dtype=x.dtype) for name, value in self.bnn.init_values.items()}
         return _probe(lambda: self.bnn.output_at(x[:1], values), self.bnn, x)
 
     def posterior(self) -> dict[str, GaussianPosterior]:

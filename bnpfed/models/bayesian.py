@@ -98,11 +98,10 @@ class BayesianNetwork(nn.Module):
         if not isinstance(likelihood, Likelihood):
             raise ValueError(f"likelihood: expected a bnpfed.models.Likelihood such as Categorical() or "
                              f"Gaussian(scale), got {likelihood!r}")
-        #: The prior object (read by the sample sites on every run).
-        self.prior = prior
+        self._prior = prior
         #: The observation model.
         self.likelihood = likelihood
-        self.local_reparameterization = check_bool(local_reparameterization, "local_reparameterization")
+        self._local_reparameterization = check_bool(local_reparameterization, "local_reparameterization")
         pyro_net = copy.deepcopy(net)
         with _module_local_params():  # a PyroModule's parameter bookkeeping is set up when it is created
             to_pyro_module_(pyro_net)
@@ -118,6 +117,17 @@ class BayesianNetwork(nn.Module):
             module_name, _, attr = name.rpartition(".")
             self._site_priors[name] = pyro_net.get_submodule(module_name)._pyro_samples[attr]
         self._build_plain(net)
+
+    @property
+    def prior(self) -> Prior:
+        """The prior object, which the sample sites read on every run (``prior.update_`` changes it in place)."""
+        return self._prior
+
+    @property
+    def local_reparameterization(self) -> bool:
+        """Whether runs under :meth:`context` and :meth:`output_at` use local reparameterisation (fixed at
+        construction)."""
+        return self._local_reparameterization
 
     # ------------------------------------------------------------------------------------------ the Pyro program
 
