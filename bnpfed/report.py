@@ -1,11 +1,36 @@
-"""Plain-text tables and JSON output for the command line (no math here)."""
+"""What the commands print and write: plain-text tables, the one JSON layout of every command, and figures
+(no math here).
+
+Every command's JSON (``bnpfed pfnm``, ``fuse``, ``demo``, ``flower``) is :func:`command_record`'s layout::
+
+    {"command": "pfnm", "arguments": {...the parsed flags...}, "settings": {...the configs as plain values...},
+     "versions": {"bnpfed": ..., "torch": ..., "pyro": ..., "flwr": ... or null, "python": ...},
+     "timestamp": "2025-01-31T12:00:00Z", "results": ...}
+
+Usage::
+
+    >>> print(format_table([{"method": "pfnm", "accuracy": 0.93125, "hidden": [120, 40]}]))
+    method  accuracy  hidden
+    ------  --------  ------
+    pfnm      0.9313  120-40
+    >>> record = command_record("demo", {"clients": 3, "func": print}, {"clients": 3}, {"rows": []})
+    >>> list(record), record["arguments"], sorted(record["versions"])
+    (['command', 'arguments', 'settings', 'versions', 'timestamp', 'results'], {'clients': 3}, \
+['bnpfed', 'flwr', 'pyro', 'python', 'torch'])
+"""
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
+import platform
+from importlib import metadata
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
+
+__all__ = ["command_record", "format_table", "json_safe", "line_styles", "pyplot", "save_figure", "versions",
+           "write_json"]
 
 
 def _cell(value: Any, digits: int) -> str:
@@ -30,7 +55,7 @@ def format_table(rows: Sequence[dict], columns: Sequence[str] | None = None, *, 
     line = "  ".join(c.ljust(w) for c, w in zip(columns, widths))
     rule = "  ".join("-" * w for w in widths)
     body = ["  ".join(v.rjust(w) if _is_number(v) else v.ljust(w) for v, w in zip(row, widths)) for row in cells]
-    return "\n".join([line, rule, *body])
+    return "\n".join(text.rstrip() for text in [line, rule, *body])
 
 
 def _is_number(text: str) -> bool:
@@ -58,3 +83,77 @@ def write_json(path: str | Path, payload: dict) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(json_safe(payload), indent=2, allow_nan=False) + "\n")
+
+
+def versions() -> dict:
+    """The versions of bnpfed, torch, pyro, flwr (None when not installed) and Python."""
+    from bnpfed import __version__
+
+    def installed(name):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {"bnpfed": __version__, "torch": installed("torch"), "pyro": installed("pyro-ppl"),
+            "flwr": installed("flwr"), "python": platform.python_version()}
+
+
+def _plain(value) -> bool:
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    if isinstance(value, Mapping):
+        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
+    return False
+
+
+def command_record(command: str, arguments, settings: Mapping, results) -> dict:
+    """The JSON layout of every command: ``command``; ``arguments``, the parsed flags (an ``argparse.Namespace`` or
+    a dict; values that are not plain data, such as the handler function, are left out); ``settings``, the
+    configs as plain values; ``versions`` (:func:`versions`); ``timestamp``, ISO 8601 UTC; ``results``."""
+    items = vars(arguments) if not isinstance(arguments, Mapping) else arguments
+    now = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
+    return {"command": command, "arguments": {k: v for k, v in items.items() if _plain(v)},
+            "settings": dict(settings), "versions": versions(),
+            "timestamp": now.isoformat().replace("+00:00", "Z"), "results": results}
+
+
+# ------------------------------------------------------------------------------------------------ figures
+
+
+def pyplot():
+    """matplotlib's pyplot on the non-interactive Agg backend (the commands only write files)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: str | Path, *, dpi: int = 120) -> None:
+    """Write ``fig`` to ``path`` (its folder made if needed) and close it."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi, bbox_inches="tight")
+    plt.close(fig)
+
+
+def line_styles(names: Sequence[str]) -> dict[str, dict]:
+    """Keywords of ``Axes.plot`` per series name: a colour (tab10; the local models' ``local-*`` rows in greys,
+    FedAvg in black) and a marker of its own, every other series hollow and dashed, so that two series with the same
+    values (k-means sits at PFNM's width by construction; EAA and log-variance often agree) both show."""
+    tab10 = iter(pyplot().get_cmap("tab10").colors * 3)
+    greys = iter(("0.45", "0.65", "0.8"))
+    markers = "osD^vPX*<>"
+    styles = {}
+    for i, name in enumerate(names):
+        color = next(greys, "0.5") if name.startswith("local") else "k" if name == "fedavg" else next(tab10)
+        hollow = i % 2 == 1
+        styles[name] = dict(color=color, marker=markers[i % len(markers)], ms=7 if hollow else 5,
+                            markerfacecolor="none" if hollow else color, linestyle="--" if hollow else "-")
+    return styles

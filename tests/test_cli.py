@@ -1,4 +1,4 @@
-"""The ``bnpfed`` command line."""
+"""The ``bnpfed`` command line: the entry point, ``--help``, and ``bnpfed demo``."""
 
 import json
 import subprocess
@@ -13,7 +13,8 @@ def test_help_lists_the_commands(capsys):
     except SystemExit as e:
         assert e.code == 0
     out = capsys.readouterr().out
-    assert "demo" in out
+    for command in ("demo", "pfnm", "fuse", "flower"):
+        assert command in out
 
 
 def test_console_script_runs():
@@ -26,6 +27,16 @@ def test_demo_prints_recovery_table_and_writes_json(tmp_path, capsys):
     assert main(["demo", "--clients", "4", "--dim", "20", "--gamma0", "5", "--json", str(path)]) == 0
     out = capsys.readouterr().out
     assert "true_atoms" in out and "adjusted_rand" in out and "marginal" in out
-    rows = json.loads(path.read_text())["rows"]
+    assert f"wrote results to {path}" in out
+    payload = json.loads(path.read_text())
+    assert payload["command"] == "demo" and payload["settings"]["clients"] == 4
+    rows = payload["results"]["rows"]
     assert len(rows) == 3 and rows[2]["objective"] == "marginal"
     assert rows[2]["adjusted_rand"] > 0.9
+
+
+def test_demo_noise_is_an_alias_of_sigma2(tmp_path):
+    path = tmp_path / "demo.json"
+    assert main(["demo", "--clients", "3", "--dim", "10", "--noise", "0.05", "--json", str(path)]) == 0
+    payload = json.loads(path.read_text())
+    assert payload["settings"]["sigma2"] == 0.05 and payload["results"]["rows"][1]["sigma2"] == 0.1

@@ -1,10 +1,190 @@
-"""argparse types shared by the subcommands: each parses one option and says what it expected when it cannot."""
+"""What the subcommands share: argparse types, the help formatter, and checking everything before any work.
+
+A command builds its configs (which validate themselves, :mod:`bnpfed.federated.config`), loads and checks its data,
+and checks its output paths before it trains anything. A bad value comes back as a :class:`UsageError` whose one
+line names the flag, e.g. ``--sigma2: expected a positive finite number, got nan``; the command prints it as
+``bnpfed pfnm: error: ...`` and exits with status 2. A run that fails while training exits with status 1.
+
+Usage::
+
+    >>> flag_message(ValueError("sigma0_2: expected a positive finite number, got 0.0"))
+    '--sigma0-2: expected a positive finite number, got 0.0'
+    >>> flag_message(ValueError("hidden[1]: expected an int >= 1, got 0"))
+    '--hidden (item 2): expected an int >= 1, got 0'
+    >>> flag_message(ValueError("methods: expected one of [...], got 'foo'"), aliases={"methods": "--rule"})
+    "--rule: expected one of [...], got 'foo'"
+    >>> flag_message(ValueError("x_test: expected finite values"), fields=("data_dir",), default="--dataset")
+    '--dataset: x_test: expected finite values'
+    >>> names("eaa, gaa")
+    ('eaa', 'gaa')
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import sys
+import textwrap
+from pathlib import Path
+from typing import Collection, Mapping, Optional
 
-from bnpfed.data import DATASET_NAMES, NPZ_PREFIX
+from bnpfed.data import DATASET_NAMES, NPZ_FORMAT, NPZ_PREFIX, Dataset, load_dataset
+from bnpfed.inference import TrainingDiverged
+from bnpfed.federated.config import PARTITION_ALIASES, PARTITIONS, PartitionConfig, TrainingConfig
+
+__all__ = [
+    "HelpFormatter",
+    "TRAINING_ERRORS",
+    "UsageError",
+    "add_data_arguments",
+    "add_output_arguments",
+    "add_partition_arguments",
+    "add_training_arguments",
+    "check_output_path",
+    "check_threads",
+    "dataset_name",
+    "examples",
+    "fail",
+    "flag_message",
+    "floats",
+    "ints",
+    "load_data",
+    "names",
+    "one_line",
+    "paragraphs",
+    "plural",
+    "positive_float",
+    "positive_int",
+    "training_failure",
+    "partition_config",
+    "training_config",
+    "warn",
+]
+
+#: What a run that fails while training raises: :class:`~bnpfed.inference.TrainingDiverged` (a NaN or infinite loss
+#: or parameter, which says where and why), or another error from deep inside a fit; the commands print it as one
+#: line and exit with status 1.
+TRAINING_ERRORS = (TrainingDiverged, RuntimeError, ValueError, FloatingPointError)
+
+
+class UsageError(Exception):
+    """A bad argument or input file, said in one line that names the flag; the command exits with status 2."""
+
+
+# ------------------------------------------------------------------------------------------------ messages
+
+
+_FIELD = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(?:\[(\d+)\])?: (.*)$", re.S)
+
+
+def one_line(text: str, limit: int = 400) -> str:
+    """``text`` on one line (newlines folded), cut at ``limit`` characters."""
+    line = " ".join(str(text).split())
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
+def flag_message(error: Exception, *, aliases: Optional[Mapping[str, str]] = None,
+                 fields: Optional[Collection[str]] = None, default: Optional[str] = None) -> str:
+    """The message of a config error ``"<field>: ..."`` with the field named as its flag, ``--<field with - for
+    _>`` (or ``aliases[field]``). Only ``fields`` and the aliases are fields when ``fields`` is given; any other
+    message gets ``default`` in front, when given."""
+    message = one_line(error)
+    aliases = dict(aliases or {})
+    match = _FIELD.match(message)
+    if match and (fields is None or match.group(1) in fields or match.group(1) in aliases):
+        field, index, rest = match.groups()
+        flag = aliases.get(field, "--" + field.replace("_", "-"))
+        return f"{flag}{f' (item {int(index) + 1})' if index is not None else ''}: {rest}"
+    return f"{default}: {message}" if default else message
+
+
+def fail(prog: str, message: str, status: int = 2) -> int:
+    """Print ``prog: error: message`` (one line) on stderr and return ``status``."""
+    print(f"{prog}: error: {one_line(message)}", file=sys.stderr)
+    return status
+
+
+def training_failure(error: BaseException) -> str:
+    """One line for an error raised while training: a :class:`~bnpfed.inference.TrainingDiverged` says where and
+    why itself; any other error gives its type and the first line of its message."""
+    text = str(error).strip()
+    if isinstance(error, TrainingDiverged):
+        return one_line(text, 600)
+    first = text.splitlines()[0] if text else ""
+    return (f"training failed ({type(error).__name__}: {one_line(first, 300)}); a run that diverges needs a lower "
+            "--lr (or fewer --epochs)")
+
+
+def examples(doc: str, *notes: str) -> str:
+    """An epilog: ``notes`` as wrapped paragraphs, then the ``Examples::`` block of a command module's docstring as
+    it stands."""
+    block = doc.split("Examples::\n\n", 1)[1].rstrip() + "\n"
+    return (paragraphs(*notes) + "\n\n" if notes else "") + "examples:\n" + block
+
+
+def plural(n: int, word: str) -> str:
+    """``"1 round"``, ``"3 rounds"``."""
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def warn(message: str) -> None:
+    print(f"warning: {one_line(message, 1000)}", file=sys.stderr)
+
+
+# ------------------------------------------------------------------------------------------------ help
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults in every option's help, written as a user types them: ``100,50`` for a tuple, ``--no-x`` for a
+    switch that is off, nothing for a plain flag or a default of None (the help text says what happens then).
+    Descriptions and epilogs keep their line breaks (:func:`paragraphs` wraps them); lines never break at a
+    hyphen (``--no-warm-start`` stays whole)."""
+
+    def __init__(self, prog):
+        super().__init__(prog, max_help_position=34, width=help_width())
+
+    def _split_lines(self, text, width):
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if isinstance(action, argparse.BooleanOptionalAction):
+            text = text.replace(" (default: %(default)s)", "")
+            if isinstance(default, bool):
+                flag = action.option_strings[0 if default else 1]
+                return f"{text} (default: {flag})"
+            return text
+        if ("%(default)" in text or default is None or default is argparse.SUPPRESS or isinstance(default, bool)
+                or not action.option_strings):
+            return text
+        return f"{text} (default: {_shown(default)})".replace("%", "%%").replace("%%(", "%(")
+
+
+def help_width() -> int:
+    """The width of ``--help``: the terminal's, between 60 and 110 columns."""
+    try:
+        columns = os.get_terminal_size().columns - 2
+    except OSError:
+        columns = 100
+    return min(110, max(60, columns))
+
+
+def paragraphs(*texts: str) -> str:
+    """Paragraphs wrapped to :func:`help_width`, blank lines between them (for descriptions and epilogs)."""
+    return "\n\n".join(textwrap.fill(" ".join(t.split()), help_width(), break_on_hyphens=False) for t in texts)
+
+
+def _shown(value) -> str:
+    if isinstance(value, (tuple, list)):
+        return ",".join(_shown(v) for v in value)
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+# ------------------------------------------------------------------------------------------------ types
 
 
 def dataset_name(value: str) -> str:
@@ -19,54 +199,172 @@ def dataset_name(value: str) -> str:
                                      f"{NPZ_PREFIX}PATH")
 
 
-def positive_ints(value: str) -> tuple[int, ...]:
-    """Comma-separated positive ints, e.g. ``--hidden 200,100`` or ``--clients 5,10,20``."""
+def _items(value: str, convert, what: str, example: str) -> tuple:
     try:
-        values = tuple(int(v) for v in value.split(","))
+        items = tuple(convert(v) for v in value.split(","))
     except ValueError:
-        values = ()
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{value!r}: expected comma-separated positive ints, e.g. 100 or 200,100")
-    return values
+        items = ()
+    if not items:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected comma-separated {what}, e.g. {example}")
+    return items
+
+
+def ints(value: str) -> tuple[int, ...]:
+    """Comma-separated ints, e.g. ``--hidden 200,100`` or ``--clients 5,10,20`` (their bounds are the configs')."""
+    return _items(value, lambda v: int(v.strip()), "ints", "100 or 200,100")
 
 
 def floats(value: str) -> tuple[float, ...]:
-    """Comma-separated numbers, e.g. a grid ``0.1,0.3,1``."""
-    try:
-        values = tuple(float(v) for v in value.split(",") if v.strip())
-    except ValueError:
-        values = ()
-    if not values:
-        raise argparse.ArgumentTypeError(f"{value!r}: expected comma-separated numbers, e.g. 0.1,0.3,1")
-    return values
-
-
-def fraction(value: str) -> float:
-    """A number in (0, 1]."""
-    try:
-        f = float(value)
-    except ValueError:
-        f = float("nan")
-    if not 0 < f <= 1:
-        raise argparse.ArgumentTypeError(f"{value!r}: expected a number in (0, 1]")
-    return f
+    """Comma-separated numbers, e.g. a grid ``0.1,0.3,1`` (their bounds are the configs')."""
+    return _items(value, lambda v: float(v.strip()), "numbers", "0.1,0.3,1")
 
 
 def positive_int(value: str) -> int:
+    """An int >= 1."""
     try:
         n = int(value)
     except ValueError:
         n = 0
     if n < 1:
-        raise argparse.ArgumentTypeError(f"{value!r}: expected a positive int")
+        raise argparse.ArgumentTypeError(f"{value!r}: expected an int >= 1")
     return n
 
 
 def positive_float(value: str) -> float:
+    """A finite number > 0."""
     try:
         x = float(value)
     except ValueError:
         x = float("nan")
     if not 0 < x < float("inf"):
-        raise argparse.ArgumentTypeError(f"{value!r}: expected a positive number")
+        raise argparse.ArgumentTypeError(f"{value!r}: expected a positive finite number")
     return x
+
+
+def names(value: str) -> tuple[str, ...]:
+    """Comma-separated names, e.g. ``--methods local,pfnm`` (checked against their registry later)."""
+    items = tuple(v.strip() for v in value.split(",") if v.strip())
+    if not items:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected comma-separated names")
+    return items
+
+
+# ------------------------------------------------------------------------------------------------ argument groups
+
+
+def add_data_arguments(parser, *, standardize: Optional[bool], standardize_help: str) -> None:
+    """``--dataset``, ``--data-dir``, ``--download``, ``--standardize/--no-standardize``."""
+    g = parser.add_argument_group("data")
+    g.add_argument("--dataset", type=dataset_name, default="digits", metavar="NAME",
+                   help=f"{', '.join(DATASET_NAMES)} or {NPZ_PREFIX}PATH. digits (scikit-learn's 8x8 digits) needs "
+                   f"no files; mnist, fashion-mnist and cifar10 are read with torchvision from --data-dir; "
+                   f"{NPZ_PREFIX}PATH is {NPZ_FORMAT}")
+    g.add_argument("--data-dir", metavar="DIR", help="torchvision's root folder for mnist / fashion-mnist / cifar10 "
+                   "(required for those)")
+    g.add_argument("--download", action="store_true", help="let torchvision download missing files into --data-dir")
+    g.add_argument("--standardize", action=argparse.BooleanOptionalAction, default=standardize,
+                   help=standardize_help)
+
+
+def add_partition_arguments(parser, *, clients_help: str, many_clients: bool) -> None:
+    """``--clients``, ``--partition``, ``--alpha``, ``--min-size`` (:class:`PartitionConfig`)."""
+    d = PartitionConfig()
+    g = parser.add_argument_group("clients and partition")
+    if many_clients:
+        g.add_argument("--clients", type=ints, default=(d.clients,), metavar="J[,J...]", help=clients_help)
+    else:
+        g.add_argument("--clients", type=int, default=d.clients, metavar="J", help=clients_help)
+    g.add_argument("--partition", choices=PARTITIONS + tuple(PARTITION_ALIASES), default=d.partition,
+                   metavar="{" + ",".join(PARTITIONS) + "}",
+                   help="iid: shuffle and cut into J near-equal parts; dirichlet: label-Dirichlet(--alpha) shares "
+                   f"per client (aliases: {', '.join(f'{k}={v}' for k, v in PARTITION_ALIASES.items())})")
+    g.add_argument("--alpha", type=float, metavar="ALPHA", default=d.alpha,
+                   help="Dirichlet concentration of --partition dirichlet; small: few classes per client")
+    g.add_argument("--min-size", type=int, metavar="N", default=d.min_size,
+                   help="fewest examples a client may hold (--partition dirichlet redraws until it holds)")
+
+
+def add_training_arguments(parser, defaults: TrainingConfig, *, epochs_aliases=(), what: str) -> None:
+    """The fields of :class:`TrainingConfig` under the same flags in every command: ``--epochs``, ``--batch-size``,
+    ``--lr``, ``--weight-decay``, ``--amsgrad``, ``--round-epochs``, ``--lr-decay``."""
+    g = parser.add_argument_group("local training", f"Adam on mini-batches; {what}")
+    g.add_argument("--epochs", *epochs_aliases, dest="epochs", type=int, metavar="E", default=defaults.epochs,
+                   help="local epochs of round 1 (and of every round unless --round-epochs)")
+    g.add_argument("--batch-size", type=int, metavar="N", default=defaults.batch_size, help="mini-batch size")
+    g.add_argument("--lr", type=float, default=defaults.lr, help="Adam's learning rate")
+    g.add_argument("--weight-decay", type=float, metavar="L2", default=defaults.weight_decay, help="L2 strength, >= 0")
+    g.add_argument("--amsgrad", action=argparse.BooleanOptionalAction, default=defaults.amsgrad,
+                   help="the AMSGrad variant of Adam")
+    g.add_argument("--round-epochs", type=int, metavar="E", default=defaults.round_epochs,
+                   help="local epochs of rounds 2, 3, ..." + ("" if defaults.round_epochs is not None
+                                                             else " (default: --epochs)"))
+    g.add_argument("--lr-decay", type=float, metavar="FACTOR", default=defaults.lr_decay,
+                   help="learning-rate factor per round, in (0, 1]: round r trains at lr * lr_decay^(r - 1)")
+
+
+def add_output_arguments(parser, *, threads: Optional[int], json_help: str, plot_help: str):
+    """``--seed``, ``--json``, ``--plot``, ``--no-progress``, ``--threads``; returns the group."""
+    g = parser.add_argument_group("run and output")
+    g.add_argument("--seed", type=int, metavar="SEED", default=0,
+                   help="the one seed every random step derives from (partition, initialisations, mini-batches, "
+                   "sampling), >= 0")
+    g.add_argument("--json", metavar="PATH", help=json_help)
+    g.add_argument("--plot", metavar="PATH", help=plot_help)
+    g.add_argument("--no-progress", action="store_true", help="no progress bar or per-round lines on stderr")
+    g.add_argument("--threads", type=int, metavar="N", default=threads,
+                   help="torch CPU threads, >= 1" + (" (default: torch's choice)" if threads is None else
+                                                     "; the clients' small networks train fastest on one"))
+    return g
+
+
+# ------------------------------------------------------------------------------------------------ checks
+
+
+def partition_config(args, clients: int) -> PartitionConfig:
+    return PartitionConfig(clients=clients, partition=args.partition, alpha=args.alpha, min_size=args.min_size)
+
+
+def training_config(args) -> TrainingConfig:
+    return TrainingConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
+                          weight_decay=args.weight_decay, amsgrad=args.amsgrad, round_epochs=args.round_epochs,
+                          lr_decay=args.lr_decay)
+
+
+def check_threads(threads: Optional[int]) -> None:
+    if threads is not None and (isinstance(threads, bool) or threads < 1):
+        raise ValueError(f"threads: expected an int >= 1, got {threads}")
+
+
+def check_output_path(path: Optional[str], flag: str, *, plot: bool = False) -> None:
+    """``path`` can be written (its folder exists or can be made; it is not a folder), and a plot's suffix is one
+    matplotlib writes. Checked before anything trains, so a run is not lost at the end."""
+    if path is None:
+        return
+    target = Path(path).expanduser()
+    if not str(path).strip() or target.is_dir():
+        raise UsageError(f"{flag}: expected a file path, got {'a folder' if target.is_dir() else 'nothing'} "
+                         f"({str(path)!r})")
+    parent = target.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise UsageError(f"{flag}: cannot write {str(target)!r}: {str(parent)!r} is not a writable folder")
+    if plot and target.suffix:
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        formats = FigureCanvasBase.get_supported_filetypes()
+        if target.suffix[1:].lower() not in formats:
+            raise UsageError(f"{flag}: expected a file name ending in one of {', '.join('.' + f for f in formats)} "
+                             f"(e.g. .png), got {str(path)!r}")
+
+
+def load_data(args, *, standardize: bool) -> Dataset:
+    """``args.dataset`` loaded and checked against its format, or a :class:`UsageError` naming the flag."""
+    try:
+        return load_dataset(args.dataset, data_dir=args.data_dir, download=args.download, standardize=standardize)
+    except FileNotFoundError as error:
+        flag = "--dataset" if args.dataset.startswith(NPZ_PREFIX) else "--data-dir"
+        raise UsageError(f"{flag}: {one_line(error)}") from None
+    except (ValueError, ImportError, OSError) as error:
+        raise UsageError(flag_message(error, aliases={"name": "--dataset"}, fields=("data_dir",),
+                                        default="--dataset")) from None

@@ -1,71 +1,62 @@
-"""``bnpfed demo``: sample a federated layer from the Beta-Bernoulli model, match it, print recovery."""
+"""``bnpfed demo``: sample a federated layer from the Beta-Bernoulli model, match it, print how well the matching
+recovered it (:func:`bnpfed.inference.recovery.match_recovery`).
+
+Examples::
+
+    bnpfed demo                                    # J = 10 clients, D = 50
+    bnpfed demo --clients 20 --sigma2 0.05 --json demo.json
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
-import torch
-from sklearn.metrics import adjusted_rand_score
+from bnpfed.commands._args import HelpFormatter, UsageError, check_output_path, fail, flag_message, paragraphs
+from bnpfed.inference import recovery
+from bnpfed.report import command_record, format_table, write_json
 
-from bnpfed.inference import match_layer
-from bnpfed.models import sample_federated_layer
-from bnpfed.report import format_table, write_json
-
-
-@dataclass
-class DemoRow:
-    objective: str
-    sigma2: float
-    true_atoms: int
-    found_atoms: int
-    adjusted_rand: float
-    objective_value: float
-    seconds: float
-
-
-def matching_demo(*, clients: int = 10, dim: int = 50, gamma0: float = 20.0, noise: float = 0.01,
-                  sigma0_2: float = 1.0, sweeps: int = 5, seed: int = 0) -> list[DemoRow]:
-    """Match one sampled layer with the published (MAP) objective at the true noise and at twice it, and with the
-    marginal objective at the true noise; one row each."""
-    layer = sample_federated_layer(clients, dim, seed=seed, gamma0=gamma0, sigma2=noise, sigma0_2=sigma0_2)
-    truth = torch.cat(layer.assignments).numpy()
-    rows = []
-    for objective, sigma2 in (("map", noise), ("map", 2 * noise), ("marginal", noise)):
-        r = match_layer(layer.neurons, sigma2=sigma2, sigma0_2=sigma0_2, gamma0=gamma0, sweeps=sweeps, seed=seed,
-                        objective=objective)
-        rows.append(DemoRow(objective=objective, sigma2=sigma2, true_atoms=layer.num_atoms, found_atoms=r.num_atoms,
-                            adjusted_rand=float(adjusted_rand_score(truth, torch.cat(r.assignments).numpy())),
-                            objective_value=float(r.objective[-1]), seconds=r.seconds))
-    return rows
+PROG = "bnpfed demo"
 
 
 def add_parser(sub):
+    d = recovery.RecoveryConfig()
     p = sub.add_parser(
         "demo",
         help="sample a federated layer from the Beta-Bernoulli model, match it, print recovery",
-        description="Sample J clients' neurons from the Beta-Bernoulli (IBP) model of PFNM, match them with the "
-        "Hungarian MAP matcher, and print true vs found number of global neurons, the adjusted Rand index of the "
-        "assignments, the objective and the seconds taken.",
+        description=paragraphs(
+            "Sample J clients' neurons from the Beta-Bernoulli (IBP) model of PFNM, match them with the Hungarian "
+            "MAP matcher (at the true noise variance and at twice it) and with the marginal objective, and print the "
+            "true against the found number of global neurons, the adjusted Rand index of the assignments (1: the "
+            "true grouping), the objective and the matching's seconds."),
+        formatter_class=HelpFormatter,
     )
-    p.add_argument("--clients", type=int, default=10, help="number of clients J (default 10)")
-    p.add_argument("--dim", type=int, default=50, help="neuron dimension D (default 50)")
-    p.add_argument("--gamma0", type=float, default=20.0, help="IBP mass (default 20)")
-    p.add_argument("--noise", type=float, default=0.01, help="true local noise variance (default 0.01)")
-    p.add_argument("--sigma0-2", type=float, default=1.0, help="atom prior variance (default 1)")
-    p.add_argument("--sweeps", type=int, default=5, help="matching sweeps after the greedy pass (default 5)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--clients", type=int, default=d.clients, help="number of clients J, >= 1")
+    p.add_argument("--dim", type=int, default=d.dim, help="neuron dimension D, >= 1")
+    p.add_argument("--gamma0", type=float, default=d.gamma0, help="IBP mass (sampling and matching), > 0")
+    p.add_argument("--sigma2", "--noise", dest="sigma2", type=float, default=d.sigma2,
+                   help="true local noise variance of the sampled neurons, > 0")
+    p.add_argument("--sigma0-2", type=float, default=d.sigma0_2, help="prior variance of the global atoms, > 0")
+    p.add_argument("--sweeps", type=int, default=d.sweeps, help="matching sweeps after the greedy pass, >= 0")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the sample and the matching, >= 0")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    rows = [asdict(r) for r in matching_demo(clients=args.clients, dim=args.dim, gamma0=args.gamma0,
-                                              noise=args.noise, sigma0_2=args.sigma0_2, sweeps=args.sweeps,
-                                              seed=args.seed)]
-    print(f"Beta-Bernoulli layer: J={args.clients} clients, D={args.dim}, gamma0={args.gamma0}, "
-          f"noise variance {args.noise}, seed {args.seed}")
+    try:
+        check_output_path(args.json, "--json")
+        config = recovery.RecoveryConfig(clients=args.clients, dim=args.dim, gamma0=args.gamma0, sigma2=args.sigma2,
+                                         sigma0_2=args.sigma0_2, sweeps=args.sweeps, seed=args.seed)
+    except UsageError as error:
+        return fail(PROG, str(error))
+    except ValueError as error:
+        return fail(PROG, flag_message(error))
+    rows = [asdict(r) for r in recovery.match_recovery(config)]
+    print(f"Beta-Bernoulli layer: J = {config.clients} clients, D = {config.dim}, gamma0 = {config.gamma0}, "
+          f"noise variance sigma2 = {config.sigma2}, sigma0_2 = {config.sigma0_2}, seed {config.seed}")
     print(format_table(rows))
+    print("adjusted_rand: 1 when the matching groups the neurons as the sample did; seconds: the matching's")
     if args.json:
-        settings = {k: v for k, v in vars(args).items() if k != "func"}
-        write_json(args.json, {"command": "demo", "arguments": settings, "rows": rows})
+        write_json(args.json, command_record("demo", args, asdict(config), {"rows": rows}))
+        print(f"wrote results to {args.json}")
     return 0

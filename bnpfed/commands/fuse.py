@@ -1,172 +1,251 @@
-"""``bnpfed fuse``: federated variational Bayesian networks fused by every rule of Ozer et al. (2022), against
-FedAvg: a table of final test metrics, and optionally per-round JSON and a plot."""
+"""``bnpfed fuse``: federated variational Bayesian networks fused by the rules of Ozer et al. (2022), against FedAvg,
+through :func:`bnpfed.federated.methods.run_experiment` (every fusion rule is a method there).
+
+Examples::
+
+    bnpfed fuse                                                    # digits, 10 IID clients, 5 rounds, every rule
+    bnpfed fuse --rule eaa,conflation --partition dirichlet --fraction 0.5 --rounds 8 --plot fuse.png
+    bnpfed fuse --paper --dataset fashion-mnist --data-dir DIR --rounds 12 --lr 1e-3 --batch-size 64 --epochs 1
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
+from dataclasses import asdict
 
 from bnpfed.combine import available_rules
-from bnpfed.commands._args import dataset_name, fraction, positive_float, positive_int, positive_ints
-from bnpfed.data import DATASET_NAMES, NPZ_PREFIX, load_dataset
-from bnpfed.federated import partition_dirichlet, partition_homogeneous
-from bnpfed.federated.fusion import (ARCHITECTURES, CLIENT_WEIGHTS, FEDAVG, PRIORS, FusionConfig,
-                                     run_fusion_experiment)
-from bnpfed.report import format_table, write_json
+from bnpfed.commands import _args
+from bnpfed.commands._args import HelpFormatter, UsageError, fail, flag_message, warn
+from bnpfed.federated import methods
+from bnpfed.federated.clients import initial_network
+from bnpfed.federated.config import (ARCHITECTURES, CLIENT_WEIGHTS, FUSION_TRAINING, INITIALISATIONS,
+                                     PAPER_MIN_VARIANCE, PRIORS, BayesianConfig, ExperimentConfig, FusionConfig,
+                                     NetworkConfig, config_dict)
+from bnpfed.report import command_record, format_table, line_styles, pyplot, save_figure, write_json
+from bnpfed.validation import check_choice
 
-PARTITIONS = ("iid", "dirichlet")
+PROG = "bnpfed fuse"
+FEDAVG = "fedavg"
+COLUMNS = ["method", "accuracy", "nll", "ece", "brier", "mean_sigma", "rounds", "server_seconds"]
 #: Metrics the plot shows, one panel each.
 PLOTTED = ("accuracy", "nll", "ece", "brier", "mean_sigma")
-
-
-def rule_list(value: str) -> tuple[str, ...]:
-    """argparse type of ``--rule``: ``all`` or a comma-separated list of rule names."""
-    if value == "all":
-        return tuple(available_rules())
-    rules = tuple(r.strip() for r in value.split(",") if r.strip())
-    unknown = [r for r in rules if r not in available_rules()]
-    if not rules or unknown:
-        raise argparse.ArgumentTypeError(f"unknown rule(s) {unknown or [value]}; expected 'all' or a comma-separated "
-                                         f"list of {', '.join(available_rules())}")
-    if len(set(rules)) != len(rules):
-        raise argparse.ArgumentTypeError(f"rule listed twice in {value!r}")
-    return rules
+#: The command's own defaults, where they differ from the configs': five rounds, ECE with 100 bins (the paper's).
+ROUNDS, ECE_BINS = 5, 100
+#: What --paper changes (Ozer et al.'s published code): pixels in [0, 1], their LeNet-5, the clamp of log sigma^2 at
+#: -8 as a variance floor. The rest of their setting is already the default (see --help).
+PAPER = {"standardize": False, "arch": "lenet-paper", "min_variance": PAPER_MIN_VARIANCE}
+NOT_PAPER = {"standardize": True, "arch": NetworkConfig().arch, "min_variance": FusionConfig().min_variance}
+SERVER_SECONDS = ("server_seconds: the server's aggregation time (fusion or averaging) summed over the rounds; local "
+                  "training and evaluation are not included. mean_sigma: the mean posterior standard deviation of the "
+                  "Bayesian weights (- for FedAvg, which has none).")
 
 
 def add_parser(sub):
-    d = FusionConfig()
+    bayes, fusion, network = BayesianConfig(), FusionConfig(), NetworkConfig()
     p = sub.add_parser(
         "fuse",
         help="federated Bayesian networks fused by each posterior fusion rule, against FedAvg",
-        description="Partition a dataset among clients, train mean-field Gaussian Bayesian networks on them with SVI "
-        "and fuse their posteriors on a server every round with each rule of Ozer et al. (2022) (eaa, gaa, "
-        "log_variance, pooling, conflation); deterministic parameters are averaged with the same client weights. "
-        "FedAvg on the same network is the baseline. Prints each method's final test accuracy, NLL, ECE "
-        f"({d.ece_bins} bins by default, as in the paper), Brier score and mean posterior sigma.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description=_args.paragraphs(
+            "Partition a dataset among J clients, train mean-field Gaussian Bayesian networks on them with SVI, and "
+            "fuse their posteriors on the server every round with each rule of Ozer et al. (2022) (eaa, gaa, "
+            "log_variance, pooling, conflation); deterministic parameters are averaged with the same client "
+            "weights. FedAvg on the same network is the baseline. Prints each method's final test accuracy, NLL, "
+            "ECE, Brier score and mean posterior sigma."),
+        epilog=_args.examples(__doc__, SERVER_SECONDS),
+        formatter_class=HelpFormatter,
     )
-    p.add_argument("--dataset", type=dataset_name, default="digits",
-                   help=f"{', '.join(DATASET_NAMES)} or {NPZ_PREFIX}PATH (digits needs no files)")
-    p.add_argument("--data-dir", metavar="DIR", help="torchvision root for mnist / fashion-mnist / cifar10")
-    p.add_argument("--download", action="store_true", help="let torchvision download missing files into --data-dir")
-    p.add_argument("--clients", type=positive_int, default=10, help="number of clients C")
-    p.add_argument("--fraction", type=fraction, default=d.fraction,
-                   help="fraction of clients sampled per round (max(1, floor(fraction * C)))")
-    p.add_argument("--rounds", type=positive_int, default=d.rounds, help="communication rounds T")
-    p.add_argument("--local-epochs", type=positive_int, default=d.local_epochs, help="local epochs E per round")
-    p.add_argument("--batch-size", type=positive_int, default=d.batch_size)
-    p.add_argument("--lr", type=positive_float, default=d.lr, help="Adam learning rate (Bayesian and FedAvg)")
-    p.add_argument("--rule", type=rule_list, default="all",
-                   help=f"'all' or a comma-separated list of {', '.join(available_rules())}")
-    p.add_argument("--no-fedavg", action="store_true", help="skip the FedAvg baseline")
-    p.add_argument("--partition", choices=PARTITIONS, default="iid",
-                   help="iid (homogeneous) or dirichlet (label-Dirichlet, see --alpha)")
-    p.add_argument("--alpha", type=positive_float, default=0.5, help="Dirichlet concentration of --partition dirichlet")
-    p.add_argument("--arch", choices=ARCHITECTURES, default=d.arch, help="MLP, or LeNet-5 for square images")
-    p.add_argument("--hidden", type=positive_ints, default=",".join(map(str, d.hidden)),
-                   help="hidden widths of the MLP, comma-separated")
-    p.add_argument("--prior", choices=PRIORS, default=d.prior,
-                   help="which parameters are Bayesian: linear-weights (the paper) or all")
-    p.add_argument("--prior-scale", type=positive_float, default=d.prior_scale, help="prior N(0, scale^2) per weight")
-    p.add_argument("--init-scale", type=positive_float, default=d.init_scale, help="initial posterior sigma")
-    p.add_argument("--weights", choices=CLIENT_WEIGHTS, default=d.weights,
-                   help="client weights b_k: proportional to local data size, or uniform")
-    p.add_argument("--no-local-reparameterization", action="store_true",
-                   help="sample weights instead of pre-activations (local reparameterisation is on by default)")
-    p.add_argument("--samples", type=positive_int, default=d.num_predictive_samples,
-                   help="weight draws S of the posterior predictive")
-    p.add_argument("--pooling-samples", type=positive_int, default=d.pooling_samples, help="N of the pooling rule")
-    p.add_argument("--ece-bins", type=positive_int, default=d.ece_bins,
-                   help="bins of the expected calibration error (the paper uses 100)")
-    p.add_argument("--seed", type=int, default=0, help="seed of every random step (partition included), >= 0")
-    p.add_argument("--threads", type=positive_int, help="torch CPU threads (one is fastest for small networks)")
-    p.add_argument("--json", metavar="PATH", help="write the config and every method's per-round metrics as JSON")
-    p.add_argument("--plot", metavar="PATH", help="write a PNG of the metrics per round, one line per method")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _args.add_data_arguments(p, standardize=None,
+                             standardize_help="standardise inputs with the train split's mean and standard deviation "
+                             "(default), or keep pixels in [0, 1] (--no-standardize; the default with --paper)")
+    _args.add_partition_arguments(p, many_clients=False, clients_help="number of clients J")
+    g = p.add_argument_group("network")
+    g.add_argument("--arch", choices=ARCHITECTURES,
+                   help="mlp (ReLU MLP of --hidden), lenet (LeNet-5, conv1 padded by 2) or lenet-paper (LeNet-5 as "
+                   f"Ozer et al.'s code has it) (default: {network.arch}; lenet-paper with --paper)")
+    g.add_argument("--hidden", type=_args.ints, default=network.hidden, metavar="H[,H...]",
+                   help="hidden widths of the MLP")
+    g.add_argument("--init", choices=INITIALISATIONS, default=network.init,
+                   help="initialisation of the shared initial network: torch (PyTorch's) or reference (PFNM's)")
+    g = p.add_argument_group("Bayesian clients", "a mean-field Gaussian posterior per Bayesian weight, fitted by SVI")
+    g.add_argument("--prior", choices=PRIORS, default=bayes.prior,
+                   help="which parameters are Bayesian, with a N(0, prior_scale^2) prior: linear-weights (the fully "
+                   "connected weight matrices, as in the paper) or all")
+    g.add_argument("--prior-scale", type=float, metavar="SCALE", default=bayes.prior_scale,
+                   help="the prior's standard deviation")
+    g.add_argument("--init-scale", type=float, metavar="SCALE", default=bayes.init_scale,
+                   help="the posterior's initial standard deviation")
+    g.add_argument("--local-reparameterization", action=argparse.BooleanOptionalAction,
+                   default=bayes.local_reparameterization,
+                   help="sample pre-activations rather than weights (the local reparameterisation trick, as in the "
+                   "paper)")
+    _args.add_training_arguments(p, FUSION_TRAINING, epochs_aliases=("--local-epochs",),
+                                 what="the Bayesian clients' SVI and FedAvg's clients alike")
+    g = p.add_argument_group("fusion (the server)")
+    g.add_argument("--rule", type=_rules, default="all", metavar="all|R,R,...",
+                   help=f"fusion rules to compare: all, or a comma-separated list of {', '.join(available_rules())}")
+    g.add_argument("--no-fedavg", action="store_true", help="skip the FedAvg baseline")
+    g.add_argument("--weights", choices=CLIENT_WEIGHTS, default=fusion.weights,
+                   help="client weights b_k: size (proportional to the client's examples, the paper's) or uniform")
+    g.add_argument("--pooling-samples", type=int, metavar="N", default=fusion.pooling_samples,
+                   help="N of the pooling rule (client k contributes floor(b_k N) draws), >= 2")
+    g.add_argument("--min-variance", type=float, metavar="V",
+                   help=f"floor on every fused variance, >= 0 (0: none) (default: {fusion.min_variance:g}; exp(-8) = "
+                   f"{PAPER_MIN_VARIANCE:.4g} with --paper, the published clamp of log sigma^2)")
+    g.add_argument("--fraction", type=float, metavar="F", default=fusion.fraction,
+                   help="share of the clients sampled each round, in (0, 1] (max(1, floor(fraction * J)) clients)")
+    e = ExperimentConfig()
+    g = p.add_argument_group("experiment")
+    g.add_argument("--rounds", type=int, metavar="T", default=ROUNDS, help="communication rounds")
+    g.add_argument("--predictive-samples", "--samples", dest="predictive_samples", type=int, metavar="S",
+                   default=e.predictive_samples, help="weight draws S of the posterior predictive")
+    g.add_argument("--ece-bins", type=int, metavar="BINS", default=ECE_BINS,
+                   help="bins of the expected calibration error (the paper's 100)")
+    g.add_argument("--paper", action="store_true",
+                   help="the setting of Ozer et al.'s published code: pixels in [0, 1] (--no-standardize), their "
+                   "LeNet-5 (--arch lenet-paper), fused variances floored at exp(-8) (--min-variance); the defaults "
+                   "already follow the paper's N(0, 1) prior on the linear weights, local reparameterisation, b_k by "
+                   "size and ECE with 100 bins. Flags given explicitly win")
+    _args.add_output_arguments(p, threads=None,
+                               json_help="write the flags, settings, versions and every method's per-round metrics "
+                               "as JSON",
+                               plot_help="write a figure (PNG) of the metrics per round, one panel each, one line "
+                               "per method")
     p.set_defaults(func=run)
 
 
+def _rules(value: str) -> tuple[str, ...]:
+    """argparse type of ``--rule``: ``all`` or a comma-separated list (checked against the registry later)."""
+    return tuple(available_rules()) if value.strip() == "all" else _args.names(value)
+
+
+# ------------------------------------------------------------------------------------------------ run
+
+
+def prepare(args) -> dict:
+    """Every config of the run, the data loaded and checked, the partition checked against it: everything that can
+    fail on a bad argument or input file, before anything trains."""
+    for key, value in (PAPER if args.paper else NOT_PAPER).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    _args.check_threads(args.threads)
+    _args.check_output_path(args.json, "--json")
+    _args.check_output_path(args.plot, "--plot", plot=True)
+    partition = _args.partition_config(args, args.clients)
+    network = NetworkConfig(arch=args.arch, hidden=args.hidden, init=args.init)
+    training = _args.training_config(args)
+    bayesian = BayesianConfig(prior=args.prior, prior_scale=args.prior_scale, init_scale=args.init_scale,
+                              local_reparameterization=args.local_reparameterization)
+    for rule in args.rule:
+        check_choice(rule, available_rules(), "rule")
+    if len(set(args.rule)) != len(args.rule):
+        raise ValueError(f"rule: expected each rule at most once, got {','.join(args.rule)}")
+    fusion = FusionConfig(rule=args.rule[0], weights=args.weights, pooling_samples=args.pooling_samples,
+                          min_variance=args.min_variance, fraction=args.fraction)
+    config = ExperimentConfig(methods=args.rule + (() if args.no_fedavg else (FEDAVG,)), rounds=args.rounds,
+                              seed=args.seed, ece_bins=args.ece_bins, predictive_samples=args.predictive_samples)
+    dataset = _args.load_data(args, standardize=args.standardize)
+    partition.check_fits(len(dataset.y_train))
+    initial_network(network, dataset.input_shape, dataset.num_classes, seed=config.seed)
+    return dict(dataset=dataset, partition=partition, network=network, training=training, bayesian=bayesian,
+                fusion=fusion, config=config)
+
+
 def run(args) -> int:
-    import torch
+    try:
+        plan = prepare(args)
+    except UsageError as error:
+        return fail(PROG, str(error))
+    except ValueError as error:
+        return fail(PROG, flag_message(error, aliases={"methods": "--rule"}))
+    if args.threads is not None:
+        import torch
 
-    if args.seed < 0:
-        return _error(f"--seed: expected an int >= 0, got {args.seed}")
-    if args.threads:
         torch.set_num_threads(args.threads)
+    dataset = plan.pop("dataset")
+    settings = {k: config_dict(v) for k, v in plan.items()}
+    print(_describe(dataset.name, plan))
+    progress = not args.no_progress
     try:
-        ds = load_dataset(args.dataset, data_dir=args.data_dir, download=args.download)
-    except (ValueError, FileNotFoundError, ImportError) as error:
-        return _error(f"--dataset {args.dataset}: {error}")
-    labels = ds.y_train.numpy()
-    if args.clients > len(labels):
-        return _error(f"--clients {args.clients}: more clients than the {len(labels)} training examples")
-    try:
-        if args.partition == "iid":
-            parts = partition_homogeneous(labels, args.clients, seed=args.seed)
-        else:
-            parts = partition_dirichlet(labels, args.clients, alpha=args.alpha, seed=args.seed,
-                                        min_size=min(10, len(labels) // args.clients))
-        config = FusionConfig(
-            rules=args.rule, fedavg=not args.no_fedavg, arch=args.arch, hidden=args.hidden, prior=args.prior,
-            prior_scale=args.prior_scale, init_scale=args.init_scale, fraction=args.fraction, rounds=args.rounds,
-            local_epochs=args.local_epochs, batch_size=args.batch_size, lr=args.lr, weights=args.weights,
-            local_reparameterization=not args.no_local_reparameterization, num_predictive_samples=args.samples,
-            pooling_samples=args.pooling_samples, ece_bins=args.ece_bins, seed=args.seed)
-        if args.arch == "lenet" and (len(ds.input_shape) != 3 or ds.input_shape[1] != ds.input_shape[2]):
-            return _error(f"--arch lenet needs square images, but {args.dataset} has inputs of shape "
-                          f"{ds.input_shape}; use --arch mlp")
-    except (ValueError, RuntimeError) as error:
-        return _error(str(error))
-
-    print(f"posterior fusion: {ds.name}, {args.clients} clients ({args.partition}"
-          f"{f', alpha {args.alpha}' if args.partition == 'dirichlet' else ''}), fraction {args.fraction}, "
-          f"{args.rounds} rounds x {args.local_epochs} local epochs, {args.arch}, prior {args.prior}, "
-          f"weights {args.weights}, ECE with {args.ece_bins} bins, seed {args.seed}")
-    result = run_fusion_experiment(ds, parts, config, progress=not args.no_progress)
-    rows = result.summary_rows()
-    for row in rows:
-        if row["method"] == FEDAVG:
-            row["mean_sigma"] = float("nan")  # printed as "-": FedAvg has no posterior
-    print(format_table(rows))
+        result = methods.run_experiment(dataset, progress=progress, log=_log(progress), **plan)
+    except _args.TRAINING_ERRORS as error:
+        return fail(PROG, _args.training_failure(error), 1)
+    except KeyboardInterrupt:
+        return fail(PROG, "interrupted", 130)
+    print(format_table([asdict(r) for r in result.rows], COLUMNS))
+    print(SERVER_SECONDS)
+    for message in result.warnings:
+        warn(message)
     if args.json:
-        settings = {k: v for k, v in vars(args).items() if k != "func"}
-        write_json(args.json, {"command": "fuse", "arguments": settings, "dataset": ds.name, **result.to_dict()})
+        write_json(args.json, command_record("fuse", args, settings, result.as_dict()))
+        print(f"wrote results to {args.json}")
     if args.plot:
-        plot_rounds(result, args.plot, title=f"{ds.name}, {args.clients} clients ({args.partition})")
+        plot_rounds(result, args.plot, title=_title(dataset.name, plan))
+        print(f"wrote plot to {args.plot}")
     return 0
 
 
-def plot_rounds(result, path, title: str = "") -> None:
-    """A PNG with one panel per metric (accuracy, NLL, ECE, Brier, mean posterior sigma) over the rounds, one line
-    per method (FedAvg dashed)."""
-    import matplotlib
+def _log(progress: bool):
+    if not progress:
+        return None
+    from tqdm.auto import tqdm
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    return lambda line: tqdm.write(line, file=sys.stderr)
+
+
+def _partition(partition) -> str:
+    alpha = f" (alpha {partition.alpha:g})" if partition.partition == "dirichlet" else ""
+    return f"{partition.partition} partition{alpha}"
+
+
+def _describe(name: str, plan: dict) -> str:
+    partition, network, training = plan["partition"], plan["network"], plan["training"]
+    bayesian, fusion, config = plan["bayesian"], plan["fusion"], plan["config"]
+    arch = _arch(network)
+    later = "" if training.round_epochs is None else f" (later rounds {training.round_epochs})"
+    schedule = f"{_args.plural(config.rounds, 'round')} x {_args.plural(training.epochs, 'local epoch')}{later}"
+    return (f"posterior fusion: {name}, J = {partition.clients} clients, {_partition(partition)}, fraction "
+            f"{fusion.fraction:g}, {schedule}, {arch}, prior {bayesian.prior} N(0, {bayesian.prior_scale:g}^2), "
+            f"weights {fusion.weights}, min variance {fusion.min_variance:.3g}, ECE with {config.ece_bins} bins, "
+            f"seed {config.seed}")
+
+
+def _arch(network) -> str:
+    return f"MLP hidden {list(network.hidden)}" if network.arch == "mlp" else network.arch
+
+
+def _title(name: str, plan: dict) -> str:
+    return (f"posterior fusion on {name}: J = {plan['partition'].clients} clients, {_partition(plan['partition'])}, "
+            f"{_arch(plan['network'])}, {_args.plural(plan['config'].rounds, 'round')}")
+
+
+def plot_rounds(result, path, title: str = "") -> None:
+    """A grid of panels, one per metric (accuracy, NLL, ECE, Brier, mean posterior sigma), over the rounds, one
+    line per method (FedAvg in black); the legend has a panel of its own."""
     from matplotlib.ticker import MaxNLocator
 
-    fig, axes = plt.subplots(1, len(PLOTTED), figsize=(4 * len(PLOTTED), 3.4))
-    for method, history in result.histories.items():
-        rounds = history.metric("round")
-        for ax, metric in zip(axes, PLOTTED):
-            if metric in history.rounds[0]:
-                ax.plot(rounds, history.metric(metric), marker="o", ms=3, label=method,
-                        linestyle="--" if method == FEDAVG else "-", color="k" if method == FEDAVG else None)
-    for ax, metric in zip(axes, PLOTTED):
-        ax.set_xlabel("round")
+    plt = pyplot()
+    fig, axes = plt.subplots(2, 3, figsize=(12, 6.5))
+    panels, legend_ax = axes.flat[:len(PLOTTED)], axes.flat[len(PLOTTED)]
+    styles = line_styles([row.method for row in result.rows])
+    for row in result.rows:
+        rounds = [h["round"] for h in row.history]
+        for ax, metric in zip(panels, PLOTTED):
+            values = [h.get(metric) for h in row.history]
+            if values and all(v is not None for v in values):
+                ax.plot(rounds, values, label=row.method, **styles[row.method])
+    names = {"accuracy": "test accuracy", "nll": "negative log-likelihood", "ece": "expected calibration error",
+             "brier": "Brier score", "mean_sigma": "mean posterior sigma (log scale)"}
+    for ax, metric in zip(panels, PLOTTED):
+        ax.set_title(names[metric], fontsize=10)
+        ax.set_xlabel("communication round")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_title(metric.replace("_", " "))
-    axes[-1].set_yscale("log")
-    axes[0].legend(fontsize="small")
+    panels[-1].set_yscale("log")
+    handles, labels = panels[0].get_legend_handles_labels()
+    legend_ax.axis("off")
+    if labels:
+        legend_ax.legend(handles, labels, loc="center", title="method", frameon=False)
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def _error(message: str) -> int:
-    print(f"bnpfed fuse: error: {message}", file=sys.stderr)
-    return 2
+    save_figure(fig, path)

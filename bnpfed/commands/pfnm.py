@@ -1,213 +1,436 @@
-"""``bnpfed pfnm``: the PFNM experiments of Yurochkin et al. (2019) on one machine.
+"""``bnpfed pfnm``: the PFNM experiments of Yurochkin et al. (2019) on one machine, through
+:func:`bnpfed.federated.methods.run_experiment` and :func:`~bnpfed.federated.methods.width_sweep`.
 
 Examples::
 
     bnpfed pfnm                                                    # bundled digits, J = 10, one round
-    bnpfed pfnm --dataset mnist --data-dir DIR --clients 10 --partition hetero --alpha 0.5 --hidden 100 \\
-        --rounds 1 --seed 0 --json out.json --plot out.png
-    bnpfed pfnm --clients 5,10,20 --plot by_j.png                  # accuracy and global size against J
+    bnpfed pfnm --dataset mnist --data-dir DIR --clients 10 --partition dirichlet --alpha 0.5 --hidden 100 \\
+        --json out.json --plot out.png
+    bnpfed pfnm --rounds 3 --plot rounds.png                       # adds pfnm-rounds: PFNM over 3 rounds
+    bnpfed pfnm --clients 5,10,20 --plot by_j.png                  # accuracy and global width against J
     bnpfed pfnm --width-sweep --plot width.png                     # accuracy against global width
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict, fields
+import sys
+from dataclasses import asdict
 
-from bnpfed.commands._args import dataset_name, floats, positive_ints
-from bnpfed.data import DATASET_NAMES, NPZ_PREFIX, load_dataset
-from bnpfed.federated.pfnm import METHODS, PFNMSettings, run_pfnm_experiment, width_sweep
-from bnpfed.report import format_table, write_json
+from bnpfed.commands import _args
+from bnpfed.commands._args import HelpFormatter, UsageError, fail, flag_message, warn
+from bnpfed.federated import methods
+from bnpfed.federated.clients import initial_network
+from bnpfed.federated.config import (INITIALISATIONS, PFNM_NETWORK, PFNM_TRAINING, ExperimentConfig, FusionConfig,
+                                     NetworkConfig, PFNMConfig, config_dict)
+from bnpfed.report import command_record, format_table, line_styles, pyplot, save_figure, write_json
+from bnpfed.validation import check_positives
 
-COLUMNS = ["method", "accuracy", "hidden", "parameters", "rounds", "seconds", "note"]
+PROG = "bnpfed pfnm"
+#: The methods run unless --methods says otherwise (``pfnm-rounds`` too when --rounds > 1).
+DEFAULT_METHODS = ("local", "ensemble", "fedavg-oneshot", "fedavg", "kmeans", "pfnm")
+COLUMNS = ["method", "accuracy", "nll", "hidden", "parameters", "rounds", "server_seconds", "note"]
+#: --width-sweep's grid. On digits (J = 10, hidden 100, pixels in [0, 1], the reference training) it takes the
+#: global width from about one client's (100) to about J clients' (1000): with gamma0 = 1e-3 the width falls from
+#: ~1000 to 100 between sigma2 = 0.02 and 0.1, with gamma0 = 1 between 0.3 and 0.7 (the reference constants cap
+#: it at 700).
+SWEEP_SIGMA2 = (0.01, 0.02, 0.03, 0.04, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.7)
+SWEEP_GAMMA0 = (1e-3, 1.0)
+WIDTH_LABEL = "global width (hidden neurons, all layers)"
+SERVER_SECONDS = ("server_seconds: the server's aggregation time (matching, k-means or averaging) summed over the "
+                  "rounds; local training and evaluation are not included.")
 
 
 def add_parser(sub):
-    d = PFNMSettings()
     p = sub.add_parser(
         "pfnm",
         help="PFNM federated experiment: local models, ensemble, FedAvg, k-means, PFNM (one round or more)",
-        description="J clients train MLPs on their partitions; the server matches them into one global network "
-        "(PFNM, Yurochkin et al. 2019) and compares it with the local models, their uniform ensemble, FedAvg and "
-        "k-means. Defaults are the reference code's training settings.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description=_args.paragraphs(
+            "J clients train MLPs on their partitions; the server matches their neurons into one global network "
+            "(PFNM, Yurochkin et al. 2019) and the command compares it with the local models, their uniform "
+            "ensemble, FedAvg and k-means at PFNM's width. The training defaults are the PFNM reference code's."),
+        epilog=_args.examples(__doc__, SERVER_SECONDS),
+        formatter_class=HelpFormatter,
     )
-    g = p.add_argument_group("data")
-    g.add_argument("--dataset", type=dataset_name, default="digits",
-                   help=f"{', '.join(DATASET_NAMES)} or {NPZ_PREFIX}PATH (x_train, y_train, x_test, y_test)")
-    g.add_argument("--data-dir", help="torchvision root for mnist / fashion-mnist / cifar10")
-    g.add_argument("--download", action="store_true", help="let torchvision download missing files")
-    g.add_argument("--standardize", action="store_true",
-                   help="standardise pixels (default: keep them in [0, 1] as the reference does)")
-    g.add_argument("--clients", type=positive_ints, default=(d.clients,), help="J, or a list such as 5,10,20")
-    g.add_argument("--partition", choices=["homogeneous", "homo", "hetero", "dirichlet"], default="homogeneous",
-                   help="homogeneous (IID) or heterogeneous label-Dirichlet(alpha)")
-    g.add_argument("--alpha", type=float, default=d.alpha, help="Dirichlet concentration")
-    g.add_argument("--min-size", type=int, default=d.min_size, help="minimum examples per client (Dirichlet)")
-    g = p.add_argument_group("local training")
-    g.add_argument("--hidden", type=positive_ints, default=d.hidden, help="hidden widths, e.g. 100 or 100,100")
-    g.add_argument("--epochs", type=int, default=d.epochs)
-    g.add_argument("--batch-size", type=int, default=d.batch_size)
-    g.add_argument("--lr", type=float, default=d.lr)
-    g.add_argument("--weight-decay", type=float, default=d.weight_decay, help="L2 strength")
-    g.add_argument("--shared-init", action="store_true", help="all clients start from one initialisation")
-    g = p.add_argument_group("matching")
-    g.add_argument("--sigma2", type=float, default=d.sigma2, help="noise variance")
-    g.add_argument("--sigma0-2", type=float, default=d.sigma0_2, help="prior variance")
-    g.add_argument("--gamma0", type=float, default=d.gamma0, help="IBP mass")
-    g.add_argument("--constants", choices=["bnpfed", "reference"], default=d.constants,
-                   help="bnpfed: popularity factor 2, no caps; reference: the published code's constants")
-    g.add_argument("--objective", choices=["map", "marginal"], default=d.objective)
-    g.add_argument("--direction", choices=["bottom-up", "top-down"], default=d.direction,
-                   help="layer order (top-down is the published one)")
-    g.add_argument("--sweeps", type=int, default=d.sweeps)
-    g.add_argument("--select", choices=["none", "federated", "pooled-train"], default=d.select,
-                   help="choose sigma2 / sigma0_2 / gamma0 from the grids by the clients' held-out splits "
-                   "(federated) or by pooled training accuracy (the reference's way)")
-    g.add_argument("--grid-sigma2", type=floats, default=d.grid_sigma2)
-    g.add_argument("--grid-sigma0-2", type=floats, default=d.grid_sigma0_2)
-    g.add_argument("--grid-gamma0", type=floats, default=d.grid_gamma0)
-    g.add_argument("--holdout", type=float, default=d.holdout, help="held-out share per client (federated)")
-    g = p.add_argument_group("communication")
-    g.add_argument("--rounds", type=int, default=d.rounds, help="PFNM communication rounds (and FedAvg's)")
-    g.add_argument("--round-epochs", type=int, default=d.round_epochs, help="local epochs per later round")
-    g.add_argument("--lr-decay", type=float, default=d.lr_decay, help="learning-rate factor per round")
-    g = p.add_argument_group("output")
-    g.add_argument("--methods", default=",".join(METHODS), help=f"subset of {','.join(METHODS)}")
+    _args.add_data_arguments(p, standardize=False,
+                             standardize_help="standardise inputs with the train split's mean and standard deviation;"
+                             " --no-standardize keeps pixels in [0, 1], as the PFNM reference code does")
+    _args.add_partition_arguments(p, many_clients=True,
+                                  clients_help="number of clients J, or a list such as 5,10,20 (one experiment "
+                                  "each, and a plot against J)")
+    g = p.add_argument_group("network", "clients train ReLU MLPs")
+    g.add_argument("--hidden", type=_args.ints, default=PFNM_NETWORK.hidden, metavar="H[,H...]",
+                   help="hidden widths of the clients' MLPs, e.g. 100 or 100,100")
+    g.add_argument("--init", choices=INITIALISATIONS, default=PFNM_NETWORK.init,
+                   help="reference: the PFNM code's (weights N(0, 0.1^2), biases 0.1); torch: PyTorch's")
+    g.add_argument("--shared-init", action="store_true",
+                   help="every client starts from one initialisation (default: each from its own, as PFNM allows)")
+    _args.add_training_arguments(p, PFNM_TRAINING, what="defaults: the PFNM reference code's")
+    d = PFNMConfig()
+    g = p.add_argument_group("matching", "the PFNM server: Beta-Bernoulli process matching of the neurons")
+    g.add_argument("--sigma2", type=_args.floats, default=(d.sigma2,), metavar="S[,S...]",
+                   help="local noise variance: how far a client's neuron may sit from its global neuron (one value, "
+                   "or one per hidden layer); larger gives a narrower global network")
+    g.add_argument("--sigma0-2", type=_args.floats, default=(d.sigma0_2,), metavar="S[,S...]",
+                   help="prior variance of the global neurons (one value, or one per hidden layer)")
+    g.add_argument("--gamma0", type=_args.floats, default=(d.gamma0,), metavar="G[,G...]",
+                   help="IBP mass: how readily new global neurons open (one value, or one per hidden layer)")
+    g.add_argument("--constants", choices=("bnpfed", "reference"), default=d.constants,
+                   help="bnpfed: the exact objective (popularity factor 2, no caps); reference: the published "
+                   "code's constants")
+    g.add_argument("--objective", choices=("map", "marginal"), default=d.objective,
+                   help="map (published) or marginal (atoms integrated out)")
+    g.add_argument("--direction", choices=("bottom-up", "top-down"), default=d.direction,
+                   help="order of the layers (top-down is the published one)")
+    g.add_argument("--sweeps", type=int, metavar="N", default=d.sweeps,
+                   help="remove-and-rematch sweeps after the greedy pass")
+    g.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=d.warm_start,
+                   help="in rounds after the first, start matching from the assignment the clients' networks came "
+                   "from (as the published code does); --no-warm-start re-matches from scratch")
+    e = ExperimentConfig()
+    g = p.add_argument_group("hyper-parameter selection", "choose sigma2 / sigma0_2 / gamma0 from grids")
+    g.add_argument("--select", choices=("none", "federated", "pooled-train"), default=e.select,
+                   help="none: use --sigma2 / --sigma0-2 / --gamma0; federated: the best one-shot accuracy on the "
+                   "clients' held-out splits; pooled-train: on all clients' pooled training data (the reference "
+                   "code's way, which a federation does not have)")
+    g.add_argument("--grid-sigma2", type=_args.floats, default=e.grid_sigma2, metavar="S,S,...",
+                   help="candidates of sigma2")
+    g.add_argument("--grid-sigma0-2", type=_args.floats, default=e.grid_sigma0_2, metavar="S,S,...",
+                   help="candidates of sigma0_2")
+    g.add_argument("--grid-gamma0", type=_args.floats, default=e.grid_gamma0, metavar="G,G,...",
+                   help="candidates of gamma0")
+    g.add_argument("--holdout", type=float, metavar="F", default=e.holdout,
+                   help="share of each client's data held out for --select federated, in (0, 1)")
+    g = p.add_argument_group("experiment")
+    g.add_argument("--methods", type=_args.names, metavar="M,M,...",
+                   help=f"methods to run, of {', '.join(methods.available_methods())} (default: "
+                   f"{','.join(DEFAULT_METHODS)}, and pfnm-rounds when --rounds > 1)")
+    g.add_argument("--rounds", type=int, metavar="T", default=e.rounds,
+                   help="communication rounds of the multi-round methods (fedavg, pfnm-rounds)")
+    g.add_argument("--fraction", type=float, metavar="F", default=d.fraction,
+                   help="share of the clients sampled each round, in (0, 1]")
+    g.add_argument("--ece-bins", type=int, metavar="BINS", default=e.ece_bins,
+                   help="bins of the expected calibration error")
+    g = p.add_argument_group("width sweep", "instead of the comparison: accuracy against global width")
     g.add_argument("--width-sweep", action="store_true",
-                   help="instead: accuracy against global width, sweeping --sweep-sigma2 x --sweep-gamma0 under "
-                   "both sets of constants")
-    g.add_argument("--sweep-sigma2", type=floats, default=(0.5, 0.7, 0.85, 1.0, 1.15, 1.3, 1.6, 2.0))
-    g.add_argument("--sweep-gamma0", type=floats, default=(1e-3, 1.0))
-    g.add_argument("--seed", type=int, default=d.seed)
-    g.add_argument("--json", metavar="PATH", help="write all results as JSON")
-    g.add_argument("--plot", metavar="PATH", help="write a PNG: accuracy and global size per round, per J, or "
-                   "against width")
-    g.add_argument("--no-progress", action="store_true", help="no progress bars")
-    g.add_argument("--threads", type=int, default=1,
-                   help="torch threads; the clients' small MLPs train fastest on one (and do not fight over cores)")
+                   help="train the local models once and match them with every --sweep-sigma2 x --sweep-gamma0, "
+                   "under both sets of constants")
+    g.add_argument("--sweep-sigma2", type=_args.floats, default=SWEEP_SIGMA2, metavar="S,S,...",
+                   help="sigma2 values of the sweep (the default spreads the width from about one client's to about "
+                   "J clients' on digits)")
+    g.add_argument("--sweep-gamma0", type=_args.floats, default=SWEEP_GAMMA0, metavar="G,G,...",
+                   help="gamma0 values of the sweep")
+    _args.add_output_arguments(p, threads=1, json_help="write the flags, settings, versions and results as JSON",
+                               plot_help="write a figure (PNG): accuracy and global width per method (one round), "
+                               "per round (--rounds > 1), against J (several --clients) or against width "
+                               "(--width-sweep)")
     p.set_defaults(func=run)
 
 
-def settings_from_args(args, clients: int) -> PFNMSettings:
-    partition = "homogeneous" if args.partition in ("homogeneous", "homo") else "dirichlet"
-    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
-    values = dict(clients=clients, hidden=tuple(args.hidden), partition=partition, alpha=args.alpha,
-                  min_size=args.min_size, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
-                  weight_decay=args.weight_decay, shared_init=args.shared_init, sigma2=args.sigma2,
-                  sigma0_2=args.sigma0_2, gamma0=args.gamma0, constants=args.constants, objective=args.objective,
-                  direction=args.direction, sweeps=args.sweeps, rounds=args.rounds, round_epochs=args.round_epochs,
-                  lr_decay=args.lr_decay, select=args.select, grid_sigma2=args.grid_sigma2,
-                  grid_sigma0_2=args.grid_sigma0_2, grid_gamma0=args.grid_gamma0, holdout=args.holdout,
-                  methods=methods, seed=args.seed)
-    assert set(values) == {f.name for f in fields(PFNMSettings)}
-    return PFNMSettings(**values)
+# ------------------------------------------------------------------------------------------------ run
+
+
+def _one_or_many(values: tuple) -> float | tuple:
+    """A flag's comma-separated values: one value for every layer, or one per hidden layer."""
+    return values[0] if len(values) == 1 else values
+
+
+def prepare(args) -> dict:
+    """Every config of the run, the data loaded and checked, the partitions checked against it: everything that
+    can fail on a bad argument or input file, before anything trains (a ``ValueError`` or
+    :class:`~bnpfed.commands._args.UsageError` naming the field or flag)."""
+    _args.check_threads(args.threads)
+    _args.check_output_path(args.json, "--json")
+    _args.check_output_path(args.plot, "--plot", plot=True)
+    if len(set(args.clients)) != len(args.clients):
+        raise UsageError(f"--clients: expected each J at most once, got {','.join(map(str, args.clients))}")
+    if args.width_sweep and len(args.clients) > 1:
+        raise UsageError(f"--clients: --width-sweep takes one J, got {','.join(map(str, args.clients))}")
+    partitions = [_args.partition_config(args, J) for J in args.clients]
+    network = NetworkConfig(arch="mlp", hidden=args.hidden, init=args.init, shared_init=args.shared_init)
+    training = _args.training_config(args)
+    pfnm = PFNMConfig(sigma2=_one_or_many(args.sigma2), sigma0_2=_one_or_many(args.sigma0_2),
+                      gamma0=_one_or_many(args.gamma0), constants=args.constants, objective=args.objective,
+                      direction=args.direction, sweeps=args.sweeps, warm_start=args.warm_start,
+                      fraction=args.fraction)
+    fusion = FusionConfig(fraction=args.fraction)  # FedAvg's client sampling
+    chosen = args.methods
+    if chosen is None:
+        rounds = args.rounds if isinstance(args.rounds, int) else 1
+        chosen = DEFAULT_METHODS + (("pfnm-rounds",) if rounds > 1 else ())
+    config = ExperimentConfig(methods=chosen, rounds=args.rounds, seed=args.seed, select=args.select,
+                              grid_sigma2=args.grid_sigma2, grid_sigma0_2=args.grid_sigma0_2,
+                              grid_gamma0=args.grid_gamma0, holdout=args.holdout, ece_bins=args.ece_bins)
+    if args.width_sweep:
+        check_positives(args.sweep_sigma2, "sweep_sigma2")
+        check_positives(args.sweep_gamma0, "sweep_gamma0")
+    dataset = _args.load_data(args, standardize=args.standardize)
+    for partition in partitions:
+        partition.check_fits(len(dataset.y_train))
+    initial_network(network, dataset.input_shape, dataset.num_classes, seed=config.seed, client=0)
+    return dict(dataset=dataset, partitions=partitions, network=network, training=training, pfnm=pfnm, fusion=fusion,
+                config=config)
 
 
 def run(args) -> int:
+    try:
+        plan = prepare(args)
+    except UsageError as error:
+        return fail(PROG, str(error))
+    except ValueError as error:
+        return fail(PROG, flag_message(error))
     import torch
 
     torch.set_num_threads(args.threads)
-    ds = load_dataset(args.dataset, data_dir=args.data_dir, download=args.download, standardize=args.standardize)
+    dataset, partitions = plan.pop("dataset"), plan.pop("partitions")
     progress = not args.no_progress
-    if args.width_sweep:
-        settings = settings_from_args(args, args.clients[0])
-        points = width_sweep(ds, settings, sigma2=args.sweep_sigma2, gamma0=args.sweep_gamma0, progress=progress)
-        print(f"accuracy against global width: {ds.name}, J={settings.clients}, {settings.partition}, "
-              f"hidden {list(settings.hidden)}, seed {settings.seed}")
-        print(format_table(points, ["constants", "sigma2", "gamma0", "hidden", "accuracy", "seconds"]))
-        if args.json:
-            write_json(args.json, {"command": "pfnm --width-sweep", "dataset": ds.name,
-                                   "settings": asdict(settings), "points": points})
-        if args.plot:
-            _plot_width(points, args.plot)
-        return 0
-    runs = []
-    for J in args.clients:
-        settings = settings_from_args(args, J)
-        result = run_pfnm_experiment(ds, settings, progress=progress)
-        runs.append(result)
-        print(f"\n{ds.name}: J={J} clients, {settings.partition}"
-              f"{f' (alpha {settings.alpha})' if settings.partition == 'dirichlet' else ''}, hidden "
-              f"{list(settings.hidden)}, seed {settings.seed}; hyper-parameters selected by {result.selection['by']}:"
-              f" sigma2={result.selection['sigma2']}, sigma0_2={result.selection['sigma0_2']}, "
-              f"gamma0={result.selection['gamma0']}")
-        print(format_table([asdict(r) for r in result.rows], COLUMNS))
-    if args.json:
-        write_json(args.json, {"command": "pfnm", "dataset": ds.name, "runs": [r.as_dict() for r in runs]})
-    if args.plot:
-        if len(runs) > 1:
-            _plot_by_clients(runs, args.plot)
+    settings = {"partition": config_dict(partitions[0]), **{k: config_dict(v) for k, v in plan.items()}}
+    settings["partition"]["clients"] = list(args.clients) if len(args.clients) > 1 else args.clients[0]
+    try:
+        if args.width_sweep:
+            points = methods.width_sweep(dataset, sigma2=args.sweep_sigma2, gamma0=args.sweep_gamma0,
+                                         progress=progress, partition=partitions[0], **_without(plan, "fusion"))
         else:
-            _plot_rounds(runs[0], args.plot)
+            results = []
+            for partition in partitions:
+                result = methods.run_experiment(dataset, partition=partition, progress=progress,
+                                                log=_log(progress), **plan)
+                results.append(result)
+                _print_result(dataset.name, partition, plan, result, args)
+    except _args.TRAINING_ERRORS as error:
+        return fail(PROG, _args.training_failure(error), 1)
+    except KeyboardInterrupt:
+        return fail(PROG, "interrupted", 130)
+    if args.width_sweep:
+        _print_sweep(dataset.name, partitions[0], plan, points, args)
+        payload = {"points": points}
+    else:
+        print(f"\n{SERVER_SECONDS}")
+        payload = {"runs": [r.as_dict() for r in results]}
+    if args.json:
+        write_json(args.json, command_record("pfnm", args, settings, payload))
+        print(f"wrote results to {args.json}")
+    if args.plot:
+        title = _title(dataset.name, partitions, plan)
+        if args.width_sweep:
+            _plot_width(points, args.plot, title, sum(plan["network"].hidden), partitions[0].clients)
+        elif len(results) > 1:
+            _plot_by_clients(results, [p.clients for p in partitions], args.plot, title)
+        elif plan["config"].rounds > 1 and any(len(r.history) > 1 for r in results[0].rows):
+            _plot_rounds(results[0], args.plot, title)
+        else:
+            _plot_one_round(results[0], args.plot, title)
+        print(f"wrote plot to {args.plot}")
     return 0
 
 
-def _figure():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+def _without(plan: dict, *names) -> dict:
+    return {k: v for k, v in plan.items() if k not in names}
 
 
-def _plot_rounds(run_, path: str) -> None:
-    plt = _figure()
-    fig, (ax_acc, ax_size) = plt.subplots(1, 2, figsize=(10, 4))
-    for method, hist in run_.history.items():
-        rounds = [h["round"] for h in hist]
-        ax_acc.plot(rounds, [h["accuracy"] for h in hist], marker="o", label=method)
-        ax_size.plot(rounds, [sum(h["hidden"]) for h in hist], marker="o", label=method)
-    for row in run_.rows:
-        if row.method in ("ensemble", "local (mean)"):
-            ax_acc.axhline(row.accuracy, ls="--", lw=1, color="grey" if row.method == "ensemble" else "silver",
-                           label=row.method)
-    if not run_.history:  # one round: a bar per method
-        names = [r.method for r in run_.rows]
-        ax_acc.barh(names, [r.accuracy for r in run_.rows])
-        ax_size.barh(names, [sum(r.hidden) for r in run_.rows])
+def _log(progress: bool):
+    if not progress:
+        return None
+    from tqdm.auto import tqdm
+
+    return lambda line: tqdm.write(line, file=sys.stderr)
+
+
+def _describe(name: str, partition, plan: dict) -> str:
+    alpha = f" (alpha {partition.alpha:g})" if partition.partition == "dirichlet" else ""
+    epochs = _args.plural(plan["training"].epochs, "local epoch")
+    return (f"{name}: J = {partition.clients} clients, {partition.partition} partition{alpha}, MLP hidden "
+            f"{list(plan['network'].hidden)}, {epochs}, seed {plan['config'].seed}")
+
+
+def _hyper(config: PFNMConfig) -> str:
+    def shown(v):
+        return ",".join(f"{x:g}" for x in v) if isinstance(v, tuple) else f"{v:g}"
+
+    return (f"sigma2 {shown(config.sigma2)}, sigma0_2 {shown(config.sigma0_2)}, gamma0 {shown(config.gamma0)}, "
+            f"{config.constants} constants, {config.objective} objective, {config.direction}")
+
+
+def _print_result(name: str, partition, plan: dict, result, args) -> None:
+    print(f"\n{_describe(name, partition, plan)}")
+    selection = result.selection
+    if selection is not None:
+        if selection.by == "none":
+            print(f"PFNM hyper-parameters (as given): {_hyper(selection.config)}")
+        else:
+            where = ("the clients' held-out splits" if selection.by == "federated"
+                     else "the pooled training data")
+            print(f"PFNM hyper-parameters (selected on {where}, accuracy {selection.score:.4f}): "
+                  f"{_hyper(selection.config)}")
+            print(format_table(selection.curve, [c for c in ("sigma2", "sigma0_2", "gamma0", "hidden", "validation",
+                                                             "test") if c in selection.curve[0]]))
+    print(format_table([asdict(r) for r in result.rows], COLUMNS))
+    for message in result.warnings:
+        warn(message)
+
+
+def _print_sweep(name: str, partition, plan: dict, points, args) -> None:
+    print(f"accuracy against global width: {_describe(name, partition, plan)}")
+    print(format_table(points, ["constants", "sigma2", "gamma0", "hidden", "accuracy", "seconds"]))
+    print("seconds: the matching's; the reference constants match top-down, as the published code does")
+
+
+def _title(name: str, partitions, plan: dict) -> str:
+    p = partitions[0]
+    clients = ", ".join(str(q.clients) for q in partitions)
+    alpha = f" (alpha {p.alpha:g})" if p.partition == "dirichlet" else ""
+    return f"{name}: J = {clients} clients, {p.partition} partition{alpha}, MLP hidden {list(plan['network'].hidden)}"
+
+
+# ------------------------------------------------------------------------------------------------ plots
+
+
+def _integer_ticks(axis) -> None:
     from matplotlib.ticker import MaxNLocator
 
-    for ax in (ax_acc, ax_size):
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax_acc.set(xlabel="communication round", ylabel="test accuracy")
-    ax_size.set(xlabel="communication round", ylabel="global hidden size (sum over layers)")
-    ax_acc.legend(fontsize=8)
+    axis.set_major_locator(MaxNLocator(integer=True))
+
+
+def _legend_right(fig, axes) -> None:
+    handles, labels = {}, []
+    for ax in axes:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            if label not in handles:
+                handles[label] = h
+                labels.append(label)
+    if labels:
+        fig.legend([handles[label] for label in labels], labels, loc="center left", bbox_to_anchor=(1.0, 0.5),
+                   fontsize=9, frameon=False)
+
+
+def _plot_one_round(result, path: str, title: str) -> None:
+    """One round: a bar per method, test accuracy on the left, global width on the right."""
+    plt = pyplot()
+    rows = result.rows
+    names = [r.method for r in rows]
+    colors = {n: style["color"] for n, style in line_styles(names).items()}
+    fig, (ax_acc, ax_width) = plt.subplots(1, 2, figsize=(11, 1.6 + 0.42 * len(rows)), sharey=True)
+    y = list(range(len(rows)))
+    accuracies = [r.accuracy for r in rows]
+    widths = [sum(r.hidden) for r in rows]
+    ax_acc.barh(y, accuracies, color=[colors[n] for n in names])
+    ax_width.barh(y, widths, color=[colors[n] for n in names])
+    for i, (a, w) in enumerate(zip(accuracies, widths)):
+        ax_acc.text(a, i, f" {a:.3f}", va="center", fontsize=8)
+        ax_width.text(w, i, f" {w}", va="center", fontsize=8)
+    ax_acc.set_yticks(y, names)
+    ax_acc.invert_yaxis()
+    ax_acc.set(xlim=(0, 1.12), xlabel="test accuracy")
+    ax_width.set(xlim=(0, 1.15 * max(widths + [1])), xlabel=WIDTH_LABEL)
+    _integer_ticks(ax_width.xaxis)
+    fig.suptitle(f"{title}, one round")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
-def _plot_by_clients(runs, path: str) -> None:
-    plt = _figure()
-    fig, (ax_acc, ax_size) = plt.subplots(1, 2, figsize=(10, 4))
-    Js = [r.settings.clients for r in runs]
-    for method in [row.method for row in runs[0].rows]:
-        ax_acc.plot(Js, [r.row(method).accuracy for r in runs], marker="o", label=method)
-        ax_size.plot(Js, [sum(r.row(method).hidden) for r in runs], marker="o", label=method)
-    ax_acc.set(xlabel="number of clients J", ylabel="test accuracy")
-    ax_size.set(xlabel="number of clients J", ylabel="global hidden size", yscale="log")
-    ax_acc.legend(fontsize=7)
+def _plot_rounds(result, path: str, title: str) -> None:
+    """Several rounds: accuracy and global width per round of the multi-round methods; the one-shot methods as
+    horizontal lines."""
+    plt = pyplot()
+    rows = [r for r in result.rows if r.method not in ("local-min", "local-max")]
+    styles = line_styles([r.method for r in rows])
+    colors = {name: style["color"] for name, style in styles.items()}
+    fig, (ax_acc, ax_width) = plt.subplots(1, 2, figsize=(11, 4.2))
+    last = max(len(r.history) for r in rows)
+    for r in rows:
+        if len(r.history) > 1:
+            rounds = [h["round"] for h in r.history]
+            hidden = [sum(h.get("hidden", r.hidden)) for h in r.history]
+            style = {**styles[r.method], "linestyle": "-"}
+            ax_acc.plot(rounds, [h["accuracy"] for h in r.history], label=r.method, **style)
+            ax_width.plot(rounds, hidden, label=r.method, **style)
+        else:
+            one_shot = r.rounds == 1 and "oneshot" not in r.method
+            label = f"{r.method} (one shot)" if one_shot else r.method
+            ax_acc.axhline(r.accuracy, ls="--", lw=1.2, color=colors[r.method], label=label)
+            ax_width.axhline(sum(r.hidden), ls="--", lw=1.2, color=colors[r.method], label=label)
+    for ax in (ax_acc, ax_width):
+        ax.set_xlabel("communication round")
+        ax.set_xlim(0.8, last + 0.2)
+        _integer_ticks(ax.xaxis)
+    _integer_ticks(ax_width.yaxis)
+    ax_acc.set_ylabel("test accuracy")
+    ax_width.set_ylabel(WIDTH_LABEL)
+    ax_width.set_ylim(bottom=0)
+    fig.suptitle(f"{title}, {last} rounds")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _legend_right(fig, [ax_acc, ax_width])
+    save_figure(fig, path)
 
 
-def _plot_width(points, path: str) -> None:
-    plt = _figure()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name in sorted({p["constants"] for p in points}):
-        mine = sorted((p["width"], p["accuracy"]) for p in points if p["constants"] == name)
-        ax.plot(*zip(*mine), marker="o", ls="", label=f"{name} constants")
+def _plot_by_clients(results, clients, path: str, title: str) -> None:
+    """Several J: accuracy and global width against J, one line per method (the local models' range shaded)."""
+    plt = pyplot()
+    names = [r.method for r in results[0].rows if r.method not in ("local-min", "local-max")]
+    styles = line_styles(names)
+    fig, (ax_acc, ax_width) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name in names:
+        found = [(J, res.row(name)) for J, res in zip(clients, results) if name in {r.method for r in res.rows}]
+        js = [J for J, _ in found]
+        ax_acc.plot(js, [r.accuracy for _, r in found], label=name, **styles[name])
+        ax_width.plot(js, [sum(r.hidden) for _, r in found], label=name, **styles[name])
+    if all({"local-min", "local-max"} <= {r.method for r in res.rows} for res in results):
+        ax_acc.fill_between(clients, [res.row("local-min").accuracy for res in results],
+                            [res.row("local-max").accuracy for res in results], color="0.5",
+                            alpha=0.15, label="local models: min to max")
+    for ax in (ax_acc, ax_width):
+        ax.set_xlabel("number of clients J")
+        ax.set_xticks(clients)
+    ax_acc.set_ylabel("test accuracy")
+    ax_width.set_ylabel(WIDTH_LABEL)
+    ax_width.set_ylim(bottom=0)
+    _integer_ticks(ax_width.yaxis)
+    fig.suptitle(title)
+    fig.tight_layout()
+    _legend_right(fig, [ax_acc, ax_width])
+    save_figure(fig, path)
+
+
+def _nice_ticks(low: float, high: float) -> list[int]:
+    """Integer ticks 1, 2, 3, 5, 7 x 10^k between ``low`` and ``high`` (a log axis)."""
+    ticks = [m * 10 ** k for k in range(0, 8) for m in (1, 2, 3, 5, 7)]
+    return [t for t in ticks if low * 0.9 <= t <= high * 1.1] or [int(low), int(high)]
+
+
+def _plot_width(points, path: str, title: str, local_width: int, clients: int) -> None:
+    """The width sweep: test accuracy against global width, one marker per gamma0 and a colour per set of
+    constants, each set's Pareto front (the best accuracy at that width or less) as a step line."""
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    constants = list(dict.fromkeys(p["constants"] for p in points))
+    gammas = list(dict.fromkeys(p["gamma0"] for p in points))
+    colors = {n: style["color"] for n, style in line_styles(constants).items()}
+    markers = "o^sDvP*X"
+    for name in constants:
+        for k, g in enumerate(gammas):
+            mine = [p for p in points if p["constants"] == name and p["gamma0"] == g]
+            ax.scatter([p["width"] for p in mine], [p["accuracy"] for p in mine], color=colors[name],
+                       marker=markers[k % len(markers)], s=30, alpha=0.8, label=f"{name} constants, gamma0 {g:g}")
+        mine = sorted((p["width"], -p["accuracy"]) for p in points if p["constants"] == name)
         front, best = [], -1.0
-        for w, a in mine:  # the accuracy-width Pareto front
-            if a > best:
-                front.append((w, a))
-                best = a
-        ax.step(*zip(*front), where="post", alpha=0.6)
-    ax.set(xlabel="global hidden size", ylabel="test accuracy", title="PFNM: accuracy against global width")
-    ax.legend()
+        for w, a in mine:
+            if -a > best:
+                best = -a
+                front.append((w, best))
+        front.append((max(w for w, _ in mine), best))
+        ax.step(*zip(*front), where="post", color=colors[name], alpha=0.7, label=f"{name} constants: Pareto front")
+    ax.axvline(local_width, ls=":", color="0.6", zorder=0, label=f"one client's width ({local_width})")
+    ax.axvline(clients * local_width, ls="--", color="0.6", zorder=0,
+               label=f"J clients' width ({clients * local_width}, the ensemble)")
+    ax.set_xscale("log")
+    widths = [p["width"] for p in points] + [local_width, clients * local_width]
+    ax.set_xticks(_nice_ticks(min(widths), max(widths)))
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set(xlabel=f"{WIDTH_LABEL}, log scale", ylabel="test accuracy",
+           title=f"{title}\naccuracy against global width (sigma2 and gamma0 swept)")
+    ax.legend(loc="center left", bbox_to_anchor=(1.02, 0.5), fontsize=8, frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)

@@ -1,0 +1,362 @@
+"""``bnpfed pfnm``, ``bnpfed fuse`` and ``bnpfed demo``: every argument and input file checked before any training,
+plain words when a run diverges, one vocabulary, the plots, and one JSON layout."""
+
+import json
+import math
+import re
+
+import numpy as np
+import pytest
+
+from bnpfed.cli import build_parser, main
+from bnpfed.commands import fuse, pfnm
+from bnpfed.data import NPZ_FORMAT
+from bnpfed.federated import methods
+from bnpfed.federated.config import PAPER_MIN_VARIANCE, PartitionConfig, TrainingConfig
+from bnpfed.inference import TrainingDiverged, recovery
+
+TINY = ["--clients", "3", "--epochs", "1", "--hidden", "16", "--no-progress"]
+
+
+def exit_code(argv) -> int:
+    """``bnpfed argv``'s exit status, whether it returned it or argparse exited."""
+    try:
+        return main(argv)
+    except SystemExit as exit_:
+        return exit_.code
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """Bad input files (and a folder, and a good flat .npz), by name."""
+    root = tmp_path_factory.mktemp("inputs")
+    rng = np.random.default_rng(0)
+
+    def save(name, **arrays):
+        np.savez(root / name, **arrays)
+        return str(root / name)
+
+    good = dict(x_train=rng.random((60, 5), dtype=np.float32), y_train=np.arange(60) % 3,
+                x_test=rng.random((12, 5), dtype=np.float32), y_test=np.arange(12) % 3)
+    nan = dict(good, x_train=np.where(np.eye(60, 5) > 0, np.nan, good["x_train"]))
+    (root / "text.npz").write_text("x_train,y_train\n1,2\n")
+    return {
+        "missing": str(root / "missing.npz"),
+        "wrong_keys": save("wrong_keys.npz", x_train=good["x_train"], labels=good["y_train"]),
+        "mismatched": save("mismatched.npz", **dict(good, x_test=rng.random((12, 6), dtype=np.float32))),
+        "nan": save("nan.npz", **nan),
+        "text": str(root / "text.npz"),
+        "flat": save("flat.npz", **good),
+        "folder": str(root),
+    }
+
+
+SHARED = [  # (argv, the flag the message must name): the same flags in pfnm and fuse
+    (["--seed", "-1"], "--seed"),
+    (["--threads", "0"], "--threads"),
+    (["--rounds", "0"], "--rounds"),
+    (["--epochs", "0"], "--epochs"),
+    (["--lr", "0"], "--lr"),
+    (["--lr", "nan"], "--lr"),
+    (["--batch-size", "0"], "--batch-size"),
+    (["--weight-decay", "-1"], "--weight-decay"),
+    (["--lr-decay", "-1"], "--lr-decay"),
+    (["--round-epochs", "0"], "--round-epochs"),
+    (["--alpha", "0"], "--alpha"),
+    (["--partition", "dirichlet", "--min-size", "100000"], "--min-size"),
+    (["--partition", "shards"], "--partition"),
+    (["--clients", "0"], "--clients"),
+    (["--clients", "5000"], "--clients"),
+    (["--fraction", "0"], "--fraction"),
+    (["--fraction", "1.5"], "--fraction"),
+    (["--hidden", "16,0"], "--hidden"),
+    (["--hidden", "16,x"], "--hidden"),
+    (["--dataset", "imagenet"], "--dataset"),
+    (["--dataset", "mnist"], "--data-dir"),
+    (["--dataset", "npz:{missing}"], "--dataset"),
+    (["--dataset", "npz:{wrong_keys}"], "--dataset"),
+    (["--dataset", "npz:{mismatched}"], "--dataset"),
+    (["--dataset", "npz:{nan}"], "--dataset"),
+    (["--dataset", "npz:{text}"], "--dataset"),
+    (["--json", "{folder}"], "--json"),
+    (["--plot", "{folder}/plot.json"], "--plot"),
+]
+PFNM_ONLY = [
+    (["--sigma2", "0"], "--sigma2"),
+    (["--sigma2", "-1"], "--sigma2"),
+    (["--sigma2", "nan"], "--sigma2"),
+    (["--sigma2", "inf"], "--sigma2"),
+    (["--sigma2", "0.3,0"], "--sigma2"),
+    (["--sigma0-2", "0"], "--sigma0-2"),
+    (["--gamma0", "0"], "--gamma0"),
+    (["--sweeps", "-1"], "--sweeps"),
+    (["--holdout", "1.5"], "--holdout"),
+    (["--grid-sigma2", "0.1,0"], "--grid-sigma2"),
+    (["--methods", "foo"], "--methods"),
+    (["--methods", "pfnm,pfnm"], "--methods"),
+    (["--ece-bins", "0"], "--ece-bins"),
+    (["--width-sweep", "--sweep-sigma2", "0"], "--sweep-sigma2"),
+    (["--width-sweep", "--sweep-gamma0", "nan"], "--sweep-gamma0"),
+    (["--width-sweep", "--clients", "3,4"], "--clients"),
+    (["--clients", "3,3"], "--clients"),
+]
+FUSE_ONLY = [
+    (["--rule", "foo"], "--rule"),
+    (["--rule", "eaa,eaa"], "--rule"),
+    (["--local-epochs", "0"], "--epochs"),
+    (["--min-variance", "-1"], "--min-variance"),
+    (["--pooling-samples", "1"], "--pooling-samples"),
+    (["--predictive-samples", "0"], "--predictive-samples"),
+    (["--samples", "0"], "--predictive-samples"),
+    (["--prior-scale", "0"], "--prior-scale"),
+    (["--init-scale", "nan"], "--init-scale"),
+    (["--ece-bins", "0"], "--ece-bins"),
+    (["--dataset", "npz:{flat}", "--arch", "lenet"], "--arch"),
+]
+DEMO = [
+    (["--sigma2", "0"], "--sigma2"),
+    (["--sigma2", "-1"], "--sigma2"),
+    (["--sigma2", "nan"], "--sigma2"),
+    (["--sigma2", "inf"], "--sigma2"),
+    (["--noise", "0"], "--sigma2"),
+    (["--sigma0-2", "0"], "--sigma0-2"),
+    (["--gamma0", "0"], "--gamma0"),
+    (["--seed", "-1"], "--seed"),
+    (["--clients", "0"], "--clients"),
+    (["--dim", "0"], "--dim"),
+    (["--sweeps", "-1"], "--sweeps"),
+    (["--json", "{folder}"], "--json"),
+]
+CASES = ([("pfnm", *case) for case in SHARED + PFNM_ONLY] + [("fuse", *case) for case in SHARED + FUSE_ONLY]
+         + [("demo", *case) for case in DEMO])
+
+
+@pytest.mark.parametrize("command, argv, flag", CASES,
+                         ids=[f"{c}:{' '.join(a)}" for c, a, _ in CASES])
+def test_a_bad_argument_or_file_exits_2_naming_its_flag_before_anything_trains(command, argv, flag, files, capsys,
+                                                                              monkeypatch):
+    def trained(*args, **kwargs):
+        raise AssertionError("the command started working before it checked its arguments")
+
+    for module, name in ((methods, "run_experiment"), (methods, "width_sweep"), (recovery, "match_recovery")):
+        monkeypatch.setattr(module, name, trained)
+    argv = [a.format(**files) for a in argv]
+    assert exit_code([command, *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert re.match(rf"bnpfed {command}: error: (argument )?{re.escape(flag)}[:/ ]", err), err
+
+
+# ------------------------------------------------------------------------------------------------ diverging runs
+
+
+def test_a_diverging_pfnm_run_warns_that_it_sits_at_chance(capsys):
+    assert main(["pfnm", *TINY, "--lr", "1000", "--methods", "local,pfnm"]) == 0
+    err = capsys.readouterr().err
+    assert re.search(r"^warning: local models: test accuracy 0\.\d+ is at chance", err, re.M), err
+
+
+def test_a_diverging_fusion_run_exits_1_with_one_line(capsys):
+    assert main(["fuse", *TINY, "--lr", "1000", "--rounds", "1", "--rule", "eaa", "--no-fedavg"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("bnpfed fuse: error: ") and err.count("\n") == 1 and "diverged" in err, err
+
+
+@pytest.mark.parametrize("error, words", [
+    (TrainingDiverged("DeterministicClient.fit", 1, 3, 10, math.inf, 1000.0, "the loss is inf"),
+     "diverged at epoch 1, step 3 of 10: the loss is inf"),
+    (ValueError("Expected parameter scale\ntensor([[nan]])"), "training failed (ValueError: Expected parameter scale)"),
+])
+def test_an_error_while_training_exits_1_with_one_line(error, words, monkeypatch, capsys):
+    def diverge(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(methods, "run_experiment", diverge)
+    assert main(["pfnm", *TINY]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("bnpfed pfnm: error: ") and words in err and err.count("\n") == 1, err
+
+
+# ------------------------------------------------------------------------------------------------ output
+
+
+@pytest.fixture
+def figures(monkeypatch):
+    """The figures the commands save, kept open for the test to read."""
+    saved = []
+
+    def keep(fig, path, **kwargs):
+        fig.savefig(path)
+        saved.append(fig)
+
+    monkeypatch.setattr(pfnm, "save_figure", keep)
+    monkeypatch.setattr(fuse, "save_figure", keep)
+    yield saved
+    import matplotlib.pyplot as plt
+
+    for fig in saved:
+        plt.close(fig)
+
+
+def check_record(path, command: str) -> dict:
+    """The JSON layout every command writes."""
+    payload = json.loads(path.read_text())
+    assert list(payload) == ["command", "arguments", "settings", "versions", "timestamp", "results"]
+    assert payload["command"] == command and "func" not in payload["arguments"]
+    assert sorted(payload["versions"]) == ["bnpfed", "flwr", "pyro", "python", "torch"]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", payload["timestamp"])
+    return payload
+
+
+def test_pfnm_one_round_prints_its_hyper_parameters_and_writes_json_and_a_bar_chart(tmp_path, capsys, figures):
+    out_json, out_png = tmp_path / "out" / "pfnm.json", tmp_path / "pfnm.png"
+    assert main(["pfnm", *TINY, "--sigma2", "0.3", "--methods", "local,ensemble,pfnm,kmeans", "--json", str(out_json),
+                 "--plot", str(out_png)]) == 0
+    out = capsys.readouterr().out
+    assert "PFNM hyper-parameters (as given): sigma2 0.3, sigma0_2 1, gamma0 1" in out
+    assert "server_seconds: the server's aggregation time" in out
+    assert f"wrote results to {out_json}" in out and f"wrote plot to {out_png}" in out
+    payload = check_record(out_json, "pfnm")
+    assert payload["arguments"]["sigma2"] == [0.3] and payload["settings"]["pfnm"]["sigma2"] == 0.3
+    assert payload["settings"]["partition"]["clients"] == 3 and payload["settings"]["training"]["epochs"] == 1
+    rows = payload["results"]["runs"][0]["rows"]
+    assert [r["method"] for r in rows] == ["local-mean", "local-min", "local-max", "ensemble", "pfnm", "kmeans"]
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (fig,) = figures
+    ax_acc, ax_width = fig.axes
+    assert ax_acc.get_xlabel() == "test accuracy" and "width" in ax_width.get_xlabel()
+    assert [t.get_text() for t in ax_acc.get_yticklabels()] == [r["method"] for r in rows]
+    assert not ax_acc.lines and fig.legends == [] and ax_acc.get_legend() is None
+    assert "digits" in fig._suptitle.get_text() and "J = 3" in fig._suptitle.get_text()
+
+
+def test_pfnm_over_rounds_plots_curves_per_round_with_integer_ticks(tmp_path, figures):
+    assert main(["pfnm", *TINY, "--rounds", "2", "--round-epochs", "1", "--methods", "ensemble,pfnm,pfnm-rounds",
+                 "--plot", str(tmp_path / "rounds.png")]) == 0
+    (fig,) = figures
+    ax_acc, ax_width = fig.axes
+    assert ax_acc.get_xlabel() == "communication round" and ax_acc.get_ylabel() == "test accuracy"
+    assert all(float(t).is_integer() for t in ax_acc.get_xticks())
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == ["ensemble (one shot)", "pfnm (one shot)", "pfnm-rounds"]
+
+
+def test_pfnm_over_several_J_draws_every_method_against_J(tmp_path, capsys, figures):
+    out_json = tmp_path / "j.json"
+    assert main(["pfnm", "--clients", "2,3", "--epochs", "1", "--hidden", "16", "--no-progress", "--methods",
+                 "local,fedavg-oneshot,fedavg,pfnm", "--json", str(out_json), "--plot", str(tmp_path / "j.png")]) == 0
+    assert capsys.readouterr().out.count("PFNM hyper-parameters") == 2
+    payload = check_record(out_json, "pfnm")
+    assert payload["settings"]["partition"]["clients"] == [2, 3] and len(payload["results"]["runs"]) == 2
+    (fig,) = figures
+    ax_acc, _ = fig.axes
+    assert [line.get_label() for line in ax_acc.lines] == ["local-mean", "fedavg-oneshot", "fedavg", "pfnm"]
+    assert list(ax_acc.get_xticks()) == [2, 3] and ax_acc.get_xlabel() == "number of clients J"
+
+
+def test_width_sweep_plots_accuracy_against_width_with_its_pareto_fronts(tmp_path, figures):
+    out_json = tmp_path / "sweep.json"
+    assert main(["pfnm", *TINY, "--width-sweep", "--sweep-sigma2", "0.05,1", "--sweep-gamma0", "1",
+                 "--json", str(out_json), "--plot", str(tmp_path / "sweep.png")]) == 0
+    points = check_record(out_json, "pfnm")["results"]["points"]
+    assert [(p["constants"], p["sigma2"]) for p in points] == [("bnpfed", 0.05), ("bnpfed", 1.0),
+                                                               ("reference", 0.05), ("reference", 1.0)]
+    (fig,) = figures
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert "bnpfed constants: Pareto front" in labels and "reference constants: Pareto front" in labels
+
+
+def test_the_default_width_sweep_spans_one_client_to_J_clients():
+    assert min(pfnm.SWEEP_SIGMA2) <= 0.02 and max(pfnm.SWEEP_SIGMA2) >= 0.5 and len(pfnm.SWEEP_SIGMA2) >= 10
+
+
+def test_fuse_prints_the_table_and_writes_json_and_a_grid_of_panels(tmp_path, capsys, figures):
+    out_json, out_png = tmp_path / "fuse.json", tmp_path / "fuse.png"
+    assert main(["fuse", "--clients", "3", "--rounds", "2", "--local-epochs", "1", "--hidden", "16", "--rule",
+                 "eaa,conflation", "--samples", "2", "--weights", "uniform", "--partition", "hetero", "--json",
+                 str(out_json), "--plot", str(out_png), "--no-progress", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    for word in ("dirichlet partition", "100 bins", "eaa", "conflation", "fedavg", "mean_sigma", "server_seconds"):
+        assert word in out
+    assert "gaa" not in out and f"wrote results to {out_json}" in out
+    payload = check_record(out_json, "fuse")
+    settings = payload["settings"]
+    assert settings["training"]["epochs"] == 1 and settings["partition"]["partition"] == "dirichlet"
+    assert settings["fusion"]["weights"] == "uniform" and settings["config"]["predictive_samples"] == 2
+    assert settings["config"]["methods"] == ["eaa", "conflation", "fedavg"]
+    rows = payload["results"]["rows"]
+    assert [r["method"] for r in rows] == ["eaa", "conflation", "fedavg"]
+    assert all(len(r["history"]) == 2 for r in rows) and rows[2]["mean_sigma"] is None
+    (fig,) = figures
+    assert len(fig.axes) == 6 and not fig.axes[5].axison
+    assert [t.get_text() for t in fig.axes[5].get_legend().get_texts()] == ["eaa", "conflation", "fedavg"]
+    assert all(ax.get_legend() is None for ax in fig.axes[:5])
+    assert "J = 3" in fig._suptitle.get_text() and "dirichlet" in fig._suptitle.get_text()
+
+
+# ------------------------------------------------------------------------------------------------ vocabulary
+
+
+def parsed(argv):
+    return build_parser().parse_args(argv)
+
+
+def test_fuse_paper_is_the_published_setting_and_explicit_flags_win():
+    plan = fuse.prepare(parsed(["fuse", "--paper"]))
+    assert plan["network"].arch == "lenet-paper" and plan["fusion"].min_variance == PAPER_MIN_VARIANCE
+    assert float(plan["dataset"].x_train.min()) >= 0 and float(plan["dataset"].x_train.max()) <= 1
+    plan = fuse.prepare(parsed(["fuse", "--paper", "--arch", "mlp", "--standardize", "--min-variance", "0"]))
+    assert plan["network"].arch == "mlp" and plan["fusion"].min_variance == 0
+    assert float(plan["dataset"].x_train.min()) < 0
+    plan = fuse.prepare(parsed(["fuse"]))
+    assert plan["network"].arch == "mlp" and plan["fusion"].min_variance == 1e-16
+    assert float(plan["dataset"].x_train.min()) < 0
+
+
+def test_pfnm_keeps_pixels_in_0_1_unless_told_and_adds_pfnm_rounds_for_several_rounds():
+    plan = pfnm.prepare(parsed(["pfnm"]))
+    assert float(plan["dataset"].x_train.min()) >= 0
+    assert plan["config"].methods == pfnm.DEFAULT_METHODS and "pfnm-rounds" not in pfnm.DEFAULT_METHODS
+    assert plan["pfnm"].warm_start and plan["network"].init == "reference" and plan["training"].amsgrad
+    plan = pfnm.prepare(parsed(["pfnm", "--standardize", "--rounds", "3", "--no-warm-start", "--fraction", "0.5"]))
+    assert float(plan["dataset"].x_train.min()) < 0
+    assert plan["config"].methods == pfnm.DEFAULT_METHODS + ("pfnm-rounds",)
+    assert not plan["pfnm"].warm_start and plan["pfnm"].fraction == plan["fusion"].fraction == 0.5
+
+
+@pytest.mark.parametrize("command", ["pfnm", "fuse"])
+@pytest.mark.parametrize("alias, partition", [("homo", "iid"), ("homogeneous", "iid"), ("hetero", "dirichlet")])
+def test_partition_aliases_mean_the_same_in_both_commands(command, alias, partition):
+    plan = getattr({"pfnm": pfnm, "fuse": fuse}[command], "prepare")(parsed([command, "--partition", alias]))
+    parts = plan["partitions"] if command == "pfnm" else [plan["partition"]]
+    assert parts[0].partition == partition
+
+
+def subparser(name):
+    return build_parser()._subparsers._group_actions[0].choices[name]
+
+
+def test_the_same_config_field_has_the_same_flag_in_pfnm_and_fuse():
+    flags = {name: {s for a in subparser(name)._actions for s in a.option_strings} for name in ("pfnm", "fuse")}
+    from dataclasses import fields
+
+    shared = [f.name for f in fields(TrainingConfig)] + [f.name for f in fields(PartitionConfig)] + [
+        "hidden", "fraction", "rounds", "seed", "ece_bins", "dataset", "data_dir", "standardize", "threads", "json",
+        "plot", "no_progress"]
+    for name in shared:
+        flag = "--" + name.replace("_", "-")
+        assert flag in flags["pfnm"] and flag in flags["fuse"], flag
+    assert "--local-epochs" in flags["fuse"] and "--align" not in flags["fuse"] and "--arch" not in flags["pfnm"]
+
+
+@pytest.mark.parametrize("command", ["pfnm", "fuse", "demo"])
+def test_every_option_has_help_and_a_readable_default(command):
+    parser = subparser(command)
+    for action in parser._actions:
+        assert action.help, action.option_strings
+    text = " ".join(parser.format_help().split())
+    for noise in ("(default: None)", "(default: (", "(default: [", "(default: True)", "(default: False)"):
+        assert noise not in text
+    if command != "demo":
+        assert " ".join(NPZ_FORMAT.split()) in text
+        assert "server_seconds: the server's aggregation time" in text
