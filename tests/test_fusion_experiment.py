@@ -1,4 +1,5 @@
-"""Federated rounds of Bayesian clients fused on a server (bnpfed.federated.fusion) and the ``bnpfed fuse`` command."""
+"""Federated rounds of Bayesian clients fused on a server (bnpfed.federated.fusion); ``bnpfed fuse`` is tested in
+test_commands.py."""
 
 import json
 import math
@@ -8,7 +9,6 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from bnpfed.cli import main
 from bnpfed import combine
 from bnpfed.combine import available_rules, average_deterministic, fuse, fuse_sites
 from bnpfed.data import load_dataset
@@ -261,54 +261,3 @@ def test_conflation_of_subnormal_variances_falls_back_to_log_precisions_and_stay
     assert_close(variance.double(), (1 / 3) / (precision / 3).sum(0), rtol=1e-4, atol=0)
     with pytest.raises(ValueError, match=r"locs must be finite, got nan at index \(1, 0\)"):
         fuse(torch.tensor([[0.0, 0.0], [math.nan, 0.0], [0.0, 0.0]]), variances, "conflation")
-
-
-# ---------------------------------------------------------------- the command
-
-
-def test_the_command_prints_the_table_and_writes_json_and_a_plot(tmp_path, capsys):
-    json_path, plot_path = tmp_path / "out" / "fuse.json", tmp_path / "fuse.png"
-    code = main(["fuse", "--clients", "3", "--rounds", "2", "--local-epochs", "1", "--hidden", "16",
-                 "--rule", "eaa,conflation", "--samples", "2", "--weights", "uniform", "--partition", "dirichlet",
-                 "--json", str(json_path), "--plot", str(plot_path), "--no-progress", "--threads", "1"])
-    assert code == 0
-    out = capsys.readouterr().out
-    for word in ("method", "accuracy", "nll", "ece", "brier", "mean_sigma", "eaa", "conflation", "fedavg",
-                 "100 bins"):
-        assert word in out
-    assert "gaa" not in out
-    payload = json.loads(json_path.read_text())
-    assert payload["command"] == "fuse" and payload["dataset"] == "digits"
-    assert payload["config"]["weights"] == "uniform" and payload["config"]["ece_bins"] == 100
-    assert list(payload["histories"]) == ["eaa", "conflation", "fedavg"]
-    assert all(len(h["rounds"]) == 2 for h in payload["histories"].values())
-    assert payload["histories"]["fedavg"]["rounds"][0].get("mean_sigma") is None
-    assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-@pytest.mark.parametrize("argv, message", [
-    (["--dataset", "imagenet"], "argument --dataset: unknown dataset 'imagenet'"),
-    (["--dataset", "npz:"], "argument --dataset: 'npz:' has no path"),
-    (["--rule", "eaa,median"], "argument --rule: unknown rule(s) ['median']"),
-    (["--fraction", "1.5"], "argument --fraction: '1.5': expected a number in (0, 1]"),
-    (["--hidden", "10,x"], "argument --hidden"),
-    (["--partition", "shards"], "argument --partition: invalid choice"),
-])
-def test_bad_arguments_are_rejected_by_name(argv, message, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(["fuse", *argv])
-    assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
-
-
-def test_bad_files_and_combinations_give_clear_errors(tmp_path, capsys):
-    assert main(["fuse", "--dataset", f"npz:{tmp_path / 'missing.npz'}", "--no-progress"]) == 2
-    assert "missing.npz' does not exist" in capsys.readouterr().err
-    flat = tmp_path / "flat.npz"
-    rng = np.random.default_rng(0)
-    np.savez(flat, x_train=rng.normal(size=(40, 5)), y_train=rng.integers(0, 2, 40), x_test=rng.normal(size=(10, 5)),
-             y_test=rng.integers(0, 2, 10))
-    assert main(["fuse", "--dataset", f"npz:{flat}", "--arch", "lenet", "--no-progress"]) == 2
-    assert "--arch lenet needs square images" in capsys.readouterr().err
-    assert main(["fuse", "--clients", "5000", "--no-progress"]) == 2
-    assert "more clients than the 1347 training examples" in capsys.readouterr().err

@@ -1,10 +1,7 @@
 """The PFNM experiments on the bundled digits (pixels in [0, 1], as the reference feeds MNIST)."""
 
-import json
-
 import pytest
 
-from bnpfed.cli import main
 from bnpfed.data import load_dataset
 from bnpfed.federated.pfnm import PFNMSettings, run_pfnm_experiment, width_sweep
 
@@ -96,29 +93,3 @@ def test_width_sweep_returns_points_for_both_sets_of_constants(digits):
 def test_bad_settings_raise(bad, match):
     with pytest.raises(ValueError, match=match):
         PFNMSettings(**bad)
-
-
-def test_cli_prints_the_table_and_writes_json_and_plot(tmp_path, capsys):
-    out, png = tmp_path / "r.json", tmp_path / "r.png"
-    assert main(["pfnm", "--clients", "3", "--epochs", "2", "--rounds", "2", "--round-epochs", "1",
-                 "--sigma2", "0.3", "--no-progress", "--json", str(out), "--plot", str(png)]) == 0
-    text = capsys.readouterr().out
-    for name in ("local (mean)", "ensemble", "fedavg (1 round)", "k-means", "pfnm (1 round)", "pfnm (2 rounds)",
-                 "fedavg (2 rounds)"):
-        assert name in text
-    payload = json.loads(out.read_text())
-    assert payload["runs"][0]["settings"]["clients"] == 3
-    assert png.stat().st_size > 1000
-
-
-def test_cli_over_several_client_counts_plots_against_J(tmp_path, capsys):
-    png = tmp_path / "j.png"
-    assert main(["pfnm", "--clients", "2,3", "--epochs", "1", "--methods", "local,pfnm", "--no-progress",
-                 "--plot", str(png)]) == 0
-    assert capsys.readouterr().out.count("pfnm (1 round)") == 2
-    assert png.stat().st_size > 1000
-
-
-def test_cli_rejects_unknown_dataset():
-    with pytest.raises(SystemExit):
-        main(["pfnm", "--dataset", "imagenet"])
