@@ -167,11 +167,6 @@ class FlowerSettings:
     pfnm: PFNMConfig
     fusion: FusionConfig
 
-    @property
-    def method_config(self) -> Union[PFNMConfig, FusionConfig]:
-        """The server's config: :class:`PFNMConfig` or :class:`FusionConfig`."""
-        return self.pfnm if self.run.method == "pfnm" else self.fusion
-
     def with_clients(self, clients: int) -> "FlowerSettings":
         return replace(self, partition=replace(self.partition, clients=clients))
 
@@ -249,10 +244,6 @@ def describe_keys() -> list[dict[str, str]]:
 
 
 # ------------------------------------------------------------------------------------------------ conversion
-
-
-def _hints(cls) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
 
 
 def _describe(hint) -> str:
@@ -354,7 +345,7 @@ def _build(cls, values: Mapping[str, Any], base=None):
 def _config_values(config: Mapping[str, Any], name: str, *, auto: bool) -> dict[str, Any]:
     """The fields of config ``name`` given in ``config``, converted (``"auto"`` left out when ``auto``)."""
     cls = CONFIGS[name]
-    hints = _hints(cls)
+    hints = typing.get_type_hints(cls)
     out = {}
     for f in fields(cls):
         key = config_key(f.name)

@@ -132,7 +132,8 @@ class _RoundStrategy(Strategy):
         self.nodes: dict[int, int] = {}
         #: J, the input shape and the number of classes every node reported (None before :meth:`connect`).
         self.identity: Optional[NodeIdentity] = None
-        #: ``{node id: reason}`` of the nodes refused (their identity disagreed); not asked again.
+        #: ``{node id: reason}`` of the nodes refused (their identity disagreed, or they answered the query with an
+        #: error); not asked again.
         self.refused: dict[int, str] = {}
         #: One dict per finished round (see the module docstring).
         self.history: list[dict[str, Any]] = []
@@ -155,11 +156,9 @@ class _RoundStrategy(Strategy):
         for reply in sorted(grid.send_and_receive(messages, timeout=self.query_timeout),
                             key=lambda m: m.metadata.src_node_id):
             node = reply.metadata.src_node_id
-            if reply.has_error():
-                LOGGER.warning("node %d did not tell its partition (error reply, code %s): %s", node,
-                               reply.error.code, reply.error.reason)
-                continue
             try:
+                if reply.has_error():
+                    raise ReplyError(f"error reply (code {reply.error.code}): {reply.error.reason}")
                 identity = read_identity(reply)
                 known = self.identity
                 if known is not None:
@@ -193,7 +192,7 @@ class _RoundStrategy(Strategy):
         partition; return what they hold in common (J, input shape, classes).
 
         :raises RuntimeError: if they do not connect in time.
-        :raises ValueError: if ``min_nodes`` exceeds J.
+        :raises ValueError: if ``min_nodes`` exceeds J, or ``min_replies`` the clients a round trains.
         """
         deadline = time.monotonic() + self.node_timeout
         while True:
@@ -202,6 +201,10 @@ class _RoundStrategy(Strategy):
                 if self.min_nodes > self.num_partitions:
                     raise ValueError(f"min-nodes: expected at most the {self.num_partitions} partitions of the "
                                      f"SuperNodes (num-partitions), got {self.min_nodes}")
+                per_round = clients_per_round(self.num_partitions, self.fraction)
+                if self.min_replies > per_round:
+                    raise ValueError(f"min-replies: expected at most the {per_round} clients a round trains "
+                                     f"(fraction {self.fraction} of {self.num_partitions}), got {self.min_replies}")
                 need = self.min_nodes or self.num_partitions
                 if len(self.nodes) >= need:
                     return self.identity
