@@ -111,11 +111,12 @@ def _plain(value) -> bool:
 
 def command_record(command: str, arguments, settings: Mapping, results) -> dict:
     """The JSON layout of every command: ``command``; ``arguments``, the parsed flags (an ``argparse.Namespace`` or
-    a dict; values that are not plain data, such as the handler function, are left out); ``settings``, the
+    a dict; values that are not plain data, such as the handler function, are left out, and so is argparse's
+    ``command``); ``settings``, the
     configs as plain values; ``versions`` (:func:`versions`); ``timestamp``, ISO 8601 UTC; ``results``."""
     items = vars(arguments) if not isinstance(arguments, Mapping) else arguments
     now = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
-    return {"command": command, "arguments": {k: v for k, v in items.items() if _plain(v)},
+    return {"command": command, "arguments": {k: v for k, v in items.items() if k != "command" and _plain(v)},
             "settings": dict(settings), "versions": versions(),
             "timestamp": now.isoformat().replace("+00:00", "Z"), "results": results}
 

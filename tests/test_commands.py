@@ -65,6 +65,7 @@ SHARED = [  # (argv, the flag the message must name): the same flags in pfnm and
     (["--alpha", "0"], "--alpha"),
     (["--partition", "dirichlet", "--min-size", "100000"], "--min-size"),
     (["--partition", "shards"], "--partition"),
+    (["--partition", "dirichlet", "--alpha", "0.001", "--clients", "100"], "--min-size"),
     (["--clients", "0"], "--clients"),
     (["--clients", "5000"], "--clients"),
     (["--fraction", "0"], "--fraction"),
@@ -80,6 +81,7 @@ SHARED = [  # (argv, the flag the message must name): the same flags in pfnm and
     (["--dataset", "npz:{text}"], "--dataset"),
     (["--json", "{folder}"], "--json"),
     (["--plot", "{folder}/plot.json"], "--plot"),
+    (["--plot", "{folder}/plot"], "--plot"),
 ]
 PFNM_ONLY = [
     (["--sigma2", "0"], "--sigma2"),

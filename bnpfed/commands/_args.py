@@ -42,6 +42,7 @@ __all__ = [
     "add_partition_arguments",
     "add_training_arguments",
     "check_output_path",
+    "check_partition",
     "check_threads",
     "dataset_name",
     "examples",
@@ -330,6 +331,16 @@ def training_config(args) -> TrainingConfig:
                           lr_decay=args.lr_decay)
 
 
+def check_partition(partition: PartitionConfig, dataset: Dataset, seed: int) -> None:
+    """The partition can be drawn on ``dataset`` (J fits the data; a Dirichlet draw gives every client
+    ``min_size`` examples within its tries), checked by drawing it: the same draw the run will make."""
+    partition.check_fits(len(dataset.y_train))
+    try:
+        partition.split(dataset.y_train.numpy(), seed)
+    except RuntimeError as error:
+        raise UsageError(f"--min-size: {one_line(error)} (--min-size, --alpha)") from None
+
+
 def check_threads(threads: Optional[int]) -> None:
     if threads is not None and (isinstance(threads, bool) or threads < 1):
         raise ValueError(f"threads: expected an int >= 1, got {threads}")
@@ -349,7 +360,7 @@ def check_output_path(path: Optional[str], flag: str, *, plot: bool = False) -> 
         parent = parent.parent
     if not parent.is_dir() or not os.access(parent, os.W_OK):
         raise UsageError(f"{flag}: cannot write {str(target)!r}: {str(parent)!r} is not a writable folder")
-    if plot and target.suffix:
+    if plot:
         from matplotlib.backend_bases import FigureCanvasBase
 
         formats = FigureCanvasBase.get_supported_filetypes()

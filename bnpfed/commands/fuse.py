@@ -145,7 +145,7 @@ def prepare(args) -> dict:
     config = ExperimentConfig(methods=args.rule + (() if args.no_fedavg else (FEDAVG,)), rounds=args.rounds,
                               seed=args.seed, ece_bins=args.ece_bins, predictive_samples=args.predictive_samples)
     dataset = _args.load_data(args, standardize=args.standardize)
-    partition.check_fits(len(dataset.y_train))
+    _args.check_partition(partition, dataset, config.seed)
     initial_network(network, dataset.input_shape, dataset.num_classes, seed=config.seed)
     return dict(dataset=dataset, partition=partition, network=network, training=training, bayesian=bayesian,
                 fusion=fusion, config=config)

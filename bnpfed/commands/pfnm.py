@@ -166,7 +166,7 @@ def prepare(args) -> dict:
         check_positives(args.sweep_gamma0, "sweep_gamma0")
     dataset = _args.load_data(args, standardize=args.standardize)
     for partition in partitions:
-        partition.check_fits(len(dataset.y_train))
+        _args.check_partition(partition, dataset, config.seed)
     initial_network(network, dataset.input_shape, dataset.num_classes, seed=config.seed, client=0)
     return dict(dataset=dataset, partitions=partitions, network=network, training=training, pfnm=pfnm, fusion=fusion,
                 config=config)
