@@ -55,6 +55,7 @@ __all__ = [
     "one_line",
     "paragraphs",
     "plural",
+    "round_log",
     "positive_float",
     "positive_int",
     "training_failure",
@@ -127,6 +128,15 @@ def examples(doc: str, *notes: str) -> str:
 def plural(n: int, word: str) -> str:
     """``"1 round"``, ``"3 rounds"``."""
     return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def round_log(progress: bool):
+    """What a run calls with a line after each round: written above the progress bar on stderr, or nothing."""
+    if not progress:
+        return None
+    from tqdm.auto import tqdm
+
+    return lambda line: tqdm.write(line, file=sys.stderr)
 
 
 def warn(message: str) -> None:

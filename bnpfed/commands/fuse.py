@@ -11,8 +11,9 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import asdict
+
+import torch
 
 from bnpfed.combine import available_rules
 from bnpfed.commands import _args
@@ -159,15 +160,13 @@ def run(args) -> int:
     except ValueError as error:
         return fail(PROG, flag_message(error, aliases={"methods": "--rule"}))
     if args.threads is not None:
-        import torch
-
         torch.set_num_threads(args.threads)
     dataset = plan.pop("dataset")
     settings = {k: config_dict(v) for k, v in plan.items()}
     print(_describe(dataset.name, plan))
     progress = not args.no_progress
     try:
-        result = methods.run_experiment(dataset, progress=progress, log=_log(progress), **plan)
+        result = methods.run_experiment(dataset, progress=progress, log=_args.round_log(progress), **plan)
     except _args.TRAINING_ERRORS as error:
         return fail(PROG, _args.training_failure(error), 1)
     except KeyboardInterrupt:
@@ -183,14 +182,6 @@ def run(args) -> int:
         plot_rounds(result, args.plot, title=_title(dataset.name, plan))
         print(f"wrote plot to {args.plot}")
     return 0
-
-
-def _log(progress: bool):
-    if not progress:
-        return None
-    from tqdm.auto import tqdm
-
-    return lambda line: tqdm.write(line, file=sys.stderr)
 
 
 def _partition(partition) -> str:

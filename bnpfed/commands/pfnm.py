@@ -14,8 +14,9 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import asdict
+
+import torch
 
 from bnpfed.commands import _args
 from bnpfed.commands._args import HelpFormatter, UsageError, fail, flag_message, warn
@@ -156,8 +157,7 @@ def prepare(args) -> dict:
     fusion = FusionConfig(fraction=args.fraction)  # FedAvg's client sampling
     chosen = args.methods
     if chosen is None:
-        rounds = args.rounds if isinstance(args.rounds, int) else 1
-        chosen = DEFAULT_METHODS + (("pfnm-rounds",) if rounds > 1 else ())
+        chosen = DEFAULT_METHODS + (("pfnm-rounds",) if args.rounds > 1 else ())
     config = ExperimentConfig(methods=chosen, rounds=args.rounds, seed=args.seed, select=args.select,
                               grid_sigma2=args.grid_sigma2, grid_sigma0_2=args.grid_sigma0_2,
                               grid_gamma0=args.grid_gamma0, holdout=args.holdout, ece_bins=args.ece_bins)
@@ -179,8 +179,6 @@ def run(args) -> int:
         return fail(PROG, str(error))
     except ValueError as error:
         return fail(PROG, flag_message(error))
-    import torch
-
     torch.set_num_threads(args.threads)
     dataset, partitions = plan.pop("dataset"), plan.pop("partitions")
     progress = not args.no_progress
@@ -194,15 +192,15 @@ def run(args) -> int:
             results = []
             for partition in partitions:
                 result = methods.run_experiment(dataset, partition=partition, progress=progress,
-                                                log=_log(progress), **plan)
+                                                log=_args.round_log(progress), **plan)
                 results.append(result)
-                _print_result(dataset.name, partition, plan, result, args)
+                _print_result(dataset.name, partition, plan, result)
     except _args.TRAINING_ERRORS as error:
         return fail(PROG, _args.training_failure(error), 1)
     except KeyboardInterrupt:
         return fail(PROG, "interrupted", 130)
     if args.width_sweep:
-        _print_sweep(dataset.name, partitions[0], plan, points, args)
+        _print_sweep(dataset.name, partitions[0], plan, points)
         payload = {"points": points}
     else:
         print(f"\n{SERVER_SECONDS}")
@@ -228,14 +226,6 @@ def _without(plan: dict, *names) -> dict:
     return {k: v for k, v in plan.items() if k not in names}
 
 
-def _log(progress: bool):
-    if not progress:
-        return None
-    from tqdm.auto import tqdm
-
-    return lambda line: tqdm.write(line, file=sys.stderr)
-
-
 def _describe(name: str, partition, plan: dict) -> str:
     alpha = f" (alpha {partition.alpha:g})" if partition.partition == "dirichlet" else ""
     epochs = _args.plural(plan["training"].epochs, "local epoch")
@@ -251,7 +241,7 @@ def _hyper(config: PFNMConfig) -> str:
             f"{config.constants} constants, {config.objective} objective, {config.direction}")
 
 
-def _print_result(name: str, partition, plan: dict, result, args) -> None:
+def _print_result(name: str, partition, plan: dict, result) -> None:
     print(f"\n{_describe(name, partition, plan)}")
     selection = result.selection
     if selection is not None:
@@ -269,7 +259,7 @@ def _print_result(name: str, partition, plan: dict, result, args) -> None:
         warn(message)
 
 
-def _print_sweep(name: str, partition, plan: dict, points, args) -> None:
+def _print_sweep(name: str, partition, plan: dict, points) -> None:
     print(f"accuracy against global width: {_describe(name, partition, plan)}")
     print(format_table(points, ["constants", "sigma2", "gamma0", "hidden", "accuracy", "seconds"]))
     print("seconds: the matching's; the reference constants match top-down, as the published code does")
