@@ -53,7 +53,7 @@ from torch.overrides import TorchFunctionMode
 
 __all__ = ["LocalReparameterizationMessenger", "LocalReparameterizedLinear", "local_reparameterization", "sample_linear"]
 
-#: Floor on pre-activation variances before the square root (a row of zero inputs with a deterministic bias has
+#: Added to pre-activation variances before the square root (a row of zero inputs with a deterministic bias has
 #: variance 0, whose square root has an infinite gradient).
 MIN_VARIANCE = 1e-16
 
@@ -72,8 +72,10 @@ def sample_linear(input: Tensor, weight_loc: Tensor, weight_var: Tensor, bias_lo
     :returns: ``(..., out_features)``; draws ``torch.randn_like`` of that shape.
     """
     loc = F.linear(input, weight_loc, bias_loc)
-    var = F.linear(input.pow(2), weight_var, bias_var).clamp_min(MIN_VARIANCE)
-    return loc + var.sqrt() * torch.randn_like(loc)
+    # x * x rather than x.pow(2), and a floor added rather than clamped: the same values, fewer and cheaper
+    # autograd nodes (a small layer's step is dominated by per-operation overhead)
+    var = F.linear(input * input, weight_var, bias_var) + MIN_VARIANCE
+    return torch.addcmul(loc, var.sqrt(), torch.randn_like(loc))
 
 
 class LocalReparameterizedLinear(nn.Linear):

@@ -206,8 +206,14 @@ class IIDPrior(_SelectorPrior):
 
     Usage::
 
-        IIDPrior()                                       # everything Bayesian, N(0, 1)
-        IIDPrior(dist.Normal(0.0, 0.1), expose=[nn.Linear], hide=["*.bias"])
+        >>> import pyro.distributions as dist
+        >>> from torch import nn
+        >>> from bnpfed.models import BayesianNetwork, LeNet
+        >>> BayesianNetwork(LeNet(image_size=8), IIDPrior()).bayesian_sites[:3]       # everything, N(0, 1)
+        ('conv1.weight', 'conv1.bias', 'conv2.weight')
+        >>> prior = IIDPrior(dist.Normal(0.0, 0.1), expose=[nn.Conv2d], hide=["*.bias"])
+        >>> BayesianNetwork(LeNet(image_size=8), prior).bayesian_sites
+        ('conv1.weight', 'conv2.weight')
 
     :param Distribution distribution: scalar prior of each entry. Default ``Normal(0, 1)``.
     :param expose: selectors of the parameters to make Bayesian; ``None`` (default) means all of them.
@@ -242,7 +248,15 @@ class LayerwisePrior(_SelectorPrior):
 
     Usage::
 
-        LayerwisePrior({"fc3.*": dist.Normal(0.0, 0.1), linear_weights: dist.Normal(0.0, 1.0)})
+        >>> import pyro.distributions as dist
+        >>> from bnpfed.models import BayesianNetwork, LeNet
+        >>> prior = LayerwisePrior({"fc3.*": dist.Normal(0.0, 0.1), linear_weights: dist.Normal(0.0, 1.0)})
+        >>> bnn = BayesianNetwork(LeNet(image_size=8), prior)
+        >>> bnn.bayesian_sites                                     # fc3's bias by the first rule
+        ('fc1.weight', 'fc2.weight', 'fc3.weight', 'fc3.bias')
+        >>> scale = lambda site: bnn.prior_distributions()[site].base_dist.scale[0, 0].item()
+        >>> round(scale("fc3.weight"), 6), round(scale("fc1.weight"), 6)                # first matching rule
+        (0.1, 1.0)
 
     :param Mapping rules: selector -> scalar distribution (or ``None``). Every key must match at least one
         parameter, or :meth:`apply_` raises a ``ValueError``.
