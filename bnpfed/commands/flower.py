@@ -23,7 +23,8 @@ from bnpfed.commands._args import positive_float, positive_int
 from bnpfed.report import format_table, write_json
 
 LOOPBACK = """\
-trying it on one machine: a SuperLink and three SuperNodes on 127.0.0.1 (plain HTTP: loopback only)
+trying it on one machine: a SuperLink and three SuperNodes on 127.0.0.1 (plain HTTP: loopback only), from the
+repository root, with bnpfed[flower] installed in the active environment:
 
   export FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1 OMP_NUM_THREADS=1
   D=/tmp/bnpfed-flower; mkdir -p $D/link $D/cli $D/sn0 $D/sn1 $D/sn2
@@ -36,16 +37,17 @@ trying it on one machine: a SuperLink and three SuperNodes on 127.0.0.1 (plain H
   done
   printf '[superlink]\\ndefault = "loopback"\\n\\n[superlink.loopback]\\naddress = "127.0.0.1:18000"\\ninsecure = true\\n' \\
       > $D/cli/config.toml
-  FLWR_HOME=$D/cli flwr supernode ls loopback                     (three nodes "online" after ~10 s)
+  until curl -sf http://127.0.0.1:18000/health > /dev/null; do sleep 1; done
+  FLWR_HOME=$D/cli flwr supernode ls loopback     # the SuperNodes, "online" within ~10 s
   FLWR_HOME=$D/cli flwr run examples/flower_app loopback --stream \\
-      --run-config 'method="fusion" rule="pooling" rounds=3 fraction=0.67 output-dir="/tmp/bnpfed-out"'
-  FLWR_HOME=$D/cli flwr ls loopback --run-id RUN_ID --format json  (status finished:completed)
-  FLWR_HOME=$D/cli flwr log RUN_ID loopback --show                 (the ServerApp's log)
+      --run-config 'method="fusion" rule="pooling" rounds=2 fraction=0.67 output-dir="/tmp/bnpfed-out"'
+  FLWR_HOME=$D/cli flwr ls loopback --format json | grep '"status"'    # "finished:completed"
   for f in supernode0 supernode1 supernode2 superlink; do kill -TERM $(cat $D/$f.pid); done
 
-  `flwr run` exits 0 even when the run fails: check the status with `flwr ls`. Killing `flwr run` does not stop
-  the run: `flwr stop RUN_ID loopback` does. The SuperNodes' partition-id / num-partitions are the clients j / J
-  of the in-process run: the same settings and seed give the same global model, bit for bit.
+`flwr run` exits 0 even when the run fails: check the status with `flwr ls` (and the ServerApp's log with
+`flwr log RUN_ID loopback --show`). Killing `flwr run` does not stop the run: `flwr stop RUN_ID loopback` does. The
+SuperNodes' partition-id / num-partitions are the clients j / J of the in-process run: the same settings and seed
+give the same global model, bit for bit (here /tmp/bnpfed-out/fusion-global.npz).
 """
 
 TLS = """\

@@ -57,6 +57,7 @@ from bnpfed.validation import check_choice, check_fraction, check_int, check_pos
 
 __all__ = [
     "AUTO",
+    "ClientSettings",
     "CONFIGS",
     "METHODS",
     "FlowerRun",
