@@ -21,7 +21,8 @@
 Every timing runs on one torch thread (see benchmarks/fusion.md). Results and the commands that produced them are
 in benchmarks/fusion.md.
 
-Usage: python benchmarks/bench_fusion.py [--part fuse,svi,paper] [--baseline-ref HEAD] [--svi-repeats 3] [--rounds 5] ...
+Usage: python benchmarks/bench_fusion.py [--part fuse,svi,paper] [--baseline-ref HEAD] [--svi-repeats 3]
+                                         [--rounds 5] ...
 """
 
 from __future__ import annotations
@@ -206,7 +207,8 @@ def svi_throughput(*, epochs: int = 2, seed: int = 0, lenet_examples: int = 2048
                 train()
                 best[trainer] = min(best[trainer], time.perf_counter() - wall)
                 best_cpu[trainer] = min(best_cpu[trainer], time.thread_time() - cpu)
-        baseline, bbb, bbb_cpu = best["torch loop"], best["torch bayes-by-backprop"], best_cpu["torch bayes-by-backprop"]
+        baseline = best["torch loop"]
+        bbb, bbb_cpu = best["torch bayes-by-backprop"], best_cpu["torch bayes-by-backprop"]
         for trainer, seconds in best.items():
             rows.append(dict(network=network, trainer=trainer, batch=batch_size,
                              examples_per_s=epochs * len(x) / seconds, slowdown=seconds / baseline,

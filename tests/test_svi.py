@@ -320,7 +320,8 @@ CONFIGS = {
     "lenet, fc weights, N(0.2, 0.5)": (lambda: LeNet(image_size=8), lambda: only_linear_weights(dist.Normal(0.2, 0.5)),
                                        (1, 8, 8)),
     "mlp, layerwise": (lambda: mlp(3, [5], 4),
-                       lambda: LayerwisePrior({"1.*": dist.Normal(0.0, 2.0), "3.weight": dist.Normal(-0.1, 0.3)}), (3,)),
+                       lambda: LayerwisePrior({"1.*": dist.Normal(0.0, 2.0), "3.weight": dist.Normal(-0.1, 0.3)}),
+                       (3,)),
     "custom layer": (odd_network, lambda: IIDPrior(), (2,)),
 }
 

@@ -136,7 +136,8 @@ class BayesianClient:
                  local_reparameterization: bool = False, init_scale: Optional[float] = None):
         self.bnn = BayesianNetwork(net, prior, likelihood=likelihood, local_reparameterization=local_reparameterization)
         if guide is None:
-            guide = functools.partial(MeanFieldGuide, init_scale=DEFAULT_INIT_SCALE if init_scale is None else init_scale)
+            scale = DEFAULT_INIT_SCALE if init_scale is None else init_scale
+            guide = functools.partial(MeanFieldGuide, init_scale=scale)
         elif init_scale is not None:
             raise ValueError(f"init_scale: sets the default guide's scale; with guide= given, pass it to the guide "
                              f"factory instead, got init_scale={init_scale!r}")

@@ -51,7 +51,12 @@ from pyro.poutine.messenger import Messenger
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["LocalReparameterizationMessenger", "LocalReparameterizedLinear", "local_reparameterization", "sample_linear"]
+__all__ = [
+    "LocalReparameterizationMessenger",
+    "LocalReparameterizedLinear",
+    "local_reparameterization",
+    "sample_linear",
+]
 
 #: Added to pre-activation variances before the square root (a row of zero inputs with a deterministic bias has
 #: variance 0, whose square root has an infinite gradient).
