@@ -453,7 +453,7 @@ def test_bnpfed_flower_help_gives_a_loopback_and_a_tls_recipe(capsys):
     text = capsys.readouterr().out
     for needle in ("flower-superlink --insecure --host 127.0.0.1", "flower-supernode --insecure",
                    "partition-id=$i num-partitions=3", "flwr run examples/flower_app loopback",
-                   "flwr ls loopback --run-id RUN_ID", "kill -TERM", "--ssl-certfile", "--root-certificates",
+                   "flwr ls loopback --format json", "/health", "kill -TERM", "--ssl-certfile", "--root-certificates",
                    "root-certificates =", "--disable-runtime-dependency-installation", "finished:completed"):
         assert needle in text, needle
 
