@@ -1,6 +1,7 @@
 """SVI clients: training, seeding, isolation from each other and from Pyro's global store, posterior read/write."""
 
 import math
+import pickle
 
 import pyro
 import pyro.distributions as dist
@@ -582,7 +583,8 @@ def test_a_diverging_fit_says_where_and_blames_the_learning_rate(make):
     with pytest.raises(TrainingDiverged, match=r"diverged at epoch 1, step \d of 4: .*lr=1000\.0") as caught:
         make().fit(x, y, epochs=5, batch_size=50, lr=1000.0, seed=0)
     assert caught.value.epoch == 1 and caught.value.step >= 2 and caught.value.lr == 1000.0
-    assert len(str(caught.value).splitlines()) == 1
+    assert len(str(caught.value).splitlines()) == 1 and isinstance(caught.value, RuntimeError)
+    assert str(pickle.loads(pickle.dumps(caught.value))) == str(caught.value)  # crosses process boundaries
     make().fit(x, y, epochs=1, batch_size=50, lr=1e-3, seed=0)  # the same client at a sane learning rate is fine
 
 

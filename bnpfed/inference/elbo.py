@@ -8,7 +8,7 @@ the site's shape) and a :class:`~bnpfed.inference.MeanFieldGuide` ``q(w_s) = N(m
 
     KL(q || p) = sum_s sum_j 1/2 (r_sj + (mu_sj - m_sj)^2 / t_sj^2 - 1 - log r_sj),   r_sj = sigma_sj^2 / t_sj^2
 
-exactly what Pyro's ``TraceMeanField_ELBO`` computes from the Pyro program (the guide's trace replayed in
+what Pyro's ``TraceMeanField_ELBO`` computes from the Pyro program (up to floating-point rounding) (the guide's trace replayed in
 :meth:`BayesianNetwork.model`), with the same random numbers in the same order: one ``eps_s`` per site in the guide's
 order, then the network's own draws (local reparameterisation's pre-activation noise, in forward order). The Pyro
 program is the reference semantics; this is an implementation of the same objective without the two traces per
@@ -40,6 +40,7 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Optional, Union
 
@@ -60,8 +61,8 @@ _Param = Union[float, Tensor]
 class MeanFieldELBO:
     """``-ELBO`` of a :class:`BayesianNetwork` and a :class:`MeanFieldGuide`, with the closed-form KL of
     ``TraceMeanField_ELBO``, computed from the guide's parameters and the plain network
-    (:meth:`BayesianNetwork.output_at`); any other model or guide goes to ``TraceMeanField_ELBO`` under
-    ``model.context()``. The same interface as a Pyro ELBO's ``differentiable_loss``.
+    (:meth:`BayesianNetwork.output_at`); any other model or guide goes to ``TraceMeanField_ELBO`` (under
+    ``model.context()`` for a :class:`BayesianNetwork`). The same interface as a Pyro ELBO's ``differentiable_loss``.
 
     The object caches what it read of the model, the guide and the prior (``prior.version``); one object serves any
     number of (model, guide) pairs, fastest when it keeps seeing the same one.
@@ -85,8 +86,8 @@ class MeanFieldELBO:
                 and all(_normal(fn) is not None for fn in model.prior_distributions().values()))
 
     def _prepare(self, model, guide) -> Optional[list]:
-        key = self._key
-        if key is not None and key[0]() is model and key[1]() is guide and key[2] == model.prior.version:
+        key, version = self._key, getattr(getattr(model, "prior", None), "version", None)
+        if key is not None and key[0]() is model and key[1]() is guide and key[2] == version:
             return self._plan
         plan = None
         if self.supports(model, guide):
@@ -94,7 +95,11 @@ class MeanFieldELBO:
             # the guide's Parameter objects themselves: indexing a ParameterList costs more than a small layer
             plan = [(name, loc, rho, *(_scalar_or_tensor(p) for p in _normal(priors[name])))
                     for name, loc, rho in zip(guide.site_names, guide.locs, guide.rhos)]
-        self._key, self._plan = (weakref.ref(model), weakref.ref(guide), model.prior.version), plan
+        try:
+            self._key = (weakref.ref(model), weakref.ref(guide), version)
+        except TypeError:  # a model or guide that takes no weak reference (a plain function is fine)
+            self._key = None
+        self._plan = plan
         return plan
 
     def differentiable_loss(self, model, guide, x: Tensor, y: Tensor, dataset_size: Optional[int] = None) -> Tensor:
@@ -102,7 +107,8 @@ class MeanFieldELBO:
         differentiable in the guide's and the model's parameters; see the module docstring."""
         plan = self._prepare(model, guide)
         if plan is None:
-            with model.context():
+            context = model.context() if isinstance(model, BayesianNetwork) else contextlib.nullcontext()
+            with context:
                 return self._reference.differentiable_loss(model, guide, x, y, dataset_size=dataset_size)
         if y is None:
             raise ValueError("y: expected the observed targets of the batch, got None")
