@@ -20,7 +20,7 @@ import re
 import sys
 
 from bnpfed.commands._args import positive_float, positive_int
-from bnpfed.report import format_table, write_json
+from bnpfed.report import command_record, format_table, write_json
 
 LOOPBACK = """\
 trying it on one machine: a SuperLink and three SuperNodes on 127.0.0.1 (plain HTTP: loopback only), from the
@@ -206,6 +206,6 @@ def _sim(args, flower_config) -> int:
     if args.json:
         arguments = {"supernodes": args.supernodes, "run_config": config, "local": args.local,
                      "cpus_per_client": args.cpus_per_client}
-        write_json(args.json, server._command_record("flower sim", arguments, result.settings.as_dict(),
+        write_json(args.json, command_record("flower sim", arguments, result.settings.as_dict(),
                                                    result.results()))
     return 0

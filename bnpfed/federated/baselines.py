@@ -7,7 +7,6 @@ import copy
 from typing import Sequence
 
 import torch
-from sklearn.cluster import KMeans
 from torch import Tensor, nn
 
 from bnpfed.combine import average_deterministic
@@ -51,6 +50,8 @@ def kmeans_layer(width: int, *, n_init: int = 3):
     width = int(width)
 
     def layer_fn(neurons, *, seed=None, **_ignored) -> MatchResult:
+        from sklearn.cluster import KMeans  # imported here: Flower's client processes never need scikit-learn
+
         stacked = torch.cat([torch.as_tensor(v, dtype=torch.float64) for v in neurons]).numpy()
         k = min(width, stacked.shape[0])
         km = KMeans(n_clusters=k, n_init=n_init, random_state=None if seed is None else seed % 2**32).fit(stacked)

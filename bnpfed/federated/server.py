@@ -61,13 +61,15 @@ def clients_per_round(num_clients: int, fraction: float) -> int:
     return max(1, int(math.floor(fraction * num_clients + 1e-9)))
 
 
-def sample_clients(num_clients: int, fraction: float, *, seed: int, round: int) -> list[int]:
+def sample_clients(num_clients: int, fraction: float, *, seed: int, round: int,
+                   stream: Stream = Stream.SAMPLING) -> list[int]:
     """The sorted client indices a round trains: all of them when ``fraction`` gives J, else
-    :func:`clients_per_round` drawn without replacement by ``numpy_rng(seed, SAMPLING, round)``."""
+    :func:`clients_per_round` drawn without replacement by ``numpy_rng(seed, stream, round)`` (``SAMPLING``; Flower's
+    client-side evaluation draws its clients from ``EVALUATION``)."""
     m = clients_per_round(num_clients, fraction)
     if m == num_clients:
         return list(range(num_clients))
-    rng = numpy_rng(seed, Stream.SAMPLING, round)
+    rng = numpy_rng(seed, stream, round)
     return sorted(int(k) for k in rng.choice(num_clients, m, replace=False))
 
 

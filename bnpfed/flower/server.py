@@ -23,8 +23,6 @@ Usage (``grid`` is a Flower ``Grid``: the SuperLink's, a simulation's, or a
 
 from __future__ import annotations
 
-import datetime
-import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
@@ -36,7 +34,7 @@ from flwr.serverapp import Grid, ServerApp
 from bnpfed.flower.config import FlowerSettings, parse_run_config
 from bnpfed.flower.records import from_array_record
 from bnpfed.flower.strategies import LOGGER, PFNMStrategy, PosteriorFusionStrategy
-from bnpfed.report import write_json
+from bnpfed.report import command_record, write_json
 
 __all__ = ["FederationResult", "app", "make_server_app", "run_federation"]
 
@@ -60,26 +58,6 @@ class FederationResult:
     def results(self) -> dict:
         """JSON-ready: the method and the per-round record (arrays left out)."""
         return {"method": self.method, "rounds": self.history}
-
-
-def _command_record(command: str, arguments: Mapping[str, Any], settings: Mapping[str, Any], results: Any) -> dict:
-    """A result in the common layout of bnpfed's JSON files: ``command``, ``arguments``, ``settings``,
-    ``versions``, ``timestamp`` (ISO 8601 UTC), ``results``. (Until :mod:`bnpfed.report` has the shared writer.)"""
-    from importlib import metadata
-
-    import bnpfed
-
-    def installed(name):
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            return None
-
-    versions = {"bnpfed": bnpfed.__version__, "torch": installed("torch"), "pyro": installed("pyro-ppl"),
-                "flwr": installed("flwr"), "python": platform.python_version()}
-    now = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
-    return {"command": command, "arguments": dict(arguments), "settings": dict(settings), "versions": versions,
-            "timestamp": now.isoformat().replace("+00:00", "Z"), "results": results}
 
 
 def run_federation(grid: Grid, config: Mapping[str, Any]) -> FederationResult:
@@ -115,7 +93,7 @@ def run_federation(grid: Grid, config: Mapping[str, Any]) -> FederationResult:
     if run.output_dir:
         out = Path(run.output_dir)
         write_json(out / f"{run.method}-summary.json",
-                   _command_record("flower run", config, settings.as_dict(), result.results()))
+                   command_record("flower run", config, settings.as_dict(), result.results()))
         np.savez(out / f"{run.method}-global.npz", **result.arrays)
     return result
 

@@ -72,7 +72,7 @@ from bnpfed.flower.records import (
     read_partition_id,
     reply_parts,
 )
-from bnpfed.seeding import Stream, numpy_rng
+from bnpfed.seeding import Stream
 from bnpfed.validation import check_fraction, check_int, check_positive
 
 __all__ = ["LOGGER", "PFNMStrategy", "PosteriorFusionStrategy", "evaluation_clients"]
@@ -93,11 +93,7 @@ def evaluation_clients(num_clients: int, fraction: float, *, seed: int, round: i
     check_fraction(fraction, "fraction_evaluate", allow_zero=True)
     if fraction == 0:
         return []
-    m = clients_per_round(num_clients, fraction)
-    if m == num_clients:
-        return list(range(num_clients))
-    rng = numpy_rng(seed, Stream.EVALUATION, round)
-    return sorted(int(k) for k in rng.choice(num_clients, m, replace=False))
+    return sample_clients(num_clients, fraction, seed=seed, round=round, stream=Stream.EVALUATION)
 
 
 @dataclass
