@@ -26,13 +26,23 @@ PUBLISHED = {
 }
 
 
+#: Row names written by earlier versions of bench_pfnm.py, and partition names, as they are called now.
+ALIASES = {"local (mean)": "local-mean", "fedavg (1 round)": "fedavg-oneshot", "k-means": "kmeans",
+           "pfnm (1 round)": "pfnm", "homogeneous": "iid"}
+
+
 def load(paths):
     records = {}
     for path in paths:
         for line in open(path):
             if line.strip():
                 rec = json.loads(line)
-                records[rec["key"]] = rec
+                if "rows" in rec:
+                    rec["rows"] = {ALIASES.get(k, k): v for k, v in rec["rows"].items()}
+                if "partition" in rec:
+                    rec["partition"] = ALIASES.get(rec["partition"], rec["partition"])
+                key = "/".join(ALIASES.get(part, part) for part in rec["key"].split("/"))
+                records[key] = rec
     return records
 
 
@@ -68,10 +78,9 @@ def reference_tables(records):
                 vals = [sum(v) if isinstance(v, list) else v for v in vals]
                 return float(np.mean(vals))
 
-            out.append(dict(J=J, partition=partition, seeds=label, local_mean=m("local (mean)"),
-                            ensemble=m("ensemble"), fedavg_no_shared=m("fedavg (1 round)"), kmeans=m("k-means"),
-                            pfnm=m("pfnm (1 round)"), pfnm_width=m("pfnm (1 round)", "hidden"),
-                            pfnm_s=m("pfnm (1 round)", "seconds"),
+            out.append(dict(J=J, partition=partition, seeds=label, local_mean=m("local-mean"),
+                            ensemble=m("ensemble"), fedavg_no_shared=m("fedavg-oneshot"), kmeans=m("kmeans"),
+                            pfnm=m("pfnm"), pfnm_width=m("pfnm", "hidden"), pfnm_s=m("pfnm", "seconds"),
                             ref_constants=m("pfnm (reference constants)"),
                             ref_width=m("pfnm (reference constants)", "hidden"),
                             ref_s=m("pfnm (reference constants)", "seconds")))
@@ -92,7 +101,7 @@ def main(argv=None):
         print("\n## The published reference code on this machine (from the issue)")
         print(format_table([dict(partition=k[0], seeds=k[1], **v) for k, v in PUBLISHED.items()]))
 
-    width = records.get("width/J=10/homogeneous/seed=0")
+    width = records.get("width/J=10/iid/seed=0")
     if width:
         pts = width["points"]
         print("\n## Accuracy against global width (J = 10, homogeneous, seed 0)")
@@ -129,7 +138,15 @@ def main(argv=None):
                      for h, f in zip(hist["pfnm"], hist["fedavg"])]
             print(format_table(table))
             print("ensemble:", rec["rows"]["ensemble"]["accuracy"], " local (mean):",
-                  rec["rows"]["local (mean)"]["accuracy"])
+                  rec["rows"]["local-mean"]["accuracy"])
+        if key.startswith("start/"):
+            print(f"\n## PFNM rounds warm-started from the previous assignment vs re-matched from scratch: {key}")
+            hist = rec["history"]
+            table = [dict(round=w["round"], warm=w["accuracy"], warm_width=sum(w["hidden"]),
+                          warm_s=w["server_seconds"], cold=c["accuracy"], cold_width=sum(c["hidden"]),
+                          cold_s=c["server_seconds"]) for w, c in zip(hist["warm"], hist["cold"])]
+            print(format_table(table))
+            print("ensemble:", rec["rows"]["ensemble"]["accuracy"])
         if key.startswith("deep/"):
             print(f"\n## Two hidden layers (784-100-100-10): {key}")
             print(format_table([dict(method=k, accuracy=v["accuracy"], hidden=v["hidden"])

@@ -244,9 +244,10 @@ PFNM_NETWORK = NetworkConfig(init="reference")
 class BayesianConfig:
     """What makes a client Bayesian: a prior over (some of) the network's parameters and a mean-field Gaussian guide.
 
-    :param prior: a :class:`~bnpfed.models.Prior` object (any prior at all), or the name of a standard one:
-        ``"linear-weights"`` (N(0, prior_scale^2) on the ``nn.Linear`` weight matrices only, Ozer et al.'s choice) or
-        ``"all"`` (on every parameter). Default ``"linear-weights"``.
+    :param prior: a :class:`~bnpfed.models.Prior` object (any prior at all; every client built from this config
+        shares it, so ``Prior.update_`` on it reaches them all), or the name of a standard one: ``"linear-weights"``
+        (N(0, prior_scale^2) on the ``nn.Linear`` weight matrices only, Ozer et al.'s choice) or ``"all"`` (on every
+        parameter), built anew for each client. Default ``"linear-weights"``.
     :param float prior_scale: the standard deviation of a named prior (unused with a prior object). Default 1.
     :param float init_scale: the guide's initial posterior standard deviation. Default ``1e-2``.
     :param bool local_reparameterization: train and predict with the local reparameterisation trick (the paper
