@@ -44,7 +44,6 @@ from torch.func import functional_call
 
 from bnpfed.combine import available_rules, fuse
 from bnpfed.data import load_dataset
-from bnpfed.federated import partition_homogeneous
 from bnpfed.inference import BayesianClient, DeterministicClient
 from bnpfed.models import LeNet, mlp, only_linear_weights
 from bnpfed.report import format_table
@@ -228,26 +227,29 @@ def paper_setting(data_dir=FASHION_MNIST_DIR, *, rounds: int = PAPER_SCHEDULE["r
     if not Path(data_dir, "FashionMNIST", "raw").is_dir():
         print(f"skipped: no Fashion-MNIST files under {data_dir} (torchvision layout FashionMNIST/raw)")
         return None
-    from bnpfed.federated.fusion import FusionConfig, run_fusion_experiment
+    from bnpfed.federated.config import (BayesianConfig, ExperimentConfig, FusionConfig, NetworkConfig,
+                                         PartitionConfig, TrainingConfig)
+    from bnpfed.federated.methods import run_experiment
 
     ds = load_dataset("fashion-mnist", data_dir=data_dir)
-    parts = partition_homogeneous(ds.y_train.numpy(), 10, seed=seed)
-    config = FusionConfig(rules=tuple(rules or available_rules()), arch="lenet", prior="linear-weights",
-                          rounds=rounds, local_epochs=local_epochs, batch_size=batch_size, lr=lr, weights="size",
-                          local_reparameterization=True, ece_bins=100, seed=seed)
-    result = run_fusion_experiment(ds, parts, config, progress=progress)
+    methods = (*(rules or available_rules()), "fedavg")
+    result = run_experiment(ds, partition=PartitionConfig(clients=10), network=NetworkConfig(arch="lenet"),
+                            training=TrainingConfig(epochs=local_epochs, batch_size=batch_size, lr=lr),
+                            bayesian=BayesianConfig(prior="linear-weights", local_reparameterization=True),
+                            fusion=FusionConfig(weights="size"),
+                            config=ExperimentConfig(methods=methods, rounds=rounds, ece_bins=100, seed=seed),
+                            progress=progress)
     if json_path:
         from bnpfed.report import write_json
 
-        write_json(json_path, {"benchmark": "fusion/paper_setting", **result.to_dict()})
+        write_json(json_path, {"benchmark": "fusion/paper_setting", **result.as_dict()})
     rows = []
-    for method, history in result.histories.items():
-        final = history.final
-        rows.append(dict(method=method, accuracy=100 * final["accuracy"],
-                         published_accuracy=PUBLISHED_ACCURACY.get(method, math.nan),
-                         ece=100 * final["ece"], published_ece=PUBLISHED_ECE.get(method, math.nan), nll=final["nll"],
-                         brier=final["brier"], mean_sigma=final.get("mean_sigma", math.nan),
-                         minutes=sum(r["seconds"] for r in history.rounds) / 60))
+    for row in result.rows:
+        rows.append(dict(method=row.method, accuracy=100 * row.accuracy,
+                         published_accuracy=PUBLISHED_ACCURACY.get(row.method, math.nan),
+                         ece=100 * row.ece, published_ece=PUBLISHED_ECE.get(row.method, math.nan), nll=row.nll,
+                         brier=row.brier, mean_sigma=row.mean_sigma,
+                         minutes=sum(h["seconds"] for h in row.history) / 60))
     return rows, result
 
 

@@ -4,7 +4,8 @@ A federated run draws random numbers in many places: the partition of the data, 
 which clients a round samples, each client's local fit in each round, the pooling rule's draws, the predictive
 draws of an evaluation, the order of the matcher's sweeps. Each such *stream* gets its own seed,
 
-    derive_seed(seed, stream, round, client) = the first 64 bits of SeedSequence(seed, spawn_key=(stream, round, client))
+    derive_seed(seed, stream, round, client)
+        = the first 64 bits of SeedSequence(seed, spawn_key=(stream, round, client))
 
 ``numpy.random.SeedSequence`` hashes the experiment seed and the spawn key together, so distinct keys give
 statistically independent streams, and no arithmetic accident makes two (seed, round, client) triples share one

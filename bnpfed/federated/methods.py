@@ -138,6 +138,13 @@ class MethodResult:
     history: list = field(default_factory=list)
     note: str = ""
 
+    @classmethod
+    def from_metrics(cls, method: str, metrics: dict, **fields) -> "MethodResult":
+        """A row from a metrics dict (``accuracy``, ``nll``, ``ece``, ``brier``, e.g. ``Experiment.report(probs)``)
+        and any other fields."""
+        return cls(method=method, accuracy=metrics["accuracy"], nll=metrics["nll"], ece=metrics["ece"],
+                   brier=metrics["brier"], **fields)
+
 
 @dataclass
 class Selection:
@@ -337,16 +344,11 @@ class Experiment:
         history = [dict(r.metrics) for r in federation.history]
         final = history[-1]
         self.chance_check(federation.method, final["accuracy"])
-        return MethodResult(method=federation.method, accuracy=final["accuracy"], nll=final["nll"],
-                            ece=final["ece"], brier=final["brier"], hidden=list(final.get("hidden", [])),
-                            parameters=int(final.get("parameters", 0)), rounds=len(history),
-                            server_seconds=float(sum(h["server_seconds"] for h in history)),
-                            mean_sigma=float(final.get("mean_sigma", math.nan)), history=history, note=note)
-
-
-def _row(method: str, metrics: dict, **fields) -> MethodResult:
-    return MethodResult(method=method, accuracy=metrics["accuracy"], nll=metrics["nll"], ece=metrics["ece"],
-                        brier=metrics["brier"], **fields)
+        return MethodResult.from_metrics(federation.method, final, hidden=list(final.get("hidden", [])),
+                                         parameters=int(final.get("parameters", 0)), rounds=len(history),
+                                         server_seconds=float(sum(h["server_seconds"] for h in history)),
+                                         mean_sigma=float(final.get("mean_sigma", math.nan)), history=history,
+                                         note=note)
 
 
 def _widths(net: nn.Module) -> list[int]:
@@ -368,16 +370,17 @@ def _local(experiment: Experiment) -> list[MethodResult]:
                        ("local-max", int(np.argmax(accuracies)))):
         metrics = ({k: float(np.mean([r[k] for r in reports])) for k in reports[0]} if pick is None
                    else reports[pick])
-        rows.append(_row(name, metrics, hidden=width, parameters=params, rounds=0,
-                         note="mean over clients" if pick is None else f"client {pick}"))
+        rows.append(MethodResult.from_metrics(name, metrics, hidden=width, parameters=params, rounds=0,
+                                              note="mean over clients" if pick is None else f"client {pick}"))
     return rows
 
 
 def _ensemble(experiment: Experiment) -> MethodResult:
     models = experiment.local_models()
     metrics = experiment.report(ensemble_proba(models, experiment.dataset.x_test))
-    return _row("ensemble", metrics, hidden=[h * len(models) for h in _widths(models[0])],
-                parameters=count_parameters(models[0]) * len(models), note="uniform average of the clients' softmax")
+    return MethodResult.from_metrics("ensemble", metrics, hidden=[h * len(models) for h in _widths(models[0])],
+                                     parameters=count_parameters(models[0]) * len(models),
+                                     note="uniform average of the clients' softmax")
 
 
 def _fedavg_oneshot(experiment: Experiment) -> MethodResult:
@@ -386,9 +389,9 @@ def _fedavg_oneshot(experiment: Experiment) -> MethodResult:
     net = fedavg_network(models, [len(p) for p in experiment.parts])
     seconds = time.perf_counter() - t0
     shared = experiment.network.shared_init
-    return _row("fedavg-oneshot", experiment.evaluate_network(net), hidden=_widths(net),
-                parameters=count_parameters(net), server_seconds=seconds,
-                note="shared init" if shared else "each client from its own init")
+    return MethodResult.from_metrics("fedavg-oneshot", experiment.evaluate_network(net), hidden=_widths(net),
+                                     parameters=count_parameters(net), server_seconds=seconds,
+                                     note="shared init" if shared else "each client from its own init")
 
 
 def _fedavg(experiment: Experiment) -> MethodResult:
@@ -406,8 +409,9 @@ def _pfnm(experiment: Experiment) -> MethodResult:
     selection = experiment.selection()
     match = selection.match
     net = match.network()
-    return _row("pfnm", experiment.evaluate_network(net), hidden=match.hidden_sizes, parameters=count_parameters(net),
-                server_seconds=match.seconds, note=f"one shot; hyper-parameters by {selection.by}")
+    return MethodResult.from_metrics("pfnm", experiment.evaluate_network(net), hidden=match.hidden_sizes,
+                                     parameters=count_parameters(net), server_seconds=match.seconds,
+                                     note=f"one shot; hyper-parameters by {selection.by}")
 
 
 def _pfnm_rounds(experiment: Experiment) -> MethodResult:
@@ -425,8 +429,9 @@ def _kmeans(experiment: Experiment) -> MethodResult:
     widths = experiment.selection().match.hidden_sizes
     match = kmeans_networks(experiment.local_models(), experiment.class_counts, widths, seed=experiment.seed)
     net = match.network()
-    return _row("kmeans", experiment.evaluate_network(net), hidden=match.hidden_sizes,
-                parameters=count_parameters(net), server_seconds=match.seconds, note="at PFNM's width")
+    return MethodResult.from_metrics("kmeans", experiment.evaluate_network(net), hidden=match.hidden_sizes,
+                                     parameters=count_parameters(net), server_seconds=match.seconds,
+                                     note="at PFNM's width")
 
 
 def _fusion(experiment: Experiment, rule: str) -> MethodResult:
