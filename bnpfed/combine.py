@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from bnpfed.posterior import GaussianPosterior
+from bnpfed.validation import check_int
 
 __all__ = [
     "GaussianPosterior",
@@ -386,11 +387,6 @@ def _validated(locs: Any, variances: Any, weights: Any) -> tuple[Tensor, Tensor,
     return locs, variances, _normalised_weights(weights, locs.shape[0], dtype, locs.device)
 
 
-def _check_num_samples(num_samples: Any) -> None:
-    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-        raise ValueError(f"num_samples must be a positive integer, got {num_samples!r}")
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Public entry points
 
@@ -428,7 +424,7 @@ def fuse(locs: Any, variances: Any, rule: str, weights: Any = None, *, num_sampl
     GaussianPosterior(loc=tensor([1.8000]), variance=tensor([0.8000]))
     """
     fn = _get_rule(rule)
-    _check_num_samples(num_samples)
+    check_int(num_samples, "num_samples", low=1)
     locs, variances, b = _validated(locs, variances, weights)
     loc, variance = fn(locs, variances, b, num_samples=num_samples, generator=generator)
     shape = locs.shape[1:]

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from bnpfed.validation import check_float, check_int
+
 __all__ = [
     "NLL_EPS",
     "ROW_SUM_ATOL",
@@ -89,16 +91,6 @@ def _brier_score(probs: Tensor, labels: Tensor) -> float:
     return (probs.double() - one_hot).square().sum(dim=1).mean().item()
 
 
-def _check_eps(eps: Any) -> None:
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < 1:
-        raise ValueError(f"eps must be a number in [0, 1), got {eps!r}")
-
-
-def _check_n_bins(n_bins: Any) -> None:
-    if isinstance(n_bins, bool) or not isinstance(n_bins, int) or n_bins < 1:
-        raise ValueError(f"n_bins must be a positive integer, got {n_bins!r}")
-
-
 def accuracy(probs: Any, labels: Any) -> float:
     """Fraction of examples whose most probable class is the label: ``(1/N) sum_n [argmax_c p_nc = y_n]``.
 
@@ -114,7 +106,7 @@ def nll(probs: Any, labels: Any, eps: float = NLL_EPS) -> float:
         exactly 0 gives a large finite loss (``-log eps``, about 27.6 by default) instead of ``inf``; it changes
         nothing for probabilities above ``eps``. Pass ``eps=0`` for the unclamped value.
     """
-    _check_eps(eps)
+    check_float(eps, "eps", low=0.0, high=1.0, high_open=True, what="a number in [0, 1)")
     return _nll(*_validated(probs, labels), eps)
 
 
@@ -131,7 +123,7 @@ def expected_calibration_error(probs: Any, labels: Any, n_bins: int = 15) -> flo
     :param int n_bins: number of bins ``M``; default 15 (Guo et al.). Ozer et al. (2022) report ECE with 100
         bins: pass ``n_bins=100`` to compare with their tables.
     """
-    _check_n_bins(n_bins)
+    check_int(n_bins, "n_bins", low=1)
     return _expected_calibration_error(*_validated(probs, labels), n_bins)
 
 
@@ -148,7 +140,7 @@ def classification_report(probs: Any, labels: Any, n_bins: int = 15) -> dict[str
 
     ``nll`` uses :data:`NLL_EPS` and ``ece`` uses ``n_bins`` bins.
     """
-    _check_n_bins(n_bins)
+    check_int(n_bins, "n_bins", low=1)
     probs, labels = _validated(probs, labels)
     return {
         "accuracy": _accuracy(probs, labels),

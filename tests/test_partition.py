@@ -96,16 +96,16 @@ def test_dirichlet_gives_up_after_max_tries_naming_min_size_and_alpha():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(num_clients=0), "num_clients=0"),
-        (dict(num_clients=True), "num_clients=True"),
-        (dict(num_clients=2.5), "num_clients=2.5"),
+        (dict(num_clients=0), "num_clients: expected an int >= 1, got 0"),
+        (dict(num_clients=True), "num_clients: expected an int >= 1, got True"),
+        (dict(num_clients=2.5), "num_clients: expected an int >= 1, got 2.5"),
         (dict(num_clients=2001), "num_clients=2001.*at most.*2000"),
         (dict(alpha=0.0), "alpha=0.0"),
         (dict(alpha=-1), "alpha=-1"),
         (dict(alpha=float("nan")), "alpha=nan"),
-        (dict(min_size=-1), "min_size=-1"),
+        (dict(min_size=-1), "min_size: expected an int >= 0, got -1"),
         (dict(min_size=300), "min_size=300.*num_clients=10"),
-        (dict(max_tries=0), "max_tries=0"),
+        (dict(max_tries=0), "max_tries: expected an int >= 1, got 0"),
         (dict(labels=np.zeros((20, 2), dtype=int)), "labels has shape \\(20, 2\\)"),
         (dict(labels=np.linspace(0, 1, 50)), "labels .*float64.*integer"),
     ],
@@ -116,7 +116,7 @@ def test_dirichlet_rejects_bad_arguments_by_name(kwargs, match):
         partition_dirichlet(args.pop("labels"), args.pop("num_clients"), seed=0, **args)
 
 
-@pytest.mark.parametrize("num_clients, match", [(0, "num_clients=0"), (5, "num_clients=5.*at most.*4")])
+@pytest.mark.parametrize("num_clients, match", [(0, "num_clients: expected an int >= 1, got 0"), (5, "num_clients=5.*at most.*4")])
 def test_homogeneous_rejects_bad_num_clients(num_clients, match):
     with pytest.raises(ValueError, match=match):
         partition_homogeneous([0, 1, 2, 3], num_clients, seed=0)

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from bnpfed.validation import check_int
+
 __all__ = [
     "TrainValidationSplit",
     "class_counts",
@@ -106,13 +108,13 @@ def partition_dirichlet(
     num_clients = _check_num_clients(num_clients, n)
     if not isinstance(alpha, numbers.Real) or not np.isfinite(alpha) or alpha <= 0:
         raise ValueError(f"alpha={alpha!r}; expected a finite Dirichlet concentration > 0")
-    min_size = _check_int("min_size", min_size, low=0)
+    min_size = check_int(min_size, "min_size", low=0)
     if min_size * num_clients > n:
         raise ValueError(
             f"min_size={min_size} with num_clients={num_clients} needs {min_size * num_clients} examples; "
             f"expected min_size <= N / num_clients = {n / num_clients:g}"
         )
-    max_tries = _check_int("max_tries", max_tries, low=1)
+    max_tries = check_int(max_tries, "max_tries", low=1)
 
     rng = np.random.default_rng(seed)
     class_indices = [np.flatnonzero(labels == k) for k in np.unique(labels)]
@@ -164,7 +166,7 @@ def class_counts(labels, parts, num_classes: int) -> np.ndarray:
         int64 ``(J, C)``: entry ``(j, k)`` counts the examples of class ``k`` on client ``j``.
     """
     labels = _check_labels(labels)
-    num_classes = _check_int("num_classes", num_classes, low=1)
+    num_classes = check_int(num_classes, "num_classes", low=1)
     if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
         raise ValueError(
             f"labels range over [{labels.min()}, {labels.max()}]; expected values in [0, num_classes={num_classes})"
@@ -260,13 +262,9 @@ def _check_indices(name: str, indices, n: int | None = None) -> np.ndarray:
 
 
 def _check_num_clients(num_clients, n: int) -> int:
-    num_clients = _check_int("num_clients", num_clients, low=1)
+    num_clients = check_int(num_clients, "num_clients", low=1)
     if num_clients > n:
         raise ValueError(f"num_clients={num_clients}; expected at most the number of examples, {n}")
     return num_clients
 
 
-def _check_int(name: str, value, *, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-        raise ValueError(f"{name}={value!r}; expected an integer >= {low}")
-    return int(value)

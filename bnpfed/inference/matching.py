@@ -78,6 +78,8 @@ from scipy.optimize import linear_sum_assignment
 from scipy.sparse import csr_matrix
 from torch import Tensor
 
+from bnpfed.validation import check_positive
+
 __all__ = ["MatchResult", "match_layer", "assignment_objective", "REFERENCE_CONSTANTS"]
 
 #: The constants of the published PFNM code (IBM/probabilistic-federated-neural-matching, ``matching/pfnm.py``):
@@ -117,16 +119,6 @@ class MatchResult:
 
 # --------------------------------------------------------------------------------------------------------------------
 # input validation
-
-
-def _positive(value, name: str) -> float:
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a number > 0, got {value!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {value}")
-    return value
 
 
 def _to_numpy(x, name: str) -> np.ndarray:
@@ -518,9 +510,9 @@ def _make_matcher(neurons, *, sigma2, sigma0_2, gamma0, mu0, precisions, objecti
                   popularity_cap, max_atoms, new_atom_penalty):
     arrays = _validate_neurons(neurons)
     D = arrays[0].shape[1]
-    sigma2 = _positive(sigma2, "sigma2")
-    sigma0_2 = _positive(sigma0_2, "sigma0_2")
-    gamma0 = _positive(gamma0, "gamma0")
+    sigma2 = check_positive(sigma2, "sigma2")
+    sigma0_2 = check_positive(sigma0_2, "sigma0_2")
+    gamma0 = check_positive(gamma0, "gamma0")
     popularity_factor = float(popularity_factor)
     if not math.isfinite(popularity_factor) or popularity_factor < 0:
         raise ValueError(f"popularity_factor must be a finite number >= 0, got {popularity_factor}")

@@ -50,6 +50,8 @@ import torch
 from pyro.distributions import constraints
 from torch import Tensor
 
+from bnpfed.validation import check_positive
+
 __all__ = [
     "FederatedLayer",
     "UniformPermutation",
@@ -138,13 +140,6 @@ def _as_vector(value, dim: int, name: str) -> Tensor:
     return t
 
 
-def _check_positive(value: float, name: str) -> float:
-    value = float(value)
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {value}")
-    return value
-
-
 def _precision_matrix(precisions, num_clients: int, dim: int) -> Tensor:
     if precisions is None:
         return torch.ones(num_clients, dim)
@@ -206,10 +201,10 @@ def beta_bernoulli_layer(
     J, D = int(num_clients), int(dim)
     if J < 1 or D < 1:
         raise ValueError(f"num_clients and dim must be >= 1, got {J} and {D}")
-    gamma0 = _check_positive(gamma0, "gamma0")
-    sigma2 = _check_positive(sigma2, "sigma2")
+    gamma0 = check_positive(gamma0, "gamma0")
+    sigma2 = check_positive(sigma2, "sigma2")
     if atom_prior is None:
-        sigma0_2 = _check_positive(sigma0_2, "sigma0_2")
+        sigma0_2 = check_positive(sigma0_2, "sigma0_2")
         atom_prior = dist.Normal(_as_vector(mu0, D, "mu0"), math.sqrt(sigma0_2))
     if atom_prior.event_shape == torch.Size():
         if atom_prior.batch_shape not in (torch.Size(), torch.Size([D])):
