@@ -62,7 +62,7 @@ def test_greedy_step_maximises_objective_over_all_assignments_of_last_client(J, 
     """With sweeps=0 the last client of the greedy pass is matched once, given all the others."""
     neurons = small_problem(J, seed)
     hyper = dict(sigma2=0.2, sigma0_2=1.0, gamma0=2.0, mu0=0.1)
-    r = match_layer(neurons, sweeps=0, **hyper)
+    r = match_layer(neurons, hyperparameters="fixed", sweeps=0, **hyper)
     last = int(np.argsort(-np.array([len(v) for v in neurons]), kind="stable")[-1])
     found = objective_of(r.assignments, neurons, **hyper)
     assert found == pytest.approx(brute_force_best(last, r.assignments, neurons, **hyper), rel=1e-9, abs=1e-9)
@@ -74,7 +74,7 @@ def test_converged_matching_is_optimal_for_every_client_given_the_others(seed):
     precisions = np.random.default_rng(seed).uniform(0.5, 2.0, size=(3, 3))
     precisions[:, 0] = 1.0  # one block-A coordinate, two per-client-precision coordinates
     hyper = dict(sigma2=0.2, sigma0_2=1.0, gamma0=2.0, mu0=np.array([0.0, 0.1, -0.1]), precisions=precisions)
-    r = match_layer(neurons, sweeps=10, seed=seed, **hyper)
+    r = match_layer(neurons, hyperparameters="fixed", sweeps=10, seed=seed, **hyper)
     assert r.objective[-1] == pytest.approx(r.objective[-2], rel=1e-12)  # converged
     found = objective_of(r.assignments, neurons, **hyper)
     for j in range(3):
@@ -206,7 +206,7 @@ def test_a_client_without_neurons_counts_in_J_so_dropping_it_changes_the_objecti
     assert full - dropped == pytest.approx(ibp_terms(5) - ibp_terms(3), rel=1e-10)
     assert abs(full - dropped) > 1.0
     # and the matcher reports the objective with J = 5
-    r = match_layer(layer.neurons, seed=0, **kw)
+    r = match_layer(layer.neurons, hyperparameters="fixed", seed=0, **kw)
     assert r.objective[-1] == pytest.approx(assignment_objective(layer.neurons, r.assignments, **kw), rel=1e-10)
 
 
@@ -221,7 +221,7 @@ def test_clients_without_neurons_get_empty_assignments_on_every_path(settings):
     prec[empty] = 0.0
     kw = dict(sigma2=0.05, sigma0_2=1.0, gamma0=1.0, precisions=prec)
     runs = {cp: match_layer(layer.neurons, seed=0, sweeps=4, cross_products=cp, stop_at_fixed_point=False, **kw,
-                            **settings) for cp in ("direct", "gram")}
+                            **{"hyperparameters": "fixed", **settings}) for cp in ("direct", "gram")}
     r = runs["direct"]
     assert len(r.assignments) == J and all(r.assignments[j].numel() == 0 for j in empty)
     assert all(a.dtype == torch.long for a in r.assignments)
@@ -257,8 +257,8 @@ def test_marginal_objective_is_twice_the_marginal_likelihood_up_to_a_constant():
 @pytest.mark.parametrize("seed", range(3))
 def test_objective_never_decreases_across_sweeps(objective, settings, seed):
     layer = sample_federated_layer(8, 20, seed=seed, gamma0=6.0, sigma2=0.3, sigma0_2=1.0)
-    r = match_layer(layer.neurons, sigma2=0.3, sigma0_2=1.0, gamma0=6.0, sweeps=8, seed=seed, objective=objective,
-                    **settings)
+    r = match_layer(layer.neurons, hyperparameters="fixed", sigma2=0.3, sigma0_2=1.0, gamma0=6.0, sweeps=8, seed=seed,
+                    objective=objective, **settings)
     diffs = np.diff(r.objective)
     assert (diffs >= -1e-9 * abs(r.objective[0])).all(), r.objective
 
@@ -266,7 +266,7 @@ def test_objective_never_decreases_across_sweeps(objective, settings, seed):
 def test_reported_objective_equals_objective_of_returned_assignment():
     layer = sample_federated_layer(5, 6, seed=0, gamma0=4.0, sigma2=0.1)
     kw = dict(sigma2=0.1, sigma0_2=1.0, gamma0=4.0, mu0=0.05)
-    r = match_layer(layer.neurons, seed=0, **kw)
+    r = match_layer(layer.neurons, hyperparameters="fixed", seed=0, **kw)
     assert r.objective[-1] == pytest.approx(assignment_objective(layer.neurons, r.assignments, **kw), rel=1e-10)
 
 
@@ -274,7 +274,7 @@ def test_reported_objective_equals_objective_of_returned_assignment():
 def test_recovers_ground_truth_at_twice_the_noise_variance(seed):
     """Noise variance 0.01 << sigma0_2 = 1; matching with sigma2 = 0.02."""
     layer = sample_federated_layer(10, 100, seed=seed, gamma0=20.0, sigma2=0.01, sigma0_2=1.0)
-    r = match_layer(layer.neurons, sigma2=0.02, sigma0_2=1.0, gamma0=20.0, seed=seed)
+    r = match_layer(layer.neurons, hyperparameters="fixed", sigma2=0.02, sigma0_2=1.0, gamma0=20.0, seed=seed)
     ari = adjusted_rand_score(torch.cat(layer.assignments), torch.cat(r.assignments))
     assert ari >= 0.95
     assert abs(r.num_atoms - layer.num_atoms) <= 0.05 * layer.num_atoms
@@ -282,7 +282,7 @@ def test_recovers_ground_truth_at_twice_the_noise_variance(seed):
 
 def test_recovered_atoms_are_the_posterior_means():
     layer = sample_federated_layer(10, 30, seed=4, gamma0=10.0, sigma2=0.001, sigma0_2=1.0)
-    r = match_layer(layer.neurons, sigma2=0.002, sigma0_2=1.0, gamma0=10.0, seed=0)
+    r = match_layer(layer.neurons, hyperparameters="fixed", sigma2=0.002, sigma0_2=1.0, gamma0=10.0, seed=0)
     # map found atoms to true ones through any member neuron
     for j, (a_true, a_found) in enumerate(zip(layer.assignments, r.assignments)):
         assert torch.allclose(r.global_atoms[a_found], layer.atoms[a_true], atol=0.15)
@@ -295,8 +295,8 @@ def test_marginal_objective_recovers_truth_at_the_true_noise_where_map_oversplit
     layer = sample_federated_layer(10, 50, seed=seed, gamma0=20.0, sigma2=0.01, sigma0_2=1.0)
     truth = torch.cat(layer.assignments)
     hyper = dict(sigma2=0.01, sigma0_2=1.0, gamma0=20.0, seed=seed)
-    published = match_layer(layer.neurons, **hyper)
-    marginal = match_layer(layer.neurons, objective="marginal", **hyper)
+    published = match_layer(layer.neurons, hyperparameters="fixed", **hyper)
+    marginal = match_layer(layer.neurons, hyperparameters="fixed", objective="marginal", **hyper)
     assert adjusted_rand_score(truth, torch.cat(published.assignments)) < 0.8
     assert published.num_atoms > 1.2 * layer.num_atoms
     assert adjusted_rand_score(truth, torch.cat(marginal.assignments)) >= 0.99
@@ -306,12 +306,12 @@ def test_marginal_objective_recovers_truth_at_the_true_noise_where_map_oversplit
 def test_permuting_a_clients_neurons_permutes_its_assignment_and_nothing_else():
     layer = sample_federated_layer(6, 12, seed=2, gamma0=6.0, sigma2=0.05)
     kw = dict(sigma2=0.1, sigma0_2=1.0, gamma0=6.0, seed=3, sweeps=3)
-    base = match_layer(layer.neurons, **kw)
+    base = match_layer(layer.neurons, hyperparameters="fixed", **kw)
     for j in range(6):
         perm = torch.randperm(layer.neurons[j].shape[0], generator=torch.Generator().manual_seed(j))
         permuted = list(layer.neurons)
         permuted[j] = permuted[j][perm]
-        r = match_layer(permuted, **kw)
+        r = match_layer(permuted, hyperparameters="fixed", **kw)
         # atoms carry no labels: find the relabelling through the other clients' (unchanged) neurons
         relabel = {}
         for k in range(6):
@@ -329,7 +329,7 @@ def test_permuting_a_clients_neurons_permutes_its_assignment_and_nothing_else():
 def test_single_client_returns_its_neurons_shrunk_towards_the_prior():
     v = torch.randn(7, 4, dtype=torch.float64)
     sigma2, sigma0_2, mu0 = 0.5, 2.0, 0.1
-    r = match_layer([v], sigma2=sigma2, sigma0_2=sigma0_2, gamma0=1.0, mu0=mu0)
+    r = match_layer([v], hyperparameters="fixed", sigma2=sigma2, sigma0_2=sigma0_2, gamma0=1.0, mu0=mu0)
     assert r.num_atoms == 7 and (r.counts == 1).all()
     expected = (mu0 / sigma0_2 + v / sigma2) / (1 / sigma0_2 + 1 / sigma2)
     torch.testing.assert_close(r.global_atoms[r.assignments[0]], expected)
@@ -337,7 +337,8 @@ def test_single_client_returns_its_neurons_shrunk_towards_the_prior():
 
 def test_identical_clients_are_merged_one_to_one():
     v = torch.randn(5, 30, dtype=torch.float64)
-    r = match_layer([v, v[torch.tensor([3, 0, 4, 1, 2])], v], sigma2=0.01, sigma0_2=1.0, gamma0=5.0, seed=0)
+    r = match_layer([v, v[torch.tensor([3, 0, 4, 1, 2])], v], hyperparameters="fixed", sigma2=0.01, sigma0_2=1.0,
+                    gamma0=5.0, seed=0)
     assert r.num_atoms == 5 and (r.counts == 3).all()
 
 
@@ -347,14 +348,14 @@ def test_reference_constants_run_and_respect_the_atom_cap():
                     **{**REFERENCE_CONSTANTS, "max_atoms": 45})
     # a client may open min(L_j, max(45 - L, 1)) atoms: past the cap, still one per client (as published)
     assert r.num_atoms <= 45 + len(layer.neurons)
-    uncapped = match_layer(layer.neurons, sigma2=0.5, sigma0_2=1.0, gamma0=30.0, sweeps=0)
+    uncapped = match_layer(layer.neurons, hyperparameters="fixed", sigma2=0.5, sigma0_2=1.0, gamma0=30.0, sweeps=0)
     assert uncapped.num_atoms > r.num_atoms
 
 
 def test_same_seed_same_result_and_result_types():
     layer = sample_federated_layer(6, 8, seed=1, gamma0=5.0, sigma2=0.2)
-    a = match_layer(layer.neurons, sigma2=0.2, sigma0_2=1.0, gamma0=5.0, seed=7)
-    b = match_layer(layer.neurons, sigma2=0.2, sigma0_2=1.0, gamma0=5.0, seed=7)
+    a = match_layer(layer.neurons, hyperparameters="fixed", sigma2=0.2, sigma0_2=1.0, gamma0=5.0, seed=7)
+    b = match_layer(layer.neurons, hyperparameters="fixed", sigma2=0.2, sigma0_2=1.0, gamma0=5.0, seed=7)
     assert a.objective == b.objective
     assert all(torch.equal(x, y) for x, y in zip(a.assignments, b.assignments))
     assert a.global_atoms.dtype == layer.neurons[0].dtype
@@ -365,7 +366,7 @@ def test_same_seed_same_result_and_result_types():
 
 def test_numpy_input_is_accepted():
     v = [np.random.default_rng(0).normal(size=(3, 4)), np.random.default_rng(1).normal(size=(2, 4))]
-    r = match_layer(v, sigma2=0.1, sigma0_2=1.0, gamma0=1.0)
+    r = match_layer(v, hyperparameters="fixed", sigma2=0.1, sigma0_2=1.0, gamma0=1.0)
     assert r.global_atoms.shape[1] == 4
 
 
@@ -397,15 +398,15 @@ def test_bad_input_raises_value_error_naming_the_argument(neurons, kwargs, match
     hyper = dict(sigma2=1.0, sigma0_2=1.0, gamma0=1.0)
     hyper.update(kwargs)
     with pytest.raises(ValueError, match=match):
-        match_layer(neurons, **hyper)
+        match_layer(neurons, hyperparameters="fixed", **hyper)
 
 
 @pytest.mark.parametrize("seed", range(3))
 def test_stopping_at_a_fixed_point_gives_the_result_of_all_sweeps(seed):
     layer = sample_federated_layer(8, 15, seed=seed, gamma0=6.0, sigma2=0.2)
     kw = dict(sigma2=0.2, sigma0_2=1.0, gamma0=6.0, seed=seed, sweeps=6)
-    early = match_layer(layer.neurons, **kw)
-    full = match_layer(layer.neurons, stop_at_fixed_point=False, **kw)
+    early = match_layer(layer.neurons, hyperparameters="fixed", **kw)
+    full = match_layer(layer.neurons, hyperparameters="fixed", stop_at_fixed_point=False, **kw)
     assert len(early.rematches) < len(full.rematches) == 8 * 7
     assert early.objective == pytest.approx(full.objective, rel=1e-12)
     torch.testing.assert_close(early.counts.sort().values, full.counts.sort().values)
@@ -418,7 +419,7 @@ def test_zero_precision_coordinates_are_ignored():
     a = torch.tensor([[1.0, 2.0, 5.0]], dtype=torch.float64)
     b = torch.tensor([[1.0, 2.0, -7.0]], dtype=torch.float64)
     prec = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]], dtype=torch.float64)
-    r = match_layer([a, b], sigma2=0.01, sigma0_2=1.0, gamma0=1.0, precisions=prec)
+    r = match_layer([a, b], hyperparameters="fixed", sigma2=0.01, sigma0_2=1.0, gamma0=1.0, precisions=prec)
     assert r.num_atoms == 1
     expected_last = (5.0 / 0.01) / (1.0 + 1 / 0.01)
     assert r.global_atoms[0, 2].item() == pytest.approx(expected_last)
@@ -432,8 +433,8 @@ def test_gram_and_direct_cross_products_give_the_same_matching(objective, seed):
     prec[:, -2:] = torch.rand(7, 2, generator=torch.Generator().manual_seed(seed)) + 0.1
     kw = dict(sigma2=0.3, sigma0_2=1.0, gamma0=6.0, seed=seed, objective=objective, precisions=prec, mu0=0.1,
               stop_at_fixed_point=False)
-    direct = match_layer(layer.neurons, cross_products="direct", **kw)
-    gram = match_layer(layer.neurons, cross_products="gram", **kw)
+    direct = match_layer(layer.neurons, hyperparameters="fixed", cross_products="direct", **kw)
+    gram = match_layer(layer.neurons, hyperparameters="fixed", cross_products="gram", **kw)
     assert gram.objective == pytest.approx(direct.objective, rel=1e-10)
     assert all(torch.equal(a, b) for a, b in zip(gram.assignments, direct.assignments))
     torch.testing.assert_close(gram.global_atoms, direct.global_atoms)
@@ -450,7 +451,7 @@ def test_sweeps_from_the_true_assignment_start_at_its_objective_and_never_lower_
     layer = sample_federated_layer(8, 15, seed=seed, gamma0=6.0, sigma2=0.3)
     kw = dict(sigma2=0.3, sigma0_2=1.0, gamma0=6.0, mu0=0.05, objective=objective)
     start = assignment_objective(layer.neurons, layer.assignments, **kw)
-    r = match_layer(layer.neurons, init_assignments=layer.assignments, sweeps=10, seed=seed,
+    r = match_layer(layer.neurons, hyperparameters="fixed", init_assignments=layer.assignments, sweeps=10, seed=seed,
                     cross_products=cross_products, **kw)
     assert len(r.objective) == 11
     assert r.objective[0] == pytest.approx(start, rel=1e-10)
@@ -464,9 +465,10 @@ def test_initial_labels_may_take_any_values():
     kw = dict(sigma2=0.2, sigma0_2=1.0, gamma0=5.0, seed=0, sweeps=2)
     perm = torch.randperm(layer.num_atoms, generator=torch.Generator().manual_seed(0))
     odd = [(5 - 3 * perm[a]).numpy() for a in layer.assignments]  # negative, sparse, shuffled, numpy
-    a = match_layer(layer.neurons, init_assignments=layer.assignments, **kw)
-    b = match_layer(layer.neurons, init_assignments=odd, **kw)
-    c = match_layer(layer.neurons, init_assignments=[x.tolist() for x in layer.assignments], **kw)
+    a = match_layer(layer.neurons, hyperparameters="fixed", init_assignments=layer.assignments, **kw)
+    b = match_layer(layer.neurons, hyperparameters="fixed", init_assignments=odd, **kw)
+    c = match_layer(layer.neurons, hyperparameters="fixed", init_assignments=[x.tolist() for x in layer.assignments],
+                    **kw)
     assert b.objective == pytest.approx(a.objective, rel=1e-10)
     assert adjusted_rand_score(torch.cat(a.assignments), torch.cat(b.assignments)) == 1.0
     assert all(torch.equal(x, y) for x, y in zip(a.assignments, c.assignments))
@@ -477,10 +479,11 @@ def test_warm_start_from_a_previous_result_returns_it():
     fixed point of the sweeps, sweeping changes nothing either."""
     layer = sample_federated_layer(8, 12, seed=2, gamma0=6.0, sigma2=0.1)
     kw = dict(sigma2=0.1, sigma0_2=1.0, gamma0=6.0)
-    previous = match_layer(layer.neurons, seed=0, sweeps=30, **kw)
+    previous = match_layer(layer.neurons, hyperparameters="fixed", seed=0, sweeps=30, **kw)
     assert len(previous.rematches) < 8 * 31  # stopped at a fixed point
     for sweeps in (0, 3):
-        again = match_layer(layer.neurons, init_assignments=previous.assignments, sweeps=sweeps, seed=5, **kw)
+        again = match_layer(layer.neurons, hyperparameters="fixed", init_assignments=previous.assignments,
+                            sweeps=sweeps, seed=5, **kw)
         assert all(torch.equal(a, b) for a, b in zip(again.assignments, previous.assignments))
         assert torch.equal(again.counts, previous.counts)
         torch.testing.assert_close(again.global_atoms, previous.global_atoms)
@@ -490,7 +493,7 @@ def test_warm_start_from_a_previous_result_returns_it():
 def test_warm_start_with_clients_without_neurons():
     layer = layer_with_empty_clients(6, 5, at_least=1)
     kw = dict(sigma2=0.1, sigma0_2=1.0, gamma0=1.0)
-    r = match_layer(layer.neurons, init_assignments=layer.assignments, sweeps=3, seed=0, **kw)
+    r = match_layer(layer.neurons, hyperparameters="fixed", init_assignments=layer.assignments, sweeps=3, seed=0, **kw)
     assert r.objective[0] == pytest.approx(assignment_objective(layer.neurons, layer.assignments, **kw), rel=1e-10)
     assert [len(a) for a in r.assignments] == [len(a) for a in layer.assignments]
 
@@ -510,4 +513,4 @@ def test_bad_initial_assignment_raises_naming_the_client(init, match):
     g = torch.Generator().manual_seed(0)
     neurons = [torch.randn(L, 4, generator=g) for L in (3, 2, 4)]
     with pytest.raises(ValueError, match=match):
-        match_layer(neurons, sigma2=1.0, sigma0_2=1.0, gamma0=1.0, init_assignments=init)
+        match_layer(neurons, hyperparameters="fixed", sigma2=1.0, sigma0_2=1.0, gamma0=1.0, init_assignments=init)

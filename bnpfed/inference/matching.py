@@ -1,8 +1,11 @@
-"""MAP matching of one federated layer: the Hungarian step of PFNM.
+"""Matching of one federated layer: the Hungarian step of PFNM, with its hyper-parameters fixed or estimated.
 
 Yurochkin et al., "Bayesian Nonparametric Federated Learning of Neural Networks", ICML 2019, section 3.2. Given J
 clients' neurons (vectors in R^D), find the assignment of every local neuron to a global atom (distinct atoms within a
-client) that maximises the posterior of the Beta-Bernoulli model of :mod:`bnpfed.models.beta_bernoulli`.
+client) that maximises the posterior of the Beta-Bernoulli model of :mod:`bnpfed.models.beta_bernoulli`. The
+hyper-parameters (mu0, sigma0_2, sigma2, gamma0) are either given (``hyperparameters="fixed"``, the published way) or
+estimated from the clients' neurons alone, alternating with the assignment (``"empirical-bayes"``, the default; see
+*Empirical Bayes* below).
 
 Notation (natural parameters, per atom i and coordinate d). A client j's neuron v_jl has noise precision
 ``w_jd = s_jd / sigma2``. An atom with members S_i has
@@ -48,21 +51,83 @@ scores, so its best assignment is a linear assignment problem. Client j's neuron
 
 and ``scipy.optimize.linear_sum_assignment`` solves it exactly. These per-client scores are the exact change of F
 (or F_marg) for any c, so a greedy pass followed by sweeps of remove-and-rematch is coordinate ascent: F never
-decreases across sweeps (with ``max_atoms`` off).
+decreases across sweeps (with ``max_atoms`` off and the hyper-parameters held fixed).
 
-Reference constants (the published code, ``REFERENCE_CONSTANTS``): popularity factor c = 1; popularity counts capped
-at 10 (``min(m, 10)`` inside the log; the cap keeps the ascent exact, the objective then sums the capped terms);
-at most 700 atoms in total (a client may open ``min(L_j, max(700 - L, 1))`` new ones); and ``- 2 log k`` on the k-th
-new atom of a client. That last term is the 1/K! of the IBP's left-ordered form for a binary matrix; atoms here carry
-distinct parameters, so the orderings it divides out are distinct configurations, and no joint density has those
-scores as its conditionals. It is available (``new_atom_penalty="log_k"``) but off by default. Every sweep then
-still reports F, which the ``log_k`` penalty may lower slightly.
+Reference constants (the published code, ``REFERENCE_CONSTANTS``): fixed hyper-parameters and the MAP objective;
+popularity factor c = 1; popularity counts capped at 10 (``min(m, 10)`` inside the log; the cap keeps the ascent
+exact, the objective then sums the capped terms); at most 700 atoms in total (a client may open
+``min(L_j, max(700 - L, 1))`` new ones); and ``- 2 log k`` on the k-th new atom of a client. That last term is the
+1/K! of the IBP's left-ordered form for a binary matrix; atoms here carry distinct parameters, so the orderings it
+divides out are distinct configurations, and no joint density has those scores as its conditionals. It is available
+(``new_atom_penalty="log_k"``) but off by default. Every sweep then still reports F, which the ``log_k`` penalty may
+lower slightly.
+
+**Empirical Bayes** (``hyperparameters="empirical-bayes"``; SPAHM, Yurochkin et al. 2019, estimates them the same
+way). Each of mu0, sigma0_2, sigma2, gamma0 that is given is held fixed; the others are estimated, alternating
+assignment sweeps (at the current values) with moment estimates from the current assignment. The objective is
+F_marg: the atoms are integrated out, so it is a likelihood of sigma0_2 and sigma2 (F keeps the atoms at their MAP
+values and drops ``L D log(2 pi sigma0_2)``, so it is not; and its over-splitting at the true noise would feed back
+into the estimates). Per coordinate d and atom i, with ``q_jd = s_jd`` (``q_jd = s_jd r_j`` with per-client noise,
+below) over its members j:
+
+    W_id = sum_j q_jd,    xbar_id = sum_j q_jd v_jd / W_id,    n_id = #{j : s_jd > 0},    L_d = #{i : W_id > 0}.
+
+Given the assignment and the atom, ``v_jd ~ N(theta_id, sigma2 / q_jd)``, so ``xbar_id ~ N(theta_id, sigma2 / W_id)``
+and, as ``sum_j q_jd Var(v_jd) = n_id sigma2`` and ``W_id Var(xbar_id) = sigma2``,
+
+    E[ sum_j q_jd (v_jd - xbar_id)^2 ] = (n_id - 1) sigma2.                                          (within)
+
+Over the atoms, ``theta_id ~ N(mu0_d, sigma0_2)``, so the xbar_id are independent ``N(mu0_d, sigma0_2 + sigma2 /
+W_id)`` and ``E[sum_i (xbar_id - mean_i xbar_id)^2] = (L_d - 1)/L_d * sum_i (sigma0_2 + sigma2 / W_id)``. The moment
+estimates solve these identities for the unknowns:
+
+* ``sigma2 = sum_{i,d} sum_j q_jd (v_jd - xbar_id)^2 / sum_{i,d} (n_id - 1)``, the pooled within-atom variance (one
+  value for all coordinates);
+* ``mu0_d = (1/L_d) sum_i xbar_id``, the mean of the atom means;
+* ``sigma0_2 = [sum_d sum_i (xbar_id - mu0_d)^2 - sigma2 sum_d (k_d / L_d) sum_i 1/W_id] / sum_d k_d``, the
+  between-atom variance less what the noise alone contributes to it, pooled over coordinates, with ``k_d = L_d - 1``
+  where mu0_d is estimated (Bessel's correction: mu0_d comes from the same atoms, and 1/L_d would be biased low by
+  (L_d - 1)/L_d) and ``k_d = L_d`` where mu0_d is given; floored at ``SIGMA0_2_FLOOR * sigma2``;
+* ``gamma0 = L / H_J``: the IBP gives a configuration of L atoms the probability ``gamma0^L exp(-gamma0 H_J)`` times
+  terms free of gamma0 (:func:`~bnpfed.models.beta_bernoulli.log_joint`), and ``d/dgamma0 [L log gamma0 - gamma0
+  H_J] = L / gamma0 - H_J`` vanishes there: the maximum-likelihood value (L is Poisson(gamma0 H_J)).
+
+With every q_jd = 1 (``S_id`` the sum of the members' v_d, ``Q_id`` of their squares, m_i members) these are
+``sigma2 = sum_{i,d} (Q_id - S_id^2 / m_i) / (D (sum_i m_i - L))``, ``mu0_d = (1/L) sum_i S_id / m_i`` and
+``sigma0_2 = mean_d [(1/(L-1)) sum_i (S_id/m_i - mu0_d)^2] - sigma2 (1/L) sum_i 1/m_i`` (1/L where mu0 is given).
+
+With ``noise="per-client"`` client j has its own noise variance sigma2_j, entering as the scale ``r_j = sigma2 /
+sigma2_j`` on its precision row (``q_jd = s_jd r_j``), so that a noisier client counts for less. Its leverage in
+xbar_id is ``q_jd / W_id``, so ``E[sum_{l,d} s_jd (v_jld - xbar_id)^2] = sigma2_j sum_{l,d} (1 - q_jd / W_id)``
+(sums over its neurons, on coordinates with s_jd > 0) and ``sigma2_j`` is the ratio of the two sums; sigma2 is then
+the value whose precision is their average, ``sum_j e_j / sum_j (e_j / sigma2_j)``, e_j the second sum (client j's
+residual degrees of freedom). The identities (within) are the sums of the per-client ones over j, so with equal
+noise both modes estimate the same sigma2. As the weights depend on the sigma2_j, each estimate is one step of a
+fixed-point iteration that the alternation continues.
+
+Degenerate cases. No atom with two members (every neuron alone): sigma2 is not estimable and keeps its previous
+value (with per-client noise, a client with no neuron on a shared atom gets the shared sigma2). Fewer than two atoms
+with data on every coordinate (one atom, with mu0 estimated): sigma0_2 keeps its previous value. A coordinate on
+which every client has precision 0 carries no data and is skipped (mu0 there keeps its starting value). A client
+without neurons counts in J (in H_J) and nowhere else. Class shares on the output coordinates enter as the s_jd.
+Each case is recorded in ``MatchResult.notes``. sigma2 is floored at ``SIGMA2_FLOOR`` times the pooled variance of
+the neurons (when every atom's members agree exactly).
+
+The iteration starts from ``start`` or, for what it does not give, from the pooled moments of all the neurons: mu0_d
+their mean on coordinate d, ``sigma2 = sigma0_2 = T / 2`` with T their pooled variance (no split of the variance
+between signal and noise assumed), and gamma0 the mean number of neurons per client (under the IBP every client
+uses gamma0 atoms on average). Splitting evenly errs on the side of merging, the side the iteration recovers from:
+a start far below the noise can leave every neuron alone, where sigma2 is not estimable. It stops when a sweep
+changed no assignment and no estimate moved by more than ``EB_RTOL`` (relative; mu0 relative to sqrt(sigma0_2)), or
+after ``sweeps`` sweeps (``MatchResult.converged`` False). With the estimates held fixed a sweep never lowers F_marg;
+re-estimating moves F_marg itself, so ``objective`` need not be monotone across sweeps.
 
 Implementation. Coordinates on which every client has precision scale 1 (all of them unless ``precisions`` is given;
-in PFNM all but the output-layer ones) form block A, where ``P_i = P0 + m_i / sigma2`` is one number per atom: the
-cross terms of all of a client's neurons against all atoms are one matrix product ``V_j g_A^T``, and the per-atom
-statistics (g, m, ||g_A||^2) are updated in place when a client leaves or joins. The remaining coordinates (block B)
-keep a dense per-coordinate precision and cost two more, small, products.
+in PFNM all but the output-layer ones) form block A, where ``P_i = P0 + sum_{j in S_i} r_j / sigma2`` is one number
+per atom: the cross terms of all of a client's neurons against all atoms are one matrix product ``V_j g_A^T``, and
+the per-atom statistics (g, m, sum r, ||g_A||^2) are updated in place when a client leaves or joins. The remaining
+coordinates (block B) keep a dense per-coordinate precision and cost two more, small, products. A re-estimate is
+O(N D) (N neurons) and rebuilds those statistics from the current assignment.
 """
 
 from __future__ import annotations
@@ -70,7 +135,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from typing import Literal, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -78,29 +143,71 @@ from scipy.optimize import linear_sum_assignment
 from scipy.sparse import csr_matrix
 from torch import Tensor
 
-from bnpfed.validation import check_positive
+from bnpfed.validation import check_choice, check_int, check_positive
 
-__all__ = ["MatchResult", "match_layer", "assignment_objective", "REFERENCE_CONSTANTS"]
+__all__ = [
+    "MatchResult",
+    "match_layer",
+    "assignment_objective",
+    "REFERENCE_CONSTANTS",
+    "SIGMA0_2_FLOOR",
+    "SIGMA2_FLOOR",
+    "EB_RTOL",
+]
 
 #: The constants of the published PFNM code (IBM/probabilistic-federated-neural-matching, ``matching/pfnm.py``):
-#: popularity term without the factor 2, popularity counts capped at 10, at most 700 global atoms, and -2 log k on the
-#: k-th new atom of a client. Pass as ``match_layer(..., **REFERENCE_CONSTANTS)`` to reproduce it.
-REFERENCE_CONSTANTS = dict(popularity_factor=1.0, popularity_cap=10, max_atoms=700, new_atom_penalty="log_k")
+#: hyper-parameters given (not estimated), its MAP objective, popularity term without the factor 2, popularity counts
+#: capped at 10, at most 700 global atoms, and -2 log k on the k-th new atom of a client. Pass as
+#: ``match_layer(..., sigma2=..., sigma0_2=..., gamma0=..., **REFERENCE_CONSTANTS)`` to reproduce it.
+REFERENCE_CONSTANTS = dict(hyperparameters="fixed", objective="map", popularity_factor=1.0, popularity_cap=10,
+                           max_atoms=700, new_atom_penalty="log_k")
+
+#: Empirical Bayes: the smallest sigma0_2 / sigma2 an estimate may take. Below it the atoms would be
+#: indistinguishable under the noise and the matcher would merge everything; a between-atom variance below what the
+#: noise alone explains says as much, and the floor keeps the prior proper (scale-free, as it is relative to sigma2).
+SIGMA0_2_FLOOR = 1e-2
+
+#: Empirical Bayes: the smallest sigma2 an estimate may take, relative to the pooled variance of all the neurons
+#: (reached only when the members of every atom agree exactly).
+SIGMA2_FLOOR = 1e-10
+
+#: Empirical Bayes: the alternation has converged when a sweep changed no assignment and no estimate moved by more
+#: than this, relative (mu0 relative to sqrt(sigma0_2), as it may be 0).
+EB_RTOL = 1e-6
+
+_NAMES = ("mu0", "sigma0_2", "sigma2", "gamma0")
 
 
 @dataclass
 class MatchResult:
     """Result of :func:`match_layer`.
 
-    :param Tensor global_atoms: (L, D) posterior means ``g_i / P_i`` given the assignment.
+    :param Tensor global_atoms: (L, D) posterior means ``g_i / P_i`` given the assignment (at the final
+        hyper-parameters).
     :param Tensor posterior_precision: (L, D) posterior precisions ``P_i``.
     :param list assignments: J long tensors of length L_j with values in [0, L), distinct within a client (empty
         for a client without neurons).
     :param Tensor counts: (L,) number of clients on each atom (m_i).
-    :param list objective: the objective after the greedy pass (or at ``init_assignments``) and after every sweep.
+    :param list objective: the objective after the greedy pass (or at ``init_assignments``) and after every sweep,
+        each at the hyper-parameters that pass used (the starting values for the first). With fixed hyper-parameters
+        a sweep skipped at a fixed point repeats the last value (``sweeps + 1`` entries).
     :param float seconds: wall time of the matching.
     :param float lsa_seconds: part of ``seconds`` spent inside ``linear_sum_assignment``.
     :param list rematches: one ``(client, L_j, L)`` per client (re-)matching, L the atoms it was scored against.
+    :param dict hyperparameters: the final values, estimated or given: ``"mu0"`` a (D,) tensor, ``"sigma0_2"``,
+        ``"sigma2"``, ``"gamma0"`` floats; with ``noise="per-client"`` also ``"sigma2_per_client"``, a (J,) tensor of
+        the sigma2_j (client j's precision row is then ``s_j * sigma2 / sigma2_j``: passing those rows as
+        ``precisions`` with the same sigma2 to :func:`assignment_objective` scores the same model).
+    :param list hyperparameter_history: the values (dicts as ``hyperparameters``) after the first assignment and
+        after every sweep; the last entry is ``hyperparameters``. With fixed hyper-parameters every entry holds the
+        given values (as many as ``objective``).
+    :param bool converged: empirical Bayes: whether a sweep changed no assignment and moved no estimate (by more than
+        ``EB_RTOL``) before the sweep limit; always True with fixed hyper-parameters.
+    :param tuple estimated: names of the estimated hyper-parameters, in the order ``("mu0", "sigma0_2", "sigma2",
+        "gamma0")``; ``()`` with fixed ones. ``"mu0"`` is listed when any coordinate of it was estimated.
+    :param list notes: what the estimation had to fall back on (see the module docstring's degenerate cases), and
+        whether it stopped at the sweep limit; empty with fixed hyper-parameters.
+    :param int sweeps_run: sweeps actually run after the first assignment.
     """
 
     global_atoms: Tensor
@@ -111,6 +218,12 @@ class MatchResult:
     seconds: float = 0.0
     lsa_seconds: float = 0.0
     rematches: list = field(default_factory=list, repr=False)
+    hyperparameters: dict = field(default_factory=dict)
+    hyperparameter_history: list = field(default_factory=list, repr=False)
+    converged: bool = True
+    estimated: tuple = ()
+    notes: list = field(default_factory=list)
+    sweeps_run: int = 0
 
     @property
     def num_atoms(self) -> int:
@@ -182,15 +295,45 @@ def _validate_precisions(precisions, sizes: Sequence[int], D: int) -> np.ndarray
     return s
 
 
-def _validate_mu0(mu0, D: int) -> np.ndarray:
+def _validate_mu0(mu0, D: int, *, estimable: bool = False) -> np.ndarray:
+    """(D,) prior mean; with ``estimable`` NaN entries mark coordinates whose mean is to be estimated."""
     m = _to_numpy(mu0, "mu0")
     if m.ndim == 0:
         m = np.full(D, float(m))
     if m.shape != (D,):
         raise ValueError(f"mu0 must be a scalar or have shape ({D},), got {m.shape}")
-    if not np.isfinite(m).all():
-        raise ValueError("mu0 contains NaN or inf")
+    bad = np.isinf(m) if estimable else ~np.isfinite(m)
+    if bad.any():
+        raise ValueError("mu0 contains inf" if estimable else "mu0 contains NaN or inf")
     return m
+
+
+def _validate_start(start, given: Mapping[str, object], D: int, J: int, noise: str) -> dict:
+    """Starting values of the estimated hyper-parameters: a dict with some of mu0, sigma0_2, sigma2, gamma0 (and
+    sigma2_per_client with per-client noise), none of them given."""
+    if start is None:
+        return {}
+    if not isinstance(start, Mapping):
+        raise ValueError(f"start: expected a dict of starting values (keys among {list(_NAMES)}), got "
+                         f"{type(start).__name__}")
+    allowed = _NAMES + (("sigma2_per_client",) if noise == "per-client" else ())
+    out = {}
+    for name, value in start.items():
+        if name not in allowed:
+            raise ValueError(f"start: expected keys among {list(allowed)}, got {name!r}")
+        if name in given and given[name] is not None:
+            raise ValueError(f"start[{name!r}]: {name} is given (held fixed), so it has no starting value; pass it "
+                             f"in one place")
+        if name == "mu0":
+            out[name] = _validate_mu0(value, D)
+        elif name == "sigma2_per_client":
+            v = _to_numpy(value, "start['sigma2_per_client']")
+            if v.shape != (J,) or not np.isfinite(v).all() or (v <= 0).any():
+                raise ValueError(f"start['sigma2_per_client']: expected {J} positive finite numbers, got {value!r}")
+            out[name] = v
+        else:
+            out[name] = check_positive(value, f"start[{name!r}]")
+    return out
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -198,39 +341,32 @@ def _validate_mu0(mu0, D: int) -> np.ndarray:
 
 
 class _LayerMatcher:
-    """Per-atom statistics of a partial assignment, and the per-client scoring / rematching on them."""
+    """Per-atom statistics of a partial assignment, and the per-client scoring / rematching on them.
 
-    def __init__(self, neurons, precisions, *, sigma2, sigma0_2, gamma0, mu0, popularity_factor, popularity_cap,
-                 max_atoms, new_atom_penalty, marginal):
+    The data (neurons, precision scales, the block split) are set once; :meth:`set_hyperparameters` sets or changes
+    mu0, sigma0_2, sigma2, gamma0 and the per-client noise scales r_j, and rebuilds the statistics of the current
+    assignment under them."""
+
+    def __init__(self, neurons, precisions, *, popularity_factor, popularity_cap, max_atoms, new_atom_penalty,
+                 marginal):
         self.J = J = len(neurons)
         self.D = D = neurons[0].shape[1]
-        tau = 1.0 / sigma2
-        self.P0 = P0 = 1.0 / sigma0_2
-        g0 = mu0 * P0
+        self.precisions = precisions
         if precisions is None:
             A = np.arange(D)
         else:
             A = np.flatnonzero((precisions == 1.0).all(axis=0))
         B = np.setdiff1d(np.arange(D), A)
-        self.A, self.B, self.tau = A, B, tau
-        self.g0A, self.g0B = g0[A].copy(), g0[B].copy()
-        self.g0A_sq = float(self.g0A @ self.g0A)
-        # per-client natural-parameter contributions x = w * v (w = s / sigma2) and precisions w on block B
-        self.xA = [np.ascontiguousarray(v[:, A] * tau) for v in neurons]
-        self.xA_sq = [np.einsum("ld,ld->l", x, x) for x in self.xA]
-        self.g0x = [x @ self.g0A for x in self.xA]  # cross term of each neuron with an empty (prior-only) atom
-        if len(B):
-            wB = [(precisions[j, B] if precisions is not None else np.ones(len(B))) * tau for j in range(J)]
-        else:
-            wB = [np.zeros(0) for _ in range(J)]
-        self.wB = wB
-        self.xB = [np.ascontiguousarray(v[:, B] * wB[j]) for j, v in enumerate(neurons)]
+        self.A, self.B = A, B
+        self.vA = [v if not len(B) else np.ascontiguousarray(v[:, A]) for v in neurons]
+        self.vB = [np.ascontiguousarray(v[:, B]) for v in neurons]
+        self.sB = [precisions[j, B] if precisions is not None else np.ones(len(B)) for j in range(J)]
         self.L = [v.shape[0] for v in neurons]
-        self.offsets = np.concatenate([[0], np.cumsum(self.L)])
+        self.offsets = np.concatenate([[0], np.cumsum(self.L)]).astype(np.int64)
         self.gram: np.ndarray | None = None  # (N, N) products x_u . x_v of all neurons' block-A parts, when used
+        self.gram_tau: np.ndarray | None = None  # (N,) each neuron's block-A precision when the Gram was computed
         self.marginal = marginal
         self.c = float(popularity_factor)
-        self.log_new = 2.0 * math.log(gamma0 / J)
         # popularity score of joining an atom held by m other clients, and its cumulative sum over an atom's life
         m = np.arange(J + 1, dtype=np.float64)
         mc = np.minimum(m, popularity_cap) if popularity_cap is not None else m
@@ -240,19 +376,56 @@ class _LayerMatcher:
         self.pop_cum[2:] = np.cumsum(self.pop[1:J])  # pop_cum[m] = sum_{k=1}^{m-1} pop[k]
         self.max_atoms = max_atoms
         self.new_atom_penalty = new_atom_penalty
+        self.assign: list[np.ndarray | None] = [None] * J
+        self.lsa_seconds = 0.0
+        self.rematches: list[tuple[int, int, int]] = []
+        self.hyper: tuple | None = None
+
+    # --- hyper-parameters -------------------------------------------------------------------------------------------
+    def set_hyperparameters(self, *, sigma2: float, sigma0_2: float, gamma0: float, mu0: np.ndarray,
+                            client_scales: np.ndarray | None = None) -> None:
+        """Score with these values from now on: the per-client contributions are recomputed and the per-atom
+        statistics rebuilt from the current assignment (O(N D)); nothing happens if the values are unchanged.
+        ``client_scales``: r_j = sigma2 / sigma2_j per client (default all 1)."""
+        r = np.ones(self.J) if client_scales is None else np.asarray(client_scales, dtype=np.float64)
+        key = (float(sigma2), float(sigma0_2), float(gamma0), mu0.tobytes(), r.tobytes())
+        if key == self.hyper:
+            return
+        self.hyper = key
+        J, A = self.J, self.A
+        self.tau = tau = 1.0 / sigma2
+        self.r = r
+        self.tauj = r * tau  # block-A noise precision of each client
+        self.tau_neuron = np.repeat(self.tauj, self.L)
+        self.P0 = P0 = 1.0 / sigma0_2
+        g0 = mu0 * P0
+        self.g0A, self.g0B = g0[A].copy(), g0[self.B].copy()
+        self.g0A_sq = float(self.g0A @ self.g0A)
+        # per-client natural-parameter contributions x = w * v (w = s r / sigma2) and precisions w on block B
+        self.xA = [np.ascontiguousarray(v * self.tauj[j]) for j, v in enumerate(self.vA)]
+        self.xA_sq = [np.einsum("ld,ld->l", x, x) for x in self.xA]
+        self.g0x = [x @ self.g0A for x in self.xA]  # cross term of each neuron with an empty (prior-only) atom
+        self.wB = [(self.sB[j] * r[j]) * tau for j in range(J)]
+        self.xB = [np.ascontiguousarray(v * self.wB[j]) for j, v in enumerate(self.vB)]
+        self.log_new = 2.0 * math.log(gamma0 / J)
         self.new_scores = [self._new_atom_scores(j) for j in range(J)]
+        labels = None if any(a is None for a in self.assign) else list(self.assign)
+        self._reset_storage()
+        if labels is not None:
+            self.start_from(labels)
+
+    def _reset_storage(self) -> None:
         # storage for atoms: rows [0, n_rows) used, some of them free (m == 0)
         cap = max(2 * max(self.L), 64)
         self.gA = np.tile(self.g0A, (cap, 1))
         self.gB = np.tile(self.g0B, (cap, 1))
-        self.PB = np.full((cap, len(B)), P0)
+        self.PB = np.full((cap, len(self.B)), self.P0)
         self.gA_sq = np.full(cap, self.g0A_sq)
         self.m = np.zeros(cap, dtype=np.int64)
+        self.rsum = np.zeros(cap)  # sum of the members' r_j: block-A precision P0 + tau * rsum
         self.n_rows = 0
         self.free: list[int] = []
-        self.assign: list[np.ndarray | None] = [None] * J
-        self.lsa_seconds = 0.0
-        self.rematches: list[tuple[int, int, int]] = []
+        self.assign = [None] * self.J
 
     # --- storage ----------------------------------------------------------------------------------------------------
     def _grow(self, needed: int):
@@ -266,6 +439,7 @@ class _LayerMatcher:
         self.PB = np.vstack([self.PB, np.full((extra, len(self.B)), self.P0)])
         self.gA_sq = np.concatenate([self.gA_sq, np.full(extra, self.g0A_sq)])
         self.m = np.concatenate([self.m, np.zeros(extra, dtype=np.int64)])
+        self.rsum = np.concatenate([self.rsum, np.zeros(extra)])
 
     def _new_rows(self, k: int) -> np.ndarray:
         take = self.free[-k:] if k else []
@@ -292,6 +466,7 @@ class _LayerMatcher:
             self.gB[rows] += self.xB[j]
             self.PB[rows] += self.wB[j]
         self.m[rows] += 1
+        self.rsum[rows] += self.r[j]
         self.assign[j] = rows
 
     def _remove_stats(self, j: int) -> tuple[np.ndarray, np.ndarray]:
@@ -305,6 +480,8 @@ class _LayerMatcher:
         self.gA[kept] -= self.xA[j][keep]
         self.gA[empty] = self.g0A
         self.gA_sq[empty] = self.g0A_sq
+        self.rsum[kept] -= self.r[j]
+        self.rsum[empty] = 0.0
         if len(self.B):
             self.gB[kept] -= self.xB[j][keep]
             self.PB[kept] -= self.wB[j]
@@ -316,7 +493,7 @@ class _LayerMatcher:
     # --- scores -------------------------------------------------------------------------------------------------------
     def _new_atom_scores(self, j: int) -> np.ndarray:
         """(L_j,) score of each of client j's neurons against a new atom (the prior alone)."""
-        tau, P0 = self.tau, self.P0
+        tau, P0 = self.tauj[j], self.P0
         xA = self.xA[j]
         new = (self.xA_sq[j] + 2.0 * (xA @ self.g0A)) / (P0 + tau) + self.g0A_sq * (1.0 / (P0 + tau) - 1.0 / P0)
         if len(self.B):
@@ -335,7 +512,7 @@ class _LayerMatcher:
         ``cross``: (L_j, n_rows) products of client j's block-A contributions with every stored atom's g_A.
         """
         active = np.flatnonzero(self.m[: self.n_rows] > 0)
-        L_j, tau, P0 = self.L[j], self.tau, self.P0
+        L_j, tau, P0 = self.L[j], self.tauj[j], self.P0
         L = active.size
         n_new = L_j
         if self.max_atoms is not None:
@@ -349,7 +526,7 @@ class _LayerMatcher:
             S[:, L:] -= 2.0 * np.log(np.arange(1, n_new + 1))
         if L:
             m = self.m[active]
-            P = P0 + m * tau  # block A posterior precision, one per atom
+            P = P0 + self.rsum[active] * self.tau  # block A posterior precision, one per atom
             inv_new = 1.0 / (P + tau)
             atom_term = self.gA_sq[active] * (inv_new - 1.0 / P) + self.pop[m]
             if self.marginal:
@@ -407,25 +584,37 @@ class _LayerMatcher:
         opened[new_rows] = True
         return bool((was_shared == opened).any() or (target[positions] != previous[positions]).any())
 
+    def sweep(self, rng: np.random.Generator) -> bool:
+        """Re-match every client once, in a random order; return whether any assignment changed."""
+        changed = False
+        for j in rng.permutation(self.J):
+            changed |= self.match(int(j), rematch=True)
+        return changed
+
     def use_gram(self) -> None:
         """Score through the Gram matrix of all neurons from now on (see :meth:`_gram_cross`)."""
-        x = np.concatenate(self.xA)
-        self.gram = x @ x.T
-        self.g0x_all = np.concatenate(self.g0x)
+        if self.gram is None:
+            x = np.concatenate(self.xA)
+            self.gram = x @ x.T
+            self.gram_tau = self.tau_neuron.copy()
 
     def _gram_cross(self, j: int) -> np.ndarray:
         """``x_l . g_i`` for client j's neurons l and every stored atom i, from the Gram matrix: an atom's g is
         g0 plus its members' x, so ``x_l . g_i = x_l . g0 + sum_{u in S_i} x_l . x_u``. One gather of client j's
         (L_j, N) block of the Gram matrix and a sum per atom replace the (L_j, D) x (D, L) product; worth it when
         the layer stays wide (many atoms against few neurons). The sum per atom is a product with the sparse (N, L)
-        membership matrix."""
+        membership matrix. The Gram matrix holds ``x = tau v`` at the precisions it was computed with; when they
+        changed since (empirical Bayes), the membership and the row carry the ratio of the precisions."""
         others = [k for k in range(self.J) if k != j and self.assign[k] is not None]
         if not others:
             return np.repeat(self.g0x[j][:, None], self.n_rows, axis=1)
         members = np.concatenate([np.arange(self.offsets[k], self.offsets[k + 1]) for k in others])
         atoms = np.concatenate([self.assign[k] for k in others])
-        membership = csr_matrix((np.ones(members.size), (members, atoms)), shape=(self.gram.shape[0], self.n_rows))
+        ratio = self.tau_neuron / self.gram_tau  # exactly 1 while the precisions are those of the Gram matrix
+        membership = csr_matrix((ratio[members], (members, atoms)), shape=(self.gram.shape[0], self.n_rows))
         cross = np.asarray(self.gram[self.offsets[j]:self.offsets[j + 1]] @ membership)
+        if self.L[j] and ratio[self.offsets[j]] != 1.0:
+            cross *= ratio[self.offsets[j]]
         cross += self.g0x[j][:, None]
         return cross
 
@@ -441,11 +630,18 @@ class _LayerMatcher:
             self.add(j, flat[start:start + a.size])
             start += a.size
 
+    def labels(self) -> list[np.ndarray]:
+        """The current assignment as compact labels 0 .. L-1 (in storage order), and L."""
+        active = np.flatnonzero(self.m[: self.n_rows] > 0)
+        relabel = np.full(self.n_rows, -1, dtype=np.int64)
+        relabel[active] = np.arange(active.size)
+        return [relabel[a] for a in self.assign], int(active.size)
+
     # --- the objective ----------------------------------------------------------------------------------------------
     def objective(self) -> float:
         active = np.flatnonzero(self.m[: self.n_rows] > 0)
         m = self.m[active]
-        P = self.P0 + m * self.tau
+        P = self.P0 + self.rsum[active] * self.tau
         F = float((self.gA_sq[active] / P).sum() - active.size * self.g0A_sq / self.P0)
         if len(self.B):
             gB, PB = self.gB[active], self.PB[active]
@@ -457,14 +653,12 @@ class _LayerMatcher:
                 F -= float(np.log(self.PB[active] / self.P0).sum())
         return F
 
-    def result(self, objective: list[float], seconds: float, dtype) -> MatchResult:
+    def result(self, objective: list[float], seconds: float, dtype, **extra) -> MatchResult:
         active = np.flatnonzero(self.m[: self.n_rows] > 0)
-        relabel = np.full(self.n_rows, -1, dtype=np.int64)
-        relabel[active] = np.arange(active.size)
-        m = self.m[active]
+        labels, _ = self.labels()
         P = np.empty((active.size, self.D))
         g = np.empty((active.size, self.D))
-        P[:, self.A] = (self.P0 + m * self.tau)[:, None]
+        P[:, self.A] = (self.P0 + self.rsum[active] * self.tau)[:, None]
         g[:, self.A] = self.gA[active]
         if len(self.B):
             P[:, self.B] = self.PB[active]
@@ -472,13 +666,229 @@ class _LayerMatcher:
         return MatchResult(
             global_atoms=torch.as_tensor(g / P, dtype=dtype),
             posterior_precision=torch.as_tensor(P, dtype=dtype),
-            assignments=[torch.as_tensor(relabel[a]) for a in self.assign],
-            counts=torch.as_tensor(m),
+            assignments=[torch.as_tensor(a) for a in labels],
+            counts=torch.as_tensor(self.m[active]),
             objective=objective,
             seconds=seconds,
             lsa_seconds=self.lsa_seconds,
             rematches=self.rematches,
+            **extra,
         )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# empirical Bayes: moment estimates of the hyper-parameters from an assignment
+
+
+def _harmonic(J: int) -> float:
+    return float(np.sum(1.0 / np.arange(1, J + 1)))
+
+
+class _EmpiricalBayes:
+    """Starting values and moment estimates (module docstring, *Empirical Bayes*) of the hyper-parameters that are
+    not given; ``values`` dicts hold ``mu0`` ((D,) array), ``sigma0_2``, ``sigma2``, ``gamma0`` and ``r`` ((J,)
+    client noise scales sigma2 / sigma2_j, all 1 with shared noise)."""
+
+    def __init__(self, matcher: _LayerMatcher, given: Mapping[str, float], mu0: np.ndarray, mu0_free: np.ndarray,
+                 noise: str, start: Mapping[str, object]):
+        self.mt = mt = matcher
+        self.given = dict(given)
+        self.mu0_free = mu0_free
+        self.per_client = noise == "per-client"
+        names = [n for n in _NAMES if n != "mu0" and n not in given]
+        self.estimated = (("mu0",) if mu0_free.any() else ()) + tuple(names)
+        self.notes: list[str] = []
+        J, A, B = mt.J, mt.A, mt.B
+        self.H_J = _harmonic(J)
+        self.ones = np.ones(J)
+        # pooled moments of all the neurons (entries with s_jd > 0): the data-driven start and the scale of the floor
+        N = int(mt.offsets[-1])
+        total = np.zeros(mt.D)
+        count = np.zeros(mt.D)
+        total[A] = sum(v.sum(axis=0) for v in mt.vA)
+        count[A] = N
+        for j in range(J):
+            seen = mt.sB[j] > 0
+            total[B] += np.where(seen, mt.vB[j].sum(axis=0), 0.0)
+            count[B] += seen * mt.L[j]
+        self.silent = np.flatnonzero(count == 0)  # coordinates no client has data on
+        mean = np.divide(total, count, out=np.zeros(mt.D), where=count > 0)
+        ss = sum(float(((v - mean[A]) ** 2).sum()) for v in mt.vA)
+        for j in range(J):
+            ss += float(((mt.vB[j] - mean[B]) ** 2 * (mt.sB[j] > 0)).sum())
+        dof = float(np.maximum(count - 1, 0).sum())
+        T = ss / dof if dof > 0 else 0.0
+        if not T > 0:
+            self.note("the neurons have no spread (pooled variance 0): the start uses sigma2 = sigma0_2 = 1")
+            T = 2.0
+        self.pooled_variance = T
+        if self.silent.size:
+            self.note(f"{self.silent.size} coordinate(s) with precision 0 at every client (first: "
+                      f"{int(self.silent[0])}) carry no data: skipped; mu0 there keeps its starting value")
+        empty = [j for j in range(J) if mt.L[j] == 0]
+        if empty:
+            self.note(f"client(s) {empty} hold no neurons: counted in J (H_J), nowhere else")
+        default = dict(mu0=mean, sigma0_2=T / 2, sigma2=T / 2, gamma0=N / J)
+        start_mu0 = start.get("mu0", default["mu0"])
+        self.start = dict(
+            mu0=np.where(mu0_free, start_mu0, mu0),
+            **{n: given[n] if n in given else start.get(n, default[n]) for n in ("sigma0_2", "sigma2", "gamma0")},
+        )
+        if self.per_client:
+            s2j = start.get("sigma2_per_client")
+            if s2j is None:
+                self.start["r"] = self.ones.copy()
+            else:
+                self.start["r"] = self._harmonic_level(s2j, np.maximum(np.array(mt.L, dtype=float), 1e-300)) / s2j
+        else:
+            self.start["r"] = self.ones
+
+    def note(self, message: str) -> None:
+        if message not in self.notes:
+            self.notes.append(message)
+
+    @staticmethod
+    def _harmonic_level(sigma2_j: np.ndarray, weights: np.ndarray) -> float:
+        """The sigma2 whose precision is the weighted mean of the 1 / sigma2_j."""
+        return float(weights.sum() / (weights / sigma2_j).sum())
+
+    def _moments(self, labels: list[np.ndarray], L: int, r: np.ndarray):
+        """Per-atom weights W and weighted means xbar (block A: W one number per atom, as s = 1 there), and each
+        client's residual sum of squares ``num_j`` and its degrees of freedom ``den_j`` (E[num_j] = sigma2_j den_j)."""
+        mt = self.mt
+        J, A, B = mt.J, mt.A, mt.B
+        WA = np.zeros(L)
+        SA = np.zeros((L, len(A)))
+        WB = np.zeros((L, len(B)))
+        SB = np.zeros((L, len(B)))
+        qB = [mt.sB[j] * r[j] for j in range(J)]
+        for j in range(J):
+            a = labels[j]
+            if a.size:  # labels are distinct within a client: no repeated index in these updates
+                WA[a] += r[j]
+                SA[a] += r[j] * mt.vA[j]
+                if len(B):
+                    WB[a] += qB[j]
+                    SB[a] += qB[j] * mt.vB[j]
+        xbarA = SA / WA[:, None]
+        xbarB = np.divide(SB, WB, out=np.zeros_like(SB), where=WB > 0)
+        num, den = np.zeros(J), np.zeros(J)
+        for j in range(J):
+            a = labels[j]
+            if not a.size:
+                continue
+            res = mt.vA[j] - xbarA[a]
+            num[j] = float(np.einsum("ld,ld->", res, res))
+            den[j] = len(A) * float((1.0 - r[j] / WA[a]).sum())
+            if len(B):
+                seen = mt.sB[j] > 0
+                num[j] += float((mt.sB[j] * (mt.vB[j] - xbarB[a]) ** 2).sum())
+                lev = np.divide(qB[j], WB[a], out=np.ones_like(WB[a]), where=WB[a] > 0)
+                den[j] += float(((1.0 - lev) * seen).sum())
+        return WA, xbarA, WB, xbarB, num, np.maximum(den, 0.0)  # 1 - r / W is 0 for a lone member, up to rounding
+
+    def update(self, current: dict) -> dict:
+        """The estimates at the matcher's current assignment; the current values where not estimable. With
+        per-client noise the sigma2_j are iterated to their fixed point at this assignment first."""
+        mt = self.mt
+        labels, L = mt.labels()
+        J, A, B = mt.J, mt.A, mt.B
+        r = current["r"]
+        WA, xbarA, WB, xbarB, num, den = self._moments(labels, L, r)
+        out = dict(current)
+        floor2 = SIGMA2_FLOOR * self.pooled_variance
+        # sigma2 (and sigma2_j)
+        if "sigma2" in self.estimated:
+            ok = den > 1e-9 * np.maximum(np.array(mt.L, dtype=float) * mt.D, 1.0)
+            if not ok.any():
+                self.note("sigma2 not estimable (no atom has two members: every neuron is alone): the previous "
+                          "value was kept")
+            elif self.per_client:
+                for _ in range(100):  # the weights depend on the sigma2_j: a contraction (by about 1 / m)
+                    s2j = np.maximum(num[ok] / den[ok], floor2)
+                    sigma2 = self._harmonic_level(s2j, den[ok])
+                    sigma2_j = np.full(J, sigma2)
+                    sigma2_j[ok] = s2j
+                    r_new = sigma2 / sigma2_j
+                    done = bool((np.abs(r_new - r) <= EB_RTOL * r).all())
+                    r = r_new
+                    WA, xbarA, WB, xbarB, num, den = self._moments(labels, L, r)
+                    if done:
+                        break
+                lonely = [j for j in range(J) if not ok[j] and mt.L[j] > 0]
+                if lonely:
+                    self.note(f"sigma2_j not estimable for client(s) {lonely} (no neuron on an atom shared with "
+                              "another client): the shared sigma2 was used for them")
+                out["sigma2"], out["r"] = sigma2, r
+            else:
+                sigma2 = float(num.sum() / den.sum())
+                if sigma2 < floor2:
+                    self.note(f"sigma2 floored at SIGMA2_FLOOR = {SIGMA2_FLOOR:g} times the pooled variance of the "
+                              "neurons (the members of every atom agree)")
+                    sigma2 = floor2
+                out["sigma2"] = sigma2
+        sigma2 = out["sigma2"]
+        # mu0: the mean of the atom means, per coordinate (atoms with data on it)
+        mu0 = current["mu0"].copy()
+        free = self.mu0_free
+        if free.any():
+            freeA, freeB = free[A], free[B]
+            mu0[A[freeA]] = xbarA[:, freeA].mean(axis=0)
+            if len(B):
+                held = WB > 0
+                nB = held.sum(axis=0)
+                meanB = np.divide((xbarB * held).sum(axis=0), nB, out=mu0[B].copy(), where=nB > 0)
+                mu0[B[freeB]] = meanB[freeB]
+            out["mu0"] = mu0
+        # sigma0_2: between-atom variance less the noise's share, k_d = L_d - 1 (mu0_d estimated) or L_d (given)
+        if "sigma0_2" in self.estimated:
+            freeA = free[A]
+            devA = ((xbarA - mu0[A]) ** 2).sum(axis=0)  # (|A|,)
+            kA = np.where(freeA, L - 1, L).astype(float)
+            between = float(devA.sum())
+            noise_share = float((kA / L).sum() * (1.0 / WA).sum())
+            k = float(kA.sum())
+            if len(B):
+                held = WB > 0
+                LB = held.sum(axis=0)
+                kB = np.maximum(np.where(free[B], LB - 1, LB), 0).astype(float)
+                between += float((((xbarB - mu0[B]) ** 2) * held).sum())
+                invW = np.divide(1.0, WB, out=np.zeros_like(WB), where=held).sum(axis=0)
+                noise_share += float((np.divide(kB, LB, out=np.zeros_like(kB), where=LB > 0) * invW).sum())
+                k += float(kB.sum())
+            if k <= 0:
+                self.note("sigma0_2 not estimable (fewer than two atoms carry data on every coordinate, and mu0 is "
+                          "estimated from them): the previous value was kept")
+            else:
+                sigma0_2 = (between - sigma2 * noise_share) / k
+                if sigma0_2 < SIGMA0_2_FLOOR * sigma2:
+                    self.note(f"sigma0_2 floored at SIGMA0_2_FLOOR * sigma2 (SIGMA0_2_FLOOR = {SIGMA0_2_FLOOR:g}): "
+                              "the atom means spread no more than the noise alone explains")
+                    sigma0_2 = SIGMA0_2_FLOOR * sigma2
+                out["sigma0_2"] = float(sigma0_2)
+        if "gamma0" in self.estimated:
+            out["gamma0"] = L / self.H_J
+        return out
+
+    def close(self, new: dict, old: dict) -> bool:
+        """Whether no estimate moved by more than EB_RTOL."""
+        for name in ("sigma0_2", "sigma2", "gamma0"):
+            if abs(new[name] - old[name]) > EB_RTOL * abs(old[name]):
+                return False
+        if np.abs(new["mu0"] - old["mu0"]).max(initial=0.0) > EB_RTOL * math.sqrt(new["sigma0_2"]):
+            return False
+        return bool((np.abs(new["r"] - old["r"]) <= EB_RTOL * np.abs(old["r"])).all())
+
+    def matcher_values(self, values: dict) -> dict:
+        return dict(sigma2=values["sigma2"], sigma0_2=values["sigma0_2"], gamma0=values["gamma0"], mu0=values["mu0"],
+                    client_scales=values["r"] if self.per_client else None)
+
+    def public(self, values: dict, dtype) -> dict:
+        out = dict(mu0=torch.as_tensor(values["mu0"], dtype=dtype), sigma0_2=float(values["sigma0_2"]),
+                   sigma2=float(values["sigma2"]), gamma0=float(values["gamma0"]))
+        if self.per_client:
+            out["sigma2_per_client"] = torch.as_tensor(values["sigma2"] / values["r"], dtype=torch.float64)
+        return out
 
 
 def _validate_labels(assignments, sizes: Sequence[int], name: str) -> list[np.ndarray]:
@@ -506,13 +916,10 @@ def _validate_labels(assignments, sizes: Sequence[int], name: str) -> list[np.nd
     return out
 
 
-def _make_matcher(neurons, *, sigma2, sigma0_2, gamma0, mu0, precisions, objective, popularity_factor,
-                  popularity_cap, max_atoms, new_atom_penalty):
+def _make_matcher(neurons, *, precisions, objective, popularity_factor, popularity_cap, max_atoms,
+                  new_atom_penalty) -> _LayerMatcher:
     arrays = _validate_neurons(neurons)
     D = arrays[0].shape[1]
-    sigma2 = check_positive(sigma2, "sigma2")
-    sigma0_2 = check_positive(sigma0_2, "sigma0_2")
-    gamma0 = check_positive(gamma0, "gamma0")
     popularity_factor = float(popularity_factor)
     if not math.isfinite(popularity_factor) or popularity_factor < 0:
         raise ValueError(f"popularity_factor must be a finite number >= 0, got {popularity_factor}")
@@ -525,23 +932,30 @@ def _make_matcher(neurons, *, sigma2, sigma0_2, gamma0, mu0, precisions, objecti
     if new_atom_penalty not in ("none", "log_k"):
         raise ValueError(f"new_atom_penalty must be 'none' or 'log_k', got {new_atom_penalty!r}")
     return _LayerMatcher(
-        arrays, _validate_precisions(precisions, [a.shape[0] for a in arrays], D), sigma2=sigma2, sigma0_2=sigma0_2,
-        gamma0=gamma0, mu0=_validate_mu0(mu0, D), popularity_factor=popularity_factor,
+        arrays, _validate_precisions(precisions, [a.shape[0] for a in arrays], D), popularity_factor=popularity_factor,
         popularity_cap=popularity_cap, max_atoms=max_atoms, new_atom_penalty=new_atom_penalty,
         marginal=objective == "marginal")
+
+
+def _result_dtype(neurons):
+    dtype = neurons[0].dtype if isinstance(neurons[0], Tensor) else torch.get_default_dtype()
+    return dtype if dtype.is_floating_point else torch.get_default_dtype()
 
 
 def match_layer(
     neurons,
     *,
-    sigma2: float,
-    sigma0_2: float,
-    gamma0: float,
-    mu0=0.0,
+    sigma2: float | None = None,
+    sigma0_2: float | None = None,
+    gamma0: float | None = None,
+    mu0=None,
     precisions=None,
-    sweeps: int = 5,
+    hyperparameters: Literal["empirical-bayes", "fixed"] = "empirical-bayes",
+    start: Mapping[str, object] | None = None,
+    noise: Literal["shared", "per-client"] = "shared",
+    sweeps: int | None = None,
     seed: int | None = None,
-    objective: Literal["map", "marginal"] = "map",
+    objective: Literal["map", "marginal"] | None = None,
     popularity_factor: float = 2.0,
     popularity_cap: int | None = None,
     max_atoms: int | None = None,
@@ -550,29 +964,43 @@ def match_layer(
     cross_products: Literal["auto", "direct", "gram"] = "auto",
     init_assignments=None,
 ) -> MatchResult:
-    """Match J clients' neurons to global atoms by MAP under the Beta-Bernoulli process (PFNM's server step).
+    """Match J clients' neurons to global atoms under the Beta-Bernoulli process (PFNM's server step), with the
+    hyper-parameters estimated from the neurons (empirical Bayes, the default) or given.
 
     Greedy pass over the clients (largest first) -- or, given ``init_assignments``, that assignment instead -- then
-    ``sweeps`` passes in a fresh random order, each removing a client and re-matching it with the Hungarian algorithm
-    given all the others. See the module docstring for the objective and the scores.
+    sweeps in a fresh random order, each removing a client and re-matching it with the Hungarian algorithm given all
+    the others. Under empirical Bayes the hyper-parameters that are not given are re-estimated from the assignment
+    after the first pass and after every sweep, until a sweep changes nothing. See the module docstring for the
+    objectives, the scores and the estimates.
 
-    Usage::
+    Usage: the neurons alone (here a layer drawn from the model with noise 0.01, prior variance 1 and IBP mass 20)
+    give back the model's hyper-parameters and its atoms::
 
         >>> from bnpfed.models import sample_federated_layer
         >>> layer = sample_federated_layer(10, 50, seed=0, gamma0=20.0, sigma2=0.01)
-        >>> hyper = dict(sigma2=0.01, sigma0_2=1.0, gamma0=20.0, objective="marginal", seed=0)
-        >>> result = match_layer(layer.neurons, **hyper)
+        >>> result = match_layer(layer.neurons, seed=0)
         >>> result.num_atoms, layer.num_atoms, tuple(result.global_atoms.shape)
         (49, 49, (49, 50))
-        >>> result.counts.sort().values.tolist() == layer.counts.sort().values.tolist()
-        True
-        >>> len(result.objective)                   # after the greedy pass and after each of the 5 sweeps
-        6
+        >>> {k: round(v, 2) for k, v in result.hyperparameters.items() if k != "mu0"}
+        {'sigma0_2': 1.0, 'sigma2': 0.01, 'gamma0': 16.73}
+        >>> result.converged, result.estimated, result.sweeps_run
+        (True, ('mu0', 'sigma0_2', 'sigma2', 'gamma0'), 2)
+
+    (gamma0 = L / H_J = 49 / 2.929: the IBP mass most likely to give the 49 atoms this draw has.) A value that is
+    given is held fixed, the others are still estimated; ``hyperparameters="fixed"`` estimates nothing (its defaults
+    are the published ones: the MAP objective, 5 sweeps, mu0 = 0)::
+
+        >>> match_layer(layer.neurons, gamma0=20.0, seed=0).estimated
+        ('mu0', 'sigma0_2', 'sigma2')
+        >>> fixed = dict(sigma2=0.01, sigma0_2=1.0, gamma0=20.0, hyperparameters="fixed", objective="marginal", seed=0)
+        >>> result = match_layer(layer.neurons, **fixed)
+        >>> result.num_atoms, len(result.objective)          # after the greedy pass and after each of the 5 sweeps
+        (49, 6)
 
     A communication round warm-starts from the previous round's assignment (any labels, distinct within a client);
     the sweeps then run from there, and ``objective[0]`` is the objective of that starting point::
 
-        >>> again = match_layer(layer.neurons, init_assignments=result.assignments, sweeps=2, **hyper)
+        >>> again = match_layer(layer.neurons, init_assignments=result.assignments, sweeps=2, **fixed)
         >>> math.isclose(again.objective[0], result.objective[-1], rel_tol=1e-9)
         True
         >>> all(bool((a == b).all()) for a, b in zip(again.assignments, result.assignments))
@@ -580,73 +1008,176 @@ def match_layer(
 
     :param neurons: sequence of J arrays or tensors of shape (L_j, D); L_j may differ, D may not. A client may have
         no neurons (shape (0, D), which the Beta-Bernoulli process gives with probability ``exp(-gamma0)``): it still
-        counts in J (in ``log(gamma0/J)`` and ``m/(J-m)``) and gets an empty assignment. At least one client must have
-        a neuron.
-    :param float sigma2: local noise variance.
-    :param float sigma0_2: prior variance of the atoms.
-    :param float gamma0: IBP mass.
-    :param mu0: prior mean of the atoms, scalar or (D,) (PFNM: 0 for weights, 0.1 for bias coordinates).
+        counts in J (in ``log(gamma0/J)``, ``m/(J-m)`` and H_J) and gets an empty assignment. At least one client must
+        have a neuron. They are all the estimates see: no data set is needed.
+    :param float sigma2: local noise variance; None (default): estimated (required with ``"fixed"``).
+    :param float sigma0_2: prior variance of the atoms; None: estimated (required with ``"fixed"``).
+    :param float gamma0: IBP mass; None: estimated (required with ``"fixed"``).
+    :param mu0: prior mean of the atoms, scalar or (D,) (PFNM: 0 for weights, 0.1 for bias coordinates). None:
+        estimated per coordinate under empirical Bayes, 0 with ``"fixed"``. Under empirical Bayes a (D,) vector may
+        hold NaN on the coordinates to estimate (the others are held fixed).
     :param precisions: optional per-client per-coordinate scales s_j >= 0, shape (J, D) or J vectors (D,); client
         j's noise variance on coordinate d is ``sigma2 / s_jd``. A zero marks a coordinate the client says nothing
         about (PFNM: the output weights of a class the client never saw); each client with neurons needs some
         s_jd > 0 (the row of a client without neurons is never used: any finite values >= 0).
-    :param int sweeps: remove-and-rematch passes after the greedy one.
+    :param str hyperparameters: ``"empirical-bayes"`` (default): estimate the hyper-parameters not given, with the
+        marginal objective; ``"fixed"``: use the given ones (sigma2, sigma0_2 and gamma0 required).
+    :param dict start: empirical Bayes: starting values of some estimated hyper-parameters (keys ``"mu0"``,
+        ``"sigma0_2"``, ``"sigma2"``, ``"gamma0"``, and ``"sigma2_per_client"`` with per-client noise); the others
+        start from the pooled moments of the neurons (module docstring). Only the first assignment depends on it.
+    :param str noise: ``"shared"`` (default): one sigma2; ``"per-client"`` (empirical Bayes, sigma2 not given): one
+        sigma2_j per client, estimated from its own within-atom residuals and entering as the scale
+        ``sigma2 / sigma2_j`` on its precision row, so that a noisier client counts for less.
+    :param int sweeps: remove-and-rematch passes after the first assignment: exactly this many (less any skipped at
+        a fixed point) with ``"fixed"``, default 5; at most this many under empirical Bayes, default 50.
     :param int seed: seed of the sweeps' client order.
-    :param str objective: ``"map"`` (published; atoms plugged in at their MAP values) or ``"marginal"`` (atoms
-        integrated out; Occam factor included).
+    :param str objective: ``"map"`` (published; atoms plugged in at their MAP values; the default with ``"fixed"``)
+        or ``"marginal"`` (atoms integrated out; Occam factor included; the default and the only choice under
+        empirical Bayes, as only it is a likelihood of the variances).
     :param float popularity_factor: factor c on the IBP popularity term ``log(m/(J-m))``; 2 makes the objective twice
         the log density (consistent with the Gaussian part); the published code used 1.
     :param int popularity_cap: cap m at this value inside the popularity term (published: 10; default: no cap).
     :param int max_atoms: at most this many atoms in total, at least one new one per client (published: 700).
     :param str new_atom_penalty: ``"log_k"`` subtracts 2 log k from the k-th new atom of a client (published);
         ``"none"`` (default) keeps the scores the exact conditionals of the objective.
-    :param bool stop_at_fixed_point: skip the remaining sweeps once a whole sweep changed no client's assignment
-        (the state is then a fixed point of every re-match, so the result is the same; ``objective`` repeats its last
-        value for the skipped sweeps and ``rematches`` shows how many were run).
+    :param bool stop_at_fixed_point: skip the remaining sweeps once a whole sweep changed no client's assignment (and,
+        under empirical Bayes, no estimate): the state is then a fixed point of every re-match, so the result is the
+        same. With ``"fixed"``, ``objective`` repeats its last value for the skipped sweeps; ``rematches`` and
+        ``sweeps_run`` show how many were run.
     :param str cross_products: how a re-match gets the products of a client's neurons with every atom:
         ``"direct"``, one (L_j, D) x (D, L) matrix product; ``"gram"``, from the (N, N) Gram matrix of all N neurons,
-        computed once after the greedy pass (a gather and a sum per atom per re-match); ``"auto"`` (default) takes the
-        Gram matrix when the sweeps' products would cost more than it (``sweeps * L > N`` after the greedy pass, a
-        wide layer) and it fits in 512 MiB. Same scores up to rounding.
+        computed once after the first assignment (a gather and a sum per atom per re-match); ``"auto"`` (default)
+        takes the Gram matrix when it fits in 512 MiB and the sweeps' products would cost more than it: with
+        ``"fixed"`` decided after the greedy pass (``sweeps * L > N``, a wide layer), under empirical Bayes, where
+        ``sweeps`` is only a limit, once the sweeps run so far have cost as much (``k * L > N`` after sweep k). Same
+        scores up to rounding.
     :param init_assignments: optional starting point replacing the greedy pass: J integer arrays or tensors, the
         j-th of length L_j (empty for a client without neurons), ``init_assignments[j][l]`` the atom of client j's
         l-th neuron. Labels may take any values (they are compacted internally) but must be distinct within a client.
-        Default None: the greedy pass. The sweeps only ever raise the objective from there (with ``max_atoms`` off),
-        so the result is at least as good as the starting point; ``max_atoms`` limits only the atoms the sweeps open.
-    :returns: :class:`MatchResult`.
+        Default None: the greedy pass. With the hyper-parameters fixed the sweeps only ever raise the objective from
+        there (with ``max_atoms`` off), so the result is at least as good as the starting point; ``max_atoms`` limits
+        only the atoms the sweeps open.
+    :returns: :class:`MatchResult`, with the hyper-parameters used (``hyperparameters``, their history, what was
+        estimated, whether the estimation converged, and notes on its fallbacks).
     """
     t0 = time.perf_counter()
+    mode = check_choice(hyperparameters, ("empirical-bayes", "fixed"), "hyperparameters")
+    noise = check_choice(noise, ("shared", "per-client"), "noise")
     if cross_products not in ("auto", "direct", "gram"):
         raise ValueError(f"cross_products must be 'auto', 'direct' or 'gram', got {cross_products!r}")
-    if int(sweeps) != sweeps or sweeps < 0:
-        raise ValueError(f"sweeps must be an integer >= 0, got {sweeps}")
-    matcher = _make_matcher(neurons, sigma2=sigma2, sigma0_2=sigma0_2, gamma0=gamma0, mu0=mu0, precisions=precisions,
-                            objective=objective, popularity_factor=popularity_factor, popularity_cap=popularity_cap,
-                            max_atoms=max_atoms, new_atom_penalty=new_atom_penalty)
-    if init_assignments is None:
+    eb = mode == "empirical-bayes"
+    if objective is None:
+        objective = "marginal" if eb else "map"
+    if eb and objective == "map":
+        raise ValueError("objective: expected 'marginal' with hyperparameters='empirical-bayes', got 'map': the MAP "
+                         "objective drops the atoms' normalising constants L D log(2 pi sigma0_2), so it is no "
+                         "likelihood of sigma0_2 and sigma2 to estimate them by (and its over-splitting at the true "
+                         "noise would feed back into the estimates); use hyperparameters='fixed' for it")
+    sweeps = (50 if eb else 5) if sweeps is None else check_int(sweeps, "sweeps", low=0)
+    matcher = _make_matcher(neurons, precisions=precisions, objective=objective, popularity_factor=popularity_factor,
+                            popularity_cap=popularity_cap, max_atoms=max_atoms, new_atom_penalty=new_atom_penalty)
+    given = {name: check_positive(value, name) for name, value in
+             (("sigma0_2", sigma0_2), ("sigma2", sigma2), ("gamma0", gamma0)) if value is not None}
+    init = None if init_assignments is None else _validate_labels(init_assignments, matcher.L, "init_assignments")
+    dtype = _result_dtype(neurons)
+    if eb:
+        return _match_empirical_bayes(matcher, given, mu0, noise, start, init, sweeps=sweeps, seed=seed,
+                                      stop_at_fixed_point=stop_at_fixed_point, cross_products=cross_products,
+                                      dtype=dtype, t0=t0)
+    for name in ("sigma2", "sigma0_2", "gamma0"):
+        if name not in given:
+            raise ValueError(f"{name}: expected a positive finite number with hyperparameters='fixed' (nothing is "
+                             f"estimated), got None; pass {name}=... or use hyperparameters='empirical-bayes'")
+    if noise != "shared":
+        raise ValueError("noise: expected 'shared' with hyperparameters='fixed', got 'per-client': per-client noise "
+                         "is estimated (hyperparameters='empirical-bayes')")
+    if start is not None:
+        raise ValueError(f"start: expected None with hyperparameters='fixed' (nothing is estimated), got {start!r}")
+    mu0 = _validate_mu0(0.0 if mu0 is None else mu0, matcher.D)
+    matcher.set_hyperparameters(**given, mu0=mu0)
+    if init is None:
         for j in np.argsort(-np.array(matcher.L), kind="stable"):
             matcher.match(int(j))
     else:
-        matcher.start_from(_validate_labels(init_assignments, matcher.L, "init_assignments"))
+        matcher.start_from(init)
     history = [matcher.objective()]
     N, L = int(matcher.offsets[-1]), int((matcher.m[: matcher.n_rows] > 0).sum())
     wide = sweeps > 0 and sweeps * L > N and N * N * 8 <= 512 * 2 ** 20
     if cross_products == "gram" or (cross_products == "auto" and wide):
         matcher.use_gram()
     rng = np.random.default_rng(seed)
-    for _ in range(int(sweeps)):
-        changed = False
-        for j in rng.permutation(matcher.J):
-            changed |= matcher.match(int(j), rematch=True)
+    run = 0
+    for _ in range(sweeps):
+        changed = matcher.sweep(rng)
+        run += 1
         history.append(matcher.objective())
         if not changed and stop_at_fixed_point:
             # every client's re-match returned its own assignment: any further sweep, in any order, does the same
-            history.extend([history[-1]] * (int(sweeps) + 1 - len(history)))
+            history.extend([history[-1]] * (sweeps + 1 - len(history)))
             break
-    dtype = neurons[0].dtype if isinstance(neurons[0], Tensor) else torch.get_default_dtype()
-    if not dtype.is_floating_point:
-        dtype = torch.get_default_dtype()
-    return matcher.result(history, time.perf_counter() - t0, dtype)
+    values = dict(mu0=torch.as_tensor(mu0, dtype=dtype), **{n: given[n] for n in ("sigma0_2", "sigma2", "gamma0")})
+    return matcher.result(history, time.perf_counter() - t0, dtype, hyperparameters=values,
+                          hyperparameter_history=[dict(values) for _ in history], converged=True, estimated=(),
+                          notes=[], sweeps_run=run)
+
+
+def _match_empirical_bayes(matcher: _LayerMatcher, given: dict, mu0, noise: str, start, init, *, sweeps: int, seed,
+                           stop_at_fixed_point: bool, cross_products: str, dtype, t0: float) -> MatchResult:
+    """:func:`match_layer` under empirical Bayes: first assignment at the starting values, then sweeps alternating
+    with re-estimates until neither changes."""
+    D = matcher.D
+    if noise == "per-client" and "sigma2" in given:
+        raise ValueError(f"sigma2: expected None with noise='per-client' (it is estimated per client), got "
+                         f"{given['sigma2']}")
+    if mu0 is None:
+        mu0v = np.full(D, np.nan)
+    else:
+        mu0v = _validate_mu0(mu0, D, estimable=True)
+    mu0_free = np.isnan(mu0v)
+    start = _validate_start(start, {**given, **({"mu0": mu0} if not mu0_free.any() else {})}, D, matcher.J, noise)
+    if noise == "per-client" and "sigma2" in start and "sigma2_per_client" in start:
+        raise ValueError("start: expected one of 'sigma2' and 'sigma2_per_client' with noise='per-client' (the "
+                         "second sets both), got both")
+    eb = _EmpiricalBayes(matcher, given, mu0v, mu0_free, noise, start)
+    current = eb.start
+    matcher.set_hyperparameters(**eb.matcher_values(current))
+    if init is None:
+        for j in np.argsort(-np.array(matcher.L), kind="stable"):
+            matcher.match(int(j))
+    else:
+        matcher.start_from(init)
+    objective = [matcher.objective()]
+    current = eb.update(current)
+    history = [eb.public(current, dtype)]
+    N = int(matcher.offsets[-1])
+    fits = N * N * 8 <= 512 * 2 ** 20
+    if cross_products == "gram":
+        matcher.use_gram()
+    rng = np.random.default_rng(seed)
+    converged, run = False, 0
+    for k in range(1, sweeps + 1):
+        matcher.set_hyperparameters(**eb.matcher_values(current))
+        changed = matcher.sweep(rng)
+        run = k
+        objective.append(matcher.objective())
+        new = eb.update(current)
+        history.append(eb.public(new, dtype))
+        converged = not changed and eb.close(new, current)
+        current = new
+        if converged and stop_at_fixed_point:
+            break
+        L = int((matcher.m[: matcher.n_rows] > 0).sum())
+        if cross_products == "auto" and matcher.gram is None and fits and k * L > N:
+            matcher.use_gram()
+    if not converged and sweeps:
+        eb.note(f"not converged: the assignment or the estimates still changed at sweep {sweeps}, the limit "
+                "(raise sweeps)")
+    elif not sweeps:
+        eb.note("not converged: no sweep was run (sweeps=0); the estimates are those of the first assignment")
+    matcher.set_hyperparameters(**eb.matcher_values(current))  # the atoms' posterior at the final values
+    return matcher.result(objective, time.perf_counter() - t0, dtype, hyperparameters=history[-1],
+                          hyperparameter_history=history, converged=converged, estimated=eb.estimated,
+                          notes=list(eb.notes), sweeps_run=run)
 
 
 def assignment_objective(
@@ -662,13 +1193,15 @@ def assignment_objective(
     popularity_factor: float = 2.0,
     popularity_cap: int | None = None,
 ) -> float:
-    """The objective F (or F_marg) of :func:`match_layer` at a given assignment.
+    """The objective F (or F_marg) of :func:`match_layer` at a given assignment and given hyper-parameters.
 
     :param assignments: J integer arrays of length L_j: atom labels, distinct within a client (any labels; empty for
-        a client without neurons). The other parameters are those of :func:`match_layer`.
+        a client without neurons). The other parameters are those of :func:`match_layer` (its
+        ``MatchResult.hyperparameters`` can be passed as they are, with shared noise).
     """
-    matcher = _make_matcher(neurons, sigma2=sigma2, sigma0_2=sigma0_2, gamma0=gamma0, mu0=mu0, precisions=precisions,
-                            objective=objective, popularity_factor=popularity_factor, popularity_cap=popularity_cap,
-                            max_atoms=None, new_atom_penalty="none")
+    matcher = _make_matcher(neurons, precisions=precisions, objective=objective, popularity_factor=popularity_factor,
+                            popularity_cap=popularity_cap, max_atoms=None, new_atom_penalty="none")
+    matcher.set_hyperparameters(sigma2=check_positive(sigma2, "sigma2"), sigma0_2=check_positive(sigma0_2, "sigma0_2"),
+                                gamma0=check_positive(gamma0, "gamma0"), mu0=_validate_mu0(mu0, matcher.D))
     matcher.start_from(_validate_labels(assignments, matcher.L, "assignments"))
     return matcher.objective()
