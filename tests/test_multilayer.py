@@ -4,15 +4,20 @@ import numpy as np
 import pytest
 import torch
 
-from bnpfed.inference import assignment_objective
+from bnpfed.inference import assignment_objective, match_layer
 from bnpfed.inference.multilayer import linear_layers, match_networks, network_from_layers
-from bnpfed.models import mlp
+from bnpfed.models import mlp, sample_federated_layer
+
+
+def fixed(sigma2=0.3, sigma0_2=1.0, gamma0=2.0):
+    """Hyper-parameters given, the published way (the tests of the matching's arithmetic)."""
+    return dict(hyperparameters="fixed", sigma2=sigma2, sigma0_2=sigma0_2, gamma0=gamma0)
 
 
 def random_net(sizes, seed):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(o, i, generator=g, dtype=torch.float64) * 0.3, torch.randn(o, generator=g, dtype=torch.float64) * 0.1)
-            for i, o in zip(sizes[:-1], sizes[1:])]
+    return [(torch.randn(o, i, generator=g, dtype=torch.float64) * 0.3,
+             torch.randn(o, generator=g, dtype=torch.float64) * 0.1) for i, o in zip(sizes[:-1], sizes[1:])]
 
 
 def permute_hidden(layers, perms):
@@ -27,7 +32,7 @@ def permute_hidden(layers, perms):
 @pytest.mark.parametrize("direction", ["bottom-up", "top-down"])
 def test_global_network_carries_the_posterior_means_exactly(direction):
     nets = [random_net([6, 5, 4, 3], seed) for seed in range(3)]
-    r = match_networks(nets, np.ones((3, 3)), sigma2=0.5, sigma0_2=1.0, gamma0=1.0, seed=0, direction=direction)
+    r = match_networks(nets, np.ones((3, 3)), **fixed(sigma2=0.5, gamma0=1.0), seed=0, direction=direction)
     net = r.network()
     for (w, b), (w_net, b_net) in zip(r.layers, linear_layers(net)):
         assert torch.equal(w, w_net) and torch.equal(b, b_net)
@@ -41,8 +46,8 @@ def test_global_network_carries_the_posterior_means_exactly(direction):
 def test_one_hidden_layer_is_the_same_in_both_directions():
     nets = [random_net([8, 6, 3], seed) for seed in range(4)]
     counts = np.random.default_rng(0).integers(1, 20, size=(4, 3))
-    a = match_networks(nets, counts, sigma2=0.3, sigma0_2=1.0, gamma0=2.0, seed=1, direction="bottom-up")
-    b = match_networks(nets, counts, sigma2=0.3, sigma0_2=1.0, gamma0=2.0, seed=1, direction="top-down")
+    a = match_networks(nets, counts, **fixed(gamma0=2.0), seed=1, direction="bottom-up")
+    b = match_networks(nets, counts, **fixed(gamma0=2.0), seed=1, direction="top-down")
     for (wa, ba), (wb, bb) in zip(a.layers, b.layers):
         torch.testing.assert_close(wa, wb)
         torch.testing.assert_close(ba, bb)
@@ -55,7 +60,7 @@ def test_single_client_gets_its_own_network_shrunk_towards_the_prior(direction):
     of every class) on the output weights and biases."""
     sigma2, sigma0_2 = 0.2, 1.5
     net = random_net([5, 4, 3, 2], 0)
-    r = match_networks([net], None, sigma2=sigma2, sigma0_2=sigma0_2, gamma0=1.0, direction=direction)
+    r = match_networks([net], None, **fixed(sigma2=sigma2, sigma0_2=sigma0_2, gamma0=1.0), direction=direction)
 
     def shrink(x, mu):
         return (mu / sigma0_2 + x / sigma2) / (1 / sigma0_2 + 1 / sigma2)
@@ -70,11 +75,11 @@ def test_single_client_gets_its_own_network_shrunk_towards_the_prior(direction):
 def test_permuting_a_clients_hidden_neurons_changes_nothing():
     nets = [random_net([7, 5, 4, 3], seed) for seed in range(3)]
     counts = np.ones((3, 3))
-    base = match_networks(nets, counts, sigma2=0.3, sigma0_2=1.0, gamma0=1.0, seed=0)
+    base = match_networks(nets, counts, **fixed(gamma0=1.0), seed=0)
     g = torch.Generator().manual_seed(0)
     shuffled = list(nets)
     shuffled[1] = permute_hidden(nets[1], [torch.randperm(5, generator=g), torch.randperm(4, generator=g)])
-    other = match_networks(shuffled, counts, sigma2=0.3, sigma0_2=1.0, gamma0=1.0, seed=0)
+    other = match_networks(shuffled, counts, **fixed(gamma0=1.0), seed=0)
     assert other.hidden_sizes == base.hidden_sizes
     x = torch.randn(50, 7)
     torch.testing.assert_close(other.network()(x), base.network()(x), rtol=1e-5, atol=1e-5)
@@ -82,7 +87,7 @@ def test_permuting_a_clients_hidden_neurons_changes_nothing():
 
 def test_client_slice_is_the_global_neurons_a_client_was_matched_to():
     nets = [random_net([6, 5, 4, 3], seed) for seed in range(3)]
-    r = match_networks(nets, np.ones((3, 3)), sigma2=0.5, sigma0_2=1.0, gamma0=1.0, seed=0)
+    r = match_networks(nets, np.ones((3, 3)), **fixed(sigma2=0.5, gamma0=1.0), seed=0)
     for j in range(3):
         sl = r.client_slice(j)
         assert [w.shape for w, _ in sl] == [w.shape for w, _ in nets[j]]
@@ -97,7 +102,7 @@ def test_output_bias_is_the_class_share_weighted_posterior_mean():
     nets = [random_net([4, 3, 2], seed) for seed in range(2)]
     counts = np.array([[30.0, 0.0], [10.0, 5.0]])  # client 0 never saw class 1
     sigma2, sigma0_2 = 0.5, 2.0
-    r = match_networks(nets, counts, sigma2=sigma2, sigma0_2=sigma0_2, gamma0=1.0)
+    r = match_networks(nets, counts, **fixed(sigma2=sigma2, sigma0_2=sigma0_2, gamma0=1.0))
     shares = counts / counts.sum(0)
     b = np.stack([net[-1][1].numpy() for net in nets])
     expected = (0.1 / sigma0_2 + (shares * b).sum(0) / sigma2) / (1 / sigma0_2 + shares.sum(0) / sigma2)
@@ -111,8 +116,7 @@ def test_a_class_a_client_never_saw_does_not_pull_its_output_weights():
     net = random_net([4, 3, 2], 0)
     broken = [tuple(t.clone() for t in l) for l in net]
     broken[1][0][1] = 100.0
-    r = match_networks([net, broken], np.array([[1.0, 1.0], [1.0, 0.0]]), sigma2=0.01, sigma0_2=1.0, gamma0=1.0,
-                       seed=0)
+    r = match_networks([net, broken], np.array([[1.0, 1.0], [1.0, 0.0]]), **fixed(sigma2=0.01, gamma0=1.0), seed=0)
     # client 1 (broken) holds class 0 only: class 1's shares are (1, 0), so the 100s carry no weight
     assert r.hidden_sizes == [3]
     w_out = r.layers[1][0]
@@ -125,7 +129,7 @@ def test_mlp_modules_are_accepted_and_layers_round_trip():
     rebuilt = network_from_layers(layers)
     x = torch.randn(5, 10)
     torch.testing.assert_close(rebuilt(x), net(x))
-    r = match_networks([net, mlp(10, [4], 3)], None, sigma2=1.0, sigma0_2=1.0, gamma0=1.0)
+    r = match_networks([net, mlp(10, [4], 3)], None, **fixed(sigma2=1.0, gamma0=1.0))
     assert r.network()(x).shape == (5, 3)
 
 
@@ -146,7 +150,7 @@ def test_network_from_layers_is_the_models_mlp_with_the_given_weights():
 def test_class_shares_do_not_depend_on_the_scale_of_class_counts():
     nets = [random_net([5, 4, 2], seed) for seed in range(2)]
     counts = np.array([[30.0, 10.0], [10.0, 30.0]])
-    kw = dict(sigma2=0.3, sigma0_2=1.0, gamma0=1.0, seed=0)
+    kw = dict(**fixed(gamma0=1.0), seed=0)
     a = match_networks(nets, counts, **kw)
     b = match_networks(nets, counts / 1000, **kw)
     torch.testing.assert_close(b.class_shares, a.class_shares, rtol=1e-12, atol=0.0)
@@ -165,7 +169,7 @@ def test_class_shares_do_not_depend_on_the_scale_of_class_counts():
 def test_warm_start_from_a_previous_match_of_the_same_networks_returns_it(direction):
     nets = [random_net([7, 5, 4, 3], seed) for seed in range(3)]
     counts = np.array([[5, 1, 1], [1, 5, 1], [1, 1, 5]])
-    kw = dict(sigma2=0.3, sigma0_2=1.0, gamma0=2.0, direction=direction)
+    kw = dict(**fixed(gamma0=2.0), direction=direction)
     previous = match_networks(nets, counts, seed=0, **kw)
     again = match_networks(nets, counts, seed=1, sweeps=0, warm_start=previous, **kw)
     for c in range(2):
@@ -182,7 +186,7 @@ def test_warm_started_round_starts_every_layer_at_the_previous_assignment_and_on
     it."""
     nets = [random_net([7, 5, 4, 3], seed) for seed in range(3)]
     counts = np.ones((3, 3))
-    kw = dict(sigma2=0.3, sigma0_2=1.0, gamma0=2.0)
+    kw = fixed(gamma0=2.0)
     round1 = match_networks(nets, counts, seed=0, **kw)
     g = torch.Generator().manual_seed(0)
     trained = [[(w.double() + 0.05 * torch.randn(w.shape, generator=g, dtype=torch.float64),
@@ -214,9 +218,9 @@ def test_warm_started_round_starts_every_layer_at_the_previous_assignment_and_on
 )
 def test_bad_warm_start_raises_naming_the_layer_and_client(warm, match):
     nets = [random_net([7, 5, 4, 3], seed) for seed in range(3)]
-    previous = match_networks(nets, None, sigma2=0.3, sigma0_2=1.0, gamma0=2.0, seed=0)
+    previous = match_networks(nets, None, **fixed(gamma0=2.0), seed=0)
     with pytest.raises(ValueError, match=match):
-        match_networks(nets, None, sigma2=0.3, sigma0_2=1.0, gamma0=2.0, warm_start=warm(previous))
+        match_networks(nets, None, **fixed(gamma0=2.0), warm_start=warm(previous))
 
 
 @pytest.mark.parametrize(
@@ -237,3 +241,128 @@ def test_bad_warm_start_raises_naming_the_layer_and_client(warm, match):
 def test_bad_input_raises(nets, counts, kwargs, match):
     with pytest.raises(ValueError, match=match):
         match_networks(nets, counts, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# empirical Bayes, per hidden layer
+
+
+def networks_from_the_model(J, D_in, C, *, seed, shares=None, sigma2=0.01, sigma0_2=1.0, gamma0=15.0, bias_mu0=0.1):
+    """One-hidden-layer networks whose hidden neurons [W_in, b, W_out] are a layer drawn from the Beta-Bernoulli
+    model (prior mean 0 on the weights, ``bias_mu0`` on the bias; noise variance sigma2 / share_jk on client j's
+    output weights of class k, (J, C) ``shares`` default 1/J), and output biases N(0.2, 1)."""
+    mu0 = torch.zeros(D_in + 1 + C, dtype=torch.float64)
+    mu0[D_in] = bias_mu0
+    precisions = torch.ones(J, D_in + 1 + C, dtype=torch.float64)
+    precisions[:, D_in + 1:] = torch.full((J, C), 1 / J) if shares is None else torch.as_tensor(shares)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        layer = sample_federated_layer(J, D_in + 1 + C, seed=seed, gamma0=gamma0, sigma2=sigma2, sigma0_2=sigma0_2,
+                                       mu0=mu0, precisions=precisions)
+    finally:
+        torch.set_default_dtype(old)
+    g = torch.Generator().manual_seed(seed)
+    nets = [[(v[:, :D_in], v[:, D_in]), (v[:, D_in + 1:].T, 0.2 + torch.randn(C, generator=g, dtype=torch.float64))]
+            for v in layer.neurons]
+    return layer, nets
+
+
+def test_each_hidden_layer_estimates_its_own_hyperparameters_by_default():
+    nets = [random_net([12, 8, 6, 3], seed) for seed in range(4)]
+    r = match_networks(nets, None, seed=0)
+    assert len(r.hyperparameters) == 2
+    for c, (h, lr) in enumerate(zip(r.hyperparameters, r.layer_results)):
+        assert h == lr.hyperparameters
+        assert set(h) == {"mu0", "sigma0_2", "sigma2", "gamma0"}
+        assert lr.estimated == ("mu0", "sigma0_2", "sigma2", "gamma0")
+        assert h["mu0"].shape == (lr.global_atoms.shape[1],)
+        assert lr.hyperparameter_history[-1] == h
+    assert r.hyperparameters[0]["sigma2"] != r.hyperparameters[1]["sigma2"]
+
+
+def test_the_model_s_network_is_recovered_with_its_hyperparameters_from_the_weights_alone():
+    """Hidden neurons drawn from the model: the matched width is the number of atoms, and the estimates are the
+    model's (sigma2, sigma0_2 within 10 %)."""
+    layer, nets = networks_from_the_model(10, 40, 4, seed=0)
+    r = match_networks(nets, None, seed=0)
+    h = r.hyperparameters[0]
+    assert r.hidden_sizes == [layer.num_atoms]
+    assert h["sigma2"] == pytest.approx(0.01, rel=0.1)
+    assert h["sigma0_2"] == pytest.approx(1.0, rel=0.1)
+
+
+def test_a_scalar_fixes_a_hyperparameter_in_every_layer_and_a_list_gives_one_per_layer():
+    nets = [random_net([12, 8, 6, 3], seed) for seed in range(4)]
+    r = match_networks(nets, None, seed=0, sigma2=0.3, sigma0_2=[None, 2.0], gamma0=[1.5, None])
+    first, second = r.layer_results
+    assert [h["sigma2"] for h in r.hyperparameters] == [0.3, 0.3]
+    assert first.estimated == ("mu0", "sigma0_2") and second.estimated == ("mu0", "gamma0")
+    assert r.hyperparameters[1]["sigma0_2"] == 2.0 and r.hyperparameters[0]["gamma0"] == 1.5
+
+
+@pytest.mark.parametrize("direction", ["bottom-up", "top-down"])
+def test_mu0_and_bias_mu0_each_fix_their_own_coordinates(direction):
+    nets = [random_net([12, 8, 3], seed) for seed in range(4)]
+    weights_given = match_networks(nets, None, seed=0, mu0=0.0, direction=direction).hyperparameters[0]["mu0"]
+    bias_given = match_networks(nets, None, seed=0, bias_mu0=0.1, direction=direction).hyperparameters[0]["mu0"]
+    bias = 12  # the coordinates are [incoming weights (12), bias, output weights (3)]
+    weights = torch.ones(16, dtype=torch.bool)
+    weights[bias] = False
+    assert (weights_given[weights] == 0).all() and weights_given[bias] != 0
+    assert bias_given[bias].item() == pytest.approx(0.1) and (bias_given[weights] != 0).all()
+
+
+@pytest.mark.parametrize("noise", ["shared", "per-client"])
+def test_output_bias_uses_the_last_hidden_layer_s_final_estimates(noise):
+    counts = np.array([[30.0, 1.0, 5.0], [10.0, 5.0, 5.0], [1.0, 9.0, 5.0]] * 2)
+    layer, nets = networks_from_the_model(6, 20, 3, seed=1, shares=counts / counts.sum(0))
+    r = match_networks(nets, counts, seed=0, noise=noise)
+    h = r.hyperparameters[-1]
+    shares = counts / counts.sum(0)
+    if noise == "per-client":
+        noise_var = h["sigma2_per_client"].numpy()[:, None]
+    else:
+        noise_var = np.full((6, 1), h["sigma2"])
+    w = shares / noise_var
+    b = np.stack([net[-1][1].numpy() for net in nets])
+    mu = np.mean((w * b).sum(0) / w.sum(0))
+    assert r.output_bias_mu0 == pytest.approx(mu, rel=1e-9)
+    expected = (mu / h["sigma0_2"] + (w * b).sum(0)) / (1 / h["sigma0_2"] + w.sum(0))
+    np.testing.assert_allclose(r.layers[-1][1].numpy(), expected, rtol=1e-6)
+    given = match_networks(nets, counts, seed=0, noise=noise, bias_mu0=0.5)
+    assert given.output_bias_mu0 == 0.5
+
+
+def test_a_layer_fn_without_the_empirical_bayes_keywords_is_not_passed_them():
+    nets = [random_net([6, 5, 3], seed) for seed in range(3)]
+    seen = []
+
+    def strict(neurons, *, sigma2, sigma0_2, gamma0, mu0, precisions, sweeps, seed):
+        seen.append((sigma2, mu0))
+        return match_layer(neurons, sigma2=0.3, sigma0_2=1.0, gamma0=1.0, hyperparameters="fixed", seed=seed)
+
+    r = match_networks(nets, None, layer_fn=strict, seed=0)
+    assert seen and seen[0][0] is None and seen[0][1] is None  # nothing given: all estimated, as far as it knows
+    assert r.hyperparameters[0]["sigma2"] == 0.3
+
+
+def test_the_k_means_baseline_still_plugs_in():
+    from bnpfed.federated.baselines import kmeans_layer
+
+    nets = [random_net([6, 5, 3], seed) for seed in range(3)]
+    r = match_networks(nets, None, layer_fn=kmeans_layer(4), seed=0)
+    assert r.hidden_sizes == [4] and r.hyperparameters == [{}]
+    # no estimates from k-means: the output bias falls back to sigma2 = sigma0_2 = 1 and the estimated prior mean
+    b = np.stack([net[-1][1].numpy() for net in nets])
+    shares = np.full((3, 3), 1 / 3)
+    mu = np.mean((shares * b).sum(0))
+    np.testing.assert_allclose(r.layers[-1][1].numpy(), (mu + (shares * b).sum(0)) / 2, rtol=1e-6)
+
+
+def test_fixed_hyperparameters_need_sigma2_sigma0_2_and_gamma0():
+    nets = [random_net([6, 5, 3], seed) for seed in range(2)]
+    with pytest.raises(ValueError, match="sigma0_2: expected a positive finite number with hyperparameters='fixed'"):
+        match_networks(nets, None, hyperparameters="fixed", sigma2=0.3, gamma0=1.0)
+    with pytest.raises(ValueError, match="hyperparameters: expected one of"):
+        match_networks(nets, None, hyperparameters="estimated")

@@ -22,7 +22,18 @@ coordinates. For one hidden layer both orders give the same vectors ``[W_in, b, 
 
 The global network's weights are posterior means; the output bias is the class-share-weighted posterior mean of the
 clients' output biases, ``b_out_k = (bias_mu0/sigma0_2 + sum_j share_jk b_out_jk / sigma2) / (1/sigma0_2 +
-sum_j share_jk / sigma2)`` (sigma2, sigma0_2 of the last hidden layer; the reference's ``process_softmax_bias``).
+sum_j share_jk / sigma2)`` (the reference's ``process_softmax_bias``), with the last hidden layer's final sigma2 and
+sigma0_2, estimated or given (with per-client noise, client j's ``sigma2_j`` in place of sigma2).
+
+Hyper-parameters. By default (``hyperparameters="empirical-bayes"``) every hidden layer's matching estimates its own
+mu0 (per coordinate), sigma0_2, sigma2 and gamma0 from the clients' neurons (:func:`~bnpfed.inference.match_layer`);
+a scalar fixes that hyper-parameter in every layer, a list gives one value per hidden layer (None entries estimated
+there). ``mu0`` fixes the prior mean of the weight coordinates (incoming and output weights) and ``bias_mu0`` that of
+the bias coordinate, each on its own; what is not given is estimated per coordinate. The output bias is no coordinate
+of any neuron: its prior mean is ``bias_mu0`` when given, and otherwise the mean over the classes of the
+class-share-weighted mean of the clients' output biases (the same moment estimate as a layer's mu0, each class being
+one atom). ``hyperparameters="fixed"`` is the published way: sigma2, sigma0_2 and gamma0 required, ``mu0 = 0`` and
+``bias_mu0 = 0.1`` unless given.
 
 Communication rounds ("PFNM with communication" in the paper's experiments): in round r client j starts from its
 slice of round r-1's global network (:meth:`NetworkMatch.client_slice`), whose hidden-layer-c neurons are, in order,
@@ -32,6 +43,7 @@ from that assignment instead of the greedy pass, as the published code does, and
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Literal, Sequence
@@ -42,6 +54,7 @@ from torch import Tensor, nn
 
 from bnpfed.inference.matching import MatchResult, match_layer
 from bnpfed.models.networks import mlp
+from bnpfed.validation import check_choice
 
 __all__ = ["NetworkMatch", "match_networks", "linear_layers", "network_from_layers"]
 
@@ -101,6 +114,10 @@ class NetworkMatch:
     :param str direction: the order the layers were matched in, ``"bottom-up"`` or ``"top-down"``.
     :param float seconds: wall time of all the matching.
     :param Tensor class_shares: (J, C) ``share_jk = n_jk / sum_j' n_j'k`` (0 for a class nobody holds).
+    :param list hyperparameters: per hidden layer (bottom layer first), the ``hyperparameters`` of its
+        :class:`MatchResult` (mu0, sigma0_2, sigma2, gamma0: estimated or given); ``{}`` for a ``layer_fn`` whose
+        result carries none.
+    :param float output_bias_mu0: the prior mean the output bias was shrunk towards (given or estimated).
     """
 
     layers: list
@@ -109,6 +126,8 @@ class NetworkMatch:
     direction: str
     seconds: float = 0.0
     class_shares: Tensor | None = field(default=None, repr=False)
+    hyperparameters: list = field(default_factory=list)
+    output_bias_mu0: float | None = None
 
     @property
     def hidden_sizes(self) -> list[int]:
@@ -138,6 +157,15 @@ def _per_layer(value, K: int, name: str) -> list:
             raise ValueError(f"{name} must be a scalar or one value per hidden layer ({K}), got {len(value)}")
         return list(value)
     return [value] * K
+
+
+def _accepts(fn, name: str) -> bool:
+    """Whether ``fn`` takes a keyword argument ``name`` (by name or through ``**kwargs``)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 def _validate(client_layers, class_counts):
@@ -222,13 +250,15 @@ def match_networks(
     client_layers,
     class_counts=None,
     *,
-    sigma2=1.0,
-    sigma0_2=1.0,
-    gamma0=1.0,
-    mu0: float = 0.0,
-    bias_mu0: float = 0.1,
+    sigma2=None,
+    sigma0_2=None,
+    gamma0=None,
+    mu0=None,
+    bias_mu0=None,
+    hyperparameters: Literal["empirical-bayes", "fixed"] = "empirical-bayes",
+    noise: Literal["shared", "per-client"] = "shared",
     direction: Literal["bottom-up", "top-down"] = "bottom-up",
-    sweeps: int = 5,
+    sweeps: int | None = None,
     seed: int | None = None,
     warm_start: NetworkMatch | None = None,
     layer_fn=match_layer,
@@ -246,7 +276,8 @@ def match_networks(
         >>> perm = torch.tensor([2, 0, 1])
         >>> shuffled = [(net[0][0][perm], net[0][1][perm]), (net[1][0][:, perm], net[1][1])]
         >>> counts = [[10, 5], [5, 10]]                                               # (J, C) examples per class
-        >>> result = match_networks([net, shuffled], counts, sigma2=0.01, sigma0_2=1.0, gamma0=1.0, seed=0)
+        >>> fixed = dict(hyperparameters="fixed", sigma2=0.01, sigma0_2=1.0, gamma0=1.0)
+        >>> result = match_networks([net, shuffled], counts, seed=0, **fixed)
         >>> result.hidden_sizes
         [3]
         >>> torch.equal(result.assignments[0][1], result.assignments[0][0][perm])
@@ -254,12 +285,18 @@ def match_networks(
         >>> result.network()(torch.zeros(5, 4)).shape
         torch.Size([5, 2])
 
+    By default each hidden layer's hyper-parameters are estimated from the clients' weights (here the two copies
+    agree exactly, so the noise estimate is at its floor and sigma0_2 is the spread of the three neurons)::
+
+        >>> estimated = match_networks([net, shuffled], counts, seed=0)
+        >>> estimated.hidden_sizes, sorted(estimated.hyperparameters[0])
+        ([3], ['gamma0', 'mu0', 'sigma0_2', 'sigma2'])
+
     The next communication round starts every client from its slice of the global network; warm-started from this
     match, and with no sweeps, the round-2 matching returns the same assignment::
 
         >>> slices = [result.client_slice(j) for j in range(2)]
-        >>> again = match_networks(slices, counts, sigma2=0.01, sigma0_2=1.0, gamma0=1.0, seed=0, warm_start=result,
-        ...                        sweeps=0)
+        >>> again = match_networks(slices, counts, seed=0, warm_start=result, sweeps=0, **fixed)
         >>> all(torch.equal(a, b) for a, b in zip(again.assignments[0], result.assignments[0]))
         True
 
@@ -267,10 +304,18 @@ def match_networks(
         (weight (out, in), bias (out,)) pairs. Depths, input and output sizes must agree; widths may differ.
     :param class_counts: (J, C) number of training examples of each class at each client (any positive multiple
         works: only ``n_jk / sum_j' n_j'k`` is used); default: all ones.
-    :param sigma2: noise variance, ``sigma0_2`` prior variance, ``gamma0`` IBP mass: scalars, or one per hidden layer.
-    :param mu0: prior mean of the weights (reference 0); ``bias_mu0`` of the biases (reference 0.1).
+    :param sigma2: noise variance, ``sigma0_2`` prior variance, ``gamma0`` IBP mass: None (estimated per layer under
+        empirical Bayes; required with ``"fixed"``), a scalar (that value in every hidden layer), or one value per
+        hidden layer (None entries estimated in that layer).
+    :param mu0: prior mean of the weight coordinates (reference 0), ``bias_mu0`` of the bias coordinate and of the
+        output bias (reference 0.1): None (estimated per coordinate under empirical Bayes; 0 and 0.1 with
+        ``"fixed"``), a scalar, or one per hidden layer.
+    :param str hyperparameters: ``"empirical-bayes"`` (default) or ``"fixed"`` (see the module docstring and
+        :func:`~bnpfed.inference.match_layer`).
+    :param str noise: ``"shared"`` (default) or ``"per-client"`` (one sigma2_j per client and layer, estimated).
     :param direction: ``"bottom-up"`` (default) or ``"top-down"`` (the published order); see the module docstring.
-    :param int sweeps: remove-and-rematch passes per layer (see :func:`match_layer`).
+    :param int sweeps: remove-and-rematch passes per layer (see :func:`match_layer`; None: its default, 5 with
+        ``"fixed"``, at most 50 under empirical Bayes).
     :param int seed: seed of the sweeps' client order; layer c uses ``seed + c``.
     :param warm_start: optional :class:`NetworkMatch` of the same J clients with the same number of hidden layers,
         typically the previous communication round's, when every client's network is its
@@ -282,11 +327,16 @@ def match_networks(
     :param layer_fn: the one-layer matcher, :func:`match_layer` by default; any function with its signature
         returning an object with ``global_atoms``, ``assignments`` and ``num_atoms`` (a baseline such as k-means
         plugs in here and gets the same neuron vectors, re-indexing and output bias), or one such function per
-        hidden layer (a sequence, in layer order). It is passed ``init_assignments`` only when ``warm_start`` is
-        given.
-    :param matcher_kwargs: passed to ``layer_fn`` (``objective``, ``popularity_factor``, ...).
+        hidden layer (a sequence, in layer order). It is passed ``neurons``, ``sigma2``, ``sigma0_2``, ``gamma0``,
+        ``mu0`` (None, or a (D,) tensor with NaN on the coordinates to estimate), ``precisions``, ``sweeps``,
+        ``seed`` and ``matcher_kwargs``; ``hyperparameters`` and ``noise`` only if it takes them (by name or
+        ``**kwargs``), and ``init_assignments`` only when ``warm_start`` is given. If its result has no
+        ``hyperparameters`` (or they lack sigma2 / sigma0_2), the output bias uses the given ones, 1 where None.
+    :param matcher_kwargs: passed to ``layer_fn`` (``objective``, ``popularity_factor``, ``start``, ...).
     """
     t0 = time.perf_counter()
+    mode = check_choice(hyperparameters, ("empirical-bayes", "fixed"), "hyperparameters")
+    eb = mode == "empirical-bayes"
     layers, shares = _validate(client_layers, class_counts)
     init = _warm_start_assignments(warm_start, layers)
     if direction not in ("bottom-up", "top-down"):
@@ -298,8 +348,11 @@ def match_networks(
         layer_fns = list(layer_fn)
     else:
         raise ValueError(f"layer_fn: expected a one-layer matcher or one per hidden layer ({K}), got {layer_fn!r}")
-    sig, sig0, gam = (_per_layer(v, K, n) for v, n in ((sigma2, "sigma2"), (sigma0_2, "sigma0_2"),
-                                                         (gamma0, "gamma0")))
+    sig, sig0, gam, mus, bias_mus = (_per_layer(v, K, n) for v, n in (
+        (sigma2, "sigma2"), (sigma0_2, "sigma0_2"), (gamma0, "gamma0"), (mu0, "mu0"), (bias_mu0, "bias_mu0")))
+    if not eb:  # the published prior means
+        mus = [0.0 if m is None else m for m in mus]
+        bias_mus = [0.1 if m is None else m for m in bias_mus]
     D_in = layers[0][0][0].shape[1]
     C = layers[0][-1][0].shape[0]
     weights: list = [None] * (K + 1)
@@ -307,20 +360,28 @@ def match_networks(
     assignments: list = [None] * K
     results: list = [None] * K
 
-    def match(c: int, parts: list[list[Tensor]], part_mu0: list[float], output_part: int | None) -> MatchResult:
-        """Match layer c (0-based) from per-client blocks of coordinates; ``output_part`` indexes the block holding
-        output-layer weights (class-share precision)."""
+    def match(c: int, parts: list[list[Tensor]], kinds: list[str], output_part: int | None) -> MatchResult:
+        """Match layer c (0-based) from per-client blocks of coordinates, each block of weights (``"w"``) or the
+        bias (``"b"``); ``output_part`` indexes the block holding output-layer weights (class-share precision)."""
         neurons = [torch.cat(p, dim=1) for p in parts]
         widths = [p.shape[1] for p in parts[0]]
-        mu = torch.cat([torch.full((w,), m, dtype=torch.float64) for w, m in zip(widths, part_mu0)])
+        means = [mus[c] if kind == "w" else bias_mus[c] for kind in kinds]
+        mu = None
+        if any(m is not None for m in means):
+            mu = torch.cat([torch.full((w,), float("nan") if m is None else float(m), dtype=torch.float64)
+                            for w, m in zip(widths, means)])
         precisions = None
         if output_part is not None:
             start = sum(widths[:output_part])
             precisions = torch.ones(J, sum(widths), dtype=torch.float64)
             precisions[:, start:start + C] = shares
-        start = {} if init is None else {"init_assignments": init[c]}
-        r = layer_fns[c](neurons, sigma2=sig[c], sigma0_2=sig0[c], gamma0=gam[c], mu0=mu, precisions=precisions,
-                     sweeps=sweeps, seed=None if seed is None else seed + c, **start, **matcher_kwargs)
+        fn = layer_fns[c]
+        extra = {} if init is None else {"init_assignments": init[c]}
+        for name, value in (("hyperparameters", mode), ("noise", noise)):
+            if _accepts(fn, name):
+                extra[name] = value
+        r = fn(neurons, sigma2=sig[c], sigma0_2=sig0[c], gamma0=gam[c], mu0=mu, precisions=precisions, sweeps=sweeps,
+               seed=None if seed is None else seed + c, **extra, **matcher_kwargs)
         results[c] = r
         assignments[c] = r.assignments
         return r
@@ -332,7 +393,7 @@ def match_networks(
 
     if direction == "bottom-up":
         for c in range(K):
-            parts, mu = [], []
+            parts = []
             for j in range(J):
                 w, b = layers[j][c]
                 incoming = w if c == 0 else reindex(w, assignments[c - 1][j], weights[c - 1].shape[0])
@@ -340,8 +401,8 @@ def match_networks(
                 if c == K - 1:
                     block.append(layers[j][K][0].T)
                 parts.append(block)
-            mu = [mu0, bias_mu0] + ([mu0] if c == K - 1 else [])
-            r = match(c, parts, mu, 2 if c == K - 1 else None)
+            kinds = ["w", "b"] + (["w"] if c == K - 1 else [])
+            r = match(c, parts, kinds, 2 if c == K - 1 else None)
             atoms = r.global_atoms.to(torch.float64)
             n_in = parts[0][0].shape[1]
             weights[c], biases[c] = atoms[:, :n_in], atoms[:, n_in]
@@ -357,8 +418,8 @@ def match_networks(
                 w_up = layers[j][c + 1][0]
                 block.append(w_up.T if c == K - 1 else reindex(w_up.T, assignments[c + 1][j], biases[c + 1].shape[0]))
                 parts.append(block)
-            mu = ([mu0] if c == 0 else []) + [bias_mu0, mu0]
-            r = match(c, parts, mu, len(parts[0]) - 1 if c == K - 1 else None)
+            kinds = (["w"] if c == 0 else []) + ["b", "w"]
+            r = match(c, parts, kinds, len(parts[0]) - 1 if c == K - 1 else None)
             atoms = r.global_atoms.to(torch.float64)
             n_in = D_in if c == 0 else 0
             if c == 0:
@@ -366,9 +427,23 @@ def match_networks(
             biases[c] = atoms[:, n_in]
             weights[c + 1] = atoms[:, n_in + 1:].T  # the layer above's incoming weights
     # output bias: posterior mean under N(bias_mu0, sigma0_2) with client j's bias seen at precision share_jk / sigma2
+    # (sigma2_j with per-client noise), sigma2 and sigma0_2 those of the last hidden layer
+    per_layer = [dict(getattr(r, "hyperparameters", None) or {}) for r in results]
+    last = per_layer[-1]
+    s2 = last.get("sigma2", sig[-1] if sig[-1] is not None else 1.0)
+    s02 = last.get("sigma0_2", sig0[-1] if sig0[-1] is not None else 1.0)
     b_out = torch.stack([layers[j][K][1] for j in range(J)])
-    precision = 1.0 / sig0[-1] + shares.sum(0) / sig[-1]
-    biases[K] = (bias_mu0 / sig0[-1] + (shares * b_out).sum(0) / sig[-1]) / precision
+    if "sigma2_per_client" in last:
+        w = shares / torch.as_tensor(last["sigma2_per_client"], dtype=torch.float64)[:, None]
+        weighted, precision = (w * b_out).sum(0), w.sum(0)  # sum_j share_jk b_jk / sigma2_j, sum_j share_jk / sigma2_j
+    else:
+        weighted, precision = (shares * b_out).sum(0) / s2, shares.sum(0) / s2
+    if bias_mus[-1] is not None:
+        b_mu0 = float(bias_mus[-1])
+    else:  # the mean over the classes of each class's precision-weighted mean of the clients' biases
+        held = precision > 0
+        b_mu0 = float((weighted[held] / precision[held]).mean())
+    biases[K] = (b_mu0 / s02 + weighted) / (1.0 / s02 + precision)
     dtype = torch.get_default_dtype()
     return NetworkMatch(
         layers=[(w.to(dtype), b.to(dtype)) for w, b in zip(weights, biases)],
@@ -377,4 +452,6 @@ def match_networks(
         direction=direction,
         seconds=time.perf_counter() - t0,
         class_shares=shares,
+        hyperparameters=per_layer,
+        output_bias_mu0=b_mu0,
     )
