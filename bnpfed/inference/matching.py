@@ -802,7 +802,8 @@ class _EmpiricalBayes:
             ok = den > 1e-9 * np.maximum(np.array(mt.L, dtype=float) * mt.D, 1.0)
             if not ok.any():
                 self.note("sigma2 not estimable (no atom has two members: every neuron is alone): the previous "
-                          "value was kept")
+                          "value was kept (a start far below the noise can stay there; the data-driven start does "
+                          "not)")
             elif self.per_client:
                 for _ in range(100):  # the weights depend on the sigma2_j: a contraction (by about 1 / m)
                     s2j = np.maximum(num[ok] / den[ok], floor2)

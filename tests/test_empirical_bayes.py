@@ -1,0 +1,467 @@
+"""Empirical-Bayes matching: hyper-parameters estimated from the clients' neurons alone, checked against the model
+they were drawn from, against the moment formulas written out independently here, and for invariance.
+
+The layers come from the Beta-Bernoulli model (:func:`bnpfed.models.sample_federated_layer`) with prior mean 0 on the
+weight coordinates and 0.1 on one bias coordinate, sigma0_2 = 1, sigma2 = 0.01 and gamma0 = 40: noise well below
+the prior's spread (sigma2 / sigma0_2 = 0.01), so that neurons of one atom are far closer to each other than to any
+other atom and the assignment is identifiable, and enough atoms (gamma0 H_J, about 120 at J = 10 and 150 at J = 25)
+that gamma0 = L / H_J is within 30 % of the truth for the draws (L is Poisson(gamma0 H_J): a sd of 8-9 %).
+"""
+
+import inspect
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy.optimize import linear_sum_assignment
+from sklearn.metrics import adjusted_rand_score
+
+from bnpfed.inference import REFERENCE_CONSTANTS, assignment_objective, match_layer
+from bnpfed.inference.matching import SIGMA0_2_FLOOR, SIGMA2_FLOOR
+from bnpfed.inference.multilayer import match_networks
+from bnpfed.models import sample_federated_layer
+
+TRUTH = dict(sigma0_2=1.0, sigma2=0.01, gamma0=40.0)
+
+
+def harmonic(J):
+    return sum(1.0 / j for j in range(1, J + 1))
+
+
+def true_mu0(D):
+    mu0 = torch.zeros(D)
+    mu0[-1] = 0.1  # the bias coordinate
+    return mu0
+
+
+def model_layer(J, D, seed, **overrides):
+    truth = {**TRUTH, **overrides}
+    return sample_federated_layer(J, D, seed=seed, mu0=true_mu0(D), **truth)
+
+
+def ari(layer, result):
+    return adjusted_rand_score(torch.cat(layer.assignments).numpy(), torch.cat(result.assignments).numpy())
+
+
+def same_atoms(a, b, tol):
+    """The rows of a and b are the same set of atoms (up to order) within tol."""
+    assert a.shape == b.shape
+    cost = torch.cdist(a.double(), b.double()).numpy()
+    rows, cols = linear_sum_assignment(cost)
+    return cost[rows, cols].max() <= tol
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# recovery
+
+
+@pytest.mark.parametrize("J, D", [(10, 50), (25, 50), (10, 200), (25, 200)])
+@pytest.mark.parametrize("off", [10.0, 0.1], ids=["10x above", "10x below"])
+def test_recovers_the_model_s_hyperparameters_and_atoms_from_a_start_ten_times_off(J, D, off):
+    layer = model_layer(J, D, seed=J + D)
+    start = {name: value * off for name, value in TRUTH.items()}
+    r = match_layer(layer.neurons, start=start, seed=0)
+    h = r.hyperparameters
+    assert r.converged and r.estimated == ("mu0", "sigma0_2", "sigma2", "gamma0")
+    assert h["sigma2"] == pytest.approx(TRUTH["sigma2"], rel=0.10)
+    assert h["sigma0_2"] == pytest.approx(TRUTH["sigma0_2"], rel=0.10)
+    assert h["gamma0"] == pytest.approx(TRUTH["gamma0"], rel=0.30)
+    assert ari(layer, r) >= 0.95
+    assert abs(r.num_atoms - layer.num_atoms) <= 0.05 * layer.num_atoms
+    # gamma0 is the maximiser of the IBP's probability of the L atoms found
+    assert h["gamma0"] == pytest.approx(r.num_atoms / harmonic(J), rel=1e-12)
+    # mu0: the mean of the atom means, which is the realised atoms' mean up to the noise, and the prior mean up to
+    # the atoms' spread (4.5 standard errors over D coordinates)
+    L = layer.num_atoms
+    realised = layer.atoms.mean(0)
+    assert (h["mu0"] - realised).abs().max() <= 4.5 * math.sqrt(TRUTH["sigma2"] / L)
+    assert (h["mu0"] - true_mu0(D)).abs().max() <= 4.5 * math.sqrt((TRUTH["sigma0_2"] + TRUTH["sigma2"]) / L)
+
+
+def test_the_data_driven_start_recovers_the_same_estimates():
+    layer = model_layer(10, 50, seed=60)
+    default = match_layer(layer.neurons, seed=0)
+    started = match_layer(layer.neurons, seed=0, start={n: 10 * v for n, v in TRUTH.items()})
+    assert default.converged and ari(layer, default) == 1.0
+    for name in ("sigma0_2", "sigma2", "gamma0"):
+        assert default.hyperparameters[name] == pytest.approx(started.hyperparameters[name], rel=1e-9)
+
+
+def test_given_hyperparameters_are_held_fixed_and_the_others_estimated():
+    layer = model_layer(10, 50, seed=1)
+    r = match_layer(layer.neurons, sigma0_2=2.0, gamma0=30.0, seed=0)
+    assert r.estimated == ("mu0", "sigma2")
+    assert r.hyperparameters["sigma0_2"] == 2.0 and r.hyperparameters["gamma0"] == 30.0
+    assert all(h["sigma0_2"] == 2.0 and h["gamma0"] == 30.0 for h in r.hyperparameter_history)
+    assert r.hyperparameters["sigma2"] == pytest.approx(TRUTH["sigma2"], rel=0.1)
+    # a (D,) mu0 with NaN entries: those coordinates estimated, the others held
+    mu0 = torch.full((50,), float("nan"))
+    mu0[-1] = 0.1
+    r = match_layer(layer.neurons, mu0=mu0, seed=0)
+    assert r.hyperparameters["mu0"][-1].item() == pytest.approx(0.1) and "mu0" in r.estimated
+    held = match_layer(layer.neurons, mu0=0.0, seed=0)
+    assert "mu0" not in held.estimated and (held.hyperparameters["mu0"] == 0).all()
+
+
+@pytest.mark.parametrize("J, D", [(10, 50), (16, 100)])
+def test_per_client_noise_is_recovered_and_a_noisier_client_counts_for_less(J, D):
+    """Half the clients with noise 0.01, half with 0.04 (the model's per-client precision scales 1 and 0.25)."""
+    noise = torch.tensor([0.01 if j % 2 == 0 else 0.04 for j in range(J)])
+    precisions = (TRUTH["sigma2"] / noise)[:, None].expand(J, D)
+    layer = sample_federated_layer(J, D, seed=D, mu0=true_mu0(D), precisions=list(precisions), **TRUTH)
+    r = match_layer(layer.neurons, noise="per-client", seed=0)
+    assert r.converged and ari(layer, r) >= 0.95
+    per_client = r.hyperparameters["sigma2_per_client"]
+    assert per_client.shape == (J,)
+    torch.testing.assert_close(per_client, noise.double(), rtol=0.1, atol=0.0)
+    # sigma2 is the noise level of the clients' average precision
+    assert 0.01 < r.hyperparameters["sigma2"] < 0.04
+    shared = match_layer(layer.neurons, seed=0)
+    assert shared.hyperparameters["sigma2"] == pytest.approx(float(noise.mean()), rel=0.15)
+    # the atoms lean towards the quiet clients: their posterior precision counts them 4 times as much
+    j_quiet, j_noisy = 0, 1
+    atom = next(int(a) for a in r.assignments[j_quiet] if int(a) in set(r.assignments[j_noisy].tolist()))
+    m = r.counts[atom].item()
+    quiet = sum(1 for j in range(0, J, 2) if atom in r.assignments[j].tolist())
+    tau = quiet / 0.01 + (m - quiet) / 0.04
+    assert r.posterior_precision[atom, 0].item() == pytest.approx(1 / r.hyperparameters["sigma0_2"] + tau, rel=0.1)
+
+
+def test_per_client_estimates_are_the_fixed_point_of_their_equations():
+    """sigma2_j = sum s (v - xbar)^2 / sum (1 - q / W) over client j's neurons on shared atoms, with xbar and W
+    weighted by q_j = 1 / sigma2_j: the estimates returned satisfy it (written out here independently)."""
+    J, D = 8, 30
+    noise = torch.tensor([0.01, 0.02, 0.04, 0.01, 0.02, 0.04, 0.01, 0.02])
+    layer = sample_federated_layer(J, D, seed=3, precisions=list((0.01 / noise)[:, None].expand(J, D)), **TRUTH)
+    r = match_layer(layer.neurons, noise="per-client", seed=0)
+    s2j = r.hyperparameters["sigma2_per_client"].numpy()
+    V = [v.double().numpy() for v in layer.neurons]
+    a = [x.numpy() for x in r.assignments]
+    L = r.num_atoms
+    W = np.zeros(L)
+    S = np.zeros((L, D))
+    for j in range(J):
+        W[a[j]] += 1 / s2j[j]
+        S[a[j]] += V[j] / s2j[j]
+    xbar = S / W[:, None]
+    for j in range(J):
+        num = ((V[j] - xbar[a[j]]) ** 2).sum()
+        den = D * (1 - (1 / s2j[j]) / W[a[j]]).sum()
+        assert s2j[j] == pytest.approx(num / den, rel=1e-5)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the estimates are the moment formulas (written out here from the issue's definitions)
+
+
+def moments_by_hand(neurons, assignments, precisions=None, *, mu0_given=None):
+    """W_id = sum s_jd, xbar_id = sum s_jd v_jd / W_id, n_id = #{s_jd > 0} over atom i's members; sigma2 =
+    sum s (v - xbar)^2 / sum (n_id - 1); mu0_d = mean_i xbar_id over atoms with W_id > 0; sigma0_2 = [sum_d sum_i
+    (xbar_id - mu0_d)^2 - sigma2 sum_d (k_d / L_d) sum_i 1/W_id] / sum_d k_d, k_d = L_d - 1 (L_d if mu0 is given)."""
+    J, D = len(neurons), neurons[0].shape[1]
+    s = np.ones((J, D)) if precisions is None else np.asarray(precisions, dtype=float)
+    labels = sorted({int(i) for a in assignments for i in a})
+    groups = {i: [] for i in labels}
+    for j, a in enumerate(assignments):
+        for l, i in enumerate(np.asarray(a).tolist()):
+            groups[i].append((j, l))
+    within = dof = 0.0
+    xbar = np.full((len(labels), D), np.nan)
+    inv_W = np.zeros((len(labels), D))
+    for k, i in enumerate(labels):
+        for d in range(D):
+            members = [(j, l) for j, l in groups[i] if s[j, d] > 0]
+            if not members:
+                continue
+            w = np.array([s[j, d] for j, _ in members])
+            v = np.array([float(neurons[j][l][d]) for j, l in members])
+            xbar[k, d] = (w * v).sum() / w.sum()
+            inv_W[k, d] = 1 / w.sum()
+            within += (w * (v - xbar[k, d]) ** 2).sum()
+            dof += len(members) - 1
+    sigma2 = within / dof
+    held = ~np.isnan(xbar)
+    L_d = held.sum(0)
+    mu0 = np.nanmean(np.where(held, xbar, np.nan), axis=0) if mu0_given is None else np.full(D, mu0_given)
+    k_d = L_d - 1 if mu0_given is None else L_d
+    between = np.nansum((xbar - mu0) ** 2)
+    sigma0_2 = (between - sigma2 * (k_d / L_d * inv_W.sum(0)).sum()) / k_d.sum()
+    return dict(mu0=mu0, sigma0_2=sigma0_2, sigma2=sigma2, gamma0=len(labels) / harmonic(J))
+
+
+def issue_formulas(neurons, assignments):
+    """The issue's formulas with all precisions 1 (S_id, Q_id sums of v and v^2, m_i members), 1/(L-1) in sigma0_2."""
+    V = np.concatenate([v.double().numpy() for v in neurons])
+    a = np.concatenate([np.asarray(x) for x in assignments])
+    L, D = a.max() + 1, V.shape[1]
+    m = np.bincount(a, minlength=L).astype(float)
+    S = np.zeros((L, D))
+    Q = np.zeros((L, D))
+    np.add.at(S, a, V)
+    np.add.at(Q, a, V ** 2)
+    mu0 = (S / m[:, None]).mean(0)
+    sigma2 = (Q - S ** 2 / m[:, None]).sum() / (D * (m.sum() - L))
+    sigma0_2 = (((S / m[:, None] - mu0) ** 2).sum(0) / (L - 1) - sigma2 * (1 / m).mean()).mean()
+    return dict(mu0=mu0, sigma0_2=sigma0_2, sigma2=sigma2, gamma0=L / harmonic(len(neurons)))
+
+
+def test_estimates_are_the_issue_s_formulas_at_the_returned_assignment():
+    layer = model_layer(10, 50, seed=2)
+    r = match_layer(layer.neurons, seed=0)
+    expected = issue_formulas(layer.neurons, r.assignments)
+    for name in ("sigma0_2", "sigma2", "gamma0"):
+        assert r.hyperparameters[name] == pytest.approx(expected[name], rel=1e-9)
+    np.testing.assert_allclose(r.hyperparameters["mu0"].double().numpy(), expected["mu0"], rtol=1e-6, atol=1e-7)
+
+
+def test_estimates_weight_by_precision_and_skip_zero_precision_entries():
+    """Class shares on the last 3 coordinates, with zeros (classes a client never saw)."""
+    J, D, C = 8, 24, 3
+    g = torch.Generator().manual_seed(0)
+    shares = torch.rand(J, C, generator=g) * (torch.rand(J, C, generator=g) > 0.3)
+    shares[0] = 0.5  # every class held by someone
+    shares = shares / shares.sum(0)
+    precisions = torch.ones(J, D)
+    precisions[:, -C:] = shares
+    layer = model_layer(J, D, seed=4, gamma0=10.0, precisions=list(precisions.clamp(min=1e-3)))
+    r = match_layer(layer.neurons, precisions=precisions, seed=0)
+    expected = moments_by_hand(layer.neurons, r.assignments, precisions)
+    for name in ("sigma0_2", "sigma2", "gamma0"):
+        assert r.hyperparameters[name] == pytest.approx(expected[name], rel=1e-9)
+    np.testing.assert_allclose(r.hyperparameters["mu0"].double().numpy(), expected["mu0"], rtol=1e-6, atol=1e-7)
+    # with mu0 given, sigma0_2 counts L_d degrees of freedom, not L_d - 1
+    given = match_layer(layer.neurons, precisions=precisions, mu0=0.05, seed=0)
+    expected = moments_by_hand(layer.neurons, given.assignments, precisions, mu0_given=0.05)
+    assert given.hyperparameters["sigma0_2"] == pytest.approx(expected["sigma0_2"], rel=1e-9)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# invariance
+
+
+def test_permuting_clients_and_their_neurons_changes_neither_estimates_nor_atoms():
+    layer = model_layer(12, 40, seed=5)
+    base = match_layer(layer.neurons, seed=0)
+    g = torch.Generator().manual_seed(1)
+    order = torch.randperm(12, generator=g).tolist()
+    shuffled = []
+    for j in order:
+        v = layer.neurons[j]
+        shuffled.append(v[torch.randperm(v.shape[0], generator=g)])
+    for seed in (0, 7):
+        r = match_layer(shuffled, seed=seed)
+        for name in ("sigma0_2", "sigma2", "gamma0"):
+            assert r.hyperparameters[name] == pytest.approx(base.hyperparameters[name], rel=1e-9)
+        torch.testing.assert_close(r.hyperparameters["mu0"], base.hyperparameters["mu0"], rtol=1e-6, atol=1e-7)
+        assert r.num_atoms == base.num_atoms
+        assert same_atoms(r.global_atoms, base.global_atoms, tol=1e-5)
+        assert sorted(r.counts.tolist()) == sorted(base.counts.tolist())
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the objective
+
+
+def test_with_the_estimates_held_fixed_every_sweep_raises_the_marginal_objective():
+    """Sweep k runs at the estimates E_{k-1} of the assignment Z_{k-1}: F_marg(Z_k; E_{k-1}) >= F_marg(Z_{k-1};
+    E_{k-1}). Z_{k-1} is the result of the same run stopped after k - 1 sweeps."""
+    layer = model_layer(10, 30, seed=6)
+    kw = dict(seed=3, cross_products="direct", start=dict(sigma2=0.001, sigma0_2=0.1, gamma0=4.0))
+    runs = [match_layer(layer.neurons, sweeps=k, **kw) for k in range(6)]
+    K = runs[-1].sweeps_run
+    assert K >= 3  # the start is far enough off for several sweeps to move
+    for k in range(1, K + 1):
+        before, after = runs[k - 1], runs[k]
+        values = before.hyperparameters
+        earlier = after.hyperparameter_history[k - 1]
+        assert all(earlier[n] == values[n] for n in ("sigma0_2", "sigma2", "gamma0"))
+        assert torch.equal(earlier["mu0"], values["mu0"])
+        fixed = dict(objective="marginal", **values)
+        F_before = assignment_objective(layer.neurons, before.assignments, **fixed)
+        F_after = assignment_objective(layer.neurons, after.assignments, **fixed)
+        assert F_after >= F_before - 1e-9 * abs(F_before)
+        assert after.objective[k] == pytest.approx(F_after, rel=1e-9)
+
+
+def test_nothing_to_estimate_is_the_fixed_marginal_matching():
+    layer = model_layer(8, 20, seed=7)
+    values = dict(mu0=true_mu0(20), **TRUTH)
+    eb = match_layer(layer.neurons, seed=0, **values)
+    fixed = match_layer(layer.neurons, seed=0, hyperparameters="fixed", objective="marginal", sweeps=50, **values)
+    assert eb.estimated == () and eb.converged
+    assert all(torch.equal(a, b) for a, b in zip(eb.assignments, fixed.assignments))
+    torch.testing.assert_close(eb.global_atoms, fixed.global_atoms)
+    assert (np.diff(eb.objective) >= -1e-9 * abs(eb.objective[0])).all()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# degenerate cases
+
+
+def test_every_neuron_alone_keeps_sigma2_at_its_previous_value():
+    v = torch.randn(6, 10, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    r = match_layer([v], start=dict(sigma2=0.05), seed=0)  # one client: every atom has one member
+    assert r.num_atoms == 6
+    assert r.hyperparameters["sigma2"] == 0.05
+    assert any("sigma2 not estimable" in n for n in r.notes)
+    assert r.hyperparameters["gamma0"] == 6.0  # L / H_1
+    xbar = v.numpy()
+    expected = ((xbar - xbar.mean(0)) ** 2).sum() / (10 * 5) - 0.05
+    assert r.hyperparameters["sigma0_2"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_one_atom_keeps_sigma0_2_at_its_previous_value():
+    g = torch.Generator().manual_seed(0)
+    centre = torch.randn(1, 20, generator=g, dtype=torch.float64)
+    neurons = [centre + 0.01 * torch.randn(1, 20, generator=g, dtype=torch.float64) for _ in range(5)]
+    r = match_layer(neurons, start=dict(sigma2=1e-4, sigma0_2=3.0), seed=0)
+    assert r.num_atoms == 1
+    assert r.hyperparameters["sigma0_2"] == 3.0
+    assert any("sigma0_2 not estimable" in n for n in r.notes)
+    assert r.hyperparameters["sigma2"] == pytest.approx(1e-4, rel=0.3)
+    torch.testing.assert_close(r.hyperparameters["mu0"], torch.cat(neurons).mean(0))
+    # with mu0 given, one atom is enough (its deviation from mu0)
+    given = match_layer(neurons, mu0=0.0, start=dict(sigma2=1e-4, sigma0_2=3.0), seed=0)
+    assert given.num_atoms == 1 and given.hyperparameters["sigma0_2"] != 3.0
+
+
+def test_a_coordinate_nobody_has_data_on_is_skipped():
+    layer = model_layer(8, 21, seed=8)
+    J = layer.num_clients
+    precisions = torch.ones(J, 21)
+    precisions[:, 20] = 0.0
+    noisy = [torch.cat([v[:, :20], 100 + 50 * torch.randn(v.shape[0], 1)], dim=1) for v in layer.neurons]
+    r = match_layer(noisy, precisions=precisions, start=dict(mu0=0.3), seed=0)
+    without = match_layer([v[:, :20] for v in layer.neurons], start=dict(mu0=0.3), seed=0)
+    assert any("precision 0 at every client" in n for n in r.notes)
+    for name in ("sigma0_2", "sigma2", "gamma0"):
+        assert r.hyperparameters[name] == pytest.approx(without.hyperparameters[name], rel=1e-9)
+    torch.testing.assert_close(r.hyperparameters["mu0"][:20], without.hyperparameters["mu0"])
+    assert r.hyperparameters["mu0"][20].item() == pytest.approx(0.3)
+    assert (r.global_atoms[:, 20] - 0.3).abs().max() < 1e-6  # the prior mean: no data there
+
+
+def test_clients_without_neurons_count_in_J_only():
+    layer = model_layer(8, 30, seed=9)
+    empty = torch.zeros(0, 30)
+    with_empty = list(layer.neurons[:4]) + [empty, empty] + list(layer.neurons[4:])
+    r = match_layer(with_empty, seed=0)
+    base = match_layer(layer.neurons, seed=0)
+    assert any("hold no neurons" in n for n in r.notes)
+    assert [a.numel() for a in r.assignments][4:6] == [0, 0]
+    assert r.num_atoms == base.num_atoms
+    assert r.hyperparameters["gamma0"] == pytest.approx(r.num_atoms / harmonic(10), rel=1e-12)
+    for name in ("sigma0_2", "sigma2"):
+        assert r.hyperparameters[name] == pytest.approx(base.hyperparameters[name], rel=1e-9)
+
+
+def test_atoms_closer_than_the_noise_floor_sigma0_2():
+    """Three atoms 0.001 apart under noise 0.01: the atom means spread less than the noise explains."""
+    g = torch.Generator().manual_seed(0)
+    atoms = 0.001 * torch.randn(3, 10, generator=g, dtype=torch.float64)
+    truth = [torch.tensor([0, 1, 2]) for _ in range(6)]
+    neurons = [atoms[a] + 0.1 * torch.randn(3, 10, generator=g, dtype=torch.float64) for a in truth]
+    r = match_layer(neurons, init_assignments=truth, sweeps=0)
+    h = r.hyperparameters
+    assert h["sigma0_2"] == pytest.approx(SIGMA0_2_FLOOR * h["sigma2"], rel=1e-12)
+    assert any("sigma0_2 floored" in n for n in r.notes)
+    assert not r.converged and any("no sweep" in n for n in r.notes)
+
+
+def test_identical_copies_floor_sigma2():
+    v = torch.randn(5, 30, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    r = match_layer([v, v[torch.tensor([3, 0, 4, 1, 2])], v], seed=0)
+    assert r.num_atoms == 5 and (r.counts == 3).all()
+    pooled = float(v.var(0, unbiased=False).mean()) * 15 / 14  # the pooled variance of the 15 neurons
+    assert r.hyperparameters["sigma2"] == pytest.approx(SIGMA2_FLOOR * pooled, rel=1e-6)
+    assert any("sigma2 floored" in n for n in r.notes)
+
+
+def test_the_sweep_limit_is_reported_not_raised():
+    layer = model_layer(10, 30, seed=10)
+    r = match_layer(layer.neurons, sweeps=1, seed=0, start=dict(sigma2=0.001, sigma0_2=0.1, gamma0=4.0))
+    assert not r.converged and r.sweeps_run == 1
+    assert len(r.hyperparameter_history) == len(r.objective) == 2
+    assert any("not converged" in n for n in r.notes)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the fixed path, the API
+
+
+def test_fixed_hyperparameters_give_the_previous_matcher_s_results():
+    """Pinned from the matcher before empirical Bayes (same layer, same seed)."""
+    layer = sample_federated_layer(8, 15, seed=3, gamma0=6.0, sigma2=0.2)
+    prec = torch.ones(8, 15)
+    prec[:, -3:] = torch.linspace(0.1, 1.0, 24).reshape(8, 3)
+    hyper = dict(sigma2=0.2, sigma0_2=1.0, gamma0=6.0, seed=0, hyperparameters="fixed")
+    r = match_layer(layer.neurons, **hyper)
+    assert r.objective == pytest.approx([2224.253816491416] + [2229.7738722643608] * 5, rel=1e-12)
+    assert r.counts.tolist() == [1, 1, 3, 1, 2, 1, 2, 1, 1, 1, 2, 1, 2, 3, 1, 1, 1, 2, 1, 1, 1, 1]
+    assert [a.tolist() for a in r.assignments[:2]] == [[18, 19, 4], [0, 1, 2, 3, 4]]
+    r = match_layer(layer.neurons, objective="marginal", precisions=prec, mu0=0.1, **hyper)
+    assert r.objective == pytest.approx([1532.3551679016095] * 6, rel=1e-12)
+    assert r.counts.tolist() == [5, 8, 3, 1, 7, 2, 1, 2, 1, 1]
+    r = match_layer(layer.neurons, sigma2=1.0, sigma0_2=1.0, gamma0=1.0, seed=0, **REFERENCE_CONSTANTS)
+    assert r.objective == pytest.approx([306.050371278563] + [306.1929287936495] * 5, rel=1e-12)
+    assert r.counts.tolist() == [5, 8, 3, 1, 7, 2, 2, 2, 1]
+    assert [a.tolist() for a in r.assignments[:2]] == [[1, 7, 4], [0, 1, 2, 8, 4]]
+    assert r.converged and r.estimated == () and r.notes == []
+    assert r.hyperparameters["sigma2"] == 1.0 and (r.hyperparameters["mu0"] == 0).all()
+    assert len(r.hyperparameter_history) == len(r.objective)
+
+
+def test_reference_constants_fix_the_hyperparameters_and_the_map_objective():
+    assert REFERENCE_CONSTANTS["hyperparameters"] == "fixed" and REFERENCE_CONSTANTS["objective"] == "map"
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(hyperparameters="fixed", sigma0_2=1.0, gamma0=1.0), "sigma2: expected a positive finite number with "
+                                                                   "hyperparameters='fixed'"),
+        (dict(hyperparameters="fixed", sigma2=1.0, sigma0_2=1.0), "gamma0: expected"),
+        (dict(objective="map"), "objective: expected 'marginal' with hyperparameters='empirical-bayes', got 'map': the"
+                                " MAP objective drops"),
+        (dict(hyperparameters="EB"), "hyperparameters: expected one of"),
+        (dict(noise="per-neuron"), "noise: expected one of"),
+        (dict(noise="per-client", sigma2=0.1), "sigma2: expected None with noise='per-client'"),
+        (dict(hyperparameters="fixed", sigma2=1.0, sigma0_2=1.0, gamma0=1.0, noise="per-client"), "noise: expected"),
+        (dict(hyperparameters="fixed", sigma2=1.0, sigma0_2=1.0, gamma0=1.0, start={"sigma2": 1.0}), "start: expected "
+                                                                                                    "None"),
+        (dict(sigma2=0.1, start={"sigma2": 1.0}), r"start\['sigma2'\]: sigma2 is given"),
+        (dict(start={"tau": 1.0}), "start: expected keys among"),
+        (dict(start={"sigma0_2": -1.0}), r"start\['sigma0_2'\]: expected a positive finite number"),
+        (dict(sigma0_2=0.0), "sigma0_2: expected a positive finite number, got 0.0"),
+        (dict(mu0=float("inf")), "mu0 contains inf"),
+        (dict(sweeps=-1), "sweeps: expected an int >= 0"),
+    ],
+)
+def test_bad_arguments_raise_naming_them(kwargs, match):
+    neurons = [torch.randn(3, 4, generator=torch.Generator().manual_seed(j)) for j in range(3)]
+    with pytest.raises(ValueError, match=match):
+        match_layer(neurons, **kwargs)
+
+
+def test_the_estimates_need_nothing_but_the_clients_weights():
+    """No data argument anywhere: the layer API takes neurons (and their precision scales) only."""
+    assert list(inspect.signature(match_layer).parameters) == [
+        "neurons", "sigma2", "sigma0_2", "gamma0", "mu0", "precisions", "hyperparameters", "start", "noise", "sweeps",
+        "seed", "objective", "popularity_factor", "popularity_cap", "max_atoms", "new_atom_penalty",
+        "stop_at_fixed_point", "cross_products", "init_assignments"]
+    network_args = list(inspect.signature(match_networks).parameters)
+    assert network_args[:2] == ["client_layers", "class_counts"]
+    assert not {"data", "dataset", "loader", "x", "y", "inputs"} & {a.lower() for a in network_args}
+
+
+def test_history_holds_the_values_after_the_first_assignment_and_every_sweep():
+    layer = model_layer(10, 30, seed=11)
+    r = match_layer(layer.neurons, seed=0, start=dict(sigma2=0.1, sigma0_2=10.0, gamma0=400.0))
+    assert len(r.hyperparameter_history) == r.sweeps_run + 1 == len(r.objective)
+    assert r.hyperparameter_history[-1] is r.hyperparameters or r.hyperparameter_history[-1] == r.hyperparameters
+    assert r.hyperparameter_history[0]["sigma2"] != 0.1  # re-estimated after the first assignment
+    assert all(set(h) == {"mu0", "sigma0_2", "sigma2", "gamma0"} for h in r.hyperparameter_history)
+    for a, b in itertools.pairwise(r.hyperparameter_history[-2:]):
+        assert a["sigma2"] == b["sigma2"]  # the last sweep changed nothing
