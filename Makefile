@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 
 demo: $(STAMP)
 	$(VENV)/bin/bnpfed demo
-	$(VENV)/bin/bnpfed pfnm --partition hetero --sigma2 0.3 --rounds 3
+	$(VENV)/bin/bnpfed pfnm --partition dirichlet --rounds 3
 	$(VENV)/bin/bnpfed fuse --rounds 3
 
 test: $(STAMP)

@@ -12,6 +12,12 @@ Parts (each writes JSON lines to ``--out`` and can be resumed: finished configur
 * ``width``: accuracy against global width (J = 10, homogeneous, seed 0), sweeping sigma2 and gamma0 under both
   sets of constants;
 * ``rounds``: PFNM with communication against multi-round FedAvg and the ensemble (J = 25, 10 rounds);
+* ``eb``: empirical-Bayes matching (bnpfed's default: every hyper-parameter estimated per layer from the clients'
+  weights) for J in {10, 25} x {IID, Dirichlet(0.5)} x seeds 0-4, beside the local models and the ensemble, with the
+  estimates per layer, the sweeps they took and the matching seconds; on the same local models also per-client noise
+  (``noise="per-client"``) and fixed sigma2 = sigma0_2 = gamma0 = 1 (for the time ratio);
+* ``plane``: the accuracy-width plane (J = 10, IID, seed 0): fixed-hyper-parameter sweeps of sigma2 under both
+  objectives (MAP and marginal), to put the empirical-Bayes points beside;
 * ``start``: PFNM's communication rounds warm-started from the previous assignment (the published code's way, the
   default) against re-matching from scratch every round, on the same local models (J = 25, 10 rounds);
 * ``deep``: 784-100-100-10, top-down against bottom-up under both sets of constants (J = 10, homogeneous, seed 0);
@@ -164,7 +170,63 @@ def part_timing(ds, out: Path) -> None:
         _emit(out, key, dict(rows=rows))
 
 
-PARTS = {"reference": part_reference, "width": part_width, "rounds": part_rounds, "start": part_start,
+def _accuracy(net, ds) -> float:
+    with torch.no_grad():
+        return float((net.eval()(ds.x_test).argmax(-1) == ds.y_test).double().mean())
+
+
+def _layers(match) -> list[dict]:
+    """Per hidden layer: the final hyper-parameters (mu0 summarised by its mean), sweeps, convergence."""
+    out = []
+    for r in match.layer_results:
+        h = r.hyperparameters
+        out.append(dict(sigma2=float(h["sigma2"]), sigma0_2=float(h["sigma0_2"]), gamma0=float(h["gamma0"]),
+                        mu0_mean=float(torch.as_tensor(h["mu0"]).mean()), sweeps=len(r.objective) - 1,
+                        converged=bool(r.converged), notes=list(r.notes)))
+    return out
+
+
+def part_eb(ds, out: Path, seeds, Js) -> None:
+    done = _done(out)
+    for J in Js:
+        for partition in ("iid", "dirichlet"):
+            for seed in seeds:
+                key = f"eb/J={J}/{partition}/seed={seed}"
+                if key in done:
+                    continue
+                configs = _configs(J, partition, seed, methods=("local", "ensemble", "pfnm"))
+                configs["pfnm"] = PFNMConfig()   # empirical Bayes: nothing set by hand
+                result = run_experiment(ds, **configs)
+                rows = {r.method: _row(r) for r in result.rows}
+                eb = result.selection.match
+                rows["pfnm"]["layers"] = _layers(eb)
+                for name, config in (("pfnm per-client noise", PFNMConfig(noise="per-client")),
+                                     ("pfnm fixed 1-1-1", PFNMConfig(hyperparameters="fixed", sigma2=1.0,
+                                                                     sigma0_2=1.0, gamma0=1.0))):
+                    match = pfnm_step(result.local_models, result.class_counts, config, seed=seed, round=1)
+                    rows[name] = dict(accuracy=_accuracy(match.network(), ds), hidden=match.hidden_sizes,
+                                      seconds=match.seconds, layers=_layers(match))
+                _emit(out, key, dict(J=J, partition=partition, seed=seed, rows=rows))
+
+
+def part_plane(ds, out: Path) -> None:
+    key = "plane/J=10/iid/seed=0"
+    if key in _done(out):
+        return
+    result = run_experiment(ds, **_configs(10, "iid", 0, methods=("local",)))
+    points = []
+    for objective in ("map", "marginal"):
+        for sigma2 in (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0, 1.3, 1.6, 2.0, 3.0):
+            for gamma0 in (1e-3, 1.0):
+                config = PFNMConfig(hyperparameters="fixed", objective=objective, sigma2=sigma2, sigma0_2=1.0,
+                                    gamma0=gamma0)
+                match = pfnm_step(result.local_models, result.class_counts, config, seed=0, round=1)
+                points.append(dict(objective=objective, sigma2=sigma2, gamma0=gamma0, hidden=match.hidden_sizes,
+                                   width=sum(match.hidden_sizes), accuracy=_accuracy(match.network(), ds)))
+    _emit(out, key, dict(points=points))
+
+
+PARTS = {"reference": part_reference, "eb": part_eb, "plane": part_plane, "width": part_width, "rounds": part_rounds, "start": part_start,
          "deep": part_deep, "timing": part_timing}
 
 
@@ -190,8 +252,8 @@ def main(argv=None):
     seeds = [int(s) for s in args.seeds.split(",")]
     Js = [int(j) for j in args.clients.split(",")]
     for part in args.parts.split(","):
-        if part == "reference":
-            part_reference(ds, out, seeds, Js)
+        if part in ("reference", "eb"):
+            PARTS[part](ds, out, seeds, Js)
         else:
             PARTS[part](ds, out)
 

@@ -31,8 +31,8 @@ def test_demo_prints_recovery_table_and_writes_json(tmp_path, capsys):
     payload = json.loads(path.read_text())
     assert payload["command"] == "demo" and payload["settings"]["clients"] == 4
     rows = payload["results"]["rows"]
-    assert len(rows) == 3 and rows[2]["objective"] == "marginal"
-    assert rows[2]["adjusted_rand"] > 0.9
+    assert len(rows) == 4 and rows[2]["objective"] == "marginal" and rows[3]["objective"] == "empirical-bayes"
+    assert rows[2]["adjusted_rand"] > 0.9 and rows[3]["adjusted_rand"] > 0.9
 
 
 def test_demo_noise_is_an_alias_of_sigma2(tmp_path):

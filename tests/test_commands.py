@@ -212,10 +212,10 @@ def check_record(path, command: str) -> dict:
 
 def test_pfnm_one_round_prints_its_hyper_parameters_and_writes_json_and_a_bar_chart(tmp_path, capsys, figures):
     out_json, out_png = tmp_path / "out" / "pfnm.json", tmp_path / "pfnm.png"
-    assert main(["pfnm", *TINY, "--sigma2", "0.3", "--methods", "local,ensemble,pfnm,kmeans", "--json", str(out_json),
-                 "--plot", str(out_png)]) == 0
+    assert main(["pfnm", *TINY, "--hyperparameters", "fixed", "--sigma2", "0.3", "--methods",
+                 "local,ensemble,pfnm,kmeans", "--json", str(out_json), "--plot", str(out_png)]) == 0
     out = capsys.readouterr().out
-    assert "PFNM hyper-parameters (as given): sigma2 0.3, sigma0_2 1, gamma0 1" in out
+    assert "PFNM hyper-parameters: fixed: sigma2 0.3, sigma0_2 1, gamma0 1" in out
     assert "server_seconds: the server's aggregation time" in out
     assert f"wrote results to {out_json}" in out and f"wrote plot to {out_png}" in out
     payload = check_record(out_json, "pfnm")
@@ -247,7 +247,7 @@ def test_pfnm_over_several_J_draws_every_method_against_J(tmp_path, capsys, figu
     out_json = tmp_path / "j.json"
     assert main(["pfnm", "--clients", "2,3", "--epochs", "1", "--hidden", "16", "--no-progress", "--methods",
                  "local,fedavg-oneshot,fedavg,pfnm", "--json", str(out_json), "--plot", str(tmp_path / "j.png")]) == 0
-    assert capsys.readouterr().out.count("PFNM hyper-parameters") == 2
+    assert capsys.readouterr().out.count("PFNM hyper-parameters:") == 2
     payload = check_record(out_json, "pfnm")
     assert payload["settings"]["partition"]["clients"] == [2, 3] and len(payload["results"]["runs"]) == 2
     (fig,) = figures
@@ -362,3 +362,34 @@ def test_every_option_has_help_and_a_readable_default(command):
     if command != "demo":
         assert " ".join(NPZ_FORMAT.split()) in text
         assert "server_seconds: the server's aggregation time" in text
+
+
+def test_pfnm_estimates_its_hyper_parameters_by_default_and_shows_and_records_them(tmp_path, capsys):
+    out_json = tmp_path / "pfnm.json"
+    assert main(["pfnm", *TINY, "--methods", "pfnm", "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    assert "PFNM hyper-parameters: empirical Bayes: sigma2 estimated, sigma0_2 estimated, gamma0 estimated" in out
+    assert "PFNM hyper-parameters per hidden layer" in out
+    payload = check_record(out_json, "pfnm")
+    (row,) = payload["results"]["runs"][0]["rows"]
+    (layer,) = row["hyperparameters"]
+    assert set(layer["estimated"]) == {"mu0", "sigma0_2", "sigma2", "gamma0"}
+    assert layer["sigma2"] > 0 and layer["sigma0_2"] > 0 and layer["gamma0"] > 0 and len(layer["mu0"]) > 0
+    assert payload["settings"]["pfnm"]["sigma2"] is None
+
+
+def test_pfnm_rounds_record_the_estimates_of_every_round(tmp_path):
+    out_json = tmp_path / "pfnm.json"
+    assert main(["pfnm", *TINY, "--methods", "pfnm-rounds", "--rounds", "2", "--round-epochs", "1", "--json",
+                 str(out_json)]) == 0
+    (row,) = json.loads(out_json.read_text())["results"]["runs"][0]["rows"]
+    assert [len(h["hyperparameters"]) for h in row["history"]] == [1, 1]
+    assert all(h["hyperparameters"][0]["sigma2"] > 0 for h in row["history"])
+
+
+def test_a_given_sigma2_is_fixed_and_the_others_estimated(tmp_path):
+    out_json = tmp_path / "pfnm.json"
+    assert main(["pfnm", *TINY, "--methods", "pfnm", "--sigma2", "0.02", "--json", str(out_json)]) == 0
+    (row,) = json.loads(out_json.read_text())["results"]["runs"][0]["rows"]
+    (layer,) = row["hyperparameters"]
+    assert layer["sigma2"] == 0.02 and "sigma2" not in layer["estimated"] and "sigma0_2" in layer["estimated"]

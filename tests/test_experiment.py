@@ -24,7 +24,7 @@ def run(ds, *, clients=5, methods=("local", "pfnm"), rounds=1, epochs=10, hidden
     return run_experiment(ds, partition=PartitionConfig(clients=clients),
                           network=NetworkConfig(hidden=hidden, init="reference"),
                           training=TrainingConfig(epochs=epochs, round_epochs=2, amsgrad=True, weight_decay=1e-6),
-                          pfnm=PFNMConfig(**{"sigma2": 0.3, **pfnm}),
+                          pfnm=PFNMConfig(**{"hyperparameters": "fixed", "sigma2": 0.3, **pfnm}),
                           config=ExperimentConfig(methods=methods, rounds=rounds, seed=seed))
 
 

@@ -185,7 +185,7 @@ def test_bad_partitions_and_architectures_are_named(digits):
 
 
 def pfnm(ds, parts, **kwargs):
-    config = dict(sigma2=0.3, warm_start=True)
+    config = dict(hyperparameters="fixed", sigma2=0.3, warm_start=True)
     config.update(kwargs)
     return PFNMFederation(ds, parts, network=NetworkConfig(hidden=(32,), init="reference"),
                           training=TrainingConfig(epochs=5, round_epochs=2, amsgrad=True), pfnm=PFNMConfig(**config),

@@ -50,7 +50,8 @@ from bnpfed.posterior import GaussianPosterior  # noqa: E402
 APP_DIR = Path(__file__).resolve().parents[1] / "examples" / "flower_app"
 CLIENTS = 3
 #: Tiny settings: one epoch of a 16-unit MLP per client and round, two rounds (PFNM's second one warm-started).
-PFNM = {"method": "pfnm", "rounds": 2, "hidden": "16", "epochs": 1, "round-epochs": 1, "sigma2": 0.3}
+PFNM = {"method": "pfnm", "rounds": 2, "hidden": "16", "epochs": 1, "round-epochs": 1, "hyperparameters": "fixed",
+        "sigma2": 0.3}
 FUSION = {"method": "fusion", "rounds": 2, "hidden": "16", "epochs": 1, "pooling-samples": 100}
 #: Two of the three clients a round; with seed 1 round 1 trains [1, 2] and round 2 [0, 2], so in round 2 of PFNM
 #: client 0, which was not matched, starts from the whole global network.
@@ -123,6 +124,18 @@ def test_pfnm_on_flower_is_the_in_process_federation_bit_for_bit(extra):
     if not extra:  # the warm start matters here: a cold-started second round gives another network
         cold = global_arrays(in_process({**config, "warm-start": False}))
         assert not all(k in result.arrays and np.array_equal(result.arrays[k], v) for k, v in cold.items())
+
+
+def test_empirical_bayes_pfnm_on_flower_is_the_in_process_federation_bit_for_bit_and_records_its_estimates():
+    config = {k: v for k, v in PFNM.items() if k not in ("hyperparameters", "sigma2")}   # the default: estimated
+    result = run_federation(LocalGrid(client_app, CLIENTS), config)
+    reference = in_process(config)
+    assert_same_model(result.arrays, reference)
+    assert_same_rounds(result.history, reference)
+    for flower, local in zip(result.history, reference.history):
+        (expected,) = local.metrics["hyperparameters"]
+        assert flower["sigma2"] == [expected["sigma2"]] and flower["gamma0"] == [expected["gamma0"]]
+        assert "sigma2" in expected["estimated"]
 
 
 def test_in_round_two_each_pfnm_client_starts_from_what_client_start_gives_it():

@@ -89,7 +89,7 @@ def _nets(J=3, widths=(6, 7, 5), seed=0):
 def test_a_matched_client_starts_from_its_slice_and_an_unmatched_one_from_the_whole_network():
     nets = _nets()
     counts = torch.ones(3, 2)
-    match = pfnm_step(nets, counts, PFNMConfig(sigma2=0.5), seed=0, round=1)
+    match = pfnm_step(nets, counts, PFNMConfig(hyperparameters="fixed", sigma2=0.5), seed=0, round=1)
     layers, ids = client_start(match, 1)
     assert [tuple(w.shape) for w, _ in layers] == [(7, 4), (2, 7)]
     assert torch.equal(ids[0], match.assignments[0][1])
@@ -101,16 +101,17 @@ def test_a_matched_client_starts_from_its_slice_and_an_unmatched_one_from_the_wh
 def test_a_warm_started_round_starts_from_the_assignment_the_clients_were_sent():
     nets = _nets()
     counts = torch.ones(3, 2)
-    config = PFNMConfig(sigma2=0.5, sweeps=0)
+    config = PFNMConfig(hyperparameters="fixed", sigma2=0.5, sweeps=0)
     first = pfnm_step(nets, counts, config, seed=0, round=1)
     starts = [client_start(first, j) for j in range(3)]
     second = pfnm_step([layers for layers, _ in starts], counts, config, seed=0, round=2,
                        starts=[ids for _, ids in starts])
     for j in range(3):   # with no sweeps, the warm start is the answer: every neuron back on its global neuron
         assert torch.equal(second.assignments[0][j], first.assignments[0][j])
-    cold = pfnm_step([layers for layers, _ in starts], counts, PFNMConfig(sigma2=0.5, sweeps=0, warm_start=False),
+    cold = pfnm_step([layers for layers, _ in starts], counts, PFNMConfig(hyperparameters="fixed", sigma2=0.5, sweeps=0, warm_start=False),
                      seed=0, round=2, starts=[ids for _, ids in starts])
-    expected = match_networks([layers for layers, _ in starts], counts, sweeps=0, sigma2=0.5,
+    expected = match_networks([layers for layers, _ in starts], counts, sweeps=0, sigma2=0.5, sigma0_2=1.0, gamma0=1.0,
+                              hyperparameters="fixed",
                               seed=None)   # cold: a greedy pass, whatever the seed of the (absent) sweeps
     assert cold.hidden_sizes == expected.hidden_sizes
     with pytest.raises(ValueError, match="starts: expected the start of each of the 3 clients"):

@@ -69,22 +69,33 @@ def add_parser(sub):
     _args.add_training_arguments(p, PFNM_TRAINING, what="defaults: the PFNM reference code's")
     d = PFNMConfig()
     g = p.add_argument_group("matching", "the PFNM server: Beta-Bernoulli process matching of the neurons")
-    g.add_argument("--sigma2", type=_args.floats, default=(d.sigma2,), metavar="S[,S...]",
-                   help="local noise variance: how far a client's neuron may sit from its global neuron (one value, "
-                   "or one per hidden layer); larger gives a narrower global network")
-    g.add_argument("--sigma0-2", type=_args.floats, default=(d.sigma0_2,), metavar="S[,S...]",
-                   help="prior variance of the global neurons (one value, or one per hidden layer)")
-    g.add_argument("--gamma0", type=_args.floats, default=(d.gamma0,), metavar="G[,G...]",
-                   help="IBP mass: how readily new global neurons open (one value, or one per hidden layer)")
+    estimated = ("default: estimated per hidden layer from the clients' weights (empirical Bayes); a value fixes it "
+                 "(one, or one per hidden layer, 'auto' estimating that layer's)")
+    g.add_argument("--sigma2", type=hyper_values, default=None, metavar="S[,S...]",
+                   help="local noise variance: how far a client's neuron may sit from its global neuron; larger gives "
+                   f"a narrower global network. {estimated}")
+    g.add_argument("--sigma0-2", type=hyper_values, default=None, metavar="S[,S...]",
+                   help=f"prior variance of the global neurons. {estimated}")
+    g.add_argument("--gamma0", type=hyper_values, default=None, metavar="G[,G...]",
+                   help=f"IBP mass: how readily new global neurons open. {estimated}")
+    g.add_argument("--hyperparameters", choices=("empirical-bayes", "fixed"), default=d.hyperparameters,
+                   help="empirical-bayes: estimate every hyper-parameter not given (and the prior mean of every "
+                   "coordinate) from the clients' weights while matching; fixed: estimate none (those not given "
+                   "are 1, as in the reference code)")
+    g.add_argument("--noise", choices=("shared", "per-client"), default=d.noise,
+                   help="empirical Bayes: one noise variance for all clients, or one per client (a noisier client "
+                   "counts for less)")
     g.add_argument("--constants", choices=("bnpfed", "reference"), default=d.constants,
                    help="bnpfed: the exact objective (popularity factor 2, no caps); reference: the published "
                    "code's constants")
-    g.add_argument("--objective", choices=("map", "marginal"), default=d.objective,
-                   help="map (published) or marginal (atoms integrated out)")
+    g.add_argument("--objective", choices=("map", "marginal"), default=None,
+                   help="map (published) or marginal (atoms integrated out). Default: marginal under empirical "
+                   "Bayes, map with fixed hyper-parameters")
     g.add_argument("--direction", choices=("bottom-up", "top-down"), default=d.direction,
                    help="order of the layers (top-down is the published one)")
-    g.add_argument("--sweeps", type=int, metavar="N", default=d.sweeps,
-                   help="remove-and-rematch sweeps after the greedy pass")
+    g.add_argument("--sweeps", type=int, metavar="N", default=None,
+                   help="at most this many remove-and-rematch sweeps after the first assignment. Default: 5 with "
+                   "fixed hyper-parameters; under empirical Bayes until the assignment and the estimates settle")
     g.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=d.warm_start,
                    help="in rounds after the first, start matching from the assignment the clients' networks came "
                    "from (as the published code does); --no-warm-start re-matches from scratch")
@@ -131,8 +142,25 @@ def add_parser(sub):
 # ------------------------------------------------------------------------------------------------ run
 
 
-def _one_or_many(values: tuple) -> float | tuple:
-    """A flag's comma-separated values: one value for every layer, or one per hidden layer."""
+def hyper_values(value: str) -> tuple:
+    """argparse type of ``--sigma2`` / ``--sigma0-2`` / ``--gamma0``: comma-separated numbers, ``auto`` for a layer
+    whose value is estimated (their bounds are :class:`~bnpfed.federated.config.PFNMConfig`'s)."""
+    items = [v.strip() for v in value.split(",")]
+    try:
+        out = tuple(None if v.lower() == "auto" else float(v) for v in items)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected comma-separated numbers or 'auto', e.g. 0.3 or "
+                                         "0.3,auto") from None
+    if not items or any(not v for v in items):
+        raise argparse.ArgumentTypeError(f"{value!r}: expected comma-separated numbers or 'auto', e.g. 0.3 or 0.3,auto")
+    return out
+
+
+def _one_or_many(values):
+    """A flag's comma-separated values: None (not given: estimated), one value for every layer, or one per hidden
+    layer."""
+    if values is None:
+        return None
     return values[0] if len(values) == 1 else values
 
 
@@ -151,9 +179,9 @@ def prepare(args) -> dict:
     network = NetworkConfig(arch="mlp", hidden=args.hidden, init=args.init, shared_init=args.shared_init)
     training = _args.training_config(args)
     pfnm = PFNMConfig(sigma2=_one_or_many(args.sigma2), sigma0_2=_one_or_many(args.sigma0_2),
-                      gamma0=_one_or_many(args.gamma0), constants=args.constants, objective=args.objective,
-                      direction=args.direction, sweeps=args.sweeps, warm_start=args.warm_start,
-                      fraction=args.fraction)
+                      gamma0=_one_or_many(args.gamma0), hyperparameters=args.hyperparameters, noise=args.noise,
+                      constants=args.constants, objective=args.objective, direction=args.direction,
+                      sweeps=args.sweeps, warm_start=args.warm_start, fraction=args.fraction)
     fusion = FusionConfig(fraction=args.fraction)  # FedAvg's client sampling
     chosen = args.methods
     if chosen is None:
@@ -235,10 +263,27 @@ def _describe(name: str, partition, plan: dict) -> str:
 
 def _hyper(config: PFNMConfig) -> str:
     def shown(v):
-        return ",".join(f"{x:g}" for x in v) if isinstance(v, tuple) else f"{v:g}"
+        if v is None:
+            return "1" if config.fixed else "estimated"
+        return ",".join("estimated" if x is None else f"{x:g}" for x in v) if isinstance(v, tuple) else f"{v:g}"
 
-    return (f"sigma2 {shown(config.sigma2)}, sigma0_2 {shown(config.sigma0_2)}, gamma0 {shown(config.gamma0)}, "
-            f"{config.constants} constants, {config.objective} objective, {config.direction}")
+    objective = config.objective or ("map" if config.fixed else "marginal")
+    mode = "fixed" if config.fixed else "empirical Bayes" + (", noise per client" if config.noise == "per-client"
+                                                             else "")
+    return (f"{mode}: sigma2 {shown(config.sigma2)}, sigma0_2 {shown(config.sigma0_2)}, gamma0 "
+            f"{shown(config.gamma0)}, {config.constants} constants, {objective} objective, {config.direction}")
+
+
+def _layer_table(rows) -> list[dict]:
+    """The PFNM rows' hyper-parameters per hidden layer (estimated or fixed), one table row per (method, layer)."""
+    out = []
+    for row in rows:
+        for layer, h in enumerate(row.hyperparameters):
+            out.append(dict(method=row.method, layer=layer + 1, sigma2=h["sigma2"], sigma0_2=h["sigma0_2"],
+                            gamma0=h["gamma0"], mu0_mean=sum(h["mu0"]) / len(h["mu0"]) if h["mu0"] else float("nan"),
+                            estimated=",".join(h["estimated"]) or "none", sweeps=h["sweeps"],
+                            converged=h["converged"]))
+    return out
 
 
 def _print_result(name: str, partition, plan: dict, result) -> None:
@@ -246,7 +291,7 @@ def _print_result(name: str, partition, plan: dict, result) -> None:
     selection = result.selection
     if selection is not None:
         if selection.by == "none":
-            print(f"PFNM hyper-parameters (as given): {_hyper(selection.config)}")
+            print(f"PFNM hyper-parameters: {_hyper(selection.config)}")
         else:
             where = ("the clients' held-out splits" if selection.by == "federated"
                      else "the pooled training data")
@@ -255,6 +300,11 @@ def _print_result(name: str, partition, plan: dict, result) -> None:
             print(format_table(selection.curve, [c for c in ("sigma2", "sigma0_2", "gamma0", "hidden", "validation",
                                                              "test") if c in selection.curve[0]]))
     print(format_table([asdict(r) for r in result.rows], COLUMNS))
+    layers = _layer_table(result.rows)
+    if layers:
+        print("PFNM hyper-parameters per hidden layer (the final match's; mu0_mean: the mean of the atoms' prior "
+              "mean over the layer's coordinates):")
+        print(format_table(layers))
     for message in result.warnings:
         warn(message)
 

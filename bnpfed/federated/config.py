@@ -281,14 +281,29 @@ class BayesianConfig:
 class PFNMConfig:
     """The PFNM server: Beta-Bernoulli matching of the clients' neurons (Yurochkin et al. 2019).
 
-    :param sigma2: local noise variance, > 0 (one value, or one per hidden layer). Default 1.
-    :param sigma0_2: prior variance of the global atoms, > 0 (one value or one per hidden layer). Default 1.
-    :param gamma0: IBP mass, > 0 (one value or one per hidden layer). Default 1.
+    By default nothing is set by hand: every hidden layer's hyper-parameters (the atoms' prior mean ``mu0`` and
+    variance ``sigma0_2``, the local noise variance ``sigma2``, the IBP mass ``gamma0``) are estimated from the
+    clients' weights alone while matching (empirical Bayes, as SPAHM does; see
+    :func:`~bnpfed.inference.match_layer`), with the marginal objective. A value given here fixes that
+    hyper-parameter and turns its estimation off.
+
+    :param sigma2: local noise variance, > 0: one value, one per hidden layer, or None (estimated). Default None.
+    :param sigma0_2: prior variance of the global atoms, as ``sigma2``. Default None.
+    :param gamma0: IBP mass, as ``sigma2``. Default None.
+    :param str hyperparameters: ``"empirical-bayes"`` (the hyper-parameters left None are estimated per layer) or
+        ``"fixed"`` (none is estimated; those left None take the reference code's value 1, and the atoms' prior mean
+        is 0 for weights and 0.1 for biases). Default ``"empirical-bayes"``.
+    :param str noise: ``"shared"`` (one sigma2 for every client) or ``"per-client"`` (empirical Bayes only: a sigma2
+        per client, so a noisier client counts for less). Default ``"shared"``.
     :param str constants: ``"bnpfed"`` (the exact objective: popularity factor 2, no caps) or ``"reference"`` (the
-        published code's constants, :data:`~bnpfed.inference.REFERENCE_CONSTANTS`). Default ``"bnpfed"``.
-    :param str objective: ``"map"`` (published) or ``"marginal"`` (atoms integrated out). Default ``"map"``.
+        published code's constants and fixed hyper-parameters, :data:`~bnpfed.inference.REFERENCE_CONSTANTS`).
+        Default ``"bnpfed"``.
+    :param str objective: ``"map"`` (published) or ``"marginal"`` (atoms integrated out); None: marginal under
+        empirical Bayes (the only objective it uses), MAP with fixed hyper-parameters. Default None.
     :param str direction: layer order, ``"bottom-up"`` or ``"top-down"`` (published). Default ``"bottom-up"``.
-    :param int sweeps: remove-and-rematch sweeps after the first assignment, >= 0. Default 5.
+    :param int sweeps: at most this many remove-and-rematch sweeps after the first assignment, >= 0; None: the
+        matcher's default (5 with fixed hyper-parameters; under empirical Bayes it stops when the assignment and the
+        estimates stop changing). Default None.
     :param bool warm_start: in rounds after the first, start the matching from the assignment the clients' networks
         came from (each client retrained its slice of the global network), as the published code does; False
         re-matches from scratch (greedy pass). Default True.
@@ -300,38 +315,72 @@ class PFNMConfig:
     with the accuracy (tutorial 03 measures it).
     """
 
-    sigma2: Union[float, tuple[float, ...]] = 1.0
-    sigma0_2: Union[float, tuple[float, ...]] = 1.0
-    gamma0: Union[float, tuple[float, ...]] = 1.0
+    sigma2: Union[None, float, tuple[Optional[float], ...]] = None
+    sigma0_2: Union[None, float, tuple[Optional[float], ...]] = None
+    gamma0: Union[None, float, tuple[Optional[float], ...]] = None
+    hyperparameters: str = "empirical-bayes"
+    noise: str = "shared"
     constants: str = "bnpfed"
-    objective: str = "map"
+    objective: Optional[str] = None
     direction: str = "bottom-up"
-    sweeps: int = 5
+    sweeps: Optional[int] = None
     warm_start: bool = True
     fraction: float = 1.0
 
     def __post_init__(self):
+        check_choice(self.hyperparameters, ("empirical-bayes", "fixed"), "hyperparameters")
+        check_choice(self.constants, ("bnpfed", "reference"), "constants")
         for name in ("sigma2", "sigma0_2", "gamma0"):
             value = getattr(self, name)
             if isinstance(value, (tuple, list)):
-                object.__setattr__(self, name, check_positives(value, name))
-            else:
+                if not value:
+                    raise ValueError(f"{name}: expected a number, one per hidden layer, or None, got {value!r}")
+                object.__setattr__(self, name, tuple(
+                    None if v is None and not self.fixed else check_positive(v, f"{name}[{i}]")
+                    for i, v in enumerate(value)))
+            elif value is not None:
                 check_positive(value, name)
-        check_choice(self.constants, ("bnpfed", "reference"), "constants")
-        check_choice(self.objective, ("map", "marginal"), "objective")
+        check_choice(self.noise, ("shared", "per-client"), "noise")
+        if self.noise == "per-client" and self.fixed:
+            raise ValueError("noise: expected 'shared' with fixed hyper-parameters (a sigma2 per client is estimated "
+                             "by empirical Bayes), got 'per-client'")
+        if self.objective is not None:
+            check_choice(self.objective, ("map", "marginal"), "objective")
+            if self.objective == "map" and not self.fixed:
+                raise ValueError("objective: expected 'marginal' (or None) under empirical Bayes, which integrates "
+                                 "the atoms out to estimate their prior; got 'map' (use hyperparameters='fixed' for "
+                                 "the published MAP objective)")
         check_choice(self.direction, ("bottom-up", "top-down"), "direction")
-        check_int(self.sweeps, "sweeps", low=0)
+        if self.sweeps is not None:
+            check_int(self.sweeps, "sweeps", low=0)
         check_bool(self.warm_start, "warm_start")
         check_fraction(self.fraction, "fraction")
+
+    @property
+    def fixed(self) -> bool:
+        """Whether no hyper-parameter is estimated (``hyperparameters="fixed"``, or the reference constants)."""
+        return self.hyperparameters == "fixed" or self.constants == "reference"
 
     def matcher_kwargs(self) -> dict[str, Any]:
         """Keywords of :func:`~bnpfed.inference.multilayer.match_networks` (hyper-parameters, objective, order,
         sweeps, and the reference constants when asked for)."""
         from bnpfed.inference import REFERENCE_CONSTANTS
 
-        extra = dict(REFERENCE_CONSTANTS) if self.constants == "reference" else {}
-        return dict(sigma2=self.sigma2, sigma0_2=self.sigma0_2, gamma0=self.gamma0, objective=self.objective,
-                    direction=self.direction, sweeps=self.sweeps, **extra)
+        kwargs: dict[str, Any] = dict(direction=self.direction)
+        if self.fixed:
+            def value(v):
+                return 1.0 if v is None else v
+
+            kwargs.update(hyperparameters="fixed", sigma2=value(self.sigma2), sigma0_2=value(self.sigma0_2),
+                          gamma0=value(self.gamma0), objective=self.objective or "map")
+        else:
+            kwargs.update(hyperparameters="empirical-bayes", sigma2=self.sigma2, sigma0_2=self.sigma0_2,
+                          gamma0=self.gamma0, objective="marginal", noise=self.noise)
+        if self.sweeps is not None:
+            kwargs["sweeps"] = self.sweeps
+        if self.constants == "reference":
+            kwargs.update(REFERENCE_CONSTANTS)
+        return kwargs
 
 
 #: The published code's clamp of log sigma^2 at -8 (Ozer et al. 2022), as a variance floor.

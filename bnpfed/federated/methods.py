@@ -55,7 +55,7 @@ from bnpfed.federated.federation import Federation
 from bnpfed.federated.fusion import FedAvgFederation, FusionFederation
 from bnpfed.federated.partition import class_counts
 from bnpfed.federated.pfnm import PFNMFederation
-from bnpfed.federated.server import pfnm_step
+from bnpfed.federated.server import match_hyperparameters, pfnm_step
 from bnpfed.inference.multilayer import NetworkMatch
 from bnpfed.metrics import classification_report, count_parameters
 from bnpfed.report import json_safe
@@ -122,6 +122,8 @@ class MethodResult:
     :param float mean_sigma: the mean posterior standard deviation of the Bayesian weights (NaN for deterministic
         methods).
     :param list history: the metrics after every round (dicts; see :class:`~bnpfed.federated.federation.RoundRecord`).
+    :param list hyperparameters: PFNM's hyper-parameters per hidden layer of the final match, estimated or fixed
+        (:func:`~bnpfed.federated.server.match_hyperparameters`); empty for the other methods.
     :param str note: what distinguishes the row.
     """
 
@@ -136,6 +138,7 @@ class MethodResult:
     server_seconds: float = math.nan
     mean_sigma: float = math.nan
     history: list = field(default_factory=list)
+    hyperparameters: list = field(default_factory=list)
     note: str = ""
 
     @classmethod
@@ -348,7 +351,7 @@ class Experiment:
                                          parameters=int(final.get("parameters", 0)), rounds=len(history),
                                          server_seconds=float(sum(h["server_seconds"] for h in history)),
                                          mean_sigma=float(final.get("mean_sigma", math.nan)), history=history,
-                                         note=note)
+                                         hyperparameters=list(final.get("hyperparameters", [])), note=note)
 
 
 def _widths(net: nn.Module) -> list[int]:
@@ -409,9 +412,11 @@ def _pfnm(experiment: Experiment) -> MethodResult:
     selection = experiment.selection()
     match = selection.match
     net = match.network()
+    by = "empirical Bayes" if selection.by == "none" and not selection.config.fixed else selection.by
     return MethodResult.from_metrics("pfnm", experiment.evaluate_network(net), hidden=match.hidden_sizes,
                                      parameters=count_parameters(net), server_seconds=match.seconds,
-                                     note=f"one shot; hyper-parameters by {selection.by}")
+                                     hyperparameters=match_hyperparameters(match),
+                                     note=f"one shot; hyper-parameters by {by}")
 
 
 def _pfnm_rounds(experiment: Experiment) -> MethodResult:
@@ -459,7 +464,8 @@ for _name, _fn in (("local", _local), ("ensemble", _ensemble), ("fedavg-oneshot"
 def select_hyperparameters(local_models: Sequence[nn.Module], class_counts, validation: Sequence, pfnm: PFNMConfig, *,
                            grid_sigma2: Sequence[float], grid_sigma0_2: Sequence[float], grid_gamma0: Sequence[float],
                            seed: int, by: str = "federated", test=None) -> Selection:
-    """Choose PFNM's ``sigma2, sigma0_2, gamma0`` from a grid by validation accuracy of the one-shot global network.
+    """Choose PFNM's ``sigma2, sigma0_2, gamma0`` from a grid by validation accuracy of the one-shot global network
+    (each candidate with fixed hyper-parameters; the alternative to empirical Bayes, which needs no held-out data).
 
     Every candidate matches ``local_models`` once; its score is the accuracy summed over the validation sets
     (``[(x, y), ...]``: each client's held-out split, the federated way, or pooled training data) divided by their
@@ -473,7 +479,7 @@ def select_hyperparameters(local_models: Sequence[nn.Module], class_counts, vali
     if total == 0:
         raise ValueError("validation: expected at least one held-out example, got none")
     for s2, s02, g in itertools.product(grid_sigma2, grid_sigma0_2, grid_gamma0):
-        candidate = replace(pfnm, sigma2=s2, sigma0_2=s02, gamma0=g)
+        candidate = replace(pfnm, hyperparameters="fixed", noise="shared", sigma2=s2, sigma0_2=s02, gamma0=g)
         match = pfnm_step(local_models, class_counts, candidate, seed=seed, round=1)
         net = match.network().eval()
         with torch.no_grad():
@@ -525,8 +531,8 @@ def width_sweep(dataset: Dataset, *, sigma2: Sequence[float], gamma0: Sequence[f
     points = []
     grid = list(itertools.product(constants, sigma2, gamma0))
     for name, s2, g in tqdm(grid, desc="matching", disable=not progress, leave=False):
-        candidate = replace(experiment.pfnm, constants=name, sigma2=s2, gamma0=g,
-                            direction="top-down" if name == "reference" else experiment.pfnm.direction)
+        candidate = replace(experiment.pfnm, hyperparameters="fixed", noise="shared", constants=name, sigma2=s2,
+                            gamma0=g, direction="top-down" if name == "reference" else experiment.pfnm.direction)
         match = pfnm_step(models, experiment.class_counts, candidate, seed=experiment.seed, round=1)
         points.append(dict(constants=name, sigma2=s2, gamma0=g, hidden=match.hidden_sizes,
                            width=sum(match.hidden_sizes),

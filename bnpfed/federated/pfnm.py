@@ -39,7 +39,7 @@ from bnpfed.federated.clients import initial_network, train_network
 from bnpfed.federated.config import NetworkConfig, PFNMConfig, TrainingConfig
 from bnpfed.federated.federation import Federation
 from bnpfed.federated.partition import class_counts
-from bnpfed.federated.server import client_start, pfnm_step
+from bnpfed.federated.server import client_start, match_hyperparameters, pfnm_step
 from bnpfed.inference.multilayer import NetworkMatch, linear_layers, network_from_layers
 from bnpfed.metrics import count_parameters
 
@@ -112,7 +112,7 @@ class PFNMFederation(Federation):
         self.matched = list(sampled)
         self._net = self.match.network().eval()
         return [], {"hidden": self.match.hidden_sizes, "parameters": count_parameters(self._net),
-                    "server_seconds": seconds}
+                    "hyperparameters": match_hyperparameters(self.match), "server_seconds": seconds}
 
     @torch.no_grad()
     def predict_proba(self, x: Tensor) -> Tensor:

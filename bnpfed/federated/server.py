@@ -48,6 +48,7 @@ __all__ = [
     "client_weights",
     "clients_per_round",
     "fuse_posteriors",
+    "match_hyperparameters",
     "pfnm_step",
     "sample_clients",
 ]
@@ -183,6 +184,25 @@ def pfnm_step(client_layers: Sequence, class_counts, config: PFNMConfig, *, seed
         init = [[start[c] for start in starts] for c in range(len(starts[0]))]  # per layer, per client
     return match_networks(client_layers, class_counts, seed=derive_seed(seed, Stream.MATCH, round),
                           warm_start=init, **config.matcher_kwargs())
+
+
+def match_hyperparameters(match: NetworkMatch) -> list[dict]:
+    """Per hidden layer, the hyper-parameters a match used (estimated or fixed) as plain values for tables and JSON:
+    ``sigma2``, ``sigma0_2``, ``gamma0``, ``mu0`` (a list, one per coordinate of the layer's neuron vectors),
+    ``estimated`` (the names estimated), ``converged``, ``sweeps`` (sweeps run after the first assignment) and
+    ``notes`` (the estimator's fallbacks, if any). Empty for a matcher without hyper-parameters (k-means)."""
+    out = []
+    for result in match.layer_results:
+        h = getattr(result, "hyperparameters", None)
+        if not h:
+            continue
+        mu0 = h.get("mu0")
+        out.append(dict(sigma2=float(h["sigma2"]), sigma0_2=float(h["sigma0_2"]), gamma0=float(h["gamma0"]),
+                        mu0=[float(v) for v in torch.as_tensor(mu0).reshape(-1)] if mu0 is not None else None,
+                        estimated=list(getattr(result, "estimated", ())),
+                        converged=bool(getattr(result, "converged", True)), sweeps=len(result.objective) - 1,
+                        notes=list(getattr(result, "notes", []))))
+    return out
 
 
 def client_start(match: NetworkMatch, j: Optional[int]) -> tuple[list[tuple[Tensor, Tensor]], list[Tensor]]:

@@ -222,7 +222,10 @@ def run_config_defaults() -> dict[str, Any]:
             out[key] = AUTO
             continue
         value = getattr(CONFIGS[name](), f.name)
-        out[key] = ",".join(map(str, value)) if isinstance(value, tuple) else value
+        if value is None:
+            out[key] = "none"   # TOML has no null; "none" reads back as None
+        else:
+            out[key] = ",".join(map(str, value)) if isinstance(value, tuple) else value
     return out
 
 

@@ -52,7 +52,8 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from bnpfed.federated.config import FusionConfig, PFNMConfig
-from bnpfed.federated.server import client_start, clients_per_round, fuse_posteriors, pfnm_step, sample_clients
+from bnpfed.federated.server import (client_start, clients_per_round, fuse_posteriors, match_hyperparameters,
+                                     pfnm_step, sample_clients)
 from bnpfed.flower.records import (
     ARRAYS,
     CLIENT,
@@ -435,8 +436,11 @@ class PFNMStrategy(_RoundStrategy):
         self.match = pfnm_step([a.payload[0] for a in accepted], np.stack([a.payload[1] for a in accepted]),
                                self.pfnm, seed=self.seed, round=server_round, starts=starts)
         self.matched = [a.partition_id for a in accepted]
-        return network_to_record(self.match.layers), {"hidden": self.match.hidden_sizes,
-                                                       "server_seconds": self.match.seconds}
+        layers = match_hyperparameters(self.match)   # estimated (empirical Bayes, the default) or fixed, per layer
+        return network_to_record(self.match.layers), {
+            "hidden": self.match.hidden_sizes, **{name: [h[name] for h in layers] for name in ("sigma2", "sigma0_2",
+                                                                                             "gamma0")},
+            "server_seconds": self.match.seconds}
 
 
 class PosteriorFusionStrategy(_RoundStrategy):

@@ -5,10 +5,10 @@ the found global atoms and assignments with the true ones.
 Usage::
 
     >>> rows = match_recovery(RecoveryConfig(clients=4, dim=20, gamma0=5.0))
-    >>> [(row.objective, row.sigma2, row.true_atoms) for row in rows]
-    [('map', 0.01, 17), ('map', 0.02, 17), ('marginal', 0.01, 17)]
-    >>> rows[2].found_atoms, rows[2].adjusted_rand
-    (17, 1.0)
+    >>> [(row.objective, round(row.sigma2, 3), row.true_atoms) for row in rows]
+    [('map', 0.01, 17), ('map', 0.02, 17), ('marginal', 0.01, 17), ('empirical-bayes', 0.011, 17)]
+    >>> [(row.found_atoms, row.adjusted_rand) for row in rows[2:]]     # the truth, found with and without it
+    [(17, 1.0), (17, 1.0)]
 """
 
 from __future__ import annotations
@@ -59,8 +59,9 @@ class RecoveryConfig:
 class RecoveryRow:
     """One matching of the sampled layer.
 
-    :param str objective: ``"map"`` (published) or ``"marginal"``.
-    :param float sigma2: the noise variance the matching assumed.
+    :param str objective: ``"map"`` (published), ``"marginal"`` (both with the true hyper-parameters fixed) or
+        ``"empirical-bayes"`` (marginal, every hyper-parameter estimated).
+    :param float sigma2: the noise variance the matching assumed (or estimated).
     :param int true_atoms: global atoms the sample used.
     :param int found_atoms: global atoms the matching found.
     :param float adjusted_rand: adjusted Rand index of the found assignments against the true ones (1: the same
@@ -79,8 +80,10 @@ class RecoveryRow:
 
 
 def match_recovery(config: RecoveryConfig) -> list[RecoveryRow]:
-    """Sample one layer of ``config`` and match it three ways: the published (MAP) objective at the true noise
-    variance and at twice it, and the marginal objective at the true noise; one row each."""
+    """Sample one layer of ``config`` and match it four ways: with the hyper-parameters fixed at the truth, the
+    published (MAP) objective at the true noise variance and at twice it and the marginal objective at the true noise;
+    then with every hyper-parameter estimated from the neurons alone (empirical Bayes, started 10 times off the
+    truth; its row's ``sigma2`` is the estimate); one row each."""
     from sklearn.metrics import adjusted_rand_score
 
     if not isinstance(config, RecoveryConfig):
@@ -90,9 +93,15 @@ def match_recovery(config: RecoveryConfig) -> list[RecoveryRow]:
                                    sigma0_2=c.sigma0_2)
     truth = torch.cat(layer.assignments).numpy()
     rows = []
-    for objective, sigma2 in (("map", c.sigma2), ("map", 2 * c.sigma2), ("marginal", c.sigma2)):
-        found = match_layer(layer.neurons, sigma2=sigma2, sigma0_2=c.sigma0_2, gamma0=c.gamma0, sweeps=c.sweeps,
-                            seed=c.seed, objective=objective)
+    start = dict(sigma2=10 * c.sigma2, sigma0_2=c.sigma0_2 / 10, gamma0=10 * c.gamma0)
+    for objective, sigma2 in (("map", c.sigma2), ("map", 2 * c.sigma2), ("marginal", c.sigma2),
+                              ("empirical-bayes", None)):
+        if sigma2 is None:
+            found = match_layer(layer.neurons, start=start, seed=c.seed)
+            sigma2 = float(found.hyperparameters["sigma2"])
+        else:
+            found = match_layer(layer.neurons, sigma2=sigma2, sigma0_2=c.sigma0_2, gamma0=c.gamma0, sweeps=c.sweeps,
+                                seed=c.seed, objective=objective, hyperparameters="fixed")
         rows.append(RecoveryRow(objective=objective, sigma2=sigma2, true_atoms=layer.num_atoms,
                                 found_atoms=found.num_atoms,
                                 adjusted_rand=float(adjusted_rand_score(truth, torch.cat(found.assignments).numpy())),
