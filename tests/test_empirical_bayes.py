@@ -156,11 +156,15 @@ def test_per_client_estimates_are_the_fixed_point_of_their_equations():
 # the estimates are the moment formulas (written out here from the issue's definitions)
 
 
-def moments_by_hand(neurons, assignments, precisions=None, *, mu0_given=None):
-    """W_id = sum s_jd, xbar_id = sum s_jd v_jd / W_id, n_id = #{s_jd > 0} over atom i's members; sigma2 =
-    sum s (v - xbar)^2 / sum (n_id - 1); mu0_d = mean_i xbar_id over atoms with W_id > 0; sigma0_2 = [sum_d sum_i
-    (xbar_id - mu0_d)^2 - sigma2 sum_d (k_d / L_d) sum_i 1/W_id] / sum_d k_d, k_d = L_d - 1 (L_d if mu0 is given)."""
-    J, D = len(neurons), neurons[0].shape[1]
+def moments_by_hand(neurons, assignments, coordinates, precisions=None, *, mu0_given=None, weighted=False):
+    """The estimates on the given coordinates at an assignment. W_id = sum s_jd, xbar_id = sum s_jd v_jd / W_id,
+    n_id = #{s_jd > 0} over atom i's members; sigma2 = sum s (v - xbar)^2 / sum (n_id - 1); mu0_d = mean_i xbar_id
+    over atoms with W_id > 0. sigma0_2: unweighted, [sum_d sum_i (xbar_id - mu0_d)^2 - sigma2 sum_d (k_d / L_d)
+    sum_i 1/W_id] / sum_d k_d, k_d = L_d - 1 (L_d if mu0 is given); weighted (DerSimonian-Laird), w_i = W_id /
+    sigma2 and sum_d [Q_d - (L_d - 1)] / sum_d [sum w - sum w^2 / sum w], Q_d the w-weighted sum of squares about
+    the w-weighted mean (about a given mu0: L_d and sum w)."""
+    J = len(neurons)
+    D = neurons[0].shape[1]
     s = np.ones((J, D)) if precisions is None else np.asarray(precisions, dtype=float)
     labels = sorted({int(i) for a in assignments for i in a})
     groups = {i: [] for i in labels}
@@ -168,27 +172,36 @@ def moments_by_hand(neurons, assignments, precisions=None, *, mu0_given=None):
         for l, i in enumerate(np.asarray(a).tolist()):
             groups[i].append((j, l))
     within = dof = 0.0
-    xbar = np.full((len(labels), D), np.nan)
-    inv_W = np.zeros((len(labels), D))
-    for k, i in enumerate(labels):
-        for d in range(D):
+    xbar = {d: [] for d in coordinates}  # per coordinate: (W_id, xbar_id) of the atoms with data on it
+    for i in labels:
+        for d in coordinates:
             members = [(j, l) for j, l in groups[i] if s[j, d] > 0]
             if not members:
                 continue
             w = np.array([s[j, d] for j, _ in members])
             v = np.array([float(neurons[j][l][d]) for j, l in members])
-            xbar[k, d] = (w * v).sum() / w.sum()
-            inv_W[k, d] = 1 / w.sum()
-            within += (w * (v - xbar[k, d]) ** 2).sum()
+            mean = (w * v).sum() / w.sum()
+            xbar[d].append((w.sum(), mean))
+            within += (w * (v - mean) ** 2).sum()
             dof += len(members) - 1
     sigma2 = within / dof
-    held = ~np.isnan(xbar)
-    L_d = held.sum(0)
-    mu0 = np.nanmean(np.where(held, xbar, np.nan), axis=0) if mu0_given is None else np.full(D, mu0_given)
-    k_d = L_d - 1 if mu0_given is None else L_d
-    between = np.nansum((xbar - mu0) ** 2)
-    sigma0_2 = (between - sigma2 * (k_d / L_d * inv_W.sum(0)).sum()) / k_d.sum()
-    return dict(mu0=mu0, sigma0_2=sigma0_2, sigma2=sigma2, gamma0=len(labels) / harmonic(J))
+    mu0 = {d: np.mean([x for _, x in xbar[d]]) if mu0_given is None else mu0_given for d in coordinates}
+    top = bottom = 0.0
+    for d in coordinates:
+        W = np.array([w for w, _ in xbar[d]])
+        x = np.array([x for _, x in xbar[d]])
+        L_d = len(x)
+        if weighted:
+            w = W / sigma2
+            centre = (w * x).sum() / w.sum() if mu0_given is None else mu0_given
+            top += (w * (x - centre) ** 2).sum() - (L_d - 1 if mu0_given is None else L_d)
+            bottom += w.sum() - ((w ** 2).sum() / w.sum() if mu0_given is None else 0.0)
+        else:
+            k = L_d - 1 if mu0_given is None else L_d
+            top += ((x - mu0[d]) ** 2).sum() - sigma2 * k / L_d * (1 / W).sum()
+            bottom += k
+    return dict(mu0=np.array([mu0[d] for d in coordinates]), sigma0_2=top / bottom, sigma2=sigma2,
+                gamma0=len(labels) / harmonic(J))
 
 
 def issue_formulas(neurons, assignments):
@@ -216,25 +229,68 @@ def test_estimates_are_the_issue_s_formulas_at_the_returned_assignment():
     np.testing.assert_allclose(r.hyperparameters["mu0"].double().numpy(), expected["mu0"], rtol=1e-6, atol=1e-7)
 
 
-def test_estimates_weight_by_precision_and_skip_zero_precision_entries():
-    """Class shares on the last 3 coordinates, with zeros (classes a client never saw)."""
-    J, D, C = 8, 24, 3
-    g = torch.Generator().manual_seed(0)
-    shares = torch.rand(J, C, generator=g) * (torch.rand(J, C, generator=g) > 0.3)
-    shares[0] = 0.5  # every class held by someone
+def shares_layer(J, D, C, seed, *, zeros=True):
+    """A layer from the model whose last C coordinates carry class shares as precision scales (PFNM's output weights),
+    some of them 0 (classes a client never saw) when ``zeros``; the model draws those coordinates at the shares'
+    precision (0 replaced by 1e-3 there: a client that never saw a class still has some weight)."""
+    g = torch.Generator().manual_seed(seed)
+    shares = torch.rand(J, C, generator=g) * ((torch.rand(J, C, generator=g) > 0.3) if zeros else 1.0)
+    shares[0] = shares[0].clamp(min=0.5)  # every class held by someone
     shares = shares / shares.sum(0)
     precisions = torch.ones(J, D)
     precisions[:, -C:] = shares
-    layer = model_layer(J, D, seed=4, gamma0=10.0, precisions=list(precisions.clamp(min=1e-3)))
+    layer = model_layer(J, D, seed=seed, gamma0=10.0, precisions=list(precisions.clamp(min=1e-3)))
+    return layer, precisions
+
+
+def test_output_coordinates_get_their_own_variances_and_the_others_the_issue_s_formulas():
+    """Coordinates of scale 1 (the first D - C): the issue's formulas; the C with class shares: sigma2_scaled from
+    their share-weighted residuals and sigma0_2_scaled by the weighted (DerSimonian-Laird) moment; zero shares
+    skipped."""
+    J, D, C = 8, 24, 3
+    layer, precisions = shares_layer(J, D, C, seed=4)
     r = match_layer(layer.neurons, precisions=precisions, seed=0)
-    expected = moments_by_hand(layer.neurons, r.assignments, precisions)
+    h = r.hyperparameters
+    assert r.estimated == ("mu0", "sigma0_2", "sigma2", "gamma0", "sigma0_2_scaled", "sigma2_scaled")
+    plain = moments_by_hand(layer.neurons, r.assignments, range(D - C), precisions)
+    scaled = moments_by_hand(layer.neurons, r.assignments, range(D - C, D), precisions, weighted=True)
+    for name in ("sigma0_2", "sigma2", "gamma0"):
+        assert h[name] == pytest.approx(plain[name], rel=1e-9)
+        assert h[name + "_scaled" if name != "gamma0" else name] == pytest.approx(scaled[name], rel=1e-9)
+    mu0 = h["mu0"].double().numpy()
+    np.testing.assert_allclose(mu0, np.concatenate([plain["mu0"], scaled["mu0"]]), rtol=1e-6, atol=1e-7)
+    issue = issue_formulas([v[:, :D - C] for v in layer.neurons], r.assignments)
+    assert h["sigma2"] == pytest.approx(issue["sigma2"], rel=1e-9)
+    assert h["sigma0_2"] == pytest.approx(issue["sigma0_2"], rel=1e-9)
+    # with mu0 given, sigma0_2 counts L_d degrees of freedom, not L_d - 1, and Q is about mu0
+    given = match_layer(layer.neurons, precisions=precisions, mu0=0.05, seed=0)
+    plain = moments_by_hand(layer.neurons, given.assignments, range(D - C), precisions, mu0_given=0.05)
+    scaled = moments_by_hand(layer.neurons, given.assignments, range(D - C, D), precisions, mu0_given=0.05,
+                             weighted=True)
+    assert given.hyperparameters["sigma0_2"] == pytest.approx(plain["sigma0_2"], rel=1e-9)
+    assert given.hyperparameters["sigma0_2_scaled"] == pytest.approx(scaled["sigma0_2"], rel=1e-9)
+
+
+def test_a_layer_without_coordinates_of_scale_1_estimates_its_variances_the_weighted_way():
+    J, D = 8, 12
+    g = torch.Generator().manual_seed(0)
+    precisions = 0.2 + torch.rand(J, D, generator=g)
+    layer = model_layer(J, D, seed=12, gamma0=10.0, precisions=list(precisions))
+    r = match_layer(layer.neurons, precisions=precisions, seed=0)
+    assert r.estimated == ("mu0", "sigma0_2", "sigma2", "gamma0")
+    expected = moments_by_hand(layer.neurons, r.assignments, range(D), precisions, weighted=True)
     for name in ("sigma0_2", "sigma2", "gamma0"):
         assert r.hyperparameters[name] == pytest.approx(expected[name], rel=1e-9)
-    np.testing.assert_allclose(r.hyperparameters["mu0"].double().numpy(), expected["mu0"], rtol=1e-6, atol=1e-7)
-    # with mu0 given, sigma0_2 counts L_d degrees of freedom, not L_d - 1
-    given = match_layer(layer.neurons, precisions=precisions, mu0=0.05, seed=0)
-    expected = moments_by_hand(layer.neurons, given.assignments, precisions, mu0_given=0.05)
-    assert given.hyperparameters["sigma0_2"] == pytest.approx(expected["sigma0_2"], rel=1e-9)
+
+
+def test_output_coordinates_drawn_at_the_shares_precision_give_back_the_model_s_variances():
+    """The model draws the shared coordinates at noise sigma2 / share: their own estimates find the same sigma2 and
+    sigma0_2 (looser: 6 coordinates only)."""
+    layer, precisions = shares_layer(10, 106, 6, seed=13, zeros=False)
+    r = match_layer(layer.neurons, precisions=precisions, seed=0)
+    assert ari(layer, r) >= 0.95
+    assert r.hyperparameters["sigma2_scaled"] == pytest.approx(TRUTH["sigma2"], rel=0.25)
+    assert r.hyperparameters["sigma0_2_scaled"] == pytest.approx(TRUTH["sigma0_2"], rel=0.35)
 
 
 # --------------------------------------------------------------------------------------------------------------------

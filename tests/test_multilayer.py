@@ -272,10 +272,12 @@ def test_each_hidden_layer_estimates_its_own_hyperparameters_by_default():
     nets = [random_net([12, 8, 6, 3], seed) for seed in range(4)]
     r = match_networks(nets, None, seed=0)
     assert len(r.hyperparameters) == 2
+    names = ("mu0", "sigma0_2", "sigma2", "gamma0")
+    output = ("sigma0_2_scaled", "sigma2_scaled")  # the top layer's output weights have their own variances
     for c, (h, lr) in enumerate(zip(r.hyperparameters, r.layer_results)):
-        assert h == lr.hyperparameters
-        assert set(h) == {"mu0", "sigma0_2", "sigma2", "gamma0"}
-        assert lr.estimated == ("mu0", "sigma0_2", "sigma2", "gamma0")
+        assert h is lr.hyperparameters or h == lr.hyperparameters
+        assert lr.estimated == names + (output if c == 1 else ())
+        assert set(h) == set(lr.estimated)
         assert h["mu0"].shape == (lr.global_atoms.shape[1],)
         assert lr.hyperparameter_history[-1] == h
     assert r.hyperparameters[0]["sigma2"] != r.hyperparameters[1]["sigma2"]
@@ -290,6 +292,9 @@ def test_the_model_s_network_is_recovered_with_its_hyperparameters_from_the_weig
     assert r.hidden_sizes == [layer.num_atoms]
     assert h["sigma2"] == pytest.approx(0.01, rel=0.1)
     assert h["sigma0_2"] == pytest.approx(1.0, rel=0.1)
+    # the output weights (4 coordinates, at the shares' precision): the same variances, more loosely
+    assert h["sigma2_scaled"] == pytest.approx(0.01, rel=0.3)
+    assert h["sigma0_2_scaled"] == pytest.approx(1.0, rel=0.5)
 
 
 def test_a_scalar_fixes_a_hyperparameter_in_every_layer_and_a_list_gives_one_per_layer():
@@ -320,15 +325,17 @@ def test_output_bias_uses_the_last_hidden_layer_s_final_estimates(noise):
     r = match_networks(nets, counts, seed=0, noise=noise)
     h = r.hyperparameters[-1]
     shares = counts / counts.sum(0)
+    # the output bias is seen at the shares' precision, as the output weights: their variances
+    sigma2, sigma0_2 = h["sigma2_scaled"], h["sigma0_2_scaled"]
     if noise == "per-client":
-        noise_var = h["sigma2_per_client"].numpy()[:, None]
+        noise_var = h["sigma2_per_client"].numpy()[:, None] * sigma2 / h["sigma2"]
     else:
-        noise_var = np.full((6, 1), h["sigma2"])
+        noise_var = np.full((6, 1), sigma2)
     w = shares / noise_var
     b = np.stack([net[-1][1].numpy() for net in nets])
     mu = np.mean((w * b).sum(0) / w.sum(0))
     assert r.output_bias_mu0 == pytest.approx(mu, rel=1e-9)
-    expected = (mu / h["sigma0_2"] + (w * b).sum(0)) / (1 / h["sigma0_2"] + w.sum(0))
+    expected = (mu / sigma0_2 + (w * b).sum(0)) / (1 / sigma0_2 + w.sum(0))
     np.testing.assert_allclose(r.layers[-1][1].numpy(), expected, rtol=1e-6)
     given = match_networks(nets, counts, seed=0, noise=noise, bias_mu0=0.5)
     assert given.output_bias_mu0 == 0.5

@@ -96,26 +96,42 @@ With every q_jd = 1 (``S_id`` the sum of the members' v_d, ``Q_id`` of their squ
 ``sigma2 = sum_{i,d} (Q_id - S_id^2 / m_i) / (D (sum_i m_i - L))``, ``mu0_d = (1/L) sum_i S_id / m_i`` and
 ``sigma0_2 = mean_d [(1/(L-1)) sum_i (S_id/m_i - mu0_d)^2] - sigma2 (1/L) sum_i 1/m_i`` (1/L where mu0 is given).
 
+Coordinates with per-client precision scales (block B below; PFNM's output weights, scaled by class shares) are
+on a scale of their own -- trained output weights spread about ten times as much as input weights -- so a layer that
+has both kinds gets a second pair, ``sigma2_scaled`` and ``sigma0_2_scaled``, for them (sigma2 and sigma0_2 come from
+the coordinates with every scale 1, where the formulas above apply as written; a given sigma2 or sigma0_2 fixes both
+of its pair). sigma2_scaled is the within-atom formula on those coordinates. For sigma0_2_scaled the unweighted
+formula would be useless: W_id is a sum of scales that may be far below 1, so an atom mean's noise sigma2 / W_id can
+be far above sigma0_2 and the estimate the difference of two large numbers. It takes the weighted moment estimate of
+random-effects meta-analysis instead (DerSimonian & Laird 1986): with ``w_i = W_id / sigma2_scaled`` over the atoms
+with data on d, ``Q_d = sum_i w_i (xbar_id - xbar_wd)^2`` (xbar_wd the w-weighted mean) has expectation ``(L_d - 1)
++ sigma0_2_scaled (sum_i w_i - sum_i w_i^2 / sum_i w_i)``, so ``sigma0_2_scaled = sum_d (Q_d - (L_d - 1)) / sum_d
+(sum_i w_i - sum_i w_i^2 / sum_i w_i)`` (about a given mu0_d: ``Q_d`` about it, ``L_d`` and ``sum_i w_i``): an atom
+whose mean is mostly noise gets little weight. (With equal W_id it is the unweighted formula.) A layer with no
+coordinate of all scales 1 estimates sigma2 and sigma0_2 this way.
+
 With ``noise="per-client"`` client j has its own noise variance sigma2_j, entering as the scale ``r_j = sigma2 /
 sigma2_j`` on its precision row (``q_jd = s_jd r_j``), so that a noisier client counts for less. Its leverage in
 xbar_id is ``q_jd / W_id``, so ``E[sum_{l,d} s_jd (v_jld - xbar_id)^2] = sigma2_j sum_{l,d} (1 - q_jd / W_id)``
 (sums over its neurons, on coordinates with s_jd > 0) and ``sigma2_j`` is the ratio of the two sums; sigma2 is then
 the value whose precision is their average, ``sum_j e_j / sum_j (e_j / sigma2_j)``, e_j the second sum (client j's
-residual degrees of freedom). The identities (within) are the sums of the per-client ones over j, so with equal
-noise both modes estimate the same sigma2. As the weights depend on the sigma2_j, each estimate is one step of a
+residual degrees of freedom; from the coordinates with every scale 1, when there are any; client j's noise is then
+``sigma2_scaled / r_j`` on the others). The identities (within) are the sums of the per-client ones over j, so with
+equal noise both modes estimate the same sigma2. As the weights depend on the sigma2_j, each estimate is one step of a
 fixed-point iteration that the alternation continues.
 
 Degenerate cases. No atom with two members (every neuron alone): sigma2 is not estimable and keeps its previous
 value (with per-client noise, a client with no neuron on a shared atom gets the shared sigma2). Fewer than two atoms
 with data on every coordinate (one atom, with mu0 estimated): sigma0_2 keeps its previous value. A coordinate on
 which every client has precision 0 carries no data and is skipped (mu0 there keeps its starting value). A client
-without neurons counts in J (in H_J) and nowhere else. Class shares on the output coordinates enter as the s_jd.
+without neurons counts in J (in H_J) and nowhere else. Class shares on the output coordinates enter as the s_jd,
+and those coordinates get their own variances (above).
 Each case is recorded in ``MatchResult.notes``. sigma2 is floored at ``SIGMA2_FLOOR`` times the pooled variance of
 the neurons (when every atom's members agree exactly).
 
 The iteration starts from ``start`` or, for what it does not give, from the pooled moments of all the neurons: mu0_d
 their mean on coordinate d, ``sigma2 = sigma0_2 = T / 2`` with T their pooled variance (no split of the variance
-between signal and noise assumed), and gamma0 the mean number of neurons per client (under the IBP every client
+between signal and noise assumed; the scaled pair from the scaled coordinates' pooled variance), and gamma0 the mean number of neurons per client (under the IBP every client
 uses gamma0 atoms on average). Splitting evenly errs on the side of merging, the side the iteration recovers from:
 a start far below the noise can leave every neuron alone, where sigma2 is not estimable. It stops when a sweep
 changed no assignment and no estimate moved by more than ``EB_RTOL`` (relative; mu0 relative to sqrt(sigma0_2)), or
@@ -195,16 +211,19 @@ class MatchResult:
     :param float lsa_seconds: part of ``seconds`` spent inside ``linear_sum_assignment``.
     :param list rematches: one ``(client, L_j, L)`` per client (re-)matching, L the atoms it was scored against.
     :param dict hyperparameters: the final values, estimated or given: ``"mu0"`` a (D,) tensor, ``"sigma0_2"``,
-        ``"sigma2"``, ``"gamma0"`` floats; with ``noise="per-client"`` also ``"sigma2_per_client"``, a (J,) tensor of
-        the sigma2_j (client j's precision row is then ``s_j * sigma2 / sigma2_j``: passing those rows as
-        ``precisions`` with the same sigma2 to :func:`assignment_objective` scores the same model).
+        ``"sigma2"``, ``"gamma0"`` floats; under empirical Bayes, for a layer with coordinates of per-client
+        precision scales (PFNM's output weights) beside coordinates of scale 1, also ``"sigma0_2_scaled"`` and
+        ``"sigma2_scaled"``, the variances on the former (module docstring); with ``noise="per-client"`` also
+        ``"sigma2_per_client"``, a (J,) tensor of the sigma2_j (client j's precision row is then ``s_j * sigma2 /
+        sigma2_j``, and ``s_j * sigma2_scaled / sigma2_j`` on the scaled coordinates).
     :param list hyperparameter_history: the values (dicts as ``hyperparameters``) after the first assignment and
         after every sweep; the last entry is ``hyperparameters``. With fixed hyper-parameters every entry holds the
         given values (as many as ``objective``).
     :param bool converged: empirical Bayes: whether a sweep changed no assignment and moved no estimate (by more than
         ``EB_RTOL``) before the sweep limit; always True with fixed hyper-parameters.
     :param tuple estimated: names of the estimated hyper-parameters, in the order ``("mu0", "sigma0_2", "sigma2",
-        "gamma0")``; ``()`` with fixed ones. ``"mu0"`` is listed when any coordinate of it was estimated.
+        "gamma0", "sigma0_2_scaled", "sigma2_scaled")``; ``()`` with fixed ones. ``"mu0"`` is listed when any
+        coordinate of it was estimated.
     :param list notes: what the estimation had to fall back on (see the module docstring's degenerate cases), and
         whether it stopped at the sweep limit; empty with fixed hyper-parameters.
     :param int sweeps_run: sweeps actually run after the first assignment.
@@ -316,13 +335,14 @@ def _validate_start(start, given: Mapping[str, object], D: int, J: int, noise: s
     if not isinstance(start, Mapping):
         raise ValueError(f"start: expected a dict of starting values (keys among {list(_NAMES)}), got "
                          f"{type(start).__name__}")
-    allowed = _NAMES + (("sigma2_per_client",) if noise == "per-client" else ())
+    allowed = _NAMES + ("sigma0_2_scaled", "sigma2_scaled") + (("sigma2_per_client",) if noise == "per-client" else ())
     out = {}
     for name, value in start.items():
         if name not in allowed:
             raise ValueError(f"start: expected keys among {list(allowed)}, got {name!r}")
-        if name in given and given[name] is not None:
-            raise ValueError(f"start[{name!r}]: {name} is given (held fixed), so it has no starting value; pass it "
+        base = name.removesuffix("_scaled")
+        if base in given and given[base] is not None:
+            raise ValueError(f"start[{name!r}]: {base} is given (held fixed), so it has no starting value; pass it "
                              f"in one place")
         if name == "mu0":
             out[name] = _validate_mu0(value, D)
@@ -383,12 +403,17 @@ class _LayerMatcher:
 
     # --- hyper-parameters -------------------------------------------------------------------------------------------
     def set_hyperparameters(self, *, sigma2: float, sigma0_2: float, gamma0: float, mu0: np.ndarray,
-                            client_scales: np.ndarray | None = None) -> None:
+                            client_scales: np.ndarray | None = None, sigma2_scaled: float | None = None,
+                            sigma0_2_scaled: float | None = None) -> None:
         """Score with these values from now on: the per-client contributions are recomputed and the per-atom
         statistics rebuilt from the current assignment (O(N D)); nothing happens if the values are unchanged.
-        ``client_scales``: r_j = sigma2 / sigma2_j per client (default all 1)."""
+        ``client_scales``: r_j = sigma2 / sigma2_j per client (default all 1); ``sigma2_scaled``,
+        ``sigma0_2_scaled``: the variances on block B (default sigma2, sigma0_2)."""
         r = np.ones(self.J) if client_scales is None else np.asarray(client_scales, dtype=np.float64)
-        key = (float(sigma2), float(sigma0_2), float(gamma0), mu0.tobytes(), r.tobytes())
+        sigma2_scaled = sigma2 if sigma2_scaled is None else sigma2_scaled
+        sigma0_2_scaled = sigma0_2 if sigma0_2_scaled is None else sigma0_2_scaled
+        key = (float(sigma2), float(sigma0_2), float(gamma0), mu0.tobytes(), r.tobytes(), float(sigma2_scaled),
+               float(sigma0_2_scaled))
         if key == self.hyper:
             return
         self.hyper = key
@@ -398,14 +423,15 @@ class _LayerMatcher:
         self.tauj = r * tau  # block-A noise precision of each client
         self.tau_neuron = np.repeat(self.tauj, self.L)
         self.P0 = P0 = 1.0 / sigma0_2
-        g0 = mu0 * P0
-        self.g0A, self.g0B = g0[A].copy(), g0[self.B].copy()
+        self.P0B = 1.0 / sigma0_2_scaled
+        self.g0A, self.g0B = (mu0 * P0)[A].copy(), (mu0 * self.P0B)[self.B].copy()
         self.g0A_sq = float(self.g0A @ self.g0A)
         # per-client natural-parameter contributions x = w * v (w = s r / sigma2) and precisions w on block B
         self.xA = [np.ascontiguousarray(v * self.tauj[j]) for j, v in enumerate(self.vA)]
         self.xA_sq = [np.einsum("ld,ld->l", x, x) for x in self.xA]
         self.g0x = [x @ self.g0A for x in self.xA]  # cross term of each neuron with an empty (prior-only) atom
-        self.wB = [(self.sB[j] * r[j]) * tau for j in range(J)]
+        tau_scaled = 1.0 / sigma2_scaled
+        self.wB = [(self.sB[j] * r[j]) * tau_scaled for j in range(J)]
         self.xB = [np.ascontiguousarray(v * self.wB[j]) for j, v in enumerate(self.vB)]
         self.log_new = 2.0 * math.log(gamma0 / J)
         self.new_scores = [self._new_atom_scores(j) for j in range(J)]
@@ -419,7 +445,7 @@ class _LayerMatcher:
         cap = max(2 * max(self.L), 64)
         self.gA = np.tile(self.g0A, (cap, 1))
         self.gB = np.tile(self.g0B, (cap, 1))
-        self.PB = np.full((cap, len(self.B)), self.P0)
+        self.PB = np.full((cap, len(self.B)), self.P0B)
         self.gA_sq = np.full(cap, self.g0A_sq)
         self.m = np.zeros(cap, dtype=np.int64)
         self.rsum = np.zeros(cap)  # sum of the members' r_j: block-A precision P0 + tau * rsum
@@ -436,7 +462,7 @@ class _LayerMatcher:
         extra = new_cap - cap
         self.gA = np.vstack([self.gA, np.tile(self.g0A, (extra, 1))])
         self.gB = np.vstack([self.gB, np.tile(self.g0B, (extra, 1))])
-        self.PB = np.vstack([self.PB, np.full((extra, len(self.B)), self.P0)])
+        self.PB = np.vstack([self.PB, np.full((extra, len(self.B)), self.P0B)])
         self.gA_sq = np.concatenate([self.gA_sq, np.full(extra, self.g0A_sq)])
         self.m = np.concatenate([self.m, np.zeros(extra, dtype=np.int64)])
         self.rsum = np.concatenate([self.rsum, np.zeros(extra)])
@@ -486,7 +512,7 @@ class _LayerMatcher:
             self.gB[kept] -= self.xB[j][keep]
             self.PB[kept] -= self.wB[j]
             self.gB[empty] = self.g0B
-            self.PB[empty] = self.P0
+            self.PB[empty] = self.P0B
         self.free.extend(int(r) for r in empty)
         return np.flatnonzero(keep), kept
 
@@ -498,12 +524,13 @@ class _LayerMatcher:
         new = (self.xA_sq[j] + 2.0 * (xA @ self.g0A)) / (P0 + tau) + self.g0A_sq * (1.0 / (P0 + tau) - 1.0 / P0)
         if len(self.B):
             w = self.wB[j]
-            new = new + (((self.xB[j] + self.g0B) ** 2) / (P0 + w) - self.g0B ** 2 / P0).sum(axis=1)
+            P0B = self.P0B
+            new = new + (((self.xB[j] + self.g0B) ** 2) / (P0B + w) - self.g0B ** 2 / P0B).sum(axis=1)
         new = new + self.log_new
         if self.marginal:
             new -= len(self.A) * math.log1p(tau / P0)
             if len(self.B):
-                new -= np.log1p(self.wB[j] / P0).sum()
+                new -= np.log1p(self.wB[j] / self.P0B).sum()
         return new
 
     def scores(self, j: int, cross: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -645,12 +672,12 @@ class _LayerMatcher:
         F = float((self.gA_sq[active] / P).sum() - active.size * self.g0A_sq / self.P0)
         if len(self.B):
             gB, PB = self.gB[active], self.PB[active]
-            F += float((gB ** 2 / PB).sum() - active.size * (self.g0B ** 2).sum() / self.P0)
+            F += float((gB ** 2 / PB).sum() - active.size * (self.g0B ** 2).sum() / self.P0B)
         F += active.size * self.log_new + float(self.pop_cum[m].sum())
         if self.marginal:
             F -= float(len(self.A) * np.log(P / self.P0).sum())
             if len(self.B):
-                F -= float(np.log(self.PB[active] / self.P0).sum())
+                F -= float(np.log(self.PB[active] / self.P0B).sum())
         return F
 
     def result(self, objective: list[float], seconds: float, dtype, **extra) -> MatchResult:
@@ -686,8 +713,9 @@ def _harmonic(J: int) -> float:
 
 class _EmpiricalBayes:
     """Starting values and moment estimates (module docstring, *Empirical Bayes*) of the hyper-parameters that are
-    not given; ``values`` dicts hold ``mu0`` ((D,) array), ``sigma0_2``, ``sigma2``, ``gamma0`` and ``r`` ((J,)
-    client noise scales sigma2 / sigma2_j, all 1 with shared noise)."""
+    not given; ``values`` dicts hold ``mu0`` ((D,) array), ``sigma0_2``, ``sigma2``, ``gamma0``, ``r`` ((J,) client
+    noise scales sigma2 / sigma2_j, all 1 with shared noise) and ``sigma0_2_scaled``, ``sigma2_scaled`` (block B's
+    variances; equal to sigma0_2, sigma2 unless the layer has both blocks)."""
 
     def __init__(self, matcher: _LayerMatcher, given: Mapping[str, float], mu0: np.ndarray, mu0_free: np.ndarray,
                  noise: str, start: Mapping[str, object]):
@@ -695,12 +723,8 @@ class _EmpiricalBayes:
         self.given = dict(given)
         self.mu0_free = mu0_free
         self.per_client = noise == "per-client"
-        names = [n for n in _NAMES if n != "mu0" and n not in given]
-        self.estimated = (("mu0",) if mu0_free.any() else ()) + tuple(names)
         self.notes: list[str] = []
         J, A, B = mt.J, mt.A, mt.B
-        self.H_J = _harmonic(J)
-        self.ones = np.ones(J)
         # pooled moments of all the neurons (entries with s_jd > 0): the data-driven start and the scale of the floor
         N = int(mt.offsets[-1])
         total = np.zeros(mt.D)
@@ -713,48 +737,61 @@ class _EmpiricalBayes:
             count[B] += seen * mt.L[j]
         self.silent = np.flatnonzero(count == 0)  # coordinates no client has data on
         mean = np.divide(total, count, out=np.zeros(mt.D), where=count > 0)
-        ss = sum(float(((v - mean[A]) ** 2).sum()) for v in mt.vA)
-        for j in range(J):
-            ss += float(((mt.vB[j] - mean[B]) ** 2 * (mt.sB[j] > 0)).sum())
-        dof = float(np.maximum(count - 1, 0).sum())
-        T = ss / dof if dof > 0 else 0.0
+        ssA = sum(float(((v - mean[A]) ** 2).sum()) for v in mt.vA)
+        ssB = sum(float(((mt.vB[j] - mean[B]) ** 2 * (mt.sB[j] > 0)).sum()) for j in range(J))
+        dof = np.maximum(count - 1, 0)
+        dofA, dofB = float(dof[A].sum()), float(dof[B].sum())
+        TA = ssA / dofA if dofA > 0 else 0.0
+        TB = ssB / dofB if dofB > 0 else 0.0
+        # block B gets its own variances when the layer has both blocks and B carries data
+        self.two_blocks = bool(len(A)) and dofB > 0
+        T = TA if len(A) else TB
         if not T > 0:
             self.note("the neurons have no spread (pooled variance 0): the start uses sigma2 = sigma0_2 = 1")
             T = 2.0
+        if not TB > 0:
+            TB = T
         self.pooled_variance = T
+        self.pooled_variance_scaled = TB
+        names = [n for n in ("sigma0_2", "sigma2", "gamma0") if n not in given]
+        scaled = [n + "_scaled" for n in ("sigma0_2", "sigma2") if n not in given] if self.two_blocks else []
+        self.estimated = (("mu0",) if mu0_free.any() else ()) + tuple(names) + tuple(scaled)
         if self.silent.size:
             self.note(f"{self.silent.size} coordinate(s) with precision 0 at every client (first: "
                       f"{int(self.silent[0])}) carry no data: skipped; mu0 there keeps its starting value")
         empty = [j for j in range(J) if mt.L[j] == 0]
         if empty:
             self.note(f"client(s) {empty} hold no neurons: counted in J (H_J), nowhere else")
-        default = dict(mu0=mean, sigma0_2=T / 2, sigma2=T / 2, gamma0=N / J)
-        start_mu0 = start.get("mu0", default["mu0"])
-        self.start = dict(
-            mu0=np.where(mu0_free, start_mu0, mu0),
-            **{n: given[n] if n in given else start.get(n, default[n]) for n in ("sigma0_2", "sigma2", "gamma0")},
-        )
-        if self.per_client:
-            s2j = start.get("sigma2_per_client")
-            if s2j is None:
-                self.start["r"] = self.ones.copy()
+        default = dict(mu0=mean, sigma0_2=T / 2, sigma2=T / 2, gamma0=N / J, sigma0_2_scaled=TB / 2,
+                       sigma2_scaled=TB / 2)
+        values = dict(mu0=np.where(mu0_free, start.get("mu0", default["mu0"]), mu0))
+        for n in ("sigma0_2", "sigma2", "gamma0"):
+            values[n] = given[n] if n in given else start.get(n, default[n])
+        for n in ("sigma0_2", "sigma2"):
+            if not self.two_blocks or n in given:
+                values[n + "_scaled"] = values[n]
             else:
-                self.start["r"] = self._harmonic_level(s2j, np.maximum(np.array(mt.L, dtype=float), 1e-300)) / s2j
-        else:
-            self.start["r"] = self.ones
+                values[n + "_scaled"] = start.get(n + "_scaled", default[n + "_scaled"])
+        values["r"] = np.ones(J)
+        if self.per_client and start.get("sigma2_per_client") is not None:
+            s2j = start["sigma2_per_client"]
+            values["sigma2"] = self._level(s2j, np.maximum(np.array(mt.L, dtype=float), 1e-300))
+            values["r"] = values["sigma2"] / s2j
+        self.start = values
 
     def note(self, message: str) -> None:
         if message not in self.notes:
             self.notes.append(message)
 
     @staticmethod
-    def _harmonic_level(sigma2_j: np.ndarray, weights: np.ndarray) -> float:
+    def _level(sigma2_j: np.ndarray, weights: np.ndarray) -> float:
         """The sigma2 whose precision is the weighted mean of the 1 / sigma2_j."""
         return float(weights.sum() / (weights / sigma2_j).sum())
 
     def _moments(self, labels: list[np.ndarray], L: int, r: np.ndarray):
         """Per-atom weights W and weighted means xbar (block A: W one number per atom, as s = 1 there), and each
-        client's residual sum of squares ``num_j`` and its degrees of freedom ``den_j`` (E[num_j] = sigma2_j den_j)."""
+        client's residual sums of squares ``num`` and their degrees of freedom ``den`` on block A and on block B
+        (E[num_j] = sigma2_j den_j)."""
         mt = self.mt
         J, A, B = mt.J, mt.A, mt.B
         WA = np.zeros(L)
@@ -772,20 +809,40 @@ class _EmpiricalBayes:
                     SB[a] += qB[j] * mt.vB[j]
         xbarA = SA / WA[:, None]
         xbarB = np.divide(SB, WB, out=np.zeros_like(SB), where=WB > 0)
-        num, den = np.zeros(J), np.zeros(J)
+        num, den = np.zeros((2, J)), np.zeros((2, J))
         for j in range(J):
             a = labels[j]
             if not a.size:
                 continue
-            res = mt.vA[j] - xbarA[a]
-            num[j] = float(np.einsum("ld,ld->", res, res))
-            den[j] = len(A) * float((1.0 - r[j] / WA[a]).sum())
+            if len(A):
+                res = mt.vA[j] - xbarA[a]
+                num[0, j] = float(np.einsum("ld,ld->", res, res))
+                den[0, j] = len(A) * float((1.0 - r[j] / WA[a]).sum())
             if len(B):
                 seen = mt.sB[j] > 0
-                num[j] += float((mt.sB[j] * (mt.vB[j] - xbarB[a]) ** 2).sum())
+                num[1, j] = float((mt.sB[j] * (mt.vB[j] - xbarB[a]) ** 2).sum())
                 lev = np.divide(qB[j], WB[a], out=np.ones_like(WB[a]), where=WB[a] > 0)
-                den[j] += float(((1.0 - lev) * seen).sum())
+                den[1, j] = float(((1.0 - lev) * seen).sum())
         return WA, xbarA, WB, xbarB, num, np.maximum(den, 0.0)  # 1 - r / W is 0 for a lone member, up to rounding
+
+    def _between_B(self, WB, xbarB, mu0B, freeB, sigma2_b) -> float | None:
+        """sigma0_2 on block B by the weighted moment estimate of random-effects meta-analysis (DerSimonian & Laird
+        1986): per coordinate the held atoms' means x_i with noise variances v_i = sigma2_b / W_id, weights
+        w_i = 1 / v_i, ``Q = sum_i w_i (x_i - xbar_w)^2`` (about mu0_d where it is given) has expectation
+        ``(k - 1) + sigma0_2 (sum w - sum w^2 / sum w)`` (``k + sigma0_2 sum w`` about a given mu0_d); pooled over
+        the coordinates. Atoms whose mean is mostly noise (W_id << 1) get little weight. None if not estimable."""
+        held = WB > 0
+        w = np.where(held, WB, 0.0) / sigma2_b
+        sw = w.sum(axis=0)
+        k = held.sum(axis=0).astype(float)
+        xw = np.divide((w * xbarB).sum(axis=0), sw, out=np.zeros_like(sw), where=sw > 0)
+        centre = np.where(freeB, xw, mu0B)
+        Q = (w * (xbarB - centre) ** 2).sum(axis=0)
+        dof = np.where(freeB, np.maximum(k - 1, 0), k)
+        c = np.where(freeB, sw - np.divide((w ** 2).sum(axis=0), sw, out=np.zeros_like(sw), where=sw > 0), sw)
+        if c.sum() <= 0 or dof.sum() <= 0:
+            return None
+        return float((Q - dof).sum() / c.sum())
 
     def update(self, current: dict) -> dict:
         """The estimates at the matcher's current assignment; the current values where not estimable. With
@@ -797,17 +854,18 @@ class _EmpiricalBayes:
         WA, xbarA, WB, xbarB, num, den = self._moments(labels, L, r)
         out = dict(current)
         floor2 = SIGMA2_FLOOR * self.pooled_variance
+        main = 0 if len(A) else 1  # the block sigma2 comes from: A when there is one
         # sigma2 (and sigma2_j)
         if "sigma2" in self.estimated:
-            ok = den > 1e-9 * np.maximum(np.array(mt.L, dtype=float) * mt.D, 1.0)
+            ok = den[main] > 1e-9 * np.maximum(np.array(mt.L, dtype=float) * mt.D, 1.0)
             if not ok.any():
                 self.note("sigma2 not estimable (no atom has two members: every neuron is alone): the previous "
                           "value was kept (a start far below the noise can stay there; the data-driven start does "
                           "not)")
             elif self.per_client:
                 for _ in range(100):  # the weights depend on the sigma2_j: a contraction (by about 1 / m)
-                    s2j = np.maximum(num[ok] / den[ok], floor2)
-                    sigma2 = self._harmonic_level(s2j, den[ok])
+                    s2j = np.maximum(num[main, ok] / den[main, ok], floor2)
+                    sigma2 = self._level(s2j, den[main, ok])
                     sigma2_j = np.full(J, sigma2)
                     sigma2_j[ok] = s2j
                     r_new = sigma2 / sigma2_j
@@ -822,12 +880,21 @@ class _EmpiricalBayes:
                               "another client): the shared sigma2 was used for them")
                 out["sigma2"], out["r"] = sigma2, r
             else:
-                sigma2 = float(num.sum() / den.sum())
+                sigma2 = float(num[main].sum() / den[main].sum())
                 if sigma2 < floor2:
                     self.note(f"sigma2 floored at SIGMA2_FLOOR = {SIGMA2_FLOOR:g} times the pooled variance of the "
                               "neurons (the members of every atom agree)")
                     sigma2 = floor2
                 out["sigma2"] = sigma2
+        if "sigma2_scaled" in self.estimated:
+            if den[1].sum() > 1e-9:
+                out["sigma2_scaled"] = max(float((r * num[1]).sum() / den[1].sum()),
+                                           SIGMA2_FLOOR * self.pooled_variance_scaled)
+            else:
+                self.note("sigma2_scaled not estimable (no atom has two members with data on the coordinates with "
+                          "per-client precision scales): the previous value was kept")
+        elif not self.two_blocks or "sigma2" in self.given:
+            out["sigma2_scaled"] = out["sigma2"]
         sigma2 = out["sigma2"]
         # mu0: the mean of the atom means, per coordinate (atoms with data on it)
         mu0 = current["mu0"].copy()
@@ -843,37 +910,44 @@ class _EmpiricalBayes:
             out["mu0"] = mu0
         # sigma0_2: between-atom variance less the noise's share, k_d = L_d - 1 (mu0_d estimated) or L_d (given)
         if "sigma0_2" in self.estimated:
-            freeA = free[A]
-            devA = ((xbarA - mu0[A]) ** 2).sum(axis=0)  # (|A|,)
-            kA = np.where(freeA, L - 1, L).astype(float)
-            between = float(devA.sum())
-            noise_share = float((kA / L).sum() * (1.0 / WA).sum())
-            k = float(kA.sum())
-            if len(B):
-                held = WB > 0
-                LB = held.sum(axis=0)
-                kB = np.maximum(np.where(free[B], LB - 1, LB), 0).astype(float)
-                between += float((((xbarB - mu0[B]) ** 2) * held).sum())
-                invW = np.divide(1.0, WB, out=np.zeros_like(WB), where=held).sum(axis=0)
-                noise_share += float((np.divide(kB, LB, out=np.zeros_like(kB), where=LB > 0) * invW).sum())
-                k += float(kB.sum())
-            if k <= 0:
+            if len(A):
+                kA = np.where(free[A], L - 1, L).astype(float)
+                between = float(((xbarA - mu0[A]) ** 2).sum())
+                noise_share = float((kA / L).sum() * (1.0 / WA).sum())
+                k = float(kA.sum())
+                sigma0_2 = (between - sigma2 * noise_share) / k if k > 0 else None
+            else:
+                sigma0_2 = self._between_B(WB, xbarB, mu0[B], free[B], sigma2)
+            if sigma0_2 is None:
                 self.note("sigma0_2 not estimable (fewer than two atoms carry data on every coordinate, and mu0 is "
                           "estimated from them): the previous value was kept")
             else:
-                sigma0_2 = (between - sigma2 * noise_share) / k
                 if sigma0_2 < SIGMA0_2_FLOOR * sigma2:
                     self.note(f"sigma0_2 floored at SIGMA0_2_FLOOR * sigma2 (SIGMA0_2_FLOOR = {SIGMA0_2_FLOOR:g}): "
                               "the atom means spread no more than the noise alone explains")
                     sigma0_2 = SIGMA0_2_FLOOR * sigma2
                 out["sigma0_2"] = float(sigma0_2)
+        if "sigma0_2_scaled" in self.estimated:
+            s2b = out["sigma2_scaled"]
+            tau2 = self._between_B(WB, xbarB, mu0[B], free[B], s2b)
+            if tau2 is None:
+                self.note("sigma0_2_scaled not estimable (fewer than two atoms carry data on the coordinates with "
+                          "per-client precision scales): the previous value was kept")
+            else:
+                if tau2 < SIGMA0_2_FLOOR * s2b:
+                    self.note("sigma0_2_scaled floored at SIGMA0_2_FLOOR * sigma2_scaled: the atom means spread no "
+                              "more than the noise alone explains there")
+                    tau2 = SIGMA0_2_FLOOR * s2b
+                out["sigma0_2_scaled"] = float(tau2)
+        elif not self.two_blocks or "sigma0_2" in self.given:
+            out["sigma0_2_scaled"] = out["sigma0_2"]
         if "gamma0" in self.estimated:
-            out["gamma0"] = L / self.H_J
+            out["gamma0"] = L / _harmonic(J)
         return out
 
     def close(self, new: dict, old: dict) -> bool:
         """Whether no estimate moved by more than EB_RTOL."""
-        for name in ("sigma0_2", "sigma2", "gamma0"):
+        for name in ("sigma0_2", "sigma2", "gamma0", "sigma0_2_scaled", "sigma2_scaled"):
             if abs(new[name] - old[name]) > EB_RTOL * abs(old[name]):
                 return False
         if np.abs(new["mu0"] - old["mu0"]).max(initial=0.0) > EB_RTOL * math.sqrt(new["sigma0_2"]):
@@ -882,11 +956,15 @@ class _EmpiricalBayes:
 
     def matcher_values(self, values: dict) -> dict:
         return dict(sigma2=values["sigma2"], sigma0_2=values["sigma0_2"], gamma0=values["gamma0"], mu0=values["mu0"],
-                    client_scales=values["r"] if self.per_client else None)
+                    client_scales=values["r"] if self.per_client else None,
+                    sigma2_scaled=values["sigma2_scaled"], sigma0_2_scaled=values["sigma0_2_scaled"])
 
     def public(self, values: dict, dtype) -> dict:
         out = dict(mu0=torch.as_tensor(values["mu0"], dtype=dtype), sigma0_2=float(values["sigma0_2"]),
                    sigma2=float(values["sigma2"]), gamma0=float(values["gamma0"]))
+        if self.two_blocks:
+            out["sigma0_2_scaled"] = float(values["sigma0_2_scaled"])
+            out["sigma2_scaled"] = float(values["sigma2_scaled"])
         if self.per_client:
             out["sigma2_per_client"] = torch.as_tensor(values["sigma2"] / values["r"], dtype=torch.float64)
         return out
@@ -1024,8 +1102,9 @@ def match_layer(
     :param str hyperparameters: ``"empirical-bayes"`` (default): estimate the hyper-parameters not given, with the
         marginal objective; ``"fixed"``: use the given ones (sigma2, sigma0_2 and gamma0 required).
     :param dict start: empirical Bayes: starting values of some estimated hyper-parameters (keys ``"mu0"``,
-        ``"sigma0_2"``, ``"sigma2"``, ``"gamma0"``, and ``"sigma2_per_client"`` with per-client noise); the others
-        start from the pooled moments of the neurons (module docstring). Only the first assignment depends on it.
+        ``"sigma0_2"``, ``"sigma2"``, ``"gamma0"``, ``"sigma0_2_scaled"``, ``"sigma2_scaled"``, and
+        ``"sigma2_per_client"`` with per-client noise); the others start from the pooled moments of the neurons
+        (module docstring). Only the first assignment depends on it.
     :param str noise: ``"shared"`` (default): one sigma2; ``"per-client"`` (empirical Bayes, sigma2 not given): one
         sigma2_j per client, estimated from its own within-atom residuals and entering as the scale
         ``sigma2 / sigma2_j`` on its precision row, so that a noisier client counts for less.

@@ -23,7 +23,8 @@ coordinates. For one hidden layer both orders give the same vectors ``[W_in, b, 
 The global network's weights are posterior means; the output bias is the class-share-weighted posterior mean of the
 clients' output biases, ``b_out_k = (bias_mu0/sigma0_2 + sum_j share_jk b_out_jk / sigma2) / (1/sigma0_2 +
 sum_j share_jk / sigma2)`` (the reference's ``process_softmax_bias``), with the last hidden layer's final sigma2 and
-sigma0_2, estimated or given (with per-client noise, client j's ``sigma2_j`` in place of sigma2).
+sigma0_2, estimated or given: those of the output weights (``sigma2_scaled``, ``sigma0_2_scaled``) when that layer
+has its own for them, and with per-client noise client j's noise in place of sigma2.
 
 Hyper-parameters. By default (``hyperparameters="empirical-bayes"``) every hidden layer's matching estimates its own
 mu0 (per coordinate), sigma0_2, sigma2 and gamma0 from the clients' neurons (:func:`~bnpfed.inference.match_layer`);
@@ -285,12 +286,12 @@ def match_networks(
         >>> result.network()(torch.zeros(5, 4)).shape
         torch.Size([5, 2])
 
-    By default each hidden layer's hyper-parameters are estimated from the clients' weights (here the two copies
-    agree exactly, so the noise estimate is at its floor and sigma0_2 is the spread of the three neurons)::
+    By default each hidden layer's hyper-parameters are estimated from the clients' weights (the output weights,
+    seen at the class shares' precision, get their own variances, ``*_scaled``)::
 
         >>> estimated = match_networks([net, shuffled], counts, seed=0)
-        >>> estimated.hidden_sizes, sorted(estimated.hyperparameters[0])
-        ([3], ['gamma0', 'mu0', 'sigma0_2', 'sigma2'])
+        >>> estimated.hidden_sizes, estimated.layer_results[0].estimated
+        ([3], ('mu0', 'sigma0_2', 'sigma2', 'gamma0', 'sigma0_2_scaled', 'sigma2_scaled'))
 
     The next communication round starts every client from its slice of the global network; warm-started from this
     match, and with no sweeps, the round-2 matching returns the same assignment::
@@ -432,12 +433,17 @@ def match_networks(
     last = per_layer[-1]
     s2 = last.get("sigma2", sig[-1] if sig[-1] is not None else 1.0)
     s02 = last.get("sigma0_2", sig0[-1] if sig0[-1] is not None else 1.0)
+    # the output bias is seen at the class shares' precision, as the output weights: their variances when they have
+    # their own (the coordinates with per-client precision scales, see match_layer)
+    s2_out = last.get("sigma2_scaled", s2)
+    s02 = last.get("sigma0_2_scaled", s02)
     b_out = torch.stack([layers[j][K][1] for j in range(J)])
     if "sigma2_per_client" in last:
-        w = shares / torch.as_tensor(last["sigma2_per_client"], dtype=torch.float64)[:, None]
+        noise_var = torch.as_tensor(last["sigma2_per_client"], dtype=torch.float64)[:, None] * (s2_out / s2)
+        w = shares / noise_var
         weighted, precision = (w * b_out).sum(0), w.sum(0)  # sum_j share_jk b_jk / sigma2_j, sum_j share_jk / sigma2_j
     else:
-        weighted, precision = (shares * b_out).sum(0) / s2, shares.sum(0) / s2
+        weighted, precision = (shares * b_out).sum(0) / s2_out, shares.sum(0) / s2_out
     if bias_mus[-1] is not None:
         b_mu0 = float(bias_mus[-1])
     else:  # the mean over the classes of each class's precision-weighted mean of the clients' biases
