@@ -125,14 +125,14 @@ value (with per-client noise, a client with no neuron on a shared atom gets the 
 with data on every coordinate (one atom, with mu0 estimated): sigma0_2 keeps its previous value. A coordinate on
 which every client has precision 0 carries no data and is skipped (mu0 there keeps its starting value). A client
 without neurons counts in J (in H_J) and nowhere else. Class shares on the output coordinates enter as the s_jd,
-and those coordinates get their own variances (above).
-Each case is recorded in ``MatchResult.notes``. sigma2 is floored at ``SIGMA2_FLOOR`` times the pooled variance of
-the neurons (when every atom's members agree exactly).
+and those coordinates get their own variances (above). Each case is recorded in ``MatchResult.notes``. sigma2 is
+floored at ``SIGMA2_FLOOR`` times the pooled variance of the neurons (when every atom's members agree exactly).
 
 The iteration starts from ``start`` or, for what it does not give, from the pooled moments of all the neurons: mu0_d
 their mean on coordinate d, ``sigma2 = sigma0_2 = T / 2`` with T their pooled variance (no split of the variance
-between signal and noise assumed; the scaled pair from the scaled coordinates' pooled variance), and gamma0 the mean number of neurons per client (under the IBP every client
-uses gamma0 atoms on average). Splitting evenly errs on the side of merging, the side the iteration recovers from:
+between signal and noise assumed; the scaled pair likewise from the scaled coordinates), and gamma0 the mean number
+of neurons per client (under the IBP every client uses gamma0 atoms on average). Splitting evenly errs on the side
+of merging, the side the iteration recovers from:
 a start far below the noise can leave every neuron alone, where sigma2 is not estimable. It stops when a sweep
 changed no assignment and no estimate moved by more than ``EB_RTOL`` (relative; mu0 relative to sqrt(sigma0_2)), or
 after ``sweeps`` sweeps (``MatchResult.converged`` False). With the estimates held fixed a sweep never lowers F_marg;
@@ -481,11 +481,13 @@ class _LayerMatcher:
     #   joining:  ||g + x||^2 = ||g||^2 + 2 g.x + ||x||^2      (g before the join)
     #   leaving:  ||g - x||^2 = ||g||^2 - 2 (g - x).x - ||x||^2 (g - x after the leave)
     # so neither costs a pass over the (L_j, D) block beyond the update of g itself.
-    def add(self, j: int, rows: np.ndarray, cross: np.ndarray | None = None):
-        """Put client j's neurons on atom ``rows``; ``cross[l] = g_rows[l] . x_l`` before the update, if known."""
+    def add(self, j: int, rows: np.ndarray, cross: np.ndarray | None = None, *, norms: bool = True):
+        """Put client j's neurons on atom ``rows``; ``cross[l] = g_rows[l] . x_l`` before the update, if known
+        (``norms=False``: leave ||g_A||^2 to the caller)."""
         self.gA[rows] += self.xA[j]
         if cross is None:
-            self.gA_sq[rows] = np.einsum("ld,ld->l", self.gA[rows], self.gA[rows])
+            if norms:
+                self.gA_sq[rows] = np.einsum("ld,ld->l", self.gA[rows], self.gA[rows])
         else:
             self.gA_sq[rows] += 2.0 * cross + self.xA_sq[j]
         if len(self.B):
@@ -654,8 +656,9 @@ class _LayerMatcher:
         self.n_rows = uniq.size
         start = 0
         for j, a in enumerate(labels):
-            self.add(j, flat[start:start + a.size])
+            self.add(j, flat[start:start + a.size], norms=False)
             start += a.size
+        self.gA_sq[: uniq.size] = np.einsum("ld,ld->l", self.gA[: uniq.size], self.gA[: uniq.size])
 
     def labels(self) -> list[np.ndarray]:
         """The current assignment as compact labels 0 .. L-1 (in storage order), and L."""

@@ -187,7 +187,7 @@ def _validate(client_layers, class_counts):
             if c and w.shape[1] != pairs[c - 1][0].shape[0]:
                 raise ValueError(f"client_layers[{j}] layer {c} takes {w.shape[1]} inputs but layer {c - 1} has "
                                  f"{pairs[c - 1][0].shape[0]} outputs")
-            if not (torch.isfinite(w).all() and torch.isfinite(b).all()):
+            if not (np.isfinite(w.detach().numpy()).all() and np.isfinite(b.detach().numpy()).all()):
                 raise ValueError(f"client_layers[{j}] layer {c} contains NaN or inf")
         if layers:
             ref = layers[0]
