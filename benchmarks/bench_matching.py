@@ -33,6 +33,8 @@ def make_layer(J: int, L_j: int, D: int, *, seed: int = 0, noise: float = 0.1) -
 
 
 HYPER = dict(sigma2=0.2, sigma0_2=1.0, gamma0=10.0)
+#: match_layer with these hyper-parameters held fixed (its default estimates them: empirical Bayes).
+FIXED = dict(HYPER, hyperparameters="fixed")
 
 
 def loop_match(neurons, *, sigma2, sigma0_2, gamma0, sweeps=5, seed=0):
@@ -118,11 +120,11 @@ def run(configs=None, *, repeats: int = 3):
     rows = []
     for J, D in configs:
         neurons = make_layer(J, 100, D)
-        full = min((match_layer(neurons, sweeps=5, seed=0, stop_at_fixed_point=False, **HYPER) for _ in range(repeats)),
+        full = min((match_layer(neurons, sweeps=5, seed=0, stop_at_fixed_point=False, **FIXED) for _ in range(repeats)),
                    key=lambda r: r.seconds)
-        early = min((match_layer(neurons, sweeps=5, seed=0, **HYPER) for _ in range(repeats)), key=lambda r: r.seconds)
+        early = min((match_layer(neurons, sweeps=5, seed=0, **FIXED) for _ in range(repeats)), key=lambda r: r.seconds)
         tracemalloc.start()
-        match_layer(neurons, sweeps=5, seed=0, stop_at_fixed_point=False, **HYPER)
+        match_layer(neurons, sweeps=5, seed=0, stop_at_fixed_point=False, **FIXED)
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
         floor = floor_seconds(full.rematches, D, full.lsa_seconds)

@@ -373,7 +373,8 @@ def test_pfnm_estimates_its_hyper_parameters_by_default_and_shows_and_records_th
     payload = check_record(out_json, "pfnm")
     (row,) = payload["results"]["runs"][0]["rows"]
     (layer,) = row["hyperparameters"]
-    assert set(layer["estimated"]) == {"mu0", "sigma0_2", "sigma2", "gamma0"}
+    assert {"mu0", "sigma0_2", "sigma2", "gamma0"} <= set(layer["estimated"])
+    assert layer["sigma2_scaled"] > 0 and layer["sigma0_2_scaled"] > 0   # the output coordinates' pair
     assert layer["sigma2"] > 0 and layer["sigma0_2"] > 0 and layer["gamma0"] > 0 and len(layer["mu0"]) > 0
     assert payload["settings"]["pfnm"]["sigma2"] is None
 

@@ -188,20 +188,29 @@ def pfnm_step(client_layers: Sequence, class_counts, config: PFNMConfig, *, seed
 
 def match_hyperparameters(match: NetworkMatch) -> list[dict]:
     """Per hidden layer, the hyper-parameters a match used (estimated or fixed) as plain values for tables and JSON:
-    ``sigma2``, ``sigma0_2``, ``gamma0``, ``mu0`` (a list, one per coordinate of the layer's neuron vectors),
-    ``estimated`` (the names estimated), ``converged``, ``sweeps`` (sweeps run after the first assignment) and
-    ``notes`` (the estimator's fallbacks, if any). Empty for a matcher without hyper-parameters (k-means)."""
+    ``sigma2``, ``sigma0_2``, ``gamma0``, ``mu0`` (a list, one per coordinate of the layer's neuron vectors), when the
+    matcher has them ``sigma2_scaled`` / ``sigma0_2_scaled`` (the pair of the class-share-weighted output coordinates)
+    and ``sigma2_per_client`` (a list), ``estimated`` (the names estimated), ``converged``, ``sweeps`` (sweeps run
+    after the first assignment) and ``notes`` (the estimator's fallbacks, if any). Empty for a matcher without
+    hyper-parameters (k-means)."""
     out = []
     for result in match.layer_results:
         h = getattr(result, "hyperparameters", None)
         if not h:
             continue
         mu0 = h.get("mu0")
-        out.append(dict(sigma2=float(h["sigma2"]), sigma0_2=float(h["sigma0_2"]), gamma0=float(h["gamma0"]),
-                        mu0=[float(v) for v in torch.as_tensor(mu0).reshape(-1)] if mu0 is not None else None,
-                        estimated=list(getattr(result, "estimated", ())),
-                        converged=bool(getattr(result, "converged", True)), sweeps=len(result.objective) - 1,
-                        notes=list(getattr(result, "notes", []))))
+        layer = dict(sigma2=float(h["sigma2"]), sigma0_2=float(h["sigma0_2"]), gamma0=float(h["gamma0"]),
+                     mu0=[float(v) for v in torch.as_tensor(mu0).reshape(-1)] if mu0 is not None else None)
+        for name in ("sigma2_scaled", "sigma0_2_scaled"):
+            if h.get(name) is not None:
+                layer[name] = float(h[name])
+        if h.get("sigma2_per_client") is not None:
+            layer["sigma2_per_client"] = [float(v) for v in torch.as_tensor(h["sigma2_per_client"]).reshape(-1)]
+        layer.update(estimated=list(getattr(result, "estimated", ())),
+                     converged=bool(getattr(result, "converged", True)),
+                     sweeps=int(getattr(result, "sweeps_run", len(result.objective) - 1)),
+                     notes=list(getattr(result, "notes", [])))
+        out.append(layer)
     return out
 
 
