@@ -280,7 +280,9 @@ def _layer_table(rows) -> list[dict]:
     for row in rows:
         for layer, h in enumerate(row.hyperparameters):
             out.append(dict(method=row.method, layer=layer + 1, sigma2=h["sigma2"], sigma0_2=h["sigma0_2"],
-                            gamma0=h["gamma0"], mu0_mean=sum(h["mu0"]) / len(h["mu0"]) if h["mu0"] else float("nan"),
+                            sigma2_out=h.get("sigma2_scaled", float("nan")),
+                            sigma0_2_out=h.get("sigma0_2_scaled", float("nan")), gamma0=h["gamma0"],
+                            mu0_mean=sum(h["mu0"]) / len(h["mu0"]) if h["mu0"] else float("nan"),
                             estimated=",".join(h["estimated"]) or "none", sweeps=h["sweeps"],
                             converged=h["converged"]))
     return out
@@ -302,8 +304,9 @@ def _print_result(name: str, partition, plan: dict, result) -> None:
     print(format_table([asdict(r) for r in result.rows], COLUMNS))
     layers = _layer_table(result.rows)
     if layers:
-        print("PFNM hyper-parameters per hidden layer (the final match's; mu0_mean: the mean of the atoms' prior "
-              "mean over the layer's coordinates):")
+        print("PFNM hyper-parameters per hidden layer (the final match's; sigma2_out / sigma0_2_out: the pair of the "
+              "class-share-weighted output coordinates of the last hidden layer; mu0_mean: the mean of the atoms' "
+              "prior mean over the layer's coordinates):")
         print(format_table(layers))
     for message in result.warnings:
         warn(message)
