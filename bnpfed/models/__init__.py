@@ -17,7 +17,7 @@ from bnpfed.models.local_reparameterization import (
     local_reparameterization,
     sample_linear,
 )
-from bnpfed.models.networks import LeNet, mlp, reference_init_
+from bnpfed.models.networks import LeNet, mlp, reference_init_, simple_cnn, simple_cnn_bn
 from bnpfed.models.priors import (
     IIDPrior,
     LayerwisePrior,
@@ -48,6 +48,8 @@ __all__ = [
     "LeNet",
     "mlp",
     "reference_init_",
+    "simple_cnn",
+    "simple_cnn_bn",
     "IIDPrior",
     "LayerwisePrior",
     "Prior",

@@ -1,4 +1,4 @@
-"""Plain torch networks used by the experiments: a ReLU MLP and the LeNet-5 CNN.
+"""Plain torch networks used by the experiments: a ReLU MLP, the LeNet-5 CNN and FedMA's simple CNN.
 
 They are ordinary ``nn.Module`` s with no Pyro in them; :class:`~bnpfed.models.bayesian.BayesianNetwork` makes a
 Bayesian copy of any of them (or of a network of your own) with a prior object.
@@ -15,10 +15,13 @@ Usage::
     >>> small = LeNet(image_size=8)          # (N, 1, 8, 8) bundled digits
     >>> small(torch.zeros(32, 1, 8, 8)).shape
     torch.Size([32, 10])
+    >>> simple_cnn()(torch.zeros(32, 3, 32, 32)).shape     # FedMA's CIFAR-10 network; simple_cnn_bn with batch norm
+    torch.Size([32, 10])
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Sequence
 
 import torch
@@ -26,7 +29,7 @@ from torch import Tensor, nn
 
 from bnpfed.validation import check_int, check_ints
 
-__all__ = ["LeNet", "mlp", "reference_init_"]
+__all__ = ["LeNet", "mlp", "reference_init_", "simple_cnn", "simple_cnn_bn"]
 
 
 def mlp(in_features: int, hidden: Sequence[int], out_features: int) -> nn.Sequential:
@@ -148,6 +151,75 @@ class LeNet(nn.Module):
         x = torch.relu(self.fc1(self.features(x)))
         x = torch.relu(self.fc2(x))
         return self.fc3(x)
+
+
+#: Channels of the two convolutions and widths of the two hidden fully connected layers of FedMA's simple CNN.
+SIMPLE_CNN_WIDTHS = (6, 16, 120, 84)
+
+
+def simple_cnn(in_channels: int = 3, image_size: int = 32, num_classes: int = 10, *,
+               batch_norm: bool = False) -> nn.Sequential:
+    """FedMA's "simple-cnn" (Wang et al., ICLR 2020, IBM/FedMA ``SimpleCNN``), the CIFAR-10 network of its
+    experiments, as an ``nn.Sequential`` with named layers.
+
+    ``conv1(in_channels->6, 5x5) - ReLU - maxpool 2 - conv2(6->16, 5x5) - ReLU - maxpool 2 - flatten -
+    fc1(flat->120) - ReLU - fc2(120->84) - ReLU - fc3(84->num_classes)``, no padding: on 32x32x3 images
+    ``flat = 16*5*5 = 400`` (62,006 parameters), on 28x28 MNIST ``16*4*4 = 256``. As in :class:`LeNet`, when the map
+    after the first pooling is under 6 pixels wide conv2 gets padding 2 (a "same" convolution) so that the second
+    pooling has a 2x2 map to pool; ``flat`` comes from a forward pass of a zero image. Images must be at least 8x8
+    (8x8 digits give ``flat = 16``).
+
+    With ``batch_norm=True`` (:func:`simple_cnn_bn`) a ``BatchNorm2d`` follows each convolution (before its ReLU) and
+    the convolutions have no bias: a bias before batch norm is cancelled by the batch mean, so it would only add a
+    coordinate that training never moves.
+
+    Usage::
+
+        >>> net = simple_cnn()                                     # CIFAR-10
+        >>> net.fc1.in_features, sum(p.numel() for p in net.parameters())
+        (400, 62006)
+        >>> [name for name, _ in simple_cnn_bn(1, 28).named_children()][:4]
+        ['conv1', 'bn1', 'relu1', 'pool1']
+        >>> simple_cnn_bn(1, 28).fc1.in_features                  # MNIST
+        256
+
+    :param int in_channels: input channels (3 for colour). Default 3.
+    :param int image_size: height = width of the input images in pixels, at least 8. Default 32.
+    :param int num_classes: number of outputs. Default 10.
+    :param bool batch_norm: a ``BatchNorm2d`` after each convolution. Default False.
+    :returns: ``nn.Sequential`` with children ``conv1, [bn1,] relu1, pool1, conv2, [bn2,] relu2, pool2, flatten, fc1,
+        relu3, fc2, relu4, fc3``; parameter names ``"conv1.weight"``, ... as in :class:`LeNet`.
+    """
+    in_channels = check_int(in_channels, "in_channels", low=1)
+    image_size = check_int(image_size, "image_size", low=1)
+    num_classes = check_int(num_classes, "num_classes", low=1)
+    kernel = LeNet.KERNEL
+    smallest = 2 * 2 + kernel - 1  # conv1's map must pool to at least 2 pixels
+    if image_size < smallest:
+        raise ValueError(f"image_size: expected at least {smallest} pixels for simple_cnn (a 5x5 convolution and two "
+                         f"2x2 poolings must fit), got {image_size}")
+    c1, c2, h1, h2 = SIMPLE_CNN_WIDTHS
+    pooled = (image_size - kernel + 1) // 2
+    conv2_padding = 0 if pooled - kernel + 1 >= 2 else (kernel - 1) // 2
+    layers: list[tuple[str, nn.Module]] = [("conv1", nn.Conv2d(in_channels, c1, kernel, bias=not batch_norm))]
+    if batch_norm:
+        layers.append(("bn1", nn.BatchNorm2d(c1)))
+    layers += [("relu1", nn.ReLU()), ("pool1", nn.MaxPool2d(2)),
+               ("conv2", nn.Conv2d(c1, c2, kernel, padding=conv2_padding, bias=not batch_norm))]
+    if batch_norm:
+        layers.append(("bn2", nn.BatchNorm2d(c2)))
+    layers += [("relu2", nn.ReLU()), ("pool2", nn.MaxPool2d(2)), ("flatten", nn.Flatten())]
+    features = nn.Sequential(OrderedDict(layers))
+    with torch.no_grad():
+        flat = features.eval()(torch.zeros(1, in_channels, image_size, image_size)).shape[1]
+    layers += [("fc1", nn.Linear(flat, h1)), ("relu3", nn.ReLU()), ("fc2", nn.Linear(h1, h2)), ("relu4", nn.ReLU()),
+               ("fc3", nn.Linear(h2, num_classes))]
+    return nn.Sequential(OrderedDict(layers))
+
+
+def simple_cnn_bn(in_channels: int = 3, image_size: int = 32, num_classes: int = 10) -> nn.Sequential:
+    """FedMA's simple CNN with a ``BatchNorm2d`` after each convolution: ``simple_cnn(..., batch_norm=True)``."""
+    return simple_cnn(in_channels, image_size, num_classes, batch_norm=True)
 
 
 def reference_init_(net: nn.Module, *, generator: torch.Generator, weight_std: float = 0.1,
