@@ -176,6 +176,38 @@ def test_a_batch_norm_joins_the_group_of_the_layer_before_it_across_pooling_and_
     assert "6.num_batches_tracked" not in spec.kinds
 
 
+class Functional(nn.Module):
+    """A chain written with functional calls, as research code often is: relu, max_pool2d, view(N, -1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 3, 3)
+        self.fc1 = nn.Linear(3 * 3 * 3, 5)
+        self.fc2 = nn.Linear(5, 2)
+
+    def forward(self, x):
+        x = nn.functional.max_pool2d(nn.functional.relu(self.conv(x)), 2)
+        x = x.view(x.size(0), -1)
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def test_a_chain_written_with_functional_calls_is_derived_too():
+    spec = derive_spec(Functional(), (1, 8, 8))
+    assert [str(a) for g in spec.groups for a in g.axes] == [
+        "conv.weight[0]", "conv.bias[0]", "fc1.weight[1] in blocks of 9", "fc1.weight[0]", "fc1.bias[0]",
+        "fc2.weight[1]"]
+    verify_spec(randomize_(Functional(), 5), spec, (1, 8, 8))
+
+
+def test_a_reshape_that_is_not_a_flatten_is_refused():
+    class Regroups(Functional):
+        def forward(self, x):
+            return self.fc2(self.fc1(self.conv(x).reshape(x.shape[0], 27, -1).sum(2)))
+
+    with pytest.raises(ValueError, match=r"derive_spec: method 'reshape' \(graph node 'reshape'\) reshapes"):
+        derive_spec(Regroups(), (1, 5, 5))
+
+
 def test_printing_a_spec_lists_each_permutation_and_the_output_layer():
     assert str(derive_spec(simple_cnn_bn(), (3, 32, 32))) == "\n".join([
         "PermutationSpec: 4 hidden permutations, matched in this order",
