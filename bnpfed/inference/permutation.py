@@ -556,7 +556,7 @@ def verify_spec(net: nn.Module, spec: PermutationSpec, input_shape: Sequence[int
                 m.running_mean.copy_(torch.randn(m.running_mean.shape, generator=g, dtype=torch.float64))
                 m.running_var.copy_(torch.rand(m.running_var.shape, generator=g, dtype=torch.float64) + 0.5)
     state = original.state_dict()
-    perms = {grp.name: torch.randperm(_width(state, grp, f"verify_spec: net"), generator=g) for grp in spec.groups}
+    perms = {grp.name: torch.randperm(_width(state, grp, "verify_spec: net"), generator=g) for grp in spec.groups}
     permuted = network_from_state(original, client_slice(spec, state, perms)).eval()
     x = torch.randn(3, *input_shape, generator=g, dtype=torch.float64)
     with torch.no_grad():
