@@ -8,7 +8,7 @@ import torch
 from torch.testing import assert_close
 
 from bnpfed.combine import available_rules, average_deterministic, fuse_sites
-from bnpfed.data import load_dataset
+from bnpfed.data import Dataset, load_dataset
 from bnpfed.federated.config import (BayesianConfig, FusionConfig, NetworkConfig, PartitionConfig, PFNMConfig,
                                      TrainingConfig)
 from bnpfed.federated.fusion import FedAvgFederation, FusionFederation
@@ -176,8 +176,10 @@ def test_bad_partitions_and_architectures_are_named(digits):
         FedAvgFederation(digits, [np.arange(5), np.array([1, 5000])], network=NET, training=TRAIN, seed=0)
     with pytest.raises(ValueError, match="square images"):
         FedAvgFederation(digits.flat(), [np.arange(50)], network=NetworkConfig(arch="lenet"), training=TRAIN, seed=0)
-    with pytest.raises(ValueError, match="network.arch: PFNM matches fully connected networks"):
-        PFNMFederation(digits, [np.arange(50)], network=NetworkConfig(arch="lenet"), training=TRAIN,
+    with pytest.raises(ValueError, match=r"arch: 'simple-cnn' does not fit images of shape \(1, 6, 6\)"):
+        tiny = Dataset(digits.x_train[:, :, :6, :6], digits.y_train, digits.x_test[:, :, :6, :6], digits.y_test,
+                       name="tiny", num_classes=10, input_shape=(1, 6, 6))
+        PFNMFederation(tiny, [np.arange(50)], network=NetworkConfig(arch="simple-cnn"), training=TRAIN,
                        pfnm=PFNMConfig(), seed=0)
 
 
@@ -218,7 +220,7 @@ def test_clients_start_later_rounds_from_their_slice_and_unmatched_ones_from_the
     monkeypatch.setattr(DeterministicClient, "fit", recording_fit)
     second = federation.run_round()
     for position, j in enumerate(second.sampled):
-        expected = len(first.assignments[0][matched.index(j)]) if j in matched else first.hidden_sizes[0]
+        expected = len(first.assignments["1"][matched.index(j)]) if j in matched else first.hidden_sizes[0]
         assert widths[position] == expected
 
 

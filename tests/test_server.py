@@ -7,12 +7,18 @@ import torch
 from torch.testing import assert_close
 
 from bnpfed.combine import average_deterministic, fuse_sites
+from dataclasses import replace
+
+from bnpfed.federated.clients import batch_norm_moments_step
 from bnpfed.federated.config import FusionConfig, PFNMConfig
-from bnpfed.federated.server import (average_states, client_start, client_weights, clients_per_round,
-                                     fuse_posteriors, pfnm_step, sample_clients)
-from bnpfed.inference.multilayer import match_networks
+from bnpfed.federated.server import (average_states, batch_norm_step, client_start, client_weights, clients_per_round,
+                                     fedma_group_step, fuse_posteriors, matched_parameters, pfnm_step, sample_clients,
+                                     with_statistics)
+from bnpfed.inference.multilayer import linear_layers, match_networks
+from bnpfed.inference.permutation import derive_spec, match_by_spec
+from bnpfed.models import LeNet, mlp, simple_cnn, simple_cnn_bn
 from bnpfed.posterior import GaussianPosterior
-from bnpfed.seeding import Stream, torch_generator
+from bnpfed.seeding import Stream, derive_seed, torch_generator
 
 
 def test_a_round_samples_floor_of_fraction_times_j_clients_without_replacement():
@@ -82,37 +88,111 @@ def test_fedavg_averages_every_parameter_with_the_weights():
 
 def _nets(J=3, widths=(6, 7, 5), seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [[(torch.randn(w, 4, generator=g), torch.randn(w, generator=g)),
-             (torch.randn(2, w, generator=g), torch.randn(2, generator=g))] for w in widths[:J]]
+    nets = []
+    for w in widths[:J]:
+        net = mlp(4, [w], 2)
+        with torch.no_grad():
+            for p in net.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+        nets.append(net)
+    return nets
+
+
+FIXED = PFNMConfig(hyperparameters="fixed", sigma2=0.5)
 
 
 def test_a_matched_client_starts_from_its_slice_and_an_unmatched_one_from_the_whole_network():
     nets = _nets()
     counts = torch.ones(3, 2)
-    match = pfnm_step(nets, counts, PFNMConfig(hyperparameters="fixed", sigma2=0.5), seed=0, round=1)
-    layers, ids = client_start(match, 1)
-    assert [tuple(w.shape) for w, _ in layers] == [(7, 4), (2, 7)]
-    assert torch.equal(ids[0], match.assignments[0][1])
+    match = pfnm_step(nets, counts, FIXED, seed=0, round=1)
+    state, ids = client_start(match, 1)
+    assert {k: tuple(v.shape) for k, v in state.items()} == {"1.weight": (7, 4), "1.bias": (7,), "3.weight": (2, 7),
+                                                             "3.bias": (2,)}
+    assert torch.equal(ids["1"], match.assignments["1"][1])
+    assert torch.equal(state["1.weight"], match.state["1.weight"][ids["1"]])
     whole, all_ids = client_start(match, None)
     L = match.hidden_sizes[0]
-    assert torch.equal(all_ids[0], torch.arange(L)) and torch.equal(whole[0][0], match.layers[0][0])
+    assert torch.equal(all_ids["1"], torch.arange(L)) and torch.equal(whole["1.weight"], match.state["1.weight"])
 
 
 def test_a_warm_started_round_starts_from_the_assignment_the_clients_were_sent():
     nets = _nets()
     counts = torch.ones(3, 2)
-    config = PFNMConfig(hyperparameters="fixed", sigma2=0.5, sweeps=0)
+    config = replace(FIXED, sweeps=0)
     first = pfnm_step(nets, counts, config, seed=0, round=1)
     starts = [client_start(first, j) for j in range(3)]
-    second = pfnm_step([layers for layers, _ in starts], counts, config, seed=0, round=2,
-                       starts=[ids for _, ids in starts])
+    slices = [state for state, _ in starts]
+    second = pfnm_step(slices, counts, config, seed=0, round=2, starts=[ids for _, ids in starts], spec=first.spec,
+                       template=first.template)
     for j in range(3):   # with no sweeps, the warm start is the answer: every neuron back on its global neuron
-        assert torch.equal(second.assignments[0][j], first.assignments[0][j])
-    cold = pfnm_step([layers for layers, _ in starts], counts, PFNMConfig(hyperparameters="fixed", sigma2=0.5, sweeps=0, warm_start=False),
-                     seed=0, round=2, starts=[ids for _, ids in starts])
-    expected = match_networks([layers for layers, _ in starts], counts, sweeps=0, sigma2=0.5, sigma0_2=1.0, gamma0=1.0,
-                              hyperparameters="fixed",
-                              seed=None)   # cold: a greedy pass, whatever the seed of the (absent) sweeps
+        assert torch.equal(second.assignments["1"][j], first.assignments["1"][j])
+    cold = pfnm_step(slices, counts, replace(config, warm_start=False), seed=0, round=2,
+                     starts=[ids for _, ids in starts], spec=first.spec, template=first.template)
+    expected = match_by_spec(slices, counts, first.spec, template=first.template, sweeps=0, sigma2=0.5,
+                             sigma0_2=1.0, gamma0=1.0, hyperparameters="fixed",
+                             seed=None)   # cold: a greedy pass, whatever the seed of the (absent) sweeps
     assert cold.hidden_sizes == expected.hidden_sizes
     with pytest.raises(ValueError, match="starts: expected the start of each of the 3 clients"):
         pfnm_step(nets, counts, config, seed=0, round=2, starts=[None, None, None])
+
+
+@pytest.mark.parametrize("direction", ["bottom-up", "top-down"])
+def test_pfnm_on_an_mlp_is_match_networks_on_its_layers(direction):
+    torch.manual_seed(0)
+    nets = [mlp(12, [6 + j, 5], 3) for j in range(3)]
+    counts = [[5, 1, 0], [1, 5, 2], [2, 2, 6]]
+    config = PFNMConfig(hyperparameters="fixed", sigma2=0.3, sigma0_2=2.0, gamma0=1.5, direction=direction)
+    match = pfnm_step(nets, counts, config, seed=3, round=2)
+    expected = match_networks([linear_layers(n) for n in nets], counts, seed=derive_seed(3, Stream.MATCH, 2),
+                              hyperparameters="fixed", sigma2=0.3, sigma0_2=2.0, gamma0=1.5, objective="map",
+                              direction=direction)
+    assert match.hidden_sizes == expected.hidden_sizes
+    for key, value in expected.network().state_dict().items():
+        assert torch.equal(match.network().state_dict()[key], value), key
+    for j in range(3):
+        for c, group in enumerate(["1", "3"]):
+            assert torch.equal(match.assignments[group][j], expected.assignments[c][j])
+
+
+def test_top_down_is_refused_for_a_convolutional_network():
+    nets = [simple_cnn(1, 8) for _ in range(2)]
+    with pytest.raises(ValueError, match="direction: 'top-down' matches MLPs"):
+        pfnm_step(nets, None, replace(FIXED, direction="top-down"), seed=0, round=1, input_shape=(1, 8, 8))
+
+
+def test_a_cnn_is_matched_group_by_group_and_each_client_gets_its_slice():
+    torch.manual_seed(0)
+    nets = [LeNet(image_size=8) for _ in range(2)]
+    match = pfnm_step(nets, torch.ones(2, 10), FIXED, seed=0, round=1, input_shape=(1, 8, 8))
+    assert list(match.widths) == ["conv1", "conv2", "fc1", "fc2"] and match.hidden_sizes == list(match.widths.values())
+    state, ids = client_start(match, 0)
+    assert [len(ids[g]) for g in match.widths] == [6, 16, 120, 84]
+    assert tuple(state["fc1.weight"].shape) == (120, 64) and tuple(state["conv2.weight"].shape) == (16, 6, 5, 5)
+
+
+def test_pooled_batch_norm_moments_are_the_statistics_of_all_the_clients_data():
+    torch.manual_seed(0)
+    net = simple_cnn_bn(1, 8)
+    x = torch.randn(40, 1, 8, 8)
+    moments = [batch_norm_moments_step(net, part, 8) for part in (x[:24], x[24:])]
+    statistics = batch_norm_step(moments)
+    assert sorted(statistics) == ["bn1.running_mean", "bn1.running_var", "bn2.running_mean", "bn2.running_var"]
+    whole = batch_norm_moments_step(net, x, 8)      # the same batches: the clients' batches of 8 follow each other
+    assert_close(statistics["bn1.running_mean"], whole["bn1"].sum / whole["bn1"].count, rtol=1e-12, atol=1e-12)
+    pre = net.conv1(x).detach().double().transpose(0, 1).reshape(6, -1)
+    assert_close(statistics["bn1.running_var"], pre.var(1), rtol=1e-9, atol=1e-12)
+    state = with_statistics(net.state_dict(), statistics)
+    assert state["bn1.running_mean"].dtype == torch.float32 and torch.equal(state["bn1.weight"], net.bn1.weight)
+    with pytest.raises(ValueError, match=r"moments\[1\]: expected the batch norms \['bn1', 'bn2'\]"):
+        batch_norm_step([moments[0], {"bn1": moments[1]["bn1"]}])
+
+
+def test_fedma_matches_one_group_and_freezes_what_the_matched_groups_own():
+    torch.manual_seed(0)
+    nets = [simple_cnn_bn(1, 8) for _ in range(2)]
+    spec = derive_spec(nets[0], (1, 8, 8))
+    match = fedma_group_step([n.state_dict() for n in nets], torch.ones(2, 10), FIXED, spec=spec, group="conv1",
+                             seed=0, round=1)
+    assert match.group == "conv1" and len(match.assignments) == 2
+    assert matched_parameters(spec, ["conv1"]) == ["conv1.weight", "bn1.weight", "bn1.bias"]
+    assert "bn1.running_mean" in match.values() and "conv2.weight" not in match.values()

@@ -1,18 +1,28 @@
 """The baselines PFNM is compared with (Yurochkin et al. 2019, section 4): local models, their uniform ensemble,
-FedAvg (weight averaging, which needs a shared initialisation to mean anything) and k-means over pooled neurons."""
+FedAvg (weight averaging, which needs a shared initialisation to mean anything) and k-means over pooled neurons, for
+any network with a permutation spec (k-means clusters each group's unit vectors, as PFNM matches them).
+
+A global network with batch norm gets its running statistics re-estimated from the clients' data after every
+average or match (:func:`~bnpfed.federated.server.batch_norm_step`), whatever the method: :class:`FedAvgRounds` is
+FedAvg that does so after every round."""
 
 from __future__ import annotations
 
 import copy
-from typing import Sequence
+import time
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from bnpfed.combine import average_deterministic
+from bnpfed.federated.clients import batch_norm_moments_step
+from bnpfed.federated.fusion import FedAvgFederation
+from bnpfed.federated.server import batch_norm_step, with_statistics
 from bnpfed.inference.matching import MatchResult
+from bnpfed.inference.permutation import PermutationSpec, SpecMatch, match_by_spec
 
-__all__ = ["ensemble_proba", "fedavg_network", "kmeans_layer", "kmeans_networks"]
+__all__ = ["FedAvgRounds", "ensemble_proba", "fedavg_network", "kmeans_layer", "kmeans_networks"]
 
 
 @torch.no_grad()
@@ -65,10 +75,32 @@ def kmeans_layer(width: int, *, n_init: int = 3):
     return layer_fn
 
 
-def kmeans_networks(nets: Sequence[nn.Module], class_counts, widths: Sequence[int], *, seed: int):
-    """The k-means baseline for whole networks: every hidden layer clustered bottom-up into ``widths[c]`` atoms, with
-    PFNM's neuron vectors, re-indexing and output layer (:func:`~bnpfed.inference.multilayer.match_networks`)."""
-    from bnpfed.inference.multilayer import match_networks
+def kmeans_networks(nets: Sequence[nn.Module], class_counts, widths: Sequence[int], *, seed: int,
+                    spec: Optional[PermutationSpec] = None, input_shape: Optional[Sequence[int]] = None) -> SpecMatch:
+    """The k-means baseline for whole networks: every group of the permutation spec (an MLP's hidden layers, a
+    CNN's channels and hidden units) clustered bottom-up into ``widths[c]`` atoms, with PFNM's unit vectors,
+    re-indexing and output layer (:func:`~bnpfed.inference.permutation.match_by_spec` with :func:`kmeans_layer`).
 
-    return match_networks(list(nets), class_counts, layer_fn=[kmeans_layer(w) for w in widths],
-                          direction="bottom-up", seed=seed)
+    :param input_shape: the shape of one input, to derive the spec of a convolutional network (or pass ``spec``).
+    """
+    return match_by_spec(list(nets), class_counts, spec, input_shape=input_shape,
+                         layer_fn=[kmeans_layer(w) for w in widths], seed=seed)
+
+
+class FedAvgRounds(FedAvgFederation):
+    """FedAvg (:class:`~bnpfed.federated.fusion.FedAvgFederation`) whose global batch norms get their running
+    statistics re-estimated after every average from the sampled clients' moments of the averaged network (the
+    client and server steps PFNM uses); a network without batch norm is averaged exactly as by FedAvgFederation.
+    (FedAvgFederation averages parameters only, so a batch norm's statistics would stay those of the initial
+    network.)"""
+
+    def _round(self, round, sampled):
+        weights, extra = super()._round(round, sampled)
+        net = self.global_model.net
+        if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in net.modules()):
+            moments = [batch_norm_moments_step(net, self.client_data[k][0], self.training.batch_size)
+                       for k in sampled]
+            t0 = time.perf_counter()
+            net.load_state_dict(with_statistics(net.state_dict(), batch_norm_step(moments)))
+            extra["server_seconds"] += time.perf_counter() - t0
+        return weights, extra

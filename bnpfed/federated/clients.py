@@ -1,7 +1,11 @@
 """The clients' steps, written once: what client j of a federation does, in process or as a Flower ClientApp.
 
+* :func:`build_network`: the network of a :class:`~bnpfed.federated.config.NetworkConfig` for the data's input shape;
 * :func:`initial_network`: the network a client starts from (its own initialisation, or the shared one);
-* :func:`train_network`: a deterministic client's local training in a round (PFNM's clients, FedAvg's);
+* :func:`train_network`: a deterministic client's local training in a round (PFNM's clients, FedAvg's), optionally
+  with some parameters frozen (FedMA's retraining of the layers above the matched ones);
+* :func:`batch_norm_moments_step`: the moments of a (global) network's batch-norm inputs on the client's data, from
+  which the server re-estimates the running statistics after a match or an average;
 * :func:`bayesian_client`: a variational Bayesian client of a network (posterior fusion's clients);
 * :func:`fit_bayesian`: its local SVI in a round.
 
@@ -21,31 +25,51 @@ Usage::
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Collection, Optional, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
 from bnpfed.federated.config import BayesianConfig, NetworkConfig, TrainingConfig
 from bnpfed.inference import BayesianClient, DeterministicClient
-from bnpfed.models import LeNet, mlp, reference_init_
+from bnpfed.inference.permutation import BatchNormMoments, batch_norm_moments
+from bnpfed.models import LeNet, mlp, reference_init_, simple_cnn
 from bnpfed.seeding import Stream, derive_seed, seeded, torch_generator
 
-__all__ = ["bayesian_client", "build_network", "fit_bayesian", "initial_network", "train_network"]
+__all__ = ["batch_norm_moments_step", "bayesian_client", "build_network", "fit_bayesian", "initial_network",
+           "train_network"]
 
 
 def build_network(network: NetworkConfig, input_shape: Sequence[int], num_classes: int) -> nn.Module:
     """The plain network of ``network.arch`` for inputs of ``input_shape`` (PyTorch's initialisation, from Torch's
-    global generator: use :func:`initial_network` for a seeded one)."""
+    global generator: use :func:`initial_network` for a seeded one). An MLP flattens any input; the convolutional
+    networks take square images ``(C, H, H)`` of any channels (a dataset's ``input_shape``: ``(1, 8, 8)`` digits,
+    ``(1, 28, 28)`` MNIST, ``(3, 32, 32)`` CIFAR-10).
+
+    >>> build_network(NetworkConfig(arch="simple-cnn-bn"), (3, 32, 32), 10).fc1.in_features
+    400
+    >>> build_network(NetworkConfig(arch="lenet-paper"), (1, 6, 6), 10)
+    Traceback (most recent call last):
+    ...
+    ValueError: arch: 'lenet-paper' does not fit images of shape (1, 6, 6): image_size: expected at least 8 pixels for LeNet with conv1_padding=0 (a 5x5 convolution and two 2x2 poolings must fit), got 6
+
+    :raises ValueError: ``"arch: ..."`` when the images do not fit the architecture.
+    """
     input_shape = tuple(int(s) for s in input_shape)
     if network.arch == "mlp":
         return mlp(math.prod(input_shape), list(network.hidden), num_classes)
     if len(input_shape) != 3 or input_shape[1] != input_shape[2]:
         raise ValueError(f"arch: {network.arch!r} needs square images, input shape (C, H, H); got {input_shape} "
                          "(use arch 'mlp' for flat data)")
-    padding = 0 if network.arch == "lenet-paper" else 2
-    return LeNet(in_channels=input_shape[0], image_size=input_shape[1], num_classes=num_classes,
-                 conv1_padding=padding)
+    channels, size = input_shape[0], input_shape[1]
+    try:
+        if network.arch in ("lenet", "lenet-paper"):
+            return LeNet(in_channels=channels, image_size=size, num_classes=num_classes,
+                         conv1_padding=0 if network.arch == "lenet-paper" else 2)
+        return simple_cnn(channels, size, num_classes, batch_norm=network.arch == "simple-cnn-bn")
+    except ValueError as error:
+        raise ValueError(f"arch: {network.arch!r} does not fit images of shape {input_shape}: {error}") from None
 
 
 def initial_network(network: NetworkConfig, input_shape: Sequence[int], num_classes: int, *, seed: int,
@@ -63,15 +87,52 @@ def initial_network(network: NetworkConfig, input_shape: Sequence[int], num_clas
 
 
 def train_network(net: nn.Module, x: Tensor, y: Tensor, training: TrainingConfig, *, seed: int, round: int,
-                  client: int) -> nn.Module:
-    """Client ``client`` 's local step of round ``round`` on a deterministic network: a copy of ``net`` trained on
-    ``(x, y)`` with ``training.schedule(round)``, drawing from ``(seed, FIT, round, client)``; returned in eval
-    mode (``net`` is not changed)."""
+                  client: int, epochs: Optional[int] = None, frozen: Collection[str] = (),
+                  step: Optional[int] = None) -> nn.Module:
+    """Client ``client`` 's local step of round ``round`` on a deterministic network: a copy of ``net`` trained in
+    training mode (batch norms normalise by the batch and update their running statistics) on ``(x, y)`` with
+    ``training.schedule(round)``, drawing from ``(seed, FIT, round, client)``; returned in eval mode (``net`` is not
+    changed).
+
+    :param int epochs: local epochs instead of the schedule's (FedMA's retraining); its learning rate is kept.
+    :param frozen: names of parameters no step may change (FedMA's matched layers); a batch norm whose scale or
+        shift is frozen stays in eval mode, so its running statistics are kept too.
+    :param int step: FedMA's layer step within the round, >= 1: the fit draws from the stream spawned from
+        ``(seed, FIT, round, client)`` with this key, so every step of a round shuffles anew.
+    """
     schedule = training.schedule(round)
-    fitted = DeterministicClient(net).fit(x, y, epochs=schedule.epochs, batch_size=training.batch_size,
-                                          lr=schedule.lr, seed=derive_seed(seed, Stream.FIT, round, client),
-                                          amsgrad=training.amsgrad, weight_decay=training.weight_decay)
-    return fitted.net.eval()
+    stream = derive_seed(seed, Stream.FIT, round, client)
+    if step is not None:
+        stream = int(np.random.SeedSequence(stream, spawn_key=(int(step),)).generate_state(1, dtype=np.uint64)[0])
+    client_model = DeterministicClient(net)
+    model = client_model.net.train()
+    frozen = set(frozen)
+    params = dict(model.named_parameters())
+    unknown = sorted(frozen - set(params))
+    if unknown:
+        raise ValueError(f"frozen: expected parameter names of the network, got {unknown}")
+    for name in frozen:
+        params[name].requires_grad_(False)
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and (
+                {f"{name}.weight", f"{name}.bias"} & frozen):
+            module.eval()
+    try:
+        client_model.fit(x, y, epochs=schedule.epochs if epochs is None else int(epochs),
+                         batch_size=training.batch_size, lr=schedule.lr, seed=stream, amsgrad=training.amsgrad,
+                         weight_decay=training.weight_decay)
+    finally:
+        for name in frozen:
+            params[name].requires_grad_(True)
+    return model.eval()
+
+
+def batch_norm_moments_step(net: nn.Module, x: Tensor, batch_size: int) -> dict[str, BatchNormMoments]:
+    """A client's step of re-estimating the global network's batch-norm statistics: the moments of every batch
+    norm's inputs of ``net`` over the client's training inputs ``x``, in consecutive batches of ``batch_size`` in the
+    order it holds them (:func:`~bnpfed.inference.permutation.batch_norm_moments`; the server sums them over the
+    clients, :func:`~bnpfed.federated.server.batch_norm_step`). Empty for a network without batch norm."""
+    return batch_norm_moments(net, [x[i:i + batch_size] for i in range(0, len(x), batch_size)])
 
 
 def bayesian_client(net: nn.Module, bayesian: BayesianConfig) -> BayesianClient:

@@ -70,9 +70,10 @@ __all__ = [
 #: Partition schemes, and the older spellings accepted for them.
 PARTITIONS = ("iid", "dirichlet")
 PARTITION_ALIASES = {"homogeneous": "iid", "homo": "iid", "hetero": "dirichlet", "heterogeneous": "dirichlet"}
-#: Networks :meth:`NetworkConfig.build` makes: a ReLU MLP, LeNet-5 as Ozer et al.'s code has it (no padding on
-#: conv1, ``"lenet-paper"``) and our LeNet-5 (conv1 padded by 2, 400 features into fc1 on 28x28 images).
-ARCHITECTURES = ("mlp", "lenet", "lenet-paper")
+#: Networks a client can hold (:func:`~bnpfed.federated.clients.build_network`): a ReLU MLP, our LeNet-5 (conv1
+#: padded by 2, 400 features into fc1 on 28x28 images), LeNet-5 as Ozer et al.'s code has it (no padding on conv1,
+#: ``"lenet-paper"``), FedMA's simple CNN and the same with batch norm after each convolution.
+ARCHITECTURES = ("mlp", "lenet", "lenet-paper", "simple-cnn", "simple-cnn-bn")
 #: ``"torch"``: PyTorch's default initialisation; ``"reference"``: the PFNM reference code's (weights N(0, 0.1^2),
 #: biases 0.1).
 INITIALISATIONS = ("torch", "reference")
@@ -157,8 +158,11 @@ class NetworkConfig:
     """The clients' network.
 
     :param str arch: ``"mlp"`` (ReLU MLP on flattened inputs, widths ``hidden``), ``"lenet"`` (LeNet-5, conv1
-        padded by 2) or ``"lenet-paper"`` (LeNet-5 as Ozer et al.'s code has it, no padding). Default ``"mlp"``.
-    :param tuple hidden: hidden widths of the MLP. Default ``(100,)``.
+        padded by 2), ``"lenet-paper"`` (LeNet-5 as Ozer et al.'s code has it, no padding), ``"simple-cnn"``
+        (FedMA's CIFAR-10 network: conv 6, conv 16, fc 120, 84) or ``"simple-cnn-bn"`` (the same with a batch norm
+        after each convolution). The convolutional ones take images ``(C, H, H)`` as they come (any channels, at
+        least 8x8; 4x4 for ``"lenet"``) and are not flattened. Default ``"mlp"``.
+    :param tuple hidden: hidden widths of the MLP (the convolutional networks' widths are fixed). Default ``(100,)``.
     :param str init: ``"torch"`` (PyTorch's default initialisation) or ``"reference"`` (the PFNM reference code's:
         weights N(0, 0.1^2), biases 0.1). Default ``"torch"``.
     :param bool shared_init: every client starts from one initialisation (FedAvg needs it to mean anything;
@@ -308,6 +312,11 @@ class PFNMConfig:
         came from (each client retrained its slice of the global network), as the published code does; False
         re-matches from scratch (greedy pass). Default True.
     :param float fraction: share of the clients sampled each round, in (0, 1]. Default 1.
+    :param int layerwise_retrain: 0 (PFNM: every layer matched at once) or E >= 1: FedMA's layer-wise scheme (Wang et
+        al., ICLR 2020): match the lowest group (layer), give every client the matched units, freeze them, let the
+        clients retrain the layers above for E epochs on their own data, match the next group, and so on (the
+        ``fedma`` method; :class:`~bnpfed.federated.pfnm.PFNMFederation` with this config). Bottom-up only.
+        Default 0.
 
     Over communication rounds each global neuron is a posterior mean, ``sum v / (m + sigma2 / sigma0_2)``: a neuron few
     clients hold comes back to them shrunk towards the prior mean. With too little retraining per round (say 2 local
@@ -326,6 +335,7 @@ class PFNMConfig:
     sweeps: Optional[int] = None
     warm_start: bool = True
     fraction: float = 1.0
+    layerwise_retrain: int = 0
 
     def __post_init__(self):
         check_choice(self.hyperparameters, ("empirical-bayes", "fixed"), "hyperparameters")
@@ -355,6 +365,10 @@ class PFNMConfig:
             check_int(self.sweeps, "sweeps", low=0)
         check_bool(self.warm_start, "warm_start")
         check_fraction(self.fraction, "fraction")
+        check_int(self.layerwise_retrain, "layerwise_retrain", low=0)
+        if self.layerwise_retrain and self.direction != "bottom-up":
+            raise ValueError(f"layerwise_retrain: FedMA's layer-wise scheme matches bottom-up (direction "
+                             f"'bottom-up'), got {self.layerwise_retrain} with direction {self.direction!r}")
 
     @property
     def fixed(self) -> bool:

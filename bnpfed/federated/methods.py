@@ -6,7 +6,10 @@ the clients' local models, PFNM's selected hyper-parameters) and returns one or 
 Adding a method is one function and one :func:`register_method` line; every fusion rule registered with
 :func:`bnpfed.combine.register_rule` is a method too (posterior fusion with that rule).
 
-Built-in methods (Yurochkin et al. 2019, section 4; Ozer et al. 2022):
+Built-in methods (Yurochkin et al. 2019, section 4; Wang et al. 2020; Ozer et al. 2022), for any
+:class:`~bnpfed.federated.config.NetworkConfig` architecture (MLP, LeNet, FedMA's simple CNN with or without batch
+norm; a global network's batch-norm statistics are re-estimated from the clients' data after every average or
+match):
 
 * ``local``: the clients' own networks (rows ``local-mean``, ``local-min``, ``local-max``);
 * ``ensemble``: the uniform average of their predicted probabilities (J times the parameters);
@@ -14,9 +17,13 @@ Built-in methods (Yurochkin et al. 2019, section 4; Ozer et al. 2022):
   ``network.shared_init`` (near chance without a shared initialisation: the point of the baseline);
 * ``fedavg``: FedAvg from a shared initialisation over ``rounds`` rounds (one round: the one-shot baseline with a
   shared initialisation);
-* ``kmeans``: k-means over the pooled neurons of every layer, at PFNM's global width;
+* ``kmeans``: k-means over the pooled units of every group (layer, conv channels), at PFNM's global widths;
 * ``pfnm``: PFNM in one communication round, hyper-parameters chosen by ``select``;
 * ``pfnm-rounds``: PFNM with ``rounds`` communication rounds;
+* ``fedma``: FedMA's layer-wise scheme in one round (Wang et al., ICLR 2020): match a layer, freeze it, let the
+  clients retrain the layers above for ``pfnm.layerwise_retrain`` epochs (the schedule's epochs of a later round
+  when 0), match the next layer, ...;
+* ``fedma-rounds``: FedMA with ``rounds`` communication rounds (each client starting a round from its slice);
 * each fusion rule (``eaa``, ``gaa``, ``log_variance``, ``pooling``, ``conflation``): variational Bayesian clients
   whose posteriors the server fuses with that rule, ``rounds`` rounds.
 
@@ -47,16 +54,16 @@ from tqdm.auto import tqdm
 
 from bnpfed.combine import available_rules
 from bnpfed.data import Dataset
-from bnpfed.federated.baselines import ensemble_proba, fedavg_network, kmeans_networks
-from bnpfed.federated.clients import initial_network, train_network
+from bnpfed.federated.baselines import FedAvgRounds, ensemble_proba, fedavg_network, kmeans_networks
+from bnpfed.federated.clients import batch_norm_moments_step, initial_network, train_network
 from bnpfed.federated.config import (BayesianConfig, ExperimentConfig, FusionConfig, NetworkConfig, PFNMConfig,
                                      PartitionConfig, TrainingConfig, config_dict, holdout_split)
 from bnpfed.federated.federation import Federation
-from bnpfed.federated.fusion import FedAvgFederation, FusionFederation
+from bnpfed.federated.fusion import FusionFederation
 from bnpfed.federated.partition import class_counts
 from bnpfed.federated.pfnm import PFNMFederation
-from bnpfed.federated.server import match_hyperparameters, pfnm_step
-from bnpfed.inference.multilayer import NetworkMatch
+from bnpfed.federated.server import batch_norm_step, match_hyperparameters, pfnm_step, with_statistics
+from bnpfed.inference.permutation import SpecMatch, derive_spec
 from bnpfed.metrics import classification_report, count_parameters
 from bnpfed.report import json_safe
 
@@ -67,6 +74,7 @@ __all__ = [
     "Selection",
     "available_methods",
     "register_method",
+    "network_widths",
     "run_experiment",
     "select_hyperparameters",
     "width_sweep",
@@ -114,7 +122,8 @@ class MethodResult:
     :param str method: the row's name (a method, or ``local-mean`` / ``local-min`` / ``local-max``).
     :param float accuracy: test accuracy of the method's final global model (``nll``, ``ece``, ``brier`` likewise;
         ECE with the experiment's ``ece_bins``).
-    :param list hidden: hidden widths of the global model (MLPs; empty otherwise).
+    :param list hidden: widths of the global model's hidden permutations (an MLP's hidden layers; a CNN's conv
+        channels, then its hidden units), :func:`network_widths`.
     :param int parameters: its number of parameters (a Bayesian weight counts once).
     :param int rounds: communication rounds it took.
     :param float server_seconds: wall time of the server's aggregation (matching, fusion, averaging) summed over
@@ -158,14 +167,14 @@ class Selection:
     :param float score: the chosen candidate's validation accuracy (NaN when nothing was selected).
     :param list curve: every candidate's ``sigma2, sigma0_2, gamma0, hidden, validation`` (and ``test``, when a
         test split was given).
-    :param NetworkMatch match: the chosen candidate's one-shot matching.
+    :param SpecMatch match: the chosen candidate's one-shot matching (batch-norm statistics re-estimated).
     """
 
     config: PFNMConfig
     by: str
     score: float = math.nan
     curve: list = field(default_factory=list)
-    match: Optional[NetworkMatch] = field(default=None, repr=False)
+    match: Optional[SpecMatch] = field(default=None, repr=False)
 
     def as_dict(self) -> dict:
         return {"by": self.by, "sigma2": self.config.sigma2, "sigma0_2": self.config.sigma0_2,
@@ -246,6 +255,7 @@ class Experiment:
         self.dataset, self.partition, self.network, self.training = dataset, partition, network, training
         self.pfnm, self.fusion, self.bayesian, self.config = pfnm, fusion, bayesian, config
         self.seed = config.seed
+        self.input_shape = tuple(dataset.input_shape)
         labels = dataset.y_train.numpy()
         parts = partition.split(labels, self.seed)
         if config.select == "federated":
@@ -298,6 +308,23 @@ class Experiment:
     def evaluate_network(self, net: nn.Module) -> dict[str, float]:
         return self.report(net.eval()(self.dataset.x_test).softmax(-1))
 
+    def reestimate(self, target):
+        """A global network's batch-norm running statistics re-estimated from every client's training inputs (the
+        client step :func:`~bnpfed.federated.clients.batch_norm_moments_step`, the server step
+        :func:`~bnpfed.federated.server.batch_norm_step`), written into ``target`` (a
+        :class:`~bnpfed.inference.permutation.SpecMatch` or a network); nothing happens without batch norm. Returns
+        ``target``."""
+        net = target.network() if isinstance(target, SpecMatch) else target
+        if not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in net.modules()):
+            return target
+        statistics = batch_norm_step([batch_norm_moments_step(net, x, self.training.batch_size)
+                                      for x, _ in self.client_data])
+        if isinstance(target, SpecMatch):
+            target.state = with_statistics(target.state, statistics)
+        else:
+            net.load_state_dict(with_statistics(net.state_dict(), statistics))
+        return target
+
     def local_models(self, shared: Optional[bool] = None) -> list[nn.Module]:
         """The clients' networks after round 1's local training, each from its own initialisation (``shared``
         False; default ``network.shared_init``) or all from the shared one; trained on first use."""
@@ -317,8 +344,9 @@ class Experiment:
         """PFNM's hyper-parameters, chosen as ``config.select`` says on the local models (once)."""
         if self._selection is None:
             if self.config.select == "none":
-                match = pfnm_step(self.local_models(), self.class_counts, self.pfnm, seed=self.seed, round=1)
-                self._selection = Selection(self.pfnm, "none", match=match)
+                match = pfnm_step(self.local_models(), self.class_counts, self.pfnm, seed=self.seed, round=1,
+                                  input_shape=self.input_shape)
+                self._selection = Selection(self.pfnm, "none", match=self.reestimate(match))
             else:
                 if self.config.select == "federated":
                     parts = self.validation_parts
@@ -330,7 +358,8 @@ class Experiment:
                     self.local_models(), self.class_counts, validation, self.pfnm,
                     grid_sigma2=self.config.grid_sigma2, grid_sigma0_2=self.config.grid_sigma0_2,
                     grid_gamma0=self.config.grid_gamma0, seed=self.seed, by=self.config.select,
-                    test=(self.dataset.x_test, self.dataset.y_test))
+                    test=(self.dataset.x_test, self.dataset.y_test), input_shape=self.input_shape,
+                    reestimate=self.reestimate)
         return self._selection
 
     def federation_row(self, federation: Federation, rounds: int, note: str = "") -> MethodResult:
@@ -354,9 +383,17 @@ class Experiment:
                                          hyperparameters=list(final.get("hyperparameters", [])), note=note)
 
 
-def _widths(net: nn.Module) -> list[int]:
-    linears = [m for m in net.modules() if isinstance(m, nn.Linear)]
-    return [m.out_features for m in linears[:-1]]
+def network_widths(net: nn.Module, input_shape) -> list[int]:
+    """The widths of a network's hidden permutations in the order of its permutation spec: an MLP's hidden layers,
+    a CNN's conv channels then its hidden units (what a row's ``hidden`` lists).
+
+    >>> from bnpfed.models import LeNet
+    >>> network_widths(LeNet(image_size=8), (1, 8, 8))
+    [6, 16, 120, 84]
+    """
+    spec = derive_spec(net, input_shape)
+    state = net.state_dict()
+    return [int(state[g.axes[0].param].shape[g.axes[0].dim] // g.axes[0].block) for g in spec.groups]
 
 
 # ------------------------------------------------------------------------------------------------ runners
@@ -367,7 +404,7 @@ def _local(experiment: Experiment) -> list[MethodResult]:
     reports = [experiment.evaluate_network(net) for net in models]
     accuracies = [r["accuracy"] for r in reports]
     experiment.chance_check("local models", float(np.mean(accuracies)))
-    width, params = _widths(models[0]), count_parameters(models[0])
+    width, params = network_widths(models[0], experiment.input_shape), count_parameters(models[0])
     rows = []
     for name, pick in (("local-mean", None), ("local-min", int(np.argmin(accuracies))),
                        ("local-max", int(np.argmax(accuracies)))):
@@ -381,7 +418,8 @@ def _local(experiment: Experiment) -> list[MethodResult]:
 def _ensemble(experiment: Experiment) -> MethodResult:
     models = experiment.local_models()
     metrics = experiment.report(ensemble_proba(models, experiment.dataset.x_test))
-    return MethodResult.from_metrics("ensemble", metrics, hidden=[h * len(models) for h in _widths(models[0])],
+    widths = network_widths(models[0], experiment.input_shape)
+    return MethodResult.from_metrics("ensemble", metrics, hidden=[h * len(models) for h in widths],
                                      parameters=count_parameters(models[0]) * len(models),
                                      note="uniform average of the clients' softmax")
 
@@ -391,20 +429,21 @@ def _fedavg_oneshot(experiment: Experiment) -> MethodResult:
     t0 = time.perf_counter()
     net = fedavg_network(models, [len(p) for p in experiment.parts])
     seconds = time.perf_counter() - t0
+    experiment.reestimate(net)
     shared = experiment.network.shared_init
-    return MethodResult.from_metrics("fedavg-oneshot", experiment.evaluate_network(net), hidden=_widths(net),
+    return MethodResult.from_metrics("fedavg-oneshot", experiment.evaluate_network(net),
+                                     hidden=network_widths(net, experiment.input_shape),
                                      parameters=count_parameters(net), server_seconds=seconds,
                                      note="shared init" if shared else "each client from its own init")
 
 
 def _fedavg(experiment: Experiment) -> MethodResult:
-    federation = FedAvgFederation(experiment.dataset, experiment.parts, network=experiment.network,
-                                  training=experiment.training, seed=experiment.seed,
-                                  weights=experiment.fusion.weights, fraction=experiment.fusion.fraction,
-                                  ece_bins=experiment.config.ece_bins)
+    federation = FedAvgRounds(experiment.dataset, experiment.parts, network=experiment.network,
+                              training=experiment.training, seed=experiment.seed, weights=experiment.fusion.weights,
+                              fraction=experiment.fusion.fraction, ece_bins=experiment.config.ece_bins)
     row = experiment.federation_row(federation, experiment.config.rounds, note="shared init")
     net = federation.global_model.net
-    row.hidden, row.parameters = _widths(net), count_parameters(net)
+    row.hidden, row.parameters = network_widths(net, experiment.input_shape), count_parameters(net)
     return row
 
 
@@ -419,21 +458,40 @@ def _pfnm(experiment: Experiment) -> MethodResult:
                                      note=f"one shot; hyper-parameters by {by}")
 
 
+def _pfnm_federation(experiment: Experiment, layerwise_retrain: int) -> PFNMFederation:
+    config = replace(experiment.selection().config, layerwise_retrain=layerwise_retrain)
+    return PFNMFederation(experiment.dataset, experiment.parts, network=experiment.network,
+                          training=experiment.training, pfnm=config, seed=experiment.seed,
+                          ece_bins=experiment.config.ece_bins,
+                          initial_models=experiment.local_models() if config.fraction >= 1 else None)
+
+
 def _pfnm_rounds(experiment: Experiment) -> MethodResult:
-    selection = experiment.selection()
-    fraction_one = selection.config.fraction >= 1
-    federation = PFNMFederation(experiment.dataset, experiment.parts, network=experiment.network,
-                                training=experiment.training, pfnm=selection.config, seed=experiment.seed,
-                                ece_bins=experiment.config.ece_bins,
-                                initial_models=experiment.local_models() if fraction_one else None)
-    start = "warm" if selection.config.warm_start else "cold"
+    federation = _pfnm_federation(experiment, 0)
+    start = "warm" if federation.pfnm.warm_start else "cold"
     return experiment.federation_row(federation, experiment.config.rounds, note=f"{start}-started matching")
+
+
+def fedma_epochs(experiment: Experiment) -> int:
+    """FedMA's retraining epochs after each matched layer: ``pfnm.layerwise_retrain``, or when that is 0 the local
+    epochs of a later round of the training schedule."""
+    return experiment.pfnm.layerwise_retrain or experiment.training.schedule(2).epochs
+
+
+def _fedma(experiment: Experiment, rounds: int, name: str) -> MethodResult:
+    epochs = fedma_epochs(experiment)
+    federation = _pfnm_federation(experiment, epochs)
+    federation.method = name
+    row = experiment.federation_row(federation, rounds, note=f"layer-wise, {epochs} retraining epoch(s) a layer")
+    row.hyperparameters = match_hyperparameters(federation.match)
+    return row
 
 
 def _kmeans(experiment: Experiment) -> MethodResult:
     widths = experiment.selection().match.hidden_sizes
-    match = kmeans_networks(experiment.local_models(), experiment.class_counts, widths, seed=experiment.seed)
-    net = match.network()
+    match = kmeans_networks(experiment.local_models(), experiment.class_counts, widths, seed=experiment.seed,
+                            input_shape=experiment.input_shape)
+    net = experiment.reestimate(match).network()
     return MethodResult.from_metrics("kmeans", experiment.evaluate_network(net), hidden=match.hidden_sizes,
                                      parameters=count_parameters(net), server_seconds=match.seconds,
                                      note="at PFNM's width")
@@ -446,15 +504,18 @@ def _fusion(experiment: Experiment, rule: str) -> MethodResult:
                                   ece_bins=experiment.config.ece_bins,
                                   predictive_samples=experiment.config.predictive_samples)
     row = experiment.federation_row(federation, experiment.config.rounds, note="posterior fusion")
-    net = federation.global_model.bnn.net
     row.parameters = sum(g.loc.numel() for g in federation.global_posterior.values()) + sum(
         p.numel() for p in federation.global_deterministic.values())
-    row.hidden = _widths(net)
+    plain = initial_network(experiment.network, experiment.input_shape, experiment.dataset.num_classes,
+                            seed=experiment.seed)   # the Bayesian network's plain twin, of the same widths
+    row.hidden = network_widths(plain, experiment.input_shape)
     return row
 
 
 for _name, _fn in (("local", _local), ("ensemble", _ensemble), ("fedavg-oneshot", _fedavg_oneshot),
-                   ("fedavg", _fedavg), ("kmeans", _kmeans), ("pfnm", _pfnm), ("pfnm-rounds", _pfnm_rounds)):
+                   ("fedavg", _fedavg), ("kmeans", _kmeans), ("pfnm", _pfnm), ("pfnm-rounds", _pfnm_rounds),
+                   ("fedma", lambda e: _fedma(e, 1, "fedma")),
+                   ("fedma-rounds", lambda e: _fedma(e, e.config.rounds, "fedma-rounds"))):
     register_method(_name, _fn)
 
 
@@ -463,7 +524,8 @@ for _name, _fn in (("local", _local), ("ensemble", _ensemble), ("fedavg-oneshot"
 
 def select_hyperparameters(local_models: Sequence[nn.Module], class_counts, validation: Sequence, pfnm: PFNMConfig, *,
                            grid_sigma2: Sequence[float], grid_sigma0_2: Sequence[float], grid_gamma0: Sequence[float],
-                           seed: int, by: str = "federated", test=None) -> Selection:
+                           seed: int, by: str = "federated", test=None, input_shape=None,
+                           reestimate: Optional[Callable[[SpecMatch], SpecMatch]] = None) -> Selection:
     """Choose PFNM's ``sigma2, sigma0_2, gamma0`` from a grid by validation accuracy of the one-shot global network
     (each candidate with fixed hyper-parameters; the alternative to empirical Bayes, which needs no held-out data).
 
@@ -472,6 +534,9 @@ def select_hyperparameters(local_models: Sequence[nn.Module], class_counts, vali
     total size. The best score wins, the narrower network on a tie.
 
     :param test: optional ``(x, y)`` whose accuracy is recorded in the curve (never used to choose).
+    :param input_shape: the shape of one input (to derive a convolutional network's permutation spec).
+    :param reestimate: applied to every candidate's match before it is scored (an experiment's
+        :meth:`Experiment.reestimate` of the batch-norm statistics).
     """
     best: Optional[Selection] = None
     curve = []
@@ -480,7 +545,9 @@ def select_hyperparameters(local_models: Sequence[nn.Module], class_counts, vali
         raise ValueError("validation: expected at least one held-out example, got none")
     for s2, s02, g in itertools.product(grid_sigma2, grid_sigma0_2, grid_gamma0):
         candidate = replace(pfnm, hyperparameters="fixed", noise="shared", sigma2=s2, sigma0_2=s02, gamma0=g)
-        match = pfnm_step(local_models, class_counts, candidate, seed=seed, round=1)
+        match = pfnm_step(local_models, class_counts, candidate, seed=seed, round=1, input_shape=input_shape)
+        if reestimate is not None:
+            match = reestimate(match)
         net = match.network().eval()
         with torch.no_grad():
             correct = sum(float((net(x).argmax(-1) == y).double().sum()) for x, y in validation)
@@ -533,7 +600,8 @@ def width_sweep(dataset: Dataset, *, sigma2: Sequence[float], gamma0: Sequence[f
     for name, s2, g in tqdm(grid, desc="matching", disable=not progress, leave=False):
         candidate = replace(experiment.pfnm, hyperparameters="fixed", noise="shared", constants=name, sigma2=s2,
                             gamma0=g, direction="top-down" if name == "reference" else experiment.pfnm.direction)
-        match = pfnm_step(models, experiment.class_counts, candidate, seed=experiment.seed, round=1)
+        match = experiment.reestimate(pfnm_step(models, experiment.class_counts, candidate, seed=experiment.seed,
+                                                round=1, input_shape=experiment.input_shape))
         points.append(dict(constants=name, sigma2=s2, gamma0=g, hidden=match.hidden_sizes,
                            width=sum(match.hidden_sizes),
                            accuracy=experiment.evaluate_network(match.network())["accuracy"],

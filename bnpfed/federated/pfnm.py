@@ -1,16 +1,33 @@
-"""PFNM as an in-process federation (Yurochkin et al. 2019, section 4): J clients train MLPs on their partitions;
-the server matches their neurons into one global network, in one communication round or over several.
+"""PFNM as an in-process federation (Yurochkin et al. 2019, section 4), for any network with a permutation spec (MLPs,
+LeNet, FedMA's simple CNN with or without batch norm): J clients train their networks on their partitions; the
+server matches their units (hidden neurons, conv channels) into one global network, in one communication round or
+over several; optionally layer by layer with retraining in between, as FedMA does (Wang et al., ICLR 2020).
 
-Round 1: every sampled client trains its own MLP from its own initialisation (or a shared one). The server matches
-them (:func:`~bnpfed.federated.server.pfnm_step`) into a global network whose width the Beta-Bernoulli process
-decides. Round r > 1: each sampled client starts from :func:`~bnpfed.federated.server.client_start` -- its slice of
-the global network if it was matched last round, the whole global network otherwise -- retrains it with the
-round's schedule, and the server matches again, warm-started from the assignment the slices came from
-(``PFNMConfig.warm_start``), so the global width can change from round to round.
+Round 1: every sampled client trains its own network from its own initialisation (or a shared one). The server
+matches them (:func:`~bnpfed.federated.server.pfnm_step`, group by group of the spec, bottom-up) into a global
+network whose widths the Beta-Bernoulli process decides. Round r > 1: each sampled client starts from
+:func:`~bnpfed.federated.server.client_start` -- its slice of the global network if it was matched last round, the
+whole global network otherwise -- retrains it with the round's schedule, and the server matches again,
+warm-started from the assignment the slices came from (``PFNMConfig.warm_start``), so the global widths can change
+from round to round.
+
+Batch norm: after every match the global network's running statistics are re-estimated from the matched clients'
+data (each computes :func:`~bnpfed.federated.clients.batch_norm_moments_step` of the global network, the server sums
+them, :func:`~bnpfed.federated.server.batch_norm_step`); the members' mean statistics the match gives leave a merged
+network near chance (see :mod:`bnpfed.inference.permutation`).
+
+FedMA's layer-wise scheme (``PFNMConfig(layerwise_retrain=E)``, E >= 1): within a round, the server matches the
+lowest group only (:func:`~bnpfed.federated.server.fedma_group_step`); every client takes the matched units
+(:func:`~bnpfed.inference.permutation.align_to_group`: the global units of that layer, the next layer's input
+columns re-indexed to them), its batch-norm statistics are re-estimated, the clients retrain everything above for E
+epochs with the matched layers frozen (:func:`~bnpfed.federated.clients.train_network` with ``frozen``), and the
+server matches the next group, up to the last hidden one (which carries the output layer). Then every client holds
+the same network: the global one. Later rounds ("FedMA with communication") start each client from its slice of it,
+as PFNM's do.
 
 No math lives here: local training is :func:`~bnpfed.federated.clients.train_network`, matching is
-:func:`~bnpfed.federated.server.pfnm_step`; the Flower strategy :class:`bnpfed.flower.strategies.PFNMStrategy`
-calls the same functions.
+:mod:`bnpfed.federated.server`'s; the Flower strategy :class:`bnpfed.flower.strategies.PFNMStrategy` calls the same
+functions.
 
 Usage::
 
@@ -30,37 +47,40 @@ from __future__ import annotations
 import time
 from typing import Optional, Sequence
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
 from bnpfed.data import Dataset
-from bnpfed.federated.clients import initial_network, train_network
+from bnpfed.federated.clients import batch_norm_moments_step, initial_network, train_network
 from bnpfed.federated.config import NetworkConfig, PFNMConfig, TrainingConfig
 from bnpfed.federated.federation import Federation
 from bnpfed.federated.partition import class_counts
-from bnpfed.federated.server import client_start, match_hyperparameters, pfnm_step
-from bnpfed.inference.multilayer import NetworkMatch, linear_layers, network_from_layers
+from bnpfed.federated.server import (batch_norm_step, client_start, fedma_group_step, match_hyperparameters,
+                                     matched_parameters, pfnm_step, with_statistics)
+from bnpfed.inference.permutation import SpecMatch, align_to_group, derive_spec, network_from_state
 from bnpfed.metrics import count_parameters
 
 __all__ = ["PFNMFederation"]
 
 
 class PFNMFederation(Federation):
-    """J MLP clients and a PFNM server, round by round.
+    """J clients of one network kind and a PFNM server, round by round (FedMA's layer-wise server with
+    ``pfnm.layerwise_retrain``).
 
     :param Dataset dataset: train split (partitioned) and test split (evaluation).
     :param parts: J index arrays into ``dataset.y_train``.
-    :param NetworkConfig network: the clients' MLP (``arch="mlp"``; PFNM here matches fully connected networks).
+    :param NetworkConfig network: the clients' network (any ``arch``; its permutation spec is derived once).
     :param TrainingConfig training: local training and its per-round schedule.
-    :param PFNMConfig pfnm: matching hyper-parameters, warm start, client sampling.
+    :param PFNMConfig pfnm: matching hyper-parameters, warm start, client sampling, layer-wise retraining.
     :param int seed: the experiment's seed.
     :param int ece_bins: bins of the calibration error. Default 15.
     :param initial_models: optional, the J networks the clients hold after round 1's local training when they were
         trained already with these settings and seed (an experiment's local models): round 1 then reuses them.
 
-    Attributes: ``match`` (the last :class:`~bnpfed.inference.multilayer.NetworkMatch`), ``matched`` (the
-    clients it matched, in its order), ``class_counts`` ((J, C) training examples per class of each client).
+    Attributes: ``match`` (the last :class:`~bnpfed.inference.permutation.SpecMatch`), ``matched`` (the clients it
+    matched, in its order), ``class_counts`` ((J, C) training examples per class of each client), ``spec`` (the
+    networks' permutation spec), ``template`` (a network of the clients' kind, the shape the global one is built
+    from).
     """
 
     method = "pfnm-rounds"
@@ -73,26 +93,33 @@ class PFNMFederation(Federation):
                                   ("pfnm", pfnm, PFNMConfig)):
             if not isinstance(value, kind):
                 raise ValueError(f"{name}: expected a {kind.__name__}, got {type(value).__name__}")
-        if network.arch != "mlp":
-            raise ValueError(f"network.arch: PFNM matches fully connected networks, expected 'mlp', got "
-                             f"{network.arch!r}")
         if initial_models is not None and len(initial_models) != self.num_clients:
             raise ValueError(f"initial_models: expected one network per client ({self.num_clients}), got "
                              f"{len(initial_models)}")
         self.network, self.training, self.pfnm = network, training, pfnm
+        if pfnm.layerwise_retrain:
+            self.method = "fedma-rounds"
         self.initial_models = initial_models
         self.class_counts = class_counts(dataset.y_train.numpy(), [p.numpy() for p in self.parts],
                                          dataset.num_classes)
-        self.match: Optional[NetworkMatch] = None
+        self.template = initial_network(network, dataset.input_shape, dataset.num_classes, seed=seed)
+        self.spec = derive_spec(self.template, dataset.input_shape)
+        self.statistics = [k for k in self.spec.kinds if self.spec.kinds[k] in ("running_mean", "running_var")]
+        self.match: Optional[SpecMatch] = None
         self.matched: list[int] = []
 
-    def _start(self, round: int, j: int) -> tuple[nn.Module, Optional[list[Tensor]]]:
+    def _start(self, round: int, j: int) -> tuple[nn.Module, Optional[dict[str, Tensor]]]:
         if round == 1:
             net = initial_network(self.network, self.dataset.input_shape, self.dataset.num_classes, seed=self.seed,
                                   client=j)
             return net, None
-        layers, ids = client_start(self.match, self.matched.index(j) if j in self.matched else None)
-        return network_from_layers(layers), ids
+        state, ids = client_start(self.match, self.matched.index(j) if j in self.matched else None)
+        return network_from_state(self.template, state), ids
+
+    def _moments(self, nets: Sequence[nn.Module], sampled: Sequence[int]) -> list[dict]:
+        """Every sampled client's batch-norm moments of its network (the global one, or its aligned one)."""
+        return [batch_norm_moments_step(net, self.client_data[j][0], self.training.batch_size)
+                for net, j in zip(nets, sampled)]
 
     def _round(self, round, sampled):
         nets, starts = [], []
@@ -105,14 +132,54 @@ class PFNMFederation(Federation):
             start, ids = self._start(round, j)
             nets.append(train_network(start, x, y, self.training, seed=self.seed, round=round, client=j))
             starts.append(ids)
-        t0 = time.perf_counter()
-        self.match = pfnm_step([linear_layers(n) for n in nets], self.class_counts[sampled], self.pfnm,
-                               seed=self.seed, round=round, starts=None if round == 1 else starts)
-        seconds = time.perf_counter() - t0
+        states = [{k: v.detach() for k, v in n.state_dict().items()} for n in nets]
+        starts = None if round == 1 else starts
+        if self.pfnm.layerwise_retrain:
+            self.match, seconds = self._layerwise(round, sampled, states, starts)
+        else:
+            t0 = time.perf_counter()
+            self.match = pfnm_step(states, self.class_counts[sampled], self.pfnm, seed=self.seed, round=round,
+                                   starts=starts, spec=self.spec, template=self.template)
+            seconds = time.perf_counter() - t0
+            if self.statistics:
+                moments = self._moments([self.match.network()] * len(sampled), sampled)
+                t0 = time.perf_counter()
+                self.match.state = with_statistics(self.match.state, batch_norm_step(moments))
+                seconds += time.perf_counter() - t0
         self.matched = list(sampled)
         self._net = self.match.network().eval()
         return [], {"hidden": self.match.hidden_sizes, "parameters": count_parameters(self._net),
                     "hyperparameters": match_hyperparameters(self.match), "server_seconds": seconds}
+
+    def _layerwise(self, round: int, sampled: list[int], states: list[dict], starts) -> tuple[SpecMatch, float]:
+        """FedMA's round: group by group, match, align every client to it, re-estimate its batch norm, retrain the
+        layers above (see the module docstring)."""
+        spec, names = self.spec, self.spec.group_names
+        counts = self.class_counts[sampled]
+        matches, seconds = {}, 0.0
+        for c, group in enumerate(names):
+            t0 = time.perf_counter()
+            match = fedma_group_step(states, counts, self.pfnm, spec=spec, group=group, seed=self.seed,
+                                     round=round, starts=starts)
+            states = [align_to_group(s, spec, match, k) for k, s in enumerate(states)]
+            seconds += time.perf_counter() - t0
+            matches[group] = match
+            owned = [k for k in spec.owned(group) if k in self.statistics]
+            if owned:
+                nets = [network_from_state(self.template, s) for s in states]
+                statistics = batch_norm_step(self._moments(nets, sampled))
+                states = [with_statistics(s, statistics, owned) for s in states]
+            if c + 1 < len(names):
+                frozen = matched_parameters(spec, names[:c + 1])
+                states = [{k: v.detach() for k, v in train_network(
+                    network_from_state(self.template, s), *self.client_data[j], self.training, seed=self.seed,
+                    round=round, client=j, epochs=self.pfnm.layerwise_retrain, frozen=frozen,
+                    step=c + 1).state_dict().items()} for s, j in zip(states, sampled)]
+        last = matches[spec.owner(spec.params_of_kind("output_weight")[0])]
+        return SpecMatch(spec=spec, state=states[0], assignments={g: m.assignments for g, m in matches.items()},
+                         layer_results={g: m.result for g, m in matches.items()}, template=self.template,
+                         seconds=seconds, hyperparameters={g: m.hyperparameters for g, m in matches.items()},
+                         output_bias_mu0=last.output_bias_mu0), seconds
 
     @torch.no_grad()
     def predict_proba(self, x: Tensor) -> Tensor:

@@ -10,10 +10,15 @@ Flower run and an in-process run of the same settings give the same global model
   :mod:`bnpfed.combine`, the deterministic parameters averaged with the same ``b_k``, variances floored at
   ``min_variance``;
 * :func:`average_states`: FedAvg's step, every parameter averaged with ``b_k``;
-* :func:`pfnm_step`: PFNM (Yurochkin et al. 2019): match the clients' networks into a global one, warm-started from
-  what each client started its round from;
+* :func:`pfnm_step`: PFNM (Yurochkin et al. 2019): match the clients' networks (any architecture with a permutation
+  spec: MLPs, LeNet, FedMA's simple CNN, ...) into a global one, warm-started from what each client started its
+  round from;
 * :func:`client_start`: what a client starts its next round from: its slice of the global network, or the whole
-  network if it was not matched.
+  network if it was not matched;
+* :func:`batch_norm_step`: the running statistics of a global network's batch norms from the clients' moments of
+  its batch-norm inputs on their data (REPAIR's reset, federated), after every match or average;
+* :func:`fedma_group_step` and :func:`matched_parameters`: FedMA's layer-wise scheme (Wang et al. 2020), one group at
+  a time, the clients retraining what lies above the matched groups in between.
 
 Usage::
 
@@ -32,11 +37,14 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from bnpfed.combine import average_deterministic, fuse_sites
 from bnpfed.federated.config import CLIENT_WEIGHTS, FusionConfig, PFNMConfig
-from bnpfed.inference.multilayer import NetworkMatch, match_networks
+from bnpfed.inference.multilayer import linear_layers, match_networks
+from bnpfed.inference.permutation import (BatchNormMoments, GroupMatch, PermutationSpec, SpecMatch,
+                                          batch_norm_statistics, derive_spec, match_by_spec, match_group,
+                                          network_from_state)
 from bnpfed.posterior import GaussianPosterior
 from bnpfed.seeding import Stream, derive_seed, numpy_rng, torch_generator
 from bnpfed.validation import check_choice, check_fraction, check_int
@@ -44,13 +52,17 @@ from bnpfed.validation import check_choice, check_fraction, check_int
 __all__ = [
     "FusionStep",
     "average_states",
+    "batch_norm_step",
     "client_start",
     "client_weights",
     "clients_per_round",
+    "fedma_group_step",
     "fuse_posteriors",
     "match_hyperparameters",
+    "matched_parameters",
     "pfnm_step",
     "sample_clients",
+    "with_statistics",
 ]
 
 
@@ -163,38 +175,90 @@ def average_states(states: Sequence[Mapping[str, Tensor]], sizes: Sequence[int],
     return {name: average_deterministic([s[name] for s in states], weights) for name in names}, weights
 
 
-def pfnm_step(client_layers: Sequence, class_counts, config: PFNMConfig, *, seed: int, round: int,
-              starts: Optional[Sequence[Optional[list[Tensor]]]] = None) -> NetworkMatch:
-    """PFNM's server step: match the clients' networks (in the given order) into one global network.
+def _warm_start(config: PFNMConfig, starts, J: int) -> Optional[dict[str, list[Tensor]]]:
+    if not config.warm_start or starts is None:
+        return None
+    if len(starts) != J or any(s is None for s in starts):
+        raise ValueError(f"starts: expected the start of each of the {J} clients, got {starts!r}")
+    return {g: [start[g] for start in starts] for g in starts[0]}
 
-    :param client_layers: per client, its ``(weight, bias)`` layers (or an ``nn.Module``).
+
+def pfnm_step(client_nets: Sequence, class_counts, config: PFNMConfig, *, seed: int, round: int,
+              starts: Optional[Sequence[Optional[Mapping[str, Tensor]]]] = None,
+              spec: Optional[PermutationSpec] = None, template: Optional[nn.Module] = None,
+              input_shape: Optional[Sequence[int]] = None) -> SpecMatch:
+    """PFNM's server step: match the clients' networks (in the given order) into one global network, group by group
+    of the permutation spec (:func:`~bnpfed.inference.permutation.match_by_spec`; for an MLP the hidden layers,
+    bottom-up, exactly as :func:`~bnpfed.inference.multilayer.match_networks` does), with ``config``'s
+    hyper-parameters (estimated per group by default). ``config.direction="top-down"`` (the published order) matches
+    MLPs only, through ``match_networks``.
+
+    :param client_nets: per client, its network (``nn.Module``) or its ``state_dict`` (then pass ``spec`` and
+        ``template``).
     :param class_counts: ``(J, C)`` training examples per class of each client.
     :param PFNMConfig config: the matching hyper-parameters and options.
-    :param int seed: the experiment's seed; layer c's sweeps draw from ``derive_seed(seed, MATCH, round, c)``.
+    :param int seed: the experiment's seed; group c's sweeps draw from ``derive_seed(seed, MATCH, round) + c``.
     :param int round: the 1-based round.
     :param starts: None in round 1 (every client from its own initialisation); in a later round, per client, the
-        global ids of its hidden neurons per layer that :func:`client_start` gave it. With ``config.warm_start``
-        the matching starts from that assignment (the previous round's, as the published code does) instead of a
-        greedy pass; without it every round re-matches from scratch.
+        global ids of its units per group (``{group: ids}``) that :func:`client_start` gave it. With
+        ``config.warm_start`` the matching starts from that assignment (the previous round's, as the published code
+        does) instead of a greedy pass; without it every round re-matches from scratch.
+    :param spec: the networks' :class:`~bnpfed.inference.permutation.PermutationSpec` (default: derived from
+        ``template``, or client 0's network, and ``input_shape``).
+    :param template: a network of the clients' kind the global one is built from (default client 0's).
+    :param input_shape: the shape of one input, to derive the spec of a convolutional network.
+    :returns: :class:`~bnpfed.inference.permutation.SpecMatch` (``state``, ``assignments``, ``widths``,
+        ``network()``, ``client_slice(j)``).
     """
-    init = None
-    if config.warm_start and starts is not None:
-        if len(starts) != len(client_layers) or any(s is None for s in starts):
-            raise ValueError(f"starts: expected the start of each of the {len(client_layers)} clients, got {starts!r}")
-        init = [[start[c] for start in starts] for c in range(len(starts[0]))]  # per layer, per client
-    return match_networks(client_layers, class_counts, seed=derive_seed(seed, Stream.MATCH, round),
-                          warm_start=init, **config.matcher_kwargs())
+    kwargs = config.matcher_kwargs()
+    direction = kwargs.pop("direction")
+    init = _warm_start(config, starts, len(client_nets))
+    match_seed = derive_seed(seed, Stream.MATCH, round)
+    if direction == "top-down":
+        return _top_down(list(client_nets), class_counts, kwargs, seed=match_seed, init=init, spec=spec,
+                         template=template, input_shape=input_shape)
+    return match_by_spec(list(client_nets), class_counts, spec, input_shape=input_shape, template=template,
+                         seed=match_seed, warm_start=init, **kwargs)
 
 
-def match_hyperparameters(match: NetworkMatch) -> list[dict]:
-    """Per hidden layer, the hyper-parameters a match used (estimated or fixed) as plain values for tables and JSON:
-    ``sigma2``, ``sigma0_2``, ``gamma0``, ``mu0`` (a list, one per coordinate of the layer's neuron vectors), when the
-    matcher has them ``sigma2_scaled`` / ``sigma0_2_scaled`` (the pair of the class-share-weighted output coordinates)
-    and ``sigma2_per_client`` (a list), ``estimated`` (the names estimated), ``converged``, ``sweeps`` (sweeps run
-    after the first assignment) and ``notes`` (the estimator's fallbacks, if any). Empty for a matcher without
-    hyper-parameters (k-means)."""
+def _top_down(nets: list, class_counts, kwargs: dict, *, seed: int, init, spec, template, input_shape) -> SpecMatch:
+    """The published top-down order, for MLPs: ``match_networks`` on the Linear layers, as a SpecMatch."""
+    modules = [n if isinstance(n, nn.Module) else network_from_state(template, n) for n in nets]
+    template = modules[0] if template is None else template
+    if spec is None:
+        first = next((m for m in template.modules() if isinstance(m, (nn.Linear, nn.Conv2d))), None)
+        spec = derive_spec(template, input_shape if input_shape is not None or not isinstance(first, nn.Linear)
+                           else (first.in_features,))
+    linear = [name for name, m in template.named_modules() if isinstance(m, nn.Linear)]
+    owners = {p.rpartition(".")[0] for p in spec.kinds}
+    if spec.group_names != linear[:-1] or owners != set(linear) or any(
+            template.get_submodule(n).bias is None for n in linear):
+        raise ValueError("direction: 'top-down' matches MLPs (Linear layers with biases) only; expected "
+                         "'bottom-up' for this network")
+    match = match_networks([linear_layers(m) for m in modules], class_counts, seed=seed, direction="top-down",
+                           warm_start=None if init is None else [init[g] for g in spec.group_names], **kwargs)
+    state = {k: v.detach().clone() for k, v in modules[0].state_dict().items()}
+    for name, (w, b) in zip(linear, match.layers):
+        for key, value in ((f"{name}.weight", w), (f"{name}.bias", b)):
+            state[key] = torch.as_tensor(value).to(state[key].dtype)
+    names = spec.group_names
+    return SpecMatch(spec=spec, state=state, assignments=dict(zip(names, match.assignments)),
+                     layer_results=dict(zip(names, match.layer_results)), template=template, seconds=match.seconds,
+                     class_shares=match.class_shares, hyperparameters=dict(zip(names, match.hyperparameters)),
+                     output_bias_mu0=match.output_bias_mu0)
+
+
+def match_hyperparameters(match) -> list[dict]:
+    """Per group (hidden layer, conv channels), the hyper-parameters a match used (estimated or fixed) as plain
+    values for tables and JSON: ``sigma2``, ``sigma0_2``, ``gamma0``, ``mu0`` (a list, one per coordinate of the
+    group's unit vectors), when the matcher has them ``sigma2_scaled`` / ``sigma0_2_scaled`` (the pair of the
+    class-share-weighted output coordinates) and ``sigma2_per_client`` (a list), ``estimated`` (the names estimated),
+    ``converged``, ``sweeps`` (sweeps run after the first assignment) and ``notes`` (the estimator's fallbacks, if
+    any). Empty for a matcher without hyper-parameters (k-means). ``match``: a
+    :class:`~bnpfed.inference.permutation.SpecMatch` (or a ``NetworkMatch``)."""
+    results = match.layer_results
     out = []
-    for result in match.layer_results:
+    for result in (results.values() if isinstance(results, Mapping) else results):
         h = getattr(result, "hyperparameters", None)
         if not h:
             continue
@@ -214,14 +278,81 @@ def match_hyperparameters(match: NetworkMatch) -> list[dict]:
     return out
 
 
-def client_start(match: NetworkMatch, j: Optional[int]) -> tuple[list[tuple[Tensor, Tensor]], list[Tensor]]:
-    """What a client starts its next round from, and the global ids of its hidden neurons per layer.
+def client_start(match: SpecMatch, j: Optional[int]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """What a client starts its next round from (a ``state_dict``), and the global ids of its units per group.
 
     A client that was matched (``j`` its position among the matched clients) gets its slice of the global network
-    (:meth:`NetworkMatch.client_slice`: the global neurons its own were matched to, in its own order); a client
-    that was not (``j`` None) gets the whole global network.
+    (:meth:`~bnpfed.inference.permutation.SpecMatch.client_slice`: the global units its own were matched to, in its
+    own order); a client that was not (``j`` None) gets the whole global network.
     """
     if j is None:
-        ids = [torch.arange(w.shape[0]) for w, _ in match.layers[:-1]]
-        return [(w.clone(), b.clone()) for w, b in match.layers], ids
-    return match.client_slice(j), [a[j].clone() for a in match.assignments]
+        return ({k: v.clone() for k, v in match.state.items()},
+                {g: torch.arange(w) for g, w in match.widths.items()})
+    return match.client_slice(j), {g: a[j].clone() for g, a in match.assignments.items()}
+
+
+# ------------------------------------------------------------------------------------------------ batch norm
+
+
+def batch_norm_step(moments: Sequence[Mapping[str, BatchNormMoments]]) -> dict[str, Tensor]:
+    """The server's step of re-estimating a global network's batch-norm statistics after a match or an average
+    (REPAIR's reset, Jordan et al. 2023, federated): the clients' moments of every batch norm's inputs
+    (:func:`~bnpfed.federated.clients.batch_norm_moments_step`, computed on the same global network) summed in the
+    given order, then the running mean and unbiased variance. Returns ``{"<bn>.running_mean": ..., "<bn>.running_var":
+    ...}`` (float64), to be written with :func:`with_statistics`.
+
+    :raises ValueError: if the clients' moments are not of the same batch norms.
+    """
+    if not moments:
+        raise ValueError("moments: expected the batch-norm moments of at least one client, got none")
+    names = list(moments[0])
+    pooled = {}
+    for k, m in enumerate(moments):
+        if list(m) != names:
+            raise ValueError(f"moments[{k}]: expected the batch norms {names}, got {list(m)}")
+        for name, value in m.items():
+            pooled[name] = pooled[name] + value if name in pooled else value
+    out = {}
+    for name, (mean, var) in batch_norm_statistics(pooled).items():
+        out[f"{name}.running_mean"], out[f"{name}.running_var"] = mean, var
+    return out
+
+
+def with_statistics(state: Mapping[str, Tensor], statistics: Mapping[str, Tensor],
+                    keys: Optional[Sequence[str]] = None) -> dict[str, Tensor]:
+    """``state`` with the running statistics of :func:`batch_norm_step` written in (those in ``keys`` only, if
+    given), each in the dtype of the entry it replaces."""
+    out = dict(state)
+    for key, value in statistics.items():
+        if keys is not None and key not in keys:
+            continue
+        if key not in out:
+            raise ValueError(f"statistics: {key!r} is not an entry of the network's state")
+        out[key] = value.to(out[key].dtype)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ FedMA
+
+
+def fedma_group_step(client_states: Sequence[Mapping[str, Tensor]], class_counts, config: PFNMConfig, *,
+                     spec: PermutationSpec, group: str, seed: int, round: int,
+                     starts: Optional[Sequence[Optional[Mapping[str, Tensor]]]] = None) -> GroupMatch:
+    """FedMA's server step for one group (Wang et al. 2020): match group ``group`` of the clients' networks, whose
+    groups before it are the matched ones already (every client holds them, unit for unit, after
+    :func:`~bnpfed.inference.permutation.align_to_group`), with ``config``'s hyper-parameters for that group; its
+    sweeps draw from ``derive_seed(seed, MATCH, round) + c`` (c its position in the spec), as in :func:`pfnm_step`.
+    ``starts`` warm-starts it as in :func:`pfnm_step`."""
+    kwargs = config.matcher_kwargs()
+    kwargs.pop("direction")
+    init = _warm_start(config, starts, len(client_states))
+    c = spec.group_names.index(group)
+    return match_group(list(client_states), spec, group, class_counts,
+                       seed=derive_seed(seed, Stream.MATCH, round) + c,
+                       init_assignments=None if init is None else init[group], **kwargs)
+
+
+def matched_parameters(spec: PermutationSpec, groups: Sequence[str]) -> list[str]:
+    """The parameters (not the running statistics) that ``groups`` own: what FedMA freezes while the clients retrain
+    the layers above them."""
+    return [p for g in groups for p in spec.owned(g) if spec.kinds[p] not in ("running_mean", "running_var")]

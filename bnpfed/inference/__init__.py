@@ -1,6 +1,24 @@
-"""Inference: Hungarian MAP matching of neurons (PFNM), and SVI for Bayesian clients."""
+"""Inference: Hungarian MAP matching of neurons (PFNM), permutation specs (matching any feed-forward network), and
+SVI for Bayesian clients."""
 
 from bnpfed.inference.matching import REFERENCE_CONSTANTS, MatchResult, assignment_objective, match_layer
+from bnpfed.inference.permutation import (
+    BatchNormMoments,
+    GroupMatch,
+    PermutationSpec,
+    SpecMatch,
+    align_to_group,
+    batch_norm_moments,
+    client_slice,
+    derive_spec,
+    match_by_spec,
+    match_group,
+    network_from_state,
+    reestimate_batch_norm,
+    set_batch_norm_statistics,
+    unit_vectors,
+    verify_spec,
+)
 
 from bnpfed.inference.guides import MeanFieldGuide
 from bnpfed.inference.elbo import MeanFieldELBO
@@ -11,6 +29,21 @@ __all__ = [
     "MatchResult",
     "assignment_objective",
     "match_layer",
+    "BatchNormMoments",
+    "GroupMatch",
+    "PermutationSpec",
+    "SpecMatch",
+    "align_to_group",
+    "batch_norm_moments",
+    "client_slice",
+    "derive_spec",
+    "match_by_spec",
+    "match_group",
+    "network_from_state",
+    "reestimate_batch_norm",
+    "set_batch_norm_statistics",
+    "unit_vectors",
+    "verify_spec",
     "MeanFieldGuide",
     "MeanFieldELBO",
     "BayesianClient",

@@ -134,8 +134,12 @@ __all__ = [
     "client_slice",
     "SpecMatch",
     "match_by_spec",
+    "GroupMatch",
+    "match_group",
+    "align_to_group",
     "BatchNormMoments",
     "batch_norm_moments",
+    "batch_norm_statistics",
     "set_batch_norm_statistics",
     "reestimate_batch_norm",
 ]
@@ -995,6 +999,11 @@ class SpecMatch:
         """Group name -> number of global units."""
         return {g.name: _width(self.state, g, "state") for g in self.spec.groups}
 
+    @property
+    def hidden_sizes(self) -> list[int]:
+        """The global widths in the spec's order (an MLP's hidden widths, as ``NetworkMatch.hidden_sizes``)."""
+        return list(self.widths.values())
+
     def network(self) -> nn.Module:
         """The global network, of the template's kind with the matched widths."""
         if self.template is None:
@@ -1194,7 +1203,6 @@ def match_by_spec(
     """
     t0 = time.perf_counter()
     mode = check_choice(hyperparameters, ("empirical-bayes", "fixed"), "hyperparameters")
-    eb = mode == "empirical-bayes"
     states, template = _client_states(client_nets, template)
     if spec is None:
         if template is None:
@@ -1213,12 +1221,8 @@ def match_by_spec(
     if K == 0:
         raise ValueError("spec: has no hidden permutation; PFNM needs at least one hidden layer")
     widths = [_check_state(s, spec, states[0] if j else None, j) for j, s in enumerate(states)]
-    out_w = spec.params_of_kind("output_weight")
-    out_b = spec.params_of_kind("output_bias")
-    if len(out_w) != 1 or len(out_b) > 1:
-        raise ValueError(f"spec: expected one output weight and at most one output bias, got {out_w} and {out_b}")
-    C = int(states[0][out_w[0]].shape[0])
-    shares = _class_shares(class_counts, J, C)
+    out_w, out_b = _outputs(spec)
+    shares = _class_shares(class_counts, J, int(states[0][out_w].shape[0]))
     init = _warm_start(warm_start, names, widths)
     if callable(layer_fn):
         layer_fns = [layer_fn] * K
@@ -1226,73 +1230,276 @@ def match_by_spec(
         layer_fns = list(layer_fn)
     else:
         raise ValueError(f"layer_fn: expected a one-layer matcher or one per group ({K}), got {layer_fn!r}")
+    values = _group_values(names, mode, sigma2, sigma0_2, gamma0, mu0, bias_mu0)
+    shapes = {k: tuple(v.shape) for k, v in states[0].items()}
+    below: dict[str, tuple[list[Tensor], int]] = {}
+    matches: dict[str, GroupMatch] = {}
+    for c, name in enumerate(names):
+        matches[name] = _match_one(states, spec, shapes, name, below, shares, layer_fns[c], values[c], mode=mode,
+                                   noise=noise, sweeps=sweeps, seed=None if seed is None else seed + c,
+                                   init=None if init is None else init[name], matcher_kwargs=matcher_kwargs)
+        below[name] = (matches[name].assignments, matches[name].size)
+    extra = {k: v for m in matches.values() for k, v in m.statistics.items()}
+    owner = matches[spec.owner(out_w)]
+    b_mu0 = None
+    if out_b is not None:
+        bias, b_mu0 = _output_bias(states, out_b, shares, owner.hyperparameters, values[names.index(owner.group)])
+        extra[out_b] = bias
+    state = state_from_atoms(spec, states[0], {n: m.atoms for n, m in matches.items()}, extra)
+    return SpecMatch(spec=spec, state=state, assignments={n: m.assignments for n, m in matches.items()},
+                     layer_results={n: m.result for n, m in matches.items()}, template=template,
+                     seconds=time.perf_counter() - t0, class_shares=shares,
+                     hyperparameters={n: m.hyperparameters for n, m in matches.items()}, output_bias_mu0=b_mu0)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# one group at a time (FedMA's layer-wise scheme)
+
+
+@dataclass
+class GroupMatch:
+    """One group of a spec matched: what :func:`match_group` returns (and :func:`match_by_spec` computes for every
+    group in turn).
+
+    :param str group: the group's name.
+    :param result: the one-group matcher's :class:`~bnpfed.inference.MatchResult`.
+    :param list assignments: J long tensors: client j's unit l went to global unit ``assignments[j][l]``.
+    :param Tensor atoms: (L, D) float64, the global units' vectors, laid out as ``layout`` says.
+    :param VectorLayout layout: the coordinates of the vectors.
+    :param dict statistics: the running statistics the group owns (the mean of each global unit's members'), float64.
+    :param dict hyperparameters: the result's ``hyperparameters`` (``{}`` when it has none).
+    :param dict output_bias: ``{key: (C,) tensor}`` when the group holds the output weights and the spec has an output
+        bias (its class-share posterior mean), else empty.
+    :param float output_bias_mu0: the prior mean that bias was shrunk towards.
+    """
+
+    group: str
+    result: object
+    assignments: list
+    atoms: Tensor = field(repr=False)
+    layout: VectorLayout = field(repr=False)
+    statistics: dict = field(default_factory=dict, repr=False)
+    hyperparameters: dict = field(default_factory=dict)
+    output_bias: dict = field(default_factory=dict, repr=False)
+    output_bias_mu0: float | None = None
+
+    @property
+    def size(self) -> int:
+        """L, the number of global units."""
+        return int(self.atoms.shape[0])
+
+    def values(self) -> dict[str, Tensor]:
+        """The global value of every parameter the group owns (float64, the group's axis at L units; running
+        statistics the members' mean), and the output bias when the group holds the output weights."""
+        return {**self.layout.to_params(self.atoms), **self.statistics, **self.output_bias}
+
+
+def _outputs(spec: PermutationSpec) -> tuple[str, str | None]:
+    out_w = spec.params_of_kind("output_weight")
+    out_b = spec.params_of_kind("output_bias")
+    if len(out_w) != 1 or len(out_b) > 1:
+        raise ValueError(f"spec: expected one output weight and at most one output bias, got {out_w} and {out_b}")
+    return out_w[0], (out_b[0] if out_b else None)
+
+
+def _group_values(names: list[str], mode: str, sigma2, sigma0_2, gamma0, mu0, bias_mu0) -> list[tuple]:
+    """Per group, its (sigma2, sigma0_2, gamma0, mu0, bias_mu0): None where estimated; with fixed hyper-parameters
+    the published prior means (0 for weights, 0.1 for biases) where not given."""
     sig, sig0, gam, mus, bias_mus = (_per_group(v, names, n) for v, n in (
         (sigma2, "sigma2"), (sigma0_2, "sigma0_2"), (gamma0, "gamma0"), (mu0, "mu0"), (bias_mu0, "bias_mu0")))
-    if not eb:  # the published prior means
+    if mode == "fixed":
         mus = [0.0 if m is None else m for m in mus]
         bias_mus = [0.1 if m is None else m for m in bias_mus]
-    shapes = {k: tuple(v.shape) for k, v in states[0].items()}
-    sizes: dict[str, int] = {}
-    assignments: dict[str, list] = {}
-    results: dict[str, object] = {}
-    atoms: dict[str, Tensor] = {}
-    extra: dict[str, Tensor] = {}
-    for c, name in enumerate(names):
-        layout = _layout(spec, shapes, name, sizes)
-        neurons = []
-        for j in range(J):
-            below = {h: (assignments[h][j], sizes[h]) for h in sizes}
-            neurons.append(_rows(states[j], spec, layout, below))
-        fn = layer_fns[c]
-        kwargs = {} if init is None else {"init_assignments": init[name]}
-        for key, value in (("hyperparameters", mode), ("noise", noise)):
-            if _accepts(fn, key):
-                kwargs[key] = value
-        r = fn(neurons, sigma2=sig[c], sigma0_2=sig0[c], gamma0=gam[c],
-               mu0=layout.prior_mean(mus[c], bias_mus[c], fixed=not eb), precisions=layout.precisions(shares),
-               sweeps=sweeps, seed=None if seed is None else seed + c, **kwargs, **matcher_kwargs)
-        results[name] = r
-        assignments[name] = [torch.as_tensor(a, dtype=torch.long) for a in r.assignments]
-        atoms[name] = torch.as_tensor(r.global_atoms).to(torch.float64)
-        sizes[name] = int(atoms[name].shape[0])
-        # running statistics: the mean of the members' (see the module docstring)
-        stats = _layout(spec, shapes, name, sizes, statistics=True)
-        if stats.segments:
-            total = torch.zeros(sizes[name], stats.D, dtype=torch.float64)
-            count = torch.zeros(sizes[name], 1, dtype=torch.float64)
-            for j in range(J):
-                rows = _rows(states[j], spec, stats, {h: (assignments[h][j], sizes[h]) for h in sizes})
-                total.index_add_(0, assignments[name][j], rows)
-                count.index_add_(0, assignments[name][j], torch.ones(rows.shape[0], 1, dtype=torch.float64))
-            extra.update(stats.to_params(total / count.clamp(min=1)))
-    # output bias: posterior mean under N(bias_mu0, sigma0_2) with client j's bias seen at precision share_jk / sigma2
-    # (sigma2_j with per-client noise), the variances those of the group holding the output weights
-    hypers = {n: dict(getattr(r, "hyperparameters", None) or {}) for n, r in results.items()}
-    c_out = names.index(spec.owner(out_w[0]))
-    last = hypers[names[c_out]]
-    b_mu0 = None
-    if out_b:
-        s2 = last.get("sigma2", sig[c_out] if sig[c_out] is not None else 1.0)
-        s02 = last.get("sigma0_2", sig0[c_out] if sig0[c_out] is not None else 1.0)
-        s2_out = last.get("sigma2_scaled", s2)
-        s02 = last.get("sigma0_2_scaled", s02)
-        b_out = torch.stack([states[j][out_b[0]].to(torch.float64) for j in range(J)])
-        if "sigma2_per_client" in last:
-            noise_var = torch.as_tensor(last["sigma2_per_client"], dtype=torch.float64)[:, None] * (s2_out / s2)
-            w = shares / noise_var
-            weighted, precision = (w * b_out).sum(0), w.sum(0)
+    return list(zip(sig, sig0, gam, mus, bias_mus))
+
+
+def _match_one(states, spec: PermutationSpec, shapes, name: str, below: Mapping[str, tuple[list[Tensor], int]],
+               shares: Tensor, fn, values: tuple, *, mode: str, noise: str, sweeps, seed, init, matcher_kwargs
+               ) -> GroupMatch:
+    """Group ``name`` of every client matched through ``fn``, the groups in ``below`` ((per-client global ids,
+    global size)) re-indexing the parameters it owns."""
+    sigma2, sigma0_2, gamma0, mu0, bias_mu0 = values
+    sizes = {h: size for h, (_, size) in below.items()}
+    layout = _layout(spec, shapes, name, sizes)
+    neurons = [_rows(states[j], spec, layout, {h: (ids[j], size) for h, (ids, size) in below.items()})
+               for j in range(len(states))]
+    kwargs = {} if init is None else {"init_assignments": init}
+    for key, value in (("hyperparameters", mode), ("noise", noise)):
+        if _accepts(fn, key):
+            kwargs[key] = value
+    r = fn(neurons, sigma2=sigma2, sigma0_2=sigma0_2, gamma0=gamma0,
+           mu0=layout.prior_mean(mu0, bias_mu0, fixed=mode == "fixed"), precisions=layout.precisions(shares),
+           sweeps=sweeps, seed=seed, **kwargs, **matcher_kwargs)
+    assignments = [torch.as_tensor(a, dtype=torch.long) for a in r.assignments]
+    atoms = torch.as_tensor(r.global_atoms).to(torch.float64)
+    L = int(atoms.shape[0])
+    # running statistics: the mean of the members' (see the module docstring)
+    statistics = {}
+    stats = _layout(spec, shapes, name, {**sizes, name: L}, statistics=True)
+    if stats.segments:
+        total = torch.zeros(L, stats.D, dtype=torch.float64)
+        count = torch.zeros(L, 1, dtype=torch.float64)
+        for j in range(len(states)):
+            rows = _rows(states[j], spec, stats, {**{h: (ids[j], size) for h, (ids, size) in below.items()},
+                                                  name: (assignments[j], L)})
+            total.index_add_(0, assignments[j], rows)
+            count.index_add_(0, assignments[j], torch.ones(rows.shape[0], 1, dtype=torch.float64))
+        statistics = stats.to_params(total / count.clamp(min=1))
+    return GroupMatch(group=name, result=r, assignments=assignments, atoms=atoms, layout=layout,
+                      statistics=statistics, hyperparameters=dict(getattr(r, "hyperparameters", None) or {}))
+
+
+def _output_bias(states, key: str, shares: Tensor, hypers: Mapping, values: tuple) -> tuple[Tensor, float]:
+    """The output bias: posterior mean under N(bias_mu0, sigma0_2) with client j's bias seen at precision
+    share_jk / sigma2 (sigma2_j with per-client noise), the variances those of the group holding the output
+    weights; ``(bias, bias_mu0)``."""
+    sigma2, sigma0_2, _, _, bias_mu0 = values
+    s2 = hypers.get("sigma2", sigma2 if sigma2 is not None else 1.0)
+    s02 = hypers.get("sigma0_2", sigma0_2 if sigma0_2 is not None else 1.0)
+    s2_out = hypers.get("sigma2_scaled", s2)
+    s02 = hypers.get("sigma0_2_scaled", s02)
+    b_out = torch.stack([states[j][key].to(torch.float64) for j in range(len(states))])
+    if "sigma2_per_client" in hypers:
+        noise_var = torch.as_tensor(hypers["sigma2_per_client"], dtype=torch.float64)[:, None] * (s2_out / s2)
+        w = shares / noise_var
+        weighted, precision = (w * b_out).sum(0), w.sum(0)
+    else:
+        weighted, precision = (shares * b_out).sum(0) / s2_out, shares.sum(0) / s2_out
+    if bias_mu0 is not None:
+        b_mu0 = float(bias_mu0)
+    else:  # the mean over the classes of each class's precision-weighted mean of the clients' biases
+        held = precision > 0
+        b_mu0 = float((weighted[held] / precision[held]).mean())
+    return (b_mu0 / s02 + weighted) / (1.0 / s02 + precision), b_mu0
+
+
+def match_group(
+    client_nets,
+    spec: PermutationSpec,
+    group: str,
+    class_counts=None,
+    *,
+    below: Mapping[str, tuple[Sequence, int]] | None = None,
+    sigma2=None,
+    sigma0_2=None,
+    gamma0=None,
+    mu0=None,
+    bias_mu0=None,
+    hyperparameters: Literal["empirical-bayes", "fixed"] = "empirical-bayes",
+    noise: Literal["shared", "per-client"] = "shared",
+    sweeps: int | None = None,
+    seed: int | None = None,
+    init_assignments=None,
+    layer_fn: Callable = match_layer,
+    **matcher_kwargs,
+) -> GroupMatch:
+    """Match one group of J clients' networks: :func:`match_by_spec`'s step for that group, on its own. FedMA's
+    layer-wise scheme (Wang et al., ICLR 2020) calls it once per group, the clients retraining in between: after a
+    group is matched every client takes its global units (:func:`align_to_group`), so the groups before the next one
+    are the same in every client, unit for unit.
+
+    Two clients holding permuted copies of one network, its first layer matched, then aligned::
+
+        >>> net = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 2))
+        >>> spec = derive_spec(net, (4,))
+        >>> other = client_slice(spec, net.state_dict(), {"0": [2, 0, 1], "2": [1, 2, 0]})
+        >>> fixed = dict(hyperparameters="fixed", sigma2=1e-8, sigma0_2=1.0, gamma0=1.0)
+        >>> first = match_group([net.state_dict(), other], spec, "0", seed=0, **fixed)
+        >>> first.size, first.assignments[1].tolist()
+        (3, [2, 0, 1])
+        >>> aligned = [align_to_group(s, spec, first, j) for j, s in enumerate([net.state_dict(), other])]
+        >>> torch.equal(aligned[0]["0.weight"], aligned[1]["0.weight"])
+        True
+        >>> match_group(aligned, spec, "2", seed=1, **fixed).size   # the groups below: the same in both
+        3
+
+    :param client_nets: J networks (``nn.Module`` s) or ``state_dict`` s of one kind.
+    :param spec: the :class:`PermutationSpec`.
+    :param str group: the group to match.
+    :param class_counts: (J, C) examples per class at each client (for the output weights' precisions); default ones.
+    :param below: for the groups before ``group`` in the spec's order, ``{name: (J id tensors, global size)}``: the
+        global units each client's units of that group went to. Default: the identity at the clients' (equal)
+        widths -- the clients are aligned, as after :func:`align_to_group`.
+    :param sigma2: as :func:`match_by_spec` (one value, one per group, or a mapping by name; this group's is used);
+        so are ``sigma0_2``, ``gamma0``, ``mu0``, ``bias_mu0``, ``hyperparameters``, ``noise``, ``sweeps`` and
+        ``matcher_kwargs``.
+    :param int seed: the seed of this group's sweeps.
+    :param init_assignments: J label arrays to start the matching from (a warm start), or None.
+    :param layer_fn: the one-group matcher.
+    :returns: :class:`GroupMatch`.
+    """
+    mode = check_choice(hyperparameters, ("empirical-bayes", "fixed"), "hyperparameters")
+    if not isinstance(spec, PermutationSpec):
+        raise ValueError(f"spec: expected a PermutationSpec, got {type(spec).__name__}")
+    names = spec.group_names
+    if group not in names:
+        raise ValueError(f"group: expected one of {names}, got {group!r}")
+    if not callable(layer_fn):
+        raise ValueError(f"layer_fn: expected a one-layer matcher, got {layer_fn!r}")
+    c = names.index(group)
+    states, _ = _client_states(client_nets, None)
+    J = len(states)
+    widths = [_check_state(s, spec, states[0] if j else None, j) for j, s in enumerate(states)]
+    out_w, out_b = _outputs(spec)
+    shares = _class_shares(class_counts, J, int(states[0][out_w].shape[0]))
+    resolved: dict[str, tuple[list[Tensor], int]] = {}
+    for h in names[:c]:
+        if below is not None and h in below:
+            try:
+                ids, size = below[h]
+                ids = [torch.as_tensor(i, dtype=torch.long).reshape(-1) for i in ids]
+                size = int(size)
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"below[{h!r}]: expected (one id tensor per client, global size), got "
+                                 f"{below[h]!r}") from err
+            if len(ids) != J or any(i.numel() != widths[j][h] for j, i in enumerate(ids)):
+                raise ValueError(f"below[{h!r}]: expected one id per unit of every client's group {h!r} "
+                                 f"({[w[h] for w in widths]}), got {[i.numel() for i in ids]}")
+            resolved[h] = (ids, size)
         else:
-            weighted, precision = (shares * b_out).sum(0) / s2_out, shares.sum(0) / s2_out
-        if bias_mus[c_out] is not None:
-            b_mu0 = float(bias_mus[c_out])
-        else:  # the mean over the classes of each class's precision-weighted mean of the clients' biases
-            held = precision > 0
-            b_mu0 = float((weighted[held] / precision[held]).mean())
-        extra[out_b[0]] = (b_mu0 / s02 + weighted) / (1.0 / s02 + precision)
-    state = state_from_atoms(spec, states[0], atoms, extra)
-    return SpecMatch(spec=spec, state=state, assignments=assignments, layer_results=results, template=template,
-                     seconds=time.perf_counter() - t0, class_shares=shares, hyperparameters=hypers,
-                     output_bias_mu0=b_mu0)
+            sizes = sorted({w[h] for w in widths})
+            if len(sizes) != 1:
+                raise ValueError(f"below: the clients hold {sizes} units of group {h!r}, matched before {group!r}; "
+                                 f"pass below[{h!r}] (their global ids), or align them first (align_to_group)")
+            resolved[h] = ([torch.arange(sizes[0])] * J, sizes[0])
+    unknown = sorted(set(below or {}) - set(names[:c]))
+    if unknown:
+        raise ValueError(f"below: expected groups matched before {group!r} ({names[:c]}), got {unknown}")
+    init = None
+    if init_assignments is not None:
+        init = _warm_start({group: init_assignments}, [group], [{group: w[group]} for w in widths])[group]
+    values = _group_values(names, mode, sigma2, sigma0_2, gamma0, mu0, bias_mu0)[c]
+    shapes = {k: tuple(v.shape) for k, v in states[0].items()}
+    match = _match_one(states, spec, shapes, group, resolved, shares, layer_fn, values, mode=mode, noise=noise,
+                       sweeps=sweeps, seed=seed, init=init, matcher_kwargs=matcher_kwargs)
+    if out_b is not None and spec.owner(out_w) == group:
+        bias, match.output_bias_mu0 = _output_bias(states, out_b, shares, match.hyperparameters, values)
+        match.output_bias = {out_b: bias}
+    return match
+
+
+def align_to_group(state: Mapping[str, Tensor], spec: PermutationSpec, match: GroupMatch, j: int
+                   ) -> dict[str, Tensor]:
+    """Client j's state after ``match``: every parameter the group owns takes its global value (all L global units:
+    the client now holds the whole matched group, as in FedMA), every other parameter the group acts on is
+    re-indexed to the global units (the next layer's input columns: client unit l's go to its global unit, a global
+    unit the client lacks gets zeros), everything else is the client's own. Dtypes are kept."""
+    if not 0 <= j < len(match.assignments):
+        raise ValueError(f"j: expected a client in [0, {len(match.assignments)}), got {j}")
+    values = match.values()
+    ids, size = match.assignments[j], match.size
+    index = spec.group_names.index(match.group)
+    out = {}
+    for key, t in state.items():
+        t = torch.as_tensor(t).detach()
+        if key in values:
+            out[key] = values[key].to(t.dtype).clone()
+            continue
+        for c, a in spec.axes_of(key):
+            if c == index:
+                t = _reindex(t, a.dim, a.block, ids, size)
+        out[key] = t.clone()
+    return out
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -1345,17 +1552,28 @@ def batch_norm_moments(net: nn.Module, batches) -> dict[str, BatchNormMoments]:
 def set_batch_norm_statistics(net: nn.Module, moments: Mapping[str, BatchNormMoments]) -> nn.Module:
     """The server's step: set every batch norm's running mean and (unbiased) variance from pooled moments (the sum of
     the clients' :func:`batch_norm_moments`), in place. Returns ``net``."""
+    statistics = batch_norm_statistics(moments)
     with torch.no_grad():
         for name, m in net.named_modules():
             if isinstance(m, nn.modules.batchnorm._BatchNorm):
-                if name not in moments:
+                if name not in statistics:
                     raise ValueError(f"moments: expected the moments of batch norm {name!r}, got none")
-                mo = moments[name]
-                mean = mo.sum / mo.count
-                var = (mo.sum_sq / mo.count - mean * mean).clamp(min=0) * (mo.count / max(mo.count - 1.0, 1.0))
+                mean, var = statistics[name]
                 m.running_mean.copy_(mean)
                 m.running_var.copy_(var)
     return net
+
+
+def batch_norm_statistics(moments: Mapping[str, BatchNormMoments]) -> dict[str, tuple[Tensor, Tensor]]:
+    """The running mean and (unbiased) variance, float64, of every batch norm from pooled moments: batch norm's
+    name -> ``(mean, var)`` (what :func:`set_batch_norm_statistics` writes)."""
+    out = {}
+    for name, mo in moments.items():
+        if mo.count <= 0:
+            raise ValueError(f"moments[{name!r}]: expected a positive count, got {mo.count}")
+        mean = mo.sum / mo.count
+        out[name] = (mean, (mo.sum_sq / mo.count - mean * mean).clamp(min=0) * (mo.count / max(mo.count - 1.0, 1.0)))
+    return out
 
 
 def reestimate_batch_norm(net: nn.Module, client_batches: Sequence) -> nn.Module:
