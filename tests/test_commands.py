@@ -47,6 +47,8 @@ def files(tmp_path_factory):
         "nan": save("nan.npz", **nan),
         "text": str(root / "text.npz"),
         "flat": save("flat.npz", **good),
+        "small_images": save("small_images.npz", **dict(good, x_train=rng.random((60, 6, 6), dtype=np.float32),
+                                                         x_test=rng.random((12, 6, 6), dtype=np.float32))),
         "folder": str(root),
     }
 
@@ -101,6 +103,12 @@ PFNM_ONLY = [
     (["--width-sweep", "--sweep-gamma0", "nan"], "--sweep-gamma0"),
     (["--width-sweep", "--clients", "3,4"], "--clients"),
     (["--clients", "3,3"], "--clients"),
+    (["--arch", "resnet"], "--arch"),
+    (["--dataset", "npz:{flat}", "--arch", "lenet"], "--arch"),
+    (["--dataset", "npz:{small_images}", "--arch", "simple-cnn"], "--arch"),
+    (["--dataset", "npz:{small_images}", "--arch", "lenet-paper"], "--arch"),
+    (["--layerwise-retrain", "-1"], "--layerwise-retrain"),
+    (["--layerwise-retrain", "2", "--direction", "top-down"], "--layerwise-retrain"),
 ]
 FUSE_ONLY = [
     (["--rule", "foo"], "--rule"),
@@ -348,7 +356,8 @@ def test_the_same_config_field_has_the_same_flag_in_pfnm_and_fuse():
     for name in shared:
         flag = "--" + name.replace("_", "-")
         assert flag in flags["pfnm"] and flag in flags["fuse"], flag
-    assert "--local-epochs" in flags["fuse"] and "--align" not in flags["fuse"] and "--arch" not in flags["pfnm"]
+    assert "--local-epochs" in flags["fuse"] and "--align" not in flags["fuse"]
+    assert "--arch" in flags["pfnm"] and "--arch" in flags["fuse"]
 
 
 @pytest.mark.parametrize("command", ["pfnm", "fuse", "demo"])
@@ -394,3 +403,18 @@ def test_a_given_sigma2_is_fixed_and_the_others_estimated(tmp_path):
     (row,) = json.loads(out_json.read_text())["results"]["runs"][0]["rows"]
     (layer,) = row["hyperparameters"]
     assert layer["sigma2"] == 0.02 and "sigma2" not in layer["estimated"] and "sigma0_2" in layer["estimated"]
+
+
+@pytest.mark.parametrize("arch", ["lenet", "simple-cnn-bn"])
+def test_pfnm_runs_a_cnn_with_fedma_beside_it_and_reports_its_widths(arch, tmp_path, capsys):
+    out_json = tmp_path / "cnn.json"
+    assert main(["pfnm", "--arch", arch, "--clients", "2", "--epochs", "1", "--layerwise-retrain", "1",
+                 "--no-progress", "--methods", "local,fedavg-oneshot,kmeans,pfnm,fedma", "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    assert f"J = 2 clients, iid partition, {arch}, 1 local epoch" in out
+    rows = {r["method"]: r for r in check_record(out_json, "pfnm")["results"]["runs"][0]["rows"]}
+    assert list(rows) == ["local-mean", "local-min", "local-max", "fedavg-oneshot", "kmeans", "pfnm", "fedma"]
+    assert rows["local-mean"]["hidden"] == [6, 16, 120, 84]
+    assert len(rows["pfnm"]["hidden"]) == 4 and rows["kmeans"]["hidden"] == rows["pfnm"]["hidden"]
+    assert len(rows["fedma"]["hyperparameters"]) == 4
+    assert all(math.isfinite(r["accuracy"]) and r["parameters"] > 0 for r in rows.values())

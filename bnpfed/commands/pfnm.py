@@ -9,6 +9,8 @@ Examples::
     bnpfed pfnm --rounds 3 --plot rounds.png                       # adds pfnm-rounds: PFNM over 3 rounds
     bnpfed pfnm --clients 5,10,20 --plot by_j.png                  # accuracy and global width against J
     bnpfed pfnm --width-sweep --plot width.png                     # accuracy against global width
+    bnpfed pfnm --arch lenet --epochs 5 --layerwise-retrain 2      # LeNet on digits, adds fedma (layer-wise)
+    bnpfed pfnm --dataset cifar10 --data-dir DIR --arch simple-cnn-bn --partition dirichlet --rounds 10
 """
 
 from __future__ import annotations
@@ -22,13 +24,14 @@ from bnpfed.commands import _args
 from bnpfed.commands._args import HelpFormatter, UsageError, fail, flag_message, warn
 from bnpfed.federated import methods
 from bnpfed.federated.clients import initial_network
-from bnpfed.federated.config import (INITIALISATIONS, PFNM_NETWORK, PFNM_TRAINING, ExperimentConfig, FusionConfig,
-                                     NetworkConfig, PFNMConfig, config_dict)
+from bnpfed.federated.config import (ARCHITECTURES, INITIALISATIONS, PFNM_NETWORK, PFNM_TRAINING, ExperimentConfig,
+                                     FusionConfig, NetworkConfig, PFNMConfig, config_dict)
 from bnpfed.report import command_record, format_table, line_styles, pyplot, save_figure, write_json
 from bnpfed.validation import check_positives
 
 PROG = "bnpfed pfnm"
-#: The methods run unless --methods says otherwise (``pfnm-rounds`` too when --rounds > 1).
+#: The methods run unless --methods says otherwise (``pfnm-rounds`` too when --rounds > 1; ``fedma``, and
+#: ``fedma-rounds`` when --rounds > 1, with --layerwise-retrain).
 DEFAULT_METHODS = ("local", "ensemble", "fedavg-oneshot", "fedavg", "kmeans", "pfnm")
 COLUMNS = ["method", "accuracy", "nll", "hidden", "parameters", "rounds", "server_seconds", "note"]
 #: --width-sweep's grid. On digits (J = 10, hidden 100, pixels in [0, 1], the reference training) it takes the
@@ -45,11 +48,14 @@ SERVER_SECONDS = ("server_seconds: the server's aggregation time (matching, k-me
 def add_parser(sub):
     p = sub.add_parser(
         "pfnm",
-        help="PFNM federated experiment: local models, ensemble, FedAvg, k-means, PFNM (one round or more)",
+        help="PFNM federated experiment: local models, ensemble, FedAvg, k-means, PFNM, FedMA (one round or more)",
         description=_args.paragraphs(
-            "J clients train MLPs on their partitions; the server matches their neurons into one global network "
+            "J clients train networks (MLPs, LeNet, FedMA's simple CNN with or without batch norm) on their "
+            "partitions; the server matches their units (hidden neurons, conv channels) into one global network "
             "(PFNM, Yurochkin et al. 2019) and the command compares it with the local models, their uniform "
-            "ensemble, FedAvg and k-means at PFNM's width. The training defaults are the PFNM reference code's."),
+            "ensemble, FedAvg, k-means at PFNM's widths and, with --layerwise-retrain, FedMA's layer-wise matching "
+            "(Wang et al. 2020). The training defaults are the PFNM reference code's. A global network with batch "
+            "norm gets its running statistics re-estimated from the clients' data after every match or average."),
         epilog=_args.examples(__doc__, SERVER_SECONDS),
         formatter_class=HelpFormatter,
     )
@@ -59,9 +65,14 @@ def add_parser(sub):
     _args.add_partition_arguments(p, many_clients=True,
                                   clients_help="number of clients J, or a list such as 5,10,20 (one experiment "
                                   "each, and a plot against J)")
-    g = p.add_argument_group("network", "clients train ReLU MLPs")
+    g = p.add_argument_group("network", "the clients' network")
+    g.add_argument("--arch", choices=ARCHITECTURES, default=PFNM_NETWORK.arch,
+                   help="mlp (ReLU MLP of --hidden), lenet (LeNet-5, conv1 padded by 2), lenet-paper (LeNet-5 as Ozer "
+                   "et al.'s code has it), simple-cnn (FedMA's CIFAR-10 network: conv 6, conv 16, fc 120, 84) or "
+                   "simple-cnn-bn (the same with batch norm after each convolution); the convolutional networks take "
+                   "the images as they are (any channels, square, at least 8x8)")
     g.add_argument("--hidden", type=_args.ints, default=PFNM_NETWORK.hidden, metavar="H[,H...]",
-                   help="hidden widths of the clients' MLPs, e.g. 100 or 100,100")
+                   help="hidden widths of the clients' MLPs, e.g. 100 or 100,100 (--arch mlp)")
     g.add_argument("--init", choices=INITIALISATIONS, default=PFNM_NETWORK.init,
                    help="reference: the PFNM code's (weights N(0, 0.1^2), biases 0.1); torch: PyTorch's")
     g.add_argument("--shared-init", action="store_true",
@@ -99,6 +110,10 @@ def add_parser(sub):
     g.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=d.warm_start,
                    help="in rounds after the first, start matching from the assignment the clients' networks came "
                    "from (as the published code does); --no-warm-start re-matches from scratch")
+    g.add_argument("--layerwise-retrain", type=int, metavar="EPOCHS", default=d.layerwise_retrain,
+                   help="FedMA's layer-wise scheme (the fedma method, added to the default methods when > 0): match a "
+                   "layer, freeze it, let the clients retrain the layers above for EPOCHS epochs, match the next "
+                   "layer, ...; 0: fedma (if asked for by --methods) retrains for --round-epochs")
     e = ExperimentConfig()
     g = p.add_argument_group("hyper-parameter selection", "choose sigma2 / sigma0_2 / gamma0 from grids")
     g.add_argument("--select", choices=("none", "federated", "pooled-train"), default=e.select,
@@ -176,16 +191,19 @@ def prepare(args) -> dict:
     if args.width_sweep and len(args.clients) > 1:
         raise UsageError(f"--clients: --width-sweep takes one J, got {','.join(map(str, args.clients))}")
     partitions = [_args.partition_config(args, J) for J in args.clients]
-    network = NetworkConfig(arch="mlp", hidden=args.hidden, init=args.init, shared_init=args.shared_init)
+    network = NetworkConfig(arch=args.arch, hidden=args.hidden, init=args.init, shared_init=args.shared_init)
     training = _args.training_config(args)
     pfnm = PFNMConfig(sigma2=_one_or_many(args.sigma2), sigma0_2=_one_or_many(args.sigma0_2),
                       gamma0=_one_or_many(args.gamma0), hyperparameters=args.hyperparameters, noise=args.noise,
                       constants=args.constants, objective=args.objective, direction=args.direction,
-                      sweeps=args.sweeps, warm_start=args.warm_start, fraction=args.fraction)
+                      sweeps=args.sweeps, warm_start=args.warm_start, fraction=args.fraction,
+                      layerwise_retrain=args.layerwise_retrain)
     fusion = FusionConfig(fraction=args.fraction)  # FedAvg's client sampling
     chosen = args.methods
     if chosen is None:
         chosen = DEFAULT_METHODS + (("pfnm-rounds",) if args.rounds > 1 else ())
+        if args.layerwise_retrain:
+            chosen += ("fedma",) + (("fedma-rounds",) if args.rounds > 1 else ())
     config = ExperimentConfig(methods=chosen, rounds=args.rounds, seed=args.seed, select=args.select,
                               grid_sigma2=args.grid_sigma2, grid_sigma0_2=args.grid_sigma0_2,
                               grid_gamma0=args.grid_gamma0, holdout=args.holdout, ece_bins=args.ece_bins)
@@ -214,8 +232,11 @@ def run(args) -> int:
     settings["partition"]["clients"] = list(args.clients) if len(args.clients) > 1 else args.clients[0]
     try:
         if args.width_sweep:
+            # the reference constants match top-down, which only an MLP can be
+            constants = ("bnpfed", "reference") if plan["network"].arch == "mlp" else ("bnpfed",)
             points = methods.width_sweep(dataset, sigma2=args.sweep_sigma2, gamma0=args.sweep_gamma0,
-                                         progress=progress, partition=partitions[0], **_without(plan, "fusion"))
+                                         constants=constants, progress=progress, partition=partitions[0],
+                                         **_without(plan, "fusion"))
         else:
             results = []
             for partition in partitions:
@@ -239,7 +260,9 @@ def run(args) -> int:
     if args.plot:
         title = _title(dataset.name, partitions, plan)
         if args.width_sweep:
-            _plot_width(points, args.plot, title, sum(plan["network"].hidden), partitions[0].clients)
+            one = initial_network(plan["network"], dataset.input_shape, dataset.num_classes, seed=0)
+            _plot_width(points, args.plot, title, sum(methods.network_widths(one, dataset.input_shape)),
+                        partitions[0].clients)
         elif len(results) > 1:
             _plot_by_clients(results, [p.clients for p in partitions], args.plot, title)
         elif plan["config"].rounds > 1 and any(len(r.history) > 1 for r in results[0].rows):
@@ -257,8 +280,12 @@ def _without(plan: dict, *names) -> dict:
 def _describe(name: str, partition, plan: dict) -> str:
     alpha = f" (alpha {partition.alpha:g})" if partition.partition == "dirichlet" else ""
     epochs = _args.plural(plan["training"].epochs, "local epoch")
-    return (f"{name}: J = {partition.clients} clients, {partition.partition} partition{alpha}, MLP hidden "
-            f"{list(plan['network'].hidden)}, {epochs}, seed {plan['config'].seed}")
+    return (f"{name}: J = {partition.clients} clients, {partition.partition} partition{alpha}, "
+            f"{_arch(plan['network'])}, {epochs}, seed {plan['config'].seed}")
+
+
+def _arch(network: NetworkConfig) -> str:
+    return f"MLP hidden {list(network.hidden)}" if network.arch == "mlp" else network.arch
 
 
 def _hyper(config: PFNMConfig) -> str:
@@ -275,7 +302,8 @@ def _hyper(config: PFNMConfig) -> str:
 
 
 def _layer_table(rows) -> list[dict]:
-    """The PFNM rows' hyper-parameters per hidden layer (estimated or fixed), one table row per (method, layer)."""
+    """The PFNM and FedMA rows' hyper-parameters per hidden layer or conv channels (estimated or fixed), one table
+    row per (method, layer)."""
     out = []
     for row in rows:
         for layer, h in enumerate(row.hyperparameters):
@@ -304,9 +332,9 @@ def _print_result(name: str, partition, plan: dict, result) -> None:
     print(format_table([asdict(r) for r in result.rows], COLUMNS))
     layers = _layer_table(result.rows)
     if layers:
-        print("PFNM hyper-parameters per hidden layer (the final match's; sigma2_out / sigma0_2_out: the pair of the "
-              "class-share-weighted output coordinates of the last hidden layer; mu0_mean: the mean of the atoms' "
-              "prior mean over the layer's coordinates):")
+        print("PFNM hyper-parameters per hidden layer (conv channels count as a layer; the final match's; "
+              "sigma2_out / sigma0_2_out: the pair of the class-share-weighted output coordinates of the last hidden "
+              "layer; mu0_mean: the mean of the atoms' prior mean over the layer's coordinates):")
         print(format_table(layers))
     for message in result.warnings:
         warn(message)
@@ -322,7 +350,7 @@ def _title(name: str, partitions, plan: dict) -> str:
     p = partitions[0]
     clients = ", ".join(str(q.clients) for q in partitions)
     alpha = f" (alpha {p.alpha:g})" if p.partition == "dirichlet" else ""
-    return f"{name}: J = {clients} clients, {p.partition} partition{alpha}, MLP hidden {list(plan['network'].hidden)}"
+    return f"{name}: J = {clients} clients, {p.partition} partition{alpha}, {_arch(plan['network'])}"
 
 
 # ------------------------------------------------------------------------------------------------ plots
