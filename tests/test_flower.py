@@ -41,10 +41,13 @@ from bnpfed.federated.server import client_start, sample_clients  # noqa: E402
 from bnpfed.flower.client import app as client_app  # noqa: E402
 from bnpfed.flower.config import parse_run_config, run_config_defaults  # noqa: E402
 from bnpfed.flower.local import LocalGrid  # noqa: E402
-from bnpfed.flower.records import (ReplyError, from_array_record, network_from_arrays,  # noqa: E402
-                                   network_to_record, posterior_from_arrays, posterior_to_record)
+from bnpfed.flower.records import (ReplyError, from_array_record, moments_from_arrays,  # noqa: E402
+                                   moments_to_record, posterior_from_arrays, posterior_to_record, state_from_arrays,
+                                   state_to_record)
 from bnpfed.flower.server import run_federation  # noqa: E402
 from bnpfed.flower.strategies import evaluation_clients  # noqa: E402
+from bnpfed.inference.permutation import batch_norm_moments, client_slice, derive_spec  # noqa: E402
+from bnpfed.models import LeNet, simple_cnn_bn  # noqa: E402
 from bnpfed.posterior import GaussianPosterior  # noqa: E402
 
 APP_DIR = Path(__file__).resolve().parents[1] / "examples" / "flower_app"
@@ -53,6 +56,10 @@ CLIENTS = 3
 PFNM = {"method": "pfnm", "rounds": 2, "hidden": "16", "epochs": 1, "round-epochs": 1, "hyperparameters": "fixed",
         "sigma2": 0.3}
 FUSION = {"method": "fusion", "rounds": 2, "hidden": "16", "epochs": 1, "pooling-samples": 100}
+#: The same for convolutional networks (empirical Bayes, the default); with batch norm the server asks the matched
+#: clients for their moments of the global network after every match.
+LENET = {"method": "pfnm", "rounds": 2, "arch": "lenet", "epochs": 1, "round-epochs": 1}
+CNN_BN = {**LENET, "arch": "simple-cnn-bn"}
 #: Two of the three clients a round; with seed 1 round 1 trains [1, 2] and round 2 [0, 2], so in round 2 of PFNM
 #: client 0, which was not matched, starts from the whole global network.
 FRACTION = {"fraction": 0.67, "seed": 1}
@@ -93,7 +100,7 @@ def in_process(config: dict):
 def global_arrays(federation) -> dict[str, np.ndarray]:
     """The in-process global model in the layout of :mod:`bnpfed.flower.records`."""
     if isinstance(federation, PFNMFederation):
-        return from_array_record(network_to_record(federation.match.layers))
+        return from_array_record(state_to_record(federation.match.state))
     return from_array_record(posterior_to_record(federation.global_posterior, federation.global_deterministic))
 
 
@@ -126,6 +133,40 @@ def test_pfnm_on_flower_is_the_in_process_federation_bit_for_bit(extra):
         assert not all(k in result.arrays and np.array_equal(result.arrays[k], v) for k, v in cold.items())
 
 
+@pytest.mark.parametrize("config", [LENET, CNN_BN, {**CNN_BN, **FRACTION}],
+                         ids=["lenet", "simple-cnn-bn", "simple-cnn-bn-fraction-0.67"])
+def test_a_cnn_on_flower_is_the_in_process_federation_bit_for_bit(config):
+    grid = LocalGrid(client_app, CLIENTS)
+    result = run_federation(grid, config)
+    reference = in_process(config)
+    assert_same_model(result.arrays, reference)
+    assert_same_rounds(result.history, reference)
+    assert len(result.history[-1]["hidden"]) == 4 and "conv2.weight" in result.arrays
+    queries = [kind for _, kind in grid.calls].count(MessageType.QUERY)
+    if config["arch"] == "simple-cnn-bn":   # the matched clients' moments, after each of the two matches
+        assert [r["statistics_from"] for r in result.history] == [r.sampled for r in reference.history]
+        assert queries == CLIENTS + sum(len(r.sampled) for r in reference.history)
+        assert result.arrays["bn1.running_var"].shape == (result.history[-1]["hidden"][0],)
+    else:
+        assert queries == CLIENTS and "statistics_from" not in result.history[-1]
+
+
+def test_a_client_that_fails_the_batch_norm_step_is_left_out_of_the_statistics(caplog):
+    def app(msg, context):
+        step = msg.content.config_records["config"].get("step")
+        if step == "batch-norm-moments" and context.node_config["partition-id"] == 1:
+            raise RuntimeError("out of memory")
+        return client_app(msg, context)
+
+    with caplog.at_level("WARNING", logger="flwr.bnpfed"):
+        result = run_federation(LocalGrid(app, CLIENTS), {**CNN_BN, "rounds": 1})
+    (record,) = result.history
+    assert record["clients"] == [0, 1, 2] and record["statistics_from"] == [0, 2]
+    assert any("query reply of client 1" in r.getMessage() and "out of memory" in r.getMessage()
+               for r in caplog.records)
+    assert all(np.isfinite(a).all() for a in result.arrays.values())
+
+
 def test_empirical_bayes_pfnm_on_flower_is_the_in_process_federation_bit_for_bit_and_records_its_estimates():
     config = {k: v for k, v in PFNM.items() if k not in ("hyperparameters", "sigma2")}   # the default: estimated
     result = run_federation(LocalGrid(client_app, CLIENTS), config)
@@ -153,14 +194,13 @@ def test_in_round_two_each_pfnm_client_starts_from_what_client_start_gives_it():
     assert sorted(sent) == [(1, 1), (1, 2), (2, 0), (2, 2)]
     assert sent[1, 1] == {} and sent[1, 2] == {}  # round 1: each from its own initialisation
     for j in (0, 2):
-        layers, _ = client_start(first.match, first.matched.index(j) if j in first.matched else None)
-        assert sent[2, j].keys() == {f"{c}.{k}" for c in range(len(layers)) for k in ("weight", "bias")}
-        for c, (w, b) in enumerate(layers):
-            assert np.array_equal(sent[2, j][f"{c}.weight"], w.numpy())
-            assert np.array_equal(sent[2, j][f"{c}.bias"], b.numpy())
+        state, _ = client_start(first.match, first.matched.index(j) if j in first.matched else None)
+        assert sent[2, j].keys() == state.keys() == {"1.weight", "1.bias", "3.weight", "3.bias"}
+        for key, value in state.items():
+            assert np.array_equal(sent[2, j][key], value.numpy())
     # client 0 was not matched in round 1: it gets the whole global network; client 2 its 16-neuron slice
-    assert sent[2, 0]["0.weight"].shape[0] == first.match.hidden_sizes[0]
-    assert sent[2, 2]["0.weight"].shape[0] == 16
+    assert sent[2, 0]["1.weight"].shape[0] == first.match.hidden_sizes[0]
+    assert sent[2, 2]["1.weight"].shape[0] == 16
 
 
 @pytest.mark.parametrize("rule, extra", [(rule, {}) for rule in available_rules()]
@@ -246,7 +286,7 @@ def raise_error(content):
 
 
 @pytest.mark.parametrize("method, tamper, reason", [
-    ("pfnm", set_array("0.weight", lambda w: w[:, :-1]), r"'0.weight': expected shape \(16, 64\), got \(16, 63\)"),
+    ("pfnm", set_array("1.weight", lambda w: w[:, :-1]), r"'1.weight': expected shape \(16, 64\), got \(16, 63\)"),
     ("pfnm", set_array("1.bias", nan_at_0), "'1.bias': contains NaN"),
     ("pfnm", set_metric("class-counts", [1, 2]), "'class-counts': expected a list of 10 class counts"),
     ("pfnm", set_metric("num-examples", 0), "'num-examples': expected a positive integer"),
@@ -354,7 +394,8 @@ BAD_RUN_CONFIGS = [
     ('amsgrad="maybe"', "amsgrad: expected true or false, got 'maybe'"),
     ('fraction=1.5', r"fraction: expected a number in \(0, 1\], got 1.5"),
     ('fraction-evaluate=-0.5', r"fraction-evaluate: expected a number in \[0, 1\], got -0.5"),
-    ('method="pfnm" arch="lenet"', "arch: PFNM matches fully connected networks"),
+    ('arch="resnet"', r"arch: expected one of \['mlp', 'lenet', 'lenet-paper', 'simple-cnn', 'simple-cnn-bn'\]"),
+    ('layerwise-retrain=2', "layerwise-retrain: FedMA's layer-wise scheme runs in process"),
     ('min-nodes=4', r"min-nodes: expected at most the 3 SuperNodes \(--supernodes\), got 4"),
     ('rounds 2', "cannot read 'rounds 2': expected KEY=VALUE pairs"),
     ('method=pfnm', "cannot read it: The provided configuration string is in an invalid format"),
@@ -423,27 +464,55 @@ def over_the_wire(record):
 
 
 def test_networks_of_any_widths_survive_the_wire():
-    layers = [(torch.randn(5, 4), torch.randn(5)), (torch.randn(7, 5), torch.randn(7)),
-              (torch.randn(3, 7), torch.randn(3))]
-    back = network_from_arrays(from_array_record(over_the_wire(network_to_record(layers))), in_features=4,
-                               num_classes=3)
-    for (w, b), (w2, b2) in zip(layers, back):
-        assert torch.equal(w, w2) and torch.equal(b, b2)
+    net = simple_cnn_bn(1, 8)
+    spec, template = derive_spec(net, (1, 8, 8)), net.state_dict()
+    narrow = client_slice(spec, template, {"conv1": [4, 0, 2], "conv2": list(range(11)), "fc1": [5, 7], "fc2": [1]})
+    back = state_from_arrays(from_array_record(over_the_wire(state_to_record(narrow))), spec, template)
+    assert back.keys() == narrow.keys()
+    for key, value in narrow.items():
+        assert back[key].dtype == value.dtype and torch.equal(back[key], value), key
+    assert back["bn1.num_batches_tracked"].shape == ()          # 0-d entries stay 0-d
+    with pytest.raises(ReplyError, match=r"'fc1.weight': expected shape \(3, 11\), got \(2, 11\)"):
+        state_from_arrays(from_array_record(state_to_record(narrow)), spec, template,
+                          widths={"conv1": 3, "conv2": 11, "fc1": 3, "fc2": 1})
 
 
-@pytest.mark.parametrize("arrays, message", [
-    ({"0.weight": np.ones((2, 3), np.float32), "1.weight": np.ones((1, 2), np.float32),
-      "1.bias": np.ones(1, np.float32)}, r"missing array\(s\) \['0.bias'\]"),
-    ({"0.weight": np.ones(3, np.float32), "0.bias": np.ones(3, np.float32), "1.weight": np.ones((1, 3), np.float32),
-      "1.bias": np.ones(1, np.float32)}, r"'0.weight': expected an \(out, in\) matrix"),
-    ({"0.weight": np.ones((2, 3), np.int64), "0.bias": np.ones(2, np.float32), "1.weight": np.ones((1, 2),
-      np.float32), "1.bias": np.ones(1, np.float32)}, "expected a floating-point tensor"),
-    ({"0.weight": np.ones((2, 3), np.float32), "0.bias": np.ones(2, np.float32)}, "at least one hidden layer"),
-    ({"w": np.ones(2)}, "unexpected array 'w'"),
+def _lenet():
+    net = LeNet(image_size=8)
+    return derive_spec(net, (1, 8, 8)), net.state_dict()
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda a: a.pop("fc3.bias"), r"missing array\(s\) \['fc3.bias'\]"),
+    (lambda a: a.update(w=np.ones(2)), r"unknown array\(s\) \['w'\]"),
+    (lambda a: a.update({"conv1.weight": a["conv1.weight"][:, :, :3]}), r"'conv1.weight': expected shape \(6, 1, 5, 5\)"),
+    (lambda a: a.update({"conv2.weight": a["conv2.weight"][:, :5]}), r"'conv2.weight': expected shape \(16, 6, 5, 5\)"),
+    (lambda a: a.update({"fc1.weight": a["fc1.weight"][:, :60]}), r"'fc1.weight': expected shape \(120, 64\)"),
+    (lambda a: a.update({"fc3.weight": a["fc3.weight"].astype(np.int64)}), "expected a floating-point tensor"),
+    (lambda a: a["fc2.bias"].__setitem__(0, np.inf), "'fc2.bias': contains NaN or infinite values"),
+    (lambda a: a.update({"conv1.weight": a["conv1.weight"][:0]}), "expected at least one unit of 'conv1'"),
 ])
-def test_malformed_networks_are_named(arrays, message):
+def test_malformed_networks_are_named(change, message):
+    spec, template = _lenet()
+    arrays = {k: v.numpy().copy() for k, v in template.items()}
+    change(arrays)
     with pytest.raises(ReplyError, match=message):
-        network_from_arrays(arrays)
+        state_from_arrays(arrays, spec, template)
+
+
+def test_batch_norm_moments_travel_as_float64_and_bad_ones_are_named():
+    x = torch.randn(12, 1, 8, 8)
+    moments = batch_norm_moments(simple_cnn_bn(1, 8), [x])
+    channels = {"bn1": 6, "bn2": 16}
+    back = moments_from_arrays(from_array_record(over_the_wire(moments_to_record(moments))), channels)
+    for name, m in moments.items():
+        assert back[name].count == m.count and torch.equal(back[name].sum, m.sum)
+        assert torch.equal(back[name].sum_sq, m.sum_sq)
+    arrays = from_array_record(moments_to_record(moments))
+    with pytest.raises(ReplyError, match=r"'bn2.sum': expected shape \(16,\)"):
+        moments_from_arrays({**arrays, "bn2.sum": arrays["bn2.sum"][:3]}, channels)
+    with pytest.raises(ReplyError, match="expected a positive count"):
+        moments_from_arrays({**arrays, "bn1.count": np.asarray(-1.0)}, channels)
 
 
 def test_posteriors_travel_as_the_shared_gaussian_posterior_type():
@@ -503,7 +572,8 @@ def test_a_flower_simulation_gives_the_in_process_global_models(monkeypatch):
 
     monkeypatch.setenv("FLWR_TELEMETRY_ENABLED", "0")
     configs = {"pfnm": PFNM, "pfnm-fraction": {**PFNM, **FRACTION},
-               "pooling-fraction": {**FUSION, "rule": "pooling", **FRACTION}, "gaa": {**FUSION, "rule": "gaa"}}
+               "pooling-fraction": {**FUSION, "rule": "pooling", **FRACTION}, "gaa": {**FUSION, "rule": "gaa"},
+               "simple-cnn-bn": CNN_BN}
     results = {}
     server_app = ServerApp()
 
@@ -620,8 +690,9 @@ def test_a_superlink_and_three_supernodes_on_loopback_give_the_in_process_global
     (cli_home / "config.toml").write_text(f'[superlink]\ndefault = "loopback"\n\n[superlink.loopback]\n'
                                           f'address = "127.0.0.1:{link_port}"\ninsecure = true\n')
     cli_env = {**env, "FLWR_HOME": str(cli_home)}
-    # PFNM with every client and a warm-started second round; pooling fusion with two of the three clients a round
-    configs = {"pfnm": PFNM, "fusion": {**FUSION, "rule": "pooling", **FRACTION}}
+    # PFNM with every client and a warm-started second round; pooling fusion with two of the three clients a round;
+    # PFNM of a CNN with batch norm (its moments step) with two of the three clients a round
+    configs = {"pfnm": PFNM, "fusion": {**FUSION, "rule": "pooling", **FRACTION}, "pfnm-cnn": {**CNN_BN, **FRACTION}}
     processes = Processes(tmp_path, env)
     with deadline(DEPLOYMENT_TIMEOUT):
         try:
@@ -650,7 +721,8 @@ def test_a_superlink_and_three_supernodes_on_loopback_give_the_in_process_global
                                            "--run-config", run_config))
                 assert started.get("success") and "run-id" in started, started
                 runs[method] = (str(started["run-id"]), out)
-            for method, (run_id, out) in runs.items():
+            for name, (run_id, out) in runs.items():
+                method = configs[name]["method"]
                 status = ""
                 while not status.startswith("finished:"):  # each `flwr` call costs a second of CPU: poll gently
                     time.sleep(3)
@@ -659,10 +731,10 @@ def test_a_superlink_and_three_supernodes_on_loopback_give_the_in_process_global
                 if status != "finished:completed":
                     log = subprocess.run([str(bin_dir / "flwr"), "log", run_id, "loopback", "--show"], env=cli_env,
                                          capture_output=True, text=True, timeout=60).stdout
-                    pytest.fail(f"{method} run {run_id} ended {status}\n{log[-5000:]}\n{processes.logs()}")
+                    pytest.fail(f"{name} run {run_id} ended {status}\n{log[-5000:]}\n{processes.logs()}")
                 summary = json.loads((out / f"{method}-summary.json").read_text())
                 assert list(summary) == ["command", "arguments", "settings", "versions", "timestamp", "results"]
-                reference = in_process(configs[method])
+                reference = in_process(configs[name])
                 assert_same_rounds(summary["results"]["rounds"], reference)
                 assert_same_model(dict(np.load(out / f"{method}-global.npz")), reference)
         except TimeoutError as error:

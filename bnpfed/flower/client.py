@@ -9,10 +9,13 @@ split (the shards together are the test split). Every setting comes from the ser
 (:meth:`~bnpfed.flower.config.FlowerSettings.client_record`); nothing is read from the run config, so the server
 alone decides. The steps are :mod:`bnpfed.federated.clients`' (the in-process federations call them too):
 
-* ``query``: tell the server the partition ``(j, J)``, the input shape and the number of classes;
-* ``train``, task ``"pfnm"``: start from the MLP sent (its slice of the global network) or, when the message has no
-  arrays (round 1), from :func:`~bnpfed.federated.clients.initial_network` (its own initialisation); train it
-  with :func:`~bnpfed.federated.clients.train_network`; reply with its layers, ``num-examples``, ``class-counts``;
+* ``query``: tell the server the partition ``(j, J)``, the input shape and the number of classes; or, with
+  ``step`` ``"batch-norm-moments"``, reply with the moments of the batch-norm inputs of the global network sent on
+  this client's training inputs (:func:`~bnpfed.federated.clients.batch_norm_moments_step`);
+* ``train``, task ``"pfnm"``: start from the network sent (its slice of the global network, a ``state_dict`` of
+  the configured architecture, checked against its permutation spec) or, when the message has no arrays (round 1),
+  from :func:`~bnpfed.federated.clients.initial_network` (its own initialisation); train it with
+  :func:`~bnpfed.federated.clients.train_network`; reply with its state, ``num-examples``, ``class-counts``;
 * ``train``, task ``"fusion"``: a :func:`~bnpfed.federated.clients.bayesian_client` of the shared initial network
   with the global posterior and deterministic parameters loaded, fitted by
   :func:`~bnpfed.federated.clients.fit_bayesian`; reply with its posterior, parameters, ``num-examples``,
@@ -36,7 +39,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 from bnpfed.data import Dataset, load_dataset
-from bnpfed.federated.clients import bayesian_client, fit_bayesian, initial_network, train_network
+from bnpfed.federated.clients import (batch_norm_moments_step, bayesian_client, fit_bayesian, initial_network,
+                                      train_network)
 from bnpfed.federated.config import BayesianConfig, NetworkConfig, PartitionConfig
 from bnpfed.federated.partition import class_counts
 from bnpfed.flower.config import ClientSettings, client_settings
@@ -48,13 +52,14 @@ from bnpfed.flower.records import (
     NodeIdentity,
     array_shapes,
     from_array_record,
-    network_from_arrays,
-    network_to_record,
+    moments_to_record,
     posterior_from_arrays,
     posterior_to_record,
+    state_from_arrays,
+    state_to_record,
 )
 from bnpfed.inference import BayesianClient
-from bnpfed.inference.multilayer import linear_layers, network_from_layers
+from bnpfed.inference.permutation import PermutationSpec, derive_spec, network_from_state
 from bnpfed.metrics import classification_report
 from bnpfed.seeding import Stream, derive_seed
 
@@ -78,6 +83,15 @@ def node_partition(context: Context) -> tuple[int, int]:
 def _dataset(name: str, standardize: bool, data_dir: Optional[str]) -> Dataset:
     """Loaded once per process (a simulation's actors and a test's in-process clients reuse it)."""
     return load_dataset(name, data_dir=data_dir, standardize=standardize)
+
+
+@lru_cache(maxsize=8)
+def _architecture(network: NetworkConfig, input_shape: tuple, num_classes: int, seed: int
+                  ) -> tuple[torch.nn.Module, PermutationSpec]:
+    """The template network of the configured architecture and its permutation spec, as the server builds them
+    (:meth:`~bnpfed.flower.strategies.PFNMStrategy.connect`)."""
+    template = initial_network(network, input_shape, num_classes, seed=seed)
+    return template, derive_spec(template, input_shape)
 
 
 @lru_cache(maxsize=8)
@@ -122,6 +136,13 @@ class _Client:
         idx = torch.as_tensor(evaluation_shard(len(self.ds.y_test), self.j, self.num))
         return self.ds.x_test[idx], self.ds.y_test[idx]
 
+    def network(self, record: ArrayRecord) -> torch.nn.Module:
+        """The network of the configured architecture carrying the ``state_dict`` in ``record``."""
+        template, spec = _architecture(self.settings.network, tuple(self.ds.input_shape), self.ds.num_classes,
+                                       self.settings.seed)
+        state = state_from_arrays(from_array_record(record), spec, template.state_dict())
+        return network_from_state(template, state)
+
     def global_client(self, record: ArrayRecord) -> BayesianClient:
         """A Bayesian client of the shared initial network carrying the global model in ``record``."""
         client = _bayesian(self.settings.network, self.settings.bayesian, self.ds.input_shape, self.ds.num_classes,
@@ -160,6 +181,8 @@ def initial_global_model(network: NetworkConfig, bayesian: BayesianConfig, input
 
 
 def _query(msg: Message, context: Context) -> Message:
+    if msg.content.config_records[CONFIG].get("step") == "batch-norm-moments":
+        return _moments(msg, context)
     j, num = node_partition(context)
     config = msg.content.config_records[CONFIG]
     ds = _dataset(str(config["dataset"]), bool(config["standardize"]), _data_dir(context))
@@ -175,13 +198,18 @@ def _train_pfnm(msg: Message, context: Context) -> Message:
     if len(sent) == 0:  # round 1: this client's own initialisation
         net = initial_network(s.network, ds.input_shape, ds.num_classes, seed=s.seed, client=c.j)
     else:
-        net = network_from_layers(network_from_arrays(from_array_record(sent),
-                                                      in_features=int(np.prod(ds.input_shape)),
-                                                      num_classes=ds.num_classes))
+        net = c.network(sent)
     trained = train_network(net, x, y, s.training, seed=s.seed, round=c.round, client=c.j)
     counts = class_counts(ds.y_train.numpy(), [c.idx.numpy()], ds.num_classes)[0]
     metrics = {"num-examples": int(len(y)), "class-counts": [int(k) for k in counts]}
-    return c.reply(msg, network_to_record(linear_layers(trained)), metrics)
+    return c.reply(msg, state_to_record(trained.state_dict()), metrics)
+
+
+def _moments(msg: Message, context: Context) -> Message:
+    c = _Client(msg, context)
+    x, _ = c.train_data
+    moments = batch_norm_moments_step(c.network(msg.content.array_records[ARRAYS]), x, c.settings.training.batch_size)
+    return c.reply(msg, moments_to_record(moments), {"num-examples": int(len(x))})
 
 
 def _train_fusion(msg: Message, context: Context) -> Message:
@@ -199,7 +227,7 @@ def _evaluate(msg: Message, context: Context) -> Message:
     x, y = c.test_data
     record = msg.content.array_records[ARRAYS]
     if c.config["task"] == "pfnm":
-        net = network_from_layers(network_from_arrays(from_array_record(record)))
+        net = c.network(record)
         with torch.no_grad():
             probs = net.eval()(x).softmax(-1)
     else:

@@ -382,9 +382,9 @@ def parse_run_config(config: Mapping[str, Any]) -> FlowerSettings:
         base = _METHOD_DEFAULTS[run.method].get(name)
         values = _config_values(config, name, auto=True)
         built[name] = _build(CONFIGS[name], values, base)
-    if run.method == "pfnm" and built["network"].arch != "mlp":
-        raise ValueError(f"arch: PFNM matches fully connected networks, expected 'mlp', got "
-                         f"{built['network'].arch!r}")
+    if built["pfnm"].layerwise_retrain:
+        raise ValueError(f"layerwise-retrain: FedMA's layer-wise scheme runs in process (bnpfed pfnm "
+                         f"--layerwise-retrain), not on Flower; expected 0, got {built['pfnm'].layerwise_retrain}")
     return FlowerSettings(**built)
 
 

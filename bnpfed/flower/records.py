@@ -2,8 +2,14 @@
 
 Layouts (one ``ArrayRecord`` per message, under the key ``"arrays"``):
 
-* a PFNM network, layer c = 0, 1, ... (hidden layers, then the output layer): ``"{c}.weight"`` ``(out, in)`` and
-  ``"{c}.bias"`` ``(out,)``, torch's layout; widths may differ between clients and between rounds;
+* a PFNM network (any architecture: MLP, LeNet, simple CNN, with batch norm or without): its ``state_dict``, one
+  array per entry under the entry's name (``"conv1.weight"`` ``(C_out, C_in, k, k)``, ``"bn1.running_mean"``,
+  ``"fc1.bias"``, ..., ``"bn1.num_batches_tracked"`` a 0-d int64); the widths of the hidden permutations (conv
+  channels, hidden units) may differ between clients and between rounds, every other axis is the architecture's.
+  Both sides derive the permutation spec from the configured architecture and the dataset's input shape, and check a
+  network against it (:func:`state_from_arrays`);
+* batch-norm moments (the re-estimate of a global network's running statistics): ``"{bn}.count"`` (0-d),
+  ``"{bn}.sum"`` and ``"{bn}.sum_sq"`` ``(C,)``, float64, per batch norm;
 * a posterior network: ``"loc/{site}"`` and ``"variance/{site}"`` for every Bayesian site (mean-field Gaussian,
   variance > 0), and ``"param/{name}"`` for every deterministic parameter.
 
@@ -29,7 +35,6 @@ Usage::
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -37,6 +42,7 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
 
+from bnpfed.inference.permutation import BatchNormMoments, PermutationSpec
 from bnpfed.posterior import GaussianPosterior
 from bnpfed.validation import check_names, check_tensor
 
@@ -49,8 +55,10 @@ __all__ = [
     "ReplyError",
     "to_array_record",
     "from_array_record",
-    "network_to_record",
-    "network_from_arrays",
+    "state_to_record",
+    "state_from_arrays",
+    "moments_to_record",
+    "moments_from_arrays",
     "posterior_to_record",
     "posterior_from_arrays",
     "array_shapes",
@@ -65,9 +73,6 @@ __all__ = [
 #: Keys of the records in a message's ``RecordDict``.
 ARRAYS, CONFIG, METRICS, CLIENT = "arrays", "config", "metrics", "client"
 
-_LAYER_KEY = re.compile(r"^(\d+)\.(weight|bias)$")
-
-
 class ReplyError(ValueError):
     """A client's reply the server rejects; the message says which entry is wrong and how."""
 
@@ -77,7 +82,7 @@ def to_array_record(arrays: Mapping[str, Any]) -> ArrayRecord:
     record = ArrayRecord()
     for name, value in arrays.items():
         value = value.detach().cpu().numpy() if torch.is_tensor(value) else np.asarray(value)
-        record[name] = Array(np.ascontiguousarray(value))
+        record[name] = Array(np.ascontiguousarray(value).reshape(value.shape))  # 0-d stays 0-d
     return record
 
 
@@ -103,66 +108,105 @@ def array_shapes(record: ArrayRecord) -> dict[str, tuple[int, ...]]:
 # ------------------------------------------------------------------------------------------------ PFNM networks
 
 
-def network_to_record(layers: Sequence[tuple[Any, Any]]) -> ArrayRecord:
-    """An MLP's ``[(weight (out, in), bias (out,)), ...]`` (hidden layers, then output) as an ``ArrayRecord``."""
+def state_to_record(state: Mapping[str, Any]) -> ArrayRecord:
+    """A network's ``state_dict`` (or its slice, or a global one) as an ``ArrayRecord``, entry by entry."""
+    return to_array_record(state)
+
+
+def state_from_arrays(arrays: Mapping[str, np.ndarray], spec: PermutationSpec, template: Mapping[str, torch.Tensor],
+                      *, widths: Mapping[str, int] | None = None) -> dict[str, torch.Tensor]:
+    """The ``state_dict`` of a network sent as :func:`state_to_record`, checked against the architecture: exactly the
+    template's entries; along every axis a hidden permutation of ``spec`` acts on, the same number of units
+    throughout (``widths[group]`` when given: a client answers with the widths it was sent), every other axis the
+    template's; the spec's parameters finite floating point, the other entries (``num_batches_tracked``) of the
+    template's dtype.
+
+    >>> from bnpfed.inference.permutation import derive_spec
+    >>> from bnpfed.models import mlp
+    >>> net = mlp(4, [3], 2)
+    >>> spec, state = derive_spec(net, (4,)), net.state_dict()
+    >>> arrays = from_array_record(state_to_record(state))
+    >>> sorted(state_from_arrays(arrays, spec, state, widths={"1": 3}))
+    ['1.bias', '1.weight', '3.bias', '3.weight']
+    >>> state_from_arrays({**arrays, "3.weight": arrays["3.weight"][:, :2]}, spec, state)
+    Traceback (most recent call last):
+    ...
+    bnpfed.flower.records.ReplyError: '3.weight': expected shape (2, 3), got (2, 2)
+
+    :param template: a ``state_dict`` of the architecture (its shapes and dtypes).
+    :raises ReplyError: naming the entry.
+    """
+    try:
+        check_names(arrays, {k: torch.Size(v.shape) for k, v in template.items()}, "network", "array")
+    except ValueError as error:
+        raise ReplyError(str(error)) from None
+    tensors = {key: torch.from_numpy(np.asarray(arrays[key])) for key in template}
+    sizes = dict(widths or {})
+    for group in spec.groups:  # widths not given: read from the group's first axis
+        if group.name not in sizes:
+            a = group.axes[0]
+            t = tensors[a.param]
+            if t.dim() <= a.dim:
+                raise ReplyError(f"{a.param!r}: expected {len(template[a.param].shape)} axes, got shape "
+                                 f"{tuple(t.shape)}")
+            sizes[group.name] = t.shape[a.dim] // a.block
+    for group, n in sizes.items():
+        if n < 1:
+            raise ReplyError(f"{spec.group(group).axes[0].param!r}: expected at least one unit of {group!r}, got 0")
+    for key, ref in template.items():
+        shape = list(ref.shape)
+        for c, a in spec.axes_of(key):
+            shape[a.dim] = sizes[spec.groups[c].name] * a.block
+        value = tensors[key]
+        try:
+            if key in spec.kinds:
+                check_tensor(value, torch.Size(shape), repr(key))
+            elif value.dtype != ref.dtype or tuple(value.shape) != tuple(shape):
+                raise ValueError(f"{key!r}: expected dtype {ref.dtype} and shape {tuple(shape)}, got {value.dtype} "
+                                 f"and {tuple(value.shape)}")
+        except ValueError as error:
+            raise ReplyError(str(error)) from None
+    return tensors
+
+
+def moments_to_record(moments: Mapping[str, BatchNormMoments]) -> ArrayRecord:
+    """A client's batch-norm moments (:func:`~bnpfed.federated.clients.batch_norm_moments_step`) as an
+    ``ArrayRecord``: ``"{bn}.count"``, ``"{bn}.sum"``, ``"{bn}.sum_sq"``, float64."""
     arrays = {}
-    for c, (w, b) in enumerate(layers):
-        arrays[f"{c}.weight"], arrays[f"{c}.bias"] = w, b
+    for name, m in moments.items():
+        arrays[f"{name}.count"] = np.asarray(m.count, dtype=np.float64)
+        arrays[f"{name}.sum"], arrays[f"{name}.sum_sq"] = m.sum.to(torch.float64), m.sum_sq.to(torch.float64)
     return to_array_record(arrays)
 
 
-def network_from_arrays(arrays: Mapping[str, np.ndarray], *, in_features: int | None = None,
-                        num_classes: int | None = None, widths: Sequence[int] | None = None
-                        ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The ``[(weight, bias), ...]`` layers of an MLP sent as :func:`network_to_record`, checked.
+def moments_from_arrays(arrays: Mapping[str, np.ndarray], channels: Mapping[str, int]
+                        ) -> dict[str, BatchNormMoments]:
+    """The moments sent as :func:`moments_to_record`, checked: exactly the batch norms of ``channels`` (name ->
+    number of features of the global network's), float64, finite, a positive count, sums of squares >= 0.
 
-    :param in_features: expected input size (columns of layer 0), if known.
-    :param num_classes: expected output size (rows of the last layer), if known.
-    :param widths: expected hidden widths, if known (a client retrains the slice it was sent, so it must answer with
-        the same widths).
-    :raises ReplyError: on missing or extra keys, fewer than two layers, shapes that do not chain, the wrong
-        input / output / hidden sizes, non-floating or non-finite values.
+    :raises ReplyError: naming the entry.
     """
-    depth = 0
-    for key in arrays:
-        m = _LAYER_KEY.match(key)
-        if not m:
-            raise ReplyError(f"unexpected array {key!r}; a network has only '<layer>.weight' and '<layer>.bias'")
-        depth = max(depth, int(m.group(1)) + 1)
-    if depth < 2:
-        raise ReplyError(f"a network needs at least one hidden layer and the output layer, got {depth} layer(s)")
-    expected = {f"{c}.{kind}": None for c in range(depth) for kind in ("weight", "bias")}
+    expected = {}
+    for name, n in channels.items():
+        expected.update({f"{name}.count": torch.Size(()), f"{name}.sum": torch.Size((n,)),
+                         f"{name}.sum_sq": torch.Size((n,))})
     try:
-        check_names(arrays, expected, "network", "array")
+        check_names(arrays, expected, "moments", "array")
+        tensors = {}
+        for key, shape in expected.items():
+            tensors[key] = torch.from_numpy(np.asarray(arrays[key]))
+            check_tensor(tensors[key], shape, repr(key))
+            if tensors[key].dtype != torch.float64:
+                raise ValueError(f"{key!r}: expected float64, got {tensors[key].dtype}")
     except ValueError as error:
         raise ReplyError(str(error)) from None
-    if widths is not None and len(widths) != depth - 1:
-        raise ReplyError(f"network has {depth - 1} hidden layer(s), expected {len(widths)}")
-    for c in range(depth):
-        if np.ndim(arrays[f"{c}.weight"]) != 2:
-            raise ReplyError(f"'{c}.weight': expected an (out, in) matrix, got shape "
-                             f"{tuple(np.shape(arrays[f'{c}.weight']))}")
-    layers = []
-    fan_in = in_features if in_features is not None else np.shape(arrays["0.weight"])[1]
-    for c in range(depth):
-        w, b = torch.from_numpy(np.asarray(arrays[f"{c}.weight"])), torch.from_numpy(np.asarray(arrays[f"{c}.bias"]))
-        last = c == depth - 1
-        if last and num_classes is not None:
-            fan_out = num_classes
-        elif not last and widths is not None:
-            fan_out = int(widths[c])
-        else:
-            fan_out = w.shape[0]
-        if fan_out < 1:
-            raise ReplyError(f"'{c}.weight': expected a non-empty (out, in) matrix, got shape {tuple(w.shape)}")
-        try:
-            check_tensor(w, torch.Size((fan_out, fan_in)), f"'{c}.weight'")
-            check_tensor(b, torch.Size((fan_out,)), f"'{c}.bias'")
-        except ValueError as error:
-            raise ReplyError(str(error)) from None
-        layers.append((w, b))
-        fan_in = fan_out
-    return layers
+    out = {}
+    for name in channels:
+        count, sum_sq = float(tensors[f"{name}.count"]), tensors[f"{name}.sum_sq"]
+        if count <= 0 or bool((sum_sq < 0).any()):
+            raise ReplyError(f"'{name}.count' / '{name}.sum_sq': expected a positive count and sums of squares >= 0")
+        out[name] = BatchNormMoments(count, tensors[f"{name}.sum"], sum_sq)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ posteriors

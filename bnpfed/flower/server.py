@@ -46,7 +46,7 @@ class FederationResult:
     :param str method: ``"pfnm"`` or ``"fusion"``.
     :param FlowerSettings settings: every config of the run (``partition.clients`` is the SuperNodes' J).
     :param dict arrays: the final global model's arrays, ``{name: ndarray}`` in the layout of
-        :mod:`bnpfed.flower.records`.
+        :mod:`bnpfed.flower.records` (PFNM: the global network's ``state_dict``).
     :param list history: one dict per round (:attr:`~bnpfed.flower.strategies.PFNMStrategy.history`).
     """
 
@@ -73,7 +73,7 @@ def run_federation(grid: Grid, config: Mapping[str, Any]) -> FederationResult:
                   min_replies=run.min_replies, node_timeout=run.node_timeout, query_timeout=run.round_timeout,
                   client_config=settings.client_record())
     if run.method == "pfnm":
-        strategy = PFNMStrategy(settings.pfnm, hidden=settings.network.hidden, **common)
+        strategy = PFNMStrategy(settings.pfnm, network=settings.network, **common)
     else:
         strategy = PosteriorFusionStrategy(settings.fusion, **common)
     identity = strategy.connect(grid)

@@ -51,9 +51,9 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from bnpfed.federated.config import FusionConfig, PFNMConfig
-from bnpfed.federated.server import (client_start, clients_per_round, fuse_posteriors, match_hyperparameters,
-                                     pfnm_step, sample_clients)
+from bnpfed.federated.config import FusionConfig, NetworkConfig, PFNMConfig
+from bnpfed.federated.server import (batch_norm_step, client_start, clients_per_round, fuse_posteriors,
+                                     match_hyperparameters, pfnm_step, sample_clients, with_statistics)
 from bnpfed.flower.records import (
     ARRAYS,
     CLIENT,
@@ -62,8 +62,7 @@ from bnpfed.flower.records import (
     NodeIdentity,
     ReplyError,
     array_shapes,
-    network_from_arrays,
-    network_to_record,
+    moments_from_arrays,
     posterior_from_arrays,
     posterior_to_record,
     read_class_counts,
@@ -72,6 +71,8 @@ from bnpfed.flower.records import (
     read_identity,
     read_partition_id,
     reply_parts,
+    state_from_arrays,
+    state_to_record,
 )
 from bnpfed.seeding import Stream
 from bnpfed.validation import check_fraction, check_int, check_positive
@@ -283,6 +284,7 @@ class _RoundStrategy(Strategy):
             self.connect(grid)
         else:
             self.refresh(grid)
+        self._grid = grid  # for a step within aggregate_train (PFNM's batch-norm moments)
         sampled = sample_clients(self.num_partitions, self.fraction, seed=self.seed, round=server_round)
         self._sampled = sampled
         LOGGER.info("round %d: training client(s) %s", server_round, sampled)
@@ -372,75 +374,134 @@ class _RoundStrategy(Strategy):
 
 
 class PFNMStrategy(_RoundStrategy):
-    """PFNM (Yurochkin et al. 2019) as a Flower strategy, one-shot (one round) or with communication rounds; the
-    rounds of :class:`~bnpfed.federated.pfnm.PFNMFederation`.
+    """PFNM (Yurochkin et al. 2019) as a Flower strategy, one-shot (one round) or with communication rounds, for any
+    architecture of :class:`~bnpfed.federated.config.NetworkConfig`; the rounds of
+    :class:`~bnpfed.federated.pfnm.PFNMFederation`.
 
-    Round 1: each sampled client trains its own MLP from its own initialisation (an empty ``ArrayRecord`` is sent)
-    and replies with its layers and its training examples per class. The server matches them
-    (:func:`~bnpfed.federated.server.pfnm_step`, clients in partition order) into a global network whose width the
-    Beta-Bernoulli process decides. Round r > 1: each sampled client gets what
-    :func:`~bnpfed.federated.server.client_start` gives it -- its slice of the global network if it was matched
-    last round, the whole network otherwise -- retrains it, and the server matches again, warm-started from the
-    global ids each client was sent (``PFNMConfig.warm_start``); the global width can change from round to round.
+    Once the SuperNodes have told their input shape and classes, the strategy builds a network of the configured
+    architecture and derives its permutation spec, as every client does: networks travel as ``state_dict`` s
+    (:mod:`bnpfed.flower.records`) and are checked against it. Round 1: each sampled client trains its own network
+    from its own initialisation (an empty ``ArrayRecord`` is sent) and replies with its state and its training
+    examples per class. The server matches them (:func:`~bnpfed.federated.server.pfnm_step`, clients in partition
+    order) into a global network whose widths the Beta-Bernoulli process decides. With batch norm, the server then
+    sends the global network to the clients it matched (a ``query`` message, ``step`` ``"batch-norm-moments"``), each
+    replies with the moments of its batch-norm inputs on its data, and the server re-estimates the running statistics
+    from their sum (:func:`~bnpfed.federated.server.batch_norm_step`; clients that do not answer are left out, and
+    with none the members' mean statistics stay). Round r > 1: each sampled client gets what
+    :func:`~bnpfed.federated.server.client_start` gives it -- its slice of the global network if it was matched last
+    round, the whole network otherwise -- retrains it, and the server matches again, warm-started from the global ids
+    each client was sent (``PFNMConfig.warm_start``); the global widths can change from round to round.
 
     Usage (``grid`` is any Flower ``Grid``; :func:`bnpfed.flower.server.run_federation` builds this)::
 
-        strategy = PFNMStrategy(PFNMConfig(sigma2=0.3), seed=0, hidden=(100,))
+        strategy = PFNMStrategy(PFNMConfig(sigma2=0.3), seed=0, network=NetworkConfig(arch="lenet"))
         strategy.connect(grid)
         result = strategy.start(grid, ArrayRecord(), num_rounds=2, timeout=600)
-        strategy.match.hidden_sizes, strategy.history
+        strategy.match.widths, strategy.history
 
-    :param PFNMConfig pfnm: matching hyper-parameters, warm start, the share of clients a round trains.
+    :param PFNMConfig pfnm: matching hyper-parameters, warm start, the share of clients a round trains
+        (``layerwise_retrain`` must be 0: FedMA's layer-wise scheme runs in process only).
     :param int seed: the experiment's seed (client sampling, the matcher's sweeps).
-    :param hidden: the hidden widths every client's round-1 network has (checked); unchecked if None.
+    :param NetworkConfig network: the clients' architecture (default an MLP of ``NetworkConfig()``).
     :param kwargs: ``fraction_evaluate`` (1), ``min_nodes`` (0: all J), ``min_replies`` (1), ``node_timeout``
-        (120 s), ``query_timeout`` (600 s), ``client_config`` (sent to every client in every message).
+        (120 s), ``query_timeout`` (600 s; also the deadline of the batch-norm step), ``client_config`` (sent to
+        every client in every message).
 
-    Attributes: ``match`` (the last :class:`~bnpfed.inference.multilayer.NetworkMatch`), ``matched`` (the clients
-    it matched, in its order), ``history``.
+    Attributes: ``match`` (the last :class:`~bnpfed.inference.permutation.SpecMatch`), ``matched`` (the clients
+    it matched, in its order), ``spec`` and ``template`` (after :meth:`connect`), ``history``.
     """
 
     task = "pfnm"
 
-    def __init__(self, pfnm: PFNMConfig, *, seed: int, hidden: Optional[Sequence[int]] = None, **kwargs: Any):
+    def __init__(self, pfnm: PFNMConfig, *, seed: int, network: Optional[NetworkConfig] = None, **kwargs: Any):
         if not isinstance(pfnm, PFNMConfig):
             raise ValueError(f"pfnm: expected a PFNMConfig, got {type(pfnm).__name__}")
+        if pfnm.layerwise_retrain:
+            raise ValueError(f"layerwise-retrain: FedMA's layer-wise scheme runs in process (bnpfed pfnm "
+                             f"--layerwise-retrain), not on Flower; expected 0, got {pfnm.layerwise_retrain}")
+        network = NetworkConfig() if network is None else network
+        if not isinstance(network, NetworkConfig):
+            raise ValueError(f"network: expected a NetworkConfig, got {type(network).__name__}")
         super().__init__(seed=seed, fraction=pfnm.fraction, **kwargs)
-        self.pfnm = pfnm
-        self.hidden = None if hidden is None else [int(h) for h in hidden]
+        self.pfnm, self.network = pfnm, network
         self.match = None
         self.matched: list[int] = []
-        self._starts: dict[int, Any] = {}  # partition -> the global ids of the neurons it was sent
-        self._widths: dict[int, Optional[list[int]]] = {}  # partition -> hidden widths it must answer with
+        self.spec = self.template = None
+        self._starts: dict[int, Any] = {}  # partition -> the global ids of the units it was sent, per group
+        self._widths: dict[int, Optional[dict]] = {}  # partition -> the widths it must answer with
+
+    def connect(self, grid: Grid) -> NodeIdentity:
+        """As :meth:`_RoundStrategy.connect`, then the architecture for the nodes' data: the template network and
+        its permutation spec (what every client builds too)."""
+        from bnpfed.federated.clients import initial_network  # torch: the network is built on demand
+        from bnpfed.inference.permutation import derive_spec
+
+        identity = super().connect(grid)
+        if self.template is None:
+            self.template = initial_network(self.network, identity.input_shape, identity.num_classes, seed=self.seed)
+            self.spec = derive_spec(self.template, identity.input_shape)
+            self._template_state = self.template.state_dict()
+            self._statistics = [k for k, kind in self.spec.kinds.items() if kind in ("running_mean", "running_var")]
+        return identity
 
     def _train_content(self, server_round, j, arrays):
         if self.match is None:  # round 1: the client starts from its own initialisation
-            self._starts[j], self._widths[j] = None, self.hidden
+            self._starts[j] = None
+            self._widths[j] = {g.name: int(self._template_state[g.axes[0].param].shape[g.axes[0].dim])
+                               // g.axes[0].block for g in self.spec.groups}
             return ArrayRecord()
-        layers, ids = client_start(self.match, self.matched.index(j) if j in self.matched else None)
+        state, ids = client_start(self.match, self.matched.index(j) if j in self.matched else None)
         self._starts[j] = ids
-        self._widths[j] = [int(w.shape[0]) for w, _ in layers[:-1]]
-        return network_to_record(layers)
+        self._widths[j] = {g: int(len(i)) for g, i in ids.items()}
+        return state_to_record(state)
 
     def _parse_train(self, reply):
         arrays, metrics, j, n = self._identity_and_count(reply)
-        identity = self.identity
-        layers = network_from_arrays(arrays, in_features=math.prod(identity.input_shape),
-                                     num_classes=identity.num_classes, widths=self._widths.get(j))
-        counts = read_class_counts(metrics, identity.num_classes)
-        return _Accepted(j, n, (layers, counts), metrics)
+        state = state_from_arrays(arrays, self.spec, self._template_state, widths=self._widths.get(j))
+        counts = read_class_counts(metrics, self.identity.num_classes)
+        return _Accepted(j, n, (state, counts), metrics)
 
     def _aggregate(self, server_round, accepted):
         first = self.match is None
         starts = None if first else [self._starts[a.partition_id] for a in accepted]
         self.match = pfnm_step([a.payload[0] for a in accepted], np.stack([a.payload[1] for a in accepted]),
-                               self.pfnm, seed=self.seed, round=server_round, starts=starts)
+                               self.pfnm, seed=self.seed, round=server_round, starts=starts, spec=self.spec,
+                               template=self.template)
         self.matched = [a.partition_id for a in accepted]
-        layers = match_hyperparameters(self.match)   # estimated (empirical Bayes, the default) or fixed, per layer
-        return network_to_record(self.match.layers), {
+        seconds = self.match.seconds
+        summary = {}
+        if self._statistics:
+            start = time.perf_counter()
+            summary["statistics_from"] = self._reestimate(server_round)
+            seconds += time.perf_counter() - start
+        layers = match_hyperparameters(self.match)   # estimated (empirical Bayes, the default) or fixed, per group
+        return state_to_record(self.match.state), {
             "hidden": self.match.hidden_sizes, **{name: [h[name] for h in layers] for name in ("sigma2", "sigma0_2",
                                                                                              "gamma0")},
-            "server_seconds": self.match.seconds}
+            **summary, "server_seconds": seconds}
+
+    def _reestimate(self, server_round: int) -> list[int]:
+        """The batch-norm step: the matched clients' moments of the global network, summed in partition order; the
+        running statistics of ``match.state`` set from them. Returns the partitions whose moments were used."""
+        record = state_to_record(self.match.state)
+        channels = {name.rpartition(".")[0]: int(self.match.state[name].shape[0])
+                    for name in self._statistics if name.endswith(".running_mean")}
+
+        def parse(reply: Message) -> _Accepted:
+            arrays, _, j, n = self._identity_and_count(reply)
+            return _Accepted(j, n, moments_from_arrays(arrays, channels), {})
+
+        messages = self._messages(server_round, MessageType.QUERY, self.matched,
+                                  lambda j: (record, {"step": "batch-norm-moments"}))
+        replies = self._grid.send_and_receive(messages, timeout=self.query_timeout)
+        accepted, rejected, missing = self._accept(server_round, replies, MessageType.QUERY, parse)
+        if not accepted:
+            LOGGER.warning("round %d: no client sent its batch-norm moments (rejected: %s, missing: %s); the "
+                           "global network keeps its members' mean statistics", server_round, rejected or "none",
+                           missing or "none")
+            return []
+        self.match.state = with_statistics(self.match.state, batch_norm_step([a.payload for a in accepted]))
+        return [a.partition_id for a in accepted]
 
 
 class PosteriorFusionStrategy(_RoundStrategy):
