@@ -13,10 +13,12 @@ from bnpfed.inference.permutation import (
     Group,
     PermutationSpec,
     SpecMatch,
+    align_to_group,
     batch_norm_moments,
     client_slice,
     derive_spec,
     match_by_spec,
+    match_group,
     network_from_state,
     reestimate_batch_norm,
     unit_vectors,
@@ -500,3 +502,43 @@ def test_simple_cnn_is_fedma_s_network_with_62006_parameters():
     assert sum(p.numel() for p in net.parameters()) == 62_006
     bn = simple_cnn_bn()
     assert isinstance(bn.bn1, nn.BatchNorm2d) and bn.conv1.bias is None and bn.bn2.num_features == 16
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# one group at a time (FedMA)
+
+
+@pytest.mark.parametrize("kwargs", [dict(hyperparameters="fixed", sigma2=0.5, sigma0_2=1.0, gamma0=2.0), dict()],
+                         ids=["fixed", "empirical-bayes"])
+def test_matching_group_by_group_with_the_assignments_below_is_match_by_spec(kwargs):
+    torch.manual_seed(0)
+    nets = [simple_cnn_bn(1, 8) for _ in range(3)]
+    counts = [[5, 1, 0, 3, 1, 1, 1, 1, 1, 1], [1, 5, 2, 2, 1, 1, 1, 1, 1, 1], [2, 2, 6, 0, 1, 1, 1, 1, 1, 1]]
+    whole = match_by_spec(nets, counts, input_shape=(1, 8, 8), seed=4, **kwargs)
+    below = {}
+    for c, name in enumerate(whole.spec.group_names):
+        one = match_group(nets, whole.spec, name, counts, below=below, seed=4 + c, **kwargs)
+        assert all(torch.equal(a, b) for a, b in zip(one.assignments, whole.assignments[name]))
+        for key, value in one.values().items():
+            torch.testing.assert_close(value.to(whole.state[key].dtype), whole.state[key], atol=0, rtol=0)
+        below[name] = (one.assignments, one.size)
+    assert list(one.output_bias) == ["fc3.bias"] and one.output_bias_mu0 == whole.output_bias_mu0
+
+
+def test_aligned_clients_share_the_matched_group_and_keep_their_outputs():
+    torch.manual_seed(0)
+    nets = [LeNet(image_size=8).eval() for _ in range(2)]
+    spec = derive_spec(nets[0], (1, 8, 8))
+    first = match_group(nets, spec, "conv1", hyperparameters="fixed", sigma2=1e-8, sigma0_2=1.0, gamma0=1.0, seed=0)
+    assert first.size == 12                                     # nothing merged: both clients' channels side by side
+    aligned = [network_from_state(nets[0], align_to_group(n.state_dict(), spec, first, j)).eval()
+               for j, n in enumerate(nets)]
+    assert torch.equal(aligned[0].conv1.weight, aligned[1].conv1.weight) and aligned[0].conv2.in_channels == 12
+    x = torch.randn(5, 1, 8, 8)
+    with torch.no_grad():   # the units a client lacks feed its next layer through zero columns: the same outputs
+        for net, a in zip(nets, aligned):
+            torch.testing.assert_close(a(x), net(x), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="below: the clients hold \\[6, 12\\] units of group 'conv1'"):
+        match_group([aligned[0], nets[1]], spec, "conv2")
+    second = match_group(aligned, spec, "conv2", seed=1)        # the groups below agree: the identity
+    assert len(second.assignments) == 2

@@ -98,6 +98,14 @@ owns, :func:`network_from_state` rebuilds the template with the matched widths (
 BatchNorm features; any module type other than those three that holds a resized parameter is an error), and
 :func:`client_slice` cuts a client's slice out of a global state (the global units each of its own units was matched
 to, in its own order). :func:`match_by_spec` is the whole-network matcher built on these.
+
+**One group at a time** (FedMA's layer-wise scheme, Wang et al., ICLR 2020): :func:`match_group` is
+:func:`match_by_spec`'s step for one group (``match_by_spec`` is that step for every group in turn, the groups
+matched before re-indexing the next), returning a :class:`GroupMatch`; :func:`align_to_group` gives a client the
+matched group (every global unit, the next layer's input columns re-indexed to them, zeros for units it lacks), so
+that after it every client holds the same units below the next group, which :func:`match_group` then takes as the
+identity. Between two groups FedMA's clients retrain the layers above with the matched ones frozen
+(:mod:`bnpfed.federated.pfnm`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,166 @@
+"""PFNM and FedMA federations of convolutional networks (LeNet, FedMA's simple CNN with batch norm) on the bundled
+digits: rounds that finish with finite numbers and a global network of the matched widths, permuted copies matched
+back exactly through the federated path, and FedMA's layer-wise retraining touching only the layers above the matched
+ones."""
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from bnpfed.data import load_dataset
+from bnpfed.federated import pfnm as pfnm_module
+from bnpfed.federated.clients import initial_network, train_network
+from bnpfed.federated.config import NetworkConfig, PartitionConfig, PFNMConfig, TrainingConfig
+from bnpfed.federated.methods import network_widths
+from bnpfed.federated.pfnm import PFNMFederation
+from bnpfed.federated.server import client_start, matched_parameters
+from bnpfed.inference.permutation import client_slice, network_from_state, reestimate_batch_norm
+from bnpfed.metrics import count_parameters
+
+TRAIN = TrainingConfig(epochs=1, round_epochs=1)
+#: A matcher that merges only identical units: the clients' permuted copies come back as one network.
+EXACT = PFNMConfig(hyperparameters="fixed", sigma2=1e-8, sigma0_2=1.0, gamma0=1.0)
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_dataset("digits")
+
+
+@pytest.fixture(scope="module")
+def parts(digits):
+    return PartitionConfig(clients=3).split(digits.y_train.numpy(), seed=0)
+
+
+def federation(digits, parts, arch, pfnm=PFNMConfig(), **kwargs):
+    return PFNMFederation(digits, parts, network=NetworkConfig(arch=arch), training=TRAIN, pfnm=pfnm, seed=0,
+                          **kwargs)
+
+
+@pytest.mark.parametrize("arch", ["lenet", "simple-cnn-bn"])
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_pfnm_on_a_cnn_finishes_with_finite_metrics_and_a_network_of_the_matched_widths(digits, parts, arch, rounds):
+    fed = federation(digits, parts, arch)
+    records = fed.run(rounds)
+    for r in records:
+        assert all(math.isfinite(r.metrics[k]) for k in ("accuracy", "nll", "ece", "brier"))
+        assert 0 <= r.metrics["accuracy"] <= 1 and r.metrics["server_seconds"] > 0
+    net = fed.match.network()
+    widths = records[-1].metrics["hidden"]
+    assert network_widths(net, digits.input_shape) == widths == list(fed.match.widths.values())
+    assert list(fed.match.widths) == ["conv1", "conv2", "fc1", "fc2"]
+    assert widths[0] >= 6 and widths[1] >= 16    # at least one client's channels
+    assert records[-1].metrics["parameters"] == count_parameters(net)
+    assert net.fc1.in_features == widths[1] * (4 if arch == "lenet" else 1)   # the blocks of the flattened channels
+    if arch == "simple-cnn-bn":   # re-estimated statistics: not the fresh 0 / 1, of the matched widths
+        assert net.bn1.running_var.shape == (widths[0],) and not torch.allclose(net.bn1.running_var,
+                                                                                 torch.ones(widths[0]))
+
+
+def permuted_copies(net, spec, J, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    state = net.state_dict()
+    copies = []
+    for _ in range(J):
+        perms = {grp.name: torch.randperm(int(state[grp.axes[0].param].shape[grp.axes[0].dim] // grp.axes[0].block),
+                                          generator=g) for grp in spec.groups}
+        copies.append(network_from_state(net, client_slice(spec, state, perms)).eval())
+    return copies
+
+
+@pytest.mark.parametrize("arch", ["lenet", "simple-cnn-bn"])
+def test_clients_holding_permuted_copies_of_one_cnn_are_matched_back_to_it_through_the_federated_path(digits, parts,
+                                                                                                     arch):
+    fed = federation(digits, parts, arch, pfnm=EXACT)
+    x, y = fed.client_data[0]
+    original = train_network(initial_network(fed.network, digits.input_shape, 10, seed=0, client=0), x, y, TRAIN,
+                             seed=0, round=1, client=0)
+    copies = permuted_copies(original, fed.spec, 3)
+    fed.initial_models = copies
+    fed.run_round()
+    widths = network_widths(original, digits.input_shape)
+    assert fed.match.hidden_sizes == widths
+    expected = copy.deepcopy(original)
+    if arch == "simple-cnn-bn":   # the federated path re-estimates the statistics from the clients' data: so do we
+        expected = reestimate_batch_norm(expected, [[d[0][i:i + TRAIN.batch_size]
+                                                     for i in range(0, len(d[0]), TRAIN.batch_size)]
+                                                    for d in fed.client_data])
+    with torch.no_grad():
+        want = expected.eval()(digits.x_test)
+        torch.testing.assert_close(fed.match.network().eval()(digits.x_test), want, atol=1e-5, rtol=1e-5)
+        for j in range(3):   # every client's slice is its own copy again
+            state, ids = client_start(fed.match, j)
+            torch.testing.assert_close(network_from_state(fed.template, state).eval()(digits.x_test), want,
+                                       atol=1e-5, rtol=1e-5)
+    assert fed.history[0].metrics["accuracy"] == pytest.approx(
+        float((want.argmax(-1) == digits.y_test).double().mean()), abs=1e-3)
+
+
+@pytest.mark.parametrize("arch", ["lenet", "simple-cnn-bn"])
+def test_fedma_retrains_only_the_layers_above_the_matched_ones(digits, parts, arch, monkeypatch):
+    calls = []
+    real = pfnm_module.train_network
+
+    def recording(net, x, y, training, **kwargs):
+        before = {k: v.clone() for k, v in net.state_dict().items()}
+        after = real(net, x, y, training, **kwargs)
+        calls.append((kwargs, before, {k: v.clone() for k, v in after.state_dict().items()}))
+        return after
+
+    monkeypatch.setattr(pfnm_module, "train_network", recording)
+    fed = federation(digits, parts, arch, pfnm=PFNMConfig(layerwise_retrain=1))
+    assert fed.method == "fedma-rounds"
+    record = fed.run_round()
+    names = fed.spec.group_names
+    local, retrain = calls[:3], calls[3:]
+    assert all("frozen" not in kwargs for kwargs, _, _ in local)       # round 1's local training: everything
+    assert len(retrain) == 3 * (len(names) - 1)                       # every client after every group but the last
+    for step, (kwargs, before, after) in enumerate(retrain):
+        c = step // 3 + 1
+        assert kwargs["epochs"] == 1 and kwargs["step"] == c
+        frozen = set(kwargs["frozen"])
+        assert frozen == set(matched_parameters(fed.spec, names[:c]))
+        owned = {k for g in names[:c] for k in fed.spec.owned(g)}   # with their batch norms' running statistics
+        for key in before:
+            if key in owned:
+                assert torch.equal(before[key], after[key]), (c, key)
+        above = [k for k in fed.spec.owned(names[c]) if k in dict(fed.template.named_parameters())]
+        assert any(not torch.equal(before[k], after[k]) for k in above), c
+    # after the last group every client holds the same network: the global one
+    assert record.metrics["hidden"] == fed.match.hidden_sizes and math.isfinite(record.metrics["accuracy"])
+    assert list(fed.match.layer_results) == names
+
+
+def test_fedma_with_communication_starts_each_client_from_its_slice(digits, parts):
+    fed = federation(digits, parts, "simple-cnn-bn", pfnm=PFNMConfig(layerwise_retrain=1))
+    first = fed.run_round()
+    match = fed.match
+    second = fed.run_round()
+    assert fed.match is not match and all(math.isfinite(second.metrics[k]) for k in ("accuracy", "nll"))
+    for j in range(3):
+        _, ids = client_start(match, j)
+        assert [len(ids[g]) for g in fed.spec.group_names] == [6, 16, 120, 84]   # each client's own widths
+    assert len(first.metrics["hyperparameters"]) == 4
+
+
+def test_the_one_shot_layer_wise_global_network_is_every_clients_final_network(digits, parts, monkeypatch):
+    """After the last group is matched the clients' networks agree on every matched parameter."""
+    seen = {}
+    real = pfnm_module.align_to_group
+
+    def recording(state, spec, match, j):
+        out = real(state, spec, match, j)
+        seen[match.group, j] = out
+        return out
+
+    monkeypatch.setattr(pfnm_module, "align_to_group", recording)
+    fed = federation(digits, parts, "lenet", pfnm=PFNMConfig(layerwise_retrain=1))
+    fed.run_round()
+    last = fed.spec.group_names[-1]
+    for key in fed.spec.kinds:
+        assert all(torch.equal(seen[last, 0][key], seen[last, j][key]) for j in (1, 2)), key
+        assert torch.equal(fed.match.state[key], seen[last, 0][key])
+    assert np.isfinite(fed.history[0].metrics["nll"])
