@@ -164,3 +164,15 @@ def test_the_one_shot_layer_wise_global_network_is_every_clients_final_network(d
         assert all(torch.equal(seen[last, 0][key], seen[last, j][key]) for j in (1, 2)), key
         assert torch.equal(fed.match.state[key], seen[last, 0][key])
     assert np.isfinite(fed.history[0].metrics["nll"])
+
+
+@pytest.mark.parametrize("arch", ["lenet", "lenet-paper", "simple-cnn", "simple-cnn-bn"])
+@pytest.mark.parametrize("input_shape", [(1, 8, 8), (1, 28, 28), (3, 32, 32)], ids=["digits", "mnist", "cifar10"])
+def test_every_cnn_is_matched_on_every_image_shape(arch, input_shape):
+    from bnpfed.federated.server import pfnm_step
+
+    nets = [initial_network(NetworkConfig(arch=arch), input_shape, 10, seed=0, client=j) for j in range(2)]
+    match = pfnm_step(nets, None, EXACT, seed=0, round=1, input_shape=input_shape)
+    with torch.no_grad():
+        out = match.network().eval()(torch.zeros(2, *input_shape))
+    assert out.shape == (2, 10) and len(match.hidden_sizes) == 4

@@ -418,3 +418,14 @@ def test_pfnm_runs_a_cnn_with_fedma_beside_it_and_reports_its_widths(arch, tmp_p
     assert len(rows["pfnm"]["hidden"]) == 4 and rows["kmeans"]["hidden"] == rows["pfnm"]["hidden"]
     assert len(rows["fedma"]["hyperparameters"]) == 4
     assert all(math.isfinite(r["accuracy"]) and r["parameters"] > 0 for r in rows.values())
+
+
+def test_pfnm_runs_a_cnn_on_npz_images_stored_as_n_h_w_or_n_c_h_w(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    for name, shape in (("gray.npz", (12, 12)), ("colour.npz", (3, 32, 32))):
+        np.savez(tmp_path / name, x_train=rng.integers(0, 256, (40, *shape), dtype=np.uint8),
+                 y_train=np.arange(40) % 4, x_test=rng.integers(0, 256, (8, *shape), dtype=np.uint8),
+                 y_test=np.arange(8) % 4)
+        assert main(["pfnm", "--dataset", f"npz:{tmp_path / name}", "--arch", "simple-cnn", "--clients", "2",
+                     "--epochs", "1", "--no-progress", "--methods", "fedavg-oneshot,pfnm"]) == 0
+        assert "simple-cnn, 1 local epoch" in capsys.readouterr().out
