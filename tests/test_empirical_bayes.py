@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 import torch
 from scipy.optimize import linear_sum_assignment
+from scipy.special import gammaln
 from sklearn.metrics import adjusted_rand_score
 
 from bnpfed.inference import REFERENCE_CONSTANTS, assignment_objective, match_layer
-from bnpfed.inference.matching import SIGMA0_2_FLOOR, SIGMA2_FLOOR
+from bnpfed.inference.matching import EB_START_NOISE_SHARE, SIGMA0_2_FLOOR, SIGMA2_FLOOR
 from bnpfed.inference.multilayer import match_networks
 from bnpfed.models import sample_federated_layer
 
@@ -87,6 +88,91 @@ def test_the_data_driven_start_recovers_the_same_estimates():
     assert default.converged and ari(layer, default) == 1.0
     for name in ("sigma0_2", "sigma2", "gamma0"):
         assert default.hyperparameters[name] == pytest.approx(started.hyperparameters[name], rel=1e-9)
+
+
+def pooled_variance(neurons):
+    """T of the data-driven start: the neurons' variance per coordinate (about the coordinate's mean), pooled."""
+    v = np.concatenate([np.asarray(n, dtype=np.float64) for n in neurons])
+    return float(((v - v.mean(0)) ** 2).sum() / (v.shape[1] * (v.shape[0] - 1)))
+
+
+def log_marginal_likelihood(neurons, assignments, h):
+    """log p(V | Z, sigma2, sigma0_2, mu0) + log p(Z | gamma0), written out: every atom integrated out (precision 1
+    on every coordinate), and the IBP's exchangeable form, sum_i log[(m_i - 1)! (J - m_i)! / J!] + L log gamma0 -
+    gamma0 H_J (the labelling terms free of the hyper-parameters and of the partition left out)."""
+    V = [np.asarray(n, dtype=np.float64) for n in neurons]
+    J, D = len(V), V[0].shape[1]
+    s2, s0, g0, mu0 = h["sigma2"], h["sigma0_2"], h["gamma0"], h["mu0"].double().numpy()
+    labels = np.concatenate([np.asarray(a) for a in assignments])
+    stacked = np.concatenate(V)
+    L = labels.max() + 1
+    m = np.bincount(labels, minlength=L).astype(float)
+    sums = np.zeros((L, D))
+    np.add.at(sums, labels, stacked)
+    P = 1 / s0 + m / s2  # posterior precision of every coordinate of atom i
+    g = mu0 / s0 + sums / s2
+    ll = -0.5 * (stacked.size * math.log(2 * math.pi * s2) + (stacked ** 2).sum() / s2)
+    ll += 0.5 * float((g ** 2).sum(1) @ (1 / P)) - 0.5 * L * float(mu0 @ mu0) / s0 - 0.5 * D * np.log(P * s0).sum()
+    ll += L * math.log(g0) - g0 * harmonic(J) + float((gammaln(m) + gammaln(J - m + 1) - gammaln(J + 1)).sum())
+    return float(ll)
+
+
+def test_the_default_start_reaches_the_fixed_point_of_higher_marginal_likelihood_when_some_neurons_agree_closely():
+    """A layer like those of independently trained networks: 20 small atoms every client holds, its copies within
+    0.03 of each other (units that never activate, shrunk by weight decay), and 80 loose ones, each client's copy
+    correlated only 0.5 with the others'. The alternation has two fixed points here. From the even split
+    sigma2 = sigma0_2 = T / 2 the first pass merges the loose neurons and their spread becomes the noise; from the
+    default small noise only the close copies merge, and that fixed point has the higher marginal likelihood."""
+    rng = np.random.default_rng(0)
+    J, D, n_close, n_loose, rho = 10, 100, 20, 80, 0.5
+    close = rng.normal(0.0, 0.1, (n_close, D))
+    loose = rng.normal(0.0, 1.0, (n_loose, D))
+    neurons, truth = [], []
+    for j in range(J):
+        order = rng.permutation(n_close + n_loose)
+        v = np.vstack([close + rng.normal(0.0, 0.03, close.shape),
+                       math.sqrt(rho) * loose + math.sqrt(1 - rho) * rng.normal(0.0, 1.0, loose.shape)])
+        neurons.append(v[order])
+        # the close atoms shared, every loose neuron its own atom: what the higher fixed point finds
+        truth.append(np.where(order < n_close, order, n_close + j * n_loose + order - n_close))
+    default = match_layer(neurons, seed=0)
+    T = pooled_variance(neurons)
+    even = match_layer(neurons, seed=0, start=dict(sigma2=T / 2, sigma0_2=T / 2))
+    assert default.converged and even.converged
+    assert adjusted_rand_score(np.concatenate(truth), torch.cat(default.assignments).numpy()) == 1.0
+    assert default.hyperparameters["sigma2"] == pytest.approx(0.03 ** 2, rel=0.1)
+    assert even.num_atoms < 0.2 * default.num_atoms  # the loose neurons merged
+    assert even.hyperparameters["sigma2"] > 100 * default.hyperparameters["sigma2"]
+    ll_default = log_marginal_likelihood(neurons, default.assignments, default.hyperparameters)
+    ll_even = log_marginal_likelihood(neurons, even.assignments, even.hyperparameters)
+    assert ll_default > ll_even + 1e4
+
+
+def test_the_default_start_is_a_tenth_of_the_pooled_variance_to_the_noise():
+    layer = model_layer(10, 50, seed=3)
+    T = pooled_variance(layer.neurons)
+    share = EB_START_NOISE_SHARE
+    default = match_layer(layer.neurons, seed=0, sweeps=0)
+    started = match_layer(layer.neurons, seed=0, sweeps=0, start=dict(sigma2=share * T, sigma0_2=(1 - share) * T))
+    assert all(torch.equal(a, b) for a, b in zip(default.assignments, started.assignments))
+    assert default.objective == pytest.approx(started.objective, rel=1e-12)
+
+
+def test_a_first_pass_that_leaves_every_neuron_alone_is_redone_from_the_even_split():
+    """Noise as large as the atoms' spread: at a tenth of the pooled variance no two neurons merge (sigma2 would not
+    be estimable); the first pass is redone from sigma2 = sigma0_2 = T / 2, noted."""
+    layer = sample_federated_layer(10, 50, seed=1, sigma0_2=1.0, sigma2=1.0, gamma0=5.0)
+    r = match_layer(layer.neurons, seed=0)
+    assert any("left every neuron alone: redone from the even split" in n for n in r.notes)
+    T = pooled_variance(layer.neurons)
+    even = match_layer(layer.neurons, seed=0, start=dict(sigma2=T / 2, sigma0_2=T / 2))
+    assert all(torch.equal(a, b) for a, b in zip(r.assignments, even.assignments))
+    for name in ("sigma0_2", "sigma2", "gamma0"):
+        assert r.hyperparameters[name] == pytest.approx(even.hyperparameters[name], rel=1e-12)
+    # a start that is given is kept, even where nothing merges from it
+    started = match_layer(layer.neurons, seed=0, sweeps=0, start=dict(sigma2=T / 10, sigma0_2=0.9 * T))
+    assert started.num_atoms == sum(len(v) for v in layer.neurons)
+    assert not any("redone" in n for n in started.notes)
 
 
 def test_given_hyperparameters_are_held_fixed_and_the_others_estimated():

@@ -319,10 +319,10 @@ def test_mu0_and_bias_mu0_each_fix_their_own_coordinates(direction):
 
 
 @pytest.mark.parametrize("noise", ["shared", "per-client"])
-def test_output_bias_uses_the_last_hidden_layer_s_final_estimates(noise):
+def test_a_posterior_mean_output_bias_uses_the_last_hidden_layer_s_final_estimates(noise):
     counts = np.array([[30.0, 1.0, 5.0], [10.0, 5.0, 5.0], [1.0, 9.0, 5.0]] * 2)
     layer, nets = networks_from_the_model(6, 20, 3, seed=1, shares=counts / counts.sum(0))
-    r = match_networks(nets, counts, seed=0, noise=noise)
+    r = match_networks(nets, counts, seed=0, noise=noise, global_weights="posterior-mean")
     h = r.hyperparameters[-1]
     shares = counts / counts.sum(0)
     # the output bias is seen at the shares' precision, as the output weights: their variances
@@ -337,7 +337,7 @@ def test_output_bias_uses_the_last_hidden_layer_s_final_estimates(noise):
     assert r.output_bias_mu0 == pytest.approx(mu, rel=1e-9)
     expected = (mu / sigma0_2 + (w * b).sum(0)) / (1 / sigma0_2 + w.sum(0))
     np.testing.assert_allclose(r.layers[-1][1].numpy(), expected, rtol=1e-6)
-    given = match_networks(nets, counts, seed=0, noise=noise, bias_mu0=0.5)
+    given = match_networks(nets, counts, seed=0, noise=noise, bias_mu0=0.5, global_weights="posterior-mean")
     assert given.output_bias_mu0 == 0.5
 
 
@@ -360,8 +360,15 @@ def test_the_k_means_baseline_still_plugs_in():
     nets = [random_net([6, 5, 3], seed) for seed in range(3)]
     r = match_networks(nets, None, layer_fn=kmeans_layer(4), seed=0)
     assert r.hidden_sizes == [4] and r.hyperparameters == [{}]
-    # no estimates from k-means: the output bias falls back to sigma2 = sigma0_2 = 1 and the estimated prior mean
+    # the average of the clients' networks: hidden neurons are the cluster centres' incoming part, the output bias
+    # the clients' average (equal shares)
+    centres = r.layer_results[0].global_atoms
+    torch.testing.assert_close(r.layers[0][0].double(), centres[:, :6].double(), rtol=1e-6, atol=1e-6)
     b = np.stack([net[-1][1].numpy() for net in nets])
+    np.testing.assert_allclose(r.layers[-1][1].numpy(), b.mean(0), rtol=1e-6)
+    # no estimates from k-means: a posterior-mean output bias falls back to sigma2 = sigma0_2 = 1 and the estimated
+    # prior mean
+    r = match_networks(nets, None, layer_fn=kmeans_layer(4), seed=0, global_weights="posterior-mean")
     shares = np.full((3, 3), 1 / 3)
     mu = np.mean((shares * b).sum(0))
     np.testing.assert_allclose(r.layers[-1][1].numpy(), (mu + (shares * b).sum(0)) / 2, rtol=1e-6)
@@ -373,3 +380,97 @@ def test_fixed_hyperparameters_need_sigma2_sigma0_2_and_gamma0():
         match_networks(nets, None, hyperparameters="fixed", sigma2=0.3, gamma0=1.0)
     with pytest.raises(ValueError, match="hyperparameters: expected one of"):
         match_networks(nets, None, hyperparameters="estimated")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# global weights: the clients' networks averaged on the matched neurons
+
+
+def logits(layers, x):
+    return network_from_layers([(w.double(), b.double()) for w, b in layers]).double()(x)
+
+
+def test_global_weights_default_to_the_average_under_empirical_bayes_and_the_posterior_means_when_fixed():
+    nets = [random_net([6, 5, 3], seed) for seed in range(3)]
+    assert match_networks(nets, None, seed=0).global_weights == "average"
+    assert match_networks(nets, None, seed=0, **fixed()).global_weights == "posterior-mean"
+    assert match_networks(nets, None, seed=0, global_weights="average", **fixed()).global_weights == "average"
+    with pytest.raises(ValueError, match="global_weights: expected one of"):
+        match_networks(nets, None, seed=0, global_weights="mean")
+
+
+@pytest.mark.parametrize("direction", ["bottom-up", "top-down"])
+def test_with_every_neuron_its_own_atom_the_average_computes_the_class_share_weighted_average_of_the_logits(
+        direction):
+    """No two neurons merged (a noise far below the neurons' spread): the global network is the clients' networks
+    side by side, its logits ``sum_j share_jk logit_jk(x)`` exactly."""
+    nets = [random_net([7, 5, 4, 3], seed) for seed in range(3)]
+    counts = np.array([[30.0, 0.0, 5.0], [10.0, 5.0, 5.0], [1.0, 9.0, 0.0]])
+    r = match_networks(nets, counts, seed=0, direction=direction, global_weights="average",
+                       **fixed(sigma2=1e-6, gamma0=1.0))
+    assert r.hidden_sizes == [15, 12]
+    shares = torch.as_tensor(counts / counts.sum(0))
+    x = torch.randn(20, 7, dtype=torch.float64)
+    expected = sum(shares[j] * logits(nets[j], x) for j in range(3))
+    torch.testing.assert_close(logits(r.layers, x), expected, rtol=1e-5, atol=1e-5)
+    assert r.output_bias_mu0 is None
+
+
+def test_an_averaged_neuron_s_pre_activation_is_the_average_of_its_members():
+    """Layer by layer, written out: a global neuron's incoming weights and bias are its members' average (their
+    incoming weights re-indexed to the global neurons below), the output layer the clients' class-share-weighted
+    sum re-indexed to the global neurons."""
+    nets = [random_net([6, 5, 4, 3], seed) for seed in range(3)]
+    counts = np.array([[3.0, 1.0, 2.0], [1.0, 4.0, 2.0], [2.0, 2.0, 0.0]])
+    r = match_networks(nets, counts, seed=0, global_weights="average", **fixed(sigma2=2.0, gamma0=1.0))
+    assert min(r.hidden_sizes) < 12  # some neurons were merged
+    shares = counts / counts.sum(0)
+    a1, a2 = ([a.numpy() for a in r.assignments[c]] for c in range(2))
+    L1, L2 = r.hidden_sizes
+    W1 = np.zeros((L1, 6)); b1 = np.zeros(L1); n1 = np.zeros(L1)
+    W2 = np.zeros((L2, L1)); b2 = np.zeros(L2); n2 = np.zeros(L2)
+    W3 = np.zeros((3, L2)); b3 = np.zeros(3)
+    for j, net in enumerate(nets):
+        (w1, c1), (w2, c2), (w3, c3) = [(w.numpy(), b.numpy()) for w, b in net]
+        for l, i in enumerate(a1[j]):
+            W1[i] += w1[l]; b1[i] += c1[l]; n1[i] += 1
+        for l, i in enumerate(a2[j]):
+            for l_below, i_below in enumerate(a1[j]):
+                W2[i, i_below] += w2[l, l_below]
+            b2[i] += c2[l]; n2[i] += 1
+        for l, i in enumerate(a2[j]):
+            W3[:, i] += shares[j] * w3[:, l]
+        b3 += shares[j] * c3
+    expected = [(W1 / n1[:, None], b1 / n1), (W2 / n2[:, None], b2 / n2), (W3, b3)]
+    for (w, b), (we, be) in zip(r.layers, expected):
+        np.testing.assert_allclose(w.numpy(), we, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(b.numpy(), be, rtol=1e-5, atol=1e-6)
+
+
+def test_identical_clients_average_back_to_their_network():
+    net = random_net([6, 5, 4, 3], 0)
+    g = torch.Generator().manual_seed(1)
+    nets = [permute_hidden(net, [torch.randperm(5, generator=g), torch.randperm(4, generator=g)]) for _ in range(4)]
+    r = match_networks(nets, np.random.default_rng(0).integers(1, 9, size=(4, 3)), seed=0)
+    assert r.hidden_sizes == [5, 4]
+    x = torch.randn(10, 6, dtype=torch.float64)
+    torch.testing.assert_close(logits(r.layers, x), logits(net, x), rtol=1e-5, atol=1e-5)
+
+
+def test_with_per_client_noise_a_noisier_client_weighs_less_in_the_average():
+    nets = [random_net([6, 5, 3], seed) for seed in range(4)]
+    r = match_networks(nets, None, seed=0, noise="per-client")
+    h = r.hyperparameters[0]
+    p = 1.0 / h["sigma2_per_client"].numpy()
+    a = [x.numpy() for x in r.assignments[0]]
+    L = r.hidden_sizes[0]
+    W = np.zeros((L, 6)); total = np.zeros(L)
+    for j, net in enumerate(nets):
+        W[a[j]] += p[j] * net[0][0].numpy(); total[a[j]] += p[j]
+    np.testing.assert_allclose(r.layers[0][0].numpy(), W / total[:, None], rtol=1e-5, atol=1e-6)
+    # the output layer: the clients' logits weighted by share_jk / sigma2_j, normalised per class (equal shares here)
+    omega = p / p.sum()
+    w_out = np.zeros((3, L))
+    for j, net in enumerate(nets):
+        w_out[:, a[j]] += omega[j] * net[1][0].numpy()
+    np.testing.assert_allclose(r.layers[1][0].numpy(), w_out, rtol=1e-5, atol=1e-6)

@@ -20,11 +20,25 @@ with the published constants the upper layers of a 784-100-100-10 net collapse t
 layer below, bias, and outgoing weights if c = K): every layer is matched on its incoming weights, hundreds of
 coordinates. For one hidden layer both orders give the same vectors ``[W_in, b, W_out]``.
 
-The global network's weights are posterior means; the output bias is the class-share-weighted posterior mean of the
-clients' output biases, ``b_out_k = (bias_mu0/sigma0_2 + sum_j share_jk b_out_jk / sigma2) / (1/sigma0_2 +
-sum_j share_jk / sigma2)`` (the reference's ``process_softmax_bias``), with the last hidden layer's final sigma2 and
-sigma0_2, estimated or given: those of the output weights (``sigma2_scaled``, ``sigma0_2_scaled``) when that layer
-has its own for them, and with per-client noise client j's noise in place of sigma2.
+Global weights (``global_weights``). ``"posterior-mean"`` (the published way, and the default with fixed
+hyper-parameters): every weight is its atom's posterior mean; the output bias is the class-share-weighted posterior
+mean of the clients' output biases, ``b_out_k = (bias_mu0/sigma0_2 + sum_j share_jk b_out_jk / sigma2) /
+(1/sigma0_2 + sum_j share_jk / sigma2)`` (the reference's ``process_softmax_bias``), with the last hidden layer's
+final sigma2 and sigma0_2: those of the output weights (``sigma2_scaled``, ``sigma0_2_scaled``) when that layer has
+its own for them, and with per-client noise client j's noise in place of sigma2. ``"average"`` (the default under
+empirical Bayes): the clients' networks averaged on the matched neurons. A global hidden neuron's incoming weights and
+bias are the average of its members' (their incoming weights re-indexed to the global neurons below; weights
+1/sigma2_j with per-client noise), so that its pre-activation is the average of theirs; the logits are the class-wise
+average of the clients' logits, ``W_out[k, i] = sum_j omega_jk sum_{l -> i} W_out^j[k, l]`` and ``b_out[k] = sum_j
+omega_jk b_out^j[k]`` with ``omega_jk = share_jk`` (``share_jk / sigma2_j`` normalised over j, with per-client noise;
+0 for a class nobody holds), each client's output weights re-indexed to the global neurons its own were matched to.
+The posterior mean shrinks an atom of m clients towards the prior mean by ``sigma2 / (m sigma0_2 + sigma2)``. With
+the published values (sigma2 = sigma0_2 = 1 against weights of order 0.1, mu0 = 0) that only rescales a neuron
+(ReLU is positively homogeneous) and weighs the output layer by popularity much as the average does. With estimated
+values it does harm: mu0 is the average neuron, towards which every rarely shared neuron is blurred, and the output
+weights are pulled towards a class-wise mean. On MNIST (784-100-10, J = 10, 10 000 held-out training images, seven
+partitions of each kind) the posterior means of the empirical-Bayes matching were 4.7 points less accurate than its
+average under Dirichlet(0.5) (from 0.4 better to 7.7 worse), and within 0.1 point of it under homogeneous ones.
 
 Hyper-parameters. By default (``hyperparameters="empirical-bayes"``) every hidden layer's matching estimates its own
 mu0 (per coordinate), sigma0_2, sigma2 and gamma0 from the clients' neurons (:func:`~bnpfed.inference.match_layer`);
@@ -53,7 +67,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from bnpfed.inference.matching import MatchResult, match_layer
+from bnpfed.inference.matching import MatchResult, average_atoms, averaging_weights, match_layer
 from bnpfed.models.networks import mlp
 from bnpfed.validation import check_choice
 
@@ -118,7 +132,10 @@ class NetworkMatch:
     :param list hyperparameters: per hidden layer (bottom layer first), the ``hyperparameters`` of its
         :class:`MatchResult` (mu0, sigma0_2, sigma2, gamma0: estimated or given); ``{}`` for a ``layer_fn`` whose
         result carries none.
-    :param float output_bias_mu0: the prior mean the output bias was shrunk towards (given or estimated).
+    :param float output_bias_mu0: the prior mean the output bias was shrunk towards (given or estimated); None with
+        ``global_weights="average"`` (nothing is shrunk).
+    :param str global_weights: how the weights were built, ``"average"`` or ``"posterior-mean"``
+        (:func:`match_networks`).
     """
 
     layers: list
@@ -129,6 +146,7 @@ class NetworkMatch:
     class_shares: Tensor | None = field(default=None, repr=False)
     hyperparameters: list = field(default_factory=list)
     output_bias_mu0: float | None = None
+    global_weights: str = "posterior-mean"
 
     @property
     def hidden_sizes(self) -> list[int]:
@@ -247,6 +265,53 @@ def _warm_start_assignments(warm_start, layers) -> list | None:
     return out
 
 
+#: How the global network's weights are built from a matching (``match_networks(global_weights=...)``).
+GLOBAL_WEIGHTS = ("average", "posterior-mean")
+
+
+def _client_precisions(h: dict, J: int) -> Tensor:
+    """(J,) the clients' relative noise precisions in a layer: 1 / sigma2_j with per-client noise, else all 1."""
+    if h.get("sigma2_per_client") is not None:
+        return 1.0 / torch.as_tensor(h["sigma2_per_client"], dtype=torch.float64).reshape(J)
+    return torch.ones(J, dtype=torch.float64)
+
+
+def _reindex(w: Tensor, columns: Tensor, size: int) -> Tensor:
+    """Add the columns of ``w`` into the given global positions of a ``size``-wide zero matrix (positions are
+    distinct for a matching; a baseline that maps two neurons to one global neuron adds their weights)."""
+    return torch.zeros(w.shape[0], size, dtype=w.dtype).index_add_(1, torch.as_tensor(columns), w)
+
+
+def _average_network(layers, assignments, sizes, shares, precision) -> tuple[list, list]:
+    """The global weights of ``global_weights="average"`` (module docstring): layer by layer, the clients' neurons
+    [incoming weights re-indexed to the global neurons below, bias (, output weights at the class shares' scales, in
+    the last hidden layer)] through :func:`~bnpfed.inference.matching.average_atoms`, client j weighted by
+    ``precision[c][j]``; the output bias the class-wise weighted average of the clients'."""
+    J, K = len(layers), len(layers[0]) - 1
+    C = shares.shape[1]
+    weights, biases = [], []
+    for c in range(K):
+        n_in = layers[0][0][0].shape[1] if c == 0 else sizes[c - 1]
+        vectors = []
+        for j in range(J):
+            w, b = layers[j][c]
+            parts = [w if c == 0 else _reindex(w, assignments[c - 1][j], n_in), b[:, None]]
+            if c == K - 1:
+                parts.append(layers[j][K][0].T)
+            vectors.append(torch.cat(parts, dim=1))
+        scales = None
+        if c == K - 1:
+            scales = torch.ones(J, n_in + 1 + C, dtype=torch.float64)
+            scales[:, n_in + 1:] = shares
+        atoms = average_atoms(vectors, assignments[c], precisions=scales, client_precisions=precision[c])
+        weights.append(atoms[:, :n_in])
+        biases.append(atoms[:, n_in])
+    weights.append(atoms[:, n_in + 1:].T)
+    omega = averaging_weights(shares, precision[-1])
+    biases.append((omega * torch.stack([layers[j][K][1] for j in range(J)])).sum(0))
+    return weights, biases
+
+
 def match_networks(
     client_layers,
     class_counts=None,
@@ -263,6 +328,7 @@ def match_networks(
     seed: int | None = None,
     warm_start: NetworkMatch | None = None,
     layer_fn=match_layer,
+    global_weights: Literal["average", "posterior-mean"] | None = None,
     **matcher_kwargs,
 ) -> NetworkMatch:
     """Match J clients' MLPs into one global MLP (PFNM's server step, one communication round).
@@ -332,12 +398,21 @@ def match_networks(
         ``mu0`` (None, or a (D,) tensor with NaN on the coordinates to estimate), ``precisions``, ``sweeps``,
         ``seed`` and ``matcher_kwargs``; ``hyperparameters`` and ``noise`` only if it takes them (by name or
         ``**kwargs``), and ``init_assignments`` only when ``warm_start`` is given. If its result has no
-        ``hyperparameters`` (or they lack sigma2 / sigma0_2), the output bias uses the given ones, 1 where None.
+        ``hyperparameters`` (or they lack sigma2 / sigma0_2), a ``"posterior-mean"`` output bias uses the given
+        ones, 1 where None.
+    :param str global_weights: how the global network's weights are built from the matching (module docstring):
+        ``"average"`` (the clients' networks averaged on the matched neurons) or ``"posterior-mean"`` (the atoms'
+        posterior means, as published). None (default): ``"average"`` under empirical Bayes, ``"posterior-mean"``
+        with fixed hyper-parameters.
     :param matcher_kwargs: passed to ``layer_fn`` (``objective``, ``popularity_factor``, ``start``, ...).
     """
     t0 = time.perf_counter()
     mode = check_choice(hyperparameters, ("empirical-bayes", "fixed"), "hyperparameters")
     eb = mode == "empirical-bayes"
+    if global_weights is None:
+        combine = "average" if eb else "posterior-mean"
+    else:
+        combine = check_choice(global_weights, GLOBAL_WEIGHTS, "global_weights")
     layers, shares = _validate(client_layers, class_counts)
     init = _warm_start_assignments(warm_start, layers)
     if direction not in ("bottom-up", "top-down"):
@@ -387,17 +462,12 @@ def match_networks(
         assignments[c] = r.assignments
         return r
 
-    def reindex(w: Tensor, columns: Tensor, size: int) -> Tensor:
-        """Add the columns of ``w`` into the given global positions of a ``size``-wide zero matrix (positions are
-        distinct for a matching; a baseline that maps two neurons to one global neuron adds their weights)."""
-        return torch.zeros(w.shape[0], size, dtype=w.dtype).index_add_(1, columns, w)
-
     if direction == "bottom-up":
         for c in range(K):
             parts = []
             for j in range(J):
                 w, b = layers[j][c]
-                incoming = w if c == 0 else reindex(w, assignments[c - 1][j], weights[c - 1].shape[0])
+                incoming = w if c == 0 else _reindex(w, assignments[c - 1][j], weights[c - 1].shape[0])
                 block = [incoming, b[:, None]]
                 if c == K - 1:
                     block.append(layers[j][K][0].T)
@@ -417,7 +487,7 @@ def match_networks(
                 block = [w] if c == 0 else []
                 block.append(b[:, None])
                 w_up = layers[j][c + 1][0]
-                block.append(w_up.T if c == K - 1 else reindex(w_up.T, assignments[c + 1][j], biases[c + 1].shape[0]))
+                block.append(w_up.T if c == K - 1 else _reindex(w_up.T, assignments[c + 1][j], biases[c + 1].shape[0]))
                 parts.append(block)
             kinds = (["w"] if c == 0 else []) + ["b", "w"]
             r = match(c, parts, kinds, len(parts[0]) - 1 if c == K - 1 else None)
@@ -427,29 +497,36 @@ def match_networks(
                 weights[0] = atoms[:, :D_in]
             biases[c] = atoms[:, n_in]
             weights[c + 1] = atoms[:, n_in + 1:].T  # the layer above's incoming weights
-    # output bias: posterior mean under N(bias_mu0, sigma0_2) with client j's bias seen at precision share_jk / sigma2
-    # (sigma2_j with per-client noise), sigma2 and sigma0_2 those of the last hidden layer
     per_layer = [dict(getattr(r, "hyperparameters", None) or {}) for r in results]
-    last = per_layer[-1]
-    s2 = last.get("sigma2", sig[-1] if sig[-1] is not None else 1.0)
-    s02 = last.get("sigma0_2", sig0[-1] if sig0[-1] is not None else 1.0)
-    # the output bias is seen at the class shares' precision, as the output weights: their variances when they have
-    # their own (the coordinates with per-client precision scales, see match_layer)
-    s2_out = last.get("sigma2_scaled", s2)
-    s02 = last.get("sigma0_2_scaled", s02)
-    b_out = torch.stack([layers[j][K][1] for j in range(J)])
-    if "sigma2_per_client" in last:
-        noise_var = torch.as_tensor(last["sigma2_per_client"], dtype=torch.float64)[:, None] * (s2_out / s2)
-        w = shares / noise_var
-        weighted, precision = (w * b_out).sum(0), w.sum(0)  # sum_j share_jk b_jk / sigma2_j, sum_j share_jk / sigma2_j
+    if combine == "average":
+        sizes = [int(r.num_atoms) for r in results]
+        precision = [_client_precisions(h, J) for h in per_layer]
+        weights, biases = _average_network(layers, assignments, sizes, shares, precision)
+        b_mu0 = None
     else:
-        weighted, precision = (shares * b_out).sum(0) / s2_out, shares.sum(0) / s2_out
-    if bias_mus[-1] is not None:
-        b_mu0 = float(bias_mus[-1])
-    else:  # the mean over the classes of each class's precision-weighted mean of the clients' biases
-        held = precision > 0
-        b_mu0 = float((weighted[held] / precision[held]).mean())
-    biases[K] = (b_mu0 / s02 + weighted) / (1.0 / s02 + precision)
+        # output bias: posterior mean under N(bias_mu0, sigma0_2) with client j's bias seen at precision
+        # share_jk / sigma2 (sigma2_j with per-client noise), sigma2 and sigma0_2 those of the last hidden layer
+        last = per_layer[-1]
+        s2 = last.get("sigma2", sig[-1] if sig[-1] is not None else 1.0)
+        s02 = last.get("sigma0_2", sig0[-1] if sig0[-1] is not None else 1.0)
+        # the output bias is seen at the class shares' precision, as the output weights: their variances when they
+        # have their own (the coordinates with per-client precision scales, see match_layer)
+        s2_out = last.get("sigma2_scaled", s2)
+        s02 = last.get("sigma0_2_scaled", s02)
+        b_out = torch.stack([layers[j][K][1] for j in range(J)])
+        if "sigma2_per_client" in last:
+            noise_var = torch.as_tensor(last["sigma2_per_client"], dtype=torch.float64)[:, None] * (s2_out / s2)
+            w = shares / noise_var
+            # sum_j share_jk b_jk / sigma2_j, sum_j share_jk / sigma2_j
+            weighted, precision = (w * b_out).sum(0), w.sum(0)
+        else:
+            weighted, precision = (shares * b_out).sum(0) / s2_out, shares.sum(0) / s2_out
+        if bias_mus[-1] is not None:
+            b_mu0 = float(bias_mus[-1])
+        else:  # the mean over the classes of each class's precision-weighted mean of the clients' biases
+            held = precision > 0
+            b_mu0 = float((weighted[held] / precision[held]).mean())
+        biases[K] = (b_mu0 / s02 + weighted) / (1.0 / s02 + precision)
     dtype = torch.get_default_dtype()
     return NetworkMatch(
         layers=[(w.to(dtype), b.to(dtype)) for w, b in zip(weights, biases)],
@@ -460,4 +537,5 @@ def match_networks(
         class_shares=shares,
         hyperparameters=per_layer,
         output_bias_mu0=b_mu0,
+        global_weights=combine,
     )
