@@ -451,7 +451,10 @@ def _pfnm(experiment: Experiment) -> MethodResult:
     selection = experiment.selection()
     match = selection.match
     net = match.network()
-    by = "empirical Bayes" if selection.by == "none" and not selection.config.fixed else selection.by
+    if selection.by == "none":
+        by = "given" if selection.config.fixed else "empirical Bayes"
+    else:
+        by = selection.by
     return MethodResult.from_metrics("pfnm", experiment.evaluate_network(net), hidden=match.hidden_sizes,
                                      parameters=count_parameters(net), server_seconds=match.seconds,
                                      hyperparameters=match_hyperparameters(match),
