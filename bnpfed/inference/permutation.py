@@ -122,7 +122,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bnpfed.inference.matching import MatchResult, match_layer
+from bnpfed.inference.matching import MatchResult, average_atoms, averaging_weights, match_layer
 from bnpfed.validation import check_choice
 
 __all__ = [
@@ -1151,6 +1151,7 @@ def match_by_spec(
     seed: int | None = None,
     warm_start=None,
     layer_fn: Callable | Sequence[Callable] = match_layer,
+    global_weights: Literal["average", "posterior-mean"] | None = None,
     **matcher_kwargs,
 ) -> SpecMatch:
     """Match J clients' networks of one kind into one global network (PFNM's server step), group by group in the
@@ -1206,11 +1207,17 @@ def match_by_spec(
     :param layer_fn: the one-group matcher (default :func:`match_layer`), or one per group; it is called as in
         :func:`~bnpfed.inference.multilayer.match_networks` (``hyperparameters`` and ``noise`` only if it takes them,
         ``init_assignments`` only with ``warm_start``).
+    :param str global_weights: ``"average"`` (each global unit's owned parameters the average of its members', the
+        output layer the clients' logits averaged class by class: :func:`~bnpfed.inference.matching.average_atoms`)
+        or ``"posterior-mean"`` (the atoms' posterior means, as published); None (default): ``"average"`` under
+        empirical Bayes, ``"posterior-mean"`` with fixed hyper-parameters -- as
+        :func:`~bnpfed.inference.multilayer.match_networks`.
     :param matcher_kwargs: passed to ``layer_fn``.
     :returns: :class:`SpecMatch`.
     """
     t0 = time.perf_counter()
     mode = check_choice(hyperparameters, ("empirical-bayes", "fixed"), "hyperparameters")
+    combine = _global_weights(global_weights, mode)
     states, template = _client_states(client_nets, template)
     if spec is None:
         if template is None:
@@ -1245,13 +1252,15 @@ def match_by_spec(
     for c, name in enumerate(names):
         matches[name] = _match_one(states, spec, shapes, name, below, shares, layer_fns[c], values[c], mode=mode,
                                    noise=noise, sweeps=sweeps, seed=None if seed is None else seed + c,
-                                   init=None if init is None else init[name], matcher_kwargs=matcher_kwargs)
+                                   init=None if init is None else init[name], matcher_kwargs=matcher_kwargs,
+                                   combine=combine)
         below[name] = (matches[name].assignments, matches[name].size)
     extra = {k: v for m in matches.values() for k, v in m.statistics.items()}
     owner = matches[spec.owner(out_w)]
     b_mu0 = None
     if out_b is not None:
-        bias, b_mu0 = _output_bias(states, out_b, shares, owner.hyperparameters, values[names.index(owner.group)])
+        bias, b_mu0 = _output_bias(states, out_b, shares, owner.hyperparameters, values[names.index(owner.group)],
+                                   combine)
         extra[out_b] = bias
     state = state_from_atoms(spec, states[0], {n: m.atoms for n, m in matches.items()}, extra)
     return SpecMatch(spec=spec, state=state, assignments={n: m.assignments for n, m in matches.items()},
@@ -1322,8 +1331,8 @@ def _group_values(names: list[str], mode: str, sigma2, sigma0_2, gamma0, mu0, bi
 
 
 def _match_one(states, spec: PermutationSpec, shapes, name: str, below: Mapping[str, tuple[list[Tensor], int]],
-               shares: Tensor, fn, values: tuple, *, mode: str, noise: str, sweeps, seed, init, matcher_kwargs
-               ) -> GroupMatch:
+               shares: Tensor, fn, values: tuple, *, mode: str, noise: str, sweeps, seed, init, matcher_kwargs,
+               combine: str = "posterior-mean") -> GroupMatch:
     """Group ``name`` of every client matched through ``fn``, the groups in ``below`` ((per-client global ids,
     global size)) re-indexing the parameters it owns."""
     sigma2, sigma0_2, gamma0, mu0, bias_mu0 = values
@@ -1339,7 +1348,11 @@ def _match_one(states, spec: PermutationSpec, shapes, name: str, below: Mapping[
            mu0=layout.prior_mean(mu0, bias_mu0, fixed=mode == "fixed"), precisions=layout.precisions(shares),
            sweeps=sweeps, seed=seed, **kwargs, **matcher_kwargs)
     assignments = [torch.as_tensor(a, dtype=torch.long) for a in r.assignments]
-    atoms = torch.as_tensor(r.global_atoms).to(torch.float64)
+    if combine == "average":
+        atoms = average_atoms(neurons, assignments, precisions=layout.precisions(shares),
+                              client_precisions=_client_precisions(getattr(r, "hyperparameters", None), len(states)))
+    else:
+        atoms = torch.as_tensor(r.global_atoms).to(torch.float64)
     L = int(atoms.shape[0])
     # running statistics: the mean of the members' (see the module docstring)
     statistics = {}
@@ -1357,10 +1370,28 @@ def _match_one(states, spec: PermutationSpec, shapes, name: str, below: Mapping[
                       statistics=statistics, hyperparameters=dict(getattr(r, "hyperparameters", None) or {}))
 
 
-def _output_bias(states, key: str, shares: Tensor, hypers: Mapping, values: tuple) -> tuple[Tensor, float]:
-    """The output bias: posterior mean under N(bias_mu0, sigma0_2) with client j's bias seen at precision
-    share_jk / sigma2 (sigma2_j with per-client noise), the variances those of the group holding the output
-    weights; ``(bias, bias_mu0)``."""
+def _global_weights(global_weights, mode: str) -> str:
+    if global_weights is None:
+        return "average" if mode == "empirical-bayes" else "posterior-mean"
+    return check_choice(global_weights, ("average", "posterior-mean"), "global_weights")
+
+
+def _client_precisions(h, J: int) -> Tensor:
+    """(J,) the clients' relative noise precisions in a group: 1 / sigma2_j with per-client noise, else all 1."""
+    if h and h.get("sigma2_per_client") is not None:
+        return 1.0 / torch.as_tensor(h["sigma2_per_client"], dtype=torch.float64).reshape(J)
+    return torch.ones(J, dtype=torch.float64)
+
+
+def _output_bias(states, key: str, shares: Tensor, hypers: Mapping, values: tuple,
+                 combine: str = "posterior-mean") -> tuple[Tensor, float | None]:
+    """The output bias, ``(bias, bias_mu0)``. ``combine="average"``: the clients' biases averaged class by class
+    (weights :func:`~bnpfed.inference.matching.averaging_weights` of the class shares), bias_mu0 None. Otherwise the
+    posterior mean under N(bias_mu0, sigma0_2) with client j's bias seen at precision share_jk / sigma2 (sigma2_j
+    with per-client noise), the variances those of the group holding the output weights."""
+    if combine == "average":
+        omega = averaging_weights(shares, _client_precisions(hypers, len(states)))
+        return (omega * torch.stack([states[j][key].to(torch.float64) for j in range(len(states))])).sum(0), None
     sigma2, sigma0_2, _, _, bias_mu0 = values
     s2 = hypers.get("sigma2", sigma2 if sigma2 is not None else 1.0)
     s02 = hypers.get("sigma0_2", sigma0_2 if sigma0_2 is not None else 1.0)
@@ -1399,6 +1430,7 @@ def match_group(
     seed: int | None = None,
     init_assignments=None,
     layer_fn: Callable = match_layer,
+    global_weights: Literal["average", "posterior-mean"] | None = None,
     **matcher_kwargs,
 ) -> GroupMatch:
     """Match one group of J clients' networks: :func:`match_by_spec`'s step for that group, on its own. FedMA's
@@ -1429,14 +1461,15 @@ def match_group(
         global units each client's units of that group went to. Default: the identity at the clients' (equal)
         widths -- the clients are aligned, as after :func:`align_to_group`.
     :param sigma2: as :func:`match_by_spec` (one value, one per group, or a mapping by name; this group's is used);
-        so are ``sigma0_2``, ``gamma0``, ``mu0``, ``bias_mu0``, ``hyperparameters``, ``noise``, ``sweeps`` and
-        ``matcher_kwargs``.
+        so are ``sigma0_2``, ``gamma0``, ``mu0``, ``bias_mu0``, ``hyperparameters``, ``noise``, ``sweeps``,
+        ``global_weights`` and ``matcher_kwargs``.
     :param int seed: the seed of this group's sweeps.
     :param init_assignments: J label arrays to start the matching from (a warm start), or None.
     :param layer_fn: the one-group matcher.
     :returns: :class:`GroupMatch`.
     """
     mode = check_choice(hyperparameters, ("empirical-bayes", "fixed"), "hyperparameters")
+    combine = _global_weights(global_weights, mode)
     if not isinstance(spec, PermutationSpec):
         raise ValueError(f"spec: expected a PermutationSpec, got {type(spec).__name__}")
     names = spec.group_names
@@ -1479,9 +1512,9 @@ def match_group(
     values = _group_values(names, mode, sigma2, sigma0_2, gamma0, mu0, bias_mu0)[c]
     shapes = {k: tuple(v.shape) for k, v in states[0].items()}
     match = _match_one(states, spec, shapes, group, resolved, shares, layer_fn, values, mode=mode, noise=noise,
-                       sweeps=sweeps, seed=seed, init=init, matcher_kwargs=matcher_kwargs)
+                       sweeps=sweeps, seed=seed, init=init, matcher_kwargs=matcher_kwargs, combine=combine)
     if out_b is not None and spec.owner(out_w) == group:
-        bias, match.output_bias_mu0 = _output_bias(states, out_b, shares, match.hyperparameters, values)
+        bias, match.output_bias_mu0 = _output_bias(states, out_b, shares, match.hyperparameters, values, combine)
         match.output_bias = {out_b: bias}
     return match
 
