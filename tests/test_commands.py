@@ -429,3 +429,10 @@ def test_pfnm_runs_a_cnn_on_npz_images_stored_as_n_h_w_or_n_c_h_w(tmp_path, caps
         assert main(["pfnm", "--dataset", f"npz:{tmp_path / name}", "--arch", "simple-cnn", "--clients", "2",
                      "--epochs", "1", "--no-progress", "--methods", "fedavg-oneshot,pfnm"]) == 0
         assert "simple-cnn, 1 local epoch" in capsys.readouterr().out
+
+
+def test_pfnm_global_weights_are_the_average_under_empirical_bayes_unless_told(capsys):
+    assert main(["pfnm", *TINY, "--methods", "pfnm"]) == 0
+    assert "marginal objective, bottom-up, average global weights" in capsys.readouterr().out
+    assert main(["pfnm", *TINY, "--methods", "pfnm", "--global-weights", "posterior-mean"]) == 0
+    assert "bottom-up, posterior-mean global weights" in capsys.readouterr().out

@@ -196,3 +196,18 @@ def test_fedma_matches_one_group_and_freezes_what_the_matched_groups_own():
     assert match.group == "conv1" and len(match.assignments) == 2
     assert matched_parameters(spec, ["conv1"]) == ["conv1.weight", "bn1.weight", "bn1.bias"]
     assert "bn1.running_mean" in match.values() and "conv2.weight" not in match.values()
+
+
+@pytest.mark.parametrize("global_weights", [None, "average", "posterior-mean"])
+def test_the_configs_global_weights_reach_the_matcher(global_weights):
+    torch.manual_seed(0)
+    nets = [LeNet(image_size=8) for _ in range(2)]
+    config = PFNMConfig(global_weights=global_weights)
+    match = pfnm_step(nets, torch.ones(2, 10), config, seed=0, round=1, input_shape=(1, 8, 8))
+    expected = match_by_spec(nets, torch.ones(2, 10), input_shape=(1, 8, 8), seed=derive_seed(0, Stream.MATCH, 1),
+                             global_weights=global_weights or "average", hyperparameters="empirical-bayes",
+                             objective="marginal")
+    for key, value in expected.state.items():
+        assert torch.equal(match.state[key], value), key
+    with pytest.raises(ValueError, match="global_weights: expected one of"):
+        PFNMConfig(global_weights="median")

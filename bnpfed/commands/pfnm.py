@@ -110,6 +110,10 @@ def add_parser(sub):
     g.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=d.warm_start,
                    help="in rounds after the first, start matching from the assignment the clients' networks came "
                    "from (as the published code does); --no-warm-start re-matches from scratch")
+    g.add_argument("--global-weights", choices=("average", "posterior-mean"), default=None,
+                   help="the global network's weights: average (each global unit the average of its members, the "
+                   "logits the clients' averaged class by class) or posterior-mean (the atoms' posterior means, as "
+                   "published). Default: average under empirical Bayes, posterior-mean with fixed hyper-parameters")
     g.add_argument("--layerwise-retrain", type=int, metavar="EPOCHS", default=d.layerwise_retrain,
                    help="FedMA's layer-wise scheme (the fedma method, added to the default methods when > 0): match a "
                    "layer, freeze it, let the clients retrain the layers above for EPOCHS epochs, match the next "
@@ -197,7 +201,7 @@ def prepare(args) -> dict:
                       gamma0=_one_or_many(args.gamma0), hyperparameters=args.hyperparameters, noise=args.noise,
                       constants=args.constants, objective=args.objective, direction=args.direction,
                       sweeps=args.sweeps, warm_start=args.warm_start, fraction=args.fraction,
-                      layerwise_retrain=args.layerwise_retrain)
+                      global_weights=args.global_weights, layerwise_retrain=args.layerwise_retrain)
     fusion = FusionConfig(fraction=args.fraction)  # FedAvg's client sampling
     chosen = args.methods
     if chosen is None:
@@ -297,8 +301,10 @@ def _hyper(config: PFNMConfig) -> str:
     objective = config.objective or ("map" if config.fixed else "marginal")
     mode = "fixed" if config.fixed else "empirical Bayes" + (", noise per client" if config.noise == "per-client"
                                                              else "")
+    weights = config.global_weights or ("posterior-mean" if config.fixed else "average")
     return (f"{mode}: sigma2 {shown(config.sigma2)}, sigma0_2 {shown(config.sigma0_2)}, gamma0 "
-            f"{shown(config.gamma0)}, {config.constants} constants, {objective} objective, {config.direction}")
+            f"{shown(config.gamma0)}, {config.constants} constants, {objective} objective, {config.direction}, "
+            f"{weights} global weights")
 
 
 def _layer_table(rows) -> list[dict]:

@@ -312,6 +312,11 @@ class PFNMConfig:
         came from (each client retrained its slice of the global network), as the published code does; False
         re-matches from scratch (greedy pass). Default True.
     :param float fraction: share of the clients sampled each round, in (0, 1]. Default 1.
+    :param str global_weights: how the global network's weights are built from the matching: ``"average"`` (each
+        global unit the average of its members, the logits the clients' averaged class by class) or
+        ``"posterior-mean"`` (the atoms' posterior means, as published); None: ``"average"`` under empirical Bayes
+        (its posterior means blur rarely shared units towards the estimated prior mean), ``"posterior-mean"`` with
+        fixed hyper-parameters (:func:`~bnpfed.inference.multilayer.match_networks`). Default None.
     :param int layerwise_retrain: 0 (PFNM: every layer matched at once) or E >= 1: FedMA's layer-wise scheme (Wang et
         al., ICLR 2020): match the lowest group (layer), give every client the matched units, freeze them, let the
         clients retrain the layers above for E epochs on their own data, match the next group, and so on (the
@@ -335,6 +340,7 @@ class PFNMConfig:
     sweeps: Optional[int] = None
     warm_start: bool = True
     fraction: float = 1.0
+    global_weights: Optional[str] = None
     layerwise_retrain: int = 0
 
     def __post_init__(self):
@@ -365,6 +371,8 @@ class PFNMConfig:
             check_int(self.sweeps, "sweeps", low=0)
         check_bool(self.warm_start, "warm_start")
         check_fraction(self.fraction, "fraction")
+        if self.global_weights is not None:
+            check_choice(self.global_weights, ("average", "posterior-mean"), "global_weights")
         check_int(self.layerwise_retrain, "layerwise_retrain", low=0)
         if self.layerwise_retrain and self.direction != "bottom-up":
             raise ValueError(f"layerwise_retrain: FedMA's layer-wise scheme matches bottom-up (direction "
@@ -392,6 +400,8 @@ class PFNMConfig:
                           gamma0=self.gamma0, objective="marginal", noise=self.noise)
         if self.sweeps is not None:
             kwargs["sweeps"] = self.sweeps
+        if self.global_weights is not None:
+            kwargs["global_weights"] = self.global_weights
         if self.constants == "reference":
             kwargs.update(REFERENCE_CONSTANTS)
         return kwargs
