@@ -1,8 +1,9 @@
 """PFNM and posterior fusion on Flower (1.42, the Message API): the same servers and clients as
 :mod:`bnpfed.federated`, run as real server and client processes. Needs the extra ``bnpfed[flower]``.
 
-* :mod:`bnpfed.flower.strategies`: :class:`PFNMStrategy` (one-shot or multi-round neuron matching; each client
-  gets its slice of the global network back) and :class:`PosteriorFusionStrategy` (any rule of
+* :mod:`bnpfed.flower.strategies`: :class:`PFNMStrategy` (one-shot or multi-round matching of any architecture
+  of :class:`~bnpfed.federated.config.NetworkConfig`, MLP or CNN, with the batch-norm moments step; each client gets
+  its slice of the global network back) and :class:`PosteriorFusionStrategy` (any rule of
   :mod:`bnpfed.combine`). They sample partitions, check every reply at the boundary and call the server steps of
   :mod:`bnpfed.federated.server`; no aggregation math is written here.
 * :mod:`bnpfed.flower.client`: the ClientApp (``bnpfed.flower.client:app``), with Torch, Pyro and the data; its

@@ -433,7 +433,7 @@ class PFNMStrategy(_RoundStrategy):
     def connect(self, grid: Grid) -> NodeIdentity:
         """As :meth:`_RoundStrategy.connect`, then the architecture for the nodes' data: the template network and
         its permutation spec (what every client builds too)."""
-        from bnpfed.federated.clients import initial_network  # torch: the network is built on demand
+        from bnpfed.federated.clients import initial_network  # the clients' module (Pyro) loads on demand
         from bnpfed.inference.permutation import derive_spec
 
         identity = super().connect(grid)
