@@ -87,10 +87,82 @@ def reference_tables(records):
     return out
 
 
+def eb_tables(records):
+    """Mean over seeds (and seed 0) of the eb/ records: local, ensemble, EB PFNM and fixed 1-1-1 PFNM."""
+    groups = defaultdict(list)
+    for key, rec in records.items():
+        if key.startswith("eb/"):
+            groups[(rec["J"], rec["partition"])].append(rec)
+    out = []
+    for (J, partition), recs in sorted(groups.items()):
+        recs.sort(key=lambda r: r["seed"])
+        for label, chosen in (("seed 0", [r for r in recs if r["seed"] == 0]), (f"mean of {len(recs)} seeds", recs)):
+            if not chosen:
+                continue
+
+            def m(method, field="accuracy"):
+                vals = [r["rows"][method][field] for r in chosen]
+                return float(np.mean([sum(v) if isinstance(v, list) else v for v in vals]))
+
+            name = "homogeneous" if partition == "iid" else partition   # the published table's word
+            published = PUBLISHED.get((name, "seed0" if label == "seed 0" else "mean"), {}) if J == 10 else {}
+            out.append(dict(J=J, partition=partition, seeds=label, local_mean=m("local-mean"), ensemble=m("ensemble"),
+                            eb_pfnm=m("pfnm"), eb_width=m("pfnm", "hidden"), eb_s=m("pfnm", "seconds"),
+                            fixed_111=m("pfnm fixed 1-1-1"), fixed_width=m("pfnm fixed 1-1-1", "hidden"),
+                            fixed_s=m("pfnm fixed 1-1-1", "seconds"),
+                            published=published.get("pfnm", float("nan")),
+                            published_width=published.get("width", float("nan"))))
+    return out
+
+
+def eb_estimates(records):
+    out = []
+    for key, rec in sorted(records.items()):
+        if key.startswith("eb/"):
+            (layer,) = rec["rows"]["pfnm"]["layers"][:1]
+            out.append(dict(J=rec["J"], partition=rec["partition"], seed=rec["seed"], sigma2=layer["sigma2"],
+                            sigma0_2=layer["sigma0_2"], gamma0=layer["gamma0"], sweeps=layer["sweeps"],
+                            converged=layer["converged"], width=sum(rec["rows"]["pfnm"]["hidden"]),
+                            seconds=rec["rows"]["pfnm"]["seconds"]))
+    return out
+
+
+def plot_plane(points, eb_records, width_record, path):
+    """Accuracy against global width: fixed-hyper-parameter sweeps of both objectives, the reference constants'
+    sweep, and empirical Bayes as one point per seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for objective, marker in (("map", "o"), ("marginal", "s")):
+        mine = sorted((q["width"], q["accuracy"]) for q in points if q["objective"] == objective)
+        ax.scatter(*zip(*mine), marker=marker, alpha=0.6, label=f"fixed hyper-parameters, {objective} objective")
+        ax.step(*zip(*pareto(mine)), where="post", alpha=0.5)
+    if width_record:
+        ref = sorted((q["width"], q["accuracy"]) for q in width_record["points"] if q["constants"] == "reference")
+        ax.scatter(*zip(*ref), marker="^", alpha=0.6, label="reference constants (sigma2 swept)")
+    for seed_rec in eb_records:
+        row = seed_rec["rows"]["pfnm"]
+        ax.scatter(sum(row["hidden"]), row["accuracy"], marker="*", s=160, color="crimson", zorder=5,
+                   label="empirical Bayes (one per seed)" if seed_rec is eb_records[0] else None)
+    pub = PUBLISHED[("homogeneous", "mean")]
+    ax.scatter(pub["width"], pub["pfnm"], marker="X", s=120, color="black", zorder=5,
+               label="published code (mean of seeds 0-4)")
+    ax.set(xlabel="global hidden size", ylabel="test accuracy", xscale="log",
+           title="PFNM on MNIST (J = 10, IID): accuracy against global width")
+    ax.set_ylim(0.94, 0.975)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("paths", nargs="+")
     p.add_argument("--plot", help="PNG of accuracy against global width")
+    p.add_argument("--plane-plot", help="PNG of the accuracy-width plane with the empirical-Bayes points")
     args = p.parse_args(argv)
     records = load(args.paths)
 
@@ -128,6 +200,17 @@ def main(argv=None):
             ax.legend()
             fig.tight_layout()
             fig.savefig(args.plot, dpi=120)
+
+    eb = eb_tables(records)
+    if eb:
+        print("\n## Empirical-Bayes PFNM (bnpfed's default, nothing set by hand) on MNIST")
+        print(format_table(eb))
+        print("\n## Its estimates per seed (hidden layer 1)")
+        print(format_table(eb_estimates(records)))
+    plane = records.get("plane/J=10/iid/seed=0")
+    if plane and args.plane_plot:
+        plot_plane(plane["points"], [r for k, r in records.items() if k.startswith("eb/J=10/iid/")],
+                   records.get("width/J=10/iid/seed=0"), args.plane_plot)
 
     for key, rec in sorted(records.items()):
         if key.startswith("rounds/"):
