@@ -3,26 +3,22 @@ FedAvg (weight averaging, which needs a shared initialisation to mean anything) 
 any network with a permutation spec (k-means clusters each group's unit vectors, as PFNM matches them).
 
 A global network with batch norm gets its running statistics re-estimated from the clients' data after every
-average or match (:func:`~bnpfed.federated.server.batch_norm_step`), whatever the method: :class:`FedAvgRounds` is
-FedAvg that does so after every round."""
+average or match (:func:`~bnpfed.federated.server.batch_norm_step`), whatever the method (FedAvg's rounds:
+:class:`~bnpfed.federated.fusion.FedAvgFederation`)."""
 
 from __future__ import annotations
 
 import copy
-import time
 from typing import Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from bnpfed.combine import average_deterministic
-from bnpfed.federated.clients import batch_norm_moments_step
-from bnpfed.federated.fusion import FedAvgFederation
-from bnpfed.federated.server import batch_norm_step, with_statistics
 from bnpfed.inference.matching import MatchResult
 from bnpfed.inference.permutation import PermutationSpec, SpecMatch, match_by_spec
 
-__all__ = ["FedAvgRounds", "ensemble_proba", "fedavg_network", "kmeans_layer", "kmeans_networks"]
+__all__ = ["ensemble_proba", "fedavg_network", "kmeans_layer", "kmeans_networks"]
 
 
 @torch.no_grad()
@@ -85,22 +81,3 @@ def kmeans_networks(nets: Sequence[nn.Module], class_counts, widths: Sequence[in
     """
     return match_by_spec(list(nets), class_counts, spec, input_shape=input_shape,
                          layer_fn=[kmeans_layer(w) for w in widths], seed=seed)
-
-
-class FedAvgRounds(FedAvgFederation):
-    """FedAvg (:class:`~bnpfed.federated.fusion.FedAvgFederation`) whose global batch norms get their running
-    statistics re-estimated after every average from the sampled clients' moments of the averaged network (the
-    client and server steps PFNM uses); a network without batch norm is averaged exactly as by FedAvgFederation.
-    (FedAvgFederation averages parameters only, so a batch norm's statistics would stay those of the initial
-    network.)"""
-
-    def _round(self, round, sampled):
-        weights, extra = super()._round(round, sampled)
-        net = self.global_model.net
-        if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in net.modules()):
-            moments = [batch_norm_moments_step(net, self.client_data[k][0], self.training.batch_size)
-                       for k in sampled]
-            t0 = time.perf_counter()
-            net.load_state_dict(with_statistics(net.state_dict(), batch_norm_step(moments)))
-            extra["server_seconds"] += time.perf_counter() - t0
-        return weights, extra

@@ -62,13 +62,14 @@ import time
 from typing import Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from bnpfed.data import Dataset
-from bnpfed.federated.clients import bayesian_client, fit_bayesian, initial_network, train_network
+from bnpfed.federated.clients import (batch_norm_moments_step, bayesian_client, fit_bayesian, initial_network,
+                                     train_network)
 from bnpfed.federated.config import BayesianConfig, FusionConfig, NetworkConfig, TrainingConfig
 from bnpfed.federated.federation import Federation
-from bnpfed.federated.server import average_states, fuse_posteriors
+from bnpfed.federated.server import average_states, batch_norm_step, fuse_posteriors, with_statistics
 from bnpfed.inference import DeterministicClient
 from bnpfed.posterior import GaussianPosterior
 from bnpfed.seeding import Stream, derive_seed
@@ -146,7 +147,8 @@ class FusionFederation(Federation):
 
 class FedAvgFederation(Federation):
     """FedAvg (McMahan et al. 2017): J deterministic clients of one network, starting every round from the average
-    of the last round's, from a shared initialisation (``(seed, INIT)``).
+    of the last round's, from a shared initialisation (``(seed, INIT)``). A network with batch norm gets its running
+    statistics re-estimated after every average from the sampled clients' moments of the averaged network.
 
     :param NetworkConfig network: the network (its ``shared_init`` is implied).
     :param TrainingConfig training: local training.
@@ -178,7 +180,17 @@ class FedAvgFederation(Federation):
         t0 = time.perf_counter()
         self.global_state, weights = average_states(states, [self.sizes[k] for k in sampled], self.weights)
         self.global_model.load_state(self.global_state)
-        return weights, {"server_seconds": time.perf_counter() - t0}
+        seconds = time.perf_counter() - t0
+        net = self.global_model.net
+        if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in net.modules()):
+            # averaging moves the parameters, not a batch norm's running statistics: re-estimate them from the
+            # sampled clients' moments of the averaged network (the client and server steps PFNM uses)
+            moments = [batch_norm_moments_step(net, self.client_data[k][0], self.training.batch_size)
+                       for k in sampled]
+            t0 = time.perf_counter()
+            net.load_state_dict(with_statistics(net.state_dict(), batch_norm_step(moments)))
+            seconds += time.perf_counter() - t0
+        return weights, {"server_seconds": seconds}
 
     @torch.no_grad()
     def predict_proba(self, x: Tensor) -> Tensor:

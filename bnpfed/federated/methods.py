@@ -54,12 +54,12 @@ from tqdm.auto import tqdm
 
 from bnpfed.combine import available_rules
 from bnpfed.data import Dataset
-from bnpfed.federated.baselines import FedAvgRounds, ensemble_proba, fedavg_network, kmeans_networks
+from bnpfed.federated.baselines import ensemble_proba, fedavg_network, kmeans_networks
 from bnpfed.federated.clients import batch_norm_moments_step, initial_network, train_network
 from bnpfed.federated.config import (BayesianConfig, ExperimentConfig, FusionConfig, NetworkConfig, PFNMConfig,
                                      PartitionConfig, TrainingConfig, config_dict, holdout_split)
 from bnpfed.federated.federation import Federation
-from bnpfed.federated.fusion import FusionFederation
+from bnpfed.federated.fusion import FedAvgFederation, FusionFederation
 from bnpfed.federated.partition import class_counts
 from bnpfed.federated.pfnm import PFNMFederation
 from bnpfed.federated.server import batch_norm_step, match_hyperparameters, pfnm_step, with_statistics
@@ -438,7 +438,7 @@ def _fedavg_oneshot(experiment: Experiment) -> MethodResult:
 
 
 def _fedavg(experiment: Experiment) -> MethodResult:
-    federation = FedAvgRounds(experiment.dataset, experiment.parts, network=experiment.network,
+    federation = FedAvgFederation(experiment.dataset, experiment.parts, network=experiment.network,
                               training=experiment.training, seed=experiment.seed, weights=experiment.fusion.weights,
                               fraction=experiment.fusion.fraction, ece_bins=experiment.config.ece_bins)
     row = experiment.federation_row(federation, experiment.config.rounds, note="shared init")
