@@ -230,3 +230,9 @@ def test_warm_and_cold_matching_both_keep_pfnm_accurate(pixels):
     w, c = warm.run(2)[-1], cold.run(2)[-1]
     assert warm.history[0].metrics["hidden"] == cold.history[0].metrics["hidden"]   # round 1 is the same
     assert w.metrics["accuracy"] > 0.85 and c.metrics["accuracy"] > 0.85
+
+
+def test_posterior_fusion_refuses_a_network_with_batch_norm(digits):
+    with pytest.raises(ValueError, match="arch: posterior fusion expected one of"):
+        FusionFederation(digits, [np.arange(50)], network=NetworkConfig(arch="simple-cnn-bn"), training=TRAIN,
+                         bayesian=BayesianConfig(), fusion=FusionConfig(), seed=0)

@@ -20,9 +20,10 @@ from bnpfed.commands import _args
 from bnpfed.commands._args import HelpFormatter, UsageError, fail, flag_message, warn
 from bnpfed.federated import methods
 from bnpfed.federated.clients import initial_network
-from bnpfed.federated.config import (ARCHITECTURES, CLIENT_WEIGHTS, FUSION_TRAINING, INITIALISATIONS,
+from bnpfed.federated.config import (CLIENT_WEIGHTS, FUSION_TRAINING, INITIALISATIONS,
                                      PAPER_MIN_VARIANCE, PRIORS, BayesianConfig, ExperimentConfig, FusionConfig,
                                      NetworkConfig, config_dict)
+from bnpfed.federated.fusion import FUSION_ARCHITECTURES
 from bnpfed.report import command_record, format_table, line_styles, pyplot, save_figure, write_json
 from bnpfed.validation import check_choice
 
@@ -61,9 +62,10 @@ def add_parser(sub):
                              "(default), or keep pixels in [0, 1] (--no-standardize; the default with --paper)")
     _args.add_partition_arguments(p, many_clients=False, clients_help="number of clients J")
     g = p.add_argument_group("network")
-    g.add_argument("--arch", choices=ARCHITECTURES,
-                   help="mlp (ReLU MLP of --hidden), lenet (LeNet-5, conv1 padded by 2) or lenet-paper (LeNet-5 as "
-                   f"Ozer et al.'s code has it) (default: {network.arch}; lenet-paper with --paper)")
+    g.add_argument("--arch", choices=FUSION_ARCHITECTURES,
+                   help="mlp (ReLU MLP of --hidden), lenet (LeNet-5, conv1 padded by 2), lenet-paper (LeNet-5 as "
+                   "Ozer et al.'s code has it) or simple-cnn (FedMA's); networks with batch norm are not fused "
+                   f"(their running statistics are no posterior) (default: {network.arch}; lenet-paper with --paper)")
     g.add_argument("--hidden", type=_args.ints, default=network.hidden, metavar="H[,H...]",
                    help="hidden widths of the MLP")
     g.add_argument("--init", choices=INITIALISATIONS, default=network.init,

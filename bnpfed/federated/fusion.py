@@ -75,7 +75,11 @@ from bnpfed.posterior import GaussianPosterior
 from bnpfed.seeding import Stream, derive_seed
 from bnpfed.validation import check_int
 
-__all__ = ["FedAvgFederation", "FusionFederation"]
+__all__ = ["FUSION_ARCHITECTURES", "FedAvgFederation", "FusionFederation"]
+
+#: The architectures of :class:`~bnpfed.federated.config.NetworkConfig` posterior fusion takes: those without batch
+#: norm (a batch norm's running statistics are no posterior to fuse, and averaging them is not what the paper does).
+FUSION_ARCHITECTURES = ("mlp", "lenet", "lenet-paper", "simple-cnn")
 
 
 def _check_configs(**configs) -> None:
@@ -109,6 +113,9 @@ class FusionFederation(Federation):
                  predictive_samples: int = 10):
         super().__init__(dataset, parts, seed=seed, fraction=fusion.fraction, ece_bins=ece_bins)
         _check_configs(network=network, training=training, bayesian=bayesian, fusion=fusion)
+        if network.arch not in FUSION_ARCHITECTURES:
+            raise ValueError(f"arch: posterior fusion expected one of {list(FUSION_ARCHITECTURES)} (no batch norm: its "
+                             f"running statistics are no posterior), got {network.arch!r}")
         self.training, self.fusion = training, fusion
         self.method = fusion.rule
         self.predictive_samples = check_int(predictive_samples, "predictive_samples", low=1)
