@@ -14,8 +14,8 @@ Parts (each writes JSON lines to ``--out`` and can be resumed: finished configur
 * ``rounds``: PFNM with communication against multi-round FedAvg and the ensemble (J = 25, 10 rounds);
 * ``eb``: empirical-Bayes matching (bnpfed's default: every hyper-parameter estimated per layer from the clients'
   weights) for J in {10, 25} x {IID, Dirichlet(0.5)} x seeds 0-4, beside the local models and the ensemble, with the
-  estimates per layer, the sweeps they took and the matching seconds; on the same local models also per-client noise
-  (``noise="per-client"``) and fixed sigma2 = sigma0_2 = gamma0 = 1 (for the time ratio);
+  estimates per layer, the sweeps they took and the matching seconds; on the same local models also fixed
+  sigma2 = sigma0_2 = gamma0 = 1 (for the time ratio);
 * ``plane``: the accuracy-width plane (J = 10, IID, seed 0): fixed-hyper-parameter sweeps of sigma2 under both
   objectives (MAP and marginal), to put the empirical-Bayes points beside;
 * ``start``: PFNM's communication rounds warm-started from the previous assignment (the published code's way, the
@@ -200,12 +200,10 @@ def part_eb(ds, out: Path, seeds, Js) -> None:
                 rows = {r.method: _row(r) for r in result.rows}
                 eb = result.selection.match
                 rows["pfnm"]["layers"] = _layers(eb)
-                for name, config in (("pfnm per-client noise", PFNMConfig(noise="per-client")),
-                                     ("pfnm fixed 1-1-1", PFNMConfig(hyperparameters="fixed", sigma2=1.0,
-                                                                     sigma0_2=1.0, gamma0=1.0))):
-                    match = pfnm_step(result.local_models, result.class_counts, config, seed=seed, round=1)
-                    rows[name] = dict(accuracy=_accuracy(match.network(), ds), hidden=match.hidden_sizes,
-                                      seconds=match.seconds, layers=_layers(match))
+                fixed = PFNMConfig(hyperparameters="fixed", sigma2=1.0, sigma0_2=1.0, gamma0=1.0)
+                match = pfnm_step(result.local_models, result.class_counts, fixed, seed=seed, round=1)
+                rows["pfnm fixed 1-1-1"] = dict(accuracy=_accuracy(match.network(), ds), hidden=match.hidden_sizes,
+                                                seconds=match.seconds, layers=_layers(match))
                 _emit(out, key, dict(J=J, partition=partition, seed=seed, rows=rows))
 
 

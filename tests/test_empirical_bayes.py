@@ -191,53 +191,6 @@ def test_given_hyperparameters_are_held_fixed_and_the_others_estimated():
     assert "mu0" not in held.estimated and (held.hyperparameters["mu0"] == 0).all()
 
 
-@pytest.mark.parametrize("J, D", [(10, 50), (16, 100)])
-def test_per_client_noise_is_recovered_and_a_noisier_client_counts_for_less(J, D):
-    """Half the clients with noise 0.01, half with 0.04 (the model's per-client precision scales 1 and 0.25)."""
-    noise = torch.tensor([0.01 if j % 2 == 0 else 0.04 for j in range(J)])
-    precisions = (TRUTH["sigma2"] / noise)[:, None].expand(J, D)
-    layer = sample_federated_layer(J, D, seed=D, mu0=true_mu0(D), precisions=list(precisions), **TRUTH)
-    r = match_layer(layer.neurons, noise="per-client", seed=0)
-    assert r.converged and ari(layer, r) >= 0.95
-    per_client = r.hyperparameters["sigma2_per_client"]
-    assert per_client.shape == (J,)
-    torch.testing.assert_close(per_client, noise.double(), rtol=0.1, atol=0.0)
-    # sigma2 is the noise level of the clients' average precision
-    assert 0.01 < r.hyperparameters["sigma2"] < 0.04
-    shared = match_layer(layer.neurons, seed=0)
-    assert shared.hyperparameters["sigma2"] == pytest.approx(float(noise.mean()), rel=0.15)
-    # the atoms lean towards the quiet clients: their posterior precision counts them 4 times as much
-    j_quiet, j_noisy = 0, 1
-    atom = next(int(a) for a in r.assignments[j_quiet] if int(a) in set(r.assignments[j_noisy].tolist()))
-    m = r.counts[atom].item()
-    quiet = sum(1 for j in range(0, J, 2) if atom in r.assignments[j].tolist())
-    tau = quiet / 0.01 + (m - quiet) / 0.04
-    assert r.posterior_precision[atom, 0].item() == pytest.approx(1 / r.hyperparameters["sigma0_2"] + tau, rel=0.1)
-
-
-def test_per_client_estimates_are_the_fixed_point_of_their_equations():
-    """sigma2_j = sum s (v - xbar)^2 / sum (1 - q / W) over client j's neurons on shared atoms, with xbar and W
-    weighted by q_j = 1 / sigma2_j: the estimates returned satisfy it (written out here independently)."""
-    J, D = 8, 30
-    noise = torch.tensor([0.01, 0.02, 0.04, 0.01, 0.02, 0.04, 0.01, 0.02])
-    layer = sample_federated_layer(J, D, seed=3, precisions=list((0.01 / noise)[:, None].expand(J, D)), **TRUTH)
-    r = match_layer(layer.neurons, noise="per-client", seed=0)
-    s2j = r.hyperparameters["sigma2_per_client"].numpy()
-    V = [v.double().numpy() for v in layer.neurons]
-    a = [x.numpy() for x in r.assignments]
-    L = r.num_atoms
-    W = np.zeros(L)
-    S = np.zeros((L, D))
-    for j in range(J):
-        W[a[j]] += 1 / s2j[j]
-        S[a[j]] += V[j] / s2j[j]
-    xbar = S / W[:, None]
-    for j in range(J):
-        num = ((V[j] - xbar[a[j]]) ** 2).sum()
-        den = D * (1 - (1 / s2j[j]) / W[a[j]]).sum()
-        assert s2j[j] == pytest.approx(num / den, rel=1e-5)
-
-
 # --------------------------------------------------------------------------------------------------------------------
 # the estimates are the moment formulas (written out here from the issue's definitions)
 
@@ -568,9 +521,6 @@ def test_reference_constants_fix_the_hyperparameters_and_the_map_objective():
         (dict(objective="map"), "objective: expected 'marginal' with hyperparameters='empirical-bayes', got 'map': the"
                                 " MAP objective drops"),
         (dict(hyperparameters="EB"), "hyperparameters: expected one of"),
-        (dict(noise="per-neuron"), "noise: expected one of"),
-        (dict(noise="per-client", sigma2=0.1), "sigma2: expected None with noise='per-client'"),
-        (dict(hyperparameters="fixed", sigma2=1.0, sigma0_2=1.0, gamma0=1.0, noise="per-client"), "noise: expected"),
         (dict(hyperparameters="fixed", sigma2=1.0, sigma0_2=1.0, gamma0=1.0, start={"sigma2": 1.0}), "start: expected "
                                                                                                     "None"),
         (dict(sigma2=0.1, start={"sigma2": 1.0}), r"start\['sigma2'\]: sigma2 is given"),
@@ -590,8 +540,8 @@ def test_bad_arguments_raise_naming_them(kwargs, match):
 def test_the_estimates_need_nothing_but_the_clients_weights():
     """No data argument anywhere: the layer API takes neurons (and their precision scales) only."""
     assert list(inspect.signature(match_layer).parameters) == [
-        "neurons", "sigma2", "sigma0_2", "gamma0", "mu0", "precisions", "hyperparameters", "start", "noise", "sweeps",
-        "seed", "objective", "popularity_factor", "popularity_cap", "max_atoms", "new_atom_penalty",
+        "neurons", "sigma2", "sigma0_2", "gamma0", "mu0", "precisions", "hyperparameters", "start", "sweeps", "seed",
+        "objective", "popularity_factor", "popularity_cap", "max_atoms", "new_atom_penalty",
         "stop_at_fixed_point", "cross_products", "init_assignments"]
     network_args = list(inspect.signature(match_networks).parameters)
     assert network_args[:2] == ["client_layers", "class_counts"]

@@ -518,16 +518,15 @@ def test_bad_initial_assignment_raises_naming_the_client(init, match):
 
 
 def test_average_atoms_are_the_members_mean_and_on_scaled_coordinates_the_all_client_weighted_sum():
-    """Coordinate 0 (scale 1 everywhere): the members' mean, weighted by the client precisions; coordinate 1 (scales
-    s_j): sum over the members of s_j p_j v_j / sum over all clients of s_j p_j, an absent client counting as 0."""
+    """Coordinate 0 (scale 1 everywhere): the members' mean; coordinate 1 (scales s_j): sum over the members of
+    s_j v_j / sum over all clients of s_j, an absent client counting as 0."""
     neurons = [np.array([[1.0, 10.0], [2.0, 20.0]]), np.array([[3.0, 30.0]]), np.zeros((0, 2))]
     labels = [np.array([0, 1]), np.array([0]), np.array([], dtype=int)]
     scales = np.array([[1.0, 0.5], [1.0, 0.3], [1.0, 0.2]])
-    p = np.array([1.0, 3.0, 2.0])
-    atoms = average_atoms(neurons, labels, precisions=scales, client_precisions=p).numpy()
-    omega = averaging_weights(scales[:, 1:], p).numpy()[:, 0]  # 0.5, 0.9, 0.4 over their sum 1.8
-    np.testing.assert_allclose(omega, [0.5 / 1.8, 0.9 / 1.8, 0.4 / 1.8])
-    np.testing.assert_allclose(atoms[:, 0], [(1.0 * 1 + 3.0 * 3) / 4, 2.0])
+    atoms = average_atoms(neurons, labels, precisions=scales).numpy()
+    omega = averaging_weights(scales[:, 1:]).numpy()[:, 0]  # 0.5, 0.3, 0.2 over their sum 1
+    np.testing.assert_allclose(omega, [0.5, 0.3, 0.2])
+    np.testing.assert_allclose(atoms[:, 0], [(1.0 + 3.0) / 2, 2.0])
     np.testing.assert_allclose(atoms[:, 1], [omega[0] * 10 + omega[1] * 30, omega[0] * 20])
     # a neuron label repeated within a client (a baseline such as k-means): both members count
     twice = average_atoms([np.array([[1.0], [3.0]])], [np.array([0, 0])]).numpy()

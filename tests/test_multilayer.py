@@ -318,26 +318,21 @@ def test_mu0_and_bias_mu0_each_fix_their_own_coordinates(direction):
     assert bias_given[bias].item() == pytest.approx(0.1) and (bias_given[weights] != 0).all()
 
 
-@pytest.mark.parametrize("noise", ["shared", "per-client"])
-def test_a_posterior_mean_output_bias_uses_the_last_hidden_layer_s_final_estimates(noise):
+def test_a_posterior_mean_output_bias_uses_the_last_hidden_layer_s_final_estimates():
     counts = np.array([[30.0, 1.0, 5.0], [10.0, 5.0, 5.0], [1.0, 9.0, 5.0]] * 2)
     layer, nets = networks_from_the_model(6, 20, 3, seed=1, shares=counts / counts.sum(0))
-    r = match_networks(nets, counts, seed=0, noise=noise, global_weights="posterior-mean")
+    r = match_networks(nets, counts, seed=0, global_weights="posterior-mean")
     h = r.hyperparameters[-1]
     shares = counts / counts.sum(0)
     # the output bias is seen at the shares' precision, as the output weights: their variances
     sigma2, sigma0_2 = h["sigma2_scaled"], h["sigma0_2_scaled"]
-    if noise == "per-client":
-        noise_var = h["sigma2_per_client"].numpy()[:, None] * sigma2 / h["sigma2"]
-    else:
-        noise_var = np.full((6, 1), sigma2)
-    w = shares / noise_var
+    w = shares / sigma2
     b = np.stack([net[-1][1].numpy() for net in nets])
     mu = np.mean((w * b).sum(0) / w.sum(0))
     assert r.output_bias_mu0 == pytest.approx(mu, rel=1e-9)
     expected = (mu / sigma0_2 + (w * b).sum(0)) / (1 / sigma0_2 + w.sum(0))
     np.testing.assert_allclose(r.layers[-1][1].numpy(), expected, rtol=1e-6)
-    given = match_networks(nets, counts, seed=0, noise=noise, bias_mu0=0.5, global_weights="posterior-mean")
+    given = match_networks(nets, counts, seed=0, bias_mu0=0.5, global_weights="posterior-mean")
     assert given.output_bias_mu0 == 0.5
 
 
@@ -455,22 +450,3 @@ def test_identical_clients_average_back_to_their_network():
     assert r.hidden_sizes == [5, 4]
     x = torch.randn(10, 6, dtype=torch.float64)
     torch.testing.assert_close(logits(r.layers, x), logits(net, x), rtol=1e-5, atol=1e-5)
-
-
-def test_with_per_client_noise_a_noisier_client_weighs_less_in_the_average():
-    nets = [random_net([6, 5, 3], seed) for seed in range(4)]
-    r = match_networks(nets, None, seed=0, noise="per-client")
-    h = r.hyperparameters[0]
-    p = 1.0 / h["sigma2_per_client"].numpy()
-    a = [x.numpy() for x in r.assignments[0]]
-    L = r.hidden_sizes[0]
-    W = np.zeros((L, 6)); total = np.zeros(L)
-    for j, net in enumerate(nets):
-        W[a[j]] += p[j] * net[0][0].numpy(); total[a[j]] += p[j]
-    np.testing.assert_allclose(r.layers[0][0].numpy(), W / total[:, None], rtol=1e-5, atol=1e-6)
-    # the output layer: the clients' logits weighted by share_jk / sigma2_j, normalised per class (equal shares here)
-    omega = p / p.sum()
-    w_out = np.zeros((3, L))
-    for j, net in enumerate(nets):
-        w_out[:, a[j]] += omega[j] * net[1][0].numpy()
-    np.testing.assert_allclose(r.layers[1][0].numpy(), w_out, rtol=1e-5, atol=1e-6)

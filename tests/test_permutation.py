@@ -413,9 +413,8 @@ def test_the_next_round_warm_started_from_the_slices_keeps_the_assignment():
 @pytest.mark.parametrize("kwargs", [
     dict(hyperparameters="fixed", sigma2=0.5, sigma0_2=1.0, gamma0=2.0),
     dict(),
-    dict(noise="per-client"),
     dict(mu0=0.0, sigma2=[0.3, None]),
-], ids=["fixed", "empirical-bayes", "per-client-noise", "partly-given"])
+], ids=["fixed", "empirical-bayes", "partly-given"])
 def test_an_mlp_matched_by_its_spec_is_match_networks(kwargs):
     torch.manual_seed(0)
     nets = [mlp(20, [8 + j, 6 - j], 4) for j in range(3)]

@@ -93,9 +93,6 @@ def add_parser(sub):
                    help="empirical-bayes: estimate every hyper-parameter not given (and the prior mean of every "
                    "coordinate) from the clients' weights while matching; fixed: estimate none (those not given "
                    "are 1, as in the reference code)")
-    g.add_argument("--noise", choices=("shared", "per-client"), default=d.noise,
-                   help="empirical Bayes: one noise variance for all clients, or one per client (a noisier client "
-                   "counts for less)")
     g.add_argument("--constants", choices=("bnpfed", "reference"), default=d.constants,
                    help="bnpfed: the exact objective (popularity factor 2, no caps); reference: the published "
                    "code's constants")
@@ -198,7 +195,7 @@ def prepare(args) -> dict:
     network = NetworkConfig(arch=args.arch, hidden=args.hidden, init=args.init, shared_init=args.shared_init)
     training = _args.training_config(args)
     pfnm = PFNMConfig(sigma2=_one_or_many(args.sigma2), sigma0_2=_one_or_many(args.sigma0_2),
-                      gamma0=_one_or_many(args.gamma0), hyperparameters=args.hyperparameters, noise=args.noise,
+                      gamma0=_one_or_many(args.gamma0), hyperparameters=args.hyperparameters,
                       constants=args.constants, objective=args.objective, direction=args.direction,
                       sweeps=args.sweeps, warm_start=args.warm_start, fraction=args.fraction,
                       global_weights=args.global_weights, layerwise_retrain=args.layerwise_retrain)
@@ -299,8 +296,7 @@ def _hyper(config: PFNMConfig) -> str:
         return ",".join("estimated" if x is None else f"{x:g}" for x in v) if isinstance(v, tuple) else f"{v:g}"
 
     objective = config.objective or ("map" if config.fixed else "marginal")
-    mode = "fixed" if config.fixed else "empirical Bayes" + (", noise per client" if config.noise == "per-client"
-                                                             else "")
+    mode = "fixed" if config.fixed else "empirical Bayes"
     weights = config.global_weights or ("posterior-mean" if config.fixed else "average")
     return (f"{mode}: sigma2 {shown(config.sigma2)}, sigma0_2 {shown(config.sigma0_2)}, gamma0 "
             f"{shown(config.gamma0)}, {config.constants} constants, {objective} objective, {config.direction}, "

@@ -297,8 +297,6 @@ class PFNMConfig:
     :param str hyperparameters: ``"empirical-bayes"`` (the hyper-parameters left None are estimated per layer) or
         ``"fixed"`` (none is estimated; those left None take the reference code's value 1, and the atoms' prior mean
         is 0 for weights and 0.1 for biases). Default ``"empirical-bayes"``.
-    :param str noise: ``"shared"`` (one sigma2 for every client) or ``"per-client"`` (empirical Bayes only: a sigma2
-        per client, so a noisier client counts for less). Default ``"shared"``.
     :param str constants: ``"bnpfed"`` (the exact objective: popularity factor 2, no caps) or ``"reference"`` (the
         published code's constants and fixed hyper-parameters, :data:`~bnpfed.inference.REFERENCE_CONSTANTS`).
         Default ``"bnpfed"``.
@@ -333,7 +331,6 @@ class PFNMConfig:
     sigma0_2: Union[None, float, tuple[Optional[float], ...]] = None
     gamma0: Union[None, float, tuple[Optional[float], ...]] = None
     hyperparameters: str = "empirical-bayes"
-    noise: str = "shared"
     constants: str = "bnpfed"
     objective: Optional[str] = None
     direction: str = "bottom-up"
@@ -356,10 +353,6 @@ class PFNMConfig:
                     for i, v in enumerate(value)))
             elif value is not None:
                 check_positive(value, name)
-        check_choice(self.noise, ("shared", "per-client"), "noise")
-        if self.noise == "per-client" and self.fixed:
-            raise ValueError("noise: expected 'shared' with fixed hyper-parameters (a sigma2 per client is estimated "
-                             "by empirical Bayes), got 'per-client'")
         if self.objective is not None:
             check_choice(self.objective, ("map", "marginal"), "objective")
             if self.objective == "map" and not self.fixed:
@@ -397,7 +390,7 @@ class PFNMConfig:
                           gamma0=value(self.gamma0), objective=self.objective or "map")
         else:
             kwargs.update(hyperparameters="empirical-bayes", sigma2=self.sigma2, sigma0_2=self.sigma0_2,
-                          gamma0=self.gamma0, objective="marginal", noise=self.noise)
+                          gamma0=self.gamma0, objective="marginal")
         if self.sweeps is not None:
             kwargs["sweeps"] = self.sweeps
         if self.global_weights is not None:

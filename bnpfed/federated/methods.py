@@ -547,7 +547,7 @@ def select_hyperparameters(local_models: Sequence[nn.Module], class_counts, vali
     if total == 0:
         raise ValueError("validation: expected at least one held-out example, got none")
     for s2, s02, g in itertools.product(grid_sigma2, grid_sigma0_2, grid_gamma0):
-        candidate = replace(pfnm, hyperparameters="fixed", noise="shared", sigma2=s2, sigma0_2=s02, gamma0=g)
+        candidate = replace(pfnm, hyperparameters="fixed", sigma2=s2, sigma0_2=s02, gamma0=g)
         match = pfnm_step(local_models, class_counts, candidate, seed=seed, round=1, input_shape=input_shape)
         if reestimate is not None:
             match = reestimate(match)
@@ -601,8 +601,8 @@ def width_sweep(dataset: Dataset, *, sigma2: Sequence[float], gamma0: Sequence[f
     points = []
     grid = list(itertools.product(constants, sigma2, gamma0))
     for name, s2, g in tqdm(grid, desc="matching", disable=not progress, leave=False):
-        candidate = replace(experiment.pfnm, hyperparameters="fixed", noise="shared", constants=name, sigma2=s2,
-                            gamma0=g, direction="top-down" if name == "reference" else experiment.pfnm.direction)
+        candidate = replace(experiment.pfnm, hyperparameters="fixed", constants=name, sigma2=s2, gamma0=g,
+                            direction="top-down" if name == "reference" else experiment.pfnm.direction)
         match = experiment.reestimate(pfnm_step(models, experiment.class_counts, candidate, seed=experiment.seed,
                                                 round=1, input_shape=experiment.input_shape))
         points.append(dict(constants=name, sigma2=s2, gamma0=g, hidden=match.hidden_sizes,

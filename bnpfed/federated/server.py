@@ -252,10 +252,10 @@ def match_hyperparameters(match) -> list[dict]:
     """Per group (hidden layer, conv channels), the hyper-parameters a match used (estimated or fixed) as plain
     values for tables and JSON: ``sigma2``, ``sigma0_2``, ``gamma0``, ``mu0`` (a list, one per coordinate of the
     group's unit vectors), when the matcher has them ``sigma2_scaled`` / ``sigma0_2_scaled`` (the pair of the
-    class-share-weighted output coordinates) and ``sigma2_per_client`` (a list), ``estimated`` (the names estimated),
-    ``converged``, ``sweeps`` (sweeps run after the first assignment) and ``notes`` (the estimator's fallbacks, if
-    any). Empty for a matcher without hyper-parameters (k-means). ``match``: a
-    :class:`~bnpfed.inference.permutation.SpecMatch` (or a ``NetworkMatch``)."""
+    class-share-weighted output coordinates), ``estimated`` (the names estimated), ``converged``, ``sweeps`` (sweeps
+    run after the first assignment) and ``notes`` (the estimator's fallbacks, if any). Empty for a matcher without
+    hyper-parameters (k-means). ``match``: a :class:`~bnpfed.inference.permutation.SpecMatch` (or a
+    ``NetworkMatch``)."""
     results = match.layer_results
     out = []
     for result in (results.values() if isinstance(results, Mapping) else results):
@@ -268,8 +268,6 @@ def match_hyperparameters(match) -> list[dict]:
         for name in ("sigma2_scaled", "sigma0_2_scaled"):
             if h.get(name) is not None:
                 layer[name] = float(h[name])
-        if h.get("sigma2_per_client") is not None:
-            layer["sigma2_per_client"] = [float(v) for v in torch.as_tensor(h["sigma2_per_client"]).reshape(-1)]
         layer.update(estimated=list(getattr(result, "estimated", ())),
                      converged=bool(getattr(result, "converged", True)),
                      sweeps=int(getattr(result, "sweeps_run", len(result.objective) - 1)),

@@ -25,13 +25,12 @@ hyper-parameters): every weight is its atom's posterior mean; the output bias is
 mean of the clients' output biases, ``b_out_k = (bias_mu0/sigma0_2 + sum_j share_jk b_out_jk / sigma2) /
 (1/sigma0_2 + sum_j share_jk / sigma2)`` (the reference's ``process_softmax_bias``), with the last hidden layer's
 final sigma2 and sigma0_2: those of the output weights (``sigma2_scaled``, ``sigma0_2_scaled``) when that layer has
-its own for them, and with per-client noise client j's noise in place of sigma2. ``"average"`` (the default under
-empirical Bayes): the clients' networks averaged on the matched neurons. A global hidden neuron's incoming weights and
-bias are the average of its members' (their incoming weights re-indexed to the global neurons below; weights
-1/sigma2_j with per-client noise), so that its pre-activation is the average of theirs; the logits are the class-wise
-average of the clients' logits, ``W_out[k, i] = sum_j omega_jk sum_{l -> i} W_out^j[k, l]`` and ``b_out[k] = sum_j
-omega_jk b_out^j[k]`` with ``omega_jk = share_jk`` (``share_jk / sigma2_j`` normalised over j, with per-client noise;
-0 for a class nobody holds), each client's output weights re-indexed to the global neurons its own were matched to.
+its own for them. ``"average"`` (the default under empirical Bayes): the clients' networks averaged on the matched
+neurons. A global hidden neuron's incoming weights and bias are the average of its members' (their incoming weights
+re-indexed to the global neurons below), so that its pre-activation is the average of theirs; the logits are the
+class-wise average of the clients' logits, ``W_out[k, i] = sum_j omega_jk sum_{l -> i} W_out^j[k, l]`` and
+``b_out[k] = sum_j omega_jk b_out^j[k]`` with ``omega_jk = share_jk`` (0 for a class nobody holds), each client's
+output weights re-indexed to the global neurons its own were matched to.
 The posterior mean shrinks an atom of m clients towards the prior mean by ``sigma2 / (m sigma0_2 + sigma2)``. With
 the published values (sigma2 = sigma0_2 = 1 against weights of order 0.1, mu0 = 0) that only rescales a neuron
 (ReLU is positively homogeneous) and weighs the output layer by popularity much as the average does. With estimated
@@ -269,24 +268,17 @@ def _warm_start_assignments(warm_start, layers) -> list | None:
 GLOBAL_WEIGHTS = ("average", "posterior-mean")
 
 
-def _client_precisions(h: dict, J: int) -> Tensor:
-    """(J,) the clients' relative noise precisions in a layer: 1 / sigma2_j with per-client noise, else all 1."""
-    if h.get("sigma2_per_client") is not None:
-        return 1.0 / torch.as_tensor(h["sigma2_per_client"], dtype=torch.float64).reshape(J)
-    return torch.ones(J, dtype=torch.float64)
-
-
 def _reindex(w: Tensor, columns: Tensor, size: int) -> Tensor:
     """Add the columns of ``w`` into the given global positions of a ``size``-wide zero matrix (positions are
     distinct for a matching; a baseline that maps two neurons to one global neuron adds their weights)."""
     return torch.zeros(w.shape[0], size, dtype=w.dtype).index_add_(1, torch.as_tensor(columns), w)
 
 
-def _average_network(layers, assignments, sizes, shares, precision) -> tuple[list, list]:
+def _average_network(layers, assignments, sizes, shares) -> tuple[list, list]:
     """The global weights of ``global_weights="average"`` (module docstring): layer by layer, the clients' neurons
     [incoming weights re-indexed to the global neurons below, bias (, output weights at the class shares' scales, in
-    the last hidden layer)] through :func:`~bnpfed.inference.matching.average_atoms`, client j weighted by
-    ``precision[c][j]``; the output bias the class-wise weighted average of the clients'."""
+    the last hidden layer)] through :func:`~bnpfed.inference.matching.average_atoms`; the output bias the class-wise
+    weighted average of the clients'."""
     J, K = len(layers), len(layers[0]) - 1
     C = shares.shape[1]
     weights, biases = [], []
@@ -303,11 +295,11 @@ def _average_network(layers, assignments, sizes, shares, precision) -> tuple[lis
         if c == K - 1:
             scales = torch.ones(J, n_in + 1 + C, dtype=torch.float64)
             scales[:, n_in + 1:] = shares
-        atoms = average_atoms(vectors, assignments[c], precisions=scales, client_precisions=precision[c])
+        atoms = average_atoms(vectors, assignments[c], precisions=scales)
         weights.append(atoms[:, :n_in])
         biases.append(atoms[:, n_in])
     weights.append(atoms[:, n_in + 1:].T)
-    omega = averaging_weights(shares, precision[-1])
+    omega = averaging_weights(shares)
     biases.append((omega * torch.stack([layers[j][K][1] for j in range(J)])).sum(0))
     return weights, biases
 
@@ -322,7 +314,6 @@ def match_networks(
     mu0=None,
     bias_mu0=None,
     hyperparameters: Literal["empirical-bayes", "fixed"] = "empirical-bayes",
-    noise: Literal["shared", "per-client"] = "shared",
     direction: Literal["bottom-up", "top-down"] = "bottom-up",
     sweeps: int | None = None,
     seed: int | None = None,
@@ -379,7 +370,6 @@ def match_networks(
         ``"fixed"``), a scalar, or one per hidden layer.
     :param str hyperparameters: ``"empirical-bayes"`` (default) or ``"fixed"`` (see the module docstring and
         :func:`~bnpfed.inference.match_layer`).
-    :param str noise: ``"shared"`` (default) or ``"per-client"`` (one sigma2_j per client and layer, estimated).
     :param direction: ``"bottom-up"`` (default) or ``"top-down"`` (the published order); see the module docstring.
     :param int sweeps: remove-and-rematch passes per layer (see :func:`match_layer`; None: its default, 5 with
         ``"fixed"``, at most 50 under empirical Bayes).
@@ -396,10 +386,9 @@ def match_networks(
         plugs in here and gets the same neuron vectors, re-indexing and output bias), or one such function per
         hidden layer (a sequence, in layer order). It is passed ``neurons``, ``sigma2``, ``sigma0_2``, ``gamma0``,
         ``mu0`` (None, or a (D,) tensor with NaN on the coordinates to estimate), ``precisions``, ``sweeps``,
-        ``seed`` and ``matcher_kwargs``; ``hyperparameters`` and ``noise`` only if it takes them (by name or
-        ``**kwargs``), and ``init_assignments`` only when ``warm_start`` is given. If its result has no
-        ``hyperparameters`` (or they lack sigma2 / sigma0_2), a ``"posterior-mean"`` output bias uses the given
-        ones, 1 where None.
+        ``seed`` and ``matcher_kwargs``; ``hyperparameters`` only if it takes it (by name or ``**kwargs``), and
+        ``init_assignments`` only when ``warm_start`` is given. If its result has no ``hyperparameters`` (or they
+        lack sigma2 / sigma0_2), a ``"posterior-mean"`` output bias uses the given ones, 1 where None.
     :param str global_weights: how the global network's weights are built from the matching (module docstring):
         ``"average"`` (the clients' networks averaged on the matched neurons) or ``"posterior-mean"`` (the atoms'
         posterior means, as published). None (default): ``"average"`` under empirical Bayes, ``"posterior-mean"``
@@ -453,9 +442,8 @@ def match_networks(
             precisions[:, start:start + C] = shares
         fn = layer_fns[c]
         extra = {} if init is None else {"init_assignments": init[c]}
-        for name, value in (("hyperparameters", mode), ("noise", noise)):
-            if _accepts(fn, name):
-                extra[name] = value
+        if _accepts(fn, "hyperparameters"):
+            extra["hyperparameters"] = mode
         r = fn(neurons, sigma2=sig[c], sigma0_2=sig0[c], gamma0=gam[c], mu0=mu, precisions=precisions, sweeps=sweeps,
                seed=None if seed is None else seed + c, **extra, **matcher_kwargs)
         results[c] = r
@@ -500,12 +488,11 @@ def match_networks(
     per_layer = [dict(getattr(r, "hyperparameters", None) or {}) for r in results]
     if combine == "average":
         sizes = [int(r.num_atoms) for r in results]
-        precision = [_client_precisions(h, J) for h in per_layer]
-        weights, biases = _average_network(layers, assignments, sizes, shares, precision)
+        weights, biases = _average_network(layers, assignments, sizes, shares)
         b_mu0 = None
     else:
         # output bias: posterior mean under N(bias_mu0, sigma0_2) with client j's bias seen at precision
-        # share_jk / sigma2 (sigma2_j with per-client noise), sigma2 and sigma0_2 those of the last hidden layer
+        # share_jk / sigma2, sigma2 and sigma0_2 those of the last hidden layer
         last = per_layer[-1]
         s2 = last.get("sigma2", sig[-1] if sig[-1] is not None else 1.0)
         s02 = last.get("sigma0_2", sig0[-1] if sig0[-1] is not None else 1.0)
@@ -514,13 +501,7 @@ def match_networks(
         s2_out = last.get("sigma2_scaled", s2)
         s02 = last.get("sigma0_2_scaled", s02)
         b_out = torch.stack([layers[j][K][1] for j in range(J)])
-        if "sigma2_per_client" in last:
-            noise_var = torch.as_tensor(last["sigma2_per_client"], dtype=torch.float64)[:, None] * (s2_out / s2)
-            w = shares / noise_var
-            # sum_j share_jk b_jk / sigma2_j, sum_j share_jk / sigma2_j
-            weighted, precision = (w * b_out).sum(0), w.sum(0)
-        else:
-            weighted, precision = (shares * b_out).sum(0) / s2_out, shares.sum(0) / s2_out
+        weighted, precision = (shares * b_out).sum(0) / s2_out, shares.sum(0) / s2_out
         if bias_mus[-1] is not None:
             b_mu0 = float(bias_mus[-1])
         else:  # the mean over the classes of each class's precision-weighted mean of the clients' biases

@@ -1146,7 +1146,6 @@ def match_by_spec(
     mu0=None,
     bias_mu0=None,
     hyperparameters: Literal["empirical-bayes", "fixed"] = "empirical-bayes",
-    noise: Literal["shared", "per-client"] = "shared",
     sweeps: int | None = None,
     seed: int | None = None,
     warm_start=None,
@@ -1162,7 +1161,7 @@ def match_by_spec(
     :data:`BN_FIXED_PRIOR_MEANS` under fixed hyper-parameters); the atoms are the owned parameters' global values,
     and each running statistic is the mean of the members' of its unit. The output bias is the class-share-weighted
     posterior mean of the clients' output biases, with the variances of the group holding the output weights
-    (``sigma2_scaled`` / ``sigma0_2_scaled`` when it has them, per-client noise when estimated), and prior mean
+    (``sigma2_scaled`` / ``sigma0_2_scaled`` when it has them), and prior mean
     ``bias_mu0`` or, when None, the mean over the classes of the precision-weighted means. This is
     :func:`~bnpfed.inference.multilayer.match_networks`'s bottom-up rule for an MLP, with the same result.
 
@@ -1197,7 +1196,6 @@ def match_by_spec(
         under empirical Bayes; sigma2, sigma0_2 and gamma0 required with ``"fixed"``, mu0 0 and bias_mu0 0.1 as
         published), a scalar (every group), one value per group in the spec's order, or a mapping by group name.
     :param str hyperparameters: ``"empirical-bayes"`` (default) or ``"fixed"``.
-    :param str noise: ``"shared"`` (default) or ``"per-client"``.
     :param int sweeps: remove-and-rematch passes per group (None: :func:`match_layer`'s default).
     :param int seed: seed of the sweeps' client order; the group at position c uses ``seed + c``.
     :param warm_start: a previous :class:`SpecMatch` of the same J clients (each client's network then being its
@@ -1205,7 +1203,7 @@ def match_by_spec(
         sequence in spec order): the initial assignments (``init_assignments`` of :func:`match_layer`). Default
         None: match from scratch.
     :param layer_fn: the one-group matcher (default :func:`match_layer`), or one per group; it is called as in
-        :func:`~bnpfed.inference.multilayer.match_networks` (``hyperparameters`` and ``noise`` only if it takes them,
+        :func:`~bnpfed.inference.multilayer.match_networks` (``hyperparameters`` only if it takes it,
         ``init_assignments`` only with ``warm_start``).
     :param str global_weights: ``"average"`` (each global unit's owned parameters the average of its members', the
         output layer the clients' logits averaged class by class: :func:`~bnpfed.inference.matching.average_atoms`)
@@ -1251,7 +1249,7 @@ def match_by_spec(
     matches: dict[str, GroupMatch] = {}
     for c, name in enumerate(names):
         matches[name] = _match_one(states, spec, shapes, name, below, shares, layer_fns[c], values[c], mode=mode,
-                                   noise=noise, sweeps=sweeps, seed=None if seed is None else seed + c,
+                                   sweeps=sweeps, seed=None if seed is None else seed + c,
                                    init=None if init is None else init[name], matcher_kwargs=matcher_kwargs,
                                    combine=combine)
         below[name] = (matches[name].assignments, matches[name].size)
@@ -1331,7 +1329,7 @@ def _group_values(names: list[str], mode: str, sigma2, sigma0_2, gamma0, mu0, bi
 
 
 def _match_one(states, spec: PermutationSpec, shapes, name: str, below: Mapping[str, tuple[list[Tensor], int]],
-               shares: Tensor, fn, values: tuple, *, mode: str, noise: str, sweeps, seed, init, matcher_kwargs,
+               shares: Tensor, fn, values: tuple, *, mode: str, sweeps, seed, init, matcher_kwargs,
                combine: str = "posterior-mean") -> GroupMatch:
     """Group ``name`` of every client matched through ``fn``, the groups in ``below`` ((per-client global ids,
     global size)) re-indexing the parameters it owns."""
@@ -1341,16 +1339,14 @@ def _match_one(states, spec: PermutationSpec, shapes, name: str, below: Mapping[
     neurons = [_rows(states[j], spec, layout, {h: (ids[j], size) for h, (ids, size) in below.items()})
                for j in range(len(states))]
     kwargs = {} if init is None else {"init_assignments": init}
-    for key, value in (("hyperparameters", mode), ("noise", noise)):
-        if _accepts(fn, key):
-            kwargs[key] = value
+    if _accepts(fn, "hyperparameters"):
+        kwargs["hyperparameters"] = mode
     r = fn(neurons, sigma2=sigma2, sigma0_2=sigma0_2, gamma0=gamma0,
            mu0=layout.prior_mean(mu0, bias_mu0, fixed=mode == "fixed"), precisions=layout.precisions(shares),
            sweeps=sweeps, seed=seed, **kwargs, **matcher_kwargs)
     assignments = [torch.as_tensor(a, dtype=torch.long) for a in r.assignments]
     if combine == "average":
-        atoms = average_atoms(neurons, assignments, precisions=layout.precisions(shares),
-                              client_precisions=_client_precisions(getattr(r, "hyperparameters", None), len(states)))
+        atoms = average_atoms(neurons, assignments, precisions=layout.precisions(shares))
     else:
         atoms = torch.as_tensor(r.global_atoms).to(torch.float64)
     L = int(atoms.shape[0])
@@ -1376,21 +1372,14 @@ def _global_weights(global_weights, mode: str) -> str:
     return check_choice(global_weights, ("average", "posterior-mean"), "global_weights")
 
 
-def _client_precisions(h, J: int) -> Tensor:
-    """(J,) the clients' relative noise precisions in a group: 1 / sigma2_j with per-client noise, else all 1."""
-    if h and h.get("sigma2_per_client") is not None:
-        return 1.0 / torch.as_tensor(h["sigma2_per_client"], dtype=torch.float64).reshape(J)
-    return torch.ones(J, dtype=torch.float64)
-
-
 def _output_bias(states, key: str, shares: Tensor, hypers: Mapping, values: tuple,
                  combine: str = "posterior-mean") -> tuple[Tensor, float | None]:
     """The output bias, ``(bias, bias_mu0)``. ``combine="average"``: the clients' biases averaged class by class
     (weights :func:`~bnpfed.inference.matching.averaging_weights` of the class shares), bias_mu0 None. Otherwise the
-    posterior mean under N(bias_mu0, sigma0_2) with client j's bias seen at precision share_jk / sigma2 (sigma2_j
-    with per-client noise), the variances those of the group holding the output weights."""
+    posterior mean under N(bias_mu0, sigma0_2) with client j's bias seen at precision share_jk / sigma2, the variances
+    those of the group holding the output weights."""
     if combine == "average":
-        omega = averaging_weights(shares, _client_precisions(hypers, len(states)))
+        omega = averaging_weights(shares)
         return (omega * torch.stack([states[j][key].to(torch.float64) for j in range(len(states))])).sum(0), None
     sigma2, sigma0_2, _, _, bias_mu0 = values
     s2 = hypers.get("sigma2", sigma2 if sigma2 is not None else 1.0)
@@ -1398,12 +1387,7 @@ def _output_bias(states, key: str, shares: Tensor, hypers: Mapping, values: tupl
     s2_out = hypers.get("sigma2_scaled", s2)
     s02 = hypers.get("sigma0_2_scaled", s02)
     b_out = torch.stack([states[j][key].to(torch.float64) for j in range(len(states))])
-    if "sigma2_per_client" in hypers:
-        noise_var = torch.as_tensor(hypers["sigma2_per_client"], dtype=torch.float64)[:, None] * (s2_out / s2)
-        w = shares / noise_var
-        weighted, precision = (w * b_out).sum(0), w.sum(0)
-    else:
-        weighted, precision = (shares * b_out).sum(0) / s2_out, shares.sum(0) / s2_out
+    weighted, precision = (shares * b_out).sum(0) / s2_out, shares.sum(0) / s2_out
     if bias_mu0 is not None:
         b_mu0 = float(bias_mu0)
     else:  # the mean over the classes of each class's precision-weighted mean of the clients' biases
@@ -1425,7 +1409,6 @@ def match_group(
     mu0=None,
     bias_mu0=None,
     hyperparameters: Literal["empirical-bayes", "fixed"] = "empirical-bayes",
-    noise: Literal["shared", "per-client"] = "shared",
     sweeps: int | None = None,
     seed: int | None = None,
     init_assignments=None,
@@ -1461,8 +1444,8 @@ def match_group(
         global units each client's units of that group went to. Default: the identity at the clients' (equal)
         widths -- the clients are aligned, as after :func:`align_to_group`.
     :param sigma2: as :func:`match_by_spec` (one value, one per group, or a mapping by name; this group's is used);
-        so are ``sigma0_2``, ``gamma0``, ``mu0``, ``bias_mu0``, ``hyperparameters``, ``noise``, ``sweeps``,
-        ``global_weights`` and ``matcher_kwargs``.
+        so are ``sigma0_2``, ``gamma0``, ``mu0``, ``bias_mu0``, ``hyperparameters``, ``sweeps``, ``global_weights``
+        and ``matcher_kwargs``.
     :param int seed: the seed of this group's sweeps.
     :param init_assignments: J label arrays to start the matching from (a warm start), or None.
     :param layer_fn: the one-group matcher.
@@ -1511,8 +1494,8 @@ def match_group(
         init = _warm_start({group: init_assignments}, [group], [{group: w[group]} for w in widths])[group]
     values = _group_values(names, mode, sigma2, sigma0_2, gamma0, mu0, bias_mu0)[c]
     shapes = {k: tuple(v.shape) for k, v in states[0].items()}
-    match = _match_one(states, spec, shapes, group, resolved, shares, layer_fn, values, mode=mode, noise=noise,
-                       sweeps=sweeps, seed=seed, init=init, matcher_kwargs=matcher_kwargs, combine=combine)
+    match = _match_one(states, spec, shapes, group, resolved, shares, layer_fn, values, mode=mode, sweeps=sweeps,
+                       seed=seed, init=init, matcher_kwargs=matcher_kwargs, combine=combine)
     if out_b is not None and spec.owner(out_w) == group:
         bias, match.output_bias_mu0 = _output_bias(states, out_b, shares, match.hyperparameters, values, combine)
         match.output_bias = {out_b: bias}
