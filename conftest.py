@@ -1,0 +1,14 @@
+"""Fixtures for everything pytest collects: the tests under tests/ and the examples in bnpfed's docstrings."""
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_torch_thread():
+    """The suite's networks are tiny: one torch thread runs them fastest (several only wait on each other on a
+    shared machine), and sums then come in the same order as in Flower's client processes (OMP_NUM_THREADS=1)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
