@@ -33,14 +33,14 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from bnpfed.data import load_dataset
 from bnpfed.federated.config import (PFNM_NETWORK, PFNM_TRAINING, ExperimentConfig, PartitionConfig, PFNMConfig)
-from bnpfed.federated.fusion import FedAvgFederation
 from bnpfed.federated.methods import Experiment, run_experiment, width_sweep
 from bnpfed.federated.pfnm import PFNMFederation
-from bnpfed.federated.server import pfnm_step
+from bnpfed.federated.server import match_hyperparameters, pfnm_step
 
 HERE = Path(__file__).parent
 DEFAULT_DATA = HERE.parent.parent / "shared" / "data" / "mnist"
@@ -178,11 +178,9 @@ def _accuracy(net, ds) -> float:
 def _layers(match) -> list[dict]:
     """Per hidden layer: the final hyper-parameters (mu0 summarised by its mean), sweeps, convergence."""
     out = []
-    for r in match.layer_results:
-        h = r.hyperparameters
-        out.append(dict(sigma2=float(h["sigma2"]), sigma0_2=float(h["sigma0_2"]), gamma0=float(h["gamma0"]),
-                        mu0_mean=float(torch.as_tensor(h["mu0"]).mean()), sweeps=len(r.objective) - 1,
-                        converged=bool(r.converged), notes=list(r.notes)))
+    for h in match_hyperparameters(match):
+        mu0 = h.pop("mu0")
+        out.append(dict(h, mu0_mean=float(np.mean(mu0)) if mu0 else float("nan")))
     return out
 
 

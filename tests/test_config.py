@@ -4,7 +4,6 @@ import math
 
 import numpy as np
 import pytest
-import torch
 
 from bnpfed.federated.config import (PAPER_MIN_VARIANCE, PFNM_TRAINING, BayesianConfig, ExperimentConfig,
                                      FusionConfig, LocalSchedule, NetworkConfig, PartitionConfig, PFNMConfig,

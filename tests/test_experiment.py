@@ -5,11 +5,10 @@ import json
 import math
 
 import pytest
-import torch
 
 from bnpfed import combine
 from bnpfed.data import load_dataset
-from bnpfed.federated.config import (PFNM_NETWORK, PFNM_TRAINING, ExperimentConfig, NetworkConfig, PartitionConfig,
+from bnpfed.federated.config import (PFNM_NETWORK, ExperimentConfig, NetworkConfig, PartitionConfig,
                                      PFNMConfig, TrainingConfig)
 from bnpfed.federated.methods import (MethodResult, available_methods, register_method, run_experiment,
                                       width_sweep)

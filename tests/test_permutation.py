@@ -1,7 +1,6 @@
 """Permutation specs (issue 10, section 1): derived specs equal hand-written ones, unsupported modules are named,
 matching permuted copies of a CNN gives the network back, the MLP path is match_networks."""
 
-from collections import OrderedDict
 
 import pytest
 import torch
@@ -12,7 +11,6 @@ from bnpfed.inference.permutation import (
     Axis,
     Group,
     PermutationSpec,
-    SpecMatch,
     align_to_group,
     batch_norm_moments,
     client_slice,

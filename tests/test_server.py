@@ -1,6 +1,5 @@
 """The server's steps, written once for the in-process federations and the Flower strategies."""
 
-import math
 
 import pytest
 import torch

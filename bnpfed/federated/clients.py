@@ -16,6 +16,7 @@ Usage::
 
     >>> from bnpfed.federated.config import NetworkConfig, TrainingConfig
     >>> net = initial_network(NetworkConfig(hidden=(8,)), (1, 8, 8), 10, seed=0, client=3)
+    >>> import torch
     >>> x, y = torch.randn(20, 1, 8, 8), torch.arange(20) % 10
     >>> trained = train_network(net, x, y, TrainingConfig(epochs=1), seed=0, round=1, client=3)
     >>> sum(p.numel() for p in trained.parameters())
@@ -28,7 +29,6 @@ import math
 from typing import Collection, Optional, Sequence
 
 import numpy as np
-import torch
 from torch import Tensor, nn
 
 from bnpfed.federated.config import BayesianConfig, NetworkConfig, TrainingConfig

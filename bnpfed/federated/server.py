@@ -32,10 +32,9 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 

@@ -122,7 +122,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bnpfed.inference.matching import MatchResult, average_atoms, averaging_weights, match_layer
+from bnpfed.inference.matching import average_atoms, averaging_weights, match_layer
 from bnpfed.validation import check_choice
 
 __all__ = [
