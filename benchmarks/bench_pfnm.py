@@ -212,7 +212,7 @@ def part_plane(ds, out: Path) -> None:
     result = run_experiment(ds, **_configs(10, "iid", 0, methods=("local",)))
     points = []
     for objective in ("map", "marginal"):
-        for sigma2 in (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0, 1.3, 1.6, 2.0, 3.0):
+        for sigma2 in (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0, 1.3, 1.6, 2.0, 3.0):
             for gamma0 in (1e-3, 1.0):
                 config = PFNMConfig(hyperparameters="fixed", objective=objective, sigma2=sigma2, sigma0_2=1.0,
                                     gamma0=gamma0)
