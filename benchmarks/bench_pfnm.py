@@ -20,6 +20,8 @@ Parts (each writes JSON lines to ``--out`` and can be resumed: finished configur
   objectives (MAP and marginal), to put the empirical-Bayes points beside;
 * ``start``: PFNM's communication rounds warm-started from the previous assignment (the published code's way, the
   default) against re-matching from scratch every round, on the same local models (J = 25, 10 rounds);
+* ``cnn``: LeNet (``--dataset mnist`` or ``fashion-mnist``): local models, ensemble, one-shot FedAvg, one-shot
+  PFNM (empirical Bayes), FedMA layer-wise, and ``--rounds`` rounds of PFNM with communication against FedAvg;
 * ``deep``: 784-100-100-10, top-down against bottom-up under both sets of constants (J = 10, homogeneous, seed 0);
 * ``timing``: matching seconds per round at J = 25 (homogeneous and Dirichlet, seed 0) with the process's default
   BLAS threads, best of 3, under both sets of constants (run it on a quiet machine).
@@ -222,7 +224,33 @@ def part_plane(ds, out: Path) -> None:
     _emit(out, key, dict(points=points))
 
 
-PARTS = {"reference": part_reference, "eb": part_eb, "plane": part_plane, "width": part_width, "rounds": part_rounds, "start": part_start,
+def part_cnn(ds, out: Path, seeds, Js, *, name: str = "mnist", rounds: int = 3, layerwise: int = 2) -> None:
+    """Convolutional PFNM (issue 10): LeNet on MNIST / Fashion-MNIST, J = 10, IID and Dirichlet(0.5): local models,
+    ensemble, one-shot FedAvg without shared init, one-shot PFNM (empirical Bayes), FedMA layer-wise
+    (``layerwise`` epochs of retraining per matched layer), and ``rounds`` rounds of PFNM with communication against
+    multi-round FedAvg (the reference schedule: 5 local epochs per later round)."""
+    done = _done(out)
+    for J in Js:
+        for partition in ("iid", "dirichlet"):
+            for seed in seeds:
+                key = f"cnn/{name}/J={J}/{partition}/seed={seed}"
+                if key in done:
+                    continue
+                t0 = time.perf_counter()
+                configs = _configs(J, partition, seed, rounds=rounds, methods=(
+                    "local", "ensemble", "fedavg-oneshot", "pfnm", "fedma", "pfnm-rounds", "fedavg"))
+                configs["network"] = replace(PFNM_NETWORK, arch="lenet")
+                configs["pfnm"] = PFNMConfig(layerwise_retrain=layerwise)
+                result = run_experiment(ds, **configs)
+                rows = {r.method: dict(_row(r), parameters=r.parameters, history=[
+                    dict(round=h["round"], accuracy=h["accuracy"], hidden=h.get("hidden"),
+                         parameters=h.get("parameters"), server_seconds=h.get("server_seconds"))
+                    for h in r.history]) for r in result.rows}
+                _emit(out, key, dict(J=J, partition=partition, seed=seed, dataset=name, rows=rows,
+                                     wall_seconds=time.perf_counter() - t0))
+
+
+PARTS = {"reference": part_reference, "cnn": part_cnn, "eb": part_eb, "plane": part_plane, "width": part_width, "rounds": part_rounds, "start": part_start,
          "deep": part_deep, "timing": part_timing}
 
 
@@ -234,22 +262,28 @@ def main(argv=None):
     p.add_argument("--seeds", default="0,1,2,3,4")
     p.add_argument("--clients", default="10,25")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (local training)")
+    p.add_argument("--dataset", choices=("mnist", "fashion-mnist"), default="mnist",
+                   help="the data (the cnn part also runs on fashion-mnist; --data-dir must hold it)")
+    p.add_argument("--rounds", type=int, default=3, help="communication rounds of the cnn part")
     args = p.parse_args(argv)
     unknown = [part for part in args.parts.split(",") if part not in PARTS]
     if unknown:
         p.error(f"--parts: unknown part(s) {unknown}; expected names from {list(PARTS)}")
-    if not (Path(args.data_dir) / "MNIST" / "raw").is_dir():
-        print(f"skipped: no MNIST under {args.data_dir}")
+    folder = {"mnist": "MNIST", "fashion-mnist": "FashionMNIST"}[args.dataset]
+    if not (Path(args.data_dir) / folder / "raw").is_dir():
+        print(f"skipped: no {args.dataset} under {args.data_dir}")
         return
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    ds = load_dataset("mnist", data_dir=args.data_dir, standardize=False)
+    ds = load_dataset(args.dataset, data_dir=args.data_dir, standardize=False)
     seeds = [int(s) for s in args.seeds.split(",")]
     Js = [int(j) for j in args.clients.split(",")]
     for part in args.parts.split(","):
         if part in ("reference", "eb"):
             PARTS[part](ds, out, seeds, Js)
+        elif part == "cnn":
+            part_cnn(ds, out, seeds, Js, name=args.dataset, rounds=args.rounds)
         else:
             PARTS[part](ds, out)
 
