@@ -8,8 +8,8 @@ import torch
 from sklearn.metrics import accuracy_score, brier_score_loss, log_loss
 from torch import nn
 
-from bnpfed.metrics import (NLL_EPS, accuracy, brier_score, classification_report, count_parameters,
-                            expected_calibration_error, nll)
+from bnpfed.metrics import (NLL_EPS, accuracy, brier_score, calibration_report, classification_report,
+                            count_parameters, expected_calibration_error, nll, ood_auroc, ood_scores)
 
 
 def random_predictions(seed, n=500, num_classes=4):
@@ -170,3 +170,153 @@ def test_ece_bins_are_closed_on_the_right():
     probs, labels = [[0.5, 0.5], [1.0, 0.0]], [0, 1]
     assert expected_calibration_error(probs, labels, n_bins=2) == pytest.approx((0.5 + 1.0) / 2)
     # with .5 in the upper bin instead it would be 2/2 |.5 - .75| = .25
+
+
+# Four examples, two classes, worked by hand for 100 bins (width .01) and 15 bins (width 1/15); no confidence lies
+# on a bin edge of either:
+#   conf .905 right -> bin (.90, .91] of 100, (13/15, 14/15] = (.867, .933] of 15
+#   conf .755 wrong -> bin (.75, .76] of 100, (11/15, 12/15] = (.733, .8] of 15
+#   conf .785 right -> bin (.78, .79] of 100, (11/15, 12/15] of 15 (with .755)
+#   conf .555 wrong -> bin (.55, .56] of 100, ( 8/15,  9/15] = (.533, .6] of 15
+#   ECE, 100 bins: every example alone in its bin: (|1 - .905| + |0 - .755| + |1 - .785| + |0 - .555|) / 4
+#                  = (.095 + .755 + .215 + .555) / 4 = 1.62 / 4 = .405
+#   ECE, 15 bins:  (.095 + 2 |.5 - (.755 + .785) / 2| + .555) / 4 = (.095 + .54 + .555) / 4 = 1.19 / 4 = .2975
+CALIBRATION_PROBS = [[0.905, 0.095], [0.755, 0.245], [0.215, 0.785], [0.555, 0.445]]
+CALIBRATION_LABELS = [0, 1, 1, 1]
+
+
+def test_ece_with_100_bins_on_a_hand_worked_example():
+    assert expected_calibration_error(CALIBRATION_PROBS, CALIBRATION_LABELS, n_bins=100) == pytest.approx(
+        0.405, abs=1e-12)
+    assert expected_calibration_error(CALIBRATION_PROBS, CALIBRATION_LABELS, n_bins=15) == pytest.approx(
+        0.2975, abs=1e-12)
+
+
+def test_calibration_report_has_exactly_the_cli_keys():
+    report = calibration_report(CALIBRATION_PROBS, CALIBRATION_LABELS)
+    assert list(report) == ["accuracy", "nll", "ece", "ece15", "brier"]
+    assert all(isinstance(value, float) for value in report.values())
+    assert report["accuracy"] == pytest.approx(0.5)
+    assert report["ece"] == pytest.approx(0.405, abs=1e-12)  # 100 bins
+    assert report["ece15"] == pytest.approx(0.2975, abs=1e-12)
+    assert report["nll"] == pytest.approx(-(math.log(0.905) + math.log(0.245) + math.log(0.785) + math.log(0.445)) / 4)
+    # Brier by hand: 2 (.095^2 + .755^2 + .215^2 + .555^2) / 4
+    assert report["brier"] == pytest.approx(2 * (0.095**2 + 0.755**2 + 0.215**2 + 0.555**2) / 4, abs=1e-12)
+
+
+def test_calibration_report_agrees_with_the_single_metrics_and_leaves_classification_report_alone():
+    probs, labels = random_predictions(8)
+    assert calibration_report(probs, labels) == {
+        "accuracy": accuracy(probs, labels),
+        "nll": nll(probs, labels),
+        "ece": expected_calibration_error(probs, labels, n_bins=100),
+        "ece15": expected_calibration_error(probs, labels, n_bins=15),
+        "brier": brier_score(probs, labels),
+    }
+    assert list(classification_report(probs, labels)) == ["accuracy", "nll", "ece", "brier"]
+    assert classification_report(probs, labels)["ece"] == calibration_report(probs, labels)["ece15"]
+
+
+def numpy_ood_scores(probs):
+    """max_c p_nc and sum_c p_nc log p_nc (0 log 0 = 0), in numpy."""
+    probs = np.asarray(probs, dtype=np.float64)
+    p_log_p = np.where(probs > 0, probs * np.log(np.where(probs > 0, probs, 1.0)), 0.0)
+    return {"max_prob": probs.max(axis=1), "neg_entropy": p_log_p.sum(axis=1)}
+
+
+def auroc_by_pairs(scores_in, scores_out):
+    """P(score_in > score_out) + P(score_in = score_out) / 2 over all (in, out) pairs."""
+    diff = np.asarray(scores_in)[:, None] - np.asarray(scores_out)[None, :]
+    return ((diff > 0).sum() + 0.5 * (diff == 0).sum()) / diff.size
+
+
+def predictions_from_a_pool(seed, n):
+    """Rows drawn from six distributions, so that scores tie often: two pairs share their maximum (.6, .5) but not
+    their entropy, and each row repeats."""
+    pool = np.array([[0.6, 0.4, 0.0], [0.6, 0.2, 0.2], [0.5, 0.5, 0.0], [0.5, 0.3, 0.2], [0.9, 0.05, 0.05],
+                     [1 / 3, 1 / 3, 1 / 3]])
+    return pool[np.random.default_rng(seed).integers(len(pool), size=n)]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_ood_auroc_matches_a_pairwise_count(seed):
+    rng = np.random.default_rng(seed)
+    probs_in = rng.dirichlet(np.full(5, 0.3), size=150)  # peaked: mostly higher scores
+    probs_out = rng.dirichlet(np.full(5, 2.0), size=120)
+    expected_in, expected_out = numpy_ood_scores(probs_in), numpy_ood_scores(probs_out)
+    result = ood_auroc(probs_in, probs_out)
+    assert list(result) == ["auroc_max_prob", "auroc_entropy"]
+    assert result["auroc_max_prob"] == pytest.approx(
+        auroc_by_pairs(expected_in["max_prob"], expected_out["max_prob"]), abs=1e-12)
+    assert result["auroc_entropy"] == pytest.approx(
+        auroc_by_pairs(expected_in["neg_entropy"], expected_out["neg_entropy"]), abs=1e-12)
+    assert 0.5 < result["auroc_max_prob"] < 1
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_ood_auroc_counts_ties_as_one_half(seed):
+    probs_in, probs_out = predictions_from_a_pool(seed, 80), predictions_from_a_pool(seed + 100, 60)
+    expected_in, expected_out = numpy_ood_scores(probs_in), numpy_ood_scores(probs_out)
+    assert (expected_in["max_prob"][:, None] == expected_out["max_prob"][None, :]).any()  # ties do occur
+    result = ood_auroc(torch.from_numpy(probs_in), torch.from_numpy(probs_out))
+    assert result["auroc_max_prob"] == pytest.approx(
+        auroc_by_pairs(expected_in["max_prob"], expected_out["max_prob"]), abs=1e-12)
+    assert result["auroc_entropy"] == pytest.approx(
+        auroc_by_pairs(expected_in["neg_entropy"], expected_out["neg_entropy"]), abs=1e-12)
+
+
+def test_ood_auroc_of_perfectly_separated_scores_is_one():
+    confident = torch.eye(4)[torch.arange(10) % 4]  # max 1, entropy 0
+    unsure = torch.full((7, 4), 0.25)  # max 1/4, entropy log 4
+    assert ood_auroc(confident, unsure) == {"auroc_max_prob": 1.0, "auroc_entropy": 1.0}
+    assert ood_auroc(unsure, confident) == {"auroc_max_prob": 0.0, "auroc_entropy": 0.0}
+    assert ood_auroc(unsure, unsure) == {"auroc_max_prob": 0.5, "auroc_entropy": 0.5}  # all tied
+
+
+def test_ood_auroc_of_identically_distributed_inputs_is_about_one_half():
+    # 2000 against 2000 draws of the same distribution: the AUROC's standard error is
+    # sqrt((n_in + n_out + 1) / (12 n_in n_out)) ~ 0.009, so a tolerance of 0.04 is over 4 standard errors
+    rng = np.random.default_rng(0)
+    probs = rng.dirichlet(np.full(10, 0.5), size=4000)
+    result = ood_auroc(probs[:2000], probs[2000:])
+    assert result["auroc_max_prob"] == pytest.approx(0.5, abs=0.04)
+    assert result["auroc_entropy"] == pytest.approx(0.5, abs=0.04)
+
+
+@pytest.mark.parametrize("num_classes", [1, 2, 10, 100])
+def test_ood_scores_of_uniform_and_one_hot_distributions(num_classes):
+    scores = ood_scores(torch.full((3, num_classes), 1 / num_classes))
+    assert set(scores) == {"max_prob", "neg_entropy"}
+    assert scores["max_prob"].shape == scores["neg_entropy"].shape == (3,)
+    assert torch.allclose(scores["max_prob"], torch.full((3,), 1 / num_classes, dtype=torch.float64))
+    # entropy of the uniform distribution is log C
+    assert torch.allclose(scores["neg_entropy"], torch.full((3,), -math.log(num_classes), dtype=torch.float64),
+                          atol=1e-6)
+    one_hot = ood_scores(torch.eye(num_classes))  # 0 log 0 = 0: entropy 0, not NaN
+    assert torch.equal(one_hot["neg_entropy"], torch.zeros(num_classes, dtype=torch.float64))
+    assert torch.equal(one_hot["max_prob"], torch.ones(num_classes, dtype=torch.float64))
+
+
+def test_ood_scores_match_numpy():
+    probs, _ = random_predictions(9)
+    probs[0] = [0.5, 0.5, 0.0, 0.0]
+    scores, expected = ood_scores(probs), numpy_ood_scores(probs)
+    for key in ("max_prob", "neg_entropy"):
+        np.testing.assert_allclose(scores[key].numpy(), expected[key], rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("probs, _labels, argument", [case for case in BAD_INPUTS if case[2] == "probs"])
+def test_bad_ood_probabilities_raise_value_error_naming_the_argument(probs, _labels, argument):
+    with pytest.raises(ValueError, match=r"\bprobs\b"):
+        ood_scores(probs)
+    with pytest.raises(ValueError, match=r"\bprobs_in\b"):
+        ood_auroc(probs, GOOD_PROBS)
+    with pytest.raises(ValueError, match=r"\bprobs_out\b"):
+        ood_auroc(GOOD_PROBS, probs)
+
+
+def test_ood_auroc_refuses_different_numbers_of_classes():
+    with pytest.raises(ValueError, match=r"probs_in.*probs_out.*classes"):
+        ood_auroc(GOOD_PROBS, [[0.2, 0.3, 0.5]])
+    with pytest.raises(ValueError, match="probs_out"):
+        ood_auroc(GOOD_PROBS, torch.tensor([[1, 0], [0, 1]]))  # integer dtype
