@@ -32,7 +32,7 @@ import torch
 
 from bnpfed.validation import check_bool, check_int
 
-__all__ = ["DATASET_NAMES", "NPZ_FORMAT", "NPZ_PREFIX", "Dataset", "load_dataset"]
+__all__ = ["DATASET_NAMES", "NPZ_FORMAT", "NPZ_PREFIX", "Dataset", "load_dataset", "standardize_together"]
 
 #: Names accepted by :func:`load_dataset` (besides the ``"npz:PATH"`` form); the CLI offers these as choices.
 DATASET_NAMES = ("digits", "mnist", "fashion-mnist", "cifar10")
@@ -449,3 +449,32 @@ def _train_constants(x: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, .
     std, mean = torch.std_mean(x, dim=dims, correction=0)
     std = torch.where(std > 0, std, torch.ones_like(std))
     return tuple(mean.reshape(-1).tolist()), tuple(std.reshape(-1).tolist())
+
+
+def standardize_together(dataset: Dataset, *others: torch.Tensor) -> tuple[Dataset, list[torch.Tensor]]:
+    """``dataset`` (loaded with ``standardize=False``) standardised per channel with its train split's mean and
+    (population) standard deviation, and ``others`` (inputs of the same shape, e.g. another dataset's test images
+    for out-of-distribution detection) standardised with the *same* constants: what a model trained on ``dataset``
+    sees of them.
+
+    >>> ds = load_dataset("digits", standardize=False)
+    >>> std, [other] = standardize_together(ds, ds.x_test[:5])
+    >>> torch.allclose(std.x_test[:5], other), round(float(std.x_train.mean()), 6) + 0.0
+    (True, 0.0)
+    """
+    for k, x in enumerate(others):
+        if tuple(x.shape[1:]) != tuple(dataset.input_shape):
+            raise ValueError(f"others[{k}]: expected inputs of shape (N, {', '.join(map(str, dataset.input_shape))}) "
+                             f"like the dataset's, got {tuple(x.shape)}")
+    if len(dataset.input_shape) == 3:
+        mean, std = _train_constants(dataset.x_train)
+    else:  # flat features: one scalar pair, as the digits are standardised
+        mean, std = (float(dataset.x_train.mean()),), (float(dataset.x_train.std(unbiased=False)),)
+
+    def standardise(x):
+        if len(dataset.input_shape) == 3:
+            return _standardise(x, mean, std)
+        return (x - mean[0]) / std[0]
+
+    out = dataclasses.replace(dataset, x_train=standardise(dataset.x_train), x_test=standardise(dataset.x_test))
+    return out, [standardise(torch.as_tensor(x, dtype=dataset.x_train.dtype)) for x in others]

@@ -356,7 +356,7 @@ def test_the_same_config_field_has_the_same_flag_in_pfnm_and_fuse():
     for name in shared:
         flag = "--" + name.replace("_", "-")
         assert flag in flags["pfnm"] and flag in flags["fuse"], flag
-    assert "--local-epochs" in flags["fuse"] and "--align" not in flags["fuse"]
+    assert "--local-epochs" in flags["fuse"] and "--align" in flags["fuse"]   # fuse: none | match (units matched)
     assert "--arch" in flags["pfnm"] and "--arch" in flags["fuse"]
 
 
@@ -436,3 +436,47 @@ def test_pfnm_global_weights_are_the_average_under_empirical_bayes_unless_told(c
     assert "marginal objective, bottom-up, average global weights" in capsys.readouterr().out
     assert main(["pfnm", *TINY, "--methods", "pfnm", "--global-weights", "posterior-mean"]) == 0
     assert "bottom-up, posterior-mean global weights" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------------------ fuse --align match
+
+
+def inverted_digits_npz(tmp_path):
+    from sklearn.datasets import load_digits
+    d = load_digits()
+    x = (16 - d.images).astype(np.float32) / 16            # inverted digits: out of distribution
+    path = tmp_path / "inverted.npz"
+    np.savez(path, x_train=x[:1000], y_train=d.target[:1000], x_test=x[1000:], y_test=d.target[1000:])
+    return path
+
+
+def test_fuse_align_match_has_one_row_per_method_with_the_metrics_that_line_up_across_runs(tmp_path, capsys):
+    """Rows ensemble, pfnm, fedavg, <rule> (weight-wise, each client from its own init) and match-<rule>; metrics
+    accuracy, nll, ece (100 bins), ece15, brier, auroc_max_prob, auroc_entropy, width."""
+    out_json = tmp_path / "match.json"
+    assert main(["fuse", "--align", "match", "--clients", "3", "--rounds", "1", "--local-epochs", "2", "--hidden",
+                 "16", "--rule", "eaa", "--ood", f"npz:{inverted_digits_npz(tmp_path)}", "--json", str(out_json),
+                 "--no-progress", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "matched (hidden units of independently initialised clients)" in out
+    for word in ("ece15", "auroc_max_prob", "auroc_entropy", "width", "match-eaa"):
+        assert word in out
+    payload = check_record(out_json, "fuse")
+    assert payload["settings"]["fusion"]["align"] == "match" and payload["settings"]["fusion"]["own_init"]
+    rows = {r["method"]: r for r in payload["results"]["rows"]}
+    assert list(rows) == ["ensemble", "pfnm", "fedavg", "eaa", "match-eaa"]
+    for row in rows.values():
+        for metric in ("accuracy", "nll", "ece", "ece15", "brier", "auroc_max_prob", "auroc_entropy", "width"):
+            assert row[metric] is not None and math.isfinite(row[metric]), (row["method"], metric)
+    assert rows["match-eaa"]["width"] == sum(rows["match-eaa"]["hidden"]) >= 16
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tau2", "0.1"], "--tau2: applies to --align match only"),
+    (["--align", "match", "--tau2", "-1"], "tau2"),
+    (["--ood", "digits"], "--ood: expected another dataset"),
+    (["--ood", "npz:/no/such/file.npz"], "--ood: npz dataset file"),
+])
+def test_fuse_align_and_ood_flags_are_checked_before_anything_trains(argv, message, capsys):
+    assert main(["fuse", "--no-progress"] + argv) == 2
+    assert message in capsys.readouterr().err

@@ -6,6 +6,8 @@ Examples::
     bnpfed fuse                                                    # digits, 10 IID clients, 5 rounds, every rule
     bnpfed fuse --rule eaa,conflation --partition dirichlet --fraction 0.5 --rounds 8 --plot fuse.png
     bnpfed fuse --paper --dataset fashion-mnist --data-dir DIR --rounds 12 --lr 1e-3 --batch-size 64 --epochs 1
+    bnpfed fuse --align match --rounds 1 --epochs 10                # match units of independently initialised clients
+    bnpfed fuse --align match --dataset mnist --data-dir DIR --ood fashion-mnist --rule eaa,conflation
 """
 
 from __future__ import annotations
@@ -23,13 +25,20 @@ from bnpfed.federated.clients import initial_network
 from bnpfed.federated.config import (CLIENT_WEIGHTS, FUSION_TRAINING, INITIALISATIONS,
                                      PAPER_MIN_VARIANCE, PRIORS, BayesianConfig, ExperimentConfig, FusionConfig,
                                      NetworkConfig, config_dict)
+from bnpfed.data import standardize_together
 from bnpfed.federated.fusion import FUSION_ARCHITECTURES
+from bnpfed.federated.matched_fusion import MatchedFusionFederation
 from bnpfed.report import command_record, format_table, line_styles, pyplot, save_figure, write_json
 from bnpfed.validation import check_choice
 
 PROG = "bnpfed fuse"
 FEDAVG = "fedavg"
 COLUMNS = ["method", "accuracy", "nll", "ece", "brier", "mean_sigma", "rounds", "server_seconds"]
+#: ``--align match``'s table: the metrics that line up across runs (issue "matching Bayesian neurons").
+MATCH_COLUMNS = ["method", "accuracy", "nll", "ece", "ece15", "brier", "width", "parameters", "rounds",
+                 "server_seconds"]
+OOD_COLUMNS = ["auroc_max_prob", "auroc_entropy"]
+MATCH_PREFIX = methods.MATCH_PREFIX
 #: Metrics the plot shows, one panel each.
 PLOTTED = ("accuracy", "nll", "ece", "brier", "mean_sigma")
 #: The command's own defaults, where they differ from the configs': five rounds, ECE with 100 bins (the paper's).
@@ -95,6 +104,21 @@ def add_parser(sub):
     g.add_argument("--min-variance", type=float, metavar="V",
                    help=f"floor on every fused variance, >= 0 (0: none) (default: {fusion.min_variance:g}; exp(-8) = "
                    f"{PAPER_MIN_VARIANCE:.4g} with --paper, the published clamp of log sigma^2)")
+    g.add_argument("--align", choices=("none", "match"), default="none",
+                   help="none: fuse weight i of every client with weight i of the others (the rows named by the "
+                   "rules); meaningful only when the clients start from one shared initialisation, the default "
+                   "(--own-init gives the one-shot baseline without one, near chance). match: the clients start from "
+                   "their own initialisations, the server matches their hidden units (heteroscedastic "
+                   "Beta-Bernoulli model, empirical Bayes) and fuses each global unit's members with each rule "
+                   "(rows match-RULE), beside the rows ensemble (mean of the Bayesian clients' predictive "
+                   "distributions), pfnm (deterministic clients, the same schedule), fedavg and every rule without "
+                   "alignment")
+    g.add_argument("--own-init", action=argparse.BooleanOptionalAction, default=None,
+                   help="weight-wise rows: start each client from its own initialisation instead of a shared one "
+                   "(default: off with --align none, on with --align match)")
+    g.add_argument("--tau2", type=float, metavar="V",
+                   help="--align match: the extra variance between two clients' copies of a unit, > 0 (default: "
+                   "estimated per layer)")
     g.add_argument("--fraction", type=float, metavar="F", default=fusion.fraction,
                    help="share of the clients sampled each round, in (0, 1] (max(1, floor(fraction * J)) clients)")
     e = ExperimentConfig()
@@ -104,6 +128,11 @@ def add_parser(sub):
                    default=e.predictive_samples, help="weight draws S of the posterior predictive")
     g.add_argument("--ece-bins", type=int, metavar="BINS", default=ECE_BINS,
                    help="bins of the expected calibration error (the paper's 100)")
+    g.add_argument("--ood", type=_args.dataset_name, metavar="NAME",
+                   help="another dataset (same names as --dataset) whose test images, labels ignored, are "
+                   "out-of-distribution inputs: adds auroc_max_prob and auroc_entropy, the AUROC of telling in- from "
+                   "out-of-distribution inputs by the maximum predicted probability and by the predictive entropy "
+                   "(both sets standardised with the training split's constants)")
     g.add_argument("--paper", action="store_true",
                    help="the setting of Ozer et al.'s published code: pixels in [0, 1] (--no-standardize), their "
                    "LeNet-5 (--arch lenet-paper), fused variances floored at exp(-8) (--min-variance); the defaults "
@@ -143,15 +172,45 @@ def prepare(args) -> dict:
         check_choice(rule, available_rules(), "rule")
     if len(set(args.rule)) != len(args.rule):
         raise ValueError(f"rule: expected each rule at most once, got {','.join(args.rule)}")
+    match = args.align == "match"
+    if args.tau2 is not None and not match:
+        raise UsageError("--tau2: applies to --align match only")
+    if args.ood is not None and args.ood == args.dataset:
+        raise UsageError(f"--ood: expected another dataset than --dataset ({args.dataset})")
+    own_init = match if args.own_init is None else args.own_init
     fusion = FusionConfig(rule=args.rule[0], weights=args.weights, pooling_samples=args.pooling_samples,
-                          min_variance=args.min_variance, fraction=args.fraction)
-    config = ExperimentConfig(methods=args.rule + (() if args.no_fedavg else (FEDAVG,)), rounds=args.rounds,
-                              seed=args.seed, ece_bins=args.ece_bins, predictive_samples=args.predictive_samples)
-    dataset = _args.load_data(args, standardize=args.standardize)
+                          min_variance=args.min_variance, fraction=args.fraction, align=args.align, tau2=args.tau2,
+                          own_init=own_init)
+    fedavg = () if args.no_fedavg else (FEDAVG,)
+    if match:
+        names = ("ensemble-bayesian", "pfnm" if args.rounds == 1 else "pfnm-rounds") + fedavg + args.rule + tuple(
+            MATCH_PREFIX + rule for rule in args.rule)
+    else:
+        names = args.rule + fedavg
+    config = ExperimentConfig(methods=names, rounds=args.rounds, seed=args.seed, ece_bins=args.ece_bins,
+                              predictive_samples=args.predictive_samples)
+    ood = None
+    if args.ood is None:
+        dataset = _args.load_data(args, standardize=args.standardize)
+    else:
+        dataset = _args.load_data(args, standardize=False)
+        try:
+            other = _args.load_data(argparse.Namespace(**{**vars(args), "dataset": args.ood}), standardize=False)
+        except UsageError as error:
+            raise UsageError("--ood: " + str(error).split(": ", 1)[-1]) from None
+        if tuple(other.input_shape) != tuple(dataset.input_shape):
+            raise UsageError(f"--ood: expected images of the shape of --dataset's {tuple(dataset.input_shape)}, got "
+                             f"{tuple(other.input_shape)} ({args.ood})")
+        if args.standardize:
+            dataset, (ood,) = standardize_together(dataset, other.x_test)
+        else:
+            ood = other.x_test
     _args.check_partition(partition, dataset, config.seed)
     initial_network(network, dataset.input_shape, dataset.num_classes, seed=config.seed)
+    if match:
+        MatchedFusionFederation.check_network(network)
     return dict(dataset=dataset, partition=partition, network=network, training=training, bayesian=bayesian,
-                fusion=fusion, config=config)
+                fusion=fusion, config=config, ood=ood)
 
 
 def run(args) -> int:
@@ -164,16 +223,24 @@ def run(args) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     dataset = plan.pop("dataset")
+    ood = plan.pop("ood")
     settings = {k: config_dict(v) for k, v in plan.items()}
+    settings["ood"] = args.ood
     print(_describe(dataset.name, plan))
     progress = not args.no_progress
     try:
-        result = methods.run_experiment(dataset, progress=progress, log=_args.round_log(progress), **plan)
+        result = methods.run_experiment(dataset, progress=progress, log=_args.round_log(progress), ood=ood, **plan)
     except _args.TRAINING_ERRORS as error:
         return fail(PROG, _args.training_failure(error), 1)
     except KeyboardInterrupt:
         return fail(PROG, "interrupted", 130)
-    print(format_table([asdict(r) for r in result.rows], COLUMNS))
+    for row in result.rows:
+        if row.method == "pfnm-rounds":  # one name per method across runs (one shot or with rounds)
+            row.method = "pfnm"
+    columns = MATCH_COLUMNS if args.align == "match" else COLUMNS
+    if ood is not None:
+        columns = columns[:columns.index("brier") + 1] + OOD_COLUMNS + columns[columns.index("brier") + 1:]
+    print(format_table([asdict(r) for r in result.rows], columns))
     print(SERVER_SECONDS)
     for message in result.warnings:
         warn(message)
@@ -197,7 +264,9 @@ def _describe(name: str, plan: dict) -> str:
     arch = _arch(network)
     later = "" if training.round_epochs is None else f" (later rounds {training.round_epochs})"
     schedule = f"{_args.plural(config.rounds, 'round')} x {_args.plural(training.epochs, 'local epoch')}{later}"
-    return (f"posterior fusion: {name}, J = {partition.clients} clients, {_partition(partition)}, fraction "
+    align = (" matched (hidden units of independently initialised clients)" if fusion.align == "match"
+             else " weight by weight" + (" from each client's own initialisation" if fusion.own_init else ""))
+    return (f"posterior fusion{align}: {name}, J = {partition.clients} clients, {_partition(partition)}, fraction "
             f"{fusion.fraction:g}, {schedule}, {arch}, prior {bayesian.prior} N(0, {bayesian.prior_scale:g}^2), "
             f"weights {fusion.weights}, min variance {fusion.min_variance:.3g}, ECE with {config.ece_bins} bins, "
             f"seed {config.seed}")

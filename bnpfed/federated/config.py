@@ -45,6 +45,7 @@ from bnpfed.validation import (check_bool, check_choice, check_float, check_frac
                                check_positive, check_positives)
 
 __all__ = [
+    "ALIGNMENTS",
     "ARCHITECTURES",
     "CLIENT_WEIGHTS",
     "FUSION_TRAINING",
@@ -404,6 +405,11 @@ class PFNMConfig:
 PAPER_MIN_VARIANCE = math.exp(-8.0)
 
 
+#: How posterior fusion lines the clients' weights up: ``"none"`` (weight by weight) or ``"match"`` (hidden units
+#: matched first).
+ALIGNMENTS = ("none", "match")
+
+
 @dataclass(frozen=True)
 class FusionConfig:
     """The posterior-fusion server (Ozer et al. 2022).
@@ -421,6 +427,15 @@ class FusionConfig:
         variance that matters to a prediction; how many weights sit at the floor is reported every round.
         :data:`PAPER_MIN_VARIANCE` (``exp(-8)``) is the published code's clamp of log sigma^2 at -8.
     :param float fraction: share of the clients sampled each round, in (0, 1]. Default 1.
+    :param str align: ``"none"`` (weight i of one client fused with weight i of the others: meaningful when the
+        clients share an initialisation) or ``"match"`` (the clients' hidden units matched first, each global unit's
+        members fused: :func:`~bnpfed.inference.posterior_matching.match_posteriors`). Default ``"none"``.
+    :param tau2: ``align="match"``: the extra variance between two clients' copies of a unit, > 0, one value or one
+        per hidden permutation; None (default) estimates it per group (empirical Bayes, with the atoms' prior and the
+        IBP mass).
+    :param bool own_init: ``align="none"``: each client starts round 1 from its own initialisation (True: the
+        one-shot baseline, near chance) instead of one shared initialisation (False, default: weight-wise fusion
+        means something only then). ``align="match"`` always starts each client from its own.
     """
 
     rule: str = "conflation"
@@ -428,6 +443,9 @@ class FusionConfig:
     pooling_samples: int = 1000
     min_variance: float = 1e-16
     fraction: float = 1.0
+    align: str = "none"
+    tau2: Union[None, float, tuple[float, ...]] = None
+    own_init: bool = False
 
     def __post_init__(self):
         check_choice(self.rule, available_rules(), "rule")
@@ -435,6 +453,14 @@ class FusionConfig:
         check_int(self.pooling_samples, "pooling_samples", low=2)
         check_float(self.min_variance, "min_variance", low=0.0)
         check_fraction(self.fraction, "fraction")
+        check_choice(self.align, ALIGNMENTS, "align")
+        check_bool(self.own_init, "own_init")
+        if isinstance(self.tau2, (tuple, list)):
+            if not self.tau2:
+                raise ValueError(f"tau2: expected a number, one per hidden permutation, or None, got {self.tau2!r}")
+            object.__setattr__(self, "tau2", tuple(check_positive(v, f"tau2[{i}]") for i, v in enumerate(self.tau2)))
+        elif self.tau2 is not None:
+            check_positive(self.tau2, "tau2")
 
 
 # ------------------------------------------------------------------------------------------------ the harness

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from bnpfed.data import Dataset
 from bnpfed.federated.server import sample_clients
-from bnpfed.metrics import classification_report
+from bnpfed.metrics import classification_report, expected_calibration_error
 from bnpfed.validation import check_fraction, check_int
 
 __all__ = ["EVAL_CHUNK", "Federation", "RoundRecord", "check_parts"]
@@ -118,10 +118,13 @@ class Federation(ABC):
         return records
 
     def evaluate(self) -> dict[str, float]:
-        """``accuracy``, ``nll``, ``ece`` and ``brier`` of the global model on the test split."""
+        """``accuracy``, ``nll``, ``ece`` (``ece_bins`` bins), ``ece15`` (15 bins) and ``brier`` of the global model on
+        the test split."""
         x = self.dataset.x_test
         probs = torch.cat([self.predict_proba(x[i:i + EVAL_CHUNK]) for i in range(0, len(x), EVAL_CHUNK)])
-        return classification_report(probs, self.dataset.y_test, n_bins=self.ece_bins)
+        out = classification_report(probs, self.dataset.y_test, n_bins=self.ece_bins)
+        out["ece15"] = expected_calibration_error(probs, self.dataset.y_test, 15)
+        return out
 
     @abstractmethod
     def _round(self, round: int, sampled: list[int]) -> tuple[list[float], dict]:

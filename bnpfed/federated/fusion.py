@@ -95,7 +95,9 @@ class FusionFederation(Federation):
 
     :param Dataset dataset: train split (partitioned) and test split (evaluation).
     :param parts: J index arrays into ``dataset.y_train``, one per client.
-    :param NetworkConfig network: the network every client shares (its initial weights from ``(seed, INIT)``).
+    :param NetworkConfig network: the network every client shares (its initial weights from ``(seed, INIT)``; with
+        ``fusion.own_init`` each client starts round 1 from its own, ``(seed, INIT, 0, j + 1)``: the one-shot
+        baseline that fusing weight by weight without alignment is, near chance).
     :param TrainingConfig training: the clients' local SVI schedule.
     :param BayesianConfig bayesian: prior, initial posterior scale, local reparameterisation.
     :param FusionConfig fusion: the rule, client weights, pooling draws, variance floor, client sampling.
@@ -121,7 +123,10 @@ class FusionFederation(Federation):
         self.predictive_samples = check_int(predictive_samples, "predictive_samples", low=1)
         net = initial_network(network, dataset.input_shape, dataset.num_classes, seed=seed)  # the shared one
         self.global_model = bayesian_client(net, bayesian)
-        self.clients = [bayesian_client(net, bayesian) for _ in range(self.num_clients)]
+        self.shared_init = not fusion.own_init
+        self.clients = [bayesian_client(net if self.shared_init else initial_network(
+            network, dataset.input_shape, dataset.num_classes, seed=seed, client=j), bayesian)
+            for j in range(self.num_clients)]
         self.global_posterior: dict[str, GaussianPosterior] = dict(self.global_model.posterior())
         self.global_deterministic: dict[str, Tensor] = self.global_model.deterministic_state()
 
@@ -129,8 +134,9 @@ class FusionFederation(Federation):
         losses = []
         for k in sampled:
             client = self.clients[k]
-            client.load_posterior(self.global_posterior)
-            client.load_deterministic(self.global_deterministic)
+            if self.shared_init or round > 1:  # without a shared one, round 1 starts from the client's own init
+                client.load_posterior(self.global_posterior)
+                client.load_deterministic(self.global_deterministic)
             x, y = self.client_data[k]
             losses.append(fit_bayesian(client, x, y, self.training, seed=self.seed, round=round, index=k))
         step = fuse_posteriors([self.clients[k].posterior() for k in sampled],

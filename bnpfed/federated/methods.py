@@ -25,7 +25,13 @@ match):
   when 0), match the next layer, ...;
 * ``fedma-rounds``: FedMA with ``rounds`` communication rounds (each client starting a round from its slice);
 * each fusion rule (``eaa``, ``gaa``, ``log_variance``, ``pooling``, ``conflation``): variational Bayesian clients
-  whose posteriors the server fuses with that rule, ``rounds`` rounds.
+  whose posteriors the server fuses with that rule weight by weight, ``rounds`` rounds (from one shared
+  initialisation, or each from its own with ``fusion.own_init``);
+* ``match-<rule>`` for each rule: Bayesian clients from their own initialisations whose hidden units the server
+  matches (heteroscedastic Beta-Bernoulli model) before fusing each global unit's members with the rule, ``rounds``
+  rounds (:class:`~bnpfed.federated.matched_fusion.MatchedFusionFederation`);
+* ``ensemble-bayesian`` (its row is named ``ensemble``): the mean of those Bayesian clients' predictive
+  distributions after round 1.
 
 Usage::
 
@@ -55,17 +61,20 @@ from tqdm.auto import tqdm
 from bnpfed.combine import available_rules
 from bnpfed.data import Dataset
 from bnpfed.federated.baselines import ensemble_proba, fedavg_network, kmeans_networks
-from bnpfed.federated.clients import batch_norm_moments_step, initial_network, train_network
+from bnpfed.federated.clients import (batch_norm_moments_step, bayesian_client, fit_bayesian, initial_network,
+                                     train_network)
 from bnpfed.federated.config import (BayesianConfig, ExperimentConfig, FusionConfig, NetworkConfig, PFNMConfig,
                                      PartitionConfig, TrainingConfig, config_dict, holdout_split)
-from bnpfed.federated.federation import Federation
+from bnpfed.federated.federation import EVAL_CHUNK, Federation
 from bnpfed.federated.fusion import FedAvgFederation, FusionFederation
+from bnpfed.federated.matched_fusion import MatchedFusionFederation
 from bnpfed.federated.partition import class_counts
 from bnpfed.federated.pfnm import PFNMFederation
 from bnpfed.federated.server import batch_norm_step, match_hyperparameters, pfnm_step, with_statistics
 from bnpfed.inference.permutation import SpecMatch, derive_spec
-from bnpfed.metrics import classification_report, count_parameters
+from bnpfed.metrics import classification_report, count_parameters, expected_calibration_error, ood_auroc
 from bnpfed.report import json_safe
+from bnpfed.seeding import Stream, derive_seed
 
 __all__ = [
     "Experiment",
@@ -99,9 +108,16 @@ def register_method(name: str, runner: Runner, *, overwrite: bool = False) -> Ru
     return runner
 
 
+#: Prefix of the matched posterior fusion methods: ``match-<rule>`` for every fusion rule.
+MATCH_PREFIX = "match-"
+
+
 def available_methods() -> list[str]:
-    """Every method name: the registered runners, then one per fusion rule of :mod:`bnpfed.combine`."""
-    return list(_METHODS) + [rule for rule in available_rules() if rule not in _METHODS]
+    """Every method name: the registered runners, then one per fusion rule of :mod:`bnpfed.combine` (weight-wise
+    fusion), then ``match-<rule>`` per rule (matched posterior fusion)."""
+    rules = [rule for rule in available_rules() if rule not in _METHODS]
+    return list(_METHODS) + rules + [MATCH_PREFIX + rule for rule in available_rules()
+                                     if MATCH_PREFIX + rule not in _METHODS]
 
 
 def _runner(name: str) -> Runner:
@@ -109,6 +125,8 @@ def _runner(name: str) -> Runner:
         return _METHODS[name]
     if name in available_rules():
         return lambda experiment: _fusion(experiment, name)
+    if isinstance(name, str) and name.startswith(MATCH_PREFIX) and name[len(MATCH_PREFIX):] in available_rules():
+        return lambda experiment: _matched_fusion(experiment, name[len(MATCH_PREFIX):])
     raise ValueError(f"methods: expected names from {available_methods()}, got {name!r}")
 
 
@@ -130,6 +148,11 @@ class MethodResult:
         the rounds; local training and evaluation are not included.
     :param float mean_sigma: the mean posterior standard deviation of the Bayesian weights (NaN for deterministic
         methods).
+    :param float ece15: the ECE with 15 bins (``ece`` has the experiment's ``ece_bins``).
+    :param float auroc_max_prob: with an out-of-distribution test set (``Experiment(ood=...)``), the AUROC of telling
+        in- from out-of-distribution inputs by the maximum predicted probability (``auroc_entropy``: by the
+        predictive entropy); NaN without one.
+    :param int width: the sum of ``hidden`` (set when the experiment ends).
     :param list history: the metrics after every round (dicts; see :class:`~bnpfed.federated.federation.RoundRecord`).
     :param list hyperparameters: PFNM's hyper-parameters per hidden layer of the final match, estimated or fixed
         (:func:`~bnpfed.federated.server.match_hyperparameters`); empty for the other methods.
@@ -146,6 +169,10 @@ class MethodResult:
     rounds: int = 1
     server_seconds: float = math.nan
     mean_sigma: float = math.nan
+    ece15: float = math.nan
+    auroc_max_prob: float = math.nan
+    auroc_entropy: float = math.nan
+    width: int = 0
     history: list = field(default_factory=list)
     hyperparameters: list = field(default_factory=list)
     note: str = ""
@@ -154,8 +181,9 @@ class MethodResult:
     def from_metrics(cls, method: str, metrics: dict, **fields) -> "MethodResult":
         """A row from a metrics dict (``accuracy``, ``nll``, ``ece``, ``brier``, e.g. ``Experiment.report(probs)``)
         and any other fields."""
+        extra = {k: metrics[k] for k in ("ece15", "auroc_max_prob", "auroc_entropy") if k in metrics}
         return cls(method=method, accuracy=metrics["accuracy"], nll=metrics["nll"], ece=metrics["ece"],
-                   brier=metrics["brier"], **fields)
+                   brier=metrics["brier"], **extra, **fields)
 
 
 @dataclass
@@ -230,13 +258,16 @@ class Experiment:
     :param Dataset dataset: the data.
     :param progress: show a progress bar of client trainings (tqdm, on stderr). Default False.
     :param log: called with a line of text after each round of a multi-round method, if given.
+    :param ood: optional out-of-distribution inputs (another dataset's test images, preprocessed as this one's):
+        every row then gets ``auroc_max_prob`` and ``auroc_entropy``.
     """
 
     def __init__(self, dataset: Dataset, *, partition: Optional[PartitionConfig] = None,
                  network: Optional[NetworkConfig] = None, training: Optional[TrainingConfig] = None,
                  pfnm: Optional[PFNMConfig] = None, fusion: Optional[FusionConfig] = None,
                  bayesian: Optional[BayesianConfig] = None, config: Optional[ExperimentConfig] = None,
-                 progress: bool = False, log: Optional[Callable[[str], None]] = None):
+                 progress: bool = False, log: Optional[Callable[[str], None]] = None,
+                 ood: Optional[torch.Tensor] = None):
         if not isinstance(dataset, Dataset):
             raise ValueError(f"dataset: expected a bnpfed.data.Dataset, got {type(dataset).__name__}")
         partition = PartitionConfig() if partition is None else partition
@@ -252,6 +283,12 @@ class Experiment:
                                   ("config", config, ExperimentConfig)):
             if not isinstance(value, kind):
                 raise ValueError(f"{name}: expected a {kind.__name__}, got {type(value).__name__}")
+        if ood is not None:
+            ood = torch.as_tensor(ood)
+            if tuple(ood.shape[1:]) != tuple(dataset.input_shape) or not ood.is_floating_point() or not len(ood):
+                raise ValueError(f"ood: expected out-of-distribution inputs of shape (N, {', '.join(map(str, dataset.input_shape))}) "
+                                 f"(the dataset's input shape), got {tuple(ood.shape)} {ood.dtype}")
+        self.ood = ood
         self.dataset, self.partition, self.network, self.training = dataset, partition, network, training
         self.pfnm, self.fusion, self.bayesian, self.config = pfnm, fusion, bayesian, config
         self.seed = config.seed
@@ -270,6 +307,7 @@ class Experiment:
         self._bar = tqdm(desc="client training", unit="fit", disable=not progress, leave=False)
         self._local: dict[bool, list[nn.Module]] = {}
         self._selection: Optional[Selection] = None
+        self._bayesian: Optional[list] = None
 
     @property
     def num_clients(self) -> int:
@@ -300,13 +338,27 @@ class Experiment:
                       "share): training diverged or did not learn (check the learning rate, too large or too small, "
                       "the epochs and the data)")
 
-    def report(self, probs: torch.Tensor) -> dict[str, float]:
-        """Accuracy, NLL, ECE (``ece_bins``) and Brier score of test-set probabilities."""
-        return classification_report(probs, self.dataset.y_test, n_bins=self.config.ece_bins)
+    def report(self, probs: torch.Tensor, ood_probs: Optional[torch.Tensor] = None) -> dict[str, float]:
+        """Accuracy, NLL, ECE (``ece_bins``), ECE with 15 bins (``ece15``) and Brier score of test-set probabilities;
+        with ``ood_probs`` (the same predictor on the out-of-distribution images) also ``auroc_max_prob`` and
+        ``auroc_entropy`` (:func:`~bnpfed.metrics.ood_auroc`)."""
+        out = classification_report(probs, self.dataset.y_test, n_bins=self.config.ece_bins)
+        out["ece15"] = expected_calibration_error(probs, self.dataset.y_test, 15)
+        if ood_probs is not None:
+            out.update(ood_auroc(probs, ood_probs))
+        return out
+
+    def predictions(self, predict: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``predict`` (inputs -> class probabilities) on the test split and, when there is one, on the
+        out-of-distribution images, in chunks of :data:`~bnpfed.federated.federation.EVAL_CHUNK`."""
+        def run(x):
+            return torch.cat([predict(x[i:i + EVAL_CHUNK]) for i in range(0, len(x), EVAL_CHUNK)])
+        return run(self.dataset.x_test), (None if self.ood is None else run(self.ood))
 
     @torch.no_grad()
     def evaluate_network(self, net: nn.Module) -> dict[str, float]:
-        return self.report(net.eval()(self.dataset.x_test).softmax(-1))
+        net = net.eval()
+        return self.report(*self.predictions(lambda x: net(x).softmax(-1)))
 
     def reestimate(self, target):
         """A global network's batch-norm running statistics re-estimated from every client's training inputs (the
@@ -339,6 +391,23 @@ class Experiment:
                 self.tick("local models" + (" (shared init)" if shared else ""))
             self._local[shared] = models
         return self._local[shared]
+
+    def bayesian_clients(self) -> list:
+        """The clients' variational Bayesian networks after round 1's local SVI, each from its own initialisation
+        (what matched posterior fusion starts from; the Bayesian ensemble averages their predictive distributions);
+        trained on first use."""
+        if self._bayesian is None:
+            network = replace(self.network, shared_init=False)
+            clients = []
+            for j, (x, y) in enumerate(self.client_data):
+                net = initial_network(network, self.dataset.input_shape, self.dataset.num_classes, seed=self.seed,
+                                      client=j)
+                client = bayesian_client(net, self.bayesian)
+                fit_bayesian(client, x, y, self.training, seed=self.seed, round=1, index=j)
+                clients.append(client)
+                self.tick("Bayesian clients")
+            self._bayesian = clients
+        return self._bayesian
 
     def selection(self) -> Selection:
         """PFNM's hyper-parameters, chosen as ``config.select`` says on the local models (once)."""
@@ -374,8 +443,11 @@ class Experiment:
                          + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
                                      for k, v in shown.items()))
         history = [dict(r.metrics) for r in federation.history]
-        final = history[-1]
+        final = dict(history[-1])
         self.chance_check(federation.method, final["accuracy"])
+        if self.ood is not None:
+            probs, ood_probs = self.predictions(federation.predict_proba)
+            final.update(ood_auroc(probs, ood_probs))
         return MethodResult.from_metrics(federation.method, final, hidden=list(final.get("hidden", [])),
                                          parameters=int(final.get("parameters", 0)), rounds=len(history),
                                          server_seconds=float(sum(h["server_seconds"] for h in history)),
@@ -417,7 +489,7 @@ def _local(experiment: Experiment) -> list[MethodResult]:
 
 def _ensemble(experiment: Experiment) -> MethodResult:
     models = experiment.local_models()
-    metrics = experiment.report(ensemble_proba(models, experiment.dataset.x_test))
+    metrics = experiment.report(*experiment.predictions(lambda x: ensemble_proba(models, x)))
     widths = network_widths(models[0], experiment.input_shape)
     return MethodResult.from_metrics("ensemble", metrics, hidden=[h * len(models) for h in widths],
                                      parameters=count_parameters(models[0]) * len(models),
@@ -515,7 +587,34 @@ def _fusion(experiment: Experiment, rule: str) -> MethodResult:
     return row
 
 
-for _name, _fn in (("local", _local), ("ensemble", _ensemble), ("fedavg-oneshot", _fedavg_oneshot),
+def _bayesian_ensemble(experiment: Experiment) -> MethodResult:
+    clients = experiment.bayesian_clients()
+
+    def predict(x):
+        return torch.stack([c.predict_proba(x, num_samples=experiment.config.predictive_samples,
+                                            seed=derive_seed(experiment.seed, Stream.PREDICT, 1, j))
+                            for j, c in enumerate(clients)]).mean(0)
+
+    metrics = experiment.report(*experiment.predictions(predict))
+    experiment.chance_check("ensemble", metrics["accuracy"])
+    plain = initial_network(experiment.network, experiment.input_shape, experiment.dataset.num_classes,
+                            seed=experiment.seed)
+    return MethodResult.from_metrics("ensemble", metrics, hidden=[w * len(clients) for w in network_widths(
+        plain, experiment.input_shape)], parameters=count_parameters(plain) * len(clients), rounds=1,
+        note="mean of the Bayesian clients' predictive distributions")
+
+
+def _matched_fusion(experiment: Experiment, rule: str) -> MethodResult:
+    federation = MatchedFusionFederation(experiment.dataset, experiment.parts, network=experiment.network,
+                                         training=experiment.training, bayesian=experiment.bayesian,
+                                         fusion=replace(experiment.fusion, rule=rule, align="match"),
+                                         seed=experiment.seed, ece_bins=experiment.config.ece_bins,
+                                         predictive_samples=experiment.config.predictive_samples,
+                                         initial_clients=experiment.bayesian_clients())
+    return experiment.federation_row(federation, experiment.config.rounds, note="matched posterior fusion")
+
+
+for _name, _fn in (("local", _local), ("ensemble", _ensemble), ("ensemble-bayesian", _bayesian_ensemble), ("fedavg-oneshot", _fedavg_oneshot),
                    ("fedavg", _fedavg), ("kmeans", _kmeans), ("pfnm", _pfnm), ("pfnm-rounds", _pfnm_rounds),
                    ("fedma", lambda e: _fedma(e, 1, "fedma")),
                    ("fedma-rounds", lambda e: _fedma(e, e.config.rounds, "fedma-rounds"))):
@@ -566,14 +665,15 @@ def select_hyperparameters(local_models: Sequence[nn.Module], class_counts, vali
 
 
 def run_experiment(dataset: Dataset, *, progress: bool = False, log: Optional[Callable[[str], None]] = None,
-                   **configs) -> ExperimentResult:
+                   ood: Optional[torch.Tensor] = None, **configs) -> ExperimentResult:
     """Run ``config.methods`` (an :class:`~bnpfed.federated.config.ExperimentConfig`) on ``dataset``, one after the
     other, and collect their rows.
 
+    :param ood: optional out-of-distribution inputs (rows then carry ``auroc_max_prob``, ``auroc_entropy``).
     :param configs: the configs of :class:`Experiment` (``partition``, ``network``, ``training``, ``pfnm``,
         ``fusion``, ``bayesian``, ``config``); each defaults to its dataclass's defaults.
     """
-    experiment = Experiment(dataset, progress=progress, log=log, **configs)
+    experiment = Experiment(dataset, progress=progress, log=log, ood=ood, **configs)
     rows: list[MethodResult] = []
     try:
         for method in experiment.config.methods:
@@ -581,6 +681,8 @@ def run_experiment(dataset: Dataset, *, progress: bool = False, log: Optional[Ca
             rows.extend(out if isinstance(out, list) else [out])
     finally:
         experiment.close()
+    for row in rows:
+        row.width = int(sum(row.hidden))
     local = experiment._local.get(experiment.network.shared_init, [])
     accuracies = [experiment.evaluate_network(n)["accuracy"] for n in local]
     return ExperimentResult(settings=experiment.settings(), rows=rows, client_sizes=[len(p) for p in experiment.parts],

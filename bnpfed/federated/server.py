@@ -9,6 +9,8 @@ Flower run and an in-process run of the same settings give the same global model
 * :func:`fuse_posteriors`: posterior fusion (Ozer et al. 2022): every Bayesian site fused with one rule of
   :mod:`bnpfed.combine`, the deterministic parameters averaged with the same ``b_k``, variances floored at
   ``min_variance``;
+* :func:`matched_fusion_step`: matched posterior fusion: the clients' Bayesian hidden units matched, each global unit's
+  members' posteriors fused with one rule;
 * :func:`average_states`: FedAvg's step, every parameter averaged with ``b_k``;
 * :func:`pfnm_step`: PFNM (Yurochkin et al. 2019): match the clients' networks (any architecture with a permutation
   spec: MLPs, LeNet, FedMA's simple CNN, ...) into a global one, warm-started from what each client started its
@@ -58,6 +60,7 @@ __all__ = [
     "fedma_group_step",
     "fuse_posteriors",
     "match_hyperparameters",
+    "matched_fusion_step",
     "matched_parameters",
     "pfnm_step",
     "sample_clients",
@@ -158,6 +161,42 @@ def fuse_posteriors(posteriors: Sequence[Mapping[str, GaussianPosterior]],
     params = {name: average_deterministic([s[name] for s in deterministic], weights) for name in names}
     return FusionStep(posterior=fused, deterministic=params, weights=weights, floored=floored,
                       min_variance=smallest, seconds=time.perf_counter() - start)
+
+
+def matched_fusion_step(clients: Sequence, class_counts, sizes: Sequence[int], config: FusionConfig, *, seed: int,
+                        round: int, starts: Optional[Sequence[Optional[Mapping[str, Tensor]]]] = None,
+                        spec: Optional[PermutationSpec] = None, template: Optional[nn.Module] = None,
+                        input_shape: Optional[Sequence[int]] = None):
+    """Matched posterior fusion's server step (``config.align == "match"``): the clients' hidden units matched group
+    by group under the heteroscedastic Beta-Bernoulli model, every global unit's members fused with ``config.rule``
+    (:func:`~bnpfed.inference.posterior_matching.match_posteriors`).
+
+    Member weights are the clients' example counts (``config.weights="size"``) or equal (``"uniform"``); the output
+    coordinates use the class shares. Fused variances are floored at ``config.min_variance`` (at
+    :data:`~bnpfed.inference.posterior_matching.MIN_VARIANCE` when that is 0). The sweeps and the pooling draws derive
+    from ``derive_seed(seed, MATCH, round)``.
+
+    :param clients: per client, its ``(locs, variances)`` (:func:`~bnpfed.inference.posterior_matching.client_posterior`).
+    :param class_counts: ``(J, C)`` training examples per class of each client.
+    :param sizes: per client, ``n_k``.
+    :param starts: None in round 1; later, per client, the global ids of its units per group it started the round
+        from (the warm start of the matching).
+    :returns: :class:`~bnpfed.inference.posterior_matching.PosteriorMatch`.
+    """
+    from bnpfed.inference.posterior_matching import MIN_VARIANCE, match_posteriors
+
+    if not isinstance(config, FusionConfig):
+        raise ValueError(f"config: expected a FusionConfig, got {type(config).__name__}")
+    if len(clients) != len(sizes):
+        raise ValueError(f"clients and sizes: expected one entry per client each, got {len(clients)} and {len(sizes)}")
+    weights = [float(n) for n in sizes] if config.weights == "size" else [1.0] * len(sizes)
+    init = None
+    if starts is not None and all(s is not None for s in starts):
+        init = {g: [s[g] for s in starts] for g in starts[0]}
+    return match_posteriors(list(clients), class_counts, spec, rule=config.rule, sizes=weights,
+                            input_shape=input_shape, template=template, tau2=config.tau2,
+                            seed=derive_seed(seed, Stream.MATCH, round), warm_start=init,
+                            num_samples=config.pooling_samples, min_variance=config.min_variance or MIN_VARIANCE)
 
 
 def average_states(states: Sequence[Mapping[str, Tensor]], sizes: Sequence[int], scheme: str = "size"

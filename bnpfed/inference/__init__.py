@@ -2,6 +2,7 @@
 SVI for Bayesian clients."""
 
 from bnpfed.inference.matching import REFERENCE_CONSTANTS, MatchResult, assignment_objective, match_layer
+from bnpfed.inference.bayesian_matching import bayesian_assignment_objective, match_bayesian_layer
 from bnpfed.inference.permutation import (
     BatchNormMoments,
     GroupMatch,
@@ -29,6 +30,8 @@ __all__ = [
     "MatchResult",
     "assignment_objective",
     "match_layer",
+    "match_bayesian_layer",
+    "bayesian_assignment_objective",
     "BatchNormMoments",
     "GroupMatch",
     "PermutationSpec",

@@ -16,6 +16,16 @@ layer above is already matched, its outgoing weights). Across J clients the stor
 * a client's neurons come in a uniformly random order (``perm_j``): hidden units are permutation invariant, and
   matching is what undoes this permutation.
 
+**Bayesian neurons** (``neuron_variance`` given). A client that trained a variational Bayesian network reports, for
+each of its neurons, posterior means and posterior variances. Each neuron first draws its posterior-variance vector
+``u_jl ~ neuron_variance`` (in R^D, entries >= 0; 0 for a deterministic coordinate such as a bias), and then its
+mean ``v_jl ~ N(theta_i, (u_jl + sigma2) / s_j)`` (the precision scales divide the whole variance, as the matcher's
+noise precision ``w = s / (u + tau2)`` has it): the heteroscedastic model of
+:mod:`bnpfed.inference.bayesian_matching`, in which ``sigma2`` plays the role of its ``tau2``, the extra variance of a
+unit across clients that the posterior variances alone understate. Without ``neuron_variance`` this is the
+homoscedastic model above (u = 0). The density of the ``u_j`` sites does not depend on the assignment or the atoms,
+so it is a constant of any matching objective.
+
 A client may use no atom at all (its number of atoms is Poisson(gamma0) marginally, so with probability
 ``exp(-gamma0)``): it then has no neurons, an empty assignment and no ``perm_j`` / ``v_j`` sites, and it still counts
 in J -- the later clients' ``m_i / j`` and ``gamma0 / j`` count it, and so do the densities below.
@@ -26,7 +36,8 @@ Sites, for client ``j = 0 .. J-1`` (a site with nothing to sample is left out, a
 ``new_j``    ()   Poisson(gamma0 / (j + 1)): how many atoms client j opens
 ``theta_j``  (new_j, D): the atoms client j opens, from ``atom_prior``
 ``perm_j``   (L_j,) uniform permutation: the order in which client j's neurons are reported
-``v_j``      (L_j, D): client j's neurons, from ``noise``
+``u_j``      (L_j, D): client j's neurons' posterior variances, from ``neuron_variance`` (only when it is given)
+``v_j``      (L_j, D): client j's neurons (posterior means), from ``noise``
 
 Atoms are labelled in order of first use (client 0's new atoms first). A trace of this program has density
 ``p_seq`` with the IBP prior in its *sequential, labelled* form:
@@ -108,11 +119,14 @@ class FederatedLayer:
         for a client without neurons).
     :param list neurons: J tensors (L_j, D), each client's neurons in their reported (permuted) order; (0, D) for a
         client without neurons.
+    :param list variances: optional J tensors (L_j, D), the neurons' posterior variances u_j (Bayesian neurons,
+        ``neuron_variance`` of :func:`beta_bernoulli_layer`); None for the homoscedastic model.
     """
 
     atoms: Tensor
     assignments: list
     neurons: list
+    variances: list | None = None
 
     @property
     def num_clients(self) -> int:
@@ -152,6 +166,17 @@ def _precision_matrix(precisions, num_clients: int, dim: int) -> Tensor:
     return s
 
 
+def _one_neuron_law(law: dist.Distribution, D: int, name: str) -> dist.Distribution:
+    """``law`` as a distribution with event shape (D,): one vector in R^D."""
+    if law.event_shape == torch.Size():
+        if law.batch_shape not in (torch.Size(), torch.Size([D])):
+            raise ValueError(f"{name}: expected a law of one vector in R^{D}, got batch shape {tuple(law.batch_shape)}")
+        law = law.expand(torch.Size([D])).to_event(1)
+    if law.event_shape != torch.Size([D]):
+        raise ValueError(f"{name}: expected a law of one vector in R^{D}, got event shape {tuple(law.event_shape)}")
+    return law
+
+
 def beta_bernoulli_layer(
     num_clients: int,
     dim: int,
@@ -163,6 +188,7 @@ def beta_bernoulli_layer(
     precisions=None,
     atom_prior: dist.Distribution | None = None,
     noise: Callable[[Tensor, Tensor], dist.Distribution] = gaussian_noise,
+    neuron_variance: dist.Distribution | None = None,
 ) -> FederatedLayer:
     """Pyro program of one federated layer under the Beta-Bernoulli process (see the module docstring).
 
@@ -185,6 +211,18 @@ def beta_bernoulli_layer(
         >>> [tuple(v.shape) for v in layer.neurons], layer.num_atoms
         ([(0, 3), (2, 3)], 2)
 
+    Bayesian neurons: each neuron draws its posterior variances ``u_j`` first, then its mean with variance
+    ``u_j + sigma2`` (``sigma2`` the extra variance across clients, tau2 of the heteroscedastic matching)::
+
+        >>> gamma = dist.Gamma(2.0, 200.0).expand([20])                      # posterior variances, mean 0.01
+        >>> model = pyro.poutine.condition(beta_bernoulli_layer, data={"new_0": torch.tensor(3.0)})
+        >>> trace = pyro.poutine.trace(model).get_trace(5, 20, gamma0=8.0, sigma2=0.001, neuron_variance=gamma)
+        >>> layer = trace.nodes["_RETURN"]["value"]
+        >>> tuple(trace.nodes["u_0"]["value"].shape), len(layer.variances)
+        ((3, 20), 5)
+        >>> torch.allclose(trace.nodes["v_0"]["fn"].base_dist.scale ** 2, layer.variances[0] + 0.001)
+        True
+
     :param int num_clients: J.
     :param int dim: D, the length of a neuron vector.
     :param float gamma0: IBP mass; each client uses ``gamma0`` atoms on average.
@@ -196,7 +234,13 @@ def beta_bernoulli_layer(
         ``Normal(mu0, sqrt(sigma0_2))``. ``mu0`` and ``sigma0_2`` are ignored when it is given.
     :param noise: ``noise(loc, variance) -> Distribution`` with batch shape of ``loc`` (L_j, D): the law of a local
         neuron around its atom; default independent Gaussians.
-    :returns: :class:`FederatedLayer` with the sampled (or conditioned) atoms, assignments and neurons.
+    :param neuron_variance: optional law of one neuron's posterior-variance vector in R^D (event or batch shape
+        (D,), support >= 0; e.g. ``dist.Gamma(2., 200.).expand([D])`` or a LogNormal). When given, every client with
+        neurons gets a site ``u_j`` (L_j, D), sampled before ``v_j``, and ``v_j ~ noise(atoms, (u_j + sigma2) / s_j)``:
+        ``sigma2`` is then the extra variance tau2 of the heteroscedastic model (module docstring). None (default):
+        the homoscedastic model, ``variances`` of the result None.
+    :returns: :class:`FederatedLayer` with the sampled (or conditioned) atoms, assignments, neurons and (with
+        ``neuron_variance``) posterior variances.
     """
     J, D = int(num_clients), int(dim)
     if J < 1 or D < 1:
@@ -214,10 +258,12 @@ def beta_bernoulli_layer(
     if atom_prior.event_shape != torch.Size([D]):
         raise ValueError(f"atom_prior must describe one atom in R^{D}, got event shape {tuple(atom_prior.event_shape)}")
     scales = _precision_matrix(precisions, J, D)
+    if neuron_variance is not None:
+        neuron_variance = _one_neuron_law(neuron_variance, D, "neuron_variance")
 
     atoms = torch.zeros(0, D)
     counts = torch.zeros(0)
-    assignments, neurons = [], []
+    assignments, neurons, variances = [], [], []
     for j in range(J):
         num_old = atoms.shape[0]
         if num_old:
@@ -236,15 +282,21 @@ def beta_bernoulli_layer(
         if L_j == 0:
             assignments.append(torch.zeros(0, dtype=torch.long))
             neurons.append(torch.zeros(0, D))
+            variances.append(torch.zeros(0, D))
             continue
         perm = pyro.sample(f"perm_{j}", UniformPermutation(L_j)).long()
         assign_j = used[perm]
-        variance = sigma2 / scales[j]
+        variance = (sigma2 / scales[j]).expand(L_j, D)
         with pyro.plate(f"neurons_{j}", L_j):
-            v = pyro.sample(f"v_{j}", noise(atoms[assign_j], variance.expand(L_j, D)).to_event(1))
+            if neuron_variance is not None:
+                u = pyro.sample(f"u_{j}", neuron_variance)
+                variance = (u + sigma2) / scales[j]
+                variances.append(u)
+            v = pyro.sample(f"v_{j}", noise(atoms[assign_j], variance).to_event(1))
         assignments.append(assign_j)
         neurons.append(v)
-    return FederatedLayer(atoms=atoms, assignments=assignments, neurons=neurons)
+    return FederatedLayer(atoms=atoms, assignments=assignments, neurons=neurons,
+                          variances=variances if neuron_variance is not None else None)
 
 
 def sample_federated_layer(num_clients: int, dim: int, *, seed: int, **model_kwargs) -> FederatedLayer:
@@ -264,7 +316,8 @@ def sample_federated_layer(num_clients: int, dim: int, *, seed: int, **model_kwa
         return beta_bernoulli_layer(num_clients, dim, **model_kwargs)
 
 
-def canonical_conditioning(neurons: Sequence[Tensor], assignments: Sequence[Tensor], atoms: Tensor) -> dict:
+def canonical_conditioning(neurons: Sequence[Tensor], assignments: Sequence[Tensor], atoms: Tensor,
+                           variances: Sequence[Tensor] | None = None) -> dict:
     """The values of every site of :func:`beta_bernoulli_layer` that produce the given layer.
 
     Atoms may carry any labels: they are relabelled in order of first use (client by client, and within a client
@@ -274,11 +327,15 @@ def canonical_conditioning(neurons: Sequence[Tensor], assignments: Sequence[Tens
     :param neurons: J tensors (L_j, D).
     :param assignments: J integer sequences of length L_j, distinct within a client.
     :param Tensor atoms: (L, D), every atom used by some client.
+    :param variances: optional J tensors (L_j, D), the neurons' posterior variances: the values of the ``u_j`` sites
+        (a model with ``neuron_variance``).
     :returns: dict site name -> value, for ``pyro.poutine.condition``.
     """
     J = len(neurons)
     if len(assignments) != J:
         raise ValueError(f"assignments: expected one per client ({J}, as many as neurons), got {len(assignments)}")
+    if variances is not None and len(variances) != J:
+        raise ValueError(f"variances: expected one per client ({J}, as many as neurons), got {len(variances)}")
     atoms = torch.as_tensor(atoms, dtype=torch.get_default_dtype())
     if atoms.dim() != 2:
         raise ValueError(f"atoms: expected shape (L, D), got {tuple(atoms.shape)}")
@@ -310,6 +367,12 @@ def canonical_conditioning(neurons: Sequence[Tensor], assignments: Sequence[Tens
             used = torch.sort(canon).values  # the model lists old atoms (ascending) then new ones (ascending)
             data[f"perm_{j}"] = torch.searchsorted(used, canon)
             data[f"v_{j}"] = torch.as_tensor(neurons[j], dtype=torch.get_default_dtype())
+            if variances is not None:
+                u = torch.as_tensor(variances[j], dtype=torch.get_default_dtype())
+                if tuple(u.shape) != shape:
+                    raise ValueError(f"variances[{j}]: expected shape {shape} (that of neurons[{j}]), got "
+                                     f"{tuple(u.shape)}")
+                data[f"u_{j}"] = u
     if len(relabel) != atoms.shape[0]:
         raise ValueError(f"atoms has {atoms.shape[0]} rows but the assignments use {len(relabel)} atoms")
     return data
@@ -326,6 +389,10 @@ def log_joint(
     ``log p_seq = trace.log_prob_sum()`` of :func:`beta_bernoulli_layer` conditioned on every site (see
     :func:`canonical_conditioning`). With ``configuration=True`` adds ``sum_j log K_j!``: the density of the
     configuration (which neurons share an atom, and the atoms' values) rather than of one labelled trace.
+
+    A layer with posterior variances (``layer.variances``, Bayesian neurons) conditions the ``u_j`` sites on them
+    and needs the model's ``neuron_variance`` among ``model_kwargs`` (and one without them must not pass it). Their
+    log density ``sum_j log neuron_variance(u_j)`` is free of the assignment and the atoms.
 
     Usage::
 
@@ -344,7 +411,12 @@ def log_joint(
         >>> math.isclose(float(log_joint(by_hand, gamma0=1.0, sigma2=1.0)), expected, rel_tol=1e-6)
         True
     """
-    data = canonical_conditioning(layer.neurons, layer.assignments, layer.atoms)
+    has_u, wants_u = layer.variances is not None, model_kwargs.get("neuron_variance") is not None
+    if has_u != wants_u:
+        raise ValueError("neuron_variance: expected a law of the posterior variances exactly when the layer has "
+                         f"them (layer.variances {'given' if has_u else 'None'}), got "
+                         f"{'None' if not wants_u else 'a law'}")
+    data = canonical_conditioning(layer.neurons, layer.assignments, layer.atoms, variances=layer.variances)
     J = len(layer.neurons)
     D = int(layer.atoms.shape[1])
     conditioned = pyro.poutine.condition(beta_bernoulli_layer, data=data)

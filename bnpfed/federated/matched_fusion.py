@@ -1,0 +1,213 @@
+"""Matched posterior fusion, round by round: variational Bayesian clients from their own initialisations, a server
+that matches their hidden units and fuses each global unit's posteriors (issue "matching Bayesian neurons").
+
+Round ``t = 1 .. T``:
+
+1. the server samples the clients of the round (:func:`~bnpfed.federated.server.sample_clients`);
+2. each sampled client runs SVI on its data (:func:`~bnpfed.federated.clients.fit_bayesian`): in round 1 from its own
+   initialisation (no shared one) with the configured prior; later from its slice of the global posterior -- the
+   global units its own were matched to, as means *and* as its new prior (:meth:`BayesianClient.update_prior_`), the
+   posterior-as-prior of Bayesian federated learning -- or, if it was not matched last round, from the whole global
+   posterior;
+3. the server matches and fuses (:func:`~bnpfed.federated.server.matched_fusion_step`: heteroscedastic
+   Beta-Bernoulli matching group by group, warm-started from the assignment the clients came from, then one rule of
+   :mod:`bnpfed.combine` per global unit); the width may change from round to round;
+4. the global Bayesian network is evaluated: the Monte Carlo posterior predictive (softmax averaged over S weight
+   draws from ``(seed, PREDICT, t)``), and the posterior-mean network's accuracy beside it.
+
+The in-process federation and the Flower strategy call the same server step, so with every client answering they
+give the same global posterior.
+
+Usage::
+
+    >>> from bnpfed.data import load_dataset
+    >>> from bnpfed.federated.config import BayesianConfig, FusionConfig, NetworkConfig, PartitionConfig
+    >>> from bnpfed.federated.config import TrainingConfig
+    >>> ds = load_dataset("digits")
+    >>> parts = PartitionConfig(clients=3).split(ds.y_train.numpy(), seed=0)
+    >>> federation = MatchedFusionFederation(ds, parts, network=NetworkConfig(hidden=(16,)),
+    ...                                      training=TrainingConfig(epochs=1), bayesian=BayesianConfig(),
+    ...                                      fusion=FusionConfig(rule="eaa", align="match"), seed=0)
+    >>> record = federation.run_round()
+    >>> federation.method, sorted(federation.match.variances)
+    ('match-eaa', ['1.weight', '3.weight'])
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from bnpfed.data import Dataset
+from bnpfed.federated.clients import bayesian_client, fit_bayesian, initial_network
+from bnpfed.federated.config import BayesianConfig, FusionConfig, NetworkConfig, TrainingConfig
+from bnpfed.federated.federation import Federation
+from bnpfed.federated.partition import class_counts
+from bnpfed.federated.server import matched_fusion_step
+from bnpfed.inference import BayesianClient
+from bnpfed.inference.permutation import derive_spec, network_from_state
+from bnpfed.inference.posterior_matching import PosteriorMatch, client_posterior
+from bnpfed.metrics import count_parameters
+from bnpfed.posterior import GaussianPosterior
+from bnpfed.seeding import Stream, derive_seed
+
+__all__ = ["MatchedFusionFederation", "bayesian_from_match", "client_from_slice", "matched_hyperparameters"]
+
+
+def _posterior(locs, variances, like: dict[str, Tensor]) -> dict[str, GaussianPosterior]:
+    return {k: GaussianPosterior(locs[k].to(like[k].dtype), v.to(like[k].dtype)) for k, v in variances.items()}
+
+
+def client_from_slice(template: nn.Module, locs, variances, bayesian: BayesianConfig, *,
+                      as_prior: bool = True) -> BayesianClient:
+    """A Bayesian client holding ``(locs, variances)`` (a client's slice of a global posterior, or the whole of it):
+    its network of the template's kind at those widths, its posterior set to them and, with ``as_prior``, its prior
+    too (each client has a prior object of its own)."""
+    net = network_from_state(template, locs)
+    client = bayesian_client(net, bayesian)
+    like = {k: p.loc for k, p in client.posterior().items()}
+    posterior = _posterior(locs, variances, like)
+    client.load_posterior(posterior)
+    deterministic = client.deterministic_state()
+    client.load_deterministic({k: locs[k].to(v.dtype) for k, v in deterministic.items()})
+    if as_prior:
+        client.update_prior_(posterior)
+    return client
+
+
+def bayesian_from_match(match: PosteriorMatch, bayesian: BayesianConfig) -> BayesianClient:
+    """The global Bayesian network of a match, as a client (for its posterior predictive)."""
+    return client_from_slice(match.template, match.locs, match.variances, bayesian, as_prior=False)
+
+
+def matched_hyperparameters(match: PosteriorMatch) -> list[dict]:
+    """Per group, the matching's hyper-parameters as plain values (``tau2``, ``sigma0_2``, ``gamma0``, and the
+    scaled pair where present), with ``converged`` and ``sweeps``."""
+    out = []
+    for result in match.layer_results.values():
+        h = dict(getattr(result, "hyperparameters", None) or {})
+        row = {k: float(v) for k, v in h.items() if k != "mu0" and v is not None and torch.as_tensor(v).numel() == 1}
+        row.update(converged=bool(getattr(result, "converged", True)), sweeps=int(getattr(result, "sweeps_run", 0)))
+        out.append(row)
+    return out
+
+
+class MatchedFusionFederation(Federation):
+    """J variational Bayesian clients from their own initialisations and a server that matches and fuses them.
+
+    :param Dataset dataset: train split (partitioned) and test split (evaluation).
+    :param parts: J index arrays into ``dataset.y_train``.
+    :param NetworkConfig network: the clients' network kind (``shared_init`` is ignored: each starts from its own).
+    :param TrainingConfig training: the clients' local SVI schedule.
+    :param BayesianConfig bayesian: the round-1 prior, initial posterior scale, local reparameterisation.
+    :param FusionConfig fusion: the rule, member weights, ``tau2``, pooling draws, variance floor, client sampling.
+    :param int seed: the experiment's seed.
+    :param int ece_bins: bins of the calibration error. Default 15.
+    :param int predictive_samples: weight draws S of the posterior predictive. Default 10.
+    :param initial_clients: optional, the J Bayesian clients after round 1's local SVI with these settings and seed
+        (shared by several rules in an experiment): round 1 then reuses them.
+
+    Attributes: ``clients`` (the J clients as they last trained), ``match`` (the last
+    :class:`~bnpfed.inference.posterior_matching.PosteriorMatch`), ``global_model`` (its Bayesian network),
+    ``spec``, ``template``, ``class_counts``.
+    """
+
+    def __init__(self, dataset: Dataset, parts: Sequence, *, network: NetworkConfig, training: TrainingConfig,
+                 bayesian: BayesianConfig, fusion: FusionConfig, seed: int, ece_bins: int = 15,
+                 predictive_samples: int = 10, initial_clients: Optional[Sequence[BayesianClient]] = None):
+        super().__init__(dataset, parts, seed=seed, fraction=fusion.fraction, ece_bins=ece_bins)
+        for name, value, kind in (("network", network, NetworkConfig), ("training", training, TrainingConfig),
+                                  ("bayesian", bayesian, BayesianConfig), ("fusion", fusion, FusionConfig)):
+            if not isinstance(value, kind):
+                raise ValueError(f"{name}: expected a {kind.__name__}, got {type(value).__name__}")
+        self.check_network(network)
+        if initial_clients is not None and len(initial_clients) != self.num_clients:
+            raise ValueError(f"initial_clients: expected one client per partition ({self.num_clients}), got "
+                             f"{len(initial_clients)}")
+        self.network = replace(network, shared_init=False)
+        self.training, self.bayesian, self.fusion = training, bayesian, fusion
+        self.method = f"match-{fusion.rule}"
+        self.predictive_samples = int(predictive_samples)
+        self.class_counts = class_counts(dataset.y_train.numpy(), [p.numpy() for p in self.parts],
+                                         dataset.num_classes)
+        self.template = initial_network(self.network, dataset.input_shape, dataset.num_classes, seed=seed)
+        self.spec = derive_spec(self.template, dataset.input_shape)
+        self.initial_clients = initial_clients
+        self.clients: list[Optional[BayesianClient]] = [None] * self.num_clients
+        self.match: Optional[PosteriorMatch] = None
+        self.matched: list[int] = []
+        self.global_model: Optional[BayesianClient] = None
+
+    @staticmethod
+    def check_network(network: NetworkConfig) -> None:
+        """Raise unless ``network`` can be matched and fused: no batch norm (its running statistics are no
+        posterior)."""
+        if network.arch.endswith("-bn"):
+            raise ValueError(f"arch: matched posterior fusion expected a network without batch norm (its running "
+                             f"statistics are no posterior), got {network.arch!r}")
+
+    def _start(self, round: int, j: int) -> tuple[BayesianClient, Optional[dict]]:
+        if round == 1:
+            net = initial_network(self.network, self.dataset.input_shape, self.dataset.num_classes, seed=self.seed,
+                                  client=j)
+            return bayesian_client(net, self.bayesian), None
+        if j in self.matched:
+            k = self.matched.index(j)
+            locs, variances = self.match.client_slice(k)
+            ids = {g: a[k].clone() for g, a in self.match.assignments.items()}
+        else:
+            locs, variances = self.match.locs, self.match.variances
+            ids = {g: torch.arange(w) for g, w in self.match.widths.items()}
+        return client_from_slice(self.template, locs, variances, self.bayesian), ids
+
+    def _round(self, round, sampled):
+        starts, losses = [], []
+        for j in sampled:
+            if round == 1 and self.initial_clients is not None:
+                self.clients[j] = self.initial_clients[j]
+                starts.append(None)
+                continue
+            client, ids = self._start(round, j)
+            x, y = self.client_data[j]
+            losses.append(fit_bayesian(client, x, y, self.training, seed=self.seed, round=round, index=j))
+            self.clients[j] = client
+            starts.append(ids)
+        t0 = time.perf_counter()
+        self.match = matched_fusion_step([client_posterior(self.clients[j]) for j in sampled],
+                                         self.class_counts[sampled], [self.sizes[j] for j in sampled], self.fusion,
+                                         seed=self.seed, round=round, starts=None if round == 1 else starts,
+                                         spec=self.spec, template=self.template)
+        seconds = time.perf_counter() - t0
+        self.matched = list(sampled)
+        self.global_model = bayesian_from_match(self.match, self.bayesian)
+        self._mean_net = self.match.network().float().eval()
+        variances = torch.cat([v.reshape(-1) for v in self.match.variances.values()])
+        metrics = {"hidden": list(self.match.widths.values()), "parameters": count_parameters(self._mean_net),
+                   "mean_sigma": float(variances.sqrt().mean()), "server_seconds": seconds,
+                   "hyperparameters": matched_hyperparameters(self.match)}
+        if losses:
+            metrics["train_loss"] = sum(losses) / len(losses)
+        with torch.no_grad():
+            x, y = self.dataset.x_test, self.dataset.y_test
+            metrics["mean_accuracy"] = float((self._mean_net(x).argmax(-1) == y).double().mean())
+        return [], metrics
+
+    def predict_proba(self, x: Tensor) -> Tensor:
+        """The global posterior predictive: softmax averaged over ``predictive_samples`` weight draws, drawn from
+        ``(seed, PREDICT, round)``."""
+        if self.global_model is None:
+            raise ValueError("no round has run yet: the federation has no global network")
+        return self.global_model.predict_proba(x, num_samples=self.predictive_samples,
+                                               seed=derive_seed(self.seed, Stream.PREDICT, self.round))
+
+    @torch.no_grad()
+    def predict_mean(self, x: Tensor) -> Tensor:
+        """The posterior-mean network's class probabilities."""
+        if self.match is None:
+            raise ValueError("no round has run yet: the federation has no global network")
+        return self._mean_net(x).softmax(-1)
+

@@ -1,0 +1,484 @@
+"""Matching Bayesian neurons: fuse the posteriors of independently initialised variational Bayesian networks.
+
+Posterior fusion (Ozer et al. 2022, :mod:`bnpfed.combine`) fuses weight i of client 1 with weight i of client 2,
+which means something only when every client started from one shared initialisation and drifted little. PFNM
+(Yurochkin et al. 2019) matches the hidden units of independently trained networks first, but takes point
+estimates. Here the two meet: client j holds a mean-field Gaussian posterior, so every hidden unit l is a neuron with
+posterior means ``v_jl`` and posterior variances ``u_jl`` (0 on a deterministic coordinate, e.g. a bias that the
+prior keeps deterministic), and the server
+
+1. matches each group of the permutation spec bottom-up (:func:`~bnpfed.inference.permutation.match_by_spec`'s
+   order and unit vectors) with the heteroscedastic Beta-Bernoulli model
+   (:func:`~bnpfed.inference.bayesian_matching.match_bayesian_layer`: neuron l of client j observes its atom with
+   variance ``u_jld + tau2`` per coordinate, tau2 estimated per group);
+2. fuses, for every global unit, the posteriors of its members with one rule of :mod:`bnpfed.combine`
+   (:func:`fuse_members`), giving a global Bayesian network: a Gaussian posterior per Bayesian weight, a value per
+   deterministic parameter.
+
+**Member weights.** On a unit's own coordinates (its incoming weights and bias) member j weighs ``b_j = n_j`` (its
+training examples); on the output-layer coordinates of class k it weighs ``share_jk = n_jk / sum_j' n_j'k`` (PFNM's
+class shares). The rule sees the members' weights normalised over the members that hold the coordinate (for a class
+none of the members saw, equal weights: the unit's value for its members' slices; the global network gives it
+coverage 0).
+
+**A unit that few clients have, and coverage.** Not every member holds every coordinate: a client that lacks global
+unit g of the layer below has no weight from g (a structural zero, not an uncertain value), and a class a member
+never saw carries no share. Per coordinate d the rule therefore fuses the members that hold it, and the result is
+then scaled by the coverage ``kappa_d = sum_{members holding d} b_jd / sum_{reference} b_jd`` -- mean times kappa,
+variance times kappa^2 (the law of ``kappa w``) -- where the reference set is the unit's members on its own
+coordinates and *all* clients on the output coordinates. This is the deterministic "average" construction of
+:func:`~bnpfed.inference.matching.average_atoms` made Bayesian: under ``eaa`` (and ``gaa``, ``log_variance``,
+``pooling`` for the mean) the fused means are exactly that average -- a global unit's incoming weights are its
+members' average, and the output layer computes the clients' logits averaged class by class, so that a unit only one
+client has speaks with that client's share and no more. A coordinate no member holds is 0 with variance
+``min_variance``.
+
+**What the rules mean here.** For one global unit the members are J' <= J noisy views of one atom.
+
+* ``conflation`` (equal weights: the product of the members' densities) is the precision-weighted combination;
+  with the atom prior as one more factor and every member's variance widened by tau2 it is *the model's own
+  conjugate posterior of the atom*, ``N(g_i / P_i, 1 / P_i)`` of :mod:`bnpfed.inference.bayesian_matching`
+  (tested). With unequal weights each density is raised to ``b_j / b_max``.
+* ``gaa`` is the law of the weighted average of independent draws from the members: its variance shrinks like 1/J'.
+* ``eaa`` averages means and variances (a unit keeps a member's typical uncertainty); ``log_variance`` takes the
+  weighted geometric mean of the variances; ``pooling`` moment-matches a sample pooled from the members (the mixture:
+  it widens by the members' disagreement, which for matched units of independently trained clients is the tau2
+  between them).
+
+Deterministic coordinates (variance 0 at every member) are averaged with the same weights and coverage.
+
+**Rounds.** :meth:`PosteriorMatch.client_slice` gives a client its own units of the global posterior (its assignment
+in every group): in PFNM with communication (Yurochkin et al. 2019, section 3.3) that slice is the client's next
+starting point and, here, its next prior (:func:`~bnpfed.inference.BayesianClient.update_prior_`).
+
+Usage: two clients hold one Bayesian MLP with its hidden units permuted; matching and fusing puts it back together::
+
+    >>> from torch import nn
+    >>> from bnpfed.inference.permutation import derive_spec, client_slice
+    >>> g = torch.manual_seed(0)
+    >>> net = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    >>> locs = {k: v.detach() for k, v in net.state_dict().items()}
+    >>> variances = {"0.weight": torch.full((3, 4), 1e-4), "2.weight": torch.full((2, 3), 1e-4)}
+    >>> spec = derive_spec(net, (4,))
+    >>> perm = {"0": torch.tensor([2, 0, 1])}
+    >>> other = (client_slice(spec, locs, perm), client_slice(spec, variances, perm))
+    >>> fixed = dict(hyperparameters="fixed", tau2=1e-6, sigma0_2=1.0, gamma0=1.0)
+    >>> match = match_posteriors([(locs, variances), other], rule="eaa", spec=spec, template=net, seed=0, **fixed)
+    >>> match.widths, torch.allclose(match.locs["0.weight"], locs["0.weight"].double(), atol=1e-6)
+    ({'0': 3}, True)
+    >>> [j.tolist() for j in match.assignments["0"]]
+    [[0, 1, 2], [2, 0, 1]]
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Literal, Mapping, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from bnpfed.combine import _get_rule, fuse
+from bnpfed.inference.permutation import (_STATISTICS, PermutationSpec, _accepts, _check_state, _class_shares,
+                                          _group_values, _layout, _outputs, _rows, _warm_start, _width, client_slice,
+                                          derive_spec, network_from_state)
+from bnpfed.posterior import GaussianPosterior
+from bnpfed.validation import check_choice, check_int, check_positive
+
+__all__ = ["MIN_VARIANCE", "PosteriorMatch", "client_posterior", "fuse_members", "match_posteriors"]
+
+#: The variance of a coordinate no member holds (a structural zero of the global network), and the floor of every
+#: fused variance (as posterior fusion's default floor).
+MIN_VARIANCE = 1e-16
+
+
+def client_posterior(client) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """A :class:`~bnpfed.inference.BayesianClient` 's posterior as ``(locs, variances)``: ``locs`` every parameter of
+    its network by ``state_dict`` key (posterior means of the Bayesian sites, values of the deterministic ones),
+    ``variances`` the Bayesian sites' posterior variances."""
+    posterior = client.posterior()
+    locs = {k: v.detach().clone() for k, v in client.deterministic_state().items()}
+    locs.update({k: p.loc.detach().clone() for k, p in posterior.items()})
+    return locs, {k: p.variance.detach().clone() for k, p in posterior.items()}
+
+
+@dataclass
+class PosteriorMatch:
+    """Result of :func:`match_posteriors`: a global Bayesian network.
+
+    :param PermutationSpec spec: the spec the clients were matched by.
+    :param dict locs: the global network's ``state_dict`` of fused means (Bayesian sites) and values (deterministic
+        parameters), float64, the template's keys.
+    :param dict variances: the fused posterior variances of the Bayesian sites (the keys of the clients'
+        ``variances``), float64.
+    :param dict unit_locs: as ``locs`` but every global unit its members' fusion without the coverage (what a
+        member's slice holds: its units at their own scale); ``unit_variances`` likewise.
+    :param dict assignments: group name -> J long tensors: client j's unit l went to global unit
+        ``assignments[g][j][l]``.
+    :param dict layer_results: group name -> the matcher's :class:`~bnpfed.inference.MatchResult`.
+    :param str rule: the fusion rule.
+    :param nn.Module template: the network kind the global one is built from.
+    :param float seconds: wall time of matching and fusion; ``match_seconds`` of the matching alone.
+    :param Tensor class_shares: (J, C) ``share_jk``.
+    :param Tensor sizes: (J,) the clients' example counts ``n_j`` (member weights on a unit's own coordinates).
+    """
+
+    spec: PermutationSpec
+    locs: dict
+    variances: dict
+    unit_locs: dict
+    unit_variances: dict
+    assignments: dict
+    layer_results: dict
+    rule: str
+    template: nn.Module | None = field(default=None, repr=False)
+    seconds: float = 0.0
+    match_seconds: float = 0.0
+    class_shares: Tensor | None = field(default=None, repr=False)
+    sizes: Tensor | None = field(default=None, repr=False)
+
+    @property
+    def widths(self) -> dict[str, int]:
+        """Group name -> number of global units."""
+        return {g.name: _width(self.locs, g, "locs") for g in self.spec.groups}
+
+    @property
+    def hyperparameters(self) -> dict:
+        """Group name -> the hyper-parameters its matching used (estimated or given)."""
+        return {n: dict(getattr(r, "hyperparameters", None) or {}) for n, r in self.layer_results.items()}
+
+    def posterior(self) -> dict[str, GaussianPosterior]:
+        """``{site: GaussianPosterior(loc, variance)}`` of the Bayesian sites (float64)."""
+        return {k: GaussianPosterior(self.locs[k], v) for k, v in self.variances.items()}
+
+    def deterministic(self) -> dict[str, Tensor]:
+        """The deterministic parameters' global values (every ``locs`` key that is no Bayesian site)."""
+        return {k: v for k, v in self.locs.items() if k not in self.variances}
+
+    def network(self) -> nn.Module:
+        """The posterior-mean network: the template's kind at the matched widths, every weight at its fused mean."""
+        if self.template is None:
+            raise ValueError("network: this match has no template network; pass template= to match_posteriors")
+        return network_from_state(self.template, self.locs)
+
+    def client_slice(self, j: int) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """Client j's slice of the global posterior, ``(locs, variances)``: for every group the global units its own
+        units were matched to, in its own order (:func:`~bnpfed.inference.permutation.client_slice`), each its
+        members' fusion without the coverage (``unit_locs``, ``unit_variances``): the global network scales a unit's
+        outgoing weights by the share of the data its members hold, which a client's own network must not (its logits
+        would shrink by its share)."""
+        J = len(next(iter(self.assignments.values())))
+        if not 0 <= int(j) < J:
+            raise ValueError(f"j: expected a client in [0, {J}), got {j}")
+        ids = {g: a[int(j)] for g, a in self.assignments.items()}
+        return client_slice(self.spec, self.unit_locs, ids), client_slice(self.spec, self.unit_variances, ids)
+
+
+def _pair(client, j: int) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    if isinstance(client, (tuple, list)) and len(client) == 2 and all(isinstance(c, Mapping) for c in client):
+        locs, variances = client
+    elif hasattr(client, "posterior") and hasattr(client, "deterministic_state"):
+        locs, variances = client_posterior(client)
+    else:
+        raise ValueError(f"clients[{j}]: expected a BayesianClient or a (locs, variances) pair of dicts, got "
+                         f"{type(client).__name__}")
+    locs = {k: torch.as_tensor(v).detach() for k, v in locs.items()}
+    variances = {k: torch.as_tensor(v).detach() for k, v in variances.items()}
+    for k, v in variances.items():
+        if k not in locs:
+            raise ValueError(f"clients[{j}]: variances has {k!r}, which locs lacks")
+        if tuple(v.shape) != tuple(locs[k].shape):
+            raise ValueError(f"clients[{j}]: variances[{k!r}] has shape {tuple(v.shape)}, its loc "
+                             f"{tuple(locs[k].shape)}")
+        if not v.is_floating_point() or not bool(torch.isfinite(v).all()) or bool((v <= 0).any()):
+            raise ValueError(f"clients[{j}]: variances[{k!r}] must be finite and > 0")
+    return locs, variances
+
+
+def _full_variances(locs: Mapping[str, Tensor], variances: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Every key of ``locs`` with its variance: the given ones, 0 on the deterministic parameters."""
+    return {k: (variances[k] if k in variances else torch.zeros_like(v, dtype=torch.float64)) for k, v in
+            locs.items()}
+
+
+def _sizes(sizes, class_counts, J: int) -> Tensor:
+    if sizes is None:
+        if class_counts is None:
+            return torch.ones(J, dtype=torch.float64)
+        return torch.as_tensor(class_counts, dtype=torch.float64).sum(1)
+    n = torch.as_tensor(sizes, dtype=torch.float64).reshape(-1)
+    if n.numel() != J or not bool(torch.isfinite(n).all()) or bool((n <= 0).any()):
+        raise ValueError(f"sizes: expected {J} positive example counts (one per client), got {sizes!r}")
+    return n
+
+
+def fuse_members(locs: Tensor, variances: Tensor, weights: Tensor, reference: Tensor | None, rule: str, *,
+                 bayesian: Tensor, num_samples: int = 1000, generator: torch.Generator | None = None,
+                 min_variance: float = MIN_VARIANCE) -> tuple[Tensor, Tensor]:
+    """Fuse the m members of one global unit coordinate by coordinate (the module docstring's rule and coverage).
+
+    :param Tensor locs: (m, D) the members' posterior means.
+    :param Tensor variances: (m, D) their posterior variances (0 on deterministic coordinates).
+    :param Tensor weights: (m, D) ``b_jd >= 0``: 0 where member j does not hold coordinate d.
+    :param Tensor reference: (D,) ``sum_{reference} b_jd``: the denominator of the coverage ``kappa_d``; None: no
+        coverage (the members' fusion itself, ``kappa_d = 1``).
+    :param str rule: a rule of :mod:`bnpfed.combine` for the Bayesian coordinates.
+    :param Tensor bayesian: (D,) bool, which coordinates are Bayesian (the others are averaged).
+    :returns: ``(loc, variance)``, (D,) float64 each; variance 0 on deterministic coordinates, ``min_variance``
+        where no member holds a Bayesian coordinate.
+
+    Two members of one unit, one of which lacks the second coordinate (coverage 3/4 of the weight there)::
+
+        >>> loc, var = fuse_members(torch.tensor([[1.0, 2.0], [3.0, 0.0]]), torch.tensor([[1.0, 1.0], [1.0, 1.0]]),
+        ...                         torch.tensor([[3.0, 3.0], [1.0, 0.0]]), torch.tensor([4.0, 4.0]), "eaa",
+        ...                         bayesian=torch.tensor([True, True]))
+        >>> loc.tolist(), var.tolist()
+        ([1.5, 1.5], [1.0, 0.5625])
+    """
+    locs, variances, weights = (torch.as_tensor(t, dtype=torch.float64) for t in (locs, variances, weights))
+    reference = None if reference is None else torch.as_tensor(reference, dtype=torch.float64)
+    bayesian = torch.as_tensor(bayesian, dtype=torch.bool)
+    m, D = locs.shape
+    loc = torch.zeros(D, dtype=torch.float64)
+    variance = torch.where(bayesian, torch.full((D,), float(min_variance), dtype=torch.float64),
+                           torch.zeros(D, dtype=torch.float64))
+    held = weights > 0
+    # coordinates sharing a pattern (which members hold them, with what weights, Bayesian or not) fuse in one call
+    key = torch.cat([weights, bayesian[None].to(torch.float64)], 0)
+    patterns, inverse = torch.unique(key, dim=1, return_inverse=True)
+    for p in range(patterns.shape[1]):
+        cols = (inverse == p).nonzero().flatten()
+        who = held[:, cols[0]]
+        if not bool(who.any()):
+            continue
+        b = weights[who][:, cols[0]]
+        x, u = locs[who][:, cols], variances[who][:, cols]
+        if bool(bayesian[cols[0]]):
+            fused = fuse(x, u, rule, b, num_samples=num_samples, generator=generator)
+            f_loc, f_var = fused.loc.to(torch.float64), fused.variance.to(torch.float64)
+        else:
+            f_loc = (b / b.sum()) @ x
+            f_var = torch.zeros_like(f_loc)
+        kappa = 1.0 if reference is None else b.sum() / reference[cols]
+        loc[cols] = kappa * f_loc
+        if bool(bayesian[cols[0]]):
+            variance[cols] = torch.clamp(kappa * kappa * f_var, min=float(min_variance))
+    return loc, variance
+
+
+def _fuse_group(means, variances, held, assignments, L: int, layout, shares: Tensor, sizes: Tensor, rule: str,
+                bayesian: Tensor, min_variance: float, **kwargs) -> tuple[Tensor, Tensor, Tensor]:
+    """(L, D) fused means and variances of one group's global units (the members' fusion, no coverage), and (L, D)
+    their coverage ``kappa``."""
+    J, D = len(means), layout.D
+    out = layout.classes >= 0
+    base = []  # per client, (D,) weight of a coordinate it holds: n_j, or share_jk on class k's output coordinates
+    for j in range(J):
+        w = torch.full((D,), float(sizes[j]), dtype=torch.float64)
+        w[out] = shares[j, layout.classes[out]]
+        base.append(w)
+    class_total = torch.zeros(D, dtype=torch.float64)
+    class_total[out] = shares.sum(0)[layout.classes[out]]
+    members = [[] for _ in range(L)]
+    for j in range(J):
+        for l, i in enumerate(assignments[j].tolist()):
+            members[i].append((j, l))
+    loc = torch.zeros(L, D, dtype=torch.float64)
+    var = torch.zeros(L, D, dtype=torch.float64)
+    kappa = torch.zeros(L, D, dtype=torch.float64)
+    for i, who in enumerate(members):
+        x = torch.stack([means[j][l] for j, l in who])
+        u = torch.stack([variances[j][l] for j, l in who])
+        h = torch.stack([held[j][l] for j, l in who])
+        b = torch.stack([base[j] for j, _ in who]) * h
+        reference = torch.where(out, class_total, torch.stack([base[j] for j, _ in who]).sum(0))
+        kappa[i] = torch.where(reference > 0, b.sum(0) / torch.where(reference > 0, reference, 1.0), 0.0)
+        # a class none of the members saw: the unit (what its members' slices hold) fuses them with equal weights
+        unseen = (b.sum(0) == 0) & (h.sum(0) > 0)
+        b = torch.where(unseen, h, b)
+        loc[i], var[i] = fuse_members(x, u, b, None, rule, bayesian=bayesian, min_variance=min_variance, **kwargs)
+    return loc, var, kappa
+
+
+def _layer_fn_default():
+    from bnpfed.inference.bayesian_matching import match_bayesian_layer
+    return match_bayesian_layer
+
+
+def match_posteriors(
+    clients,
+    class_counts=None,
+    spec: PermutationSpec | None = None,
+    *,
+    rule: str = "conflation",
+    sizes=None,
+    input_shape: Sequence[int] | None = None,
+    template: nn.Module | None = None,
+    tau2=None,
+    sigma0_2=None,
+    gamma0=None,
+    mu0=None,
+    bias_mu0=None,
+    hyperparameters: Literal["empirical-bayes", "fixed"] = "empirical-bayes",
+    sweeps: int | None = None,
+    seed: int | None = None,
+    warm_start=None,
+    layer_fn: Callable | None = None,
+    num_samples: int = 1000,
+    min_variance: float = MIN_VARIANCE,
+) -> PosteriorMatch:
+    """Match J Bayesian clients' hidden units group by group and fuse every global unit's members' posteriors (see
+    the module docstring).
+
+    :param clients: J :class:`~bnpfed.inference.BayesianClient` s, or J ``(locs, variances)`` pairs: ``locs`` every
+        parameter by ``state_dict`` key (posterior means of the Bayesian ones), ``variances`` the Bayesian
+        parameters' posterior variances (> 0). Widths may differ.
+    :param class_counts: (J, C) training examples per class at each client (class shares on the output coordinates,
+        and the default ``sizes``); default all ones.
+    :param spec: the :class:`~bnpfed.inference.permutation.PermutationSpec` (default derived from ``template``).
+    :param str rule: the fusion rule of :mod:`bnpfed.combine` (default ``"conflation"``).
+    :param sizes: (J,) the clients' example counts ``n_j`` (default: ``class_counts``' row sums, or ones).
+    :param input_shape: the shape of one input, to derive the spec of a convolutional network.
+    :param template: a network of the clients' kind (required unless ``clients`` are BayesianClients, whose network
+        is used).
+    :param tau2: the extra noise variance between clients' copies of a unit; ``sigma0_2``, ``gamma0``, ``mu0``,
+        ``bias_mu0``: as :func:`~bnpfed.inference.permutation.match_by_spec` (None: estimated per group under
+        empirical Bayes; a scalar, one per group, or a mapping by group name).
+    :param str hyperparameters: ``"empirical-bayes"`` (default) or ``"fixed"``.
+    :param int sweeps: sweeps per group (None: the matcher's default).
+    :param int seed: seed of the sweeps (group c: ``seed + c``) and of ``pooling``'s draws.
+    :param warm_start: a previous :class:`PosteriorMatch` of the same clients (each holding its
+        :meth:`~PosteriorMatch.client_slice`, trained further), or per group J label arrays.
+    :param layer_fn: the one-group matcher, called as ``layer_fn(means, variances, tau2=, sigma0_2=, gamma0=, mu0=,
+        precisions=, sweeps=, seed=, [hyperparameters=], [init_assignments=])`` (default
+        :func:`~bnpfed.inference.bayesian_matching.match_bayesian_layer`).
+    :param int num_samples: ``pooling``'s N.
+    :param float min_variance: floor of the fused variances.
+    :returns: :class:`PosteriorMatch`.
+    """
+    t0 = time.perf_counter()
+    mode = check_choice(hyperparameters, ("empirical-bayes", "fixed"), "hyperparameters")
+    _get_rule(rule)
+    check_int(num_samples, "num_samples", low=1)
+    min_variance = check_positive(min_variance, "min_variance")
+    if not isinstance(clients, Sequence) or isinstance(clients, (str, bytes)) or not clients:
+        raise ValueError("clients: expected a non-empty sequence of BayesianClients or (locs, variances) pairs")
+    if template is None and hasattr(clients[0], "bnn"):
+        template = clients[0].bnn.net
+    pairs = [_pair(c, j) for j, c in enumerate(clients)]
+    J = len(pairs)
+    names_v = sorted(pairs[0][1])
+    for j, (_, v) in enumerate(pairs):
+        if sorted(v) != names_v:
+            raise ValueError(f"clients[{j}]: Bayesian sites {sorted(v)} differ from client 0's {names_v}")
+    if spec is None:
+        if template is None:
+            raise ValueError("spec: expected a PermutationSpec or a template network to derive it from")
+        if input_shape is None:
+            first = next((m for m in template.modules() if isinstance(m, (nn.Linear, nn.Conv2d))), None)
+            if not isinstance(first, nn.Linear):
+                raise ValueError("input_shape: expected the shape of one input to derive the spec of a network that "
+                                 "does not start with a Linear layer")
+            input_shape = (first.in_features,)
+        spec = derive_spec(template, input_shape)
+    if not isinstance(spec, PermutationSpec):
+        raise ValueError(f"spec: expected a PermutationSpec or None, got {type(spec).__name__}")
+    stats = [k for k, kind in spec.kinds.items() if kind in _STATISTICS]
+    if stats:
+        raise ValueError(f"spec: batch-norm running statistics ({stats[:2]}...) are no posterior to fuse; expected a "
+                         "network without batch norm")
+    names = spec.group_names
+    if not names:
+        raise ValueError("spec: has no hidden permutation; matching needs at least one hidden layer")
+    locs = [{k: v.to(torch.float64) for k, v in p[0].items()} for p in pairs]
+    variances = [_full_variances(p[0], {k: v.to(torch.float64) for k, v in p[1].items()}) for p in pairs]
+    widths = [_check_state(s, spec, locs[0] if j else None, j) for j, s in enumerate(locs)]
+    out_w, out_b = _outputs(spec)
+    shares = _class_shares(class_counts, J, int(locs[0][out_w].shape[0]))
+    n = _sizes(sizes, class_counts, J)
+    init = _warm_start(warm_start.assignments if isinstance(warm_start, PosteriorMatch) else warm_start, names,
+                       widths)
+    fn = _layer_fn_default() if layer_fn is None else layer_fn
+    if not callable(fn):
+        raise ValueError(f"layer_fn: expected a one-group matcher, got {layer_fn!r}")
+    values = _group_values(names, mode, tau2, sigma0_2, gamma0, mu0, bias_mu0)
+    shapes = {k: tuple(v.shape) for k, v in locs[0].items()}
+    ones = [{k: torch.ones_like(v) for k, v in s.items()} for s in locs]
+    generator = None if seed is None else torch.Generator().manual_seed(int(seed))
+    below: dict[str, tuple[list[Tensor], int]] = {}
+    atoms_loc, atoms_var, units_loc, units_var, results = {}, {}, {}, {}, {}
+    match_seconds = 0.0
+    for c, name in enumerate(names):
+        t1 = time.perf_counter()
+        tau2_c, sigma0_2_c, gamma0_c, mu0_c, bias_mu0_c = values[c]
+        sizes_below = {h: size for h, (_, size) in below.items()}
+        layout = _layout(spec, shapes, name, sizes_below)
+
+        def rows(states, j):
+            return _rows(states[j], spec, layout, {h: (ids[j], size) for h, (ids, size) in below.items()})
+
+        means = [rows(locs, j) for j in range(J)]
+        variance_rows = [rows(variances, j) for j in range(J)]
+        held = [rows(ones, j) for j in range(J)]
+        kwargs = {} if init is None else {"init_assignments": init[name]}
+        if _accepts(fn, "hyperparameters"):
+            kwargs["hyperparameters"] = mode
+        r = fn(means, variance_rows, tau2=tau2_c, sigma0_2=sigma0_2_c, gamma0=gamma0_c,
+               mu0=layout.prior_mean(mu0_c, bias_mu0_c, fixed=mode == "fixed"), precisions=layout.precisions(shares),
+               sweeps=sweeps, seed=None if seed is None else seed + c, **kwargs)
+        assignments = [torch.as_tensor(a, dtype=torch.long) for a in r.assignments]
+        L = int(r.global_atoms.shape[0])
+        match_seconds += time.perf_counter() - t1
+        bayesian = torch.cat([torch.full((s.stop - s.start,), s.param in names_v, dtype=torch.bool)
+                              for s in layout.segments])
+        loc, var, kappa = _fuse_group(means, variance_rows, held, assignments, L, layout, shares, n, rule, bayesian,
+                                      min_variance, num_samples=num_samples, generator=generator)
+        units_loc[name], units_var[name] = loc, var
+        atoms_loc[name] = kappa * loc
+        atoms_var[name] = torch.where(bayesian, torch.clamp(kappa * kappa * var, min=min_variance), var)
+        results[name] = r
+        below[name] = (assignments, L)
+    extra_loc, extra_var = {}, {}
+    if out_b is not None:  # the output bias: every client's, class by class with the class shares
+        b_locs = torch.stack([s[out_b] for s in locs])
+        b_vars = torch.stack([s[out_b] for s in variances])
+        C = b_locs.shape[1]
+        weights = shares.t()  # (C, J)
+        bias_loc, bias_var = torch.zeros(C, dtype=torch.float64), torch.zeros(C, dtype=torch.float64)
+        for k in range(C):
+            who = weights[k] > 0
+            if not bool(who.any()):
+                who = torch.ones(J, dtype=torch.bool)
+                w = torch.ones(J, dtype=torch.float64)
+            else:
+                w = weights[k]
+            if out_b in names_v:
+                fused = fuse(b_locs[who, k], b_vars[who, k], rule, w[who], num_samples=num_samples,
+                             generator=generator)
+                bias_loc[k], bias_var[k] = fused.loc, torch.clamp(fused.variance, min=min_variance)
+            else:
+                bias_loc[k] = (w[who] / w[who].sum()) @ b_locs[who, k]
+        extra_loc[out_b], extra_var[out_b] = bias_loc, bias_var
+    sizes_all = {g: int(atoms_loc[g].shape[0]) for g in names}
+    loc_state = _assemble(spec, locs[0], atoms_loc, extra_loc, shapes, sizes_all)
+    var_state = _assemble(spec, variances[0], atoms_var, extra_var, shapes, sizes_all)
+    unit_locs = _assemble(spec, locs[0], units_loc, extra_loc, shapes, sizes_all)
+    unit_vars = _assemble(spec, variances[0], units_var, extra_var, shapes, sizes_all)
+    return PosteriorMatch(spec=spec, locs=loc_state, variances={k: var_state[k] for k in names_v},
+                          unit_locs=unit_locs, unit_variances={k: unit_vars[k] for k in names_v},
+                          assignments={g: below[g][0] for g in names}, layer_results=results, rule=rule,
+                          template=template, seconds=time.perf_counter() - t0, match_seconds=match_seconds,
+                          class_shares=shares, sizes=n)
+
+
+def _assemble(spec, template_state, atoms, extra, shapes, sizes) -> dict[str, Tensor]:
+    """A float64 state from every group's (L, D) atoms (their layouts at the global ``sizes``) and ``extra``."""
+    values: dict[str, Tensor] = {}
+    for g in spec.group_names:
+        values.update(_layout(spec, shapes, g, sizes).to_params(atoms[g]))
+    values.update(extra)
+    out = {}
+    for key, t in template_state.items():
+        out[key] = values[key].clone() if key in values else torch.as_tensor(t, dtype=torch.float64).clone()
+    return out

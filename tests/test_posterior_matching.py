@@ -1,0 +1,241 @@
+"""Matched posterior fusion (issue "matching Bayesian neurons"): the server matches the hidden units of independently
+initialised Bayesian clients, then fuses every global unit's members with a rule of bnpfed.combine."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from bnpfed.combine import fuse
+from bnpfed.data import load_dataset
+from bnpfed.federated.config import (FUSION_TRAINING, BayesianConfig, ExperimentConfig, FusionConfig, NetworkConfig,
+                                     PartitionConfig, TrainingConfig)
+from bnpfed.federated.matched_fusion import MatchedFusionFederation
+from bnpfed.federated.methods import available_methods, run_experiment
+from bnpfed.inference.bayesian_matching import match_bayesian_layer
+from bnpfed.inference.permutation import client_slice, derive_spec, network_from_state
+from bnpfed.inference.posterior_matching import fuse_members, match_posteriors
+
+RULES = ("eaa", "gaa", "log_variance", "conflation")
+#: tiny noise and a wide prior: copies of one unit merge, distinct units stay apart
+EXACT = dict(hyperparameters="fixed", tau2=1e-10, sigma0_2=1.0, gamma0=1.0)
+
+
+def bayesian_net(seed, conv=False):
+    g = torch.manual_seed(seed)
+    if conv:
+        net = nn.Sequential(nn.Conv2d(1, 3, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(12, 5),
+                            nn.ReLU(), nn.Linear(5, 3))
+    else:
+        net = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
+    locs = {k: v.detach().double() for k, v in net.state_dict().items()}
+    variances = {k: (torch.rand(v.shape, generator=g, dtype=torch.float64) * 1e-3 + 1e-4)
+                 for k, v in locs.items() if k.endswith("weight")}
+    return net, locs, variances
+
+
+def permuted_copies(net, locs, variances, J, input_shape, seed=0):
+    spec = derive_spec(net, input_shape)
+    g = torch.Generator().manual_seed(seed)
+    clients = []
+    for j in range(J):   # client 0 holds the network as it is, the others permuted
+        sizes = {name: int(locs[spec.group(name).axes[0].param].shape[0]) for name in spec.group_names}
+        perm = {name: torch.randperm(n, generator=g) if j else torch.arange(n) for name, n in sizes.items()}
+        clients.append((client_slice(spec, locs, perm), client_slice(spec, variances, perm)))
+    return spec, clients
+
+
+@pytest.mark.parametrize("conv", [False, True])
+@pytest.mark.parametrize("rule", RULES)
+def test_permuted_copies_of_one_bayesian_network_fuse_back_to_it(rule, conv):
+    """Exactness: J copies of one Bayesian network with permuted units come back: the means exactly, the variances
+    as each rule's formula gives for J identical inputs (eaa, log_variance: unchanged; gaa: times sum_j b_j^2;
+    conflation: times b_max / sum_j b_j)."""
+    net, locs, variances = bayesian_net(0, conv)
+    input_shape = (1, 6, 6) if conv else (4,)
+    J, counts = 3, torch.tensor([[4.0, 1.0, 2.0], [1.0, 3.0, 2.0], [3.0, 3.0, 1.0]], dtype=torch.float64)
+    spec, clients = permuted_copies(net, locs, variances, J, input_shape)
+    match = match_posteriors(clients, counts, spec, rule=rule, template=net, seed=0, **EXACT)
+    assert match.widths == {g.name: int(locs[g.axes[0].param].shape[0]) for g in spec.groups}
+    for key, value in locs.items():
+        torch.testing.assert_close(match.locs[key], value, atol=1e-12, rtol=0)
+    b_hidden = counts.sum(1) / counts.sum()               # member weights on a unit's own coordinates
+    b_out = counts / counts.sum(0)                        # class shares on the output coordinates, (J, C)
+    factor = {"eaa": lambda b: torch.ones_like(b[0]), "log_variance": lambda b: torch.ones_like(b[0]),
+              "gaa": lambda b: (b * b).sum(0),
+              "conflation": lambda b: b.max(0).values / b.sum(0)}[rule]
+    out_w = spec.params_of_kind("output_weight")[0]
+    for key, value in variances.items():
+        expected = value * (factor(b_out)[:, None] if key == out_w else factor(b_hidden[:, None]))
+        torch.testing.assert_close(match.variances[key], expected, rtol=1e-10, atol=0)
+    x = torch.randn(5, *input_shape)
+    torch.testing.assert_close(match.network().float()(x), net(x), atol=1e-5, rtol=0)
+
+
+def test_pooling_fuses_copies_back_up_to_its_monte_carlo_error():
+    """Pooling moment-matches draws: identical members give their own Gaussian within a few standard errors."""
+    net, locs, variances = bayesian_net(1)
+    spec, clients = permuted_copies(net, locs, variances, 2, (4,))
+    match = match_posteriors(clients, None, spec, rule="pooling", template=net, seed=0, num_samples=20000, **EXACT)
+    for key, value in variances.items():
+        se = (value / 20000).sqrt()
+        assert ((match.locs[key] - locs[key]).abs() < 5 * se).all()
+        # the unbiased variance of n draws has relative standard error sqrt(2 / (n - 1))
+        assert ((match.variances[key] / value - 1).abs() < 5 * math.sqrt(2 / 19999)).all()
+
+
+def test_conflation_with_the_atom_prior_is_the_models_conjugate_posterior_of_the_atom():
+    """Conflation (equal weights) of a global unit's members' N(v_jl, u_jl + tau2), with the atom prior N(mu0,
+    sigma0_2) as one more factor, is the matcher's posterior of the atom, N(g / P, 1 / P)."""
+    g = torch.Generator().manual_seed(0)
+    J, D = 4, 6
+    atoms = torch.randn(3, D, generator=g, dtype=torch.float64)
+    means, variances = [], []
+    for j in range(J):
+        u = torch.rand(3, D, generator=g, dtype=torch.float64) * 0.02 + 0.001
+        means.append(atoms + (u + 0.01).sqrt() * torch.randn(3, D, generator=g, dtype=torch.float64))
+        variances.append(u)
+    hyper = dict(tau2=0.01, sigma0_2=2.0, gamma0=3.0, mu0=0.5)
+    r = match_bayesian_layer(means, variances, hyperparameters="fixed", seed=0, **hyper)
+    for i in range(r.num_atoms):
+        rows = [(j, l) for j in range(J) for l, a in enumerate(r.assignments[j].tolist()) if a == i]
+        locs = torch.stack([means[j][l] for j, l in rows] + [torch.full((D,), 0.5, dtype=torch.float64)])
+        var = torch.stack([variances[j][l] + hyper["tau2"] for j, l in rows] +
+                          [torch.full((D,), 2.0, dtype=torch.float64)])
+        fused = fuse(locs, var, "conflation")
+        torch.testing.assert_close(fused.loc, torch.as_tensor(r.global_atoms[i], dtype=torch.float64))
+        torch.testing.assert_close(fused.variance, 1 / torch.as_tensor(r.posterior_precision[i],
+                                                                         dtype=torch.float64))
+
+
+def distinct_clients(J=3):
+    """J Bayesian MLPs of different weights (nothing in common: under EXACT every unit stays alone)."""
+    nets, clients = [], []
+    for j in range(J):
+        net, locs, variances = bayesian_net(10 + j)
+        nets.append(net)
+        clients.append((locs, variances))
+    return nets, clients
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_a_unit_only_one_client_has_speaks_with_that_clients_share(rule):
+    """Coverage: when no unit is shared, the global posterior-mean network computes the clients' logits averaged
+    class by class with the class shares (the deterministic average construction), and client j's slice is client
+    j's own network (with the global output bias)."""
+    nets, clients = distinct_clients()
+    counts = torch.tensor([[5.0, 1.0, 0.0], [1.0, 1.0, 4.0], [2.0, 6.0, 1.0]], dtype=torch.float64)
+    match = match_posteriors(clients, counts, rule=rule, template=nets[0], seed=0, **EXACT)
+    assert match.widths == {"0": 18, "2": 15}
+    shares = counts / counts.sum(0)
+    x = torch.randn(7, 4, dtype=torch.float64)
+    expected = sum(shares[j] * nets[j].double()(x) for j in range(3))
+    torch.testing.assert_close(match.network()(x), expected, atol=1e-10, rtol=0)
+    for j in range(3):   # the slice: the client's own units, with the global output bias
+        locs, variances = match.client_slice(j)
+        own = nets[j].double()(x) - nets[j][4].bias.double() + match.locs["4.bias"]
+        torch.testing.assert_close(network_from_state(nets[0], locs)(x), own, atol=1e-10, rtol=0)
+        for key, value in clients[j][1].items():
+            torch.testing.assert_close(variances[key], value)
+
+
+def test_a_global_unit_lacking_an_input_some_members_have_is_scaled_by_their_coverage():
+    """Two members of a unit, one holding an input the other lacks (a structural zero): the rule fuses the member
+    that holds it and the result is scaled by its share of the members' weight."""
+    loc, var = fuse_members(torch.tensor([[1.0, 2.0], [3.0, 0.0]]), torch.tensor([[1.0, 4.0], [1.0, 1.0]]),
+                            torch.tensor([[3.0, 3.0], [1.0, 0.0]]), torch.tensor([4.0, 4.0]), "gaa",
+                            bayesian=torch.tensor([True, True]))
+    # coordinate 0: both members, b = (3/4, 1/4); coordinate 1: member 0 alone (its value 2, variance 4), coverage 3/4
+    torch.testing.assert_close(loc, torch.tensor([0.75 * 1 + 0.25 * 3, 0.75 * 2.0], dtype=torch.float64))
+    torch.testing.assert_close(var, torch.tensor([0.75 ** 2 + 0.25 ** 2, 0.75 ** 2 * 4.0], dtype=torch.float64))
+
+
+def test_deterministic_coordinates_are_averaged_and_carry_no_variance():
+    loc, var = fuse_members(torch.tensor([[1.0, 2.0], [3.0, 6.0]]), torch.tensor([[1.0, 0.0], [1.0, 0.0]]),
+                            torch.tensor([[1.0, 1.0], [3.0, 3.0]]), None, "conflation",
+                            bayesian=torch.tensor([True, False]))
+    assert loc[1].item() == pytest.approx(5.0) and var[1].item() == 0.0
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: c[1][1].__setitem__("0.weight", -c[1][1]["0.weight"]), r"clients\[1\]: variances\['0.weight'\] must be"),
+    (lambda c: c[1][1].__setitem__("0.weight", c[1][1]["0.weight"][:2]), r"clients\[1\]: variances\['0.weight'\] has "
+     r"shape \(2, 4\)"),
+    (lambda c: c[2][1].pop("2.weight"), r"clients\[2\]: Bayesian sites"),
+    (lambda c: c.__setitem__(0, "net"), r"clients\[0\]: expected a BayesianClient or a \(locs, variances\) pair"),
+])
+def test_bad_clients_are_named(change, message):
+    nets, clients = distinct_clients()
+    clients = [(dict(l), dict(v)) for l, v in clients]
+    change(clients)
+    with pytest.raises(ValueError, match=message):
+        match_posteriors(clients, rule="eaa", template=nets[0], **EXACT)
+
+
+def test_an_unknown_rule_and_an_empty_client_list_are_refused():
+    nets, clients = distinct_clients()
+    with pytest.raises(ValueError, match="rule"):
+        match_posteriors(clients, rule="median", template=nets[0], **EXACT)
+    with pytest.raises(ValueError, match="clients: expected a non-empty sequence"):
+        match_posteriors([], rule="eaa", template=nets[0], **EXACT)
+
+
+def test_batch_norm_statistics_are_no_posterior_to_fuse():
+    net = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.ReLU(), nn.Linear(3, 2))
+    locs = {k: v.detach().double() for k, v in net.state_dict().items()}
+    variances = {"0.weight": torch.full((3, 4), 1e-3, dtype=torch.float64)}
+    with pytest.raises(ValueError, match="spec: batch-norm running statistics"):
+        match_posteriors([(locs, variances)] * 2, rule="eaa", template=net, **EXACT)
+
+
+# ------------------------------------------------------------------------------------------------ federation
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_dataset("digits")
+
+
+def run_rounds(ds, rounds=2, seed=0, rule="conflation"):
+    parts = PartitionConfig(clients=3).split(ds.y_train.numpy(), seed=0)
+    federation = MatchedFusionFederation(ds, parts, network=NetworkConfig(hidden=(16,)),
+                                         training=TrainingConfig(epochs=2, lr=1e-2), bayesian=BayesianConfig(),
+                                         fusion=FusionConfig(rule=rule, align="match"), seed=seed)
+    return federation, [federation.run_round() for _ in range(rounds)]
+
+
+def test_a_matched_fusion_federation_is_reproducible_and_its_clients_start_from_their_slices(digits):
+    """Round 2: every client starts from its slice of the global posterior (means and prior); the same seed gives
+    the same numbers."""
+    a, records = run_rounds(digits)
+    b, again = run_rounds(digits)
+    assert [r.metrics["accuracy"] for r in records] == [r.metrics["accuracy"] for r in again]
+    for key in a.match.locs:
+        assert torch.equal(a.match.locs[key], b.match.locs[key])
+    assert records[-1].metrics["hidden"] == list(a.match.widths.values())
+    assert records[-1].metrics["accuracy"] > 0.5
+    # the clients of round 2 were built from round 1's slices: their priors are those slices
+    for j, client in enumerate(a.clients):
+        prior = client.bnn.prior_distributions()
+        assert set(prior) == set(a.match.variances)
+
+
+def test_match_methods_are_registered_for_every_rule():
+    for rule in ("eaa", "gaa", "log_variance", "pooling", "conflation"):
+        assert f"match-{rule}" in available_methods()
+    assert "ensemble-bayesian" in available_methods()
+
+
+def test_an_experiment_gives_the_rows_of_the_issue_table(digits):
+    ood = 1.0 - digits.x_test      # inverted digits
+    result = run_experiment(digits, partition=PartitionConfig(clients=3), network=NetworkConfig(hidden=(16,)),
+                            training=FUSION_TRAINING, fusion=FusionConfig(own_init=True),
+                            config=ExperimentConfig(methods=("ensemble-bayesian", "pfnm", "eaa", "match-eaa"),
+                                                    ece_bins=100), ood=ood)
+    names = [r.method for r in result.rows]
+    assert names == ["ensemble", "pfnm", "eaa", "match-eaa"]
+    for row in result.rows:
+        for metric in ("accuracy", "nll", "ece", "ece15", "brier", "auroc_max_prob", "auroc_entropy"):
+            assert math.isfinite(getattr(row, metric)), (row.method, metric)
+        assert row.width == sum(row.hidden) > 0
