@@ -58,8 +58,9 @@ Usage::
 
 from __future__ import annotations
 
+import math
 import time
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -104,6 +105,8 @@ class FusionFederation(Federation):
     :param int seed: the experiment's seed.
     :param int ece_bins: bins of the calibration error. Default 15.
     :param int predictive_samples: weight draws S of the posterior predictive. Default 10.
+    :param initial_clients: with ``fusion.own_init``, optionally the J clients after round 1's local SVI with these
+        settings and seed (an experiment's Bayesian clients): round 1 then reuses them.
 
     Attributes: ``clients`` (J :class:`~bnpfed.inference.BayesianClient` s), ``global_model`` (the server's
     client, holding the global model, used for evaluation), ``global_posterior`` (``{site: GaussianPosterior}``),
@@ -112,8 +115,12 @@ class FusionFederation(Federation):
 
     def __init__(self, dataset: Dataset, parts: Sequence, *, network: NetworkConfig, training: TrainingConfig,
                  bayesian: BayesianConfig, fusion: FusionConfig, seed: int, ece_bins: int = 15,
-                 predictive_samples: int = 10):
+                 predictive_samples: int = 10, initial_clients: Optional[Sequence] = None):
         super().__init__(dataset, parts, seed=seed, fraction=fusion.fraction, ece_bins=ece_bins)
+        if initial_clients is not None and (not fusion.own_init or len(initial_clients) != self.num_clients):
+            raise ValueError(f"initial_clients: expected one client per partition ({self.num_clients}) trained from "
+                             f"its own initialisation (fusion.own_init), got {len(initial_clients)}")
+        self.initial_clients = initial_clients
         _check_configs(network=network, training=training, bayesian=bayesian, fusion=fusion)
         if network.arch not in FUSION_ARCHITECTURES:
             raise ValueError(f"arch: posterior fusion expected one of {list(FUSION_ARCHITECTURES)} (no batch norm: its "
@@ -133,6 +140,11 @@ class FusionFederation(Federation):
     def _round(self, round, sampled):
         losses = []
         for k in sampled:
+            if round == 1 and self.initial_clients is not None:  # trained already, with these settings and seed
+                # a copy (later rounds train it further): its posterior and deterministic parameters
+                self.clients[k].load_posterior(self.initial_clients[k].posterior())
+                self.clients[k].load_deterministic(self.initial_clients[k].deterministic_state())
+                continue
             client = self.clients[k]
             if self.shared_init or round > 1:  # without a shared one, round 1 starts from the client's own init
                 client.load_posterior(self.global_posterior)
@@ -147,7 +159,8 @@ class FusionFederation(Federation):
         self.global_model.load_deterministic(self.global_deterministic)
         total = sum(g.variance.sqrt().sum().item() for g in self.global_posterior.values())
         count = sum(g.variance.numel() for g in self.global_posterior.values())
-        return step.weights, {"train_loss": sum(losses) / len(losses), "mean_sigma": total / count,
+        return step.weights, {"train_loss": sum(losses) / len(losses) if losses else math.nan,
+                              "mean_sigma": total / count,
                               "min_variance": step.min_variance, "floored": step.floored,
                               "server_seconds": step.seconds}
 

@@ -577,8 +577,11 @@ def _fusion(experiment: Experiment, rule: str) -> MethodResult:
                                   training=experiment.training, bayesian=experiment.bayesian,
                                   fusion=replace(experiment.fusion, rule=rule), seed=experiment.seed,
                                   ece_bins=experiment.config.ece_bins,
-                                  predictive_samples=experiment.config.predictive_samples)
-    row = experiment.federation_row(federation, experiment.config.rounds, note="posterior fusion")
+                                  predictive_samples=experiment.config.predictive_samples,
+                                  initial_clients=experiment.bayesian_clients() if experiment.fusion.own_init
+                                  and experiment.fusion.fraction >= 1 else None)
+    row = experiment.federation_row(federation, experiment.config.rounds,
+                                    note="posterior fusion" + (", own inits" if experiment.fusion.own_init else ""))
     row.parameters = sum(g.loc.numel() for g in federation.global_posterior.values()) + sum(
         p.numel() for p in federation.global_deterministic.values())
     plain = initial_network(experiment.network, experiment.input_shape, experiment.dataset.num_classes,
