@@ -10,6 +10,7 @@ Examples::
     bnpfed flower keys                                     # every run config key and its default
     bnpfed flower sim --supernodes 3 --run-config 'method="fusion" rule="gaa" rounds=3'
     bnpfed flower sim --local --run-config 'method="pfnm" rounds=2 hidden="50"' --json out.json
+    bnpfed flower sim --local --run-config 'method="fusion" align="match" rule="eaa" rounds=2'
 """
 
 from __future__ import annotations
@@ -95,9 +96,11 @@ def add_parser(sub):
     p = sub.add_parser(
         "flower",
         help="PFNM and posterior fusion on Flower: how to start SuperLink, SuperNodes and a run; simulations",
-        description="PFNM and posterior fusion as a Flower app (bnpfed.flower, examples/flower_app). `bnpfed pfnm` "
-        "and `bnpfed fuse` run everything on one machine; this runs the same servers and clients as Flower "
-        "strategies and client apps.",
+        description="PFNM and posterior fusion as a Flower app (bnpfed.flower, examples/flower_app): method=\"pfnm\", "
+        "or method=\"fusion\" with align=\"none\" (weight by weight, one shared initialisation) or align=\"match\" "
+        "(matched posterior fusion: each client from its own initialisation, hidden units matched, then fused). "
+        "`bnpfed pfnm` and `bnpfed fuse` run everything on one machine; this runs the same servers and clients as "
+        "Flower strategies and client apps.",
         epilog=GUIDE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -192,8 +195,8 @@ def _sim(args, flower_config) -> int:
             return _fail("the simulation ended without a result (see the log above)", 1)
     result = results[0]
     history = result.history
-    own = "hidden" if result.method == "pfnm" else "mean_sigma"
-    columns = ["round", "clients", "rejected", "missing", own]
+    own = [c for c in ("hidden", "mean_sigma") if any(c in r for r in history)]  # matched fusion has both
+    columns = ["round", "clients", "rejected", "missing", *own]
     columns += [c for c in ("accuracy", "nll") if any(c in r for r in history)]
     rows = [{**r, "rejected": len(r["rejected"]), "missing": len(r["missing"])} for r in history]
     run_ = result.settings.run

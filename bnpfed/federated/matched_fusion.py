@@ -47,7 +47,7 @@ from bnpfed.federated.clients import bayesian_client, fit_bayesian, initial_netw
 from bnpfed.federated.config import BayesianConfig, FusionConfig, NetworkConfig, TrainingConfig
 from bnpfed.federated.federation import Federation
 from bnpfed.federated.partition import class_counts
-from bnpfed.federated.server import matched_fusion_step
+from bnpfed.federated.server import matched_client_start, matched_fusion_step
 from bnpfed.inference import BayesianClient
 from bnpfed.inference.permutation import derive_spec, network_from_state
 from bnpfed.inference.posterior_matching import PosteriorMatch, client_posterior
@@ -155,13 +155,7 @@ class MatchedFusionFederation(Federation):
             net = initial_network(self.network, self.dataset.input_shape, self.dataset.num_classes, seed=self.seed,
                                   client=j)
             return bayesian_client(net, self.bayesian), None
-        if j in self.matched:
-            k = self.matched.index(j)
-            locs, variances = self.match.client_slice(k)
-            ids = {g: a[k].clone() for g, a in self.match.assignments.items()}
-        else:
-            locs, variances = self.match.locs, self.match.variances
-            ids = {g: torch.arange(w) for g, w in self.match.widths.items()}
+        locs, variances, ids = matched_client_start(self.match, self.matched.index(j) if j in self.matched else None)
         return client_from_slice(self.template, locs, variances, self.bayesian), ids
 
     def _round(self, round, sampled):

@@ -60,6 +60,7 @@ __all__ = [
     "fedma_group_step",
     "fuse_posteriors",
     "match_hyperparameters",
+    "matched_client_start",
     "matched_fusion_step",
     "matched_parameters",
     "pfnm_step",
@@ -197,6 +198,17 @@ def matched_fusion_step(clients: Sequence, class_counts, sizes: Sequence[int], c
                             input_shape=input_shape, template=template, tau2=config.tau2,
                             seed=derive_seed(seed, Stream.MATCH, round), warm_start=init,
                             num_samples=config.pooling_samples, min_variance=config.min_variance or MIN_VARIANCE)
+
+
+def matched_client_start(match, k: Optional[int]) -> tuple[dict, dict, dict]:
+    """What a client starts a round of matched posterior fusion from: ``(locs, variances, ids)``, its slice of the
+    global posterior (:meth:`~bnpfed.inference.posterior_matching.PosteriorMatch.client_slice`; ``ids``: per group
+    the global units of its slice) if it was the ``k``-th client matched last round, else (``k`` None) the whole
+    global posterior (``ids``: every global unit). The in-process federation and the Flower strategy both call it."""
+    if k is None:
+        return match.locs, match.variances, {g: torch.arange(w) for g, w in match.widths.items()}
+    locs, variances = match.client_slice(k)
+    return locs, variances, {g: a[k].clone() for g, a in match.assignments.items()}
 
 
 def average_states(states: Sequence[Mapping[str, Tensor]], sizes: Sequence[int], scheme: str = "size"

@@ -1,5 +1,6 @@
-"""The Flower ClientApp: one app that runs a PFNM client or a Bayesian (posterior fusion) client, as the server's
-message says (``config["task"]``). Torch, Pyro and the data live here, not in the strategies.
+"""The Flower ClientApp: one app that runs a PFNM client or a Bayesian (posterior fusion, matched or weight by
+weight) client, as the server's message says (``config["task"]``). Torch, Pyro and the data live here, not in the
+strategies.
 
 A client is a SuperNode started with ``--node-config "partition-id=<j> num-partitions=<J>"`` (a simulation fills
 both in) and optionally ``data-dir=<path>`` (torchvision datasets). It loads the dataset the server names and holds
@@ -20,8 +21,15 @@ alone decides. The steps are :mod:`bnpfed.federated.clients`' (the in-process fe
   with the global posterior and deterministic parameters loaded, fitted by
   :func:`~bnpfed.federated.clients.fit_bayesian`; reply with its posterior, parameters, ``num-examples``,
   ``train-loss``;
-* ``evaluate``: accuracy and NLL of the global model on the test shard (fusion: the posterior predictive drawn from
-  ``(seed, PREDICT, round)``, as in process).
+* ``train``, task ``"matched-fusion"`` (``method = "fusion"``, ``align = "match"``): round 1 (no arrays) a Bayesian
+  client of its own initial network (:func:`~bnpfed.federated.clients.initial_network` with its partition id),
+  later one holding what the server sent -- its slice of the global posterior, or the whole of it -- as posterior
+  and prior (:func:`~bnpfed.federated.matched_fusion.client_from_slice`); fitted by
+  :func:`~bnpfed.federated.clients.fit_bayesian`; reply with its posterior
+  (:func:`~bnpfed.inference.posterior_matching.client_posterior`), ``num-examples``, ``class-counts``,
+  ``train-loss``;
+* ``evaluate``: accuracy and NLL of the global model on the test shard (fusion and matched fusion: the posterior
+  predictive drawn from ``(seed, PREDICT, round)``, as in process).
 
 Usage (the example app under ``examples/flower_app`` does exactly this)::
 
@@ -30,6 +38,7 @@ Usage (the example app under ``examples/flower_app`` does exactly this)::
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import lru_cache
 from typing import Optional, Sequence
 
@@ -52,6 +61,8 @@ from bnpfed.flower.records import (
     NodeIdentity,
     array_shapes,
     from_array_record,
+    matched_posterior_from_arrays,
+    matched_posterior_to_record,
     moments_to_record,
     posterior_from_arrays,
     posterior_to_record,
@@ -60,6 +71,7 @@ from bnpfed.flower.records import (
 )
 from bnpfed.inference import BayesianClient
 from bnpfed.inference.permutation import PermutationSpec, derive_spec, network_from_state
+from bnpfed.inference.posterior_matching import client_posterior
 from bnpfed.metrics import classification_report
 from bnpfed.seeding import Stream, derive_seed
 
@@ -152,6 +164,21 @@ class _Client:
         client.load_deterministic(params)
         return client
 
+    def matched_client(self, record: ArrayRecord, *, as_prior: bool) -> BayesianClient:
+        """A Bayesian client of the configured architecture holding the posterior in ``record`` (a slice of a
+        matched global posterior, or the whole of it), as its prior too with ``as_prior``."""
+        from bnpfed.federated.matched_fusion import client_from_slice
+
+        template, spec = _architecture(self.settings.network, tuple(self.ds.input_shape), self.ds.num_classes,
+                                       self.settings.seed)
+        locs, variances = matched_posterior_from_arrays(from_array_record(record), spec, template.state_dict())
+        return client_from_slice(template, locs, variances, self.settings.bayesian, as_prior=as_prior)
+
+    def class_counts(self) -> list[int]:
+        """This client's training examples per class."""
+        counts = class_counts(self.ds.y_train.numpy(), [self.idx.numpy()], self.ds.num_classes)[0]
+        return [int(k) for k in counts]
+
     def reply(self, msg: Message, arrays: Optional[ArrayRecord], metrics: dict) -> Message:
         content = RecordDict({METRICS: MetricRecord(metrics), CLIENT: ConfigRecord({"partition-id": self.j})})
         if arrays is not None:
@@ -200,8 +227,7 @@ def _train_pfnm(msg: Message, context: Context) -> Message:
     else:
         net = c.network(sent)
     trained = train_network(net, x, y, s.training, seed=s.seed, round=c.round, client=c.j)
-    counts = class_counts(ds.y_train.numpy(), [c.idx.numpy()], ds.num_classes)[0]
-    metrics = {"num-examples": int(len(y)), "class-counts": [int(k) for k in counts]}
+    metrics = {"num-examples": int(len(y)), "class-counts": c.class_counts()}
     return c.reply(msg, state_to_record(trained.state_dict()), metrics)
 
 
@@ -222,6 +248,22 @@ def _train_fusion(msg: Message, context: Context) -> Message:
     return c.reply(msg, posterior_to_record(client.posterior(), client.deterministic_state()), metrics)
 
 
+def _train_matched(msg: Message, context: Context) -> Message:
+    c = _Client(msg, context)
+    s, ds = c.settings, c.ds
+    x, y = c.train_data
+    sent = msg.content.array_records[ARRAYS]
+    if len(sent) == 0:  # round 1: this client's own initialisation
+        net = initial_network(replace(s.network, shared_init=False), ds.input_shape, ds.num_classes, seed=s.seed,
+                              client=c.j)
+        client = bayesian_client(net, s.bayesian)
+    else:  # its slice of the global posterior (or the whole of it), as posterior and prior
+        client = c.matched_client(sent, as_prior=True)
+    loss = fit_bayesian(client, x, y, s.training, seed=s.seed, round=c.round, index=c.j)
+    metrics = {"num-examples": int(len(y)), "class-counts": c.class_counts(), "train-loss": float(loss)}
+    return c.reply(msg, matched_posterior_to_record(*client_posterior(client)), metrics)
+
+
 def _evaluate(msg: Message, context: Context) -> Message:
     c = _Client(msg, context)
     x, y = c.test_data
@@ -231,19 +273,21 @@ def _evaluate(msg: Message, context: Context) -> Message:
         with torch.no_grad():
             probs = net.eval()(x).softmax(-1)
     else:
-        probs = c.global_client(record).predict_proba(
+        model = (c.matched_client(record, as_prior=False) if c.config["task"] == "matched-fusion"
+                 else c.global_client(record))
+        probs = model.predict_proba(
             x, num_samples=c.settings.predictive_samples, seed=derive_seed(c.settings.seed, Stream.PREDICT, c.round))
     report = classification_report(probs, y)
     metrics = {"num-examples": int(len(y)), "accuracy": float(report["accuracy"]), "nll": float(report["nll"])}
     return c.reply(msg, None, metrics)
 
 
-_TRAIN = {"pfnm": _train_pfnm, "fusion": _train_fusion}
+_TRAIN = {"pfnm": _train_pfnm, "fusion": _train_fusion, "matched-fusion": _train_matched}
 
 
 def make_client_app() -> ClientApp:
-    """A ``ClientApp`` with ``query`` (this node's partition and data shape), ``train`` (PFNM or posterior fusion,
-    by the message's ``task``) and ``evaluate``."""
+    """A ``ClientApp`` with ``query`` (this node's partition and data shape), ``train`` (PFNM, posterior fusion or
+    matched posterior fusion, by the message's ``task``) and ``evaluate``."""
     client_app = ClientApp()
 
     @client_app.query()

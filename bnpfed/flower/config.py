@@ -70,7 +70,7 @@ __all__ = [
     "run_config_defaults",
 ]
 
-#: The methods a Flower run has: PFNM's neuron matching, posterior fusion.
+#: The methods a Flower run has: PFNM's neuron matching, posterior fusion (``align`` ``"none"`` or ``"match"``).
 METHODS = ("pfnm", "fusion")
 #: The value of a method-dependent key that asks for the method's default.
 AUTO = "auto"
@@ -85,7 +85,9 @@ def config_key(field_name: str) -> str:
 class FlowerRun:
     """The run: which method, on which data, for how many rounds, how long to wait for whom, where to write.
 
-    :param str method: ``"pfnm"`` or ``"fusion"``. Default ``"pfnm"``.
+    :param str method: ``"pfnm"`` or ``"fusion"`` (posterior fusion: weight by weight from one shared
+        initialisation, or with ``align = "match"`` matched posterior fusion, each client from its own
+        initialisation). Default ``"pfnm"``.
     :param str dataset: the dataset every client loads (:func:`bnpfed.data.load_dataset`; ``mnist`` and the other
         torchvision sets from each SuperNode's ``data-dir`` node config). Default ``"digits"`` (bundled).
     :param str standardize: ``"true"``, ``"false"`` or ``"auto"``: as the method's command does (PFNM keeps pixels in
@@ -385,7 +387,21 @@ def parse_run_config(config: Mapping[str, Any]) -> FlowerSettings:
     if built["pfnm"].layerwise_retrain:
         raise ValueError(f"layerwise-retrain: FedMA's layer-wise scheme runs in process (bnpfed pfnm "
                          f"--layerwise-retrain), not on Flower; expected 0, got {built['pfnm'].layerwise_retrain}")
+    if run.method == "fusion":
+        _check_fusion(built["fusion"], built["network"])
     return FlowerSettings(**built)
+
+
+def _check_fusion(fusion: FusionConfig, network: NetworkConfig) -> None:
+    """What posterior fusion on Flower does not run: matching with batch norm, weight-wise fusion from the
+    clients' own initialisations."""
+    if fusion.align == "match" and network.arch.endswith("-bn"):
+        raise ValueError(f"arch: matched posterior fusion (align=\"match\") expected a network without batch norm "
+                         f"(its running statistics are no posterior), got {network.arch!r}")
+    if fusion.align == "none" and fusion.own_init:
+        raise ValueError("own-init: weight-wise fusion from each client's own initialisation (the one-shot "
+                         "baseline) runs in process (bnpfed fuse --own-init), not on Flower; expected false, or "
+                         "align=\"match\"")
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,10 @@ Layouts (one ``ArrayRecord`` per message, under the key ``"arrays"``):
 * batch-norm moments (the re-estimate of a global network's running statistics): ``"{bn}.count"`` (0-d),
   ``"{bn}.sum"`` and ``"{bn}.sum_sq"`` ``(C,)``, float64, per batch norm;
 * a posterior network: ``"loc/{site}"`` and ``"variance/{site}"`` for every Bayesian site (mean-field Gaussian,
-  variance > 0), and ``"param/{name}"`` for every deterministic parameter.
+  variance > 0), and ``"param/{name}"`` for every deterministic parameter; in matched posterior fusion the same
+  layout carries networks of any widths (a client's posterior, its slice of the global one, the global one:
+  :func:`matched_posterior_to_record`), checked against the architecture's permutation spec as a PFNM network is
+  (:func:`matched_posterior_from_arrays`).
 
 Per-client numbers travel in a ``MetricRecord`` under ``"metrics"`` (``num-examples``, ``train-loss``,
 ``class-counts`` for PFNM) and the client's identity in a ``ConfigRecord`` under ``"client"``
@@ -61,6 +64,8 @@ __all__ = [
     "moments_from_arrays",
     "posterior_to_record",
     "posterior_from_arrays",
+    "matched_posterior_to_record",
+    "matched_posterior_from_arrays",
     "array_shapes",
     "reply_parts",
     "read_count",
@@ -250,6 +255,78 @@ def posterior_from_arrays(arrays: Mapping[str, np.ndarray], expected: Mapping[st
         elif kind == "param":
             deterministic[name] = value
     return posterior, deterministic
+
+
+def matched_posterior_to_record(locs: Mapping[str, Any], variances: Mapping[str, Any]) -> ArrayRecord:
+    """A Bayesian network of any widths as ``(locs, variances)`` (every ``state_dict`` entry's posterior mean or
+    value; the Bayesian sites' posterior variances: :func:`~bnpfed.inference.posterior_matching.client_posterior`,
+    :meth:`~bnpfed.inference.posterior_matching.PosteriorMatch.client_slice`) in the posterior layout: the sites of
+    ``variances`` as ``"loc/"`` and ``"variance/"``, the other entries of ``locs`` as ``"param/"``; dtypes kept."""
+    return posterior_to_record({k: GaussianPosterior(locs[k], v) for k, v in variances.items()},
+                               {k: v for k, v in locs.items() if k not in variances})
+
+
+def _renamed(message: str, names: Mapping[str, str]) -> str:
+    """``message`` of :func:`state_from_arrays` (which starts with ``repr(key)``) with the key's record name."""
+    for key, name in names.items():
+        if message.startswith(repr(key)):
+            return repr(name) + message[len(repr(key)):]
+    return message
+
+
+def matched_posterior_from_arrays(arrays: Mapping[str, np.ndarray], spec: PermutationSpec,
+                                  template: Mapping[str, torch.Tensor], sites=None, *,
+                                  widths: Mapping[str, int] | None = None
+                                  ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``(locs, variances)`` of a network sent as :func:`matched_posterior_to_record`, checked: exactly
+    ``"loc/"`` and ``"variance/"`` for each of ``sites`` and ``"param/"`` for the template's other entries; the
+    means' shapes as :func:`state_from_arrays` checks a network's (any widths of the hidden permutations, the same
+    throughout; ``widths[group]`` when given), finite floating point; each variance of its mean's shape, finite,
+    > 0. ``locs`` come in the template's order, ``variances`` in the order of ``sites``.
+
+    >>> from bnpfed.inference.permutation import derive_spec
+    >>> from bnpfed.models import mlp
+    >>> net = mlp(4, [3], 2)
+    >>> spec, state = derive_spec(net, (4,)), net.state_dict()
+    >>> narrow = {k: v[:2] if k.startswith("1.") else v[:, :2] if k == "3.weight" else v for k, v in state.items()}
+    >>> record = matched_posterior_to_record(narrow, {"3.weight": torch.ones(2, 2)})
+    >>> locs, variances = matched_posterior_from_arrays(from_array_record(record), spec, state, ["3.weight"])
+    >>> tuple(locs["1.weight"].shape), sorted(variances)
+    ((2, 4), ['3.weight'])
+    >>> matched_posterior_from_arrays(from_array_record(record), spec, state, ["3.weight"], widths={"1": 3})
+    Traceback (most recent call last):
+    ...
+    bnpfed.flower.records.ReplyError: 'param/1.weight': expected shape (3, 4), got (2, 4)
+
+    :param template: a ``state_dict`` of the architecture (its keys, shapes and dtypes).
+    :param sites: the Bayesian sites (the keys the variances must have); None: those ``arrays`` carries a
+        ``"variance/"`` for (a client reading what its server sent).
+    :raises ReplyError: naming the entry.
+    """
+    if sites is None:
+        sites = [k for k in template if f"variance/{k}" in arrays]
+    sites = list(sites)
+    names = {k: (f"loc/{k}" if k in sites else f"param/{k}") for k in template}
+    try:
+        check_names(arrays, dict.fromkeys([*names.values(), *(f"variance/{s}" for s in sites)]), "posterior", "array")
+    except ValueError as error:
+        raise ReplyError(str(error)) from None
+    try:
+        locs = state_from_arrays({k: arrays[name] for k, name in names.items()}, spec, template, widths=widths)
+    except ReplyError as error:
+        raise ReplyError(_renamed(str(error), names)) from None
+    variances = {}
+    for site in sites:
+        key = f"variance/{site}"
+        value = torch.from_numpy(np.asarray(arrays[key]))
+        try:
+            check_tensor(value, locs[site].shape, repr(key))
+        except ValueError as error:
+            raise ReplyError(str(error)) from None
+        if not bool((value > 0).all()):
+            raise ReplyError(f"{key!r}: expected all entries > 0, got minimum {value.min().item()!r}")
+        variances[site] = value
+    return locs, variances
 
 
 # ------------------------------------------------------------------------------------------------ metadata

@@ -1,12 +1,14 @@
 """The Flower ServerApp: reads the run config, asks the SuperNodes for their partitions, builds
-:class:`~bnpfed.flower.strategies.PFNMStrategy` or :class:`~bnpfed.flower.strategies.PosteriorFusionStrategy`, runs
-its rounds and writes what came out.
+:class:`~bnpfed.flower.strategies.PFNMStrategy`, :class:`~bnpfed.flower.strategies.PosteriorFusionStrategy` or (for
+``method = "fusion"`` with ``align = "match"``) :class:`~bnpfed.flower.strategies.MatchedFusionStrategy`, runs its
+rounds and writes what came out.
 
 The run config (``[tool.flwr.app.config]`` of the app, then ``flwr run --run-config``) is one flat namespace of the
 configs of :mod:`bnpfed.federated.config` plus the run's own keys (:mod:`bnpfed.flower.config`); every key and value
 is checked before anything is sent. With every client answering, the global model is the in-process run's
-(:class:`~bnpfed.federated.pfnm.PFNMFederation`, :class:`~bnpfed.federated.fusion.FusionFederation` with the same
-configs and seed), bit for bit, whatever ``fraction`` is.
+(:class:`~bnpfed.federated.pfnm.PFNMFederation`, :class:`~bnpfed.federated.fusion.FusionFederation`,
+:class:`~bnpfed.federated.matched_fusion.MatchedFusionFederation` with the same configs and seed), bit for bit,
+whatever ``fraction`` is.
 
 Usage (``grid`` is a Flower ``Grid``: the SuperLink's, a simulation's, or a
 :class:`~bnpfed.flower.local.LocalGrid`)::
@@ -33,7 +35,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from bnpfed.flower.config import FlowerSettings, parse_run_config
 from bnpfed.flower.records import from_array_record
-from bnpfed.flower.strategies import LOGGER, PFNMStrategy, PosteriorFusionStrategy
+from bnpfed.flower.strategies import LOGGER, MatchedFusionStrategy, PFNMStrategy, PosteriorFusionStrategy
 from bnpfed.report import command_record, write_json
 
 __all__ = ["FederationResult", "app", "make_server_app", "run_federation"]
@@ -72,13 +74,17 @@ def run_federation(grid: Grid, config: Mapping[str, Any]) -> FederationResult:
     common = dict(seed=run.seed, fraction_evaluate=run.fraction_evaluate, min_nodes=run.min_nodes,
                   min_replies=run.min_replies, node_timeout=run.node_timeout, query_timeout=run.round_timeout,
                   client_config=settings.client_record())
+    matched = run.method == "fusion" and settings.fusion.align == "match"
     if run.method == "pfnm":
         strategy = PFNMStrategy(settings.pfnm, network=settings.network, **common)
+    elif matched:
+        strategy = MatchedFusionStrategy(settings.fusion, network=settings.network, bayesian=settings.bayesian,
+                                         **common)
     else:
         strategy = PosteriorFusionStrategy(settings.fusion, **common)
     identity = strategy.connect(grid)
     settings = settings.with_clients(identity.num_partitions)
-    if run.method == "pfnm":
+    if run.method == "pfnm" or matched:  # each client starts round 1 from its own initialisation
         initial = ArrayRecord()
     else:
         from bnpfed.flower.client import initial_global_model  # the model is a Pyro program: built on demand

@@ -1,14 +1,17 @@
-"""PFNM and posterior fusion as Flower strategies (the Message API of Flower 1.42).
+"""PFNM, posterior fusion and matched posterior fusion as Flower strategies (the Message API of Flower 1.42).
 
 A strategy has one method per phase of a round: ``configure_train`` (which clients, what each gets),
 ``aggregate_train`` (check the replies, then call the server step), ``configure_evaluate`` / ``aggregate_evaluate``
 (clients score the global model on their test shards). ``Strategy.start(grid, initial_arrays, num_rounds,
 timeout)`` runs the rounds. No server math lives here: :class:`PFNMStrategy` calls
 :func:`~bnpfed.federated.server.pfnm_step` and :func:`~bnpfed.federated.server.client_start`,
-:class:`PosteriorFusionStrategy` calls :func:`~bnpfed.federated.server.fuse_posteriors`, and both sample with
-:func:`~bnpfed.federated.server.sample_clients` -- the functions :class:`~bnpfed.federated.pfnm.PFNMFederation` and
-:class:`~bnpfed.federated.fusion.FusionFederation` call, with the same arguments, so the global models are the same
-bit for bit.
+:class:`PosteriorFusionStrategy` calls :func:`~bnpfed.federated.server.fuse_posteriors`,
+:class:`MatchedFusionStrategy` (run config ``method = "fusion"`` with ``align = "match"``) calls
+:func:`~bnpfed.federated.server.matched_fusion_step`, and all sample with
+:func:`~bnpfed.federated.server.sample_clients` -- the functions :class:`~bnpfed.federated.pfnm.PFNMFederation`,
+:class:`~bnpfed.federated.fusion.FusionFederation` and
+:class:`~bnpfed.federated.matched_fusion.MatchedFusionFederation` call, with the same arguments, so the global models
+are the same bit for bit.
 
 Clients are *partitions*: client j is the SuperNode started with ``partition-id=j`` (a simulation numbers its
 nodes). Flower's node ids are random, so before round 1 the strategy asks every node for its identity (a
@@ -32,8 +35,8 @@ Faults are handled at the boundary, per client:
   rejected and missing client.
 
 Every round is recorded in :attr:`history`: the partitions sampled, those aggregated, the rejected ones with their
-reasons, the missing ones, the method's own numbers (PFNM: the global hidden widths; fusion: the client weights,
-the floored variances) and the evaluation.
+reasons, the missing ones, the method's own numbers (PFNM and matched fusion: the global hidden widths; fusion: the
+client weights, the floored variances) and the evaluation.
 """
 
 from __future__ import annotations
@@ -43,17 +46,19 @@ import math
 import time
 from abc import abstractmethod
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence
 
 import numpy as np
+import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from bnpfed.federated.config import FusionConfig, NetworkConfig, PFNMConfig
+from bnpfed.federated.config import BayesianConfig, FusionConfig, NetworkConfig, PFNMConfig
 from bnpfed.federated.server import (batch_norm_step, client_start, clients_per_round, fuse_posteriors,
-                                     match_hyperparameters, pfnm_step, sample_clients, with_statistics)
+                                     match_hyperparameters, matched_client_start, matched_fusion_step, pfnm_step,
+                                     sample_clients, with_statistics)
 from bnpfed.flower.records import (
     ARRAYS,
     CLIENT,
@@ -62,6 +67,8 @@ from bnpfed.flower.records import (
     NodeIdentity,
     ReplyError,
     array_shapes,
+    matched_posterior_from_arrays,
+    matched_posterior_to_record,
     moments_from_arrays,
     posterior_from_arrays,
     posterior_to_record,
@@ -77,7 +84,7 @@ from bnpfed.flower.records import (
 from bnpfed.seeding import Stream
 from bnpfed.validation import check_fraction, check_int, check_positive
 
-__all__ = ["LOGGER", "PFNMStrategy", "PosteriorFusionStrategy", "evaluation_clients"]
+__all__ = ["LOGGER", "MatchedFusionStrategy", "PFNMStrategy", "PosteriorFusionStrategy", "evaluation_clients"]
 
 #: Where rejections, missing clients and round summaries are logged: a child of Flower's logger, so the lines show
 #: up in the ServerApp's console and in ``flwr log``.
@@ -96,6 +103,11 @@ def evaluation_clients(num_clients: int, fraction: float, *, seed: int, round: i
     if fraction == 0:
         return []
     return sample_clients(num_clients, fraction, seed=seed, round=round, stream=Stream.EVALUATION)
+
+
+def _template_widths(spec, state: Mapping[str, Any]) -> dict[str, int]:
+    """Units per hidden permutation of the template network ``state`` (what a client's own initialisation has)."""
+    return {g.name: int(state[g.axes[0].param].shape[g.axes[0].dim]) // g.axes[0].block for g in spec.groups}
 
 
 @dataclass
@@ -447,8 +459,7 @@ class PFNMStrategy(_RoundStrategy):
     def _train_content(self, server_round, j, arrays):
         if self.match is None:  # round 1: the client starts from its own initialisation
             self._starts[j] = None
-            self._widths[j] = {g.name: int(self._template_state[g.axes[0].param].shape[g.axes[0].dim])
-                               // g.axes[0].block for g in self.spec.groups}
+            self._widths[j] = _template_widths(self.spec, self._template_state)
             return ArrayRecord()
         state, ids = client_start(self.match, self.matched.index(j) if j in self.matched else None)
         self._starts[j] = ids
@@ -558,3 +569,114 @@ class PosteriorFusionStrategy(_RoundStrategy):
                    "mean_sigma": total / count, "min_variance": step.min_variance, "floored": step.floored,
                    "server_seconds": step.seconds}
         return posterior_to_record(step.posterior, step.deterministic), summary
+
+
+class MatchedFusionStrategy(_RoundStrategy):
+    """Matched posterior fusion as a Flower strategy (run config ``method = "fusion"``, ``align = "match"``); the
+    rounds of :class:`~bnpfed.federated.matched_fusion.MatchedFusionFederation`.
+
+    Round 1: each sampled client builds its own initial network from its partition id (an empty ``ArrayRecord``
+    is sent), runs SVI and replies with its posterior (:func:`~bnpfed.flower.records.matched_posterior_to_record`
+    of :func:`~bnpfed.inference.posterior_matching.client_posterior`), ``num-examples``, ``class-counts`` and
+    ``train-loss``. The server matches the clients' hidden units and fuses every global unit's members
+    (:func:`~bnpfed.federated.server.matched_fusion_step`, clients in partition order). Round r > 1: a client
+    matched last round gets its slice of the global posterior (its means and, as its new prior, the posterior),
+    any other client the whole global posterior; the server remembers the global units it sent each client and
+    warm-starts the matching from them. The global widths can change every round (``history[r]["hidden"]``).
+    Evaluation: the clients score the global Bayesian network (its posterior predictive, as fusion's) on their test
+    shards.
+
+    Usage (``grid`` is any Flower ``Grid``; :func:`bnpfed.flower.server.run_federation` builds this)::
+
+        strategy = MatchedFusionStrategy(FusionConfig(rule="eaa", align="match"), seed=0,
+                                         network=NetworkConfig(hidden=(16,)))
+        strategy.connect(grid)
+        result = strategy.start(grid, ArrayRecord(), num_rounds=2)
+        strategy.match.widths, strategy.history
+
+    :param FusionConfig fusion: the rule, member weights, ``tau2``, pooling draws, variance floor, share of clients
+        a round trains; ``align`` must be ``"match"``.
+    :param int seed: the experiment's seed (client sampling, the matcher's sweeps, the pooling draws).
+    :param NetworkConfig network: the clients' network kind, without batch norm (default ``NetworkConfig()``;
+        ``shared_init`` is ignored: each client starts from its own initialisation).
+    :param BayesianConfig bayesian: the clients' prior (which parameters are Bayesian sites). Default
+        ``BayesianConfig()``.
+    :param kwargs: as for :class:`PFNMStrategy`.
+
+    Attributes: ``match`` (the last :class:`~bnpfed.inference.posterior_matching.PosteriorMatch`), ``matched``
+    (the clients it matched, in its order), ``spec`` and ``template`` (after :meth:`connect`), ``history``.
+    """
+
+    task = "matched-fusion"
+
+    def __init__(self, fusion: FusionConfig, *, seed: int, network: Optional[NetworkConfig] = None,
+                 bayesian: Optional[BayesianConfig] = None, **kwargs: Any):
+        network = NetworkConfig() if network is None else network
+        bayesian = BayesianConfig() if bayesian is None else bayesian
+        for name, value, kind in (("fusion", fusion, FusionConfig), ("network", network, NetworkConfig),
+                                  ("bayesian", bayesian, BayesianConfig)):
+            if not isinstance(value, kind):
+                raise ValueError(f"{name}: expected a {kind.__name__}, got {type(value).__name__}")
+        if fusion.align != "match":
+            raise ValueError(f"align: MatchedFusionStrategy expected \"match\", got {fusion.align!r} (weight-wise "
+                             f"fusion is PosteriorFusionStrategy)")
+        if network.arch.endswith("-bn"):
+            raise ValueError(f"arch: matched posterior fusion (align=\"match\") expected a network without batch "
+                             f"norm (its running statistics are no posterior), got {network.arch!r}")
+        super().__init__(seed=seed, fraction=fusion.fraction, **kwargs)
+        self.fusion, self.bayesian = fusion, bayesian
+        self.network = replace(network, shared_init=False)
+        self.match = None
+        self.matched: list[int] = []
+        self.spec = self.template = None
+        self._starts: dict[int, Any] = {}  # partition -> the global ids of the units it was sent, per group
+        self._widths: dict[int, dict] = {}  # partition -> the widths it must answer with
+
+    def connect(self, grid: Grid) -> NodeIdentity:
+        """As :meth:`_RoundStrategy.connect`, then the template network, its permutation spec and its Bayesian
+        sites (what every client builds too)."""
+        from bnpfed.federated.clients import bayesian_client, initial_network  # Pyro loads on demand
+        from bnpfed.inference.permutation import derive_spec
+        from bnpfed.inference.posterior_matching import client_posterior
+
+        identity = super().connect(grid)
+        if self.template is None:
+            self.template = initial_network(self.network, identity.input_shape, identity.num_classes, seed=self.seed)
+            self.spec = derive_spec(self.template, identity.input_shape)
+            self._template_state = self.template.state_dict()
+            locs, variances = client_posterior(bayesian_client(self.template, self.bayesian))
+            self._order, self._sites = list(locs), list(variances)  # a client's (locs, variances), as it makes them
+        return identity
+
+    def _train_content(self, server_round, j, arrays):
+        if self.match is None:  # round 1: the client starts from its own initialisation
+            self._starts[j] = None
+            self._widths[j] = _template_widths(self.spec, self._template_state)
+            return ArrayRecord()
+        locs, variances, ids = matched_client_start(self.match, self.matched.index(j) if j in self.matched else None)
+        self._starts[j] = ids
+        self._widths[j] = {g: int(len(i)) for g, i in ids.items()}
+        return matched_posterior_to_record(locs, variances)
+
+    def _parse_train(self, reply):
+        arrays, metrics, j, n = self._identity_and_count(reply)
+        locs, variances = matched_posterior_from_arrays(arrays, self.spec, self._template_state, self._sites,
+                                                        widths=self._widths.get(j))
+        counts = read_class_counts(metrics, self.identity.num_classes)
+        posterior = ({k: locs[k] for k in self._order}, variances)
+        return _Accepted(j, n, (posterior, counts), {"train_loss": read_finite(metrics, "train-loss")})
+
+    def _aggregate(self, server_round, accepted):
+        from bnpfed.federated.matched_fusion import matched_hyperparameters
+
+        starts = None if self.match is None else [self._starts[a.partition_id] for a in accepted]
+        self.match = matched_fusion_step([a.payload[0] for a in accepted], np.stack([a.payload[1] for a in accepted]),
+                                         [a.num_examples for a in accepted], self.fusion, seed=self.seed,
+                                         round=server_round, starts=starts, spec=self.spec, template=self.template)
+        self.matched = [a.partition_id for a in accepted]
+        variances = torch.cat([v.reshape(-1) for v in self.match.variances.values()])
+        summary = {"hidden": list(self.match.widths.values()),
+                   "train_loss": sum(a.metrics["train_loss"] for a in accepted) / len(accepted),
+                   "mean_sigma": float(variances.sqrt().mean()),
+                   "hyperparameters": matched_hyperparameters(self.match), "server_seconds": self.match.seconds}
+        return matched_posterior_to_record(self.match.locs, self.match.variances), summary
