@@ -22,6 +22,8 @@ Parts (each writes JSON lines to ``--out`` and can be resumed: finished configur
   default) against re-matching from scratch every round, on the same local models (J = 25, 10 rounds);
 * ``cnn``: LeNet (``--dataset mnist`` or ``fashion-mnist``): local models, ensemble, one-shot FedAvg, one-shot
   PFNM (empirical Bayes), FedMA layer-wise, and ``--rounds`` rounds of PFNM with communication against FedAvg;
+* ``cnn-timing``: LeNet's groups matched for J = 25 (IID, seed 0): seconds per group, best of 3, empirical Bayes
+  and fixed hyper-parameters;
 * ``deep``: 784-100-100-10, top-down against bottom-up under both sets of constants (J = 10, homogeneous, seed 0);
 * ``timing``: matching seconds per round at J = 25 (homogeneous and Dirichlet, seed 0) with the process's default
   BLAS threads, best of 3, under both sets of constants (run it on a quiet machine).
@@ -250,7 +252,29 @@ def part_cnn(ds, out: Path, seeds, Js, *, name: str = "mnist", rounds: int = 3, 
                                      wall_seconds=time.perf_counter() - t0))
 
 
-PARTS = {"reference": part_reference, "cnn": part_cnn, "eb": part_eb, "plane": part_plane, "width": part_width, "rounds": part_rounds, "start": part_start,
+def part_cnn_timing(ds, out: Path, name: str = "mnist") -> None:
+    """Issue 10's speed target: LeNet's groups matched for J = 25 (IID, seed 0), best of 3, empirical Bayes and fixed
+    sigma2 = sigma0_2 = gamma0 = 1, seconds per group (the widest is fc1: 120 units per client)."""
+    key = f"cnn-timing/{name}/J=25/iid/seed=0"
+    if key in _done(out):
+        return
+    configs = _configs(25, "iid", 0)
+    configs["network"] = replace(PFNM_NETWORK, arch="lenet")
+    experiment = Experiment(ds, **configs)
+    local = experiment.local_models()
+    rows = {}
+    for label, config in (("empirical-bayes", PFNMConfig()),
+                          ("fixed", PFNMConfig(hyperparameters="fixed", sigma2=1.0, sigma0_2=1.0, gamma0=1.0))):
+        results = [pfnm_step(local, experiment.class_counts, config, seed=0, round=1,
+                             input_shape=experiment.input_shape) for _ in range(3)]
+        groups = {g: min(r.layer_results[g].seconds for r in results) for g in results[0].layer_results}
+        best = min(results, key=lambda r: r.seconds)
+        rows[label] = dict(seconds=best.seconds, group_seconds=groups, hidden=best.hidden_sizes,
+                           sweeps={g: getattr(r, "sweeps_run", None) for g, r in best.layer_results.items()})
+    _emit(out, key, dict(rows=rows, threads=torch.get_num_threads()))
+
+
+PARTS = {"reference": part_reference, "cnn": part_cnn, "cnn-timing": part_cnn_timing, "eb": part_eb, "plane": part_plane, "width": part_width, "rounds": part_rounds, "start": part_start,
          "deep": part_deep, "timing": part_timing}
 
 
@@ -284,6 +308,8 @@ def main(argv=None):
             PARTS[part](ds, out, seeds, Js)
         elif part == "cnn":
             part_cnn(ds, out, seeds, Js, name=args.dataset, rounds=args.rounds)
+        elif part == "cnn-timing":
+            part_cnn_timing(ds, out, name=args.dataset)
         else:
             PARTS[part](ds, out)
 

@@ -286,8 +286,9 @@ class Experiment:
         if ood is not None:
             ood = torch.as_tensor(ood)
             if tuple(ood.shape[1:]) != tuple(dataset.input_shape) or not ood.is_floating_point() or not len(ood):
-                raise ValueError(f"ood: expected out-of-distribution inputs of shape (N, {', '.join(map(str, dataset.input_shape))}) "
-                                 f"(the dataset's input shape), got {tuple(ood.shape)} {ood.dtype}")
+                shape = ", ".join(map(str, dataset.input_shape))
+                raise ValueError(f"ood: expected out-of-distribution inputs of shape (N, {shape}) (the dataset's input "
+                                 f"shape), got {tuple(ood.shape)} {ood.dtype}")
         self.ood = ood
         self.dataset, self.partition, self.network, self.training = dataset, partition, network, training
         self.pfnm, self.fusion, self.bayesian, self.config = pfnm, fusion, bayesian, config
@@ -348,7 +349,8 @@ class Experiment:
             out.update(ood_auroc(probs, ood_probs))
         return out
 
-    def predictions(self, predict: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def predictions(self, predict: Callable[[torch.Tensor], torch.Tensor]
+                    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """``predict`` (inputs -> class probabilities) on the test split and, when there is one, on the
         out-of-distribution images, in chunks of :data:`~bnpfed.federated.federation.EVAL_CHUNK`."""
         def run(x):
@@ -617,7 +619,8 @@ def _matched_fusion(experiment: Experiment, rule: str) -> MethodResult:
     return experiment.federation_row(federation, experiment.config.rounds, note="matched posterior fusion")
 
 
-for _name, _fn in (("local", _local), ("ensemble", _ensemble), ("ensemble-bayesian", _bayesian_ensemble), ("fedavg-oneshot", _fedavg_oneshot),
+for _name, _fn in (("local", _local), ("ensemble", _ensemble), ("ensemble-bayesian", _bayesian_ensemble),
+                   ("fedavg-oneshot", _fedavg_oneshot),
                    ("fedavg", _fedavg), ("kmeans", _kmeans), ("pfnm", _pfnm), ("pfnm-rounds", _pfnm_rounds),
                    ("fedma", lambda e: _fedma(e, 1, "fedma")),
                    ("fedma-rounds", lambda e: _fedma(e, e.config.rounds, "fedma-rounds"))):

@@ -177,7 +177,8 @@ def matched_fusion_step(clients: Sequence, class_counts, sizes: Sequence[int], c
     :data:`~bnpfed.inference.posterior_matching.MIN_VARIANCE` when that is 0). The sweeps and the pooling draws derive
     from ``derive_seed(seed, MATCH, round)``.
 
-    :param clients: per client, its ``(locs, variances)`` (:func:`~bnpfed.inference.posterior_matching.client_posterior`).
+    :param clients: per client, its ``(locs, variances)``
+        (:func:`~bnpfed.inference.posterior_matching.client_posterior`).
     :param class_counts: ``(J, C)`` training examples per class of each client.
     :param sizes: per client, ``n_k``.
     :param starts: None in round 1; later, per client, the global ids of its units per group it started the round
