@@ -77,7 +77,7 @@ def part_oneshot(datasets, dirs, out: Path, seeds, args) -> None:
         ds, ood = _data(name, dirs)
         for partition in ("iid", "dirichlet"):
             for seed in seeds:
-                key = f"oneshot/{name}/J={args.clients}/{partition}/seed={seed}"
+                key = f"oneshot/{name}/J={args.clients}/{partition}/seed={seed}{args.tag}"
                 if key in done:
                     continue
                 t0 = time.perf_counter()
@@ -85,11 +85,12 @@ def part_oneshot(datasets, dirs, out: Path, seeds, args) -> None:
                 result = run_experiment(
                     ds, ood=ood, partition=PartitionConfig(clients=args.clients, partition=partition),
                     network=NetworkConfig(hidden=(100,)),
-                    training=TrainingConfig(epochs=args.epochs, batch_size=64, lr=1e-3),
-                    bayesian=BayesianConfig(), fusion=FusionConfig(own_init=True),
+                    training=TrainingConfig(epochs=args.epochs, batch_size=64, lr=args.lr),
+                    bayesian=BayesianConfig(init_scale=args.init_scale), fusion=FusionConfig(own_init=True),
                     config=ExperimentConfig(methods=methods, rounds=1, seed=seed, ece_bins=100,
                                             predictive_samples=args.samples))
-                _emit(out, key, dict(dataset=name, partition=partition, seed=seed, J=args.clients,
+                _emit(out, key, dict(dataset=name, partition=partition, seed=seed, J=args.clients, tag=args.tag,
+                                     lr=args.lr, init_scale=args.init_scale, epochs=args.epochs,
                                      rows={r.method: _row(r) for r in result.rows}, warnings=result.warnings,
                                      wall_seconds=time.perf_counter() - t0))
 
@@ -99,18 +100,19 @@ def part_rounds(datasets, dirs, out: Path, seeds, args) -> None:
     for name in datasets:
         ds, ood = _data(name, dirs)
         for seed in seeds:
-            key = f"rounds/{name}/J={args.clients}/dirichlet/seed={seed}/rounds={args.rounds}/rule={args.rule}"
+            key = f"rounds/{name}/J={args.clients}/dirichlet/seed={seed}/rounds={args.rounds}/rule={args.rule}{args.tag}"
             if key in done:
                 continue
             t0 = time.perf_counter()
             result = run_experiment(
                 ds, ood=ood, partition=PartitionConfig(clients=args.clients, partition="dirichlet"),
                 network=NetworkConfig(hidden=(100,)),
-                training=TrainingConfig(epochs=args.epochs, batch_size=64, lr=1e-3, round_epochs=args.round_epochs),
-                bayesian=BayesianConfig(), fusion=FusionConfig(rule=args.rule),
+                training=TrainingConfig(epochs=args.epochs, batch_size=64, lr=args.lr, round_epochs=args.round_epochs),
+                bayesian=BayesianConfig(init_scale=args.init_scale), fusion=FusionConfig(rule=args.rule),
                 config=ExperimentConfig(methods=(f"match-{args.rule}", args.rule, "fedavg"), rounds=args.rounds,
                                         seed=seed, ece_bins=100, predictive_samples=args.samples))
             _emit(out, key, dict(dataset=name, partition="dirichlet", seed=seed, J=args.clients, rounds=args.rounds,
+                                 tag=args.tag, lr=args.lr, init_scale=args.init_scale, epochs=args.epochs,
                                  rows={r.method: _row(r) for r in result.rows}, warnings=result.warnings,
                                  wall_seconds=time.perf_counter() - t0))
 
@@ -126,7 +128,7 @@ def summary(out: Path) -> None:
         rec = json.loads(line)
         part = rec["key"].split("/")[0]
         for method, row in rec["rows"].items():
-            groups.setdefault((part, rec["dataset"], rec["partition"], method), []).append(row)
+            groups.setdefault((part + rec.get("tag", ""), rec["dataset"], rec["partition"], method), []).append(row)
     table = []
     for (part, dataset, partition, method), rows in groups.items():
         entry = dict(part=part, dataset=dataset, partition=partition, method=method, seeds=len(rows))
@@ -151,6 +153,10 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--rule", default="conflation", choices=RULES, help="the rule of the rounds part")
     p.add_argument("--samples", type=int, default=10, help="predictive weight draws")
+    p.add_argument("--lr", type=float, default=1e-3, help="local learning rate (Adam)")
+    p.add_argument("--init-scale", type=float, default=BayesianConfig().init_scale,
+                   help="the Bayesian clients' initial posterior standard deviation")
+    p.add_argument("--tag", default="", help="appended to every key (a variant of the settings)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--summary", action="store_true", help="print the tables of --out and stop")
     args = p.parse_args(argv)
