@@ -71,8 +71,14 @@ changes no assignment and moves no estimate by more than ``EB_RTOL`` (relative; 
 
 Coordinates with precision scales other than 1 (``precisions``; PFNM's output weights) are on a scale of their own,
 so, as in match_layer, a layer with both kinds gets a second pair ``tau2_scaled``, ``sigma0_2_scaled`` for them (the
-same equations on those coordinates; a given tau2 or sigma0_2 fixes both of its pair). A layer with no coordinate of
-scale 1 everywhere has one pair, named tau2 and sigma0_2.
+same equations on those coordinates; a given tau2 or sigma0_2 fixes every pair). Coordinates of scale 1 whose
+posterior variance is 0 at every neuron are deterministic parameters (a bias the prior keeps deterministic): a point
+estimate, not a measurement without error, so beside Bayesian coordinates they get a pair of their own,
+``tau2_point`` and ``sigma0_2_point`` -- on them the model is match_layer's homoscedastic one, tau2_point its
+sigma2. Without it, once the members' Bayesian coordinates agree within their posterior variances (clients that
+retrained their slice of a global posterior, which is also their prior) tau2 falls to its floor, the deterministic
+coordinates become exact, and members whose biases differ at all can no longer share a unit. A layer with one kind
+of coordinate has one pair, named tau2 and sigma0_2.
 
 The start mirrors match_layer: with T the pooled variance of the means and ubar the mean posterior variance (over
 the coordinates of the block, entries with s > 0), ``R = T - ubar`` (T where that is not positive, noted) is what
@@ -451,11 +457,19 @@ class _Blocks:
         self.v, self.u = np.concatenate(V), np.concatenate(U)
         sizes = [x.shape[0] for x in V]
         self.s = np.repeat(np.ones((J, D)) if s is None else s, sizes, axis=0)
-        A = np.arange(D) if s is None else np.flatnonzero((s == 1.0).all(axis=0))
-        B = np.setdiff1d(np.arange(D), A)
-        self.two = bool(len(A)) and bool((self.s[:, B] > 0).any())
+        plain = np.arange(D) if s is None else np.flatnonzero((s == 1.0).all(axis=0))
+        # coordinates of scale 1 with posterior variance 0 at every neuron: deterministic (point) estimates
+        point = plain[(self.u[:, plain] == 0).all(axis=0)] if self.u.shape[0] else plain[:0]
+        A = np.setdiff1d(plain, point)
+        B = np.setdiff1d(np.arange(D), plain)
+        blocks = [(A, ""), (point, "_point" if len(A) else "")]
+        blocks = [(c, suffix) for c, suffix in blocks if len(c)]
+        if len(B) and (self.s[:, B] > 0).any() and blocks:
+            blocks.append((B, "_scaled"))
+        elif len(B):   # no scale-1 coordinate, or none with data among the scaled ones: they join the first block
+            blocks = [(np.union1d(blocks[0][0], B), blocks[0][1])] + blocks[1:] if blocks else [(B, "")]
         # the blocks with their own pair: (coordinates, suffix of the names)
-        self.pairs = [(A, ""), (B, "_scaled")] if self.two else [(np.arange(D), "")]
+        self.pairs = blocks if len(blocks) > 1 else [(np.arange(D), "")]
 
     def vector(self, values: dict, name: str) -> np.ndarray:
         """A (D,) vector of the blocks' values of ``name`` ("tau2" or "sigma0_2")."""
@@ -609,9 +623,11 @@ def match_bayesian_layer(
         labels distinct within a client.
     :param float popularity_factor: factor c on the popularity term (2: the objective is twice the log density).
     :returns: :class:`~bnpfed.inference.matching.MatchResult`; ``hyperparameters`` holds ``"tau2"``,
-        ``"sigma0_2"``, ``"gamma0"``, ``"mu0"`` (and ``"tau2_scaled"``, ``"sigma0_2_scaled"`` under empirical Bayes
-        for a layer with coordinates of per-client scales beside coordinates of scale 1); ``estimated`` lists the
-        estimated ones in the order ``("mu0", "tau2", "sigma0_2", "tau2_scaled", "sigma0_2_scaled", "gamma0")``;
+        ``"sigma0_2"``, ``"gamma0"``, ``"mu0"`` (and under empirical Bayes ``"tau2_point"``, ``"sigma0_2_point"`` for
+        deterministic coordinates beside Bayesian ones, ``"tau2_scaled"``, ``"sigma0_2_scaled"`` for coordinates of
+        per-client scales beside coordinates of scale 1); ``estimated`` lists the estimated ones in the order
+        ``("mu0", "tau2", "sigma0_2", "tau2_point", "sigma0_2_point", "tau2_scaled", "sigma0_2_scaled",
+        "gamma0")``;
         ``objective`` holds F after the first assignment and after every sweep (each at the values that pass used).
     """
     t0 = time.perf_counter()
@@ -666,7 +682,7 @@ def _match_empirical_bayes(matcher: _BayesianMatcher, given: dict, mu0, init, *,
         _note(notes, f"client(s) {empty} hold no neurons: counted in J (H_J), nowhere else")
     names = [n + suffix for _, suffix in blocks.pairs for n in ("tau2", "sigma0_2")] + ["gamma0"]
     estimated = (("mu0",) if mu0_free else ()) + tuple(
-        n + suffix for suffix in ("", "_scaled") if suffix in [p[1] for p in blocks.pairs]
+        n + suffix for suffix in ("", "_point", "_scaled") if suffix in [p[1] for p in blocks.pairs]
         for n in ("tau2", "sigma0_2") if n not in given) + (("gamma0",) if "gamma0" not in given else ())
     N = int(sum(matcher.L))
 
