@@ -226,16 +226,17 @@ def part_plane(ds, out: Path) -> None:
     _emit(out, key, dict(points=points))
 
 
-def part_cnn(ds, out: Path, seeds, Js, *, name: str = "mnist", rounds: int = 3, layerwise: int = 2) -> None:
+def part_cnn(ds, out: Path, seeds, Js, *, name: str = "mnist", rounds: int = 3, layerwise: int = 2,
+             partitions=("iid", "dirichlet")) -> None:
     """Convolutional PFNM (issue 10): LeNet on MNIST / Fashion-MNIST, J = 10, IID and Dirichlet(0.5): local models,
     ensemble, one-shot FedAvg without shared init, one-shot PFNM (empirical Bayes), FedMA layer-wise
     (``layerwise`` epochs of retraining per matched layer), and ``rounds`` rounds of PFNM with communication against
     multi-round FedAvg (the reference schedule: 5 local epochs per later round)."""
     done = _done(out)
     for J in Js:
-        for partition in ("iid", "dirichlet"):
+        for partition in partitions:
             for seed in seeds:
-                key = f"cnn/{name}/J={J}/{partition}/seed={seed}"
+                key = f"cnn/{name}/J={J}/{partition}/seed={seed}" + (f"/rounds={rounds}" if rounds != 3 else "")
                 if key in done:
                     continue
                 t0 = time.perf_counter()
@@ -289,6 +290,7 @@ def main(argv=None):
     p.add_argument("--dataset", choices=("mnist", "fashion-mnist"), default="mnist",
                    help="the data (the cnn part also runs on fashion-mnist; --data-dir must hold it)")
     p.add_argument("--rounds", type=int, default=3, help="communication rounds of the cnn part")
+    p.add_argument("--partitions", default="iid,dirichlet", help="partitions of the cnn part")
     args = p.parse_args(argv)
     unknown = [part for part in args.parts.split(",") if part not in PARTS]
     if unknown:
@@ -307,7 +309,8 @@ def main(argv=None):
         if part in ("reference", "eb"):
             PARTS[part](ds, out, seeds, Js)
         elif part == "cnn":
-            part_cnn(ds, out, seeds, Js, name=args.dataset, rounds=args.rounds)
+            part_cnn(ds, out, seeds, Js, name=args.dataset, rounds=args.rounds,
+                     partitions=tuple(args.partitions.split(",")))
         elif part == "cnn-timing":
             part_cnn_timing(ds, out, name=args.dataset)
         else:
