@@ -262,3 +262,25 @@ def test_weight_wise_fusion_from_own_inits_reuses_the_experiments_bayesian_clien
         assert a.metrics["accuracy"] == b.metrics["accuracy"] and a.metrics["nll"] == pytest.approx(b.metrics["nll"],
                                                                                                   rel=1e-7)
     assert all(torch.equal(c.posterior()["1.weight"].loc, w) for c, w in zip(clients, before))
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_the_closed_form_rules_fused_column_by_column_equal_one_fuse_call_per_pattern(rule, monkeypatch):
+    """fuse_members computes eaa, gaa, log_variance and conflation for every coordinate at once; the general path
+    calls bnpfed.combine.fuse once per pattern of member weights. Both give the same numbers."""
+    import bnpfed.inference.posterior_matching as pm
+
+    g = torch.Generator().manual_seed(1)
+    m, D = 4, 30
+    locs = torch.randn(m, D, generator=g, dtype=torch.float64)
+    variances = torch.rand(m, D, generator=g, dtype=torch.float64) + 0.01
+    weights = torch.randint(0, 3, (m, D), generator=g).double()          # 0: the member lacks the coordinate
+    weights[:, :10] = torch.tensor([3.0, 1.0, 2.0, 5.0])[:, None]         # a block of one pattern
+    reference = weights.sum(0) + torch.rand(D, generator=g, dtype=torch.float64)
+    bayesian = torch.rand(D, generator=g) > 0.2
+    variances[:, ~bayesian] = 0.0
+    fast = fuse_members(locs, variances, weights, reference, rule, bayesian=bayesian)
+    monkeypatch.setattr(pm, "_closed_form", lambda rule: False)
+    slow = fuse_members(locs, variances, weights, reference, rule, bayesian=bayesian)
+    torch.testing.assert_close(fast[0], slow[0], rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(fast[1], slow[1], rtol=1e-12, atol=1e-15)

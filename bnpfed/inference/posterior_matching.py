@@ -76,6 +76,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Literal, Mapping, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -244,11 +245,10 @@ def fuse_members(locs: Tensor, variances: Tensor, weights: Tensor, reference: Te
     variance = torch.where(bayesian, torch.full((D,), float(min_variance), dtype=torch.float64),
                            torch.zeros(D, dtype=torch.float64))
     held = weights > 0
+    if _closed_form(rule):
+        return _fuse_columns(rule, locs, variances, weights, reference, bayesian, float(min_variance))
     # coordinates sharing a pattern (which members hold them, with what weights, Bayesian or not) fuse in one call
-    key = torch.cat([weights, bayesian[None].to(torch.float64)], 0)
-    patterns, inverse = torch.unique(key, dim=1, return_inverse=True)
-    for p in range(patterns.shape[1]):
-        cols = (inverse == p).nonzero().flatten()
+    for cols in _patterns(torch.cat([weights, bayesian[None].to(torch.float64)], 0)):
         who = held[:, cols[0]]
         if not bool(who.any()):
             continue
@@ -265,6 +265,58 @@ def fuse_members(locs: Tensor, variances: Tensor, weights: Tensor, reference: Te
         if bool(bayesian[cols[0]]):
             variance[cols] = torch.clamp(kappa * kappa * f_var, min=float(min_variance))
     return loc, variance
+
+
+def _closed_form(rule: str) -> bool:
+    """Whether ``rule`` is one of :mod:`bnpfed.combine`'s closed-form rules as built in (not re-registered)."""
+    from bnpfed import combine
+
+    builtin = {"eaa": combine.eaa, "gaa": combine.gaa, "log_variance": combine.log_variance,
+               "conflation": combine.conflation}
+    return rule in builtin and _get_rule(rule) is builtin[rule]
+
+
+def _fuse_columns(rule: str, locs: Tensor, variances: Tensor, weights: Tensor, reference: Tensor | None,
+                  bayesian: Tensor, min_variance: float) -> tuple[Tensor, Tensor]:
+    """:func:`fuse_members` for the closed-form rules, every coordinate at once: their formulas (:mod:`bnpfed.combine`)
+    with the weights normalised column by column, ``bn_jd = b_jd / sum_j b_jd`` (the same numbers as one
+    :func:`~bnpfed.combine.fuse` call per pattern of weights, to rounding; tested)."""
+    total = weights.sum(0)
+    held_any = total > 0
+    bn = weights / torch.where(held_any, total, torch.ones_like(total))
+    held = weights > 0
+    loc = (bn * locs).sum(0)
+    safe = torch.where(held, variances, torch.ones_like(variances))
+    if rule == "eaa":
+        var = (bn * safe).sum(0)
+    elif rule == "gaa":
+        var = (bn * bn * safe).sum(0)
+    elif rule == "log_variance":
+        var = torch.exp((bn * safe.log()).sum(0))
+    else:  # conflation: precisions b / sigma^2, variance b_max / sum of them
+        lam = torch.where(held, bn / safe, torch.zeros_like(bn))
+        precision = lam.sum(0)
+        ok = held_any & bayesian
+        loc = torch.where(ok, (lam * locs).sum(0) / torch.where(ok, precision, torch.ones_like(precision)), loc)
+        var = bn.max(0).values / torch.where(ok, precision, torch.ones_like(precision))
+    kappa = torch.ones_like(total) if reference is None else torch.where(
+        reference > 0, total / torch.where(reference > 0, reference, torch.ones_like(reference)), torch.zeros_like(total))
+    loc = torch.where(held_any, kappa * loc, torch.zeros_like(loc))
+    var = torch.where(held_any & bayesian, torch.clamp(kappa * kappa * var, min=min_variance),
+                      torch.where(bayesian, torch.full_like(var, min_variance), torch.zeros_like(var)))
+    return loc, var
+
+
+def _patterns(key: Tensor) -> list[Tensor]:
+    """The column indices of ``key`` (rows x D) grouped by equal columns (byte for byte: numpy's unique over the
+    columns viewed as opaque records, which sorts D short byte strings instead of D columns of floats)."""
+    columns = np.ascontiguousarray(key.numpy().T)
+    records = columns.view(np.dtype((np.void, columns.dtype.itemsize * columns.shape[1]))).ravel()
+    _, inverse = np.unique(records, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    order = np.argsort(inverse, kind="stable")
+    bounds = np.flatnonzero(np.diff(inverse[order])) + 1
+    return [torch.as_tensor(cols) for cols in np.split(order, bounds)]
 
 
 def _fuse_group(means, variances, held, assignments, L: int, layout, shares: Tensor, sizes: Tensor, rule: str,
