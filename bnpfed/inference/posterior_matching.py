@@ -299,8 +299,12 @@ def _fuse_columns(rule: str, locs: Tensor, variances: Tensor, weights: Tensor, r
         ok = held_any & bayesian
         loc = torch.where(ok, (lam * locs).sum(0) / torch.where(ok, precision, torch.ones_like(precision)), loc)
         var = bn.max(0).values / torch.where(ok, precision, torch.ones_like(precision))
-    kappa = torch.ones_like(total) if reference is None else torch.where(
-        reference > 0, total / torch.where(reference > 0, reference, torch.ones_like(reference)), torch.zeros_like(total))
+    if reference is None:
+        kappa = torch.ones_like(total)
+    else:
+        positive = reference > 0
+        kappa = torch.where(positive, total / torch.where(positive, reference, torch.ones_like(reference)),
+                            torch.zeros_like(total))
     loc = torch.where(held_any, kappa * loc, torch.zeros_like(loc))
     var = torch.where(held_any & bayesian, torch.clamp(kappa * kappa * var, min=min_variance),
                       torch.where(bayesian, torch.full_like(var, min_variance), torch.zeros_like(var)))
