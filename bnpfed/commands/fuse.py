@@ -107,12 +107,12 @@ def add_parser(sub):
     g.add_argument("--align", choices=("none", "match"), default="none",
                    help="none: fuse weight i of every client with weight i of the others (the rows named by the "
                    "rules); meaningful only when the clients start from one shared initialisation, the default "
-                   "(--own-init gives the one-shot baseline without one, near chance). match: the clients start from "
-                   "their own initialisations, the server matches their hidden units (heteroscedastic "
-                   "Beta-Bernoulli model, empirical Bayes) and fuses each global unit's members with each rule "
-                   "(rows match-RULE), beside the rows ensemble (mean of the Bayesian clients' predictive "
-                   "distributions), pfnm (deterministic clients, the same schedule), fedavg and every rule without "
-                   "alignment")
+                   "(--own-init gives the one-shot baseline without one, far below matched fusion). match: the "
+                   "clients start from their own initialisations, the server matches their hidden units "
+                   "(heteroscedastic Beta-Bernoulli model, empirical Bayes) and fuses each global unit's members "
+                   "with each rule (rows match-RULE), beside the rows ensemble (mean of the Bayesian clients' "
+                   "predictive distributions), pfnm (deterministic clients, the same schedule), fedavg and every "
+                   "rule without alignment")
     g.add_argument("--own-init", action=argparse.BooleanOptionalAction, default=None,
                    help="weight-wise rows: start each client from its own initialisation instead of a shared one "
                    "(default: off with --align none, on with --align match)")

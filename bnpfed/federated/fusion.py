@@ -98,7 +98,7 @@ class FusionFederation(Federation):
     :param parts: J index arrays into ``dataset.y_train``, one per client.
     :param NetworkConfig network: the network every client shares (its initial weights from ``(seed, INIT)``; with
         ``fusion.own_init`` each client starts round 1 from its own, ``(seed, INIT, 0, j + 1)``: the one-shot
-        baseline that fusing weight by weight without alignment is, near chance).
+        baseline that fusing weight by weight without alignment is; on MNIST 0.41-0.60 one shot, a damped average).
     :param TrainingConfig training: the clients' local SVI schedule.
     :param BayesianConfig bayesian: prior, initial posterior scale, local reparameterisation.
     :param FusionConfig fusion: the rule, client weights, pooling draws, variance floor, client sampling.
