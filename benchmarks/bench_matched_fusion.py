@@ -36,23 +36,13 @@ from bnpfed.federated.config import (BayesianConfig, ExperimentConfig, FusionCon
                                      TrainingConfig)
 from bnpfed.federated.methods import run_experiment
 
+from bench_pfnm import _done, _emit  # noqa: E402  (the resumable JSON-lines files of every real-data benchmark)
+
 HERE = Path(__file__).parent
 SHARED = HERE.parent.parent / "shared" / "data"
 RULES = ("eaa", "gaa", "log_variance", "pooling", "conflation")
 METRICS = ("accuracy", "nll", "ece", "ece15", "brier", "auroc_max_prob", "auroc_entropy", "width", "parameters")
 FOLDERS = {"mnist": "MNIST", "fashion-mnist": "FashionMNIST"}
-
-
-def _done(out: Path) -> set:
-    if not out.exists():
-        return set()
-    return {json.loads(line)["key"] for line in out.read_text().splitlines() if line.strip()}
-
-
-def _emit(out: Path, key: str, payload: dict) -> None:
-    with out.open("a") as f:
-        f.write(json.dumps({"key": key, **payload}) + "\n")
-    print(key, json.dumps(payload)[:400], flush=True)
 
 
 def _data(name: str, dirs: dict):
@@ -100,7 +90,8 @@ def part_rounds(datasets, dirs, out: Path, seeds, args) -> None:
     for name in datasets:
         ds, ood = _data(name, dirs)
         for seed in seeds:
-            key = f"rounds/{name}/J={args.clients}/dirichlet/seed={seed}/rounds={args.rounds}/rule={args.rule}{args.tag}"
+            key = (f"rounds/{name}/J={args.clients}/dirichlet/seed={seed}/rounds={args.rounds}/rule={args.rule}"
+                   f"{args.tag}")
             if key in done:
                 continue
             t0 = time.perf_counter()

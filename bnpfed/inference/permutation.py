@@ -135,6 +135,7 @@ __all__ = [
     "KINDS",
     "BN_FIXED_PRIOR_MEANS",
     "derive_spec",
+    "resolve_spec",
     "verify_spec",
     "VectorLayout",
     "UnitVectors",
@@ -1136,6 +1137,26 @@ def _warm_start(warm_start, names: list[str], widths: list[dict[str, int]]) -> d
     return out
 
 
+def resolve_spec(spec: PermutationSpec | None, template: nn.Module | None, input_shape: Sequence[int] | None, *,
+                 missing: str) -> PermutationSpec:
+    """``spec`` checked, or when None derived from ``template`` (:func:`derive_spec`) with ``input_shape``, which
+    defaults to ``(in_features,)`` for a network whose first layer is a Linear. ``missing``: the error when there is
+    neither a spec nor a template."""
+    if spec is None:
+        if template is None:
+            raise ValueError(missing)
+        if input_shape is None:
+            first = next((m for m in template.modules() if isinstance(m, (nn.Linear, nn.Conv2d))), None)
+            if not isinstance(first, nn.Linear):
+                raise ValueError("input_shape: expected the shape of one input, e.g. (1, 28, 28), to derive the "
+                                 "spec of a network that does not start with a Linear layer")
+            input_shape = (first.in_features,)
+        spec = derive_spec(template, input_shape)
+    if not isinstance(spec, PermutationSpec):
+        raise ValueError(f"spec: expected a PermutationSpec or None, got {type(spec).__name__}")
+    return spec
+
+
 def match_by_spec(
     client_nets,
     class_counts=None,
@@ -1220,18 +1241,8 @@ def match_by_spec(
     mode = check_choice(hyperparameters, ("empirical-bayes", "fixed"), "hyperparameters")
     combine = _global_weights(global_weights, mode)
     states, template = _client_states(client_nets, template)
-    if spec is None:
-        if template is None:
-            raise ValueError("spec: expected a PermutationSpec when client_nets are state dicts (or a template)")
-        if input_shape is None:
-            first = next((m for m in template.modules() if isinstance(m, (nn.Linear, nn.Conv2d))), None)
-            if not isinstance(first, nn.Linear):
-                raise ValueError("input_shape: expected the shape of one input, e.g. (1, 28, 28), to derive the "
-                                 "spec of a network that does not start with a Linear layer")
-            input_shape = (first.in_features,)
-        spec = derive_spec(template, input_shape)
-    if not isinstance(spec, PermutationSpec):
-        raise ValueError(f"spec: expected a PermutationSpec or None, got {type(spec).__name__}")
+    spec = resolve_spec(spec, template, input_shape,
+                        missing="spec: expected a PermutationSpec when client_nets are state dicts (or a template)")
     names = spec.group_names
     K, J = len(names), len(states)
     if K == 0:

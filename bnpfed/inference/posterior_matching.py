@@ -83,7 +83,7 @@ from torch import Tensor, nn
 from bnpfed.combine import _get_rule, fuse
 from bnpfed.inference.permutation import (_STATISTICS, PermutationSpec, _accepts, _check_state, _class_shares,
                                           _group_values, _layout, _outputs, _rows, _warm_start, _width, client_slice,
-                                          derive_spec, network_from_state)
+                                          network_from_state, resolve_spec)
 from bnpfed.posterior import GaussianPosterior
 from bnpfed.validation import check_choice, check_int, check_positive
 
@@ -240,13 +240,13 @@ def fuse_members(locs: Tensor, variances: Tensor, weights: Tensor, reference: Te
     locs, variances, weights = (torch.as_tensor(t, dtype=torch.float64) for t in (locs, variances, weights))
     reference = None if reference is None else torch.as_tensor(reference, dtype=torch.float64)
     bayesian = torch.as_tensor(bayesian, dtype=torch.bool)
-    m, D = locs.shape
+    if _closed_form(rule):
+        return _fuse_columns(rule, locs, variances, weights, reference, bayesian, float(min_variance))
+    D = locs.shape[1]
     loc = torch.zeros(D, dtype=torch.float64)
     variance = torch.where(bayesian, torch.full((D,), float(min_variance), dtype=torch.float64),
                            torch.zeros(D, dtype=torch.float64))
     held = weights > 0
-    if _closed_form(rule):
-        return _fuse_columns(rule, locs, variances, weights, reference, bayesian, float(min_variance))
     # coordinates sharing a pattern (which members hold them, with what weights, Bayesian or not) fuse in one call
     for cols in _patterns(torch.cat([weights, bayesian[None].to(torch.float64)], 0)):
         who = held[:, cols[0]]
@@ -428,18 +428,8 @@ def match_posteriors(
     for j, (_, v) in enumerate(pairs):
         if sorted(v) != names_v:
             raise ValueError(f"clients[{j}]: Bayesian sites {sorted(v)} differ from client 0's {names_v}")
-    if spec is None:
-        if template is None:
-            raise ValueError("spec: expected a PermutationSpec or a template network to derive it from")
-        if input_shape is None:
-            first = next((m for m in template.modules() if isinstance(m, (nn.Linear, nn.Conv2d))), None)
-            if not isinstance(first, nn.Linear):
-                raise ValueError("input_shape: expected the shape of one input to derive the spec of a network that "
-                                 "does not start with a Linear layer")
-            input_shape = (first.in_features,)
-        spec = derive_spec(template, input_shape)
-    if not isinstance(spec, PermutationSpec):
-        raise ValueError(f"spec: expected a PermutationSpec or None, got {type(spec).__name__}")
+    spec = resolve_spec(spec, template, input_shape,
+                        missing="spec: expected a PermutationSpec or a template network to derive it from")
     stats = [k for k, kind in spec.kinds.items() if kind in _STATISTICS]
     if stats:
         raise ValueError(f"spec: batch-norm running statistics ({stats[:2]}...) are no posterior to fuse; expected a "
