@@ -18,6 +18,14 @@ A rule is a small pure function ``rule(locs, variances, weights, *, num_samples,
 on already validated tensors; :func:`register_rule` adds one under a name that :func:`fuse`, :func:`fuse_sites`
 and everything above them accept.
 
+**Per-coordinate weights.** ``weights`` may also be ``(K, *shape)``: a weight ``b_kd`` per client and coordinate,
+normalised coordinate by coordinate (``b_kd / sum_k b_kd``; 0 where client k has nothing to say about coordinate d,
+as when the members of one matched global unit hold different subsets of its coordinates,
+:mod:`bnpfed.inference.posterior_matching`). The formulas above then hold coordinate by coordinate, with ``b_max``
+the largest weight of each coordinate. The closed-form rules take such weights whole; a rule registered without
+``per_coordinate=True`` (``pooling``, and a user's own by default) is called once per pattern of weights (the
+coordinates whose weight columns are equal), with those columns' ``(K,)`` weights.
+
 Usage::
 
     >>> import torch
@@ -30,8 +38,9 @@ Usage::
 """
 
 import math
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -68,13 +77,15 @@ BLOCK_ELEMENTS = 1 << 20
 FusionRule = Callable[..., tuple[Tensor, Tensor]]
 
 _RULES: dict[str, FusionRule] = {}
+#: The rules that take per-coordinate weights ``(K, *shape)`` themselves.
+_PER_COORDINATE: set[str] = set()
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Registry
 
 
-def register_rule(name: str, fn: FusionRule, *, overwrite: bool = False) -> FusionRule:
+def register_rule(name: str, fn: FusionRule, *, overwrite: bool = False, per_coordinate: bool = False) -> FusionRule:
     """Make ``fn`` available as ``fuse(..., rule=name)``.
 
     :param str name: the rule's name.
@@ -83,6 +94,9 @@ def register_rule(name: str, fn: FusionRule, *, overwrite: bool = False) -> Fusi
         ``variances > 0``, ``weights`` of shape ``(K,)`` non-negative and summing to 1, all of one floating dtype
         and device; it returns two tensors of shape ``shape``.
     :param bool overwrite: replace a rule already registered under ``name``; default False raises instead.
+    :param bool per_coordinate: ``fn`` also takes ``weights`` of shape ``(K, *shape)``, each coordinate's column
+        non-negative and summing to 1 (module docstring); default False: :func:`fuse` calls it once per pattern of
+        such weights, with ``(K,)`` weights.
     :returns: ``fn``, so that ``register_rule`` also reads well as ``fn = register_rule("name", fn)``.
     """
     if not isinstance(name, str) or not name:
@@ -91,8 +105,10 @@ def register_rule(name: str, fn: FusionRule, *, overwrite: bool = False) -> Fusi
         raise ValueError(f"fn must be callable with signature fn(locs, variances, weights, *, num_samples, "
                          f"generator), got {type(fn).__name__}")
     if name in _RULES and not overwrite:
-        raise ValueError(f"rule {name!r} is already registered; pass overwrite=True to replace it")
+        raise ValueError(f"name: expected a rule name not registered yet, got {name!r}, which is; pass "
+                         "overwrite=True to replace it")
     _RULES[name] = fn
+    (_PER_COORDINATE.add if per_coordinate else _PER_COORDINATE.discard)(name)
     return fn
 
 
@@ -103,7 +119,7 @@ def available_rules() -> list[str]:
 
 def _get_rule(rule: str) -> FusionRule:
     if not isinstance(rule, str) or rule not in _RULES:
-        raise ValueError(f"rule must be one of {available_rules()}, got {rule!r}")
+        raise ValueError(f"rule: expected one of {available_rules()}, got {rule!r}")
     return _RULES[rule]
 
 
@@ -112,8 +128,10 @@ def _get_rule(rule: str) -> FusionRule:
 
 
 def _weighted_sum(weights: Tensor, x: Tensor) -> Tensor:
-    """``sum_k weights_k x_k`` over the leading client dimension of ``x``."""
-    return torch.tensordot(weights, x, dims=1)
+    """``sum_k weights_k x_k`` over the leading client dimension of ``x`` (``weights`` (K,) or per coordinate)."""
+    if weights.dim() == 1:
+        return torch.tensordot(weights, x, dims=1)
+    return (weights * x).sum(dim=0)
 
 
 def eaa(locs: Tensor, variances: Tensor, weights: Tensor, **_: Any) -> tuple[Tensor, Tensor]:
@@ -143,9 +161,15 @@ def log_variance(locs: Tensor, variances: Tensor, weights: Tensor, **_: Any) -> 
     flat = variances.reshape(len(variances), -1)
     variance = torch.empty(flat.shape[1], dtype=flat.dtype, device=flat.device)
     weights64 = weights.to(torch.float64)
+    per_coordinate = weights.dim() > 1
+    if per_coordinate:
+        weights64 = weights64.reshape(len(weights), -1)
     for cols, buffer in _column_blocks(flat, dtype=torch.float64):
         buffer.copy_(flat[:, cols]).log_()
-        variance[cols] = torch.mv(buffer.t(), weights64).exp_()
+        if per_coordinate:
+            variance[cols] = (buffer * weights64[:, cols]).sum(dim=0).exp_()
+        else:
+            variance[cols] = torch.mv(buffer.t(), weights64).exp_()
     return _weighted_sum(weights, locs), variance.reshape(locs.shape[1:])
 
 
@@ -180,25 +204,31 @@ def conflation(locs: Tensor, variances: Tensor, weights: Tensor, **_: Any) -> tu
     flat_locs, flat_variances = locs.reshape(num_clients, -1), variances.reshape(num_clients, -1)
     loc = torch.empty(flat_locs.shape[1], dtype=locs.dtype, device=locs.device)
     variance = torch.empty_like(loc)
-    b, b_max = weights[:, None], weights.max()
+    per_coordinate = weights.dim() > 1
+    b = weights.reshape(num_clients, -1) if per_coordinate else weights[:, None]
+    b_max = b.amax(dim=0) if per_coordinate else weights.max()
     for cols, buffer in _column_blocks(flat_variances):
-        precisions = torch.div(b, flat_variances[:, cols], out=buffer)  # lambda_k = b_k / sigma_k^2
+        bk, bk_max = (b[:, cols], b_max[cols]) if per_coordinate else (b, b_max)
+        precisions = torch.div(bk, flat_variances[:, cols], out=buffer)  # lambda_k = b_k / sigma_k^2
         total = precisions.sum(dim=0)
         block_loc = torch.sum(precisions.mul_(flat_locs[:, cols]), dim=0, out=loc[cols]).div_(total)
         if not (_all_normal_positive(total) and _all_finite(block_loc)):
             return _conflation_log_shifted(locs, variances, weights)
-        torch.div(b_max, total, out=variance[cols])
+        torch.div(bk_max, total, out=variance[cols])
     return loc.reshape(shape), variance.reshape(shape)
 
 
 def _conflation_log_shifted(locs: Tensor, variances: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
     """:func:`conflation` through shifted log-precisions, finite for any positive variances."""
-    log_precisions = weights.log().reshape(-1, *([1] * (locs.dim() - 1))) - variances.log()
+    per_coordinate = weights.dim() > 1
+    b = weights if per_coordinate else weights.reshape(-1, *([1] * (locs.dim() - 1)))
+    log_precisions = b.log() - variances.log()
     shift = log_precisions.amax(dim=0)
     relative_precisions = torch.exp(log_precisions - shift)  # in [0, 1]; clients with b_k = 0 give exactly 0
     total = relative_precisions.sum(dim=0)  # >= 1
     loc = (relative_precisions * locs).sum(dim=0) / total
-    variance = torch.exp(weights.max().log() - shift - total.log())
+    b_max = weights.amax(dim=0) if per_coordinate else weights.max()
+    variance = torch.exp(b_max.log() - shift - total.log())
     return loc, variance
 
 
@@ -278,9 +308,9 @@ def pooling(locs: Tensor, variances: Tensor, weights: Tensor, *, num_samples: in
     return pooled_mean, pooled_sum_sq / (total - 1)
 
 
-for _name, _fn in (("eaa", eaa), ("gaa", gaa), ("log_variance", log_variance), ("pooling", pooling),
-                   ("conflation", conflation)):
-    register_rule(_name, _fn)
+for _name, _fn, _whole in (("eaa", eaa, True), ("gaa", gaa, True), ("log_variance", log_variance, True),
+                           ("pooling", pooling, False), ("conflation", conflation, True)):
+    register_rule(_name, _fn, per_coordinate=_whole)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -351,26 +381,51 @@ def _floating_dtype(*tensors: Tensor) -> torch.dtype:
     return dtype if dtype.is_floating_point else torch.get_default_dtype()
 
 
-def _normalised_weights(weights: Any, num_clients: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """``b_k / sum_j b_j`` as a ``(K,)`` tensor; uniform when ``weights`` is None."""
-    if weights is None:
-        return torch.full((num_clients,), 1.0 / num_clients, dtype=dtype, device=device)
+def _checked_weights(weights: Any, num_clients: int, shape: Optional[torch.Size], device: torch.device) -> Tensor:
+    """``weights`` as float64, checked: ``(K,)`` summing to a positive number, or (with ``shape`` given)
+    ``(K, *shape)`` with a positive sum at every coordinate; non-negative and finite."""
+    expected = f"({num_clients},)" + (f" or {(num_clients, *shape)}" if shape is not None else "")
     try:
         b = torch.as_tensor(weights, dtype=torch.float64).to(device)
     except (TypeError, ValueError, RuntimeError) as error:
-        raise ValueError(f"weights must be a sequence of {num_clients} non-negative numbers, got "
+        raise ValueError(f"weights: expected {num_clients} non-negative numbers (shape {expected}), got "
                          f"{type(weights).__name__}: {error}") from None
-    if b.shape != (num_clients,):
-        raise ValueError(f"weights must have shape ({num_clients},), one per client, got shape {tuple(b.shape)}")
+    if b.shape != (num_clients,) and (shape is None or b.shape != (num_clients, *shape)):
+        raise ValueError(f"weights: expected shape {expected} (one weight per client, or per client and "
+                         f"coordinate), got shape {tuple(b.shape)}")
     _check_finite(b, "weights")
     if (b < 0).any():
-        raise ValueError(f"weights must be non-negative, got {b.tolist()}")
-    if b.sum() <= 0:
-        raise ValueError(f"weights must sum to a positive number, got {b.tolist()}")
-    return (b / b.sum()).to(dtype)
+        raise ValueError(f"weights: expected non-negative numbers, got minimum {b.min().item()}")
+    total = b.sum(dim=0)
+    if not bool((total > 0).all()):
+        where = "" if b.dim() == 1 else f" at coordinate {tuple((total <= 0).nonzero()[0].tolist())}"
+        raise ValueError(f"weights: expected a positive sum over the clients{where}, got {total.min().item()}")
+    return b
 
 
-def _validated(locs: Any, variances: Any, weights: Any) -> tuple[Tensor, Tensor, Tensor]:
+def _normalised_weights(weights: Any, num_clients: int, dtype: torch.dtype, device: torch.device,
+                        shape: Optional[torch.Size] = None) -> Tensor:
+    """``b_k / sum_j b_j`` as a ``(K,)`` tensor (per coordinate, ``(K, *shape)``, with ``shape`` given); uniform
+    when ``weights`` is None."""
+    if weights is None:
+        return torch.full((num_clients,), 1.0 / num_clients, dtype=dtype, device=device)
+    b = _checked_weights(weights, num_clients, shape, device)
+    return (b / b.sum(dim=0)).to(dtype)
+
+
+def _patterns(key: Tensor) -> list[Tensor]:
+    """The column indices of ``key`` (rows x N) grouped by equal columns (byte for byte: numpy's unique over the
+    columns viewed as opaque records, which sorts N short byte strings instead of N columns of floats)."""
+    columns = np.ascontiguousarray(key.cpu().numpy().T)
+    records = columns.view(np.dtype((np.void, columns.dtype.itemsize * columns.shape[1]))).ravel()
+    _, inverse = np.unique(records, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    order = np.argsort(inverse, kind="stable")
+    bounds = np.flatnonzero(np.diff(inverse[order])) + 1
+    return [torch.as_tensor(cols) for cols in np.split(order, bounds)]
+
+
+def _validated(locs: Any, variances: Any) -> tuple[Tensor, Tensor]:
     locs = _as_client_stack(locs, "locs")
     variances = _as_client_stack(variances, "variances")
     if locs.shape != variances.shape:
@@ -384,7 +439,7 @@ def _validated(locs: Any, variances: Any, weights: Any) -> tuple[Tensor, Tensor,
         _check_finite(variances, "variances")
         bad = (variances <= 0).nonzero()[0].tolist()
         raise ValueError(f"variances must be > 0, got {variances[tuple(bad)].item()} at index {tuple(bad)}")
-    return locs, variances, _normalised_weights(weights, locs.shape[0], dtype, locs.device)
+    return locs, variances
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -404,8 +459,9 @@ def fuse(locs: Any, variances: Any, rule: str, weights: Any = None, *, num_sampl
     rule : str
         One of :func:`available_rules`: ``"eaa"``, ``"gaa"``, ``"log_variance"``, ``"pooling"``,
         ``"conflation"`` or a name added by :func:`register_rule`.
-    weights : shape ``(K,)``, optional
-        Client weights ``b_k >= 0`` (e.g. local data set sizes), normalised to sum to 1; uniform by default.
+    weights : shape ``(K,)`` or ``(K, *shape)``, optional
+        Client weights ``b_k >= 0`` (e.g. local data set sizes), normalised to sum to 1; uniform by default. Per
+        client and coordinate, ``b_kd``, normalised coordinate by coordinate (module docstring).
     num_samples : int
         ``N`` for ``"pooling"``: client k contributes ``floor(b_k N)`` draws. Default 1000.
     generator : torch.Generator, optional
@@ -425,9 +481,21 @@ def fuse(locs: Any, variances: Any, rule: str, weights: Any = None, *, num_sampl
     """
     fn = _get_rule(rule)
     check_int(num_samples, "num_samples", low=1)
-    locs, variances, b = _validated(locs, variances, weights)
+    locs, variances = _validated(locs, variances)
+    shape, K = locs.shape[1:], locs.shape[0]
+    raw = None if weights is None else _checked_weights(weights, K, shape, locs.device)
+    if raw is not None and raw.dim() > 1 and rule not in _PER_COORDINATE:
+        # one call per pattern of weights, each with its (K,) weights: a rule of whole-client weights
+        flat_w, flat_locs, flat_var = raw.reshape(K, -1), locs.reshape(K, -1), variances.reshape(K, -1)
+        loc, variance = torch.empty_like(flat_locs[0]), torch.empty_like(flat_locs[0])
+        for cols in _patterns(flat_w):
+            b = flat_w[:, cols[0]]
+            part = fuse(flat_locs[:, cols], flat_var[:, cols], rule, b, num_samples=num_samples, generator=generator)
+            loc[cols], variance[cols] = part.loc, part.variance
+        return GaussianPosterior(loc.reshape(shape), variance.reshape(shape))
+    b = (torch.full((K,), 1.0 / K, dtype=locs.dtype, device=locs.device) if raw is None
+         else (raw / raw.sum(dim=0)).to(locs.dtype))
     loc, variance = fn(locs, variances, b, num_samples=num_samples, generator=generator)
-    shape = locs.shape[1:]
     for what, value in (("loc", loc), ("variance", variance)):
         if not isinstance(value, Tensor) or value.shape != shape:
             got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
@@ -490,11 +558,12 @@ def average_deterministic(params_list: Any, weights: Any = None) -> Tensor:
     normalised client weights ``b_k`` as the Bayesian ones.
 
     :param params_list: K equally shaped tensors, or one tensor of shape ``(K, *shape)``.
-    :param weights: ``(K,)`` client weights ``b_k >= 0``, normalised to sum to 1; uniform by default.
+    :param weights: ``(K,)`` client weights ``b_k >= 0``, normalised to sum to 1 (or ``(K, *shape)``, normalised
+        coordinate by coordinate); uniform by default.
     :returns: a tensor of shape ``shape`` and the parameters' floating dtype.
     """
     params = _as_client_stack(params_list, "params_list")
     params = params.to(_floating_dtype(params))
     _check_finite(params, "params_list")
-    b = _normalised_weights(weights, params.shape[0], params.dtype, params.device)
+    b = _normalised_weights(weights, params.shape[0], params.dtype, params.device, params.shape[1:])
     return _weighted_sum(b, params)

@@ -308,6 +308,7 @@ def test_arrays_and_lists_of_client_tensors_fuse_like_a_stacked_tensor(rule):
 def scratch_registry(monkeypatch):
     """A copy of the rule registry that the test may change."""
     monkeypatch.setattr(combine, "_RULES", dict(combine._RULES))
+    monkeypatch.setattr(combine, "_PER_COORDINATE", set(combine._PER_COORDINATE))
 
 
 def test_a_registered_rule_is_used_by_name_everywhere(scratch_registry):
@@ -328,7 +329,7 @@ def test_a_registered_rule_is_used_by_name_everywhere(scratch_registry):
 
 
 def test_registering_an_existing_name_needs_overwrite(scratch_registry):
-    with pytest.raises(ValueError, match="already registered"):
+    with pytest.raises(ValueError, match="name: expected a rule name not registered yet, got 'eaa'"):
         register_rule("eaa", combine.gaa)
     register_rule("eaa", combine.gaa, overwrite=True)
     assert_close(fuse(torch.ones(2, 1), torch.ones(2, 1), "eaa").variance, torch.tensor([0.5]), rtol=0, atol=0)
@@ -475,3 +476,62 @@ def test_conflation_of_subnormal_variances_falls_back_to_log_precisions_and_stay
     assert_close(variance.double(), (1 / 3) / (precision / 3).sum(0), rtol=1e-4, atol=0)
     with pytest.raises(ValueError, match=r"locs must be finite, got nan at index \(1, 0\)"):
         fuse(torch.tensor([[0.0, 0.0], [math.nan, 0.0], [0.0, 0.0]]), variances, "conflation")
+
+
+# ---------------------------------------------------------------------------------------------- per-coordinate weights
+
+
+@pytest.mark.parametrize("rule", BUILT_IN_RULES)
+def test_per_coordinate_weights_fuse_each_coordinate_with_its_own_column(rule):
+    """Weights (K, *shape): every coordinate is fused as one fuse call with that coordinate's (K,) weights would fuse
+    it (a client with weight 0 on a coordinate has no say there); pooling, a rule of whole-client weights, is called
+    once per pattern of weights and matches the per-column calls draw for draw when the patterns are the columns."""
+    g = torch.Generator().manual_seed(11)
+    locs = torch.randn(3, 2, 3, generator=g, dtype=torch.float64)
+    variances = torch.rand(3, 2, 3, generator=g, dtype=torch.float64) + 0.1
+    weights = torch.tensor([[[1.0, 0.0, 2.0], [1.0, 1.0, 0.5]], [[3.0, 1.0, 0.0], [1.0, 2.0, 0.5]],
+                            [[0.0, 4.0, 1.0], [1.0, 0.0, 0.5]]], dtype=torch.float64)
+    fused = fuse(locs, variances, rule, weights, num_samples=4000, generator=torch.Generator().manual_seed(0))
+    for idx in np.ndindex(2, 3):
+        one = fuse(locs[(slice(None), *idx)], variances[(slice(None), *idx)], rule, weights[(slice(None), *idx)],
+                   num_samples=4000, generator=torch.Generator().manual_seed(0)) if rule != "pooling" else None
+        if one is None:   # pooling: equal columns share one call; check against the mixture moments instead
+            b = weights[(slice(None), *idx)] / weights[(slice(None), *idx)].sum()
+            mu, var = locs[(slice(None), *idx)], variances[(slice(None), *idx)]
+            mean = (b * mu).sum()
+            assert float(fused.loc[idx]) == pytest.approx(float(mean), abs=0.15)
+            assert float(fused.variance[idx]) == pytest.approx(float((b * (var + mu ** 2)).sum() - mean ** 2),
+                                                               rel=0.25)
+            continue
+        assert_close(fused.loc[idx], one.loc, rtol=1e-12, atol=1e-14)
+        assert_close(fused.variance[idx], one.variance, rtol=1e-12, atol=1e-14)
+
+
+def test_conflation_with_per_coordinate_weights_is_the_weighted_product_of_the_holders_densities():
+    """Closed form by hand: client 2 holds only the first coordinate; on the second, conflation of clients 0 and 1
+    with weights 1 and 3 is precision 1/1 * 1/3 + 1/2 * 3/3 over b_max = 3/4 (weights normalised: 1/4, 3/4)."""
+    locs = torch.tensor([[0.0, 1.0], [2.0, 3.0], [4.0, 0.0]], dtype=torch.float64)
+    variances = torch.tensor([[1.0, 1.0], [2.0, 2.0], [4.0, 1.0]], dtype=torch.float64)
+    weights = torch.tensor([[1.0, 1.0], [1.0, 3.0], [2.0, 0.0]], dtype=torch.float64)
+    fused = fuse(locs, variances, "conflation", weights)
+    lam = torch.tensor([0.25 / 1.0, 0.75 / 2.0])           # second coordinate: b_k / sigma_k^2 of clients 0, 1
+    assert float(fused.loc[1]) == pytest.approx(float((lam * torch.tensor([1.0, 3.0])).sum() / lam.sum()))
+    assert float(fused.variance[1]) == pytest.approx(0.75 / float(lam.sum()))
+    lam0 = torch.tensor([0.25 / 1.0, 0.25 / 2.0, 0.5 / 4.0])
+    assert float(fused.variance[0]) == pytest.approx(0.5 / float(lam0.sum()))
+
+
+@pytest.mark.parametrize("weights, match", [
+    (torch.tensor([[1.0, 0.0], [1.0, 0.0]]), r"weights: expected a positive sum over the clients at coordinate \(1,\)"),
+    (torch.ones(2, 3), r"weights: expected shape \(2,\) or \(2, 2\)"),
+    (torch.tensor([[1.0, -1.0], [1.0, 2.0]]), "weights: expected non-negative numbers"),
+])
+def test_bad_per_coordinate_weights_are_refused_naming_them(weights, match):
+    with pytest.raises(ValueError, match=match):
+        fuse(torch.zeros(2, 2), torch.ones(2, 2), "eaa", weights)
+
+
+def test_average_deterministic_takes_per_coordinate_weights():
+    params = torch.tensor([[1.0, 2.0], [3.0, 6.0]], dtype=torch.float64)
+    out = average_deterministic(params, torch.tensor([[1.0, 0.0], [1.0, 2.0]]))
+    assert_close(out, torch.tensor([2.0, 6.0], dtype=torch.float64), rtol=0, atol=0)

@@ -48,7 +48,7 @@ def fedavg_network(nets: Sequence[nn.Module], weights=None) -> nn.Module:
 
 
 def kmeans_layer(width: int, *, n_init: int = 3):
-    """A one-layer matcher for :func:`~bnpfed.inference.multilayer.match_networks` (``layer_fn``, one per hidden
+    """A one-layer matcher for :func:`~bnpfed.inference.match_by_spec` (``layer_fn``, one per hidden
     layer) that clusters the pooled neuron vectors into ``width`` atoms with k-means (scikit-learn) instead of
     matching them: the k-means baseline of the PFNM paper. Cluster centres are the global neurons; precisions and
     priors are ignored (k-means has none), and two neurons of one client may share a centre (their weights to the

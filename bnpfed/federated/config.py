@@ -315,7 +315,7 @@ class PFNMConfig:
         global unit the average of its members, the logits the clients' averaged class by class) or
         ``"posterior-mean"`` (the atoms' posterior means, as published); None: ``"average"`` under empirical Bayes
         (its posterior means blur rarely shared units towards the estimated prior mean), ``"posterior-mean"`` with
-        fixed hyper-parameters (:func:`~bnpfed.inference.multilayer.match_networks`). Default None.
+        fixed hyper-parameters (:func:`~bnpfed.inference.match_by_spec`). Default None.
     :param int layerwise_retrain: 0 (PFNM: every layer matched at once) or E >= 1: FedMA's layer-wise scheme (Wang et
         al., ICLR 2020): match the lowest group (layer), give every client the matched units, freeze them, let the
         clients retrain the layers above for E epochs on their own data, match the next group, and so on (the
@@ -378,7 +378,7 @@ class PFNMConfig:
         return self.hyperparameters == "fixed" or self.constants == "reference"
 
     def matcher_kwargs(self) -> dict[str, Any]:
-        """Keywords of :func:`~bnpfed.inference.multilayer.match_networks` (hyper-parameters, objective, order,
+        """Keywords of :func:`~bnpfed.inference.match_by_spec` (hyper-parameters, objective, order,
         sweeps, and the reference constants when asked for)."""
         from bnpfed.inference import REFERENCE_CONSTANTS
 

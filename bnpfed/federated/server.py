@@ -42,10 +42,8 @@ from torch import Tensor, nn
 
 from bnpfed.combine import average_deterministic, fuse_sites
 from bnpfed.federated.config import CLIENT_WEIGHTS, FusionConfig, PFNMConfig
-from bnpfed.inference.multilayer import linear_layers, match_networks
 from bnpfed.inference.permutation import (BatchNormMoments, GroupMatch, PermutationSpec, SpecMatch,
-                                          batch_norm_statistics, derive_spec, match_by_spec, match_group,
-                                          network_from_state)
+                                          batch_norm_statistics, match_by_spec, match_group)
 from bnpfed.posterior import GaussianPosterior
 from bnpfed.seeding import Stream, derive_seed, numpy_rng, torch_generator
 from bnpfed.validation import check_choice, check_fraction, check_int
@@ -239,10 +237,9 @@ def pfnm_step(client_nets: Sequence, class_counts, config: PFNMConfig, *, seed: 
               spec: Optional[PermutationSpec] = None, template: Optional[nn.Module] = None,
               input_shape: Optional[Sequence[int]] = None) -> SpecMatch:
     """PFNM's server step: match the clients' networks (in the given order) into one global network, group by group
-    of the permutation spec (:func:`~bnpfed.inference.permutation.match_by_spec`; for an MLP the hidden layers,
-    bottom-up, exactly as :func:`~bnpfed.inference.multilayer.match_networks` does), with ``config``'s
-    hyper-parameters (estimated per group by default). ``config.direction="top-down"`` (the published order) matches
-    MLPs only, through ``match_networks``.
+    of the permutation spec (:func:`~bnpfed.inference.permutation.match_by_spec`; for an MLP the hidden layers),
+    with ``config``'s hyper-parameters (estimated per group by default), bottom-up or, with
+    ``config.direction="top-down"`` (the published order), top-down.
 
     :param client_nets: per client, its network (``nn.Module``) or its ``state_dict`` (then pass ``spec`` and
         ``template``).
@@ -261,42 +258,9 @@ def pfnm_step(client_nets: Sequence, class_counts, config: PFNMConfig, *, seed: 
     :returns: :class:`~bnpfed.inference.permutation.SpecMatch` (``state``, ``assignments``, ``widths``,
         ``network()``, ``client_slice(j)``).
     """
-    kwargs = config.matcher_kwargs()
-    direction = kwargs.pop("direction")
     init = _warm_start(config, starts, len(client_nets))
-    match_seed = derive_seed(seed, Stream.MATCH, round)
-    if direction == "top-down":
-        return _top_down(list(client_nets), class_counts, kwargs, seed=match_seed, init=init, spec=spec,
-                         template=template, input_shape=input_shape)
     return match_by_spec(list(client_nets), class_counts, spec, input_shape=input_shape, template=template,
-                         seed=match_seed, warm_start=init, **kwargs)
-
-
-def _top_down(nets: list, class_counts, kwargs: dict, *, seed: int, init, spec, template, input_shape) -> SpecMatch:
-    """The published top-down order, for MLPs: ``match_networks`` on the Linear layers, as a SpecMatch."""
-    modules = [n if isinstance(n, nn.Module) else network_from_state(template, n) for n in nets]
-    template = modules[0] if template is None else template
-    if spec is None:
-        first = next((m for m in template.modules() if isinstance(m, (nn.Linear, nn.Conv2d))), None)
-        spec = derive_spec(template, input_shape if input_shape is not None or not isinstance(first, nn.Linear)
-                           else (first.in_features,))
-    linear = [name for name, m in template.named_modules() if isinstance(m, nn.Linear)]
-    owners = {p.rpartition(".")[0] for p in spec.kinds}
-    if spec.group_names != linear[:-1] or owners != set(linear) or any(
-            template.get_submodule(n).bias is None for n in linear):
-        raise ValueError("direction: 'top-down' matches MLPs (Linear layers with biases) only; expected "
-                         "'bottom-up' for this network")
-    match = match_networks([linear_layers(m) for m in modules], class_counts, seed=seed, direction="top-down",
-                           warm_start=None if init is None else [init[g] for g in spec.group_names], **kwargs)
-    state = {k: v.detach().clone() for k, v in modules[0].state_dict().items()}
-    for name, (w, b) in zip(linear, match.layers):
-        for key, value in ((f"{name}.weight", w), (f"{name}.bias", b)):
-            state[key] = torch.as_tensor(value).to(state[key].dtype)
-    names = spec.group_names
-    return SpecMatch(spec=spec, state=state, assignments=dict(zip(names, match.assignments)),
-                     layer_results=dict(zip(names, match.layer_results)), template=template, seconds=match.seconds,
-                     class_shares=match.class_shares, hyperparameters=dict(zip(names, match.hyperparameters)),
-                     output_bias_mu0=match.output_bias_mu0)
+                         seed=derive_seed(seed, Stream.MATCH, round), warm_start=init, **config.matcher_kwargs())
 
 
 def match_hyperparameters(match) -> list[dict]:
@@ -393,7 +357,7 @@ def fedma_group_step(client_states: Sequence[Mapping[str, Tensor]], class_counts
     sweeps draw from ``derive_seed(seed, MATCH, round) + c`` (c its position in the spec), as in :func:`pfnm_step`.
     ``starts`` warm-starts it as in :func:`pfnm_step`."""
     kwargs = config.matcher_kwargs()
-    kwargs.pop("direction")
+    kwargs.pop("direction")   # FedMA matches bottom-up (PFNMConfig refuses layer-wise top-down)
     init = _warm_start(config, starts, len(client_states))
     c = spec.group_names.index(group)
     return match_group(list(client_states), spec, group, class_counts,

@@ -1,8 +1,19 @@
 """Inference: Hungarian MAP matching of neurons (PFNM), permutation specs (matching any feed-forward network), and
-SVI for Bayesian clients."""
+SVI for Bayesian clients.
+
+The matching floor, one job a file: :mod:`~bnpfed.inference.matcher` (the one layer matcher: per-neuron,
+per-coordinate noise, the Hungarian re-match, the driver), :mod:`~bnpfed.inference.empirical_bayes` (its two
+estimators), :mod:`~bnpfed.inference.matching` and :mod:`~bnpfed.inference.bayesian_matching` (the homoscedastic and
+the heteroscedastic model: ``match_layer``, ``match_bayesian_layer``), :mod:`~bnpfed.inference.spec`,
+:mod:`~bnpfed.inference.derive`, :mod:`~bnpfed.inference.layout`, :mod:`~bnpfed.inference.assembly` (permutation
+specs), :mod:`~bnpfed.inference.network_matching` (the one network driver, ``match_by_spec``),
+:mod:`~bnpfed.inference.fedma` (one group at a time), :mod:`~bnpfed.inference.posterior_matching` (the driver with a
+fusing step), :mod:`~bnpfed.inference.batch_norm`; :mod:`~bnpfed.inference.permutation` is the public face of the
+spec floor."""
 
 from bnpfed.inference.matching import REFERENCE_CONSTANTS, MatchResult, assignment_objective, match_layer
 from bnpfed.inference.bayesian_matching import bayesian_assignment_objective, match_bayesian_layer
+from bnpfed.inference.matching import average_atoms, averaging_weights
 from bnpfed.inference.permutation import (
     BatchNormMoments,
     GroupMatch,
@@ -29,6 +40,8 @@ __all__ = [
     "REFERENCE_CONSTANTS",
     "MatchResult",
     "assignment_objective",
+    "average_atoms",
+    "averaging_weights",
     "match_layer",
     "match_bayesian_layer",
     "bayesian_assignment_objective",

@@ -145,27 +145,31 @@ relative to sqrt(sigma0_2)), or after ``sweeps`` sweeps (``MatchResult.converged
 fixed a sweep never lowers F_marg; re-estimating moves F_marg itself, so ``objective`` need not be monotone across
 sweeps.
 
-Implementation. Coordinates on which every client has precision scale 1 (all of them unless ``precisions`` is given;
-in PFNM all but the output-layer ones) form block A, where ``P_i = P0 + m_i / sigma2`` is one number per atom: the
-cross terms of all of a client's neurons against all atoms are one matrix product ``V_j g_A^T``, and the per-atom
-statistics (g, m, ||g_A||^2) are updated in place when a client leaves or joins. The remaining coordinates (block B)
-keep a dense per-coordinate precision and cost two more, small, products. A re-estimate is O(N D) (N neurons) and
-rebuilds those statistics from the current assignment.
+Implementation: the one layer matcher of :mod:`bnpfed.inference.matcher`, with every posterior variance 0 (the
+heteroscedastic model of :mod:`bnpfed.inference.bayesian_matching` at u = 0, tau2 = sigma2), and the estimator
+:class:`~bnpfed.inference.empirical_bayes.PooledMoments`. Coordinates on which every client has precision scale 1
+(all of them unless ``precisions`` is given; in PFNM all but the output-layer ones) form block A, where ``P_i = P0 +
+m_i / sigma2`` is one number per atom: the cross terms of all of a client's neurons against all atoms are one matrix
+product ``V_j g_A^T`` (or a gather from the Gram matrix of all neurons), and the per-atom statistics (g, m,
+||g_A||^2) are updated in place when a client leaves or joins. The remaining coordinates (block B) keep a dense
+per-coordinate precision and cost two more, small, products. A re-estimate is O(N D) (N neurons) and rebuilds those
+statistics from the current assignment.
 """
 
 from __future__ import annotations
 
-import math
+import math  # noqa: F401 (match_layer's examples use it)
 import time
-from dataclasses import dataclass, field
-from typing import Literal, Mapping, Sequence
+from typing import Literal, Mapping
 
 import numpy as np
 import torch
-from scipy.optimize import linear_sum_assignment
-from scipy.sparse import csr_matrix
 from torch import Tensor
 
+from bnpfed.inference.empirical_bayes import (EB_RTOL, EB_START_NOISE_SHARE, SIGMA0_2_FLOOR, SIGMA2_FLOOR,
+                                              PooledMoments, validate_start)
+from bnpfed.inference.matcher import (FixedValues, MatchResult, make_matcher, result_dtype, run_matching,
+                                      validate_labels, validate_mu0)
 from bnpfed.validation import check_choice, check_int, check_positive
 
 __all__ = [
@@ -188,815 +192,12 @@ __all__ = [
 REFERENCE_CONSTANTS = dict(hyperparameters="fixed", objective="map", popularity_factor=1.0, popularity_cap=10,
                            max_atoms=700, new_atom_penalty="log_k")
 
-#: Empirical Bayes: the smallest sigma0_2 / sigma2 an estimate may take. Below it the atoms would be
-#: indistinguishable under the noise and the matcher would merge everything; a between-atom variance below what the
-#: noise alone explains says as much, and the floor keeps the prior proper (scale-free, as it is relative to sigma2).
-SIGMA0_2_FLOOR = 1e-2
 
-#: Empirical Bayes: the smallest sigma2 an estimate may take, relative to the pooled variance of all the neurons
-#: (reached only when the members of every atom agree exactly).
-SIGMA2_FLOOR = 1e-10
-
-#: Empirical Bayes: the alternation has converged when a sweep changed no assignment and no estimate moved by more
-#: than this, relative (mu0 relative to sqrt(sigma0_2), as it may be 0).
-EB_RTOL = 1e-6
-
-#: Empirical Bayes: the data-driven start splits the pooled variance T of the neurons as sigma2 = this * T and
-#: sigma0_2 = (1 - this) * T (so that sigma2 + sigma0_2 = T, the variance the model gives a neuron), on the side of
-#: splitting: the first assignment then merges only neurons far closer than a typical pair. From the even split (1/2)
-#: the first pass of a layer of trained networks merges unrelated neurons, whose spread then sets the noise estimate:
-#: a fixed point of far lower marginal likelihood (module docstring, *Empirical Bayes*).
-EB_START_NOISE_SHARE = 0.1
-
-_NAMES = ("mu0", "sigma0_2", "sigma2", "gamma0")
-
-
-@dataclass
-class MatchResult:
-    """Result of :func:`match_layer`.
-
-    :param Tensor global_atoms: (L, D) posterior means ``g_i / P_i`` given the assignment (at the final
-        hyper-parameters).
-    :param Tensor posterior_precision: (L, D) posterior precisions ``P_i``.
-    :param list assignments: J long tensors of length L_j with values in [0, L), distinct within a client (empty
-        for a client without neurons).
-    :param Tensor counts: (L,) number of clients on each atom (m_i).
-    :param list objective: the objective after the greedy pass (or at ``init_assignments``) and after every sweep,
-        each at the hyper-parameters that pass used (the starting values for the first). With fixed hyper-parameters
-        a sweep skipped at a fixed point repeats the last value (``sweeps + 1`` entries).
-    :param float seconds: wall time of the matching.
-    :param float lsa_seconds: part of ``seconds`` spent inside ``linear_sum_assignment``.
-    :param list rematches: one ``(client, L_j, L)`` per client (re-)matching, L the atoms it was scored against.
-    :param dict hyperparameters: the final values, estimated or given: ``"mu0"`` a (D,) tensor, ``"sigma0_2"``,
-        ``"sigma2"``, ``"gamma0"`` floats; under empirical Bayes, for a layer with coordinates of per-client
-        precision scales (PFNM's output weights) beside coordinates of scale 1, also ``"sigma0_2_scaled"`` and
-        ``"sigma2_scaled"``, the variances on the former (module docstring).
-    :param list hyperparameter_history: the values (dicts as ``hyperparameters``) after the first assignment and
-        after every sweep; the last entry is ``hyperparameters``. With fixed hyper-parameters every entry holds the
-        given values (as many as ``objective``).
-    :param bool converged: empirical Bayes: whether a sweep changed no assignment and moved no estimate (by more than
-        ``EB_RTOL``) before the sweep limit; always True with fixed hyper-parameters.
-    :param tuple estimated: names of the estimated hyper-parameters, in the order ``("mu0", "sigma0_2", "sigma2",
-        "gamma0", "sigma0_2_scaled", "sigma2_scaled")``; ``()`` with fixed ones. ``"mu0"`` is listed when any
-        coordinate of it was estimated.
-    :param list notes: what the estimation had to fall back on (see the module docstring's degenerate cases), and
-        whether it stopped at the sweep limit; empty with fixed hyper-parameters.
-    :param int sweeps_run: sweeps actually run after the first assignment.
-    """
-
-    global_atoms: Tensor
-    posterior_precision: Tensor
-    assignments: list
-    counts: Tensor
-    objective: list
-    seconds: float = 0.0
-    lsa_seconds: float = 0.0
-    rematches: list = field(default_factory=list, repr=False)
-    hyperparameters: dict = field(default_factory=dict)
-    hyperparameter_history: list = field(default_factory=list, repr=False)
-    converged: bool = True
-    estimated: tuple = ()
-    notes: list = field(default_factory=list)
-    sweeps_run: int = 0
-
-    @property
-    def num_atoms(self) -> int:
-        return int(self.global_atoms.shape[0])
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# input validation
-
-
-def _to_numpy(x, name: str) -> np.ndarray:
-    if isinstance(x, Tensor):
-        x = x.detach().cpu().numpy()
-    try:
-        return np.asarray(x, dtype=np.float64)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{name} must be numeric arrays or tensors: {e}") from None
-
-
-def _validate_neurons(neurons) -> list[np.ndarray]:
-    if isinstance(neurons, (Tensor, np.ndarray)) and np.ndim(neurons) == 3:
-        neurons = list(neurons)
-    if not isinstance(neurons, Sequence) or isinstance(neurons, (str, bytes)):
-        raise ValueError(f"neurons must be a sequence of J arrays of shape (L_j, D), got {type(neurons).__name__}")
-    if len(neurons) == 0:
-        raise ValueError("neurons is empty: expected at least one client's (L_j, D) array")
-    out = []
-    for j, v in enumerate(neurons):
-        a = _to_numpy(v, f"neurons[{j}]")
-        if a.ndim != 2:
-            raise ValueError(f"neurons[{j}] must have shape (L_j, D), got shape {a.shape}")
-        if a.shape[1] != out[0].shape[1] if out else False:
-            raise ValueError(f"neurons[{j}] has D = {a.shape[1]} coordinates but neurons[0] has {out[0].shape[1]}: "
-                             "every client must share D")
-        if not np.isfinite(a).all():
-            raise ValueError(f"neurons[{j}] contains NaN or inf")
-        out.append(np.ascontiguousarray(a))
-    if not any(a.shape[0] for a in out):
-        # a client without neurons still counts in J, but some client must hold one for there to be a layer
-        raise ValueError(f"neurons: expected at least one client with a neuron (L_j >= 1), got {len(out)} "
-                         "client(s), all with L_j = 0: nothing to match")
-    return out
-
-
-def _validate_precisions(precisions, sizes: Sequence[int], D: int) -> np.ndarray | None:
-    """(J, D) precision scales; ``sizes`` are the clients' L_j."""
-    if precisions is None:
-        return None
-    J = len(sizes)
-    if isinstance(precisions, (Tensor, np.ndarray)) and np.ndim(precisions) == 2:
-        s = _to_numpy(precisions, "precisions")
-    else:
-        if len(precisions) != J:
-            raise ValueError(f"precisions must hold one (D,) vector per client: expected {J}, got {len(precisions)}")
-        rows = [_to_numpy(p, f"precisions[{j}]") for j, p in enumerate(precisions)]
-        for j, r in enumerate(rows):
-            if r.shape != (D,):
-                raise ValueError(f"precisions[{j}] must have shape ({D},), got {r.shape}")
-        s = np.stack(rows)
-    if s.shape != (J, D):
-        raise ValueError(f"precisions must have shape ({J}, {D}), got {s.shape}")
-    if not np.isfinite(s).all() or (s < 0).any():
-        raise ValueError("precisions must be finite and >= 0")
-    # a client without neurons says nothing whatever its precisions: its row is never used
-    silent = np.flatnonzero((s == 0).all(axis=1) & (np.asarray(sizes) > 0))
-    if silent.size:
-        raise ValueError(f"precisions of client {int(silent[0])} are all 0: its neurons would carry no information "
-                         "(a zero precision marks one coordinate a client says nothing about; some must be > 0)")
-    return s
-
-
-def _validate_mu0(mu0, D: int, *, estimable: bool = False) -> np.ndarray:
-    """(D,) prior mean; with ``estimable`` NaN entries mark coordinates whose mean is to be estimated."""
-    m = _to_numpy(mu0, "mu0")
-    if m.ndim == 0:
-        m = np.full(D, float(m))
-    if m.shape != (D,):
-        raise ValueError(f"mu0 must be a scalar or have shape ({D},), got {m.shape}")
-    bad = np.isinf(m) if estimable else ~np.isfinite(m)
-    if bad.any():
-        raise ValueError("mu0 contains inf" if estimable else "mu0 contains NaN or inf")
-    return m
-
-
-def _validate_start(start, given: Mapping[str, object], D: int) -> dict:
-    """Starting values of the estimated hyper-parameters: a dict with some of mu0, sigma0_2, sigma2, gamma0 (and
-    their ``_scaled`` variances), none of them given."""
-    if start is None:
-        return {}
-    if not isinstance(start, Mapping):
-        raise ValueError(f"start: expected a dict of starting values (keys among {list(_NAMES)}), got "
-                         f"{type(start).__name__}")
-    allowed = _NAMES + ("sigma0_2_scaled", "sigma2_scaled")
-    out = {}
-    for name, value in start.items():
-        if name not in allowed:
-            raise ValueError(f"start: expected keys among {list(allowed)}, got {name!r}")
-        base = name.removesuffix("_scaled")
-        if base in given and given[base] is not None:
-            raise ValueError(f"start[{name!r}]: {base} is given (held fixed), so it has no starting value; pass it "
-                             f"in one place")
-        if name == "mu0":
-            out[name] = _validate_mu0(value, D)
-        else:
-            out[name] = check_positive(value, f"start[{name!r}]")
-    return out
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# the state of a matching: per-atom sufficient statistics, updated in place
-
-
-class _LayerMatcher:
-    """Per-atom statistics of a partial assignment, and the per-client scoring / rematching on them.
-
-    The data (neurons, precision scales, the block split) are set once; :meth:`set_hyperparameters` sets or changes
-    mu0, sigma0_2, sigma2, gamma0 (and block B's variances), and rebuilds the statistics of the current assignment
-    under them."""
-
-    def __init__(self, neurons, precisions, *, popularity_factor, popularity_cap, max_atoms, new_atom_penalty,
-                 marginal):
-        self.J = J = len(neurons)
-        self.D = D = neurons[0].shape[1]
-        self.precisions = precisions
-        if precisions is None:
-            A = np.arange(D)
-        else:
-            A = np.flatnonzero((precisions == 1.0).all(axis=0))
-        B = np.setdiff1d(np.arange(D), A)
-        self.A, self.B = A, B
-        self.vA = [v if not len(B) else np.ascontiguousarray(v[:, A]) for v in neurons]
-        self.vB = [np.ascontiguousarray(v[:, B]) for v in neurons]
-        self.sB = [precisions[j, B] if precisions is not None else np.ones(len(B)) for j in range(J)]
-        self.L = [v.shape[0] for v in neurons]
-        self.offsets = np.concatenate([[0], np.cumsum(self.L)]).astype(np.int64)
-        self.gram: np.ndarray | None = None  # (N, N) products x_u . x_v of all neurons' block-A parts, when used
-        self.gram_tau: float | None = None  # the block-A precision when the Gram matrix was computed
-        self.marginal = marginal
-        self.c = float(popularity_factor)
-        # popularity score of joining an atom held by m other clients, and its cumulative sum over an atom's life
-        m = np.arange(J + 1, dtype=np.float64)
-        mc = np.minimum(m, popularity_cap) if popularity_cap is not None else m
-        with np.errstate(divide="ignore"):
-            self.pop = self.c * (np.log(mc) - np.log(J - mc))  # pop[m], m = 1 .. J-1 used
-        self.pop_cum = np.zeros(J + 1)
-        self.pop_cum[2:] = np.cumsum(self.pop[1:J])  # pop_cum[m] = sum_{k=1}^{m-1} pop[k]
-        self.max_atoms = max_atoms
-        self.new_atom_penalty = new_atom_penalty
-        self.assign: list[np.ndarray | None] = [None] * J
-        self.lsa_seconds = 0.0
-        self.rematches: list[tuple[int, int, int]] = []
-        self.hyper: tuple | None = None
-
-    # --- hyper-parameters -------------------------------------------------------------------------------------------
-    def set_hyperparameters(self, *, sigma2: float, sigma0_2: float, gamma0: float, mu0: np.ndarray,
-                            sigma2_scaled: float | None = None, sigma0_2_scaled: float | None = None) -> None:
-        """Score with these values from now on: the per-client contributions are recomputed and the per-atom
-        statistics rebuilt from the current assignment (O(N D)); nothing happens if the values are unchanged.
-        ``sigma2_scaled``, ``sigma0_2_scaled``: the variances on block B (default sigma2, sigma0_2)."""
-        sigma2_scaled = sigma2 if sigma2_scaled is None else sigma2_scaled
-        sigma0_2_scaled = sigma0_2 if sigma0_2_scaled is None else sigma0_2_scaled
-        key = (float(sigma2), float(sigma0_2), float(gamma0), mu0.tobytes(), float(sigma2_scaled),
-               float(sigma0_2_scaled))
-        if key == self.hyper:
-            return
-        self.hyper = key
-        J, A = self.J, self.A
-        self.tau = tau = 1.0 / sigma2  # block-A noise precision
-        self.P0 = P0 = 1.0 / sigma0_2
-        self.P0B = 1.0 / sigma0_2_scaled
-        self.g0A, self.g0B = (mu0 * P0)[A].copy(), (mu0 * self.P0B)[self.B].copy()
-        self.g0A_sq = float(self.g0A @ self.g0A)
-        # per-client natural-parameter contributions x = w * v (w = s / sigma2) and precisions w on block B
-        self.xA = [np.ascontiguousarray(v * tau) for v in self.vA]
-        self.xA_sq = [np.einsum("ld,ld->l", x, x) for x in self.xA]
-        self.g0x = [x @ self.g0A for x in self.xA]  # cross term of each neuron with an empty (prior-only) atom
-        tau_scaled = 1.0 / sigma2_scaled
-        self.wB = [self.sB[j] * tau_scaled for j in range(J)]
-        self.xB = [np.ascontiguousarray(v * self.wB[j]) for j, v in enumerate(self.vB)]
-        self.log_new = 2.0 * math.log(gamma0 / J)
-        self.new_scores = [self._new_atom_scores(j) for j in range(J)]
-        labels = None if any(a is None for a in self.assign) else list(self.assign)
-        self._reset_storage()
-        if labels is not None:
-            self.start_from(labels)
-
-    def _reset_storage(self) -> None:
-        # storage for atoms: rows [0, n_rows) used, some of them free (m == 0)
-        cap = max(2 * max(self.L), 64)
-        self.gA = np.tile(self.g0A, (cap, 1))
-        self.gB = np.tile(self.g0B, (cap, 1))
-        self.PB = np.full((cap, len(self.B)), self.P0B)
-        self.gA_sq = np.full(cap, self.g0A_sq)
-        self.m = np.zeros(cap, dtype=np.int64)
-        self.n_rows = 0
-        self.free: list[int] = []
-        self.assign = [None] * self.J
-
-    # --- storage ----------------------------------------------------------------------------------------------------
-    def _grow(self, needed: int):
-        cap = self.m.shape[0]
-        if needed <= cap:
-            return
-        new_cap = max(needed, 2 * cap)
-        extra = new_cap - cap
-        self.gA = np.vstack([self.gA, np.tile(self.g0A, (extra, 1))])
-        self.gB = np.vstack([self.gB, np.tile(self.g0B, (extra, 1))])
-        self.PB = np.vstack([self.PB, np.full((extra, len(self.B)), self.P0B)])
-        self.gA_sq = np.concatenate([self.gA_sq, np.full(extra, self.g0A_sq)])
-        self.m = np.concatenate([self.m, np.zeros(extra, dtype=np.int64)])
-
-    def _new_rows(self, k: int) -> np.ndarray:
-        take = self.free[-k:] if k else []
-        del self.free[len(self.free) - len(take):]
-        rest = k - len(take)
-        self._grow(self.n_rows + rest)
-        rows = np.array(list(take) + list(range(self.n_rows, self.n_rows + rest)), dtype=np.int64)
-        self.n_rows += rest
-        return rows
-
-    # --- adding and removing a client -------------------------------------------------------------------------------
-    # ||g_A||^2 is kept per atom and updated from the cross terms g.x that scoring computes anyway:
-    #   joining:  ||g + x||^2 = ||g||^2 + 2 g.x + ||x||^2      (g before the join)
-    #   leaving:  ||g - x||^2 = ||g||^2 - 2 (g - x).x - ||x||^2 (g - x after the leave)
-    # so neither costs a pass over the (L_j, D) block beyond the update of g itself.
-    def add(self, j: int, rows: np.ndarray, cross: np.ndarray | None = None, *, norms: bool = True):
-        """Put client j's neurons on atom ``rows``; ``cross[l] = g_rows[l] . x_l`` before the update, if known
-        (``norms=False``: leave ||g_A||^2 to the caller)."""
-        self.gA[rows] += self.xA[j]
-        if cross is None:
-            if norms:
-                self.gA_sq[rows] = np.einsum("ld,ld->l", self.gA[rows], self.gA[rows])
-        else:
-            self.gA_sq[rows] += 2.0 * cross + self.xA_sq[j]
-        if len(self.B):
-            self.gB[rows] += self.xB[j]
-            self.PB[rows] += self.wB[j]
-        self.m[rows] += 1
-        self.assign[j] = rows
-
-    def _remove_stats(self, j: int) -> tuple[np.ndarray, np.ndarray]:
-        """Take client j off its atoms except for ||g_A||^2; return the positions whose atom survives, and those
-        atoms."""
-        rows = self.assign[j]
-        self.assign[j] = None
-        self.m[rows] -= 1
-        keep = self.m[rows] > 0
-        kept, empty = rows[keep], rows[~keep]
-        self.gA[kept] -= self.xA[j][keep]
-        self.gA[empty] = self.g0A
-        self.gA_sq[empty] = self.g0A_sq
-        if len(self.B):
-            self.gB[kept] -= self.xB[j][keep]
-            self.PB[kept] -= self.wB[j]
-            self.gB[empty] = self.g0B
-            self.PB[empty] = self.P0B
-        self.free.extend(int(r) for r in empty)
-        return np.flatnonzero(keep), kept
-
-    # --- scores -------------------------------------------------------------------------------------------------------
-    def _new_atom_scores(self, j: int) -> np.ndarray:
-        """(L_j,) score of each of client j's neurons against a new atom (the prior alone)."""
-        tau, P0 = self.tau, self.P0
-        xA = self.xA[j]
-        new = (self.xA_sq[j] + 2.0 * (xA @ self.g0A)) / (P0 + tau) + self.g0A_sq * (1.0 / (P0 + tau) - 1.0 / P0)
-        if len(self.B):
-            w = self.wB[j]
-            P0B = self.P0B
-            new = new + (((self.xB[j] + self.g0B) ** 2) / (P0B + w) - self.g0B ** 2 / P0B).sum(axis=1)
-        new = new + self.log_new
-        if self.marginal:
-            new -= len(self.A) * math.log1p(tau / P0)
-            if len(self.B):
-                new -= np.log1p(self.wB[j] / self.P0B).sum()
-        return new
-
-    def scores(self, j: int, cross: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Score matrix of client j (not on any atom) against the active atoms and new ones, and the active rows.
-
-        ``cross``: (L_j, n_rows) products of client j's block-A contributions with every stored atom's g_A.
-        """
-        active = np.flatnonzero(self.m[: self.n_rows] > 0)
-        L_j, tau, P0 = self.L[j], self.tau, self.P0
-        L = active.size
-        n_new = L_j
-        if self.max_atoms is not None:
-            n_new = min(L_j, max(self.max_atoms - L, 1))
-            if L + n_new < L_j:
-                raise ValueError(f"max_atoms={self.max_atoms} leaves client {j} ({L_j} neurons) only {L + n_new} "
-                                 "atoms to choose from: raise max_atoms")
-        S = np.empty((L_j, L + n_new))
-        S[:, L:] = self.new_scores[j][:, None]
-        if self.new_atom_penalty == "log_k":
-            S[:, L:] -= 2.0 * np.log(np.arange(1, n_new + 1))
-        if L:
-            m = self.m[active]
-            P = P0 + m * tau  # block A posterior precision, one per atom
-            inv_new = 1.0 / (P + tau)
-            atom_term = self.gA_sq[active] * (inv_new - 1.0 / P) + self.pop[m]
-            if self.marginal:
-                atom_term -= len(self.A) * np.log1p(tau / P)
-            ex = S[:, :L]
-            np.multiply(cross[:, active] if L < cross.shape[1] else cross, 2.0, out=ex)
-            ex += self.xA_sq[j][:, None]
-            ex *= inv_new[None, :]
-            ex += atom_term[None, :]
-            if len(self.B):
-                w = self.wB[j]
-                gB, PB = self.gB[active], self.PB[active]
-                R = 1.0 / (PB + w)
-                t1 = (gB ** 2 * (R - 1.0 / PB)).sum(axis=1)
-                ex += t1[None, :] + 2.0 * (self.xB[j] @ (gB * R).T) + (self.xB[j] ** 2) @ R.T
-                if self.marginal:
-                    ex -= np.log1p(w[None, :] / PB).sum(axis=1)[None, :]
-        return S, active
-
-    def match(self, j: int, *, rematch: bool = False) -> bool:
-        """Assign client j optimally given everyone else (taking it off its atoms first if ``rematch``); return
-        whether the partition changed (a client that is new to it always changes it, unless it has no neurons)."""
-        if self.L[j] == 0:
-            # no neurons, no atoms: the client counts in J (the scores' gamma0/J and m/(J-m)) and nowhere else
-            self.assign[j] = np.empty(0, dtype=np.int64)
-            self.rematches.append((j, 0, int((self.m[: self.n_rows] > 0).sum())))
-            return False
-        if rematch:
-            previous = self.assign[j]
-            positions, kept = self._remove_stats(j)
-        cross = self._gram_cross(j) if self.gram is not None else self.xA[j] @ self.gA[: self.n_rows].T
-        if rematch:
-            self.gA_sq[kept] -= 2.0 * cross[positions, kept] + self.xA_sq[j][positions]
-        S, active = self.scores(j, cross)
-        L = active.size
-        t0 = time.perf_counter()
-        rows, cols = linear_sum_assignment(S, maximize=True)
-        self.lsa_seconds += time.perf_counter() - t0
-        self.rematches.append((j, self.L[j], L))
-        target = np.empty(self.L[j], dtype=np.int64)
-        target_cross = np.empty(self.L[j])
-        is_new = cols >= L
-        old_rows, new_rows = rows[~is_new], rows[is_new]
-        target[old_rows] = active[cols[~is_new]]
-        target_cross[old_rows] = cross[old_rows, target[old_rows]]
-        target[new_rows] = self._new_rows(new_rows.size)
-        target_cross[new_rows] = self.g0x[j][new_rows]
-        self.add(j, target, target_cross)
-        if not rematch:
-            return True
-        # unchanged: the neurons whose atom survived the removal went back to it, and the others opened new atoms
-        was_shared = np.zeros(self.L[j], dtype=bool)
-        was_shared[positions] = True
-        opened = np.zeros(self.L[j], dtype=bool)
-        opened[new_rows] = True
-        return bool((was_shared == opened).any() or (target[positions] != previous[positions]).any())
-
-    def sweep(self, rng: np.random.Generator) -> bool:
-        """Re-match every client once, in a random order; return whether any assignment changed."""
-        changed = False
-        for j in rng.permutation(self.J):
-            changed |= self.match(int(j), rematch=True)
-        return changed
-
-    def use_gram(self) -> None:
-        """Score through the Gram matrix of all neurons from now on (see :meth:`_gram_cross`)."""
-        if self.gram is None:
-            x = np.concatenate(self.xA)
-            self.gram = x @ x.T
-            self.gram_tau = self.tau
-
-    def _gram_cross(self, j: int) -> np.ndarray:
-        """``x_l . g_i`` for client j's neurons l and every stored atom i, from the Gram matrix: an atom's g is
-        g0 plus its members' x, so ``x_l . g_i = x_l . g0 + sum_{u in S_i} x_l . x_u``. One gather of client j's
-        (L_j, N) block of the Gram matrix and a sum per atom replace the (L_j, D) x (D, L) product; worth it when
-        the layer stays wide (many atoms against few neurons). The sum per atom is a product with the sparse (N, L)
-        membership matrix. The Gram matrix holds ``x = tau v`` at the precision it was computed with; when it changed
-        since (empirical Bayes), the membership and the row carry the ratio of the precisions."""
-        others = [k for k in range(self.J) if k != j and self.assign[k] is not None]
-        if not others:
-            return np.repeat(self.g0x[j][:, None], self.n_rows, axis=1)
-        members = np.concatenate([np.arange(self.offsets[k], self.offsets[k + 1]) for k in others])
-        atoms = np.concatenate([self.assign[k] for k in others])
-        ratio = self.tau / self.gram_tau  # exactly 1 while the precision is that of the Gram matrix
-        membership = csr_matrix((np.full(members.size, ratio), (members, atoms)),
-                                shape=(self.gram.shape[0], self.n_rows))
-        cross = np.asarray(self.gram[self.offsets[j]:self.offsets[j + 1]] @ membership)
-        if ratio != 1.0:
-            cross *= ratio
-        cross += self.g0x[j][:, None]
-        return cross
-
-    def start_from(self, labels: list[np.ndarray]) -> None:
-        """Put every client on the atoms of a given assignment (labels from :func:`_validate_labels`; any values,
-        compacted here to rows ``0 .. U-1`` in sorted label order)."""
-        uniq, flat = np.unique(np.concatenate(labels), return_inverse=True)
-        flat = flat.reshape(-1)
-        self._grow(uniq.size)
-        self.n_rows = uniq.size
-        start = 0
-        for j, a in enumerate(labels):
-            self.add(j, flat[start:start + a.size], norms=False)
-            start += a.size
-        self.gA_sq[: uniq.size] = np.einsum("ld,ld->l", self.gA[: uniq.size], self.gA[: uniq.size])
-
-    def labels(self) -> list[np.ndarray]:
-        """The current assignment as compact labels 0 .. L-1 (in storage order), and L."""
-        active = np.flatnonzero(self.m[: self.n_rows] > 0)
-        relabel = np.full(self.n_rows, -1, dtype=np.int64)
-        relabel[active] = np.arange(active.size)
-        return [relabel[a] for a in self.assign], int(active.size)
-
-    # --- the objective ----------------------------------------------------------------------------------------------
-    def objective(self) -> float:
-        active = np.flatnonzero(self.m[: self.n_rows] > 0)
-        m = self.m[active]
-        P = self.P0 + m * self.tau
-        F = float((self.gA_sq[active] / P).sum() - active.size * self.g0A_sq / self.P0)
-        if len(self.B):
-            gB, PB = self.gB[active], self.PB[active]
-            F += float((gB ** 2 / PB).sum() - active.size * (self.g0B ** 2).sum() / self.P0B)
-        F += active.size * self.log_new + float(self.pop_cum[m].sum())
-        if self.marginal:
-            F -= float(len(self.A) * np.log(P / self.P0).sum())
-            if len(self.B):
-                F -= float(np.log(self.PB[active] / self.P0B).sum())
-        return F
-
-    def result(self, objective: list[float], seconds: float, dtype, **extra) -> MatchResult:
-        active = np.flatnonzero(self.m[: self.n_rows] > 0)
-        labels, _ = self.labels()
-        P = np.empty((active.size, self.D))
-        g = np.empty((active.size, self.D))
-        P[:, self.A] = (self.P0 + self.m[active] * self.tau)[:, None]
-        g[:, self.A] = self.gA[active]
-        if len(self.B):
-            P[:, self.B] = self.PB[active]
-            g[:, self.B] = self.gB[active]
-        return MatchResult(
-            global_atoms=torch.as_tensor(g / P, dtype=dtype),
-            posterior_precision=torch.as_tensor(P, dtype=dtype),
-            assignments=[torch.as_tensor(a) for a in labels],
-            counts=torch.as_tensor(self.m[active]),
-            objective=objective,
-            seconds=seconds,
-            lsa_seconds=self.lsa_seconds,
-            rematches=self.rematches,
-            **extra,
-        )
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# empirical Bayes: moment estimates of the hyper-parameters from an assignment
-
-
-def _harmonic(J: int) -> float:
-    return float(np.sum(1.0 / np.arange(1, J + 1)))
-
-
-class _EmpiricalBayes:
-    """Starting values and moment estimates (module docstring, *Empirical Bayes*) of the hyper-parameters that are
-    not given; ``values`` dicts hold ``mu0`` ((D,) array), ``sigma0_2``, ``sigma2``, ``gamma0`` and
-    ``sigma0_2_scaled``, ``sigma2_scaled`` (block B's variances; equal to sigma0_2, sigma2 unless the layer has both
-    blocks)."""
-
-    def __init__(self, matcher: _LayerMatcher, given: Mapping[str, float], mu0: np.ndarray, mu0_free: np.ndarray,
-                 start: Mapping[str, object]):
-        self.mt = mt = matcher
-        self.given = dict(given)
-        self.mu0_free = mu0_free
-        self.mu0_given = mu0
-        self.notes: list[str] = []
-        J, A, B = mt.J, mt.A, mt.B
-        # pooled moments of all the neurons (entries with s_jd > 0): the data-driven start and the scale of the floor
-        N = int(mt.offsets[-1])
-        total = np.zeros(mt.D)
-        count = np.zeros(mt.D)
-        total[A] = sum(v.sum(axis=0) for v in mt.vA)
-        count[A] = N
-        for j in range(J):
-            seen = mt.sB[j] > 0
-            total[B] += np.where(seen, mt.vB[j].sum(axis=0), 0.0)
-            count[B] += seen * mt.L[j]
-        self.silent = np.flatnonzero(count == 0)  # coordinates no client has data on
-        mean = np.divide(total, count, out=np.zeros(mt.D), where=count > 0)
-        ssA = sum(float(((v - mean[A]) ** 2).sum()) for v in mt.vA)
-        ssB = sum(float(((mt.vB[j] - mean[B]) ** 2 * (mt.sB[j] > 0)).sum()) for j in range(J))
-        dof = np.maximum(count - 1, 0)
-        dofA, dofB = float(dof[A].sum()), float(dof[B].sum())
-        TA = ssA / dofA if dofA > 0 else 0.0
-        TB = ssB / dofB if dofB > 0 else 0.0
-        # block B gets its own variances when the layer has both blocks and B carries data
-        self.two_blocks = bool(len(A)) and dofB > 0
-        T = TA if len(A) else TB
-        if not T > 0:
-            self.note("the neurons have no spread (pooled variance 0): the start uses sigma2 = sigma0_2 = 1")
-            T = 2.0
-        if not TB > 0:
-            TB = T
-        self.pooled_variance = T
-        self.pooled_variance_scaled = TB
-        names = [n for n in ("sigma0_2", "sigma2", "gamma0") if n not in given]
-        scaled = [n + "_scaled" for n in ("sigma0_2", "sigma2") if n not in given] if self.two_blocks else []
-        self.estimated = (("mu0",) if mu0_free.any() else ()) + tuple(names) + tuple(scaled)
-        if self.silent.size:
-            self.note(f"{self.silent.size} coordinate(s) with precision 0 at every client (first: "
-                      f"{int(self.silent[0])}) carry no data: skipped; mu0 there keeps its starting value")
-        empty = [j for j in range(J) if mt.L[j] == 0]
-        if empty:
-            self.note(f"client(s) {empty} hold no neurons: counted in J (H_J), nowhere else")
-        self.start = self._start(given, start, mean, T, TB, N / J, EB_START_NOISE_SHARE)
-        # the fallback when the first pass from the small noise leaves every neuron alone: the even split, used only
-        # if the variances start from the data (none given, none in ``start``)
-        self.from_data = not any(n in given or n in start for n in
-                                 ("sigma2", "sigma0_2", "sigma2_scaled", "sigma0_2_scaled"))
-        self.even_start = self._start(given, start, mean, T, TB, N / J, 0.5)
-
-    def _start(self, given, start, mean, T, TB, gamma0, share) -> dict:
-        """Starting values: given, else from ``start``, else from the data (the pooled variances T, TB split
-        ``share`` to the noise)."""
-        default = dict(mu0=mean, sigma0_2=(1 - share) * T, sigma2=share * T, gamma0=gamma0,
-                       sigma0_2_scaled=(1 - share) * TB, sigma2_scaled=share * TB)
-        values = dict(mu0=np.where(self.mu0_free, start.get("mu0", default["mu0"]), self.mu0_given))
-        for n in ("sigma0_2", "sigma2", "gamma0"):
-            values[n] = given[n] if n in given else start.get(n, default[n])
-        for n in ("sigma0_2", "sigma2"):
-            if not self.two_blocks or n in given:
-                values[n + "_scaled"] = values[n]
-            else:
-                values[n + "_scaled"] = start.get(n + "_scaled", default[n + "_scaled"])
-        return values
-
-    def note(self, message: str) -> None:
-        if message not in self.notes:
-            self.notes.append(message)
-
-    def _moments(self, labels: list[np.ndarray], L: int):
-        """Per-atom weights W and weighted means xbar (block A: W one number per atom, as s = 1 there), and each
-        client's residual sums of squares ``num`` and their degrees of freedom ``den`` on block A and on block B
-        (E[num_j] = sigma2 den_j)."""
-        mt = self.mt
-        J, A, B = mt.J, mt.A, mt.B
-        WA = np.zeros(L)
-        SA = np.zeros((L, len(A)))
-        WB = np.zeros((L, len(B)))
-        SB = np.zeros((L, len(B)))
-        for j in range(J):
-            a = labels[j]
-            if a.size:  # labels are distinct within a client: no repeated index in these updates
-                WA[a] += 1.0
-                SA[a] += mt.vA[j]
-                if len(B):
-                    WB[a] += mt.sB[j]
-                    SB[a] += mt.sB[j] * mt.vB[j]
-        xbarA = SA / WA[:, None]
-        xbarB = np.divide(SB, WB, out=np.zeros_like(SB), where=WB > 0)
-        num, den = np.zeros((2, J)), np.zeros((2, J))
-        for j in range(J):
-            a = labels[j]
-            if not a.size:
-                continue
-            if len(A):
-                res = mt.vA[j] - xbarA[a]
-                num[0, j] = float(np.einsum("ld,ld->", res, res))
-                den[0, j] = len(A) * float((1.0 - 1.0 / WA[a]).sum())
-            if len(B):
-                seen = mt.sB[j] > 0
-                num[1, j] = float((mt.sB[j] * (mt.vB[j] - xbarB[a]) ** 2).sum())
-                lev = np.divide(mt.sB[j], WB[a], out=np.ones_like(WB[a]), where=WB[a] > 0)
-                den[1, j] = float(((1.0 - lev) * seen).sum())
-        return WA, xbarA, WB, xbarB, num, np.maximum(den, 0.0)  # 1 - s / W is 0 for a lone member, up to rounding
-
-    def _between_B(self, WB, xbarB, mu0B, freeB, sigma2_b) -> float | None:
-        """sigma0_2 on block B by the weighted moment estimate of random-effects meta-analysis (DerSimonian & Laird
-        1986): per coordinate the held atoms' means x_i with noise variances v_i = sigma2_b / W_id, weights
-        w_i = 1 / v_i, ``Q = sum_i w_i (x_i - xbar_w)^2`` (about mu0_d where it is given) has expectation
-        ``(k - 1) + sigma0_2 (sum w - sum w^2 / sum w)`` (``k + sigma0_2 sum w`` about a given mu0_d); pooled over
-        the coordinates. Atoms whose mean is mostly noise (W_id << 1) get little weight. None if not estimable."""
-        held = WB > 0
-        w = np.where(held, WB, 0.0) / sigma2_b
-        sw = w.sum(axis=0)
-        k = held.sum(axis=0).astype(float)
-        xw = np.divide((w * xbarB).sum(axis=0), sw, out=np.zeros_like(sw), where=sw > 0)
-        centre = np.where(freeB, xw, mu0B)
-        Q = (w * (xbarB - centre) ** 2).sum(axis=0)
-        dof = np.where(freeB, np.maximum(k - 1, 0), k)
-        c = np.where(freeB, sw - np.divide((w ** 2).sum(axis=0), sw, out=np.zeros_like(sw), where=sw > 0), sw)
-        if c.sum() <= 0 or dof.sum() <= 0:
-            return None
-        return float((Q - dof).sum() / c.sum())
-
-    def update(self, current: dict) -> dict:
-        """The estimates at the matcher's current assignment; the current values where not estimable."""
-        mt = self.mt
-        labels, L = mt.labels()
-        J, A, B = mt.J, mt.A, mt.B
-        WA, xbarA, WB, xbarB, num, den = self._moments(labels, L)
-        out = dict(current)
-        floor2 = SIGMA2_FLOOR * self.pooled_variance
-        main = 0 if len(A) else 1  # the block sigma2 comes from: A when there is one
-        # sigma2
-        if "sigma2" in self.estimated:
-            ok = den[main] > 1e-9 * np.maximum(np.array(mt.L, dtype=float) * mt.D, 1.0)
-            if not ok.any():
-                self.note("sigma2 not estimable (no atom has two members: every neuron is alone): the previous "
-                          "value was kept (a start far below the noise can stay there; the data-driven start does "
-                          "not)")
-            else:
-                sigma2 = float(num[main].sum() / den[main].sum())
-                if sigma2 < floor2:
-                    self.note(f"sigma2 floored at SIGMA2_FLOOR = {SIGMA2_FLOOR:g} times the pooled variance of the "
-                              "neurons (the members of every atom agree)")
-                    sigma2 = floor2
-                out["sigma2"] = sigma2
-        if "sigma2_scaled" in self.estimated:
-            if den[1].sum() > 1e-9:
-                out["sigma2_scaled"] = max(float(num[1].sum() / den[1].sum()),
-                                           SIGMA2_FLOOR * self.pooled_variance_scaled)
-            else:
-                self.note("sigma2_scaled not estimable (no atom has two members with data on the coordinates with "
-                          "per-client precision scales): the previous value was kept")
-        elif not self.two_blocks or "sigma2" in self.given:
-            out["sigma2_scaled"] = out["sigma2"]
-        sigma2 = out["sigma2"]
-        # mu0: the mean of the atom means, per coordinate (atoms with data on it)
-        mu0 = current["mu0"].copy()
-        free = self.mu0_free
-        if free.any():
-            freeA, freeB = free[A], free[B]
-            mu0[A[freeA]] = xbarA[:, freeA].mean(axis=0)
-            if len(B):
-                held = WB > 0
-                nB = held.sum(axis=0)
-                meanB = np.divide((xbarB * held).sum(axis=0), nB, out=mu0[B].copy(), where=nB > 0)
-                mu0[B[freeB]] = meanB[freeB]
-            out["mu0"] = mu0
-        # sigma0_2: between-atom variance less the noise's share, k_d = L_d - 1 (mu0_d estimated) or L_d (given)
-        if "sigma0_2" in self.estimated:
-            if len(A):
-                kA = np.where(free[A], L - 1, L).astype(float)
-                between = float(((xbarA - mu0[A]) ** 2).sum())
-                noise_share = float((kA / L).sum() * (1.0 / WA).sum())
-                k = float(kA.sum())
-                sigma0_2 = (between - sigma2 * noise_share) / k if k > 0 else None
-            else:
-                sigma0_2 = self._between_B(WB, xbarB, mu0[B], free[B], sigma2)
-            if sigma0_2 is None:
-                self.note("sigma0_2 not estimable (fewer than two atoms carry data on every coordinate, and mu0 is "
-                          "estimated from them): the previous value was kept")
-            else:
-                if sigma0_2 < SIGMA0_2_FLOOR * sigma2:
-                    self.note(f"sigma0_2 floored at SIGMA0_2_FLOOR * sigma2 (SIGMA0_2_FLOOR = {SIGMA0_2_FLOOR:g}): "
-                              "the atom means spread no more than the noise alone explains")
-                    sigma0_2 = SIGMA0_2_FLOOR * sigma2
-                out["sigma0_2"] = float(sigma0_2)
-        if "sigma0_2_scaled" in self.estimated:
-            s2b = out["sigma2_scaled"]
-            tau2 = self._between_B(WB, xbarB, mu0[B], free[B], s2b)
-            if tau2 is None:
-                self.note("sigma0_2_scaled not estimable (fewer than two atoms carry data on the coordinates with "
-                          "per-client precision scales): the previous value was kept")
-            else:
-                if tau2 < SIGMA0_2_FLOOR * s2b:
-                    self.note("sigma0_2_scaled floored at SIGMA0_2_FLOOR * sigma2_scaled: the atom means spread no "
-                              "more than the noise alone explains there")
-                    tau2 = SIGMA0_2_FLOOR * s2b
-                out["sigma0_2_scaled"] = float(tau2)
-        elif not self.two_blocks or "sigma0_2" in self.given:
-            out["sigma0_2_scaled"] = out["sigma0_2"]
-        if "gamma0" in self.estimated:
-            out["gamma0"] = L / _harmonic(J)
-        return out
-
-    def close(self, new: dict, old: dict) -> bool:
-        """Whether no estimate moved by more than EB_RTOL."""
-        for name in ("sigma0_2", "sigma2", "gamma0", "sigma0_2_scaled", "sigma2_scaled"):
-            if abs(new[name] - old[name]) > EB_RTOL * abs(old[name]):
-                return False
-        return bool(np.abs(new["mu0"] - old["mu0"]).max(initial=0.0) <= EB_RTOL * math.sqrt(new["sigma0_2"]))
-
-    def matcher_values(self, values: dict) -> dict:
-        return dict(sigma2=values["sigma2"], sigma0_2=values["sigma0_2"], gamma0=values["gamma0"], mu0=values["mu0"],
-                    sigma2_scaled=values["sigma2_scaled"], sigma0_2_scaled=values["sigma0_2_scaled"])
-
-    def public(self, values: dict, dtype) -> dict:
-        out = dict(mu0=torch.as_tensor(values["mu0"], dtype=dtype), sigma0_2=float(values["sigma0_2"]),
-                   sigma2=float(values["sigma2"]), gamma0=float(values["gamma0"]))
-        if self.two_blocks:
-            out["sigma0_2_scaled"] = float(values["sigma0_2_scaled"])
-            out["sigma2_scaled"] = float(values["sigma2_scaled"])
-        return out
-
-
-def _validate_labels(assignments, sizes: Sequence[int], name: str) -> list[np.ndarray]:
-    """J int64 arrays of atom labels, one of length L_j per client, distinct within a client (any values)."""
-    J = len(sizes)
-    if isinstance(assignments, (str, bytes)) or not isinstance(assignments, (Sequence, Tensor, np.ndarray)):
-        raise ValueError(f"{name}: expected one integer array per client ({J}), got {type(assignments).__name__}")
-    if len(assignments) != J:
-        raise ValueError(f"{name}: expected one integer array per client ({J}), got {len(assignments)} arrays")
-    out = []
-    for j, a in enumerate(assignments):
-        a = a.detach().cpu().numpy() if isinstance(a, Tensor) else np.asarray(a)
-        if a.ndim != 1 or a.size != sizes[j]:
-            raise ValueError(f"{name}[{j}]: expected {sizes[j]} atom labels (client {j} has L_j = {sizes[j]} "
-                             f"neurons), got shape {a.shape}")
-        integral = np.issubdtype(a.dtype, np.integer) or (
-            np.issubdtype(a.dtype, np.floating) and bool(np.isfinite(a).all() and (a == np.round(a)).all()))
-        if a.size and not integral:
-            raise ValueError(f"{name}[{j}]: expected integer atom labels, got {a.tolist()}")
-        a = a.astype(np.int64)
-        if np.unique(a).size != a.size:
-            raise ValueError(f"{name}[{j}]: expected atom labels distinct within client {j} (one neuron per atom), "
-                             f"got {a.tolist()}")
-        out.append(a)
-    return out
-
-
-def _make_matcher(neurons, *, precisions, objective, popularity_factor, popularity_cap, max_atoms,
-                  new_atom_penalty) -> _LayerMatcher:
-    arrays = _validate_neurons(neurons)
-    D = arrays[0].shape[1]
-    popularity_factor = float(popularity_factor)
-    if not math.isfinite(popularity_factor) or popularity_factor < 0:
-        raise ValueError(f"popularity_factor must be a finite number >= 0, got {popularity_factor}")
-    if popularity_cap is not None and (int(popularity_cap) != popularity_cap or popularity_cap < 1):
-        raise ValueError(f"popularity_cap must be None or an integer >= 1, got {popularity_cap}")
-    if max_atoms is not None and (int(max_atoms) != max_atoms or max_atoms < 1):
-        raise ValueError(f"max_atoms must be None or an integer >= 1, got {max_atoms}")
-    if objective not in ("map", "marginal"):
-        raise ValueError(f"objective must be 'map' or 'marginal', got {objective!r}")
-    if new_atom_penalty not in ("none", "log_k"):
-        raise ValueError(f"new_atom_penalty must be 'none' or 'log_k', got {new_atom_penalty!r}")
-    return _LayerMatcher(
-        arrays, _validate_precisions(precisions, [a.shape[0] for a in arrays], D), popularity_factor=popularity_factor,
-        popularity_cap=popularity_cap, max_atoms=max_atoms, new_atom_penalty=new_atom_penalty,
-        marginal=objective == "marginal")
-
-
-def _result_dtype(neurons):
-    dtype = neurons[0].dtype if isinstance(neurons[0], Tensor) else torch.get_default_dtype()
-    return dtype if dtype.is_floating_point else torch.get_default_dtype()
+def _coordinates(values: dict) -> dict:
+    """Fixed hyper-parameters as the matcher's per-coordinate values (one sigma2 and sigma0_2 everywhere)."""
+    D = values["mu0"].shape[0]
+    return dict(noise=np.full(D, values["sigma2"]), prior=np.full(D, values["sigma0_2"]), gamma0=values["gamma0"],
+                mu0=values["mu0"])
 
 
 def match_layer(
@@ -1115,8 +316,7 @@ def match_layer(
     """
     t0 = time.perf_counter()
     mode = check_choice(hyperparameters, ("empirical-bayes", "fixed"), "hyperparameters")
-    if cross_products not in ("auto", "direct", "gram"):
-        raise ValueError(f"cross_products must be 'auto', 'direct' or 'gram', got {cross_products!r}")
+    check_choice(cross_products, ("auto", "direct", "gram"), "cross_products")
     eb = mode == "empirical-bayes"
     if objective is None:
         objective = "marginal" if eb else "map"
@@ -1126,112 +326,29 @@ def match_layer(
                          "likelihood of sigma0_2 and sigma2 to estimate them by (and its over-splitting at the true "
                          "noise would feed back into the estimates); use hyperparameters='fixed' for it")
     sweeps = (50 if eb else 5) if sweeps is None else check_int(sweeps, "sweeps", low=0)
-    matcher = _make_matcher(neurons, precisions=precisions, objective=objective, popularity_factor=popularity_factor,
-                            popularity_cap=popularity_cap, max_atoms=max_atoms, new_atom_penalty=new_atom_penalty)
+    matcher = make_matcher(neurons, precisions=precisions, objective=objective, popularity_factor=popularity_factor,
+                           popularity_cap=popularity_cap, max_atoms=max_atoms, new_atom_penalty=new_atom_penalty)
     given = {name: check_positive(value, name) for name, value in
              (("sigma0_2", sigma0_2), ("sigma2", sigma2), ("gamma0", gamma0)) if value is not None}
-    init = None if init_assignments is None else _validate_labels(init_assignments, matcher.L, "init_assignments")
-    dtype = _result_dtype(neurons)
-    if eb:
-        return _match_empirical_bayes(matcher, given, mu0, start, init, sweeps=sweeps, seed=seed,
-                                      stop_at_fixed_point=stop_at_fixed_point, cross_products=cross_products,
-                                      dtype=dtype, t0=t0)
-    for name in ("sigma2", "sigma0_2", "gamma0"):
-        if name not in given:
-            raise ValueError(f"{name}: expected a positive finite number with hyperparameters='fixed' (nothing is "
-                             f"estimated), got None; pass {name}=... or use hyperparameters='empirical-bayes'")
-    if start is not None:
-        raise ValueError(f"start: expected None with hyperparameters='fixed' (nothing is estimated), got {start!r}")
-    mu0 = _validate_mu0(0.0 if mu0 is None else mu0, matcher.D)
-    matcher.set_hyperparameters(**given, mu0=mu0)
-    if init is None:
-        for j in np.argsort(-np.array(matcher.L), kind="stable"):
-            matcher.match(int(j))
-    else:
-        matcher.start_from(init)
-    history = [matcher.objective()]
-    N, L = int(matcher.offsets[-1]), int((matcher.m[: matcher.n_rows] > 0).sum())
-    wide = sweeps > 0 and sweeps * L > N and N * N * 8 <= 512 * 2 ** 20
-    if cross_products == "gram" or (cross_products == "auto" and wide):
-        matcher.use_gram()
-    rng = np.random.default_rng(seed)
-    run = 0
-    for _ in range(sweeps):
-        changed = matcher.sweep(rng)
-        run += 1
-        history.append(matcher.objective())
-        if not changed and stop_at_fixed_point:
-            # every client's re-match returned its own assignment: any further sweep, in any order, does the same
-            history.extend([history[-1]] * (sweeps + 1 - len(history)))
-            break
-    values = dict(mu0=torch.as_tensor(mu0, dtype=dtype), **{n: given[n] for n in ("sigma0_2", "sigma2", "gamma0")})
-    return matcher.result(history, time.perf_counter() - t0, dtype, hyperparameters=values,
-                          hyperparameter_history=[dict(values) for _ in history], converged=True, estimated=(),
-                          notes=[], sweeps_run=run)
-
-
-def _match_empirical_bayes(matcher: _LayerMatcher, given: dict, mu0, start, init, *, sweeps: int, seed,
-                           stop_at_fixed_point: bool, cross_products: str, dtype, t0: float) -> MatchResult:
-    """:func:`match_layer` under empirical Bayes: first assignment at the starting values, then sweeps alternating
-    with re-estimates until neither changes."""
+    init = None if init_assignments is None else validate_labels(init_assignments, matcher.L, "init_assignments")
     D = matcher.D
-    if mu0 is None:
-        mu0v = np.full(D, np.nan)
+    if eb:
+        mu0v = np.full(D, np.nan) if mu0 is None else validate_mu0(mu0, D, estimable=True)
+        start = validate_start(start, {**given, **({"mu0": mu0} if not np.isnan(mu0v).any() else {})}, D)
+        estimator = PooledMoments(matcher, given, mu0v, start)
     else:
-        mu0v = _validate_mu0(mu0, D, estimable=True)
-    mu0_free = np.isnan(mu0v)
-    start = _validate_start(start, {**given, **({"mu0": mu0} if not mu0_free.any() else {})}, D)
-    eb = _EmpiricalBayes(matcher, given, mu0v, mu0_free, start)
-    current = eb.start
-    matcher.set_hyperparameters(**eb.matcher_values(current))
-    if init is None:
-        order = np.argsort(-np.array(matcher.L), kind="stable")
-        for j in order:
-            matcher.match(int(j))
-        if eb.from_data and "sigma2" in eb.estimated and matcher.m[: matcher.n_rows].max(initial=0) <= 1:
-            # every neuron alone at the small starting noise: sigma2 would not be estimable from there
-            eb.note(f"the first pass at sigma2 = {EB_START_NOISE_SHARE:g} x the pooled variance left every neuron "
-                    "alone: redone from the even split (sigma2 = sigma0_2 = half the pooled variance)")
-            current = eb.even_start
-            matcher.assign = [None] * matcher.J
-            matcher.set_hyperparameters(**eb.matcher_values(current))
-            matcher._reset_storage()  # (set_hyperparameters has reset it unless the values were the same)
-            for j in order:
-                matcher.match(int(j))
-    else:
-        matcher.start_from(init)
-    objective = [matcher.objective()]
-    current = eb.update(current)
-    history = [eb.public(current, dtype)]
-    N = int(matcher.offsets[-1])
-    fits = N * N * 8 <= 512 * 2 ** 20
-    if cross_products == "gram":
-        matcher.use_gram()
-    rng = np.random.default_rng(seed)
-    converged, run = False, 0
-    for k in range(1, sweeps + 1):
-        matcher.set_hyperparameters(**eb.matcher_values(current))
-        changed = matcher.sweep(rng)
-        run = k
-        objective.append(matcher.objective())
-        new = eb.update(current)
-        history.append(eb.public(new, dtype))
-        converged = not changed and eb.close(new, current)
-        current = new
-        if converged and stop_at_fixed_point:
-            break
-        L = int((matcher.m[: matcher.n_rows] > 0).sum())
-        if cross_products == "auto" and matcher.gram is None and fits and k * L > N:
-            matcher.use_gram()
-    if not converged and sweeps:
-        eb.note(f"not converged: the assignment or the estimates still changed at sweep {sweeps}, the limit "
-                "(raise sweeps)")
-    elif not sweeps:
-        eb.note("not converged: no sweep was run (sweeps=0); the estimates are those of the first assignment")
-    matcher.set_hyperparameters(**eb.matcher_values(current))  # the atoms' posterior at the final values
-    return matcher.result(objective, time.perf_counter() - t0, dtype, hyperparameters=history[-1],
-                          hyperparameter_history=history, converged=converged, estimated=eb.estimated,
-                          notes=list(eb.notes), sweeps_run=run)
+        for name in ("sigma2", "sigma0_2", "gamma0"):
+            if name not in given:
+                raise ValueError(f"{name}: expected a positive finite number with hyperparameters='fixed' (nothing "
+                                 f"is estimated), got None; pass {name}=... or use hyperparameters='empirical-bayes'")
+        if start is not None:
+            raise ValueError(f"start: expected None with hyperparameters='fixed' (nothing is estimated), got {start!r}")
+        values = dict(mu0=validate_mu0(0.0 if mu0 is None else mu0, D),
+                      **{n: given[n] for n in ("sigma0_2", "sigma2", "gamma0")})
+        estimator = FixedValues(values, _coordinates)
+    return run_matching(matcher, estimator, init=init, sweeps=sweeps, seed=seed,
+                        stop_at_fixed_point=stop_at_fixed_point, cross_products=cross_products,
+                        dtype=result_dtype(neurons), t0=t0)
 
 
 def assignment_objective(
@@ -1253,11 +370,12 @@ def assignment_objective(
         a client without neurons). The other parameters are those of :func:`match_layer` (its
         ``MatchResult.hyperparameters`` can be passed as they are).
     """
-    matcher = _make_matcher(neurons, precisions=precisions, objective=objective, popularity_factor=popularity_factor,
-                            popularity_cap=popularity_cap, max_atoms=None, new_atom_penalty="none")
-    matcher.set_hyperparameters(sigma2=check_positive(sigma2, "sigma2"), sigma0_2=check_positive(sigma0_2, "sigma0_2"),
-                                gamma0=check_positive(gamma0, "gamma0"), mu0=_validate_mu0(mu0, matcher.D))
-    matcher.start_from(_validate_labels(assignments, matcher.L, "assignments"))
+    matcher = make_matcher(neurons, precisions=precisions, objective=objective, popularity_factor=popularity_factor,
+                           popularity_cap=popularity_cap)
+    values = dict(sigma2=check_positive(sigma2, "sigma2"), sigma0_2=check_positive(sigma0_2, "sigma0_2"),
+                  gamma0=check_positive(gamma0, "gamma0"), mu0=validate_mu0(mu0, matcher.D))
+    matcher.set_hyperparameters(**_coordinates(values))
+    matcher.start_from(validate_labels(assignments, matcher.L, "assignments"))
     return matcher.objective()
 
 
@@ -1278,7 +396,7 @@ def averaging_weights(scales) -> Tensor:
 
 def average_atoms(neurons, assignments, *, precisions=None) -> Tensor:
     """(L, D) the matched neurons averaged atom by atom: the global weights of an average of the clients' networks
-    (:func:`~bnpfed.inference.multilayer.match_networks` with ``global_weights="average"``), as against the atoms'
+    (:func:`~bnpfed.inference.match_by_spec` with ``global_weights="average"``), as against the atoms'
     posterior means (:attr:`MatchResult.global_atoms`).
 
     On a coordinate where every client has precision scale 1 an atom gets the average of its members' values: the

@@ -76,14 +76,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Literal, Mapping, Sequence
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
-from bnpfed.combine import _get_rule, fuse
-from bnpfed.inference.permutation import (_STATISTICS, PermutationSpec, _accepts, _check_state, _class_shares,
-                                          _group_values, _layout, _outputs, _rows, _warm_start, _width, client_slice,
-                                          network_from_state, resolve_spec)
+from bnpfed.combine import available_rules, average_deterministic, fuse
+from bnpfed.inference.assembly import client_slice, network_from_state, state_from_atoms
+from bnpfed.inference.bayesian_matching import match_bayesian_layer
+from bnpfed.inference.layout import width
+from bnpfed.inference.network_matching import (call_matcher, group_values, match_groups, prepare_clients,
+                                               resolve_spec, warm_start_labels)
+from bnpfed.inference.spec import STATISTICS, PermutationSpec
 from bnpfed.posterior import GaussianPosterior
 from bnpfed.validation import check_choice, check_int, check_positive
 
@@ -142,7 +144,7 @@ class PosteriorMatch:
     @property
     def widths(self) -> dict[str, int]:
         """Group name -> number of global units."""
-        return {g.name: _width(self.locs, g, "locs") for g in self.spec.groups}
+        return {g.name: width(self.locs, g, "locs") for g in self.spec.groups}
 
     @property
     def hyperparameters(self) -> dict:
@@ -238,89 +240,30 @@ def fuse_members(locs: Tensor, variances: Tensor, weights: Tensor, reference: Te
         ([1.5, 1.5], [1.0, 0.5625])
     """
     locs, variances, weights = (torch.as_tensor(t, dtype=torch.float64) for t in (locs, variances, weights))
-    reference = None if reference is None else torch.as_tensor(reference, dtype=torch.float64)
     bayesian = torch.as_tensor(bayesian, dtype=torch.bool)
-    if _closed_form(rule):
-        return _fuse_columns(rule, locs, variances, weights, reference, bayesian, float(min_variance))
-    D = locs.shape[1]
-    loc = torch.zeros(D, dtype=torch.float64)
-    variance = torch.where(bayesian, torch.full((D,), float(min_variance), dtype=torch.float64),
-                           torch.zeros(D, dtype=torch.float64))
-    held = weights > 0
-    # coordinates sharing a pattern (which members hold them, with what weights, Bayesian or not) fuse in one call
-    for cols in _patterns(torch.cat([weights, bayesian[None].to(torch.float64)], 0)):
-        who = held[:, cols[0]]
-        if not bool(who.any()):
-            continue
-        b = weights[who][:, cols[0]]
-        x, u = locs[who][:, cols], variances[who][:, cols]
-        if bool(bayesian[cols[0]]):
-            fused = fuse(x, u, rule, b, num_samples=num_samples, generator=generator)
-            f_loc, f_var = fused.loc.to(torch.float64), fused.variance.to(torch.float64)
-        else:
-            f_loc = (b / b.sum()) @ x
-            f_var = torch.zeros_like(f_loc)
-        kappa = 1.0 if reference is None else b.sum() / reference[cols]
-        loc[cols] = kappa * f_loc
-        if bool(bayesian[cols[0]]):
-            variance[cols] = torch.clamp(kappa * kappa * f_var, min=float(min_variance))
-    return loc, variance
-
-
-def _closed_form(rule: str) -> bool:
-    """Whether ``rule`` is one of :mod:`bnpfed.combine`'s closed-form rules as built in (not re-registered)."""
-    from bnpfed import combine
-
-    builtin = {"eaa": combine.eaa, "gaa": combine.gaa, "log_variance": combine.log_variance,
-               "conflation": combine.conflation}
-    return rule in builtin and _get_rule(rule) is builtin[rule]
-
-
-def _fuse_columns(rule: str, locs: Tensor, variances: Tensor, weights: Tensor, reference: Tensor | None,
-                  bayesian: Tensor, min_variance: float) -> tuple[Tensor, Tensor]:
-    """:func:`fuse_members` for the closed-form rules, every coordinate at once: their formulas (:mod:`bnpfed.combine`)
-    with the weights normalised column by column, ``bn_jd = b_jd / sum_j b_jd`` (the same numbers as one
-    :func:`~bnpfed.combine.fuse` call per pattern of weights, to rounding; tested)."""
     total = weights.sum(0)
     held_any = total > 0
-    bn = weights / torch.where(held_any, total, torch.ones_like(total))
-    held = weights > 0
-    loc = (bn * locs).sum(0)
-    safe = torch.where(held, variances, torch.ones_like(variances))
-    if rule == "eaa":
-        var = (bn * safe).sum(0)
-    elif rule == "gaa":
-        var = (bn * bn * safe).sum(0)
-    elif rule == "log_variance":
-        var = torch.exp((bn * safe.log()).sum(0))
-    else:  # conflation: precisions b / sigma^2, variance b_max / sum of them
-        lam = torch.where(held, bn / safe, torch.zeros_like(bn))
-        precision = lam.sum(0)
-        ok = held_any & bayesian
-        loc = torch.where(ok, (lam * locs).sum(0) / torch.where(ok, precision, torch.ones_like(precision)), loc)
-        var = bn.max(0).values / torch.where(ok, precision, torch.ones_like(precision))
+    loc = torch.zeros_like(total)
+    variance = torch.where(bayesian, torch.full_like(total, float(min_variance)), torch.zeros_like(total))
+    cols = torch.nonzero(held_any & bayesian).reshape(-1)
+    if cols.numel():  # the rule on the Bayesian coordinates some member holds (the others' entries are not read)
+        safe = torch.where(weights > 0, variances, torch.ones_like(variances))[:, cols]
+        fused = fuse(locs[:, cols], safe, rule, weights[:, cols], num_samples=num_samples, generator=generator)
+        loc[cols], variance[cols] = fused.loc.to(torch.float64), fused.variance.to(torch.float64)
+    cols = torch.nonzero(held_any & ~bayesian).reshape(-1)
+    if cols.numel():  # deterministic coordinates: averaged with the same weights
+        loc[cols] = average_deterministic(locs[:, cols], weights[:, cols])
     if reference is None:
         kappa = torch.ones_like(total)
     else:
+        reference = torch.as_tensor(reference, dtype=torch.float64)
         positive = reference > 0
         kappa = torch.where(positive, total / torch.where(positive, reference, torch.ones_like(reference)),
                             torch.zeros_like(total))
     loc = torch.where(held_any, kappa * loc, torch.zeros_like(loc))
-    var = torch.where(held_any & bayesian, torch.clamp(kappa * kappa * var, min=min_variance),
-                      torch.where(bayesian, torch.full_like(var, min_variance), torch.zeros_like(var)))
-    return loc, var
-
-
-def _patterns(key: Tensor) -> list[Tensor]:
-    """The column indices of ``key`` (rows x D) grouped by equal columns (byte for byte: numpy's unique over the
-    columns viewed as opaque records, which sorts D short byte strings instead of D columns of floats)."""
-    columns = np.ascontiguousarray(key.numpy().T)
-    records = columns.view(np.dtype((np.void, columns.dtype.itemsize * columns.shape[1]))).ravel()
-    _, inverse = np.unique(records, return_inverse=True)
-    inverse = inverse.reshape(-1)
-    order = np.argsort(inverse, kind="stable")
-    bounds = np.flatnonzero(np.diff(inverse[order])) + 1
-    return [torch.as_tensor(cols) for cols in np.split(order, bounds)]
+    variance = torch.where(held_any & bayesian, torch.clamp(kappa * kappa * variance, min=float(min_variance)),
+                           variance)
+    return loc, variance
 
 
 def _fuse_group(means, variances, held, assignments, L: int, layout, shares: Tensor, sizes: Tensor, rule: str,
@@ -357,9 +300,18 @@ def _fuse_group(means, variances, held, assignments, L: int, layout, shares: Ten
     return loc, var, kappa
 
 
-def _layer_fn_default():
-    from bnpfed.inference.bayesian_matching import match_bayesian_layer
-    return match_bayesian_layer
+@dataclass
+class _FusedGroup:
+    """One group matched and fused: the assignment, its L global units' members' fusion (``loc``, ``var``) and their
+    coverage ``kappa`` (L, D), the matcher's result."""
+
+    assignments: list
+    size: int
+    result: object
+    loc: Tensor
+    var: Tensor
+    kappa: Tensor
+    bayesian: Tensor
 
 
 def match_posteriors(
@@ -415,81 +367,59 @@ def match_posteriors(
     """
     t0 = time.perf_counter()
     mode = check_choice(hyperparameters, ("empirical-bayes", "fixed"), "hyperparameters")
-    _get_rule(rule)
+    check_choice(rule, available_rules(), "rule")
     check_int(num_samples, "num_samples", low=1)
     min_variance = check_positive(min_variance, "min_variance")
     if not isinstance(clients, Sequence) or isinstance(clients, (str, bytes)) or not clients:
         raise ValueError("clients: expected a non-empty sequence of BayesianClients or (locs, variances) pairs")
     if template is None and hasattr(clients[0], "bnn"):
-        template = clients[0].bnn.net
+        template = clients[0].bnn.template()
     pairs = [_pair(c, j) for j, c in enumerate(clients)]
-    J = len(pairs)
-    names_v = sorted(pairs[0][1])
+    sites = sorted(pairs[0][1])
     for j, (_, v) in enumerate(pairs):
-        if sorted(v) != names_v:
-            raise ValueError(f"clients[{j}]: Bayesian sites {sorted(v)} differ from client 0's {names_v}")
+        if sorted(v) != sites:
+            raise ValueError(f"clients[{j}]: expected the Bayesian sites {sites} of client 0, got {sorted(v)}")
     spec = resolve_spec(spec, template, input_shape,
                         missing="spec: expected a PermutationSpec or a template network to derive it from")
-    stats = [k for k, kind in spec.kinds.items() if kind in _STATISTICS]
+    stats = [k for k, kind in spec.kinds.items() if kind in STATISTICS]
     if stats:
         raise ValueError(f"spec: batch-norm running statistics ({stats[:2]}...) are no posterior to fuse; expected a "
                          "network without batch norm")
-    names = spec.group_names
-    if not names:
-        raise ValueError("spec: has no hidden permutation; matching needs at least one hidden layer")
     locs = [{k: v.to(torch.float64) for k, v in p[0].items()} for p in pairs]
     variances = [_full_variances(p[0], {k: v.to(torch.float64) for k, v in p[1].items()}) for p in pairs]
-    widths = [_check_state(s, spec, locs[0] if j else None, j) for j, s in enumerate(locs)]
-    out_w, out_b = _outputs(spec)
-    shares = _class_shares(class_counts, J, int(locs[0][out_w].shape[0]))
-    n = _sizes(sizes, class_counts, J)
-    init = _warm_start(warm_start.assignments if isinstance(warm_start, PosteriorMatch) else warm_start, names,
-                       widths)
-    fn = _layer_fn_default() if layer_fn is None else layer_fn
+    ones = [{k: torch.ones_like(v) for k, v in s.items()} for s in locs]
+    data = prepare_clients({"value": locs, "variance": variances, "held": ones}, spec, class_counts)
+    names, shares = spec.group_names, data.shares
+    n = _sizes(sizes, class_counts, data.J)
+    init = warm_start_labels(warm_start, names, data.widths)
+    fn = match_bayesian_layer if layer_fn is None else layer_fn
     if not callable(fn):
         raise ValueError(f"layer_fn: expected a one-group matcher, got {layer_fn!r}")
-    values = _group_values(names, mode, tau2, sigma0_2, gamma0, mu0, bias_mu0)
-    shapes = {k: tuple(v.shape) for k, v in locs[0].items()}
-    ones = [{k: torch.ones_like(v) for k, v in s.items()} for s in locs]
+    values = group_values(names, mode, {"tau2": tau2, "sigma0_2": sigma0_2, "gamma0": gamma0}, mu0, bias_mu0)
     generator = None if seed is None else torch.Generator().manual_seed(int(seed))
-    below: dict[str, tuple[list[Tensor], int]] = {}
-    atoms_loc, atoms_var, units_loc, units_var, results = {}, {}, {}, {}, {}
-    match_seconds = 0.0
-    for c, name in enumerate(names):
+    match_seconds = []
+
+    def step(name, layout, rows, below):
+        c = names.index(name)
         t1 = time.perf_counter()
-        tau2_c, sigma0_2_c, gamma0_c, mu0_c, bias_mu0_c = values[c]
-        sizes_below = {h: size for h, (_, size) in below.items()}
-        layout = _layout(spec, shapes, name, sizes_below)
-
-        def rows(states, j):
-            return _rows(states[j], spec, layout, {h: (ids[j], size) for h, (ids, size) in below.items()})
-
-        means = [rows(locs, j) for j in range(J)]
-        variance_rows = [rows(variances, j) for j in range(J)]
-        held = [rows(ones, j) for j in range(J)]
-        kwargs = {} if init is None else {"init_assignments": init[name]}
-        if _accepts(fn, "hyperparameters"):
-            kwargs["hyperparameters"] = mode
-        r = fn(means, variance_rows, tau2=tau2_c, sigma0_2=sigma0_2_c, gamma0=gamma0_c,
-               mu0=layout.prior_mean(mu0_c, bias_mu0_c, fixed=mode == "fixed"), precisions=layout.precisions(shares),
-               sweeps=sweeps, seed=None if seed is None else seed + c, **kwargs)
-        assignments = [torch.as_tensor(a, dtype=torch.long) for a in r.assignments]
+        r, assignments = call_matcher(fn, [rows["value"], rows["variance"]], layout, values[name], shares,
+                                      mode=mode, sweeps=sweeps, seed=None if seed is None else seed + c,
+                                      init=None if init is None else init[name], options={})
         L = int(r.global_atoms.shape[0])
-        match_seconds += time.perf_counter() - t1
-        bayesian = torch.cat([torch.full((s.stop - s.start,), s.param in names_v, dtype=torch.bool)
+        match_seconds.append(time.perf_counter() - t1)
+        bayesian = torch.cat([torch.full((s.stop - s.start,), s.param in sites, dtype=torch.bool)
                               for s in layout.segments])
-        loc, var, kappa = _fuse_group(means, variance_rows, held, assignments, L, layout, shares, n, rule, bayesian,
-                                      min_variance, num_samples=num_samples, generator=generator)
-        units_loc[name], units_var[name] = loc, var
-        atoms_loc[name] = kappa * loc
-        atoms_var[name] = torch.where(bayesian, torch.clamp(kappa * kappa * var, min=min_variance), var)
-        results[name] = r
-        below[name] = (assignments, L)
+        loc, var, kappa = _fuse_group(rows["value"], rows["variance"], rows["held"], assignments, L, layout, shares,
+                                      n, rule, bayesian, min_variance, num_samples=num_samples, generator=generator)
+        return _FusedGroup(assignments, L, r, loc, var, kappa, bayesian)
+
+    groups = match_groups(data, spec, step)
     extra_loc, extra_var = {}, {}
+    out_b = data.output_bias
     if out_b is not None:  # the output bias: every client's, class by class with the class shares
         b_locs = torch.stack([s[out_b] for s in locs])
         b_vars = torch.stack([s[out_b] for s in variances])
-        C = b_locs.shape[1]
+        C, J = b_locs.shape[1], data.J
         weights = shares.t()  # (C, J)
         bias_loc, bias_var = torch.zeros(C, dtype=torch.float64), torch.zeros(C, dtype=torch.float64)
         for k in range(C):
@@ -499,32 +429,23 @@ def match_posteriors(
                 w = torch.ones(J, dtype=torch.float64)
             else:
                 w = weights[k]
-            if out_b in names_v:
+            if out_b in sites:
                 fused = fuse(b_locs[who, k], b_vars[who, k], rule, w[who], num_samples=num_samples,
                              generator=generator)
                 bias_loc[k], bias_var[k] = fused.loc, torch.clamp(fused.variance, min=min_variance)
             else:
                 bias_loc[k] = (w[who] / w[who].sum()) @ b_locs[who, k]
         extra_loc[out_b], extra_var[out_b] = bias_loc, bias_var
-    sizes_all = {g: int(atoms_loc[g].shape[0]) for g in names}
-    loc_state = _assemble(spec, locs[0], atoms_loc, extra_loc, shapes, sizes_all)
-    var_state = _assemble(spec, variances[0], atoms_var, extra_var, shapes, sizes_all)
-    unit_locs = _assemble(spec, locs[0], units_loc, extra_loc, shapes, sizes_all)
-    unit_vars = _assemble(spec, variances[0], units_var, extra_var, shapes, sizes_all)
-    return PosteriorMatch(spec=spec, locs=loc_state, variances={k: var_state[k] for k in names_v},
-                          unit_locs=unit_locs, unit_variances={k: unit_vars[k] for k in names_v},
-                          assignments={g: below[g][0] for g in names}, layer_results=results, rule=rule,
-                          template=template, seconds=time.perf_counter() - t0, match_seconds=match_seconds,
-                          class_shares=shares, sizes=n)
-
-
-def _assemble(spec, template_state, atoms, extra, shapes, sizes) -> dict[str, Tensor]:
-    """A float64 state from every group's (L, D) atoms (their layouts at the global ``sizes``) and ``extra``."""
-    values: dict[str, Tensor] = {}
-    for g in spec.group_names:
-        values.update(_layout(spec, shapes, g, sizes).to_params(atoms[g]))
-    values.update(extra)
-    out = {}
-    for key, t in template_state.items():
-        out[key] = values[key].clone() if key in values else torch.as_tensor(t, dtype=torch.float64).clone()
-    return out
+    covered_var = {g: torch.where(f.bayesian, torch.clamp(f.kappa * f.kappa * f.var, min=min_variance), f.var)
+                   for g, f in groups.items()}
+    states = {
+        "locs": state_from_atoms(spec, locs[0], {g: f.kappa * f.loc for g, f in groups.items()}, extra_loc),
+        "variances": state_from_atoms(spec, variances[0], covered_var, extra_var),
+        "unit_locs": state_from_atoms(spec, locs[0], {g: f.loc for g, f in groups.items()}, extra_loc),
+        "unit_variances": state_from_atoms(spec, variances[0], {g: f.var for g, f in groups.items()}, extra_var)}
+    for key in ("variances", "unit_variances"):
+        states[key] = {k: states[key][k] for k in sites}
+    return PosteriorMatch(spec=spec, **states, assignments={g: f.assignments for g, f in groups.items()},
+                          layer_results={g: f.result for g, f in groups.items()}, rule=rule, template=template,
+                          seconds=time.perf_counter() - t0, match_seconds=sum(match_seconds), class_shares=shares,
+                          sizes=n)

@@ -117,6 +117,13 @@ class BayesianNetwork(nn.Module):
             module_name, _, attr = name.rpartition(".")
             self._site_priors[name] = pyro_net.get_submodule(module_name)._pyro_samples[attr]
         self._build_plain(net)
+        object.__setattr__(self, "_template", copy.deepcopy(net))  # not a submodule: the structure, plain torch
+
+    def template(self) -> nn.Module:
+        """A plain torch copy of the network this Bayesian network was built from (its parameters as they were
+        given): the structure that matching and fusion rebuild global networks from
+        (:func:`~bnpfed.inference.posterior_matching.match_posteriors`)."""
+        return copy.deepcopy(self._template)
 
     @property
     def prior(self) -> Prior:

@@ -1,0 +1,761 @@
+"""The one layer matcher: per-atom sufficient statistics of a partial assignment under the Beta-Bernoulli model with
+per-neuron, per-coordinate noise, the Hungarian re-match of one client, and the driver that alternates sweeps of
+re-matches with the estimates of the hyper-parameters.
+
+Client j's neuron l observes its atom ``theta_i ~ N(mu0, sigma0_2)`` on coordinate d with noise variance
+``(u_jld + t_d) / s_jd``: ``u_jld >= 0`` a posterior variance the client reports (0 for a point estimate: PFNM's
+deterministic networks, a bias the prior keeps deterministic), ``t_d`` the per-coordinate noise the hyper-parameters
+give (``sigma2`` of :func:`~bnpfed.inference.matching.match_layer`, ``tau2`` of
+:func:`~bnpfed.inference.bayesian_matching.match_bayesian_layer`) and ``s_jd >= 0`` a per-client precision scale
+(PFNM's class shares on output coordinates). With ``w_jld = s_jd / (u_jld + t_d)`` an atom with members S_i has
+
+    P_id = 1/sigma0_2_d + sum_{(j,l) in S_i} w_jld,      g_id = mu0_d/sigma0_2_d + sum_{(j,l) in S_i} w_jld v_jld,
+
+and the modules above write the objectives and scores in these terms. The homoscedastic matcher is the case u = 0.
+
+**Three kinds of coordinates**, by how ``w_jld`` varies (fixed by the data, whatever the hyper-parameters):
+
+* *shared* (``s_jd = 1`` at every client and ``u_jld = 0`` at every neuron): ``w = 1/t`` for every neuron, so
+  ``P_i = P0 + m_i / t`` is one number per atom and the cross terms of all of a client's neurons against all atoms
+  are one matrix product ``x_j g^T`` -- or a gather from the Gram matrix of all neurons (:meth:`LayerMatcher.use_gram`)
+  -- with ``||g_i||^2`` updated in place as clients leave and join;
+* *per client* (``u = 0`` but some ``s_jd != 1``): ``w_jd`` depends on the client only, and the scores are two more
+  small products per client;
+* *per neuron* (some ``u_jld > 0``): ``P_id + w_jld`` depends on the atom and the neuron, and the (L_j, L) scores are
+  broadcast over (L_j, atoms, D) in chunks of at most ``CHUNK_ELEMENTS`` entries.
+
+The drivers: :func:`run_matching` runs the greedy pass (largest client first) or starts from given labels, then
+sweeps of remove-and-rematch in a seeded random client order, re-estimating the hyper-parameters after the first
+assignment and after every sweep through an *estimator* (:mod:`bnpfed.inference.empirical_bayes`: pooled moments
+for point estimates, Paule-Mandel for Bayesian neurons; :class:`FixedValues` when nothing is estimated).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+from scipy.optimize import linear_sum_assignment
+from scipy.sparse import csr_matrix
+from torch import Tensor
+
+from bnpfed.validation import check_choice, check_float
+
+__all__ = [
+    "CHUNK_ELEMENTS",
+    "FixedValues",
+    "LayerMatcher",
+    "MatchResult",
+    "join_scores",
+    "make_matcher",
+    "result_dtype",
+    "run_matching",
+    "to_numpy",
+    "validate_labels",
+    "validate_mu0",
+]
+
+#: At most this many (neuron, atom, coordinate) entries are broadcast at once when scoring the per-neuron
+#: coordinates of a client (32 MiB each).
+CHUNK_ELEMENTS = 2 ** 22
+
+#: The Gram matrix of all neurons' shared coordinates is used only if it fits in this many bytes.
+GRAM_BYTES = 512 * 2 ** 20
+
+
+@dataclass
+class MatchResult:
+    """Result of :func:`~bnpfed.inference.matching.match_layer` and
+    :func:`~bnpfed.inference.bayesian_matching.match_bayesian_layer`.
+
+    :param Tensor global_atoms: (L, D) posterior means ``g_i / P_i`` given the assignment (at the final
+        hyper-parameters).
+    :param Tensor posterior_precision: (L, D) posterior precisions ``P_i``.
+    :param list assignments: J long tensors of length L_j with values in [0, L), distinct within a client (empty
+        for a client without neurons).
+    :param Tensor counts: (L,) number of clients on each atom (m_i).
+    :param list objective: the objective after the greedy pass (or at ``init_assignments``) and after every sweep,
+        each at the hyper-parameters that pass used (the starting values for the first). With fixed hyper-parameters
+        a sweep skipped at a fixed point repeats the last value (``sweeps + 1`` entries).
+    :param float seconds: wall time of the matching.
+    :param float lsa_seconds: part of ``seconds`` spent inside ``linear_sum_assignment``.
+    :param list rematches: one ``(client, L_j, L)`` per client (re-)matching, L the atoms it was scored against.
+    :param dict hyperparameters: the final values, estimated or given (``"mu0"`` a (D,) tensor, the variances and
+        ``"gamma0"`` floats; the names are the matcher's: see its docstring).
+    :param list hyperparameter_history: the values (dicts as ``hyperparameters``) after the first assignment and
+        after every sweep; the last entry is ``hyperparameters``. With fixed hyper-parameters every entry holds the
+        given values (as many as ``objective``).
+    :param bool converged: empirical Bayes: whether a sweep changed no assignment and moved no estimate (by more than
+        ``EB_RTOL``) before the sweep limit; always True with fixed hyper-parameters.
+    :param tuple estimated: names of the estimated hyper-parameters; ``()`` with fixed ones. ``"mu0"`` is listed
+        when any coordinate of it was estimated.
+    :param list notes: what the estimation had to fall back on, and whether it stopped at the sweep limit; empty
+        with fixed hyper-parameters.
+    :param int sweeps_run: sweeps actually run after the first assignment.
+    """
+
+    global_atoms: Tensor
+    posterior_precision: Tensor
+    assignments: list
+    counts: Tensor
+    objective: list
+    seconds: float = 0.0
+    lsa_seconds: float = 0.0
+    rematches: list = field(default_factory=list, repr=False)
+    hyperparameters: dict = field(default_factory=dict)
+    hyperparameter_history: list = field(default_factory=list, repr=False)
+    converged: bool = True
+    estimated: tuple = ()
+    notes: list = field(default_factory=list)
+    sweeps_run: int = 0
+
+    @property
+    def num_atoms(self) -> int:
+        return int(self.global_atoms.shape[0])
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# input validation, one voice: "<name>: expected ..., got ..."
+
+
+def to_numpy(x, name: str) -> np.ndarray:
+    """``x`` as a float64 array; a ValueError naming ``name`` if it is not numeric."""
+    if isinstance(x, Tensor):
+        x = x.detach().cpu().numpy()
+    try:
+        return np.asarray(x, dtype=np.float64)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{name}: expected numeric arrays or tensors, got {type(x).__name__} ({e})") from None
+
+
+def _client_arrays(arrays, name: str) -> list[np.ndarray]:
+    """J float64 (L_j, D) arrays, checked finite and of one D."""
+    if isinstance(arrays, (Tensor, np.ndarray)) and np.ndim(arrays) == 3:
+        arrays = list(arrays)
+    if not isinstance(arrays, Sequence) or isinstance(arrays, (str, bytes)):
+        raise ValueError(f"{name}: expected a sequence of J arrays of shape (L_j, D), got {type(arrays).__name__}")
+    if len(arrays) == 0:
+        raise ValueError(f"{name}: expected at least one client's (L_j, D) array, got none")
+    out = []
+    for j, v in enumerate(arrays):
+        a = to_numpy(v, f"{name}[{j}]")
+        if a.ndim != 2:
+            raise ValueError(f"{name}[{j}]: expected shape (L_j, D), got shape {a.shape}")
+        if out and a.shape[1] != out[0].shape[1]:
+            raise ValueError(f"{name}[{j}]: expected D = {out[0].shape[1]} coordinates (as {name}[0]; every client "
+                             f"shares D), got {a.shape[1]}")
+        if not np.isfinite(a).all():
+            raise ValueError(f"{name}[{j}]: expected finite values, got NaN or inf")
+        out.append(np.ascontiguousarray(a))
+    return out
+
+
+def validate_clients(means, variances=None, *, name: str = "neurons") -> tuple[list[np.ndarray], list | None]:
+    """J float64 arrays (L_j, D) of neurons (posterior means), and of their posterior variances (>= 0, the same
+    shapes) when given; at least one client must hold a neuron (a client without neurons still counts in J)."""
+    V = _client_arrays(means, name)
+    U = None
+    if variances is not None:
+        U = _client_arrays(variances, "variances")
+        if len(U) != len(V):
+            raise ValueError(f"variances: expected one array per client ({len(V)}, as many as {name}), got {len(U)}")
+        for j, (v, u) in enumerate(zip(V, U)):
+            if u.shape != v.shape:
+                raise ValueError(f"variances[{j}]: expected shape {v.shape} (that of {name}[{j}]), got {u.shape}")
+            if (u < 0).any():
+                raise ValueError(f"variances[{j}]: expected posterior variances >= 0, got minimum {float(u.min())}")
+    if not any(v.shape[0] for v in V):
+        raise ValueError(f"{name}: expected at least one client with a neuron (L_j >= 1), got {len(V)} client(s), "
+                         "all with L_j = 0: nothing to match")
+    return V, U
+
+
+def validate_precisions(precisions, sizes: Sequence[int], D: int) -> np.ndarray | None:
+    """(J, D) precision scales >= 0 (``sizes``: the clients' L_j), or None."""
+    if precisions is None:
+        return None
+    J = len(sizes)
+    if isinstance(precisions, (Tensor, np.ndarray)) and np.ndim(precisions) == 2:
+        s = to_numpy(precisions, "precisions")
+    else:
+        if len(precisions) != J:
+            raise ValueError(f"precisions: expected one (D,) vector per client ({J}), got {len(precisions)}")
+        rows = [to_numpy(p, f"precisions[{j}]") for j, p in enumerate(precisions)]
+        for j, r in enumerate(rows):
+            if r.shape != (D,):
+                raise ValueError(f"precisions[{j}]: expected shape ({D},), got {r.shape}")
+        s = np.stack(rows)
+    if s.shape != (J, D):
+        raise ValueError(f"precisions: expected shape ({J}, {D}), got {s.shape}")
+    if not np.isfinite(s).all() or (s < 0).any():
+        raise ValueError(f"precisions: expected finite scales >= 0, got minimum {float(np.nanmin(s))}")
+    # a client without neurons says nothing whatever its precisions: its row is never used
+    silent = np.flatnonzero((s == 0).all(axis=1) & (np.asarray(sizes) > 0))
+    if silent.size:
+        raise ValueError(f"precisions[{int(silent[0])}]: expected some scale > 0, got all 0 (its neurons would carry "
+                         "no information; a zero marks one coordinate a client says nothing about)")
+    return s
+
+
+def validate_mu0(mu0, D: int, *, estimable: bool = False) -> np.ndarray:
+    """(D,) prior mean from a scalar or a (D,) vector; with ``estimable`` NaN entries mark coordinates to estimate."""
+    m = to_numpy(mu0, "mu0")
+    if m.ndim == 0:
+        m = np.full(D, float(m))
+    if m.shape != (D,):
+        raise ValueError(f"mu0: expected a scalar or shape ({D},), got shape {m.shape}")
+    bad = np.isinf(m) if estimable else ~np.isfinite(m)
+    if bad.any():
+        raise ValueError(f"mu0: expected finite values{' or NaN (estimated)' if estimable else ''}, got "
+                         f"{float(m[bad][0])}")
+    return m
+
+
+def validate_labels(assignments, sizes: Sequence[int], name: str) -> list[np.ndarray]:
+    """J int64 arrays of atom labels, one of length L_j per client, distinct within a client (any values)."""
+    J = len(sizes)
+    if isinstance(assignments, (str, bytes)) or not isinstance(assignments, (Sequence, Tensor, np.ndarray)):
+        raise ValueError(f"{name}: expected one integer array per client ({J}), got {type(assignments).__name__}")
+    if len(assignments) != J:
+        raise ValueError(f"{name}: expected one integer array per client ({J}), got {len(assignments)} arrays")
+    out = []
+    for j, a in enumerate(assignments):
+        a = a.detach().cpu().numpy() if isinstance(a, Tensor) else np.asarray(a)
+        if a.ndim != 1 or a.size != sizes[j]:
+            raise ValueError(f"{name}[{j}]: expected {sizes[j]} atom labels (client {j} has L_j = {sizes[j]} "
+                             f"neurons), got shape {a.shape}")
+        integral = np.issubdtype(a.dtype, np.integer) or (
+            np.issubdtype(a.dtype, np.floating) and bool(np.isfinite(a).all() and (a == np.round(a)).all()))
+        if a.size and not integral:
+            raise ValueError(f"{name}[{j}]: expected integer atom labels, got {a.tolist()}")
+        a = a.astype(np.int64)
+        if np.unique(a).size != a.size:
+            raise ValueError(f"{name}[{j}]: expected atom labels distinct within client {j} (one neuron per atom), "
+                             f"got {a.tolist()}")
+        out.append(a)
+    return out
+
+
+def result_dtype(neurons):
+    """The dtype of the result's tensors: the neurons', if they are floating-point tensors; else torch's default."""
+    dtype = neurons[0].dtype if isinstance(neurons[0], Tensor) else torch.get_default_dtype()
+    return dtype if dtype.is_floating_point else torch.get_default_dtype()
+
+
+def make_matcher(means, variances=None, *, precisions=None, name: str = "neurons", objective: str = "marginal",
+                 popularity_factor: float = 2.0, popularity_cap=None, max_atoms=None,
+                 new_atom_penalty: str = "none") -> LayerMatcher:
+    """A :class:`LayerMatcher` of validated data and options (see :func:`~bnpfed.inference.matching.match_layer`
+    for the options)."""
+    V, U = validate_clients(means, variances, name=name)
+    popularity_factor = check_float(popularity_factor, "popularity_factor", low=0.0)
+    if popularity_cap is not None and (int(popularity_cap) != popularity_cap or popularity_cap < 1):
+        raise ValueError(f"popularity_cap: expected None or an integer >= 1, got {popularity_cap!r}")
+    if max_atoms is not None and (int(max_atoms) != max_atoms or max_atoms < 1):
+        raise ValueError(f"max_atoms: expected None or an integer >= 1, got {max_atoms!r}")
+    check_choice(objective, ("map", "marginal"), "objective")
+    check_choice(new_atom_penalty, ("none", "log_k"), "new_atom_penalty")
+    s = validate_precisions(precisions, [v.shape[0] for v in V], V[0].shape[1])
+    return LayerMatcher(V, U, s, popularity_factor=popularity_factor, popularity_cap=popularity_cap,
+                        max_atoms=max_atoms, new_atom_penalty=new_atom_penalty, marginal=objective == "marginal")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# scores of the per-neuron coordinates
+
+
+def join_scores(x: np.ndarray, w: np.ndarray, g: np.ndarray, P: np.ndarray, marginal: bool = True) -> np.ndarray:
+    """(L_j, K) Gaussian part of the change of the objective when neuron l (``x = w v``, ``w``, (L_j, D)) joins atom k
+    (``g``, ``P``, (K, D)): ``sum_d [(g + x)^2/(P + w) - g^2/P]`` (marginal: ``- log((P + w)/P)`` too), broadcast
+    in chunks of at most :data:`CHUNK_ELEMENTS`."""
+    L_j, D = x.shape
+    K = g.shape[0]
+    out = np.empty((L_j, K))
+    base = (g ** 2 / P).sum(axis=1)
+    step = max(1, CHUNK_ELEMENTS // max(L_j * D, 1))
+    for k0 in range(0, K, step):
+        gk, Pk = g[None, k0:k0 + step], P[None, k0:k0 + step]
+        Pw = Pk + w[:, None, :]
+        part = gk + x[:, None, :]
+        np.square(part, out=part)
+        part /= Pw
+        if marginal:
+            Pw /= Pk
+            np.log(Pw, out=Pw)
+            part -= Pw
+        out[:, k0:k0 + step] = part.sum(axis=2) - base[None, k0:k0 + step]
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the state of a matching
+
+
+class LayerMatcher:
+    """Per-atom statistics of a partial assignment, and the per-client scoring and (re-)matching on them.
+
+    The data (means ``V``, variances ``U`` or None, precision scales ``s`` or None) are set once and split into the
+    shared, per-client and per-neuron coordinates (module docstring); :meth:`set_hyperparameters` sets or changes the
+    per-coordinate noise, prior variance and mean and the IBP mass, and rebuilds the statistics of the current
+    assignment under them."""
+
+    def __init__(self, V, U, s, *, popularity_factor: float, popularity_cap, max_atoms, new_atom_penalty: str,
+                 marginal: bool):
+        self.J = J = len(V)
+        self.D = D = V[0].shape[1]
+        self.L = [v.shape[0] for v in V]
+        self.offsets = np.concatenate([[0], np.cumsum(self.L)]).astype(np.int64)
+        self.scales = s
+        plain = np.ones(D, dtype=bool) if s is None else (s == 1.0).all(axis=0)
+        exact = np.ones(D, dtype=bool) if U is None else ~np.any([(u > 0).any(axis=0) for u in U], axis=0)
+        self.F = np.flatnonzero(plain & exact)   # shared
+        self.C = np.flatnonzero(~plain & exact)  # per client
+        self.N = np.flatnonzero(~exact)          # per neuron
+        whole = self.F.size == D
+        self.vF = [v if whole else np.ascontiguousarray(v[:, self.F]) for v in V]
+        self.vC = [np.ascontiguousarray(v[:, self.C]) for v in V]
+        self.vN = [np.ascontiguousarray(v[:, self.N]) for v in V]
+        self.uN = [np.ascontiguousarray(u[:, self.N]) for u in U] if U is not None else [None] * J
+        ones = np.ones(D)
+        self.sC = [(s[j] if s is not None else ones)[self.C] for j in range(J)]
+        self.sN = [(s[j] if s is not None else ones)[self.N] for j in range(J)]
+        self.gram: np.ndarray | None = None  # (N, N) products x_u . x_v of all neurons' shared coordinates, if used
+        self.gram_tau: float | None = None  # the shared-coordinate precision when the Gram matrix was computed
+        self.marginal = marginal
+        m = np.arange(J + 1, dtype=np.float64)
+        mc = np.minimum(m, popularity_cap) if popularity_cap is not None else m
+        with np.errstate(divide="ignore"):
+            self.pop = float(popularity_factor) * (np.log(mc) - np.log(J - mc))  # joining an atom of m others
+        self.pop_cum = np.zeros(J + 1)
+        self.pop_cum[2:] = np.cumsum(self.pop[1:J])  # pop_cum[m] = sum_{k=1}^{m-1} pop[k]
+        self.max_atoms = max_atoms
+        self.new_atom_penalty = new_atom_penalty
+        self.assign: list[np.ndarray | None] = [None] * J
+        self.lsa_seconds = 0.0
+        self.rematches: list[tuple[int, int, int]] = []
+        self.hyper: tuple | None = None
+
+    # --- hyper-parameters -------------------------------------------------------------------------------------------
+    def set_hyperparameters(self, *, noise: np.ndarray, prior: np.ndarray, gamma0: float, mu0: np.ndarray) -> None:
+        """Score with these values from now on: ``noise`` (D,) the per-coordinate noise t_d, ``prior`` (D,) the prior
+        variance sigma0_2_d, ``mu0`` (D,) the prior mean. The per-neuron contributions are recomputed and the per-atom
+        statistics rebuilt from the current assignment (O(N D)); nothing happens if the values are unchanged."""
+        key = (noise.tobytes(), prior.tobytes(), float(gamma0), mu0.tobytes())
+        if key == self.hyper:
+            return
+        self.hyper = key
+        F, C, N = self.F, self.C, self.N
+        if F.size and (np.ptp(noise[F]) or np.ptp(prior[F])):
+            raise ValueError("noise, prior: expected one value on the shared coordinates (every scale 1, no "
+                             "posterior variance), got several")
+        self.tau = tau = 1.0 / noise[F[0]] if F.size else 1.0   # shared-coordinate noise precision
+        self.P0 = P0 = 1.0 / prior[F[0]] if F.size else 1.0
+        self.g0F = mu0[F] * P0
+        self.g0F_sq = float(self.g0F @ self.g0F)
+        self.xF = [np.ascontiguousarray(v * tau) for v in self.vF]
+        self.xF_sq = [np.einsum("ld,ld->l", x, x) for x in self.xF]
+        self.g0x = [x @ self.g0F for x in self.xF]  # cross term of each neuron with an empty (prior-only) atom
+        self.P0C = 1.0 / prior[C]
+        self.g0C = mu0[C] * self.P0C
+        inv_noise = 1.0 / noise[C]
+        self.wC = [self.sC[j] * inv_noise for j in range(self.J)]
+        self.xC = [v * w for v, w in zip(self.vC, self.wC)]
+        self.P0N = 1.0 / prior[N]
+        self.g0N = mu0[N] * self.P0N
+        self.wN = [self.sN[j][None, :] / ((u if u is not None else 0.0) + noise[N][None, :])
+                   for j, u in enumerate(self.uN)]
+        self.xN = [w * v for w, v in zip(self.wN, self.vN)]
+        self.log_new = 2.0 * math.log(gamma0 / self.J)
+        self.new_scores = [self._new_atom_scores(j) for j in range(self.J)]
+        labels = None if any(a is None for a in self.assign) else list(self.assign)
+        self.reset()
+        if labels is not None:
+            self.start_from(labels)
+
+    def reset(self) -> None:
+        """Empty storage (no client on any atom); rows [0, n_rows) used, some of them free (m == 0)."""
+        cap = max(2 * max(self.L), 64)
+        self.gF = np.tile(self.g0F, (cap, 1))
+        self.gF_sq = np.full(cap, self.g0F_sq)
+        self.gC = np.tile(self.g0C, (cap, 1))
+        self.PC = np.tile(self.P0C, (cap, 1))
+        self.gN = np.tile(self.g0N, (cap, 1))
+        self.PN = np.tile(self.P0N, (cap, 1))
+        self.m = np.zeros(cap, dtype=np.int64)
+        self.n_rows = 0
+        self.free: list[int] = []
+        self.assign = [None] * self.J
+
+    def _grow(self, needed: int):
+        cap = self.m.shape[0]
+        if needed <= cap:
+            return
+        extra = max(needed, 2 * cap) - cap
+        for name, prior in (("gF", self.g0F), ("gC", self.g0C), ("PC", self.P0C), ("gN", self.g0N),
+                            ("PN", self.P0N)):
+            setattr(self, name, np.vstack([getattr(self, name), np.tile(prior, (extra, 1))]))
+        self.gF_sq = np.concatenate([self.gF_sq, np.full(extra, self.g0F_sq)])
+        self.m = np.concatenate([self.m, np.zeros(extra, dtype=np.int64)])
+
+    def _new_rows(self, k: int) -> np.ndarray:
+        take = self.free[max(len(self.free) - k, 0):] if k else []
+        del self.free[len(self.free) - len(take):]
+        rest = k - len(take)
+        self._grow(self.n_rows + rest)
+        rows = np.array(list(take) + list(range(self.n_rows, self.n_rows + rest)), dtype=np.int64)
+        self.n_rows += rest
+        return rows
+
+    # --- adding and removing a client -------------------------------------------------------------------------------
+    # ||g_F||^2 is kept per atom and updated from the cross terms g.x that scoring computes anyway:
+    #   joining:  ||g + x||^2 = ||g||^2 + 2 g.x + ||x||^2      (g before the join)
+    #   leaving:  ||g - x||^2 = ||g||^2 - 2 (g - x).x - ||x||^2 (g - x after the leave)
+    # so neither costs a pass over the (L_j, D) block beyond the update of g itself.
+    def add(self, j: int, rows: np.ndarray, cross: np.ndarray | None = None, *, norms: bool = True):
+        """Put client j's neurons on atom ``rows``; ``cross[l] = g_rows[l] . x_l`` before the update, if known
+        (``norms=False``: leave ||g_F||^2 to the caller)."""
+        self.gF[rows] += self.xF[j]
+        if cross is None:
+            if norms:
+                self.gF_sq[rows] = np.einsum("ld,ld->l", self.gF[rows], self.gF[rows])
+        else:
+            self.gF_sq[rows] += 2.0 * cross + self.xF_sq[j]
+        if self.C.size:
+            self.gC[rows] += self.xC[j]
+            self.PC[rows] += self.wC[j]
+        if self.N.size:
+            self.gN[rows] += self.xN[j]
+            self.PN[rows] += self.wN[j]
+        self.m[rows] += 1
+        self.assign[j] = rows
+
+    def _remove(self, j: int) -> tuple[np.ndarray, np.ndarray]:
+        """Take client j off its atoms except for ||g_F||^2; return the positions whose atom survives, and those
+        atoms."""
+        rows = self.assign[j]
+        self.assign[j] = None
+        self.m[rows] -= 1
+        keep = self.m[rows] > 0
+        kept, empty = rows[keep], rows[~keep]
+        self.gF[kept] -= self.xF[j][keep]
+        self.gF[empty] = self.g0F
+        self.gF_sq[empty] = self.g0F_sq
+        if self.C.size:
+            self.gC[kept] -= self.xC[j][keep]
+            self.PC[kept] -= self.wC[j]
+            self.gC[empty], self.PC[empty] = self.g0C, self.P0C
+        if self.N.size:
+            self.gN[kept] -= self.xN[j][keep]
+            self.PN[kept] -= self.wN[j][keep]
+            self.gN[empty], self.PN[empty] = self.g0N, self.P0N
+        self.free.extend(int(r) for r in empty)
+        return np.flatnonzero(keep), kept
+
+    # --- scores -----------------------------------------------------------------------------------------------------
+    def _new_atom_scores(self, j: int) -> np.ndarray:
+        """(L_j,) score of each of client j's neurons against a new atom (the prior alone)."""
+        tau, P0 = self.tau, self.P0
+        new = (self.xF_sq[j] + 2.0 * self.g0x[j]) / (P0 + tau) + self.g0F_sq * (1.0 / (P0 + tau) - 1.0 / P0)
+        if self.C.size:
+            w = self.wC[j]
+            new = new + (((self.xC[j] + self.g0C) ** 2) / (self.P0C + w) - self.g0C ** 2 / self.P0C).sum(axis=1)
+        if self.N.size:
+            new = new + join_scores(self.xN[j], self.wN[j], self.g0N[None], self.P0N[None], self.marginal)[:, 0]
+        new = new + self.log_new
+        if self.marginal:
+            new -= self.F.size * math.log1p(tau / P0)
+            if self.C.size:
+                new -= np.log1p(self.wC[j] / self.P0C).sum()
+        return new
+
+    def scores(self, j: int, cross: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Score matrix of client j (not on any atom) against the active atoms and new ones, and the active rows.
+
+        ``cross``: (L_j, n_rows) products of client j's shared-coordinate contributions with every stored atom's g.
+        """
+        active = np.flatnonzero(self.m[: self.n_rows] > 0)
+        L_j, tau, P0 = self.L[j], self.tau, self.P0
+        L = active.size
+        n_new = L_j
+        if self.max_atoms is not None:
+            n_new = min(L_j, max(self.max_atoms - L, 1))
+            if L + n_new < L_j:
+                raise ValueError(f"max_atoms: expected enough atoms for client {j} ({L_j} neurons), got "
+                                 f"{self.max_atoms}, which leaves it {L + n_new}: raise max_atoms")
+        S = np.empty((L_j, L + n_new))
+        S[:, L:] = self.new_scores[j][:, None]
+        if self.new_atom_penalty == "log_k":
+            S[:, L:] -= 2.0 * np.log(np.arange(1, n_new + 1))
+        if not L:
+            return S, active
+        m = self.m[active]
+        ex = S[:, :L]
+        if self.F.size:
+            P = P0 + m * tau  # shared-coordinate posterior precision, one per atom
+            inv_new = 1.0 / (P + tau)
+            atom_term = self.gF_sq[active] * (inv_new - 1.0 / P) + self.pop[m]
+            if self.marginal:
+                atom_term -= self.F.size * np.log1p(tau / P)
+            np.multiply(cross[:, active] if L < cross.shape[1] else cross, 2.0, out=ex)
+            ex += self.xF_sq[j][:, None]
+            ex *= inv_new[None, :]
+            ex += atom_term[None, :]
+        else:
+            ex[:] = self.pop[m][None, :]
+        if self.C.size:
+            w = self.wC[j]
+            gC, PC = self.gC[active], self.PC[active]
+            R = 1.0 / (PC + w)
+            t1 = (gC ** 2 * (R - 1.0 / PC)).sum(axis=1)
+            ex += t1[None, :] + 2.0 * (self.xC[j] @ (gC * R).T) + (self.xC[j] ** 2) @ R.T
+            if self.marginal:
+                ex -= np.log1p(w[None, :] / PC).sum(axis=1)[None, :]
+        if self.N.size:
+            ex += join_scores(self.xN[j], self.wN[j], self.gN[active], self.PN[active], self.marginal)
+        return S, active
+
+    def match(self, j: int, *, rematch: bool = False) -> bool:
+        """Assign client j optimally given everyone else (taking it off its atoms first if ``rematch``); return
+        whether the partition changed (a client that is new to it always changes it, unless it has no neurons)."""
+        if self.L[j] == 0:
+            # no neurons, no atoms: the client counts in J (the scores' gamma0/J and m/(J-m)) and nowhere else
+            self.assign[j] = np.empty(0, dtype=np.int64)
+            self.rematches.append((j, 0, int((self.m[: self.n_rows] > 0).sum())))
+            return False
+        if rematch:
+            previous = self.assign[j]
+            positions, kept = self._remove(j)
+        if not self.F.size:
+            cross = np.zeros((self.L[j], self.n_rows))
+        elif self.gram is not None:
+            cross = self._gram_cross(j)
+        else:
+            cross = self.xF[j] @ self.gF[: self.n_rows].T
+        if rematch:
+            self.gF_sq[kept] -= 2.0 * cross[positions, kept] + self.xF_sq[j][positions]
+        S, active = self.scores(j, cross)
+        L = active.size
+        t0 = time.perf_counter()
+        rows, cols = linear_sum_assignment(S, maximize=True)
+        self.lsa_seconds += time.perf_counter() - t0
+        self.rematches.append((j, self.L[j], L))
+        target = np.empty(self.L[j], dtype=np.int64)
+        target_cross = np.empty(self.L[j])
+        is_new = cols >= L
+        old_rows, new_rows = rows[~is_new], rows[is_new]
+        target[old_rows] = active[cols[~is_new]]
+        target_cross[old_rows] = cross[old_rows, target[old_rows]]
+        target[new_rows] = self._new_rows(new_rows.size)
+        target_cross[new_rows] = self.g0x[j][new_rows]
+        self.add(j, target, target_cross)
+        if not rematch:
+            return True
+        # unchanged: the neurons whose atom survived the removal went back to it, and the others opened new atoms
+        was_shared = np.zeros(self.L[j], dtype=bool)
+        was_shared[positions] = True
+        opened = np.zeros(self.L[j], dtype=bool)
+        opened[new_rows] = True
+        return bool((was_shared == opened).any() or (target[positions] != previous[positions]).any())
+
+    def greedy(self) -> None:
+        """The first assignment: every client matched in turn given those before it, largest client first."""
+        for j in np.argsort(-np.array(self.L), kind="stable"):
+            self.match(int(j))
+
+    def sweep(self, rng: np.random.Generator) -> bool:
+        """Re-match every client once, in a random order; return whether any assignment changed."""
+        changed = False
+        for j in rng.permutation(self.J):
+            changed |= self.match(int(j), rematch=True)
+        return changed
+
+    def use_gram(self) -> None:
+        """Score the shared coordinates through the Gram matrix of all neurons from now on (:meth:`_gram_cross`)."""
+        if self.gram is None and self.F.size:
+            x = np.concatenate(self.xF)
+            self.gram = x @ x.T
+            self.gram_tau = self.tau
+
+    def gram_fits(self) -> bool:
+        """Whether the Gram matrix of all neurons fits in :data:`GRAM_BYTES`."""
+        N = int(self.offsets[-1])
+        return N * N * 8 <= GRAM_BYTES
+
+    def _gram_cross(self, j: int) -> np.ndarray:
+        """``x_l . g_i`` for client j's neurons l and every stored atom i, from the Gram matrix: an atom's g is
+        g0 plus its members' x, so ``x_l . g_i = x_l . g0 + sum_{u in S_i} x_l . x_u``. One gather of client j's
+        (L_j, N) block of the Gram matrix and a sum per atom replace the (L_j, D) x (D, L) product; worth it when
+        the layer stays wide (many atoms against few neurons). The sum per atom is a product with the sparse (N, L)
+        membership matrix. The Gram matrix holds ``x = tau v`` at the precision it was computed with; when it changed
+        since (empirical Bayes), the membership and the row carry the ratio of the precisions."""
+        others = [k for k in range(self.J) if k != j and self.assign[k] is not None]
+        if not others:
+            return np.repeat(self.g0x[j][:, None], self.n_rows, axis=1)
+        members = np.concatenate([np.arange(self.offsets[k], self.offsets[k + 1]) for k in others])
+        atoms = np.concatenate([self.assign[k] for k in others])
+        ratio = self.tau / self.gram_tau  # exactly 1 while the precision is that of the Gram matrix
+        membership = csr_matrix((np.full(members.size, ratio), (members, atoms)),
+                                shape=(self.gram.shape[0], self.n_rows))
+        cross = np.asarray(self.gram[self.offsets[j]:self.offsets[j + 1]] @ membership)
+        if ratio != 1.0:
+            cross *= ratio
+        cross += self.g0x[j][:, None]
+        return cross
+
+    def start_from(self, labels: list[np.ndarray]) -> None:
+        """Put every client on the atoms of a given assignment (labels from :func:`validate_labels`; any values,
+        compacted here to rows ``0 .. U-1`` in sorted label order)."""
+        uniq, flat = np.unique(np.concatenate(labels), return_inverse=True)
+        flat = flat.reshape(-1)
+        self._grow(uniq.size)
+        self.n_rows = uniq.size
+        start = 0
+        for j, a in enumerate(labels):
+            self.add(j, flat[start:start + a.size], norms=False)
+            start += a.size
+        self.gF_sq[: uniq.size] = np.einsum("ld,ld->l", self.gF[: uniq.size], self.gF[: uniq.size])
+
+    def labels(self) -> tuple[list[np.ndarray], int]:
+        """The current assignment as compact labels 0 .. L-1 (in storage order), and L."""
+        active = np.flatnonzero(self.m[: self.n_rows] > 0)
+        relabel = np.full(self.n_rows, -1, dtype=np.int64)
+        relabel[active] = np.arange(active.size)
+        return [relabel[a] for a in self.assign], int(active.size)
+
+    # --- the objective ----------------------------------------------------------------------------------------------
+    def objective(self) -> float:
+        """The objective of the current assignment (the marginal one, or the MAP one: see the matchers)."""
+        active = np.flatnonzero(self.m[: self.n_rows] > 0)
+        m = self.m[active]
+        P = self.P0 + m * self.tau
+        F = float((self.gF_sq[active] / P).sum() - active.size * self.g0F_sq / self.P0) if self.F.size else 0.0
+        for g, Pk, g0, P0 in ((self.gC, self.PC, self.g0C, self.P0C), (self.gN, self.PN, self.g0N, self.P0N)):
+            if g.shape[1]:
+                F += float((g[active] ** 2 / Pk[active]).sum() - active.size * (g0 ** 2 / P0).sum())
+                if self.marginal:
+                    F -= float(np.log(Pk[active] / P0).sum())
+        F += active.size * self.log_new + float(self.pop_cum[m].sum())
+        if self.marginal and self.F.size:
+            F -= float(self.F.size * np.log(P / self.P0).sum())
+        return F
+
+    def result(self, objective: list[float], seconds: float, dtype, **extra) -> MatchResult:
+        active = np.flatnonzero(self.m[: self.n_rows] > 0)
+        labels, _ = self.labels()
+        P = np.empty((active.size, self.D))
+        g = np.empty((active.size, self.D))
+        P[:, self.F] = (self.P0 + self.m[active] * self.tau)[:, None]
+        g[:, self.F] = self.gF[active]
+        for idx, gk, Pk in ((self.C, self.gC, self.PC), (self.N, self.gN, self.PN)):
+            P[:, idx], g[:, idx] = Pk[active], gk[active]
+        return MatchResult(global_atoms=torch.as_tensor(g / P, dtype=dtype),
+                           posterior_precision=torch.as_tensor(P, dtype=dtype),
+                           assignments=[torch.as_tensor(a) for a in labels], counts=torch.as_tensor(self.m[active]),
+                           objective=objective, seconds=seconds, lsa_seconds=self.lsa_seconds,
+                           rematches=self.rematches, **extra)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the driver
+
+
+class FixedValues:
+    """The estimator of a matching whose hyper-parameters are all given (nothing is estimated).
+
+    :param dict values: the given values in the order the result reports them (``"mu0"`` a (D,) array, the
+        variances and ``"gamma0"`` floats).
+    :param coordinates: ``values -> dict(noise=, prior=, gamma0=, mu0=)``, the per-coordinate values the matcher
+        scores with.
+    """
+
+    estimated: tuple = ()
+    fixed = True
+
+    def __init__(self, values: Mapping[str, object], coordinates):
+        self.values, self._coordinates, self.notes = dict(values), coordinates, []
+
+    def start(self) -> dict:
+        return dict(self.values)
+
+    def restart(self, matcher: LayerMatcher) -> None:
+        return None
+
+    def update(self, labels, L: int, current: dict) -> dict:
+        return current
+
+    def close(self, new: dict, old: dict) -> bool:
+        return True
+
+    def coordinates(self, values: dict) -> dict:
+        return self._coordinates(values)
+
+    def public(self, values: dict, dtype) -> dict:
+        return {k: torch.as_tensor(v, dtype=dtype) if k == "mu0" else v for k, v in values.items()}
+
+
+def run_matching(matcher: LayerMatcher, estimator, *, init, sweeps: int, seed, stop_at_fixed_point: bool = True,
+                 cross_products: str = "auto", dtype, t0: float) -> MatchResult:
+    """The first assignment (greedy pass at the estimator's start, or ``init``), then up to ``sweeps`` sweeps, the
+    hyper-parameters re-estimated after the first assignment and after every sweep, until a sweep changes neither.
+
+    With fixed values (:class:`FixedValues`) exactly ``sweeps`` sweeps are run (less any skipped at a fixed point
+    with ``stop_at_fixed_point``, the objective then repeating its last value) and the Gram matrix is taken after the
+    greedy pass when ``sweeps * L > N``; under empirical Bayes, where ``sweeps`` is only a limit, once the sweeps run
+    so far have cost as much (``k * L > N`` after sweep k). ``cross_products``: ``"auto"``, ``"direct"`` or
+    ``"gram"`` (from the first sweep on)."""
+    check_choice(cross_products, ("auto", "direct", "gram"), "cross_products")
+    fixed = getattr(estimator, "fixed", False)
+    current = estimator.start()
+    matcher.set_hyperparameters(**estimator.coordinates(current))
+    if init is None:
+        matcher.greedy()
+        restart = estimator.restart(matcher)
+        if restart is not None:  # the estimator's fallback start (every neuron alone at its first start)
+            current = restart
+            matcher.assign = [None] * matcher.J
+            matcher.hyper = None
+            matcher.set_hyperparameters(**estimator.coordinates(current))
+            matcher.greedy()
+    else:
+        matcher.start_from(init)
+    objective = [matcher.objective()]
+    current = estimator.update(*matcher.labels(), current)
+    history = [estimator.public(current, dtype)]
+    N = int(matcher.offsets[-1])
+    if cross_products == "gram" or (cross_products == "auto" and fixed and matcher.gram_fits() and sweeps > 0
+                                    and sweeps * matcher.labels()[1] > N):
+        matcher.use_gram()
+    rng = np.random.default_rng(seed)
+    converged, run = False, 0
+    for k in range(1, sweeps + 1):
+        matcher.set_hyperparameters(**estimator.coordinates(current))
+        changed = matcher.sweep(rng)
+        run = k
+        objective.append(matcher.objective())
+        new = estimator.update(*matcher.labels(), current)
+        history.append(estimator.public(new, dtype))
+        converged = not changed and estimator.close(new, current)
+        current = new
+        if converged and stop_at_fixed_point:
+            break
+        if cross_products == "auto" and not fixed and matcher.gram is None and matcher.gram_fits() and \
+                k * matcher.labels()[1] > N:
+            matcher.use_gram()
+    if fixed:
+        # a fixed point of every re-match: any further sweep, in any order, does the same
+        objective.extend([objective[-1]] * (sweeps + 1 - len(objective)))
+        history = [dict(history[-1]) for _ in objective]
+        converged = True
+    elif not sweeps:
+        estimator.note("not converged: no sweep was run (sweeps=0); the estimates are those of the first assignment")
+    elif not converged:
+        estimator.note(f"not converged: the assignment or the estimates still changed at sweep {sweeps}, the limit "
+                       "(raise sweeps)")
+    matcher.set_hyperparameters(**estimator.coordinates(current))  # the atoms' posterior at the final values
+    return matcher.result(objective, time.perf_counter() - t0, dtype, hyperparameters=history[-1],
+                          hyperparameter_history=history, converged=converged, estimated=tuple(estimator.estimated),
+                          notes=list(estimator.notes), sweeps_run=run)

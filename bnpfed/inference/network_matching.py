@@ -1,0 +1,591 @@
+"""The one network driver: J clients' networks of one kind matched group by group of their permutation spec, every
+group through a one-layer matcher, into one global network (PFNM's server step).
+
+The group loop (:func:`match_groups`) is written once: for each group in matching order it lays out the clients'
+unit vectors (the groups matched before it re-indexed to their global units) and hands them to a *step*, which calls
+the matcher and builds the group's global units. :func:`match_by_spec` is that loop with PFNM's step (the atoms'
+posterior means, or the members' average); :func:`~bnpfed.inference.posterior_matching.match_posteriors` is the same
+loop with a fusing step (every global unit's members' posteriors fused by a rule of :mod:`bnpfed.combine`);
+:func:`~bnpfed.inference.fedma.match_group` is PFNM's step for one group. ``direction="top-down"`` (the published
+order) is the spec with its groups reversed (:meth:`~bnpfed.inference.spec.PermutationSpec.reversed`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Literal, Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from bnpfed.inference.assembly import client_slice, network_from_state, state_from_atoms
+from bnpfed.inference.derive import derive_spec
+from bnpfed.inference.layout import VectorLayout, group_layout, layout_rows, width
+from bnpfed.inference.matching import average_atoms, averaging_weights, match_layer
+from bnpfed.inference.spec import PermutationSpec
+from bnpfed.validation import check_choice
+
+__all__ = ["Clients", "GroupMatch", "GroupValues", "SpecMatch", "call_matcher", "check_global_weights",
+           "check_layer_fns", "client_states", "group_values", "match_by_spec", "match_groups", "output_bias",
+           "pfnm_group", "prepare_clients", "resolve_spec", "warm_start_labels"]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# results
+
+
+@dataclass
+class GroupMatch:
+    """One group of a spec matched: what :func:`pfnm_group` returns (and :func:`match_by_spec` computes for every
+    group in turn).
+
+    :param str group: the group's name.
+    :param result: the one-group matcher's :class:`~bnpfed.inference.MatchResult`.
+    :param list assignments: J long tensors: client j's unit l went to global unit ``assignments[j][l]``.
+    :param Tensor atoms: (L, D) float64, the global units' vectors, laid out as ``layout`` says.
+    :param VectorLayout layout: the coordinates of the vectors.
+    :param dict statistics: the running statistics the group owns (the mean of each global unit's members'), float64.
+    :param dict hyperparameters: the result's ``hyperparameters`` (``{}`` when it has none).
+    :param dict output_bias: ``{key: (C,) tensor}`` when the group holds the output weights and the spec has an output
+        bias (its class-share posterior mean), else empty.
+    :param float output_bias_mu0: the prior mean that bias was shrunk towards.
+    """
+
+    group: str
+    result: object
+    assignments: list
+    atoms: Tensor = field(repr=False)
+    layout: VectorLayout = field(repr=False)
+    statistics: dict = field(default_factory=dict, repr=False)
+    hyperparameters: dict = field(default_factory=dict)
+    output_bias: dict = field(default_factory=dict, repr=False)
+    output_bias_mu0: float | None = None
+
+    @property
+    def size(self) -> int:
+        """L, the number of global units."""
+        return int(self.atoms.shape[0])
+
+    def values(self) -> dict[str, Tensor]:
+        """The global value of every parameter the group owns (float64, the group's axis at L units; running
+        statistics the members' mean), and the output bias when the group holds the output weights."""
+        return {**self.layout.to_params(self.atoms), **self.statistics, **self.output_bias}
+
+
+@dataclass
+class SpecMatch:
+    """Result of :func:`match_by_spec`.
+
+    :param PermutationSpec spec: the spec the networks were matched by.
+    :param dict state: the global network's ``state_dict`` (posterior-mean or average weights, members' mean
+        running statistics, the output bias, the template's keys without a kind).
+    :param dict assignments: group name -> J long tensors mapping each client's units to global units.
+    :param dict layer_results: group name -> the :class:`~bnpfed.inference.MatchResult` of that group's matching.
+    :param nn.Module template: the network the global one is built from (client 0's, or the one given).
+    :param float seconds: wall time of all the matching.
+    :param Tensor class_shares: (J, C) ``share_jk = n_jk / sum_j' n_j'k`` (0 for a class nobody holds).
+    :param dict hyperparameters: group name -> the ``hyperparameters`` of its result (``{}`` when it has none).
+    :param float output_bias_mu0: the prior mean the output bias was shrunk towards (given or estimated).
+    """
+
+    spec: PermutationSpec
+    state: dict
+    assignments: dict
+    layer_results: dict
+    template: nn.Module | None = field(default=None, repr=False)
+    seconds: float = 0.0
+    class_shares: Tensor | None = field(default=None, repr=False)
+    hyperparameters: dict = field(default_factory=dict)
+    output_bias_mu0: float | None = None
+
+    @property
+    def widths(self) -> dict[str, int]:
+        """Group name -> number of global units."""
+        return {g.name: width(self.state, g, "state") for g in self.spec.groups}
+
+    @property
+    def hidden_sizes(self) -> list[int]:
+        """The global widths in the spec's order (an MLP's hidden widths)."""
+        return list(self.widths.values())
+
+    def network(self) -> nn.Module:
+        """The global network, of the template's kind with the matched widths."""
+        if self.template is None:
+            raise ValueError("network: this match has no template network; pass template= to match_by_spec")
+        return network_from_state(self.template, self.state)
+
+    def client_slice(self, j: int) -> dict[str, Tensor]:
+        """Client j's slice of the global state: for every group, the global units its own units were matched to, in
+        its own order (:func:`~bnpfed.inference.assembly.client_slice`)."""
+        return client_slice(self.spec, self.state, {g: a[j] for g, a in self.assignments.items()})
+
+    def client_network(self, j: int) -> nn.Module:
+        """Client j's slice as a network of the template's kind."""
+        return network_from_state(self.template, self.client_slice(j))
+
+    def client_start(self, j: int | None) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """What a client starts its next round from, and the global ids of its units per group: its slice if it was
+        matched (``j`` its position among the matched clients), else (``j`` None) the whole global network."""
+        if j is None:
+            return {k: v.clone() for k, v in self.state.items()}, {g: torch.arange(w) for g, w in self.widths.items()}
+        return self.client_slice(j), {g: a[j].clone() for g, a in self.assignments.items()}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the clients and the settings, checked once
+
+
+@dataclass
+class Clients:
+    """J clients' parameters (one or more channels of ``state_dict`` s: values, posterior variances, ...), checked
+    against a spec.
+
+    :param PermutationSpec spec: the spec.
+    :param dict channels: name -> J ``state_dict`` s (float tensors, every key of the spec's kinds).
+    :param list widths: per client, its units per group.
+    :param Tensor shares: (J, C) class shares ``share_jk``.
+    :param str output_weight: the output layer's weight key; ``output_bias`` its bias key (or None).
+    """
+
+    spec: PermutationSpec
+    channels: dict
+    widths: list
+    shares: Tensor
+    output_weight: str
+    output_bias: str | None
+
+    @property
+    def J(self) -> int:
+        return len(self.widths)
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {k: tuple(v.shape) for k, v in next(iter(self.channels.values()))[0].items()}
+
+
+def _class_shares(class_counts, J: int, C: int) -> Tensor:
+    if class_counts is None:
+        counts = torch.ones(J, C, dtype=torch.float64)
+    else:
+        counts = torch.as_tensor(np.asarray(class_counts), dtype=torch.float64)
+        if counts.shape != (J, C):
+            raise ValueError(f"class_counts: expected shape ({J}, {C}) (clients x classes), got {tuple(counts.shape)}")
+        if not torch.isfinite(counts).all() or (counts < 0).any() or (counts.sum(1) <= 0).any():
+            raise ValueError("class_counts: expected finite counts >= 0 with a positive total per client")
+    # a class nobody holds gets share 0 everywhere (dividing only where the total is positive, so that any positive
+    # multiple of the counts gives the same shares)
+    total = counts.sum(0, keepdim=True)
+    held = total > 0
+    return torch.where(held, counts / torch.where(held, total, torch.ones_like(total)), torch.zeros_like(counts))
+
+
+def _check_state(state, spec: PermutationSpec, ref, j: int) -> dict[str, int]:
+    who = f"client_nets[{j}]"
+    for key, kind in spec.kinds.items():
+        if key not in state:
+            raise ValueError(f"{who}: expected {key!r} ({kind}), which the spec names, got no such key")
+        t = state[key]
+        if not t.is_floating_point() or not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{who}: expected {key!r} to be a finite floating-point tensor")
+    widths = {g.name: width(state, g, who) for g in spec.groups}
+    if ref is not None:
+        for key in spec.kinds:
+            permuted = {a.dim for _, a in spec.axes_of(key)}
+            a, b = state[key].shape, ref[key].shape
+            if len(a) != len(b) or any(x != y for d, (x, y) in enumerate(zip(a, b)) if d not in permuted):
+                raise ValueError(f"{who}: expected {key!r} of client 0's shape {tuple(b)} but on the axes a group "
+                                 f"acts on, got {tuple(a)}")
+    return widths
+
+
+def client_states(client_nets, template=None) -> tuple[list[dict[str, Tensor]], nn.Module | None]:
+    """J networks or ``state_dict`` s as detached ``state_dict`` s, and the template (the given one, or client 0's
+    network)."""
+    if not isinstance(client_nets, Sequence) or isinstance(client_nets, (str, bytes)) or not client_nets:
+        raise ValueError("client_nets: expected a non-empty sequence of networks (nn.Module) or state dicts")
+    states = []
+    for j, net in enumerate(client_nets):
+        if isinstance(net, nn.Module):
+            template = net if template is None else template
+            state = net.state_dict()
+        elif isinstance(net, Mapping):
+            state = dict(net)
+        else:
+            raise ValueError(f"client_nets[{j}]: expected an nn.Module or a state dict, got {type(net).__name__}")
+        states.append({k: torch.as_tensor(v).detach() for k, v in state.items()})
+    return states, template
+
+
+def prepare_clients(channels: Mapping[str, list], spec: PermutationSpec, class_counts) -> Clients:
+    """The clients' channels checked against ``spec`` (the first channel's shapes; the spec needs a hidden group, one
+    output weight and at most one output bias), with their class shares."""
+    if not isinstance(spec, PermutationSpec):
+        raise ValueError(f"spec: expected a PermutationSpec, got {type(spec).__name__}")
+    if not spec.groups:
+        raise ValueError("spec: expected at least one hidden permutation (PFNM needs a hidden layer), got none")
+    out_w, out_b = spec.params_of_kind("output_weight"), spec.params_of_kind("output_bias")
+    if len(out_w) != 1 or len(out_b) > 1:
+        raise ValueError(f"spec: expected one output weight and at most one output bias, got {out_w} and {out_b}")
+    first = next(iter(channels.values()))
+    widths = [_check_state(s, spec, first[0] if j else None, j) for j, s in enumerate(first)]
+    shares = _class_shares(class_counts, len(first), int(first[0][out_w[0]].shape[0]))
+    return Clients(spec, dict(channels), widths, shares, out_w[0], out_b[0] if out_b else None)
+
+
+@dataclass(frozen=True)
+class GroupValues:
+    """The hyper-parameters given for one group (None: estimated under empirical Bayes), by role.
+
+    :param dict given: the matcher's variances and IBP mass by its own names: ``sigma2``, ``sigma0_2``, ``gamma0``
+        for :func:`~bnpfed.inference.match_layer`, ``tau2``, ``sigma0_2``, ``gamma0`` for
+        :func:`~bnpfed.inference.match_bayesian_layer`.
+    :param float mu0: the prior mean of the weight coordinates (incoming and output weights).
+    :param float bias_mu0: the prior mean of the bias coordinates and of the output bias.
+    """
+
+    given: Mapping[str, float | None]
+    mu0: float | None = None
+    bias_mu0: float | None = None
+
+
+def _per_group(value, names: list[str], arg: str) -> list:
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - set(names))
+        if unknown:
+            raise ValueError(f"{arg}: expected group names among {names}, got {unknown}")
+        return [value.get(n) for n in names]
+    if isinstance(value, (list, tuple)):
+        if len(value) != len(names):
+            raise ValueError(f"{arg}: expected a scalar, one value per group ({len(names)}) or a mapping by group "
+                             f"name, got {len(value)} values")
+        return list(value)
+    return [value] * len(names)
+
+
+def group_values(names: list[str], mode: str, given: Mapping[str, object], mu0=None, bias_mu0=None
+                 ) -> dict[str, GroupValues]:
+    """Per group name, its :class:`GroupValues`: every value of ``given`` (a matcher's variances and IBP mass by
+    name), ``mu0`` and ``bias_mu0`` a scalar (every group), one value per group in the spec's order, or a mapping by
+    group name; with fixed hyper-parameters the published prior means (0 for weights, 0.1 for biases) where not
+    given."""
+    per = {name: _per_group(value, names, name) for name, value in given.items()}
+    mus, bias_mus = _per_group(mu0, names, "mu0"), _per_group(bias_mu0, names, "bias_mu0")
+    if mode == "fixed":
+        mus = [0.0 if m is None else m for m in mus]
+        bias_mus = [0.1 if m is None else m for m in bias_mus]
+    return {g: GroupValues({name: per[name][c] for name in given}, mus[c], bias_mus[c]) for c, g in enumerate(names)}
+
+
+def warm_start_labels(warm_start, names: list[str], widths: list[dict[str, int]]) -> dict | None:
+    """Per group, J label tensors to start the matching from: from a previous match (anything with
+    ``assignments``), a mapping by group name, or a sequence in spec order; None for None."""
+    if warm_start is None:
+        return None
+    if hasattr(warm_start, "assignments"):
+        previous = dict(warm_start.assignments)
+    elif isinstance(warm_start, Mapping):
+        previous = dict(warm_start)
+    elif isinstance(warm_start, Sequence) and not isinstance(warm_start, (str, bytes)):
+        if len(warm_start) != len(names):
+            raise ValueError(f"warm_start: expected assignments of {len(names)} group(s), got {len(warm_start)}")
+        previous = dict(zip(names, warm_start))
+    else:
+        raise ValueError(f"warm_start: expected a previous match, assignments per group (a mapping by name or a "
+                         f"sequence in spec order), or None, got {type(warm_start).__name__}")
+    if sorted(previous) != sorted(names):
+        raise ValueError(f"warm_start: expected assignments of the groups {names}, got {sorted(previous)}")
+    out = {}
+    for g in names:
+        if len(previous[g]) != len(widths):
+            raise ValueError(f"warm_start[{g!r}]: expected one assignment per client ({len(widths)}), got "
+                             f"{len(previous[g])}")
+        out[g] = []
+        for j, labels in enumerate(previous[g]):
+            labels = torch.as_tensor(labels)
+            if labels.dim() != 1 or labels.numel() != widths[j][g]:
+                raise ValueError(f"warm_start[{g!r}][{j}]: expected {widths[j][g]} labels (client {j} has "
+                                 f"{widths[j][g]} units in group {g!r}), got shape {tuple(labels.shape)}")
+            out[g].append(labels)
+    return out
+
+
+def resolve_spec(spec: PermutationSpec | None, template: nn.Module | None, input_shape: Sequence[int] | None, *,
+                 missing: str) -> PermutationSpec:
+    """``spec`` checked, or when None derived from ``template`` (:func:`~bnpfed.inference.derive.derive_spec`) with
+    ``input_shape``, which defaults to ``(in_features,)`` for a network whose first layer is a Linear. ``missing``:
+    the error when there is neither a spec nor a template."""
+    if spec is None:
+        if template is None:
+            raise ValueError(missing)
+        if input_shape is None:
+            first = next((m for m in template.modules() if isinstance(m, (nn.Linear, nn.Conv2d))), None)
+            if not isinstance(first, nn.Linear):
+                raise ValueError("input_shape: expected the shape of one input, e.g. (1, 28, 28), to derive the "
+                                 "spec of a network that does not start with a Linear layer")
+            input_shape = (first.in_features,)
+        spec = derive_spec(template, input_shape)
+    if not isinstance(spec, PermutationSpec):
+        raise ValueError(f"spec: expected a PermutationSpec or None, got {type(spec).__name__}")
+    return spec
+
+
+def check_layer_fns(layer_fn, K: int) -> list[Callable]:
+    """One matcher per group: ``layer_fn`` for every group, or a sequence of K of them."""
+    if callable(layer_fn):
+        return [layer_fn] * K
+    if isinstance(layer_fn, Sequence) and len(layer_fn) == K and all(callable(f) for f in layer_fn):
+        return list(layer_fn)
+    raise ValueError(f"layer_fn: expected a one-layer matcher or one per group ({K}), got {layer_fn!r}")
+
+
+def _accepts(fn, name: str) -> bool:
+    """Whether ``fn`` takes a keyword argument ``name`` (by name or through ``**kwargs``)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the group loop
+
+
+def match_groups(clients: Clients, spec: PermutationSpec, step: Callable, *, below=None, groups=None
+                 ) -> dict[str, object]:
+    """Every group of ``spec`` (the matching order: ``clients.spec`` or its reverse; only ``groups`` if given) in
+    turn: its layout at the global sizes of the groups matched before it, every channel's unit vectors of every
+    client, and ``step(name, layout, rows, below)`` -> a group result with ``assignments`` (J long tensors) and
+    ``size`` (L). ``rows``: channel name -> J (L_j, D) float64 tensors; ``below``: group -> (J id tensors, L) of the
+    groups matched before (given ones first)."""
+    below = dict(below or {})
+    shapes = clients.shapes
+    out = {}
+    for name in (spec.group_names if groups is None else groups):
+        layout = group_layout(spec, shapes, name, {h: size for h, (_, size) in below.items()})
+        rows = {channel: [layout_rows(states[j], spec, layout, {h: (ids[j], size) for h, (ids, size) in
+                                                                 below.items()}) for j in range(clients.J)]
+                for channel, states in clients.channels.items()}
+        out[name] = step(name, layout, rows, below)
+        below[name] = (out[name].assignments, out[name].size)
+    return out
+
+
+def call_matcher(fn, data: Sequence, layout: VectorLayout, values: GroupValues, shares: Tensor, *, mode: str,
+                 sweeps, seed, init, options: Mapping):
+    """``fn(*data, **values.given, mu0=, precisions=, sweeps=, seed=, [hyperparameters=], [init_assignments=],
+    **options)`` for one group: the prior means from ``layout.prior_mean`` (the published batch-norm means with
+    fixed hyper-parameters), the output coordinates at precision ``share_jk``. Returns (result, J long
+    assignments)."""
+    kwargs = {} if init is None else {"init_assignments": init}
+    if _accepts(fn, "hyperparameters"):
+        kwargs["hyperparameters"] = mode
+    r = fn(*data, **values.given, mu0=layout.prior_mean(values.mu0, values.bias_mu0, fixed=mode == "fixed"),
+           precisions=layout.precisions(shares), sweeps=sweeps, seed=seed, **kwargs, **options)
+    return r, [torch.as_tensor(a, dtype=torch.long) for a in r.assignments]
+
+
+def check_global_weights(global_weights, mode: str) -> str:
+    if global_weights is None:
+        return "average" if mode == "empirical-bayes" else "posterior-mean"
+    return check_choice(global_weights, ("average", "posterior-mean"), "global_weights")
+
+
+def pfnm_group(clients: Clients, spec: PermutationSpec, name: str, layout: VectorLayout, neurons: list, below,
+               fn, values: GroupValues, *, mode: str, sweeps, seed, init, options, combine: str) -> GroupMatch:
+    """PFNM's step for group ``name`` (its clients' unit vectors ``neurons``): the matcher ``fn``, the atoms (their
+    posterior means, or with ``combine="average"`` the members' average: :func:`~bnpfed.inference.average_atoms`),
+    each running statistic the mean of the members' (module docstring of :mod:`bnpfed.inference.permutation`)."""
+    r, assignments = call_matcher(fn, [neurons], layout, values, clients.shares, mode=mode, sweeps=sweeps, seed=seed,
+                                  init=init, options=options)
+    if combine == "average":
+        atoms = average_atoms(neurons, assignments, precisions=layout.precisions(clients.shares))
+    else:
+        atoms = torch.as_tensor(r.global_atoms).to(torch.float64)
+    L = int(atoms.shape[0])
+    statistics = {}
+    stats = group_layout(spec, clients.shapes, name, {**{h: s for h, (_, s) in below.items()}, name: L},
+                         statistics=True)
+    if stats.segments:
+        total = torch.zeros(L, stats.D, dtype=torch.float64)
+        count = torch.zeros(L, 1, dtype=torch.float64)
+        for j, state in enumerate(clients.channels["value"]):
+            rows = layout_rows(state, spec, stats, {**{h: (ids[j], s) for h, (ids, s) in below.items()},
+                                                    name: (assignments[j], L)})
+            total.index_add_(0, assignments[j], rows)
+            count.index_add_(0, assignments[j], torch.ones(rows.shape[0], 1, dtype=torch.float64))
+        statistics = stats.to_params(total / count.clamp(min=1))
+    return GroupMatch(group=name, result=r, assignments=assignments, atoms=atoms, layout=layout,
+                      statistics=statistics, hyperparameters=dict(getattr(r, "hyperparameters", None) or {}))
+
+
+def output_bias(clients: Clients, hypers: Mapping, values: GroupValues, combine: str) -> tuple[Tensor, float | None]:
+    """The output bias, ``(bias, bias_mu0)``. ``combine="average"``: the clients' biases averaged class by class
+    (weights :func:`~bnpfed.inference.averaging_weights` of the class shares), bias_mu0 None. Otherwise the posterior
+    mean under N(bias_mu0, sigma0_2) with client j's bias seen at precision share_jk / sigma2, the variances those of
+    the group holding the output weights (its ``_scaled`` pair when it has one); bias_mu0 when None the mean over the
+    classes of each class's precision-weighted mean of the clients' biases."""
+    shares = clients.shares
+    b_out = torch.stack([s[clients.output_bias].to(torch.float64) for s in clients.channels["value"]])
+    if combine == "average":
+        return (averaging_weights(shares) * b_out).sum(0), None
+    sigma2, sigma0_2 = values.given.get("sigma2"), values.given.get("sigma0_2")
+    s2 = hypers.get("sigma2", sigma2 if sigma2 is not None else 1.0)
+    s02 = hypers.get("sigma0_2", sigma0_2 if sigma0_2 is not None else 1.0)
+    s2_out = hypers.get("sigma2_scaled", s2)
+    s02 = hypers.get("sigma0_2_scaled", s02)
+    weighted, precision = (shares * b_out).sum(0) / s2_out, shares.sum(0) / s2_out
+    if values.bias_mu0 is not None:
+        b_mu0 = float(values.bias_mu0)
+    else:
+        held = precision > 0
+        b_mu0 = float((weighted[held] / precision[held]).mean())
+    return (b_mu0 / s02 + weighted) / (1.0 / s02 + precision), b_mu0
+
+
+def _average_forward(clients: Clients, assignments: Mapping[str, list], sizes: Mapping[str, int]
+                     ) -> dict[str, Tensor]:
+    """The members' average of every group in the spec's own (bottom-up) layouts, given every group's assignment (and
+    global size): the global weights of ``global_weights="average"`` whatever order the groups were matched in."""
+    spec = clients.spec
+    atoms = {}
+    for c, name in enumerate(spec.group_names):
+        layout = group_layout(spec, clients.shapes, name, sizes)
+        below = {h: (assignments[h], sizes[h]) for h in spec.group_names[:c]}
+        neurons = [layout_rows(s, spec, layout, {h: (ids[j], n) for h, (ids, n) in below.items()})
+                   for j, s in enumerate(clients.channels["value"])]
+        atoms[name] = average_atoms(neurons, assignments[name], precisions=layout.precisions(clients.shares))
+    return atoms
+
+
+def match_by_spec(
+    client_nets,
+    class_counts=None,
+    spec: PermutationSpec | None = None,
+    *,
+    input_shape: Sequence[int] | None = None,
+    template: nn.Module | None = None,
+    sigma2=None,
+    sigma0_2=None,
+    gamma0=None,
+    mu0=None,
+    bias_mu0=None,
+    hyperparameters: Literal["empirical-bayes", "fixed"] = "empirical-bayes",
+    direction: Literal["bottom-up", "top-down"] = "bottom-up",
+    sweeps: int | None = None,
+    seed: int | None = None,
+    warm_start=None,
+    layer_fn: Callable | Sequence[Callable] = match_layer,
+    global_weights: Literal["average", "posterior-mean"] | None = None,
+    **matcher_kwargs,
+) -> SpecMatch:
+    """Match J clients' networks of one kind into one global network (PFNM's server step), group by group in the
+    spec's order, every group through ``layer_fn`` (:func:`~bnpfed.inference.match_layer`).
+
+    For each group: every client's unit vectors (:func:`~bnpfed.inference.unit_vectors`; the groups before it
+    re-indexed to their matched global units), the output-weight coordinates at precision ``share_jk``, prior means
+    from ``mu0`` / ``bias_mu0`` (and :data:`~bnpfed.inference.spec.BN_FIXED_PRIOR_MEANS` under fixed
+    hyper-parameters); the atoms are the owned parameters' global values, and each running statistic is the mean of
+    the members' of its unit. The output bias is the class-share-weighted posterior mean of the clients' output
+    biases, with the variances of the group holding the output weights (``sigma2_scaled`` / ``sigma0_2_scaled`` when
+    it has them), and prior mean ``bias_mu0`` or, when None, the mean over the classes of the precision-weighted
+    means (the reference's ``process_softmax_bias``).
+
+    Two clients hold one conv net with its channels and units permuted differently; matching puts it back together::
+
+        >>> from bnpfed.inference import client_slice, derive_spec, network_from_state
+        >>> g = torch.manual_seed(0)
+        >>> net = nn.Sequential(nn.Conv2d(1, 3, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(12, 5),
+        ...                     nn.ReLU(), nn.Linear(5, 2))
+        >>> spec = derive_spec(net, (1, 6, 6))
+        >>> perms = {"0": torch.tensor([2, 0, 1]), "4": torch.tensor([4, 3, 0, 1, 2])}
+        >>> shuffled = network_from_state(net, client_slice(spec, net.state_dict(), perms))
+        >>> fixed = dict(hyperparameters="fixed", sigma2=1e-8, sigma0_2=1.0, gamma0=1.0)
+        >>> result = match_by_spec([net, shuffled], [[3, 1], [1, 3]], spec, seed=0, **fixed)
+        >>> result.widths
+        {'0': 3, '4': 5}
+        >>> x = torch.randn(4, 1, 6, 6)
+        >>> torch.allclose(result.network()(x), net(x), atol=1e-5)
+        True
+        >>> torch.allclose(result.client_network(1)(x), net(x), atol=1e-5)
+        True
+
+    :param client_nets: J networks of one kind (``nn.Module`` s) or their ``state_dict`` s (then pass ``template``
+        and ``spec``). Widths may differ; the axes no group acts on may not.
+    :param class_counts: (J, C) training examples of each class at each client (any positive multiple works);
+        default all ones.
+    :param spec: the :class:`~bnpfed.inference.PermutationSpec`; default
+        :func:`~bnpfed.inference.derive_spec` of client 0's network.
+    :param input_shape: the shape of one input, for :func:`~bnpfed.inference.derive_spec` (default:
+        ``(in_features,)`` when the network's first layer is a Linear; required for a convolutional network).
+    :param template: the network the global one is built from; default client 0's.
+    :param sigma2: noise variance, ``sigma0_2`` prior variance, ``gamma0`` IBP mass, ``mu0`` prior mean of the
+        weight coordinates, ``bias_mu0`` of the bias coordinates and of the output bias: None (estimated per group
+        under empirical Bayes; sigma2, sigma0_2 and gamma0 required with ``"fixed"``, mu0 0 and bias_mu0 0.1 as
+        published), a scalar (every group), one value per group in the spec's order, or a mapping by group name.
+    :param str hyperparameters: ``"empirical-bayes"`` (default) or ``"fixed"``.
+    :param str direction: ``"bottom-up"`` (default: the spec's order, every group matched on its incoming weights)
+        or ``"top-down"`` (the published order: the spec's groups reversed, a unit then being its bias and its
+        outgoing weights re-indexed to the matched group above -- for an MLP's upper layers too little evidence to
+        tell units apart). Group c of the spec's order draws its sweeps from ``seed + c`` in either order, and
+        ``global_weights="average"`` averages the members in the spec's own layouts (a global unit's incoming
+        weights the average of its members').
+    :param int sweeps: remove-and-rematch passes per group (None: the matcher's default).
+    :param int seed: seed of the sweeps' client order; the group at position c of the spec uses ``seed + c``.
+    :param warm_start: a previous :class:`SpecMatch` of the same J clients (each client's network then being its
+        :meth:`~SpecMatch.client_slice`, trained further), or per group J label arrays (a mapping by name or a
+        sequence in spec order): the initial assignments (``init_assignments`` of the matcher). Default None: match
+        from scratch.
+    :param layer_fn: the one-group matcher (default :func:`~bnpfed.inference.match_layer`), or one per group; any
+        function with its signature returning an object with ``global_atoms`` and ``assignments`` (a baseline such
+        as k-means). It is passed the neurons, ``sigma2``, ``sigma0_2``, ``gamma0``, ``mu0`` (None, or a (D,)
+        tensor with NaN on the coordinates to estimate), ``precisions``, ``sweeps``, ``seed`` and
+        ``matcher_kwargs``; ``hyperparameters`` only if it takes it (by name or ``**kwargs``), and
+        ``init_assignments`` only with ``warm_start``. If its result has no ``hyperparameters``, a
+        ``"posterior-mean"`` output bias uses the given ones, 1 where None.
+    :param str global_weights: ``"average"`` (each global unit's owned parameters the average of its members', the
+        output layer the clients' logits averaged class by class: :func:`~bnpfed.inference.average_atoms`) or
+        ``"posterior-mean"`` (the atoms' posterior means, as published); None (default): ``"average"`` under
+        empirical Bayes, ``"posterior-mean"`` with fixed hyper-parameters.
+    :param matcher_kwargs: passed to ``layer_fn`` (``objective``, ``popularity_factor``, ``start``, ...).
+    :returns: :class:`SpecMatch`.
+    """
+    t0 = time.perf_counter()
+    mode = check_choice(hyperparameters, ("empirical-bayes", "fixed"), "hyperparameters")
+    check_choice(direction, ("bottom-up", "top-down"), "direction")
+    combine = check_global_weights(global_weights, mode)
+    states, template = client_states(client_nets, template)
+    spec = resolve_spec(spec, template, input_shape,
+                        missing="spec: expected a PermutationSpec when client_nets are state dicts (or a template)")
+    clients = prepare_clients({"value": states}, spec, class_counts)
+    names = spec.group_names
+    init = warm_start_labels(warm_start, names, clients.widths)
+    fns = dict(zip(names, check_layer_fns(layer_fn, len(names))))
+    values = group_values(names, mode, {"sigma2": sigma2, "sigma0_2": sigma0_2, "gamma0": gamma0}, mu0, bias_mu0)
+    order = spec if direction == "bottom-up" else spec.reversed()
+
+    def step(name, layout, rows, below):
+        c = names.index(name)
+        return pfnm_group(clients, order, name, layout, rows["value"], below, fns[name], values[name], mode=mode,
+                          sweeps=sweeps, seed=None if seed is None else seed + c,
+                          init=None if init is None else init[name], options=matcher_kwargs, combine=combine)
+
+    matches = match_groups(clients, order, step)
+    assignments = {n: matches[n].assignments for n in names}
+    extra = {k: v for m in matches.values() for k, v in m.statistics.items()}
+    owner = matches[order.owner(clients.output_weight)]
+    b_mu0 = None
+    if clients.output_bias is not None:
+        extra[clients.output_bias], b_mu0 = output_bias(clients, owner.hyperparameters, values[owner.group], combine)
+    if combine == "average" and direction == "top-down":
+        layout_spec, atoms = spec, _average_forward(clients, assignments, {n: m.size for n, m in matches.items()})
+    else:
+        layout_spec, atoms = order, {n: m.atoms for n, m in matches.items()}
+    state = state_from_atoms(layout_spec, states[0], atoms, extra)
+    return SpecMatch(spec=spec, state=state, assignments=assignments,
+                     layer_results={n: matches[n].result for n in names}, template=template,
+                     seconds=time.perf_counter() - t0, class_shares=clients.shares,
+                     hyperparameters={n: matches[n].hyperparameters for n in names}, output_bias_mu0=b_mu0)
