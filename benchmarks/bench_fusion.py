@@ -227,9 +227,8 @@ def paper_setting(data_dir=FASHION_MNIST_DIR, *, rounds: int = PAPER_SCHEDULE["r
     if not Path(data_dir, "FashionMNIST", "raw").is_dir():
         print(f"skipped: no Fashion-MNIST files under {data_dir} (torchvision layout FashionMNIST/raw)")
         return None
-    from bnpfed.federated.config import (BayesianConfig, ExperimentConfig, FusionConfig, NetworkConfig,
-                                         PartitionConfig, TrainingConfig)
-    from bnpfed.federated.methods import run_experiment
+    from bnpfed.federated.config import BayesianConfig, FusionConfig, NetworkConfig, PartitionConfig, TrainingConfig
+    from bnpfed.federated.methods import ExperimentConfig, run_experiment
 
     ds = load_dataset("fashion-mnist", data_dir=data_dir)
     methods = (*(rules or available_rules()), "fedavg")

@@ -32,9 +32,8 @@ import numpy as np
 import torch
 
 from bnpfed.data import load_dataset, standardize_together
-from bnpfed.federated.config import (BayesianConfig, ExperimentConfig, FusionConfig, NetworkConfig, PartitionConfig,
-                                     TrainingConfig)
-from bnpfed.federated.methods import run_experiment
+from bnpfed.federated.config import BayesianConfig, FusionConfig, NetworkConfig, PartitionConfig, TrainingConfig
+from bnpfed.federated.methods import ExperimentConfig, run_experiment
 
 from bench_pfnm import _done, _emit  # noqa: E402  (the resumable JSON-lines files of every real-data benchmark)
 

@@ -41,8 +41,8 @@ import numpy as np
 import torch
 
 from bnpfed.data import load_dataset
-from bnpfed.federated.config import (PFNM_NETWORK, PFNM_TRAINING, ExperimentConfig, PartitionConfig, PFNMConfig)
-from bnpfed.federated.methods import Experiment, run_experiment, width_sweep
+from bnpfed.federated.config import PFNM_NETWORK, PFNM_TRAINING, PartitionConfig, PFNMConfig
+from bnpfed.federated.methods import ExperimentConfig, Experiment, run_experiment, width_sweep
 from bnpfed.federated.pfnm import PFNMFederation
 from bnpfed.federated.server import match_hyperparameters, pfnm_step
 

@@ -5,9 +5,10 @@ import math
 import numpy as np
 import pytest
 
-from bnpfed.federated.config import (PAPER_MIN_VARIANCE, PFNM_TRAINING, BayesianConfig, ExperimentConfig,
-                                     FusionConfig, LocalSchedule, NetworkConfig, PartitionConfig, PFNMConfig,
-                                     TrainingConfig, config_dict, holdout_split)
+from bnpfed.federated.config import (PAPER_MIN_VARIANCE, PFNM_TRAINING, BayesianConfig, FusionConfig, LocalSchedule,
+                                     NetworkConfig, PartitionConfig, PFNMConfig, TrainingConfig, config_dict,
+                                     holdout_split)
+from bnpfed.federated.methods import ExperimentConfig
 from bnpfed.models import IIDPrior, Prior
 
 BAD = [

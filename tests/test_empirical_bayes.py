@@ -19,9 +19,8 @@ from scipy.optimize import linear_sum_assignment
 from scipy.special import gammaln
 from sklearn.metrics import adjusted_rand_score
 
-from bnpfed.inference import REFERENCE_CONSTANTS, assignment_objective, match_layer
+from bnpfed.inference import REFERENCE_CONSTANTS, assignment_objective, match_by_spec, match_layer
 from bnpfed.inference.matching import EB_START_NOISE_SHARE, SIGMA0_2_FLOOR, SIGMA2_FLOOR
-from bnpfed.inference.multilayer import match_networks
 from bnpfed.models import sample_federated_layer
 
 TRUTH = dict(sigma0_2=1.0, sigma2=0.01, gamma0=40.0)
@@ -543,8 +542,8 @@ def test_the_estimates_need_nothing_but_the_clients_weights():
         "neurons", "sigma2", "sigma0_2", "gamma0", "mu0", "precisions", "hyperparameters", "start", "sweeps", "seed",
         "objective", "popularity_factor", "popularity_cap", "max_atoms", "new_atom_penalty",
         "stop_at_fixed_point", "cross_products", "init_assignments"]
-    network_args = list(inspect.signature(match_networks).parameters)
-    assert network_args[:2] == ["client_layers", "class_counts"]
+    network_args = list(inspect.signature(match_by_spec).parameters)
+    assert network_args[:3] == ["client_nets", "class_counts", "spec"]
     assert not {"data", "dataset", "loader", "x", "y", "inputs"} & {a.lower() for a in network_args}
 
 

@@ -5,22 +5,14 @@ go through Flower's wire format, no extra processes); one Flower simulation (``r
 deployment on 127.0.0.1 (a SuperLink and three SuperNodes as separate processes, ``flwr run``). Each compares the
 final global model, array by array, with the in-process federation (:class:`PFNMFederation`,
 :class:`FusionFederation`) run with the same configs and seed -- with every client training, and with a fraction of
-them.
+them. The grid, simulation and deployment helpers and the comparisons are ``flower_harness.py``'s, shared with
+``test_flower_matched.py``.
 """
 
-import contextlib
-import functools
 import json
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
 import time
 import tomllib
-import urllib.request
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,15 +20,15 @@ import torch
 
 flwr = pytest.importorskip("flwr", reason="Flower is not installed (pip install 'bnpfed[flower]')")
 
-from flwr.app import Array, MessageType  # noqa: E402
+from flower_harness import (APP_DIR, CLIENTS, FRACTION, assert_refused_before_any_node_is_asked,  # noqa: E402
+                            assert_same_as_in_process, assert_same_model, assert_same_rounds, global_arrays,
+                            in_process, loopback, nan_at_0, raise_error, recording, set_array, set_identity,
+                            set_metric, simulate, tampered)
+from flwr.app import MessageType  # noqa: E402
 from flwr.common.serde import recorddict_from_proto, recorddict_to_proto  # noqa: E402
-from flwr.serverapp import ServerApp  # noqa: E402
 
 from bnpfed.cli import main  # noqa: E402
 from bnpfed.combine import available_rules  # noqa: E402
-from bnpfed.data import load_dataset  # noqa: E402
-from bnpfed.federated.fusion import FusionFederation  # noqa: E402
-from bnpfed.federated.pfnm import PFNMFederation  # noqa: E402
 from bnpfed.federated.server import client_start, sample_clients  # noqa: E402
 from bnpfed.flower.client import app as client_app  # noqa: E402
 from bnpfed.flower.config import parse_run_config, run_config_defaults  # noqa: E402
@@ -50,8 +42,6 @@ from bnpfed.inference.permutation import batch_norm_moments, client_slice, deriv
 from bnpfed.models import LeNet, simple_cnn_bn  # noqa: E402
 from bnpfed.posterior import GaussianPosterior  # noqa: E402
 
-APP_DIR = Path(__file__).resolve().parents[1] / "examples" / "flower_app"
-CLIENTS = 3
 #: Tiny settings: one epoch of a 16-unit MLP per client and round, two rounds (PFNM's second one warm-started).
 PFNM = {"method": "pfnm", "rounds": 2, "hidden": "16", "epochs": 1, "round-epochs": 1, "hyperparameters": "fixed",
         "sigma2": 0.3}
@@ -60,11 +50,6 @@ FUSION = {"method": "fusion", "rounds": 2, "hidden": "16", "epochs": 1, "pooling
 #: clients for their moments of the global network after every match.
 LENET = {"method": "pfnm", "rounds": 2, "arch": "lenet", "epochs": 1, "round-epochs": 1}
 CNN_BN = {**LENET, "arch": "simple-cnn-bn"}
-#: Two of the three clients a round; with seed 1 round 1 trains [1, 2] and round 2 [0, 2], so in round 2 of PFNM
-#: client 0, which was not matched, starts from the whole global network.
-FRACTION = {"fraction": 0.67, "seed": 1}
-#: Seconds the whole deployment test may take before it is stopped (processes included).
-DEPLOYMENT_TIMEOUT = 420
 
 
 def test_the_fraction_cases_sample_different_clients_in_the_two_rounds():
@@ -74,60 +59,11 @@ def test_the_fraction_cases_sample_different_clients_in_the_two_rounds():
 # ------------------------------------------------------------------------------------------------ in process
 
 
-@functools.lru_cache(maxsize=None)
-def _reference(items: tuple):
-    config = dict(items)
-    settings = parse_run_config(config).with_clients(CLIENTS)
-    run = settings.run
-    ds = load_dataset(run.dataset, standardize=run.standardized)
-    parts = settings.partition.split(ds.y_train.numpy(), run.seed)
-    if run.method == "pfnm":
-        federation = PFNMFederation(ds, parts, network=settings.network, training=settings.training,
-                                    pfnm=settings.pfnm, seed=run.seed)
-    else:
-        federation = FusionFederation(ds, parts, network=settings.network, training=settings.training,
-                                      bayesian=settings.bayesian, fusion=settings.fusion, seed=run.seed,
-                                      predictive_samples=run.predictive_samples)
-    federation.run(run.rounds)
-    return federation
-
-
-def in_process(config: dict):
-    """The in-process federation with the settings of the run config ``config``, after its rounds."""
-    return _reference(tuple(sorted(config.items())))
-
-
-def global_arrays(federation) -> dict[str, np.ndarray]:
-    """The in-process global model in the layout of :mod:`bnpfed.flower.records`."""
-    if isinstance(federation, PFNMFederation):
-        return from_array_record(state_to_record(federation.match.state))
-    return from_array_record(posterior_to_record(federation.global_posterior, federation.global_deterministic))
-
-
-def assert_same_model(arrays: dict, federation) -> None:
-    expected = global_arrays(federation)
-    assert sorted(arrays) == sorted(expected)
-    for key, value in expected.items():
-        assert arrays[key].dtype == value.dtype, key
-        assert np.array_equal(arrays[key], value), key
-
-
-def assert_same_rounds(history: list, federation) -> None:
-    assert [r["sampled"] for r in history] == [r.sampled for r in federation.history]
-    assert [r["clients"] for r in history] == [r.sampled for r in federation.history]
-    if isinstance(federation, PFNMFederation):
-        assert [r["hidden"] for r in history] == [r.metrics["hidden"] for r in federation.history]
-    else:
-        assert [r["weights"] for r in history] == [r.weights for r in federation.history]
-
-
 @pytest.mark.parametrize("extra", [{}, FRACTION], ids=["all-clients", "fraction-0.67"])
 def test_pfnm_on_flower_is_the_in_process_federation_bit_for_bit(extra):
     config = {**PFNM, **extra}
     result = run_federation(LocalGrid(client_app, CLIENTS), config)
-    reference = in_process(config)
-    assert_same_model(result.arrays, reference)
-    assert_same_rounds(result.history, reference)
+    assert_same_as_in_process(result, config)
     if not extra:  # the warm start matters here: a cold-started second round gives another network
         cold = global_arrays(in_process({**config, "warm-start": False}))
         assert not all(k in result.arrays and np.array_equal(result.arrays[k], v) for k, v in cold.items())
@@ -138,9 +74,7 @@ def test_pfnm_on_flower_is_the_in_process_federation_bit_for_bit(extra):
 def test_a_cnn_on_flower_is_the_in_process_federation_bit_for_bit(config):
     grid = LocalGrid(client_app, CLIENTS)
     result = run_federation(grid, config)
-    reference = in_process(config)
-    assert_same_model(result.arrays, reference)
-    assert_same_rounds(result.history, reference)
+    reference = assert_same_as_in_process(result, config)
     assert len(result.history[-1]["hidden"]) == 4 and "conv2.weight" in result.arrays
     queries = [kind for _, kind in grid.calls].count(MessageType.QUERY)
     if config["arch"] == "simple-cnn-bn":   # the matched clients' moments, after each of the two matches
@@ -170,9 +104,7 @@ def test_a_client_that_fails_the_batch_norm_step_is_left_out_of_the_statistics(c
 def test_empirical_bayes_pfnm_on_flower_is_the_in_process_federation_bit_for_bit_and_records_its_estimates():
     config = {k: v for k, v in PFNM.items() if k not in ("hyperparameters", "sigma2")}   # the default: estimated
     result = run_federation(LocalGrid(client_app, CLIENTS), config)
-    reference = in_process(config)
-    assert_same_model(result.arrays, reference)
-    assert_same_rounds(result.history, reference)
+    reference = assert_same_as_in_process(result, config)
     for flower, local in zip(result.history, reference.history):
         (expected,) = local.metrics["hyperparameters"]
         assert flower["sigma2"] == [expected["sigma2"]] and flower["gamma0"] == [expected["gamma0"]]
@@ -182,14 +114,7 @@ def test_empirical_bayes_pfnm_on_flower_is_the_in_process_federation_bit_for_bit
 def test_in_round_two_each_pfnm_client_starts_from_what_client_start_gives_it():
     config = {**PFNM, **FRACTION}
     sent = {}
-
-    def recording(msg, context):
-        if msg.metadata.message_type == MessageType.TRAIN:
-            round_ = msg.content.config_records["config"]["server-round"]
-            sent[round_, context.node_config["partition-id"]] = from_array_record(msg.content.array_records["arrays"])
-        return client_app(msg, context)
-
-    run_federation(LocalGrid(recording, CLIENTS), config)
+    run_federation(LocalGrid(recording(sent), CLIENTS), config)
     first = in_process({**config, "rounds": 1})
     assert sorted(sent) == [(1, 1), (1, 2), (2, 0), (2, 2)]
     assert sent[1, 1] == {} and sent[1, 2] == {}  # round 1: each from its own initialisation
@@ -207,10 +132,7 @@ def test_in_round_two_each_pfnm_client_starts_from_what_client_start_gives_it():
                          + [("pooling", FRACTION), ("gaa", {**FRACTION, "weights": "uniform"})])
 def test_fusion_on_flower_is_the_in_process_federation_bit_for_bit(rule, extra):
     config = {**FUSION, "rule": rule, **extra}
-    result = run_federation(LocalGrid(client_app, CLIENTS), config)
-    reference = in_process(config)
-    assert_same_model(result.arrays, reference)
-    assert_same_rounds(result.history, reference)
+    assert_same_as_in_process(run_federation(LocalGrid(client_app, CLIENTS), config), config)
 
 
 def test_partition_ids_not_the_order_of_the_nodes_decide_who_trains():
@@ -245,46 +167,6 @@ def test_a_fraction_of_the_clients_evaluates_drawn_from_the_evaluation_stream():
 # ------------------------------------------------------------------------------------------------ faults
 
 
-def tampered(partition: int, tamper, kind=MessageType.TRAIN):
-    """The ClientApp, except that client ``partition``'s replies of type ``kind`` go through ``tamper(content)``."""
-
-    def app(msg, context):
-        reply = client_app(msg, context)
-        if context.node_config["partition-id"] == partition and msg.metadata.message_type == kind:
-            tamper(reply.content)
-        return reply
-
-    return app
-
-
-def set_array(key, change):
-    def tamper(content):
-        arrays = content.array_records["arrays"]
-        arrays[key] = Array(np.ascontiguousarray(change(arrays[key].numpy().copy())))
-    return tamper
-
-
-def set_metric(key, value):
-    def tamper(content):
-        content.metric_records["metrics"][key] = value
-    return tamper
-
-
-def set_identity(key, value):
-    def tamper(content):
-        content.config_records["client"][key] = value
-    return tamper
-
-
-def nan_at_0(x):
-    x.flat[0] = np.nan
-    return x
-
-
-def raise_error(content):
-    raise RuntimeError("the client's disk is full")
-
-
 @pytest.mark.parametrize("method, tamper, reason", [
     ("pfnm", set_array("1.weight", lambda w: w[:, :-1]), r"'1.weight': expected shape \(16, 64\), got \(16, 63\)"),
     ("pfnm", set_array("1.bias", nan_at_0), "'1.bias': contains NaN"),
@@ -301,7 +183,7 @@ def raise_error(content):
 def test_a_malformed_reply_is_rejected_with_its_reason_and_the_round_goes_on(method, tamper, reason, caplog):
     config = {**(PFNM if method == "pfnm" else FUSION), "rounds": 1}
     with caplog.at_level("WARNING", logger="flwr.bnpfed"):
-        result = run_federation(LocalGrid(tampered(1, tamper), CLIENTS), config)
+        result = run_federation(LocalGrid(tampered({1: tamper}), CLIENTS), config)
     (record,) = result.history
     assert record["clients"] == [0, 2] and record["missing"] == []
     assert list(record["rejected"]) == [1]
@@ -314,7 +196,7 @@ def test_a_missing_key_in_a_posterior_reply_is_named():
     def drop(content):
         del content.array_records["arrays"]["loc/3.weight"]
 
-    result = run_federation(LocalGrid(tampered(0, drop), CLIENTS), {**FUSION, "rounds": 1})
+    result = run_federation(LocalGrid(tampered({0: drop}), CLIENTS), {**FUSION, "rounds": 1})
     assert "missing array(s) ['loc/3.weight']" in result.history[0]["rejected"][0]
     assert result.history[0]["clients"] == [1, 2]
 
@@ -369,7 +251,7 @@ def test_a_supernode_started_without_a_partition_is_named():
     ("input-shape", [64], r"input-shape \(64,\), but the other nodes have \(1, 8, 8\)"),
 ])
 def test_a_supernode_whose_identity_disagrees_is_refused(key, value, reason, caplog):
-    grid = LocalGrid(tampered(2, set_identity(key, value), MessageType.QUERY), CLIENTS)
+    grid = LocalGrid(tampered({2: set_identity(key, value)}, MessageType.QUERY), CLIENTS)
     with caplog.at_level("WARNING", logger="flwr.bnpfed"):
         result = run_federation(grid, {**PFNM, "rounds": 1, "min-nodes": 2})
     assert result.history[0]["clients"] == [0, 1] and result.history[0]["missing"] == [2]
@@ -430,10 +312,7 @@ def test_bnpfed_flower_sim_checks_every_key_and_value_before_it_starts(text, mes
     ({"prior": "laplace"}, r"prior: expected one of \['linear-weights', 'all'\], got 'laplace'"),
 ])
 def test_the_server_app_names_a_bad_key_before_it_asks_any_node(config, message):
-    grid = LocalGrid(client_app, CLIENTS)
-    with pytest.raises(ValueError, match=message):
-        run_federation(grid, config)
-    assert grid.calls == []
+    assert_refused_before_any_node_is_asked(config, message)
 
 
 def test_the_run_config_speaks_the_configs_words():
@@ -567,178 +446,28 @@ def test_bnpfed_flower_sim_local_prints_accuracy_per_round_and_writes_the_common
 
 
 @pytest.mark.slow
-def test_a_flower_simulation_gives_the_in_process_global_models(monkeypatch):
-    from flwr.simulation import run_simulation
-
-    monkeypatch.setenv("FLWR_TELEMETRY_ENABLED", "0")
+def test_a_flower_simulation_gives_the_in_process_global_models():
     configs = {"pfnm": PFNM, "pfnm-fraction": {**PFNM, **FRACTION},
                "pooling-fraction": {**FUSION, "rule": "pooling", **FRACTION}, "gaa": {**FUSION, "rule": "gaa"},
                "simple-cnn-bn": CNN_BN}
-    results = {}
-    server_app = ServerApp()
-
-    @server_app.main()
-    def every_case(grid, context):  # one Ray start for all of them
-        for name, config in configs.items():
-            results[name] = run_federation(grid, config)
-
-    run_simulation(server_app, client_app, num_supernodes=CLIENTS,
-                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}})
+    results = simulate(configs)
     assert sorted(results) == sorted(configs)
     for name, config in configs.items():
-        assert_same_model(results[name].arrays, in_process(config))
-        assert_same_rounds(results[name].history, in_process(config))
+        assert_same_as_in_process(results[name], config)
 
 
 # ------------------------------------------------------------------------------------------------ deployment
 
 
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct ports on 127.0.0.1 that could be bound just now (held together while choosing)."""
-    sockets = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-@contextlib.contextmanager
-def deadline(seconds: int):
-    """Raise ``TimeoutError`` in the test after ``seconds`` (SIGALRM; pytest runs tests on the main thread)."""
-    def expire(signum, frame):
-        raise TimeoutError(f"the deployment test ran over {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
-
-
-class Processes:
-    """The SuperLink and SuperNodes this test starts, each in its own session (process group) with its own
-    FLWR_HOME and log file; stopped by PID, SuperNodes first."""
-
-    def __init__(self, root: Path, env: dict):
-        self.root, self.env, self.started = root, env, []
-
-    def start(self, name: str, *argv: str) -> subprocess.Popen:
-        home = self.root / name
-        home.mkdir()
-        log = open(self.root / f"{name}.log", "w")
-        proc = subprocess.Popen(argv, env={**self.env, "FLWR_HOME": str(home)}, stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.root,
-                                start_new_session=True)
-        self.started.append((name, proc, log))
-        return proc
-
-    def logs(self) -> str:
-        return "\n".join(f"--- {name} (exit {p.poll()}):\n" + (self.root / f"{name}.log").read_text()[-3000:]
-                         for name, p, _ in self.started)
-
-    def stop(self) -> None:
-        for _, proc, _ in reversed(self.started):  # SuperNodes, then the SuperLink, each with what it spawned
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)  # its session: SuperExec, ClientApp / ServerApp processes
-        for _, proc, log in reversed(self.started):
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
-            for _ in range(50):  # until its process group is empty
-                try:
-                    os.killpg(proc.pid, 0)
-                except ProcessLookupError:
-                    break
-                time.sleep(0.1)
-            else:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-            log.close()
-
-
-def flwr_cli(env: dict, *args: str, timeout: float = 60) -> str:
-    done = subprocess.run([str(Path(sys.executable).parent / "flwr"), *args], env=env, capture_output=True,
-                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
-    assert done.returncode == 0, f"flwr {' '.join(args)} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
-    return done.stdout
-
-
-def json_of(text: str) -> dict:
-    """The JSON document ``flwr ... --format json`` prints (after any log lines)."""
-    start = text.find("\n{") + 1 if not text.startswith("{") else 0
-    return json.loads(text[start:])
-
-
 @pytest.mark.slow
 def test_a_superlink_and_three_supernodes_on_loopback_give_the_in_process_global_models(tmp_path):
-    bin_dir = Path(sys.executable).parent
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "OMP_NUM_THREADS": "1",
-           "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
-           "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
-    link_port, *node_ports = free_ports(1 + CLIENTS)
-    cli_home = tmp_path / "cli"
-    cli_home.mkdir()
-    (cli_home / "config.toml").write_text(f'[superlink]\ndefault = "loopback"\n\n[superlink.loopback]\n'
-                                          f'address = "127.0.0.1:{link_port}"\ninsecure = true\n')
-    cli_env = {**env, "FLWR_HOME": str(cli_home)}
     # PFNM with every client and a warm-started second round; pooling fusion with two of the three clients a round;
     # PFNM of a CNN with batch norm (its moments step) with two of the three clients a round
     configs = {"pfnm": PFNM, "fusion": {**FUSION, "rule": "pooling", **FRACTION}, "pfnm-cnn": {**CNN_BN, **FRACTION}}
-    processes = Processes(tmp_path, env)
-    with deadline(DEPLOYMENT_TIMEOUT):
-        try:
-            processes.start("superlink", str(bin_dir / "flower-superlink"), "--insecure", "--host", "127.0.0.1",
-                            "--port", str(link_port), "--disable-runtime-dependency-installation")
-            for j, port in enumerate(node_ports):
-                processes.start(f"supernode{j}", str(bin_dir / "flower-supernode"), "--insecure", "--superlink",
-                                f"127.0.0.1:{link_port}", "--host", "127.0.0.1", "--port", str(port),
-                                "--max-wait-time", "120", "--node-config",
-                                f"partition-id={j} num-partitions={CLIENTS}")
-            for _ in range(240):
-                with contextlib.suppress(OSError):
-                    if urllib.request.urlopen(f"http://127.0.0.1:{link_port}/health", timeout=2).status == 200:
-                        break
-                assert all(p.poll() is None for _, p, _ in processes.started), processes.logs()
-                time.sleep(0.5)
-            else:
-                pytest.fail("the SuperLink never answered /health\n" + processes.logs())
-
-            runs = {}  # both runs at once: the SuperLink and SuperNodes serve them side by side
-            for method, config in configs.items():
-                out = tmp_path / f"out-{method}"
-                overrides = {**config, "output-dir": str(out), "fraction-evaluate": 0.0, "round-timeout": 180.0}
-                run_config = " ".join(f"{k}={json.dumps(v)}" for k, v in overrides.items())
-                started = json_of(flwr_cli(cli_env, "run", str(APP_DIR), "loopback", "--format", "json",
-                                           "--run-config", run_config))
-                assert started.get("success") and "run-id" in started, started
-                runs[method] = (str(started["run-id"]), out)
-            for name, (run_id, out) in runs.items():
-                method = configs[name]["method"]
-                status = ""
-                while not status.startswith("finished:"):  # each `flwr` call costs a second of CPU: poll gently
-                    time.sleep(3)
-                    listing = json_of(flwr_cli(cli_env, "ls", "loopback", "--run-id", run_id, "--format", "json"))
-                    status = listing["runs"][0]["status"]
-                if status != "finished:completed":
-                    log = subprocess.run([str(bin_dir / "flwr"), "log", run_id, "loopback", "--show"], env=cli_env,
-                                         capture_output=True, text=True, timeout=60).stdout
-                    pytest.fail(f"{name} run {run_id} ended {status}\n{log[-5000:]}\n{processes.logs()}")
-                summary = json.loads((out / f"{method}-summary.json").read_text())
-                assert list(summary) == ["command", "arguments", "settings", "versions", "timestamp", "results"]
-                reference = in_process(configs[name])
-                assert_same_rounds(summary["results"]["rounds"], reference)
-                assert_same_model(dict(np.load(out / f"{method}-global.npz")), reference)
-        except TimeoutError as error:
-            pytest.fail(f"{error}\n{processes.logs()}")
-        finally:
-            processes.stop()
-    assert all(p.poll() is not None for _, p, _ in processes.started)
+    with loopback(tmp_path) as deployment:
+        for name, summary, arrays in deployment.run(configs):
+            assert list(summary) == ["command", "arguments", "settings", "versions", "timestamp", "results"]
+            reference = in_process(configs[name])
+            assert_same_rounds(summary["results"]["rounds"], reference)
+            assert_same_model(arrays, reference)
+    assert all(p.poll() is not None for _, p, _ in deployment.processes.started)

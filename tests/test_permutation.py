@@ -1,12 +1,11 @@
 """Permutation specs (issue 10, section 1): derived specs equal hand-written ones, unsupported modules are named,
-matching permuted copies of a CNN gives the network back, the MLP path is match_networks."""
+matching permuted copies of a CNN gives the network back, an MLP's spec is derived from its first layer."""
 
 
 import pytest
 import torch
 from torch import nn
 
-from bnpfed.inference.multilayer import match_networks
 from bnpfed.inference.permutation import (
     Axis,
     Group,
@@ -197,6 +196,22 @@ def test_a_chain_written_with_functional_calls_is_derived_too():
         "conv.weight[0]", "conv.bias[0]", "fc1.weight[1] in blocks of 9", "fc1.weight[0]", "fc1.bias[0]",
         "fc2.weight[1]"]
     verify_spec(randomize_(Functional(), 5), spec, (1, 8, 8))
+
+
+class TorchFunctional(Functional):
+    """The same chain in torch's own names, which are other objects than torch.nn.functional's: torch.max_pool2d,
+    torch.relu_, torch.flatten, a sigmoid method, torch.dropout."""
+
+    def forward(self, x):
+        x = torch.flatten(torch.max_pool2d(torch.relu_(self.conv(x)), 2), 1)
+        return self.fc2(torch.dropout(self.fc1(x).sigmoid(), 0.5, self.training))
+
+
+def test_torch_s_own_functional_forms_are_derived_as_the_functional_ones():
+    assert torch.max_pool2d is not nn.functional.max_pool2d
+    spec = derive_spec(TorchFunctional(), (1, 8, 8))
+    assert spec == derive_spec(Functional(), (1, 8, 8))
+    verify_spec(randomize_(TorchFunctional(), 5), spec, (1, 8, 8))
 
 
 def test_a_reshape_that_is_not_a_flatten_is_refused():
@@ -405,7 +420,7 @@ def test_the_next_round_warm_started_from_the_slices_keeps_the_assignment():
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# the MLP path is match_networks
+# an MLP's spec is derived from its first layer
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -413,22 +428,30 @@ def test_the_next_round_warm_started_from_the_slices_keeps_the_assignment():
     dict(),
     dict(mu0=0.0, sigma2=[0.3, None]),
 ], ids=["fixed", "empirical-bayes", "partly-given"])
-def test_an_mlp_matched_by_its_spec_is_match_networks(kwargs):
+def test_an_mlp_is_matched_by_its_derived_spec_as_modules_or_as_state_dicts_with_a_template(kwargs):
+    """No spec and no input_shape: an MLP's spec is derived with input_shape (in_features,), its groups the hidden
+    Linear layers; its state dicts with the spec and a template of any width give the same match."""
     torch.manual_seed(0)
     nets = [mlp(20, [8 + j, 6 - j], 4) for j in range(3)]
     counts = [[5, 1, 0, 3], [1, 5, 2, 2], [2, 2, 6, 0]]
-    expected = match_networks(nets, counts, seed=1, **kwargs)
-    result = match_by_spec(nets, counts, seed=1, **kwargs)
-    assert list(result.widths.values()) == expected.hidden_sizes
-    for c, name in enumerate(["1", "3"]):
-        assert all(torch.equal(a, b) for a, b in zip(result.assignments[name], expected.assignments[c]))
-    for a, b in zip(result.network().state_dict().values(), expected.network().state_dict().values()):
-        torch.testing.assert_close(a, b, atol=0, rtol=0)
-    assert result.output_bias_mu0 == expected.output_bias_mu0
+    spec = derive_spec(nets[0], (20,))
+    assert spec.group_names == ["1", "3"]
+    modules = match_by_spec(nets, counts, seed=1, **kwargs)
+    assert modules.spec == spec
+    states = match_by_spec([n.state_dict() for n in nets], counts, spec, template=mlp(20, [3, 3], 4), seed=1,
+                           **kwargs)
+    assert states.widths == modules.widths and list(states.layer_results) == ["1", "3"]
+    for name in spec.group_names:
+        assert all(torch.equal(a, b) for a, b in zip(states.assignments[name], modules.assignments[name]))
+    assert list(states.state) == list(modules.state)
+    assert all(torch.equal(states.state[k], modules.state[k]) for k in modules.state)
+    assert states.output_bias_mu0 == modules.output_bias_mu0
+    # the template gives the kind of network, not its widths
+    assert [m.out_features for m in states.network() if isinstance(m, nn.Linear)] == [*modules.hidden_sizes, 4]
     for j in range(3):
-        piece = result.client_slice(j)
-        for c, (w, b) in enumerate(expected.client_slice(j)):
-            assert torch.equal(piece[f"{2 * c + 1}.weight"], w) and torch.equal(piece[f"{2 * c + 1}.bias"], b)
+        mine = states.client_network(j)
+        assert [m.out_features for m in mine if isinstance(m, nn.Linear)] == [8 + j, 6 - j, 4]
+        assert all(torch.equal(v, modules.client_slice(j)[k]) for k, v in mine.state_dict().items())
 
 
 def test_hyper_parameters_may_be_given_per_group_by_name():
@@ -462,6 +485,32 @@ def test_reestimated_statistics_of_one_client_are_torch_s_cumulative_running_sta
         for stat in ("running_mean", "running_var"):
             torch.testing.assert_close(mine.get_buffer(f"{bn}.{stat}"), reference.get_buffer(f"{bn}.{stat}"),
                                        atol=1e-5, rtol=1e-4)
+
+
+def test_reestimated_batch_norms_normalise_the_pooled_data_even_when_the_clients_inputs_differ():
+    """REPAIR's reset one layer at a time: two clients whose inputs differ in distribution (covariate shift); after
+    the re-estimate every batch norm's eval-mode output has mean 0 and variance 1 per channel over all their
+    examples (up to eps and Bessel's factor). Estimated in one pass -- each layer's inputs normalised by every
+    batch's own statistics -- the second batch norm's output variances came out 0.47-1.61."""
+    torch.manual_seed(7)
+    net = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 5, 3), nn.BatchNorm2d(5),
+                        nn.ReLU(), nn.Flatten(), nn.Linear(5 * 4 * 4, 3))
+    g = torch.Generator().manual_seed(8)
+    xa = torch.randn(40, 1, 8, 8, generator=g)
+    xb = 2.0 + 3.0 * torch.randn(40, 1, 8, 8, generator=g) * torch.linspace(0.2, 2.0, 8)   # shifted and scaled
+    reestimate_batch_norm(net, [[xa[:20], xa[20:]], [xb]])
+    net.eval()
+    outputs = {}
+    hooks = [net[i].register_forward_hook(lambda m, a, out, i=i: outputs.__setitem__(i, out.detach().double()))
+             for i in (1, 4)]
+    with torch.no_grad():
+        net(torch.cat([xa, xb]))
+    for h in hooks:
+        h.remove()
+    for i in (1, 4):
+        z = outputs[i].transpose(0, 1).reshape(outputs[i].shape[1], -1)
+        torch.testing.assert_close(z.mean(1), torch.zeros(z.shape[0], dtype=torch.float64), atol=1e-5, rtol=0)
+        torch.testing.assert_close(z.var(1), torch.ones(z.shape[0], dtype=torch.float64), atol=2e-3, rtol=0)
 
 
 def test_moments_add_over_clients_to_the_moments_of_all_their_data():

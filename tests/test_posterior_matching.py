@@ -9,13 +9,13 @@ from torch import nn
 
 from bnpfed.combine import fuse
 from bnpfed.data import load_dataset
-from bnpfed.federated.config import (FUSION_TRAINING, BayesianConfig, ExperimentConfig, FusionConfig, NetworkConfig,
-                                     PartitionConfig, TrainingConfig)
+from bnpfed.federated.config import (FUSION_TRAINING, BayesianConfig, FusionConfig, NetworkConfig, PartitionConfig,
+                                     TrainingConfig)
 from bnpfed.federated.matched_fusion import MatchedFusionFederation
-from bnpfed.federated.methods import available_methods, run_experiment
+from bnpfed.federated.methods import ExperimentConfig, available_methods, run_experiment
 from bnpfed.inference.bayesian_matching import match_bayesian_layer
 from bnpfed.inference.permutation import client_slice, derive_spec, network_from_state
-from bnpfed.inference.posterior_matching import fuse_members, match_posteriors
+from bnpfed.inference.posterior_matching import MIN_VARIANCE, fuse_members, match_posteriors
 
 RULES = ("eaa", "gaa", "log_variance", "conflation")
 #: tiny noise and a wide prior: copies of one unit merge, distinct units stay apart
@@ -162,7 +162,7 @@ def test_deterministic_coordinates_are_averaged_and_carry_no_variance():
     (lambda c: c[1][1].__setitem__("0.weight", -c[1][1]["0.weight"]), r"clients\[1\]: variances\['0.weight'\] must be"),
     (lambda c: c[1][1].__setitem__("0.weight", c[1][1]["0.weight"][:2]), r"clients\[1\]: variances\['0.weight'\] has "
      r"shape \(2, 4\)"),
-    (lambda c: c[2][1].pop("2.weight"), r"clients\[2\]: Bayesian sites"),
+    (lambda c: c[2][1].pop("2.weight"), r"clients\[2\]: expected the Bayesian sites .* of client 0, got \['0.weight', '4.weight'\]"),
     (lambda c: c.__setitem__(0, "net"), r"clients\[0\]: expected a BayesianClient or a \(locs, variances\) pair"),
 ])
 def test_bad_clients_are_named(change, message):
@@ -202,7 +202,12 @@ def run_rounds(ds, rounds=2, seed=0, rule="conflation"):
     federation = MatchedFusionFederation(ds, parts, network=NetworkConfig(hidden=(16,)),
                                          training=TrainingConfig(epochs=2, lr=1e-2), bayesian=BayesianConfig(),
                                          fusion=FusionConfig(rule=rule, align="match"), seed=seed)
-    return federation, [federation.run_round() for _ in range(rounds)]
+    records, matches = [], []
+    for _ in range(rounds):
+        records.append(federation.run_round())
+        matches.append((federation.match, list(federation.matched)))
+    federation.matches = matches
+    return federation, records
 
 
 def test_a_matched_fusion_federation_is_reproducible_and_its_clients_start_from_their_slices(digits):
@@ -215,10 +220,16 @@ def test_a_matched_fusion_federation_is_reproducible_and_its_clients_start_from_
         assert torch.equal(a.match.locs[key], b.match.locs[key])
     assert records[-1].metrics["hidden"] == list(a.match.widths.values())
     assert records[-1].metrics["accuracy"] > 0.5
-    # the clients of round 2 were built from round 1's slices: their priors are those slices
+    # the clients of round 2 were built from round 1's slices: their priors are those slices, value for value
+    first, matched = a.matches[0]
     for j, client in enumerate(a.clients):
         prior = client.bnn.prior_distributions()
         assert set(prior) == set(a.match.variances)
+        locs, variances = first.client_slice(matched.index(j))
+        for site, distribution in prior.items():
+            torch.testing.assert_close(distribution.mean, locs[site].to(distribution.mean.dtype), rtol=1e-6, atol=0)
+            torch.testing.assert_close(distribution.variance, variances[site].to(distribution.variance.dtype),
+                                       rtol=1e-5, atol=0)
 
 
 def test_match_methods_are_registered_for_every_rule():
@@ -265,22 +276,46 @@ def test_weight_wise_fusion_from_own_inits_reuses_the_experiments_bayesian_clien
 
 
 @pytest.mark.parametrize("rule", RULES)
-def test_the_closed_form_rules_fused_column_by_column_equal_one_fuse_call_per_pattern(rule, monkeypatch):
-    """fuse_members computes eaa, gaa, log_variance and conflation for every coordinate at once; the general path
-    calls bnpfed.combine.fuse once per pattern of member weights. Both give the same numbers."""
-    import bnpfed.inference.posterior_matching as pm
-
+def test_fuse_members_is_the_rule_coordinate_by_coordinate_over_the_members_holding_it_then_the_coverage(rule):
+    """Independent computation, coordinate by coordinate: the members that hold coordinate d (weight > 0) fused by one
+    bnpfed.combine.fuse call with their (m_d,) weights (a deterministic coordinate: their weighted mean), mean times
+    kappa_d = sum_j b_jd / reference_d and variance times kappa_d^2; a coordinate nobody holds is 0 (variance
+    MIN_VARIANCE if Bayesian)."""
     g = torch.Generator().manual_seed(1)
     m, D = 4, 30
     locs = torch.randn(m, D, generator=g, dtype=torch.float64)
     variances = torch.rand(m, D, generator=g, dtype=torch.float64) + 0.01
     weights = torch.randint(0, 3, (m, D), generator=g).double()          # 0: the member lacks the coordinate
     weights[:, :10] = torch.tensor([3.0, 1.0, 2.0, 5.0])[:, None]         # a block of one pattern
+    weights[:, 10] = 0.0                                                  # a coordinate nobody holds
     reference = weights.sum(0) + torch.rand(D, generator=g, dtype=torch.float64)
     bayesian = torch.rand(D, generator=g) > 0.2
+    bayesian[10] = True
     variances[:, ~bayesian] = 0.0
-    fast = fuse_members(locs, variances, weights, reference, rule, bayesian=bayesian)
-    monkeypatch.setattr(pm, "_closed_form", lambda rule: False)
-    slow = fuse_members(locs, variances, weights, reference, rule, bayesian=bayesian)
-    torch.testing.assert_close(fast[0], slow[0], rtol=1e-12, atol=1e-15)
-    torch.testing.assert_close(fast[1], slow[1], rtol=1e-12, atol=1e-15)
+    variances[weights == 0] = 0.0                                          # not held: never read
+    loc, var = fuse_members(locs, variances, weights, reference, rule, bayesian=bayesian)
+    for d in range(D):
+        held = weights[:, d] > 0
+        if not held.any():
+            assert loc[d] == 0 and var[d] == (MIN_VARIANCE if bayesian[d] else 0.0)
+            continue
+        kappa = weights[held, d].sum() / reference[d]
+        if bayesian[d]:
+            one = fuse(locs[held, d], variances[held, d], rule, weights[held, d])
+            assert float(loc[d]) == pytest.approx(float(kappa * one.loc), rel=1e-12, abs=1e-15)
+            assert float(var[d]) == pytest.approx(float(kappa ** 2 * one.variance), rel=1e-12, abs=1e-15)
+        else:
+            b = weights[held, d] / weights[held, d].sum()
+            assert float(loc[d]) == pytest.approx(float(kappa * (b * locs[held, d]).sum()), rel=1e-12, abs=1e-15)
+            assert var[d] == 0
+
+def test_bayesian_clients_match_without_a_template_their_own_network_is_used(digits):
+    """The docstring's path: BayesianClients and no template= (their Bayesian network holds Pyro modules, which
+    derive_spec does not read: the plain network it was built from is the template)."""
+    from bnpfed.federated.clients import bayesian_client, initial_network
+
+    clients = [bayesian_client(initial_network(NetworkConfig(hidden=(6,)), (1, 8, 8), 10, seed=0, client=j),
+                               BayesianConfig()) for j in range(2)]
+    match = match_posteriors(clients, None, rule="eaa", seed=0)
+    assert list(match.widths) == ["1"] and 6 <= match.widths["1"] <= 12
+    assert type(match.template) is nn.Sequential and match.network()(digits.x_test[:3]).shape == (3, 10)

@@ -13,8 +13,7 @@ from bnpfed.federated.config import FusionConfig, PFNMConfig
 from bnpfed.federated.server import (average_states, batch_norm_step, client_start, client_weights, clients_per_round,
                                      fedma_group_step, fuse_posteriors, matched_parameters, pfnm_step, sample_clients,
                                      with_statistics)
-from bnpfed.inference.multilayer import linear_layers, match_networks
-from bnpfed.inference.permutation import derive_spec, match_by_spec
+from bnpfed.inference.permutation import client_slice, derive_spec, match_by_spec, network_from_state
 from bnpfed.models import LeNet, mlp, simple_cnn, simple_cnn_bn
 from bnpfed.posterior import GaussianPosterior
 from bnpfed.seeding import Stream, derive_seed, torch_generator
@@ -136,27 +135,36 @@ def test_a_warm_started_round_starts_from_the_assignment_the_clients_were_sent()
 
 
 @pytest.mark.parametrize("direction", ["bottom-up", "top-down"])
-def test_pfnm_on_an_mlp_is_match_networks_on_its_layers(direction):
+def test_pfnm_step_is_match_by_spec_with_the_round_s_seed(direction):
     torch.manual_seed(0)
     nets = [mlp(12, [6 + j, 5], 3) for j in range(3)]
     counts = [[5, 1, 0], [1, 5, 2], [2, 2, 6]]
     config = PFNMConfig(hyperparameters="fixed", sigma2=0.3, sigma0_2=2.0, gamma0=1.5, direction=direction)
     match = pfnm_step(nets, counts, config, seed=3, round=2)
-    expected = match_networks([linear_layers(n) for n in nets], counts, seed=derive_seed(3, Stream.MATCH, 2),
-                              hyperparameters="fixed", sigma2=0.3, sigma0_2=2.0, gamma0=1.5, objective="map",
-                              direction=direction)
+    expected = match_by_spec(nets, counts, seed=derive_seed(3, Stream.MATCH, 2), hyperparameters="fixed", sigma2=0.3,
+                             sigma0_2=2.0, gamma0=1.5, objective="map", direction=direction)
     assert match.hidden_sizes == expected.hidden_sizes
-    for key, value in expected.network().state_dict().items():
-        assert torch.equal(match.network().state_dict()[key], value), key
-    for j in range(3):
-        for c, group in enumerate(["1", "3"]):
-            assert torch.equal(match.assignments[group][j], expected.assignments[c][j])
+    for key, value in expected.state.items():
+        assert torch.equal(match.state[key], value), key
+    for group in ["1", "3"]:
+        assert all(torch.equal(a, b) for a, b in zip(match.assignments[group], expected.assignments[group]))
 
 
-def test_top_down_is_refused_for_a_convolutional_network():
-    nets = [simple_cnn(1, 8) for _ in range(2)]
-    with pytest.raises(ValueError, match="direction: 'top-down' matches MLPs"):
-        pfnm_step(nets, None, replace(FIXED, direction="top-down"), seed=0, round=1, input_shape=(1, 8, 8))
+def test_top_down_matches_a_convolutional_network_too():
+    """The published order is the spec with its groups reversed, so it needs no MLP: permuted copies of a CNN matched
+    top-down give the network back."""
+    torch.manual_seed(0)
+    net = simple_cnn(1, 8)
+    spec = derive_spec(net, (1, 8, 8))
+    g = torch.Generator().manual_seed(1)
+    state = net.state_dict()
+    perms = {grp.name: torch.randperm(state[grp.axes[0].param].shape[0], generator=g) for grp in spec.groups}
+    shuffled = network_from_state(net, client_slice(spec, state, perms))
+    config = PFNMConfig(hyperparameters="fixed", sigma2=1e-8, sigma0_2=1.0, gamma0=1.0, direction="top-down")
+    match = pfnm_step([net, shuffled], None, config, seed=0, round=1, input_shape=(1, 8, 8))
+    assert match.widths == {grp.name: int(state[grp.axes[0].param].shape[0]) for grp in spec.groups}
+    x = torch.randn(4, 1, 8, 8)
+    torch.testing.assert_close(match.network()(x), net(x), atol=1e-4, rtol=0)
 
 
 def test_a_cnn_is_matched_group_by_group_and_each_client_gets_its_slice():

@@ -22,9 +22,9 @@ from bnpfed.commands import _args
 from bnpfed.commands._args import HelpFormatter, UsageError, fail, flag_message, warn
 from bnpfed.federated import methods
 from bnpfed.federated.clients import initial_network
-from bnpfed.federated.config import (CLIENT_WEIGHTS, FUSION_TRAINING, INITIALISATIONS,
-                                     PAPER_MIN_VARIANCE, PRIORS, BayesianConfig, ExperimentConfig, FusionConfig,
-                                     NetworkConfig, config_dict)
+from bnpfed.federated.config import (CLIENT_WEIGHTS, FUSION_TRAINING, INITIALISATIONS, PAPER_MIN_VARIANCE, PRIORS,
+                                     BayesianConfig, FusionConfig, NetworkConfig, config_dict)
+from bnpfed.federated.methods import ExperimentConfig
 from bnpfed.data import standardize_together
 from bnpfed.federated.fusion import FUSION_ARCHITECTURES
 from bnpfed.federated.matched_fusion import MatchedFusionFederation

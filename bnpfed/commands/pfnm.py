@@ -24,8 +24,9 @@ from bnpfed.commands import _args
 from bnpfed.commands._args import HelpFormatter, UsageError, fail, flag_message, warn
 from bnpfed.federated import methods
 from bnpfed.federated.clients import initial_network
-from bnpfed.federated.config import (ARCHITECTURES, INITIALISATIONS, PFNM_NETWORK, PFNM_TRAINING, ExperimentConfig,
-                                     FusionConfig, NetworkConfig, PFNMConfig, config_dict)
+from bnpfed.federated.config import (ARCHITECTURES, INITIALISATIONS, PFNM_NETWORK, PFNM_TRAINING, FusionConfig,
+                                     NetworkConfig, PFNMConfig, config_dict)
+from bnpfed.federated.methods import ExperimentConfig
 from bnpfed.report import command_record, format_table, line_styles, pyplot, save_figure, write_json
 from bnpfed.validation import check_positives
 

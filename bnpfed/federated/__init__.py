@@ -2,11 +2,13 @@
 
 * :mod:`~bnpfed.federated.partition`: splitting a dataset among clients (IID, label-Dirichlet);
 * :mod:`~bnpfed.federated.config`: one small frozen dataclass per concern (partition, network, local training,
-  Bayesian clients, PFNM server, fusion server, experiment harness);
+  Bayesian clients, PFNM server, fusion server);
 * :mod:`~bnpfed.federated.clients` and :mod:`~bnpfed.federated.server`: the steps, written once, that the in-process
   federations and the Flower apps both call;
 * :mod:`~bnpfed.federated.pfnm`, :mod:`~bnpfed.federated.fusion`: PFNM, posterior fusion and FedAvg round by round;
-* :mod:`~bnpfed.federated.methods`: comparison methods as a registry, :func:`run_experiment`.
+* :mod:`~bnpfed.federated.rounds`: what a matching server remembers between rounds (in process and on Flower);
+* :mod:`~bnpfed.federated.methods`: comparison methods as a registry, the experiment harness's config
+  (:class:`~bnpfed.federated.methods.ExperimentConfig`), :func:`run_experiment`.
 """
 
 from bnpfed.federated.partition import (
@@ -22,7 +24,6 @@ from bnpfed.federated.config import (
     PFNM_NETWORK,
     PFNM_TRAINING,
     BayesianConfig,
-    ExperimentConfig,
     FusionConfig,
     NetworkConfig,
     PartitionConfig,
@@ -31,7 +32,7 @@ from bnpfed.federated.config import (
 )
 from bnpfed.federated.fusion import FedAvgFederation, FusionFederation
 from bnpfed.federated.pfnm import PFNMFederation
-from bnpfed.federated.methods import available_methods, register_method, run_experiment
+from bnpfed.federated.methods import ExperimentConfig, available_methods, register_method, run_experiment
 
 __all__ = [
     "TrainValidationSplit",

@@ -127,12 +127,16 @@ def train_network(net: nn.Module, x: Tensor, y: Tensor, training: TrainingConfig
     return model.eval()
 
 
-def batch_norm_moments_step(net: nn.Module, x: Tensor, batch_size: int) -> dict[str, BatchNormMoments]:
-    """A client's step of re-estimating the global network's batch-norm statistics: the moments of every batch
-    norm's inputs of ``net`` over the client's training inputs ``x``, in consecutive batches of ``batch_size`` in the
-    order it holds them (:func:`~bnpfed.inference.permutation.batch_norm_moments`; the server sums them over the
-    clients, :func:`~bnpfed.federated.server.batch_norm_step`). Empty for a network without batch norm."""
-    return batch_norm_moments(net, [x[i:i + batch_size] for i in range(0, len(x), batch_size)])
+def batch_norm_moments_step(net: nn.Module, x: Tensor, batch_size: int, layer: Optional[str] = None
+                            ) -> dict[str, BatchNormMoments]:
+    """A client's step of re-estimating the global network's batch-norm statistics: the moments of batch norm
+    ``layer``'s inputs (None: every batch norm's) of ``net`` over the client's training inputs ``x``, the network in
+    eval mode, in consecutive batches of ``batch_size`` in the order it holds them
+    (:func:`~bnpfed.inference.permutation.batch_norm_moments`; the server sums them over the clients and sets the
+    layers one at a time, front to back, :func:`~bnpfed.federated.server.batch_norm_steps`). Empty for a network
+    without batch norm."""
+    return batch_norm_moments(net, [x[i:i + batch_size] for i in range(0, len(x), batch_size)],
+                              None if layer is None else [layer])
 
 
 def bayesian_client(net: nn.Module, bayesian: BayesianConfig) -> BayesianClient:

@@ -8,8 +8,10 @@ the experiment harness, the command line and the Flower apps.
 * :class:`PFNMConfig`: the PFNM server (Beta-Bernoulli matching hyper-parameters, client sampling);
 * :class:`FusionConfig`: the posterior-fusion server (rule, client weights, pooling draws, variance floor, client
   sampling);
-* :class:`ExperimentConfig`: the harness around them (which methods, rounds, seed, hyper-parameter selection,
-  evaluation). Flower takes everything but this one (its run has ``rounds`` and ``seed`` of its own).
+and the harness around them, :class:`~bnpfed.federated.methods.ExperimentConfig` (which methods, rounds, seed,
+hyper-parameter selection, evaluation), lives beside the method registry it validates against
+(:mod:`bnpfed.federated.methods`). Flower takes everything but that one (its run has ``rounds`` and ``seed`` of its
+own).
 
 Every field is checked in ``__post_init__``; a bad value raises ``ValueError("<field>: expected <what>, got
 <value>")``, so a command can name the flag. The words are the same everywhere: partitions are ``"iid"`` and
@@ -38,11 +40,12 @@ import numpy as np
 import pyro.distributions as dist
 
 from bnpfed.combine import available_rules
+from bnpfed.inference.matching import REFERENCE_CONSTANTS
 from bnpfed.federated.partition import partition_dirichlet, partition_homogeneous, train_validation_split
 from bnpfed.models.priors import IIDPrior, Prior, only_linear_weights
 from bnpfed.seeding import Stream, derive_seed
 from bnpfed.validation import (check_bool, check_choice, check_float, check_fraction, check_int, check_ints,
-                               check_positive, check_positives)
+                               check_positive)
 
 __all__ = [
     "ALIGNMENTS",
@@ -57,7 +60,6 @@ __all__ = [
     "PFNM_TRAINING",
     "PRIORS",
     "BayesianConfig",
-    "ExperimentConfig",
     "FusionConfig",
     "LocalSchedule",
     "NetworkConfig",
@@ -380,8 +382,6 @@ class PFNMConfig:
     def matcher_kwargs(self) -> dict[str, Any]:
         """Keywords of :func:`~bnpfed.inference.match_by_spec` (hyper-parameters, objective, order,
         sweeps, and the reference constants when asked for)."""
-        from bnpfed.inference import REFERENCE_CONSTANTS
-
         kwargs: dict[str, Any] = dict(direction=self.direction)
         if self.fixed:
             def value(v):
@@ -462,55 +462,3 @@ class FusionConfig:
             object.__setattr__(self, "tau2", tuple(check_positive(v, f"tau2[{i}]") for i, v in enumerate(self.tau2)))
         elif self.tau2 is not None:
             check_positive(self.tau2, "tau2")
-
-
-# ------------------------------------------------------------------------------------------------ the harness
-
-
-@dataclass(frozen=True)
-class ExperimentConfig:
-    """The experiment around the federations (not sent to Flower).
-
-    :param tuple methods: names from :func:`bnpfed.federated.methods.available_methods`, run in this order.
-    :param int rounds: communication rounds of the multi-round methods, >= 1. Default 1.
-    :param int seed: the one seed every random step derives from (:mod:`bnpfed.seeding`), >= 0. Default 0.
-    :param str select: how PFNM's sigma2 / sigma0_2 / gamma0 are chosen: ``"none"`` (as given), ``"federated"``
-        (on the clients' held-out splits) or ``"pooled-train"`` (on all clients' pooled training data, as the
-        reference code does; a federation does not have it). Default ``"none"``.
-    :param tuple grid_sigma2: candidates of the selection (and ``grid_sigma0_2``, ``grid_gamma0``).
-    :param float holdout: share of each client's data held out for ``select="federated"``, in (0, 1).
-    :param int ece_bins: equal-width bins of the expected calibration error. Default 15.
-    :param int predictive_samples: weight draws S of a Bayesian posterior predictive. Default 10.
-    """
-
-    methods: tuple[str, ...] = ("local", "ensemble", "fedavg", "pfnm")
-    rounds: int = 1
-    seed: int = 0
-    select: str = "none"
-    grid_sigma2: tuple[float, ...] = (0.05, 0.1, 0.3, 1.0)
-    grid_sigma0_2: tuple[float, ...] = (1.0,)
-    grid_gamma0: tuple[float, ...] = (1e-3, 1.0)
-    holdout: float = 0.1
-    ece_bins: int = 15
-    predictive_samples: int = 10
-
-    def __post_init__(self):
-        from bnpfed.federated.methods import available_methods
-
-        methods = self.methods
-        if isinstance(methods, str) or not isinstance(methods, (tuple, list)) or not methods:
-            raise ValueError(f"methods: expected a non-empty sequence of names from {available_methods()}, got "
-                             f"{methods!r}")
-        object.__setattr__(self, "methods", tuple(methods))
-        for m in self.methods:
-            check_choice(m, available_methods(), "methods")
-        if len(set(self.methods)) != len(self.methods):
-            raise ValueError(f"methods: expected each method at most once, got {list(self.methods)}")
-        check_int(self.rounds, "rounds", low=1)
-        check_int(self.seed, "seed", low=0)
-        check_choice(self.select, ("none", "federated", "pooled-train"), "select")
-        for name in ("grid_sigma2", "grid_sigma0_2", "grid_gamma0"):
-            object.__setattr__(self, name, check_positives(getattr(self, name), name))
-        check_fraction(self.holdout, "holdout", allow_one=False)
-        check_int(self.ece_bins, "ece_bins", low=1)
-        check_int(self.predictive_samples, "predictive_samples", low=1)

@@ -17,14 +17,15 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from bnpfed.data import Dataset
-from bnpfed.federated.server import sample_clients
+from bnpfed.federated.clients import batch_norm_moments_step
+from bnpfed.federated.server import batch_norm_steps, sample_clients
 from bnpfed.metrics import classification_report, expected_calibration_error
 from bnpfed.validation import check_fraction, check_int
 
-__all__ = ["EVAL_CHUNK", "Federation", "RoundRecord", "check_parts"]
+__all__ = ["EVAL_CHUNK", "Federation", "RoundRecord", "check_parts", "reestimate_statistics"]
 
 #: Test examples per forward pass in evaluation (bounds memory, not results).
 EVAL_CHUNK = 2048
@@ -58,6 +59,20 @@ def check_parts(parts, n: int) -> list[Tensor]:
                              f"[{idx.min()}, {idx.max()}]")
         checked.append(torch.as_tensor(idx.astype(np.int64)))
     return checked
+
+
+def reestimate_statistics(layers: Sequence[str], client_inputs: Sequence[Tensor], batch_size: int,
+                          network_of: Callable[[int, dict], nn.Module]) -> dict[str, Tensor]:
+    """In process, the clients' and the server's steps of re-estimating batch-norm statistics, one layer at a time
+    (:func:`~bnpfed.federated.server.batch_norm_steps`): client k (holding the training inputs ``client_inputs[k]``)
+    sends :func:`~bnpfed.federated.clients.batch_norm_moments_step` of ``network_of(k, statistics)`` -- its network
+    (the global one, or FedMA's aligned one) carrying the statistics set so far. Returns them all, for
+    :func:`~bnpfed.federated.server.with_statistics`; empty without batch norm (``layers`` empty)."""
+    def moments_of(layer: str, statistics: dict) -> list:
+        return [batch_norm_moments_step(network_of(k, statistics), x, batch_size, layer)
+                for k, x in enumerate(client_inputs)]
+
+    return batch_norm_steps(layers, moments_of)
 
 
 class Federation(ABC):

@@ -63,15 +63,15 @@ import time
 from typing import Optional, Sequence
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from bnpfed.data import Dataset
-from bnpfed.federated.clients import (batch_norm_moments_step, bayesian_client, fit_bayesian, initial_network,
-                                     train_network)
+from bnpfed.federated.clients import bayesian_client, fit_bayesian, initial_network, train_network
 from bnpfed.federated.config import BayesianConfig, FusionConfig, NetworkConfig, TrainingConfig
-from bnpfed.federated.federation import Federation
-from bnpfed.federated.server import average_states, batch_norm_step, fuse_posteriors, with_statistics
+from bnpfed.federated.federation import Federation, reestimate_statistics
+from bnpfed.federated.server import average_states, fuse_posteriors, mean_sigma, with_statistics
 from bnpfed.inference import DeterministicClient
+from bnpfed.inference.batch_norm import batch_norm_order
 from bnpfed.posterior import GaussianPosterior
 from bnpfed.seeding import Stream, derive_seed
 from bnpfed.validation import check_int
@@ -157,10 +157,8 @@ class FusionFederation(Federation):
         self.global_posterior, self.global_deterministic = step.posterior, step.deterministic
         self.global_model.load_posterior(self.global_posterior)
         self.global_model.load_deterministic(self.global_deterministic)
-        total = sum(g.variance.sqrt().sum().item() for g in self.global_posterior.values())
-        count = sum(g.variance.numel() for g in self.global_posterior.values())
         return step.weights, {"train_loss": sum(losses) / len(losses) if losses else math.nan,
-                              "mean_sigma": total / count,
+                              "mean_sigma": mean_sigma(g.variance for g in self.global_posterior.values()),
                               "min_variance": step.min_variance, "floored": step.floored,
                               "server_seconds": step.seconds}
 
@@ -193,6 +191,7 @@ class FedAvgFederation(Federation):
         _check_configs(network=network, training=training)
         self.training, self.weights = training, weights
         net = initial_network(network, dataset.input_shape, dataset.num_classes, seed=seed)
+        self.batch_norms = batch_norm_order(net, dataset.input_shape)
         self.global_model = DeterministicClient(net)
         self.global_state: dict[str, Tensor] = self.global_model.state()
 
@@ -207,15 +206,19 @@ class FedAvgFederation(Federation):
         self.global_state, weights = average_states(states, [self.sizes[k] for k in sampled], self.weights)
         self.global_model.load_state(self.global_state)
         seconds = time.perf_counter() - t0
-        net = self.global_model.net
-        if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in net.modules()):
+        if self.batch_norms:
             # averaging moves the parameters, not a batch norm's running statistics: re-estimate them from the
             # sampled clients' moments of the averaged network (the client and server steps PFNM uses)
-            moments = [batch_norm_moments_step(net, self.client_data[k][0], self.training.batch_size)
-                       for k in sampled]
-            t0 = time.perf_counter()
-            net.load_state_dict(with_statistics(net.state_dict(), batch_norm_step(moments)))
-            seconds += time.perf_counter() - t0
+            net = self.global_model.net
+            state = net.state_dict()
+
+            def network_of(k, statistics):
+                net.load_state_dict(with_statistics(state, statistics))
+                return net
+
+            statistics = reestimate_statistics(self.batch_norms, [self.client_data[k][0] for k in sampled],
+                                               self.training.batch_size, network_of)
+            net.load_state_dict(with_statistics(state, statistics))
         return weights, {"server_seconds": seconds}
 
     @torch.no_grad()

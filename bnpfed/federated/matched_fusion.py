@@ -47,9 +47,10 @@ from bnpfed.federated.clients import bayesian_client, fit_bayesian, initial_netw
 from bnpfed.federated.config import BayesianConfig, FusionConfig, NetworkConfig, TrainingConfig
 from bnpfed.federated.federation import Federation
 from bnpfed.federated.partition import class_counts
-from bnpfed.federated.server import matched_client_start, matched_fusion_step
+from bnpfed.federated.rounds import Architecture, MatchRounds
+from bnpfed.federated.server import match_hyperparameters, matched_fusion_step
 from bnpfed.inference import BayesianClient
-from bnpfed.inference.permutation import derive_spec, network_from_state
+from bnpfed.inference.permutation import network_from_state
 from bnpfed.inference.posterior_matching import PosteriorMatch, client_posterior
 from bnpfed.metrics import count_parameters
 from bnpfed.posterior import GaussianPosterior
@@ -84,16 +85,8 @@ def bayesian_from_match(match: PosteriorMatch, bayesian: BayesianConfig) -> Baye
     return client_from_slice(match.template, match.locs, match.variances, bayesian, as_prior=False)
 
 
-def matched_hyperparameters(match: PosteriorMatch) -> list[dict]:
-    """Per group, the matching's hyper-parameters as plain values (``tau2``, ``sigma0_2``, ``gamma0``, and the
-    scaled pair where present), with ``converged`` and ``sweeps``."""
-    out = []
-    for result in match.layer_results.values():
-        h = dict(getattr(result, "hyperparameters", None) or {})
-        row = {k: float(v) for k, v in h.items() if k != "mu0" and v is not None and torch.as_tensor(v).numel() == 1}
-        row.update(converged=bool(getattr(result, "converged", True)), sweeps=int(getattr(result, "sweeps_run", 0)))
-        out.append(row)
-    return out
+#: The hyper-parameter table of a match (one function for PFNM and matched fusion alike).
+matched_hyperparameters = match_hyperparameters
 
 
 class MatchedFusionFederation(Federation):
@@ -134,13 +127,20 @@ class MatchedFusionFederation(Federation):
         self.predictive_samples = int(predictive_samples)
         self.class_counts = class_counts(dataset.y_train.numpy(), [p.numpy() for p in self.parts],
                                          dataset.num_classes)
-        self.template = initial_network(self.network, dataset.input_shape, dataset.num_classes, seed=seed)
-        self.spec = derive_spec(self.template, dataset.input_shape)
+        self.architecture = Architecture.of(self.network, dataset.input_shape, dataset.num_classes, seed=seed)
+        self.template, self.spec = self.architecture.template, self.architecture.spec
+        self.rounds = MatchRounds(self.architecture)
         self.initial_clients = initial_clients
         self.clients: list[Optional[BayesianClient]] = [None] * self.num_clients
-        self.match: Optional[PosteriorMatch] = None
-        self.matched: list[int] = []
         self.global_model: Optional[BayesianClient] = None
+
+    @property
+    def match(self) -> Optional[PosteriorMatch]:
+        return self.rounds.match
+
+    @property
+    def matched(self) -> list[int]:
+        return self.rounds.matched
 
     @staticmethod
     def check_network(network: NetworkConfig) -> None:
@@ -150,39 +150,35 @@ class MatchedFusionFederation(Federation):
             raise ValueError(f"arch: matched posterior fusion expected a network without batch norm (its running "
                              f"statistics are no posterior), got {network.arch!r}")
 
-    def _start(self, round: int, j: int) -> tuple[BayesianClient, Optional[dict]]:
-        if round == 1:
+    def _start(self, j: int) -> BayesianClient:
+        start = self.rounds.start(j)
+        if start is None:  # round 1: the client's own initialisation
             net = initial_network(self.network, self.dataset.input_shape, self.dataset.num_classes, seed=self.seed,
                                   client=j)
-            return bayesian_client(net, self.bayesian), None
-        locs, variances, ids = matched_client_start(self.match, self.matched.index(j) if j in self.matched else None)
-        return client_from_slice(self.template, locs, variances, self.bayesian), ids
+            return bayesian_client(net, self.bayesian)
+        return client_from_slice(self.template, *start, self.bayesian)
 
     def _round(self, round, sampled):
-        starts, losses = [], []
+        losses = []
         for j in sampled:
             if round == 1 and self.initial_clients is not None:
+                self.rounds.start(j)
                 self.clients[j] = self.initial_clients[j]
-                starts.append(None)
                 continue
-            client, ids = self._start(round, j)
+            client = self._start(j)
             x, y = self.client_data[j]
             losses.append(fit_bayesian(client, x, y, self.training, seed=self.seed, round=round, index=j))
             self.clients[j] = client
-            starts.append(ids)
         t0 = time.perf_counter()
-        self.match = matched_fusion_step([client_posterior(self.clients[j]) for j in sampled],
-                                         self.class_counts[sampled], [self.sizes[j] for j in sampled], self.fusion,
-                                         seed=self.seed, round=round, starts=None if round == 1 else starts,
-                                         spec=self.spec, template=self.template)
+        match = matched_fusion_step([client_posterior(self.clients[j]) for j in sampled], self.class_counts[sampled],
+                                    [self.sizes[j] for j in sampled], self.fusion, seed=self.seed, round=round,
+                                    starts=self.rounds.warm_start(sampled), spec=self.spec, template=self.template)
         seconds = time.perf_counter() - t0
-        self.matched = list(sampled)
-        self.global_model = bayesian_from_match(self.match, self.bayesian)
-        self._mean_net = self.match.network().float().eval()
-        variances = torch.cat([v.reshape(-1) for v in self.match.variances.values()])
-        metrics = {"hidden": list(self.match.widths.values()), "parameters": count_parameters(self._mean_net),
-                   "mean_sigma": float(variances.sqrt().mean()), "server_seconds": seconds,
-                   "hyperparameters": matched_hyperparameters(self.match)}
+        self.rounds.update(match, sampled)
+        self.global_model = bayesian_from_match(match, self.bayesian)
+        self._mean_net = match.network().float().eval()
+        metrics = {**self.rounds.summary(), "parameters": count_parameters(self._mean_net),
+                   "server_seconds": seconds}
         if losses:
             metrics["train_loss"] = sum(losses) / len(losses)
         with torch.no_grad():

@@ -36,7 +36,7 @@ match):
 Usage::
 
     >>> from bnpfed.data import load_dataset
-    >>> from bnpfed.federated.config import ExperimentConfig, NetworkConfig, PartitionConfig, TrainingConfig
+    >>> from bnpfed.federated.config import NetworkConfig, PartitionConfig, TrainingConfig
     >>> ds = load_dataset("digits", standardize=False)
     >>> result = run_experiment(ds, partition=PartitionConfig(clients=3), network=NetworkConfig(hidden=(20,)),
     ...                         training=TrainingConfig(epochs=2),
@@ -61,23 +61,25 @@ from tqdm.auto import tqdm
 from bnpfed.combine import available_rules
 from bnpfed.data import Dataset
 from bnpfed.federated.baselines import ensemble_proba, fedavg_network, kmeans_networks
-from bnpfed.federated.clients import (batch_norm_moments_step, bayesian_client, fit_bayesian, initial_network,
-                                     train_network)
-from bnpfed.federated.config import (BayesianConfig, ExperimentConfig, FusionConfig, NetworkConfig, PFNMConfig,
+from bnpfed.federated.clients import bayesian_client, fit_bayesian, initial_network, train_network
+from bnpfed.federated.config import (BayesianConfig, FusionConfig, NetworkConfig, PFNMConfig,
                                      PartitionConfig, TrainingConfig, config_dict, holdout_split)
-from bnpfed.federated.federation import EVAL_CHUNK, Federation
+from bnpfed.federated.federation import EVAL_CHUNK, Federation, reestimate_statistics
 from bnpfed.federated.fusion import FedAvgFederation, FusionFederation
 from bnpfed.federated.matched_fusion import MatchedFusionFederation
 from bnpfed.federated.partition import class_counts
 from bnpfed.federated.pfnm import PFNMFederation
-from bnpfed.federated.server import batch_norm_step, match_hyperparameters, pfnm_step, with_statistics
+from bnpfed.federated.server import match_hyperparameters, pfnm_step, with_statistics
+from bnpfed.inference.batch_norm import batch_norm_order
 from bnpfed.inference.permutation import SpecMatch, derive_spec
 from bnpfed.metrics import classification_report, count_parameters, expected_calibration_error, ood_auroc
 from bnpfed.report import json_safe
 from bnpfed.seeding import Stream, derive_seed
+from bnpfed.validation import check_choice, check_fraction, check_int, check_positives
 
 __all__ = [
     "Experiment",
+    "ExperimentConfig",
     "ExperimentResult",
     "MethodResult",
     "Selection",
@@ -96,7 +98,7 @@ _METHODS: dict[str, Runner] = {}
 
 
 def register_method(name: str, runner: Runner, *, overwrite: bool = False) -> Runner:
-    """Make ``runner`` available as the method ``name`` (in :class:`~bnpfed.federated.config.ExperimentConfig`'s
+    """Make ``runner`` available as the method ``name`` (in :class:`ExperimentConfig`'s
     ``methods`` and the commands' ``--methods``)."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"name: expected a non-empty string, got {name!r}")
@@ -128,6 +130,56 @@ def _runner(name: str) -> Runner:
     if isinstance(name, str) and name.startswith(MATCH_PREFIX) and name[len(MATCH_PREFIX):] in available_rules():
         return lambda experiment: _matched_fusion(experiment, name[len(MATCH_PREFIX):])
     raise ValueError(f"methods: expected names from {available_methods()}, got {name!r}")
+
+
+# ------------------------------------------------------------------------------------------------ the harness's config
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    """The experiment around the federations (not sent to Flower).
+
+    :param tuple methods: names from :func:`bnpfed.federated.methods.available_methods`, run in this order.
+    :param int rounds: communication rounds of the multi-round methods, >= 1. Default 1.
+    :param int seed: the one seed every random step derives from (:mod:`bnpfed.seeding`), >= 0. Default 0.
+    :param str select: how PFNM's sigma2 / sigma0_2 / gamma0 are chosen: ``"none"`` (as given), ``"federated"``
+        (on the clients' held-out splits) or ``"pooled-train"`` (on all clients' pooled training data, as the
+        reference code does; a federation does not have it). Default ``"none"``.
+    :param tuple grid_sigma2: candidates of the selection (and ``grid_sigma0_2``, ``grid_gamma0``).
+    :param float holdout: share of each client's data held out for ``select="federated"``, in (0, 1).
+    :param int ece_bins: equal-width bins of the expected calibration error. Default 15.
+    :param int predictive_samples: weight draws S of a Bayesian posterior predictive. Default 10.
+    """
+
+    methods: tuple[str, ...] = ("local", "ensemble", "fedavg", "pfnm")
+    rounds: int = 1
+    seed: int = 0
+    select: str = "none"
+    grid_sigma2: tuple[float, ...] = (0.05, 0.1, 0.3, 1.0)
+    grid_sigma0_2: tuple[float, ...] = (1.0,)
+    grid_gamma0: tuple[float, ...] = (1e-3, 1.0)
+    holdout: float = 0.1
+    ece_bins: int = 15
+    predictive_samples: int = 10
+
+    def __post_init__(self):
+        methods = self.methods
+        if isinstance(methods, str) or not isinstance(methods, (tuple, list)) or not methods:
+            raise ValueError(f"methods: expected a non-empty sequence of names from {available_methods()}, got "
+                             f"{methods!r}")
+        object.__setattr__(self, "methods", tuple(methods))
+        for m in self.methods:
+            check_choice(m, available_methods(), "methods")
+        if len(set(self.methods)) != len(self.methods):
+            raise ValueError(f"methods: expected each method at most once, got {list(self.methods)}")
+        check_int(self.rounds, "rounds", low=1)
+        check_int(self.seed, "seed", low=0)
+        check_choice(self.select, ("none", "federated", "pooled-train"), "select")
+        for name in ("grid_sigma2", "grid_sigma0_2", "grid_gamma0"):
+            object.__setattr__(self, name, check_positives(getattr(self, name), name))
+        check_fraction(self.holdout, "holdout", allow_one=False)
+        check_int(self.ece_bins, "ece_bins", low=1)
+        check_int(self.predictive_samples, "predictive_samples", low=1)
 
 
 # ------------------------------------------------------------------------------------------------ results
@@ -369,14 +421,21 @@ class Experiment:
         :class:`~bnpfed.inference.permutation.SpecMatch` or a network); nothing happens without batch norm. Returns
         ``target``."""
         net = target.network() if isinstance(target, SpecMatch) else target
-        if not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in net.modules()):
+        layers = batch_norm_order(net, self.dataset.input_shape)
+        if not layers:
             return target
-        statistics = batch_norm_step([batch_norm_moments_step(net, x, self.training.batch_size)
-                                      for x, _ in self.client_data])
+        state = net.state_dict()
+
+        def network_of(k, statistics):
+            net.load_state_dict(with_statistics(state, statistics))
+            return net
+
+        statistics = reestimate_statistics(layers, [x for x, _ in self.client_data], self.training.batch_size,
+                                           network_of)
         if isinstance(target, SpecMatch):
             target.state = with_statistics(target.state, statistics)
         else:
-            net.load_state_dict(with_statistics(net.state_dict(), statistics))
+            net.load_state_dict(with_statistics(state, statistics))
         return target
 
     def local_models(self, shared: Optional[bool] = None) -> list[nn.Module]:
@@ -672,7 +731,7 @@ def select_hyperparameters(local_models: Sequence[nn.Module], class_counts, vali
 
 def run_experiment(dataset: Dataset, *, progress: bool = False, log: Optional[Callable[[str], None]] = None,
                    ood: Optional[torch.Tensor] = None, **configs) -> ExperimentResult:
-    """Run ``config.methods`` (an :class:`~bnpfed.federated.config.ExperimentConfig`) on ``dataset``, one after the
+    """Run ``config.methods`` (an :class:`ExperimentConfig`) on ``dataset``, one after the
     other, and collect their rows.
 
     :param ood: optional out-of-distribution inputs (rows then carry ``auroc_max_prob``, ``auroc_entropy``).

@@ -51,13 +51,13 @@ import torch
 from torch import Tensor, nn
 
 from bnpfed.data import Dataset
-from bnpfed.federated.clients import batch_norm_moments_step, initial_network, train_network
+from bnpfed.federated.clients import initial_network, train_network
 from bnpfed.federated.config import NetworkConfig, PFNMConfig, TrainingConfig
-from bnpfed.federated.federation import Federation
+from bnpfed.federated.federation import Federation, reestimate_statistics
 from bnpfed.federated.partition import class_counts
-from bnpfed.federated.server import (batch_norm_step, client_start, fedma_group_step, match_hyperparameters,
-                                     matched_parameters, pfnm_step, with_statistics)
-from bnpfed.inference.permutation import SpecMatch, align_to_group, derive_spec, network_from_state
+from bnpfed.federated.rounds import Architecture, MatchRounds
+from bnpfed.federated.server import fedma_group_step, matched_parameters, pfnm_step, with_statistics
+from bnpfed.inference.permutation import SpecMatch, align_to_group
 from bnpfed.metrics import count_parameters
 
 __all__ = ["PFNMFederation"]
@@ -77,10 +77,11 @@ class PFNMFederation(Federation):
     :param initial_models: optional, the J networks the clients hold after round 1's local training when they were
         trained already with these settings and seed (an experiment's local models): round 1 then reuses them.
 
-    Attributes: ``match`` (the last :class:`~bnpfed.inference.permutation.SpecMatch`), ``matched`` (the clients it
-    matched, in its order), ``class_counts`` ((J, C) training examples per class of each client), ``spec`` (the
-    networks' permutation spec), ``template`` (a network of the clients' kind, the shape the global one is built
-    from).
+    Attributes: ``rounds`` (the server's :class:`~bnpfed.federated.rounds.MatchRounds`: the last match, the clients
+    it matched, what each client was sent), ``match`` and ``matched`` (the last
+    :class:`~bnpfed.inference.permutation.SpecMatch` and its clients), ``class_counts`` ((J, C) training examples per
+    class of each client), ``architecture`` (the clients' network kind: ``template``, ``spec``, ``batch_norms``),
+    ``spec`` and ``template`` (its spec and template network).
     """
 
     method = "pfnm-rounds"
@@ -102,54 +103,54 @@ class PFNMFederation(Federation):
         self.initial_models = initial_models
         self.class_counts = class_counts(dataset.y_train.numpy(), [p.numpy() for p in self.parts],
                                          dataset.num_classes)
-        self.template = initial_network(network, dataset.input_shape, dataset.num_classes, seed=seed)
-        self.spec = derive_spec(self.template, dataset.input_shape)
-        self.statistics = [k for k in self.spec.kinds if self.spec.kinds[k] in ("running_mean", "running_var")]
-        self.match: Optional[SpecMatch] = None
-        self.matched: list[int] = []
+        self.architecture = Architecture.of(network, dataset.input_shape, dataset.num_classes, seed=seed)
+        self.template, self.spec = self.architecture.template, self.architecture.spec
+        self.rounds = MatchRounds(self.architecture)
 
-    def _start(self, round: int, j: int) -> tuple[nn.Module, Optional[dict[str, Tensor]]]:
-        if round == 1:
-            net = initial_network(self.network, self.dataset.input_shape, self.dataset.num_classes, seed=self.seed,
-                                  client=j)
-            return net, None
-        state, ids = client_start(self.match, self.matched.index(j) if j in self.matched else None)
-        return network_from_state(self.template, state), ids
+    @property
+    def match(self) -> Optional[SpecMatch]:
+        return self.rounds.match
 
-    def _moments(self, nets: Sequence[nn.Module], sampled: Sequence[int]) -> list[dict]:
-        """Every sampled client's batch-norm moments of its network (the global one, or its aligned one)."""
-        return [batch_norm_moments_step(net, self.client_data[j][0], self.training.batch_size)
-                for net, j in zip(nets, sampled)]
+    @property
+    def matched(self) -> list[int]:
+        return self.rounds.matched
+
+    def _statistics(self, sampled: Sequence[int], layers: Sequence[str], states: Sequence[dict]) -> dict:
+        """The batch-norm statistics of ``layers`` re-estimated from the sampled clients' data, each client's network
+        carrying its state of ``states`` (one for all: the global network; one each: FedMA's aligned ones)."""
+        def network_of(k, statistics):
+            return self.architecture.network(with_statistics(states[k if len(states) > 1 else 0], statistics))
+
+        return reestimate_statistics(layers, [self.client_data[j][0] for j in sampled], self.training.batch_size,
+                                     network_of)
 
     def _round(self, round, sampled):
-        nets, starts = [], []
+        nets = []
         for j in sampled:
             x, y = self.client_data[j]
             if round == 1 and self.initial_models is not None:
+                self.rounds.start(j)
                 nets.append(self.initial_models[j])
-                starts.append(None)
                 continue
-            start, ids = self._start(round, j)
-            nets.append(train_network(start, x, y, self.training, seed=self.seed, round=round, client=j))
-            starts.append(ids)
+            start = self.rounds.start(j)
+            net = (initial_network(self.network, self.dataset.input_shape, self.dataset.num_classes, seed=self.seed,
+                                   client=j) if start is None else self.architecture.network(start))
+            nets.append(train_network(net, x, y, self.training, seed=self.seed, round=round, client=j))
         states = [{k: v.detach() for k, v in n.state_dict().items()} for n in nets]
-        starts = None if round == 1 else starts
+        starts = self.rounds.warm_start(sampled)
         if self.pfnm.layerwise_retrain:
-            self.match, seconds = self._layerwise(round, sampled, states, starts)
+            match, seconds = self._layerwise(round, sampled, states, starts)
         else:
             t0 = time.perf_counter()
-            self.match = pfnm_step(states, self.class_counts[sampled], self.pfnm, seed=self.seed, round=round,
-                                   starts=starts, spec=self.spec, template=self.template)
+            match = pfnm_step(states, self.class_counts[sampled], self.pfnm, seed=self.seed, round=round,
+                              starts=starts, spec=self.spec, template=self.template)
             seconds = time.perf_counter() - t0
-            if self.statistics:
-                moments = self._moments([self.match.network()] * len(sampled), sampled)
-                t0 = time.perf_counter()
-                self.match.state = with_statistics(self.match.state, batch_norm_step(moments))
-                seconds += time.perf_counter() - t0
-        self.matched = list(sampled)
-        self._net = self.match.network().eval()
-        return [], {"hidden": self.match.hidden_sizes, "parameters": count_parameters(self._net),
-                    "hyperparameters": match_hyperparameters(self.match), "server_seconds": seconds}
+            if self.architecture.batch_norms:
+                match.state = with_statistics(match.state, self._statistics(sampled, self.architecture.batch_norms,
+                                                                            [match.state]))
+        self.rounds.update(match, sampled)
+        self._net = match.network().eval()
+        return [], {**self.rounds.summary(), "parameters": count_parameters(self._net), "server_seconds": seconds}
 
     def _layerwise(self, round: int, sampled: list[int], states: list[dict], starts) -> tuple[SpecMatch, float]:
         """FedMA's round: group by group, match, align every client to it, re-estimate its batch norm, retrain the
@@ -164,15 +165,15 @@ class PFNMFederation(Federation):
             states = [align_to_group(s, spec, match, k) for k, s in enumerate(states)]
             seconds += time.perf_counter() - t0
             matches[group] = match
-            owned = [k for k in spec.owned(group) if k in self.statistics]
-            if owned:
-                nets = [network_from_state(self.template, s) for s in states]
-                statistics = batch_norm_step(self._moments(nets, sampled))
-                states = [with_statistics(s, statistics, owned) for s in states]
+            owned = {k.rpartition(".")[0] for k in spec.owned(group) if k in self.architecture.statistics}
+            layers = [n for n in self.architecture.batch_norms if n in owned]
+            if layers:
+                statistics = self._statistics(sampled, layers, states)
+                states = [with_statistics(s, statistics) for s in states]
             if c + 1 < len(names):
                 frozen = matched_parameters(spec, names[:c + 1])
                 states = [{k: v.detach() for k, v in train_network(
-                    network_from_state(self.template, s), *self.client_data[j], self.training, seed=self.seed,
+                    self.architecture.network(s), *self.client_data[j], self.training, seed=self.seed,
                     round=round, client=j, epochs=self.pfnm.layerwise_retrain, frozen=frozen,
                     step=c + 1).state_dict().items()} for s, j in zip(states, sampled)]
         last = matches[spec.owner(spec.params_of_kind("output_weight")[0])]

@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -44,6 +44,7 @@ from bnpfed.combine import average_deterministic, fuse_sites
 from bnpfed.federated.config import CLIENT_WEIGHTS, FusionConfig, PFNMConfig
 from bnpfed.inference.permutation import (BatchNormMoments, GroupMatch, PermutationSpec, SpecMatch,
                                           batch_norm_statistics, match_by_spec, match_group)
+from bnpfed.inference.posterior_matching import MIN_VARIANCE, match_posteriors
 from bnpfed.posterior import GaussianPosterior
 from bnpfed.seeding import Stream, derive_seed, numpy_rng, torch_generator
 from bnpfed.validation import check_choice, check_fraction, check_int
@@ -52,12 +53,14 @@ __all__ = [
     "FusionStep",
     "average_states",
     "batch_norm_step",
+    "batch_norm_steps",
     "client_start",
     "client_weights",
     "clients_per_round",
     "fedma_group_step",
     "fuse_posteriors",
     "match_hyperparameters",
+    "mean_sigma",
     "matched_client_start",
     "matched_fusion_step",
     "matched_parameters",
@@ -183,13 +186,11 @@ def matched_fusion_step(clients: Sequence, class_counts, sizes: Sequence[int], c
         from (the warm start of the matching).
     :returns: :class:`~bnpfed.inference.posterior_matching.PosteriorMatch`.
     """
-    from bnpfed.inference.posterior_matching import MIN_VARIANCE, match_posteriors
-
     if not isinstance(config, FusionConfig):
         raise ValueError(f"config: expected a FusionConfig, got {type(config).__name__}")
     if len(clients) != len(sizes):
         raise ValueError(f"clients and sizes: expected one entry per client each, got {len(clients)} and {len(sizes)}")
-    weights = [float(n) for n in sizes] if config.weights == "size" else [1.0] * len(sizes)
+    weights = client_weights(sizes, config.weights)
     init = None
     if starts is not None and all(s is not None for s in starts):
         init = {g: [s[g] for s in starts] for g in starts[0]}
@@ -200,14 +201,11 @@ def matched_fusion_step(clients: Sequence, class_counts, sizes: Sequence[int], c
 
 
 def matched_client_start(match, k: Optional[int]) -> tuple[dict, dict, dict]:
-    """What a client starts a round of matched posterior fusion from: ``(locs, variances, ids)``, its slice of the
-    global posterior (:meth:`~bnpfed.inference.posterior_matching.PosteriorMatch.client_slice`; ``ids``: per group
-    the global units of its slice) if it was the ``k``-th client matched last round, else (``k`` None) the whole
-    global posterior (``ids``: every global unit). The in-process federation and the Flower strategy both call it."""
-    if k is None:
-        return match.locs, match.variances, {g: torch.arange(w) for g, w in match.widths.items()}
-    locs, variances = match.client_slice(k)
-    return locs, variances, {g: a[k].clone() for g, a in match.assignments.items()}
+    """What a client starts a round of matched posterior fusion from: ``(locs, variances, ids)``, as
+    :meth:`~bnpfed.inference.posterior_matching.PosteriorMatch.client_start` gives them (its slice of the global
+    posterior if it was the ``k``-th client matched last round, else the whole posterior)."""
+    (locs, variances), ids = match.client_start(k)
+    return locs, variances, ids
 
 
 def average_states(states: Sequence[Mapping[str, Tensor]], sizes: Sequence[int], scheme: str = "size"
@@ -265,24 +263,21 @@ def pfnm_step(client_nets: Sequence, class_counts, config: PFNMConfig, *, seed: 
 
 def match_hyperparameters(match) -> list[dict]:
     """Per group (hidden layer, conv channels), the hyper-parameters a match used (estimated or fixed) as plain
-    values for tables and JSON: ``sigma2``, ``sigma0_2``, ``gamma0``, ``mu0`` (a list, one per coordinate of the
-    group's unit vectors), when the matcher has them ``sigma2_scaled`` / ``sigma0_2_scaled`` (the pair of the
-    class-share-weighted output coordinates), ``estimated`` (the names estimated), ``converged``, ``sweeps`` (sweeps
-    run after the first assignment) and ``notes`` (the estimator's fallbacks, if any). Empty for a matcher without
-    hyper-parameters (k-means). ``match``: a :class:`~bnpfed.inference.permutation.SpecMatch` (or a
-    ``NetworkMatch``)."""
-    results = match.layer_results
+    values for tables and JSON: every variance and ``gamma0`` by the matcher's names (PFNM's ``sigma2``,
+    ``sigma0_2``, ``gamma0`` and, when it has them, the ``_scaled`` pair of the class-share-weighted output
+    coordinates; matched fusion's ``tau2``, ``sigma0_2``, ``gamma0`` and its ``_point`` / ``_scaled`` pairs), ``mu0``
+    (a list, one per coordinate of the group's unit vectors), ``estimated`` (the names estimated), ``converged``,
+    ``sweeps`` (sweeps run after the first assignment) and ``notes`` (the estimator's fallbacks, if any). Empty for a
+    matcher without hyper-parameters (k-means). ``match``: a :class:`~bnpfed.inference.permutation.SpecMatch` or a
+    :class:`~bnpfed.inference.posterior_matching.PosteriorMatch`."""
     out = []
-    for result in (results.values() if isinstance(results, Mapping) else results):
+    for result in match.layer_results.values():
         h = getattr(result, "hyperparameters", None)
         if not h:
             continue
+        layer = {k: float(v) for k, v in h.items() if k != "mu0" and v is not None}
         mu0 = h.get("mu0")
-        layer = dict(sigma2=float(h["sigma2"]), sigma0_2=float(h["sigma0_2"]), gamma0=float(h["gamma0"]),
-                     mu0=[float(v) for v in torch.as_tensor(mu0).reshape(-1)] if mu0 is not None else None)
-        for name in ("sigma2_scaled", "sigma0_2_scaled"):
-            if h.get(name) is not None:
-                layer[name] = float(h[name])
+        layer["mu0"] = [float(v) for v in torch.as_tensor(mu0).reshape(-1)] if mu0 is not None else None
         layer.update(estimated=list(getattr(result, "estimated", ())),
                      converged=bool(getattr(result, "converged", True)),
                      sweeps=int(getattr(result, "sweeps_run", len(result.objective) - 1)),
@@ -291,17 +286,20 @@ def match_hyperparameters(match) -> list[dict]:
     return out
 
 
-def client_start(match: SpecMatch, j: Optional[int]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-    """What a client starts its next round from (a ``state_dict``), and the global ids of its units per group.
+def mean_sigma(variances) -> float:
+    """The mean posterior standard deviation over every weight of the given variance tensors (the Bayesian sites of
+    a global posterior)."""
+    variances = [torch.as_tensor(v).reshape(-1) for v in variances]
+    if not variances:
+        raise ValueError("variances: expected the posterior variances of at least one site, got none")
+    return float(torch.cat(variances).double().sqrt().mean())
 
-    A client that was matched (``j`` its position among the matched clients) gets its slice of the global network
-    (:meth:`~bnpfed.inference.permutation.SpecMatch.client_slice`: the global units its own were matched to, in its
-    own order); a client that was not (``j`` None) gets the whole global network.
-    """
-    if j is None:
-        return ({k: v.clone() for k, v in match.state.items()},
-                {g: torch.arange(w) for g, w in match.widths.items()})
-    return match.client_slice(j), {g: a[j].clone() for g, a in match.assignments.items()}
+
+def client_start(match, j: Optional[int]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """What a client starts its next round from (a ``state_dict``), and the global ids of its units per group:
+    :meth:`~bnpfed.inference.permutation.SpecMatch.client_start` (its slice of the global network if it was matched,
+    ``j`` its position among the matched clients, else, ``j`` None, the whole global network)."""
+    return match.client_start(j)
 
 
 # ------------------------------------------------------------------------------------------------ batch norm
@@ -329,6 +327,22 @@ def batch_norm_step(moments: Sequence[Mapping[str, BatchNormMoments]]) -> dict[s
     for name, (mean, var) in batch_norm_statistics(pooled).items():
         out[f"{name}.running_mean"], out[f"{name}.running_var"] = mean, var
     return out
+
+
+def batch_norm_steps(layers: Sequence[str], moments_of: Callable[[str, dict[str, Tensor]], Sequence]
+                     ) -> dict[str, Tensor]:
+    """REPAIR's reset one batch norm at a time, front to back (:func:`~bnpfed.inference.batch_norm.batch_norm_order`):
+    for each of ``layers``, ``moments_of(layer, statistics)`` gives the clients' moments of that layer's inputs under
+    the global network carrying ``statistics`` (those set so far), and :func:`batch_norm_step` pools them. Returns the
+    statistics of every layer set, for :func:`with_statistics`; it stops at the first layer no client sent moments for
+    (the later layers' inputs depend on it)."""
+    statistics: dict[str, Tensor] = {}
+    for layer in layers:
+        moments = moments_of(layer, dict(statistics))
+        if not moments:
+            break
+        statistics.update(batch_norm_step(moments))
+    return statistics
 
 
 def with_statistics(state: Mapping[str, Tensor], statistics: Mapping[str, Tensor],

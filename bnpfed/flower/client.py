@@ -11,8 +11,10 @@ split (the shards together are the test split). Every setting comes from the ser
 alone decides. The steps are :mod:`bnpfed.federated.clients`' (the in-process federations call them too):
 
 * ``query``: tell the server the partition ``(j, J)``, the input shape and the number of classes; or, with
-  ``step`` ``"batch-norm-moments"``, reply with the moments of the batch-norm inputs of the global network sent on
-  this client's training inputs (:func:`~bnpfed.federated.clients.batch_norm_moments_step`);
+  ``step`` ``"batch-norm-moments"``, reply with the moments of the inputs of batch norm ``layer`` (every batch norm
+  without one) of the global network sent, on this client's training inputs
+  (:func:`~bnpfed.federated.clients.batch_norm_moments_step`; the server asks for one layer at a time, front to
+  back);
 * ``train``, task ``"pfnm"``: start from the network sent (its slice of the global network, a ``state_dict`` of
   the configured architecture, checked against its permutation spec) or, when the message has no arrays (round 1),
   from :func:`~bnpfed.federated.clients.initial_network` (its own initialisation); train it with
@@ -51,7 +53,9 @@ from bnpfed.data import Dataset, load_dataset
 from bnpfed.federated.clients import (batch_norm_moments_step, bayesian_client, fit_bayesian, initial_network,
                                       train_network)
 from bnpfed.federated.config import BayesianConfig, NetworkConfig, PartitionConfig
+from bnpfed.federated.matched_fusion import client_from_slice
 from bnpfed.federated.partition import class_counts
+from bnpfed.federated.rounds import Architecture
 from bnpfed.flower.config import ClientSettings, client_settings
 from bnpfed.flower.records import (
     ARRAYS,
@@ -70,7 +74,6 @@ from bnpfed.flower.records import (
     state_to_record,
 )
 from bnpfed.inference import BayesianClient
-from bnpfed.inference.permutation import PermutationSpec, derive_spec, network_from_state
 from bnpfed.inference.posterior_matching import client_posterior
 from bnpfed.metrics import classification_report
 from bnpfed.seeding import Stream, derive_seed
@@ -98,12 +101,10 @@ def _dataset(name: str, standardize: bool, data_dir: Optional[str]) -> Dataset:
 
 
 @lru_cache(maxsize=8)
-def _architecture(network: NetworkConfig, input_shape: tuple, num_classes: int, seed: int
-                  ) -> tuple[torch.nn.Module, PermutationSpec]:
-    """The template network of the configured architecture and its permutation spec, as the server builds them
-    (:meth:`~bnpfed.flower.strategies.PFNMStrategy.connect`)."""
-    template = initial_network(network, input_shape, num_classes, seed=seed)
-    return template, derive_spec(template, input_shape)
+def _architecture(network: NetworkConfig, input_shape: tuple, num_classes: int, seed: int) -> Architecture:
+    """The configured architecture (template network, permutation spec), as the server builds it (once per
+    process)."""
+    return Architecture.of(network, input_shape, num_classes, seed=seed)
 
 
 @lru_cache(maxsize=8)
@@ -150,10 +151,9 @@ class _Client:
 
     def network(self, record: ArrayRecord) -> torch.nn.Module:
         """The network of the configured architecture carrying the ``state_dict`` in ``record``."""
-        template, spec = _architecture(self.settings.network, tuple(self.ds.input_shape), self.ds.num_classes,
-                                       self.settings.seed)
-        state = state_from_arrays(from_array_record(record), spec, template.state_dict())
-        return network_from_state(template, state)
+        arch = _architecture(self.settings.network, tuple(self.ds.input_shape), self.ds.num_classes,
+                             self.settings.seed)
+        return arch.network(state_from_arrays(from_array_record(record), arch.spec, arch.template.state_dict()))
 
     def global_client(self, record: ArrayRecord) -> BayesianClient:
         """A Bayesian client of the shared initial network carrying the global model in ``record``."""
@@ -167,12 +167,11 @@ class _Client:
     def matched_client(self, record: ArrayRecord, *, as_prior: bool) -> BayesianClient:
         """A Bayesian client of the configured architecture holding the posterior in ``record`` (a slice of a
         matched global posterior, or the whole of it), as its prior too with ``as_prior``."""
-        from bnpfed.federated.matched_fusion import client_from_slice
-
-        template, spec = _architecture(self.settings.network, tuple(self.ds.input_shape), self.ds.num_classes,
-                                       self.settings.seed)
-        locs, variances = matched_posterior_from_arrays(from_array_record(record), spec, template.state_dict())
-        return client_from_slice(template, locs, variances, self.settings.bayesian, as_prior=as_prior)
+        arch = _architecture(self.settings.network, tuple(self.ds.input_shape), self.ds.num_classes,
+                             self.settings.seed)
+        locs, variances = matched_posterior_from_arrays(from_array_record(record), arch.spec,
+                                                        arch.template.state_dict())
+        return client_from_slice(arch.template, locs, variances, self.settings.bayesian, as_prior=as_prior)
 
     def class_counts(self) -> list[int]:
         """This client's training examples per class."""
@@ -234,7 +233,11 @@ def _train_pfnm(msg: Message, context: Context) -> Message:
 def _moments(msg: Message, context: Context) -> Message:
     c = _Client(msg, context)
     x, _ = c.train_data
-    moments = batch_norm_moments_step(c.network(msg.content.array_records[ARRAYS]), x, c.settings.training.batch_size)
+    net = c.network(msg.content.array_records[ARRAYS])
+    layer = msg.content.config_records[CONFIG].get("layer")   # one batch norm at a time (the server's order)
+    if layer is not None and layer not in dict(net.named_modules()):
+        raise ValueError(f"layer: expected a batch norm of the network, got {layer!r}")
+    moments = batch_norm_moments_step(net, x, c.settings.training.batch_size, layer=layer)
     return c.reply(msg, moments_to_record(moments), {"num-examples": int(len(x))})
 
 

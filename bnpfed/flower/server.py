@@ -33,6 +33,7 @@ import numpy as np
 from flwr.app import ArrayRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
+from bnpfed.flower.client import initial_global_model
 from bnpfed.flower.config import FlowerSettings, parse_run_config
 from bnpfed.flower.records import from_array_record
 from bnpfed.flower.strategies import LOGGER, MatchedFusionStrategy, PFNMStrategy, PosteriorFusionStrategy
@@ -87,8 +88,6 @@ def run_federation(grid: Grid, config: Mapping[str, Any]) -> FederationResult:
     if run.method == "pfnm" or matched:  # each client starts round 1 from its own initialisation
         initial = ArrayRecord()
     else:
-        from bnpfed.flower.client import initial_global_model  # the model is a Pyro program: built on demand
-
         initial = initial_global_model(settings.network, settings.bayesian, identity.input_shape,
                                        identity.num_classes, seed=run.seed)
     LOGGER.info("bnpfed %s: %d round(s), dataset %s, %d clients", run.method, run.rounds, run.dataset,

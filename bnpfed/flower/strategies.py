@@ -50,15 +50,16 @@ from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence
 
 import numpy as np
-import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
+from bnpfed.federated.clients import bayesian_client
 from bnpfed.federated.config import BayesianConfig, FusionConfig, NetworkConfig, PFNMConfig
-from bnpfed.federated.server import (batch_norm_step, client_start, clients_per_round, fuse_posteriors,
-                                     match_hyperparameters, matched_client_start, matched_fusion_step, pfnm_step,
-                                     sample_clients, with_statistics)
+from bnpfed.federated.rounds import Architecture, MatchRounds
+from bnpfed.federated.server import (batch_norm_steps, clients_per_round, fuse_posteriors, matched_fusion_step,
+                                     mean_sigma, pfnm_step, sample_clients, with_statistics)
+from bnpfed.inference.posterior_matching import client_posterior
 from bnpfed.flower.records import (
     ARRAYS,
     CLIENT,
@@ -103,11 +104,6 @@ def evaluation_clients(num_clients: int, fraction: float, *, seed: int, round: i
     if fraction == 0:
         return []
     return sample_clients(num_clients, fraction, seed=seed, round=round, stream=Stream.EVALUATION)
-
-
-def _template_widths(spec, state: Mapping[str, Any]) -> dict[str, int]:
-    """Units per hidden permutation of the template network ``state`` (what a client's own initialisation has)."""
-    return {g.name: int(state[g.axes[0].param].shape[g.axes[0].dim]) // g.axes[0].block for g in spec.groups}
 
 
 @dataclass
@@ -385,7 +381,43 @@ class _RoundStrategy(Strategy):
                     self.min_nodes or "all", self.min_replies, self.node_timeout, self.seed)
 
 
-class PFNMStrategy(_RoundStrategy):
+class _MatchingStrategy(_RoundStrategy):
+    """What PFNM and matched fusion share: once the SuperNodes have told their input shape and classes, the clients'
+    :class:`~bnpfed.federated.rounds.Architecture` (the template network and its permutation spec, as every client
+    builds them) and the server's :class:`~bnpfed.federated.rounds.MatchRounds` (what each client was sent, the last
+    match), which the in-process federations hold too."""
+
+    network: NetworkConfig
+    rounds: Optional[MatchRounds]
+
+    def connect(self, grid: Grid) -> NodeIdentity:
+        """As :meth:`_RoundStrategy.connect`, then the architecture for the nodes' data."""
+        identity = super().connect(grid)
+        if self.rounds is None:
+            self.rounds = MatchRounds(Architecture.of(self.network, identity.input_shape, identity.num_classes,
+                                                      seed=self.seed))
+        return identity
+
+    @property
+    def match(self):
+        """The last match (None before round 1 is aggregated)."""
+        return None if self.rounds is None else self.rounds.match
+
+    @property
+    def matched(self) -> list[int]:
+        """The partitions the last match matched, in its order."""
+        return [] if self.rounds is None else self.rounds.matched
+
+    @property
+    def spec(self):
+        return None if self.rounds is None else self.rounds.architecture.spec
+
+    @property
+    def template(self):
+        return None if self.rounds is None else self.rounds.architecture.template
+
+
+class PFNMStrategy(_MatchingStrategy):
     """PFNM (Yurochkin et al. 2019) as a Flower strategy, one-shot (one round) or with communication rounds, for any
     architecture of :class:`~bnpfed.federated.config.NetworkConfig`; the rounds of
     :class:`~bnpfed.federated.pfnm.PFNMFederation`.
@@ -436,83 +468,68 @@ class PFNMStrategy(_RoundStrategy):
             raise ValueError(f"network: expected a NetworkConfig, got {type(network).__name__}")
         super().__init__(seed=seed, fraction=pfnm.fraction, **kwargs)
         self.pfnm, self.network = pfnm, network
-        self.match = None
-        self.matched: list[int] = []
-        self.spec = self.template = None
-        self._starts: dict[int, Any] = {}  # partition -> the global ids of the units it was sent, per group
-        self._widths: dict[int, Optional[dict]] = {}  # partition -> the widths it must answer with
-
-    def connect(self, grid: Grid) -> NodeIdentity:
-        """As :meth:`_RoundStrategy.connect`, then the architecture for the nodes' data: the template network and
-        its permutation spec (what every client builds too)."""
-        from bnpfed.federated.clients import initial_network  # the clients' module (Pyro) loads on demand
-        from bnpfed.inference.permutation import derive_spec
-
-        identity = super().connect(grid)
-        if self.template is None:
-            self.template = initial_network(self.network, identity.input_shape, identity.num_classes, seed=self.seed)
-            self.spec = derive_spec(self.template, identity.input_shape)
-            self._template_state = self.template.state_dict()
-            self._statistics = [k for k, kind in self.spec.kinds.items() if kind in ("running_mean", "running_var")]
-        return identity
+        self.rounds: Optional[MatchRounds] = None
 
     def _train_content(self, server_round, j, arrays):
-        if self.match is None:  # round 1: the client starts from its own initialisation
-            self._starts[j] = None
-            self._widths[j] = _template_widths(self.spec, self._template_state)
-            return ArrayRecord()
-        state, ids = client_start(self.match, self.matched.index(j) if j in self.matched else None)
-        self._starts[j] = ids
-        self._widths[j] = {g: int(len(i)) for g, i in ids.items()}
-        return state_to_record(state)
+        start = self.rounds.start(j)   # None in round 1: the client starts from its own initialisation
+        return ArrayRecord() if start is None else state_to_record(start)
 
     def _parse_train(self, reply):
         arrays, metrics, j, n = self._identity_and_count(reply)
-        state = state_from_arrays(arrays, self.spec, self._template_state, widths=self._widths.get(j))
+        state = state_from_arrays(arrays, self.spec, self.template.state_dict(), widths=self.rounds.widths(j))
         counts = read_class_counts(metrics, self.identity.num_classes)
         return _Accepted(j, n, (state, counts), metrics)
 
     def _aggregate(self, server_round, accepted):
-        first = self.match is None
-        starts = None if first else [self._starts[a.partition_id] for a in accepted]
-        self.match = pfnm_step([a.payload[0] for a in accepted], np.stack([a.payload[1] for a in accepted]),
-                               self.pfnm, seed=self.seed, round=server_round, starts=starts, spec=self.spec,
-                               template=self.template)
-        self.matched = [a.partition_id for a in accepted]
-        seconds = self.match.seconds
+        clients = [a.partition_id for a in accepted]
+        match = pfnm_step([a.payload[0] for a in accepted], np.stack([a.payload[1] for a in accepted]), self.pfnm,
+                          seed=self.seed, round=server_round, starts=self.rounds.warm_start(clients), spec=self.spec,
+                          template=self.template)
+        self.rounds.update(match, clients)
+        seconds = match.seconds
         summary = {}
-        if self._statistics:
+        if self.rounds.architecture.batch_norms:
             start = time.perf_counter()
             summary["statistics_from"] = self._reestimate(server_round)
             seconds += time.perf_counter() - start
-        layers = match_hyperparameters(self.match)   # estimated (empirical Bayes, the default) or fixed, per group
-        return state_to_record(self.match.state), {
-            "hidden": self.match.hidden_sizes, **{name: [h[name] for h in layers] for name in ("sigma2", "sigma0_2",
-                                                                                             "gamma0")},
+        own = self.rounds.summary()   # the hyper-parameters estimated (empirical Bayes, the default) or fixed
+        return state_to_record(match.state), {
+            "hidden": own["hidden"], **{name: [h[name] for h in own["hyperparameters"]]
+                                        for name in ("sigma2", "sigma0_2", "gamma0")},
             **summary, "server_seconds": seconds}
 
     def _reestimate(self, server_round: int) -> list[int]:
-        """The batch-norm step: the matched clients' moments of the global network, summed in partition order; the
-        running statistics of ``match.state`` set from them. Returns the partitions whose moments were used."""
-        record = state_to_record(self.match.state)
-        channels = {name.rpartition(".")[0]: int(self.match.state[name].shape[0])
-                    for name in self._statistics if name.endswith(".running_mean")}
+        """The batch-norm step, one batch norm at a time, front to back
+        (:func:`~bnpfed.federated.server.batch_norm_steps`): for each, the matched clients' moments of its inputs
+        under the global network carrying the statistics set so far (a ``query`` with its name), summed in partition
+        order; the running statistics of ``match.state`` set from them. Returns the partitions whose moments were
+        used for every batch norm (none, and the members' mean statistics stay, for a layer nobody answered and
+        those after it)."""
+        match = self.rounds.match
+        used = set(self.rounds.matched)
 
-        def parse(reply: Message) -> _Accepted:
-            arrays, _, j, n = self._identity_and_count(reply)
-            return _Accepted(j, n, moments_from_arrays(arrays, channels), {})
+        def moments_of(layer: str, statistics: dict) -> list:
+            record = state_to_record(with_statistics(match.state, statistics))
+            channels = {layer: int(match.state[f"{layer}.running_mean"].shape[0])}
 
-        messages = self._messages(server_round, MessageType.QUERY, self.matched,
-                                  lambda j: (record, {"step": "batch-norm-moments"}))
-        replies = self._grid.send_and_receive(messages, timeout=self.query_timeout)
-        accepted, rejected, missing = self._accept(server_round, replies, MessageType.QUERY, parse)
-        if not accepted:
-            LOGGER.warning("round %d: no client sent its batch-norm moments (rejected: %s, missing: %s); the "
-                           "global network keeps its members' mean statistics", server_round, rejected or "none",
-                           missing or "none")
-            return []
-        self.match.state = with_statistics(self.match.state, batch_norm_step([a.payload for a in accepted]))
-        return [a.partition_id for a in accepted]
+            def parse(reply: Message) -> _Accepted:
+                arrays, _, j, n = self._identity_and_count(reply)
+                return _Accepted(j, n, moments_from_arrays(arrays, channels), {})
+
+            messages = self._messages(server_round, MessageType.QUERY, self.rounds.matched,
+                                      lambda j: (record, {"step": "batch-norm-moments", "layer": layer}))
+            replies = self._grid.send_and_receive(messages, timeout=self.query_timeout)
+            accepted, rejected, missing = self._accept(server_round, replies, MessageType.QUERY, parse)
+            if not accepted:
+                LOGGER.warning("round %d: no client sent the moments of batch norm %s (rejected: %s, missing: %s); "
+                               "it and the batch norms after it keep their members' mean statistics", server_round,
+                               layer, rejected or "none", missing or "none")
+            used.intersection_update(a.partition_id for a in accepted)
+            return [a.payload for a in accepted]
+
+        statistics = batch_norm_steps(self.rounds.architecture.batch_norms, moments_of)
+        match.state = with_statistics(match.state, statistics)
+        return sorted(used) if statistics else []
 
 
 class PosteriorFusionStrategy(_RoundStrategy):
@@ -562,16 +579,14 @@ class PosteriorFusionStrategy(_RoundStrategy):
     def _aggregate(self, server_round, accepted):
         step = fuse_posteriors([a.payload[0] for a in accepted], [a.payload[1] for a in accepted],
                                [a.num_examples for a in accepted], self.fusion, seed=self.seed, round=server_round)
-        total = sum(g.variance.sqrt().sum().item() for g in step.posterior.values())
-        count = sum(g.variance.numel() for g in step.posterior.values())
         summary = {"weights": step.weights,
                    "train_loss": sum(a.metrics["train_loss"] for a in accepted) / len(accepted),
-                   "mean_sigma": total / count, "min_variance": step.min_variance, "floored": step.floored,
+                   "mean_sigma": mean_sigma(g.variance for g in step.posterior.values()), "min_variance": step.min_variance, "floored": step.floored,
                    "server_seconds": step.seconds}
         return posterior_to_record(step.posterior, step.deterministic), summary
 
 
-class MatchedFusionStrategy(_RoundStrategy):
+class MatchedFusionStrategy(_MatchingStrategy):
     """Matched posterior fusion as a Flower strategy (run config ``method = "fusion"``, ``align = "match"``); the
     rounds of :class:`~bnpfed.federated.matched_fusion.MatchedFusionFederation`.
 
@@ -626,57 +641,38 @@ class MatchedFusionStrategy(_RoundStrategy):
         super().__init__(seed=seed, fraction=fusion.fraction, **kwargs)
         self.fusion, self.bayesian = fusion, bayesian
         self.network = replace(network, shared_init=False)
-        self.match = None
-        self.matched: list[int] = []
-        self.spec = self.template = None
-        self._starts: dict[int, Any] = {}  # partition -> the global ids of the units it was sent, per group
-        self._widths: dict[int, dict] = {}  # partition -> the widths it must answer with
+        self.rounds: Optional[MatchRounds] = None
 
     def connect(self, grid: Grid) -> NodeIdentity:
-        """As :meth:`_RoundStrategy.connect`, then the template network, its permutation spec and its Bayesian
-        sites (what every client builds too)."""
-        from bnpfed.federated.clients import bayesian_client, initial_network  # Pyro loads on demand
-        from bnpfed.inference.permutation import derive_spec
-        from bnpfed.inference.posterior_matching import client_posterior
-
+        """As :meth:`_MatchingStrategy.connect`, then the template's Bayesian sites (what every client builds
+        too)."""
         identity = super().connect(grid)
-        if self.template is None:
-            self.template = initial_network(self.network, identity.input_shape, identity.num_classes, seed=self.seed)
-            self.spec = derive_spec(self.template, identity.input_shape)
-            self._template_state = self.template.state_dict()
+        if not hasattr(self, "_sites"):
             locs, variances = client_posterior(bayesian_client(self.template, self.bayesian))
             self._order, self._sites = list(locs), list(variances)  # a client's (locs, variances), as it makes them
         return identity
 
     def _train_content(self, server_round, j, arrays):
-        if self.match is None:  # round 1: the client starts from its own initialisation
-            self._starts[j] = None
-            self._widths[j] = _template_widths(self.spec, self._template_state)
-            return ArrayRecord()
-        locs, variances, ids = matched_client_start(self.match, self.matched.index(j) if j in self.matched else None)
-        self._starts[j] = ids
-        self._widths[j] = {g: int(len(i)) for g, i in ids.items()}
-        return matched_posterior_to_record(locs, variances)
+        start = self.rounds.start(j)   # None in round 1: the client starts from its own initialisation
+        return ArrayRecord() if start is None else matched_posterior_to_record(*start)
 
     def _parse_train(self, reply):
         arrays, metrics, j, n = self._identity_and_count(reply)
-        locs, variances = matched_posterior_from_arrays(arrays, self.spec, self._template_state, self._sites,
-                                                        widths=self._widths.get(j))
+        locs, variances = matched_posterior_from_arrays(arrays, self.spec, self.template.state_dict(), self._sites,
+                                                        widths=self.rounds.widths(j))
         counts = read_class_counts(metrics, self.identity.num_classes)
         posterior = ({k: locs[k] for k in self._order}, variances)
         return _Accepted(j, n, (posterior, counts), {"train_loss": read_finite(metrics, "train-loss")})
 
     def _aggregate(self, server_round, accepted):
-        from bnpfed.federated.matched_fusion import matched_hyperparameters
-
-        starts = None if self.match is None else [self._starts[a.partition_id] for a in accepted]
-        self.match = matched_fusion_step([a.payload[0] for a in accepted], np.stack([a.payload[1] for a in accepted]),
-                                         [a.num_examples for a in accepted], self.fusion, seed=self.seed,
-                                         round=server_round, starts=starts, spec=self.spec, template=self.template)
-        self.matched = [a.partition_id for a in accepted]
-        variances = torch.cat([v.reshape(-1) for v in self.match.variances.values()])
-        summary = {"hidden": list(self.match.widths.values()),
-                   "train_loss": sum(a.metrics["train_loss"] for a in accepted) / len(accepted),
-                   "mean_sigma": float(variances.sqrt().mean()),
-                   "hyperparameters": matched_hyperparameters(self.match), "server_seconds": self.match.seconds}
-        return matched_posterior_to_record(self.match.locs, self.match.variances), summary
+        clients = [a.partition_id for a in accepted]
+        match = matched_fusion_step([a.payload[0] for a in accepted], np.stack([a.payload[1] for a in accepted]),
+                                    [a.num_examples for a in accepted], self.fusion, seed=self.seed,
+                                    round=server_round, starts=self.rounds.warm_start(clients), spec=self.spec,
+                                    template=self.template)
+        self.rounds.update(match, clients)
+        own = self.rounds.summary()
+        summary = {"hidden": own["hidden"], "train_loss": sum(a.metrics["train_loss"] for a in accepted) / len(accepted),
+                   "mean_sigma": own["mean_sigma"], "hyperparameters": own["hyperparameters"],
+                   "server_seconds": match.seconds}
+        return matched_posterior_to_record(match.locs, match.variances), summary

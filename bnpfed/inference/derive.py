@@ -24,13 +24,16 @@ _ELEMENTWISE_MODULES = (
 )
 _POOL_MODULES = (nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)
 _ELEMENTWISE_FUNCTIONS = {
-    torch.relu, torch.tanh, torch.sigmoid, torch.softmax, torch.log_softmax, F.relu, F.relu6, F.leaky_relu, F.elu,
-    F.selu, F.celu, F.gelu, F.silu, F.mish, F.tanh, F.sigmoid, F.hardtanh, F.hardswish, F.hardsigmoid, F.softplus,
-    F.softsign, F.tanhshrink, F.logsigmoid, F.dropout, F.dropout1d, F.dropout2d, F.alpha_dropout, F.softmax,
-    F.log_softmax,
+    torch.relu, torch.relu_, torch.tanh, torch.sigmoid, torch.selu, torch.celu, torch.rrelu, torch.softmax,
+    torch.log_softmax, torch.dropout, torch.alpha_dropout, torch.feature_dropout, torch.special.expit, F.relu, F.relu_,
+    F.relu6, F.leaky_relu, F.elu, F.selu, F.celu, F.gelu, F.silu, F.mish, F.tanh, F.sigmoid, F.hardtanh, F.hardswish,
+    F.hardsigmoid, F.softplus, F.softsign, F.tanhshrink, F.logsigmoid, F.dropout, F.dropout1d, F.dropout2d,
+    F.alpha_dropout, F.softmax, F.log_softmax,
 }
-_ELEMENTWISE_METHODS = {"relu", "tanh", "sigmoid", "softmax", "log_softmax", "contiguous"}
-_POOL_FUNCTIONS = {F.max_pool2d, F.avg_pool2d, F.adaptive_avg_pool2d, F.adaptive_max_pool2d}
+_ELEMENTWISE_METHODS = {"relu", "relu_", "tanh", "tanh_", "sigmoid", "sigmoid_", "softmax", "log_softmax",
+                        "contiguous"}
+#: torch's own names for the 2-d poolings beside torch.nn.functional's (``torch.max_pool2d`` is not ``F.max_pool2d``)
+_POOL_FUNCTIONS = {F.max_pool2d, F.avg_pool2d, F.adaptive_avg_pool2d, F.adaptive_max_pool2d, torch.max_pool2d}
 _RESHAPE_FUNCTIONS = {torch.flatten, torch.reshape}
 _RESHAPE_METHODS = {"flatten", "view", "reshape"}
 

@@ -124,6 +124,8 @@ class SpecMatch:
 
     def client_network(self, j: int) -> nn.Module:
         """Client j's slice as a network of the template's kind."""
+        if self.template is None:
+            raise ValueError("client_network: this match has no template network; pass template= to match_by_spec")
         return network_from_state(self.template, self.client_slice(j))
 
     def client_start(self, j: int | None) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
@@ -184,6 +186,11 @@ def _class_shares(class_counts, J: int, C: int) -> Tensor:
 
 def _check_state(state, spec: PermutationSpec, ref, j: int) -> dict[str, int]:
     who = f"client_nets[{j}]"
+    if ref is not None and set(state) != set(ref):
+        missing, extra = sorted(set(ref) - set(state)), sorted(set(state) - set(ref))
+        raise ValueError(f"{who}: expected the parameters of client 0's network (one network kind), got "
+                         f"{'missing ' + str(missing) if missing else ''}{'; ' if missing and extra else ''}"
+                         f"{'unexpected ' + str(extra) if extra else ''}")
     for key, kind in spec.kinds.items():
         if key not in state:
             raise ValueError(f"{who}: expected {key!r} ({kind}), which the spec names, got no such key")

@@ -177,6 +177,14 @@ class PosteriorMatch:
         ids = {g: a[int(j)] for g, a in self.assignments.items()}
         return client_slice(self.spec, self.unit_locs, ids), client_slice(self.spec, self.unit_variances, ids)
 
+    def client_start(self, j: int | None) -> tuple[tuple[dict, dict], dict[str, Tensor]]:
+        """What a client starts its next round from, ``((locs, variances), ids)``: its slice (:meth:`client_slice`)
+        if it was matched (``j`` its position among the matched clients; ``ids`` per group the global units of its
+        slice), else (``j`` None) the whole global posterior (``ids``: every global unit)."""
+        if j is None:
+            return (self.locs, self.variances), {g: torch.arange(w) for g, w in self.widths.items()}
+        return self.client_slice(j), {g: a[j].clone() for g, a in self.assignments.items()}
+
 
 def _pair(client, j: int) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     if isinstance(client, (tuple, list)) and len(client) == 2 and all(isinstance(c, Mapping) for c in client):

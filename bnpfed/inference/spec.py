@@ -115,7 +115,7 @@ class PermutationSpec:
             if kind == "output_bias" and dims:
                 raise ValueError(f"PermutationSpec: {param!r} is an output bias (one entry per class) but group(s) "
                                  f"act on it")
-            if kind != "output_bias" and not dims:
+            if kind not in ("output_bias", "output_weight") and not dims:
                 raise ValueError(f"PermutationSpec: {param!r} ({kind}) is acted on by no group; give it a group "
                                  f"or leave it out of kinds (it is then copied from the template)")
             if kind == "output_weight" and 0 in dims:

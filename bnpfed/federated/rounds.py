@@ -1,0 +1,137 @@
+"""What a matching server remembers between rounds, written once: the in-process federations
+(:class:`~bnpfed.federated.pfnm.PFNMFederation`, :class:`~bnpfed.federated.matched_fusion.MatchedFusionFederation`)
+and the Flower strategies (:class:`~bnpfed.flower.strategies.PFNMStrategy`,
+:class:`~bnpfed.flower.strategies.MatchedFusionStrategy`) each hold one :class:`MatchRounds`.
+
+* :class:`Architecture`: the clients' network kind as the server builds it -- a template network (what a client's
+  own initialisation looks like), its permutation spec, its batch norms in forward order;
+* :class:`MatchRounds`: the last match, the clients it matched, and for every client of the round what it was sent
+  (its slice of the global model if it was matched, else the whole model; nothing in round 1) and the global ids of
+  its units, from which the next match warm-starts and against which its reply's widths are checked; the round's
+  summary (widths, hyper-parameters, mean posterior sigma).
+
+Usage::
+
+    >>> from bnpfed.federated.config import NetworkConfig
+    >>> arch = Architecture.of(NetworkConfig(arch="simple-cnn-bn"), (1, 8, 8), 10, seed=0)
+    >>> arch.spec.group_names, arch.batch_norms
+    (['conv1', 'conv2', 'fc1', 'fc2'], ['bn1', 'bn2'])
+    >>> rounds = MatchRounds(arch)
+    >>> rounds.start(3) is None, rounds.widths(3)          # round 1: client 3 starts from its own initialisation
+    (True, {'conv1': 6, 'conv2': 16, 'fc1': 120, 'fc2': 84})
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence
+
+from torch import Tensor, nn
+
+from bnpfed.federated.clients import initial_network
+from bnpfed.federated.config import NetworkConfig
+from bnpfed.federated.server import match_hyperparameters, mean_sigma
+from bnpfed.inference.batch_norm import batch_norm_order
+from bnpfed.inference.permutation import PermutationSpec, derive_spec, network_from_state
+
+__all__ = ["Architecture", "MatchRounds"]
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """The clients' network kind, as the server (and every client) builds it.
+
+    :param nn.Module template: a network of the kind (the shared initialisation's), the shape global networks are
+        rebuilt in.
+    :param PermutationSpec spec: its permutation spec.
+    :param tuple input_shape: the shape of one input.
+    :param list batch_norms: its batch norms in forward order (re-estimated in that order after a match).
+    """
+
+    template: nn.Module = field(repr=False)
+    spec: PermutationSpec
+    input_shape: tuple
+    batch_norms: list
+
+    @classmethod
+    def of(cls, network: NetworkConfig, input_shape: Sequence[int], num_classes: int, *, seed: int) -> Architecture:
+        """The architecture of ``network`` for inputs of ``input_shape`` and ``num_classes`` classes, its template
+        the shared initialisation of ``seed``."""
+        if not isinstance(network, NetworkConfig):
+            raise ValueError(f"network: expected a NetworkConfig, got {type(network).__name__}")
+        input_shape = tuple(int(s) for s in input_shape)
+        template = initial_network(network, input_shape, num_classes, seed=seed)
+        return cls(template, derive_spec(template, input_shape), input_shape, batch_norm_order(template, input_shape))
+
+    @property
+    def statistics(self) -> list[str]:
+        """The running-statistic keys of the template's state (batch norms' means and variances)."""
+        return [k for k, kind in self.spec.kinds.items() if kind in ("running_mean", "running_var")]
+
+    def widths(self) -> dict[str, int]:
+        """Units per hidden permutation of the template (what a client's own initialisation has)."""
+        state = self.template.state_dict()
+        return {g.name: int(state[g.axes[0].param].shape[g.axes[0].dim]) // g.axes[0].block for g in self.spec.groups}
+
+    def network(self, state: Mapping[str, Tensor]) -> nn.Module:
+        """A network of the kind carrying ``state`` (at its widths)."""
+        return network_from_state(self.template, state)
+
+
+class MatchRounds:
+    """The server's memory between rounds of a matching method (PFNM, FedMA, matched posterior fusion).
+
+    :param Architecture architecture: the clients' network kind.
+
+    Attributes: ``match`` (the last match: a :class:`~bnpfed.inference.SpecMatch` or a
+    :class:`~bnpfed.inference.posterior_matching.PosteriorMatch`; None before round 1 ends), ``matched`` (the clients
+    it matched, in its order), ``sent`` (client -> the global ids per group of the units it was sent this round, None
+    when it started from its own initialisation).
+    """
+
+    def __init__(self, architecture: Architecture):
+        if not isinstance(architecture, Architecture):
+            raise ValueError(f"architecture: expected an Architecture, got {type(architecture).__name__}")
+        self.architecture = architecture
+        self.match: Any = None
+        self.matched: list[int] = []
+        self.sent: dict[int, Optional[dict[str, Tensor]]] = {}
+
+    def start(self, j: int) -> Any:
+        """What client ``j`` starts this round from, remembered with the global ids of its units: None in round 1
+        (its own initialisation); later the match's :meth:`client_start` -- its slice if it was matched last round,
+        else the whole global model (a state dict for PFNM, ``(locs, variances)`` for matched fusion)."""
+        if self.match is None:
+            self.sent[j] = None
+            return None
+        payload, ids = self.match.client_start(self.matched.index(j) if j in self.matched else None)
+        self.sent[j] = ids
+        return payload
+
+    def widths(self, j: int) -> dict[str, int]:
+        """The units per group client ``j``'s reply must have: those of what it was sent (:meth:`start`)."""
+        ids = self.sent.get(j)
+        return self.architecture.widths() if ids is None else {g: int(len(i)) for g, i in ids.items()}
+
+    def warm_start(self, clients: Sequence[int]) -> Optional[list[dict[str, Tensor]]]:
+        """Per client (in the given order), the global ids it was sent: the assignment the next match starts from;
+        None in round 1."""
+        if self.match is None:
+            return None
+        missing = [j for j in clients if self.sent.get(j) is None]
+        if missing:
+            raise ValueError(f"clients: expected clients that were sent the global model this round, got {missing}")
+        return [self.sent[j] for j in clients]
+
+    def update(self, match: Any, clients: Sequence[int]) -> None:
+        """The round's match, of ``clients`` in its order."""
+        self.match, self.matched = match, list(clients)
+
+    def summary(self) -> dict:
+        """The round's numbers: ``hidden`` (the global widths per group), ``hyperparameters`` (per group, as
+        :func:`~bnpfed.federated.server.match_hyperparameters`) and, for a posterior, ``mean_sigma``."""
+        out = {"hidden": list(self.match.widths.values()), "hyperparameters": match_hyperparameters(self.match)}
+        variances = getattr(self.match, "variances", None)
+        if variances is not None:
+            out["mean_sigma"] = mean_sigma(variances.values())
+        return out
