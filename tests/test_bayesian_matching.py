@@ -95,7 +95,7 @@ def test_sampled_means_spread_about_their_atom_with_the_posterior_variance_plus_
     law = dist.LogNormal(math.log(0.01), 1.0).expand([D])
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        trace = pyro.poutine.trace(beta_bernoulli_layer).get_trace(10, D, gamma0=20.0, sigma2=sigma2,
+        trace = pyro.poutine.trace(beta_bernoulli_layer).get_trace(10, D, gamma0=20.0, tau2=sigma2,
                                                                     neuron_variance=law)
     layer = trace.nodes["_RETURN"]["value"]
     for j, (v, u) in enumerate(zip(layer.neurons, layer.variances)):
@@ -122,7 +122,7 @@ def test_conditioned_log_joint_is_the_hand_computed_density(float64):
     v = [torch.tensor([[0.35, -0.5]]), torch.tensor([[0.2, -0.3]])]
     layer = FederatedLayer(atoms=theta, assignments=[torch.tensor([0]), torch.tensor([0])], neurons=v, variances=u)
     law = dist.Gamma(2.0, 200.0)
-    lp = log_joint(layer, gamma0=gamma0, sigma2=sigma2, sigma0_2=sigma0_2, mu0=mu0, neuron_variance=law)
+    lp = log_joint(layer, gamma0=gamma0, tau2=sigma2, sigma0_2=sigma0_2, mu0=mu0, neuron_variance=law)
     expected = math.log(gamma0) - gamma0 * 1.5 - math.log(2)
     expected += stats.norm.logpdf(theta.numpy(), mu0, math.sqrt(sigma0_2)).sum()
     for uj, vj in zip(u, v):
@@ -190,7 +190,7 @@ def test_objective_is_twice_the_pyro_log_joint_at_the_atoms_posterior_mode_less_
         layer = FederatedLayer(atoms=torch.as_tensor(g / P), neurons=[torch.as_tensor(v) for v in V],
                                assignments=[torch.tensor([labels[int(i)] for i in a]) for a in Z],
                                variances=[torch.as_tensor(u) for u in U])
-        lj = log_joint(layer, configuration=True, gamma0=hyper["gamma0"], sigma2=hyper["tau2"],
+        lj = log_joint(layer, configuration=True, gamma0=hyper["gamma0"], tau2=hyper["tau2"],
                        sigma0_2=hyper["sigma0_2"], mu0=hyper["mu0"], precisions=torch.as_tensor(precisions),
                        neuron_variance=law)
         F = bayesian_assignment_objective(V, U, Z, precisions=precisions, **hyper)
@@ -272,7 +272,7 @@ def test_empirical_bayes_recovers_tau2_sigma0_2_and_the_atoms(seed):
     (mean 0.01), tau2 = 0.02, sigma0_2 = 1: tau2 within 5% (observed within 1%), sigma0_2 within 10% (observed
     within 5%: a few thousand atom coordinates), the number of atoms exact."""
     law = dist.Gamma(2.0, 200.0).expand([50])
-    layer = sample_federated_layer(10, 50, seed=seed, gamma0=30.0, sigma2=0.02, neuron_variance=law)
+    layer = sample_federated_layer(10, 50, seed=seed, gamma0=30.0, tau2=0.02, neuron_variance=law)
     r = match_bayesian_layer(layer.neurons, layer.variances, seed=seed)
     assert r.converged and r.estimated == ("mu0", "tau2", "sigma0_2", "gamma0")
     assert r.hyperparameters["tau2"] == pytest.approx(0.02, rel=0.05)

@@ -3,7 +3,7 @@
 The clients are variational Bayesian networks. Client j's neuron l reports posterior means ``v_jl`` (D,) and posterior
 variances ``u_jl`` (D,), ``u_jld >= 0`` (0 for a deterministic coordinate such as a bias). The model is that of
 :mod:`bnpfed.inference.matching` with heteroscedastic noise (:func:`~bnpfed.models.beta_bernoulli.beta_bernoulli_layer`
-with ``neuron_variance``, its ``sigma2`` playing tau2's role):
+with ``neuron_variance`` and ``tau2``):
 
     theta_i ~ N(mu0, sigma0_2 I),    Z ~ Beta-Bernoulli(gamma0) (which atoms a client uses),
     v_jld ~ N(theta_id, (u_jld + tau2) / s_jd)     for the atom i that neuron l of client j belongs to,
@@ -137,7 +137,7 @@ def match_bayesian_layer(
 
         >>> import pyro.distributions as dist
         >>> from bnpfed.models import sample_federated_layer
-        >>> layer = sample_federated_layer(8, 30, seed=0, gamma0=10.0, sigma2=0.002,
+        >>> layer = sample_federated_layer(8, 30, seed=0, gamma0=10.0, tau2=0.002,
         ...                                neuron_variance=dist.Gamma(2.0, 200.0).expand([30]))
         >>> result = match_bayesian_layer(layer.neurons, layer.variances, seed=0)
         >>> result.num_atoms == layer.num_atoms, result.converged

@@ -19,10 +19,10 @@ layer above is already matched, its outgoing weights). Across J clients the stor
 **Bayesian neurons** (``neuron_variance`` given). A client that trained a variational Bayesian network reports, for
 each of its neurons, posterior means and posterior variances. Each neuron first draws its posterior-variance vector
 ``u_jl ~ neuron_variance`` (in R^D, entries >= 0; 0 for a deterministic coordinate such as a bias), and then its
-mean ``v_jl ~ N(theta_i, (u_jl + sigma2) / s_j)`` (the precision scales divide the whole variance, as the matcher's
+mean ``v_jl ~ N(theta_i, (u_jl + tau2) / s_j)`` (the precision scales divide the whole variance, as the matcher's
 noise precision ``w = s / (u + tau2)`` has it): the heteroscedastic model of
-:mod:`bnpfed.inference.bayesian_matching`, in which ``sigma2`` plays the role of its ``tau2``, the extra variance of a
-unit across clients that the posterior variances alone understate. Without ``neuron_variance`` this is the
+:mod:`bnpfed.inference.bayesian_matching`, ``tau2`` the extra variance of a unit across clients that the posterior
+variances alone understate. Without ``neuron_variance`` this is the
 homoscedastic model above (u = 0). The density of the ``u_j`` sites does not depend on the assignment or the atoms,
 so it is a constant of any matching objective.
 
@@ -182,13 +182,14 @@ def beta_bernoulli_layer(
     dim: int,
     *,
     gamma0: float,
-    sigma2: float,
+    sigma2: float | None = None,
     sigma0_2: float = 1.0,
     mu0=0.0,
     precisions=None,
     atom_prior: dist.Distribution | None = None,
     noise: Callable[[Tensor, Tensor], dist.Distribution] = gaussian_noise,
     neuron_variance: dist.Distribution | None = None,
+    tau2: float | None = None,
 ) -> FederatedLayer:
     """Pyro program of one federated layer under the Beta-Bernoulli process (see the module docstring).
 
@@ -212,11 +213,11 @@ def beta_bernoulli_layer(
         ([(0, 3), (2, 3)], 2)
 
     Bayesian neurons: each neuron draws its posterior variances ``u_j`` first, then its mean with variance
-    ``u_j + sigma2`` (``sigma2`` the extra variance across clients, tau2 of the heteroscedastic matching)::
+    ``u_j + tau2`` (``tau2`` the extra variance across clients, as the heteroscedastic matching names it)::
 
         >>> gamma = dist.Gamma(2.0, 200.0).expand([20])                      # posterior variances, mean 0.01
         >>> model = pyro.poutine.condition(beta_bernoulli_layer, data={"new_0": torch.tensor(3.0)})
-        >>> trace = pyro.poutine.trace(model).get_trace(5, 20, gamma0=8.0, sigma2=0.001, neuron_variance=gamma)
+        >>> trace = pyro.poutine.trace(model).get_trace(5, 20, gamma0=8.0, tau2=0.001, neuron_variance=gamma)
         >>> layer = trace.nodes["_RETURN"]["value"]
         >>> tuple(trace.nodes["u_0"]["value"].shape), len(layer.variances)
         ((3, 20), 5)
@@ -226,7 +227,8 @@ def beta_bernoulli_layer(
     :param int num_clients: J.
     :param int dim: D, the length of a neuron vector.
     :param float gamma0: IBP mass; each client uses ``gamma0`` atoms on average.
-    :param float sigma2: local noise variance (divided by the client's precision scales ``s_j``).
+    :param float sigma2: local noise variance (divided by the client's precision scales ``s_j``) of the homoscedastic
+        model; required without ``neuron_variance``, and refused with it (the role is then ``tau2``'s).
     :param float sigma0_2: variance of the default Gaussian atom prior.
     :param mu0: mean of the default atom prior: a scalar or a (D,) vector (PFNM: 0 for weights, 0.1 for biases).
     :param precisions: optional J per-client (D,) precision scales s_j (default all 1).
@@ -236,9 +238,11 @@ def beta_bernoulli_layer(
         neuron around its atom; default independent Gaussians.
     :param neuron_variance: optional law of one neuron's posterior-variance vector in R^D (event or batch shape
         (D,), support >= 0; e.g. ``dist.Gamma(2., 200.).expand([D])`` or a LogNormal). When given, every client with
-        neurons gets a site ``u_j`` (L_j, D), sampled before ``v_j``, and ``v_j ~ noise(atoms, (u_j + sigma2) / s_j)``:
-        ``sigma2`` is then the extra variance tau2 of the heteroscedastic model (module docstring). None (default):
-        the homoscedastic model, ``variances`` of the result None.
+        neurons gets a site ``u_j`` (L_j, D), sampled before ``v_j``, and ``v_j ~ noise(atoms, (u_j + tau2) / s_j)``
+        (module docstring). None (default): the homoscedastic model, ``variances`` of the result None.
+    :param float tau2: with ``neuron_variance`` (required then, refused without it): the extra variance of a unit
+        across clients that the posterior variances understate, tau2 of
+        :func:`~bnpfed.inference.match_bayesian_layer`.
     :returns: :class:`FederatedLayer` with the sampled (or conditioned) atoms, assignments, neurons and (with
         ``neuron_variance``) posterior variances.
     """
@@ -246,7 +250,16 @@ def beta_bernoulli_layer(
     if J < 1 or D < 1:
         raise ValueError(f"num_clients and dim must be >= 1, got {J} and {D}")
     gamma0 = check_positive(gamma0, "gamma0")
-    sigma2 = check_positive(sigma2, "sigma2")
+    if neuron_variance is None:
+        if tau2 is not None:
+            raise ValueError(f"tau2: expected None without neuron_variance (the homoscedastic model's noise is "
+                             f"sigma2), got {tau2!r}")
+        extra = check_positive(sigma2, "sigma2")
+    else:
+        if sigma2 is not None:
+            raise ValueError(f"sigma2: expected None with neuron_variance (the extra variance of Bayesian neurons is "
+                             f"tau2), got {sigma2!r}; pass tau2={sigma2!r}")
+        extra = check_positive(tau2, "tau2")
     if atom_prior is None:
         sigma0_2 = check_positive(sigma0_2, "sigma0_2")
         atom_prior = dist.Normal(_as_vector(mu0, D, "mu0"), math.sqrt(sigma0_2))
@@ -286,11 +299,11 @@ def beta_bernoulli_layer(
             continue
         perm = pyro.sample(f"perm_{j}", UniformPermutation(L_j)).long()
         assign_j = used[perm]
-        variance = (sigma2 / scales[j]).expand(L_j, D)
+        variance = (extra / scales[j]).expand(L_j, D)
         with pyro.plate(f"neurons_{j}", L_j):
             if neuron_variance is not None:
                 u = pyro.sample(f"u_{j}", neuron_variance)
-                variance = (u + sigma2) / scales[j]
+                variance = (u + extra) / scales[j]
                 variances.append(u)
             v = pyro.sample(f"v_{j}", noise(atoms[assign_j], variance).to_event(1))
         assignments.append(assign_j)
