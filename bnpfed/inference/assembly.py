@@ -66,6 +66,7 @@ def client_slice(spec: PermutationSpec, state: Mapping[str, Tensor], ids: Mappin
     network takes its assignments (``ids[g][l]`` the global unit its unit l was matched to); with a permutation of
     every group's units it permutes the network (:func:`verify_spec`).
 
+    >>> from bnpfed.inference import derive_spec
     >>> net = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
     >>> spec = derive_spec(net, (2,))
     >>> piece = client_slice(spec, net.state_dict(), {"0": torch.tensor([2, 0])})
@@ -121,6 +122,7 @@ def network_from_state(template: nn.Module, state: Mapping[str, Tensor]) -> nn.M
     rebuilt with the new widths (its other settings kept). The template is not modified; its ``forward`` runs on the
     rebuilt modules (it must not hard-code widths, as none of bnpfed's networks does).
 
+    >>> from bnpfed.inference import client_slice, derive_spec
     >>> net = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
     >>> network_from_state(net, client_slice(derive_spec(net, (2,)), net.state_dict(), {"0": [1]}))
     Sequential(
@@ -151,6 +153,7 @@ def network_from_atoms(template: nn.Module, spec: PermutationSpec, atoms: Mappin
     """The network of ``template``'s kind carrying the matched atoms, with the matched widths:
     ``network_from_state(template, state_from_atoms(spec, template.state_dict(), atoms, extra))``.
 
+    >>> from bnpfed.inference import derive_spec
     >>> net = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
     >>> spec = derive_spec(net, (2,))
     >>> atoms = torch.arange(20.0).reshape(5, 4)          # 5 global units: 2 incoming weights, bias, output weight

@@ -51,6 +51,8 @@ def match_group(
 
     Two clients holding permuted copies of one network, its first layer matched, then aligned::
 
+        >>> from torch import nn
+        >>> from bnpfed.inference import client_slice, derive_spec
         >>> net = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 2))
         >>> spec = derive_spec(net, (4,))
         >>> other = client_slice(spec, net.state_dict(), {"0": [2, 0, 1], "2": [1, 2, 0]})

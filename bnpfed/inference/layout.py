@@ -216,6 +216,8 @@ def unit_vectors(state: Mapping[str, Tensor], spec: PermutationSpec, group: str,
     Two channels of a conv over 1 input channel with 2x2 kernels; the next conv's input columns belong to the next
     group, so the vector of a channel is its 4 kernel weights and its bias::
 
+        >>> from torch import nn
+        >>> from bnpfed.inference import derive_spec
         >>> net = nn.Sequential(nn.Conv2d(1, 2, 2), nn.ReLU(), nn.Conv2d(2, 3, 2), nn.Flatten(), nn.Linear(3, 2))
         >>> spec = derive_spec(net, (1, 3, 3))
         >>> first = unit_vectors(net.state_dict(), spec, "0")

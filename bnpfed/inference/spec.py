@@ -80,6 +80,7 @@ class PermutationSpec:
 
     Usage::
 
+        >>> from bnpfed.inference import derive_spec
         >>> from bnpfed.models import mlp
         >>> print(derive_spec(mlp(4, [3], 2), (4,)))
         PermutationSpec: 1 hidden permutation, matched in this order
