@@ -264,6 +264,13 @@ def make_matcher(means, variances=None, *, precisions=None, name: str = "neurons
                         max_atoms=max_atoms, new_atom_penalty=new_atom_penalty, marginal=objective == "marginal")
 
 
+def _flat(arrays: list[np.ndarray], idx: np.ndarray, D: int) -> np.ndarray:
+    """The (N, |idx|) columns ``idx`` of J (L_j, D) arrays, stacked in client order (contiguous)."""
+    if idx.size == D:
+        return np.ascontiguousarray(np.concatenate(arrays))
+    return np.ascontiguousarray(np.concatenate([a[:, idx] for a in arrays]))
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # scores of the per-neuron coordinates
 
@@ -315,11 +322,11 @@ class LayerMatcher:
         self.F = np.flatnonzero(plain & exact)   # shared
         self.C = np.flatnonzero(~plain & exact)  # per client
         self.N = np.flatnonzero(~exact)          # per neuron
-        whole = self.F.size == D
-        self.vF = [v if whole else np.ascontiguousarray(v[:, self.F]) for v in V]
-        self.vC = [np.ascontiguousarray(v[:, self.C]) for v in V]
-        self.vN = [np.ascontiguousarray(v[:, self.N]) for v in V]
-        self.uN = [np.ascontiguousarray(u[:, self.N]) for u in U] if U is not None else [None] * J
+        # every kind's (N, k) data of all neurons (clients in order), and each client's rows of it (views)
+        self.vF_all, self.vC_all, self.vN_all = (_flat(V, idx, D) for idx in (self.F, self.C, self.N))
+        self.uN_all = _flat(U, self.N, D) if U is not None else None
+        self.vF, self.vC, self.vN = (self.client_rows(a) for a in (self.vF_all, self.vC_all, self.vN_all))
+        self.uN = self.client_rows(self.uN_all) if U is not None else [None] * J
         ones = np.ones(D)
         self.sC = [(s[j] if s is not None else ones)[self.C] for j in range(J)]
         self.sN = [(s[j] if s is not None else ones)[self.N] for j in range(J)]
@@ -339,6 +346,32 @@ class LayerMatcher:
         self.rematches: list[tuple[int, int, int]] = []
         self.hyper: tuple | None = None
 
+    def client_rows(self, flat: np.ndarray) -> list[np.ndarray]:
+        """Client j's rows (``L_j`` of them, views) of an (N, k) array of all neurons in client order."""
+        return np.split(flat, self.offsets[1:-1])
+
+    def columns(self, coords) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """Every neuron's (N, k) means, posterior variances (None: 0 on every coordinate) and precision scales
+        (None: 1 on every coordinate) on the coordinates ``coords`` (sorted): the matcher's own arrays when they are
+        one kind's (no copy), else gathered."""
+        coords = np.asarray(coords)
+        scales = None
+        if self.scales is not None and not (self.scales[:, coords] == 1.0).all():
+            scales = np.repeat(self.scales[:, coords], self.L, axis=0)
+        for idx, v, u in ((self.F, self.vF_all, None), (self.C, self.vC_all, None), (self.N, self.vN_all,
+                                                                                      self.uN_all)):
+            if np.array_equal(coords, idx):
+                return v, u, scales
+        N = int(self.offsets[-1])
+        v, u = np.empty((N, coords.size)), np.zeros((N, coords.size)) if self.N.size else None
+        for idx, vk, uk in ((self.F, self.vF_all, None), (self.C, self.vC_all, None), (self.N, self.vN_all,
+                                                                                      self.uN_all)):
+            here = np.isin(coords, idx)
+            v[:, here] = vk[:, np.searchsorted(idx, coords[here])]
+            if uk is not None:
+                u[:, here] = uk[:, np.searchsorted(idx, coords[here])]
+        return v, (u if u is not None and (u > 0).any() else None), scales
+
     # --- hyper-parameters -------------------------------------------------------------------------------------------
     def set_hyperparameters(self, *, noise: np.ndarray, prior: np.ndarray, gamma0: float, mu0: np.ndarray) -> None:
         """Score with these values from now on: ``noise`` (D,) the per-coordinate noise t_d, ``prior`` (D,) the prior
@@ -356,7 +389,8 @@ class LayerMatcher:
         self.P0 = P0 = 1.0 / prior[F[0]] if F.size else 1.0
         self.g0F = mu0[F] * P0
         self.g0F_sq = float(self.g0F @ self.g0F)
-        self.xF = [np.ascontiguousarray(v * tau) for v in self.vF]
+        self.xF_all = self.vF_all * tau
+        self.xF = self.client_rows(self.xF_all)
         self.xF_sq = [np.einsum("ld,ld->l", x, x) for x in self.xF]
         self.g0x = [x @ self.g0F for x in self.xF]  # cross term of each neuron with an empty (prior-only) atom
         self.P0C = 1.0 / prior[C]
@@ -576,8 +610,7 @@ class LayerMatcher:
     def use_gram(self) -> None:
         """Score the shared coordinates through the Gram matrix of all neurons from now on (:meth:`_gram_cross`)."""
         if self.gram is None and self.F.size:
-            x = np.concatenate(self.xF)
-            self.gram = x @ x.T
+            self.gram = self.xF_all @ self.xF_all.T
             self.gram_tau = self.tau
 
     def gram_fits(self) -> bool:
