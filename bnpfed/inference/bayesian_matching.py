@@ -13,39 +13,16 @@ two clients lie apart: they were trained on different data) and ``s_jd >= 0`` op
 (PFNM's class shares on output coordinates; 0: the client says nothing about coordinate d). The posterior variances
 are data, their law is free of the assignment: a constant of the objective.
 
-Notation (per atom i with members S_i, coordinate d). The noise precision of one neuron's coordinate is
-
-    w_jld = s_jd / (u_jld + tau2),
-
-and (natural parameters of the atom's Gaussian posterior)
-
-    P_id = 1/sigma0_2 + sum_{(j,l) in S_i} w_jld                   (posterior precision)
-    g_id = mu0_d/sigma0_2 + sum_{(j,l) in S_i} w_jld v_jld          (precision-weighted sum)
-
-with the posterior mean ``g_i / P_i`` and ``P0 = 1/sigma0_2``, ``g0 = mu0/sigma0_2`` (an atom without members). The
-objective is the **marginal** one of :func:`~bnpfed.inference.matching.match_layer` (atoms integrated out; factor-2
-convention; m_i clients on atom i, L atoms, c the popularity factor):
-
-    F(Z) = sum_i [ sum_d (g_id^2/P_id - g0_d^2/P0 - log(P_id/P0)) + 2 log(gamma0/J) + c sum_{k=1}^{m_i-1} log(k/(J-k)) ]
-
-For c = 2, ``F(Z) = 2 log p(Z, V | U) + sum_{j,l,d} [log(2 pi / w_jld) + w_jld v_jld^2] - 2 gamma0 H_J``, ``p`` the
-configuration density with the atoms integrated out (each atom's members' values are jointly Gaussian, covariance
-``sigma0_2 11^T + diag(1/w)`` per coordinate) and no factor for the order of a client's neurons. With every
-``u = 0`` and ``s = 1`` it is match_layer's marginal objective at ``sigma2 = tau2``.
-
-**Scores.** With the other clients fixed, client j's neuron l scores, against an existing atom i (m_i other clients),
-
-    sum_d [(g_id + w_jld v_jld)^2/(P_id + w_jld) - g_id^2/P_id - log((P_id + w_jld)/P_id)] + c log(m_i/(J - m_i))
-
-and against a new atom the same with ``(g0, P0)`` and ``2 log(gamma0/J)`` in place of the popularity term: the
-exact change of F, so ``scipy.optimize.linear_sum_assignment`` solves each client exactly. Unlike the homoscedastic
-case the precision ``P_id + w_jld`` depends on both the atom and the neuron, so the (L_j, L) score matrix is no
-matrix product: it is computed by broadcasting over (L_j, atoms, D) in chunks of at most ``CHUNK_ELEMENTS``
-entries (:func:`~bnpfed.inference.matcher.join_scores`); coordinates without posterior variance take the
-homoscedastic matcher's faster paths (one matrix product per client for the deterministic ones of scale 1: the one
-layer matcher of :mod:`bnpfed.inference.matcher`, of which :func:`~bnpfed.inference.matching.match_layer` is the case
-u = 0). A greedy pass (largest client first) and sweeps of remove-and-rematch in a seeded random client order are
-coordinate ascent: with the hyper-parameters fixed F never decreases. A client without neurons counts in J only.
+In the notation of :mod:`bnpfed.inference.matcher` (the one layer matcher, whose model this is), one neuron's
+coordinate has noise precision ``w_jld = s_jd / (u_jld + tau2)``, and the objective is the matcher's marginal one,
+F_marg (``objective="map"``, with fixed hyper-parameters, is its F). For c = 2, ``F_marg(Z) = 2 log p(Z, V | U) +
+sum_{j,l,d} [log(2 pi / w_jld) + w_jld v_jld^2] - 2 gamma0 H_J``, ``p`` the configuration density with the atoms
+integrated out (each atom's members' values are jointly Gaussian, covariance ``sigma0_2 11^T + diag(1/w)`` per
+coordinate) and no factor for the order of a client's neurons. With every ``u = 0`` and ``s = 1`` it is
+:func:`~bnpfed.inference.matching.match_layer`'s marginal objective at ``sigma2 = tau2``. The precision ``P_id +
+w_jld`` of a Bayesian coordinate depends on both the atom and the neuron, so its scores are no matrix product: the
+matcher broadcasts them (its per-neuron coordinates); the deterministic coordinates of scale 1 take the matrix
+product of the homoscedastic case.
 
 **Empirical Bayes** (``hyperparameters="empirical-bayes"``, the default): whatever of tau2, sigma0_2, gamma0, mu0
 is not given is estimated from the current assignment after the first pass and after every sweep, until a sweep
@@ -92,24 +69,15 @@ alone, it is redone from the even split (noted).
 
 from __future__ import annotations
 
-import time
 from typing import Literal
 
-import numpy as np
+import numpy as np  # noqa: F401 (the examples use it)
 
 from bnpfed.inference.empirical_bayes import TAU2_FLOOR, PauleMandel
-from bnpfed.inference.matcher import (CHUNK_ELEMENTS, FixedValues, MatchResult, make_matcher, result_dtype,
-                                      run_matching, validate_labels, validate_mu0)
-from bnpfed.validation import check_choice, check_int, check_positive
+from bnpfed.inference.matcher import (CHUNK_ELEMENTS, MatchResult, assignment_objective_of, match_one_layer,
+                                      validate_mu0)
 
 __all__ = ["CHUNK_ELEMENTS", "TAU2_FLOOR", "bayesian_assignment_objective", "match_bayesian_layer"]
-
-
-def _coordinates(values: dict) -> dict:
-    """Fixed hyper-parameters as the matcher's per-coordinate values (one tau2 and sigma0_2 everywhere)."""
-    D = values["mu0"].shape[0]
-    return dict(noise=np.full(D, values["tau2"]), prior=np.full(D, values["sigma0_2"]), gamma0=values["gamma0"],
-                mu0=values["mu0"])
 
 
 def match_bayesian_layer(
@@ -177,30 +145,13 @@ def match_bayesian_layer(
         "gamma0")``;
         ``objective`` holds F after the first assignment and after every sweep (each at the values that pass used).
     """
-    t0 = time.perf_counter()
-    mode = check_choice(hyperparameters, ("empirical-bayes", "fixed"), "hyperparameters")
-    eb = mode == "empirical-bayes"
-    if eb and objective == "map":
-        raise ValueError("objective: expected 'marginal' with hyperparameters='empirical-bayes', got 'map' (the MAP "
-                         "objective is no likelihood of the variances); use hyperparameters='fixed' for it")
-    sweeps = (50 if eb else 5) if sweeps is None else check_int(sweeps, "sweeps", low=0)
-    matcher = make_matcher(means, variances, precisions=precisions, name="means", objective=objective,
+    def estimator(matcher, given):
+        return PauleMandel(matcher, given, None if mu0 is None else validate_mu0(mu0, matcher.D))
+
+    return match_one_layer(means, variances, noise="tau2", given=dict(tau2=tau2, sigma0_2=sigma0_2, gamma0=gamma0),
+                           mu0=mu0, precisions=precisions, hyperparameters=hyperparameters, sweeps=sweeps, seed=seed,
+                           objective=objective, init_assignments=init_assignments, estimator=estimator, name="means",
                            popularity_factor=popularity_factor, **constants)
-    given = {name: check_positive(value, name) for name, value in
-             (("tau2", tau2), ("sigma0_2", sigma0_2), ("gamma0", gamma0)) if value is not None}
-    init = None if init_assignments is None else validate_labels(init_assignments, matcher.L, "init_assignments")
-    D = matcher.D
-    if eb:
-        estimator = PauleMandel(matcher, given, None if mu0 is None else validate_mu0(mu0, D))
-    else:
-        for name in ("tau2", "sigma0_2", "gamma0"):
-            if name not in given:
-                raise ValueError(f"{name}: expected a positive finite number with hyperparameters='fixed' (nothing "
-                                 f"is estimated), got None; pass {name}=... or use hyperparameters='empirical-bayes'")
-        values = {"tau2": given["tau2"], "sigma0_2": given["sigma0_2"], "gamma0": given["gamma0"],
-                  "mu0": validate_mu0(0.0 if mu0 is None else mu0, D)}
-        estimator = FixedValues(values, _coordinates)
-    return run_matching(matcher, estimator, init=init, sweeps=sweeps, seed=seed, dtype=result_dtype(means), t0=t0)
 
 
 def bayesian_assignment_objective(
@@ -228,9 +179,6 @@ def bayesian_assignment_objective(
         >>> together > apart
         True
     """
-    matcher = make_matcher(means, variances, precisions=precisions, name="means", popularity_factor=popularity_factor)
-    values = dict(tau2=check_positive(tau2, "tau2"), sigma0_2=check_positive(sigma0_2, "sigma0_2"),
-                  gamma0=check_positive(gamma0, "gamma0"), mu0=validate_mu0(mu0, matcher.D))
-    matcher.set_hyperparameters(**_coordinates(values))
-    matcher.start_from(validate_labels(assignments, matcher.L, "assignments"))
-    return matcher.objective()
+    return assignment_objective_of(means, variances, assignments, noise="tau2",
+                                   values=dict(tau2=tau2, sigma0_2=sigma0_2, gamma0=gamma0), mu0=mu0,
+                                   precisions=precisions, name="means", popularity_factor=popularity_factor)

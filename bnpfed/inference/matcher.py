@@ -1,17 +1,43 @@
 """The one layer matcher: per-atom sufficient statistics of a partial assignment under the Beta-Bernoulli model with
 per-neuron, per-coordinate noise, the Hungarian re-match of one client, and the driver that alternates sweeps of
-re-matches with the estimates of the hyper-parameters.
+re-matches with the estimates of the hyper-parameters (Yurochkin et al., ICML 2019, section 3.2).
 
-Client j's neuron l observes its atom ``theta_i ~ N(mu0, sigma0_2)`` on coordinate d with noise variance
+**The model.** Atoms ``theta_i ~ N(mu0, sigma0_2)`` in R^D, a Beta-Bernoulli process with mass ``gamma0`` choosing
+which atoms each of J clients uses, and client j's neuron l observing its atom i on coordinate d with noise variance
 ``(u_jld + t_d) / s_jd``: ``u_jld >= 0`` a posterior variance the client reports (0 for a point estimate: PFNM's
-deterministic networks, a bias the prior keeps deterministic), ``t_d`` the per-coordinate noise the hyper-parameters
-give (``sigma2`` of :func:`~bnpfed.inference.matching.match_layer`, ``tau2`` of
-:func:`~bnpfed.inference.bayesian_matching.match_bayesian_layer`) and ``s_jd >= 0`` a per-client precision scale
-(PFNM's class shares on output coordinates). With ``w_jld = s_jd / (u_jld + t_d)`` an atom with members S_i has
+deterministic networks, a bias the prior keeps deterministic), ``t_d`` the noise the hyper-parameters give
+(``sigma2`` of :func:`~bnpfed.inference.matching.match_layer`, where every u is 0; ``tau2`` of
+:func:`~bnpfed.inference.bayesian_matching.match_bayesian_layer`), ``s_jd >= 0`` a per-client precision scale
+(PFNM's class shares on output coordinates; 0: the client says nothing about coordinate d). The noise precision of
+one neuron's coordinate is ``w_jld = s_jd / (u_jld + t_d)``, and an atom with members S_i has
 
-    P_id = 1/sigma0_2_d + sum_{(j,l) in S_i} w_jld,      g_id = mu0_d/sigma0_2_d + sum_{(j,l) in S_i} w_jld v_jld,
+    P_id = 1/sigma0_2 + sum_{(j,l) in S_i} w_jld                   (posterior precision)
+    g_id = mu0_d/sigma0_2 + sum_{(j,l) in S_i} w_jld v_jld          (precision-weighted sum)
 
-and the modules above write the objectives and scores in these terms. The homoscedastic matcher is the case u = 0.
+and posterior mean ``g_i / P_i``; ``P0 = 1/sigma0_2``, ``g0 = mu0/sigma0_2`` are an atom without members.
+
+**Objectives** (m_i clients on atom i, L atoms, c the popularity factor). ``objective="map"`` (the published one:
+atoms at their MAP values, normalising constants dropped) and ``"marginal"`` (atoms integrated out, the Gaussian
+marginal likelihood; Yurochkin et al., "Statistical Model Aggregation via Parameter Matching", NeurIPS 2019):
+
+    F(Z) = sum_i [ sum_d (g_id^2/P_id - g0_d^2/P0) + 2 log(gamma0/J) + c sum_{k=1}^{m_i-1} log(k/(J-k)) ]
+    F_marg(Z) = F(Z) - sum_i sum_d log(P_id / P0)
+
+The extra Occam factor of F_marg charges every atom for the precision it concentrates; :mod:`~bnpfed.inference.
+matching` and :mod:`~bnpfed.inference.bayesian_matching` say which log densities these are. A client without
+neurons (the Beta-Bernoulli process gives one with probability exp(-gamma0)) holds no atom and adds nothing to the
+sums, but counts in J: it is one of the clients that did not take each atom.
+
+**Scores.** Both objectives decompose over clients: with the others fixed, client j's neuron l scores against atom i
+(m_i clients other than j)
+
+    sum_d [(g_id + w_jld v_jld)^2/(P_id + w_jld) - g_id^2/P_id] + c log(m_i/(J - m_i))
+
+(marginal: minus ``sum_d log((P_id + w_jld)/P_id)``), and against a new atom the same with ``(g0, P0)`` and ``2
+log(gamma0/J)`` in place of the popularity term: the exact change of F (or F_marg), so
+``scipy.optimize.linear_sum_assignment`` solves each client exactly, and a greedy pass followed by sweeps of
+remove-and-rematch is coordinate ascent: with the hyper-parameters fixed (and ``max_atoms`` off) the objective never
+decreases across sweeps.
 
 **Three kinds of coordinates**, by how ``w_jld`` varies (fixed by the data, whatever the hyper-parameters):
 
@@ -22,12 +48,13 @@ and the modules above write the objectives and scores in these terms. The homosc
 * *per client* (``u = 0`` but some ``s_jd != 1``): ``w_jd`` depends on the client only, and the scores are two more
   small products per client;
 * *per neuron* (some ``u_jld > 0``): ``P_id + w_jld`` depends on the atom and the neuron, and the (L_j, L) scores are
-  broadcast over (L_j, atoms, D) in chunks of at most ``CHUNK_ELEMENTS`` entries.
+  broadcast over (L_j, atoms, D) in chunks of at most ``CHUNK_ELEMENTS`` entries (:func:`join_scores`).
 
-The drivers: :func:`run_matching` runs the greedy pass (largest client first) or starts from given labels, then
-sweeps of remove-and-rematch in a seeded random client order, re-estimating the hyper-parameters after the first
-assignment and after every sweep through an *estimator* (:mod:`bnpfed.inference.empirical_bayes`: pooled moments
-for point estimates, Paule-Mandel for Bayesian neurons; :class:`FixedValues` when nothing is estimated).
+A re-estimate of the hyper-parameters is O(N D) (N neurons) and rebuilds the per-atom statistics.
+:func:`run_matching` runs the greedy pass (largest client first) or starts from given labels, then sweeps in a
+seeded random client order, re-estimating the hyper-parameters after the first assignment and after every sweep
+through an *estimator* (:mod:`bnpfed.inference.empirical_bayes`: pooled moments for point estimates, Paule-Mandel
+for Bayesian neurons; :class:`FixedValues` when nothing is estimated).
 """
 
 from __future__ import annotations
@@ -43,15 +70,17 @@ from scipy.optimize import linear_sum_assignment
 from scipy.sparse import csr_matrix
 from torch import Tensor
 
-from bnpfed.validation import check_choice, check_float
+from bnpfed.validation import check_choice, check_float, check_int, check_positive
 
 __all__ = [
     "CHUNK_ELEMENTS",
     "FixedValues",
     "LayerMatcher",
     "MatchResult",
+    "assignment_objective_of",
     "join_scores",
     "make_matcher",
+    "match_one_layer",
     "result_dtype",
     "run_matching",
     "to_numpy",
@@ -699,17 +728,16 @@ class LayerMatcher:
 class FixedValues:
     """The estimator of a matching whose hyper-parameters are all given (nothing is estimated).
 
-    :param dict values: the given values in the order the result reports them (``"mu0"`` a (D,) array, the
-        variances and ``"gamma0"`` floats).
-    :param coordinates: ``values -> dict(noise=, prior=, gamma0=, mu0=)``, the per-coordinate values the matcher
-        scores with.
+    :param dict values: the given values in the order the result reports them: ``"mu0"`` a (D,) array, the noise
+        (named ``noise``), ``"sigma0_2"`` and ``"gamma0"`` floats.
+    :param str noise: the noise variance's name (``"sigma2"``, ``"tau2"``).
     """
 
     estimated: tuple = ()
     fixed = True
 
-    def __init__(self, values: Mapping[str, object], coordinates):
-        self.values, self._coordinates, self.notes = dict(values), coordinates, []
+    def __init__(self, values: Mapping[str, object], noise: str):
+        self.values, self.noise, self.notes = dict(values), noise, []
 
     def start(self) -> dict:
         return dict(self.values)
@@ -724,10 +752,58 @@ class FixedValues:
         return True
 
     def coordinates(self, values: dict) -> dict:
-        return self._coordinates(values)
+        D = values["mu0"].shape[0]
+        return dict(noise=np.full(D, values[self.noise]), prior=np.full(D, values["sigma0_2"]),
+                    gamma0=values["gamma0"], mu0=values["mu0"])
 
     def public(self, values: dict, dtype) -> dict:
         return {k: torch.as_tensor(v, dtype=dtype) if k == "mu0" else v for k, v in values.items()}
+
+
+def match_one_layer(means, variances, *, noise: str, given: Mapping[str, object], mu0, precisions,
+                    hyperparameters: str, sweeps, seed, objective, init_assignments, estimator, name: str,
+                    stop_at_fixed_point: bool = True, cross_products: str = "auto", **options) -> MatchResult:
+    """What :func:`~bnpfed.inference.match_layer` and :func:`~bnpfed.inference.match_bayesian_layer` share: the
+    options checked, the matcher made, the given variances (``given``, named ``noise``, ``"sigma0_2"``,
+    ``"gamma0"``) checked, and the matching run with ``estimator(matcher, given)`` under empirical Bayes, or with
+    every value given (:class:`FixedValues`, mu0 0 by default)."""
+    t0 = time.perf_counter()
+    eb = check_choice(hyperparameters, ("empirical-bayes", "fixed"), "hyperparameters") == "empirical-bayes"
+    check_choice(cross_products, ("auto", "direct", "gram"), "cross_products")
+    objective = ("marginal" if eb else "map") if objective is None else objective
+    if eb and objective == "map":
+        raise ValueError("objective: expected 'marginal' with hyperparameters='empirical-bayes', got 'map': the MAP "
+                         "objective drops the atoms' normalising constants L D log(2 pi sigma0_2), so it is no "
+                         "likelihood of the variances to estimate them by (and its over-splitting at the true "
+                         "noise would feed back into the estimates); use hyperparameters='fixed' for it")
+    sweeps = (50 if eb else 5) if sweeps is None else check_int(sweeps, "sweeps", low=0)
+    matcher = make_matcher(means, variances, precisions=precisions, name=name, objective=objective, **options)
+    given = {n: check_positive(v, n) for n, v in given.items() if v is not None}
+    init = None if init_assignments is None else validate_labels(init_assignments, matcher.L, "init_assignments")
+    if eb:
+        estimator = estimator(matcher, given)
+    else:
+        for n in (noise, "sigma0_2", "gamma0"):
+            if n not in given:
+                raise ValueError(f"{n}: expected a positive finite number with hyperparameters='fixed' (nothing is "
+                                 f"estimated), got None; pass {n}=... or use hyperparameters='empirical-bayes'")
+        values = {"mu0": validate_mu0(0.0 if mu0 is None else mu0, matcher.D), **given}
+        estimator = FixedValues(values, noise)
+    return run_matching(matcher, estimator, init=init, sweeps=sweeps, seed=seed,
+                        stop_at_fixed_point=stop_at_fixed_point, cross_products=cross_products,
+                        dtype=result_dtype(means), t0=t0)
+
+
+def assignment_objective_of(means, variances, assignments, *, noise: str, values: Mapping[str, object], mu0,
+                            precisions, name: str, **options) -> float:
+    """The objective at a given assignment and given hyper-parameters (``values``: the noise, named ``noise``,
+    ``sigma0_2``, ``gamma0``)."""
+    matcher = make_matcher(means, variances, precisions=precisions, name=name, **options)
+    given = {n: check_positive(values[n], n) for n in (noise, "sigma0_2", "gamma0")}
+    estimator = FixedValues({"mu0": validate_mu0(mu0, matcher.D), **given}, noise)
+    matcher.set_hyperparameters(**estimator.coordinates(estimator.values))
+    matcher.start_from(validate_labels(assignments, matcher.L, "assignments"))
+    return matcher.objective()
 
 
 def run_matching(matcher: LayerMatcher, estimator, *, init, sweeps: int, seed, stop_at_fixed_point: bool = True,

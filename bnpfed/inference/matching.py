@@ -7,51 +7,20 @@ hyper-parameters (mu0, sigma0_2, sigma2, gamma0) are either given (``hyperparame
 estimated from the clients' neurons alone, alternating with the assignment (``"empirical-bayes"``, the default; see
 *Empirical Bayes* below).
 
-Notation (natural parameters, per atom i and coordinate d). A client j's neuron v_jl has noise precision
-``w_jd = s_jd / sigma2``. An atom with members S_i has
-
-    P_id = 1/sigma0_2 + sum_{(j,l) in S_i} w_jd                 (posterior precision)
-    g_id = mu0_d/sigma0_2 + sum_{(j,l) in S_i} w_jd v_jld        (precision-weighted sum)
-
-and posterior mean ``theta_i = g_i / P_i``. With m_i = |S_i| clients on atom i, L atoms, c the popularity factor:
-
-**objective="map"** (the published objective: atoms at their MAP values, normalising constants dropped)
-
-    F(Z) = sum_i [ sum_d (g_id^2/P_id - g0_d^2/P0) + 2 log(gamma0/J) + c sum_{k=1}^{m_i-1} log(k/(J-k)) ]
-
-with ``g0 = mu0/sigma0_2``, ``P0 = 1/sigma0_2``. For c = 2 this is twice the log density of the configuration:
+In the notation of :mod:`bnpfed.inference.matcher` (the one layer matcher, here with every posterior variance 0):
+client j's neuron v_jl has noise precision ``w_jd = s_jd / sigma2`` (``s_jd`` 1 unless ``precisions`` says
+otherwise), and the objectives are the matcher's F (``objective="map"``, the published one) and F_marg
+(``"marginal"``). For popularity factor c = 2, F is twice the log density of the configuration:
 
     F(Z) = 2 log p_conf(Z, theta_hat, V) + L * D * log(2 pi sigma0_2) + const(V, J, gamma0)
 
 where ``p_conf`` is the Beta-Bernoulli density of the configuration (the IBP prior in its exchangeable form, see
 :func:`bnpfed.models.beta_bernoulli.log_joint`) and const(V, J, gamma0) = 2 gamma0 H_J + 2 sum_j log L_j! +
 sum_{j,l,d} [log(2 pi sigma2 / s_jd) + s_jd v_jld^2 / sigma2]. The term ``L D log(2 pi sigma0_2)`` -- the atoms'
-prior normalising constants, which depend on the number of atoms alone -- is what the published objective drops.
-
-**objective="marginal"** integrates every atom out instead of plugging in its MAP value (the Gaussian marginal
-likelihood; Yurochkin et al., "Statistical Model Aggregation via Parameter Matching", NeurIPS 2019):
-
-    F_marg(Z) = F(Z) - sum_i sum_d log(P_id / P0)
-
-The extra Occam factor charges every atom for the precision it concentrates. The MAP objective has no such charge:
-at sigma2 equal to the true noise, merging two noisy copies of one atom and keeping them apart are worth about the
-same (both of order D), so it over-splits; the marginal objective does not.
-
-A client without neurons (L_j = 0; the Beta-Bernoulli process gives one with probability exp(-gamma0)) holds no
-atom and adds nothing to the sums, but it counts in J: it is one of the clients that did not take each atom.
-
-Both objectives decompose over clients: with the other clients fixed, client j's contribution is a sum of per-pair
-scores, so its best assignment is a linear assignment problem. Client j's neuron l scores
-
-* against existing atom i (m_i clients other than j):
-  ``sum_d [(g_id + w_jd v_jld)^2/(P_id + w_jd) - g_id^2/P_id] + c log(m_i/(J - m_i))`` (marginal: minus
-  ``sum_d log((P_id + w_jd)/P_id)``);
-* against a new atom: ``sum_d [(g0_d + w_jd v_jld)^2/(P0 + w_jd) - g0_d^2/P0] + 2 log(gamma0/J)`` (marginal: minus
-  ``sum_d log((P0 + w_jd)/P0)``),
-
-and ``scipy.optimize.linear_sum_assignment`` solves it exactly. These per-client scores are the exact change of F
-(or F_marg) for any c, so a greedy pass followed by sweeps of remove-and-rematch is coordinate ascent: F never
-decreases across sweeps (with ``max_atoms`` off and the hyper-parameters held fixed).
+prior normalising constants, which depend on the number of atoms alone -- is what the published objective drops, and
+what F_marg's Occam factor restores in integrated form. Without it, at sigma2 equal to the true noise, merging two
+noisy copies of one atom and keeping them apart are worth about the same (both of order D), so the MAP objective
+over-splits; the marginal one does not.
 
 Reference constants (the published code, ``REFERENCE_CONSTANTS``): fixed hyper-parameters and the MAP objective;
 popularity factor c = 1; popularity counts capped at 10 (``min(m, 10)`` inside the log; the cap keeps the ascent
@@ -110,11 +79,8 @@ with data on d, ``Q_d = sum_i w_i (xbar_id - xbar_wd)^2`` (xbar_wd the w-weighte
 whose mean is mostly noise gets little weight. (With equal W_id it is the unweighted formula.) A layer with no
 coordinate of all scales 1 estimates sigma2 and sigma0_2 this way.
 
-One sigma2 serves every client. A noise variance per client (sigma2_j, as the scale sigma2 / sigma2_j on client j's
-precision row, so that a client with little data counts for less) was measured and not kept: on MNIST (784-100-10,
-J = 10, Dirichlet(0.5), local models trained on the first 50 000 training images, scored on the last 10 000) it
-reached 0.9533 / 0.9586 / 0.9371 against 0.9556 / 0.9599 / 0.9388 with shared noise (seeds 0-2), 0.9590 against
-0.9594 on the test set (5 seeds), no gain on IID partitions either, at about twice the matching time.
+One sigma2 serves every client (a noise variance per client was measured and not kept: no gain on MNIST at twice
+the matching time; benchmarks/README.md).
 
 Degenerate cases. No atom with two members (every neuron alone): sigma2 is not estimable and keeps its previous value.
 Fewer than two atoms with data on every coordinate (one atom, with mu0 estimated): sigma0_2 keeps its previous value.
@@ -128,38 +94,25 @@ The iteration starts from ``start`` or, for what it does not give, from the pool
 their mean on coordinate d, ``sigma2 = EB_START_NOISE_SHARE * T`` and ``sigma0_2 = (1 - EB_START_NOISE_SHARE) * T``
 with T their pooled variance (``Var(v_d) = sigma0_2 + sigma2`` under the model; the scaled pair likewise from the
 scaled coordinates), and gamma0 the mean number of neurons per client (under the IBP every client uses gamma0 atoms
-on average). The alternation may have several fixed points, and the start chooses among them. On layers drawn from
-the model the small-noise start and the even split (``sigma2 = sigma0_2 = T / 2``) both lead to the truth. On the
-layers of independently trained networks they do not, and the small-noise start reaches the fixed point of higher
-marginal likelihood, the quantity empirical Bayes maximises. There a few neurons -- units that never activate, their
-weights only shrunk by weight decay -- agree across clients within a tenth of the spread of the others, while a
-trained neuron's best counterpart at another client is hardly closer than a random one (MNIST 784-100-10, J = 10:
-Hungarian-matched pairs of trained neurons 0.087 per coordinate apart, random pairs 0.111, pairs of never-active
-ones below 0.01). From the small noise the estimate is the spread of the agreeing neurons and the trained ones stay
-apart; from the even split the first pass merges trained neurons, their spread (about 7 times larger) becomes
-sigma2, and the iteration stays there, 2.5 to 3.5 x 10^4 nats lower in log marginal likelihood (three IID
-partitions; under Dirichlet(0.5) both starts reach the same fixed point). If the first pass from the small noise
+on average). The alternation may have several fixed points, and the start chooses among them: on the layers of
+independently trained networks the small-noise start reaches the fixed point of higher marginal likelihood -- the
+few never-active units that agree closely across clients set the noise, and the trained ones stay apart -- while
+the even split (``sigma2 = sigma0_2 = T / 2``) merges trained neurons in its first pass and stays at a fixed point
+2.5 to 3.5 x 10^4 nats lower (MNIST 784-100-10, J = 10; benchmarks/README.md). If the first pass from the small noise
 leaves every neuron alone (sigma2 not estimable: nothing agrees that closely), it is redone from the even split
 (noted). It stops when a sweep changed no assignment and no estimate moved by more than ``EB_RTOL`` (relative; mu0
 relative to sqrt(sigma0_2)), or after ``sweeps`` sweeps (``MatchResult.converged`` False). With the estimates held
 fixed a sweep never lowers F_marg; re-estimating moves F_marg itself, so ``objective`` need not be monotone across
 sweeps.
 
-Implementation: the one layer matcher of :mod:`bnpfed.inference.matcher`, with every posterior variance 0 (the
-heteroscedastic model of :mod:`bnpfed.inference.bayesian_matching` at u = 0, tau2 = sigma2), and the estimator
-:class:`~bnpfed.inference.empirical_bayes.PooledMoments`. Coordinates on which every client has precision scale 1
-(all of them unless ``precisions`` is given; in PFNM all but the output-layer ones) form block A, where ``P_i = P0 +
-m_i / sigma2`` is one number per atom: the cross terms of all of a client's neurons against all atoms are one matrix
-product ``V_j g_A^T`` (or a gather from the Gram matrix of all neurons), and the per-atom statistics (g, m,
-||g_A||^2) are updated in place when a client leaves or joins. The remaining coordinates (block B) keep a dense
-per-coordinate precision and cost two more, small, products. A re-estimate is O(N D) (N neurons) and rebuilds those
-statistics from the current assignment.
+Implementation: the one layer matcher of :mod:`bnpfed.inference.matcher` (the heteroscedastic model of
+:mod:`bnpfed.inference.bayesian_matching` at u = 0, tau2 = sigma2; block A its shared coordinates, block B its
+per-client ones) and the estimator :class:`~bnpfed.inference.empirical_bayes.PooledMoments`.
 """
 
 from __future__ import annotations
 
 import math  # noqa: F401 (match_layer's examples use it)
-import time
 from typing import Literal, Mapping
 
 import numpy as np
@@ -168,9 +121,7 @@ from torch import Tensor
 
 from bnpfed.inference.empirical_bayes import (EB_RTOL, EB_START_NOISE_SHARE, SIGMA0_2_FLOOR, SIGMA2_FLOOR,
                                               PooledMoments, validate_start)
-from bnpfed.inference.matcher import (FixedValues, MatchResult, make_matcher, result_dtype, run_matching,
-                                      validate_labels, validate_mu0)
-from bnpfed.validation import check_choice, check_int, check_positive
+from bnpfed.inference.matcher import MatchResult, assignment_objective_of, match_one_layer, validate_mu0
 
 __all__ = [
     "MatchResult",
@@ -191,13 +142,6 @@ __all__ = [
 #: ``match_layer(..., sigma2=..., sigma0_2=..., gamma0=..., **REFERENCE_CONSTANTS)`` to reproduce it.
 REFERENCE_CONSTANTS = dict(hyperparameters="fixed", objective="map", popularity_factor=1.0, popularity_cap=10,
                            max_atoms=700, new_atom_penalty="log_k")
-
-
-def _coordinates(values: dict) -> dict:
-    """Fixed hyper-parameters as the matcher's per-coordinate values (one sigma2 and sigma0_2 everywhere)."""
-    D = values["mu0"].shape[0]
-    return dict(noise=np.full(D, values["sigma2"]), prior=np.full(D, values["sigma0_2"]), gamma0=values["gamma0"],
-                mu0=values["mu0"])
 
 
 def match_layer(
@@ -314,41 +258,19 @@ def match_layer(
     :returns: :class:`MatchResult`, with the hyper-parameters used (``hyperparameters``, their history, what was
         estimated, whether the estimation converged, and notes on its fallbacks).
     """
-    t0 = time.perf_counter()
-    mode = check_choice(hyperparameters, ("empirical-bayes", "fixed"), "hyperparameters")
-    check_choice(cross_products, ("auto", "direct", "gram"), "cross_products")
-    eb = mode == "empirical-bayes"
-    if objective is None:
-        objective = "marginal" if eb else "map"
-    if eb and objective == "map":
-        raise ValueError("objective: expected 'marginal' with hyperparameters='empirical-bayes', got 'map': the MAP "
-                         "objective drops the atoms' normalising constants L D log(2 pi sigma0_2), so it is no "
-                         "likelihood of sigma0_2 and sigma2 to estimate them by (and its over-splitting at the true "
-                         "noise would feed back into the estimates); use hyperparameters='fixed' for it")
-    sweeps = (50 if eb else 5) if sweeps is None else check_int(sweeps, "sweeps", low=0)
-    matcher = make_matcher(neurons, precisions=precisions, objective=objective, popularity_factor=popularity_factor,
-                           popularity_cap=popularity_cap, max_atoms=max_atoms, new_atom_penalty=new_atom_penalty)
-    given = {name: check_positive(value, name) for name, value in
-             (("sigma0_2", sigma0_2), ("sigma2", sigma2), ("gamma0", gamma0)) if value is not None}
-    init = None if init_assignments is None else validate_labels(init_assignments, matcher.L, "init_assignments")
-    D = matcher.D
-    if eb:
-        mu0v = np.full(D, np.nan) if mu0 is None else validate_mu0(mu0, D, estimable=True)
-        start = validate_start(start, {**given, **({"mu0": mu0} if not np.isnan(mu0v).any() else {})}, D)
-        estimator = PooledMoments(matcher, given, mu0v, start)
-    else:
-        for name in ("sigma2", "sigma0_2", "gamma0"):
-            if name not in given:
-                raise ValueError(f"{name}: expected a positive finite number with hyperparameters='fixed' (nothing "
-                                 f"is estimated), got None; pass {name}=... or use hyperparameters='empirical-bayes'")
-        if start is not None:
-            raise ValueError(f"start: expected None with hyperparameters='fixed' (nothing is estimated), got {start!r}")
-        values = dict(mu0=validate_mu0(0.0 if mu0 is None else mu0, D),
-                      **{n: given[n] for n in ("sigma0_2", "sigma2", "gamma0")})
-        estimator = FixedValues(values, _coordinates)
-    return run_matching(matcher, estimator, init=init, sweeps=sweeps, seed=seed,
-                        stop_at_fixed_point=stop_at_fixed_point, cross_products=cross_products,
-                        dtype=result_dtype(neurons), t0=t0)
+    def estimator(matcher, given):
+        mu0v = np.full(matcher.D, np.nan) if mu0 is None else validate_mu0(mu0, matcher.D, estimable=True)
+        first = validate_start(start, {**given, **({"mu0": mu0} if not np.isnan(mu0v).any() else {})}, matcher.D)
+        return PooledMoments(matcher, given, mu0v, first)
+
+    if hyperparameters == "fixed" and start is not None:
+        raise ValueError(f"start: expected None with hyperparameters='fixed' (nothing is estimated), got {start!r}")
+    return match_one_layer(neurons, None, noise="sigma2", given=dict(sigma0_2=sigma0_2, sigma2=sigma2, gamma0=gamma0),
+                           mu0=mu0, precisions=precisions, hyperparameters=hyperparameters, sweeps=sweeps, seed=seed,
+                           objective=objective, init_assignments=init_assignments, estimator=estimator,
+                           name="neurons", stop_at_fixed_point=stop_at_fixed_point, cross_products=cross_products,
+                           popularity_factor=popularity_factor, popularity_cap=popularity_cap, max_atoms=max_atoms,
+                           new_atom_penalty=new_atom_penalty)
 
 
 def assignment_objective(
@@ -370,13 +292,10 @@ def assignment_objective(
         a client without neurons). The other parameters are those of :func:`match_layer` (its
         ``MatchResult.hyperparameters`` can be passed as they are).
     """
-    matcher = make_matcher(neurons, precisions=precisions, objective=objective, popularity_factor=popularity_factor,
-                           popularity_cap=popularity_cap)
-    values = dict(sigma2=check_positive(sigma2, "sigma2"), sigma0_2=check_positive(sigma0_2, "sigma0_2"),
-                  gamma0=check_positive(gamma0, "gamma0"), mu0=validate_mu0(mu0, matcher.D))
-    matcher.set_hyperparameters(**_coordinates(values))
-    matcher.start_from(validate_labels(assignments, matcher.L, "assignments"))
-    return matcher.objective()
+    return assignment_objective_of(neurons, None, assignments, noise="sigma2",
+                                   values=dict(sigma2=sigma2, sigma0_2=sigma0_2, gamma0=gamma0), mu0=mu0,
+                                   precisions=precisions, name="neurons", objective=objective,
+                                   popularity_factor=popularity_factor, popularity_cap=popularity_cap)
 
 
 def averaging_weights(scales) -> Tensor:
