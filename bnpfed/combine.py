@@ -100,10 +100,10 @@ def register_rule(name: str, fn: FusionRule, *, overwrite: bool = False, per_coo
     :returns: ``fn``, so that ``register_rule`` also reads well as ``fn = register_rule("name", fn)``.
     """
     if not isinstance(name, str) or not name:
-        raise ValueError(f"name must be a non-empty string, got {name!r}")
+        raise ValueError(f"name: expected a non-empty string, got {name!r}")
     if not callable(fn):
-        raise ValueError(f"fn must be callable with signature fn(locs, variances, weights, *, num_samples, "
-                         f"generator), got {type(fn).__name__}")
+        raise ValueError(f"fn: expected a callable fn(locs, variances, weights, *, num_samples, generator), got "
+                         f"{type(fn).__name__}")
     if name in _RULES and not overwrite:
         raise ValueError(f"name: expected a rule name not registered yet, got {name!r}, which is; pass "
                          "overwrite=True to replace it")
@@ -290,8 +290,9 @@ def pooling(locs: Tensor, variances: Tensor, weights: Tensor, *, num_samples: in
     counts = [math.floor(b * num_samples * slack) for b in weights.tolist()]
     total = sum(counts)
     if total < 2:
-        raise ValueError(f"num_samples={num_samples} gives {total} pooled draw(s) (floor(b_k * num_samples) per "
-                         f"client with weights {weights.tolist()}); pooling needs at least 2: increase num_samples")
+        raise ValueError(f"num_samples: expected enough for at least 2 pooled draws (floor(b_k * num_samples) per "
+                         f"client with weights {weights.tolist()}), got {num_samples}, which gives {total}: increase "
+                         "num_samples")
     scales = variances.sqrt()
     pooled_mean = torch.zeros_like(locs[0])
     pooled_sum_sq = torch.zeros_like(locs[0])
@@ -326,21 +327,21 @@ def _as_client_stack(x: Any, name: str) -> Tensor:
         items = [torch.as_tensor(item) for item in x]
         for k, item in enumerate(items):
             if item.shape != items[0].shape:
-                raise ValueError(f"{name} must hold one tensor of the same shape per client; client 0 has shape "
-                                 f"{tuple(items[0].shape)} but client {k} has shape {tuple(item.shape)}")
+                raise ValueError(f"{name}: expected one tensor of the same shape per client, got shape "
+                                 f"{tuple(items[0].shape)} for client 0 but {tuple(item.shape)} for client {k}")
         stacked = torch.stack([item.to(items[0].device) for item in items])
     else:
         try:
             stacked = torch.as_tensor(x)
         except (TypeError, ValueError, RuntimeError) as error:
-            raise ValueError(f"{name} must be a tensor of shape (K, *shape) or a sequence of K equally shaped "
+            raise ValueError(f"{name}: expected a tensor of shape (K, *shape) or a sequence of K equally shaped "
                              f"tensors, got {type(x).__name__}: {error}") from None
     if stacked.dim() == 0:
-        raise ValueError(f"{name} must have a leading client dimension, shape (K, *shape); got a scalar")
+        raise ValueError(f"{name}: expected a leading client dimension, shape (K, *shape), got a scalar")
     if stacked.shape[0] == 0:
-        raise ValueError(f"{name} must hold at least one client (K >= 1), got shape {tuple(stacked.shape)}")
+        raise ValueError(f"{name}: expected at least one client (K >= 1), got shape {tuple(stacked.shape)}")
     if stacked.dtype == torch.bool or stacked.is_complex():
-        raise ValueError(f"{name} must be real-valued, got dtype {stacked.dtype}")
+        raise ValueError(f"{name}: expected real values, got dtype {stacked.dtype}")
     return stacked
 
 
@@ -371,7 +372,7 @@ def _all_normal_positive(x: Tensor) -> bool:
 def _check_finite(x: Tensor, name: str) -> None:
     if not _all_finite(x):
         bad = (~torch.isfinite(x)).nonzero()[0].tolist()
-        raise ValueError(f"{name} must be finite, got {x[tuple(bad)].item()} at index {tuple(bad)}")
+        raise ValueError(f"{name}: expected finite values, got {x[tuple(bad)].item()} at index {tuple(bad)}")
 
 
 def _floating_dtype(*tensors: Tensor) -> torch.dtype:
@@ -429,8 +430,8 @@ def _validated(locs: Any, variances: Any) -> tuple[Tensor, Tensor]:
     locs = _as_client_stack(locs, "locs")
     variances = _as_client_stack(variances, "variances")
     if locs.shape != variances.shape:
-        raise ValueError(f"locs and variances must have the same shape (K, *shape); got locs "
-                         f"{tuple(locs.shape)} and variances {tuple(variances.shape)}")
+        raise ValueError(f"locs and variances: expected the same shape (K, *shape), got locs {tuple(locs.shape)} "
+                         f"and variances {tuple(variances.shape)}")
     dtype = _floating_dtype(locs, variances)
     locs = locs.to(dtype)
     variances = variances.to(dtype=dtype, device=locs.device)
@@ -438,7 +439,8 @@ def _validated(locs: Any, variances: Any) -> tuple[Tensor, Tensor]:
     if not _all_positive_finite(variances):  # then find the first bad entry and name it
         _check_finite(variances, "variances")
         bad = (variances <= 0).nonzero()[0].tolist()
-        raise ValueError(f"variances must be > 0, got {variances[tuple(bad)].item()} at index {tuple(bad)}")
+        raise ValueError(f"variances: expected entries > 0, got {variances[tuple(bad)].item()} at index "
+                         f"{tuple(bad)}")
     return locs, variances
 
 
@@ -498,9 +500,9 @@ def fuse(locs: Any, variances: Any, rule: str, weights: Any = None, *, num_sampl
     loc, variance = fn(locs, variances, b, num_samples=num_samples, generator=generator)
     for what, value in (("loc", loc), ("variance", variance)):
         if not isinstance(value, Tensor) or value.shape != shape:
-            got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
-            raise ValueError(f"rule {rule!r} must return (loc, variance) tensors of shape {tuple(shape)}; its "
-                             f"{what} is {got}")
+            got = f"shape {tuple(value.shape)}" if isinstance(value, Tensor) else f"type {type(value).__name__}"
+            raise ValueError(f"rule: expected {rule!r} to return (loc, variance) tensors of shape {tuple(shape)}, "
+                             f"got a {what} of {got}")
     return GaussianPosterior(loc, variance)
 
 
@@ -517,33 +519,33 @@ def fuse_sites(sites: Sequence[Mapping[str, tuple[Any, Any]]], rule: str, weight
     """
     _get_rule(rule)
     if isinstance(sites, Mapping) or not isinstance(sites, Sequence) or len(sites) == 0:
-        raise ValueError(f"sites must be a non-empty sequence of per-client dicts name -> (loc, variance), got "
+        raise ValueError(f"sites: expected a non-empty sequence of per-client dicts name -> (loc, variance), got "
                          f"{type(sites).__name__}" + (" of length 0" if isinstance(sites, Sequence) else ""))
     for k, client in enumerate(sites):
         if not isinstance(client, Mapping):
-            raise ValueError(f"sites[{k}] must be a dict name -> (loc, variance), got {type(client).__name__}")
+            raise ValueError(f"sites[{k}]: expected a dict name -> (loc, variance), got {type(client).__name__}")
     _normalised_weights(weights, len(sites), torch.float64, torch.device("cpu"))
     names = list(sites[0])
     for k, client in enumerate(sites):
         missing, extra = set(names) - set(client), set(client) - set(names)
         if missing or extra:
             key = sorted(missing or extra)[0]
-            raise ValueError(f"sites: every client must have the same site names; client {k} "
-                             f"{'lacks' if missing else 'has an extra'} site {key!r} (client 0 has {names})")
+            raise ValueError(f"sites: expected the same site names in every client (client 0 has {names}), got "
+                             f"client {k} {'without' if missing else 'with an extra'} site {key!r}")
     fused = {}
     for name in names:
         pairs = []
         for k, client in enumerate(sites):
             pair = client[name]
             if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-                raise ValueError(f"sites[{k}][{name!r}] must be a (loc, variance) pair, got "
+                raise ValueError(f"sites[{k}][{name!r}]: expected a (loc, variance) pair, got "
                                  f"{type(pair).__name__}")
             pairs.append((torch.as_tensor(pair[0]), torch.as_tensor(pair[1])))
         for k, (loc, variance) in enumerate(pairs):
             for what, value in (("loc", loc), ("variance", variance)):
                 if value.shape != pairs[0][0].shape:
-                    raise ValueError(f"sites: site {name!r} has shape {tuple(pairs[0][0].shape)} in client 0's "
-                                     f"loc but {tuple(value.shape)} in client {k}'s {what}")
+                    raise ValueError(f"sites: expected site {name!r} of shape {tuple(pairs[0][0].shape)} (client 0's "
+                                     f"loc) in every client, got {tuple(value.shape)} in client {k}'s {what}")
         try:
             fused[name] = fuse([p[0] for p in pairs], [p[1] for p in pairs], rule, weights, **kwargs)
         except ValueError as error:

@@ -218,7 +218,7 @@ def load_dataset(name: str = "digits", *, data_dir: str | os.PathLike | None = N
         return _load_digits(standardize)
     if canonical in _VISION:
         return _load_vision(canonical, data_dir=data_dir, download=download, standardize=standardize)
-    raise ValueError(f"name={name!r} is not a known dataset; expected one of {_known_names()}")
+    raise ValueError(f"name: expected one of {_known_names()}, got {name!r}")
 
 
 def _known_names() -> str:
@@ -327,7 +327,8 @@ def _standardise(x: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...
 def _load_npz(path: str, standardize: bool = True) -> Dataset:
     """An ``"npz:PATH"`` dataset: read, check against :data:`NPZ_FORMAT`, scale pixels, standardise on request."""
     if not path:
-        raise ValueError(f"name={NPZ_PREFIX!r} has no path; expected '{NPZ_PREFIX}PATH' naming an .npz file")
+        raise ValueError(f"name: expected '{NPZ_PREFIX}PATH' naming an .npz file, got {NPZ_PREFIX!r}, which has no "
+                         "path")
     file = Path(path).expanduser()
     if not file.exists():
         raise FileNotFoundError(
@@ -380,8 +381,8 @@ def _read_npz(file: Path) -> dict[str, np.ndarray]:
         missing = [key for key in _NPZ_KEYS if key not in npz.files]
         if missing:
             raise ValueError(
-                f"npz file {str(file)!r}: lacks arrays {missing}; expected {list(_NPZ_KEYS)}, "
-                f"found {sorted(npz.files)}"
+                f"npz file {str(file)!r}: expected arrays {list(_NPZ_KEYS)}, got {sorted(npz.files)}, which lack "
+                f"{missing}"
             )
         arrays = {}
         for key in _NPZ_KEYS:

@@ -46,20 +46,20 @@ def _validated_probs(probs: Any, name: str = "probs") -> Tensor:
     # plain Python numbers are read in double precision, not torch's float32 default
     probs = torch.as_tensor(probs, dtype=torch.float64) if isinstance(probs, (list, tuple)) else torch.as_tensor(probs)
     if probs.dim() != 2:
-        raise ValueError(f"{name} must be 2-D of shape (N, C), got shape {tuple(probs.shape)}")
+        raise ValueError(f"{name}: expected a 2-D tensor of shape (N, C), got shape {tuple(probs.shape)}")
     if probs.shape[0] == 0 or probs.shape[1] == 0:
-        raise ValueError(f"{name} must hold at least one example and one class, got shape {tuple(probs.shape)}")
+        raise ValueError(f"{name}: expected at least one example and one class, got shape {tuple(probs.shape)}")
     if not probs.dtype.is_floating_point:
-        raise ValueError(f"{name} must be floating point probabilities, got dtype {probs.dtype}")
+        raise ValueError(f"{name}: expected floating-point probabilities, got dtype {probs.dtype}")
     if not torch.isfinite(probs).all():
-        raise ValueError(f"{name} must be finite, got NaN or inf")
+        raise ValueError(f"{name}: expected finite values, got NaN or inf")
     if (probs < 0).any():
-        raise ValueError(f"{name} must be non-negative, got minimum {probs.min().item()}")
+        raise ValueError(f"{name}: expected non-negative values, got minimum {probs.min().item()}")
     row_sums = probs.sum(dim=1, dtype=torch.float64)
     worst = (row_sums - 1).abs().argmax()
     if (row_sums[worst] - 1).abs() > ROW_SUM_ATOL:
-        raise ValueError(f"{name} rows must sum to 1 (within {ROW_SUM_ATOL}); row {worst.item()} sums to "
-                         f"{row_sums[worst].item()}")
+        raise ValueError(f"{name}: expected rows summing to 1 (within {ROW_SUM_ATOL}), got row {worst.item()} summing "
+                         f"to {row_sums[worst].item()}")
     return probs
 
 
@@ -68,13 +68,13 @@ def _validated(probs: Any, labels: Any) -> tuple[Tensor, Tensor]:
     probs = _validated_probs(probs)
     labels = torch.as_tensor(labels, device=probs.device)
     if labels.dtype == torch.bool or labels.dtype.is_floating_point or labels.is_complex():
-        raise ValueError(f"labels must be integer class indices, got dtype {labels.dtype}")
+        raise ValueError(f"labels: expected integer class indices, got dtype {labels.dtype}")
     if labels.shape != probs.shape[:1]:
-        raise ValueError(f"labels must have shape (N,) = ({probs.shape[0]},) to match probs, got shape "
+        raise ValueError(f"labels: expected shape (N,) = ({probs.shape[0]},) to match probs, got shape "
                          f"{tuple(labels.shape)}")
     if (labels < 0).any() or (labels >= probs.shape[1]).any():
-        raise ValueError(f"labels must lie in [0, {probs.shape[1] - 1}] for probs with {probs.shape[1]} classes, "
-                         f"got range [{labels.min().item()}, {labels.max().item()}]")
+        raise ValueError(f"labels: expected values in [0, {probs.shape[1] - 1}] for probs with {probs.shape[1]} "
+                         f"classes, got range [{labels.min().item()}, {labels.max().item()}]")
     return probs, labels.long()
 
 
@@ -213,7 +213,7 @@ def ood_auroc(probs_in: Any, probs_out: Any) -> dict[str, float]:
 
     probs_in, probs_out = _validated_probs(probs_in, "probs_in"), _validated_probs(probs_out, "probs_out")
     if probs_in.shape[1] != probs_out.shape[1]:
-        raise ValueError(f"probs_in and probs_out must have the same number of classes C, got probs_in of shape "
+        raise ValueError(f"probs_in and probs_out: expected the same number of classes C, got probs_in of shape "
                          f"{tuple(probs_in.shape)} and probs_out of shape {tuple(probs_out.shape)}")
     scores_in, scores_out = _ood_scores(probs_in), _ood_scores(probs_out)
     is_in = [1] * probs_in.shape[0] + [0] * probs_out.shape[0]
@@ -228,5 +228,5 @@ def ood_auroc(probs_in: Any, probs_out: Any) -> dict[str, float]:
 def count_parameters(module: nn.Module) -> int:
     """Number of scalar parameters of ``module`` (each shared parameter counted once), the model size."""
     if not isinstance(module, nn.Module):
-        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
     return sum(p.numel() for p in module.parameters())

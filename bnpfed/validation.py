@@ -143,4 +143,5 @@ def check_tensor(value: Any, shape: torch.Size, label: str) -> None:
     if not value.is_floating_point():
         raise ValueError(f"{label}: expected a floating-point tensor, got dtype {value.dtype}")
     if not torch.isfinite(value).all():
-        raise ValueError(f"{label}: contains NaN or infinite values")
+        raise ValueError(f"{label}: expected finite values, got {int((~torch.isfinite(value)).sum())} NaN or "
+                         "infinite value(s)")

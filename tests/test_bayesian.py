@@ -348,7 +348,8 @@ def test_gaussian_likelihood_observes_y_around_the_output_and_mixes_the_draws():
     [
         (Categorical(), torch.tensor([0.0, 1.0]), "integer class labels"),
         (Categorical(), torch.tensor([0, 3]), r"in 0 \.\. 2 \(the network has 3 outputs\), got labels from 0 to 3"),
-        (Categorical(num_classes=4), torch.tensor([0, 1]), r"Categorical\(num_classes=4\) but the network outputs 3"),
+        (Categorical(num_classes=4), torch.tensor([0, 1]),
+         r"likelihood: expected a network with 4 outputs for Categorical\(num_classes=4\), got one with 3"),
         (Gaussian(), torch.tensor([0, 1]), "floating-point"),
         (Gaussian(), torch.tensor([0.0, float("nan")]), "NaN"),
         (Gaussian(), torch.zeros(2, 3), r"shape \(2,\)"),
@@ -376,7 +377,8 @@ def test_prior_update_before_building_a_network_is_checked_against_it():
     normal = base(bnn.prior_distributions()["1.weight"])
     assert_close(normal.scale, torch.full((3, 4), 0.5))
     assert torch.equal(base(bnn.prior_distributions()["3.weight"]).scale, torch.ones(2, 3))
-    with pytest.raises(ValueError, match=r"shape \(3, 4\) for '1.weight'"):
+    with pytest.raises(ValueError, match=r"prior: expected a posterior .* of its parameter's shape \(5, 4\) for "
+                                         r"'1.weight', got shape \(3, 4\)"):
         BayesianNetwork(mlp(4, [5], 2), prior)
     with pytest.raises(ValueError, match="1.weight"):
         BayesianNetwork(mlp(4, [3], 2), IIDPrior(expose=["3.*"]).update_({"1.weight": (torch.zeros(1), torch.ones(1))}))

@@ -474,7 +474,7 @@ def test_conflation_of_subnormal_variances_falls_back_to_log_precisions_and_stay
     precision = 1 / variances.double()
     assert_close(loc.double(), (precision * locs.double()).sum(0) / precision.sum(0), rtol=1e-4, atol=0)
     assert_close(variance.double(), (1 / 3) / (precision / 3).sum(0), rtol=1e-4, atol=0)
-    with pytest.raises(ValueError, match=r"locs must be finite, got nan at index \(1, 0\)"):
+    with pytest.raises(ValueError, match=r"locs: expected finite values, got nan at index \(1, 0\)"):
         fuse(torch.tensor([[0.0, 0.0], [math.nan, 0.0], [0.0, 0.0]]), variances, "conflation")
 
 

@@ -106,7 +106,7 @@ def test_adding_a_method_is_one_function_and_one_registration(digits):
         assert "best-local" in available_methods()
         result = run(digits, clients=3, epochs=2, methods=("local", "best-local"))
         assert result.row("best-local").accuracy == result.row("local-max").accuracy
-        with pytest.raises(ValueError, match="already registered"):
+        with pytest.raises(ValueError, match="name: expected a method name not registered yet, got 'best-local'"):
             register_method("best-local", best_local)
     finally:
         from bnpfed.federated import methods

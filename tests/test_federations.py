@@ -176,7 +176,8 @@ def test_bad_partitions_and_architectures_are_named(digits):
         FedAvgFederation(digits, [np.arange(5), np.array([1, 5000])], network=NET, training=TRAIN, seed=0)
     with pytest.raises(ValueError, match="square images"):
         FedAvgFederation(digits.flat(), [np.arange(50)], network=NetworkConfig(arch="lenet"), training=TRAIN, seed=0)
-    with pytest.raises(ValueError, match=r"arch: 'simple-cnn' does not fit images of shape \(1, 6, 6\)"):
+    with pytest.raises(ValueError, match=r"arch: expected an architecture that fits images of shape \(1, 6, 6\), "
+                                         r"got 'simple-cnn'"):
         tiny = Dataset(digits.x_train[:, :, :6, :6], digits.y_train, digits.x_test[:, :, :6, :6], digits.y_test,
                        name="tiny", num_classes=10, input_shape=(1, 6, 6))
         PFNMFederation(tiny, [np.arange(50)], network=NetworkConfig(arch="simple-cnn"), training=TRAIN,

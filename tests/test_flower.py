@@ -170,11 +170,12 @@ def test_a_fraction_of_the_clients_evaluates_drawn_from_the_evaluation_stream():
 
 @pytest.mark.parametrize("method, tamper, reason", [
     ("pfnm", set_array("1.weight", lambda w: w[:, :-1]), r"'1.weight': expected shape \(16, 64\), got \(16, 63\)"),
-    ("pfnm", set_array("1.bias", nan_at_0), "'1.bias': contains NaN"),
+    ("pfnm", set_array("1.bias", nan_at_0), "'1.bias': expected finite values, got 1 NaN"),
     ("pfnm", set_metric("class-counts", [1, 2]), "'class-counts': expected a list of 10 class counts"),
     ("pfnm", set_metric("num-examples", 0), "'num-examples': expected a positive integer"),
-    ("pfnm", set_identity("partition-id", 0), "answered as partition-id 0, but was sent as 1"),
-    ("fusion", set_array("loc/1.weight", nan_at_0), "'loc/1.weight': contains NaN"),
+    ("pfnm", set_identity("partition-id", 0), "'partition-id': expected 1, the partition the message was sent to, "
+                                              "got 0"),
+    ("fusion", set_array("loc/1.weight", nan_at_0), "'loc/1.weight': expected finite values, got 1 NaN"),
     ("fusion", set_array("variance/3.weight", lambda v: 0 * v), r"'variance/3.weight': expected all entries > 0"),
     ("fusion", set_array("variance/1.weight", lambda v: -v), r"expected all entries > 0, got minimum -"),
     ("fusion", set_array("param/1.bias", lambda b: b[None]), r"'param/1.bias': expected shape \(16,\)"),
@@ -241,15 +242,15 @@ def test_waiting_for_supernodes_has_a_deadline():
 def test_a_supernode_started_without_a_partition_is_named():
     grid = LocalGrid(client_app, CLIENTS)
     del grid.contexts[grid.node_of[2]].node_config["partition-id"]
-    with pytest.raises(RuntimeError, match=r"2 connected .*refused: .*this SuperNode has no partition: start it with "
-                       r"--node-config"):
+    with pytest.raises(RuntimeError, match=r"2 connected .*refused: .*--node-config: expected "
+                       r"\"partition-id=<j> num-partitions=<J>\" \(this SuperNode has no partition"):
         run_federation(grid, {**PFNM, "node-timeout": 0.5})
 
 
 @pytest.mark.parametrize("key, value, reason", [
-    ("num-partitions", 4, "num-partitions 4, but the other nodes have 3"),
-    ("partition-id", 0, "partition-id 0 is held by node"),
-    ("input-shape", [64], r"input-shape \(64,\), but the other nodes have \(1, 8, 8\)"),
+    ("num-partitions", 4, "'num-partitions': expected 3, that of the other nodes, got 4"),
+    ("partition-id", 0, "'partition-id': expected a partition no other node holds, got 0, held by node"),
+    ("input-shape", [64], r"'input-shape': expected \(1, 8, 8\), that of the other nodes, got \(64,\)"),
 ])
 def test_a_supernode_whose_identity_disagrees_is_refused(key, value, reason, caplog):
     grid = LocalGrid(tampered({2: set_identity(key, value)}, MessageType.QUERY), CLIENTS)
@@ -278,10 +279,12 @@ BAD_RUN_CONFIGS = [
     ('fraction=1.5', r"fraction: expected a number in \(0, 1\], got 1.5"),
     ('fraction-evaluate=-0.5', r"fraction-evaluate: expected a number in \[0, 1\], got -0.5"),
     ('arch="resnet"', r"arch: expected one of \['mlp', 'lenet', 'lenet-paper', 'simple-cnn', 'simple-cnn-bn'\]"),
-    ('layerwise-retrain=2', "layerwise-retrain: FedMA's layer-wise scheme runs in process"),
+    ('layerwise-retrain=2', r"layerwise-retrain: expected 0 on Flower \(FedMA's layer-wise scheme runs in "
+                            r"process.*got 2"),
     ('min-nodes=4', r"min-nodes: expected at most the 3 SuperNodes \(--supernodes\), got 4"),
-    ('rounds 2', "cannot read 'rounds 2': expected KEY=VALUE pairs"),
-    ('method=pfnm', "cannot read it: The provided configuration string is in an invalid format"),
+    ('rounds 2', "expected KEY=VALUE pairs, .*got 'rounds 2'"),
+    ('method=pfnm', r"expected KEY=VALUE pairs, .*got text that does not read \(The provided configuration string "
+                    r"is in an invalid format"),
 ]
 
 
@@ -369,7 +372,8 @@ def _lenet():
     (lambda a: a.update({"conv2.weight": a["conv2.weight"][:, :5]}), r"'conv2.weight': expected shape \(16, 6, 5, 5\)"),
     (lambda a: a.update({"fc1.weight": a["fc1.weight"][:, :60]}), r"'fc1.weight': expected shape \(120, 64\)"),
     (lambda a: a.update({"fc3.weight": a["fc3.weight"].astype(np.int64)}), "expected a floating-point tensor"),
-    (lambda a: a["fc2.bias"].__setitem__(0, np.inf), "'fc2.bias': contains NaN or infinite values"),
+    (lambda a: a["fc2.bias"].__setitem__(0, np.inf),
+     r"'fc2.bias': expected finite values, got 1 NaN or infinite value\(s\)"),
     (lambda a: a.update({"conv1.weight": a["conv1.weight"][:0]}), "expected at least one unit of 'conv1'"),
 ])
 def test_malformed_networks_are_named(change, message):

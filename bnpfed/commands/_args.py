@@ -202,12 +202,13 @@ def dataset_name(value: str) -> str:
     """``--dataset``: a known name or ``npz:PATH`` (which no ``choices`` list can hold)."""
     if value.startswith(NPZ_PREFIX):
         if not value[len(NPZ_PREFIX):]:
-            raise argparse.ArgumentTypeError(f"{value!r} has no path; expected {NPZ_PREFIX}PATH naming an .npz file")
+            raise argparse.ArgumentTypeError(f"expected {NPZ_PREFIX}PATH naming an .npz file, got {value!r}, which "
+                                             "has no path")
         return value
     if value.lower().replace("_", "-") in DATASET_NAMES:
         return value.lower().replace("_", "-")
-    raise argparse.ArgumentTypeError(f"unknown dataset {value!r}; expected one of {', '.join(DATASET_NAMES)} or "
-                                     f"{NPZ_PREFIX}PATH")
+    raise argparse.ArgumentTypeError(f"expected one of {', '.join(DATASET_NAMES)} or {NPZ_PREFIX}PATH, got "
+                                     f"{value!r}")
 
 
 def _items(value: str, convert, what: str, example: str) -> tuple:
@@ -216,7 +217,7 @@ def _items(value: str, convert, what: str, example: str) -> tuple:
     except ValueError:
         items = ()
     if not items:
-        raise argparse.ArgumentTypeError(f"{value!r}: expected comma-separated {what}, e.g. {example}")
+        raise argparse.ArgumentTypeError(f"expected comma-separated {what}, e.g. {example}, got {value!r}")
     return items
 
 
@@ -237,7 +238,7 @@ def positive_int(value: str) -> int:
     except ValueError:
         n = 0
     if n < 1:
-        raise argparse.ArgumentTypeError(f"{value!r}: expected an int >= 1")
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value!r}")
     return n
 
 
@@ -248,7 +249,7 @@ def positive_float(value: str) -> float:
     except ValueError:
         x = float("nan")
     if not 0 < x < float("inf"):
-        raise argparse.ArgumentTypeError(f"{value!r}: expected a positive finite number")
+        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {value!r}")
     return x
 
 
@@ -256,7 +257,7 @@ def names(value: str) -> tuple[str, ...]:
     """Comma-separated names, e.g. ``--methods local,pfnm`` (checked against their registry later)."""
     items = tuple(v.strip() for v in value.split(",") if v.strip())
     if not items:
-        raise argparse.ArgumentTypeError(f"{value!r}: expected comma-separated names")
+        raise argparse.ArgumentTypeError(f"expected comma-separated names, got {value!r}")
     return items
 
 
@@ -369,7 +370,8 @@ def check_output_path(path: Optional[str], flag: str, *, plot: bool = False) -> 
     while not parent.exists():
         parent = parent.parent
     if not parent.is_dir() or not os.access(parent, os.W_OK):
-        raise UsageError(f"{flag}: cannot write {str(target)!r}: {str(parent)!r} is not a writable folder")
+        raise UsageError(f"{flag}: expected a path in a writable folder, got {str(target)!r} ({str(parent)!r} is "
+                         "not a writable folder)")
     if plot:
         from matplotlib.backend_bases import FigureCanvasBase
 

@@ -156,14 +156,14 @@ def _run_config(text: str) -> dict:
         return {}
     leftover = _PAIR.sub("", text).strip()
     if leftover and not text.endswith(".toml"):
-        raise ValueError(f"cannot read {leftover!r}: expected KEY=VALUE pairs, strings in double quotes "
-                         "(method=\"pfnm\" rounds=2)")
+        raise ValueError(f"expected KEY=VALUE pairs, strings in double quotes (method=\"pfnm\" rounds=2), got "
+                         f"{leftover!r}, which does not read as one")
     try:
         return parse_config_args([text])
     except Exception as error:  # click.ClickException (bad TOML), OSError (a .toml file): one line either way
         message = getattr(error, "message", None) or str(error)
-        raise ValueError(f"cannot read it: {message.splitlines()[0] if message else type(error).__name__} "
-                         "(strings go in double quotes: method=\"pfnm\")") from None
+        raise ValueError("expected KEY=VALUE pairs, strings in double quotes (method=\"pfnm\"), got text that does "
+                         f"not read ({message.splitlines()[0] if message else type(error).__name__})") from None
 
 
 def _sim(args, flower_config) -> int:

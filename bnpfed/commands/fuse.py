@@ -174,7 +174,7 @@ def prepare(args) -> dict:
         raise ValueError(f"rule: expected each rule at most once, got {','.join(args.rule)}")
     match = args.align == "match"
     if args.tau2 is not None and not match:
-        raise UsageError("--tau2: applies to --align match only")
+        raise UsageError(f"--tau2: expected only with --align match, got --align {args.align}")
     if args.ood is not None and args.ood == args.dataset:
         raise UsageError(f"--ood: expected another dataset than --dataset ({args.dataset})")
     own_init = match if args.own_init is None else args.own_init

@@ -166,10 +166,11 @@ def hyper_values(value: str) -> tuple:
     try:
         out = tuple(None if v.lower() == "auto" else float(v) for v in items)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r}: expected comma-separated numbers or 'auto', e.g. 0.3 or "
-                                         "0.3,auto") from None
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers or 'auto', e.g. 0.3 or 0.3,auto, got "
+                                         f"{value!r}") from None
     if not items or any(not v for v in items):
-        raise argparse.ArgumentTypeError(f"{value!r}: expected comma-separated numbers or 'auto', e.g. 0.3 or 0.3,auto")
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers or 'auto', e.g. 0.3 or 0.3,auto, got "
+                                         f"{value!r}")
     return out
 
 
@@ -191,7 +192,7 @@ def prepare(args) -> dict:
     if len(set(args.clients)) != len(args.clients):
         raise UsageError(f"--clients: expected each J at most once, got {','.join(map(str, args.clients))}")
     if args.width_sweep and len(args.clients) > 1:
-        raise UsageError(f"--clients: --width-sweep takes one J, got {','.join(map(str, args.clients))}")
+        raise UsageError(f"--clients: expected one J with --width-sweep, got {','.join(map(str, args.clients))}")
     partitions = [_args.partition_config(args, J) for J in args.clients]
     network = NetworkConfig(arch=args.arch, hidden=args.hidden, init=args.init, shared_init=args.shared_init)
     training = _args.training_config(args)

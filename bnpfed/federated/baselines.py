@@ -25,7 +25,7 @@ __all__ = ["ensemble_proba", "fedavg_network", "kmeans_layer", "kmeans_networks"
 def ensemble_proba(nets: Sequence[nn.Module], x: Tensor) -> Tensor:
     """(N, C) uniform ensemble: the mean of every network's softmax."""
     if not nets:
-        raise ValueError("nets is empty: the ensemble needs at least one network")
+        raise ValueError("nets: expected at least one network for the ensemble, got none")
     return torch.stack([torch.softmax(net.eval()(x), dim=-1) for net in nets]).mean(0)
 
 
@@ -33,13 +33,15 @@ def fedavg_network(nets: Sequence[nn.Module], weights=None) -> nn.Module:
     """One FedAvg aggregation: every parameter averaged with client weights ``b_k`` (default uniform; FedAvg uses
     the clients' data sizes). All networks must have the same architecture."""
     if not nets:
-        raise ValueError("nets is empty: FedAvg needs at least one network")
+        raise ValueError("nets: expected at least one network for FedAvg, got none")
     states = [dict(n.named_parameters()) for n in nets]
     names = list(states[0])
     for k, s in enumerate(states[1:], 1):
         if list(s) != names or any(s[n].shape != states[0][n].shape for n in names):
-            raise ValueError(f"nets[{k}] does not have nets[0]'s parameter names and shapes: FedAvg averages "
-                             "parameters position by position")
+            got = (f"names {list(s)}" if list(s) != names else
+                   "shapes " + str({n: tuple(s[n].shape) for n in names if s[n].shape != states[0][n].shape}))
+            raise ValueError(f"nets[{k}]: expected nets[0]'s parameter names and shapes (FedAvg averages "
+                             f"parameters position by position), got {got}")
     out = copy.deepcopy(nets[0])
     with torch.no_grad():
         for name, param in out.named_parameters():

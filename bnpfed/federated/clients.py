@@ -49,10 +49,10 @@ def build_network(network: NetworkConfig, input_shape: Sequence[int], num_classe
 
     >>> build_network(NetworkConfig(arch="simple-cnn-bn"), (3, 32, 32), 10).fc1.in_features
     400
-    >>> build_network(NetworkConfig(arch="lenet-paper"), (1, 6, 6), 10)
+    >>> build_network(NetworkConfig(arch="lenet-paper"), (1, 6, 6), 10)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    ValueError: arch: 'lenet-paper' does not fit images of shape (1, 6, 6): image_size: expected at least 8 pixels for LeNet with conv1_padding=0 (a 5x5 convolution and two 2x2 poolings must fit), got 6
+    ValueError: arch: expected an architecture that fits images of shape (1, 6, 6), got 'lenet-paper' (image_size: ...)
 
     :raises ValueError: ``"arch: ..."`` when the images do not fit the architecture.
     """
@@ -60,8 +60,8 @@ def build_network(network: NetworkConfig, input_shape: Sequence[int], num_classe
     if network.arch == "mlp":
         return mlp(math.prod(input_shape), list(network.hidden), num_classes)
     if len(input_shape) != 3 or input_shape[1] != input_shape[2]:
-        raise ValueError(f"arch: {network.arch!r} needs square images, input shape (C, H, H); got {input_shape} "
-                         "(use arch 'mlp' for flat data)")
+        raise ValueError(f"arch: expected square images, input shape (C, H, H), for {network.arch!r}, got "
+                         f"{input_shape} (use arch 'mlp' for flat data)")
     channels, size = input_shape[0], input_shape[1]
     try:
         if network.arch in ("lenet", "lenet-paper"):
@@ -69,7 +69,8 @@ def build_network(network: NetworkConfig, input_shape: Sequence[int], num_classe
                          conv1_padding=0 if network.arch == "lenet-paper" else 2)
         return simple_cnn(channels, size, num_classes, batch_norm=network.arch == "simple-cnn-bn")
     except ValueError as error:
-        raise ValueError(f"arch: {network.arch!r} does not fit images of shape {input_shape}: {error}") from None
+        raise ValueError(f"arch: expected an architecture that fits images of shape {input_shape}, got "
+                         f"{network.arch!r} ({error})") from None
 
 
 def initial_network(network: NetworkConfig, input_shape: Sequence[int], num_classes: int, *, seed: int,

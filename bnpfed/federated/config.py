@@ -371,8 +371,9 @@ class PFNMConfig:
             check_choice(self.global_weights, ("average", "posterior-mean"), "global_weights")
         check_int(self.layerwise_retrain, "layerwise_retrain", low=0)
         if self.layerwise_retrain and self.direction != "bottom-up":
-            raise ValueError(f"layerwise_retrain: FedMA's layer-wise scheme matches bottom-up (direction "
-                             f"'bottom-up'), got {self.layerwise_retrain} with direction {self.direction!r}")
+            raise ValueError(f"layerwise_retrain: expected 0 unless direction is 'bottom-up' (FedMA's layer-wise "
+                             f"scheme matches bottom-up), got {self.layerwise_retrain} with direction "
+                             f"{self.direction!r}")
 
     @property
     def fixed(self) -> bool:

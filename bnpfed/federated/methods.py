@@ -105,7 +105,8 @@ def register_method(name: str, runner: Runner, *, overwrite: bool = False) -> Ru
     if not callable(runner):
         raise ValueError(f"runner: expected a callable runner(experiment), got {type(runner).__name__}")
     if (name in _METHODS or name in available_rules()) and not overwrite:
-        raise ValueError(f"name: method {name!r} is already registered; pass overwrite=True to replace it")
+        raise ValueError(f"name: expected a method name not registered yet, got {name!r}, which is (as a method "
+                         "or a fusion rule); pass overwrite=True to replace it")
     _METHODS[name] = runner
     return runner
 

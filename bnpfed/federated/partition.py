@@ -107,12 +107,12 @@ def partition_dirichlet(
     n = len(labels)
     num_clients = _check_num_clients(num_clients, n)
     if not isinstance(alpha, numbers.Real) or not np.isfinite(alpha) or alpha <= 0:
-        raise ValueError(f"alpha={alpha!r}; expected a finite Dirichlet concentration > 0")
+        raise ValueError(f"alpha: expected a finite Dirichlet concentration > 0, got {alpha!r}")
     min_size = check_int(min_size, "min_size", low=0)
     if min_size * num_clients > n:
         raise ValueError(
-            f"min_size={min_size} with num_clients={num_clients} needs {min_size * num_clients} examples; "
-            f"expected min_size <= N / num_clients = {n / num_clients:g}"
+            f"min_size: expected at most N / num_clients = {n / num_clients:g} (num_clients={num_clients}), got "
+            f"{min_size}, which needs {min_size * num_clients} examples"
         )
     max_tries = check_int(max_tries, "max_tries", low=1)
 
@@ -169,7 +169,7 @@ def class_counts(labels, parts, num_classes: int) -> np.ndarray:
     num_classes = check_int(num_classes, "num_classes", low=1)
     if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
         raise ValueError(
-            f"labels range over [{labels.min()}, {labels.max()}]; expected values in [0, num_classes={num_classes})"
+            f"labels: expected values in [0, num_classes={num_classes}), got range [{labels.min()}, {labels.max()}]"
         )
     counts = np.zeros((len(parts), num_classes), dtype=np.int64)
     for j, part in enumerate(parts):
@@ -230,12 +230,12 @@ def train_validation_split(indices, fraction: float, *, seed) -> TrainValidation
     """
     indices = _check_indices("indices", indices)
     if not isinstance(fraction, numbers.Real) or not 0 < fraction < 1:
-        raise ValueError(f"fraction={fraction!r}; expected a share of the indices strictly between 0 and 1")
+        raise ValueError(f"fraction: expected a share of the indices strictly between 0 and 1, got {fraction!r}")
     n_validation = int(np.ceil(fraction * len(indices)))
     if n_validation >= len(indices):
         raise ValueError(
-            f"indices has {len(indices)} entries, too few to hold out fraction={fraction} and still train; "
-            f"expected at least {n_validation + 1}"
+            f"indices: expected at least {n_validation + 1} entries, to hold out fraction={fraction} and still "
+            f"train, got {len(indices)}"
         )
     shuffled = np.random.default_rng(seed).permutation(indices)
     return TrainValidationSplit(train=np.sort(shuffled[n_validation:]), validation=np.sort(shuffled[:n_validation]))
@@ -244,7 +244,7 @@ def train_validation_split(indices, fraction: float, *, seed) -> TrainValidation
 def _check_labels(labels) -> np.ndarray:
     array = np.asarray(labels)
     if array.ndim != 1 or array.dtype.kind not in "iu":
-        raise ValueError(f"labels has shape {array.shape} and dtype {array.dtype}; expected a 1-D integer array")
+        raise ValueError(f"labels: expected a 1-D integer array, got shape {array.shape} and dtype {array.dtype}")
     return array
 
 
@@ -253,10 +253,10 @@ def _check_indices(name: str, indices, n: int | None = None) -> np.ndarray:
     if array.size == 0:
         array = array.astype(np.int64)
     if array.ndim != 1 or array.dtype.kind not in "iu":
-        raise ValueError(f"{name} has shape {array.shape} and dtype {array.dtype}; expected a 1-D integer array")
+        raise ValueError(f"{name}: expected a 1-D integer array, got shape {array.shape} and dtype {array.dtype}")
     if n is not None and array.size and (array.min() < 0 or array.max() >= n):
         raise ValueError(
-            f"{name} holds indices in [{array.min()}, {array.max()}]; expected indices into labels, in [0, {n})"
+            f"{name}: expected indices into labels, in [0, {n}), got indices in [{array.min()}, {array.max()}]"
         )
     return array.astype(np.int64, copy=False)
 
@@ -264,7 +264,7 @@ def _check_indices(name: str, indices, n: int | None = None) -> np.ndarray:
 def _check_num_clients(num_clients, n: int) -> int:
     num_clients = check_int(num_clients, "num_clients", low=1)
     if num_clients > n:
-        raise ValueError(f"num_clients={num_clients}; expected at most the number of examples, {n}")
+        raise ValueError(f"num_clients: expected at most the number of examples, {n}, got {num_clients}")
     return num_clients
 
 

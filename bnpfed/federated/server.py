@@ -354,7 +354,7 @@ def with_statistics(state: Mapping[str, Tensor], statistics: Mapping[str, Tensor
         if keys is not None and key not in keys:
             continue
         if key not in out:
-            raise ValueError(f"statistics: {key!r} is not an entry of the network's state")
+            raise ValueError(f"statistics: expected entries of the network's state, got {key!r}, which is not one")
         out[key] = value.to(out[key].dtype)
     return out
 

@@ -87,8 +87,8 @@ def node_partition(context: Context) -> tuple[int, int]:
     try:
         j, num = int(config["partition-id"]), int(config["num-partitions"])
     except (KeyError, TypeError, ValueError):
-        raise ValueError("this SuperNode has no partition: start it with --node-config "
-                         f"\"partition-id=<j> num-partitions=<J>\" (got node config {dict(config)})") from None
+        raise ValueError("--node-config: expected \"partition-id=<j> num-partitions=<J>\" (this SuperNode has no "
+                         f"partition: start it with them), got {dict(config)}") from None
     if not 0 <= j < num:
         raise ValueError(f"partition-id: expected an int in [0, num-partitions={num}), got {j}")
     return j, num

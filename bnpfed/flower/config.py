@@ -188,8 +188,8 @@ class FlowerSettings:
                 if (name, f.name) in _NOT_KEYS or value is None:  # None travels as an absent key
                     continue
                 if not isinstance(value, (bool, int, float, str, tuple)):
-                    raise ValueError(f"{config_key(f.name)}: a {type(value).__name__} cannot travel to Flower "
-                                     f"clients; use one of the named choices")
+                    raise ValueError(f"{config_key(f.name)}: expected one of the named choices (a value that can "
+                                     f"travel to Flower clients), got a {type(value).__name__}")
                 out[config_key(f.name)] = list(value) if isinstance(value, tuple) else value
         return out
 
@@ -385,8 +385,8 @@ def parse_run_config(config: Mapping[str, Any]) -> FlowerSettings:
         values = _config_values(config, name, auto=True)
         built[name] = _build(CONFIGS[name], values, base)
     if built["pfnm"].layerwise_retrain:
-        raise ValueError(f"layerwise-retrain: FedMA's layer-wise scheme runs in process (bnpfed pfnm "
-                         f"--layerwise-retrain), not on Flower; expected 0, got {built['pfnm'].layerwise_retrain}")
+        raise ValueError(f"layerwise-retrain: expected 0 on Flower (FedMA's layer-wise scheme runs in process: "
+                         f"bnpfed pfnm --layerwise-retrain), got {built['pfnm'].layerwise_retrain}")
     if run.method == "fusion":
         _check_fusion(built["fusion"], built["network"])
     return FlowerSettings(**built)
@@ -399,9 +399,9 @@ def _check_fusion(fusion: FusionConfig, network: NetworkConfig) -> None:
         raise ValueError(f"arch: matched posterior fusion (align=\"match\") expected a network without batch norm "
                          f"(its running statistics are no posterior), got {network.arch!r}")
     if fusion.align == "none" and fusion.own_init:
-        raise ValueError("own-init: weight-wise fusion from each client's own initialisation (the one-shot "
-                         "baseline) runs in process (bnpfed fuse --own-init), not on Flower; expected false, or "
-                         "align=\"match\"")
+        raise ValueError("own-init: expected false, or align=\"match\", on Flower (weight-wise fusion from each "
+                         "client's own initialisation, the one-shot baseline, runs in process: bnpfed fuse "
+                         "--own-init), got true")
 
 
 @dataclass(frozen=True)

@@ -100,7 +100,7 @@ class LocalGrid(Grid):
             ids.append(msg.metadata.message_id)
             node = msg.metadata.dst_node_id
             if node not in self.contexts:
-                raise ValueError(f"message to unknown node {node}; nodes are {self.node_ids}")
+                raise ValueError(f"dst_node_id: expected one of the nodes {self.node_ids}, got {node}")
             if node in self.silent and msg.metadata.message_type in self.silent_types:
                 continue
             incoming = Message(_over_the_wire(msg.content), metadata=msg.metadata)

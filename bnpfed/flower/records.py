@@ -98,9 +98,10 @@ def from_array_record(record: ArrayRecord) -> dict[str, np.ndarray]:
         try:
             value = array.numpy()
         except Exception as error:  # a client may send any bytes: whatever fails to decode is its fault
-            raise ReplyError(f"array {name!r} does not decode: {error}") from None
+            raise ReplyError(f"{name!r}: expected an array that decodes, got one that does not ({error})") from None
         if tuple(value.shape) != tuple(array.shape):
-            raise ReplyError(f"array {name!r} declares shape {tuple(array.shape)} but holds {tuple(value.shape)}")
+            raise ReplyError(f"{name!r}: expected the shape it declares, {tuple(array.shape)}, got "
+                              f"{tuple(value.shape)}")
         out[name] = value
     return out
 
@@ -209,7 +210,9 @@ def moments_from_arrays(arrays: Mapping[str, np.ndarray], channels: Mapping[str,
     for name in channels:
         count, sum_sq = float(tensors[f"{name}.count"]), tensors[f"{name}.sum_sq"]
         if count <= 0 or bool((sum_sq < 0).any()):
-            raise ReplyError(f"'{name}.count' / '{name}.sum_sq': expected a positive count and sums of squares >= 0")
+            raise ReplyError(f"'{name}.count' / '{name}.sum_sq': expected a positive count and sums of squares >= 0, "
+                             f"got count {count!r} and smallest sum of squares "
+                             f"{sum_sq.min().item() if sum_sq.numel() else None!r}")
         out[name] = BatchNormMoments(count, tensors[f"{name}.sum"], sum_sq)
     return out
 
@@ -338,7 +341,7 @@ def reply_parts(reply: Message) -> tuple[dict[str, np.ndarray], MetricRecord, Co
     for key, kind in ((ARRAYS, content.array_records), (METRICS, content.metric_records),
                       (CLIENT, content.config_records)):
         if key not in kind:
-            raise ReplyError(f"reply lacks its {key!r} record")
+            raise ReplyError(f"reply: expected its {key!r} record, got none")
     return (from_array_record(content.array_records[ARRAYS]), content.metric_records[METRICS],
             content.config_records[CLIENT])
 
@@ -398,7 +401,7 @@ class NodeIdentity:
 def read_identity(reply: Message) -> NodeIdentity:
     """The :class:`NodeIdentity` a reply to a query carries; :class:`ReplyError` if it does not."""
     if CLIENT not in reply.content.config_records:
-        raise ReplyError(f"reply lacks its {CLIENT!r} record")
+        raise ReplyError(f"reply: expected its {CLIENT!r} record, got none")
     record = reply.content.config_records[CLIENT]
     j = read_partition_id(record)
     num, classes, shape = record.get("num-partitions"), record.get("num-classes"), record.get("input-shape")

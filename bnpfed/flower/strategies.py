@@ -172,10 +172,11 @@ class _RoundStrategy(Strategy):
                                                ("input-shape", known.input_shape, identity.input_shape),
                                                ("num-classes", known.num_classes, identity.num_classes)):
                         if mine != theirs:
-                            raise ReplyError(f"{what} {theirs}, but the other nodes have {mine}")
+                            raise ReplyError(f"{what!r}: expected {mine}, that of the other nodes, got {theirs}")
                 holder = self.nodes.get(identity.partition_id)
                 if holder is not None and holder != node:
-                    raise ReplyError(f"partition-id {identity.partition_id} is held by node {holder} already")
+                    raise ReplyError(f"'partition-id': expected a partition no other node holds, got "
+                                     f"{identity.partition_id}, held by node {holder} already")
             except ReplyError as error:
                 self.refused[node] = str(error)
                 LOGGER.warning("node %d refused: %s", node, error)
@@ -268,7 +269,8 @@ class _RoundStrategy(Strategy):
                 try:
                     item = parse(reply)
                     if item.partition_id != j:
-                        raise ReplyError(f"answered as partition-id {item.partition_id}, but was sent as {j}")
+                        raise ReplyError(f"'partition-id': expected {j}, the partition the message was sent to, "
+                                         f"got {item.partition_id}")
                     accepted[j] = item
                     continue
                 except ReplyError as error:
@@ -356,8 +358,11 @@ class _RoundStrategy(Strategy):
         """Example-weighted means of the clients' ``accuracy`` and ``nll`` on their test shards."""
         def parse(reply: Message) -> _Accepted:
             content = reply.content
-            if METRICS not in content.metric_records or CLIENT not in content.config_records:
-                raise ReplyError("evaluation reply lacks its 'metrics' or 'client' record")
+            missing = [key for key, kind in ((METRICS, content.metric_records), (CLIENT, content.config_records))
+                       if key not in kind]
+            if missing:
+                raise ReplyError(f"evaluation reply: expected its {METRICS!r} and {CLIENT!r} records, got no "
+                                 f"{' or '.join(map(repr, missing))} record")
             metrics = content.metric_records[METRICS]
             scores = {key: read_finite(metrics, key) for key in ("accuracy", "nll")}
             return _Accepted(read_partition_id(content.config_records[CLIENT]), read_count(metrics), None, scores)
@@ -461,8 +466,8 @@ class PFNMStrategy(_MatchingStrategy):
         if not isinstance(pfnm, PFNMConfig):
             raise ValueError(f"pfnm: expected a PFNMConfig, got {type(pfnm).__name__}")
         if pfnm.layerwise_retrain:
-            raise ValueError(f"layerwise-retrain: FedMA's layer-wise scheme runs in process (bnpfed pfnm "
-                             f"--layerwise-retrain), not on Flower; expected 0, got {pfnm.layerwise_retrain}")
+            raise ValueError(f"layerwise-retrain: expected 0 on Flower (FedMA's layer-wise scheme runs in process: "
+                             f"bnpfed pfnm --layerwise-retrain), got {pfnm.layerwise_retrain}")
         network = NetworkConfig() if network is None else network
         if not isinstance(network, NetworkConfig):
             raise ValueError(f"network: expected a NetworkConfig, got {type(network).__name__}")
@@ -566,8 +571,8 @@ class PosteriorFusionStrategy(_RoundStrategy):
 
     def _train_content(self, server_round, j, arrays):
         if len(arrays) == 0:
-            raise ValueError("posterior fusion needs the initial global model as initial_arrays "
-                             "(bnpfed.flower.client.initial_global_model)")
+            raise ValueError("initial_arrays: expected the initial global model for posterior fusion "
+                             "(bnpfed.flower.client.initial_global_model), got no arrays")
         self._expected = array_shapes(arrays)
         return arrays
 

@@ -150,7 +150,7 @@ def _as_vector(value, dim: int, name: str) -> Tensor:
     if t.dim() == 0:
         return t.expand(dim).clone()
     if t.shape != (dim,):
-        raise ValueError(f"{name} must be a scalar or have shape ({dim},), got shape {tuple(t.shape)}")
+        raise ValueError(f"{name}: expected a scalar or shape ({dim},), got shape {tuple(t.shape)}")
     return t
 
 
@@ -159,10 +159,11 @@ def _precision_matrix(precisions, num_clients: int, dim: int) -> Tensor:
         return torch.ones(num_clients, dim)
     s = torch.stack([torch.as_tensor(p, dtype=torch.get_default_dtype()) for p in precisions])
     if s.shape != (num_clients, dim):
-        raise ValueError(f"precisions must have shape ({num_clients}, {dim}) (one (D,) vector per client), "
+        raise ValueError(f"precisions: expected shape ({num_clients}, {dim}) (one (D,) vector per client), "
                          f"got {tuple(s.shape)}")
     if not torch.isfinite(s).all() or (s <= 0).any():
-        raise ValueError("precisions must be finite and > 0")
+        bad = (~(torch.isfinite(s) & (s > 0))).nonzero()[0].tolist()
+        raise ValueError(f"precisions: expected finite entries > 0, got {s[tuple(bad)].item()} at index {tuple(bad)}")
     return s
 
 
@@ -247,8 +248,9 @@ def beta_bernoulli_layer(
         ``neuron_variance``) posterior variances.
     """
     J, D = int(num_clients), int(dim)
-    if J < 1 or D < 1:
-        raise ValueError(f"num_clients and dim must be >= 1, got {J} and {D}")
+    for name, value in (("num_clients", J), ("dim", D)):
+        if value < 1:
+            raise ValueError(f"{name}: expected an int >= 1, got {value}")
     gamma0 = check_positive(gamma0, "gamma0")
     if neuron_variance is None:
         if tau2 is not None:
@@ -265,11 +267,12 @@ def beta_bernoulli_layer(
         atom_prior = dist.Normal(_as_vector(mu0, D, "mu0"), math.sqrt(sigma0_2))
     if atom_prior.event_shape == torch.Size():
         if atom_prior.batch_shape not in (torch.Size(), torch.Size([D])):
-            raise ValueError(f"atom_prior must describe one atom in R^{D}, got batch shape "
+            raise ValueError(f"atom_prior: expected a law of one atom in R^{D}, got batch shape "
                              f"{tuple(atom_prior.batch_shape)}")
         atom_prior = atom_prior.expand(torch.Size([D])).to_event(1)
     if atom_prior.event_shape != torch.Size([D]):
-        raise ValueError(f"atom_prior must describe one atom in R^{D}, got event shape {tuple(atom_prior.event_shape)}")
+        raise ValueError(f"atom_prior: expected a law of one atom in R^{D}, got event shape "
+                         f"{tuple(atom_prior.event_shape)}")
     scales = _precision_matrix(precisions, J, D)
     if neuron_variance is not None:
         neuron_variance = _one_neuron_law(neuron_variance, D, "neuron_variance")
@@ -357,7 +360,7 @@ def canonical_conditioning(neurons: Sequence[Tensor], assignments: Sequence[Tens
     for j in range(J):
         a = [int(x) for x in torch.as_tensor(assignments[j]).reshape(-1).tolist()]
         if len(set(a)) != len(a):
-            raise ValueError(f"assignments[{j}] uses an atom twice: {a}")
+            raise ValueError(f"assignments[{j}]: expected distinct atoms (a client uses an atom at most once), got {a}")
         shape = tuple(torch.as_tensor(neurons[j]).shape)
         if shape != (len(a), atoms.shape[1]):
             raise ValueError(f"neurons[{j}]: expected shape ({len(a)}, {atoms.shape[1]}) (one row per entry of "
@@ -387,7 +390,8 @@ def canonical_conditioning(neurons: Sequence[Tensor], assignments: Sequence[Tens
                                      f"{tuple(u.shape)}")
                 data[f"u_{j}"] = u
     if len(relabel) != atoms.shape[0]:
-        raise ValueError(f"atoms has {atoms.shape[0]} rows but the assignments use {len(relabel)} atoms")
+        raise ValueError(f"atoms: expected {len(relabel)} rows, one per atom the assignments use, got "
+                         f"{atoms.shape[0]}")
     return data
 
 

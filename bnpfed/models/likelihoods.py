@@ -109,7 +109,8 @@ class Categorical(Likelihood):
             raise ValueError(f"{label}: expected integer class labels, got dtype {y.dtype}")
         width = output.shape[-1]
         if self.num_classes is not None and width != self.num_classes:
-            raise ValueError(f"likelihood: {self!r} but the network outputs {width} values per example")
+            raise ValueError(f"likelihood: expected a network with {self.num_classes} outputs for {self!r}, got one "
+                             f"with {width} values per example")
         low, high = int(y.min()), int(y.max())
         if low < 0 or high >= width:
             raise ValueError(f"{label}: expected integer class labels in 0 .. {width - 1} (the network has {width} "
@@ -162,7 +163,8 @@ class Gaussian(Likelihood):
         if not y.is_floating_point():
             raise ValueError(f"{label}: expected floating-point regression targets, got dtype {y.dtype}")
         if not bool(torch.isfinite(y).all()):
-            raise ValueError(f"{label}: contains NaN or infinite values")
+            raise ValueError(f"{label}: expected finite regression targets, got "
+                             f"{int((~torch.isfinite(y)).sum())} NaN or infinite value(s)")
 
     def __repr__(self):
         return f"Gaussian(scale={self.scale})"

@@ -109,8 +109,9 @@ class Prior(ABC):
         shapes = {name: getattr(module, param_name).shape for module, param_name, name, _ in chosen}
         unknown = [name for name in self._posterior_priors if name not in shapes]
         if unknown:
-            raise ValueError(f"prior: update_ gave a posterior for {unknown}, which this prior does not make Bayesian "
-                             f"in this network; its Bayesian sites are {list(shapes)}")
+            raise ValueError(f"prior: expected posteriors (from update_) for Bayesian sites of this network, "
+                             f"{list(shapes)}, got ones for {unknown}, which this prior does not make Bayesian "
+                             "in this network")
         for name, posterior in self._posterior_priors.items():
             _check_event_shape(posterior, shapes[name], name)
         values = {}
@@ -140,8 +141,8 @@ class Prior(ABC):
         if self._site_shapes:
             unknown = [name for name in posterior if name not in self._site_shapes]
             if unknown:
-                raise ValueError(f"posterior: unknown site(s) {unknown}; this prior's Bayesian sites are "
-                                 f"{list(self._site_shapes)}")
+                raise ValueError(f"posterior: expected sites among this prior's Bayesian sites "
+                                 f"{list(self._site_shapes)}, got unknown site(s) {unknown}")
         updates = {}
         for name, value in posterior.items():
             loc, variance = GaussianPosterior.of(value, f"posterior[{name!r}]", self._site_shapes.get(name))
@@ -196,8 +197,8 @@ class _SelectorPrior(Prior):
         unused = [argument for i, (_, _, argument) in enumerate(self._rules) if i not in self._used and argument]
         if unused:
             raise ValueError(
-                f"{type(self).__name__}: {', '.join(unused)} matched no parameter of the network; "
-                f"its parameters are {names}"
+                f"{type(self).__name__}: expected every selector to match a parameter of the network (its "
+                f"parameters are {names}), got {', '.join(unused)} matching none"
             )
 
 
@@ -314,15 +315,15 @@ def _expanded(prior, param: Tensor, name: str):
         return prior.expand(param.shape).to_event(param.dim())
     except (RuntimeError, ValueError) as error:
         raise ValueError(
-            f"prior of {name!r}: batch_shape {tuple(prior.batch_shape)} does not broadcast to the parameter's shape "
-            f"{tuple(param.shape)}"
+            f"prior of {name!r}: expected a batch_shape that broadcasts to the parameter's shape "
+            f"{tuple(param.shape)}, got {tuple(prior.batch_shape)}"
         ) from error
 
 
 def _check_event_shape(posterior, shape: torch.Size, name: str) -> None:
     if posterior.event_shape != shape:
-        raise ValueError(f"prior: update_ gave a posterior of shape {tuple(posterior.event_shape)} for {name!r}, "
-                         f"whose parameter has shape {tuple(shape)}")
+        raise ValueError(f"prior: expected a posterior (from update_) of its parameter's shape {tuple(shape)} for "
+                         f"{name!r}, got shape {tuple(posterior.event_shape)}")
 
 
 def _as_list(selectors, argument: str) -> list:
