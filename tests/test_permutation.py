@@ -219,7 +219,8 @@ def test_a_reshape_that_is_not_a_flatten_is_refused():
         def forward(self, x):
             return self.fc2(self.fc1(self.conv(x).reshape(x.shape[0], 27, -1).sum(2)))
 
-    with pytest.raises(ValueError, match=r"derive_spec: method 'reshape' \(graph node 'reshape'\) reshapes"):
+    with pytest.raises(ValueError, match=r"net: expected reshapes that flatten to \(N, features\) .*, got method "
+                                         r"'reshape' \(graph node 'reshape'\) reshaping"):
         derive_spec(Regroups(), (1, 5, 5))
 
 
@@ -260,12 +261,13 @@ class AddsItsInput(nn.Module):
     (nn.Sequential(nn.Linear(4, 3), nn.LSTM(3, 3)), (4,), r"module '1' \(LSTM\)"),
     (nn.Sequential(nn.Conv2d(3, 3, 1), nn.Sequential(Block()), nn.Flatten(), nn.Linear(48, 2)), (3, 4, 4),
      r"module '1.0' \(Block\)"),
-    (AddsItsInput(), (3, 4, 4), r"function 'add' \(graph node 'add'\) is not an operation"),
+    (AddsItsInput(), (3, 4, 4),
+     r"net: expected operations derive_spec understands, got function 'add' \(graph node 'add'\)"),
     (nn.Sequential(nn.Conv2d(4, 4, 3, groups=2), nn.Flatten(), nn.Linear(16, 2)), (4, 4, 4),
-     r"module '0' \(Conv2d\) has groups=2"),
+     r"module '0' \(Conv2d\) with groups=2"),
     (nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2), nn.BatchNorm1d(2)), (4,),
-     r"a batch norm after the output layer '2' \(3\.weight\) is not supported"),
-    (nn.Sequential(nn.Conv2d(1, 2, 3), nn.Linear(2, 2)), (1, 4, 4), r"module '1' \(Linear\) gets a tensor of shape"),
+     r"expected no batch norm after the output layer '2' \(not supported\), got 3\.weight"),
+    (nn.Sequential(nn.Conv2d(1, 2, 3), nn.Linear(2, 2)), (1, 4, 4), r"into module '1' \(Linear\), got one of shape"),
     (nn.Sequential(nn.Linear(4, 3), nn.Unflatten(1, (3, 1))), (4,), r"module '1' \(Unflatten\)"),
 ], ids=["conv1d", "lstm", "custom-block", "residual-add", "grouped-conv", "bn-after-output", "linear-on-4d",
         "unflatten"])
@@ -275,9 +277,10 @@ def test_an_unsupported_module_is_named_with_its_type(net, input_shape, message)
 
 
 def test_a_spec_is_checked_when_written():
-    with pytest.raises(ValueError, match=r"group 'a' acts on 'w', which has no kind"):
+    with pytest.raises(ValueError, match=r"kinds: expected a kind for every parameter a group acts on, got none for "
+                                         r"'w', which group 'a' acts on"):
         PermutationSpec([Group("a", [Axis("w", 0)])], {})
-    with pytest.raises(ValueError, match=r"'b' \(bias\) is acted on by no group"):
+    with pytest.raises(ValueError, match=r"groups: expected a group acting on 'b' \(bias\), got none"):
         PermutationSpec([Group("a", [Axis("w", 0)])], {"w": "weight", "b": "bias"})
     with pytest.raises(ValueError, match=r"kinds\['w'\]: expected one of"):
         PermutationSpec([Group("a", [Axis("w", 0)])], {"w": "kernel"})
@@ -289,7 +292,7 @@ def test_verify_spec_catches_a_spec_that_misses_an_axis():
     spec = derive_spec(LeNet(image_size=8), (1, 8, 8))
     broken = PermutationSpec([Group(g.name, [a for a in g.axes if a.param != "fc1.weight"]) if g.name == "conv2"
                               else g for g in spec.groups], spec.kinds)
-    with pytest.raises(ValueError, match="permuting net by the spec changes its outputs"):
+    with pytest.raises(ValueError, match=r"spec: expected symmetries of net .*, got a change of its outputs by"):
         verify_spec(LeNet(image_size=8), broken, (1, 8, 8))
 
 
@@ -342,7 +345,8 @@ def test_flattened_channels_carry_their_blocks_of_columns_of_the_next_linear():
 
 def test_unit_vectors_want_the_groups_matched_before():
     net = simple_cnn(1, 20, 4)
-    with pytest.raises(ValueError, match=r"below: group 'conv2' needs the global ids of group 'conv1'"):
+    with pytest.raises(ValueError, match=r"below: expected the global ids of group 'conv1' \(matched before group "
+                                         r"'conv2', which needs them\), got none"):
         unit_vectors(net.state_dict(), derive_spec(net, (1, 20, 20)), "conv2")
     with pytest.raises(ValueError, match=r"below\['conv1'\]: expected 6 ids"):
         unit_vectors(net.state_dict(), derive_spec(net, (1, 20, 20)), "conv2", {"conv1": (torch.arange(5), 6)})
@@ -584,7 +588,8 @@ def test_aligned_clients_share_the_matched_group_and_keep_their_outputs():
     with torch.no_grad():   # the units a client lacks feed its next layer through zero columns: the same outputs
         for net, a in zip(nets, aligned):
             torch.testing.assert_close(a(x), net(x), atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="below: the clients hold \\[6, 12\\] units of group 'conv1'"):
+    with pytest.raises(ValueError, match=r"below: expected the global ids of group 'conv1' .*, as the clients hold "
+                                         r"\[6, 12\] units"):
         match_group([aligned[0], nets[1]], spec, "conv2")
     second = match_group(aligned, spec, "conv2", seed=1)        # the groups below agree: the identity
     assert len(second.assignments) == 2

@@ -32,7 +32,7 @@ def state_from_atoms(spec: PermutationSpec, template: Mapping[str, Tensor], atom
     """
     missing = [g for g in spec.group_names if g not in atoms]
     if missing:
-        raise ValueError(f"atoms: expected atoms of every group {spec.group_names}, missing {missing}")
+        raise ValueError(f"atoms: expected atoms of every group {spec.group_names}, got none for {missing}")
     shapes = {k: tuple(v.shape) for k, v in template.items()}
     sizes = {g: int(torch.as_tensor(atoms[g]).shape[0]) for g in spec.group_names}
     values: dict[str, Tensor] = {}
@@ -77,7 +77,7 @@ def client_slice(spec: PermutationSpec, state: Mapping[str, Tensor], ids: Mappin
     """
     missing = [g for g in spec.group_names if g not in ids]
     if missing:
-        raise ValueError(f"ids: expected global unit ids for every group {spec.group_names}, missing {missing}")
+        raise ValueError(f"ids: expected global unit ids for every group {spec.group_names}, got none for {missing}")
     out = {}
     for key, t in state.items():
         t = torch.as_tensor(t).detach()
@@ -112,8 +112,8 @@ def _resized(name: str, module: nn.Module, state: Mapping[str, Tensor]) -> nn.Mo
         new = type(module)(state[key].shape[0], eps=module.eps, momentum=module.momentum, affine=module.affine,
                            track_running_stats=module.track_running_stats, **factory)
     else:
-        raise ValueError(f"network_from_state: module {name!r} ({type(module).__name__}) holds a resized parameter; "
-                         f"only Linear, Conv2d and BatchNorm1d/2d can be rebuilt with other widths")
+        raise ValueError(f"state: expected resized parameters only in a Linear, Conv2d or BatchNorm1d/2d (only they "
+                         f"can be rebuilt with other widths), got one in module {name!r} ({type(module).__name__})")
     return new.train(module.training)
 
 
@@ -135,14 +135,14 @@ def network_from_state(template: nn.Module, state: Mapping[str, Tensor]) -> nn.M
     current = net.state_dict()
     missing, unexpected = sorted(set(current) - set(state)), sorted(set(state) - set(current))
     if missing or unexpected:
-        raise ValueError(f"state: expected the keys of the template's state_dict; missing {missing}, unexpected "
-                         f"{unexpected}")
+        raise ValueError(f"state: expected the keys of the template's state_dict, got missing {missing}, "
+                         f"unexpected {unexpected}")
     resized = {key.rpartition(".")[0] for key, t in state.items() if tuple(torch.as_tensor(t).shape) !=
                tuple(current[key].shape)}
     for name in sorted(resized):
         if not name:
-            raise ValueError("network_from_state: a parameter of the template's own (not of a submodule) changed "
-                             "shape")
+            raise ValueError("state: expected the template's own parameters (not of a submodule) at their shapes, "
+                             "got one that changed shape")
         net.set_submodule(name, _resized(name, net.get_submodule(name), state))
     net.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()})
     return net

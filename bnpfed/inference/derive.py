@@ -58,8 +58,9 @@ def _step_kind(node, net: nn.Module) -> str:
             return "linear"
         if type(m) is nn.Conv2d:
             if m.groups != 1:
-                raise ValueError(f"derive_spec: {where} has groups={m.groups}; only groups=1 convolutions have one "
-                                 f"permutation of their output channels acting on the next layer's inputs")
+                raise ValueError(f"net: expected convolutions with groups=1 (only they have one permutation of their "
+                                 f"output channels acting on the next layer's inputs), got {where} with "
+                                 f"groups={m.groups}")
             return "conv"
         if type(m) in (nn.BatchNorm1d, nn.BatchNorm2d):
             return "bn"
@@ -67,12 +68,13 @@ def _step_kind(node, net: nn.Module) -> str:
             return "pass"
         if isinstance(m, _POOL_MODULES):
             if getattr(m, "return_indices", False):
-                raise ValueError(f"derive_spec: {where} returns indices; not supported")
+                raise ValueError(f"net: expected poolings that return no indices, got {where}, which returns "
+                                 f"indices (not supported)")
             return "pool"
         if type(m) is nn.Flatten:
             return "reshape"
-        raise ValueError(f"derive_spec: {where} is not a layer derive_spec understands (Linear, Conv2d, "
-                         f"BatchNorm1d/2d, elementwise activations, Dropout, 2-d pooling, Flatten, Sequential); "
+        raise ValueError(f"net: expected layers derive_spec understands (Linear, Conv2d, BatchNorm1d/2d, "
+                         f"elementwise activations, Dropout, 2-d pooling, Flatten, Sequential), got {where}; "
                          f"write the PermutationSpec by hand (see bnpfed.inference.permutation)")
     if node.op == "call_function":
         if node.target in _ELEMENTWISE_FUNCTIONS:
@@ -86,7 +88,7 @@ def _step_kind(node, net: nn.Module) -> str:
             return "pass"
         if node.target in _RESHAPE_METHODS:
             return "reshape"
-    raise ValueError(f"derive_spec: {where} is not an operation derive_spec understands; write the PermutationSpec "
+    raise ValueError(f"net: expected operations derive_spec understands, got {where}; write the PermutationSpec "
                      f"by hand (see bnpfed.inference.permutation)")
 
 
@@ -101,8 +103,9 @@ def _trace(net: nn.Module):
     try:
         graph = _Tracer().trace(net)
     except Exception as err:  # noqa: BLE001 - any tracing failure means the same thing to the caller
-        raise ValueError(f"derive_spec: cannot trace module '' ({type(net).__name__}) with torch.fx ({err}); write "
-                         f"the PermutationSpec by hand (see bnpfed.inference.permutation)") from err
+        raise ValueError(f"net: expected a module torch.fx can trace, got module '' ({type(net).__name__}), which "
+                         f"it cannot trace ({err}); write the PermutationSpec by hand (see "
+                         f"bnpfed.inference.permutation)") from err
     return torch.fx.GraphModule(net, graph)
 
 
@@ -128,10 +131,10 @@ def derive_spec(net: nn.Module, input_shape: Sequence[int]) -> PermutationSpec:
       fc1: fc1.weight[0], fc1.bias[0], fc2.weight[1]
       fc2: fc2.weight[0], fc2.bias[0], fc3.weight[1]
       output layer (axis 0 = classes): fc3.weight, fc3.bias
-    >>> derive_spec(nn.Sequential(nn.Conv1d(1, 2, 3)), (1, 8))
+    >>> derive_spec(nn.Sequential(nn.Conv1d(1, 2, 3)), (1, 8))  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    ValueError: derive_spec: module '0' (Conv1d) is not a layer derive_spec understands (...); write the PermutationSpec by hand (see bnpfed.inference.permutation)
+    ValueError: net: expected layers derive_spec understands (...), got module '0' (Conv1d); write the ...
 
     :param net: the network (not modified: traced in eval mode, its training flags restored).
     :param input_shape: the shape of one input, without the batch axis, e.g. ``(1, 28, 28)`` or ``(784,)``.
@@ -149,14 +152,14 @@ def derive_spec(net: nn.Module, input_shape: Sequence[int]) -> PermutationSpec:
     nodes = list(gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     if len(placeholders) != 1:
-        raise ValueError(f"derive_spec: module '' ({type(net).__name__}) takes {len(placeholders)} inputs; expected "
-                         f"one")
+        raise ValueError(f"net: expected a module that takes one input, got module '' ({type(net).__name__}), which "
+                         f"takes {len(placeholders)}")
     for n in nodes:  # the modules first: an unknown one is named before anything runs
         if n.op == "call_module":
             _step_kind(n, net)
         elif n.op == "get_attr":
-            raise ValueError(f"derive_spec: {_describe(n, net)} reads a parameter outside a layer; write the "
-                             f"PermutationSpec by hand")
+            raise ValueError(f"net: expected parameters read only inside layers, got {_describe(n, net)}, which "
+                             f"reads one outside a layer; write the PermutationSpec by hand")
     # shapes, from a forward pass of the traced graph (the same submodules) in eval mode
     from torch.fx.passes.shape_prop import ShapeProp
 
@@ -168,8 +171,8 @@ def derive_spec(net: nn.Module, input_shape: Sequence[int]) -> PermutationSpec:
         with torch.no_grad():
             ShapeProp(gm).propagate(x)
     except Exception as err:  # noqa: BLE001
-        raise ValueError(f"derive_spec: a forward pass of an input of shape {input_shape} (input_shape) failed: "
-                         f"{err}") from err
+        raise ValueError(f"input_shape: expected the shape of an input net runs on, got {input_shape}, on which a "
+                         f"forward pass failed: {err}") from err
     finally:
         for m, mode in modes.items():
             m.train(mode)
@@ -190,23 +193,26 @@ def derive_spec(net: nn.Module, input_shape: Sequence[int]) -> PermutationSpec:
         kind = _step_kind(node, net)
         tensors = [a for a in node.all_input_nodes if shape(a) is not None]
         if tensors != [prev]:
-            raise ValueError(f"derive_spec: {_describe(node, net)} is not one step of a chain (it takes "
-                             f"{[t.name for t in tensors]} where the chain holds {prev.name!r}: a residual "
-                             f"connection or a branch?); write the PermutationSpec by hand")
+            raise ValueError(f"net: expected one chain of steps, each taking the previous step's tensor, got "
+                             f"{_describe(node, net)}, which takes {[t.name for t in tensors]} where the chain "
+                             f"holds {prev.name!r} (a residual connection or a branch?); write the PermutationSpec "
+                             f"by hand")
         where = _describe(node, net)
         s_in, s_out = shape(prev), shape(node)
         if kind in ("linear", "conv"):
             name, m = node.target, net.get_submodule(node.target)
             want = 2 if kind == "linear" else 4
             if len(s_in) != want:
-                raise ValueError(f"derive_spec: {where} gets a tensor of shape {s_in}; expected {want} axes "
-                                 f"(batch first)")
+                raise ValueError(f"net: expected a tensor of {want} axes (batch first) into {where}, got one of "
+                                 f"shape {s_in}")
             if name in producers:
-                raise ValueError(f"derive_spec: {where} is called twice (shared weights); not supported")
+                raise ValueError(f"net: expected every layer called once, got {where} called twice (shared "
+                                 f"weights; not supported)")
             if current is not None:
                 c, block = current
                 if kind == "conv" and block != 1:
-                    raise ValueError(f"derive_spec: {where} takes flattened channels; not supported")
+                    raise ValueError(f"net: expected a Conv2d on channels, got {where} on flattened channels (not "
+                                     f"supported)")
                 groups[c][1].append(Axis(f"{name}.weight", 1, block))
             kinds[f"{name}.weight"] = "weight"
             if m.bias is not None:
@@ -218,10 +224,11 @@ def derive_spec(net: nn.Module, input_shape: Sequence[int]) -> PermutationSpec:
         elif kind == "bn":
             name, m = node.target, net.get_submodule(node.target)
             if current is None:
-                raise ValueError(f"derive_spec: {where} normalises the network's input, which no permutation acts "
-                                 f"on; not supported")
+                raise ValueError(f"net: expected a batch norm after a Linear or Conv2d, got {where} normalising the "
+                                 f"network's input, which no permutation acts on (not supported)")
             if len(s_in) not in (2, 4) and not (len(s_in) == 3 and type(m) is nn.BatchNorm1d):
-                raise ValueError(f"derive_spec: {where} gets a tensor of shape {s_in}")
+                raise ValueError(f"net: expected a tensor of 2 or 4 axes (3 for a BatchNorm1d) into {where}, got "
+                                 f"one of shape {s_in}")
             c, block = current
             for suffix, bn_kind in (("weight", "bn_weight"), ("bias", "bn_bias"), ("running_mean", "running_mean"),
                                     ("running_var", "running_var")):
@@ -230,9 +237,11 @@ def derive_spec(net: nn.Module, input_shape: Sequence[int]) -> PermutationSpec:
                     kinds[f"{name}.{suffix}"] = bn_kind
         elif kind == "pool":
             if len(s_in) != 4:
-                raise ValueError(f"derive_spec: {where} gets a tensor of shape {s_in}; expected (N, C, H, W)")
+                raise ValueError(f"net: expected a tensor of shape (N, C, H, W) into {where}, got one of shape "
+                                 f"{s_in}")
             if current is not None and current[1] != 1:
-                raise ValueError(f"derive_spec: {where} pools flattened channels; not supported")
+                raise ValueError(f"net: expected a pooling of channels, got {where} pooling flattened channels (not "
+                                 f"supported)")
         elif kind == "reshape":
             if s_out == s_in:
                 pass
@@ -240,21 +249,22 @@ def derive_spec(net: nn.Module, input_shape: Sequence[int]) -> PermutationSpec:
                 if current is not None:
                     current = (current[0], current[1] * math.prod(s_in[2:]))
             else:
-                raise ValueError(f"derive_spec: {where} reshapes {s_in} to {s_out}; only a flatten to (N, "
-                                 f"features) is understood")
+                raise ValueError(f"net: expected reshapes that flatten to (N, features) (the only ones understood), "
+                                 f"got {where} reshaping {s_in} to {s_out}")
         prev = node
     output = [n for n in nodes if n.op == "output"][0]
     if output.all_input_nodes != [prev]:
-        raise ValueError(f"derive_spec: module '' ({type(net).__name__}) returns something other than its last step's "
-                         f"tensor")
+        raise ValueError(f"net: expected a module that returns its last step's tensor, got module '' "
+                         f"({type(net).__name__}), which returns something else")
     if not producers:
-        raise ValueError(f"derive_spec: module '' ({type(net).__name__}) has no Linear or Conv2d layer")
+        raise ValueError(f"net: expected a Linear or Conv2d layer, got module '' ({type(net).__name__}) with none")
     # the last Linear / Conv2d is the output layer: its units are the classes, not permuted
     out_name = producers[-1]
     out_group = groups.pop()
     if any(a.param.split(".")[:-1] != out_name.split(".") for a in out_group[1]):
         bn = next(a.param for a in out_group[1] if a.param.split(".")[:-1] != out_name.split("."))
-        raise ValueError(f"derive_spec: a batch norm after the output layer {out_name!r} ({bn}) is not supported")
+        raise ValueError(f"net: expected no batch norm after the output layer {out_name!r} (not supported), got "
+                         f"{bn}")
     kinds[f"{out_name}.weight"] = "output_weight"
     if f"{out_name}.bias" in kinds:
         kinds[f"{out_name}.bias"] = "output_bias"
@@ -282,7 +292,7 @@ def verify_spec(net: nn.Module, spec: PermutationSpec, input_shape: Sequence[int
                 m.running_mean.copy_(torch.randn(m.running_mean.shape, generator=g, dtype=torch.float64))
                 m.running_var.copy_(torch.rand(m.running_var.shape, generator=g, dtype=torch.float64) + 0.5)
     state = original.state_dict()
-    perms = {grp.name: torch.randperm(width(state, grp, "verify_spec: net"), generator=g) for grp in spec.groups}
+    perms = {grp.name: torch.randperm(width(state, grp, "net"), generator=g) for grp in spec.groups}
     permuted = network_from_state(original, client_slice(spec, state, perms)).eval()
     x = torch.randn(3, *input_shape, generator=g, dtype=torch.float64)
     with torch.no_grad():
@@ -290,6 +300,6 @@ def verify_spec(net: nn.Module, spec: PermutationSpec, input_shape: Sequence[int
     scale = float(a.abs().max()) or 1.0
     err = float((a - b).abs().max()) / scale
     if not err <= rtol:
-        raise ValueError(f"verify_spec: permuting net by the spec changes its outputs by {err:.3g} (relative to their "
-                         f"largest, > rtol={rtol}); the spec misses an axis the permutations act on, or names one "
-                         f"they do not")
+        raise ValueError(f"spec: expected symmetries of net (permuting net by the spec keeps its outputs within "
+                         f"rtol={rtol}), got a change of its outputs by {err:.3g} (relative to their largest); the "
+                         f"spec misses an axis the permutations act on, or names one they do not")

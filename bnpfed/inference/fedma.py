@@ -111,8 +111,9 @@ def match_group(
         else:
             sizes = sorted({w[h] for w in widths})
             if len(sizes) != 1:
-                raise ValueError(f"below: the clients hold {sizes} units of group {h!r}, matched before {group!r}; "
-                                 f"pass below[{h!r}] (their global ids), or align them first (align_to_group)")
+                raise ValueError(f"below: expected the global ids of group {h!r} (matched before {group!r}), as the "
+                                 f"clients hold {sizes} units of it, got none; pass below[{h!r}] (their global ids), "
+                                 f"or align them first (align_to_group)")
             resolved[h] = ([torch.arange(sizes[0])] * J, sizes[0])
     unknown = sorted(set(below or {}) - set(names[:c]))
     if unknown:

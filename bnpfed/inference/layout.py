@@ -22,14 +22,15 @@ def width(state: Mapping[str, Tensor], group: Group, who: str) -> int:
     widths = {}
     for a in group.axes:
         if a.param not in state:
-            raise ValueError(f"{who}: has no {a.param!r}, which group {group.name!r} acts on")
+            raise ValueError(f"{who}: expected {a.param!r}, which group {group.name!r} acts on, got no such key")
         t = state[a.param]
         if a.dim >= t.dim() or t.shape[a.dim] % a.block:
-            raise ValueError(f"{who}: {a.param!r} has shape {tuple(t.shape)}; group {group.name!r} expects axis "
-                             f"{a.dim} made of blocks of {a.block}")
+            raise ValueError(f"{who}: expected {a.param!r} with an axis {a.dim} made of blocks of {a.block} (group "
+                             f"{group.name!r} acts on it), got shape {tuple(t.shape)}")
         widths[str(a)] = t.shape[a.dim] // a.block
     if len(set(widths.values())) != 1:
-        raise ValueError(f"{who}: group {group.name!r} has different numbers of units along its axes: {widths}")
+        raise ValueError(f"{who}: expected one number of units of group {group.name!r} along all its axes, got "
+                         f"{widths}")
     return next(iter(widths.values()))
 
 
@@ -113,8 +114,7 @@ class VectorLayout:
         """The parameters held in ``atoms`` (L, D), each with the group's axis at L units (float64)."""
         atoms = torch.as_tensor(atoms, dtype=torch.float64)
         if atoms.dim() != 2 or atoms.shape[1] != self.D:
-            raise ValueError(f"atoms of group {self.group!r}: expected shape (L, {self.D}), got "
-                             f"{tuple(atoms.shape)}")
+            raise ValueError(f"atoms[{self.group!r}]: expected shape (L, {self.D}), got {tuple(atoms.shape)}")
         L = atoms.shape[0]
         out = {}
         for s in self.segments:
@@ -141,8 +141,8 @@ def group_layout(spec: PermutationSpec, shapes: Mapping[str, tuple[int, ...]], g
             else:
                 name = spec.groups[c].name
                 if name not in sizes:
-                    raise ValueError(f"below: group {group!r} needs the global ids of group {name!r} (matched "
-                                     f"before it), got none")
+                    raise ValueError(f"below: expected the global ids of group {name!r} (matched before group "
+                                     f"{group!r}, which needs them), got none")
                 shape[a.dim] = sizes[name] * a.block
         shape[own.dim] = own.block
         unit_shape = (own.block, *(s for d, s in enumerate(shape) if d != own.dim))
@@ -155,8 +155,8 @@ def group_layout(spec: PermutationSpec, shapes: Mapping[str, tuple[int, ...]], g
             classes.append(torch.full((n,), -1, dtype=torch.long))
         start += n
     if not segments and not statistics:
-        raise ValueError(f"spec: group {group!r} owns no parameter to match (each parameter is matched in the last "
-                         f"group acting on it); put it later in the spec's order")
+        raise ValueError(f"spec: expected a parameter for group {group!r} to match (each parameter is matched in the "
+                         f"last group acting on it), got none; put the group later in the spec's order")
     cls = torch.cat(classes) if classes else torch.zeros(0, dtype=torch.long)
     return VectorLayout(group, tuple(segments), cls)
 

@@ -65,12 +65,14 @@ class Group:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"Group.name: expected a non-empty string, got {self.name!r}")
         if not self.axes or not all(isinstance(a, Axis) for a in self.axes):
-            raise ValueError(f"Group {self.name!r}: expected a non-empty sequence of Axis, got {self.axes!r}")
+            raise ValueError(f"Group.axes: expected a non-empty sequence of Axis, got {self.axes!r} (for group "
+                             f"{self.name!r})")
         params = [a.param for a in self.axes]
         twice = sorted({p for p in params if params.count(p) > 1})
         if twice:
-            raise ValueError(f"Group {self.name!r}: acts on {twice[0]!r} along two axes; a permutation that acts on "
-                             f"both axes of one parameter (e.g. x + W x) is not supported")
+            raise ValueError(f"Group.axes: expected at most one axis of each parameter, got two of {twice[0]!r} (for "
+                             f"group {self.name!r}); a permutation that acts on both axes of one parameter (e.g. "
+                             f"x + W x) is not supported")
 
 
 @dataclass(frozen=True)
@@ -108,22 +110,23 @@ class PermutationSpec:
         for g in self.groups:
             for a in g.axes:
                 if a.param not in self.kinds:
-                    raise ValueError(f"PermutationSpec: group {g.name!r} acts on {a.param!r}, which has no kind in "
-                                     f"kinds")
+                    raise ValueError(f"PermutationSpec.kinds: expected a kind for every parameter a group acts on, "
+                                     f"got none for {a.param!r}, which group {g.name!r} acts on")
                 acted.setdefault(a.param, []).append(a.dim)
         for param, kind in self.kinds.items():
             dims = acted.get(param, [])
             if kind == "output_bias" and dims:
-                raise ValueError(f"PermutationSpec: {param!r} is an output bias (one entry per class) but group(s) "
-                                 f"act on it")
+                raise ValueError(f"PermutationSpec.groups: expected no group acting on the output bias {param!r} "
+                                 f"(one entry per class), got group(s) acting on its axis {dims}")
             if kind not in ("output_bias", "output_weight") and not dims:
-                raise ValueError(f"PermutationSpec: {param!r} ({kind}) is acted on by no group; give it a group "
-                                 f"or leave it out of kinds (it is then copied from the template)")
+                raise ValueError(f"PermutationSpec.groups: expected a group acting on {param!r} ({kind}), got none; "
+                                 f"give it a group or leave it out of kinds (it is then copied from the template)")
             if kind == "output_weight" and 0 in dims:
-                raise ValueError(f"PermutationSpec: {param!r} is an output weight, whose axis 0 indexes the classes, "
-                                 f"but a group acts on its axis 0")
+                raise ValueError(f"PermutationSpec.groups: expected no group acting on axis 0 of the output weight "
+                                 f"{param!r} (it indexes the classes), got group(s) acting on its axes {dims}")
             if len(set(dims)) != len(dims):
-                raise ValueError(f"PermutationSpec: two groups act on axis {dims} of {param!r}")
+                raise ValueError(f"PermutationSpec.groups: expected at most one group acting on each axis of "
+                                 f"{param!r}, got two acting on its axes {dims}")
 
     @property
     def group_names(self) -> list[str]:
