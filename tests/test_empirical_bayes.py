@@ -522,7 +522,8 @@ def test_reference_constants_fix_the_hyperparameters_and_the_map_objective():
         (dict(hyperparameters="EB"), "hyperparameters: expected one of"),
         (dict(hyperparameters="fixed", sigma2=1.0, sigma0_2=1.0, gamma0=1.0, start={"sigma2": 1.0}), "start: expected "
                                                                                                     "None"),
-        (dict(sigma2=0.1, start={"sigma2": 1.0}), r"start\['sigma2'\]: expected no starting value for sigma2, which is given"),
+        (dict(sigma2=0.1, start={"sigma2": 1.0}),
+         r"start\['sigma2'\]: expected no starting value for sigma2, which is given"),
         (dict(start={"tau": 1.0}), "start: expected keys among"),
         (dict(start={"sigma0_2": -1.0}), r"start\['sigma0_2'\]: expected a positive finite number"),
         (dict(sigma0_2=0.0), "sigma0_2: expected a positive finite number, got 0.0"),

@@ -9,8 +9,8 @@ import pytest
 from bnpfed import combine
 from bnpfed.data import load_dataset
 from bnpfed.federated.config import PFNM_NETWORK, NetworkConfig, PartitionConfig, PFNMConfig, TrainingConfig
-from bnpfed.federated.methods import (ExperimentConfig, MethodResult, available_methods, register_method, run_experiment,
-                                      width_sweep)
+from bnpfed.federated.methods import (ExperimentConfig, MethodResult, available_methods, register_method,
+                                      run_experiment, width_sweep)
 
 
 @pytest.fixture(scope="module")

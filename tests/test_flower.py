@@ -368,7 +368,8 @@ def _lenet():
 @pytest.mark.parametrize("change, message", [
     (lambda a: a.pop("fc3.bias"), r"missing array\(s\) \['fc3.bias'\]"),
     (lambda a: a.update(w=np.ones(2)), r"unknown array\(s\) \['w'\]"),
-    (lambda a: a.update({"conv1.weight": a["conv1.weight"][:, :, :3]}), r"'conv1.weight': expected shape \(6, 1, 5, 5\)"),
+    (lambda a: a.update({"conv1.weight": a["conv1.weight"][:, :, :3]}),
+     r"'conv1.weight': expected shape \(6, 1, 5, 5\)"),
     (lambda a: a.update({"conv2.weight": a["conv2.weight"][:, :5]}), r"'conv2.weight': expected shape \(16, 6, 5, 5\)"),
     (lambda a: a.update({"fc1.weight": a["fc1.weight"][:, :60]}), r"'fc1.weight': expected shape \(120, 64\)"),
     (lambda a: a.update({"fc3.weight": a["fc3.weight"].astype(np.int64)}), "expected a floating-point tensor"),

@@ -162,7 +162,8 @@ def test_deterministic_coordinates_are_averaged_and_carry_no_variance():
     (lambda c: c[1][1].__setitem__("0.weight", -c[1][1]["0.weight"]), r"clients\[1\]: variances\['0.weight'\] must be"),
     (lambda c: c[1][1].__setitem__("0.weight", c[1][1]["0.weight"][:2]), r"clients\[1\]: variances\['0.weight'\] has "
      r"shape \(2, 4\)"),
-    (lambda c: c[2][1].pop("2.weight"), r"clients\[2\]: expected the Bayesian sites .* of client 0, got \['0.weight', '4.weight'\]"),
+    (lambda c: c[2][1].pop("2.weight"),
+     r"clients\[2\]: expected the Bayesian sites .* of client 0, got \['0.weight', '4.weight'\]"),
     (lambda c: c.__setitem__(0, "net"), r"clients\[0\]: expected a BayesianClient or a \(locs, variances\) pair"),
 ])
 def test_bad_clients_are_named(change, message):

@@ -47,7 +47,7 @@ from bnpfed.federated.clients import bayesian_client, fit_bayesian, initial_netw
 from bnpfed.federated.config import BayesianConfig, FusionConfig, NetworkConfig, TrainingConfig
 from bnpfed.federated.federation import Federation
 from bnpfed.federated.partition import class_counts
-from bnpfed.federated.rounds import Architecture, MatchRounds
+from bnpfed.federated.rounds import Architecture, HoldsRounds, MatchRounds
 from bnpfed.federated.server import match_hyperparameters, matched_fusion_step
 from bnpfed.inference import BayesianClient
 from bnpfed.inference.permutation import network_from_state
@@ -89,7 +89,7 @@ def bayesian_from_match(match: PosteriorMatch, bayesian: BayesianConfig) -> Baye
 matched_hyperparameters = match_hyperparameters
 
 
-class MatchedFusionFederation(Federation):
+class MatchedFusionFederation(HoldsRounds, Federation):
     """J variational Bayesian clients from their own initialisations and a server that matches and fuses them.
 
     :param Dataset dataset: train split (partitioned) and test split (evaluation).
@@ -128,19 +128,10 @@ class MatchedFusionFederation(Federation):
         self.class_counts = class_counts(dataset.y_train.numpy(), [p.numpy() for p in self.parts],
                                          dataset.num_classes)
         self.architecture = Architecture.of(self.network, dataset.input_shape, dataset.num_classes, seed=seed)
-        self.template, self.spec = self.architecture.template, self.architecture.spec
         self.rounds = MatchRounds(self.architecture)
         self.initial_clients = initial_clients
         self.clients: list[Optional[BayesianClient]] = [None] * self.num_clients
         self.global_model: Optional[BayesianClient] = None
-
-    @property
-    def match(self) -> Optional[PosteriorMatch]:
-        return self.rounds.match
-
-    @property
-    def matched(self) -> list[int]:
-        return self.rounds.matched
 
     @staticmethod
     def check_network(network: NetworkConfig) -> None:

@@ -55,7 +55,7 @@ from bnpfed.federated.clients import initial_network, train_network
 from bnpfed.federated.config import NetworkConfig, PFNMConfig, TrainingConfig
 from bnpfed.federated.federation import Federation, reestimate_statistics
 from bnpfed.federated.partition import class_counts
-from bnpfed.federated.rounds import Architecture, MatchRounds
+from bnpfed.federated.rounds import Architecture, HoldsRounds, MatchRounds
 from bnpfed.federated.server import fedma_group_step, matched_parameters, pfnm_step, with_statistics
 from bnpfed.inference.permutation import SpecMatch, align_to_group
 from bnpfed.metrics import count_parameters
@@ -63,7 +63,7 @@ from bnpfed.metrics import count_parameters
 __all__ = ["PFNMFederation"]
 
 
-class PFNMFederation(Federation):
+class PFNMFederation(HoldsRounds, Federation):
     """J clients of one network kind and a PFNM server, round by round (FedMA's layer-wise server with
     ``pfnm.layerwise_retrain``).
 
@@ -104,16 +104,7 @@ class PFNMFederation(Federation):
         self.class_counts = class_counts(dataset.y_train.numpy(), [p.numpy() for p in self.parts],
                                          dataset.num_classes)
         self.architecture = Architecture.of(network, dataset.input_shape, dataset.num_classes, seed=seed)
-        self.template, self.spec = self.architecture.template, self.architecture.spec
         self.rounds = MatchRounds(self.architecture)
-
-    @property
-    def match(self) -> Optional[SpecMatch]:
-        return self.rounds.match
-
-    @property
-    def matched(self) -> list[int]:
-        return self.rounds.matched
 
     def _statistics(self, sampled: Sequence[int], layers: Sequence[str], states: Sequence[dict]) -> dict:
         """The batch-norm statistics of ``layers`` re-estimated from the sampled clients' data, each client's network

@@ -34,7 +34,7 @@ from bnpfed.federated.server import match_hyperparameters, mean_sigma
 from bnpfed.inference.batch_norm import batch_norm_order
 from bnpfed.inference.permutation import PermutationSpec, derive_spec, network_from_state
 
-__all__ = ["Architecture", "MatchRounds"]
+__all__ = ["Architecture", "HoldsRounds", "MatchRounds"]
 
 
 @dataclass(frozen=True)
@@ -135,3 +135,30 @@ class MatchRounds:
         if variances is not None:
             out["mean_sigma"] = mean_sigma(variances.values())
         return out
+
+
+class HoldsRounds:
+    """What a server holding a :class:`MatchRounds` as ``rounds`` (None until it knows the architecture) shows of it:
+    the in-process federations and the Flower strategies alike."""
+
+    rounds: Optional[MatchRounds] = None
+
+    @property
+    def match(self) -> Any:
+        """The last match (None before round 1 is aggregated)."""
+        return None if self.rounds is None else self.rounds.match
+
+    @property
+    def matched(self) -> list[int]:
+        """The clients the last match matched, in its order."""
+        return [] if self.rounds is None else self.rounds.matched
+
+    @property
+    def spec(self) -> Optional[PermutationSpec]:
+        """The clients' networks' permutation spec."""
+        return None if self.rounds is None else self.rounds.architecture.spec
+
+    @property
+    def template(self) -> Optional[nn.Module]:
+        """A network of the clients' kind, the shape global networks are rebuilt in."""
+        return None if self.rounds is None else self.rounds.architecture.template

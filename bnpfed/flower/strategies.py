@@ -56,7 +56,7 @@ from flwr.serverapp.strategy import Strategy
 
 from bnpfed.federated.clients import bayesian_client
 from bnpfed.federated.config import BayesianConfig, FusionConfig, NetworkConfig, PFNMConfig
-from bnpfed.federated.rounds import Architecture, MatchRounds
+from bnpfed.federated.rounds import Architecture, HoldsRounds, MatchRounds
 from bnpfed.federated.server import (batch_norm_steps, clients_per_round, fuse_posteriors, matched_fusion_step,
                                      mean_sigma, pfnm_step, sample_clients, with_statistics)
 from bnpfed.inference.posterior_matching import client_posterior
@@ -386,7 +386,7 @@ class _RoundStrategy(Strategy):
                     self.min_nodes or "all", self.min_replies, self.node_timeout, self.seed)
 
 
-class _MatchingStrategy(_RoundStrategy):
+class _MatchingStrategy(HoldsRounds, _RoundStrategy):
     """What PFNM and matched fusion share: once the SuperNodes have told their input shape and classes, the clients'
     :class:`~bnpfed.federated.rounds.Architecture` (the template network and its permutation spec, as every client
     builds them) and the server's :class:`~bnpfed.federated.rounds.MatchRounds` (what each client was sent, the last
@@ -402,24 +402,6 @@ class _MatchingStrategy(_RoundStrategy):
             self.rounds = MatchRounds(Architecture.of(self.network, identity.input_shape, identity.num_classes,
                                                       seed=self.seed))
         return identity
-
-    @property
-    def match(self):
-        """The last match (None before round 1 is aggregated)."""
-        return None if self.rounds is None else self.rounds.match
-
-    @property
-    def matched(self) -> list[int]:
-        """The partitions the last match matched, in its order."""
-        return [] if self.rounds is None else self.rounds.matched
-
-    @property
-    def spec(self):
-        return None if self.rounds is None else self.rounds.architecture.spec
-
-    @property
-    def template(self):
-        return None if self.rounds is None else self.rounds.architecture.template
 
 
 class PFNMStrategy(_MatchingStrategy):
@@ -586,7 +568,8 @@ class PosteriorFusionStrategy(_RoundStrategy):
                                [a.num_examples for a in accepted], self.fusion, seed=self.seed, round=server_round)
         summary = {"weights": step.weights,
                    "train_loss": sum(a.metrics["train_loss"] for a in accepted) / len(accepted),
-                   "mean_sigma": mean_sigma(g.variance for g in step.posterior.values()), "min_variance": step.min_variance, "floored": step.floored,
+                   "mean_sigma": mean_sigma(g.variance for g in step.posterior.values()),
+                   "min_variance": step.min_variance, "floored": step.floored,
                    "server_seconds": step.seconds}
         return posterior_to_record(step.posterior, step.deterministic), summary
 
@@ -677,7 +660,8 @@ class MatchedFusionStrategy(_MatchingStrategy):
                                     template=self.template)
         self.rounds.update(match, clients)
         own = self.rounds.summary()
-        summary = {"hidden": own["hidden"], "train_loss": sum(a.metrics["train_loss"] for a in accepted) / len(accepted),
+        summary = {"hidden": own["hidden"],
+                   "train_loss": sum(a.metrics["train_loss"] for a in accepted) / len(accepted),
                    "mean_sigma": own["mean_sigma"], "hyperparameters": own["hyperparameters"],
                    "server_seconds": match.seconds}
         return matched_posterior_to_record(match.locs, match.variances), summary

@@ -8,9 +8,9 @@ the site's shape) and a :class:`~bnpfed.inference.MeanFieldGuide` ``q(w_s) = N(m
 
     KL(q || p) = sum_s sum_j 1/2 (r_sj + (mu_sj - m_sj)^2 / t_sj^2 - 1 - log r_sj),   r_sj = sigma_sj^2 / t_sj^2
 
-what Pyro's ``TraceMeanField_ELBO`` computes from the Pyro program (up to floating-point rounding) (the guide's trace replayed in
-:meth:`BayesianNetwork.model`), with the same random numbers in the same order: one ``eps_s`` per site in the guide's
-order, then the network's own draws (local reparameterisation's pre-activation noise, in forward order). The Pyro
+what Pyro's ``TraceMeanField_ELBO`` computes from the Pyro program (up to floating-point rounding; the guide's trace
+replayed in :meth:`BayesianNetwork.model`), with the same random numbers in the same order: one ``eps_s`` per site in
+the guide's order, then the network's own draws (local reparameterisation's pre-activation noise, in forward order). The Pyro
 program is the reference semantics; this is an implementation of the same objective without the two traces per
 step (tests check that both give the same loss for the same seed).
 
