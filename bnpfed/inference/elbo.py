@@ -10,9 +10,9 @@ the site's shape) and a :class:`~bnpfed.inference.MeanFieldGuide` ``q(w_s) = N(m
 
 what Pyro's ``TraceMeanField_ELBO`` computes from the Pyro program (up to floating-point rounding; the guide's trace
 replayed in :meth:`BayesianNetwork.model`), with the same random numbers in the same order: one ``eps_s`` per site in
-the guide's order, then the network's own draws (local reparameterisation's pre-activation noise, in forward order). The Pyro
-program is the reference semantics; this is an implementation of the same objective without the two traces per
-step (tests check that both give the same loss for the same seed).
+the guide's order, then the network's own draws (local reparameterisation's pre-activation noise, in forward order).
+The Pyro program is the reference semantics; this is an implementation of the same objective without the two traces
+per step (tests check that both give the same loss for the same seed).
 
 Anything else (another guide, a non-Normal prior, a subclass that changes the model, local reparameterisation on a
 network where the module-level layer cannot reproduce the handler) is handed to ``TraceMeanField_ELBO`` unchanged.
