@@ -5,7 +5,8 @@ One entry point, :func:`load_dataset`, returns a :class:`Dataset` whatever the s
 - ``"digits"`` (the default everywhere): scikit-learn's bundled 8x8 handwritten digits, no files needed.
 - ``"mnist"``, ``"fashion-mnist"`` (also ``"fashion_mnist"``), ``"cifar10"``: torchvision's datasets, read from
   ``data_dir`` in torchvision's on-disk layout (the optional extra ``bnpfed[vision]``), e.g.
-  ``load_dataset("mnist", data_dir="data/mnist", download=True)``.
+  ``load_dataset("mnist", data_dir="data/mnist", download=True)``. ``"cifar10"`` is read from the JPEG container
+  :data:`CIFAR10_JPEG` in ``data_dir`` when torchvision's pickles are not there (``Dataset.source`` says which).
 - ``"npz:PATH"``: a ``.npz`` file of your own; :data:`NPZ_FORMAT` says what it must hold.
 
 Usage::
@@ -20,7 +21,9 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
+import io
 import math
 import os
 import zipfile
@@ -32,7 +35,8 @@ import torch
 
 from bnpfed.validation import check_bool, check_int
 
-__all__ = ["DATASET_NAMES", "NPZ_FORMAT", "NPZ_PREFIX", "Dataset", "load_dataset", "standardize_together"]
+__all__ = ["CIFAR10_JPEG", "DATASET_NAMES", "NPZ_FORMAT", "NPZ_PREFIX", "Dataset", "load_dataset",
+           "standardize_together"]
 
 #: Names accepted by :func:`load_dataset` (besides the ``"npz:PATH"`` form); the CLI offers these as choices.
 DATASET_NAMES = ("digits", "mnist", "fashion-mnist", "cifar10")
@@ -52,6 +56,17 @@ NPZ_FORMAT = (
 )
 
 _ALIASES = {"fashion_mnist": "fashion-mnist"}
+
+#: The file name of CIFAR-10 as a JPEG container (where the original pickles cannot be had): ``train_jpeg`` /
+#: ``test_jpeg`` (uint8, the JPEG files' bytes one after another), ``train_offsets`` / ``test_offsets`` (int64, N + 1
+#: entries: image i is ``jpeg[offsets[i]:offsets[i + 1]]``), ``y_train`` / ``y_test`` (int64 labels), ``classes``.
+#: Decoded once per process (PIL) and cached; a lossy copy (quality 75): accuracies come near, not equal to, figures
+#: published on the original images.
+CIFAR10_JPEG = "cifar10_jpeg.npz"
+
+#: The images of the JPEG container come grouped by class; they are put in one fixed random order (this seed) once
+#: decoded, so that contiguous slices (a Flower client's test shard) hold every class.
+CIFAR10_JPEG_ORDER_SEED = 0
 
 #: The seeded stratified split of the digits data (it ships as one set of 1797 images).
 DIGITS_TEST_FRACTION = 0.25
@@ -83,6 +98,7 @@ class Dataset:
     :param str name: the canonical dataset name (``"digits"``, ``"fashion-mnist"``, ``"npz:PATH"``, ...).
     :param int num_classes: number of classes, at least 1.
     :param tuple input_shape: shape of one input, e.g. ``(1, 28, 28)``; ``(F,)`` for flat data.
+    :param str source: where the data came from, in words (e.g. CIFAR-10's original pickles or its JPEG copy).
     """
 
     x_train: torch.Tensor
@@ -92,6 +108,7 @@ class Dataset:
     name: str
     num_classes: int
     input_shape: tuple[int, ...]
+    source: str = ""
 
     def __post_init__(self):
         check_int(self.num_classes, "num_classes", low=1)
@@ -279,6 +296,10 @@ def _load_vision(name: str, *, data_dir, download: bool, standardize: bool = Tru
         ) from err
     dataset_class = getattr(datasets, spec.class_name)
     root = os.fspath(data_dir)
+    if name == "cifar10" and not os.path.isdir(os.path.join(root, spec.folder)) and not download:
+        container = Path(root) / CIFAR10_JPEG
+        if container.is_file():
+            return _load_cifar10_jpeg(container, spec, standardize)
     splits = []
     for train in (True, False):
         try:
@@ -301,7 +322,44 @@ def _load_vision(name: str, *, data_dir, download: bool, standardize: bool = Tru
         name=name,
         num_classes=len(ds.classes),
         input_shape=tuple(x_train.shape[1:]),
+        source=f"torchvision's {spec.class_name} files in {os.path.join(root, spec.folder)}",
     )
+
+
+@functools.lru_cache(maxsize=2)
+def _decoded_cifar10_jpeg(path: str, mtime: float, size: int) -> tuple[np.ndarray, ...]:
+    """The container's images decoded once (PIL), ``(N, 32, 32, 3)`` uint8 per split, in the fixed order of
+    :data:`CIFAR10_JPEG_ORDER_SEED`, and their labels. ``mtime`` and ``size`` key the cache to the file's version."""
+    from PIL import Image
+
+    with np.load(path, allow_pickle=False) as f:
+        missing = [k for k in ("train_jpeg", "test_jpeg", "train_offsets", "test_offsets", "y_train", "y_test")
+                   if k not in f.files]
+        if missing:
+            raise ValueError(f"data_dir: expected {CIFAR10_JPEG} to hold train_jpeg, test_jpeg, train_offsets, "
+                             f"test_offsets, y_train, y_test, got {sorted(f.files)} (missing {missing}) in {path}")
+        out = []
+        for split in ("train", "test"):
+            jpeg, offsets, y = f[f"{split}_jpeg"], f[f"{split}_offsets"], f[f"y_{split}"]
+            if offsets.ndim != 1 or len(offsets) != len(y) + 1 or (np.diff(offsets) <= 0).any():
+                raise ValueError(f"data_dir: expected {split}_offsets of {len(y) + 1} increasing entries (one more "
+                                 f"than y_{split}) in {path}, got shape {offsets.shape}")
+            images = np.stack([np.asarray(Image.open(io.BytesIO(jpeg[a:b].tobytes())).convert("RGB"))
+                               for a, b in zip(offsets[:-1], offsets[1:])])
+            order = np.random.default_rng(CIFAR10_JPEG_ORDER_SEED).permutation(len(y))
+            out += [images[order], np.asarray(y, dtype=np.int64)[order]]
+    return tuple(out)
+
+
+def _load_cifar10_jpeg(path: Path, spec: _VisionSpec, standardize: bool) -> Dataset:
+    """CIFAR-10 from :data:`CIFAR10_JPEG` (decoded once, cached), normalised with the original's constants."""
+    stat = path.stat()
+    x_train, y_train, x_test, y_test = _decoded_cifar10_jpeg(str(path.resolve()), stat.st_mtime, stat.st_size)
+    (x_train, y_train), (x_test, y_test) = (_images_to_tensors(x, y, spec, standardize)
+                                            for x, y in ((x_train, y_train), (x_test, y_test)))
+    return Dataset(x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test, name="cifar10", num_classes=10,
+                   input_shape=tuple(x_train.shape[1:]),
+                   source=f"the JPEG copy of CIFAR-10 (quality 75; not the original pickles) in {path}")
 
 
 def _images_to_tensors(data, targets, spec: _VisionSpec, standardize: bool) -> tuple[torch.Tensor, torch.Tensor]:

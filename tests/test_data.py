@@ -1,3 +1,4 @@
+import io
 import os
 import pickle
 import sys
@@ -385,3 +386,58 @@ def test_unstandardized_images_stay_in_the_unit_interval():
     # the standardised data is the same images, shifted and scaled by the train constants
     mean, sd = float(raw.x_train.mean()), float(raw.x_train.std(unbiased=False))
     torch.testing.assert_close(std.x_test, (raw.x_test - mean) / sd, rtol=1e-5, atol=1e-5)
+
+
+def write_cifar10_jpeg(folder, n_train=12, n_test=5):
+    """A small CIFAR-10 JPEG container in the layout of the shared data: every image one flat colour (lossless
+    enough for a check to 2/255 after JPEG), labels grouped by class as in the shared file."""
+    from PIL import Image
+
+    colours = [(10 * k, 255 - 20 * k, 128) for k in range(10)]
+    out = {}
+    for split, n in (("train", n_train), ("test", n_test)):
+        labels = np.sort(np.arange(n) % 10)
+        blobs = []
+        for label in labels:
+            buffer = io.BytesIO()
+            Image.new("RGB", (32, 32), colours[label]).save(buffer, format="JPEG", quality=95)
+            blobs.append(np.frombuffer(buffer.getvalue(), dtype=np.uint8))
+        out[f"{split}_jpeg"] = np.concatenate(blobs)
+        out[f"{split}_offsets"] = np.concatenate([[0], np.cumsum([len(b) for b in blobs])]).astype(np.int64)
+        out[f"y_{split}"] = labels.astype(np.int64)
+    np.savez(folder / "cifar10_jpeg.npz", classes=np.array([f"c{k}" for k in range(10)]), **out)
+    return colours
+
+
+def test_cifar10_is_read_from_its_jpeg_container_when_the_pickles_are_not_there(tmp_path):
+    colours = write_cifar10_jpeg(tmp_path)
+    raw = load_dataset("cifar10", data_dir=tmp_path, standardize=False)
+    assert raw.input_shape == (3, 32, 32) and raw.num_classes == 10 and "JPEG copy" in raw.source
+    assert tuple(raw.x_train.shape) == (12, 3, 32, 32) and tuple(raw.x_test.shape) == (5, 3, 32, 32)
+    for x, y in ((raw.x_train, raw.y_train), (raw.x_test, raw.y_test)):
+        for image, label in zip(x, y.tolist()):   # every image the colour of its label: images and labels stay paired
+            expected = torch.tensor(colours[label], dtype=torch.float32)[:, None, None] / 255
+            torch.testing.assert_close(image, expected.expand(3, 32, 32), atol=2 / 255, rtol=0)
+    assert raw.y_train.tolist() != sorted(raw.y_train.tolist())   # a fixed shuffle, not grouped by class
+    again = load_dataset("cifar10", data_dir=tmp_path, standardize=False)
+    assert torch.equal(again.y_train, raw.y_train) and torch.equal(again.x_test, raw.x_test)
+    ds = load_dataset("cifar10", data_dir=tmp_path)
+    for c in range(3):   # normalised with the original's constants, as the pickles are
+        torch.testing.assert_close(ds.x_train[:, c], (raw.x_train[:, c] - CIFAR_MEAN[c]) / CIFAR_STD[c])
+
+
+def test_a_jpeg_container_without_its_arrays_is_refused_naming_the_file(tmp_path):
+    np.savez(tmp_path / "cifar10_jpeg.npz", train_jpeg=np.zeros(3, np.uint8))
+    with pytest.raises(ValueError, match=r"data_dir: expected cifar10_jpeg.npz to hold .* \(missing"):
+        load_dataset("cifar10", data_dir=tmp_path)
+
+
+SHARED_CIFAR = Path(__file__).resolve().parents[2] / "shared" / "data" / "cifar10"
+
+
+@pytest.mark.skipif(not (SHARED_CIFAR / "cifar10_jpeg.npz").is_file(), reason="the shared CIFAR-10 copy is absent")
+def test_the_shared_cifar10_copy_loads_with_the_published_split_and_statistics():
+    raw = load_dataset("cifar10", data_dir=SHARED_CIFAR, standardize=False)
+    assert tuple(raw.x_train.shape) == (50000, 3, 32, 32) and tuple(raw.x_test.shape) == (10000, 3, 32, 32)
+    assert torch.bincount(raw.y_train).tolist() == [5000] * 10 and torch.bincount(raw.y_test).tolist() == [1000] * 10
+    torch.testing.assert_close(raw.x_train.mean((0, 2, 3)), torch.tensor([0.4913, 0.4821, 0.4465]), atol=2e-4, rtol=0)

@@ -29,7 +29,7 @@ import textwrap
 from pathlib import Path
 from typing import Collection, Mapping, Optional
 
-from bnpfed.data import DATASET_NAMES, NPZ_FORMAT, NPZ_PREFIX, Dataset, load_dataset
+from bnpfed.data import CIFAR10_JPEG, DATASET_NAMES, NPZ_FORMAT, NPZ_PREFIX, Dataset, load_dataset
 from bnpfed.inference import TrainingDiverged
 from bnpfed.federated.config import PARTITION_ALIASES, PARTITIONS, PartitionConfig, TrainingConfig
 
@@ -269,10 +269,11 @@ def add_data_arguments(parser, *, standardize: Optional[bool], standardize_help:
     g = parser.add_argument_group("data")
     g.add_argument("--dataset", type=dataset_name, default="digits", metavar="NAME",
                    help=f"{', '.join(DATASET_NAMES)} or {NPZ_PREFIX}PATH. digits (scikit-learn's 8x8 digits) needs "
-                   f"no files; mnist, fashion-mnist and cifar10 are read with torchvision from --data-dir; "
-                   f"{NPZ_PREFIX}PATH is {NPZ_FORMAT}")
+                   f"no files; mnist, fashion-mnist and cifar10 are read with torchvision from --data-dir; cifar10 "
+                   f"from {CIFAR10_JPEG} (a JPEG copy: decoded once, and said so on stderr) in --data-dir when "
+                   f"torchvision's pickles are not there; {NPZ_PREFIX}PATH is {NPZ_FORMAT}")
     g.add_argument("--data-dir", metavar="DIR", help="torchvision's root folder for mnist / fashion-mnist / cifar10 "
-                   "(required for those)")
+                   f"(required for those; for cifar10 also the folder of {CIFAR10_JPEG})")
     g.add_argument("--download", action="store_true", help="let torchvision download missing files into --data-dir")
     g.add_argument("--standardize", action=argparse.BooleanOptionalAction, default=standardize,
                    help=standardize_help)
@@ -384,7 +385,10 @@ def check_output_path(path: Optional[str], flag: str, *, plot: bool = False) -> 
 def load_data(args, *, standardize: bool) -> Dataset:
     """``args.dataset`` loaded and checked against its format, or a :class:`UsageError` naming the flag."""
     try:
-        return load_dataset(args.dataset, data_dir=args.data_dir, download=args.download, standardize=standardize)
+        dataset = load_dataset(args.dataset, data_dir=args.data_dir, download=args.download, standardize=standardize)
+        if CIFAR10_JPEG in dataset.source:
+            print(f"{dataset.name}: read from {dataset.source}", file=sys.stderr)
+        return dataset
     except FileNotFoundError as error:
         flag = "--dataset" if args.dataset.startswith(NPZ_PREFIX) else "--data-dir"
         raise UsageError(f"{flag}: {one_line(error)}") from None
