@@ -247,8 +247,9 @@ def match_layer(
         computed once after the first assignment (a gather and a sum per atom per re-match); ``"auto"`` (default)
         takes the Gram matrix when it fits in 512 MiB and the sweeps' products would cost more than it: with
         ``"fixed"`` decided after the greedy pass (``sweeps * L > N``, a wide layer), under empirical Bayes, where
-        ``sweeps`` is only a limit, once the sweeps run so far have cost as much (``k * L > N`` after sweep k). Same
-        scores up to rounding.
+        ``sweeps`` is only a limit, after the greedy pass for the sweeps it usually runs
+        (:data:`~bnpfed.inference.matcher.EB_EXPECTED_SWEEPS`) and again once the sweeps run so far have cost as much
+        (``k * L > N`` after sweep k). Same scores up to rounding.
     :param init_assignments: optional starting point replacing the greedy pass: J integer arrays or tensors, the
         j-th of length L_j (empty for a client without neurons), ``init_assignments[j][l]`` the atom of client j's
         l-th neuron. Labels may take any values (they are compacted internally) but must be distinct within a client.
