@@ -2,7 +2,8 @@
 (``tests/golden/before_refactor.pt``, written by ``tests/golden/record.py`` at commit d50764b: layer matchers, the
 top-down order, spec matching of MLPs and a batch-normalised CNN, FedMA's group step, matched fusion with every rule, a
 short experiment of eleven methods) is reproduced by today's code on the same inputs and seeds: assignments exactly,
-numbers to float tolerance."""
+numbers to float tolerance. Empirical Bayes then swept to the exact fixed point; its default now stops on the result
+(``stop="result"``), so these runs ask for ``stop="fixed-point"`` (``EXACT``)."""
 
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import torch
 from bnpfed.inference import REFERENCE_CONSTANTS, match_bayesian_layer, match_layer
 
 GOLDEN = Path(__file__).with_name("golden") / "before_refactor.pt"
+EXACT = dict(stop="fixed-point")
 RTOL = 1e-6
 
 
@@ -68,11 +70,11 @@ def test_layer_matching_reproduces_the_recorded_results(golden):
     V, s = data["sampled"], data["sampled_precisions"]
     fixed = dict(sigma2=0.3, sigma0_2=1.0, gamma0=12.0, hyperparameters="fixed")
     runs = {
-        "layer_eb": match_layer(V, seed=0),
-        "layer_eb_scaled": match_layer(V, precisions=s, seed=0),
+        "layer_eb": match_layer(V, seed=0, **EXACT),
+        "layer_eb_scaled": match_layer(V, precisions=s, seed=0, **EXACT),
         "layer_eb_partial": match_layer(V, precisions=s, gamma0=5.0,
-                                        mu0=torch.cat([torch.zeros(10), torch.full((20,), np.nan)]), seed=1),
-        "layer_eb_gram": match_layer(V, precisions=s, seed=2, cross_products="gram"),
+                                        mu0=torch.cat([torch.zeros(10), torch.full((20,), np.nan)]), seed=1, **EXACT),
+        "layer_eb_gram": match_layer(V, precisions=s, seed=2, cross_products="gram", **EXACT),
         "layer_reference": match_layer(V, seed=0, **{**fixed, **REFERENCE_CONSTANTS}),
         "layer_fixed_marginal": match_layer(V, precisions=s, seed=0, objective="marginal", cross_products="direct",
                                             **fixed),
@@ -80,8 +82,8 @@ def test_layer_matching_reproduces_the_recorded_results(golden):
     runs["layer_fixed_warm"] = match_layer(V, precisions=s, seed=4, objective="marginal", sweeps=3, **fixed,
                                            init_assignments=out["layer_fixed_marginal"]["assignments"])
     M, U, t = data["hetero_means"], data["hetero_variances"], data["hetero_precisions"]
-    runs["bayes_eb"] = match_bayesian_layer(M, U, seed=0)
-    runs["bayes_eb_scaled"] = match_bayesian_layer(M, U, precisions=t, seed=0)
+    runs["bayes_eb"] = match_bayesian_layer(M, U, seed=0, **EXACT)
+    runs["bayes_eb_scaled"] = match_bayesian_layer(M, U, precisions=t, seed=0, **EXACT)
     runs["bayes_fixed"] = match_bayesian_layer(M, U, precisions=t, tau2=0.01, sigma0_2=1.0, gamma0=8.0,
                                                hyperparameters="fixed", seed=0)
     for name, r in runs.items():
@@ -117,7 +119,7 @@ def test_the_top_down_order_is_the_spec_reversed_with_the_recorded_results(golde
     data, out = golden["inputs"], golden["outputs"]
     counts, template = data["class_counts"], mlp_template()
     ref = dict(sigma2=0.3, sigma0_2=1.0, gamma0=3.0, **REFERENCE_CONSTANTS)
-    for name, kwargs in (("topdown_reference", ref), ("topdown_eb", {})):
+    for name, kwargs in (("topdown_reference", ref), ("topdown_eb", EXACT)):
         m = match_by_spec(data["mlps"], counts, template=template, seed=5, direction="top-down", **kwargs)
         linear = ["1", "3", "5"]
         recorded = out[name]
@@ -133,14 +135,15 @@ def test_spec_matching_of_mlps_and_a_batch_normalised_cnn_reproduces_the_recorde
     from bnpfed.inference import align_to_group, derive_spec, match_by_spec, match_group
     data, out = golden["inputs"], golden["outputs"]
     counts, template = data["class_counts"], mlp_template()
-    assert_same(spec_result(match_by_spec(data["mlps"], counts, template=template, seed=6)), out["spec_mlp_eb"])
-    assert_same(spec_result(match_by_spec(data["mlps"], counts, template=template, seed=6,
+    assert_same(spec_result(match_by_spec(data["mlps"], counts, template=template, seed=6, **EXACT)),
+                out["spec_mlp_eb"])
+    assert_same(spec_result(match_by_spec(data["mlps"], counts, template=template, seed=6, **EXACT,
                                           global_weights="posterior-mean")), out["spec_mlp_posterior_mean"])
     cnn = initial_network(NetworkConfig(arch="simple-cnn-bn"), (1, 8, 8), 10, seed=0)
-    assert_same(spec_result(match_by_spec(data["cnns"], counts, template=cnn, input_shape=(1, 8, 8), seed=7)),
-                out["spec_cnn_eb"], "spec_cnn_eb")
+    assert_same(spec_result(match_by_spec(data["cnns"], counts, template=cnn, input_shape=(1, 8, 8), seed=7,
+                                          **EXACT)), out["spec_cnn_eb"], "spec_cnn_eb")
     spec = derive_spec(cnn, (1, 8, 8))
-    first = match_group(data["cnns"], spec, spec.group_names[0], counts, seed=8)
+    first = match_group(data["cnns"], spec, spec.group_names[0], counts, seed=8, **EXACT)
     new = {"group": layer_result(first.result), "atoms": fingerprint(first.atoms),
            "aligned": [{k: fingerprint(v) for k, v in align_to_group(s, spec, first, j).items()}
                        for j, s in enumerate(data["cnns"])]}
@@ -155,7 +158,7 @@ def test_matched_posterior_fusion_reproduces_the_recorded_results(golden, rule):
     data, out = golden["inputs"], golden["outputs"]
     template = initial_network(NetworkConfig(hidden=(20,)), (1, 8, 8), 10, seed=0)
     m = match_posteriors(data["posteriors"], data["class_counts"], rule=rule, sizes=data["sizes"], template=template,
-                         seed=9)
+                         seed=9, **EXACT)
     assert_same(posterior_result(m), out[f"posterior_{rule}"], rule)
     if rule == "conflation":
         m = match_posteriors(data["posteriors"], data["class_counts"], rule="conflation", template=template, seed=9,
@@ -173,13 +176,15 @@ def test_a_short_experiment_of_eleven_methods_reproduces_the_recorded_rows(golde
     from dataclasses import asdict
 
     from bnpfed.data import load_dataset
-    from bnpfed.federated import ExperimentConfig, NetworkConfig, PartitionConfig, TrainingConfig, run_experiment
+    from bnpfed.federated import (ExperimentConfig, FusionConfig, NetworkConfig, PartitionConfig, PFNMConfig,
+                                  TrainingConfig, run_experiment)
 
     methods = ("local", "ensemble", "fedavg", "kmeans", "pfnm", "pfnm-rounds", "fedma", "conflation",
                "match-conflation", "match-pooling", "ensemble-bayesian")
     result = run_experiment(load_dataset("digits", standardize=False),
                             partition=PartitionConfig(clients=3, partition="dirichlet"),
                             network=NetworkConfig(hidden=(16,)), training=TrainingConfig(epochs=3),
+                            pfnm=PFNMConfig(**EXACT), fusion=FusionConfig(**EXACT),
                             config=ExperimentConfig(methods=methods, rounds=2, seed=0))
     keep = ("method", "accuracy", "nll", "ece", "brier", "hidden", "parameters", "mean_sigma")
     rows = [{k: v for k, v in asdict(row).items() if k in keep} for row in result.rows]

@@ -323,6 +323,10 @@ class PFNMConfig:
         clients retrain the layers above for E epochs on their own data, match the next group, and so on (the
         ``fedma`` method; :class:`~bnpfed.federated.pfnm.PFNMFederation` with this config). Bottom-up only.
         Default 0.
+    :param str stop: under empirical Bayes, when a layer's sweeps stop: ``"result"`` (once a sweep moved at most 2 %
+        of the neurons and no estimate by more than 1 %; on trained MNIST layers the same width and accuracy as the
+        exact fixed point at a third of the sweeps) or ``"fixed-point"`` (until nothing changes). Default
+        ``"result"``.
 
     Over communication rounds each global neuron is a posterior mean, ``sum v / (m + sigma2 / sigma0_2)``: a neuron few
     clients hold comes back to them shrunk towards the prior mean. With too little retraining per round (say 2 local
@@ -342,6 +346,7 @@ class PFNMConfig:
     fraction: float = 1.0
     global_weights: Optional[str] = None
     layerwise_retrain: int = 0
+    stop: str = "result"
 
     def __post_init__(self):
         check_choice(self.hyperparameters, ("empirical-bayes", "fixed"), "hyperparameters")
@@ -370,6 +375,7 @@ class PFNMConfig:
         if self.global_weights is not None:
             check_choice(self.global_weights, ("average", "posterior-mean"), "global_weights")
         check_int(self.layerwise_retrain, "layerwise_retrain", low=0)
+        check_choice(self.stop, ("result", "fixed-point"), "stop")
         if self.layerwise_retrain and self.direction != "bottom-up":
             raise ValueError(f"layerwise_retrain: expected 0 unless direction is 'bottom-up' (FedMA's layer-wise "
                              f"scheme matches bottom-up), got {self.layerwise_retrain} with direction "
@@ -392,7 +398,7 @@ class PFNMConfig:
                           gamma0=value(self.gamma0), objective=self.objective or "map")
         else:
             kwargs.update(hyperparameters="empirical-bayes", sigma2=self.sigma2, sigma0_2=self.sigma0_2,
-                          gamma0=self.gamma0, objective="marginal")
+                          gamma0=self.gamma0, objective="marginal", stop=self.stop)
         if self.sweeps is not None:
             kwargs["sweeps"] = self.sweeps
         if self.global_weights is not None:
@@ -438,6 +444,8 @@ class FusionConfig:
         one-shot baseline, on MNIST 0.41-0.60, far below matched fusion) instead of one shared initialisation (False,
         default: weight-wise fusion means something only then). ``align="match"`` always starts each client from its
         own.
+    :param str stop: ``align="match"``: when the matcher's empirical-Bayes sweeps stop, ``"result"`` (default) or
+        ``"fixed-point"`` (:class:`PFNMConfig`'s ``stop``).
     """
 
     rule: str = "conflation"
@@ -448,6 +456,7 @@ class FusionConfig:
     align: str = "none"
     tau2: Union[None, float, tuple[float, ...]] = None
     own_init: bool = False
+    stop: str = "result"
 
     def __post_init__(self):
         check_choice(self.rule, available_rules(), "rule")
@@ -457,6 +466,7 @@ class FusionConfig:
         check_fraction(self.fraction, "fraction")
         check_choice(self.align, ALIGNMENTS, "align")
         check_bool(self.own_init, "own_init")
+        check_choice(self.stop, ("result", "fixed-point"), "stop")
         if isinstance(self.tau2, (tuple, list)):
             if not self.tau2:
                 raise ValueError(f"tau2: expected a number, one per hidden permutation, or None, got {self.tau2!r}")

@@ -2,8 +2,8 @@
 SVI for Bayesian clients.
 
 The matching floor, one job a file: :mod:`~bnpfed.inference.matcher` (the one layer matcher: per-neuron,
-per-coordinate noise, the Hungarian re-match, the driver), :mod:`~bnpfed.inference.empirical_bayes` (its two
-estimators), :mod:`~bnpfed.inference.matching` and :mod:`~bnpfed.inference.bayesian_matching` (the homoscedastic and
+per-coordinate noise, the Hungarian re-match, the driver), :mod:`~bnpfed.inference.layer_inputs` (its inputs
+checked), :mod:`~bnpfed.inference.empirical_bayes` (its two estimators), :mod:`~bnpfed.inference.matching` and :mod:`~bnpfed.inference.bayesian_matching` (the homoscedastic and
 the heteroscedastic model: ``match_layer``, ``match_bayesian_layer``), :mod:`~bnpfed.inference.spec`,
 :mod:`~bnpfed.inference.derive`, :mod:`~bnpfed.inference.layout`, :mod:`~bnpfed.inference.assembly` (permutation
 specs), :mod:`~bnpfed.inference.network_matching` (the one network driver, ``match_by_spec``),

@@ -74,8 +74,8 @@ from typing import Literal
 import numpy as np  # noqa: F401 (the examples use it)
 
 from bnpfed.inference.empirical_bayes import TAU2_FLOOR, PauleMandel
-from bnpfed.inference.matcher import (CHUNK_ELEMENTS, MatchResult, assignment_objective_of, match_one_layer,
-                                      validate_mu0)
+from bnpfed.inference.layer_inputs import validate_mu0
+from bnpfed.inference.matcher import CHUNK_ELEMENTS, MatchResult, assignment_objective_of, match_one_layer
 
 __all__ = ["CHUNK_ELEMENTS", "TAU2_FLOOR", "bayesian_assignment_objective", "match_bayesian_layer"]
 
@@ -95,6 +95,7 @@ def match_bayesian_layer(
     init_assignments=None,
     popularity_factor: float = 2.0,
     objective: Literal["map", "marginal"] = "marginal",
+    stop: Literal["fixed-point", "result"] = "result",
     **constants,
 ) -> MatchResult:
     """Match J clients' Bayesian neurons (posterior means and variances) to global atoms under the Beta-Bernoulli
@@ -134,6 +135,8 @@ def match_bayesian_layer(
     :param float popularity_factor: factor c on the popularity term (2: the objective is twice the log density).
     :param str objective: ``"marginal"`` (default: the atoms integrated out) or, with fixed hyper-parameters,
         ``"map"`` (the atoms at their MAP values, as :func:`~bnpfed.inference.matching.match_layer` has it).
+    :param str stop: empirical Bayes: ``"result"`` (default) or ``"fixed-point"``, as for
+        :func:`~bnpfed.inference.matching.match_layer`.
     :param constants: the published code's constants, as for :func:`~bnpfed.inference.matching.match_layer`:
         ``popularity_cap``, ``max_atoms``, ``new_atom_penalty`` (``REFERENCE_CONSTANTS`` without its
         ``hyperparameters`` and ``objective``).
@@ -151,7 +154,7 @@ def match_bayesian_layer(
     return match_one_layer(means, variances, noise="tau2", given=dict(tau2=tau2, sigma0_2=sigma0_2, gamma0=gamma0),
                            mu0=mu0, precisions=precisions, hyperparameters=hyperparameters, sweeps=sweeps, seed=seed,
                            objective=objective, init_assignments=init_assignments, estimator=estimator, name="means",
-                           popularity_factor=popularity_factor, **constants)
+                           stop=stop, popularity_factor=popularity_factor, **constants)
 
 
 def bayesian_assignment_objective(

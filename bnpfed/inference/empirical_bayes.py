@@ -28,7 +28,8 @@ import torch
 from scipy.optimize import brentq
 from scipy.sparse import csr_matrix
 
-from bnpfed.inference.matcher import LayerMatcher, validate_mu0
+from bnpfed.inference.layer_inputs import validate_mu0
+from bnpfed.inference.matcher import LayerMatcher
 from bnpfed.validation import check_positive
 
 __all__ = ["EB_RTOL", "EB_START_NOISE_SHARE", "PauleMandel", "PooledMoments", "SIGMA0_2_FLOOR", "SIGMA2_FLOOR",
@@ -166,12 +167,12 @@ class _Estimator:
                   f"neuron alone: redone from the even split ({self.noise} = sigma0_2 = half of it)")
         return self._even
 
-    def close(self, new: dict, old: dict) -> bool:
-        """Whether no estimate moved by more than EB_RTOL."""
+    def close(self, new: dict, old: dict, rtol: float = EB_RTOL) -> bool:
+        """Whether no estimate moved by more than ``rtol`` (relative; mu0 relative to sqrt(sigma0_2))."""
         for name in self.names:
-            if abs(new[name] - old[name]) > EB_RTOL * abs(old[name]):
+            if abs(new[name] - old[name]) > rtol * abs(old[name]):
                 return False
-        return bool(np.abs(new["mu0"] - old["mu0"]).max(initial=0.0) <= EB_RTOL * math.sqrt(new["sigma0_2"]))
+        return bool(np.abs(new["mu0"] - old["mu0"]).max(initial=0.0) <= rtol * math.sqrt(new["sigma0_2"]))
 
     def coordinates(self, values: dict) -> dict:
         """The matcher's per-coordinate noise and prior variance, block by block."""

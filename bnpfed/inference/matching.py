@@ -101,9 +101,10 @@ the even split (``sigma2 = sigma0_2 = T / 2``) merges trained neurons in its fir
 2.5 to 3.5 x 10^4 nats lower (MNIST 784-100-10, J = 10; benchmarks/README.md). If the first pass from the small noise
 leaves every neuron alone (sigma2 not estimable: nothing agrees that closely), it is redone from the even split
 (noted). It stops when a sweep changed no assignment and no estimate moved by more than ``EB_RTOL`` (relative; mu0
-relative to sqrt(sigma0_2)), or after ``sweeps`` sweeps (``MatchResult.converged`` False). With the estimates held
-fixed a sweep never lowers F_marg; re-estimating moves F_marg itself, so ``objective`` need not be monotone across
-sweeps.
+relative to sqrt(sigma0_2)) -- by default already when at most 2 % of the neurons moved in a sweep and no estimate by
+more than 1 % (``stop="result"``) -- or after ``sweeps`` sweeps (``MatchResult.converged`` False). With the
+estimates held fixed a sweep never lowers F_marg; re-estimating moves F_marg itself, so ``objective`` need not be
+monotone across sweeps.
 
 Implementation: the one layer matcher of :mod:`bnpfed.inference.matcher` (the heteroscedastic model of
 :mod:`bnpfed.inference.bayesian_matching` at u = 0, tau2 = sigma2; block A its shared coordinates, block B its
@@ -121,7 +122,8 @@ from torch import Tensor
 
 from bnpfed.inference.empirical_bayes import (EB_RTOL, EB_START_NOISE_SHARE, SIGMA0_2_FLOOR, SIGMA2_FLOOR,
                                               PooledMoments, validate_start)
-from bnpfed.inference.matcher import MatchResult, assignment_objective_of, match_one_layer, validate_mu0
+from bnpfed.inference.layer_inputs import validate_mu0
+from bnpfed.inference.matcher import MatchResult, assignment_objective_of, match_one_layer
 
 __all__ = [
     "MatchResult",
@@ -164,6 +166,7 @@ def match_layer(
     stop_at_fixed_point: bool = True,
     cross_products: Literal["auto", "direct", "gram"] = "auto",
     init_assignments=None,
+    stop: Literal["fixed-point", "result"] = "result",
 ) -> MatchResult:
     """Match J clients' neurons to global atoms under the Beta-Bernoulli process (PFNM's server step), with the
     hyper-parameters estimated from the neurons (empirical Bayes, the default) or given.
@@ -250,6 +253,10 @@ def match_layer(
         ``sweeps`` is only a limit, after the greedy pass for the sweeps it usually runs
         (:data:`~bnpfed.inference.matcher.EB_EXPECTED_SWEEPS`) and again once the sweeps run so far have cost as much
         (``k * L > N`` after sweep k). Same scores up to rounding.
+    :param str stop: empirical Bayes: ``"result"`` (default) stops once a sweep moved at most 2 % of the neurons
+        (:data:`~bnpfed.inference.matcher.STOP_MOVED`) and no estimate by more than 1 %
+        (:data:`~bnpfed.inference.matcher.STOP_RTOL`): on trained layers the same width and accuracy as the exact
+        fixed point at a third of the sweeps; ``"fixed-point"`` sweeps until nothing changes (``EB_RTOL``).
     :param init_assignments: optional starting point replacing the greedy pass: J integer arrays or tensors, the
         j-th of length L_j (empty for a client without neurons), ``init_assignments[j][l]`` the atom of client j's
         l-th neuron. Labels may take any values (they are compacted internally) but must be distinct within a client.
@@ -270,6 +277,7 @@ def match_layer(
                            mu0=mu0, precisions=precisions, hyperparameters=hyperparameters, sweeps=sweeps, seed=seed,
                            objective=objective, init_assignments=init_assignments, estimator=estimator,
                            name="neurons", stop_at_fixed_point=stop_at_fixed_point, cross_products=cross_products,
+                           stop=stop,
                            popularity_factor=popularity_factor, popularity_cap=popularity_cap, max_atoms=max_atoms,
                            new_atom_penalty=new_atom_penalty)
 

@@ -343,6 +343,7 @@ def match_posteriors(
     layer_fn: Callable | None = None,
     num_samples: int = 1000,
     min_variance: float = MIN_VARIANCE,
+    stop: Literal["fixed-point", "result"] = "result",
 ) -> PosteriorMatch:
     """Match J Bayesian clients' hidden units group by group and fuse every global unit's members' posteriors (see
     the module docstring).
@@ -371,6 +372,8 @@ def match_posteriors(
         :func:`~bnpfed.inference.bayesian_matching.match_bayesian_layer`).
     :param int num_samples: ``pooling``'s N.
     :param float min_variance: floor of the fused variances.
+    :param str stop: when the matcher's empirical-Bayes sweeps stop (``"result"``, ``"fixed-point"``: see
+        :func:`~bnpfed.inference.matching.match_layer`); passed to the default ``layer_fn`` only.
     :returns: :class:`PosteriorMatch`.
     """
     t0 = time.perf_counter()
@@ -412,7 +415,8 @@ def match_posteriors(
         t1 = time.perf_counter()
         r, assignments = call_matcher(fn, [rows["value"], rows["variance"]], layout, values[name], shares,
                                       mode=mode, sweeps=sweeps, seed=None if seed is None else seed + c,
-                                      init=None if init is None else init[name], options={})
+                                      init=None if init is None else init[name],
+                                      options={} if layer_fn is not None else {"stop": stop})
         L = int(r.global_atoms.shape[0])
         match_seconds.append(time.perf_counter() - t1)
         bayesian = torch.cat([torch.full((s.stop - s.start,), s.param in sites, dtype=torch.bool)
