@@ -227,8 +227,9 @@ def part_plane(ds, out: Path) -> None:
 
 
 def part_cnn(ds, out: Path, seeds, Js, *, name: str = "mnist", rounds: int = 3, layerwise: int = 2,
-             partitions=("iid", "dirichlet")) -> None:
-    """Convolutional PFNM (issue 10): LeNet on MNIST / Fashion-MNIST, J = 10, IID and Dirichlet(0.5): local models,
+             partitions=("iid", "dirichlet"), arch: str = "lenet") -> None:
+    """Convolutional PFNM (issues 10, 18): ``arch`` (LeNet; on CIFAR-10 also FedMA's simple-cnn and simple-cnn-bn) on
+    MNIST / Fashion-MNIST / CIFAR-10, J = 10, IID and Dirichlet(0.5): local models,
     ensemble, one-shot FedAvg without shared init, one-shot PFNM (empirical Bayes), FedMA layer-wise
     (``layerwise`` epochs of retraining per matched layer), and ``rounds`` rounds of PFNM with communication against
     multi-round FedAvg (the reference schedule: 5 local epochs per later round)."""
@@ -236,20 +237,22 @@ def part_cnn(ds, out: Path, seeds, Js, *, name: str = "mnist", rounds: int = 3, 
     for J in Js:
         for partition in partitions:
             for seed in seeds:
-                key = f"cnn/{name}/J={J}/{partition}/seed={seed}" + (f"/rounds={rounds}" if rounds != 3 else "")
+                key = f"cnn/{name}/J={J}/{partition}/seed={seed}" + (f"/rounds={rounds}" if rounds != 3 else "") + (
+                    f"/{arch}" if arch != "lenet" else "")
                 if key in done:
                     continue
                 t0 = time.perf_counter()
                 configs = _configs(J, partition, seed, rounds=rounds, methods=(
                     "local", "ensemble", "fedavg-oneshot", "pfnm", "fedma", "pfnm-rounds", "fedavg"))
-                configs["network"] = replace(PFNM_NETWORK, arch="lenet")
+                configs["network"] = replace(PFNM_NETWORK, arch=arch)
                 configs["pfnm"] = PFNMConfig(layerwise_retrain=layerwise)
                 result = run_experiment(ds, **configs)
                 rows = {r.method: dict(_row(r), parameters=r.parameters, history=[
                     dict(round=h["round"], accuracy=h["accuracy"], hidden=h.get("hidden"),
                          parameters=h.get("parameters"), server_seconds=h.get("server_seconds"))
                     for h in r.history]) for r in result.rows}
-                _emit(out, key, dict(J=J, partition=partition, seed=seed, dataset=name, rows=rows,
+                _emit(out, key, dict(J=J, partition=partition, seed=seed, dataset=name, arch=arch, source=ds.source,
+                                     rounds=rounds, rows=rows,
                                      wall_seconds=time.perf_counter() - t0))
 
 
@@ -287,22 +290,26 @@ def main(argv=None):
     p.add_argument("--seeds", default="0,1,2,3,4")
     p.add_argument("--clients", default="10,25")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (local training)")
-    p.add_argument("--dataset", choices=("mnist", "fashion-mnist"), default="mnist",
-                   help="the data (the cnn part also runs on fashion-mnist; --data-dir must hold it)")
+    p.add_argument("--dataset", choices=("mnist", "fashion-mnist", "cifar10"), default="mnist",
+                   help="the data (the cnn part also runs on fashion-mnist and cifar10; --data-dir must hold it: "
+                        "for cifar10 torchvision's pickles or the JPEG container cifar10_jpeg.npz)")
+    p.add_argument("--arch", choices=("lenet", "simple-cnn", "simple-cnn-bn"), default="lenet",
+                   help="the cnn part's network")
     p.add_argument("--rounds", type=int, default=3, help="communication rounds of the cnn part")
     p.add_argument("--partitions", default="iid,dirichlet", help="partitions of the cnn part")
     args = p.parse_args(argv)
     unknown = [part for part in args.parts.split(",") if part not in PARTS]
     if unknown:
         p.error(f"--parts: unknown part(s) {unknown}; expected names from {list(PARTS)}")
-    folder = {"mnist": "MNIST", "fashion-mnist": "FashionMNIST"}[args.dataset]
-    if not (Path(args.data_dir) / folder / "raw").is_dir():
-        print(f"skipped: no {args.dataset} under {args.data_dir}")
+    try:
+        # pixels in [0, 1] on the greyscale sets (the reference's scale); CIFAR-10 normalised per channel as FedMA does
+        ds = load_dataset(args.dataset, data_dir=args.data_dir, standardize=args.dataset == "cifar10")
+    except FileNotFoundError as error:
+        print(f"skipped: no {args.dataset} under {args.data_dir} ({error})")
         return
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    ds = load_dataset(args.dataset, data_dir=args.data_dir, standardize=False)
     seeds = [int(s) for s in args.seeds.split(",")]
     Js = [int(j) for j in args.clients.split(",")]
     for part in args.parts.split(","):
@@ -310,7 +317,7 @@ def main(argv=None):
             PARTS[part](ds, out, seeds, Js)
         elif part == "cnn":
             part_cnn(ds, out, seeds, Js, name=args.dataset, rounds=args.rounds,
-                     partitions=tuple(args.partitions.split(",")))
+                     partitions=tuple(args.partitions.split(",")), arch=args.arch)
         elif part == "cnn-timing":
             part_cnn_timing(ds, out, name=args.dataset)
         else:

@@ -227,6 +227,7 @@ class PooledMoments(_Estimator):
         self._restartable = "sigma2" in self.estimated and not any(
             n in given or n in start for n in ("sigma2", "sigma0_2", "sigma2_scaled", "sigma0_2_scaled"))
         self._even = self._start(0.5, start, mu0)
+        self._sq_A: float | None = None  # sum of ||v||^2 over the neurons on block A (the data never change)
 
     def update(self, labels: list[np.ndarray], L: int, current: dict) -> dict:
         """The estimates at the assignment ``labels`` (compact, L atoms); the current values where not estimable."""
@@ -235,11 +236,21 @@ class PooledMoments(_Estimator):
         M, flat = _membership(labels, L)
         num, den = {}, {}
         if A.size:   # scale 1 everywhere: an atom's W is its number of members
+            # the within-atom sum of squares as sum ||v||^2 - sum_i W_i ||xbar_i||^2 (no (N, D) residual array);
+            # computed directly instead where that difference would lose more than half the digits
+            # and the atom means xbar_i = S_i / W_i (S_i the sum of the members) through S alone
             vA = mt.columns(A)[0]
             WA = np.bincount(flat, minlength=L).astype(float)
-            xbarA = np.asarray(M @ vA) / WA[:, None]
-            res = vA - xbarA[flat]
-            num["A"], den["A"] = float(np.einsum("nd,nd->", res, res)), A.size * float((1.0 - 1.0 / WA[flat]).sum())
+            SA = np.asarray(M @ vA)
+            sq_xbar = np.einsum("ld,ld->l", SA, SA) / WA ** 2  # ||xbar_i||^2
+            sum_xbar = (1.0 / WA) @ SA                          # sum_i xbar_i, per coordinate
+            if self._sq_A is None:
+                self._sq_A = float(np.einsum("nd,nd->", vA, vA))
+            within = self._sq_A - float(WA @ sq_xbar)
+            if not within > 1e-8 * self._sq_A:
+                res = vA - (SA / WA[:, None])[flat]
+                within = float(np.einsum("nd,nd->", res, res))
+            num["A"], den["A"] = within, A.size * float((1.0 - 1.0 / WA[flat]).sum())
         if B.size:
             vB, _, sB = mt.columns(B)
             WB, xbarB = _atom_means(M, vB, sB)
@@ -269,7 +280,7 @@ class PooledMoments(_Estimator):
         mu0, free = current["mu0"].copy(), self.mu0_free
         if free.any():
             if A.size:
-                mu0[A[free[A]]] = xbarA[:, free[A]].mean(axis=0)
+                mu0[A[free[A]]] = sum_xbar[free[A]] / L
             if B.size:
                 held = WB > 0
                 nB = held.sum(axis=0)
@@ -283,8 +294,11 @@ class PooledMoments(_Estimator):
                 kA = np.where(free[A], L - 1, L).astype(float)
                 k = float(kA.sum())
                 noise_share = float((kA / L).sum() * (1.0 / WA).sum())
-                between[""] = (float(((xbarA - mu0[A]) ** 2).sum()) - out["sigma2"] * noise_share) / k if k > 0 \
-                    else None
+                # sum_i ||xbar_i - mu0||^2 = sum_i ||xbar_i||^2 - 2 mu0 . sum_i xbar_i + L ||mu0||^2
+                spread = float(sq_xbar.sum() - 2.0 * mu0[A] @ sum_xbar + L * mu0[A] @ mu0[A])
+                if not spread > 1e-8 * float(sq_xbar.sum()):
+                    spread = float(((SA / WA[:, None] - mu0[A]) ** 2).sum())
+                between[""] = (spread - out["sigma2"] * noise_share) / k if k > 0 else None
             else:
                 between[""] = self._between_B(WB, xbarB, mu0[B], free[B], out["sigma2"])
         if "sigma0_2_scaled" in self.estimated:

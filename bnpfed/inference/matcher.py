@@ -287,6 +287,7 @@ class LayerMatcher:
         self.rematches: list[tuple[int, int, int]] = []
         self.moved = 0
         self.hyper: tuple | None = None
+        self.tau = self.g0F = self.inv_noise_C = self.P0C = self.g0C = None  # set by set_hyperparameters
 
     def client_rows(self, flat: np.ndarray) -> list[np.ndarray]:
         """Client j's rows (``L_j`` of them, views) of an (N, k) array of all neurons in client order."""
@@ -318,12 +319,15 @@ class LayerMatcher:
     def set_hyperparameters(self, *, noise: np.ndarray, prior: np.ndarray, gamma0: float, mu0: np.ndarray) -> None:
         """Score with these values from now on: ``noise`` (D,) the per-coordinate noise t_d, ``prior`` (D,) the prior
         variance sigma0_2_d, ``mu0`` (D,) the prior mean. The per-neuron contributions are recomputed and the per-atom
-        statistics rebuilt from the current assignment (O(N D)); nothing happens if the values are unchanged."""
+        statistics of the current assignment follow (:meth:`_rescale`, or rebuilt when some neuron has a posterior
+        variance); nothing happens if the values are unchanged."""
         key = (noise.tobytes(), prior.tobytes(), float(gamma0), mu0.tobytes())
         if key == self.hyper:
             return
-        self.hyper = key
         F, C, N = self.F, self.C, self.N
+        assigned = self.hyper is not None and all(a is not None for a in self.assign)
+        old = (self.tau, self.g0F, self.inv_noise_C, self.P0C, self.g0C) if assigned and not N.size else None
+        self.hyper = key
         if F.size and (np.ptp(noise[F]) or np.ptp(prior[F])):
             raise ValueError("noise, prior: expected one value on the shared coordinates (every scale 1, no "
                              "posterior variance), got several")
@@ -331,13 +335,19 @@ class LayerMatcher:
         self.P0 = P0 = 1.0 / prior[F[0]] if F.size else 1.0
         self.g0F = mu0[F] * P0
         self.g0F_sq = float(self.g0F @ self.g0F)
-        self.xF_all = self.vF_all * tau
-        self.xF = self.client_rows(self.xF_all)
-        self.xF_sq = [np.einsum("ld,ld->l", x, x) for x in self.xF]
-        self.g0x = [x @ self.g0F for x in self.xF]  # cross term of each neuron with an empty (prior-only) atom
+        if old is not None and self.F.size:  # x = tau v: scaled in place, with its squared norms
+            r = tau / old[0]
+            self.xF_all *= r
+            self.xF_sq_all *= r * r
+        else:
+            self.xF_all = self.vF_all * tau
+            self.xF = self.client_rows(self.xF_all)
+            self.xF_sq_all = np.einsum("nd,nd->n", self.xF_all, self.xF_all)
+            self.xF_sq = self.client_rows(self.xF_sq_all)
+        self.g0x = self.client_rows(self.xF_all @ self.g0F)  # cross term of each neuron with an empty (prior-only) atom
         self.P0C = 1.0 / prior[C]
         self.g0C = mu0[C] * self.P0C
-        inv_noise = 1.0 / noise[C]
+        self.inv_noise_C = inv_noise = 1.0 / noise[C]
         self.wC = [self.sC[j] * inv_noise for j in range(self.J)]
         self.xC = [v * w for v, w in zip(self.vC, self.wC)]
         self.P0N = 1.0 / prior[N]
@@ -347,20 +357,44 @@ class LayerMatcher:
         self.xN = [w * v for w, v in zip(self.wN, self.vN)]
         self.log_new = 2.0 * math.log(gamma0 / self.J)
         self.new_scores = [self._new_atom_scores(j) for j in range(self.J)]
+        if old is not None:
+            self._rescale(*old)
+            return
         labels = None if any(a is None for a in self.assign) else list(self.assign)
         self.reset()
         if labels is not None:
             self.start_from(labels)
 
+    def _rescale(self, tau, g0F, inv_noise_C, P0C, g0C) -> None:
+        """The per-atom statistics under new values, from those under the old ones (arguments): without posterior
+        variances every member's contribution on a coordinate is its value times the coordinate's noise precision
+        (times the client's scale), so ``g = g0 + r (g_old - g0_old)`` and ``P = P0 + r (P_old - P0_old)`` with r the
+        ratio of the noise precisions -- O(atoms x D) instead of a rebuild from the N neurons. Free rows hold the
+        prior, as they must."""
+        n = self.n_rows
+        free = self.m[:n] == 0
+        if self.F.size:
+            r = self.tau / tau
+            gF = self.gF[:n]
+            gF *= r
+            gF += self.g0F - r * g0F
+            self.gF_sq[:n] = np.einsum("ld,ld->l", gF, gF)
+            gF[free], self.gF_sq[:n][free] = self.g0F, self.g0F_sq
+        if self.C.size:
+            ratio = self.inv_noise_C / inv_noise_C
+            for name, prior_old, prior in (("gC", g0C, self.g0C), ("PC", P0C, self.P0C)):
+                a = getattr(self, name)[:n]
+                a *= ratio
+                a += prior - ratio * prior_old
+                a[free] = prior
+
     def reset(self) -> None:
-        """Empty storage (no client on any atom); rows [0, n_rows) used, some of them free (m == 0)."""
+        """Empty storage (no client on any atom); rows [0, n_rows) used, some of them free (m == 0, the prior's
+        statistics); the capacity beyond n_rows is undefined until :meth:`_new_rows` takes it."""
         cap = max(2 * max(self.L), 64)
-        self.gF = np.tile(self.g0F, (cap, 1))
-        self.gF_sq = np.full(cap, self.g0F_sq)
-        self.gC = np.tile(self.g0C, (cap, 1))
-        self.PC = np.tile(self.P0C, (cap, 1))
-        self.gN = np.tile(self.g0N, (cap, 1))
-        self.PN = np.tile(self.P0N, (cap, 1))
+        self.gF, self.gC, self.PC, self.gN, self.PN = (np.empty((cap, k)) for k in (
+            self.F.size, self.C.size, self.C.size, self.N.size, self.N.size))
+        self.gF_sq = np.empty(cap)
         self.m = np.zeros(cap, dtype=np.int64)
         self.n_rows = 0
         self.free: list[int] = []
@@ -371,10 +405,10 @@ class LayerMatcher:
         if needed <= cap:
             return
         extra = max(needed, 2 * cap) - cap
-        for name, prior in (("gF", self.g0F), ("gC", self.g0C), ("PC", self.P0C), ("gN", self.g0N),
-                            ("PN", self.P0N)):
-            setattr(self, name, np.vstack([getattr(self, name), np.tile(prior, (extra, 1))]))
-        self.gF_sq = np.concatenate([self.gF_sq, np.full(extra, self.g0F_sq)])
+        for name in ("gF", "gC", "PC", "gN", "PN"):
+            a = getattr(self, name)
+            setattr(self, name, np.concatenate([a, np.empty((extra, a.shape[1]))]))
+        self.gF_sq = np.concatenate([self.gF_sq, np.empty(extra)])
         self.m = np.concatenate([self.m, np.zeros(extra, dtype=np.int64)])
 
     def _new_rows(self, k: int) -> np.ndarray:
@@ -382,6 +416,9 @@ class LayerMatcher:
         del self.free[len(self.free) - len(take):]
         rest = k - len(take)
         self._grow(self.n_rows + rest)
+        fresh = slice(self.n_rows, self.n_rows + rest)   # storage beyond n_rows is undefined until taken
+        self.gF[fresh], self.gF_sq[fresh], self.m[fresh] = self.g0F, self.g0F_sq, 0
+        self.gC[fresh], self.PC[fresh], self.gN[fresh], self.PN[fresh] = self.g0C, self.P0C, self.g0N, self.P0N
         rows = np.array(list(take) + list(range(self.n_rows, self.n_rows + rest)), dtype=np.int64)
         self.n_rows += rest
         return rows
@@ -448,12 +485,15 @@ class LayerMatcher:
                 new -= np.log1p(self.wC[j] / self.P0C).sum()
         return new
 
-    def scores(self, j: int, cross: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Score matrix of client j (not on any atom) against the active atoms and new ones, and the active rows.
+    def scores(self, j: int, cross: np.ndarray | None, active: np.ndarray) -> np.ndarray:
+        """Score matrix of client j (not on any atom) against the atoms ``active`` (rows of the storage, sorted)
+        and new ones.
 
-        ``cross``: (L_j, n_rows) products of client j's shared-coordinate contributions with every stored atom's g.
+        ``cross``: (L_j, L) products of client j's shared-coordinate contributions with the active atoms' g (None
+        without shared coordinates). Every term but the cross one is a product of a per-neuron and a per-atom
+        factor (the shared coordinates' ``||x_l||^2 / (P_i + tau)``, the per-atom constants, the per-client
+        coordinates' two products), so they are one low-rank matrix product; the cross term is one more pass.
         """
-        active = np.flatnonzero(self.m[: self.n_rows] > 0)
         L_j, tau, P0 = self.L[j], self.tau, self.P0
         L = active.size
         n_new = L_j
@@ -467,32 +507,35 @@ class LayerMatcher:
         if self.new_atom_penalty == "log_k":
             S[:, L:] -= 2.0 * np.log(np.arange(1, n_new + 1))
         if not L:
-            return S, active
+            return S
         m = self.m[active]
-        ex = S[:, :L]
+        atom_term = self.pop[m].astype(float)
+        left, right = [np.ones((L_j, 1))], []   # per-neuron and per-atom factors of the low-rank part
         if self.F.size:
             P = P0 + m * tau  # shared-coordinate posterior precision, one per atom
             inv_new = 1.0 / (P + tau)
-            atom_term = self.gF_sq[active] * (inv_new - 1.0 / P) + self.pop[m]
+            atom_term += self.gF_sq[active] * (inv_new - 1.0 / P)
             if self.marginal:
                 atom_term -= self.F.size * np.log1p(tau / P)
-            np.multiply(cross[:, active] if L < cross.shape[1] else cross, 2.0, out=ex)
-            ex += self.xF_sq[j][:, None]
-            ex *= inv_new[None, :]
-            ex += atom_term[None, :]
-        else:
-            ex[:] = self.pop[m][None, :]
+            left.append(self.xF_sq[j][:, None])
+            right.append(inv_new[:, None])
         if self.C.size:
             w = self.wC[j]
             gC, PC = self.gC[active], self.PC[active]
             R = 1.0 / (PC + w)
-            t1 = (gC ** 2 * (R - 1.0 / PC)).sum(axis=1)
-            ex += t1[None, :] + 2.0 * (self.xC[j] @ (gC * R).T) + (self.xC[j] ** 2) @ R.T
+            atom_term += (gC ** 2 * (R - 1.0 / PC)).sum(axis=1)
             if self.marginal:
-                ex -= np.log1p(w[None, :] / PC).sum(axis=1)[None, :]
+                atom_term -= np.log1p(w[None, :] / PC).sum(axis=1)
+            left += [2.0 * self.xC[j], self.xC[j] ** 2]
+            right += [gC * R, R]
+        right.insert(0, atom_term[:, None])
+        ex = S[:, :L]
+        np.matmul(np.hstack(left), np.hstack(right).T, out=ex)
+        if self.F.size:
+            ex += cross * (2.0 * inv_new)[None, :]
         if self.N.size:
             ex += join_scores(self.xN[j], self.wN[j], self.gN[active], self.PN[active], self.marginal)
-        return S, active
+        return S
 
     def match(self, j: int, *, rematch: bool = False) -> bool:
         """Assign client j optimally given everyone else (taking it off its atoms first if ``rematch``); return
@@ -505,16 +548,14 @@ class LayerMatcher:
         if rematch:
             previous = self.assign[j]
             positions, kept = self._remove(j)
-        if not self.F.size:
-            cross = np.zeros((self.L[j], self.n_rows))
-        elif self.gram is not None:
-            cross = self._gram_cross(j)
-        else:
-            cross = self.xF[j] @ self.gF[: self.n_rows].T
-        if rematch:
-            self.gF_sq[kept] -= 2.0 * cross[positions, kept] + self.xF_sq[j][positions]
-        S, active = self.scores(j, cross)
+        active = np.flatnonzero(self.m[: self.n_rows] > 0)
         L = active.size
+        cross = None
+        if self.F.size:
+            cross = self._cross(j, active)
+            if rematch:
+                self.gF_sq[kept] -= 2.0 * cross[positions, np.searchsorted(active, kept)] + self.xF_sq[j][positions]
+        S = self.scores(j, cross, active)
         t0 = time.perf_counter()
         rows, cols = best_assignment(S, L, prune=self.max_atoms is None and self.new_atom_penalty == "none")
         self.lsa_seconds += time.perf_counter() - t0
@@ -524,7 +565,7 @@ class LayerMatcher:
         is_new = cols >= L
         old_rows, new_rows = rows[~is_new], rows[is_new]
         target[old_rows] = active[cols[~is_new]]
-        target_cross[old_rows] = cross[old_rows, target[old_rows]]
+        target_cross[old_rows] = cross[old_rows, cols[~is_new]] if cross is not None else 0.0
         target[new_rows] = self._new_rows(new_rows.size)
         target_cross[new_rows] = self.g0x[j][new_rows]
         self.add(j, target, target_cross)
@@ -565,8 +606,16 @@ class LayerMatcher:
         N = int(self.offsets[-1])
         return N * N * 8 <= GRAM_BYTES
 
-    def _gram_cross(self, j: int) -> np.ndarray:
-        """``x_l . g_i`` for client j's neurons l and every stored atom i, from the Gram matrix: an atom's g is
+    def _cross(self, j: int, active: np.ndarray) -> np.ndarray:
+        """(L_j, L) products ``x_l . g_i`` of client j's neurons l with the active atoms i (sorted storage rows):
+        from the Gram matrix when it is used, else one matrix product."""
+        if self.gram is not None:
+            return self._gram_cross(j, active)
+        cross = self.xF[j] @ self.gF[: self.n_rows].T
+        return cross if active.size == self.n_rows else cross[:, active]
+
+    def _gram_cross(self, j: int, active: np.ndarray) -> np.ndarray:
+        """``x_l . g_i`` for client j's neurons l and the active atoms i, from the Gram matrix: an atom's g is
         g0 plus its members' x, so ``x_l . g_i = x_l . g0 + sum_{u in S_i} x_l . x_u``. One gather of client j's
         (L_j, N) block of the Gram matrix and a sum per atom replace the (L_j, D) x (D, L) product; worth it when
         the layer stays wide (many atoms against few neurons). The sum per atom is a product with the sparse (N, L)
@@ -574,12 +623,14 @@ class LayerMatcher:
         since (empirical Bayes), the membership and the row carry the ratio of the precisions."""
         others = [k for k in range(self.J) if k != j and self.assign[k] is not None]
         if not others:
-            return np.repeat(self.g0x[j][:, None], self.n_rows, axis=1)
+            return np.repeat(self.g0x[j][:, None], active.size, axis=1)
         members = np.concatenate([np.arange(self.offsets[k], self.offsets[k + 1]) for k in others])
-        atoms = np.concatenate([self.assign[k] for k in others])
+        column = np.empty(self.n_rows, dtype=np.int64)
+        column[active] = np.arange(active.size)
+        atoms = column[np.concatenate([self.assign[k] for k in others])]
         ratio = self.tau / self.gram_tau  # exactly 1 while the precision is that of the Gram matrix
         membership = csr_matrix((np.full(members.size, ratio), (members, atoms)),
-                                shape=(self.gram.shape[0], self.n_rows))
+                                shape=(self.gram.shape[0], active.size))
         cross = np.asarray(self.gram[self.offsets[j]:self.offsets[j + 1]] @ membership)
         if ratio != 1.0:
             cross *= ratio
@@ -588,16 +639,25 @@ class LayerMatcher:
 
     def start_from(self, labels: list[np.ndarray]) -> None:
         """Put every client on the atoms of a given assignment (labels from :func:`validate_labels`; any values,
-        compacted here to rows ``0 .. U-1`` in sorted label order)."""
+        compacted here to rows ``0 .. U-1`` in sorted label order): every atom's statistics as one product of the
+        (U, N) membership matrix with the neurons' contributions."""
         uniq, flat = np.unique(np.concatenate(labels), return_inverse=True)
         flat = flat.reshape(-1)
-        self._grow(uniq.size)
-        self.n_rows = uniq.size
-        start = 0
-        for j, a in enumerate(labels):
-            self.add(j, flat[start:start + a.size], norms=False)
-            start += a.size
-        self.gF_sq[: uniq.size] = np.einsum("ld,ld->l", self.gF[: uniq.size], self.gF[: uniq.size])
+        U, n = uniq.size, flat.size
+        self._grow(U)
+        self.n_rows = U
+        membership = csr_matrix((np.ones(n), (flat, np.arange(n))), shape=(U, n))
+        if self.F.size:
+            self.gF[:U] = self.g0F + membership @ self.xF_all
+            self.gF_sq[:U] = np.einsum("ld,ld->l", self.gF[:U], self.gF[:U])
+        for kind, g0, P0, x, w in (("C", self.g0C, self.P0C, self.xC, self.wC), ("N", self.g0N, self.P0N, self.xN,
+                                                                             self.wN)):
+            if getattr(self, kind).size:
+                every = np.concatenate([np.broadcast_to(wj, xj.shape) for wj, xj in zip(w, x)])
+                getattr(self, "g" + kind)[:U] = g0 + membership @ np.concatenate(x)
+                getattr(self, "P" + kind)[:U] = P0 + membership @ every
+        self.m[:U] = np.bincount(flat, minlength=U)
+        self.assign = [a.copy() for a in self.client_rows(flat)]
 
     def labels(self) -> tuple[list[np.ndarray], int]:
         """The current assignment as compact labels 0 .. L-1 (in storage order), and L."""

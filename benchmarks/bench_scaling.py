@@ -1,0 +1,258 @@
+"""PFNM's server step at scale: J = 10 .. 500 clients, empirical Bayes against fixed hyper-parameters (issue 18).
+
+Per (network, J, hyper-parameters), in a fresh process (so that its peak resident memory is its own): one
+``pfnm_step`` on round-1 local models, its seconds, sweeps, global widths, the peak of the matcher's numpy memory
+(``tracemalloc``, the matching alone) and the process's peak resident memory (data and local models included).
+
+Local models (``--source``):
+
+* ``trained`` (default when MNIST is in ``--data-dir``): MNIST split IID into J shards (60000 / J images each),
+  each client trained from its own initialisation with PFNM's reference schedule (Adam/AMSGrad, batch 32,
+  10 epochs, lr 0.01): ``mlp`` is 784-100-10 (one matched layer, 784 + 1 + 10 coordinates per neuron),
+  ``mlp-50`` and ``mlp-200`` its 50- and 200-unit variants (the growth in L_j), ``lenet`` LeNet-5 (four groups).
+  The local models are cached in ``--cache`` (trained once per network and J);
+* ``model`` (the fallback without MNIST): layers drawn from the generative model with a finite pool, the
+  published benchmark's way: 4 L_j atoms ~ N(0, 1) in 795 coordinates, each client 100 of them + N(0, 0.01)
+  noise, matched as one layer (``match_layer``).
+
+Fixed hyper-parameters are the reference's sigma2 = sigma0_2 = gamma0 = 1 with 5 sweeps; empirical Bayes is
+bnpfed's default (every hyper-parameter estimated per group, stopped on the result). The growth exponent of a
+column is the least-squares slope of log(seconds) on log(J) over J >= 25.
+
+Usage: python benchmarks/bench_scaling.py [--nets mlp,lenet] [--clients 10,25,...] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import tracemalloc
+from dataclasses import replace
+from pathlib import Path
+
+HERE = Path(__file__).parent
+DEFAULT_DATA = HERE.parent.parent / "shared" / "data" / "mnist"
+DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "bnpfed-bench"
+CLIENTS = (10, 25, 50, 100, 200, 500)
+#: the networks: (arch, hidden widths)
+NETS = {"mlp": ("mlp", (100,)), "mlp-50": ("mlp", (50,)), "mlp-200": ("mlp", (200,)), "lenet": ("lenet", None)}
+MODES = ("empirical-bayes", "fixed")
+
+
+def _pfnm_config(mode: str):
+    from bnpfed.federated.config import PFNMConfig
+    return PFNMConfig() if mode == "empirical-bayes" else PFNMConfig(hyperparameters="fixed", sigma2=1.0,
+                                                                     sigma0_2=1.0, gamma0=1.0)
+
+
+def _local_models(data_dir: str, cache: Path, net: str, J: int):
+    """The J clients' round-1 state dicts and class counts (trained on first use, then read from ``cache``)."""
+    import torch
+    path = cache / f"{net}_J{J}.pt"
+    if path.exists():
+        return torch.load(path, weights_only=False)
+    from bnpfed.data import load_dataset
+    from bnpfed.federated.config import PFNM_NETWORK, PFNM_TRAINING, PartitionConfig
+    from bnpfed.federated.methods import Experiment, ExperimentConfig
+    arch, hidden = NETS[net]
+    network = replace(PFNM_NETWORK, arch=arch, **({"hidden": hidden} if hidden else {}))
+    ds = load_dataset("mnist", data_dir=data_dir, standardize=False)
+    experiment = Experiment(ds, partition=PartitionConfig(clients=J, partition="iid"), network=network,
+                            training=PFNM_TRAINING, config=ExperimentConfig(seed=0), progress=True)
+    local = experiment.local_models()
+    saved = dict(states=[m.state_dict() for m in local], counts=experiment.class_counts, network=network,
+                 input_shape=experiment.input_shape, num_classes=ds.num_classes)
+    cache.mkdir(parents=True, exist_ok=True)
+    torch.save(saved, path)
+    return saved
+
+
+def _model_layer(J: int, L_j: int = 100, D: int = 795, seed: int = 0):
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    pool = rng.normal(size=(4 * L_j, D))
+    return [pool[rng.choice(4 * L_j, L_j, replace=False)] + 0.1 * rng.normal(size=(L_j, D)) for _ in range(J)]
+
+
+def one(args) -> dict:
+    """One (network, J, mode) measurement, in this process."""
+    import resource
+    import torch
+    torch.set_num_threads(args.threads)
+    if args.source == "model":
+        from bnpfed.inference import match_layer
+        layer = _model_layer(args.J)
+        match_layer(layer[:2], seed=0)  # warm-up
+        kwargs = {} if args.mode == "empirical-bayes" else dict(sigma2=1.0, sigma0_2=1.0, gamma0=1.0,
+                                                                  hyperparameters="fixed", sweeps=5)
+        tracemalloc.start()
+        t0 = time.perf_counter()
+        result = match_layer(layer, seed=0, **kwargs)
+        seconds = time.perf_counter() - t0
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        groups = {"layer": dict(seconds=seconds, sweeps=getattr(result, "sweeps_run", 5), width=result.num_atoms,
+                                converged=bool(getattr(result, "converged", True)))}
+        neurons = 100
+    else:
+        from bnpfed.federated.clients import initial_network
+        from bnpfed.federated.server import pfnm_step
+        saved = _local_models(args.data_dir, Path(args.cache), args.net, args.J)
+        if args.train:
+            return {}
+        template = initial_network(saved["network"], saved["input_shape"], saved["num_classes"], seed=0)
+        # warm-up (imports, first touches) on two clients, outside the measurement
+        pfnm_step(saved["states"][:2], saved["counts"][:2], _pfnm_config(args.mode), seed=0, round=1,
+                  template=template, input_shape=saved["input_shape"])
+        tracemalloc.start()
+        t0 = time.perf_counter()
+        match = pfnm_step(saved["states"], saved["counts"], _pfnm_config(args.mode), seed=0, round=1,
+                          template=template, input_shape=saved["input_shape"])
+        seconds = time.perf_counter() - t0
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        groups = {g: dict(seconds=r.seconds, sweeps=getattr(r, "sweeps_run", None), width=r.num_atoms,
+                          converged=bool(getattr(r, "converged", True))) for g, r in match.layer_results.items()}
+        neurons = NETS[args.net][1][0] if NETS[args.net][1] else None
+    return dict(net=args.net, J=args.J, mode=args.mode, source=args.source, L_j=neurons, seconds=seconds,
+                groups=groups, matcher_peak_mib=peak / 2 ** 20,
+                process_peak_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, threads=args.threads)
+
+
+def _done(out: Path) -> set:
+    if not out.exists():
+        return set()
+    rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    return {(r["net"], r["J"], r["mode"], r["source"], r["threads"]) for r in rows}
+
+
+def exponent(Js, seconds) -> float | None:
+    """Least-squares slope of log(seconds) on log(J) over J >= 25 (None with fewer than two such points)."""
+    import numpy as np
+    pairs = [(j, s) for j, s in zip(Js, seconds) if j >= 25 and s]
+    if len(pairs) < 2:
+        return None
+    x, y = np.log([p[0] for p in pairs]), np.log([p[1] for p in pairs])
+    return float(np.polyfit(x, y, 1)[0])
+
+
+def table(rows: list[dict]) -> list[dict]:
+    """One line per (network, J): seconds, sweeps, widths and memory under both modes, and the ratio EB / fixed;
+    then one line per network with the growth exponents."""
+    by = {(r["net"], r["J"], r["mode"]): r for r in rows}
+    lines = []
+    nets = list(dict.fromkeys(r["net"] for r in rows))
+    for net in nets:
+        Js = sorted({r["J"] for r in rows if r["net"] == net})
+        for J in Js:
+            eb, fx = by.get((net, J, "empirical-bayes")), by.get((net, J, "fixed"))
+            line = {"net": net, "J": J}
+            for tag, r in (("eb", eb), ("fixed", fx)):
+                if r is None:
+                    continue
+                line[f"{tag} s"] = round(r["seconds"], 2)
+                line[f"{tag} sweeps"] = "/".join(str(g["sweeps"]) for g in r["groups"].values())
+                line[f"{tag} width"] = "/".join(str(g["width"]) for g in r["groups"].values())
+                if tag == "eb":
+                    line["eb converged"] = all(g["converged"] for g in r["groups"].values())
+                line[f"{tag} matcher MiB"] = round(r["matcher_peak_mib"])
+                line[f"{tag} process MiB"] = round(r["process_peak_mib"])
+            if eb and fx:
+                line["eb/fixed"] = round(eb["seconds"] / fx["seconds"], 2)
+            lines.append(line)
+        for tag, mode in (("eb", "empirical-bayes"), ("fixed", "fixed")):
+            k = exponent(Js, [by[(net, J, mode)]["seconds"] if (net, J, mode) in by else None for J in Js])
+            if k is not None:
+                lines.append({"net": net, "J": f"exponent in J ({tag})", f"{tag} s": round(k, 2)})
+    return lines
+
+
+def lj_exponents(rows: list[dict]) -> list[dict]:
+    """The growth in L_j at fixed J: the slope of log(seconds) on log(L_j) over the MLP variants."""
+    import numpy as np
+    out = []
+    for J in sorted({r["J"] for r in rows if r["net"].startswith("mlp")}):
+        for mode in MODES:
+            pts = sorted((r["L_j"], r["seconds"]) for r in rows
+                         if r["net"].startswith("mlp") and r["J"] == J and r["mode"] == mode)
+            if len(pts) >= 2:
+                k = float(np.polyfit(np.log([p[0] for p in pts]), np.log([p[1] for p in pts]), 1)[0])
+                out.append({"J": J, "mode": mode, "L_j": "/".join(str(p[0]) for p in pts),
+                            "seconds": "/".join(f"{p[1]:.2f}" for p in pts), "exponent in L_j": round(k, 2)})
+    return out
+
+
+def run(nets=("mlp",), clients=CLIENTS, *, threads: int = 2, data_dir=str(DEFAULT_DATA), cache=str(DEFAULT_CACHE),
+        out: Path | None = None, source: str | None = None, progress: bool = True) -> list[dict]:
+    """Every (network, J, mode) in a fresh process, results appended to ``out`` (JSON lines; finished ones are
+    skipped); returns the rows of this configuration."""
+    if source is None:
+        source = "trained" if (Path(data_dir) / "MNIST" / "raw").is_dir() else "model"
+    if source == "model":
+        nets = ("model",)
+    out = Path(out) if out is not None else HERE / "results" / f"scaling_{source}.jsonl"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = _done(out)
+    from tqdm import tqdm
+    todo = [(net, J, mode) for net in nets for J in clients for mode in MODES
+            if (net, J, mode, source, threads) not in done]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads),
+               MKL_NUM_THREADS=str(threads))
+    for net, J, mode in tqdm(todo, desc="scaling", unit="run", disable=not progress):
+        cmd = [sys.executable, __file__, "--one", "--net", net, "--J", str(J), "--mode", mode, "--source", source,
+               "--threads", str(threads), "--data-dir", str(data_dir), "--cache", str(cache)]
+        if source == "trained" and not (Path(cache) / f"{net}_J{J}.pt").exists():
+            subprocess.run(cmd + ["--train"], check=True, env=env)  # the local models, in a process of their own
+        line = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout.strip().splitlines()[-1]
+        with out.open("a") as f:
+            f.write(line + "\n")
+    rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    return [r for r in rows if r["net"] in nets and r["J"] in clients and r["source"] == source
+            and r["threads"] == threads]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nets", default="mlp,lenet", help=f"comma-separated, of {', '.join(NETS)}")
+    p.add_argument("--clients", default=",".join(map(str, CLIENTS)))
+    p.add_argument("--threads", type=int, default=2, help="BLAS and torch threads of each measurement")
+    p.add_argument("--data-dir", default=str(DEFAULT_DATA), help="MNIST in torchvision's layout")
+    p.add_argument("--cache", default=str(DEFAULT_CACHE), help="where trained local models are kept")
+    p.add_argument("--source", choices=("trained", "model"), default=None,
+                   help="local models trained on MNIST shards or layers drawn from the model (default: trained "
+                        "when MNIST is in --data-dir)")
+    p.add_argument("--out", default=None, help="JSON lines (default benchmarks/results/scaling_<source>.jsonl)")
+    p.add_argument("--no-progress", action="store_true")
+    # one measurement in this process (what run() calls)
+    p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--net", default="mlp", help=argparse.SUPPRESS)
+    p.add_argument("--J", type=int, default=10, help=argparse.SUPPRESS)
+    p.add_argument("--mode", choices=MODES, default="empirical-bayes", help=argparse.SUPPRESS)
+    p.add_argument("--train", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.one:
+        row = one(args)
+        if row:
+            print(json.dumps(row))
+        return
+    nets = tuple(args.nets.split(","))
+    unknown = [n for n in nets if n not in NETS]
+    if unknown:
+        p.error(f"--nets: unknown network(s) {unknown}; expected names from {list(NETS)}")
+    if args.threads < 1:
+        p.error(f"--threads: expected a positive integer, got {args.threads}")
+    from bnpfed.report import format_table
+    rows = run(nets, tuple(int(j) for j in args.clients.split(",")), threads=args.threads, data_dir=args.data_dir,
+               cache=args.cache, out=args.out, source=args.source, progress=not args.no_progress)
+    print(format_table(table(rows)))
+    lj = lj_exponents(rows)
+    if lj:
+        print(format_table(lj))
+
+
+if __name__ == "__main__":
+    main()
