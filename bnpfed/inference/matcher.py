@@ -288,6 +288,7 @@ class LayerMatcher:
         self.moved = 0
         self.hyper: tuple | None = None
         self.tau = self.g0F = self.inv_noise_C = self.P0C = self.g0C = None  # set by set_hyperparameters
+        self.m: np.ndarray | None = None  # atoms' member counts, and the storage's capacity (set by reset)
 
     def client_rows(self, flat: np.ndarray) -> list[np.ndarray]:
         """Client j's rows (``L_j`` of them, views) of an (N, k) array of all neurons in client order."""
@@ -391,7 +392,7 @@ class LayerMatcher:
     def reset(self) -> None:
         """Empty storage (no client on any atom); rows [0, n_rows) used, some of them free (m == 0, the prior's
         statistics); the capacity beyond n_rows is undefined until :meth:`_new_rows` takes it."""
-        cap = max(2 * max(self.L), 64)
+        cap = max(2 * max(self.L), 64, self.m.shape[0] if self.m is not None else 0)  # the capacity is kept
         self.gF, self.gC, self.PC, self.gN, self.PN = (np.empty((cap, k)) for k in (
             self.F.size, self.C.size, self.C.size, self.N.size, self.N.size))
         self.gF_sq = np.empty(cap)
