@@ -1,12 +1,13 @@
 """PFNM's server step at scale: J = 10 .. 500 clients, empirical Bayes against fixed hyper-parameters (issue 18).
 
 Per (network, J, hyper-parameters), in a fresh process (so that its peak resident memory is its own): one
-``pfnm_step`` on round-1 local models, its seconds, sweeps, global widths, the peak of the matcher's numpy memory
+``pfnm_step`` on round-1 local models (best of 3 when under 10 s), its seconds, sweeps, global widths, the peak of the matcher's numpy memory
 (``tracemalloc``, the matching alone) and the process's peak resident memory (data and local models included).
 
 Local models (``--source``):
 
-* ``trained`` (default when MNIST is in ``--data-dir``): MNIST split IID into J shards (60000 / J images each),
+* ``trained`` (default when MNIST is in ``--data-dir``, with the global network's test accuracy): MNIST split IID
+  into J shards (60000 / J images each),
   each client trained from its own initialisation with PFNM's reference schedule (Adam/AMSGrad, batch 32,
   10 epochs, lr 0.01): ``mlp`` is 784-100-10 (one matched layer, 784 + 1 + 10 coordinates per neuron),
   ``mlp-50`` and ``mlp-200`` its 50- and 200-unit variants (the growth in L_j), ``lenet`` LeNet-5 (four groups).
@@ -41,6 +42,8 @@ CLIENTS = (10, 25, 50, 100, 200, 500)
 #: the networks: (arch, hidden widths)
 NETS = {"mlp": ("mlp", (100,)), "mlp-50": ("mlp", (50,)), "mlp-200": ("mlp", (200,)), "lenet": ("lenet", None)}
 MODES = ("empirical-bayes", "fixed")
+#: a measurement under REPEAT_BELOW seconds is repeated, the best of REPEATS kept (``pfnm_step``'s own seconds)
+REPEATS, REPEAT_BELOW = 3, 10.0
 
 
 def _pfnm_config(mode: str):
@@ -115,12 +118,23 @@ def one(args) -> dict:
         seconds = time.perf_counter() - t0
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
+        for _ in range(REPEATS - 1 if seconds < REPEAT_BELOW else 0):  # best of REPEATS for the short ones
+            again = pfnm_step(saved["states"], saved["counts"], _pfnm_config(args.mode), seed=0, round=1,
+                              template=template, input_shape=saved["input_shape"])
+            seconds = min(seconds, again.seconds)
         groups = {g: dict(seconds=r.seconds, sweeps=getattr(r, "sweeps_run", None), width=r.num_atoms,
                           converged=bool(getattr(r, "converged", True))) for g, r in match.layer_results.items()}
         neurons = NETS[args.net][1][0] if NETS[args.net][1] else None
+    process_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    accuracy = None
+    if args.source == "trained":  # the one-shot global network on MNIST's test split (after the measurements)
+        from bnpfed.data import load_dataset
+        ds = load_dataset("mnist", data_dir=args.data_dir, standardize=False)
+        with torch.no_grad():
+            accuracy = float((match.network().eval()(ds.x_test).argmax(-1) == ds.y_test).float().mean())
     return dict(net=args.net, J=args.J, mode=args.mode, source=args.source, L_j=neurons, seconds=seconds,
-                groups=groups, matcher_peak_mib=peak / 2 ** 20,
-                process_peak_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, threads=args.threads)
+                groups=groups, accuracy=accuracy, matcher_peak_mib=peak / 2 ** 20, process_peak_mib=process_peak,
+                threads=args.threads)
 
 
 def _done(out: Path) -> set:
@@ -157,6 +171,8 @@ def table(rows: list[dict]) -> list[dict]:
                 line[f"{tag} s"] = round(r["seconds"], 2)
                 line[f"{tag} sweeps"] = "/".join(str(g["sweeps"]) for g in r["groups"].values())
                 line[f"{tag} width"] = "/".join(str(g["width"]) for g in r["groups"].values())
+                if r.get("accuracy") is not None:
+                    line[f"{tag} acc"] = round(r["accuracy"], 4)
                 if tag == "eb":
                     line["eb converged"] = all(g["converged"] for g in r["groups"].values())
                 line[f"{tag} matcher MiB"] = round(r["matcher_peak_mib"])

@@ -22,6 +22,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 __all__ = [
+    "check_device",
     "check_bool",
     "check_choice",
     "check_float",
@@ -145,3 +146,24 @@ def check_tensor(value: Any, shape: torch.Size, label: str) -> None:
     if not torch.isfinite(value).all():
         raise ValueError(f"{label}: expected finite values, got {int((~torch.isfinite(value)).sum())} NaN or "
                          "infinite value(s)")
+
+
+def check_device(value: Any, name: str) -> str:
+    """``value`` if it names the CPU (``"cpu"``) or a CUDA device torch sees (``"cuda"``, ``"cuda:N"``)."""
+    if not isinstance(value, str):
+        raise ValueError(f"{name}: expected 'cpu' or 'cuda[:N]', got {value!r}")
+    try:
+        device = torch.device(value)
+    except RuntimeError:
+        raise ValueError(f"{name}: expected 'cpu' or 'cuda[:N]', got {value!r}") from None
+    if device.type not in ("cpu", "cuda") or (device.type == "cpu" and device.index not in (None, 0)):
+        raise ValueError(f"{name}: expected 'cpu' or 'cuda[:N]', got {value!r}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{name}: expected 'cpu' or a CUDA device torch sees, got {value!r} (torch sees no "
+                             "CUDA device here: torch.cuda.is_available() is False)")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"{name}: expected a CUDA device index below {count} (the devices torch sees), got "
+                             f"{value!r}")
+    return value

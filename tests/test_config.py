@@ -125,3 +125,65 @@ def test_the_paper_variance_floor_is_the_published_clamp_of_log_variance():
 def test_pfnm_config_gives_the_matcher_its_keywords():
     kw = PFNMConfig(sigma2=(0.3, 0.5), constants="reference").matcher_kwargs()
     assert kw["sigma2"] == (0.3, 0.5) and kw["popularity_factor"] == 1.0 and kw["max_atoms"] == 700
+
+
+# --- the training device ---------------------------------------------------------------------------------------------
+
+def test_training_device_is_checked_before_any_work(monkeypatch):
+    """cpu is the default; a device that is not a torch device, or CUDA where torch sees none, is refused by name."""
+    import torch
+    from bnpfed.federated.config import TrainingConfig
+    assert TrainingConfig().device == "cpu"
+    for bad in ("tpu", "gpu", 0, "cpu:3"):
+        with pytest.raises(ValueError, match="device: expected 'cpu' or 'cuda"):
+            TrainingConfig(device=bad)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="torch sees no CUDA device"):
+        TrainingConfig(device="cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert TrainingConfig(device="cuda:1").device == "cuda:1"
+    with pytest.raises(ValueError, match="index below 2"):
+        TrainingConfig(device="cuda:2")
+
+
+def test_bayesian_clients_refuse_another_device(monkeypatch):
+    """SVI runs on the CPU only: a CUDA training device is an error before the client trains."""
+    import torch
+    from bnpfed.federated.clients import bayesian_client, fit_bayesian, initial_network
+    from bnpfed.federated.config import BayesianConfig, NetworkConfig, TrainingConfig
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    training = TrainingConfig(device="cuda")
+    client = bayesian_client(initial_network(NetworkConfig(hidden=(4,)), (1, 2, 2), 3, seed=0), BayesianConfig())
+    before = {k: v.clone() for k, v in client.guide.state_dict().items()}
+    with pytest.raises(ValueError, match="training.device: expected 'cpu' for the Bayesian clients"):
+        fit_bayesian(client, torch.randn(6, 1, 2, 2), torch.arange(6) % 3, training, seed=0, round=1, index=0)
+    assert all(torch.equal(before[k], v) for k, v in client.guide.state_dict().items())
+
+
+def test_cpu_device_trains_the_same_network():
+    """device='cpu' (given) is the default's training exactly."""
+    import torch
+    from bnpfed.federated.clients import initial_network, train_network
+    from bnpfed.federated.config import NetworkConfig, TrainingConfig
+    net = initial_network(NetworkConfig(hidden=(5,)), (1, 3, 3), 3, seed=0)
+    x, y = torch.randn(20, 1, 3, 3), torch.arange(20) % 3
+    a = train_network(net, x, y, TrainingConfig(epochs=2), seed=0, round=1, client=0)
+    b = train_network(net, x, y, TrainingConfig(epochs=2, device="cpu"), seed=0, round=1, client=0)
+    assert all(torch.equal(a.state_dict()[k], v) for k, v in b.state_dict().items())
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_training_comes_back_to_the_cpu_close_to_it():
+    """On a CUDA device the same mini-batches are drawn: the trained network is on the CPU, near the CPU's."""
+    import torch
+    from bnpfed.federated.clients import initial_network, train_network
+    from bnpfed.federated.config import NetworkConfig, TrainingConfig
+    net = initial_network(NetworkConfig(hidden=(5,)), (1, 3, 3), 3, seed=0)
+    x, y = torch.randn(20, 1, 3, 3), torch.arange(20) % 3
+    cpu = train_network(net, x, y, TrainingConfig(epochs=2), seed=0, round=1, client=0)
+    gpu = train_network(net, x, y, TrainingConfig(epochs=2, device="cuda"), seed=0, round=1, client=0)
+    for k, v in gpu.state_dict().items():
+        assert v.device.type == "cpu"
+        torch.testing.assert_close(v, cpu.state_dict()[k], rtol=1e-4, atol=1e-5)

@@ -29,6 +29,7 @@ import math
 from typing import Collection, Optional, Sequence
 
 import numpy as np
+import torch
 from torch import Tensor, nn
 
 from bnpfed.federated.config import BayesianConfig, NetworkConfig, TrainingConfig
@@ -105,8 +106,10 @@ def train_network(net: nn.Module, x: Tensor, y: Tensor, training: TrainingConfig
     stream = derive_seed(seed, Stream.FIT, round, client)
     if step is not None:
         stream = int(np.random.SeedSequence(stream, spawn_key=(int(step),)).generate_state(1, dtype=np.uint64)[0])
+    device = torch.device(training.device)
     client_model = DeterministicClient(net)
-    model = client_model.net.train()
+    model = client_model.net.to(device).train()
+    x, y = x.to(device), y.to(device)
     frozen = set(frozen)
     params = dict(model.named_parameters())
     unknown = sorted(frozen - set(params))
@@ -125,7 +128,7 @@ def train_network(net: nn.Module, x: Tensor, y: Tensor, training: TrainingConfig
     finally:
         for name in frozen:
             params[name].requires_grad_(True)
-    return model.eval()
+    return model.to("cpu").eval()
 
 
 def batch_norm_moments_step(net: nn.Module, x: Tensor, batch_size: int, layer: Optional[str] = None
@@ -150,7 +153,11 @@ def bayesian_client(net: nn.Module, bayesian: BayesianConfig) -> BayesianClient:
 def fit_bayesian(client: BayesianClient, x: Tensor, y: Tensor, training: TrainingConfig, *, seed: int, round: int,
                  index: int) -> float:
     """Client ``index`` 's local SVI of round ``round``: ``training.schedule(round)`` epochs, drawing from ``(seed,
-    FIT, round, index)``. Returns its last epoch's loss (negative ELBO per example)."""
+    FIT, round, index)``. Returns its last epoch's loss (negative ELBO per example). On the CPU only
+    (``training.device`` must be ``"cpu"``)."""
+    if torch.device(training.device).type != "cpu":
+        raise ValueError(f"training.device: expected 'cpu' for the Bayesian clients' SVI (it runs on the CPU only), "
+                         f"got {training.device!r}")
     schedule = training.schedule(round)
     client.fit(x, y, epochs=schedule.epochs, batch_size=training.batch_size, lr=schedule.lr,
                seed=derive_seed(seed, Stream.FIT, round, index), amsgrad=training.amsgrad)

@@ -44,7 +44,7 @@ from bnpfed.inference.matching import REFERENCE_CONSTANTS
 from bnpfed.federated.partition import partition_dirichlet, partition_homogeneous, train_validation_split
 from bnpfed.models.priors import IIDPrior, Prior, only_linear_weights
 from bnpfed.seeding import Stream, derive_seed
-from bnpfed.validation import (check_bool, check_choice, check_float, check_fraction, check_int, check_ints,
+from bnpfed.validation import (check_bool, check_choice, check_device, check_float, check_fraction, check_int, check_ints,
                                check_positive)
 
 __all__ = [
@@ -205,6 +205,11 @@ class TrainingConfig:
     :param bool amsgrad: the AMSGrad variant of Adam. Default False.
     :param int round_epochs: local epochs of rounds 2, 3, ...; None: ``epochs``. Default None.
     :param float lr_decay: learning-rate factor per round, in (0, 1]. Default 1.
+    :param str device: where the deterministic clients train (PFNM's, FedAvg's, FedMA's retraining): ``"cpu"``
+        (default) or a CUDA device torch sees (``"cuda"``, ``"cuda:1"``); the trained networks come back on the CPU,
+        where the server matches and averages them (the matcher is numpy and scipy). The Bayesian clients' SVI runs
+        on the CPU only: another device is refused there. The same seed gives the same mini-batches on every device;
+        the floating-point results of another device differ in the last digits.
 
     :data:`PFNM_TRAINING` is the PFNM reference code's (10 epochs of AMSGrad at 0.01, batch 32, L2 1e-6; later
     rounds 5 epochs with the rate decayed by 0.99 a round); :data:`FUSION_TRAINING` (the defaults) suits posterior
@@ -218,8 +223,10 @@ class TrainingConfig:
     amsgrad: bool = False
     round_epochs: Optional[int] = None
     lr_decay: float = 1.0
+    device: str = "cpu"
 
     def __post_init__(self):
+        check_device(self.device, "device")
         check_int(self.epochs, "epochs", low=1)
         check_int(self.batch_size, "batch_size", low=1)
         check_positive(self.lr, "lr")
