@@ -32,7 +32,19 @@ def bench_fusion_fn(quick: bool):
     bench_fusion.run(quick=quick)  # fusion rules, SVI clients, and (not --quick) the paper's Fashion-MNIST setting
 
 
-BENCHMARKS = {"matching": bench_matching, "fusion": bench_fusion_fn}
+def bench_scaling_fn(quick: bool):
+    import bench_scaling
+
+    # the J-scaling table: trained MNIST shards when MNIST is in ../shared/data/mnist, else layers from the model;
+    # results kept (and reused) in benchmarks/results/scaling_<source>.jsonl
+    clients = (10, 25, 50) if quick else bench_scaling.CLIENTS
+    rows = bench_scaling.run(("mlp",), clients, threads=1, progress=False)
+    source = rows[0]["source"] if rows else "?"
+    print(f"local models: {source}; one thread; seconds of pfnm_step")
+    print(format_table(bench_scaling.table(rows)))
+
+
+BENCHMARKS = {"matching": bench_matching, "scaling": bench_scaling_fn, "fusion": bench_fusion_fn}
 
 
 def main(argv=None):

@@ -590,3 +590,111 @@ def test_stopping_on_the_result_keeps_the_width_and_accuracy_of_the_exact_fixed_
     assert accuracy(quick) == pytest.approx(accuracy(exact), abs=0.01)
     if b.sweeps_run < a.sweeps_run:
         assert any("stopped on the result" in n for n in b.notes)
+
+
+# --- the matcher's exact speed-ups (issue 18): the same numbers as the plain computations ---------------------------
+
+def _layer_with_shares(seed=0, J=6, D=7):
+    """Overlapping atoms, clients of different sizes, and per-client precision scales on the last 3 coordinates
+    (PFNM's class shares), some of them 0."""
+    layer = sample_federated_layer(J, D, seed=seed, gamma0=6.0, sigma2=0.05)
+    rng = np.random.default_rng(seed)
+    scales = np.ones((J, D))
+    scales[:, -3:] = rng.choice([0.0, 0.3, 1.0, 2.0], size=(J, 3))
+    return [n.numpy() for n in layer.neurons], scales
+
+
+def _statistics(matcher):
+    active = np.flatnonzero(matcher.m[: matcher.n_rows] > 0)
+    order = np.lexsort(matcher.gF[active].T[::-1]) if matcher.F.size else np.arange(active.size)
+    rows = active[order]
+    return {name: getattr(matcher, name)[rows] for name in ("gF", "gF_sq", "gC", "PC", "m")}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_rescaled_statistics_equal_a_rebuild_from_the_neurons(seed):
+    """New hyper-parameters on an assigned matcher: its per-atom statistics, scaled by the ratio of the noise
+    precisions (no pass over the neurons), equal those rebuilt from scratch at the new values, and so do its scores."""
+    from bnpfed.inference.matcher import make_matcher
+    neurons, scales = _layer_with_shares(seed)
+    D = neurons[0].shape[1]
+    first = dict(noise=np.full(D, 0.1), prior=np.full(D, 1.0), gamma0=5.0, mu0=np.zeros(D))
+    second = dict(noise=np.r_[np.full(D - 3, 0.03), np.full(3, 0.2)], prior=np.r_[np.full(D - 3, 0.7), np.full(3, 2.)],
+                  gamma0=3.0, mu0=np.linspace(-0.2, 0.3, D))
+    scaled = make_matcher(neurons, precisions=torch.as_tensor(scales))
+    scaled.set_hyperparameters(**first)
+    scaled.greedy()
+    scaled.sweep(np.random.default_rng(seed))   # free rows and reused ones, as in a run
+    labels = [a.copy() for a in scaled.assign]
+    scaled.set_hyperparameters(**second)
+    rebuilt = make_matcher(neurons, precisions=torch.as_tensor(scales))
+    rebuilt.set_hyperparameters(**second)
+    rebuilt.start_from(labels)
+    a, b = _statistics(scaled), _statistics(rebuilt)
+    for name in a:
+        np.testing.assert_allclose(a[name], b[name], rtol=1e-12, atol=1e-12, err_msg=name)
+    assert scaled.objective() == pytest.approx(rebuilt.objective(), rel=1e-12)
+    for j in range(len(neurons)):   # the same move for every client
+        for m in (scaled, rebuilt):
+            m.match(j, rematch=True)
+        assert sorted(map(tuple, _statistics(scaled)["gF"].round(9))) == \
+            sorted(map(tuple, _statistics(rebuilt)["gF"].round(9)))
+
+
+def test_scores_equal_the_per_neuron_formula():
+    """The low-rank score matrix equals the score of the module docstring computed neuron by neuron, atom by atom,
+    on shared and per-client coordinates (marginal objective)."""
+    from bnpfed.inference.matcher import make_matcher
+    neurons, scales = _layer_with_shares(3)
+    D = neurons[0].shape[1]
+    values = dict(noise=np.r_[np.full(D - 3, 0.05), np.full(3, 0.2)], prior=np.r_[np.full(D - 3, 0.8), np.full(3, 1.5)],
+                  gamma0=4.0, mu0=np.linspace(-0.1, 0.1, D))
+    mt = make_matcher(neurons, precisions=torch.as_tensor(scales))
+    mt.set_hyperparameters(**values)
+    mt.greedy()
+    j = 2
+    mt._remove(j)
+    mt.gF_sq[: mt.n_rows] = np.einsum("ld,ld->l", mt.gF[: mt.n_rows], mt.gF[: mt.n_rows])
+    active = np.flatnonzero(mt.m[: mt.n_rows] > 0)
+    S = mt.scores(j, mt._cross(j, active), active)
+    noise, prior, mu0 = values["noise"], values["prior"], values["mu0"]
+    J = len(neurons)
+    for i, row in enumerate(active):
+        P = np.empty(D)
+        g = np.empty(D)
+        P[mt.F], g[mt.F] = 1 / prior[mt.F] + mt.m[row] / noise[mt.F], mt.gF[row]
+        P[mt.C], g[mt.C] = mt.PC[row], mt.gC[row]
+        for l, v in enumerate(neurons[j]):
+            w = scales[j] / noise
+            expected = ((g + w * v) ** 2 / (P + w) - g ** 2 / P - np.log((P + w) / P)).sum() + \
+                2 * (np.log(mt.m[row]) - np.log(J - mt.m[row]))
+            assert S[l, i] == pytest.approx(expected, rel=1e-10, abs=1e-9)
+    P0, g0 = 1 / prior, mu0 / prior
+    for l, v in enumerate(neurons[j]):
+        w = scales[j] / noise
+        new = ((g0 + w * v) ** 2 / (P0 + w) - g0 ** 2 / P0 - np.log((P0 + w) / P0)).sum() + 2 * np.log(4.0 / J)
+        assert S[l, active.size] == pytest.approx(new, rel=1e-10, abs=1e-9)
+
+
+def test_pooled_moments_equal_the_residual_computation():
+    """sigma2 and sigma0_2 from sums of the atom means (no residual array) equal the plain residual formulas."""
+    from bnpfed.inference.empirical_bayes import PooledMoments
+    from bnpfed.inference.matcher import make_matcher
+    layer = sample_federated_layer(8, 6, seed=4, gamma0=5.0, sigma2=0.05)
+    neurons = [n.numpy().astype(np.float64) for n in layer.neurons]
+    result = match_layer(neurons, seed=0)
+    labels = [a.numpy() for a in result.assignments]
+    L = result.num_atoms
+    mt = make_matcher(neurons)
+    est = PooledMoments(mt, {}, np.full(6, np.nan), {})
+    out = est.update(labels, L, est.start())
+    v = np.concatenate(neurons)
+    flat = np.concatenate(labels)
+    W = np.bincount(flat, minlength=L).astype(float)
+    xbar = np.stack([v[flat == i].mean(axis=0) for i in range(L)])
+    sigma2 = ((v - xbar[flat]) ** 2).sum() / (6 * (1 - 1 / W[flat]).sum())
+    assert out["sigma2"] == pytest.approx(sigma2, rel=1e-10)
+    mu0 = xbar.mean(axis=0)
+    np.testing.assert_allclose(out["mu0"], mu0, rtol=1e-10, atol=1e-12)
+    sigma0_2 = (((xbar - mu0) ** 2).sum() - sigma2 * (6 * (L - 1) / L) * (1 / W).sum()) / (6 * (L - 1))
+    assert out["sigma0_2"] == pytest.approx(max(sigma0_2, 0.0), rel=1e-10)
