@@ -36,9 +36,14 @@ def bench_scaling_fn(quick: bool):
     import bench_scaling
 
     # the J-scaling table: trained MNIST shards when MNIST is in ../shared/data/mnist, else layers from the model;
-    # results kept (and reused) in benchmarks/results/scaling_<source>.jsonl
+    # this machine's results kept (and reused by the next make bench) beside the cached local models, not in
+    # benchmarks/results (the recorded runs)
+    from pathlib import Path
     clients = (10, 25, 50) if quick else bench_scaling.CLIENTS
-    rows = bench_scaling.run(("mlp",), clients, threads=1, progress=False)
+    source = "trained" if (Path(bench_scaling.DEFAULT_DATA) / "MNIST" / "raw").is_dir() else "model"
+    out = bench_scaling.DEFAULT_CACHE / f"scaling_{source}.jsonl"
+    print(f"(results: {out})")
+    rows = bench_scaling.run(("mlp",), clients, threads=1, progress=False, out=out, source=source)
     source = rows[0]["source"] if rows else "?"
     print(f"local models: {source}; one thread; seconds of pfnm_step")
     print(format_table(bench_scaling.table(rows)))
