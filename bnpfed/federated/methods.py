@@ -87,6 +87,7 @@ __all__ = [
     "register_method",
     "network_widths",
     "run_experiment",
+    "run_method",
     "select_hyperparameters",
     "width_sweep",
 ]
@@ -730,6 +731,16 @@ def select_hyperparameters(local_models: Sequence[nn.Module], class_counts, vali
     return best
 
 
+def run_method(experiment: "Experiment", method: str) -> list[MethodResult]:
+    """The rows of one method on ``experiment`` (its local models trained on first use and kept for the next
+    method): what :func:`run_experiment` does per method, for a caller that records each method as it ends."""
+    out = _runner(method)(experiment)
+    rows = out if isinstance(out, list) else [out]
+    for row in rows:
+        row.width = int(sum(row.hidden))
+    return rows
+
+
 def run_experiment(dataset: Dataset, *, progress: bool = False, log: Optional[Callable[[str], None]] = None,
                    ood: Optional[torch.Tensor] = None, **configs) -> ExperimentResult:
     """Run ``config.methods`` (an :class:`ExperimentConfig`) on ``dataset``, one after the
@@ -743,12 +754,9 @@ def run_experiment(dataset: Dataset, *, progress: bool = False, log: Optional[Ca
     rows: list[MethodResult] = []
     try:
         for method in experiment.config.methods:
-            out = _runner(method)(experiment)
-            rows.extend(out if isinstance(out, list) else [out])
+            rows.extend(run_method(experiment, method))
     finally:
         experiment.close()
-    for row in rows:
-        row.width = int(sum(row.hidden))
     local = experiment._local.get(experiment.network.shared_init, [])
     accuracies = [experiment.evaluate_network(n)["accuracy"] for n in local]
     return ExperimentResult(settings=experiment.settings(), rows=rows, client_sizes=[len(p) for p in experiment.parts],
