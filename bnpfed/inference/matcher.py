@@ -91,8 +91,11 @@ __all__ = [
 #: coordinates of a client (32 MiB each).
 CHUNK_ELEMENTS = 2 ** 22
 
-#: The Gram matrix of all neurons' shared coordinates is used only if it fits in this many bytes.
-GRAM_BYTES = 512 * 2 ** 20
+#: The memory budget of the one N x N object the matcher may hold (N all neurons of the layer): the Gram matrix of
+#: their shared coordinates (float64) is used only if it fits in this many bytes (1 GiB: N up to 11,585, e.g.
+#: J = 100 clients of 100 neurons); beyond it every re-match pays the direct (L_j, D) x (D, L) product. Everything
+#: else the matcher keeps is O(N D) (the neurons, their contributions, the atoms' statistics) or O(L_j L) per client.
+GRAM_BYTES = 2 ** 30
 
 #: Under empirical Bayes with ``stop="result"``: the sweeps stop once at most this share of the neurons moved in a
 #: sweep and no estimate moved by more than :data:`STOP_RTOL` (relative).
