@@ -135,10 +135,10 @@ def method_of(federation: Federation) -> Method:
 
 
 @functools.lru_cache(maxsize=None)
-def _reference(items: tuple) -> Federation:
+def _reference(items: tuple, data_dir: str | None = None) -> Federation:
     settings = parse_run_config(dict(items)).with_clients(CLIENTS)
     run = settings.run
-    ds = load_dataset(run.dataset, standardize=run.standardized)
+    ds = load_dataset(run.dataset, standardize=run.standardized, data_dir=data_dir)
     parts = settings.partition.split(ds.y_train.numpy(), run.seed)
     method = METHODS[strategy_of(settings)]
     federation = method.federation(ds, parts, **method.options(settings))
@@ -146,10 +146,10 @@ def _reference(items: tuple) -> Federation:
     return federation
 
 
-def in_process(config: dict) -> Federation:
-    """The in-process federation with the settings of the run config ``config``, after its rounds (computed once per
-    config and kept)."""
-    return _reference(tuple(sorted(config.items())))
+def in_process(config: dict, data_dir: str | None = None) -> Federation:
+    """The in-process federation with the settings of the run config ``config`` (the data read from ``data_dir``, as
+    a SuperNode's ``data-dir``), after its rounds (computed once per config and kept)."""
+    return _reference(tuple(sorted(config.items())), data_dir)
 
 
 def global_arrays(federation: Federation) -> dict[str, np.ndarray]:

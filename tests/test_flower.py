@@ -69,6 +69,19 @@ def test_pfnm_on_flower_is_the_in_process_federation_bit_for_bit(extra):
         assert not all(k in result.arrays and np.array_equal(result.arrays[k], v) for k, v in cold.items())
 
 
+def test_cifar10_from_its_jpeg_container_runs_on_flower_as_in_process(tmp_path):
+    """Every SuperNode reads CIFAR-10 from the JPEG container in its data-dir: FedMA's simple-cnn matched on Flower
+    is the in-process federation on the same data, bit for bit."""
+    from test_data import write_cifar10_jpeg
+    write_cifar10_jpeg(tmp_path, n_train=30, n_test=10)
+    config = {**LENET, "arch": "simple-cnn", "dataset": "cifar10", "rounds": 1}
+    result = run_federation(LocalGrid(client_app, CLIENTS, node_config={"data-dir": str(tmp_path)}), config)
+    reference = in_process(config, str(tmp_path))
+    assert tuple(reference.dataset.input_shape) == (3, 32, 32) and "JPEG" in reference.dataset.source
+    assert_same_model(result.arrays, reference)
+    assert_same_rounds(result.history, reference)
+
+
 @pytest.mark.parametrize("config", [LENET, CNN_BN, {**CNN_BN, **FRACTION}],
                          ids=["lenet", "simple-cnn-bn", "simple-cnn-bn-fraction-0.67"])
 def test_a_cnn_on_flower_is_the_in_process_federation_bit_for_bit(config):

@@ -51,11 +51,14 @@ class LocalGrid(Grid):
     :param silent_types: the message types silent nodes ignore. Default ``("train", "evaluate")``: they tell their
         partition, then go quiet (a SuperNode that dies after joining); add ``"query"`` for one that never answers.
     :param int run_id: the run id messages carry. Default 1.
+    :param dict node_config: more node config every node sees (a SuperNode's ``--node-config``, e.g.
+        ``{"data-dir": path}``). Default none.
     """
 
     def __init__(self, client_app: Callable[[Message, Context], Message], num_nodes: int, *,
                  partitions: Sequence[int] | None = None, run_config: Mapping[str, Any] | None = None,
-                 silent: Iterable[int] = (), silent_types: Iterable[str] = ("train", "evaluate"), run_id: int = 1):
+                 silent: Iterable[int] = (), silent_types: Iterable[str] = ("train", "evaluate"), run_id: int = 1,
+                 node_config: Mapping[str, Any] | None = None):
         if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
             raise ValueError(f"num_nodes: expected an int >= 1, got {num_nodes!r}")
         partitions = list(range(num_nodes)) if partitions is None else [int(p) for p in partitions]
@@ -72,7 +75,7 @@ class LocalGrid(Grid):
         self.silent_types = set(silent_types)
         self.contexts = {
             node: Context(run_id=run_id, node_id=node, state=RecordDict(), run_config=dict(run_config or {}),
-                          node_config={"partition-id": j, "num-partitions": num_nodes})
+                          node_config={**dict(node_config or {}), "partition-id": j, "num-partitions": num_nodes})
             for j, node in self.node_of.items()}
         #: ``(node_id, message_type)`` of every message a ClientApp ran, in order.
         self.calls: list[tuple[int, str]] = []
