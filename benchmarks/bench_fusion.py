@@ -252,6 +252,63 @@ def paper_setting(data_dir=FASHION_MNIST_DIR, *, rounds: int = PAPER_SCHEDULE["r
     return rows, result
 
 
+CIFAR10_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "cifar10"
+#: Ozer et al.'s CIFAR-10 figures (LeNet with 400 fc1 inputs, 10 clients IID, 50 rounds x 10 local epochs):
+#: accuracy and ECE in percent.
+PUBLISHED_CIFAR10 = {"fedavg": (70.09, 3.35), "gaa": (71.29, 3.11), "conflation": (71.17, 2.81)}
+#: the published rules first, then the others
+CIFAR10_METHODS = ("fedavg", "gaa", "conflation", "eaa", "log_variance", "pooling")
+
+
+def cifar10_setting(out: Path, data_dir=CIFAR10_DIR, *, partitions=("iid", "dirichlet"),
+                    rounds: int = PAPER_SCHEDULE["rounds"], local_epochs: int = PAPER_SCHEDULE["local_epochs"],
+                    batch_size: int = PAPER_SCHEDULE["batch_size"], lr: float = PAPER_SCHEDULE["lr"],
+                    methods=CIFAR10_METHODS, seed: int = 0) -> list[dict]:
+    """Issue 18's posterior-fusion row on CIFAR-10: the paper's LeNet (``lenet-paper``: 400 fc1 inputs on 32x32
+    images), 10 clients IID and Dirichlet(0.5), ``rounds`` rounds of ``local_epochs`` (the paper: 50 x 10); one JSON
+    line per (partition, method) in ``out`` as it ends (finished ones are skipped). Returns the rows so far."""
+    import json
+
+    from bnpfed.federated.config import BayesianConfig, FusionConfig, NetworkConfig, PartitionConfig, TrainingConfig
+    from bnpfed.federated.methods import Experiment, ExperimentConfig, run_method
+
+    try:
+        ds = load_dataset("cifar10", data_dir=data_dir)
+    except FileNotFoundError as error:
+        print(f"skipped: no CIFAR-10 under {data_dir} ({error})")
+        return []
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = {json.loads(line)["key"] for line in out.read_text().splitlines() if line.strip()} if out.exists() else set()
+    for partition in partitions:
+        base = f"fusion-cifar10/{partition}/rounds={rounds}/epochs={local_epochs}/seed={seed}"
+        todo = [m for m in methods if f"{base}/{m}" not in done]
+        if not todo:
+            continue
+        experiment = Experiment(
+            ds, partition=PartitionConfig(clients=10, partition=partition), network=NetworkConfig(arch="lenet-paper"),
+            training=TrainingConfig(epochs=local_epochs, batch_size=batch_size, lr=lr),
+            bayesian=BayesianConfig(prior="linear-weights", local_reparameterization=True),
+            fusion=FusionConfig(weights="size"),
+            config=ExperimentConfig(methods=tuple(todo), rounds=rounds, ece_bins=100, seed=seed))
+        for method in todo:
+            t0 = time.perf_counter()
+            for row in run_method(experiment, method):
+                published = PUBLISHED_CIFAR10.get(row.method, (math.nan, math.nan))
+                line = dict(key=f"{base}/{row.method}", partition=partition, method=row.method, rounds=rounds,
+                            local_epochs=local_epochs, source=ds.source, accuracy=100 * row.accuracy,
+                            ece=100 * row.ece, nll=row.nll, brier=row.brier, mean_sigma=row.mean_sigma,
+                            published_accuracy=published[0], published_ece=published[1],
+                            wall_seconds=time.perf_counter() - t0,
+                            history=[dict(round=h["round"], accuracy=h["accuracy"], ece=h.get("ece"))
+                                     for h in row.history])
+                with out.open("a") as f:
+                    f.write(json.dumps(line) + "\n")
+                print(line["key"], round(line["accuracy"], 2), round(line["ece"], 2), flush=True)
+        experiment.close()
+    return [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+
+
 def run(parts=("fuse", "svi", "paper"), *, quick: bool = False, baseline_ref: str | None = None,
         svi_repeats: int = 3, **paper_kwargs) -> None:
     """Print every requested table (``quick``: K = 10 only, one SVI epoch, no paper setting)."""
@@ -284,7 +341,12 @@ def _run(parts, *, quick, baseline_ref, svi_repeats, **paper_kwargs):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", default="fuse,svi,paper", help="comma-separated subset of fuse, svi, paper")
+    parser.add_argument("--part", default="fuse,svi,paper",
+                        help="comma-separated subset of fuse, svi, paper, cifar10 (not in the default: hours)")
+    parser.add_argument("--cifar-dir", default=str(CIFAR10_DIR), help="CIFAR-10 (pickles or cifar10_jpeg.npz)")
+    parser.add_argument("--partitions", default="iid,dirichlet", help="the cifar10 part's partitions")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "fusion_cifar10.jsonl"),
+                        help="the cifar10 part's JSON lines")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rounds", type=int, default=PAPER_SCHEDULE["rounds"])
     parser.add_argument("--local-epochs", type=int, default=PAPER_SCHEDULE["local_epochs"])
@@ -298,6 +360,18 @@ def main(argv=None):
     parser.add_argument("--svi-repeats", type=int, default=3, metavar="N",
                         help="interleaved passes of the SVI table, best kept (more on a loaded machine)")
     args = parser.parse_args(argv)
+    parts = args.part.split(",")
+    if "cifar10" in parts:
+        torch.set_num_threads(1)
+        rows = cifar10_setting(args.out, args.cifar_dir, partitions=tuple(args.partitions.split(",")),
+                               rounds=args.rounds, local_epochs=args.local_epochs, batch_size=args.batch_size,
+                               lr=args.lr, methods=tuple(args.rules.split(",")) if args.rules else CIFAR10_METHODS)
+        print(format_table([{k: v for k, v in r.items() if k not in ("history", "key", "source")} for r in rows],
+                           digits=3))
+        parts.remove("cifar10")
+        if not parts:
+            return
+        args.part = ",".join(parts)
     run(tuple(args.part.split(",")), quick=args.quick, baseline_ref=args.baseline_ref,
         svi_repeats=args.svi_repeats, rounds=args.rounds,
         local_epochs=args.local_epochs, batch_size=args.batch_size, lr=args.lr,
