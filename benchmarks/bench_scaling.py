@@ -137,6 +137,26 @@ def one(args) -> dict:
                 threads=args.threads)
 
 
+def interleaved(J: int, repeats: int, *, net: str = "mlp", data_dir=str(DEFAULT_DATA), cache=str(DEFAULT_CACHE)
+                ) -> dict:
+    """EB and fixed matching of the same local models alternated ``repeats`` times in this process (one thread),
+    the best of each and their ratio: the issue's measure of what empirical Bayes costs."""
+    import torch
+    from bnpfed.federated.clients import initial_network
+    from bnpfed.federated.server import pfnm_step
+    torch.set_num_threads(1)
+    saved = _local_models(data_dir, Path(cache), net, J)
+    template = initial_network(saved["network"], saved["input_shape"], saved["num_classes"], seed=0)
+    best = dict.fromkeys(MODES, float("inf"))
+    for _ in range(repeats):
+        for mode in MODES:
+            match = pfnm_step(saved["states"], saved["counts"], _pfnm_config(mode), seed=0, round=1,
+                              template=template, input_shape=saved["input_shape"])
+            best[mode] = min(best[mode], match.seconds)
+    return {"net": net, "J": J, "repeats": repeats, "eb s": best["empirical-bayes"], "fixed s": best["fixed"],
+            "eb/fixed": best["empirical-bayes"] / best["fixed"]}
+
+
 def _done(out: Path) -> set:
     if not out.exists():
         return set()
@@ -243,6 +263,9 @@ def main(argv=None):
                         "when MNIST is in --data-dir)")
     p.add_argument("--out", default=None, help="JSON lines (default benchmarks/results/scaling_<source>.jsonl)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--interleaved", type=int, metavar="J", default=None,
+                   help="instead: EB and fixed alternated in one process on J clients' models (one thread)")
+    p.add_argument("--repeats", type=int, default=7, help="alternations of --interleaved (the best kept)")
     # one measurement in this process (what run() calls)
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--net", default="mlp", help=argparse.SUPPRESS)
@@ -262,6 +285,12 @@ def main(argv=None):
     if args.threads < 1:
         p.error(f"--threads: expected a positive integer, got {args.threads}")
     from bnpfed.report import format_table
+    if args.interleaved is not None:
+        if args.interleaved < 1 or args.repeats < 1:
+            p.error(f"--interleaved, --repeats: expected positive integers, got {args.interleaved}, {args.repeats}")
+        print(format_table([interleaved(args.interleaved, args.repeats, net=nets[0], data_dir=args.data_dir,
+                                        cache=args.cache)]))
+        return
     rows = run(nets, tuple(int(j) for j in args.clients.split(",")), threads=args.threads, data_dir=args.data_dir,
                cache=args.cache, out=args.out, source=args.source, progress=not args.no_progress)
     print(format_table(table(rows)))
