@@ -54,6 +54,8 @@ def files(tmp_path_factory):
 
 
 SHARED = [  # (argv, the flag the message must name): the same flags in pfnm and fuse
+    (["--device", "tpu"], "--device"),
+    (["--device", "cuda:7"], "--device"),   # no CUDA device here (or not that many)
     (["--seed", "-1"], "--seed"),
     (["--threads", "0"], "--threads"),
     (["--rounds", "0"], "--rounds"),
@@ -480,3 +482,16 @@ def test_fuse_align_match_has_one_row_per_method_with_the_metrics_that_line_up_a
 def test_fuse_align_and_ood_flags_are_checked_before_anything_trains(argv, message, capsys):
     assert main(["fuse", "--no-progress"] + argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_fuse_refuses_a_cuda_device_before_anything_trains(monkeypatch, capsys):
+    """Posterior fusion's SVI runs on the CPU only: --device cuda is an error naming the flag, even where torch sees
+    a CUDA device."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(methods, "run_experiment", lambda *a, **k: (_ for _ in ()).throw(AssertionError("trained")))
+    assert exit_code(["fuse", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert "--device: expected cpu for posterior fusion" in err, err

@@ -297,11 +297,15 @@ def add_partition_arguments(parser, *, clients_help: str, many_clients: bool) ->
                    help="fewest examples a client may hold (--partition dirichlet redraws until it holds)")
 
 
+DEVICE_HELP = ("where the clients train: cpu, or cuda[:N] when torch sees one (the networks come back to the CPU, "
+               "where the server matches them; numbers differ from the CPU's in the last digits)")
+
+
 def add_training_arguments(parser, defaults: TrainingConfig, *, epochs_aliases=(), what: str,
-                           device: bool = False) -> None:
+                           device: str = DEVICE_HELP) -> None:
     """The fields of :class:`TrainingConfig` under the same flags in every command: ``--epochs``, ``--batch-size``,
-    ``--lr``, ``--weight-decay``, ``--amsgrad``, ``--round-epochs``, ``--lr-decay``; ``--device`` where the
-    command's clients can train on another device (``device``)."""
+    ``--lr``, ``--weight-decay``, ``--amsgrad``, ``--round-epochs``, ``--lr-decay``, ``--device`` (its help
+    ``device``: what the device means to the command)."""
     g = parser.add_argument_group("local training", f"Adam on mini-batches; {what}")
     g.add_argument("--epochs", *epochs_aliases, dest="epochs", type=int, metavar="E", default=defaults.epochs,
                    help="local epochs of round 1 (and of every round unless --round-epochs)")
@@ -315,11 +319,7 @@ def add_training_arguments(parser, defaults: TrainingConfig, *, epochs_aliases=(
                                                              else " (default: --epochs)"))
     g.add_argument("--lr-decay", type=float, metavar="FACTOR", default=defaults.lr_decay,
                    help="learning-rate factor per round, in (0, 1]: round r trains at lr * lr_decay^(r - 1)")
-    if device:
-        g.add_argument("--device", default=defaults.device, metavar="DEVICE",
-                       help="where the clients train: cpu, or cuda[:N] when torch sees one (the networks come back "
-                            "to the CPU, where the server matches them; numbers differ from the CPU's in the last "
-                            "digits)")
+    g.add_argument("--device", default=defaults.device, metavar="DEVICE", help=device)
 
 
 def add_output_arguments(parser, *, threads: Optional[int], json_help: str, plot_help: str):
@@ -347,7 +347,7 @@ def partition_config(args, clients: int) -> PartitionConfig:
 def training_config(args) -> TrainingConfig:
     return TrainingConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                           weight_decay=args.weight_decay, amsgrad=args.amsgrad, round_epochs=args.round_epochs,
-                          lr_decay=args.lr_decay, device=getattr(args, "device", "cpu"))
+                          lr_decay=args.lr_decay, device=args.device)
 
 
 def check_partition(partition: PartitionConfig, dataset: Dataset, seed: int) -> None:

@@ -92,7 +92,9 @@ def add_parser(sub):
                    help="sample pre-activations rather than weights (the local reparameterisation trick, as in the "
                    "paper)")
     _args.add_training_arguments(p, FUSION_TRAINING, epochs_aliases=("--local-epochs",),
-                                 what="the Bayesian clients' SVI and FedAvg's clients alike")
+                                 what="the Bayesian clients' SVI and FedAvg's clients alike",
+                                 device="cpu only: the Bayesian clients' SVI runs on the CPU (another device is an "
+                                        "error; the flag is here so that every command takes the same settings)")
     g = p.add_argument_group("fusion (the server)")
     g.add_argument("--rule", type=_rules, default="all", metavar="all|R,R,...",
                    help=f"fusion rules to compare: all, or a comma-separated list of {', '.join(available_rules())}")
@@ -166,6 +168,9 @@ def prepare(args) -> dict:
     partition = _args.partition_config(args, args.clients)
     network = NetworkConfig(arch=args.arch, hidden=args.hidden, init=args.init)
     training = _args.training_config(args)
+    if torch.device(training.device).type != "cpu":
+        raise UsageError(f"--device: expected cpu for posterior fusion (the Bayesian clients' SVI runs on the CPU "
+                         f"only), got {training.device}")
     bayesian = BayesianConfig(prior=args.prior, prior_scale=args.prior_scale, init_scale=args.init_scale,
                               local_reparameterization=args.local_reparameterization)
     for rule in args.rule:

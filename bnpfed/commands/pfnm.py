@@ -78,7 +78,7 @@ def add_parser(sub):
                    help="reference: the PFNM code's (weights N(0, 0.1^2), biases 0.1); torch: PyTorch's")
     g.add_argument("--shared-init", action="store_true",
                    help="every client starts from one initialisation (default: each from its own, as PFNM allows)")
-    _args.add_training_arguments(p, PFNM_TRAINING, what="defaults: the PFNM reference code's", device=True)
+    _args.add_training_arguments(p, PFNM_TRAINING, what="defaults: the PFNM reference code's")
     d = PFNMConfig()
     g = p.add_argument_group("matching", "the PFNM server: Beta-Bernoulli process matching of the neurons")
     estimated = ("default: estimated per hidden layer from the clients' weights (empirical Bayes); a value fixes it "
