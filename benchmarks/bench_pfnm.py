@@ -319,7 +319,8 @@ def part_cnn_timing(ds, out: Path, name: str = "mnist") -> None:
     _emit(out, key, dict(rows=rows, threads=torch.get_num_threads()))
 
 
-PARTS = {"reference": part_reference, "cnn": part_cnn, "cifar": part_cifar, "cnn-timing": part_cnn_timing, "eb": part_eb, "plane": part_plane, "width": part_width, "rounds": part_rounds, "start": part_start,
+PARTS = {"reference": part_reference, "cnn": part_cnn, "cifar": part_cifar, "cnn-timing": part_cnn_timing,
+         "eb": part_eb, "plane": part_plane, "width": part_width, "rounds": part_rounds, "start": part_start,
          "deep": part_deep, "timing": part_timing}
 
 

@@ -1,8 +1,9 @@
 """PFNM's server step at scale: J = 10 .. 500 clients, empirical Bayes against fixed hyper-parameters (issue 18).
 
 Per (network, J, hyper-parameters), in a fresh process (so that its peak resident memory is its own): one
-``pfnm_step`` on round-1 local models (best of 3 when under 10 s), its seconds, sweeps, global widths, the peak of the matcher's numpy memory
-(``tracemalloc``, the matching alone) and the process's peak resident memory (data and local models included).
+``pfnm_step`` on round-1 local models (best of 3 when under 10 s), its seconds, sweeps, global widths, the peak of
+the matcher's numpy memory (``tracemalloc``, the matching alone) and the process's peak resident memory (data and
+local models included).
 
 Local models (``--source``):
 

@@ -44,8 +44,8 @@ from bnpfed.inference.matching import REFERENCE_CONSTANTS
 from bnpfed.federated.partition import partition_dirichlet, partition_homogeneous, train_validation_split
 from bnpfed.models.priors import IIDPrior, Prior, only_linear_weights
 from bnpfed.seeding import Stream, derive_seed
-from bnpfed.validation import (check_bool, check_choice, check_device, check_float, check_fraction, check_int, check_ints,
-                               check_positive)
+from bnpfed.validation import (check_bool, check_choice, check_device, check_float, check_fraction, check_int,
+                               check_ints, check_positive)
 
 __all__ = [
     "ALIGNMENTS",
