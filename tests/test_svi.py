@@ -618,3 +618,19 @@ def test_fit_names_the_bad_data_before_training(kwargs, match):
         with pytest.raises(ValueError, match=match):
             client.fit(**args)
         assert client.losses_ == []
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.uint8])
+def test_labels_of_any_integer_dtype_train_the_same_client_as_int64_labels(dtype):
+    x, y = blobs(n=40)
+    for make in (lambda: BayesianClient(mlp(2, [4], 2), IIDPrior()), lambda: DeterministicClient(mlp(2, [4], 2))):
+        with seeded(0):
+            ref = make().fit(x, y, epochs=2, batch_size=20, seed=0)
+        with seeded(0):
+            other = make().fit(x, y.to(dtype), epochs=2, batch_size=20, seed=0)
+        assert other.losses_ == ref.losses_
+    client = BayesianClient(mlp(2, [4], 2), IIDPrior())
+    with seeded(0):
+        expected = client.loss(x, y)
+    with seeded(0):
+        assert_close(client.loss(x, y.to(dtype)), expected)

@@ -165,6 +165,7 @@ class BayesianClient:
         """
         n = _check_x(x)
         self.bnn.likelihood.check_targets(y, n, self._probe(x))
+        y = self.bnn.likelihood.targets(y)
         named = [*(("bnn." + k, p) for k, p in self.bnn.named_parameters()),
                  *(("guide." + k, p) for k, p in self.guide.named_parameters())]
 
@@ -185,7 +186,7 @@ class BayesianClient:
         :param int dataset_size: ``n_k``, the size of the local dataset the batch comes from. Default ``len(x)``.
         """
         _, n = self.bnn.check_batch(x, y, dataset_size)
-        return self._loss(x, y, n)
+        return self._loss(x, self.bnn.likelihood.targets(y), n)
 
     def _loss(self, x: Tensor, y: Tensor, n: int) -> Tensor:
         if isinstance(self.elbo, pyro.infer.ELBO):
@@ -274,6 +275,7 @@ class DeterministicClient:
         (the L2 term of the PFNM reference, 1e-6 there). Returns ``self``."""
         n = _check_x(x)
         Categorical().check_targets(y, n, _probe(lambda: self.net(x[:1]), self.net, x))
+        y = Categorical().targets(y)
 
         def loss(xb, yb):
             return F.cross_entropy(self.net(xb), yb)

@@ -74,6 +74,10 @@ class Likelihood(ABC):
         """Raise a ``ValueError`` naming ``label`` unless ``y`` holds ``n`` valid targets for a network whose output
         for one example looks like ``output`` ``(1, ...)``."""
 
+    def targets(self, y: Tensor) -> Tensor:
+        """Valid targets (:meth:`check_targets`) in the dtype the likelihood computes with (default: as given)."""
+        return y
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
@@ -115,6 +119,10 @@ class Categorical(Likelihood):
         if low < 0 or high >= width:
             raise ValueError(f"{label}: expected integer class labels in 0 .. {width - 1} (the network has {width} "
                              f"outputs), got labels from {low} to {high}")
+
+    def targets(self, y):
+        """Labels of any integer dtype as int64 (what torch's categorical and cross-entropy kernels take)."""
+        return y.long()
 
     def __repr__(self):
         return "Categorical()" if self.num_classes is None else f"Categorical(num_classes={self.num_classes})"
