@@ -138,6 +138,8 @@ DEMO = [
     (["--dim", "0"], "--dim"),
     (["--sweeps", "-1"], "--sweeps"),
     (["--json", "{folder}"], "--json"),
+    (["--gamma0", "1e6", "--clients", "3", "--dim", "5"], "--gamma0"),  # 7 TiB of score matrices
+    (["--dim", "1000000"], "--dim"),  # 8 GB of coordinates
 ]
 CASES = ([("pfnm", *case) for case in SHARED + PFNM_ONLY] + [("fuse", *case) for case in SHARED + FUSE_ONLY]
          + [("demo", *case) for case in DEMO])

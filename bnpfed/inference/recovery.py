@@ -13,6 +13,7 @@ Usage::
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,21 @@ from bnpfed.inference.matching import match_layer
 from bnpfed.models import sample_federated_layer
 from bnpfed.validation import check_int, check_positive
 
-__all__ = ["RecoveryConfig", "RecoveryRow", "match_recovery"]
+__all__ = ["DEMO_BYTES", "RecoveryConfig", "RecoveryRow", "expected_bytes", "match_recovery"]
+
+#: the most memory a sampled layer and its matching may be expected to take (bytes, 4 GiB)
+DEMO_BYTES = 4 * 2 ** 30
+
+
+def expected_bytes(clients: int, dim: int, gamma0: float) -> float:
+    """What sampling and matching a layer is expected to hold, in bytes, before anything is drawn: under the IBP a
+    client has Poisson(gamma0) neurons, so E[N] = J gamma0 neurons and E[L] = gamma0 H_J atoms (H_J the J-th harmonic
+    number), each of D float64 coordinates; the matching keeps about four copies of them (the sample, the matcher's
+    data, the atoms' sums, the result) and scores one client against every atom at a time, a (gamma0, E[L] + gamma0)
+    matrix."""
+    atoms = gamma0 * sum(1.0 / j for j in range(1, clients + 1))
+    neurons = clients * gamma0
+    return 8.0 * (4.0 * (neurons + atoms) * dim + gamma0 * (atoms + gamma0))
 
 
 @dataclass(frozen=True)
@@ -53,6 +68,17 @@ class RecoveryConfig:
         check_positive(self.sigma0_2, "sigma0_2")
         check_int(self.sweeps, "sweeps", low=0)
         check_int(self.seed, "seed", low=0)
+        need = expected_bytes(self.clients, self.dim, self.gamma0)
+        if need > DEMO_BYTES:
+            # the flag to name: dim when the coordinates dominate, else gamma0 (the atoms and the score matrices)
+            field = "dim" if expected_bytes(self.clients, self.dim, self.gamma0) > 2 * expected_bytes(
+                self.clients, 0, self.gamma0) else "gamma0"
+            raise ValueError(
+                f"{field}: the layer of J = {self.clients} clients, D = {self.dim} and gamma0 = {self.gamma0:g} would "
+                f"need about {need / 2 ** 30:.3g} GiB (expected {self.clients * self.gamma0:.4g} neurons and "
+                f"{self.gamma0 * math.fsum(1.0 / j for j in range(1, self.clients + 1)):.4g} atoms of {self.dim} "
+                f"coordinates, and a score matrix of each client against every atom), more than the limit of "
+                f"{DEMO_BYTES / 2 ** 30:g} GiB (DEMO_BYTES): lower gamma0, clients or dim")
 
 
 @dataclass(frozen=True)
