@@ -76,6 +76,7 @@ SHARED = [  # (argv, the flag the message must name): the same flags in pfnm and
     (["--fraction", "1.5"], "--fraction"),
     (["--hidden", "16,0"], "--hidden"),
     (["--hidden", "16,x"], "--hidden"),
+    (["--arch", "lenet", "--hidden", "50"], "--hidden"),  # LeNet's widths are fixed: not silently ignored
     (["--dataset", "imagenet"], "--dataset"),
     (["--dataset", "mnist"], "--data-dir"),
     (["--dataset", "npz:{missing}"], "--dataset"),
@@ -104,6 +105,9 @@ PFNM_ONLY = [
     (["--width-sweep", "--sweep-sigma2", "0"], "--sweep-sigma2"),
     (["--width-sweep", "--sweep-gamma0", "nan"], "--sweep-gamma0"),
     (["--width-sweep", "--clients", "3,4"], "--clients"),
+    (["--width-sweep", "--rounds", "3"], "--rounds"),  # the sweep matches round 1's models: not silently ignored
+    (["--sweep-sigma2", "0.1"], "--sweep-sigma2"),  # only with --width-sweep
+    (["--sweep-gamma0", "1"], "--sweep-gamma0"),
     (["--clients", "3,3"], "--clients"),
     (["--arch", "resnet"], "--arch"),
     (["--dataset", "npz:{flat}", "--arch", "lenet"], "--arch"),
@@ -497,3 +501,19 @@ def test_fuse_refuses_a_cuda_device_before_anything_trains(monkeypatch, capsys):
     assert exit_code(["fuse", "--device", "cuda"]) == 2
     err = capsys.readouterr().err
     assert "--device: expected cpu for posterior fusion" in err, err
+
+
+def test_the_smallest_images_the_pfnm_help_states_are_those_each_network_takes(capsys):
+    from bnpfed.federated.clients import initial_network
+    from bnpfed.federated.config import NetworkConfig
+
+    with pytest.raises(SystemExit):
+        main(["pfnm", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    stated = re.search(r"at least (\d+)x\d+ for lenet, (\d+)x\d+ for the others", text)
+    assert stated, text
+    for arch in ("lenet", "lenet-paper", "simple-cnn", "simple-cnn-bn"):
+        size = int(stated.group(1) if arch == "lenet" else stated.group(2))
+        initial_network(NetworkConfig(arch=arch), (1, size, size), 10, seed=0)  # runs at the stated size
+        with pytest.raises(ValueError, match="image_size"):
+            initial_network(NetworkConfig(arch=arch), (1, size - 1, size - 1), 10, seed=0)

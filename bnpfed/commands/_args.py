@@ -344,6 +344,16 @@ def partition_config(args, clients: int) -> PartitionConfig:
     return PartitionConfig(clients=clients, partition=args.partition, alpha=args.alpha, min_size=args.min_size)
 
 
+def hidden_widths(args, default: tuple) -> tuple:
+    """``--hidden`` (None when not given: ``default``); an error with any ``--arch`` but mlp, whose widths it is."""
+    if args.hidden is None:
+        return tuple(default)
+    if args.arch != "mlp":
+        raise UsageError(f"--hidden: expected only with --arch mlp (the widths of {args.arch} are fixed), got --arch "
+                         f"{args.arch}")
+    return args.hidden
+
+
 def training_config(args) -> TrainingConfig:
     return TrainingConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                           weight_decay=args.weight_decay, amsgrad=args.amsgrad, round_epochs=args.round_epochs,

@@ -75,8 +75,8 @@ def add_parser(sub):
                    help="mlp (ReLU MLP of --hidden), lenet (LeNet-5, conv1 padded by 2), lenet-paper (LeNet-5 as "
                    "Ozer et al.'s code has it) or simple-cnn (FedMA's); networks with batch norm are not fused "
                    f"(their running statistics are no posterior) (default: {network.arch}; lenet-paper with --paper)")
-    g.add_argument("--hidden", type=_args.ints, default=network.hidden, metavar="H[,H...]",
-                   help="hidden widths of the MLP")
+    g.add_argument("--hidden", type=_args.ints, metavar="H[,H...]",
+                   help=f"hidden widths of the MLP (--arch mlp only; default: {','.join(map(str, network.hidden))})")
     g.add_argument("--init", choices=INITIALISATIONS, default=network.init,
                    help="initialisation of the shared initial network: torch (PyTorch's) or reference (PFNM's)")
     g = p.add_argument_group("Bayesian clients", "a mean-field Gaussian posterior per Bayesian weight, fitted by SVI")
@@ -166,7 +166,7 @@ def prepare(args) -> dict:
     _args.check_output_path(args.json, "--json")
     _args.check_output_path(args.plot, "--plot", plot=True)
     partition = _args.partition_config(args, args.clients)
-    network = NetworkConfig(arch=args.arch, hidden=args.hidden, init=args.init)
+    network = NetworkConfig(arch=args.arch, hidden=_args.hidden_widths(args, NetworkConfig().hidden), init=args.init)
     training = _args.training_config(args)
     if torch.device(training.device).type != "cpu":
         raise UsageError(f"--device: expected cpu for posterior fusion (the Bayesian clients' SVI runs on the CPU "

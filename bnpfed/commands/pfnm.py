@@ -71,9 +71,10 @@ def add_parser(sub):
                    help="mlp (ReLU MLP of --hidden), lenet (LeNet-5, conv1 padded by 2), lenet-paper (LeNet-5 as Ozer "
                    "et al.'s code has it), simple-cnn (FedMA's CIFAR-10 network: conv 6, conv 16, fc 120, 84) or "
                    "simple-cnn-bn (the same with batch norm after each convolution); the convolutional networks take "
-                   "the images as they are (any channels, square, at least 8x8)")
-    g.add_argument("--hidden", type=_args.ints, default=PFNM_NETWORK.hidden, metavar="H[,H...]",
-                   help="hidden widths of the clients' MLPs, e.g. 100 or 100,100 (--arch mlp)")
+                   "the images as they are (any channels, square; at least 4x4 for lenet, 8x8 for the others)")
+    g.add_argument("--hidden", type=_args.ints, metavar="H[,H...]",
+                   help="hidden widths of the clients' MLPs, e.g. 100 or 100,100 (--arch mlp only; default: "
+                   f"{','.join(map(str, PFNM_NETWORK.hidden))})")
     g.add_argument("--init", choices=INITIALISATIONS, default=PFNM_NETWORK.init,
                    help="reference: the PFNM code's (weights N(0, 0.1^2), biases 0.1); torch: PyTorch's")
     g.add_argument("--shared-init", action="store_true",
@@ -134,8 +135,9 @@ def add_parser(sub):
     g.add_argument("--methods", type=_args.names, metavar="M,M,...",
                    help=f"methods to run, of {', '.join(methods.available_methods())} (default: "
                    f"{','.join(DEFAULT_METHODS)}, and pfnm-rounds when --rounds > 1)")
-    g.add_argument("--rounds", type=int, metavar="T", default=e.rounds,
-                   help="communication rounds of the multi-round methods (fedavg, pfnm-rounds)")
+    g.add_argument("--rounds", type=int, metavar="T",
+                   help=f"communication rounds of the multi-round methods (fedavg, pfnm-rounds; default: {e.rounds}; "
+                   "not with --width-sweep, which matches the first round's local models)")
     g.add_argument("--fraction", type=float, metavar="F", default=d.fraction,
                    help="share of the clients sampled each round, in (0, 1]")
     g.add_argument("--ece-bins", type=int, metavar="BINS", default=e.ece_bins,
@@ -144,11 +146,12 @@ def add_parser(sub):
     g.add_argument("--width-sweep", action="store_true",
                    help="train the local models once and match them with every --sweep-sigma2 x --sweep-gamma0, "
                    "under both sets of constants")
-    g.add_argument("--sweep-sigma2", type=_args.floats, default=SWEEP_SIGMA2, metavar="S,S,...",
-                   help="sigma2 values of the sweep (the default spreads the width from about one client's to about "
-                   "J clients' on digits)")
-    g.add_argument("--sweep-gamma0", type=_args.floats, default=SWEEP_GAMMA0, metavar="G,G,...",
-                   help="gamma0 values of the sweep")
+    g.add_argument("--sweep-sigma2", type=_args.floats, metavar="S,S,...",
+                   help="sigma2 values of the sweep (--width-sweep only; the default, "
+                   f"{','.join(map(str, SWEEP_SIGMA2))}, spreads the width from about one client's to about J "
+                   "clients' on digits)")
+    g.add_argument("--sweep-gamma0", type=_args.floats, metavar="G,G,...",
+                   help=f"gamma0 values of the sweep (--width-sweep only; default: {','.join(map(str, SWEEP_GAMMA0))})")
     _args.add_output_arguments(p, threads=1, json_help="write the flags, settings, versions and results as JSON",
                                plot_help="write a figure (PNG): accuracy and global width per method (one round), "
                                "per round (--rounds > 1), against J (several --clients) or against width "
@@ -193,8 +196,19 @@ def prepare(args) -> dict:
         raise UsageError(f"--clients: expected each J at most once, got {','.join(map(str, args.clients))}")
     if args.width_sweep and len(args.clients) > 1:
         raise UsageError(f"--clients: expected one J with --width-sweep, got {','.join(map(str, args.clients))}")
+    if args.width_sweep and args.rounds is not None:
+        raise UsageError(f"--rounds: expected only without --width-sweep (the sweep matches the first round's local "
+                         f"models), got --rounds {args.rounds}")
+    for name, default in (("sweep_sigma2", SWEEP_SIGMA2), ("sweep_gamma0", SWEEP_GAMMA0)):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+        elif not args.width_sweep:
+            raise UsageError(f"--{name.replace('_', '-')}: expected only with --width-sweep (the values it sweeps)")
+    if args.rounds is None:
+        args.rounds = ExperimentConfig().rounds
     partitions = [_args.partition_config(args, J) for J in args.clients]
-    network = NetworkConfig(arch=args.arch, hidden=args.hidden, init=args.init, shared_init=args.shared_init)
+    network = NetworkConfig(arch=args.arch, hidden=_args.hidden_widths(args, PFNM_NETWORK.hidden), init=args.init,
+                            shared_init=args.shared_init)
     training = _args.training_config(args)
     pfnm = PFNMConfig(sigma2=_one_or_many(args.sigma2), sigma0_2=_one_or_many(args.sigma0_2),
                       gamma0=_one_or_many(args.gamma0), hyperparameters=args.hyperparameters,
