@@ -52,7 +52,7 @@ NPZ_FORMAT = (
     "(N, H, W) for one channel, or feature vectors (N, F); of an unsigned integer dtype (pixels: uint8 values are "
     "divided by 255, uint16 by 65535, ..., the dtype's maximum) or a float dtype (used as stored), all finite; "
     "y_train (N_train,) and y_test (N_test,) of an integer dtype, class labels 0 .. C-1 (C is the largest label "
-    "+ 1); neither split empty."
+    "+ 1, and every class has an example, unless num_classes says there are more); neither split empty."
 )
 
 _ALIASES = {"fashion_mnist": "fashion-mnist"}
@@ -150,15 +150,15 @@ class Dataset:
 
 
 def load_dataset(name: str = "digits", *, data_dir: str | os.PathLike | None = None, download: bool = False,
-                 standardize: bool = True) -> Dataset:
+                 standardize: bool = True, num_classes: int | None = None) -> Dataset:
     """Load a dataset by name into memory.
 
     An ``"npz:PATH"`` file must be an .npz file (numpy.savez) holding four arrays: x_train (N_train, *input_shape) and
     x_test (N_test, *input_shape) with the same input_shape, either images stored channels-first (N, C, H, W), or
     (N, H, W) for one channel, or feature vectors (N, F); of an unsigned integer dtype (pixels: uint8 values are
     divided by 255, uint16 by 65535, ..., the dtype's maximum) or a float dtype (used as stored), all finite;
-    y_train (N_train,) and y_test (N_test,) of an integer dtype, class labels 0 .. C-1 (C is the largest label + 1);
-    neither split empty.
+    y_train (N_train,) and y_test (N_test,) of an integer dtype, class labels 0 .. C-1 (C is the largest label + 1,
+    and every class has an example, unless num_classes says there are more); neither split empty.
 
     (This paragraph is :data:`NPZ_FORMAT`.) Signed integer inputs are refused rather than guessed at: their maximum
     (2**63 - 1 for int64) is no pixel scale; save ``x.astype(np.uint8)`` or ``x.astype(np.float32)``.
@@ -177,6 +177,10 @@ def load_dataset(name: str = "digits", *, data_dir: str | os.PathLike | None = N
         Standardise inputs with the train split's constants (default). ``False`` keeps pixel values in [0, 1],
         as the PFNM reference code feeds them (its hyper-parameters sigma2 = sigma0_2 = 1 are set for that scale),
         and float ``.npz`` inputs as stored.
+    num_classes : int, optional
+        ``"npz:PATH"`` only: the number of classes C when some have no example in the file (labels must lie in
+        ``0 .. C-1``). Default: the largest label + 1, every class with an example (so that one mistyped label, 999
+        among digits, is an error, not a 1000-class model).
 
     Returns
     -------
@@ -189,7 +193,8 @@ def load_dataset(name: str = "digits", *, data_dir: str | os.PathLike | None = N
         ``(N, 1, H, W)``; standardised with the train split's mean and (population) standard deviation, per
         channel for images and one scalar pair for feature vectors (so features keep their stored relative
         scales, as flattened pixels should; standardise differently-scaled features yourself before saving);
-        a constant channel is only centred. ``num_classes`` is the largest label over both splits + 1.
+        a constant channel is only centred. ``num_classes`` is the largest label over both splits + 1
+        (or as given).
 
     Raises
     ------
@@ -229,7 +234,11 @@ def load_dataset(name: str = "digits", *, data_dir: str | os.PathLike | None = N
     check_bool(download, "download")
     check_bool(standardize, "standardize")
     if name.startswith(NPZ_PREFIX):
-        return _load_npz(name[len(NPZ_PREFIX):], standardize)
+        return _load_npz(name[len(NPZ_PREFIX):], standardize,
+                         None if num_classes is None else check_int(num_classes, "num_classes", low=1))
+    if num_classes is not None:
+        raise ValueError(f"num_classes: expected only with an '{NPZ_PREFIX}PATH' dataset (the others know their "
+                         f"classes), got {num_classes!r} with {name!r}")
     canonical = _ALIASES.get(name.lower(), name.lower())
     if canonical == "digits":
         return _load_digits(standardize)
@@ -382,7 +391,7 @@ def _standardise(x: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...
     return ((x - mean_t) / std_t).contiguous()
 
 
-def _load_npz(path: str, standardize: bool = True) -> Dataset:
+def _load_npz(path: str, standardize: bool = True, num_classes: int | None = None) -> Dataset:
     """An ``"npz:PATH"`` dataset: read, check against :data:`NPZ_FORMAT`, scale pixels, standardise on request."""
     if not path:
         raise ValueError(f"name: expected '{NPZ_PREFIX}PATH' naming an .npz file, got {NPZ_PREFIX!r}, which has no "
@@ -410,13 +419,28 @@ def _load_npz(path: str, standardize: bool = True) -> Dataset:
         mean, std = _train_constants(x_train_t)
         x_train_t, x_test_t = _standardise(x_train_t, mean, std), _standardise(x_test_t, mean, std)
     y_train, y_test = (torch.from_numpy(arrays[key].astype(np.int64)) for key in ("y_train", "y_test"))
+    largest = int(max(y_train.max(), y_test.max()))
+    if num_classes is None:
+        seen = torch.zeros(largest + 1, dtype=torch.bool)
+        seen[y_train] = True
+        seen[y_test] = True
+        empty = torch.nonzero(~seen).flatten().tolist()
+        if empty:
+            shown = ", ".join(map(str, empty[:5])) + (f" and {len(empty) - 5} more" if len(empty) > 5 else "")
+            raise ValueError(f"npz file {str(file)!r}: y_train, y_test: expected every class 0 .. {largest} (the "
+                             f"largest label) to have an example, got none of class(es) {shown}: relabel the "
+                             f"classes 0 .. C-1, or give num_classes (--num-classes) if they are meant to be empty")
+        num_classes = largest + 1
+    elif largest >= num_classes:
+        raise ValueError(f"num_classes: expected more than the largest label of {str(file)!r} ({largest}), got "
+                         f"{num_classes}")
     return Dataset(
         x_train=x_train_t,
         y_train=y_train,
         x_test=x_test_t,
         y_test=y_test,
         name=f"{NPZ_PREFIX}{path}",
-        num_classes=int(max(y_train.max(), y_test.max())) + 1,
+        num_classes=num_classes,
         input_shape=tuple(x_train_t.shape[1:]),
     )
 

@@ -49,6 +49,7 @@ def files(tmp_path_factory):
         "flat": save("flat.npz", **good),
         "small_images": save("small_images.npz", **dict(good, x_train=rng.random((60, 6, 6), dtype=np.float32),
                                                          x_test=rng.random((12, 6, 6), dtype=np.float32))),
+        "typo": save("typo.npz", **dict(good, y_test=np.where(np.arange(12) == 0, 999, good["y_test"]))),
         "folder": str(root),
     }
 
@@ -84,6 +85,9 @@ SHARED = [  # (argv, the flag the message must name): the same flags in pfnm and
     (["--dataset", "npz:{mismatched}"], "--dataset"),
     (["--dataset", "npz:{nan}"], "--dataset"),
     (["--dataset", "npz:{text}"], "--dataset"),
+    (["--dataset", "npz:{typo}"], "--dataset"),  # one label 999: classes 3 .. 998 empty, not a 1000-class model
+    (["--dataset", "npz:{typo}", "--num-classes", "10"], "--num-classes"),
+    (["--num-classes", "10"], "--num-classes"),  # digits knows its classes
     (["--json", "{folder}"], "--json"),
     (["--plot", "{folder}/plot.json"], "--plot"),
     (["--plot", "{folder}/plot"], "--plot"),

@@ -120,12 +120,26 @@ def test_npz_round_trip_keeps_stored_shape_and_float_values_without_standardize(
         y_test=np.array([0, 1, 6, 2], dtype=np.int32),
     )
     name = write_npz(tmp_path / "toy.npz", **arrays)
-    ds = load_dataset(name, standardize=False)
+    ds = load_dataset(name, standardize=False, num_classes=7)  # classes 3-5 have no example: said so
     assert ds.name == name and ds.input_shape == input_shape
-    assert ds.num_classes == 7  # max label over both splits + 1
+    assert ds.num_classes == 7
     assert ds.x_train.dtype == torch.float32 and ds.y_test.dtype == torch.int64
     np.testing.assert_allclose(ds.x_train.numpy(), arrays["x_train"].astype(np.float32))
     np.testing.assert_array_equal(ds.y_test.numpy(), arrays["y_test"])
+
+
+def test_npz_classes_are_the_largest_label_plus_one_and_a_class_without_examples_is_an_error(tmp_path):
+    arrays = toy_arrays()
+    assert load_dataset(write_npz(tmp_path / "ok.npz", **arrays)).num_classes == 3  # over both splits
+    arrays["y_test"] = np.array([0, 1, 2, 999])  # one mistyped label: not a 1000-class model
+    name = write_npz(tmp_path / "typo.npz", **arrays)
+    with pytest.raises(ValueError, match=r"every class 0 \.\. 999 .* none of class\(es\) 3, 4, 5, 6, 7 and 991 more"):
+        load_dataset(name)
+    assert load_dataset(name, num_classes=1000).num_classes == 1000  # unless the classes are meant to be empty
+    with pytest.raises(ValueError, match=r"num_classes: expected more than the largest label .* \(999\), got 10"):
+        load_dataset(name, num_classes=10)
+    with pytest.raises(ValueError, match="num_classes: expected only with an 'npz:PATH' dataset"):
+        load_dataset("digits", num_classes=10)
 
 
 @pytest.mark.parametrize("dtype, maximum", [(np.uint8, 255), (np.uint16, 65535)])

@@ -277,6 +277,9 @@ def add_data_arguments(parser, *, standardize: Optional[bool], standardize_help:
     g.add_argument("--download", action="store_true", help="let torchvision download missing files into --data-dir")
     g.add_argument("--standardize", action=argparse.BooleanOptionalAction, default=standardize,
                    help=standardize_help)
+    g.add_argument("--num-classes", type=int, metavar="C",
+                   help=f"{NPZ_PREFIX}PATH only: the number of classes when some have no example in the file "
+                   "(default: the largest label + 1, every class with an example)")
 
 
 def add_partition_arguments(parser, *, clients_help: str, many_clients: bool) -> None:
@@ -402,7 +405,8 @@ def check_output_path(path: Optional[str], flag: str, *, plot: bool = False) -> 
 def load_data(args, *, standardize: bool) -> Dataset:
     """``args.dataset`` loaded and checked against its format, or a :class:`UsageError` naming the flag."""
     try:
-        dataset = load_dataset(args.dataset, data_dir=args.data_dir, download=args.download, standardize=standardize)
+        dataset = load_dataset(args.dataset, data_dir=args.data_dir, download=args.download, standardize=standardize,
+                               num_classes=args.num_classes)
         if CIFAR10_JPEG in dataset.source:
             print(f"{dataset.name}: read from {dataset.source}", file=sys.stderr)
         return dataset
@@ -410,5 +414,5 @@ def load_data(args, *, standardize: bool) -> Dataset:
         flag = "--dataset" if args.dataset.startswith(NPZ_PREFIX) else "--data-dir"
         raise UsageError(f"{flag}: {one_line(error)}") from None
     except (ValueError, ImportError, OSError) as error:
-        raise UsageError(flag_message(error, aliases={"name": "--dataset"}, fields=("data_dir",),
+        raise UsageError(flag_message(error, aliases={"name": "--dataset"}, fields=("data_dir", "num_classes"),
                                         default="--dataset")) from None

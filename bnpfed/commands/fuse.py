@@ -7,7 +7,7 @@ Examples::
     bnpfed fuse --rule eaa,conflation --partition dirichlet --fraction 0.5 --rounds 8 --plot fuse.png
     bnpfed fuse --paper --dataset fashion-mnist --data-dir DIR --rounds 12 --lr 1e-3 --batch-size 64 --epochs 1
     bnpfed fuse --align match --rounds 1 --epochs 10                # match units of independently initialised clients
-    bnpfed fuse --align match --dataset mnist --data-dir DIR --ood fashion-mnist --rule eaa,conflation
+    bnpfed fuse --align match --dataset mnist --data-dir DIR --ood fashion-mnist --ood-data-dir DIR2
 """
 
 from __future__ import annotations
@@ -135,6 +135,8 @@ def add_parser(sub):
                    "out-of-distribution inputs: adds auroc_max_prob and auroc_entropy, the AUROC of telling in- from "
                    "out-of-distribution inputs by the maximum predicted probability and by the predictive entropy "
                    "(both sets standardised with the training split's constants)")
+    g.add_argument("--ood-data-dir", metavar="DIR",
+                   help="torchvision's root folder of the --ood dataset (default: --data-dir)")
     g.add_argument("--paper", action="store_true",
                    help="the setting of Ozer et al.'s published code: pixels in [0, 1] (--no-standardize), their "
                    "LeNet-5 (--arch lenet-paper), fused variances floored at exp(-8) (--min-variance); the defaults "
@@ -182,6 +184,8 @@ def prepare(args) -> dict:
         raise UsageError(f"--tau2: expected only with --align match, got --align {args.align}")
     if args.ood is not None and args.ood == args.dataset:
         raise UsageError(f"--ood: expected another dataset than --dataset ({args.dataset})")
+    if args.ood_data_dir is not None and args.ood is None:
+        raise UsageError("--ood-data-dir: expected only with --ood (the folder of its dataset)")
     own_init = match if args.own_init is None else args.own_init
     fusion = FusionConfig(rule=args.rule[0], weights=args.weights, pooling_samples=args.pooling_samples,
                           min_variance=args.min_variance, fraction=args.fraction, align=args.align, tau2=args.tau2,
@@ -200,7 +204,9 @@ def prepare(args) -> dict:
     else:
         dataset = _args.load_data(args, standardize=False)
         try:
-            other = _args.load_data(argparse.Namespace(**{**vars(args), "dataset": args.ood}), standardize=False)
+            folder = args.data_dir if args.ood_data_dir is None else args.ood_data_dir
+            other = _args.load_data(argparse.Namespace(**{**vars(args), "dataset": args.ood, "data_dir": folder,
+                                                          "num_classes": None}), standardize=False)
         except UsageError as error:
             raise UsageError("--ood: " + str(error).split(": ", 1)[-1]) from None
         if tuple(other.input_shape) != tuple(dataset.input_shape):
