@@ -98,6 +98,8 @@ PFNM_ONLY = [
     (["--sigma2", "nan"], "--sigma2"),
     (["--sigma2", "inf"], "--sigma2"),
     (["--sigma2", "0.3,0"], "--sigma2"),
+    (["--sigma2", "0.1,0.2,0.3", "--hidden", "100"], "--sigma2"),  # 3 values for 1 hidden layer: before training
+    (["--gamma0", "1,2", "--arch", "lenet"], "--gamma0"),  # LeNet has 4 matched groups
     (["--sigma0-2", "0"], "--sigma0-2"),
     (["--gamma0", "0"], "--gamma0"),
     (["--sweeps", "-1"], "--sweeps"),
@@ -173,15 +175,22 @@ def test_a_bad_argument_or_file_exits_2_naming_its_flag_before_anything_trains(c
 
 
 def test_a_diverging_pfnm_run_warns_that_it_sits_at_chance(capsys):
-    assert main(["pfnm", *TINY, "--lr", "1000", "--methods", "local,pfnm"]) == 0
+    assert main(["pfnm", *TINY, "--lr", "1e6", "--methods", "local,ensemble,kmeans,pfnm,fedavg"]) == 0
     err = capsys.readouterr().err
-    assert re.search(r"^warning: local models: test accuracy 0\.\d+ is at chance", err, re.M), err
+    for method in ("local models", "ensemble", "kmeans", "pfnm", "fedavg"):  # every global model, not one of them
+        assert re.search(rf"^warning: {method}: test accuracy 0\.\d+ is at chance", err, re.M), (method, err)
 
 
 def test_a_diverging_fusion_run_exits_1_with_one_line(capsys):
     assert main(["fuse", *TINY, "--lr", "1000", "--rounds", "1", "--rule", "eaa", "--no-fedavg"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("bnpfed fuse: error: ") and err.count("\n") == 1 and "diverged" in err, err
+
+
+def test_a_fusion_run_whose_first_loss_is_not_finite_names_the_flags_of_the_starting_point(capsys):
+    assert main(["fuse", *TINY, "--init-scale", "1e10", "--rounds", "1", "--rule", "eaa", "--no-fedavg"]) == 1
+    err = capsys.readouterr().err
+    assert "before any parameter update" in err and "--init-scale 1e+10" in err and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize("error, words", [
@@ -521,3 +530,13 @@ def test_the_smallest_images_the_pfnm_help_states_are_those_each_network_takes(c
         initial_network(NetworkConfig(arch=arch), (1, size, size), 10, seed=0)  # runs at the stated size
         with pytest.raises(ValueError, match="image_size"):
             initial_network(NetworkConfig(arch=arch), (1, size - 1, size - 1), 10, seed=0)
+
+
+def test_the_tables_say_in_words_how_the_hyper_parameters_were_set_and_what_seconds_count(capsys):
+    assert main(["pfnm", *TINY, "--methods", "pfnm", "--hyperparameters", "fixed", "--sigma2", "1", "--sigma0-2", "1",
+                 "--gamma0", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "one shot; hyper-parameters given" in out and "by given" not in out, out
+    assert main(["demo", "--clients", "3", "--dim", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "seconds: the wall time of the matching alone" in out and "the matching's\n" not in out, out

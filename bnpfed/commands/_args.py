@@ -107,11 +107,14 @@ def fail(prog: str, message: str, status: int = 2) -> int:
     return status
 
 
-def training_failure(error: BaseException) -> str:
+def training_failure(error: BaseException, start: Optional[str] = None) -> str:
     """One line for an error raised while training: a :class:`~bnpfed.inference.TrainingDiverged` says where and
-    why itself; any other error gives its type and the first line of its message."""
+    why itself (and, when the first loss was already not finite, ``start``: the flags that set the starting point);
+    any other error gives its type and the first line of its message."""
     text = str(error).strip()
     if isinstance(error, TrainingDiverged):
+        if start and error.epoch == 1 and error.step == 1:
+            text += f" The starting point is set by {start}."
         return one_line(text, 600)
     first = text.splitlines()[0] if text else ""
     return (f"training failed ({type(error).__name__}: {one_line(first, 300)}); a run that diverges needs a lower "

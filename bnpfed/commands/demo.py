@@ -55,7 +55,8 @@ def run(args) -> int:
     print(f"Beta-Bernoulli layer: J = {config.clients} clients, D = {config.dim}, gamma0 = {config.gamma0}, "
           f"noise variance sigma2 = {config.sigma2}, sigma0_2 = {config.sigma0_2}, seed {config.seed}")
     print(format_table(rows))
-    print("adjusted_rand: 1 when the matching groups the neurons as the sample did; seconds: the matching's")
+    print("adjusted_rand: 1 when the matching groups the neurons as the sample did; seconds: the wall time of the "
+          "matching alone (sampling not included)")
     if args.json:
         write_json(args.json, command_record("demo", args, asdict(config), {"rows": rows}))
         print(f"wrote results to {args.json}")

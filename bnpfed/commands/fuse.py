@@ -242,7 +242,9 @@ def run(args) -> int:
     try:
         result = methods.run_experiment(dataset, progress=progress, log=_args.round_log(progress), ood=ood, **plan)
     except _args.TRAINING_ERRORS as error:
-        return fail(PROG, _args.training_failure(error), 1)
+        start = (f"--init-scale {args.init_scale:g} (the guide's initial posterior sd: the first weights are drawn at "
+                 f"that scale; default {BayesianConfig().init_scale:g}) and --init {args.init}")
+        return fail(PROG, _args.training_failure(error, start), 1)
     except KeyboardInterrupt:
         return fail(PROG, "interrupted", 130)
     for row in result.rows:

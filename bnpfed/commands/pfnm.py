@@ -27,6 +27,7 @@ from bnpfed.federated.clients import initial_network
 from bnpfed.federated.config import (ARCHITECTURES, INITIALISATIONS, PFNM_NETWORK, PFNM_TRAINING, FusionConfig,
                                      NetworkConfig, PFNMConfig, config_dict)
 from bnpfed.federated.methods import ExperimentConfig
+from bnpfed.inference import derive_spec
 from bnpfed.report import command_record, format_table, line_styles, pyplot, save_figure, write_json
 from bnpfed.validation import check_positives
 
@@ -230,9 +231,20 @@ def prepare(args) -> dict:
     dataset = _args.load_data(args, standardize=args.standardize)
     for partition in partitions:
         _args.check_partition(partition, dataset, config.seed)
-    initial_network(network, dataset.input_shape, dataset.num_classes, seed=config.seed, client=0)
+    net = initial_network(network, dataset.input_shape, dataset.num_classes, seed=config.seed, client=0)
+    _check_per_group(args, derive_spec(net, dataset.input_shape))
     return dict(dataset=dataset, partitions=partitions, network=network, training=training, pfnm=pfnm, fusion=fusion,
                 config=config)
+
+
+def _check_per_group(args, spec) -> None:
+    """--sigma2 / --sigma0-2 / --gamma0 with several values: one per matched group (hidden layer or conv channels),
+    checked before anything trains."""
+    names = [g.name for g in spec.groups]
+    for flag, values in (("--sigma2", args.sigma2), ("--sigma0-2", args.sigma0_2), ("--gamma0", args.gamma0)):
+        if values is not None and len(values) > 1 and len(values) != len(names):
+            raise UsageError(f"{flag}: expected one value or one per matched group ({len(names)}: "
+                             f"{', '.join(names)}), got {len(values)}")
 
 
 def run(args) -> int:
@@ -361,7 +373,8 @@ def _print_result(name: str, partition, plan: dict, result) -> None:
 def _print_sweep(name: str, partition, plan: dict, points) -> None:
     print(f"accuracy against global width: {_describe(name, partition, plan)}")
     print(format_table(points, ["constants", "sigma2", "gamma0", "hidden", "accuracy", "seconds"]))
-    print("seconds: the matching's; the reference constants match top-down, as the published code does")
+    print("seconds: the wall time of the matching alone; the reference constants match top-down, as the published "
+          "code does")
 
 
 def _title(name: str, partitions, plan: dict) -> str:
