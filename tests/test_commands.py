@@ -540,3 +540,56 @@ def test_the_tables_say_in_words_how_the_hyper_parameters_were_set_and_what_seco
     assert main(["demo", "--clients", "3", "--dim", "5"]) == 0
     out = capsys.readouterr().out
     assert "seconds: the wall time of the matching alone" in out and "the matching's\n" not in out, out
+
+
+def _result(rows):
+    return methods.ExperimentResult(settings={}, rows=rows, client_sizes=[1, 1])
+
+
+def test_a_one_round_fusion_plot_shows_every_method_including_the_one_shot_ones_and_the_ood_auroc(tmp_path,
+                                                                                                 figures):
+    row = methods.MethodResult
+    rows = [row("ensemble", 0.93, nll=0.3, ece=0.1, brier=0.12, auroc_max_prob=0.8, auroc_entropy=0.82),
+            row("pfnm", 0.91, nll=0.31, ece=0.08, brier=0.14, auroc_max_prob=0.7, auroc_entropy=0.71),
+            row("eaa", 0.89, nll=0.9, ece=0.4, brier=0.4, mean_sigma=0.013, auroc_max_prob=0.6, auroc_entropy=0.6,
+                history=[dict(round=1, accuracy=0.89, nll=0.9, ece=0.4, brier=0.4, mean_sigma=0.013,
+                              auroc_max_prob=0.6, auroc_entropy=0.6)])]
+    fuse.plot_rounds(_result(rows), tmp_path / "one.png")
+    (fig,) = figures
+    titles = [ax.get_title() for ax in fig.axes if ax.get_title()]
+    assert "OOD AUROC (max probability)" in titles and "OOD AUROC (entropy)" in titles
+    accuracy = next(ax for ax in fig.axes if ax.get_title() == "test accuracy")
+    assert [t.get_text() for t in accuracy.get_yticklabels()] == ["ensemble", "pfnm", "eaa"]  # nobody left out
+    assert [line.get_xdata()[0] for line in accuracy.lines] == [0.93, 0.91, 0.89]
+    assert accuracy.get_xlabel() != "communication round"  # one round: no round axis with fractional ticks
+
+
+def test_a_fusion_plot_over_rounds_draws_one_shot_rows_as_lines_and_names_a_series_hidden_under_another(tmp_path,
+                                                                                                     figures):
+    row = methods.MethodResult
+
+    def history(acc):
+        return [dict(round=k + 1, accuracy=a, nll=1 - a, ece=0.1, brier=0.2) for k, a in enumerate(acc)]
+
+    rows = [row("ensemble", 0.93, nll=0.07, ece=0.1, brier=0.2),
+            row("eaa", 0.9, nll=0.1, ece=0.1, brier=0.2, history=history([0.8, 0.9])),
+            row("log_variance", 0.9, nll=0.1, ece=0.1, brier=0.2, history=history([0.8, 0.9000001])),
+            row("fedavg", 0.85, nll=0.15, ece=0.1, brier=0.2, history=history([0.7, 0.85]))]
+    fuse.plot_rounds(_result(rows), tmp_path / "rounds.png")
+    (fig,) = figures
+    accuracy = next(ax for ax in fig.axes if ax.get_title() == "test accuracy")
+    assert list(accuracy.get_xticks()) == [1, 2]
+    labels = [t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()]
+    assert labels == ["ensemble (one shot)", "eaa", "log_variance (on eaa's points)", "fedavg"]
+
+
+def test_a_convolutional_pfnm_plot_shows_parameters_not_unit_widths(tmp_path, figures):
+    out_json = tmp_path / "cnn.json"
+    assert main(["pfnm", "--arch", "lenet", "--clients", "3", "--epochs", "1", "--no-progress", "--methods",
+                 "ensemble,pfnm", "--json", str(out_json), "--plot", str(tmp_path / "cnn.png")]) == 0
+    rows = check_record(out_json, "pfnm")["results"]["runs"][0]["rows"]
+    (fig,) = figures
+    _, ax_size = fig.axes
+    assert ax_size.get_xlabel() == "global parameters"
+    assert [int(bar.get_width()) for bar in ax_size.patches] == [r["parameters"] for r in rows]
+    assert all(t.get_text().endswith(("k", "M")) or t.get_text() == "0" for t in ax_size.get_xticklabels())

@@ -13,6 +13,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import asdict
 
 import torch
@@ -40,7 +41,6 @@ MATCH_COLUMNS = ["method", "accuracy", "nll", "ece", "ece15", "brier", "width", 
 OOD_COLUMNS = ["auroc_max_prob", "auroc_entropy"]
 MATCH_PREFIX = methods.MATCH_PREFIX
 #: Metrics the plot shows, one panel each.
-PLOTTED = ("accuracy", "nll", "ece", "brier", "mean_sigma")
 #: The command's own defaults, where they differ from the configs': five rounds, ECE with 100 bins (the paper's).
 ROUNDS, ECE_BINS = 5, 100
 #: What --paper changes (Ozer et al.'s published code): pixels in [0, 1], their LeNet-5, the clamp of log sigma^2 at
@@ -294,32 +294,120 @@ def _title(name: str, plan: dict) -> str:
             f"{_arch(plan['network'])}, {_args.plural(plan['config'].rounds, 'round')}")
 
 
-def plot_rounds(result, path, title: str = "") -> None:
-    """A grid of panels, one per metric (accuracy, NLL, ECE, Brier, mean posterior sigma), over the rounds, one
-    line per method (FedAvg in black); the legend has a panel of its own."""
-    from matplotlib.ticker import MaxNLocator
+#: What each panel shows, by metric.
+PANEL_TITLES = {"accuracy": "test accuracy", "nll": "negative log-likelihood", "ece": "expected calibration error",
+                "brier": "Brier score", "mean_sigma": "mean posterior sigma",
+                "auroc_max_prob": "OOD AUROC (max probability)", "auroc_entropy": "OOD AUROC (entropy)"}
 
+
+def _value(value):
+    """A metric's value, None when it was not measured (None or NaN: FedAvg's mean sigma, AUROC without --ood)."""
+    return None if value is None or (isinstance(value, float) and math.isnan(value)) else value
+
+
+#: Two methods' points closer than this share of a panel's range, on every panel and round, draw as one
+OVERLAP = 0.005
+
+
+def _same_as(rows, metrics) -> dict[str, str]:
+    """Method -> the earlier method whose points it covers on every panel and round (closer than :data:`OVERLAP` of
+    the panel's range: EAA and log-variance averaging often agree to the third digit), so that the legend can say
+    that one line hides the other."""
+    def values(row):
+        return [[_value(h.get(m)) for h in row.history] or [_value(getattr(row, m, None))] for m in metrics]
+
+    table = {row.method: values(row) for row in rows}
+    spans = []
+    for k in range(len(metrics)):
+        seen = [v for vals in table.values() for v in vals[k] if v is not None]
+        spans.append(max(seen) - min(seen) if seen else 0.0)
+
+    def covers(a, b) -> bool:
+        for k, span in enumerate(spans):
+            if len(a[k]) != len(b[k]):
+                return False
+            for x, y in zip(a[k], b[k]):
+                if (x is None) != (y is None) or (x is not None and abs(x - y) > OVERLAP * span):
+                    return False
+        return True
+
+    same, kept = {}, []
+    for row in rows:
+        other = next((name for name in kept if covers(table[name], table[row.method])), None)
+        if other is None:
+            kept.append(row.method)
+        else:
+            same[row.method] = other
+    return same
+
+
+def plot_rounds(result, path, title: str = "") -> None:
+    """A grid of panels, one per metric (accuracy, NLL, ECE, Brier, mean posterior sigma, and the OOD AUROCs when
+    measured), the legend in a panel of its own. Over several rounds: one line per multi-round method (FedAvg in
+    black), the one-shot methods (the ensemble, PFNM) as dashed horizontal lines. One round: a dot per method on
+    each panel, methods on the vertical axis (no round axis to speak of). A method whose points cover an earlier
+    one's (:func:`_same_as`) says so in the legend."""
     plt = pyplot()
-    fig, axes = plt.subplots(2, 3, figsize=(12, 6.5))
-    panels, legend_ax = axes.flat[:len(PLOTTED)], axes.flat[len(PLOTTED)]
-    styles = line_styles([row.method for row in result.rows])
-    for row in result.rows:
-        rounds = [h["round"] for h in row.history]
-        for ax, metric in zip(panels, PLOTTED):
-            values = [h.get(metric) for h in row.history]
-            if values and all(v is not None for v in values):
-                ax.plot(rounds, values, label=row.method, **styles[row.method])
-    names = {"accuracy": "test accuracy", "nll": "negative log-likelihood", "ece": "expected calibration error",
-             "brier": "Brier score", "mean_sigma": "mean posterior sigma (log scale)"}
-    for ax, metric in zip(panels, PLOTTED):
-        ax.set_title(names[metric], fontsize=10)
-        ax.set_xlabel("communication round")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    panels[-1].set_yscale("log")
-    handles, labels = panels[0].get_legend_handles_labels()
+    rows = list(result.rows)
+    metrics = [m for m in PANEL_TITLES if any(_value(getattr(r, m, None)) is not None for r in rows)]
+    cols = 3
+    n_panels = len(metrics) + 1
+    nrows = -(-n_panels // cols)
+    last = max(len(r.history) for r in rows)
+    one_round = last <= 1
+    height = (1.3 + 0.32 * len(rows)) if one_round else 3.2
+    fig, axes = plt.subplots(nrows, cols, figsize=(12.5, height * nrows + 0.6), squeeze=False)
+    panels, spare = list(axes.flat[:len(metrics)]), list(axes.flat[len(metrics):])
+    legend_ax = spare[0]
+    for ax in spare[1:]:
+        ax.axis("off")
+    styles = line_styles([r.method for r in rows])
+    same = _same_as(rows, metrics)
+    labels = {r.method: r.method + (f" (on {same[r.method]}'s points)" if r.method in same else "")
+              for r in rows}
+    for ax, metric in zip(panels, metrics):
+        ax.set_title(PANEL_TITLES[metric], fontsize=10)
+        if one_round:
+            y = list(range(len(rows)))
+            for i, r in enumerate(rows):
+                value = _value(getattr(r, metric, None))
+                if value is not None:
+                    style = styles[r.method]
+                    ax.plot([value], [i], linestyle="none", marker=style["marker"], color=style["color"],
+                            markerfacecolor=style["markerfacecolor"], ms=7, label=labels[r.method])
+                    ax.text(value, i, f"  {value:.3g}", va="center", fontsize=7)
+            ax.set_yticks(y, [r.method for r in rows], fontsize=8)
+            ax.set_ylim(len(rows) - 0.5, -0.5)
+            ax.margins(x=0.25)
+            ax.grid(axis="x", alpha=0.3)
+        else:
+            for r in rows:
+                if len(r.history) > 1:
+                    rounds = [h["round"] for h in r.history]
+                    values = [_value(h.get(metric)) for h in r.history]
+                    if all(v is not None for v in values):
+                        ax.plot(rounds, values, label=labels[r.method], **styles[r.method])
+                elif _value(getattr(r, metric, None)) is not None:
+                    ax.axhline(getattr(r, metric), ls="--", lw=1.2, color=styles[r.method]["color"],
+                               label=f"{labels[r.method]} (one shot)")
+            ax.set_xlabel("communication round")
+            ax.set_xlim(0.8, last + 0.2)
+            ax.set_xticks(range(1, last + 1))
+        if metric == "mean_sigma" and not one_round:  # (one round: a linear axis, each dot labelled)
+            ax.set_yscale("log")
+            ax.set_title(PANEL_TITLES[metric] + " (log scale)", fontsize=10)
+    handles, names = {}, []
+    for ax in panels:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            if label not in handles:
+                handles[label] = h
+                names.append(label)
     legend_ax.axis("off")
-    if labels:
-        legend_ax.legend(handles, labels, loc="center", title="method", frameon=False)
+    if names and not one_round:
+        legend_ax.legend([handles[n] for n in names], names, loc="center", title="method", frameon=False)
+    elif same:  # one round: the methods are on every panel's axis; the legend only says which repeat which
+        legend_ax.text(0.5, 0.5, "\n".join(f"{m}: the same values as {o}" for m, o in same.items()), ha="center",
+                       va="center", fontsize=9, transform=legend_ax.transAxes)
     if title:
         fig.suptitle(title)
     fig.tight_layout()

@@ -43,6 +43,17 @@ COLUMNS = ["method", "accuracy", "nll", "hidden", "parameters", "rounds", "serve
 SWEEP_SIGMA2 = (0.01, 0.02, 0.03, 0.04, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.7)
 SWEEP_GAMMA0 = (1e-3, 1.0)
 WIDTH_LABEL = "global width (hidden neurons, all layers)"
+#: What the size panels show for a convolutional network: a unit there is a channel or a neuron, and a channel of
+#: conv2 carries fc1's 25 spatial columns, so widths hide where the parameters are
+PARAMETERS_LABEL = "global parameters"
+
+
+def _size_of(item, by: str, row=None) -> int:
+    """A row's (or one round's, ``item`` a history dict of ``row``) global width or parameter count."""
+    if isinstance(item, dict):
+        return int(item.get("parameters", row.parameters)) if by == "parameters" else sum(item.get("hidden",
+                                                                                                  row.hidden))
+    return int(item.parameters) if by == "parameters" else sum(item.hidden)
 SERVER_SECONDS = ("server_seconds: the server's aggregation time (matching, k-means or averaging) summed over the "
                   "rounds; local training and evaluation are not included.")
 
@@ -288,16 +299,17 @@ def run(args) -> int:
         print(f"wrote results to {args.json}")
     if args.plot:
         title = _title(dataset.name, partitions, plan)
+        by = "width" if plan["network"].arch == "mlp" else "parameters"
         if args.width_sweep:
             one = initial_network(plan["network"], dataset.input_shape, dataset.num_classes, seed=0)
             _plot_width(points, args.plot, title, sum(methods.network_widths(one, dataset.input_shape)),
                         partitions[0].clients)
         elif len(results) > 1:
-            _plot_by_clients(results, [p.clients for p in partitions], args.plot, title)
+            _plot_by_clients(results, [p.clients for p in partitions], args.plot, title, by)
         elif plan["config"].rounds > 1 and any(len(r.history) > 1 for r in results[0].rows):
-            _plot_rounds(results[0], args.plot, title)
+            _plot_rounds(results[0], args.plot, title, by)
         else:
-            _plot_one_round(results[0], args.plot, title)
+            _plot_one_round(results[0], args.plot, title, by)
         print(f"wrote plot to {args.plot}")
     return 0
 
@@ -393,6 +405,25 @@ def _integer_ticks(axis) -> None:
     axis.set_major_locator(MaxNLocator(integer=True))
 
 
+def _size_ticks(axis, by: str) -> None:
+    """Integer ticks on a size axis; parameter counts as 50k, 1.2M (five ticks at most), so the labels never run
+    into each other."""
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+    if by != "parameters":
+        _integer_ticks(axis)
+        return
+    axis.set_major_locator(MaxNLocator(nbins=5, integer=True))
+
+    def compact(value, _):
+        for scale, suffix in ((1e6, "M"), (1e3, "k")):
+            if abs(value) >= scale:
+                return f"{value / scale:.3g}{suffix}"
+        return f"{value:.0f}"
+
+    axis.set_major_formatter(FuncFormatter(compact))
+
+
 def _legend_right(fig, axes) -> None:
     handles, labels = {}, []
     for ax in axes:
@@ -405,8 +436,9 @@ def _legend_right(fig, axes) -> None:
                    fontsize=9, frameon=False)
 
 
-def _plot_one_round(result, path: str, title: str) -> None:
-    """One round: a bar per method, test accuracy on the left, global width on the right."""
+def _plot_one_round(result, path: str, title: str, by: str = "width") -> None:
+    """One round: a bar per method, test accuracy on the left, global width (``by="parameters"``: parameter count,
+    the convolutional networks' measure) on the right."""
     plt = pyplot()
     rows = result.rows
     names = [r.method for r in rows]
@@ -414,23 +446,23 @@ def _plot_one_round(result, path: str, title: str) -> None:
     fig, (ax_acc, ax_width) = plt.subplots(1, 2, figsize=(11, 1.6 + 0.42 * len(rows)), sharey=True)
     y = list(range(len(rows)))
     accuracies = [r.accuracy for r in rows]
-    widths = [sum(r.hidden) for r in rows]
+    widths = [_size_of(r, by) for r in rows]
     ax_acc.barh(y, accuracies, color=[colors[n] for n in names])
     ax_width.barh(y, widths, color=[colors[n] for n in names])
     for i, (a, w) in enumerate(zip(accuracies, widths)):
         ax_acc.text(a, i, f" {a:.3f}", va="center", fontsize=8)
-        ax_width.text(w, i, f" {w}", va="center", fontsize=8)
+        ax_width.text(w, i, f" {w:,}", va="center", fontsize=8)
     ax_acc.set_yticks(y, names)
     ax_acc.invert_yaxis()
     ax_acc.set(xlim=(0, 1.12), xlabel="test accuracy")
-    ax_width.set(xlim=(0, 1.15 * max(widths + [1])), xlabel=WIDTH_LABEL)
-    _integer_ticks(ax_width.xaxis)
+    ax_width.set(xlim=(0, 1.2 * max(widths + [1])), xlabel=WIDTH_LABEL if by == "width" else PARAMETERS_LABEL)
+    _size_ticks(ax_width.xaxis, by)
     fig.suptitle(f"{title}, one round")
     fig.tight_layout()
     save_figure(fig, path)
 
 
-def _plot_rounds(result, path: str, title: str) -> None:
+def _plot_rounds(result, path: str, title: str, by: str = "width") -> None:
     """Several rounds: accuracy and global width per round of the multi-round methods; the one-shot methods as
     horizontal lines."""
     plt = pyplot()
@@ -442,7 +474,7 @@ def _plot_rounds(result, path: str, title: str) -> None:
     for r in rows:
         if len(r.history) > 1:
             rounds = [h["round"] for h in r.history]
-            hidden = [sum(h.get("hidden", r.hidden)) for h in r.history]
+            hidden = [_size_of(h, by, r) for h in r.history]
             style = {**styles[r.method], "linestyle": "-"}
             ax_acc.plot(rounds, [h["accuracy"] for h in r.history], label=r.method, **style)
             ax_width.plot(rounds, hidden, label=r.method, **style)
@@ -450,14 +482,14 @@ def _plot_rounds(result, path: str, title: str) -> None:
             one_shot = r.rounds == 1 and "oneshot" not in r.method
             label = f"{r.method} (one shot)" if one_shot else r.method
             ax_acc.axhline(r.accuracy, ls="--", lw=1.2, color=colors[r.method], label=label)
-            ax_width.axhline(sum(r.hidden), ls="--", lw=1.2, color=colors[r.method], label=label)
+            ax_width.axhline(_size_of(r, by), ls="--", lw=1.2, color=colors[r.method], label=label)
     for ax in (ax_acc, ax_width):
         ax.set_xlabel("communication round")
         ax.set_xlim(0.8, last + 0.2)
         _integer_ticks(ax.xaxis)
-    _integer_ticks(ax_width.yaxis)
+    _size_ticks(ax_width.yaxis, by)
     ax_acc.set_ylabel("test accuracy")
-    ax_width.set_ylabel(WIDTH_LABEL)
+    ax_width.set_ylabel(WIDTH_LABEL if by == "width" else PARAMETERS_LABEL)
     ax_width.set_ylim(bottom=0)
     fig.suptitle(f"{title}, {last} rounds")
     fig.tight_layout()
@@ -465,7 +497,7 @@ def _plot_rounds(result, path: str, title: str) -> None:
     save_figure(fig, path)
 
 
-def _plot_by_clients(results, clients, path: str, title: str) -> None:
+def _plot_by_clients(results, clients, path: str, title: str, by: str = "width") -> None:
     """Several J: accuracy and global width against J, one line per method (the local models' range shaded)."""
     plt = pyplot()
     names = [r.method for r in results[0].rows if r.method not in ("local-min", "local-max")]
@@ -475,7 +507,7 @@ def _plot_by_clients(results, clients, path: str, title: str) -> None:
         found = [(J, res.row(name)) for J, res in zip(clients, results) if name in {r.method for r in res.rows}]
         js = [J for J, _ in found]
         ax_acc.plot(js, [r.accuracy for _, r in found], label=name, **styles[name])
-        ax_width.plot(js, [sum(r.hidden) for _, r in found], label=name, **styles[name])
+        ax_width.plot(js, [_size_of(r, by) for _, r in found], label=name, **styles[name])
     if all({"local-min", "local-max"} <= {r.method for r in res.rows} for res in results):
         ax_acc.fill_between(clients, [res.row("local-min").accuracy for res in results],
                             [res.row("local-max").accuracy for res in results], color="0.5",
@@ -484,9 +516,9 @@ def _plot_by_clients(results, clients, path: str, title: str) -> None:
         ax.set_xlabel("number of clients J")
         ax.set_xticks(clients)
     ax_acc.set_ylabel("test accuracy")
-    ax_width.set_ylabel(WIDTH_LABEL)
+    ax_width.set_ylabel(WIDTH_LABEL if by == "width" else PARAMETERS_LABEL)
     ax_width.set_ylim(bottom=0)
-    _integer_ticks(ax_width.yaxis)
+    _size_ticks(ax_width.yaxis, by)
     fig.suptitle(title)
     fig.tight_layout()
     _legend_right(fig, [ax_acc, ax_width])
