@@ -593,3 +593,13 @@ def test_a_convolutional_pfnm_plot_shows_parameters_not_unit_widths(tmp_path, fi
     assert ax_size.get_xlabel() == "global parameters"
     assert [int(bar.get_width()) for bar in ax_size.patches] == [r["parameters"] for r in rows]
     assert all(t.get_text().endswith(("k", "M")) or t.get_text() == "0" for t in ax_size.get_xticklabels())
+
+
+def test_the_progress_bar_has_a_total_per_phase_rounds_times_clients(capsys):
+    assert main(["pfnm", "--clients", "3", "--epochs", "1", "--round-epochs", "2", "--hidden", "16", "--methods",
+                 "local,fedavg", "--rounds", "2"]) == 0
+    err = capsys.readouterr().err
+    assert re.search(r"local models \(1 epoch per fit\): +\d+%.*\| 3/3 ", err), err
+    assert re.search(r"fedavg: 2 rounds x 3 clients \(2 epochs per fit\): +\d+%.*\| 6/6 ", err), err
+    assert main(["pfnm", "--clients", "3", "--epochs", "1", "--hidden", "16", "--methods", "local", "--no-progress"]) == 0
+    assert "local models" not in capsys.readouterr().err  # and it can be turned off

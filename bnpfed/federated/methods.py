@@ -69,7 +69,7 @@ from bnpfed.federated.fusion import FedAvgFederation, FusionFederation
 from bnpfed.federated.matched_fusion import MatchedFusionFederation
 from bnpfed.federated.partition import class_counts
 from bnpfed.federated.pfnm import PFNMFederation
-from bnpfed.federated.server import match_hyperparameters, pfnm_step, with_statistics
+from bnpfed.federated.server import clients_per_round, match_hyperparameters, pfnm_step, with_statistics
 from bnpfed.inference.batch_norm import batch_norm_order
 from bnpfed.inference.permutation import SpecMatch, derive_spec
 from bnpfed.metrics import classification_report, count_parameters, expected_calibration_error, ood_auroc
@@ -359,7 +359,8 @@ class Experiment:
                             for i in self.parts]
         self.warnings: list[str] = []
         self.log = log
-        self._bar = tqdm(desc="client training", unit="fit", disable=not progress, leave=False)
+        self._progress = progress
+        self._bar = None  # the progress bar, made by the first phase
         self._local: dict[bool, list[nn.Module]] = {}
         self._selection: Optional[Selection] = None
         self._bayesian: Optional[list] = None
@@ -373,13 +374,26 @@ class Experiment:
         return {name: config_dict(getattr(self, name)) for name in
                 ("partition", "network", "training", "pfnm", "fusion", "bayesian", "config")}
 
-    def tick(self, method: str) -> None:
-        """One client training done (the progress bar)."""
-        self._bar.set_postfix_str(method)
+    def phase(self, what: str, total: int, epochs: int) -> None:
+        """Start the progress bar's next phase: ``total`` client fits of ``epochs`` local epochs each (a total, so
+        tqdm shows the rate and the time left)."""
+        desc = f"{what} ({_plural(epochs, 'epoch')} per fit)"
+        if self._bar is None:
+            self._bar = tqdm(desc=desc, total=total, unit="client fit", disable=not self._progress, leave=False)
+        else:
+            self._bar.reset(total=total)
+            self._bar.set_description_str(desc, refresh=False)
+            self._bar.set_postfix_str("")
+
+    def tick(self, what: str) -> None:
+        """One client training done (the progress bar; ``what`` its postfix, e.g. the client)."""
+        self._bar.set_postfix_str(what, refresh=False)
         self._bar.update()
+        self._bar.refresh()
 
     def close(self) -> None:
-        self._bar.close()
+        if self._bar is not None:
+            self._bar.close()
 
     def warn(self, message: str) -> None:
         if message not in self.warnings:
@@ -447,11 +461,13 @@ class Experiment:
         if shared not in self._local:
             network = replace(self.network, shared_init=shared)
             models = []
+            self.phase("local models" + (" (shared init)" if shared else ""), len(self.client_data),
+                       self.training.epochs)
             for j, (x, y) in enumerate(self.client_data):
                 net = initial_network(network, self.dataset.input_shape, self.dataset.num_classes, seed=self.seed,
                                       client=j)
                 models.append(train_network(net, x, y, self.training, seed=self.seed, round=1, client=j))
-                self.tick("local models" + (" (shared init)" if shared else ""))
+                self.tick(f"client {j + 1}")
             self._local[shared] = models
         return self._local[shared]
 
@@ -462,13 +478,14 @@ class Experiment:
         if self._bayesian is None:
             network = replace(self.network, shared_init=False)
             clients = []
+            self.phase("Bayesian clients", len(self.client_data), self.training.epochs)
             for j, (x, y) in enumerate(self.client_data):
                 net = initial_network(network, self.dataset.input_shape, self.dataset.num_classes, seed=self.seed,
                                       client=j)
                 client = bayesian_client(net, self.bayesian)
                 fit_bayesian(client, x, y, self.training, seed=self.seed, round=1, index=j)
                 clients.append(client)
-                self.tick("Bayesian clients")
+                self.tick(f"client {j + 1}")
             self._bayesian = clients
         return self._bayesian
 
@@ -496,10 +513,15 @@ class Experiment:
 
     def federation_row(self, federation: Federation, rounds: int, note: str = "") -> MethodResult:
         """Run ``federation`` for ``rounds`` rounds and make its row (final metrics, per-round history)."""
+        per_round = clients_per_round(federation.num_clients, federation.fraction)
+        later = self.training.epochs if self.training.round_epochs is None else self.training.round_epochs
+        self.phase(f"{federation.method}: {_plural(rounds, 'round')} x {_plural(per_round, 'client')}",
+                   rounds * per_round, later if rounds > 1 else self.training.epochs)
         for _ in range(rounds):
             record = federation.run_round()
+            self._bar.set_postfix_str(f"round {record.round}/{rounds}", refresh=False)
             self._bar.update(len(record.sampled))
-            self._bar.set_postfix_str(f"{federation.method} round {record.round}")
+            self._bar.refresh()
             if self.log is not None:
                 shown = {k: v for k, v in record.metrics.items() if k in ("accuracy", "hidden", "mean_sigma")}
                 self.log(f"{federation.method} round {record.round}: "
@@ -515,6 +537,10 @@ class Experiment:
                                          server_seconds=float(sum(h["server_seconds"] for h in history)),
                                          mean_sigma=float(final.get("mean_sigma", math.nan)), history=history,
                                          hyperparameters=list(final.get("hyperparameters", [])), note=note)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 def network_widths(net: nn.Module, input_shape) -> list[int]:
