@@ -1,11 +1,18 @@
 """What the commands print and write: plain-text tables, the one JSON layout of every command, and figures
 (no math here).
 
-Every command's JSON (``bnpfed pfnm``, ``fuse``, ``demo``, ``flower``) is :func:`command_record`'s layout::
+Every command's JSON (``bnpfed pfnm``, ``fuse``, ``demo``, ``flower sim``, the Flower app's summary) is
+:func:`command_record`'s layout, :data:`RECORD_SCHEMA` (a JSON Schema) and :func:`read_record` (a typed reader)::
 
     {"command": "pfnm", "arguments": {...the parsed flags...}, "settings": {...the configs as plain values...},
      "versions": {"bnpfed": ..., "torch": ..., "pyro": ..., "flwr": ... or null, "python": ...},
-     "timestamp": "2025-01-31T12:00:00Z", "results": ...}
+     "timestamp": "2025-01-31T12:00:00Z",
+     "results": {"runs": [{"rows": [{...one table row...}, ...], ...what else the run reports}, ...],
+                 "rounds": [{"run": 0, "method": "fedavg", "round": 1, ...that round's metrics}, ...]}}
+
+``results.runs`` holds one entry per experiment the command ran (``pfnm --clients 5,10``: two; everything else:
+one), each with its table (``rows``: methods, or the demo's matchings, or the width sweep's points); ``results.rounds``
+every method's metrics after every communication round, one flat record each (empty when nothing ran in rounds).
 
 Usage::
 
@@ -13,7 +20,8 @@ Usage::
     method  accuracy  hidden
     ------  --------  ------
     pfnm      0.9313  120-40
-    >>> record = command_record("demo", {"clients": 3, "func": print}, {"clients": 3}, {"rows": []})
+    >>> record = command_record("demo", {"clients": 3, "func": print}, {"clients": 3},
+    ...                         command_results([{"rows": []}]))
     >>> list(record), record["arguments"], sorted(record["versions"])
     (['command', 'arguments', 'settings', 'versions', 'timestamp', 'results'], {'clients': 3}, \
 ['bnpfed', 'flwr', 'pyro', 'python', 'torch'])
@@ -25,12 +33,13 @@ import datetime
 import json
 import math
 import platform
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-__all__ = ["command_record", "format_table", "json_safe", "line_styles", "pyplot", "save_figure", "versions",
-           "write_json"]
+__all__ = ["RECORD_SCHEMA", "CommandRecord", "command_record", "command_results", "format_table", "json_safe",
+           "line_styles", "pyplot", "read_record", "round_records", "save_figure", "versions", "write_json"]
 
 
 def _cell(value: Any, digits: int) -> str:
@@ -109,11 +118,111 @@ def _plain(value) -> bool:
     return False
 
 
+#: The JSON Schema (draft 2020-12) of every command's record (module docstring).
+RECORD_SCHEMA = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "title": "bnpfed command record",
+    "type": "object",
+    "required": ["command", "arguments", "settings", "versions", "timestamp", "results"],
+    "additionalProperties": False,
+    "properties": {
+        "command": {"type": "string"},
+        "arguments": {"type": "object"},
+        "settings": {"type": "object"},
+        "versions": {"type": "object", "required": ["bnpfed", "torch", "pyro", "flwr", "python"],
+                     "additionalProperties": {"type": ["string", "null"]}},
+        "timestamp": {"type": "string", "pattern": "^\\d{4}-\\d\\d-\\d\\dT\\d\\d:\\d\\d:\\d\\dZ$"},
+        "results": {
+            "type": "object",
+            "required": ["runs", "rounds"],
+            "additionalProperties": False,
+            "properties": {
+                "runs": {"type": "array", "minItems": 1,
+                         "items": {"type": "object", "required": ["rows"],
+                                   "properties": {"rows": {"type": "array", "items": {"type": "object"}}}}},
+                "rounds": {"type": "array",
+                           "items": {"type": "object", "required": ["run", "method", "round"],
+                                     "properties": {"run": {"type": "integer", "minimum": 0},
+                                                    "method": {"type": "string"},
+                                                    "round": {"type": "integer", "minimum": 1}}}},
+            },
+        },
+    },
+}
+
+
+def round_records(runs: Sequence[Mapping]) -> list[dict]:
+    """``results.rounds``: every row's per-round ``history`` (rows of methods that ran in rounds) as flat records
+    ``{"run": i, "method": ..., "round": r, ...metrics}``."""
+    out = []
+    for i, run in enumerate(runs):
+        for row in run["rows"]:
+            for record in row.get("history") or []:
+                out.append({"run": i, "method": row["method"], **record})
+    return out
+
+
+def command_results(runs: Sequence[Mapping], rounds: Sequence[Mapping] | None = None) -> dict:
+    """The ``results`` of a command record: its ``runs`` (each a mapping with ``rows``) and ``rounds`` (default:
+    :func:`round_records` of the runs)."""
+    runs = [dict(run) for run in runs]
+    for i, run in enumerate(runs):
+        if not isinstance(run.get("rows"), list):
+            raise ValueError(f"runs[{i}]: expected a mapping with a list of rows, got keys {sorted(run)}")
+    return {"runs": runs, "rounds": round_records(runs) if rounds is None else [dict(r) for r in rounds]}
+
+
+@dataclass(frozen=True)
+class CommandRecord:
+    """A command's JSON record, read back (:func:`read_record`): the fields of :data:`RECORD_SCHEMA`, with
+    ``runs`` and ``rounds`` lifted out of ``results``."""
+
+    command: str
+    arguments: dict
+    settings: dict
+    versions: dict
+    timestamp: str
+    runs: list
+    rounds: list
+
+    @property
+    def rows(self) -> list[dict]:
+        """Every run's rows, in order (one run: its table)."""
+        return [row for run in self.runs for row in run["rows"]]
+
+
+def read_record(path: str | Path) -> CommandRecord:
+    """Read a command's JSON record and check its layout (:data:`RECORD_SCHEMA`), or raise a ``ValueError`` saying
+    which field breaks it."""
+    payload = json.loads(Path(path).read_text())
+
+    def need(ok: bool, where: str, what: str):
+        if not ok:
+            raise ValueError(f"{path}: {where}: expected {what} (the layout of bnpfed.report.RECORD_SCHEMA)")
+
+    need(isinstance(payload, dict), "the record", "a JSON object")
+    need(list(payload) == RECORD_SCHEMA["required"], "keys", ", ".join(RECORD_SCHEMA["required"]))
+    res = payload["results"]
+    need(isinstance(res, dict) and sorted(res) == ["rounds", "runs"], "results", "an object of runs and rounds")
+    need(isinstance(res["runs"], list) and res["runs"], "results.runs", "a non-empty list")
+    for i, run in enumerate(res["runs"]):
+        need(isinstance(run, dict) and isinstance(run.get("rows"), list), f"results.runs[{i}]", "an object with rows")
+    for k, record in enumerate(res["rounds"]):
+        need(isinstance(record, dict) and {"run", "method", "round"} <= set(record), f"results.rounds[{k}]",
+             "an object with run, method and round")
+    return CommandRecord(command=payload["command"], arguments=payload["arguments"], settings=payload["settings"],
+                         versions=payload["versions"], timestamp=payload["timestamp"], runs=res["runs"],
+                         rounds=res["rounds"])
+
+
 def command_record(command: str, arguments, settings: Mapping, results) -> dict:
     """The JSON layout of every command: ``command``; ``arguments``, the parsed flags (an ``argparse.Namespace`` or
     a dict; values that are not plain data, such as the handler function, are left out, and so is argparse's
     ``command``); ``settings``, the
-    configs as plain values; ``versions`` (:func:`versions`); ``timestamp``, ISO 8601 UTC; ``results``."""
+    configs as plain values; ``versions`` (:func:`versions`); ``timestamp``, ISO 8601 UTC; ``results``, from
+    :func:`command_results` (``runs`` and ``rounds``)."""
+    if not (isinstance(results, Mapping) and sorted(results) == ["rounds", "runs"]):
+        raise ValueError(f"results: expected command_results(runs, rounds) (keys runs, rounds), got {results!r:.80}")
     items = vars(arguments) if not isinstance(arguments, Mapping) else arguments
     now = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
     return {"command": command, "arguments": {k: v for k, v in items.items() if k != "command" and _plain(v)},

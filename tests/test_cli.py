@@ -30,7 +30,7 @@ def test_demo_prints_recovery_table_and_writes_json(tmp_path, capsys):
     assert f"wrote results to {path}" in out
     payload = json.loads(path.read_text())
     assert payload["command"] == "demo" and payload["settings"]["clients"] == 4
-    rows = payload["results"]["rows"]
+    rows = payload["results"]["runs"][0]["rows"]
     assert len(rows) == 4 and rows[2]["objective"] == "marginal" and rows[3]["objective"] == "empirical-bayes"
     assert rows[2]["adjusted_rand"] > 0.9 and rows[3]["adjusted_rand"] > 0.9
 
@@ -39,4 +39,4 @@ def test_demo_noise_is_an_alias_of_sigma2(tmp_path):
     path = tmp_path / "demo.json"
     assert main(["demo", "--clients", "3", "--dim", "10", "--noise", "0.05", "--json", str(path)]) == 0
     payload = json.loads(path.read_text())
-    assert payload["settings"]["sigma2"] == 0.05 and payload["results"]["rows"][1]["sigma2"] == 0.1
+    assert payload["settings"]["sigma2"] == 0.05 and payload["results"]["runs"][0]["rows"][1]["sigma2"] == 0.1

@@ -13,6 +13,7 @@ from bnpfed.commands import fuse, pfnm
 from bnpfed.data import NPZ_FORMAT
 from bnpfed.federated import methods
 from bnpfed.federated.config import PAPER_MIN_VARIANCE, PartitionConfig, TrainingConfig
+from bnpfed.report import RECORD_SCHEMA, command_record, command_results, read_record
 from bnpfed.inference import TrainingDiverged, recovery
 
 TINY = ["--clients", "3", "--epochs", "1", "--hidden", "16", "--no-progress"]
@@ -230,8 +231,14 @@ def figures(monkeypatch):
 
 
 def check_record(path, command: str) -> dict:
-    """The JSON layout every command writes."""
+    """The JSON layout every command writes (:data:`bnpfed.report.RECORD_SCHEMA`, validated with jsonschema, and
+    read back by :func:`bnpfed.report.read_record`)."""
+    import jsonschema
+
     payload = json.loads(path.read_text())
+    jsonschema.validate(payload, RECORD_SCHEMA)
+    record = read_record(path)
+    assert record.command == command and record.runs == payload["results"]["runs"]
     assert list(payload) == ["command", "arguments", "settings", "versions", "timestamp", "results"]
     assert payload["command"] == command and "func" not in payload["arguments"]
     assert sorted(payload["versions"]) == ["bnpfed", "flwr", "pyro", "python", "torch"]
@@ -289,7 +296,7 @@ def test_width_sweep_plots_accuracy_against_width_with_its_pareto_fronts(tmp_pat
     out_json = tmp_path / "sweep.json"
     assert main(["pfnm", *TINY, "--width-sweep", "--sweep-sigma2", "0.05,1", "--sweep-gamma0", "1",
                  "--json", str(out_json), "--plot", str(tmp_path / "sweep.png")]) == 0
-    points = check_record(out_json, "pfnm")["results"]["points"]
+    points = check_record(out_json, "pfnm")["results"]["runs"][0]["rows"]
     assert [(p["constants"], p["sigma2"]) for p in points] == [("bnpfed", 0.05), ("bnpfed", 1.0),
                                                                ("reference", 0.05), ("reference", 1.0)]
     (fig,) = figures
@@ -315,7 +322,7 @@ def test_fuse_prints_the_table_and_writes_json_and_a_grid_of_panels(tmp_path, ca
     assert settings["training"]["epochs"] == 1 and settings["partition"]["partition"] == "dirichlet"
     assert settings["fusion"]["weights"] == "uniform" and settings["config"]["predictive_samples"] == 2
     assert settings["config"]["methods"] == ["eaa", "conflation", "fedavg"]
-    rows = payload["results"]["rows"]
+    rows = payload["results"]["runs"][0]["rows"]
     assert [r["method"] for r in rows] == ["eaa", "conflation", "fedavg"]
     assert all(len(r["history"]) == 2 for r in rows) and rows[2]["mean_sigma"] is None
     (fig,) = figures
@@ -484,7 +491,7 @@ def test_fuse_align_match_has_one_row_per_method_with_the_metrics_that_line_up_a
         assert word in out
     payload = check_record(out_json, "fuse")
     assert payload["settings"]["fusion"]["align"] == "match" and payload["settings"]["fusion"]["own_init"]
-    rows = {r["method"]: r for r in payload["results"]["rows"]}
+    rows = {r["method"]: r for r in payload["results"]["runs"][0]["rows"]}
     assert list(rows) == ["ensemble", "pfnm", "fedavg", "eaa", "match-eaa"]
     for row in rows.values():
         for metric in ("accuracy", "nll", "ece", "ece15", "brier", "auroc_max_prob", "auroc_entropy", "width"):
@@ -603,3 +610,45 @@ def test_the_progress_bar_has_a_total_per_phase_rounds_times_clients(capsys):
     assert re.search(r"fedavg: 2 rounds x 3 clients \(2 epochs per fit\): +\d+%.*\| 6/6 ", err), err
     assert main(["pfnm", "--clients", "3", "--epochs", "1", "--hidden", "16", "--methods", "local", "--no-progress"]) == 0
     assert "local models" not in capsys.readouterr().err  # and it can be turned off
+
+
+@pytest.mark.parametrize("argv, command", [
+    (["demo", "--clients", "3", "--dim", "5"], "demo"),
+    (["pfnm", *TINY, "--methods", "local,pfnm,fedavg", "--rounds", "2"], "pfnm"),
+    (["pfnm", "--clients", "2,3", "--epochs", "1", "--hidden", "16", "--no-progress", "--methods", "pfnm"], "pfnm"),
+    (["pfnm", *TINY, "--width-sweep", "--sweep-sigma2", "0.1", "--sweep-gamma0", "1"], "pfnm"),
+    (["fuse", *TINY, "--rounds", "2", "--rule", "eaa"], "fuse"),
+    (["flower", "sim", "--local", "--supernodes", "2", "--run-config", 'method="pfnm" rounds=2 hidden="8" epochs=1'],
+     "flower sim"),
+], ids=["demo", "pfnm", "pfnm-several-J", "pfnm-width-sweep", "fuse", "flower-sim"])
+def test_every_commands_json_has_the_one_documented_layout(argv, command, tmp_path):
+    if command == "flower sim":
+        pytest.importorskip("flwr")
+    out = tmp_path / "out.json"
+    assert main([*argv, "--json", str(out)]) == 0
+    payload = check_record(out, command)
+    record = read_record(out)
+    assert record.rows and all(isinstance(row, dict) for row in record.rows)
+    if "--rounds" in argv or "rounds=2" in " ".join(argv):  # every round of every method, one flat record each
+        assert record.rounds and {r["round"] for r in record.rounds} == {1, 2}
+        for r in record.rounds:
+            row = next(x for x in record.runs[r["run"]]["rows"] if x.get("method") == r["method"])
+            assert row["method"] == r["method"]
+    else:
+        assert payload["results"]["rounds"] == [] or command == "pfnm"
+
+
+def test_a_record_that_breaks_the_layout_is_refused_naming_the_field(tmp_path):
+    good = json.loads(json.dumps(command_record("demo", {}, {}, command_results([{"rows": [{"a": 1}]}]))))
+    path = tmp_path / "r.json"
+    for change, field in ((lambda p: p["results"].pop("rounds"), "results"),
+                          (lambda p: p["results"].update(runs=[]), "results.runs"),
+                          (lambda p: p["results"]["runs"][0].pop("rows"), r"results.runs\[0\]"),
+                          (lambda p: p.pop("versions"), "keys")):
+        payload = json.loads(json.dumps(good))
+        change(payload)
+        path.write_text(json.dumps(payload))
+        with pytest.raises(ValueError, match=field):
+            read_record(path)
+    with pytest.raises(ValueError, match="results: expected command_results"):
+        command_record("demo", {}, {}, {"rows": []})

@@ -13,7 +13,7 @@ from dataclasses import asdict
 
 from bnpfed.commands._args import HelpFormatter, UsageError, check_output_path, fail, flag_message, paragraphs
 from bnpfed.inference import recovery
-from bnpfed.report import command_record, format_table, write_json
+from bnpfed.report import command_record, command_results, format_table, write_json
 
 PROG = "bnpfed demo"
 
@@ -58,6 +58,6 @@ def run(args) -> int:
     print("adjusted_rand: 1 when the matching groups the neurons as the sample did; seconds: the wall time of the "
           "matching alone (sampling not included)")
     if args.json:
-        write_json(args.json, command_record("demo", args, asdict(config), {"rows": rows}))
+        write_json(args.json, command_record("demo", args, asdict(config), command_results([{"rows": rows}])))
         print(f"wrote results to {args.json}")
     return 0

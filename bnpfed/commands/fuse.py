@@ -29,7 +29,8 @@ from bnpfed.federated.methods import ExperimentConfig
 from bnpfed.data import standardize_together
 from bnpfed.federated.fusion import FUSION_ARCHITECTURES
 from bnpfed.federated.matched_fusion import MatchedFusionFederation
-from bnpfed.report import command_record, format_table, line_styles, pyplot, save_figure, write_json
+from bnpfed.report import (command_record, command_results, format_table, line_styles, pyplot, save_figure,
+                           write_json)
 from bnpfed.validation import check_choice
 
 PROG = "bnpfed fuse"
@@ -258,7 +259,7 @@ def run(args) -> int:
     for message in result.warnings:
         warn(message)
     if args.json:
-        write_json(args.json, command_record("fuse", args, settings, result.as_dict()))
+        write_json(args.json, command_record("fuse", args, settings, command_results([result.as_dict()])))
         print(f"wrote results to {args.json}")
     if args.plot:
         plot_rounds(result, args.plot, title=_title(dataset.name, plan))

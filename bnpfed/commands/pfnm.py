@@ -28,7 +28,8 @@ from bnpfed.federated.config import (ARCHITECTURES, INITIALISATIONS, PFNM_NETWOR
                                      NetworkConfig, PFNMConfig, config_dict)
 from bnpfed.federated.methods import ExperimentConfig
 from bnpfed.inference import derive_spec
-from bnpfed.report import command_record, format_table, line_styles, pyplot, save_figure, write_json
+from bnpfed.report import (command_record, command_results, format_table, line_styles, pyplot, save_figure,
+                           write_json)
 from bnpfed.validation import check_positives
 
 PROG = "bnpfed pfnm"
@@ -290,10 +291,10 @@ def run(args) -> int:
         return fail(PROG, "interrupted", 130)
     if args.width_sweep:
         _print_sweep(dataset.name, partitions[0], plan, points)
-        payload = {"points": points}
+        payload = command_results([{"rows": points}])
     else:
         print(f"\n{SERVER_SECONDS}")
-        payload = {"runs": [r.as_dict() for r in results]}
+        payload = command_results([r.as_dict() for r in results])
     if args.json:
         write_json(args.json, command_record("pfnm", args, settings, payload))
         print(f"wrote results to {args.json}")

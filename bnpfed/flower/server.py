@@ -37,7 +37,7 @@ from bnpfed.flower.client import initial_global_model
 from bnpfed.flower.config import FlowerSettings, parse_run_config
 from bnpfed.flower.records import from_array_record
 from bnpfed.flower.strategies import LOGGER, MatchedFusionStrategy, PFNMStrategy, PosteriorFusionStrategy
-from bnpfed.report import command_record, write_json
+from bnpfed.report import command_record, command_results, write_json
 
 __all__ = ["FederationResult", "app", "make_server_app", "run_federation"]
 
@@ -59,8 +59,11 @@ class FederationResult:
     history: list[dict]
 
     def results(self) -> dict:
-        """JSON-ready: the method and the per-round record (arrays left out)."""
-        return {"method": self.method, "rounds": self.history}
+        """JSON-ready ``results`` of :func:`~bnpfed.report.command_record` (arrays left out): one run whose one row
+        is the method after its last round, and every round's record."""
+        rounds = [{"run": 0, "method": self.method, **r} for r in self.history]
+        final = {"method": self.method, **(self.history[-1] if self.history else {})}
+        return command_results([{"method": self.method, "rows": [final]}], rounds)
 
 
 def run_federation(grid: Grid, config: Mapping[str, Any]) -> FederationResult:
