@@ -37,7 +37,7 @@ from bnpfed.flower.records import (ReplyError, from_array_record, moments_from_a
                                    moments_to_record, posterior_from_arrays, posterior_to_record, state_from_arrays,
                                    state_to_record)
 from bnpfed.flower.server import run_federation  # noqa: E402
-from bnpfed.flower.strategies import evaluation_clients  # noqa: E402
+from bnpfed.flower.strategies import evaluation_clients, unexpected_reply  # noqa: E402
 from bnpfed.inference.permutation import batch_norm_moments, client_slice, derive_spec  # noqa: E402
 from bnpfed.models import LeNet, simple_cnn_bn  # noqa: E402
 from bnpfed.posterior import GaussianPosterior  # noqa: E402
@@ -490,3 +490,40 @@ def test_a_superlink_and_three_supernodes_on_loopback_give_the_in_process_global
             assert_same_rounds(summary["results"]["rounds"], reference)
             assert_same_model(arrays, reference)
     assert all(p.poll() is not None for _, p, _ in deployment.processes.started)
+
+
+def test_an_ignored_reply_is_logged_with_the_nodes_the_round_sent_to_and_its_error():
+    from types import SimpleNamespace
+
+    def reply(node, error=None):
+        return SimpleNamespace(metadata=SimpleNamespace(src_node_id=node), has_error=lambda: error is not None,
+                               error=error)
+
+    sent = {11: 0, 12: 1}  # node id -> partition
+    stray = unexpected_reply(reply(1, SimpleNamespace(code=3, reason="message timed out")), "train", sent,
+                             duplicate=False)
+    assert stray == ("a train reply from node id 1, to which this round sent no train message (sent to nodes 11, "
+                     "12), ignored (error code 3: message timed out)")
+    assert unexpected_reply(reply(12), "train", sent, duplicate=True) == ("a second train reply from node 12 "
+                                                                          "(partition 1) ignored")
+
+
+def test_a_simulated_run_that_cannot_go_on_is_one_line_with_how_to_retry(monkeypatch):
+    from types import SimpleNamespace
+
+    import bnpfed.flower.server as flower_server
+    from bnpfed.commands.flower import simulation_failure
+
+    def stuck(grid, config):
+        raise RuntimeError("waited 120 s for 3 SuperNode(s) with a partition, 1 connected (partitions [0]); start "
+                           "more SuperNodes or lower min-nodes")
+
+    monkeypatch.setattr(flower_server, "run_federation", stuck)
+    errors = []
+    app = flower_server.make_server_app({}, on_result=pytest.fail, on_error=errors.append)
+    app._main(None, SimpleNamespace(run_config={}))  # what Flower calls: no traceback, the error handed over
+    (error,) = errors
+    line = simulation_failure(error)
+    assert "\n" not in line and "did not all start in time" in line and "node-timeout=600" in line
+    with pytest.raises(RuntimeError, match="waited 120 s"):  # the deployed app (no on_error) still fails the run
+        flower_server.make_server_app({})._main(None, SimpleNamespace(run_config={}))

@@ -166,6 +166,17 @@ def _run_config(text: str) -> dict:
                          f"not read ({message.splitlines()[0] if message else type(error).__name__})") from None
 
 
+def simulation_failure(error: Exception) -> str:
+    """One line for a simulated run that could not go on, with how to retry: under load (other processes on the
+    cores, Ray starting its workers) the simulated SuperNodes may start after ``node-timeout``."""
+    text = " ".join(str(error).split())
+    if "SuperNode" in text and "waited" in text:
+        return (f"the simulated SuperNodes did not all start in time: {text}. On a loaded machine they can take "
+                f"longer; retry, or give them more time (--run-config 'node-timeout=600') or fewer cores each "
+                f"(--cpus-per-client)")
+    return f"the run stopped: {text}"
+
+
 def _sim(args, flower_config) -> int:
     # every key and value is checked before anything starts (Ray, the grid)
     try:
@@ -188,9 +199,12 @@ def _sim(args, flower_config) -> int:
         os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
         from flwr.simulation import run_simulation
 
-        run_simulation(server.make_server_app(config, on_result=results.append), client_app,
+        errors = []
+        run_simulation(server.make_server_app(config, on_result=results.append, on_error=errors.append), client_app,
                        num_supernodes=args.supernodes,
                        backend_config={"client_resources": {"num_cpus": args.cpus_per_client, "num_gpus": 0.0}})
+        if errors:
+            return _fail(simulation_failure(errors[0]), 1)
         if not results:
             return _fail("the simulation ended without a result (see the log above)", 1)
     result = results[0]

@@ -107,15 +107,24 @@ def run_federation(grid: Grid, config: Mapping[str, Any]) -> FederationResult:
 
 
 def make_server_app(defaults: Optional[Mapping[str, Any]] = None,
-                    on_result: Optional[Callable[[FederationResult], None]] = None) -> ServerApp:
+                    on_result: Optional[Callable[[FederationResult], None]] = None,
+                    on_error: Optional[Callable[[Exception], None]] = None) -> ServerApp:
     """A ``ServerApp`` whose ``main`` calls :func:`run_federation` with ``defaults`` overridden by the run config
     (under ``run_simulation`` the run config is empty, so ``defaults`` is how a script sets things), then
-    ``on_result(result)`` if given."""
+    ``on_result(result)`` if given. With ``on_error``, a run that cannot go on (``RuntimeError``: too few SuperNodes
+    in time, too few usable replies) or a bad run config (``ValueError``) is handed to it instead of raised, so that
+    a caller can say it in one line rather than under Flower's traceback."""
     server_app = ServerApp()
 
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
-        result = run_federation(grid, {**(defaults or {}), **context.run_config})
+        try:
+            result = run_federation(grid, {**(defaults or {}), **context.run_config})
+        except (RuntimeError, ValueError) as error:
+            if on_error is None:
+                raise
+            on_error(error)
+            return
         if on_result is not None:
             on_result(result)
 

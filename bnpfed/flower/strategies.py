@@ -85,7 +85,8 @@ from bnpfed.flower.records import (
 from bnpfed.seeding import Stream
 from bnpfed.validation import check_fraction, check_int, check_positive
 
-__all__ = ["LOGGER", "MatchedFusionStrategy", "PFNMStrategy", "PosteriorFusionStrategy", "evaluation_clients"]
+__all__ = ["LOGGER", "MatchedFusionStrategy", "PFNMStrategy", "PosteriorFusionStrategy", "evaluation_clients",
+           "unexpected_reply"]
 
 #: Where rejections, missing clients and round summaries are logged: a child of Flower's logger, so the lines show
 #: up in the ServerApp's console and in ``flwr log``.
@@ -104,6 +105,19 @@ def evaluation_clients(num_clients: int, fraction: float, *, seed: int, round: i
     if fraction == 0:
         return []
     return sample_clients(num_clients, fraction, seed=seed, round=round, stream=Stream.EVALUATION)
+
+
+def unexpected_reply(reply: Message, message_type: str, sent: Mapping[int, int], *, duplicate: bool) -> str:
+    """Why a reply is ignored, in words: a second reply of a node, or one whose source is no node the round sent a
+    message to (Flower's own error reply for a message it could not deliver carries no SuperNode's id: it is named
+    with the nodes that were sent to, and its error)."""
+    node = reply.metadata.src_node_id
+    error = f" (error code {reply.error.code}: {reply.error.reason})" if reply.has_error() else ""
+    if duplicate:
+        return f"a second {message_type} reply from node {node} (partition {sent[node]}) ignored{error}"
+    nodes = ", ".join(map(str, sorted(sent))) or "none"
+    return (f"a {message_type} reply from node id {node}, to which this round sent no {message_type} message "
+            f"(sent to nodes {nodes}), ignored{error}")
 
 
 @dataclass
@@ -261,7 +275,8 @@ class _RoundStrategy(Strategy):
             node = reply.metadata.src_node_id
             j = sent.get(node)
             if j is None or j in accepted or j in rejected:
-                LOGGER.warning("round %d: unexpected %s reply from node %d ignored", server_round, message_type, node)
+                LOGGER.warning("round %d: %s", server_round, unexpected_reply(reply, message_type, sent,
+                                                                             duplicate=j is not None))
                 continue
             if reply.has_error():
                 rejected[j] = f"error reply (code {reply.error.code}): {reply.error.reason}"
