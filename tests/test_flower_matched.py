@@ -70,8 +70,9 @@ def test_a_bad_posterior_reply_is_rejected_with_its_reason_and_the_round_goes_on
 
 
 @pytest.mark.parametrize("config, message", [
-    ({**MATCHED, "arch": "simple-cnn-bn"}, r"arch: matched posterior fusion \(align=\"match\"\) expected a network "
-                                            r"without batch norm"),
+    ({**MATCHED, "arch": "simple-cnn-bn"}, r"arch: posterior fusion expected one of .* \(no batch norm"),
+    # weight-wise fusion too: the rule of bnpfed fuse (FusionFederation), not only of matching
+    ({"method": "fusion", "arch": "simple-cnn-bn"}, r"arch: posterior fusion expected one of .* \(no batch norm"),
     ({"method": "fusion", "own-init": True}, r"own-init: expected false, or align=\"match\", on Flower "
                                              r"\(weight-wise fusion from each client's own initialisation.*got true"),
     ({**MATCHED, "align": "nearest"}, r"align: expected one of \['none', 'match'\]"),

@@ -76,11 +76,20 @@ from bnpfed.posterior import GaussianPosterior
 from bnpfed.seeding import Stream, derive_seed
 from bnpfed.validation import check_int
 
-__all__ = ["FUSION_ARCHITECTURES", "FedAvgFederation", "FusionFederation"]
+__all__ = ["FUSION_ARCHITECTURES", "FedAvgFederation", "FusionFederation", "check_fusion_network"]
 
 #: The architectures of :class:`~bnpfed.federated.config.NetworkConfig` posterior fusion takes: those without batch
 #: norm (a batch norm's running statistics are no posterior to fuse, and averaging them is not what the paper does).
 FUSION_ARCHITECTURES = ("mlp", "lenet", "lenet-paper", "simple-cnn")
+
+
+def check_fusion_network(network: NetworkConfig) -> NetworkConfig:
+    """The one rule of every posterior fusion (weight-wise or matched, in process or on Flower): a network of
+    :data:`FUSION_ARCHITECTURES`, or a ``ValueError`` naming ``arch``."""
+    if network.arch not in FUSION_ARCHITECTURES:
+        raise ValueError(f"arch: posterior fusion expected one of {list(FUSION_ARCHITECTURES)} (no batch norm: its "
+                         f"running statistics are no posterior), got {network.arch!r}")
+    return network
 
 
 def _check_configs(**configs) -> None:
@@ -122,9 +131,7 @@ class FusionFederation(Federation):
                              f"its own initialisation (fusion.own_init), got {len(initial_clients)}")
         self.initial_clients = initial_clients
         _check_configs(network=network, training=training, bayesian=bayesian, fusion=fusion)
-        if network.arch not in FUSION_ARCHITECTURES:
-            raise ValueError(f"arch: posterior fusion expected one of {list(FUSION_ARCHITECTURES)} (no batch norm: its "
-                             f"running statistics are no posterior), got {network.arch!r}")
+        check_fusion_network(network)
         self.training, self.fusion = training, fusion
         self.method = fusion.rule
         self.predictive_samples = check_int(predictive_samples, "predictive_samples", low=1)

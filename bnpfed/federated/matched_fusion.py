@@ -46,6 +46,7 @@ from bnpfed.data import Dataset
 from bnpfed.federated.clients import bayesian_client, fit_bayesian, initial_network
 from bnpfed.federated.config import BayesianConfig, FusionConfig, NetworkConfig, TrainingConfig
 from bnpfed.federated.federation import Federation
+from bnpfed.federated.fusion import check_fusion_network
 from bnpfed.federated.partition import class_counts
 from bnpfed.federated.rounds import Architecture, HoldsRounds, MatchRounds
 from bnpfed.federated.server import match_hyperparameters, matched_fusion_step
@@ -135,11 +136,9 @@ class MatchedFusionFederation(HoldsRounds, Federation):
 
     @staticmethod
     def check_network(network: NetworkConfig) -> None:
-        """Raise unless ``network`` can be matched and fused: no batch norm (its running statistics are no
-        posterior)."""
-        if network.arch.endswith("-bn"):
-            raise ValueError(f"arch: matched posterior fusion expected a network without batch norm (its running "
-                             f"statistics are no posterior), got {network.arch!r}")
+        """Raise unless ``network`` can be matched and fused: the rule of every posterior fusion
+        (:func:`~bnpfed.federated.fusion.check_fusion_network`: no batch norm)."""
+        check_fusion_network(network)
 
     def _start(self, j: int) -> BayesianClient:
         start = self.rounds.start(j)

@@ -53,6 +53,7 @@ from typing import Any, Mapping, Union
 from bnpfed.data import DATASET_NAMES, NPZ_PREFIX
 from bnpfed.federated.config import (FUSION_TRAINING, PFNM_NETWORK, PFNM_TRAINING, BayesianConfig, FusionConfig,
                                      NetworkConfig, PartitionConfig, PFNMConfig, TrainingConfig, config_dict)
+from bnpfed.federated.fusion import check_fusion_network
 from bnpfed.validation import check_choice, check_fraction, check_int, check_positive
 
 __all__ = [
@@ -393,11 +394,10 @@ def parse_run_config(config: Mapping[str, Any]) -> FlowerSettings:
 
 
 def _check_fusion(fusion: FusionConfig, network: NetworkConfig) -> None:
-    """What posterior fusion on Flower does not run: matching with batch norm, weight-wise fusion from the
-    clients' own initialisations."""
-    if fusion.align == "match" and network.arch.endswith("-bn"):
-        raise ValueError(f"arch: matched posterior fusion (align=\"match\") expected a network without batch norm "
-                         f"(its running statistics are no posterior), got {network.arch!r}")
+    """What posterior fusion on Flower does not run: a network with batch norm (the rule of every posterior fusion,
+    :func:`~bnpfed.federated.fusion.check_fusion_network`), weight-wise fusion from the clients' own
+    initialisations."""
+    check_fusion_network(network)
     if fusion.align == "none" and fusion.own_init:
         raise ValueError("own-init: expected false, or align=\"match\", on Flower (weight-wise fusion from each "
                          "client's own initialisation, the one-shot baseline, runs in process: bnpfed fuse "
