@@ -3,6 +3,6 @@
 A command parses arguments, calls the library, and prints / plots / writes results; it adds no math of its own.
 """
 
-from bnpfed.commands import demo, flower, fuse, pfnm
+from bnpfed.commands import demo, evaluate, flower, fuse, match, pfnm
 
-COMMANDS = [demo, pfnm, fuse, flower]
+COMMANDS = [demo, pfnm, fuse, match, evaluate, flower]

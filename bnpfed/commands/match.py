@@ -1,0 +1,251 @@
+"""``bnpfed match``: pre-trained local networks in, one global network file out (PFNM's own use case: the models are
+available, their data are not), through :func:`bnpfed.inference.match_by_spec` and :func:`bnpfed.saved.save_global`.
+
+Examples::
+
+    bnpfed match client0.pt client1.pt client2.pt --out global.pt          # whole modules (torch.save(net))
+    bnpfed match c*.pt --arch lenet --input-shape 1,28,28 --counts counts.json --out global.pt   # state dicts
+    bnpfed match c*.pt --module mypkg.nets:make_cnn --input-shape 3,32,32 --show-spec --out global.pt
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from bnpfed.commands import _args
+from bnpfed.commands._args import HelpFormatter, UsageError, fail, flag_message
+from bnpfed.commands.pfnm import hyper_values
+from bnpfed.federated.clients import initial_network
+from bnpfed.federated.config import ARCHITECTURES, NetworkConfig, PFNMConfig, config_dict
+from bnpfed.report import command_record, command_results, format_table, write_json
+
+PROG = "bnpfed match"
+
+
+def add_parser(sub):
+    d = PFNMConfig()
+    p = sub.add_parser(
+        "match", help="match pre-trained local networks (files) into one global network file",
+        description=_args.paragraphs(
+            "Read J trained networks of one kind (whole pickled modules, torch.save(net); or state dicts with "
+            "--arch or --module to rebuild them), derive their permutation spec and check it numerically, match "
+            "their hidden units under the Beta-Bernoulli process (PFNM; empirical Bayes by default), and write the "
+            "global network with its spec, widths per group, hyper-parameters and class shares to --out "
+            "(bnpfed.load_global(path) reads it back). The files hold pickles: match only models you trust."),
+        epilog=_args.examples(__doc__), formatter_class=HelpFormatter)
+    p.add_argument("models", nargs="+", metavar="MODEL", help="the clients' model files, one per client (J >= 2)")
+    p.add_argument("--out", required=True, metavar="PATH", help="where to write the global network (.pt)")
+    g = p.add_argument_group("the networks")
+    g.add_argument("--arch", choices=ARCHITECTURES,
+                   help="rebuild state-dict files as this bnpfed network (mlp: its widths read from each file)")
+    g.add_argument("--module", metavar="PKG.MOD:FACTORY",
+                   help="rebuild state-dict files with the user's own network: FACTORY() returns one (any widths)")
+    g.add_argument("--input-shape", type=_args.ints, metavar="C,H,W",
+                   help="the shape of one input (needed for a convolutional network; an MLP's is its first layer's "
+                   "inputs)")
+    g.add_argument("--counts", metavar="PATH",
+                   help="JSON: a J x C table of each client's training examples per class (its class shares weigh "
+                   "the output layer). Default: every client holds every class equally")
+    g.add_argument("--show-spec", action="store_true", help="print the derived permutation spec")
+    g = p.add_argument_group("matching", "as bnpfed pfnm")
+    g.add_argument("--sigma2", type=hyper_values, metavar="S[,S...]",
+                   help="local noise variance (default: estimated per group, empirical Bayes)")
+    g.add_argument("--sigma0-2", type=hyper_values, metavar="S[,S...]", help="prior variance of the global units")
+    g.add_argument("--gamma0", type=hyper_values, metavar="G[,G...]", help="IBP mass")
+    g.add_argument("--hyperparameters", choices=("empirical-bayes", "fixed"), default=d.hyperparameters,
+                   help="empirical-bayes: estimate what is not given; fixed: those not given are 1")
+    g.add_argument("--sweeps", type=int, metavar="N", help="at most this many sweeps per group")
+    g.add_argument("--seed", type=int, default=0, help="seed of the sweeps' client order, >= 0")
+    g.add_argument("--json", metavar="PATH", help="also write the widths and hyper-parameters as JSON")
+    p.set_defaults(func=run)
+
+
+# ------------------------------------------------------------------------------------------------ reading
+
+
+def _factory(spec: str):
+    module_name, _, name = spec.partition(":")
+    if not module_name or not name:
+        raise UsageError(f"--module: expected PKG.MOD:FACTORY, got {spec!r}")
+    try:
+        factory = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as error:
+        raise UsageError(f"--module: cannot import {spec!r} ({type(error).__name__}: {error})") from None
+    if not callable(factory):
+        raise UsageError(f"--module: expected a callable that returns a network, got {type(factory).__name__}")
+    return factory
+
+
+def _read(path: str):
+    """One client's file: an ``nn.Module`` or a state dict (a mapping of tensors)."""
+    file = Path(path)
+    if not file.is_file():
+        raise UsageError(f"MODEL: expected a model file, got {path!r}, which "
+                         f"{'is a folder' if file.is_dir() else 'does not exist'}")
+    try:
+        obj = torch.load(file, map_location="cpu", weights_only=False)
+    except Exception as error:
+        raise UsageError(f"MODEL: {path!r} is not a file torch.save wrote ({type(error).__name__})") from None
+    if isinstance(obj, nn.Module):
+        return obj
+    if isinstance(obj, dict) and obj and all(isinstance(k, str) and torch.is_tensor(v) for k, v in obj.items()):
+        return {k: v.detach().clone() for k, v in obj.items()}
+    raise UsageError(f"MODEL: expected a network (torch.save(net)) or its state dict in {path!r}, got "
+                     f"{type(obj).__name__}")
+
+
+def _mlp_widths(state: dict) -> tuple[int, ...]:
+    weights = [v for v in state.values() if v.dim() == 2]
+    return tuple(int(w.shape[0]) for w in weights[:-1])
+
+
+def _template(args, first, input_shape):
+    """A network of the clients' kind (the global one is built from it) and one input's shape."""
+    if isinstance(first, nn.Module):
+        net = first
+    elif args.module is not None:
+        net = _factory(args.module)()
+        if not isinstance(net, nn.Module):
+            raise UsageError(f"--module: expected FACTORY() to return a torch.nn.Module, got {type(net).__name__}")
+    else:
+        weights = [v for v in first.values() if v.dim() >= 2]
+        classes = int(weights[-1].shape[0])
+        if args.arch == "mlp":
+            shape = input_shape or (int(weights[0].shape[1]),)
+            net = initial_network(NetworkConfig(arch="mlp", hidden=_mlp_widths(first)), shape, classes, seed=0)
+            return net, shape
+        if input_shape is None:
+            raise UsageError(f"--input-shape: expected the shape of one input (C,H,W) for --arch {args.arch}")
+        net = initial_network(NetworkConfig(arch=args.arch), input_shape, classes, seed=0)
+    if input_shape is None:
+        linear = [m for m in net.modules() if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d))]
+        if not linear or not isinstance(linear[0], nn.Linear):
+            raise UsageError("--input-shape: expected the shape of one input (C,H,W) for a convolutional network")
+        input_shape = (linear[0].in_features,)
+    return net, tuple(input_shape)
+
+
+def _counts(path, J: int, C: int) -> tuple[torch.Tensor, bool]:
+    if path is None:
+        return torch.ones(J, C), False
+    try:
+        table = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as error:
+        raise UsageError(f"--counts: expected a JSON file of a J x C table, got {path!r} ({type(error).__name__})") \
+            from None
+    ok = (isinstance(table, list) and len(table) == J and all(isinstance(r, list) and len(r) == C for r in table)
+          and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+                  for r in table for v in r))
+    if not ok:
+        shape = (f"{len(table)} rows" if isinstance(table, list) else type(table).__name__)
+        raise UsageError(f"--counts: expected a {J} x {C} table (one row per MODEL, one count >= 0 per class), got "
+                         f"{shape}")
+    counts = torch.tensor(table, dtype=torch.float64)
+    if (counts.sum(1) <= 0).any():
+        raise UsageError(f"--counts: expected every client to hold some examples, got an all-zero row "
+                         f"{int(torch.nonzero(counts.sum(1) <= 0)[0])}")
+    return counts, True
+
+
+def prepare(args) -> dict:
+    """Everything that can fail on a bad argument or file, before any matching."""
+    _args.check_output_path(args.out, "--out")
+    _args.check_output_path(args.json, "--json")
+    if len(args.models) < 2:
+        raise UsageError(f"MODEL: expected at least two clients' models, got {len(args.models)}")
+    if args.arch is not None and args.module is not None:
+        raise UsageError("--module: expected either --arch or --module (how to rebuild state dicts), got both")
+    clients = [_read(path) for path in args.models]
+    kinds = {isinstance(c, nn.Module) for c in clients}
+    if len(kinds) > 1:
+        raise UsageError("MODEL: expected every file to hold the same kind (all whole networks or all state dicts), "
+                         "got both")
+    if isinstance(clients[0], nn.Module) and (args.arch or args.module):
+        raise UsageError(f"{'--arch' if args.arch else '--module'}: expected only with state-dict files (the files "
+                         "hold whole networks)")
+    if not isinstance(clients[0], nn.Module) and not (args.arch or args.module):
+        raise UsageError("--arch: expected --arch or --module to rebuild the state dicts in the MODEL files")
+    for path, client in zip(args.models, clients):
+        state = client.state_dict() if isinstance(client, nn.Module) else client
+        bad = [k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+        if bad:
+            raise UsageError(f"MODEL: {path!r} holds NaN or infinite values in {', '.join(bad[:3])}")
+    template, input_shape = _template(args, clients[0], args.input_shape)
+    from bnpfed.inference import derive_spec, verify_spec
+
+    try:
+        spec = derive_spec(template, input_shape)
+        verify_spec(template, spec, input_shape)
+    except ValueError as error:
+        raise UsageError(f"MODEL: cannot match these networks: {_args.one_line(error)}") from None
+    reference = template.state_dict()
+    for path, client in zip(args.models, clients):
+        state = client.state_dict() if isinstance(client, nn.Module) else client
+        if set(state) != set(reference):
+            raise UsageError(f"MODEL: {path!r} is another architecture than {args.models[0]!r}: parameters "
+                             f"{sorted(set(state) ^ set(reference))[:4]} differ")
+    with torch.no_grad():
+        probe = template.eval()(torch.zeros(1, *input_shape))
+    counts, given = _counts(args.counts, len(clients), int(probe.shape[-1]))
+    pfnm = PFNMConfig(sigma2=_one(args.sigma2), sigma0_2=_one(args.sigma0_2), gamma0=_one(args.gamma0),
+                      hyperparameters=args.hyperparameters, sweeps=args.sweeps)
+    if args.seed < 0:
+        raise UsageError(f"--seed: expected an integer >= 0, got {args.seed}")
+    return dict(clients=clients, template=template, input_shape=input_shape, spec=spec, counts=counts,
+                counts_given=given, pfnm=pfnm)
+
+
+def _one(values):
+    return None if values is None else (values[0] if len(values) == 1 else values)
+
+
+def run(args) -> int:
+    try:
+        plan = prepare(args)
+    except UsageError as error:
+        return fail(PROG, str(error))
+    except ValueError as error:
+        return fail(PROG, flag_message(error))
+    from bnpfed.inference import match_by_spec
+    from bnpfed.saved import save_global
+
+    spec = plan["spec"]
+    if args.show_spec:
+        print(spec)
+    try:
+        match = match_by_spec(plan["clients"], plan["counts"], spec, input_shape=plan["input_shape"],
+                              template=plan["template"], seed=args.seed, **plan["pfnm"].matcher_kwargs())
+    except ValueError as error:  # per-group values of the wrong count, and the like: named as flags
+        return fail(PROG, flag_message(error))
+    network = match.network()
+    notes = [] if plan["counts_given"] else ["no --counts: every client taken to hold every class equally"]
+    for group, result in match.layer_results.items():
+        notes += [f"{group}: {n}" for n in getattr(result, "notes", [])]
+    save_global(args.out, network, method="pfnm", spec=spec, widths=match.widths,
+                hyperparameters=match.hyperparameters, class_shares=match.class_shares, notes=notes)
+    parameters = sum(p.numel() for p in network.parameters())
+    local = [sum(p.numel() for p in (c.parameters() if isinstance(c, nn.Module) else
+                                     (v for k, v in c.items() if k in dict(plan["template"].named_parameters()))))
+             for c in plan["clients"]]
+    rows = [{"group": g, "width": w, **{k: v for k, v in match.hyperparameters.get(g, {}).items() if k != "mu0"}}
+            for g, w in match.widths.items()]
+    print(f"matched {len(plan['clients'])} networks ({plan['template'].__class__.__name__}, input "
+          f"{tuple(plan['input_shape'])}) in {match.seconds:.2f} s")
+    print(format_table(rows))
+    print(f"global network: {parameters:,} parameters (the {len(local)} local ones: {sum(local):,} together)")
+    for note in notes:
+        print(f"note: {note}")
+    print(f"wrote the global network to {args.out}")
+    if args.json:
+        settings = {"pfnm": config_dict(plan["pfnm"]), "clients": len(plan["clients"]),
+                    "input_shape": list(plan["input_shape"])}
+        write_json(args.json, command_record("match", args, settings, command_results([{
+            "rows": rows, "parameters": parameters, "local_parameters": local, "notes": notes, "out": args.out}])))
+        print(f"wrote results to {args.json}")
+    return 0

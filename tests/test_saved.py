@@ -1,0 +1,165 @@
+"""Pre-trained models in, one global model out: bnpfed match, save_global / load_global, bnpfed evaluate."""
+
+import json
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import bnpfed
+from bnpfed.cli import main
+from bnpfed.data import load_dataset
+from bnpfed.federated.clients import initial_network, train_network
+from bnpfed.federated.config import NetworkConfig, PartitionConfig, TrainingConfig
+from bnpfed.federated.partition import class_counts
+from bnpfed.inference import match_by_spec
+from bnpfed.metrics import classification_report
+from bnpfed.saved import read_global, save_global
+from user_networks import UserCNN
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_dataset("digits")
+
+
+@pytest.fixture(scope="module")
+def parts(digits):
+    return PartitionConfig(clients=3, partition="dirichlet", alpha=0.5).split(digits.y_train.numpy(), seed=0)
+
+
+def trained(make, digits, parts, epochs=3):
+    nets = []
+    for j, p in enumerate(parts):
+        torch.manual_seed(j)
+        nets.append(train_network(make(j), digits.x_train[p], digits.y_train[p], TrainingConfig(epochs=epochs),
+                                  seed=0, round=1, client=j))
+    return nets
+
+
+def bnpfed_net(arch, digits):
+    return lambda j: initial_network(NetworkConfig(arch=arch, hidden=(32,) if arch == "mlp" else None) if arch ==
+                                     "mlp" else NetworkConfig(arch=arch), digits.input_shape, 10, seed=0, client=j)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory, digits, parts):
+    """Each kind's three local models saved the two ways a user has them: whole modules and state dicts."""
+    root = tmp_path_factory.mktemp("models")
+    kinds = {"mlp": bnpfed_net("mlp", digits), "lenet": bnpfed_net("lenet", digits), "user": lambda j: UserCNN()}
+    for kind, make in kinds.items():
+        for j, net in enumerate(trained(make, digits, parts)):
+            torch.save(net, root / f"{kind}{j}.pt")
+            torch.save(net.state_dict(), root / f"{kind}{j}_state.pt")
+    (root / "counts.json").write_text(json.dumps(class_counts(digits.y_train.numpy(), parts, 10).tolist()))
+    return root
+
+
+def files(folder, kind, state=False):
+    return [str(folder / f"{kind}{j}{'_state' if state else ''}.pt") for j in range(3)]
+
+
+@pytest.mark.parametrize("kind", ["mlp", "lenet", "user"])
+def test_a_saved_global_network_loads_back_and_predicts_the_same(kind, folder, tmp_path, digits):
+    nets = [torch.load(f, weights_only=False) for f in files(folder, kind)]
+    match = match_by_spec(nets, torch.ones(3, 10), input_shape=digits.input_shape, seed=0)
+    net = match.network().eval()
+    path = save_global(tmp_path / "g.pt", net, method="pfnm", spec=match.spec, widths=match.widths,
+                       hyperparameters=match.hyperparameters, class_shares=match.class_shares)
+    loaded = bnpfed.load_global(path)
+    with torch.no_grad():
+        assert_close(loaded(digits.x_test), net(digits.x_test), rtol=0, atol=0)
+    saved = read_global(path)
+    assert saved.widths == match.widths and saved.spec == str(match.spec) and len(saved.class_shares) == 3
+    raw = torch.load(path, weights_only=False)  # torch alone reads it: the module, or its state dict
+    assert isinstance(raw["module"], torch.nn.Module) and set(raw["state_dict"]) == set(net.state_dict())
+
+
+@pytest.mark.parametrize("kind, extra", [
+    ("mlp", []),
+    ("lenet", ["--input-shape", "1,8,8"]),  # a convolutional network's input shape is not in its weights
+    ("user", ["--input-shape", "1,8,8"]),
+    ("mlp-state", ["--arch", "mlp"]),
+    ("lenet-state", ["--arch", "lenet", "--input-shape", "1,8,8"]),
+    ("user-state", ["--module", "user_networks:make", "--input-shape", "1,8,8"]),
+])
+def test_bnpfed_match_writes_the_global_network_that_match_by_spec_builds(kind, extra, folder, tmp_path, digits,
+                                                                         capsys):
+    name, state = kind.split("-")[0], kind.endswith("-state")
+    out = tmp_path / "global.pt"
+    counts = str(folder / "counts.json")
+    assert main(["match", *files(folder, name, state), *extra, "--counts", counts, "--out", str(out),
+                 "--json", str(tmp_path / "m.json")]) == 0
+    text = capsys.readouterr().out
+    assert f"wrote the global network to {out}" in text and "no --counts" not in text
+    nets = [torch.load(f, weights_only=False) for f in files(folder, name)]
+    expected = match_by_spec(nets, torch.tensor(json.loads((folder / "counts.json").read_text())),
+                             input_shape=digits.input_shape, seed=0).network().eval()
+    loaded = bnpfed.load_global(out)
+    with torch.no_grad():
+        assert_close(loaded(digits.x_test), expected(digits.x_test))
+    record = json.loads((tmp_path / "m.json").read_text())
+    assert record["command"] == "match" and record["results"]["runs"][0]["rows"]
+
+
+def test_bnpfed_match_says_when_it_had_no_class_counts(folder, tmp_path, capsys):
+    assert main(["match", *files(folder, "mlp"), "--out", str(tmp_path / "g.pt")]) == 0
+    assert "note: no --counts: every client taken to hold every class equally" in capsys.readouterr().out
+    assert any("no --counts" in n for n in read_global(tmp_path / "g.pt").notes)
+
+
+@pytest.fixture
+def bad(folder, tmp_path):
+    (tmp_path / "text.pt").write_text("not a model")
+    torch.save([1, 2], tmp_path / "list.pt")
+    nan = torch.load(folder / "mlp0_state.pt")
+    next(v for v in nan.values() if v.dim() == 2)[0, 0] = float("nan")
+    torch.save(nan, tmp_path / "nan.pt")
+    (tmp_path / "counts_short.json").write_text(json.dumps([[1] * 10] * 2))
+    (tmp_path / "counts_negative.json").write_text(json.dumps([[1] * 9 + [-1]] * 3))
+    return tmp_path
+
+
+@pytest.mark.parametrize("argv, message", [
+    (lambda f, b: [str(b / "text.pt"), *files(f, "mlp")[1:]], r"MODEL: .*text\.pt' is not a file torch\.save wrote"),
+    (lambda f, b: [str(b / "list.pt"), *files(f, "mlp")[1:]], r"MODEL: expected a network .* got list"),
+    (lambda f, b: [str(b / "missing.pt"), *files(f, "mlp")[1:]], r"MODEL: .*does not exist"),
+    (lambda f, b: files(f, "mlp")[:1], r"MODEL: expected at least two"),
+    (lambda f, b: [*files(f, "mlp")[:2], files(f, "lenet")[2]], r"MODEL: .* is another architecture"),
+    (lambda f, b: [*files(f, "mlp")[:2], files(f, "mlp", True)[2]], r"MODEL: expected every file to hold the same"),
+    (lambda f, b: [str(b / "nan.pt"), *files(f, "mlp", True)[1:], "--arch", "mlp"], r"MODEL: .* NaN"),
+    (lambda f, b: [*files(f, "mlp"), "--arch", "mlp"], r"--arch: expected only with state-dict files"),
+    (lambda f, b: files(f, "mlp", True), r"--arch: expected --arch or --module"),
+    (lambda f, b: [*files(f, "lenet", True), "--arch", "lenet"], r"--input-shape: expected the shape of one input"),
+    (lambda f, b: [*files(f, "mlp"), "--counts", str(b / "counts_short.json")], r"--counts: expected a 3 x 10 table"),
+    (lambda f, b: [*files(f, "mlp"), "--counts", str(b / "counts_negative.json")], r"--counts: expected a 3 x 10"),
+    (lambda f, b: [*files(f, "user", True), "--module", "user_networks:nothing", "--input-shape", "1,8,8"],
+     r"--module: cannot import"),
+    (lambda f, b: [*files(f, "mlp"), "--sigma2", "0.1,0.2"], r"--sigma2"),
+])
+def test_bad_input_to_bnpfed_match_is_named_before_any_matching(argv, message, folder, bad, capsys, monkeypatch):
+    import bnpfed.inference as inference
+
+    called = []
+    if message != "--sigma2":
+        monkeypatch.setattr(inference, "match_by_spec", lambda *a, **k: called.append(1))
+    assert main(["match", *argv(folder, bad), "--out", str(bad / "g.pt")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("bnpfed match: error: ") and err.count("\n") == 1, err
+    import re
+    assert re.search(message, err), err
+    assert not called and not (bad / "g.pt").exists()
+
+
+def test_bnpfed_evaluate_reports_the_loaded_networks_metrics(folder, tmp_path, digits, capsys):
+    out = tmp_path / "g.pt"
+    assert main(["match", *files(folder, "lenet"), "--input-shape", "1,8,8", "--out", str(out)]) == 0
+    assert main(["evaluate", str(out), "--dataset", "digits", "--json", str(tmp_path / "e.json")]) == 0
+    (row,) = json.loads((tmp_path / "e.json").read_text())["results"]["runs"][0]["rows"]
+    with torch.no_grad():
+        expected = classification_report(bnpfed.load_global(out)(digits.x_test).softmax(-1).double(),
+                                         digits.y_test, n_bins=15)
+    for key, value in expected.items():
+        assert row[key] == pytest.approx(value, rel=1e-9), key
+    assert main(["evaluate", str(folder / "counts.json"), "--dataset", "digits"]) == 2
+    assert "MODEL:" in capsys.readouterr().err

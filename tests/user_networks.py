@@ -1,0 +1,20 @@
+"""A network a user wrote with their own code (not one of bnpfed's): conv, batch norm, pooling, flatten, linear."""
+
+from torch import nn
+
+
+class UserCNN(nn.Module):
+    def __init__(self, channels: int = 6, hidden: int = 24, classes: int = 10):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(1, channels, 3, padding=1), nn.BatchNorm2d(channels), nn.ReLU(),
+                                      nn.MaxPool2d(2))
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(channels * 4 * 4, hidden), nn.ReLU(),
+                                  nn.Linear(hidden, classes))
+
+    def forward(self, x):
+        return self.head(self.features(x))
+
+
+def make():
+    """The factory ``bnpfed match --module user_networks:make`` calls."""
+    return UserCNN()
