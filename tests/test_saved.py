@@ -163,3 +163,30 @@ def test_bnpfed_evaluate_reports_the_loaded_networks_metrics(folder, tmp_path, d
         assert row[key] == pytest.approx(value, rel=1e-9), key
     assert main(["evaluate", str(folder / "counts.json"), "--dataset", "digits"]) == 2
     assert "MODEL:" in capsys.readouterr().err
+
+
+def test_bnpfed_pfnm_save_global_writes_every_global_network_its_methods_built(tmp_path, capsys):
+    out, folder = tmp_path / "pfnm.json", tmp_path / "globals"
+    methods = ["pfnm", "kmeans", "fedavg-oneshot", "fedavg", "pfnm-rounds"]
+    assert main(["pfnm", "--clients", "3", "--epochs", "1", "--round-epochs", "1", "--hidden", "16", "--rounds", "2",
+                 "--no-progress", "--methods", ",".join(["local", *methods]), "--json", str(out),
+                 "--save-global", str(folder)]) == 0
+    assert f"wrote 5 global network(s) to {folder}" in capsys.readouterr().out
+    rows = {r["method"]: r for r in json.loads(out.read_text())["results"]["runs"][0]["rows"]}
+    digits = load_dataset("digits", standardize=False)  # as bnpfed pfnm feeds them
+    for method in methods:
+        saved = read_global(folder / f"{method}.pt")
+        assert saved.method == method
+        with torch.no_grad():
+            accuracy = float((saved.network(digits.x_test).argmax(-1) == digits.y_test).double().mean())
+        assert accuracy == pytest.approx(rows[method]["accuracy"], abs=1e-9), method  # the network the row scored
+        assert sum(p.numel() for p in saved.network.parameters()) == rows[method]["parameters"]
+    assert read_global(folder / "pfnm.pt").widths and read_global(folder / "pfnm.pt").spec
+
+
+def test_save_global_is_refused_where_no_network_is_kept(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    assert main(["pfnm", "--width-sweep", "--save-global", str(tmp_path)]) == 2
+    assert "--save-global: expected only without --width-sweep" in capsys.readouterr().err
+    assert main(["pfnm", "--save-global", str(tmp_path / "file")]) == 2
+    assert "--save-global: expected a folder" in capsys.readouterr().err

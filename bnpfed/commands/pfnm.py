@@ -16,6 +16,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from dataclasses import asdict
 
 import torch
@@ -28,6 +29,7 @@ from bnpfed.federated.config import (ARCHITECTURES, INITIALISATIONS, PFNM_NETWOR
                                      NetworkConfig, PFNMConfig, config_dict)
 from bnpfed.federated.methods import ExperimentConfig
 from bnpfed.inference import derive_spec
+from bnpfed.saved import save_global
 from bnpfed.report import (command_record, command_results, format_table, line_styles, pyplot, save_figure,
                            write_json)
 from bnpfed.validation import check_positives
@@ -165,10 +167,14 @@ def add_parser(sub):
                    "clients' on digits)")
     g.add_argument("--sweep-gamma0", type=_args.floats, metavar="G,G,...",
                    help=f"gamma0 values of the sweep (--width-sweep only; default: {','.join(map(str, SWEEP_GAMMA0))})")
-    _args.add_output_arguments(p, threads=1, json_help="write the flags, settings, versions and results as JSON",
+    g = _args.add_output_arguments(p, threads=1, json_help="write the flags, settings, versions and results as JSON",
                                plot_help="write a figure (PNG): accuracy and global width per method (one round), "
                                "per round (--rounds > 1), against J (several --clients) or against width "
                                "(--width-sweep)")
+    g.add_argument("--save-global", metavar="DIR",
+                   help="write every global network a method built (pfnm, pfnm-rounds, kmeans, fedma, fedavg, "
+                   "fedavg-oneshot) to DIR/<method>.pt (DIR/J<J>/<method>.pt with several --clients), each readable "
+                   "by bnpfed.load_global and bnpfed evaluate")
     p.set_defaults(func=run)
 
 
@@ -209,6 +215,13 @@ def prepare(args) -> dict:
         raise UsageError(f"--clients: expected each J at most once, got {','.join(map(str, args.clients))}")
     if args.width_sweep and len(args.clients) > 1:
         raise UsageError(f"--clients: expected one J with --width-sweep, got {','.join(map(str, args.clients))}")
+    if args.save_global is not None:
+        if args.width_sweep:
+            raise UsageError("--save-global: expected only without --width-sweep (the sweep keeps no network)")
+        folder = Path(args.save_global)
+        if folder.exists() and not folder.is_dir():
+            raise UsageError(f"--save-global: expected a folder, got {args.save_global!r}, which is a file")
+        _args.check_output_path(str(folder / "probe.pt"), "--save-global")
     if args.width_sweep and args.rounds is not None:
         raise UsageError(f"--rounds: expected only without --width-sweep (the sweep matches the first round's local "
                          f"models), got --rounds {args.rounds}")
@@ -298,6 +311,14 @@ def run(args) -> int:
     if args.json:
         write_json(args.json, command_record("pfnm", args, settings, payload))
         print(f"wrote results to {args.json}")
+    if args.save_global is not None:
+        for partition, result in zip(partitions, results):
+            folder = Path(args.save_global) / (f"J{partition.clients}" if len(partitions) > 1 else "")
+            for method, kept in result.global_models.items():
+                kept = dict(kept)
+                save_global(folder / f"{method}.pt", kept.pop("network"), method=method, **kept)
+            print(f"wrote {len(result.global_models)} global network(s) to {folder}: "
+                  f"{', '.join(f'{m}.pt' for m in result.global_models)}")
     if args.plot:
         title = _title(dataset.name, partitions, plan)
         by = "width" if plan["network"].arch == "mlp" else "parameters"

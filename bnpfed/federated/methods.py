@@ -281,6 +281,7 @@ class ExperimentResult:
     warnings: list[str] = field(default_factory=list)
     local_models: list = field(default_factory=list, repr=False)
     class_counts: Optional[np.ndarray] = field(default=None, repr=False)
+    global_models: dict = field(default_factory=dict, repr=False)
 
     def row(self, method: str) -> MethodResult:
         """The row named ``method``."""
@@ -358,6 +359,8 @@ class Experiment:
         self.client_data = [(dataset.x_train[torch.as_tensor(i)], dataset.y_train[torch.as_tensor(i)])
                             for i in self.parts]
         self.warnings: list[str] = []
+        #: method -> the global network it built and what describes it (:meth:`keep`)
+        self.global_models: dict[str, dict] = {}
         self.log = log
         self._progress = progress
         self._bar = None  # the progress bar, made by the first phase
@@ -394,6 +397,15 @@ class Experiment:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+
+    def keep(self, method: str, net: nn.Module, match: Optional[SpecMatch] = None) -> None:
+        """Record the deterministic global network ``method`` built (and the match it came from, if any): what
+        ``bnpfed pfnm --save-global`` writes (:func:`bnpfed.saved.save_global`)."""
+        kept = {"network": net}
+        if match is not None:
+            kept.update(spec=match.spec, widths=match.widths, hyperparameters=match.hyperparameters,
+                        class_shares=match.class_shares)
+        self.global_models[method] = kept
 
     def warn(self, message: str) -> None:
         if message not in self.warnings:
@@ -590,6 +602,7 @@ def _fedavg_oneshot(experiment: Experiment) -> MethodResult:
     net = fedavg_network(models, [len(p) for p in experiment.parts])
     seconds = time.perf_counter() - t0
     experiment.reestimate(net)
+    experiment.keep("fedavg-oneshot", net)
     shared = experiment.network.shared_init
     return MethodResult.from_metrics("fedavg-oneshot", experiment.evaluate_network(net),
                                      hidden=network_widths(net, experiment.input_shape),
@@ -603,6 +616,7 @@ def _fedavg(experiment: Experiment) -> MethodResult:
                               fraction=experiment.fusion.fraction, ece_bins=experiment.config.ece_bins)
     row = experiment.federation_row(federation, experiment.config.rounds, note="shared init")
     net = federation.global_model.net
+    experiment.keep("fedavg", net)
     row.hidden, row.parameters = network_widths(net, experiment.input_shape), count_parameters(net)
     return row
 
@@ -611,6 +625,7 @@ def _pfnm(experiment: Experiment) -> MethodResult:
     selection = experiment.selection()
     match = selection.match
     net = match.network()
+    experiment.keep("pfnm", net, match)
     if selection.by == "none":
         how = "hyper-parameters given" if selection.config.fixed else "hyper-parameters by empirical Bayes"
     else:
@@ -632,7 +647,9 @@ def _pfnm_federation(experiment: Experiment, layerwise_retrain: int) -> PFNMFede
 def _pfnm_rounds(experiment: Experiment) -> MethodResult:
     federation = _pfnm_federation(experiment, 0)
     start = "warm" if federation.pfnm.warm_start else "cold"
-    return experiment.federation_row(federation, experiment.config.rounds, note=f"{start}-started matching")
+    row = experiment.federation_row(federation, experiment.config.rounds, note=f"{start}-started matching")
+    experiment.keep("pfnm-rounds", federation.match.network(), federation.match)
+    return row
 
 
 def fedma_epochs(experiment: Experiment) -> int:
@@ -647,6 +664,7 @@ def _fedma(experiment: Experiment, rounds: int, name: str) -> MethodResult:
     federation.method = name
     row = experiment.federation_row(federation, rounds, note=f"layer-wise, {epochs} retraining epoch(s) a layer")
     row.hyperparameters = match_hyperparameters(federation.match)
+    experiment.keep(name, federation.match.network(), federation.match)
     return row
 
 
@@ -654,7 +672,9 @@ def _kmeans(experiment: Experiment) -> MethodResult:
     widths = experiment.selection().match.hidden_sizes
     match = kmeans_networks(experiment.local_models(), experiment.class_counts, widths, seed=experiment.seed,
                             input_shape=experiment.input_shape)
-    net = experiment.reestimate(match).network()
+    match = experiment.reestimate(match)
+    net = match.network()
+    experiment.keep("kmeans", net, match)
     return MethodResult.from_metrics("kmeans", experiment.evaluate_network(net), hidden=match.hidden_sizes,
                                      parameters=count_parameters(net), server_seconds=match.seconds,
                                      note="at PFNM's width")
@@ -791,7 +811,8 @@ def run_experiment(dataset: Dataset, *, progress: bool = False, log: Optional[Ca
     accuracies = [experiment.evaluate_network(n)["accuracy"] for n in local]
     return ExperimentResult(settings=experiment.settings(), rows=rows, client_sizes=[len(p) for p in experiment.parts],
                             local_accuracies=accuracies, selection=experiment._selection,
-                            warnings=experiment.warnings, local_models=local, class_counts=experiment.class_counts)
+                            warnings=experiment.warnings, local_models=local, class_counts=experiment.class_counts,
+                            global_models=experiment.global_models)
 
 
 def width_sweep(dataset: Dataset, *, sigma2: Sequence[float], gamma0: Sequence[float],
