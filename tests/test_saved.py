@@ -102,10 +102,22 @@ def test_bnpfed_match_writes_the_global_network_that_match_by_spec_builds(kind, 
     assert record["command"] == "match" and record["results"]["runs"][0]["rows"]
 
 
-def test_bnpfed_match_says_when_it_had_no_class_counts(folder, tmp_path, capsys):
+def test_bnpfed_match_without_counts_estimates_the_class_shares_and_says_so(folder, tmp_path, capsys, digits):
+    from bnpfed.inference import derive_spec
+    from bnpfed.inference.class_shares import estimate_class_shares
+
     assert main(["match", *files(folder, "mlp"), "--out", str(tmp_path / "g.pt")]) == 0
-    assert "note: no --counts: every client taken to hold every class equally" in capsys.readouterr().out
-    assert any("no --counts" in n for n in read_global(tmp_path / "g.pt").notes)
+    assert "note: no --counts: each client's class shares estimated" in capsys.readouterr().out
+    saved = read_global(tmp_path / "g.pt")
+    assert saved.class_shares_estimated and any("no --counts" in n for n in saved.notes)
+    nets = [torch.load(f, weights_only=False) for f in files(folder, "mlp")]
+    estimated = estimate_class_shares(nets, derive_spec(nets[0], digits.input_shape))
+    expected = match_by_spec(nets, estimated, input_shape=digits.input_shape, seed=0).network().eval()
+    with torch.no_grad():
+        assert_close(saved.network(digits.x_test), expected(digits.x_test))
+    assert main(["match", *files(folder, "mlp"), "--counts", "uniform", "--out", str(tmp_path / "u.pt")]) == 0
+    assert "--counts uniform: every client taken to hold every class equally" in capsys.readouterr().out
+    assert not read_global(tmp_path / "u.pt").class_shares_estimated
 
 
 @pytest.fixture

@@ -51,7 +51,8 @@ def add_parser(sub):
                    "inputs)")
     g.add_argument("--counts", metavar="PATH",
                    help="JSON: a J x C table of each client's training examples per class (its class shares weigh "
-                   "the output layer). Default: every client holds every class equally")
+                   "the output layer), or 'uniform' (every client holds every class equally). Default: estimated "
+                   "from each network's own output layer (bnpfed.inference.class_shares), and the result says so")
     g.add_argument("--show-spec", action="store_true", help="print the derived permutation spec")
     g = p.add_argument_group("matching", "as bnpfed pfnm")
     g.add_argument("--sigma2", type=hyper_values, metavar="S[,S...]",
@@ -131,9 +132,13 @@ def _template(args, first, input_shape):
     return net, tuple(input_shape)
 
 
-def _counts(path, J: int, C: int) -> tuple[torch.Tensor, bool]:
+def _counts(path, J: int, C: int) -> tuple[torch.Tensor | None, str]:
+    """The class counts and where they came from: ``"given"``, ``"uniform"`` or ``"estimated"`` (None: estimated
+    once the spec is known)."""
     if path is None:
-        return torch.ones(J, C), False
+        return None, "estimated"
+    if path == "uniform":
+        return torch.ones(J, C), "uniform"
     try:
         table = json.loads(Path(path).read_text())
     except (OSError, ValueError) as error:
@@ -150,7 +155,7 @@ def _counts(path, J: int, C: int) -> tuple[torch.Tensor, bool]:
     if (counts.sum(1) <= 0).any():
         raise UsageError(f"--counts: expected every client to hold some examples, got an all-zero row "
                          f"{int(torch.nonzero(counts.sum(1) <= 0)[0])}")
-    return counts, True
+    return counts, "given"
 
 
 def prepare(args) -> dict:
@@ -178,6 +183,7 @@ def prepare(args) -> dict:
             raise UsageError(f"MODEL: {path!r} holds NaN or infinite values in {', '.join(bad[:3])}")
     template, input_shape = _template(args, clients[0], args.input_shape)
     from bnpfed.inference import derive_spec, verify_spec
+    from bnpfed.inference.class_shares import estimate_class_shares
 
     try:
         spec = derive_spec(template, input_shape)
@@ -192,13 +198,15 @@ def prepare(args) -> dict:
                              f"{sorted(set(state) ^ set(reference))[:4]} differ")
     with torch.no_grad():
         probe = template.eval()(torch.zeros(1, *input_shape))
-    counts, given = _counts(args.counts, len(clients), int(probe.shape[-1]))
+    counts, source = _counts(args.counts, len(clients), int(probe.shape[-1]))
+    if counts is None:
+        counts = estimate_class_shares(clients, spec)
     pfnm = PFNMConfig(sigma2=_one(args.sigma2), sigma0_2=_one(args.sigma0_2), gamma0=_one(args.gamma0),
                       hyperparameters=args.hyperparameters, sweeps=args.sweeps)
     if args.seed < 0:
         raise UsageError(f"--seed: expected an integer >= 0, got {args.seed}")
     return dict(clients=clients, template=template, input_shape=input_shape, spec=spec, counts=counts,
-                counts_given=given, pfnm=pfnm)
+                counts_source=source, pfnm=pfnm)
 
 
 def _one(values):
@@ -224,11 +232,14 @@ def run(args) -> int:
     except ValueError as error:  # per-group values of the wrong count, and the like: named as flags
         return fail(PROG, flag_message(error))
     network = match.network()
-    notes = [] if plan["counts_given"] else ["no --counts: every client taken to hold every class equally"]
+    notes = {"given": [], "uniform": ["--counts uniform: every client taken to hold every class equally"],
+             "estimated": ["no --counts: each client's class shares estimated from its own output layer "
+                           "(bnpfed.inference.class_shares; give --counts when you have them)"]}[plan["counts_source"]]
     for group, result in match.layer_results.items():
         notes += [f"{group}: {n}" for n in getattr(result, "notes", [])]
     save_global(args.out, network, method="pfnm", spec=spec, widths=match.widths,
-                hyperparameters=match.hyperparameters, class_shares=match.class_shares, notes=notes)
+                hyperparameters=match.hyperparameters, class_shares=match.class_shares,
+                class_shares_estimated=plan["counts_source"] == "estimated", notes=notes)
     parameters = sum(p.numel() for p in network.parameters())
     local = [sum(p.numel() for p in (c.parameters() if isinstance(c, nn.Module) else
                                      (v for k, v in c.items() if k in dict(plan["template"].named_parameters()))))
