@@ -202,3 +202,19 @@ def test_save_global_is_refused_where_no_network_is_kept(tmp_path, capsys):
     assert "--save-global: expected only without --width-sweep" in capsys.readouterr().err
     assert main(["pfnm", "--save-global", str(tmp_path / "file")]) == 2
     assert "--save-global: expected a folder" in capsys.readouterr().err
+
+
+def test_bnpfed_evaluate_adds_the_ood_auroc_with_another_dataset(folder, tmp_path):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    ood = tmp_path / "noise.npz"
+    np.savez(ood, x_train=rng.random((20, 1, 8, 8)).astype(np.float32), y_train=np.arange(20) % 2,
+             x_test=rng.random((30, 1, 8, 8)).astype(np.float32), y_test=np.arange(30) % 2)
+    out = tmp_path / "g.pt"
+    assert main(["match", *files(folder, "mlp"), "--out", str(out)]) == 0
+    assert main(["evaluate", str(out), "--dataset", "digits", "--ood", f"npz:{ood}", "--json",
+                 str(tmp_path / "e.json")]) == 0
+    (row,) = json.loads((tmp_path / "e.json").read_text())["results"]["runs"][0]["rows"]
+    assert 0.5 < row["auroc_max_prob"] <= 1 and 0.5 < row["auroc_entropy"] <= 1  # noise is told apart
+    assert main(["evaluate", str(out), "--dataset", "digits", "--ood-data-dir", str(tmp_path)]) == 2
