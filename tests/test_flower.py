@@ -69,6 +69,19 @@ def test_pfnm_on_flower_is_the_in_process_federation_bit_for_bit(extra):
         assert not all(k in result.arrays and np.array_equal(result.arrays[k], v) for k, v in cold.items())
 
 
+@pytest.mark.parametrize("config", [PFNM, CNN_BN], ids=["mlp", "simple-cnn-bn"])
+def test_the_flower_apps_pfnm_output_is_a_global_network_file_bnpfed_loads(config, tmp_path):
+    import bnpfed
+
+    result = run_federation(LocalGrid(client_app, CLIENTS), {**config, "output-dir": str(tmp_path)})
+    reference = in_process(config)
+    net = bnpfed.load_global(tmp_path / "pfnm-global.pt")
+    assert {k: v.numpy() for k, v in net.state_dict().items()}.keys() == result.arrays.keys()
+    x = reference.dataset.x_test
+    with torch.no_grad():
+        assert torch.equal(net(x), reference.match.network().eval()(x))  # the in-process global network
+
+
 def test_cifar10_from_its_jpeg_container_runs_on_flower_as_in_process(tmp_path):
     """Every SuperNode reads CIFAR-10 from the JPEG container in its data-dir: FedMA's simple-cnn matched on Flower
     is the in-process federation on the same data, bit for bit."""

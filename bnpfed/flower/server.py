@@ -30,14 +30,18 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
+import torch
 from flwr.app import ArrayRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
+from bnpfed.federated.clients import initial_network
 from bnpfed.flower.client import initial_global_model
 from bnpfed.flower.config import FlowerSettings, parse_run_config
 from bnpfed.flower.records import from_array_record
 from bnpfed.flower.strategies import LOGGER, MatchedFusionStrategy, PFNMStrategy, PosteriorFusionStrategy
+from bnpfed.inference.permutation import network_from_state
 from bnpfed.report import command_record, command_results, write_json
+from bnpfed.saved import save_global
 
 __all__ = ["FederationResult", "app", "make_server_app", "run_federation"]
 
@@ -103,6 +107,10 @@ def run_federation(grid: Grid, config: Mapping[str, Any]) -> FederationResult:
         write_json(out / f"{run.method}-summary.json",
                    command_record("flower run", config, settings.as_dict(), result.results()))
         np.savez(out / f"{run.method}-global.npz", **result.arrays)
+        if run.method == "pfnm":  # the global network itself, for bnpfed.load_global / bnpfed evaluate
+            template = initial_network(settings.network, identity.input_shape, identity.num_classes, seed=run.seed)
+            net = network_from_state(template, {k: torch.as_tensor(v) for k, v in result.arrays.items()})
+            save_global(out / "pfnm-global.pt", net, method="pfnm", notes=[f"Flower run, {run.rounds} round(s)"])
     return result
 
 
