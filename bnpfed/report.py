@@ -39,7 +39,8 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 __all__ = ["RECORD_SCHEMA", "CommandRecord", "command_record", "command_results", "format_table", "json_safe",
-           "line_styles", "pyplot", "read_record", "round_records", "save_figure", "versions", "write_json"]
+           "line_styles", "plural", "pyplot", "read_record", "round_records", "save_figure", "versions",
+           "write_json"]
 
 
 def _cell(value: Any, digits: int) -> str:
@@ -52,6 +53,11 @@ def _cell(value: Any, digits: int) -> str:
     if isinstance(value, (list, tuple)):
         return "-".join(str(v) for v in value)
     return str(value)
+
+
+def plural(n: int, word: str) -> str:
+    """``"1 round"``, ``"3 rounds"``."""
+    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 def format_table(rows: Sequence[dict], columns: Sequence[str] | None = None, *, digits: int = 4) -> str:

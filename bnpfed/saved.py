@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from bnpfed.report import json_safe, versions
 
-__all__ = ["FORMAT", "SavedGlobal", "load_global", "read_global", "save_global"]
+__all__ = ["FORMAT", "SavedGlobal", "load_global", "load_torch_file", "read_global", "save_global"]
 
 #: The layout of a saved global network (the module docstring); a file of another layout is refused.
 FORMAT = "bnpfed-global/1"
@@ -107,20 +107,29 @@ class SavedGlobal:
     versions: dict = field(default_factory=dict)
 
 
+def load_torch_file(path: str | Path, *, name: str, what: str):
+    """What ``torch.load(path, weights_only=False)`` reads (on the CPU), or a ``ValueError`` starting ``name:``
+    when ``path`` is no file (``what``: the file expected) or no file ``torch.save`` wrote. It unpickles: only for
+    files the user trusts."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{name}: expected {what}, got {str(path)!r}, which "
+                         f"{'is a folder' if path.is_dir() else 'does not exist'}")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as error:  # a zip that is no torch file, a text file, a truncated download: one message
+        raise ValueError(f"{name}: {str(path)!r} is not a file torch.save wrote ({type(error).__name__}: "
+                         f"{str(error).splitlines()[0] if str(error) else ''})") from None
+
+
 def read_global(path: str | Path) -> SavedGlobal:
     """Read a file :func:`save_global` wrote, or raise a ``ValueError`` naming the path and what is wrong with it.
 
     The file holds a pickled module: read only files you trust (as with any ``torch.load(weights_only=False)``).
     """
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"path: expected a global model file written by bnpfed (save_global, bnpfed match), got "
-                         f"{str(path)!r}, which {'is a folder' if path.is_dir() else 'does not exist'}")
-    try:
-        record = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as error:  # a zip that is no torch file, a text file, a truncated download: one message
-        raise ValueError(f"path: {str(path)!r} is not a file torch.save wrote ({type(error).__name__}: "
-                         f"{str(error).splitlines()[0] if str(error) else ''})") from None
+    record = load_torch_file(path, name="path", what="a global model file written by bnpfed (save_global, bnpfed "
+                             "match)")
     if not isinstance(record, Mapping) or record.get("format") != FORMAT:
         found = record.get("format") if isinstance(record, Mapping) else type(record).__name__
         raise ValueError(f"path: expected a bnpfed global model (format {FORMAT!r}) in {str(path)!r}, got "

@@ -29,8 +29,12 @@ import textwrap
 from pathlib import Path
 from typing import Collection, Mapping, Optional
 
-from bnpfed.data import CIFAR10_JPEG, DATASET_NAMES, NPZ_FORMAT, NPZ_PREFIX, Dataset, load_dataset
+from torch import Tensor
+
+from bnpfed.data import (CIFAR10_JPEG, DATASET_NAMES, NPZ_FORMAT, NPZ_PREFIX, Dataset, load_dataset,
+                         standardize_together)
 from bnpfed.inference import TrainingDiverged
+from bnpfed.report import plural
 from bnpfed.federated.config import PARTITION_ALIASES, PARTITIONS, PartitionConfig, TrainingConfig
 
 __all__ = [
@@ -126,11 +130,6 @@ def examples(doc: str, *notes: str) -> str:
     it stands."""
     block = doc.split("Examples::\n\n", 1)[1].rstrip() + "\n"
     return (paragraphs(*notes) + "\n\n" if notes else "") + "examples:\n" + block
-
-
-def plural(n: int, word: str) -> str:
-    """``"1 round"``, ``"3 rounds"``."""
-    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 def round_log(progress: bool):
@@ -419,3 +418,33 @@ def load_data(args, *, standardize: bool) -> Dataset:
     except (ValueError, ImportError, OSError) as error:
         raise UsageError(flag_message(error, aliases={"name": "--dataset"}, fields=("data_dir", "num_classes"),
                                         default="--dataset")) from None
+
+
+def check_ood_flags(args) -> None:
+    """``--ood`` another dataset than ``--dataset``; ``--ood-data-dir`` only with ``--ood``."""
+    if args.ood is not None and args.ood == args.dataset:
+        raise UsageError(f"--ood: expected another dataset than --dataset ({args.dataset})")
+    if args.ood_data_dir is not None and args.ood is None:
+        raise UsageError("--ood-data-dir: expected only with --ood (the folder of its dataset)")
+
+
+def load_data_and_ood(args, *, standardize: bool) -> tuple[Dataset, Optional[Tensor]]:
+    """``--dataset`` (:func:`load_data`) and, with ``--ood``, the other dataset's test inputs as out-of-distribution
+    inputs (read from ``--ood-data-dir``, default ``--data-dir``; of ``--dataset``'s input shape), both standardised
+    with ``--dataset``'s training constants when ``standardize``; ``(dataset, None)`` without ``--ood``."""
+    if args.ood is None:
+        return load_data(args, standardize=standardize), None
+    dataset = load_data(args, standardize=False)
+    folder = args.data_dir if args.ood_data_dir is None else args.ood_data_dir
+    try:
+        other = load_data(argparse.Namespace(**{**vars(args), "dataset": args.ood, "data_dir": folder,
+                                                "num_classes": None}), standardize=False)
+    except UsageError as error:
+        raise UsageError("--ood: " + str(error).split(": ", 1)[-1]) from None
+    if tuple(other.input_shape) != tuple(dataset.input_shape):
+        raise UsageError(f"--ood: expected images of the shape of --dataset's {tuple(dataset.input_shape)}, got "
+                         f"{tuple(other.input_shape)} ({args.ood})")
+    if not standardize:
+        return dataset, other.x_test
+    dataset, (ood,) = standardize_together(dataset, other.x_test)
+    return dataset, ood

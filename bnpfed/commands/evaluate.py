@@ -10,14 +10,11 @@ Examples::
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
 from bnpfed.commands import _args
 from bnpfed.commands._args import HelpFormatter, UsageError, fail, flag_message
-from bnpfed.data import standardize_together
-from bnpfed.metrics import classification_report, expected_calibration_error, ood_auroc
+from bnpfed.metrics import classification_report, count_parameters, expected_calibration_error, ood_auroc
 from bnpfed.report import command_record, command_results, format_table, write_json
 
 PROG = "bnpfed evaluate"
@@ -48,29 +45,14 @@ def prepare(args) -> dict:
     _args.check_output_path(args.json, "--json")
     if args.ece_bins < 1:
         raise UsageError(f"--ece-bins: expected an integer >= 1, got {args.ece_bins}")
-    if args.ood_data_dir is not None and args.ood is None:
-        raise UsageError("--ood-data-dir: expected only with --ood (the folder of its dataset)")
-    if args.ood is not None and args.ood == args.dataset:
-        raise UsageError(f"--ood: expected another dataset than --dataset ({args.dataset})")
+    _args.check_ood_flags(args)
     from bnpfed.saved import read_global
 
     try:
         saved = read_global(args.model)
     except ValueError as error:
         raise UsageError(f"MODEL: {str(error).split(': ', 1)[-1]}") from None
-    dataset = _args.load_data(args, standardize=args.standardize and args.ood is None)
-    ood = None
-    if args.ood is not None:
-        folder = args.data_dir if args.ood_data_dir is None else args.ood_data_dir
-        try:
-            other = _args.load_data(argparse.Namespace(**{**vars(args), "dataset": args.ood, "data_dir": folder,
-                                                          "num_classes": None}), standardize=False)
-        except UsageError as error:
-            raise UsageError("--ood: " + str(error).split(": ", 1)[-1]) from None
-        if tuple(other.input_shape) != tuple(dataset.input_shape):
-            raise UsageError(f"--ood: expected inputs of the shape of --dataset's {tuple(dataset.input_shape)}, got "
-                             f"{tuple(other.input_shape)}")
-        dataset, (ood,) = standardize_together(dataset, other.x_test) if args.standardize else (dataset, [other.x_test])
+    dataset, ood = _args.load_data_and_ood(args, standardize=args.standardize)
     net = saved.network
     try:
         with torch.no_grad():
@@ -102,7 +84,7 @@ def run(args) -> int:
     row["ece15"] = expected_calibration_error(probs, dataset.y_test, n_bins=15)
     if plan["ood"] is not None:
         row.update(ood_auroc(probs, _probs(saved.network, plan["ood"])))
-    row["parameters"] = sum(p.numel() for p in saved.network.parameters())
+    row["parameters"] = count_parameters(saved.network)
     print(f"{args.model}: {saved.method} global network ({saved.architecture}) on {dataset.name}'s test split "
           f"({len(dataset.y_test)} examples)")
     print(format_table([row]))

@@ -26,7 +26,6 @@ from bnpfed.federated.clients import initial_network
 from bnpfed.federated.config import (CLIENT_WEIGHTS, FUSION_TRAINING, INITIALISATIONS, PAPER_MIN_VARIANCE, PRIORS,
                                      BayesianConfig, FusionConfig, NetworkConfig, config_dict)
 from bnpfed.federated.methods import ExperimentConfig
-from bnpfed.data import standardize_together
 from bnpfed.federated.fusion import FUSION_ARCHITECTURES
 from bnpfed.federated.matched_fusion import MatchedFusionFederation
 from bnpfed.report import (command_record, command_results, format_table, line_styles, pyplot, save_figure,
@@ -183,10 +182,7 @@ def prepare(args) -> dict:
     match = args.align == "match"
     if args.tau2 is not None and not match:
         raise UsageError(f"--tau2: expected only with --align match, got --align {args.align}")
-    if args.ood is not None and args.ood == args.dataset:
-        raise UsageError(f"--ood: expected another dataset than --dataset ({args.dataset})")
-    if args.ood_data_dir is not None and args.ood is None:
-        raise UsageError("--ood-data-dir: expected only with --ood (the folder of its dataset)")
+    _args.check_ood_flags(args)
     own_init = match if args.own_init is None else args.own_init
     fusion = FusionConfig(rule=args.rule[0], weights=args.weights, pooling_samples=args.pooling_samples,
                           min_variance=args.min_variance, fraction=args.fraction, align=args.align, tau2=args.tau2,
@@ -199,24 +195,7 @@ def prepare(args) -> dict:
         names = args.rule + fedavg
     config = ExperimentConfig(methods=names, rounds=args.rounds, seed=args.seed, ece_bins=args.ece_bins,
                               predictive_samples=args.predictive_samples)
-    ood = None
-    if args.ood is None:
-        dataset = _args.load_data(args, standardize=args.standardize)
-    else:
-        dataset = _args.load_data(args, standardize=False)
-        try:
-            folder = args.data_dir if args.ood_data_dir is None else args.ood_data_dir
-            other = _args.load_data(argparse.Namespace(**{**vars(args), "dataset": args.ood, "data_dir": folder,
-                                                          "num_classes": None}), standardize=False)
-        except UsageError as error:
-            raise UsageError("--ood: " + str(error).split(": ", 1)[-1]) from None
-        if tuple(other.input_shape) != tuple(dataset.input_shape):
-            raise UsageError(f"--ood: expected images of the shape of --dataset's {tuple(dataset.input_shape)}, got "
-                             f"{tuple(other.input_shape)} ({args.ood})")
-        if args.standardize:
-            dataset, (ood,) = standardize_together(dataset, other.x_test)
-        else:
-            ood = other.x_test
+    dataset, ood = _args.load_data_and_ood(args, standardize=args.standardize)
     _args.check_partition(partition, dataset, config.seed)
     initial_network(network, dataset.input_shape, dataset.num_classes, seed=config.seed)
     if match:

@@ -23,7 +23,9 @@ from bnpfed.commands._args import HelpFormatter, UsageError, fail, flag_message
 from bnpfed.commands.pfnm import hyper_values
 from bnpfed.federated.clients import initial_network
 from bnpfed.federated.config import ARCHITECTURES, NetworkConfig, PFNMConfig, config_dict
+from bnpfed.metrics import count_parameters
 from bnpfed.report import command_record, command_results, format_table, write_json
+from bnpfed.saved import load_torch_file, save_global
 
 PROG = "bnpfed match"
 
@@ -85,14 +87,10 @@ def _factory(spec: str):
 
 def _read(path: str):
     """One client's file: an ``nn.Module`` or a state dict (a mapping of tensors)."""
-    file = Path(path)
-    if not file.is_file():
-        raise UsageError(f"MODEL: expected a model file, got {path!r}, which "
-                         f"{'is a folder' if file.is_dir() else 'does not exist'}")
     try:
-        obj = torch.load(file, map_location="cpu", weights_only=False)
-    except Exception as error:
-        raise UsageError(f"MODEL: {path!r} is not a file torch.save wrote ({type(error).__name__})") from None
+        obj = load_torch_file(path, name="MODEL", what="a model file")
+    except ValueError as error:
+        raise UsageError(str(error)) from None
     if isinstance(obj, nn.Module):
         return obj
     if isinstance(obj, dict) and obj and all(isinstance(k, str) and torch.is_tensor(v) for k, v in obj.items()):
@@ -221,7 +219,6 @@ def run(args) -> int:
     except ValueError as error:
         return fail(PROG, flag_message(error))
     from bnpfed.inference import match_by_spec
-    from bnpfed.saved import save_global
 
     spec = plan["spec"]
     if args.show_spec:
@@ -240,9 +237,9 @@ def run(args) -> int:
     save_global(args.out, network, method="pfnm", spec=spec, widths=match.widths,
                 hyperparameters=match.hyperparameters, class_shares=match.class_shares,
                 class_shares_estimated=plan["counts_source"] == "estimated", notes=notes)
-    parameters = sum(p.numel() for p in network.parameters())
-    local = [sum(p.numel() for p in (c.parameters() if isinstance(c, nn.Module) else
-                                     (v for k, v in c.items() if k in dict(plan["template"].named_parameters()))))
+    parameters = count_parameters(network)
+    names = dict(plan["template"].named_parameters())  # a state dict's parameters (its buffers are not)
+    local = [count_parameters(c) if isinstance(c, nn.Module) else sum(v.numel() for k, v in c.items() if k in names)
              for c in plan["clients"]]
     rows = [{"group": g, "width": w, **{k: v for k, v in match.hyperparameters.get(g, {}).items() if k != "mu0"}}
             for g, w in match.widths.items()]

@@ -73,7 +73,7 @@ from bnpfed.federated.server import clients_per_round, match_hyperparameters, pf
 from bnpfed.inference.batch_norm import batch_norm_order
 from bnpfed.inference.permutation import SpecMatch, derive_spec
 from bnpfed.metrics import classification_report, count_parameters, expected_calibration_error, ood_auroc
-from bnpfed.report import json_safe
+from bnpfed.report import json_safe, plural
 from bnpfed.seeding import Stream, derive_seed
 from bnpfed.validation import check_choice, check_fraction, check_int, check_positives
 
@@ -380,7 +380,7 @@ class Experiment:
     def phase(self, what: str, total: int, epochs: int) -> None:
         """Start the progress bar's next phase: ``total`` client fits of ``epochs`` local epochs each (a total, so
         tqdm shows the rate and the time left)."""
-        desc = f"{what} ({_plural(epochs, 'epoch')} per fit)"
+        desc = f"{what} ({plural(epochs, 'epoch')} per fit)"
         if self._bar is None:
             self._bar = tqdm(desc=desc, total=total, unit="client fit", disable=not self._progress, leave=False)
         else:
@@ -527,7 +527,7 @@ class Experiment:
         """Run ``federation`` for ``rounds`` rounds and make its row (final metrics, per-round history)."""
         per_round = clients_per_round(federation.num_clients, federation.fraction)
         later = self.training.epochs if self.training.round_epochs is None else self.training.round_epochs
-        self.phase(f"{federation.method}: {_plural(rounds, 'round')} x {_plural(per_round, 'client')}",
+        self.phase(f"{federation.method}: {plural(rounds, 'round')} x {plural(per_round, 'client')}",
                    rounds * per_round, later if rounds > 1 else self.training.epochs)
         for _ in range(rounds):
             record = federation.run_round()
@@ -549,10 +549,6 @@ class Experiment:
                                          server_seconds=float(sum(h["server_seconds"] for h in history)),
                                          mean_sigma=float(final.get("mean_sigma", math.nan)), history=history,
                                          hyperparameters=list(final.get("hyperparameters", [])), note=note)
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 def network_widths(net: nn.Module, input_shape) -> list[int]:
