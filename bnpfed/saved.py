@@ -11,6 +11,18 @@ so that ``torch.load(path, weights_only=False)["module"]`` is the network with t
 importable: bnpfed's networks, or the user's own), and ``state_dict`` with ``architecture`` rebuilds it without the
 pickle. :func:`load_global` returns the network in eval mode; :func:`read_global` everything.
 
+A Bayesian global network (a :class:`~bnpfed.inference.BayesianClient`: ``bnpfed fuse --save-global``, ``bnpfed match
+--posteriors``) adds ``"kind": "bayesian"`` and what rebuilds the client::
+
+    {..., "kind": "bayesian", "module": <its posterior-mean network>,
+     "posterior": {site: {"loc": tensor, "variance": tensor}}, "prior": <the Prior object>,
+     "likelihood": <the Likelihood object>, "local_reparameterization": false}
+
+``module`` is then the posterior-mean network (plain torch, usable without bnpfed), and :func:`load_global` returns
+the :class:`~bnpfed.inference.BayesianClient` (default mean-field guide at the saved posterior, the saved prior), whose
+``predict_proba(x, num_samples, seed)`` gives the same predictive as the client that was saved. The deterministic
+files have ``"kind": "deterministic"`` (files without the key, from bnpfed 0.x before it, are read as such).
+
 Usage::
 
     >>> import tempfile, torch
@@ -21,11 +33,21 @@ Usage::
     >>> x = torch.randn(5, 4)
     >>> bool(torch.equal(again(x), net.eval()(x))), read_global(path).widths
     (True, {'1': 3})
+
+A Bayesian client the same way::
+
+    >>> from bnpfed.inference import BayesianClient
+    >>> from bnpfed.models import only_linear_weights
+    >>> client = BayesianClient(mlp(4, [3], 2), only_linear_weights())
+    >>> again = load_global(save_global(tempfile.mkdtemp() + "/client.pt", client, method="client"))
+    >>> bool(torch.equal(again.predict_proba(x, num_samples=4, seed=0), client.predict_proba(x, num_samples=4, seed=0)))
+    True
 """
 
 from __future__ import annotations
 
 import copy
+import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -33,12 +55,16 @@ from typing import Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
+from bnpfed.inference.svi import BayesianClient
+from bnpfed.posterior import GaussianPosterior
 from bnpfed.report import json_safe, versions
 
-__all__ = ["FORMAT", "SavedGlobal", "load_global", "load_torch_file", "read_global", "save_global"]
+__all__ = ["FORMAT", "KINDS", "SavedGlobal", "load_global", "load_torch_file", "read_global", "save_global"]
 
 #: The layout of a saved global network (the module docstring); a file of another layout is refused.
 FORMAT = "bnpfed-global/1"
+#: What a file holds: a plain network, or a Bayesian one (a BayesianClient's posterior, prior and likelihood).
+KINDS = ("deterministic", "bayesian")
 
 
 def _plain(value):
@@ -52,12 +78,15 @@ def _plain(value):
     return json_safe(value)
 
 
-def save_global(path: str | Path, network: nn.Module, *, method: str, spec=None, widths: Mapping | None = None,
+def save_global(path: str | Path, network, *, method: str, spec=None, widths: Mapping | None = None,
                 hyperparameters: Mapping | None = None, class_shares=None, class_shares_estimated: bool = False,
                 notes: Sequence[str] = ()) -> Path:
     """Write ``network`` (a copy on the CPU, in eval mode) and what describes it to ``path`` (its folder made if
     needed); return the path.
 
+    :param network: an ``nn.Module``, or a :class:`~bnpfed.inference.BayesianClient` (its posterior-mean network,
+        posterior, prior, likelihood and local reparameterisation are written; its guide must be mean-field Gaussian,
+        as the default one is: ``posterior()`` gives ``{site: GaussianPosterior}``).
     :param str method: the method that built it (``"pfnm"``, ``"fedma"``, ...).
     :param spec: the :class:`~bnpfed.inference.PermutationSpec` it was matched by (stored as its text).
     :param dict widths: group name -> global units.
@@ -66,13 +95,20 @@ def save_global(path: str | Path, network: nn.Module, *, method: str, spec=None,
     :param bool class_shares_estimated: whether those shares were estimated (no class counts were given).
     :param notes: anything the result should say (e.g. what the matching had to give up).
     """
-    if not isinstance(network, nn.Module):
-        raise ValueError(f"network: expected a torch.nn.Module, got {type(network).__name__}")
     if not isinstance(method, str) or not method:
         raise ValueError(f"method: expected the name of the method that built the network, got {method!r}")
-    module = copy.deepcopy(network).cpu().eval()
+    bayesian = {}
+    if isinstance(network, BayesianClient):
+        bayesian = _bayesian_record(network)
+        module = network.mean_network().cpu()
+    elif isinstance(network, nn.Module):
+        module = copy.deepcopy(network).cpu().eval()
+    else:
+        raise ValueError(f"network: expected a torch.nn.Module or a bnpfed BayesianClient, got "
+                         f"{type(network).__name__}")
     record = {
         "format": FORMAT,
+        "kind": "bayesian" if bayesian else "deterministic",
         "method": method,
         "module": module,
         "state_dict": {k: v.detach().clone() for k, v in module.state_dict().items()},
@@ -84,6 +120,7 @@ def save_global(path: str | Path, network: nn.Module, *, method: str, spec=None,
         "class_shares_estimated": bool(class_shares_estimated),
         "notes": [str(n) for n in notes],
         "versions": versions(),
+        **bayesian,
     }
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -91,13 +128,39 @@ def save_global(path: str | Path, network: nn.Module, *, method: str, spec=None,
     return path
 
 
+def _bayesian_record(client: BayesianClient) -> dict:
+    posterior = client.posterior()
+    bad = [site for site, p in posterior.items() if not isinstance(p, GaussianPosterior)]
+    if bad:
+        raise ValueError(f"network: expected a client whose posterior() is {{site: GaussianPosterior}} (a mean-field "
+                         f"Gaussian guide, the default), got {type(posterior[bad[0]]).__name__} at {bad[0]!r}")
+    for site, p in posterior.items():
+        if not (bool(torch.isfinite(p.loc).all()) and bool(torch.isfinite(p.variance).all())):
+            raise ValueError(f"network: the posterior of {site!r} holds NaN or infinite values")
+    try:
+        prior = copy.deepcopy(client.bnn.prior)
+        pickle.dumps(prior)
+        pickle.dumps(client.bnn.likelihood)
+    except Exception as error:  # a selector that is a lambda or a local function: it cannot be pickled
+        raise ValueError(f"network: its prior or likelihood cannot be saved (pickled): {type(error).__name__}: "
+                         f"{error}; use selectors that are module-level functions, patterns or classes") from None
+    return {"posterior": {site: {"loc": p.loc.detach().cpu().clone(), "variance": p.variance.detach().cpu().clone()}
+                          for site, p in posterior.items()},
+            "prior": prior, "likelihood": client.bnn.likelihood,
+            "local_reparameterization": bool(client.bnn.local_reparameterization)}
+
+
 @dataclass(frozen=True)
 class SavedGlobal:
-    """What :func:`read_global` reads: the fields of the file (module docstring), ``network`` in eval mode."""
+    """What :func:`read_global` reads: the fields of the file (module docstring), ``network`` in eval mode (for a
+    Bayesian file its posterior-mean network; ``client`` the :class:`~bnpfed.inference.BayesianClient`, None
+    otherwise)."""
 
     network: nn.Module
     method: str
     architecture: str
+    kind: str = "deterministic"
+    client: BayesianClient | None = None
     spec: str | None = None
     widths: dict = field(default_factory=dict)
     hyperparameters: dict = field(default_factory=dict)
@@ -135,15 +198,27 @@ def read_global(path: str | Path) -> SavedGlobal:
         raise ValueError(f"path: expected a bnpfed global model (format {FORMAT!r}) in {str(path)!r}, got "
                          f"{found!r}" + (" (a whole network: load it with torch.load)" if isinstance(record, nn.Module)
                                          else ""))
+    kind = record.get("kind", "deterministic")
+    if kind not in KINDS:
+        raise ValueError(f"path: expected a global model of kind {' or '.join(map(repr, KINDS))} in {str(path)!r}, "
+                         f"got {kind!r}")
     network = record["module"]
     network.load_state_dict(record["state_dict"])
+    client = None
+    if kind == "bayesian":
+        client = BayesianClient(copy.deepcopy(network).train(), record["prior"],  # train mode, as a new client likelihood=record["likelihood"],
+                                local_reparameterization=record["local_reparameterization"])
+        client.load_posterior({site: GaussianPosterior(p["loc"], p["variance"])
+                               for site, p in record["posterior"].items()})
     return SavedGlobal(network=network.eval(), method=record["method"], architecture=record["architecture"],
-                       spec=record["spec"], widths=dict(record["widths"]),
+                       kind=kind, client=client, spec=record["spec"], widths=dict(record["widths"]),
                        hyperparameters=dict(record["hyperparameters"]), class_shares=record["class_shares"],
                        class_shares_estimated=bool(record["class_shares_estimated"]), notes=list(record["notes"]),
                        versions=dict(record["versions"]))
 
 
-def load_global(path: str | Path) -> nn.Module:
-    """The global network a file of :func:`save_global` holds, ready to use (eval mode, on the CPU)."""
-    return read_global(path).network
+def load_global(path: str | Path):
+    """The global model a file of :func:`save_global` holds, ready to use: the network (eval mode, on the CPU), or
+    for a Bayesian file the :class:`~bnpfed.inference.BayesianClient`."""
+    saved = read_global(path)
+    return saved.network if saved.client is None else saved.client

@@ -82,6 +82,22 @@ def test_the_flower_apps_pfnm_output_is_a_global_network_file_bnpfed_loads(confi
         assert torch.equal(net(x), reference.match.network().eval()(x))  # the in-process global network
 
 
+@pytest.mark.parametrize("config", [FUSION, {**FUSION, "align": "match", "rule": "eaa"}], ids=["weight-wise", "matched"])
+def test_the_flower_apps_fusion_output_is_a_bayesian_client_file_bnpfed_loads(config, tmp_path):
+    import bnpfed
+
+    run_federation(LocalGrid(client_app, CLIENTS), {**config, "output-dir": str(tmp_path)})
+    reference = in_process(config)
+    client = bnpfed.load_global(tmp_path / "fusion-global.pt")
+    saved = bnpfed.read_global(tmp_path / "fusion-global.pt")
+    assert saved.kind == "bayesian" and saved.method == ("match-eaa" if "align" in config else "conflation")
+    x = reference.dataset.x_test
+    for site, p in reference.global_model.posterior().items():  # the in-process global posterior
+        assert torch.equal(client.posterior()[site].loc, p.loc), site
+    assert torch.allclose(client.predict_proba(x, num_samples=4, seed=0),
+                          reference.global_model.predict_proba(x, num_samples=4, seed=0))
+
+
 def test_cifar10_from_its_jpeg_container_runs_on_flower_as_in_process(tmp_path):
     """Every SuperNode reads CIFAR-10 from the JPEG container in its data-dir: FedMA's simple-cnn matched on Flower
     is the in-process federation on the same data, bit for bit."""

@@ -183,7 +183,7 @@ def test_bnpfed_pfnm_save_global_writes_every_global_network_its_methods_built(t
     assert main(["pfnm", "--clients", "3", "--epochs", "1", "--round-epochs", "1", "--hidden", "16", "--rounds", "2",
                  "--no-progress", "--methods", ",".join(["local", *methods]), "--json", str(out),
                  "--save-global", str(folder)]) == 0
-    assert f"wrote 5 global network(s) to {folder}" in capsys.readouterr().out
+    assert f"wrote 5 global models to {folder}" in capsys.readouterr().out
     rows = {r["method"]: r for r in json.loads(out.read_text())["results"]["runs"][0]["rows"]}
     digits = load_dataset("digits", standardize=False)  # as bnpfed pfnm feeds them
     for method in methods:

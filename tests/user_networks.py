@@ -18,3 +18,16 @@ class UserCNN(nn.Module):
 def make():
     """The factory ``bnpfed match --module user_networks:make`` calls."""
     return UserCNN()
+
+
+class UserPlainCNN(nn.Module):
+    """The same without batch norm: what posterior fusion takes (running statistics are no posterior)."""
+
+    def __init__(self, channels: int = 6, hidden: int = 24, classes: int = 10):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(1, channels, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(channels * 4 * 4, hidden), nn.ReLU(),
+                                  nn.Linear(hidden, classes))
+
+    def forward(self, x):
+        return self.head(self.features(x))

@@ -404,6 +404,27 @@ def check_output_path(path: Optional[str], flag: str, *, plot: bool = False) -> 
                              f"(e.g. .png), got {str(path)!r}")
 
 
+def check_save_global(folder: Optional[str]) -> None:
+    """``--save-global DIR`` names a folder that exists or can be made (not a file), checked before anything trains."""
+    if folder is None:
+        return
+    if Path(folder).exists() and not Path(folder).is_dir():
+        raise UsageError(f"--save-global: expected a folder, got {folder!r}, which is a file")
+    check_output_path(str(Path(folder) / "probe.pt"), "--save-global")
+
+
+def save_globals(folder, global_models: Mapping[str, dict]) -> None:
+    """Write every kept global model (:meth:`~bnpfed.federated.methods.Experiment.keep`: method -> its network or
+    Bayesian client and what describes it) to ``folder/<method>.pt`` (:func:`bnpfed.saved.save_global`) and say so."""
+    from bnpfed.saved import save_global
+
+    for method, kept in global_models.items():
+        kept = dict(kept)
+        save_global(Path(folder) / f"{method}.pt", kept.pop("network"), method=method, **kept)
+    print(f"wrote {plural(len(global_models), 'global model')} to {folder}: "
+          f"{', '.join(f'{m}.pt' for m in global_models)}")
+
+
 def load_data(args, *, standardize: bool) -> Dataset:
     """``args.dataset`` loaded and checked against its format, or a :class:`UsageError` naming the flag."""
     try:

@@ -1,11 +1,13 @@
-"""``bnpfed evaluate``: a saved global network (:func:`bnpfed.saved.save_global`, ``bnpfed match``) on a dataset's
-test split: accuracy, NLL, ECE (``--ece-bins`` and 15 bins), Brier score, and with ``--ood`` the AUROC of telling
-in- from out-of-distribution inputs.
+"""``bnpfed evaluate``: a saved global network (:func:`bnpfed.saved.save_global`, ``bnpfed match``, ``--save-global``)
+on a dataset's test split: accuracy, NLL, ECE (``--ece-bins`` and 15 bins), Brier score, and with ``--ood`` the AUROC
+of telling in- from out-of-distribution inputs. A Bayesian global network is scored by its posterior predictive
+(the softmax averaged over ``--predictive-samples`` weight draws, seeded by ``--seed``).
 
 Examples::
 
     bnpfed evaluate global.pt --dataset mnist --data-dir DIR --no-standardize    # as PFNM's clients saw the pixels
     bnpfed evaluate global.pt --dataset mnist --data-dir DIR --ood fashion-mnist --ood-data-dir DIR2 --json e.json
+    bnpfed evaluate fused/match-conflation.pt --dataset mnist --data-dir DIR --predictive-samples 50 --seed 1
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from bnpfed.metrics import classification_report, count_parameters, expected_cal
 from bnpfed.report import command_record, command_results, format_table, write_json
 
 PROG = "bnpfed evaluate"
+#: Weight draws of a Bayesian network's posterior predictive when --predictive-samples is not given (bnpfed fuse's).
+PREDICTIVE_SAMPLES = 10
 
 
 def add_parser(sub):
@@ -37,6 +41,10 @@ def add_parser(sub):
                    help="another dataset whose test images are out-of-distribution inputs (adds the AUROCs)")
     p.add_argument("--ood-data-dir", metavar="DIR", help="the folder of the --ood dataset (default: --data-dir)")
     p.add_argument("--ece-bins", type=int, default=15, metavar="BINS", help="bins of the calibration error")
+    p.add_argument("--predictive-samples", "--samples", dest="predictive_samples", type=int, metavar="S",
+                   help=f"a Bayesian network only: weight draws S of the posterior predictive (default: "
+                   f"{PREDICTIVE_SAMPLES})")
+    p.add_argument("--seed", type=int, help="a Bayesian network only: seed of the weight draws, >= 0 (default: 0)")
     p.add_argument("--json", metavar="PATH", help="also write the metrics as JSON")
     p.set_defaults(func=run)
 
@@ -52,6 +60,18 @@ def prepare(args) -> dict:
         saved = read_global(args.model)
     except ValueError as error:
         raise UsageError(f"MODEL: {str(error).split(': ', 1)[-1]}") from None
+    given = [flag for flag, value in (("--predictive-samples", args.predictive_samples), ("--seed", args.seed))
+             if value is not None]
+    if saved.client is None and given:
+        raise UsageError(f"{given[0]}: expected only with a Bayesian global network, got a deterministic one "
+                         f"({saved.method}) in {args.model!r}")
+    if saved.client is not None:
+        args.predictive_samples = PREDICTIVE_SAMPLES if args.predictive_samples is None else args.predictive_samples
+        args.seed = 0 if args.seed is None else args.seed
+        if args.predictive_samples < 1:
+            raise UsageError(f"--predictive-samples: expected an integer >= 1, got {args.predictive_samples}")
+        if args.seed < 0:
+            raise UsageError(f"--seed: expected an integer >= 0, got {args.seed}")
     dataset, ood = _args.load_data_and_ood(args, standardize=args.standardize)
     net = saved.network
     try:
@@ -66,9 +86,17 @@ def prepare(args) -> dict:
     return dict(saved=saved, dataset=dataset, ood=ood)
 
 
-def _probs(net, x, chunk: int = 2048) -> torch.Tensor:
+def _probs(saved, x, args, chunk: int = 2048) -> torch.Tensor:
+    """Class probabilities of ``x``: the network's softmax, or a Bayesian network's posterior predictive (each chunk
+    drawn from ``--seed``, as bnpfed fuse scores it)."""
+    if saved.client is not None:
+        def predict(xb):
+            return saved.client.predict_proba(xb, num_samples=args.predictive_samples, seed=args.seed)
+    else:
+        def predict(xb):
+            return saved.network(xb).softmax(-1)
     with torch.no_grad():
-        return torch.cat([net(x[i:i + chunk]).softmax(-1) for i in range(0, len(x), chunk)]).double()
+        return torch.cat([predict(x[i:i + chunk]) for i in range(0, len(x), chunk)]).double()
 
 
 def run(args) -> int:
@@ -79,17 +107,20 @@ def run(args) -> int:
     except ValueError as error:
         return fail(PROG, flag_message(error))
     saved, dataset = plan["saved"], plan["dataset"]
-    probs = _probs(saved.network, dataset.x_test)
+    probs = _probs(saved, dataset.x_test, args)
     row = {"method": saved.method, **classification_report(probs, dataset.y_test, n_bins=args.ece_bins)}
     row["ece15"] = expected_calibration_error(probs, dataset.y_test, n_bins=15)
     if plan["ood"] is not None:
-        row.update(ood_auroc(probs, _probs(saved.network, plan["ood"])))
+        row.update(ood_auroc(probs, _probs(saved, plan["ood"], args)))
     row["parameters"] = count_parameters(saved.network)
-    print(f"{args.model}: {saved.method} global network ({saved.architecture}) on {dataset.name}'s test split "
+    how = ("" if saved.client is None else f", Bayesian: posterior predictive of {args.predictive_samples} weight "
+           f"draws, seed {args.seed}")
+    print(f"{args.model}: {saved.method} global network ({saved.architecture}{how}) on {dataset.name}'s test split "
           f"({len(dataset.y_test)} examples)")
     print(format_table([row]))
     if args.json:
-        write_json(args.json, command_record("evaluate", args, {"model": args.model, "widths": saved.widths},
+        write_json(args.json, command_record("evaluate", args, {"model": args.model, "kind": saved.kind,
+                                                               "widths": saved.widths},
                                              command_results([{"rows": [row]}])))
         print(f"wrote results to {args.json}")
     return 0

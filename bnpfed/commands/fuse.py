@@ -142,11 +142,16 @@ def add_parser(sub):
                    "LeNet-5 (--arch lenet-paper), fused variances floored at exp(-8) (--min-variance); the defaults "
                    "already follow the paper's N(0, 1) prior on the linear weights, local reparameterisation, b_k by "
                    "size and ECE with 100 bins. Flags given explicitly win")
-    _args.add_output_arguments(p, threads=None,
-                               json_help="write the flags, settings, versions and every method's per-round metrics "
-                               "as JSON",
-                               plot_help="write a figure (PNG) of the metrics per round, one panel each, one line "
-                               "per method")
+    g = _args.add_output_arguments(p, threads=None,
+                                   json_help="write the flags, settings, versions and every method's per-round "
+                                   "metrics as JSON",
+                                   plot_help="write a figure (PNG) of the metrics per round, one panel each, one line "
+                                   "per method")
+    g.add_argument("--save-global", metavar="DIR",
+                   help="write every global model a method built to DIR/<method>.pt: the fused Bayesian networks "
+                   "(each rule, match-RULE: posterior, prior and posterior-mean network) and the deterministic ones "
+                   "(fedavg, pfnm), each readable by bnpfed.load_global (a BayesianClient or a network) and bnpfed "
+                   "evaluate")
     p.set_defaults(func=run)
 
 
@@ -167,6 +172,7 @@ def prepare(args) -> dict:
     _args.check_threads(args.threads)
     _args.check_output_path(args.json, "--json")
     _args.check_output_path(args.plot, "--plot", plot=True)
+    _args.check_save_global(args.save_global)
     partition = _args.partition_config(args, args.clients)
     network = NetworkConfig(arch=args.arch, hidden=_args.hidden_widths(args, NetworkConfig().hidden), init=args.init)
     training = _args.training_config(args)
@@ -230,6 +236,7 @@ def run(args) -> int:
     for row in result.rows:
         if row.method == "pfnm-rounds":  # one name per method across runs (one shot or with rounds)
             row.method = "pfnm"
+    kept = {("pfnm" if m == "pfnm-rounds" else m): v for m, v in result.global_models.items()}
     columns = MATCH_COLUMNS if args.align == "match" else COLUMNS
     if ood is not None:
         columns = columns[:columns.index("brier") + 1] + OOD_COLUMNS + columns[columns.index("brier") + 1:]
@@ -240,6 +247,8 @@ def run(args) -> int:
     if args.json:
         write_json(args.json, command_record("fuse", args, settings, command_results([result.as_dict()])))
         print(f"wrote results to {args.json}")
+    if args.save_global is not None:
+        _args.save_globals(args.save_global, kept)
     if args.plot:
         plot_rounds(result, args.plot, title=_title(dataset.name, plan))
         print(f"wrote plot to {args.plot}")

@@ -1,11 +1,16 @@
 """``bnpfed match``: pre-trained local networks in, one global network file out (PFNM's own use case: the models are
-available, their data are not), through :func:`bnpfed.inference.match_by_spec` and :func:`bnpfed.saved.save_global`.
+available, their data are not), through :func:`bnpfed.inference.match_by_spec` and :func:`bnpfed.saved.save_global`;
+with ``--posteriors``, saved Bayesian clients in, one global posterior out, matched
+(:func:`bnpfed.inference.posterior_matching.match_posteriors`) or weight by weight
+(:func:`bnpfed.federated.server.fuse_posteriors`).
 
 Examples::
 
     bnpfed match client0.pt client1.pt client2.pt --out global.pt          # whole modules (torch.save(net))
     bnpfed match c*.pt --arch lenet --input-shape 1,28,28 --counts counts.json --out global.pt   # state dicts
     bnpfed match c*.pt --module mypkg.nets:make_cnn --input-shape 3,32,32 --show-spec --out global.pt
+    bnpfed match b*.pt --posteriors --rule conflation --out global.pt      # Bayesian clients (bnpfed.save_global)
+    bnpfed match b*.pt --posteriors --align none --rule gaa --out global.pt   # clients from one shared init
 """
 
 from __future__ import annotations
@@ -22,10 +27,12 @@ from bnpfed.commands import _args
 from bnpfed.commands._args import HelpFormatter, UsageError, fail, flag_message
 from bnpfed.commands.pfnm import hyper_values
 from bnpfed.federated.clients import initial_network
-from bnpfed.federated.config import ARCHITECTURES, NetworkConfig, PFNMConfig, config_dict
+from bnpfed.combine import available_rules
+from bnpfed.federated.config import ARCHITECTURES, FusionConfig, NetworkConfig, PFNMConfig, config_dict
+from bnpfed.inference.posterior_matching import MIN_VARIANCE
 from bnpfed.metrics import count_parameters
 from bnpfed.report import command_record, command_results, format_table, write_json
-from bnpfed.saved import load_torch_file, save_global
+from bnpfed.saved import FORMAT, load_torch_file, save_global
 
 PROG = "bnpfed match"
 
@@ -56,15 +63,37 @@ def add_parser(sub):
                    "the output layer), or 'uniform' (every client holds every class equally). Default: estimated "
                    "from each network's own output layer (bnpfed.inference.class_shares), and the result says so")
     g.add_argument("--show-spec", action="store_true", help="print the derived permutation spec")
-    g = p.add_argument_group("matching", "as bnpfed pfnm")
+    g = p.add_argument_group("matching", "as bnpfed pfnm; with --posteriors --align match the same but --sigma2 "
+                             "(--tau2 instead)")
     g.add_argument("--sigma2", type=hyper_values, metavar="S[,S...]",
-                   help="local noise variance (default: estimated per group, empirical Bayes)")
+                   help="local noise variance (default: estimated per group, empirical Bayes; not with --posteriors)")
     g.add_argument("--sigma0-2", type=hyper_values, metavar="S[,S...]", help="prior variance of the global units")
     g.add_argument("--gamma0", type=hyper_values, metavar="G[,G...]", help="IBP mass")
     g.add_argument("--hyperparameters", choices=("empirical-bayes", "fixed"), default=d.hyperparameters,
                    help="empirical-bayes: estimate what is not given; fixed: those not given are 1")
     g.add_argument("--sweeps", type=int, metavar="N", help="at most this many sweeps per group")
-    g.add_argument("--seed", type=int, default=0, help="seed of the sweeps' client order, >= 0")
+    g.add_argument("--seed", type=int, default=0, help="seed of the sweeps' client order (and of the pooling rule's "
+                   "draws), >= 0")
+    fusion = FusionConfig()
+    g = p.add_argument_group("posterior fusion (--posteriors)", "the MODEL files are Bayesian clients saved by "
+                             "bnpfed.save_global(path, client, method=...) or bnpfed fuse --save-global: their "
+                             "posteriors are fused into one global posterior, written with the clients' prior")
+    g.add_argument("--posteriors", action="store_true",
+                   help="fuse the posteriors of saved Bayesian clients instead of matching deterministic networks")
+    g.add_argument("--rule", choices=available_rules(),
+                   help=f"the fusion rule of bnpfed.combine (default: {fusion.rule})")
+    g.add_argument("--align", choices=("match", "none"),
+                   help="match (default): match the clients' hidden units (heteroscedastic Beta-Bernoulli model) and "
+                   "fuse every global unit's members; none: fuse weight i of every client with weight i of the "
+                   "others (clients of one shared initialisation and one width only)")
+    g.add_argument("--tau2", type=hyper_values, metavar="V[,V...]",
+                   help="--align match: the extra variance between two clients' copies of a unit, > 0 (default: "
+                   "estimated per group)")
+    g.add_argument("--pooling-samples", type=int, metavar="N",
+                   help=f"N of the pooling rule (default: {fusion.pooling_samples})")
+    g.add_argument("--min-variance", type=float, metavar="V",
+                   help=f"floor on every fused variance, > 0 (default: {MIN_VARIANCE:g} with --align match, "
+                   f"{fusion.min_variance:g} with --align none)")
     g.add_argument("--json", metavar="PATH", help="also write the widths and hyper-parameters as JSON")
     p.set_defaults(func=run)
 
@@ -93,6 +122,13 @@ def _read(path: str):
         raise UsageError(str(error)) from None
     if isinstance(obj, nn.Module):
         return obj
+    if isinstance(obj, dict) and obj.get("format") == FORMAT:  # a file bnpfed wrote (save_global)
+        if obj.get("kind") == "bayesian":
+            raise UsageError(f"MODEL: {path!r} holds a Bayesian client; expected --posteriors to fuse Bayesian "
+                             "clients")
+        from bnpfed.saved import read_global
+
+        return read_global(path).network
     if isinstance(obj, dict) and obj and all(isinstance(k, str) and torch.is_tensor(v) for k, v in obj.items()):
         return {k: v.detach().clone() for k, v in obj.items()}
     raise UsageError(f"MODEL: expected a network (torch.save(net)) or its state dict in {path!r}, got "
@@ -156,12 +192,24 @@ def _counts(path, J: int, C: int) -> tuple[torch.Tensor | None, str]:
     return counts, "given"
 
 
+#: The flags of posterior fusion: an error without --posteriors.
+POSTERIOR_FLAGS = ("rule", "align", "tau2", "pooling_samples", "min_variance")
+
+
 def prepare(args) -> dict:
     """Everything that can fail on a bad argument or file, before any matching."""
     _args.check_output_path(args.out, "--out")
     _args.check_output_path(args.json, "--json")
     if len(args.models) < 2:
         raise UsageError(f"MODEL: expected at least two clients' models, got {len(args.models)}")
+    if args.seed < 0:
+        raise UsageError(f"--seed: expected an integer >= 0, got {args.seed}")
+    if args.posteriors:
+        return prepare_posteriors(args)
+    given = [name for name in POSTERIOR_FLAGS if getattr(args, name) is not None]
+    if given:
+        raise UsageError(f"--{given[0].replace('_', '-')}: expected only with --posteriors (fusing Bayesian "
+                         "clients)")
     if args.arch is not None and args.module is not None:
         raise UsageError("--module: expected either --arch or --module (how to rebuild state dicts), got both")
     clients = [_read(path) for path in args.models]
@@ -201,8 +249,6 @@ def prepare(args) -> dict:
         counts = estimate_class_shares(clients, spec)
     pfnm = PFNMConfig(sigma2=_one(args.sigma2), sigma0_2=_one(args.sigma0_2), gamma0=_one(args.gamma0),
                       hyperparameters=args.hyperparameters, sweeps=args.sweeps)
-    if args.seed < 0:
-        raise UsageError(f"--seed: expected an integer >= 0, got {args.seed}")
     return dict(clients=clients, template=template, input_shape=input_shape, spec=spec, counts=counts,
                 counts_source=source, pfnm=pfnm)
 
@@ -218,6 +264,8 @@ def run(args) -> int:
         return fail(PROG, str(error))
     except ValueError as error:
         return fail(PROG, flag_message(error))
+    if args.posteriors:
+        return run_posteriors(args, plan)
     from bnpfed.inference import match_by_spec
 
     spec = plan["spec"]
@@ -229,31 +277,189 @@ def run(args) -> int:
     except ValueError as error:  # per-group values of the wrong count, and the like: named as flags
         return fail(PROG, flag_message(error))
     network = match.network()
-    notes = {"given": [], "uniform": ["--counts uniform: every client taken to hold every class equally"],
-             "estimated": ["no --counts: each client's class shares estimated from its own output layer "
-                           "(bnpfed.inference.class_shares; give --counts when you have them)"]}[plan["counts_source"]]
+    notes = _counts_notes(plan["counts_source"])
     for group, result in match.layer_results.items():
         notes += [f"{group}: {n}" for n in getattr(result, "notes", [])]
     save_global(args.out, network, method="pfnm", spec=spec, widths=match.widths,
                 hyperparameters=match.hyperparameters, class_shares=match.class_shares,
                 class_shares_estimated=plan["counts_source"] == "estimated", notes=notes)
-    parameters = count_parameters(network)
     names = dict(plan["template"].named_parameters())  # a state dict's parameters (its buffers are not)
     local = [count_parameters(c) if isinstance(c, nn.Module) else sum(v.numel() for k, v in c.items() if k in names)
              for c in plan["clients"]]
-    rows = [{"group": g, "width": w, **{k: v for k, v in match.hyperparameters.get(g, {}).items() if k != "mu0"}}
-            for g, w in match.widths.items()]
     print(f"matched {len(plan['clients'])} networks ({plan['template'].__class__.__name__}, input "
           f"{tuple(plan['input_shape'])}) in {match.seconds:.2f} s")
+    settings = {"pfnm": config_dict(plan["pfnm"]), "clients": len(plan["clients"]),
+                "input_shape": list(plan["input_shape"])}
+    _report(args, match.widths, match.hyperparameters, count_parameters(network), local, notes, settings)
+    return 0
+
+
+def _counts_notes(source: str) -> list[str]:
+    return {"given": [], "uniform": ["--counts uniform: every client taken to hold every class equally"],
+            "estimated": ["no --counts: each client's class shares estimated from its own output layer "
+                          "(bnpfed.inference.class_shares; give --counts when you have them)"]}[source]
+
+
+def _report(args, widths, hyperparameters, parameters, local, notes, settings) -> None:
+    """The table of widths and hyper-parameters per group, the sizes, the notes, and the JSON."""
+    rows = [{"group": g, "width": w, **{k: v for k, v in hyperparameters.get(g, {}).items() if k != "mu0"}}
+            for g, w in widths.items()]
     print(format_table(rows))
     print(f"global network: {parameters:,} parameters (the {len(local)} local ones: {sum(local):,} together)")
     for note in notes:
         print(f"note: {note}")
-    print(f"wrote the global network to {args.out}")
+    print(f"wrote the global {'posterior' if args.posteriors else 'network'} to {args.out}")
     if args.json:
-        settings = {"pfnm": config_dict(plan["pfnm"]), "clients": len(plan["clients"]),
-                    "input_shape": list(plan["input_shape"])}
         write_json(args.json, command_record("match", args, settings, command_results([{
             "rows": rows, "parameters": parameters, "local_parameters": local, "notes": notes, "out": args.out}])))
         print(f"wrote results to {args.json}")
+
+
+# ------------------------------------------------------------------------------------------------ --posteriors
+
+
+def _read_bayesian(path: str):
+    """One saved Bayesian client (:func:`bnpfed.saved.read_global` of a Bayesian file)."""
+    from bnpfed.saved import read_global
+
+    try:
+        saved = read_global(path)
+    except ValueError as error:
+        raise UsageError(f"MODEL: {str(error).split(': ', 1)[-1]}") from None
+    if saved.client is None:
+        raise UsageError(f"MODEL: expected a Bayesian client (saved by bnpfed.save_global(path, client, ...) or "
+                         f"bnpfed fuse --save-global) with --posteriors, got a deterministic {saved.method} network in "
+                         f"{path!r}")
+    return saved.client
+
+
+def prepare_posteriors(args) -> dict:
+    """``--posteriors``: the saved Bayesian clients read and checked, the flags that do not apply refused."""
+    align = args.align or "match"
+    for flag, value in (("--arch", args.arch), ("--module", args.module), ("--sigma2", args.sigma2)):
+        if value is not None:
+            why = ("the files hold whole Bayesian networks" if flag != "--sigma2" else
+                   "the clients' own posterior variances and --tau2 are the noise of posterior matching")
+            raise UsageError(f"{flag}: expected only without --posteriors ({why})")
+    if align == "none":
+        for flag, value in (("--tau2", args.tau2), ("--sigma0-2", args.sigma0_2), ("--gamma0", args.gamma0),
+                            ("--sweeps", args.sweeps), ("--show-spec", args.show_spec or None)):
+            if value is not None:
+                raise UsageError(f"{flag}: expected only with --align match (--align none matches nothing)")
+        if args.hyperparameters != PFNMConfig().hyperparameters:
+            raise UsageError("--hyperparameters: expected only with --align match (--align none matches nothing)")
+    clients = [_read_bayesian(path) for path in args.models]
+    first = clients[0]
+    sites = list(first.posterior())
+    for path, client in zip(args.models, clients):
+        if type(client.bnn.template()) is not type(first.bnn.template()):
+            raise UsageError(f"MODEL: {path!r} is another architecture ({type(client.bnn.template()).__name__}) than "
+                             f"{args.models[0]!r} ({type(first.bnn.template()).__name__})")
+        if list(client.posterior()) != sites:
+            raise UsageError(f"MODEL: {path!r} has other Bayesian sites than {args.models[0]!r}: "
+                             f"{sorted(set(client.posterior()) ^ set(sites))[:4]} differ")
+    template = first.mean_network()
+    if align == "none":
+        shapes = {k: tuple(v.shape) for k, v in template.state_dict().items()}
+        for path, client in zip(args.models, clients):
+            other = {k: tuple(v.shape) for k, v in client.mean_network().state_dict().items()}
+            if other != shapes:
+                wrong = next(k for k in shapes if other.get(k) != shapes[k])
+                raise UsageError(f"MODEL: --align none fuses weight i with weight i, so every client must have the "
+                                 f"shapes of {args.models[0]!r}; {path!r} has {wrong} of shape {other.get(wrong)}, "
+                                 f"not {shapes[wrong]} (use --align match)")
+    input_shape = args.input_shape
+    if input_shape is None:
+        linear = [m for m in template.modules() if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d))]
+        if not linear or not isinstance(linear[0], nn.Linear):
+            raise UsageError("--input-shape: expected the shape of one input (C,H,W) for a convolutional network")
+        input_shape = (linear[0].in_features,)
+    input_shape = tuple(input_shape)
+    from bnpfed.inference import derive_spec, verify_spec
+    from bnpfed.inference.class_shares import estimate_class_shares
+
+    try:
+        spec = derive_spec(template, input_shape)
+        verify_spec(template, spec, input_shape)
+    except ValueError as error:
+        raise UsageError(f"MODEL: cannot match these networks: {_args.one_line(error)}") from None
+    with torch.no_grad():
+        probe = template(torch.zeros(1, *input_shape))
+    counts, source = _counts(args.counts, len(clients), int(probe.shape[-1]))
+    if counts is not None and not bool((counts == counts.round()).all()):
+        raise UsageError("--counts: expected whole numbers of examples with --posteriors (their row sums are the "
+                         "clients' sizes, the weights of their posteriors)")
+    if counts is None and align == "match":
+        counts = estimate_class_shares([c.mean_network() for c in clients], spec)
+    fusion = FusionConfig(rule=args.rule or FusionConfig().rule, weights="size",
+                          pooling_samples=FusionConfig().pooling_samples if args.pooling_samples is None
+                          else args.pooling_samples,
+                          min_variance=(MIN_VARIANCE if align == "match" else FusionConfig().min_variance)
+                          if args.min_variance is None else args.min_variance,
+                          align=align, tau2=_one(args.tau2))
+    if align == "match" and not fusion.min_variance > 0:
+        raise UsageError(f"--min-variance: expected a floor > 0 with --align match, got {args.min_variance}")
+    return dict(clients=clients, template=template, input_shape=input_shape, spec=spec, counts=counts,
+                counts_source=source, fusion=fusion)
+
+
+def run_posteriors(args, plan) -> int:
+    """Fuse the saved clients' posteriors (matched or weight by weight) and write the global Bayesian client."""
+    import time
+
+    from bnpfed.federated.server import fuse_posteriors
+    from bnpfed.inference import BayesianClient
+    from bnpfed.inference.layout import width
+    from bnpfed.inference.posterior_matching import match_posteriors
+
+    clients, fusion, spec = plan["clients"], plan["fusion"], plan["spec"]
+    first = clients[0]
+    prior, likelihood = first.bnn.prior.initial(), first.bnn.likelihood
+    reparameterized = first.bnn.local_reparameterization
+    if args.show_spec:
+        print(spec)
+    counts = plan["counts"]
+    sizes = [1] * len(clients) if counts is None or plan["counts_source"] == "estimated" else \
+        [int(n) for n in counts.sum(1)]
+    notes = _counts_notes(plan["counts_source"])
+    if counts is None or plan["counts_source"] == "estimated":
+        notes = notes[:1] if fusion.align == "match" else []
+        notes.append("no --counts: every client's posterior weighs the same (give --counts for weights by size)")
+    t0 = time.perf_counter()
+    if fusion.align == "match":
+        try:
+            match = match_posteriors(clients, counts, spec, rule=fusion.rule, sizes=sizes,
+                                     input_shape=plan["input_shape"], template=plan["template"], tau2=fusion.tau2,
+                                     sigma0_2=_one(args.sigma0_2), gamma0=_one(args.gamma0),
+                                     hyperparameters=args.hyperparameters, sweeps=args.sweeps, seed=args.seed,
+                                     num_samples=fusion.pooling_samples, min_variance=fusion.min_variance)
+        except ValueError as error:
+            return fail(PROG, flag_message(error))
+        client = match.client(prior, likelihood=likelihood, local_reparameterization=reparameterized)
+        for group, result in match.layer_results.items():
+            notes += [f"{group}: {n}" for n in getattr(result, "notes", [])]
+        described = dict(spec=spec, widths=match.widths, hyperparameters=match.hyperparameters,
+                         class_shares=match.class_shares,
+                         class_shares_estimated=plan["counts_source"] == "estimated")
+    else:
+        step = fuse_posteriors([c.posterior() for c in clients], [c.deterministic_state() for c in clients], sizes,
+                               fusion, seed=args.seed, round=1)
+        client = BayesianClient(plan["template"], prior, likelihood=likelihood,
+                                local_reparameterization=reparameterized)
+        client.load_posterior(step.posterior)
+        client.load_deterministic(step.deterministic)
+        if step.floored:
+            notes.append(f"{step.floored} fused variance(s) raised to --min-variance {fusion.min_variance:g}")
+        state = plan["template"].state_dict()
+        described = dict(spec=spec, widths={g.name: width(state, g, "MODEL") for g in spec.groups})
+    seconds = time.perf_counter() - t0
+    how = "matched and fused" if fusion.align == "match" else "fused weight by weight"
+    method = ("match-" if fusion.align == "match" else "") + fusion.rule
+    save_global(args.out, client, method=method, notes=notes, **described)
+    network = client.mean_network()
+    print(f"{how} {len(clients)} Bayesian networks ({type(network).__name__}, input {plan['input_shape']}) with "
+          f"{fusion.rule} in {seconds:.2f} s")
+    settings = {"fusion": config_dict(fusion), "clients": len(clients), "input_shape": list(plan["input_shape"])}
+    _report(args, described["widths"], described.get("hyperparameters", {}), count_parameters(network),
+            [count_parameters(c.mean_network()) for c in clients], notes, settings)
     return 0

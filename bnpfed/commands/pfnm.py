@@ -29,7 +29,6 @@ from bnpfed.federated.config import (ARCHITECTURES, INITIALISATIONS, PFNM_NETWOR
                                      NetworkConfig, PFNMConfig, config_dict)
 from bnpfed.federated.methods import ExperimentConfig
 from bnpfed.inference import derive_spec
-from bnpfed.saved import save_global
 from bnpfed.report import (command_record, command_results, format_table, line_styles, pyplot, save_figure,
                            write_json)
 from bnpfed.validation import check_positives
@@ -218,10 +217,7 @@ def prepare(args) -> dict:
     if args.save_global is not None:
         if args.width_sweep:
             raise UsageError("--save-global: expected only without --width-sweep (the sweep keeps no network)")
-        folder = Path(args.save_global)
-        if folder.exists() and not folder.is_dir():
-            raise UsageError(f"--save-global: expected a folder, got {args.save_global!r}, which is a file")
-        _args.check_output_path(str(folder / "probe.pt"), "--save-global")
+        _args.check_save_global(args.save_global)
     if args.width_sweep and args.rounds is not None:
         raise UsageError(f"--rounds: expected only without --width-sweep (the sweep matches the first round's local "
                          f"models), got --rounds {args.rounds}")
@@ -314,11 +310,7 @@ def run(args) -> int:
     if args.save_global is not None:
         for partition, result in zip(partitions, results):
             folder = Path(args.save_global) / (f"J{partition.clients}" if len(partitions) > 1 else "")
-            for method, kept in result.global_models.items():
-                kept = dict(kept)
-                save_global(folder / f"{method}.pt", kept.pop("network"), method=method, **kept)
-            print(f"wrote {len(result.global_models)} global network(s) to {folder}: "
-                  f"{', '.join(f'{m}.pt' for m in result.global_models)}")
+            _args.save_globals(folder, result.global_models)
     if args.plot:
         title = _title(dataset.name, partitions, plan)
         by = "width" if plan["network"].arch == "mlp" else "parameters"

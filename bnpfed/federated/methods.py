@@ -398,9 +398,11 @@ class Experiment:
         if self._bar is not None:
             self._bar.close()
 
-    def keep(self, method: str, net: nn.Module, match: Optional[SpecMatch] = None) -> None:
-        """Record the deterministic global network ``method`` built (and the match it came from, if any): what
-        ``bnpfed pfnm --save-global`` writes (:func:`bnpfed.saved.save_global`)."""
+    def keep(self, method: str, net, match=None) -> None:
+        """Record the global model ``method`` built, a network or a Bayesian client (and the match it came from, if
+        any: a :class:`~bnpfed.inference.permutation.SpecMatch` or a
+        :class:`~bnpfed.inference.posterior_matching.PosteriorMatch`): what ``bnpfed pfnm --save-global`` and
+        ``bnpfed fuse --save-global`` write (:func:`bnpfed.saved.save_global`)."""
         kept = {"network": net}
         if match is not None:
             kept.update(spec=match.spec, widths=match.widths, hyperparameters=match.hyperparameters,
@@ -686,6 +688,7 @@ def _fusion(experiment: Experiment, rule: str) -> MethodResult:
                                   and experiment.fusion.fraction >= 1 else None)
     row = experiment.federation_row(federation, experiment.config.rounds,
                                     note="posterior fusion" + (", own inits" if experiment.fusion.own_init else ""))
+    experiment.keep(rule, federation.global_model)
     row.parameters = sum(g.loc.numel() for g in federation.global_posterior.values()) + sum(
         p.numel() for p in federation.global_deterministic.values())
     plain = initial_network(experiment.network, experiment.input_shape, experiment.dataset.num_classes,
@@ -717,7 +720,9 @@ def _matched_fusion(experiment: Experiment, rule: str) -> MethodResult:
                                          seed=experiment.seed, ece_bins=experiment.config.ece_bins,
                                          predictive_samples=experiment.config.predictive_samples,
                                          initial_clients=experiment.bayesian_clients())
-    return experiment.federation_row(federation, experiment.config.rounds, note="matched posterior fusion")
+    row = experiment.federation_row(federation, experiment.config.rounds, note="matched posterior fusion")
+    experiment.keep(federation.method, federation.global_model, federation.match)
+    return row
 
 
 for _name, _fn in (("local", _local), ("ensemble", _ensemble), ("ensemble-bayesian", _bayesian_ensemble),

@@ -106,8 +106,9 @@ class FlowerRun:
     :param float node_timeout: seconds to wait for ``min_nodes`` SuperNodes. Default 120.
     :param float round_timeout: seconds to wait for the replies of a round (and of a partition query); clients that
         have not answered by then are left out. Default 600.
-    :param str output_dir: if set, the ServerApp writes ``<method>-summary.json`` and ``<method>-global.npz`` (the
-        final global model's arrays) there. Default ``""`` (nothing written).
+    :param str output_dir: if set, the ServerApp writes ``<method>-summary.json``, ``<method>-global.npz`` (the
+        final global model's arrays) and ``<method>-global.pt`` (the global model as :func:`bnpfed.saved.save_global`
+        writes it: PFNM's network, posterior fusion's Bayesian client) there. Default ``""`` (nothing written).
     """
 
     method: str = "pfnm"

@@ -34,16 +34,17 @@ import torch
 from flwr.app import ArrayRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
-from bnpfed.federated.clients import initial_network
+from bnpfed.federated.clients import bayesian_client, initial_network
+from bnpfed.federated.matched_fusion import client_from_slice
 from bnpfed.flower.client import initial_global_model
 from bnpfed.flower.config import FlowerSettings, parse_run_config
-from bnpfed.flower.records import from_array_record
+from bnpfed.flower.records import from_array_record, matched_posterior_from_arrays, posterior_from_arrays
 from bnpfed.flower.strategies import LOGGER, MatchedFusionStrategy, PFNMStrategy, PosteriorFusionStrategy
-from bnpfed.inference.permutation import network_from_state
+from bnpfed.inference.permutation import derive_spec, network_from_state
 from bnpfed.report import command_record, command_results, write_json
 from bnpfed.saved import save_global
 
-__all__ = ["FederationResult", "app", "make_server_app", "run_federation"]
+__all__ = ["FederationResult", "app", "global_model", "make_server_app", "run_federation"]
 
 
 @dataclass
@@ -107,11 +108,30 @@ def run_federation(grid: Grid, config: Mapping[str, Any]) -> FederationResult:
         write_json(out / f"{run.method}-summary.json",
                    command_record("flower run", config, settings.as_dict(), result.results()))
         np.savez(out / f"{run.method}-global.npz", **result.arrays)
-        if run.method == "pfnm":  # the global network itself, for bnpfed.load_global / bnpfed evaluate
-            template = initial_network(settings.network, identity.input_shape, identity.num_classes, seed=run.seed)
-            net = network_from_state(template, {k: torch.as_tensor(v) for k, v in result.arrays.items()})
-            save_global(out / "pfnm-global.pt", net, method="pfnm", notes=[f"Flower run, {run.rounds} round(s)"])
+        method, model = global_model(settings, identity.input_shape, identity.num_classes, result.arrays)
+        save_global(out / f"{run.method}-global.pt", model, method=method,
+                    notes=[f"Flower run, {run.rounds} round(s)"])
     return result
+
+
+def global_model(settings: FlowerSettings, input_shape, num_classes: int, arrays: Mapping[str, np.ndarray]):
+    """``(method, model)``: the global model of a run's final arrays, as the in-process federation holds it: PFNM's
+    network, or posterior fusion's Bayesian client (weight-wise: of the shared initial network; matched: at the
+    matched widths), for :func:`bnpfed.saved.save_global` (``bnpfed.load_global``, ``bnpfed evaluate``)."""
+    run = settings.run
+    template = initial_network(settings.network, input_shape, num_classes, seed=run.seed)
+    if run.method == "pfnm":
+        return "pfnm", network_from_state(template, {k: torch.as_tensor(v) for k, v in arrays.items()})
+    if settings.fusion.align == "match":
+        locs, variances = matched_posterior_from_arrays(arrays, derive_spec(template, input_shape),
+                                                        template.state_dict())
+        return (f"match-{settings.fusion.rule}",
+                client_from_slice(template, locs, variances, settings.bayesian, as_prior=False))
+    client = bayesian_client(template, settings.bayesian)
+    posterior, deterministic = posterior_from_arrays(arrays, {k: v.shape for k, v in arrays.items()})
+    client.load_posterior(posterior)
+    client.load_deterministic(deterministic)
+    return settings.fusion.rule, client
 
 
 def make_server_app(defaults: Optional[Mapping[str, Any]] = None,

@@ -86,6 +86,9 @@ from bnpfed.inference.layout import width
 from bnpfed.inference.network_matching import (call_matcher, group_values, match_groups, prepare_clients,
                                                resolve_spec, warm_start_labels)
 from bnpfed.inference.spec import STATISTICS, PermutationSpec
+from bnpfed.inference.svi import BayesianClient
+from bnpfed.models.likelihoods import Likelihood
+from bnpfed.models.priors import Prior
 from bnpfed.posterior import GaussianPosterior
 from bnpfed.validation import check_choice, check_int, check_positive
 
@@ -164,6 +167,21 @@ class PosteriorMatch:
         if self.template is None:
             raise ValueError("network: this match has no template network; pass template= to match_posteriors")
         return network_from_state(self.template, self.locs)
+
+    def client(self, prior: Prior, *, likelihood: Likelihood | None = None,
+               local_reparameterization: bool = False) -> BayesianClient:
+        """The global Bayesian network as a :class:`~bnpfed.inference.BayesianClient`: :meth:`network` made Bayesian
+        by ``prior`` (which must make exactly the fused sites Bayesian), its posterior the fused one (in the network's
+        dtype), for its posterior predictive (``predict_proba``) or to save (:func:`bnpfed.saved.save_global`)."""
+        client = BayesianClient(self.network(), prior, likelihood=likelihood,
+                                local_reparameterization=local_reparameterization)
+        like = client.posterior()
+        if sorted(like) != sorted(self.variances):
+            raise ValueError(f"prior: expected a prior that makes the fused sites {sorted(self.variances)} Bayesian, "
+                             f"got one that makes {sorted(like)} Bayesian")
+        client.load_posterior({k: GaussianPosterior(self.locs[k].to(like[k].loc.dtype), v.to(like[k].loc.dtype))
+                               for k, v in self.variances.items()})
+        return client
 
     def client_slice(self, j: int) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         """Client j's slice of the global posterior, ``(locs, variances)``: for every group the global units its own

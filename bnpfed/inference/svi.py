@@ -226,6 +226,19 @@ class BayesianClient:
         """Overwrite the deterministic parameters in place with ``state`` (exactly their names and shapes)."""
         _load_state(self.bnn.net, state, "state")
 
+    @torch.no_grad()
+    def mean_network(self) -> nn.Module:
+        """The posterior-mean network: a plain torch copy of the network (no Pyro) with every Bayesian weight at its
+        posterior mean and the deterministic parameters and buffers as they are now, in eval mode. A client built
+        from it (same prior) has the same deterministic parameters and its guide's means start there."""
+        net = self.bnn.template()
+        state = net.state_dict()
+        state.update({name: b.detach().clone() for name, b in self.bnn.net.named_buffers()})
+        state.update(self.deterministic_state())
+        state.update({site: p.loc.detach().clone() for site, p in self.posterior().items()})
+        net.load_state_dict(state)
+        return net.eval()
+
     def predict(self, x: Tensor, num_samples: int = 10, seed: Optional[int] = None) -> Any:
         """The posterior predictive from ``num_samples`` draws from the guide, as the likelihood aggregates them
         (see :meth:`BayesianNetwork.predict`): class probabilities ``(B, num_classes)`` for ``Categorical``, a

@@ -211,7 +211,9 @@ class BayesianNetwork(nn.Module):
     def predict(self, x: Tensor, num_samples: int = 10, guide: Optional[Callable] = None,
                 seed: Optional[int] = None) -> Any:
         """The posterior predictive from ``num_samples`` draws of the weights, aggregated by the likelihood
-        (:meth:`Likelihood.predictive`). For classification, the mean of the softmax probabilities:
+        (:meth:`Likelihood.predictive`), with the network in eval mode (batch norms at their running statistics,
+        which it leaves unchanged; no dropout; the modes are restored after). For classification, the mean of the
+        softmax probabilities:
 
             p(y | x) ~= 1/S sum_s softmax(f(x; w_s)),   w_s ~ guide (posterior) or the prior when ``guide`` is None
 
@@ -224,8 +226,14 @@ class BayesianNetwork(nn.Module):
         """
         num_samples = check_int(num_samples, "num_samples", low=1)
         _batch_size(x)
-        with seeded(seed, x.device):
-            outputs = torch.stack([self.sample_output(x, guide) for _ in range(num_samples)])
+        modes = [(module, module.training) for module in self.modules()]
+        self.eval()  # batch norm at its running statistics, no dropout: a prediction changes nothing
+        try:
+            with seeded(seed, x.device):
+                outputs = torch.stack([self.sample_output(x, guide) for _ in range(num_samples)])
+        finally:
+            for module, training in modes:
+                module.training = training
         return self.likelihood.predictive(outputs)
 
     # ------------------------------------------------------------------------------------------ plain torch

@@ -35,6 +35,7 @@ Usage::
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from fnmatch import fnmatchcase
 from types import MappingProxyType
@@ -151,6 +152,14 @@ class Prior(ABC):
         self._posterior_priors = {**self._posterior_priors, **updates}
         self.version += 1
         return self
+
+    def initial(self) -> "Prior":
+        """A copy of this prior as it was before any :meth:`update_`: the same rules and distributions, no
+        posterior-as-prior, tied to no network yet (e.g. the prior of a global network whose widths differ from a
+        client's, whose prior is its slice of the last global posterior)."""
+        fresh = copy.deepcopy(self)
+        fresh._posterior_priors, fresh._site_shapes, fresh.version = {}, {}, 0
+        return fresh
 
     def _check_selectors_used(self, names: list[str]) -> None:
         """Hook for subclasses that pick parameters with selectors: complain about selectors that matched nothing."""

@@ -1,0 +1,266 @@
+"""Bayesian clients in, one global posterior out: save_global / load_global of a BayesianClient, bnpfed match
+--posteriors (matched and weight by weight), bnpfed fuse --save-global, bnpfed evaluate of a Bayesian file."""
+
+import json
+import re
+
+import pyro.distributions as dist
+import pytest
+import torch
+from torch.testing import assert_close
+
+import bnpfed
+from bnpfed.cli import main
+from bnpfed.data import load_dataset
+from bnpfed.federated.clients import initial_network
+from bnpfed.federated.config import FusionConfig, NetworkConfig, PartitionConfig
+from bnpfed.federated.partition import class_counts
+from bnpfed.federated.server import fuse_posteriors
+from bnpfed.inference import BayesianClient, derive_spec
+from bnpfed.inference.class_shares import estimate_class_shares
+from bnpfed.inference.posterior_matching import match_posteriors
+from bnpfed.metrics import classification_report
+from bnpfed.models import IIDPrior, LeNet, only_linear_weights
+from bnpfed.saved import read_global, save_global
+from bnpfed.seeding import Stream, derive_seed
+from user_networks import UserCNN, UserPlainCNN
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_dataset("digits")
+
+
+@pytest.fixture(scope="module")
+def parts(digits):
+    return PartitionConfig(clients=3, partition="dirichlet", alpha=0.5).split(digits.y_train.numpy(), seed=0)
+
+
+def mlp(j):
+    return initial_network(NetworkConfig(hidden=(32,)), (1, 8, 8), 10, seed=0, client=j)
+
+
+#: Each kind of client network, from its own initialisation (j) or the shared one (None).
+KINDS = {"mlp": mlp, "lenet": lambda j: LeNet(image_size=8), "user": lambda j: UserPlainCNN()}
+
+
+def fitted(make, digits, parts, *, shared=False, epochs=4, **kwargs):
+    clients = []
+    for j, p in enumerate(parts):
+        torch.manual_seed(j)
+        client = BayesianClient(make(None if shared else j), only_linear_weights(), **kwargs)
+        clients.append(client.fit(digits.x_train[p], digits.y_train[p], epochs=epochs, lr=1e-2, seed=j))
+    return clients
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory, digits, parts):
+    """Every kind's three Bayesian clients saved as a user saves them (save_global(path, client, method=...)), and
+    three MLP clients of one shared initialisation (for weight-wise fusion)."""
+    root = tmp_path_factory.mktemp("bayesian")
+    for kind, make in KINDS.items():
+        for j, client in enumerate(fitted(make, digits, parts)):
+            save_global(root / f"{kind}{j}.pt", client, method="client")
+    for j, client in enumerate(fitted(mlp, digits, parts, shared=True)):
+        save_global(root / f"shared{j}.pt", client, method="client")
+    (root / "counts.json").write_text(json.dumps(class_counts(digits.y_train.numpy(), parts, 10).tolist()))
+    return root
+
+
+def files(folder, kind):
+    return [str(folder / f"{kind}{j}.pt") for j in range(3)]
+
+
+def predictive(client, x, seed=0):
+    return client.predict_proba(x, num_samples=8, seed=seed)
+
+
+@pytest.mark.parametrize("kind", ["mlp", "lenet", "user", "user-bn", "mlp-local-reparameterization",
+                                  "mlp-posterior-as-prior"])
+def test_a_saved_bayesian_client_loads_back_with_the_same_posterior_predictive(kind, tmp_path, digits, parts):
+    make = {"user-bn": lambda j: UserCNN()}.get(kind) or KINDS[kind.split("-")[0]]
+    kwargs = {"local_reparameterization": True} if kind.endswith("reparameterization") else {}
+    (client,) = fitted(make, digits, parts[:1], epochs=2, **kwargs)
+    if kind.endswith("prior"):
+        client.update_prior_(client.posterior())
+    loaded = bnpfed.load_global(save_global(tmp_path / "c.pt", client, method="client"))
+    assert isinstance(loaded, BayesianClient)
+    assert loaded.bnn.local_reparameterization == client.bnn.local_reparameterization
+    x, y = digits.x_test, digits.y_test
+    # the same draws from the same posterior (the guide's scale goes through softplus^-1 and back: float rounding)
+    assert_close(predictive(loaded, x), predictive(client, x))
+    for site, p in client.posterior().items():
+        assert torch.equal(loaded.posterior()[site].loc, p.loc)
+        assert_close(loaded.posterior()[site].variance, p.variance)
+    for site, prior in client.bnn.prior_distributions().items():  # the prior too (the posterior-as-prior, here)
+        again = loaded.bnn.prior_distributions()[site]
+        assert torch.equal(again.mean, prior.mean) and torch.equal(again.variance, prior.variance), site
+    saved = read_global(tmp_path / "c.pt")
+    raw = torch.load(tmp_path / "c.pt", weights_only=False)  # torch alone: the posterior-mean network
+    with torch.no_grad():
+        assert torch.equal(raw["module"].eval()(x), client.mean_network()(x)) and saved.kind == "bayesian"
+    assert set(raw["posterior"]) == set(client.posterior())
+
+
+def test_the_mean_network_is_the_bayesian_network_at_its_posterior_means(digits, parts):
+    (client,) = fitted(mlp, digits, parts[:1], epochs=2)
+    means = {site: p.loc for site, p in client.posterior().items()}
+    with torch.no_grad():
+        assert_close(client.mean_network()(digits.x_test), client.bnn.output_at(digits.x_test, means), rtol=0,
+                     atol=0)
+
+
+def test_a_prior_that_cannot_be_pickled_is_named(tmp_path):
+    client = BayesianClient(mlp(0), IIDPrior(dist.Normal(0.0, 1.0), expose=[lambda name, module: "weight" in name]))
+    with pytest.raises(ValueError, match=r"network: its prior or likelihood cannot be saved"):
+        save_global(tmp_path / "c.pt", client, method="client")
+    assert not (tmp_path / "c.pt").exists()
+
+
+# ------------------------------------------------------------------------------------------------ match --posteriors
+
+
+def loaded(folder, kind):
+    return [bnpfed.load_global(f) for f in files(folder, kind)]
+
+
+@pytest.mark.parametrize("kind, extra", [("mlp", []), ("lenet", ["--input-shape", "1,8,8"]),
+                                         ("user", ["--input-shape", "1,8,8"])])
+def test_bnpfed_match_posteriors_writes_the_global_posterior_match_posteriors_builds(kind, extra, folder, tmp_path,
+                                                                                   digits, capsys):
+    out = tmp_path / "g.pt"
+    assert main(["match", *files(folder, kind), *extra, "--posteriors", "--rule", "gaa", "--counts",
+                 str(folder / "counts.json"), "--out", str(out), "--json", str(tmp_path / "m.json")]) == 0
+    assert f"wrote the global posterior to {out}" in capsys.readouterr().out
+    clients = loaded(folder, kind)
+    counts = torch.tensor(json.loads((folder / "counts.json").read_text()))
+    match = match_posteriors(clients, counts, rule="gaa", sizes=[int(n) for n in counts.sum(1)],
+                             input_shape=digits.input_shape, template=clients[0].mean_network(), seed=0)
+    expected = match.client(only_linear_weights())
+    saved = read_global(out)
+    assert saved.kind == "bayesian" and saved.method == "match-gaa" and saved.widths == match.widths
+    x = digits.x_test
+    assert_close(predictive(saved.client, x), predictive(expected, x))
+    local = [classification_report(predictive(c, x).double(), digits.y_test)["accuracy"] for c in clients]
+    fused = classification_report(predictive(saved.client, x).double(), digits.y_test)["accuracy"]
+    assert fused > max(local), (fused, local)  # label-skewed clients: the fused posterior beats each of them
+    rows = json.loads((tmp_path / "m.json").read_text())["results"]["runs"][0]["rows"]
+    assert [r["width"] for r in rows] == list(match.widths.values())
+
+
+def test_bnpfed_match_posteriors_without_counts_estimates_the_class_shares(folder, tmp_path, digits, capsys):
+    out = tmp_path / "g.pt"
+    assert main(["match", *files(folder, "mlp"), "--posteriors", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "class shares estimated" in text and "every client's posterior weighs the same" in text
+    clients = loaded(folder, "mlp")
+    template = clients[0].mean_network()
+    shares = estimate_class_shares([c.mean_network() for c in clients], derive_spec(template, digits.input_shape))
+    expected = match_posteriors(clients, shares, rule=FusionConfig().rule, sizes=[1, 1, 1],
+                                input_shape=digits.input_shape, template=template, seed=0)
+    saved = read_global(out)
+    assert saved.class_shares_estimated and saved.method == f"match-{FusionConfig().rule}"
+    assert_close(predictive(saved.client, digits.x_test), predictive(expected.client(only_linear_weights()),
+                                                                     digits.x_test))
+
+
+def test_bnpfed_match_posteriors_align_none_is_the_weight_wise_fusion(folder, tmp_path, digits):
+    out = tmp_path / "g.pt"
+    assert main(["match", *files(folder, "shared"), "--posteriors", "--align", "none", "--rule", "eaa", "--counts",
+                 str(folder / "counts.json"), "--out", str(out)]) == 0
+    clients = loaded(folder, "shared")
+    sizes = [int(n) for n in torch.tensor(json.loads((folder / "counts.json").read_text())).sum(1)]
+    step = fuse_posteriors([c.posterior() for c in clients], [c.deterministic_state() for c in clients], sizes,
+                           FusionConfig(rule="eaa"), seed=0, round=1)
+    saved = read_global(out)
+    for site, p in step.posterior.items():
+        assert torch.equal(saved.client.posterior()[site].loc, p.loc.to(torch.float32))
+        assert_close(saved.client.posterior()[site].variance, p.variance.to(torch.float32))  # via softplus^-1
+    assert all(torch.equal(saved.client.deterministic_state()[k], v) for k, v in step.deterministic.items())
+    assert saved.method == "eaa" and saved.widths == {"1": 32}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (lambda f: [*files(f, "mlp"), "--posteriors", "--sigma2", "0.1"], r"--sigma2: expected only without --posteriors"),
+    (lambda f: [*files(f, "mlp"), "--posteriors", "--arch", "mlp"], r"--arch: expected only without --posteriors"),
+    (lambda f: [*files(f, "mlp"), "--rule", "gaa"], r"--rule: expected only with --posteriors"),
+    (lambda f: [*files(f, "mlp"), "--align", "none"], r"--align: expected only with --posteriors"),
+    (lambda f: [*files(f, "mlp"), "--posteriors", "--align", "none", "--tau2", "0.1"],
+     r"--tau2: expected only with --align match"),
+    (lambda f: [*files(f, "mlp"), "--posteriors", "--align", "none", "--gamma0", "1"],
+     r"--gamma0: expected only with --align match"),
+    (lambda f: files(f, "mlp"), r"MODEL: .* holds a Bayesian client; expected --posteriors"),
+    (lambda f: [*files(f, "mlp")[:2], files(f, "lenet")[2], "--posteriors"], r"MODEL: .* is another architecture"),
+    (lambda f: [*files(f, "lenet"), "--posteriors"], r"--input-shape: expected the shape of one input"),
+    (lambda f: [*files(f, "mlp"), "--posteriors", "--counts", str(f / "fractional.json")],
+     r"--counts: expected whole numbers"),
+    (lambda f: [*files(f, "mlp"), "--posteriors", "--align", "match", "--min-variance", "0"],
+     r"--min-variance: expected a floor > 0"),
+])
+def test_bad_input_to_bnpfed_match_posteriors_is_named_before_any_fusion(argv, message, folder, tmp_path, capsys,
+                                                                        monkeypatch):
+    import bnpfed.inference.posterior_matching as posterior_matching
+
+    (folder / "fractional.json").write_text(json.dumps([[0.5] * 10] * 3))
+    called = []
+    monkeypatch.setattr(posterior_matching, "match_posteriors", lambda *a, **k: called.append(1))
+    assert main(["match", *argv(folder), "--out", str(tmp_path / "g.pt")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("bnpfed match: error: ") and err.count("\n") == 1, err
+    assert re.search(message, err), err
+    assert not called and not (tmp_path / "g.pt").exists()
+
+
+def test_a_deterministic_file_is_refused_by_match_posteriors(folder, tmp_path, capsys, digits):
+    save_global(tmp_path / "net.pt", mlp(0), method="pfnm")
+    assert main(["match", str(tmp_path / "net.pt"), *files(folder, "mlp")[1:], "--posteriors", "--out",
+                 str(tmp_path / "g.pt")]) == 2
+    assert "expected a Bayesian client" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ fuse --save-global
+
+
+def test_bnpfed_fuse_save_global_writes_every_global_model_its_methods_built(tmp_path, capsys, digits):
+    out, folder = tmp_path / "fuse.json", tmp_path / "globals"
+    assert main(["fuse", "--clients", "3", "--rounds", "1", "--epochs", "1", "--hidden", "16", "--align", "match",
+                 "--rule", "eaa,conflation", "--no-progress", "--json", str(out), "--save-global", str(folder)]) == 0
+    methods = ["pfnm", "fedavg", "eaa", "conflation", "match-eaa", "match-conflation"]
+    assert f"wrote 6 global models to {folder}: {', '.join(m + '.pt' for m in methods)}" in capsys.readouterr().out
+    rows = {r["method"]: r for r in json.loads(out.read_text())["results"]["runs"][0]["rows"]}
+    seed = derive_seed(0, Stream.PREDICT, 1)  # the draws the federation scored its global posterior with (round 1)
+    for method in methods:
+        saved = read_global(folder / f"{method}.pt")
+        assert saved.method == method and saved.kind == ("deterministic" if method in ("pfnm", "fedavg")
+                                                         else "bayesian")
+        with torch.no_grad():
+            probs = (saved.network(digits.x_test).softmax(-1) if saved.client is None else
+                     saved.client.predict_proba(digits.x_test, num_samples=10, seed=seed))
+        accuracy = float((probs.argmax(-1) == digits.y_test).double().mean())
+        assert accuracy == pytest.approx(rows[method]["accuracy"], abs=1e-9), method  # the model the row scored
+        assert sum(p.numel() for p in saved.network.parameters()) == rows[method]["parameters"], method
+    assert read_global(folder / "match-eaa.pt").widths == {"1": rows["match-eaa"]["width"]}
+
+
+def test_bnpfed_evaluate_scores_a_bayesian_file_by_its_posterior_predictive(folder, tmp_path, digits, capsys):
+    path = files(folder, "mlp")[0]
+    assert main(["evaluate", path, "--dataset", "digits", "--predictive-samples", "8", "--seed", "3", "--json",
+                 str(tmp_path / "e.json")]) == 0
+    assert "Bayesian: posterior predictive of 8 weight draws, seed 3" in capsys.readouterr().out
+    (row,) = json.loads((tmp_path / "e.json").read_text())["results"]["runs"][0]["rows"]
+    probs = bnpfed.load_global(path).predict_proba(digits.x_test, num_samples=8, seed=3).double()
+    for key, value in classification_report(probs, digits.y_test, n_bins=15).items():
+        assert row[key] == pytest.approx(value, rel=1e-9), key
+    save_global(tmp_path / "net.pt", mlp(0), method="pfnm")
+    assert main(["evaluate", str(tmp_path / "net.pt"), "--dataset", "digits", "--seed", "1"]) == 2
+    assert "--seed: expected only with a Bayesian global network" in capsys.readouterr().err
+
+
+def test_a_prediction_runs_in_eval_mode_and_changes_no_running_statistic(digits, parts):
+    (client,) = fitted(lambda j: UserCNN(), digits, parts[:1], epochs=1)
+    before = {k: v.clone() for k, v in client.bnn.net.named_buffers()}
+    first = predictive(client, digits.x_test[:5])
+    assert all(torch.equal(v, before[k]) for k, v in client.bnn.net.named_buffers())  # running statistics kept
+    assert client.bnn.training  # the mode is restored
+    alone = predictive(client, digits.x_test[:1])  # in eval mode an input's prediction needs no batch around it
+    assert_close(alone[0], first[0])
