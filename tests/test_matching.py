@@ -343,6 +343,23 @@ def test_identical_clients_are_merged_one_to_one():
     assert r.num_atoms == 5 and (r.counts == 3).all()
 
 
+@pytest.mark.parametrize("widths", [(5, 5, 5), (3, 5, 2, 5), (4, 4), (1, 7)])
+@pytest.mark.parametrize("value", [0.0, 0.3], ids=["dead-units", "constant"])
+def test_identical_neurons_merge_into_as_few_atoms_as_a_client_has_under_empirical_bayes(widths, value):
+    """Every neuron the same vector (e.g. every unit dead): no spread to estimate a variance from, so the variances
+    keep their start and say so; the neurons merge into max_j L_j atoms (a client's neurons cannot share an atom).
+    Before, the estimates fell to their floors, where joining and opening an atom score alike, and the IBP's mass
+    (estimated from the atoms it had opened) kept up to every neuron apart."""
+    from bnpfed.inference import match_bayesian_layer
+
+    layers = [torch.full((w, 6), value, dtype=torch.float64) for w in widths]
+    for r in (match_layer(layers, seed=0),
+              match_bayesian_layer(layers, [torch.full((w, 6), 0.01, dtype=torch.float64) for w in widths], seed=0)):
+        assert r.num_atoms == max(widths) and int(r.counts.sum()) == sum(widths)
+        assert any("no spread" in note for note in r.notes)
+        torch.testing.assert_close(r.global_atoms, torch.full((max(widths), 6), value, dtype=torch.float64))
+
+
 def test_reference_constants_run_and_respect_the_atom_cap():
     layer = sample_federated_layer(6, 10, seed=0, gamma0=30.0, sigma2=0.5)
     r = match_layer(layer.neurons, sigma2=0.5, sigma0_2=1.0, gamma0=30.0, sweeps=0,

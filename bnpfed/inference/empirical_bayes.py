@@ -95,6 +95,15 @@ def _atom_means(membership, v, w):
     return W, np.divide(S, W, out=np.zeros_like(S), where=W > 0)
 
 
+#: What the result says when every neuron is the same vector on a block of coordinates (e.g. every unit dead, all
+#: weights 0; their spread below ``FLAT_RTOL`` of their size, rounding): the noise and the prior variance are not identifiable from no spread at all, so they keep their start
+#: (the pooled variance taken as 1: noise and prior variance of one order, which merges identical neurons) and only
+#: gamma0 (and mu0, the vector itself) are estimated.
+FLAT_RTOL = 1e-12
+FLAT_NOTE = ("the neurons have no spread (pooled variance 0: one and the same vector): the variances are not "
+             "estimable and keep their start (the pooled variance taken as 1); identical neurons are merged")
+
+
 class _Estimator:
     """What both estimators share: the blocks of coordinates and their data, the notes, the start from the pooled
     moments, the convergence test, and the values as per-coordinate vectors and as the result reports them. A
@@ -139,8 +148,10 @@ class _Estimator:
         mu = mu0.copy()
         for coords, suffix, v, u, s in self.blocks:
             T, ubar, mean = self.pooled(v, u, s)
-            if not T > 0:
-                self.note("the neurons have no spread (pooled variance 0): the start takes it as 1")
+            # no spread beyond rounding: the neurons' standard deviation below FLAT_RTOL of their typical size
+            values["_flat" + suffix] = flat = not T > FLAT_RTOL ** 2 * float(np.mean(mean ** 2))
+            if flat:
+                self.note(FLAT_NOTE)
                 T = 1.0
             R = T - ubar
             if not R > 0:
@@ -259,7 +270,9 @@ class PooledMoments(_Estimator):
         den = {k: max(d, 0.0) for k, d in den.items()}  # 1 - s / W is 0 for a lone member, up to rounding
         out = dict(current)
         main = "A" if A.size else "B"   # the block sigma2 comes from: A when there is one
-        if "sigma2" in self.estimated:
+        if "sigma2" in self.estimated and current["_flat"]:
+            pass   # one and the same vector everywhere: nothing to estimate from (FLAT_NOTE); the start is kept
+        elif "sigma2" in self.estimated:
             if not den[main] > 1e-9 * max(self.N * self.D, 1):
                 self.note("sigma2 not estimable (no atom has two members: every neuron is alone): the previous "
                           "value was kept (a start far below the noise can stay there; the data-driven start does "
@@ -270,7 +283,7 @@ class PooledMoments(_Estimator):
                     self.note(f"sigma2 floored at SIGMA2_FLOOR = {SIGMA2_FLOOR:g} times the pooled variance of the "
                               "neurons (the members of every atom agree)")
                 out["sigma2"] = max(num[main] / den[main], floor)
-        if "sigma2_scaled" in self.estimated:
+        if "sigma2_scaled" in self.estimated and not current["_flat_scaled"]:
             if den["B"] > 1e-9:
                 out["sigma2_scaled"] = max(num["B"] / den["B"], SIGMA2_FLOOR * current["_T_scaled"])
             else:
@@ -305,6 +318,8 @@ class PooledMoments(_Estimator):
             between["_scaled"] = self._between_B(WB, xbarB, mu0[B], free[B], out["sigma2_scaled"])
         for suffix, value in between.items():
             noise = out["sigma2" + suffix]
+            if current["_flat" + suffix]:
+                continue  # FLAT_NOTE: the start is kept
             if value is None:
                 self.note(f"sigma0_2{suffix} not estimable (fewer than two atoms carry data on its coordinates, and "
                           "mu0 is estimated from them): the previous value was kept")
@@ -454,6 +469,10 @@ class PauleMandel(_Estimator):
         mu = values["mu0"].copy()
         for coords, suffix, v, u, s in self.blocks:
             T = values["_T" + suffix]
+            if values["_flat" + suffix]:  # FLAT_NOTE: the start is kept; mu0 is the one vector itself
+                if self.mu0 is None:
+                    mu[coords] = v[0]
+                continue
             if "tau2" + suffix in self.estimated:
                 tau2, floored = estimate_tau2(membership, flat, v, u, s, TAU2_FLOOR * T)
                 if tau2 is None:
