@@ -208,8 +208,11 @@ def read_global(path: str | Path) -> SavedGlobal:
     if kind == "bayesian":
         client = BayesianClient(copy.deepcopy(network).train(), record["prior"],  # train mode, as a new client likelihood=record["likelihood"],
                                 local_reparameterization=record["local_reparameterization"])
-        client.load_posterior({site: GaussianPosterior(p["loc"], p["variance"])
-                               for site, p in record["posterior"].items()})
+        try:
+            client.load_posterior({site: GaussianPosterior(p["loc"], p["variance"])
+                                   for site, p in record["posterior"].items()})
+        except ValueError as error:
+            raise ValueError(f"path: {str(path)!r} holds a posterior that does not load ({error})") from None
     return SavedGlobal(network=network.eval(), method=record["method"], architecture=record["architecture"],
                        kind=kind, client=client, spec=record["spec"], widths=dict(record["widths"]),
                        hyperparameters=dict(record["hyperparameters"]), class_shares=record["class_shares"],

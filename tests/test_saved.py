@@ -15,7 +15,7 @@ from bnpfed.federated.partition import class_counts
 from bnpfed.inference import match_by_spec
 from bnpfed.metrics import classification_report
 from bnpfed.saved import read_global, save_global
-from user_networks import UserCNN
+from user_networks import UserCNN, UserMixingNet
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +127,8 @@ def bad(folder, tmp_path):
     nan = torch.load(folder / "mlp0_state.pt")
     next(v for v in nan.values() if v.dim() == 2)[0, 0] = float("nan")
     torch.save(nan, tmp_path / "nan.pt")
+    for j in range(3):
+        torch.save(UserMixingNet(), tmp_path / f"mixing{j}.pt")
     (tmp_path / "counts_short.json").write_text(json.dumps([[1] * 10] * 2))
     (tmp_path / "counts_negative.json").write_text(json.dumps([[1] * 9 + [-1]] * 3))
     return tmp_path
@@ -148,6 +150,7 @@ def bad(folder, tmp_path):
     (lambda f, b: [*files(f, "user", True), "--module", "user_networks:nothing", "--input-shape", "1,8,8"],
      r"--module: cannot import"),
     (lambda f, b: [*files(f, "mlp"), "--sigma2", "0.1,0.2"], r"--sigma2"),
+    (lambda f, b: [str(b / f"mixing{j}.pt") for j in range(3)], r"MODEL: cannot match these networks: .*cumsum"),
 ])
 def test_bad_input_to_bnpfed_match_is_named_before_any_matching(argv, message, folder, bad, capsys, monkeypatch):
     import bnpfed.inference as inference

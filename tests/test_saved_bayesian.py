@@ -196,12 +196,20 @@ def test_bnpfed_match_posteriors_align_none_is_the_weight_wise_fusion(folder, tm
      r"--counts: expected whole numbers"),
     (lambda f: [*files(f, "mlp"), "--posteriors", "--align", "match", "--min-variance", "0"],
      r"--min-variance: expected a floor > 0"),
+    (lambda f: [str(f / "nan.pt"), *files(f, "mlp")[1:], "--posteriors"],
+     r"MODEL: .*nan\.pt' holds a posterior that does not load \(posterior\['1\.weight'\] loc: expected finite"),
+    (lambda f: [str(f / "negative.pt"), *files(f, "mlp")[1:], "--posteriors"],
+     r"posterior\['1\.weight'\] variance: expected all entries > 0"),
 ])
 def test_bad_input_to_bnpfed_match_posteriors_is_named_before_any_fusion(argv, message, folder, tmp_path, capsys,
                                                                         monkeypatch):
     import bnpfed.inference.posterior_matching as posterior_matching
 
     (folder / "fractional.json").write_text(json.dumps([[0.5] * 10] * 3))
+    for name, change in (("nan", lambda p: p["loc"]), ("negative", lambda p: p["variance"])):
+        record = torch.load(files(folder, "mlp")[0], weights_only=False)
+        change(record["posterior"]["1.weight"])[0, 0] = float("nan") if name == "nan" else -1.0
+        torch.save(record, folder / f"{name}.pt")
     called = []
     monkeypatch.setattr(posterior_matching, "match_posteriors", lambda *a, **k: called.append(1))
     assert main(["match", *argv(folder), "--out", str(tmp_path / "g.pt")]) == 2

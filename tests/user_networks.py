@@ -31,3 +31,15 @@ class UserPlainCNN(nn.Module):
 
     def forward(self, x):
         return self.head(self.features(x))
+
+
+class UserMixingNet(nn.Module):
+    """Hidden units mixed by a fixed non-elementwise step (a cumulative sum): no permutation of them is a symmetry,
+    so no spec of this network verifies."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(64, 16), nn.Linear(16, 10)
+
+    def forward(self, x):
+        return self.fc2(self.fc1(x.flatten(1)).relu().cumsum(-1))
