@@ -206,7 +206,8 @@ def read_global(path: str | Path) -> SavedGlobal:
     network.load_state_dict(record["state_dict"])
     client = None
     if kind == "bayesian":
-        client = BayesianClient(copy.deepcopy(network).train(), record["prior"],  # train mode, as a new client likelihood=record["likelihood"],
+        # in train mode, as a new client is (the saved module is in eval mode)
+        client = BayesianClient(copy.deepcopy(network).train(), record["prior"], likelihood=record["likelihood"],
                                 local_reparameterization=record["local_reparameterization"])
         try:
             client.load_posterior({site: GaussianPosterior(p["loc"], p["variance"])

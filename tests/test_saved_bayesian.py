@@ -86,7 +86,7 @@ def test_a_saved_bayesian_client_loads_back_with_the_same_posterior_predictive(k
     loaded = bnpfed.load_global(save_global(tmp_path / "c.pt", client, method="client"))
     assert isinstance(loaded, BayesianClient)
     assert loaded.bnn.local_reparameterization == client.bnn.local_reparameterization
-    x, y = digits.x_test, digits.y_test
+    x = digits.x_test
     # the same draws from the same posterior (the guide's scale goes through softplus^-1 and back: float rounding)
     assert_close(predictive(loaded, x), predictive(client, x))
     for site, p in client.posterior().items():
@@ -100,6 +100,21 @@ def test_a_saved_bayesian_client_loads_back_with_the_same_posterior_predictive(k
     with torch.no_grad():
         assert torch.equal(raw["module"].eval()(x), client.mean_network()(x)) and saved.kind == "bayesian"
     assert set(raw["posterior"]) == set(client.posterior())
+
+
+def test_a_regression_client_keeps_its_likelihood(tmp_path):
+    from bnpfed.models import Gaussian
+    from bnpfed.models import mlp as plain_mlp
+
+    x = torch.randn(64, 3, generator=torch.Generator().manual_seed(0))
+    y = x.sum(1)
+    client = BayesianClient(plain_mlp(3, [8], 1), only_linear_weights(), likelihood=Gaussian(scale=0.1))
+    client.fit(x, y, epochs=3, batch_size=16, lr=1e-2, seed=0)
+    again = bnpfed.load_global(save_global(tmp_path / "r.pt", client, method="client"))
+    assert isinstance(again.bnn.likelihood, Gaussian) and again.bnn.likelihood.scale == 0.1
+    a, b = again.predict(x, num_samples=4, seed=0), client.predict(x, num_samples=4, seed=0)
+    assert_close(a.mean, b.mean)
+    assert_close(a.variance, b.variance)
 
 
 def test_the_mean_network_is_the_bayesian_network_at_its_posterior_means(digits, parts):
@@ -203,7 +218,7 @@ def test_bnpfed_match_posteriors_align_none_is_the_weight_wise_fusion(folder, tm
 ])
 def test_bad_input_to_bnpfed_match_posteriors_is_named_before_any_fusion(argv, message, folder, tmp_path, capsys,
                                                                         monkeypatch):
-    import bnpfed.inference.posterior_matching as posterior_matching
+    from bnpfed.inference import posterior_matching
 
     (folder / "fractional.json").write_text(json.dumps([[0.5] * 10] * 3))
     for name, change in (("nan", lambda p: p["loc"]), ("negative", lambda p: p["variance"])):

@@ -96,9 +96,9 @@ def _atom_means(membership, v, w):
 
 
 #: What the result says when every neuron is the same vector on a block of coordinates (e.g. every unit dead, all
-#: weights 0; their spread below ``FLAT_RTOL`` of their size, rounding): the noise and the prior variance are not identifiable from no spread at all, so they keep their start
-#: (the pooled variance taken as 1: noise and prior variance of one order, which merges identical neurons) and only
-#: gamma0 (and mu0, the vector itself) are estimated.
+#: weights 0; their spread below ``FLAT_RTOL`` of their size, rounding): the noise and the prior variance are not
+#: identifiable from no spread at all, so they keep their start (the pooled variance taken as 1: noise and prior
+#: variance of one order, which merges identical neurons) and only gamma0 (and mu0, the vector itself) are estimated.
 FLAT_RTOL = 1e-12
 FLAT_NOTE = ("the neurons have no spread (pooled variance 0: one and the same vector): the variances are not "
              "estimable and keep their start (the pooled variance taken as 1); identical neurons are merged")
