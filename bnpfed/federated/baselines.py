@@ -1,6 +1,10 @@
 """The baselines PFNM is compared with (Yurochkin et al. 2019, section 4): local models, their uniform ensemble,
 FedAvg (weight averaging, which needs a shared initialisation to mean anything) and k-means over pooled neurons, for
-any network with a permutation spec (k-means clusters each group's unit vectors, as PFNM matches them).
+any network with a permutation spec (k-means clusters each group's unit vectors, as PFNM matches them); and the
+fusion baselines of the literature since, which align every network to one reference before averaging: weight
+matching (Git Re-Basin, Ainsworth et al. 2023) and OT fusion (Singh & Jaggi 2020), see
+:mod:`bnpfed.inference.alignment`. The reference is the client with the most examples (the first on a tie); the
+aligned networks are averaged with the clients' weights (their example counts, as FedAvg's).
 
 A global network with batch norm gets its running statistics re-estimated from the clients' data after every
 average or match (:func:`~bnpfed.federated.server.batch_norm_step`), whatever the method (FedAvg's rounds:
@@ -15,10 +19,12 @@ import torch
 from torch import Tensor, nn
 
 from bnpfed.combine import average_deterministic
+from bnpfed.inference.alignment import ot_alignment, weight_matching
 from bnpfed.inference.matching import MatchResult
-from bnpfed.inference.permutation import PermutationSpec, SpecMatch, match_by_spec
+from bnpfed.inference.permutation import PermutationSpec, SpecMatch, derive_spec, match_by_spec, network_from_state
 
-__all__ = ["ensemble_proba", "fedavg_network", "kmeans_layer", "kmeans_networks"]
+__all__ = ["aligned_average", "ensemble_proba", "fedavg_network", "kmeans_layer", "kmeans_networks",
+           "reference_client"]
 
 
 @torch.no_grad()
@@ -83,3 +89,55 @@ def kmeans_networks(nets: Sequence[nn.Module], class_counts, widths: Sequence[in
     """
     return match_by_spec(list(nets), class_counts, spec, input_shape=input_shape,
                          layer_fn=[kmeans_layer(w) for w in widths], seed=seed)
+
+
+def reference_client(sizes: Sequence[int]) -> int:
+    """The client the alignment baselines align to: the one with the most examples (the first on a tie)."""
+    sizes = [int(n) for n in sizes]
+    if not sizes:
+        raise ValueError("sizes: expected one example count per client, got none")
+    return max(range(len(sizes)), key=lambda j: (sizes[j], -j))
+
+
+def aligned_average(nets: Sequence[nn.Module], sizes: Sequence[int], *, method: str, spec=None, input_shape=None,
+                    seed: int = 0, reg: Optional[float] = None) -> nn.Module:
+    """One global network from ``nets`` aligned to the reference client (:func:`reference_client`) and averaged
+    with weights proportional to ``sizes``, at the reference's widths.
+
+    :param str method: ``"weight-matching"`` (Git Re-Basin), ``"ot-fusion"`` (exact OT) or ``"ot-fusion-sinkhorn"``
+        (entropic OT, ``reg`` relative to the largest ground cost; default
+        :data:`~bnpfed.inference.alignment.OT_REG`).
+    :param spec: the networks' permutation spec (default derived from ``nets[0]`` and ``input_shape``).
+    """
+    if not nets:
+        raise ValueError("nets: expected at least one network, got none")
+    if len(sizes) != len(nets):
+        raise ValueError(f"sizes: expected one example count per network ({len(nets)}), got {len(sizes)}")
+    if spec is None:
+        if input_shape is None:
+            raise ValueError("input_shape: expected the shape of one input (to derive the spec), got None")
+        spec = derive_spec(nets[0], input_shape)
+    states = [n.state_dict() for n in nets]
+    reference = reference_client(sizes)
+    if method == "weight-matching":
+        if reg is not None:
+            raise ValueError(f"reg: expected only with method='ot-fusion-sinkhorn', got reg={reg!r}")
+        aligned = weight_matching(states, spec, reference=reference, seed=seed)
+    elif method in ("ot-fusion", "ot-fusion-sinkhorn"):
+        sinkhorn = method == "ot-fusion-sinkhorn"
+        if reg is not None and not sinkhorn:
+            raise ValueError(f"reg: expected only with method='ot-fusion-sinkhorn', got reg={reg!r}")
+        extra = {} if reg is None else {"reg": reg}
+        aligned, _ = ot_alignment(states, spec, reference=reference, solver="sinkhorn" if sinkhorn else "exact",
+                                  **extra)
+    else:
+        raise ValueError(f"method: expected 'weight-matching', 'ot-fusion' or 'ot-fusion-sinkhorn', got {method!r}")
+    total = float(sum(sizes))
+    weights = [float(n) / total for n in sizes]
+    state = {}
+    for key, value in aligned[reference].items():
+        if value.is_floating_point():
+            state[key] = average_deterministic([a[key] for a in aligned], weights).to(value.dtype)
+        else:  # batch norm's num_batches_tracked: the reference's
+            state[key] = value
+    return network_from_state(nets[reference], state).eval()

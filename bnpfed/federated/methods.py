@@ -47,6 +47,7 @@ Usage::
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import time
@@ -60,7 +61,8 @@ from tqdm.auto import tqdm
 
 from bnpfed.combine import available_rules
 from bnpfed.data import Dataset
-from bnpfed.federated.baselines import ensemble_proba, fedavg_network, kmeans_networks
+from bnpfed.federated.baselines import (aligned_average, ensemble_proba, fedavg_network, kmeans_networks,
+                                       reference_client)
 from bnpfed.federated.clients import bayesian_client, fit_bayesian, initial_network, train_network
 from bnpfed.federated.config import (BayesianConfig, FusionConfig, NetworkConfig, PFNMConfig,
                                      PartitionConfig, TrainingConfig, config_dict, holdout_split)
@@ -666,6 +668,27 @@ def _fedma(experiment: Experiment, rounds: int, name: str) -> MethodResult:
     return row
 
 
+#: The alignment baselines (:func:`~bnpfed.federated.baselines.aligned_average`) and their papers.
+ALIGNMENT_METHODS = {"weight-matching": "Git Re-Basin weight matching (Ainsworth et al. 2023)",
+                     "ot-fusion": "OT fusion, exact plan (Singh & Jaggi 2020)",
+                     "ot-fusion-sinkhorn": "OT fusion, Sinkhorn plan (Singh & Jaggi 2020)"}
+
+
+def _aligned(experiment: Experiment, method: str) -> MethodResult:
+    models = experiment.local_models()
+    sizes = [len(p) for p in experiment.parts]
+    t0 = time.perf_counter()
+    net = aligned_average(models, sizes, method=method, input_shape=experiment.input_shape, seed=experiment.seed)
+    seconds = time.perf_counter() - t0
+    experiment.reestimate(net)
+    experiment.keep(method, net)
+    return MethodResult.from_metrics(method, experiment.evaluate_network(net),
+                                     hidden=network_widths(net, experiment.input_shape),
+                                     parameters=count_parameters(net), server_seconds=seconds,
+                                     note=f"{ALIGNMENT_METHODS[method]}: aligned to client {reference_client(sizes)} "
+                                          "(most examples), averaged by size")
+
+
 def _kmeans(experiment: Experiment) -> MethodResult:
     widths = experiment.selection().match.hidden_sizes
     match = kmeans_networks(experiment.local_models(), experiment.class_counts, widths, seed=experiment.seed,
@@ -729,6 +752,7 @@ for _name, _fn in (("local", _local), ("ensemble", _ensemble), ("ensemble-bayesi
                    ("fedavg-oneshot", _fedavg_oneshot),
                    ("fedavg", _fedavg), ("kmeans", _kmeans), ("pfnm", _pfnm), ("pfnm-rounds", _pfnm_rounds),
                    ("fedma", lambda e: _fedma(e, 1, "fedma")),
+                   *((m, functools.partial(_aligned, method=m)) for m in ALIGNMENT_METHODS),
                    ("fedma-rounds", lambda e: _fedma(e, e.config.rounds, "fedma-rounds"))):
     register_method(_name, _fn)
 
