@@ -297,6 +297,37 @@ def part_cifar(ds, out: Path, seeds, Js, *, rounds: int = 10, layerwise: int = 2
                 experiment.close()
 
 
+BASELINE_METHODS = ("local", "ensemble", "pfnm", "weight-matching", "ot-fusion", "ot-fusion-sinkhorn")
+
+
+def part_baselines(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("iid", "dirichlet"),
+                   arch: str = "lenet") -> None:
+    """Issue 20's conv rows: the alignment baselines (weight matching, Git Re-Basin; OT fusion, exact and Sinkhorn,
+    Singh & Jaggi) beside one-shot PFNM, the local models and their ensemble, on the local models of the cnn part's
+    settings (the reference training, pixels in [0, 1]). One JSON line per method (resumable; a resumed run retrains
+    the local models, deterministically)."""
+    done = _done(out)
+    for J in Js:
+        for partition in partitions:
+            for seed in seeds:
+                base = f"baselines/{name}/{arch}/J={J}/{partition}/seed={seed}"
+                todo = [m for m in BASELINE_METHODS if f"{base}/{'local-mean' if m == 'local' else m}" not in done]
+                if not todo:
+                    continue
+                configs = _configs(J, partition, seed, methods=tuple(todo))
+                configs["network"] = replace(PFNM_NETWORK, arch=arch)
+                experiment = Experiment(ds, **configs)
+                for method in todo:
+                    t0 = time.perf_counter()
+                    for r in run_method(experiment, method):
+                        _emit(out, f"{base}/{r.method}", dict(
+                            J=J, partition=partition, seed=seed, dataset=name, arch=arch, source=ds.source,
+                            method=r.method, accuracy=r.accuracy, nll=r.nll, ece=r.ece, hidden=r.hidden,
+                            parameters=r.parameters, seconds=r.server_seconds,
+                            wall_seconds=time.perf_counter() - t0))
+                experiment.close()
+
+
 def part_cnn_timing(ds, out: Path, name: str = "mnist") -> None:
     """Issue 10's speed target: LeNet's groups matched for J = 25 (IID, seed 0), best of 3, empirical Bayes and fixed
     sigma2 = sigma0_2 = gamma0 = 1, seconds per group (the widest is fc1: 120 units per client)."""
@@ -320,6 +351,7 @@ def part_cnn_timing(ds, out: Path, name: str = "mnist") -> None:
 
 
 PARTS = {"reference": part_reference, "cnn": part_cnn, "cifar": part_cifar, "cnn-timing": part_cnn_timing,
+         "baselines": part_baselines,
          "eb": part_eb, "plane": part_plane, "width": part_width, "rounds": part_rounds, "start": part_start,
          "deep": part_deep, "timing": part_timing}
 
@@ -365,6 +397,9 @@ def main(argv=None):
                 p.error(f"--parts cifar: expected --dataset cifar10, got {args.dataset}")
             part_cifar(ds, out, seeds, Js, rounds=args.rounds, partitions=tuple(args.partitions.split(",")),
                        arch="simple-cnn" if args.arch == "lenet" else args.arch)
+        elif part == "baselines":
+            part_baselines(ds, out, seeds, Js, name=args.dataset, partitions=tuple(args.partitions.split(",")),
+                           arch=args.arch)
         elif part == "cnn-timing":
             part_cnn_timing(ds, out, name=args.dataset)
         else:
