@@ -8,6 +8,7 @@ Examples::
     bnpfed fuse --paper --dataset fashion-mnist --data-dir DIR --rounds 12 --lr 1e-3 --batch-size 64 --epochs 1
     bnpfed fuse --align match --rounds 1 --epochs 10                # match units of independently initialised clients
     bnpfed fuse --align match --dataset mnist --data-dir DIR --ood fashion-mnist --ood-data-dir DIR2
+    bnpfed fuse --align match --rounds 1 --baselines kl-fusion,weight-matching,ot-fusion   # the literature's
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ MATCH_COLUMNS = ["method", "accuracy", "nll", "ece", "ece15", "brier", "width", 
                  "server_seconds"]
 OOD_COLUMNS = ["auroc_max_prob", "auroc_entropy"]
 MATCH_PREFIX = methods.MATCH_PREFIX
+#: The one-shot fusion baselines --baselines adds (--align match).
+BASELINES = ("kl-fusion", *methods.ALIGNMENT_METHODS)
 #: Metrics the plot shows, one panel each.
 #: The command's own defaults, where they differ from the configs': five rounds, ECE with 100 bins (the paper's).
 ROUNDS, ECE_BINS = 5, 100
@@ -121,6 +124,10 @@ def add_parser(sub):
     g.add_argument("--tau2", type=float, metavar="V",
                    help="--align match: the extra variance between two clients' copies of a unit, > 0 (default: "
                    "estimated per layer)")
+    g.add_argument("--baselines", type=_args.names, metavar="M[,M...]",
+                   help="--align match: also these fusion baselines, one shot: kl-fusion (KL-fusion of the Bayesian "
+                   "clients, Claici et al. 2020), weight-matching (Git Re-Basin), ot-fusion, ot-fusion-sinkhorn "
+                   "(Singh & Jaggi 2020; these three from the deterministic clients the pfnm row trains)")
     g.add_argument("--fraction", type=float, metavar="F", default=fusion.fraction,
                    help="share of the clients sampled each round, in (0, 1] (max(1, floor(fraction * J)) clients)")
     e = ExperimentConfig()
@@ -193,10 +200,16 @@ def prepare(args) -> dict:
     fusion = FusionConfig(rule=args.rule[0], weights=args.weights, pooling_samples=args.pooling_samples,
                           min_variance=args.min_variance, fraction=args.fraction, align=args.align, tau2=args.tau2,
                           own_init=own_init)
+    if args.baselines is not None:
+        if not match:
+            raise UsageError(f"--baselines: expected only with --align match, got --align {args.align}")
+        for name in args.baselines:
+            if name not in BASELINES:
+                raise UsageError(f"--baselines: expected names among {', '.join(BASELINES)}, got {name!r}")
     fedavg = () if args.no_fedavg else (FEDAVG,)
     if match:
         names = ("ensemble-bayesian", "pfnm" if args.rounds == 1 else "pfnm-rounds") + fedavg + args.rule + tuple(
-            MATCH_PREFIX + rule for rule in args.rule)
+            MATCH_PREFIX + rule for rule in args.rule) + tuple(args.baselines or ())
     else:
         names = args.rule + fedavg
     config = ExperimentConfig(methods=names, rounds=args.rounds, seed=args.seed, ece_bins=args.ece_bins,

@@ -32,6 +32,10 @@ match):
   rounds (:class:`~bnpfed.federated.matched_fusion.MatchedFusionFederation`);
 * ``ensemble-bayesian`` (its row is named ``ensemble``): the mean of those Bayesian clients' predictive
   distributions after round 1.
+* the fusion baselines of the literature since, one shot from the local networks
+  (:func:`~bnpfed.federated.baselines.aligned_average`): ``weight-matching`` (Git Re-Basin, Ainsworth et al., ICLR
+  2023), ``ot-fusion`` and ``ot-fusion-sinkhorn`` (Singh & Jaggi, NeurIPS 2020; exact and entropic plans); and from
+  the Bayesian clients ``kl-fusion`` (Claici et al., ICML 2020; :mod:`bnpfed.inference.kl_fusion`).
 
 Usage::
 
@@ -68,11 +72,12 @@ from bnpfed.federated.config import (BayesianConfig, FusionConfig, NetworkConfig
                                      PartitionConfig, TrainingConfig, config_dict, holdout_split)
 from bnpfed.federated.federation import EVAL_CHUNK, Federation, reestimate_statistics
 from bnpfed.federated.fusion import FedAvgFederation, FusionFederation
-from bnpfed.federated.matched_fusion import MatchedFusionFederation
+from bnpfed.federated.matched_fusion import MatchedFusionFederation, bayesian_from_match
 from bnpfed.federated.partition import class_counts
 from bnpfed.federated.pfnm import PFNMFederation
 from bnpfed.federated.server import clients_per_round, match_hyperparameters, pfnm_step, with_statistics
 from bnpfed.inference.batch_norm import batch_norm_order
+from bnpfed.inference.kl_fusion import kl_fusion
 from bnpfed.inference.permutation import SpecMatch, derive_spec
 from bnpfed.metrics import classification_report, count_parameters, expected_calibration_error, ood_auroc
 from bnpfed.report import json_safe, plural
@@ -748,11 +753,34 @@ def _matched_fusion(experiment: Experiment, rule: str) -> MethodResult:
     return row
 
 
+def _kl_fusion(experiment: Experiment) -> MethodResult:
+    clients = experiment.bayesian_clients()
+    sizes = [len(p) for p in experiment.parts]
+    t0 = time.perf_counter()
+    match = kl_fusion(clients, experiment.class_counts, sizes=sizes, input_shape=experiment.input_shape,
+                      seed=derive_seed(experiment.seed, Stream.MATCH, 1))
+    seconds = time.perf_counter() - t0
+    client = bayesian_from_match(match, experiment.bayesian)
+    experiment.keep("kl-fusion", client, match)
+
+    def predict(x):
+        return client.predict_proba(x, num_samples=experiment.config.predictive_samples,
+                                    seed=derive_seed(experiment.seed, Stream.PREDICT, 1))
+
+    metrics = experiment.report(*experiment.predictions(predict))
+    net = match.network()
+    return MethodResult.from_metrics("kl-fusion", metrics, hidden=list(match.widths.values()),
+                                     parameters=count_parameters(net), server_seconds=seconds, rounds=1,
+                                     note=f"KL-fusion (Claici et al. 2020), components from client "
+                                          f"{reference_client(sizes)}, at the clients' width")
+
+
 for _name, _fn in (("local", _local), ("ensemble", _ensemble), ("ensemble-bayesian", _bayesian_ensemble),
                    ("fedavg-oneshot", _fedavg_oneshot),
                    ("fedavg", _fedavg), ("kmeans", _kmeans), ("pfnm", _pfnm), ("pfnm-rounds", _pfnm_rounds),
                    ("fedma", lambda e: _fedma(e, 1, "fedma")),
                    *((m, functools.partial(_aligned, method=m)) for m in ALIGNMENT_METHODS),
+                   ("kl-fusion", _kl_fusion),
                    ("fedma-rounds", lambda e: _fedma(e, e.config.rounds, "fedma-rounds"))):
     register_method(_name, _fn)
 
