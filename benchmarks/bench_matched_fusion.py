@@ -13,6 +13,7 @@ Parts (JSON lines to ``--out``, resumable: finished configurations are skipped):
   weight by weight from the clients' own initialisations, and every rule after matching (``match-<rule>``); each
   with accuracy, NLL, ECE (100 and 15 bins), Brier, OOD AUROC by maximum probability and by entropy, width and
   parameters;
+* ``baselines``: KL-fusion, weight matching and OT fusion beside matched fusion (the oneshot settings);
 * ``rounds``: Dirichlet(0.5), ``--rounds`` rounds (``--epochs`` local epochs in round 1, ``--round-epochs`` after):
   matched fusion (``--rule``) against weight-wise fusion with a shared initialisation (the paper's setting) and
   FedAvg, per round.
@@ -84,6 +85,37 @@ def part_oneshot(datasets, dirs, out: Path, seeds, args) -> None:
                                      wall_seconds=time.perf_counter() - t0))
 
 
+#: Issue 20's rows: the published fusion methods beside matched Bayesian fusion, on the same clients.
+BASELINES = ("ensemble-bayesian", "pfnm", "match-eaa", "match-conflation", "kl-fusion", "weight-matching",
+             "ot-fusion")
+
+
+def part_baselines(datasets, dirs, out: Path, seeds, args) -> None:
+    """KL-fusion (Claici et al. 2020) of the Bayesian clients, and weight matching and OT fusion of the deterministic
+    ones, beside matched fusion (the oneshot part's settings and seeds, so its rows repeat here on the same clients).
+    One JSON line per configuration."""
+    done = _done(out)
+    for name in datasets:
+        ds, ood = _data(name, dirs)
+        for partition in ("iid", "dirichlet"):
+            for seed in seeds:
+                key = f"baselines/{name}/J={args.clients}/{partition}/seed={seed}{args.tag}"
+                if key in done:
+                    continue
+                t0 = time.perf_counter()
+                result = run_experiment(
+                    ds, ood=ood, partition=PartitionConfig(clients=args.clients, partition=partition),
+                    network=NetworkConfig(hidden=(100,)),
+                    training=TrainingConfig(epochs=args.epochs, batch_size=64, lr=args.lr),
+                    bayesian=BayesianConfig(init_scale=args.init_scale), fusion=FusionConfig(own_init=True),
+                    config=ExperimentConfig(methods=BASELINES, rounds=1, seed=seed, ece_bins=100,
+                                            predictive_samples=args.samples))
+                _emit(out, key, dict(dataset=name, partition=partition, seed=seed, J=args.clients, tag=args.tag,
+                                     lr=args.lr, init_scale=args.init_scale, epochs=args.epochs,
+                                     rows={r.method: _row(r) for r in result.rows}, warnings=result.warnings,
+                                     wall_seconds=time.perf_counter() - t0))
+
+
 def part_rounds(datasets, dirs, out: Path, seeds, args) -> None:
     done = _done(out)
     for name in datasets:
@@ -134,7 +166,7 @@ def main(argv=None):
     p.add_argument("--mnist-dir", default=str(SHARED / "mnist"))
     p.add_argument("--fashion-dir", default=str(SHARED / "fashion_mnist"))
     p.add_argument("--out", default=str(HERE / "results" / "matched_fusion.jsonl"))
-    p.add_argument("--parts", default="oneshot", help="comma-separated: oneshot, rounds")
+    p.add_argument("--parts", default="oneshot", help="comma-separated: oneshot, rounds, baselines")
     p.add_argument("--datasets", default="mnist,fashion-mnist")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--clients", type=int, default=10)
@@ -164,7 +196,8 @@ def main(argv=None):
     datasets = args.datasets.split(",")
     seeds = [int(s) for s in args.seeds.split(",")]
     for part in args.parts.split(","):
-        {"oneshot": part_oneshot, "rounds": part_rounds}[part](datasets, dirs, out, seeds, args)
+        {"oneshot": part_oneshot, "rounds": part_rounds, "baselines": part_baselines}[part](datasets, dirs, out, seeds,
+                                                                                            args)
 
 
 if __name__ == "__main__":
