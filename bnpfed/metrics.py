@@ -25,9 +25,11 @@ __all__ = [
     "ROW_SUM_ATOL",
     "accuracy",
     "brier_score",
+    "calibration_gaps",
     "calibration_report",
     "classification_report",
     "count_parameters",
+    "ece_from_gaps",
     "expected_calibration_error",
     "nll",
     "ood_auroc",
@@ -87,7 +89,7 @@ def _nll(probs: Tensor, labels: Tensor, eps: float) -> float:
     return -p_true.clamp_min(eps).log().mean().item()
 
 
-def _expected_calibration_error(probs: Tensor, labels: Tensor, n_bins: int) -> float:
+def _calibration_gaps(probs: Tensor, labels: Tensor, n_bins: int) -> Tensor:
     confidences, predictions = probs.double().max(dim=1)
     correct = (predictions == labels).double()
     edges = torch.linspace(0, 1, n_bins + 1, dtype=torch.float64, device=probs.device)
@@ -95,8 +97,11 @@ def _expected_calibration_error(probs: Tensor, labels: Tensor, n_bins: int) -> f
     # a distribution) would go to the first bin
     bins = (torch.bucketize(confidences, edges, right=False) - 1).clamp_(0, n_bins - 1)
     # per bin: sum over the bin of (correct - confidence) = |B_b| (acc(B_b) - conf(B_b))
-    gaps = torch.zeros(n_bins, dtype=torch.float64, device=probs.device).index_add_(0, bins, correct - confidences)
-    return (gaps.abs().sum() / len(labels)).item()
+    return torch.zeros(n_bins, dtype=torch.float64, device=probs.device).index_add_(0, bins, correct - confidences)
+
+
+def _expected_calibration_error(probs: Tensor, labels: Tensor, n_bins: int) -> float:
+    return (_calibration_gaps(probs, labels, n_bins).abs().sum() / len(labels)).item()
 
 
 def _brier_score(probs: Tensor, labels: Tensor) -> float:
@@ -144,6 +149,21 @@ def expected_calibration_error(probs: Any, labels: Any, n_bins: int = 15) -> flo
     """
     check_int(n_bins, "n_bins", low=1)
     return _expected_calibration_error(*_validated(probs, labels), n_bins)
+
+
+def calibration_gaps(probs: Any, labels: Any, n_bins: int = 15) -> Tensor:
+    """(n_bins,) per confidence bin of :func:`expected_calibration_error`, ``sum_{n in B_b} ([y_n = yhat_n] -
+    conf_n)``: sums over examples, so the gaps of several shards add up to the gaps of their union, and
+    ``ECE = sum_b |gap_b| / N`` (:func:`ece_from_gaps`) is the union's ECE (how federated evaluation gets the
+    test split's ECE from the clients' shards)."""
+    check_int(n_bins, "n_bins", low=1)
+    return _calibration_gaps(*_validated(probs, labels), n_bins)
+
+
+def ece_from_gaps(gaps: Any, num_examples: int) -> float:
+    """The expected calibration error of ``num_examples`` examples from their bins' :func:`calibration_gaps`."""
+    num_examples = check_int(num_examples, "num_examples", low=1)
+    return float(torch.as_tensor(gaps, dtype=torch.float64).abs().sum() / num_examples)
 
 
 def brier_score(probs: Any, labels: Any) -> float:

@@ -47,7 +47,7 @@ from flwr.serverapp import ServerApp  # noqa: E402
 
 from bnpfed.data import load_dataset  # noqa: E402
 from bnpfed.federated.federation import Federation, RoundRecord  # noqa: E402
-from bnpfed.federated.fusion import FusionFederation  # noqa: E402
+from bnpfed.federated.fusion import FedAvgFederation, FusionFederation  # noqa: E402
 from bnpfed.federated.matched_fusion import MatchedFusionFederation  # noqa: E402
 from bnpfed.federated.pfnm import PFNMFederation  # noqa: E402
 from bnpfed.flower.client import app as client_app  # noqa: E402
@@ -56,7 +56,8 @@ from bnpfed.flower.local import LocalGrid  # noqa: E402
 from bnpfed.flower.records import (from_array_record, matched_posterior_to_record, posterior_to_record,  # noqa: E402
                                    state_to_record)
 from bnpfed.flower.server import FederationResult, run_federation  # noqa: E402
-from bnpfed.flower.strategies import MatchedFusionStrategy, PFNMStrategy, PosteriorFusionStrategy  # noqa: E402
+from bnpfed.flower.strategies import (FedAvgStrategy, MatchedFusionStrategy, PFNMStrategy,  # noqa: E402
+                                      PosteriorFusionStrategy)
 
 #: The example Flower app ``flwr run`` installs on the loopback deployment.
 APP_DIR = Path(__file__).resolve().parents[1] / "examples" / "flower_app"
@@ -83,6 +84,11 @@ def _metric(key: str) -> Callable[[RoundRecord], Any]:
 
 def _pfnm_options(settings: FlowerSettings) -> dict:
     return dict(network=settings.network, training=settings.training, pfnm=settings.pfnm, seed=settings.run.seed)
+
+
+def _fedavg_options(settings: FlowerSettings) -> dict:
+    return dict(network=settings.network, training=settings.training, seed=settings.run.seed,
+                weights=settings.fusion.weights, fraction=settings.fusion.fraction)
 
 
 def _fusion_options(settings: FlowerSettings) -> dict:
@@ -115,6 +121,9 @@ METHODS: dict[type, Method] = {
         FusionFederation, _fusion_options,
         lambda f: from_array_record(posterior_to_record(f.global_posterior, f.global_deterministic)),
         {"weights": attrgetter("weights")}),
+    FedAvgStrategy: Method(FedAvgFederation, _fedavg_options,
+                           lambda f: from_array_record(state_to_record(f.global_model.net.state_dict())),
+                           {"weights": attrgetter("weights")}),
     MatchedFusionStrategy: Method(MatchedFusionFederation, _fusion_options,
                                   lambda f: matched_arrays(f.match.locs, f.match.variances),
                                   {"hidden": _metric("hidden"), "mean_sigma": _metric("mean_sigma")}),
@@ -125,6 +134,8 @@ def strategy_of(settings: FlowerSettings) -> type:
     """The strategy :func:`~bnpfed.flower.server.run_federation` runs for ``settings``."""
     if settings.run.method == "pfnm":
         return PFNMStrategy
+    if settings.run.method == "fedavg":
+        return FedAvgStrategy
     return MatchedFusionStrategy if settings.fusion.align == "match" else PosteriorFusionStrategy
 
 

@@ -82,6 +82,71 @@ def test_the_flower_apps_pfnm_output_is_a_global_network_file_bnpfed_loads(confi
         assert torch.equal(net(x), reference.match.network().eval()(x))  # the in-process global network
 
 
+#: FedAvg: the fusion settings' network and schedule, two rounds from the shared initialisation.
+FEDAVG = {"method": "fedavg", "rounds": 2, "hidden": "16", "epochs": 1}
+
+
+@pytest.mark.parametrize("config", [FEDAVG, {**FEDAVG, **FRACTION}, {**FEDAVG, "arch": "simple-cnn-bn",
+                                                                      "weights": "uniform"}],
+                         ids=["mlp", "fraction-0.67", "simple-cnn-bn-uniform"])
+def test_fedavg_on_flower_is_the_in_process_federation_bit_for_bit(config, tmp_path):
+    """The baseline deployed: the same server step as the in-process fedavg method (with batch norm, its running
+    statistics re-estimated from the clients' moments), the same global network array by array."""
+    import bnpfed
+
+    result = run_federation(LocalGrid(client_app, CLIENTS), {**config, "output-dir": str(tmp_path)})
+    reference = assert_same_as_in_process(result, config)
+    net = bnpfed.load_global(tmp_path / "fedavg-global.pt")
+    x = reference.dataset.x_test
+    with torch.no_grad():
+        assert torch.equal(net(x), reference.global_model.net.eval()(x))
+    if config.get("arch") == "simple-cnn-bn":
+        assert [r["statistics_from"] for r in result.history] == [r.sampled for r in reference.history]
+
+
+@pytest.mark.parametrize("config", [PFNM, FUSION, {**FUSION, "align": "match", "rule": "eaa"}, FEDAVG],
+                         ids=["pfnm", "weight-wise", "matched", "fedavg"])
+def test_federated_evaluation_reports_the_test_splits_ece_and_brier_as_in_process(config):
+    """Each client scores its test shard; ECE is no mean of the shards' ECEs, so the clients send their per-bin gaps
+    and the server's ECE (100 and 15 bins) and Brier score are the whole test split's: those of the in-process global
+    model's predictions on the shards (a Bayesian predictive draws its noise per shard, from the round's seed)."""
+    from bnpfed.flower.client import evaluation_shard
+    from bnpfed.metrics import calibration_report
+    from bnpfed.seeding import Stream, derive_seed
+
+    result = run_federation(LocalGrid(client_app, CLIENTS), config)
+    reference = in_process(config)
+    x, y = reference.dataset.x_test, reference.dataset.y_test
+    shards = [torch.as_tensor(evaluation_shard(len(y), j, CLIENTS)) for j in range(CLIENTS)]
+    if config["method"] in ("pfnm", "fedavg"):
+        probs = torch.cat([reference.predict_proba(x[i]) for i in shards])
+    else:
+        seed = derive_seed(parse_run_config(config).run.seed, Stream.PREDICT, reference.round)
+        probs = torch.cat([reference.global_model.predict_proba(x[i], num_samples=reference.predictive_samples,
+                                                                seed=seed) for i in shards])
+    expected = calibration_report(probs, y[torch.cat(shards)])   # ece: 100 bins, ece15: 15
+    last = result.history[-1]
+    for key in ("accuracy", "nll", "brier", "ece", "ece15"):
+        assert last[key] == pytest.approx(expected[key], rel=1e-9, abs=1e-12), key
+    if config["method"] in ("pfnm", "fedavg"):   # deterministic: the shards together are the in-process evaluation
+        for key in ("accuracy", "brier", "ece15"):
+            assert last[key] == pytest.approx(reference.history[-1].metrics[key], rel=1e-9, abs=1e-12), key
+
+
+def test_calibration_gaps_of_shards_add_up_to_the_ece_of_their_union():
+    from bnpfed.metrics import calibration_gaps, ece_from_gaps, expected_calibration_error
+
+    g = torch.Generator().manual_seed(0)
+    probs = torch.softmax(3 * torch.randn(200, 5, generator=g), -1)
+    labels = torch.randint(0, 5, (200,), generator=g)
+    shards = [(0, 70), (70, 71), (71, 200)]
+    for bins in (100, 15):
+        gaps = sum(calibration_gaps(probs[a:b], labels[a:b], bins) for a, b in shards)
+        assert ece_from_gaps(gaps, 200) == pytest.approx(expected_calibration_error(probs, labels, bins), abs=1e-15)
+        per_shard = sum((b - a) * expected_calibration_error(probs[a:b], labels[a:b], bins) for a, b in shards) / 200
+        assert per_shard >= ece_from_gaps(gaps, 200) - 1e-15  # the shards' mean ECE is no ECE of the union
+
+
 @pytest.mark.parametrize("config", [FUSION, {**FUSION, "align": "match", "rule": "eaa"}], ids=["weight-wise", "matched"])
 def test_the_flower_apps_fusion_output_is_a_bayesian_client_file_bnpfed_loads(config, tmp_path):
     import bnpfed
@@ -308,7 +373,7 @@ BAD_RUN_CONFIGS = [
     ('sigma=1.0', "sigma: not a run config key"),
     ('clients=5', "clients: the number of clients J is the SuperNodes' num-partitions"),
     ('fraction-train=0.5', "fraction-train: not a run config key"),
-    ('method="fedprox"', r"method: expected one of \['pfnm', 'fusion'\], got 'fedprox'"),
+    ('method="fedprox"', r"method: expected one of \['pfnm', 'fusion', 'fedavg'\], got 'fedprox'"),
     ('rule="median"', "rule: expected one of"),
     ('dataset="imagenet"', "dataset: expected one of"),
     ('partition="clustered"', "partition: expected one of"),

@@ -1,11 +1,12 @@
-"""PFNM, posterior fusion and matched posterior fusion on Flower (1.42, the Message API): the same servers and clients
+"""PFNM, posterior fusion, matched posterior fusion and FedAvg on Flower (1.42, the Message API): the same servers and clients
 as :mod:`bnpfed.federated`, run as real server and client processes. Needs the extra ``bnpfed[flower]``.
 
 * :mod:`bnpfed.flower.strategies`: :class:`PFNMStrategy` (one-shot or multi-round matching of any architecture
   of :class:`~bnpfed.federated.config.NetworkConfig`, MLP or CNN, with the batch-norm moments step; each client gets
   its slice of the global network back) and :class:`PosteriorFusionStrategy` (any rule of
   :mod:`bnpfed.combine`, weight by weight) and :class:`MatchedFusionStrategy` (``align = "match"``: the clients'
-  Bayesian hidden units matched, then fused unit by unit; each client gets its slice of the global posterior back).
+  Bayesian hidden units matched, then fused unit by unit; each client gets its slice of the global posterior back)
+  and :class:`FedAvgStrategy` (the FedAvg baseline, the in-process ``fedavg`` method's server step).
   They sample partitions, check every reply at the boundary and call the server steps of
   :mod:`bnpfed.federated.server`; no aggregation math is written here.
 * :mod:`bnpfed.flower.client`: the ClientApp (``bnpfed.flower.client:app``), with Torch, Pyro and the data; its
@@ -25,6 +26,6 @@ except ImportError as error:  # pragma: no cover - depends on the environment
                       ) from error
 
 from bnpfed.flower.records import ReplyError
-from bnpfed.flower.strategies import MatchedFusionStrategy, PFNMStrategy, PosteriorFusionStrategy
+from bnpfed.flower.strategies import FedAvgStrategy, MatchedFusionStrategy, PFNMStrategy, PosteriorFusionStrategy
 
-__all__ = ["MatchedFusionStrategy", "PFNMStrategy", "PosteriorFusionStrategy", "ReplyError"]
+__all__ = ["FedAvgStrategy", "MatchedFusionStrategy", "PFNMStrategy", "PosteriorFusionStrategy", "ReplyError"]

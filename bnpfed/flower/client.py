@@ -19,6 +19,8 @@ alone decides. The steps are :mod:`bnpfed.federated.clients`' (the in-process fe
   the configured architecture, checked against its permutation spec) or, when the message has no arrays (round 1),
   from :func:`~bnpfed.federated.clients.initial_network` (its own initialisation); train it with
   :func:`~bnpfed.federated.clients.train_network`; reply with its state, ``num-examples``, ``class-counts``;
+* ``train``, task ``"fedavg"``: the global network sent (round 1 the shared initialisation), trained with
+  :func:`~bnpfed.federated.clients.train_network`; reply with its state and ``num-examples``;
 * ``train``, task ``"fusion"``: a :func:`~bnpfed.federated.clients.bayesian_client` of the shared initial network
   with the global posterior and deterministic parameters loaded, fitted by
   :func:`~bnpfed.federated.clients.fit_bayesian`; reply with its posterior, parameters, ``num-examples``,
@@ -30,8 +32,10 @@ alone decides. The steps are :mod:`bnpfed.federated.clients`' (the in-process fe
   :func:`~bnpfed.federated.clients.fit_bayesian`; reply with its posterior
   (:func:`~bnpfed.inference.posterior_matching.client_posterior`), ``num-examples``, ``class-counts``,
   ``train-loss``;
-* ``evaluate``: accuracy and NLL of the global model on the test shard (fusion and matched fusion: the posterior
-  predictive drawn from ``(seed, PREDICT, round)``, as in process).
+* ``evaluate``: accuracy, NLL and Brier score of the global model on the test shard, and the per-bin calibration
+  gaps of ECE with 100 and 15 bins (:func:`~bnpfed.metrics.calibration_gaps`: sums over the shard, from which the
+  server computes the test split's ECE exactly); fusion and matched fusion: the posterior predictive drawn from
+  ``(seed, PREDICT, round)``, as in process.
 
 Usage (the example app under ``examples/flower_app`` does exactly this)::
 
@@ -61,6 +65,7 @@ from bnpfed.flower.records import (
     ARRAYS,
     CLIENT,
     CONFIG,
+    ECE_BINS,
     METRICS,
     NodeIdentity,
     array_shapes,
@@ -75,7 +80,7 @@ from bnpfed.flower.records import (
 )
 from bnpfed.inference import BayesianClient
 from bnpfed.inference.posterior_matching import client_posterior
-from bnpfed.metrics import classification_report
+from bnpfed.metrics import calibration_gaps, classification_report
 from bnpfed.seeding import Stream, derive_seed
 
 __all__ = ["app", "initial_global_model", "make_client_app", "node_partition", "evaluation_shard"]
@@ -241,6 +246,15 @@ def _moments(msg: Message, context: Context) -> Message:
     return c.reply(msg, moments_to_record(moments), {"num-examples": int(len(x))})
 
 
+def _train_fedavg(msg: Message, context: Context) -> Message:
+    c = _Client(msg, context)
+    s = c.settings
+    x, y = c.train_data
+    trained = train_network(c.network(msg.content.array_records[ARRAYS]), x, y, s.training, seed=s.seed,
+                            round=c.round, client=c.j)
+    return c.reply(msg, state_to_record(trained.state_dict()), {"num-examples": int(len(y))})
+
+
 def _train_fusion(msg: Message, context: Context) -> Message:
     c = _Client(msg, context)
     s = c.settings
@@ -271,7 +285,7 @@ def _evaluate(msg: Message, context: Context) -> Message:
     c = _Client(msg, context)
     x, y = c.test_data
     record = msg.content.array_records[ARRAYS]
-    if c.config["task"] == "pfnm":
+    if c.config["task"] in ("pfnm", "fedavg"):
         net = c.network(record)
         with torch.no_grad():
             probs = net.eval()(x).softmax(-1)
@@ -281,11 +295,14 @@ def _evaluate(msg: Message, context: Context) -> Message:
         probs = model.predict_proba(
             x, num_samples=c.settings.predictive_samples, seed=derive_seed(c.settings.seed, Stream.PREDICT, c.round))
     report = classification_report(probs, y)
-    metrics = {"num-examples": int(len(y)), "accuracy": float(report["accuracy"]), "nll": float(report["nll"])}
+    metrics = {"num-examples": int(len(y)), "accuracy": float(report["accuracy"]), "nll": float(report["nll"]),
+               "brier": float(report["brier"])}
+    for bins in ECE_BINS:  # sums over the shard's examples: the server adds them up into the test split's ECE
+        metrics[f"ece-gaps-{bins}"] = [float(g) for g in calibration_gaps(probs, y, bins)]
     return c.reply(msg, None, metrics)
 
 
-_TRAIN = {"pfnm": _train_pfnm, "fusion": _train_fusion, "matched-fusion": _train_matched}
+_TRAIN = {"pfnm": _train_pfnm, "fedavg": _train_fedavg, "fusion": _train_fusion, "matched-fusion": _train_matched}
 
 
 def make_client_app() -> ClientApp:

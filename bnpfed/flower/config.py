@@ -71,8 +71,9 @@ __all__ = [
     "run_config_defaults",
 ]
 
-#: The methods a Flower run has: PFNM's neuron matching, posterior fusion (``align`` ``"none"`` or ``"match"``).
-METHODS = ("pfnm", "fusion")
+#: The methods a Flower run has: PFNM's neuron matching, posterior fusion (``align`` ``"none"`` or ``"match"``),
+#: FedAvg (the baseline, from one shared initialisation).
+METHODS = ("pfnm", "fusion", "fedavg")
 #: The value of a method-dependent key that asks for the method's default.
 AUTO = "auto"
 
@@ -86,13 +87,14 @@ def config_key(field_name: str) -> str:
 class FlowerRun:
     """The run: which method, on which data, for how many rounds, how long to wait for whom, where to write.
 
-    :param str method: ``"pfnm"`` or ``"fusion"`` (posterior fusion: weight by weight from one shared
+    :param str method: ``"pfnm"``, ``"fusion"`` (posterior fusion: weight by weight from one shared
         initialisation, or with ``align = "match"`` matched posterior fusion, each client from its own
-        initialisation). Default ``"pfnm"``.
+        initialisation) or ``"fedavg"`` (FedAvg from one shared initialisation, with fusion's network, schedule,
+        ``weights`` and ``fraction``). Default ``"pfnm"``.
     :param str dataset: the dataset every client loads (:func:`bnpfed.data.load_dataset`; ``mnist`` and the other
         torchvision sets from each SuperNode's ``data-dir`` node config). Default ``"digits"`` (bundled).
     :param str standardize: ``"true"``, ``"false"`` or ``"auto"``: as the method's command does (PFNM keeps pixels in
-        [0, 1] as the reference code, posterior fusion standardises). Default ``"auto"``.
+        [0, 1] as the reference code, posterior fusion and FedAvg standardise). Default ``"auto"``.
     :param int rounds: communication rounds. Default 1.
     :param int seed: the experiment's seed, every random stream's root (:mod:`bnpfed.seeding`). Default 0.
     :param float fraction_evaluate: share of the clients that score the global model on their test shards after
@@ -145,7 +147,7 @@ class FlowerRun:
     @property
     def standardized(self) -> bool:
         """Whether the clients standardise their inputs."""
-        return self.method == "fusion" if self.standardize == AUTO else self.standardize == "true"
+        return self.method in ("fusion", "fedavg") if self.standardize == AUTO else self.standardize == "true"
 
 
 #: The configs of a run, by name, as :class:`FlowerSettings` holds them (``run`` first).
@@ -157,6 +159,7 @@ _NOT_KEYS = {("partition", "clients"): "the number of clients J is the SuperNode
 #: Each method's defaults of the configs whose defaults depend on the method.
 _METHOD_DEFAULTS = {"pfnm": {"network": PFNM_NETWORK, "training": PFNM_TRAINING},
                     "fusion": {"network": NetworkConfig(), "training": FUSION_TRAINING}}
+_METHOD_DEFAULTS["fedavg"] = _METHOD_DEFAULTS["fusion"]   # bnpfed fuse's baseline: its network and schedule
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,7 @@ __all__ = [
     "ARRAYS",
     "CLIENT",
     "CONFIG",
+    "ECE_BINS",
     "METRICS",
     "NodeIdentity",
     "ReplyError",
@@ -73,10 +74,14 @@ __all__ = [
     "read_identity",
     "read_partition_id",
     "read_finite",
+    "read_gaps",
 ]
 
 #: Keys of the records in a message's ``RecordDict``.
 ARRAYS, CONFIG, METRICS, CLIENT = "arrays", "config", "metrics", "client"
+#: The bins of the ECE an evaluation reports: Ozer et al.'s 100 (``ece``) and Guo et al.'s 15 (``ece15``); each
+#: client sends its shard's per-bin gaps as ``ece-gaps-<bins>``.
+ECE_BINS = (100, 15)
 
 class ReplyError(ValueError):
     """A client's reply the server rejects; the message says which entry is wrong and how."""
@@ -414,3 +419,17 @@ def read_identity(reply: Message) -> NodeIdentity:
                                                          for s in shape):
         raise ReplyError(f"'input-shape': expected a list of ints >= 1, got {shape!r}")
     return NodeIdentity(j, num, tuple(shape), classes)
+
+
+def read_gaps(record: Mapping[str, Any], bins: int) -> np.ndarray:
+    """A client's per-bin calibration gaps ``ece-gaps-<bins>`` (:func:`~bnpfed.metrics.calibration_gaps` of its
+    shard): ``bins`` finite numbers; :class:`ReplyError` otherwise."""
+    key = f"ece-gaps-{bins}"
+    if key not in record:
+        raise ReplyError(f"{key!r}: expected the shard's {bins} calibration gaps, got no such metric")
+    value = record[key]
+    gaps = np.asarray(value if isinstance(value, (list, tuple)) else [value], dtype=float)
+    if gaps.shape != (bins,) or not np.isfinite(gaps).all():
+        raise ReplyError(f"{key!r}: expected {bins} finite numbers, got {gaps.size} value(s)"
+                         + ("" if gaps.shape != (bins,) else " with a NaN or infinity"))
+    return gaps

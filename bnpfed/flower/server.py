@@ -38,8 +38,10 @@ from bnpfed.federated.clients import bayesian_client, initial_network
 from bnpfed.federated.matched_fusion import client_from_slice
 from bnpfed.flower.client import initial_global_model
 from bnpfed.flower.config import FlowerSettings, parse_run_config
-from bnpfed.flower.records import from_array_record, matched_posterior_from_arrays, posterior_from_arrays
-from bnpfed.flower.strategies import LOGGER, MatchedFusionStrategy, PFNMStrategy, PosteriorFusionStrategy
+from bnpfed.flower.records import (from_array_record, matched_posterior_from_arrays, posterior_from_arrays,
+                                   state_to_record)
+from bnpfed.flower.strategies import (LOGGER, FedAvgStrategy, MatchedFusionStrategy, PFNMStrategy,
+                                      PosteriorFusionStrategy)
 from bnpfed.inference.permutation import derive_spec, network_from_state
 from bnpfed.report import command_record, command_results, write_json
 from bnpfed.saved import save_global
@@ -86,6 +88,8 @@ def run_federation(grid: Grid, config: Mapping[str, Any]) -> FederationResult:
     matched = run.method == "fusion" and settings.fusion.align == "match"
     if run.method == "pfnm":
         strategy = PFNMStrategy(settings.pfnm, network=settings.network, **common)
+    elif run.method == "fedavg":
+        strategy = FedAvgStrategy(settings.fusion, network=settings.network, **common)
     elif matched:
         strategy = MatchedFusionStrategy(settings.fusion, network=settings.network, bayesian=settings.bayesian,
                                          **common)
@@ -95,6 +99,9 @@ def run_federation(grid: Grid, config: Mapping[str, Any]) -> FederationResult:
     settings = settings.with_clients(identity.num_partitions)
     if run.method == "pfnm" or matched:  # each client starts round 1 from its own initialisation
         initial = ArrayRecord()
+    elif run.method == "fedavg":  # the shared initial network
+        initial = state_to_record(initial_network(settings.network, identity.input_shape, identity.num_classes,
+                                                  seed=run.seed).state_dict())
     else:
         initial = initial_global_model(settings.network, settings.bayesian, identity.input_shape,
                                        identity.num_classes, seed=run.seed)
@@ -120,8 +127,8 @@ def global_model(settings: FlowerSettings, input_shape, num_classes: int, arrays
     matched widths), for :func:`bnpfed.saved.save_global` (``bnpfed.load_global``, ``bnpfed evaluate``)."""
     run = settings.run
     template = initial_network(settings.network, input_shape, num_classes, seed=run.seed)
-    if run.method == "pfnm":
-        return "pfnm", network_from_state(template, {k: torch.as_tensor(v) for k, v in arrays.items()})
+    if run.method in ("pfnm", "fedavg"):
+        return run.method, network_from_state(template, {k: torch.as_tensor(v) for k, v in arrays.items()})
     if settings.fusion.align == "match":
         locs, variances = matched_posterior_from_arrays(arrays, derive_spec(template, input_shape),
                                                         template.state_dict())

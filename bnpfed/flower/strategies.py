@@ -57,17 +57,19 @@ from flwr.serverapp.strategy import Strategy
 from bnpfed.federated.clients import bayesian_client
 from bnpfed.federated.config import BayesianConfig, FusionConfig, NetworkConfig, PFNMConfig
 from bnpfed.federated.rounds import Architecture, HoldsRounds, MatchRounds
-from bnpfed.federated.server import (batch_norm_steps, clients_per_round, fuse_posteriors, matched_fusion_step,
-                                     mean_sigma, pfnm_step, sample_clients, with_statistics)
+from bnpfed.federated.server import (average_states, batch_norm_steps, clients_per_round, fuse_posteriors,
+                                     matched_fusion_step, mean_sigma, pfnm_step, sample_clients, with_statistics)
 from bnpfed.inference.posterior_matching import client_posterior
 from bnpfed.flower.records import (
     ARRAYS,
     CLIENT,
     CONFIG,
+    ECE_BINS,
     METRICS,
     NodeIdentity,
     ReplyError,
     array_shapes,
+    from_array_record,
     matched_posterior_from_arrays,
     matched_posterior_to_record,
     moments_from_arrays,
@@ -76,17 +78,19 @@ from bnpfed.flower.records import (
     read_class_counts,
     read_count,
     read_finite,
+    read_gaps,
     read_identity,
     read_partition_id,
     reply_parts,
     state_from_arrays,
     state_to_record,
 )
+from bnpfed.metrics import ece_from_gaps
 from bnpfed.seeding import Stream
 from bnpfed.validation import check_fraction, check_int, check_positive
 
-__all__ = ["LOGGER", "MatchedFusionStrategy", "PFNMStrategy", "PosteriorFusionStrategy", "evaluation_clients",
-           "unexpected_reply"]
+__all__ = ["LOGGER", "FedAvgStrategy", "MatchedFusionStrategy", "PFNMStrategy", "PosteriorFusionStrategy",
+           "evaluation_clients", "unexpected_reply"]
 
 #: Where rejections, missing clients and round summaries are logged: a child of Flower's logger, so the lines show
 #: up in the ServerApp's console and in ``flwr log``.
@@ -370,7 +374,9 @@ class _RoundStrategy(Strategy):
         return self._messages(server_round, MessageType.EVALUATE, chosen, lambda j: (arrays, extra))
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> Optional[MetricRecord]:
-        """Example-weighted means of the clients' ``accuracy`` and ``nll`` on their test shards."""
+        """Example-weighted means of the clients' ``accuracy``, ``nll`` and ``brier`` on their test shards, and the
+        ECE of their union with 100 and 15 bins (``ece``, ``ece15``) from the sums of their per-bin gaps: what the
+        in-process federation reports on the whole test split."""
         def parse(reply: Message) -> _Accepted:
             content = reply.content
             missing = [key for key, kind in ((METRICS, content.metric_records), (CLIENT, content.config_records))
@@ -379,20 +385,56 @@ class _RoundStrategy(Strategy):
                 raise ReplyError(f"evaluation reply: expected its {METRICS!r} and {CLIENT!r} records, got no "
                                  f"{' or '.join(map(repr, missing))} record")
             metrics = content.metric_records[METRICS]
-            scores = {key: read_finite(metrics, key) for key in ("accuracy", "nll")}
-            return _Accepted(read_partition_id(content.config_records[CLIENT]), read_count(metrics), None, scores)
+            scores = {key: read_finite(metrics, key) for key in ("accuracy", "nll", "brier")}
+            gaps = {bins: read_gaps(metrics, bins) for bins in ECE_BINS}
+            return _Accepted(read_partition_id(content.config_records[CLIENT]), read_count(metrics), gaps, scores)
 
         accepted, _, _ = self._accept(server_round, replies, MessageType.EVALUATE, parse)
         if not accepted:
             return None
         total = sum(a.num_examples for a in accepted)
         out = MetricRecord({"num-examples": total})
-        for key in ("accuracy", "nll"):
+        for key in ("accuracy", "nll", "brier"):
             out[key] = float(sum(a.metrics[key] * a.num_examples for a in accepted) / total)
+        for bins, key in zip(ECE_BINS, ("ece", "ece15")):
+            out[key] = ece_from_gaps(sum(a.payload[bins] for a in accepted), total)
         if self.history and self.history[-1]["round"] == server_round:
-            self.history[-1].update(accuracy=out["accuracy"], nll=out["nll"], test_examples=total,
+            self.history[-1].update(accuracy=out["accuracy"], nll=out["nll"], brier=out["brier"], ece=out["ece"],
+                                    ece15=out["ece15"], test_examples=total,
                                     evaluated=[a.partition_id for a in accepted])
         return out
+
+    def reestimate_statistics(self, server_round: int, state: dict, clients: Sequence[int],
+                              batch_norms: Sequence[str]) -> tuple[dict, list[int]]:
+        """The batch-norm step, one batch norm at a time, front to back
+        (:func:`~bnpfed.federated.server.batch_norm_steps`): for each, the ``clients``' moments of its inputs under
+        the global network ``state`` carrying the statistics set so far (a ``query`` with its name), summed in
+        partition order. Returns ``state`` with the running statistics set from them, and the partitions whose
+        moments were used for every batch norm (none, and ``state``'s statistics stay, for a layer nobody answered
+        and those after it)."""
+        used = set(clients)
+
+        def moments_of(layer: str, statistics: dict) -> list:
+            record = state_to_record(with_statistics(state, statistics))
+            channels = {layer: int(state[f"{layer}.running_mean"].shape[0])}
+
+            def parse(reply: Message) -> _Accepted:
+                arrays, _, j, n = self._identity_and_count(reply)
+                return _Accepted(j, n, moments_from_arrays(arrays, channels), {})
+
+            messages = self._messages(server_round, MessageType.QUERY, list(clients),
+                                      lambda j: (record, {"step": "batch-norm-moments", "layer": layer}))
+            replies = self._grid.send_and_receive(messages, timeout=self.query_timeout)
+            accepted, rejected, missing = self._accept(server_round, replies, MessageType.QUERY, parse)
+            if not accepted:
+                LOGGER.warning("round %d: no client sent the moments of batch norm %s (rejected: %s, missing: %s); "
+                               "it and the batch norms after it keep their statistics", server_round,
+                               layer, rejected or "none", missing or "none")
+            used.intersection_update(a.partition_id for a in accepted)
+            return [a.payload for a in accepted]
+
+        statistics = batch_norm_steps(list(batch_norms), moments_of)
+        return with_statistics(state, statistics), (sorted(used) if statistics else [])
 
     def summary(self) -> None:
         """Log the strategy's settings."""
@@ -501,37 +543,13 @@ class PFNMStrategy(_MatchingStrategy):
             **summary, "server_seconds": seconds}
 
     def _reestimate(self, server_round: int) -> list[int]:
-        """The batch-norm step, one batch norm at a time, front to back
-        (:func:`~bnpfed.federated.server.batch_norm_steps`): for each, the matched clients' moments of its inputs
-        under the global network carrying the statistics set so far (a ``query`` with its name), summed in partition
-        order; the running statistics of ``match.state`` set from them. Returns the partitions whose moments were
-        used for every batch norm (none, and the members' mean statistics stay, for a layer nobody answered and
-        those after it)."""
+        """The batch-norm step of ``match.state`` (:meth:`_RoundStrategy.reestimate_statistics` from the clients it
+        matched). Returns the partitions whose moments were used for every batch norm."""
         match = self.rounds.match
-        used = set(self.rounds.matched)
-
-        def moments_of(layer: str, statistics: dict) -> list:
-            record = state_to_record(with_statistics(match.state, statistics))
-            channels = {layer: int(match.state[f"{layer}.running_mean"].shape[0])}
-
-            def parse(reply: Message) -> _Accepted:
-                arrays, _, j, n = self._identity_and_count(reply)
-                return _Accepted(j, n, moments_from_arrays(arrays, channels), {})
-
-            messages = self._messages(server_round, MessageType.QUERY, self.rounds.matched,
-                                      lambda j: (record, {"step": "batch-norm-moments", "layer": layer}))
-            replies = self._grid.send_and_receive(messages, timeout=self.query_timeout)
-            accepted, rejected, missing = self._accept(server_round, replies, MessageType.QUERY, parse)
-            if not accepted:
-                LOGGER.warning("round %d: no client sent the moments of batch norm %s (rejected: %s, missing: %s); "
-                               "it and the batch norms after it keep their members' mean statistics", server_round,
-                               layer, rejected or "none", missing or "none")
-            used.intersection_update(a.partition_id for a in accepted)
-            return [a.payload for a in accepted]
-
-        statistics = batch_norm_steps(self.rounds.architecture.batch_norms, moments_of)
-        match.state = with_statistics(match.state, statistics)
-        return sorted(used) if statistics else []
+        state, used = self.reestimate_statistics(server_round, match.state, self.rounds.matched,
+                                                 self.rounds.architecture.batch_norms)
+        match.state = state
+        return used
 
 
 class PosteriorFusionStrategy(_RoundStrategy):
@@ -587,6 +605,82 @@ class PosteriorFusionStrategy(_RoundStrategy):
                    "min_variance": step.min_variance, "floored": step.floored,
                    "server_seconds": step.seconds}
         return posterior_to_record(step.posterior, step.deterministic), summary
+
+
+class FedAvgStrategy(_RoundStrategy):
+    """FedAvg (McMahan et al. 2017) as a Flower strategy; the rounds of
+    :class:`~bnpfed.federated.fusion.FedAvgFederation`, bit for bit (the baseline of every comparison, deployed).
+
+    Every round each sampled client gets the global network (a ``state_dict``: round 1 the shared initialisation),
+    trains it with :func:`~bnpfed.federated.clients.train_network` and replies with its state and its example count
+    ``n_k``. The server step is :func:`~bnpfed.federated.server.average_states` over the parameters (client weights
+    ``FusionConfig.weights``, clients in partition order); with batch norm the running statistics are then
+    re-estimated from the moments of the aggregated clients (:meth:`_RoundStrategy.reestimate_statistics`), as in
+    process.
+
+    :param FusionConfig fusion: its ``weights`` (``"size"`` or ``"uniform"``) and ``fraction`` (the share of clients a
+        round trains).
+    :param int seed: the experiment's seed (client sampling).
+    :param NetworkConfig network: the clients' architecture (default an MLP of ``NetworkConfig()``).
+    :param kwargs: as for :class:`PFNMStrategy`.
+    """
+
+    task = "fedavg"
+
+    def __init__(self, fusion: FusionConfig, *, seed: int, network: Optional[NetworkConfig] = None, **kwargs: Any):
+        if not isinstance(fusion, FusionConfig):
+            raise ValueError(f"fusion: expected a FusionConfig, got {type(fusion).__name__}")
+        network = NetworkConfig() if network is None else network
+        if not isinstance(network, NetworkConfig):
+            raise ValueError(f"network: expected a NetworkConfig, got {type(network).__name__}")
+        super().__init__(seed=seed, fraction=fusion.fraction, **kwargs)
+        self.fusion, self.network = fusion, network
+        self.architecture: Optional[Architecture] = None
+        self.state: Optional[dict] = None
+
+    def connect(self, grid: Grid) -> NodeIdentity:
+        """As :meth:`_RoundStrategy.connect`, then the architecture for the nodes' data."""
+        identity = super().connect(grid)
+        if self.architecture is None:
+            self.architecture = Architecture.of(self.network, identity.input_shape, identity.num_classes,
+                                                seed=self.seed)
+        return identity
+
+    def _train_content(self, server_round, j, arrays):
+        if self.state is None:
+            if len(arrays) == 0:
+                raise ValueError("initial_arrays: expected the shared initial network for FedAvg "
+                                 "(bnpfed.flower.server.run_federation sends it), got no arrays")
+            template = self.architecture.template.state_dict()
+            self.state = state_from_arrays(from_array_record(arrays), self.architecture.spec, template,
+                                           widths=self._widths())
+        return state_to_record(self.state)
+
+    def _widths(self) -> dict:
+        template = self.architecture.template.state_dict()
+        return {g.name: int(template[g.axes[0].param].shape[g.axes[0].dim] // g.axes[0].block)
+                for g in self.architecture.spec.groups}
+
+    def _parse_train(self, reply):
+        arrays, metrics, j, n = self._identity_and_count(reply)
+        state = state_from_arrays(arrays, self.architecture.spec, self.architecture.template.state_dict(),
+                                  widths=self._widths())
+        return _Accepted(j, n, state, metrics)
+
+    def _aggregate(self, server_round, accepted):
+        start = time.perf_counter()
+        names = [name for name, _ in self.architecture.template.named_parameters()]
+        params, weights = average_states([{k: a.payload[k] for k in names} for a in accepted],
+                                         [a.num_examples for a in accepted], self.fusion.weights)
+        state = {**self.state, **{k: v.to(self.state[k].dtype) for k, v in params.items()}}
+        seconds = time.perf_counter() - start
+        summary = {"weights": weights}
+        if self.architecture.batch_norms:
+            state, used = self.reestimate_statistics(server_round, state, [a.partition_id for a in accepted],
+                                                     self.architecture.batch_norms)
+            summary["statistics_from"] = used
+        self.state = state
+        return state_to_record(state), {**summary, "server_seconds": seconds}
 
 
 class MatchedFusionStrategy(_MatchingStrategy):
