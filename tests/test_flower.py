@@ -537,7 +537,7 @@ def test_bnpfed_flower_keys_lists_every_run_config_key(capsys):
     text = capsys.readouterr().out
     for key in run_config_defaults():
         assert re.search(rf"^{re.escape(key)} ", text, re.M), key
-    assert "auto (pfnm: 10, fusion: 2)" in text
+    assert "auto (pfnm: 10, fusion: 2, fedavg: 2)" in text
 
 
 def test_bnpfed_flower_sim_local_prints_accuracy_per_round_and_writes_the_common_json(tmp_path, capsys):
