@@ -11,6 +11,7 @@ Examples::
     bnpfed flower sim --supernodes 3 --run-config 'method="fusion" rule="gaa" rounds=3'
     bnpfed flower sim --local --run-config 'method="pfnm" rounds=2 hidden="50"' --json out.json
     bnpfed flower sim --local --run-config 'method="fusion" align="match" rule="eaa" rounds=2'
+    bnpfed flower sim --local --run-config 'method="fedavg" rounds=3'
 """
 
 from __future__ import annotations
@@ -95,10 +96,11 @@ _PAIR = re.compile(r"(\S+?)=(\'[^\']*\'|\"[^\"]*\"|\S+)")
 def add_parser(sub):
     p = sub.add_parser(
         "flower",
-        help="PFNM and posterior fusion on Flower: how to start SuperLink, SuperNodes and a run; simulations",
+        help="PFNM, posterior fusion and FedAvg on Flower: how to start SuperLink, SuperNodes and a run; simulations",
         description="PFNM and posterior fusion as a Flower app (bnpfed.flower, examples/flower_app): method=\"pfnm\", "
         "or method=\"fusion\" with align=\"none\" (weight by weight, one shared initialisation) or align=\"match\" "
-        "(matched posterior fusion: each client from its own initialisation, hidden units matched, then fused). "
+        "(matched posterior fusion: each client from its own initialisation, hidden units matched, then fused), or "
+        "method=\"fedavg\" (the FedAvg baseline, the in-process fedavg method's server step). "
         "`bnpfed pfnm` and `bnpfed fuse` run everything on one machine; this runs the same servers and clients as "
         "Flower strategies and client apps.",
         epilog=GUIDE,
@@ -211,7 +213,7 @@ def _sim(args, flower_config) -> int:
     history = result.history
     own = [c for c in ("hidden", "mean_sigma") if any(c in r for r in history)]  # matched fusion has both
     columns = ["round", "clients", "rejected", "missing", *own]
-    columns += [c for c in ("accuracy", "nll") if any(c in r for r in history)]
+    columns += [c for c in ("accuracy", "nll", "ece", "ece15", "brier") if any(c in r for r in history)]
     rows = [{**r, "rejected": len(r["rejected"]), "missing": len(r["missing"])} for r in history]
     run_ = result.settings.run
     where = "in-process grid" if args.local else "simulation"
@@ -219,7 +221,8 @@ def _sim(args, flower_config) -> int:
           + ("" if "accuracy" in columns else "; no evaluation (fraction-evaluate=0)"))
     print(format_table(rows, columns))
     if "accuracy" in columns:
-        print("accuracy, nll: the global model on the clients' test shards (client-side evaluation)")
+        print("accuracy, nll, ece (100 bins), ece15, brier: the global model on the clients' test shards together "
+              "(client-side evaluation; the ECE from the shards' summed per-bin gaps)")
     if args.json:
         arguments = {"supernodes": args.supernodes, "run_config": config, "local": args.local,
                      "cpus_per_client": args.cpus_per_client}
