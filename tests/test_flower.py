@@ -147,7 +147,8 @@ def test_calibration_gaps_of_shards_add_up_to_the_ece_of_their_union():
         assert per_shard >= ece_from_gaps(gaps, 200) - 1e-15  # the shards' mean ECE is no ECE of the union
 
 
-@pytest.mark.parametrize("config", [FUSION, {**FUSION, "align": "match", "rule": "eaa"}], ids=["weight-wise", "matched"])
+@pytest.mark.parametrize("config", [FUSION, {**FUSION, "align": "match", "rule": "eaa"}],
+                         ids=["weight-wise", "matched"])
 def test_the_flower_apps_fusion_output_is_a_bayesian_client_file_bnpfed_loads(config, tmp_path):
     import bnpfed
 

@@ -1,5 +1,5 @@
-"""PFNM, posterior fusion, matched posterior fusion and FedAvg on Flower (1.42, the Message API): the same servers and clients
-as :mod:`bnpfed.federated`, run as real server and client processes. Needs the extra ``bnpfed[flower]``.
+"""PFNM, posterior fusion, matched posterior fusion and FedAvg on Flower (1.42, the Message API): the same servers
+and clients as :mod:`bnpfed.federated`, run as real server and client processes. Needs the extra ``bnpfed[flower]``.
 
 * :mod:`bnpfed.flower.strategies`: :class:`PFNMStrategy` (one-shot or multi-round matching of any architecture
   of :class:`~bnpfed.federated.config.NetworkConfig`, MLP or CNN, with the batch-norm moments step; each client gets

@@ -23,8 +23,9 @@ have it), and the components start at the reference client's units. Then each cl
 to the components by LSA on its final plan (the largest total mass), which the spec's next group needs (its input
 columns are re-indexed to global units, through :func:`~bnpfed.inference.posterior_matching.match_posteriors`), and
 every global unit is its members' KL barycenter: the mixture's moments, estimated by the ``pooling`` rule (the mean
-and variance of draws pooled from the members, ``num_samples`` = 1000 of them: the variances to a few per cent), with the members weighted by their
-clients' sizes (and class shares on the output coordinates) as matched fusion weights them.
+and variance of draws pooled from the members, ``num_samples`` = 1000 of them: the variances to a few per cent),
+with the members weighted by their clients' sizes (and class shares on the output coordinates) as matched fusion
+weights them.
 
 What the published code does and this does not: a single hidden layer only (here every group of a spec, bottom-up);
 the nonparametric variant (a group-sparse LP in cvxpy that also chooses G) is not built; its components start from
