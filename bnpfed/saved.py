@@ -16,7 +16,8 @@ A Bayesian global network (a :class:`~bnpfed.inference.BayesianClient`: ``bnpfed
 
     {..., "kind": "bayesian", "module": <its posterior-mean network>,
      "posterior": {site: {"loc": tensor, "variance": tensor}}, "prior": <the Prior object>,
-     "likelihood": <the Likelihood object>, "local_reparameterization": false}
+     "likelihood": <the Likelihood object>, "local_reparameterization": false,
+     "predictive": {"samples": 10, "seed": ...}   # optional: the draws its method scored it with}
 
 ``module`` is then the posterior-mean network (plain torch, usable without bnpfed), and :func:`load_global` returns
 the :class:`~bnpfed.inference.BayesianClient` (default mean-field guide at the saved posterior, the saved prior), whose
@@ -80,7 +81,7 @@ def _plain(value):
 
 def save_global(path: str | Path, network, *, method: str, spec=None, widths: Mapping | None = None,
                 hyperparameters: Mapping | None = None, class_shares=None, class_shares_estimated: bool = False,
-                notes: Sequence[str] = ()) -> Path:
+                notes: Sequence[str] = (), predictive: Mapping | None = None) -> Path:
     """Write ``network`` (a copy on the CPU, in eval mode) and what describes it to ``path`` (its folder made if
     needed); return the path.
 
@@ -94,12 +95,21 @@ def save_global(path: str | Path, network, *, method: str, spec=None, widths: Ma
     :param class_shares: (J, C) the clients' class shares the matching used.
     :param bool class_shares_estimated: whether those shares were estimated (no class counts were given).
     :param notes: anything the result should say (e.g. what the matching had to give up).
+    :param dict predictive: a Bayesian network only: ``{"samples": S, "seed": s}``, the posterior predictive its
+        method scored it with (``bnpfed evaluate`` then draws the same by default).
     """
     if not isinstance(method, str) or not method:
         raise ValueError(f"method: expected the name of the method that built the network, got {method!r}")
     bayesian = {}
+    if predictive is not None and not isinstance(network, BayesianClient):
+        raise ValueError(f"predictive: expected only with a Bayesian network (a BayesianClient), got a "
+                         f"{type(network).__name__}")
     if isinstance(network, BayesianClient):
         bayesian = _bayesian_record(network)
+        if predictive is not None:
+            if not (isinstance(predictive, Mapping) and set(predictive) == {"samples", "seed"}):
+                raise ValueError(f"predictive: expected {{'samples': S, 'seed': s}}, got {predictive!r}")
+            bayesian["predictive"] = {"samples": int(predictive["samples"]), "seed": int(predictive["seed"])}
         module = network.mean_network().cpu()
     elif isinstance(network, nn.Module):
         module = copy.deepcopy(network).cpu().eval()
@@ -161,6 +171,7 @@ class SavedGlobal:
     architecture: str
     kind: str = "deterministic"
     client: BayesianClient | None = None
+    predictive: dict | None = None
     spec: str | None = None
     widths: dict = field(default_factory=dict)
     hyperparameters: dict = field(default_factory=dict)
@@ -215,7 +226,7 @@ def read_global(path: str | Path) -> SavedGlobal:
         except ValueError as error:
             raise ValueError(f"path: {str(path)!r} holds a posterior that does not load ({error})") from None
     return SavedGlobal(network=network.eval(), method=record["method"], architecture=record["architecture"],
-                       kind=kind, client=client, spec=record["spec"], widths=dict(record["widths"]),
+                       kind=kind, client=client, predictive=record.get("predictive"), spec=record["spec"], widths=dict(record["widths"]),
                        hyperparameters=dict(record["hyperparameters"]), class_shares=record["class_shares"],
                        class_shares_estimated=bool(record["class_shares_estimated"]), notes=list(record["notes"]),
                        versions=dict(record["versions"]))

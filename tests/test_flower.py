@@ -157,6 +157,9 @@ def test_the_flower_apps_fusion_output_is_a_bayesian_client_file_bnpfed_loads(co
     client = bnpfed.load_global(tmp_path / "fusion-global.pt")
     saved = bnpfed.read_global(tmp_path / "fusion-global.pt")
     assert saved.kind == "bayesian" and saved.method == ("match-eaa" if "align" in config else "conflation")
+    from bnpfed.seeding import Stream, derive_seed
+    assert saved.predictive == {"samples": parse_run_config(config).run.predictive_samples,
+                                "seed": derive_seed(0, Stream.PREDICT, config["rounds"])}  # the last evaluation's
     x = reference.dataset.x_test
     for site, p in reference.global_model.posterior().items():  # the in-process global posterior
         assert torch.equal(client.posterior()[site].loc, p.loc), site

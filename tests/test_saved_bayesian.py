@@ -125,6 +125,15 @@ def test_the_mean_network_is_the_bayesian_network_at_its_posterior_means(digits,
                      atol=0)
 
 
+def test_predictive_is_recorded_only_for_a_bayesian_network(tmp_path):
+    with pytest.raises(ValueError, match="predictive: expected only with a Bayesian network"):
+        save_global(tmp_path / "n.pt", mlp(0), method="pfnm", predictive={"samples": 10, "seed": 0})
+    client = BayesianClient(mlp(0), only_linear_weights())
+    with pytest.raises(ValueError, match="predictive: expected {'samples': S, 'seed': s}"):
+        save_global(tmp_path / "c.pt", client, method="c", predictive={"samples": 10})
+    assert read_global(save_global(tmp_path / "c.pt", client, method="c")).predictive is None
+
+
 def test_a_prior_that_cannot_be_pickled_is_named(tmp_path):
     client = BayesianClient(mlp(0), IIDPrior(dist.Normal(0.0, 1.0), expose=[lambda name, module: "weight" in name]))
     with pytest.raises(ValueError, match=r"network: its prior or likelihood cannot be saved"):
@@ -263,6 +272,13 @@ def test_bnpfed_fuse_save_global_writes_every_global_model_its_methods_built(tmp
         assert accuracy == pytest.approx(rows[method]["accuracy"], abs=1e-9), method  # the model the row scored
         assert sum(p.numel() for p in saved.network.parameters()) == rows[method]["parameters"], method
     assert read_global(folder / "match-eaa.pt").widths == {"1": rows["match-eaa"]["width"]}
+    # bnpfed evaluate draws what the row was scored with (the file records it): the same accuracy, no flags needed
+    assert read_global(folder / "eaa.pt").predictive == {"samples": 10, "seed": seed}
+    for method in ("eaa", "match-conflation"):
+        assert main(["evaluate", str(folder / f"{method}.pt"), "--dataset", "digits", "--json",
+                     str(tmp_path / "e.json")]) == 0
+        (row,) = json.loads((tmp_path / "e.json").read_text())["results"]["runs"][0]["rows"]
+        assert row["accuracy"] == pytest.approx(rows[method]["accuracy"], abs=1e-12), method
 
 
 def test_bnpfed_evaluate_scores_a_bayesian_file_by_its_posterior_predictive(folder, tmp_path, digits, capsys):

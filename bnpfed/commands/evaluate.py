@@ -42,9 +42,10 @@ def add_parser(sub):
     p.add_argument("--ood-data-dir", metavar="DIR", help="the folder of the --ood dataset (default: --data-dir)")
     p.add_argument("--ece-bins", type=int, default=15, metavar="BINS", help="bins of the calibration error")
     p.add_argument("--predictive-samples", "--samples", dest="predictive_samples", type=int, metavar="S",
-                   help=f"a Bayesian network only: weight draws S of the posterior predictive (default: "
-                   f"{PREDICTIVE_SAMPLES})")
-    p.add_argument("--seed", type=int, help="a Bayesian network only: seed of the weight draws, >= 0 (default: 0)")
+                   help=f"a Bayesian network only: weight draws S of the posterior predictive (default: the file's, "
+                   f"those its method scored it with, else {PREDICTIVE_SAMPLES})")
+    p.add_argument("--seed", type=int, help="a Bayesian network only: seed of the weight draws, >= 0 (default: the "
+                   "file's, else 0)")
     p.add_argument("--json", metavar="PATH", help="also write the metrics as JSON")
     p.set_defaults(func=run)
 
@@ -65,9 +66,10 @@ def prepare(args) -> dict:
     if saved.client is None and given:
         raise UsageError(f"{given[0]}: expected only with a Bayesian global network, got a deterministic one "
                          f"({saved.method}) in {args.model!r}")
-    if saved.client is not None:
-        args.predictive_samples = PREDICTIVE_SAMPLES if args.predictive_samples is None else args.predictive_samples
-        args.seed = 0 if args.seed is None else args.seed
+    if saved.client is not None:   # default: the draws the file says its method scored it with, else S=10, seed 0
+        recorded = saved.predictive or {"samples": PREDICTIVE_SAMPLES, "seed": 0}
+        args.predictive_samples = recorded["samples"] if args.predictive_samples is None else args.predictive_samples
+        args.seed = recorded["seed"] if args.seed is None else args.seed
         if args.predictive_samples < 1:
             raise UsageError(f"--predictive-samples: expected an integer >= 1, got {args.predictive_samples}")
         if args.seed < 0:

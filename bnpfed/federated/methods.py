@@ -405,12 +405,14 @@ class Experiment:
         if self._bar is not None:
             self._bar.close()
 
-    def keep(self, method: str, net, match=None) -> None:
+    def keep(self, method: str, net, match=None, predictive: Optional[dict] = None) -> None:
         """Record the global model ``method`` built, a network or a Bayesian client (and the match it came from, if
         any: a :class:`~bnpfed.inference.permutation.SpecMatch` or a
         :class:`~bnpfed.inference.posterior_matching.PosteriorMatch`): what ``bnpfed pfnm --save-global`` and
         ``bnpfed fuse --save-global`` write (:func:`bnpfed.saved.save_global`)."""
         kept = {"network": net}
+        if predictive is not None:  # a Bayesian network's draws, {"samples": S, "seed": s}, as the row scored it
+            kept["predictive"] = predictive
         if match is not None:
             kept.update(spec=match.spec, widths=match.widths, hyperparameters=match.hyperparameters,
                         class_shares=match.class_shares)
@@ -706,6 +708,12 @@ def _kmeans(experiment: Experiment) -> MethodResult:
                                      note="at PFNM's width")
 
 
+def _predictive(federation) -> dict:
+    """The draws a Bayesian federation's last evaluation used (its ``predict_proba``)."""
+    return {"samples": federation.predictive_samples,
+            "seed": derive_seed(federation.seed, Stream.PREDICT, federation.round)}
+
+
 def _fusion(experiment: Experiment, rule: str) -> MethodResult:
     federation = FusionFederation(experiment.dataset, experiment.parts, network=experiment.network,
                                   training=experiment.training, bayesian=experiment.bayesian,
@@ -716,7 +724,7 @@ def _fusion(experiment: Experiment, rule: str) -> MethodResult:
                                   and experiment.fusion.fraction >= 1 else None)
     row = experiment.federation_row(federation, experiment.config.rounds,
                                     note="posterior fusion" + (", own inits" if experiment.fusion.own_init else ""))
-    experiment.keep(rule, federation.global_model)
+    experiment.keep(rule, federation.global_model, predictive=_predictive(federation))
     row.parameters = sum(g.loc.numel() for g in federation.global_posterior.values()) + sum(
         p.numel() for p in federation.global_deterministic.values())
     plain = initial_network(experiment.network, experiment.input_shape, experiment.dataset.num_classes,
@@ -749,7 +757,7 @@ def _matched_fusion(experiment: Experiment, rule: str) -> MethodResult:
                                          predictive_samples=experiment.config.predictive_samples,
                                          initial_clients=experiment.bayesian_clients())
     row = experiment.federation_row(federation, experiment.config.rounds, note="matched posterior fusion")
-    experiment.keep(federation.method, federation.global_model, federation.match)
+    experiment.keep(federation.method, federation.global_model, federation.match, predictive=_predictive(federation))
     return row
 
 
@@ -761,7 +769,8 @@ def _kl_fusion(experiment: Experiment) -> MethodResult:
                       seed=derive_seed(experiment.seed, Stream.MATCH, 1))
     seconds = time.perf_counter() - t0
     client = bayesian_from_match(match, experiment.bayesian)
-    experiment.keep("kl-fusion", client, match)
+    experiment.keep("kl-fusion", client, match, predictive={
+        "samples": experiment.config.predictive_samples, "seed": derive_seed(experiment.seed, Stream.PREDICT, 1)})
 
     def predict(x):
         return client.predict_proba(x, num_samples=experiment.config.predictive_samples,

@@ -45,6 +45,7 @@ from bnpfed.flower.strategies import (LOGGER, FedAvgStrategy, MatchedFusionStrat
 from bnpfed.inference.permutation import derive_spec, network_from_state
 from bnpfed.report import command_record, command_results, write_json
 from bnpfed.saved import save_global
+from bnpfed.seeding import Stream, derive_seed
 
 __all__ = ["FederationResult", "app", "global_model", "make_server_app", "run_federation"]
 
@@ -116,7 +117,9 @@ def run_federation(grid: Grid, config: Mapping[str, Any]) -> FederationResult:
                    command_record("flower run", config, settings.as_dict(), result.results()))
         np.savez(out / f"{run.method}-global.npz", **result.arrays)
         method, model = global_model(settings, identity.input_shape, identity.num_classes, result.arrays)
-        save_global(out / f"{run.method}-global.pt", model, method=method,
+        predictive = None if run.method in ("pfnm", "fedavg") else {   # the clients' draws of the last evaluation
+            "samples": run.predictive_samples, "seed": derive_seed(run.seed, Stream.PREDICT, run.rounds)}
+        save_global(out / f"{run.method}-global.pt", model, method=method, predictive=predictive,
                     notes=[f"Flower run, {run.rounds} round(s)"])
     return result
 
