@@ -226,7 +226,8 @@ def read_global(path: str | Path) -> SavedGlobal:
         except ValueError as error:
             raise ValueError(f"path: {str(path)!r} holds a posterior that does not load ({error})") from None
     return SavedGlobal(network=network.eval(), method=record["method"], architecture=record["architecture"],
-                       kind=kind, client=client, predictive=record.get("predictive"), spec=record["spec"], widths=dict(record["widths"]),
+                       kind=kind, client=client, predictive=record.get("predictive"), spec=record["spec"],
+                       widths=dict(record["widths"]),
                        hyperparameters=dict(record["hyperparameters"]), class_shares=record["class_shares"],
                        class_shares_estimated=bool(record["class_shares_estimated"]), notes=list(record["notes"]),
                        versions=dict(record["versions"]))
