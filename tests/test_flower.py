@@ -551,7 +551,8 @@ def test_bnpfed_flower_sim_local_prints_accuracy_per_round_and_writes_the_common
     text = capsys.readouterr().out
     assert "bnpfed pfnm on Flower (in-process grid): 3 clients, digits, seed 0" in text
     header = [line for line in text.splitlines() if line.startswith("round")][0]
-    assert header.split() == ["round", "clients", "rejected", "missing", "hidden", "accuracy", "nll"]
+    assert header.split() == ["round", "clients", "rejected", "missing", "hidden", "accuracy", "nll", "ece", "ece15",
+                              "brier"]
     document = json.loads(out.read_text())
     assert list(document) == ["command", "arguments", "settings", "versions", "timestamp", "results"]
     assert document["command"] == "flower sim" and document["settings"]["partition"]["clients"] == 3
