@@ -61,17 +61,17 @@ def _row(r) -> dict:
     return out
 
 
-def part_oneshot(datasets, dirs, out: Path, seeds, args) -> None:
+def _one_round(part: str, methods, datasets, dirs, out: Path, seeds, args) -> None:
+    """One round of ``methods`` per dataset x {IID, Dirichlet(0.5)} x seed, one JSON line each (key ``part/...``)."""
     done = _done(out)
     for name in datasets:
         ds, ood = _data(name, dirs)
         for partition in ("iid", "dirichlet"):
             for seed in seeds:
-                key = f"oneshot/{name}/J={args.clients}/{partition}/seed={seed}{args.tag}"
+                key = f"{part}/{name}/J={args.clients}/{partition}/seed={seed}{args.tag}"
                 if key in done:
                     continue
                 t0 = time.perf_counter()
-                methods = ("ensemble-bayesian", "pfnm", "fedavg") + RULES + tuple(f"match-{r}" for r in RULES)
                 result = run_experiment(
                     ds, ood=ood, partition=PartitionConfig(clients=args.clients, partition=partition),
                     network=NetworkConfig(hidden=(100,)),
@@ -85,6 +85,11 @@ def part_oneshot(datasets, dirs, out: Path, seeds, args) -> None:
                                      wall_seconds=time.perf_counter() - t0))
 
 
+def part_oneshot(datasets, dirs, out: Path, seeds, args) -> None:
+    methods = ("ensemble-bayesian", "pfnm", "fedavg") + RULES + tuple(f"match-{r}" for r in RULES)
+    _one_round("oneshot", methods, datasets, dirs, out, seeds, args)
+
+
 #: Issue 20's rows: the published fusion methods beside matched Bayesian fusion, on the same clients.
 BASELINES = ("ensemble-bayesian", "pfnm", "match-eaa", "match-conflation", "kl-fusion", "weight-matching",
              "ot-fusion")
@@ -94,26 +99,7 @@ def part_baselines(datasets, dirs, out: Path, seeds, args) -> None:
     """KL-fusion (Claici et al. 2020) of the Bayesian clients, and weight matching and OT fusion of the deterministic
     ones, beside matched fusion (the oneshot part's settings and seeds, so its rows repeat here on the same clients).
     One JSON line per configuration."""
-    done = _done(out)
-    for name in datasets:
-        ds, ood = _data(name, dirs)
-        for partition in ("iid", "dirichlet"):
-            for seed in seeds:
-                key = f"baselines/{name}/J={args.clients}/{partition}/seed={seed}{args.tag}"
-                if key in done:
-                    continue
-                t0 = time.perf_counter()
-                result = run_experiment(
-                    ds, ood=ood, partition=PartitionConfig(clients=args.clients, partition=partition),
-                    network=NetworkConfig(hidden=(100,)),
-                    training=TrainingConfig(epochs=args.epochs, batch_size=64, lr=args.lr),
-                    bayesian=BayesianConfig(init_scale=args.init_scale), fusion=FusionConfig(own_init=True),
-                    config=ExperimentConfig(methods=BASELINES, rounds=1, seed=seed, ece_bins=100,
-                                            predictive_samples=args.samples))
-                _emit(out, key, dict(dataset=name, partition=partition, seed=seed, J=args.clients, tag=args.tag,
-                                     lr=args.lr, init_scale=args.init_scale, epochs=args.epochs,
-                                     rows={r.method: _row(r) for r in result.rows}, warnings=result.warnings,
-                                     wall_seconds=time.perf_counter() - t0))
+    _one_round("baselines", BASELINES, datasets, dirs, out, seeds, args)
 
 
 def part_rounds(datasets, dirs, out: Path, seeds, args) -> None:

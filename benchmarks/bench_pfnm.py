@@ -258,6 +258,22 @@ def part_cnn(ds, out: Path, seeds, Js, *, name: str = "mnist", rounds: int = 3, 
                                      wall_seconds=time.perf_counter() - t0))
 
 
+def _pending(done, base: str, methods) -> list[str]:
+    """The methods whose line under ``base`` is not in ``done`` yet (``local``'s first line is ``local-mean``)."""
+    return [m for m in methods if f"{base}/{'local-mean' if m == 'local' else m}" not in done]
+
+
+def _run_pending(ds, out: Path, base: str, todo, configs: dict, line) -> None:
+    """Every method of ``todo`` on one :class:`Experiment` of ``configs`` (so they share its local models), a JSON
+    line ``base/<row>`` per row as it ends: ``line(row, seconds since the method started)``."""
+    experiment = Experiment(ds, **configs)
+    for method in todo:
+        t0 = time.perf_counter()
+        for r in run_method(experiment, method):
+            _emit(out, f"{base}/{r.method}", line(r, time.perf_counter() - t0))
+    experiment.close()
+
+
 #: PFNM's reference schedule at Adam's usual rate: at 0.01 simple-cnn learns CIFAR-10 far worse (3 epochs on 5,000
 #: images: 0.29 test accuracy against 0.43 at 0.001)
 CIFAR_TRAINING = replace(PFNM_TRAINING, lr=1e-3)
@@ -277,24 +293,19 @@ def part_cifar(ds, out: Path, seeds, Js, *, rounds: int = 10, layerwise: int = 2
         for partition in partitions:
             for seed in seeds:
                 base = f"cifar/{arch}/J={J}/{partition}/seed={seed}/rounds={rounds}"
-                todo = [m for m in CIFAR_METHODS if f"{base}/{'local-mean' if m == 'local' else m}" not in done]
+                todo = _pending(done, base, CIFAR_METHODS)
                 if not todo:
                     continue
                 configs = _configs(J, partition, seed, rounds=rounds, methods=tuple(todo))
                 configs["network"] = replace(PFNM_NETWORK, arch=arch)
                 configs["training"] = CIFAR_TRAINING
                 configs["pfnm"] = PFNMConfig(layerwise_retrain=layerwise)
-                experiment = Experiment(ds, **configs)
-                for method in todo:
-                    t0 = time.perf_counter()
-                    for r in run_method(experiment, method):
-                        _emit(out, f"{base}/{r.method}", dict(
-                            J=J, partition=partition, seed=seed, arch=arch, source=ds.source, rounds=rounds,
-                            method=r.method, accuracy=r.accuracy, hidden=r.hidden, parameters=r.parameters,
-                            seconds=r.server_seconds, wall_seconds=time.perf_counter() - t0, history=[
-                                dict(round=h["round"], accuracy=h["accuracy"], hidden=h.get("hidden"),
-                                     parameters=h.get("parameters")) for h in r.history]))
-                experiment.close()
+                _run_pending(ds, out, base, todo, configs, lambda r, seconds: dict(
+                    J=J, partition=partition, seed=seed, arch=arch, source=ds.source, rounds=rounds,
+                    method=r.method, accuracy=r.accuracy, hidden=r.hidden, parameters=r.parameters,
+                    seconds=r.server_seconds, wall_seconds=seconds, history=[
+                        dict(round=h["round"], accuracy=h["accuracy"], hidden=h.get("hidden"),
+                             parameters=h.get("parameters")) for h in r.history]))
 
 
 BASELINE_METHODS = ("local", "ensemble", "pfnm", "weight-matching", "ot-fusion", "ot-fusion-sinkhorn")
@@ -311,21 +322,15 @@ def part_baselines(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=
         for partition in partitions:
             for seed in seeds:
                 base = f"baselines/{name}/{arch}/J={J}/{partition}/seed={seed}"
-                todo = [m for m in BASELINE_METHODS if f"{base}/{'local-mean' if m == 'local' else m}" not in done]
+                todo = _pending(done, base, BASELINE_METHODS)
                 if not todo:
                     continue
                 configs = _configs(J, partition, seed, methods=tuple(todo))
                 configs["network"] = replace(PFNM_NETWORK, arch=arch)
-                experiment = Experiment(ds, **configs)
-                for method in todo:
-                    t0 = time.perf_counter()
-                    for r in run_method(experiment, method):
-                        _emit(out, f"{base}/{r.method}", dict(
-                            J=J, partition=partition, seed=seed, dataset=name, arch=arch, source=ds.source,
-                            method=r.method, accuracy=r.accuracy, nll=r.nll, ece=r.ece, hidden=r.hidden,
-                            parameters=r.parameters, seconds=r.server_seconds,
-                            wall_seconds=time.perf_counter() - t0))
-                experiment.close()
+                _run_pending(ds, out, base, todo, configs, lambda r, seconds: dict(
+                    J=J, partition=partition, seed=seed, dataset=name, arch=arch, source=ds.source,
+                    method=r.method, accuracy=r.accuracy, nll=r.nll, ece=r.ece, hidden=r.hidden,
+                    parameters=r.parameters, seconds=r.server_seconds, wall_seconds=seconds))
 
 
 def part_cnn_timing(ds, out: Path, name: str = "mnist") -> None:
