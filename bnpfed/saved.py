@@ -60,7 +60,8 @@ from bnpfed.inference.svi import BayesianClient
 from bnpfed.posterior import GaussianPosterior
 from bnpfed.report import json_safe, versions
 
-__all__ = ["FORMAT", "KINDS", "SavedGlobal", "load_global", "load_torch_file", "read_global", "save_global"]
+__all__ = ["FORMAT", "KINDS", "SavedGlobal", "global_from_record", "load_global", "load_torch_file", "read_global",
+           "save_global"]
 
 #: The layout of a saved global network (the module docstring); a file of another layout is refused.
 FORMAT = "bnpfed-global/1"
@@ -204,6 +205,12 @@ def read_global(path: str | Path) -> SavedGlobal:
     path = Path(path)
     record = load_torch_file(path, name="path", what="a global model file written by bnpfed (save_global, bnpfed "
                              "match)")
+    return global_from_record(record, path)
+
+
+def global_from_record(record, path: str | Path = "<record>") -> SavedGlobal:
+    """:func:`read_global` of what ``torch.load`` already read from ``path`` (named in the errors), for a caller
+    that loaded the file itself to see what it holds."""
     if not isinstance(record, Mapping) or record.get("format") != FORMAT:
         found = record.get("format") if isinstance(record, Mapping) else type(record).__name__
         raise ValueError(f"path: expected a bnpfed global model (format {FORMAT!r}) in {str(path)!r}, got "

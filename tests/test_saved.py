@@ -221,3 +221,14 @@ def test_bnpfed_evaluate_adds_the_ood_auroc_with_another_dataset(folder, tmp_pat
     (row,) = json.loads((tmp_path / "e.json").read_text())["results"]["runs"][0]["rows"]
     assert 0.5 < row["auroc_max_prob"] <= 1 and 0.5 < row["auroc_entropy"] <= 1  # noise is told apart
     assert main(["evaluate", str(out), "--dataset", "digits", "--ood-data-dir", str(tmp_path)]) == 2
+
+
+def test_bnpfed_match_reads_global_network_files_bnpfed_wrote(folder, tmp_path, digits):
+    """Files of save_global (e.g. global networks of two federations) are networks to match like any other."""
+    nets = [torch.load(f, weights_only=False) for f in files(folder, "mlp")]
+    paths = [str(save_global(tmp_path / f"g{j}.pt", net, method="pfnm")) for j, net in enumerate(nets)]
+    assert main(["match", *paths, "--counts", "uniform", "--out", str(tmp_path / "a.pt")]) == 0
+    assert main(["match", *files(folder, "mlp"), "--counts", "uniform", "--out", str(tmp_path / "b.pt")]) == 0
+    with torch.no_grad():
+        assert torch.equal(bnpfed.load_global(tmp_path / "a.pt")(digits.x_test),
+                           bnpfed.load_global(tmp_path / "b.pt")(digits.x_test))

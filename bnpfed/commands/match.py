@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -32,7 +33,7 @@ from bnpfed.federated.config import ARCHITECTURES, FusionConfig, NetworkConfig, 
 from bnpfed.inference.posterior_matching import MIN_VARIANCE
 from bnpfed.metrics import count_parameters
 from bnpfed.report import command_record, command_results, format_table, write_json
-from bnpfed.saved import FORMAT, load_torch_file, save_global
+from bnpfed.saved import FORMAT, global_from_record, load_torch_file, save_global
 
 PROG = "bnpfed match"
 
@@ -126,9 +127,7 @@ def _read(path: str):
         if obj.get("kind") == "bayesian":
             raise UsageError(f"MODEL: {path!r} holds a Bayesian client; expected --posteriors to fuse Bayesian "
                              "clients")
-        from bnpfed.saved import read_global
-
-        return read_global(path).network
+        return global_from_record(obj, path).network
     if isinstance(obj, dict) and obj and all(isinstance(k, str) and torch.is_tensor(v) for k, v in obj.items()):
         return {k: v.detach().clone() for k, v in obj.items()}
     raise UsageError(f"MODEL: expected a network (torch.save(net)) or its state dict in {path!r}, got "
@@ -158,12 +157,29 @@ def _template(args, first, input_shape):
         if input_shape is None:
             raise UsageError(f"--input-shape: expected the shape of one input (C,H,W) for --arch {args.arch}")
         net = initial_network(NetworkConfig(arch=args.arch), input_shape, classes, seed=0)
-    if input_shape is None:
-        linear = [m for m in net.modules() if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d))]
-        if not linear or not isinstance(linear[0], nn.Linear):
-            raise UsageError("--input-shape: expected the shape of one input (C,H,W) for a convolutional network")
-        input_shape = (linear[0].in_features,)
-    return net, tuple(input_shape)
+    return net, _input_shape(net, input_shape)
+
+
+def _input_shape(net: nn.Module, given) -> tuple:
+    """``--input-shape`` as given, or an MLP's (its first layer's inputs); a convolutional network needs it."""
+    if given is not None:
+        return tuple(given)
+    linear = [m for m in net.modules() if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d))]
+    if not linear or not isinstance(linear[0], nn.Linear):
+        raise UsageError("--input-shape: expected the shape of one input (C,H,W) for a convolutional network")
+    return (linear[0].in_features,)
+
+
+def _checked_spec(template: nn.Module, input_shape):
+    """The template's permutation spec, derived and verified, or a UsageError naming the MODEL files."""
+    from bnpfed.inference import derive_spec, verify_spec
+
+    try:
+        spec = derive_spec(template, input_shape)
+        verify_spec(template, spec, input_shape)
+    except ValueError as error:
+        raise UsageError(f"MODEL: cannot match these networks: {_args.one_line(error)}") from None
+    return spec
 
 
 def _counts(path, J: int, C: int) -> tuple[torch.Tensor | None, str]:
@@ -228,14 +244,9 @@ def prepare(args) -> dict:
         if bad:
             raise UsageError(f"MODEL: {path!r} holds NaN or infinite values in {', '.join(bad[:3])}")
     template, input_shape = _template(args, clients[0], args.input_shape)
-    from bnpfed.inference import derive_spec, verify_spec
     from bnpfed.inference.class_shares import estimate_class_shares
 
-    try:
-        spec = derive_spec(template, input_shape)
-        verify_spec(template, spec, input_shape)
-    except ValueError as error:
-        raise UsageError(f"MODEL: cannot match these networks: {_args.one_line(error)}") from None
+    spec = _checked_spec(template, input_shape)
     reference = template.state_dict()
     for path, client in zip(args.models, clients):
         state = client.state_dict() if isinstance(client, nn.Module) else client
@@ -358,31 +369,21 @@ def prepare_posteriors(args) -> dict:
         if list(client.posterior()) != sites:
             raise UsageError(f"MODEL: {path!r} has other Bayesian sites than {args.models[0]!r}: "
                              f"{sorted(set(client.posterior()) ^ set(sites))[:4]} differ")
-    template = first.mean_network()
+    means = [c.mean_network() for c in clients]   # each client's posterior-mean network
+    template = means[0]
     if align == "none":
         shapes = {k: tuple(v.shape) for k, v in template.state_dict().items()}
-        for path, client in zip(args.models, clients):
-            other = {k: tuple(v.shape) for k, v in client.mean_network().state_dict().items()}
+        for path, mean in zip(args.models, means):
+            other = {k: tuple(v.shape) for k, v in mean.state_dict().items()}
             if other != shapes:
                 wrong = next(k for k in shapes if other.get(k) != shapes[k])
                 raise UsageError(f"MODEL: --align none fuses weight i with weight i, so every client must have the "
                                  f"shapes of {args.models[0]!r}; {path!r} has {wrong} of shape {other.get(wrong)}, "
                                  f"not {shapes[wrong]} (use --align match)")
-    input_shape = args.input_shape
-    if input_shape is None:
-        linear = [m for m in template.modules() if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d))]
-        if not linear or not isinstance(linear[0], nn.Linear):
-            raise UsageError("--input-shape: expected the shape of one input (C,H,W) for a convolutional network")
-        input_shape = (linear[0].in_features,)
-    input_shape = tuple(input_shape)
-    from bnpfed.inference import derive_spec, verify_spec
+    input_shape = _input_shape(template, args.input_shape)
     from bnpfed.inference.class_shares import estimate_class_shares
 
-    try:
-        spec = derive_spec(template, input_shape)
-        verify_spec(template, spec, input_shape)
-    except ValueError as error:
-        raise UsageError(f"MODEL: cannot match these networks: {_args.one_line(error)}") from None
+    spec = _checked_spec(template, input_shape)
     with torch.no_grad():
         probe = template(torch.zeros(1, *input_shape))
     counts, source = _counts(args.counts, len(clients), int(probe.shape[-1]))
@@ -390,7 +391,7 @@ def prepare_posteriors(args) -> dict:
         raise UsageError("--counts: expected whole numbers of examples with --posteriors (their row sums are the "
                          "clients' sizes, the weights of their posteriors)")
     if counts is None and align == "match":
-        counts = estimate_class_shares([c.mean_network() for c in clients], spec)
+        counts = estimate_class_shares(means, spec)
     fusion = FusionConfig(rule=args.rule or FusionConfig().rule, weights="size",
                           pooling_samples=FusionConfig().pooling_samples if args.pooling_samples is None
                           else args.pooling_samples,
@@ -399,14 +400,12 @@ def prepare_posteriors(args) -> dict:
                           align=align, tau2=_one(args.tau2))
     if align == "match" and not fusion.min_variance > 0:
         raise UsageError(f"--min-variance: expected a floor > 0 with --align match, got {args.min_variance}")
-    return dict(clients=clients, template=template, input_shape=input_shape, spec=spec, counts=counts,
+    return dict(clients=clients, means=means, template=template, input_shape=input_shape, spec=spec, counts=counts,
                 counts_source=source, fusion=fusion)
 
 
 def run_posteriors(args, plan) -> int:
     """Fuse the saved clients' posteriors (matched or weight by weight) and write the global Bayesian client."""
-    import time
-
     from bnpfed.federated.server import fuse_posteriors
     from bnpfed.inference import BayesianClient
     from bnpfed.inference.layout import width
@@ -418,13 +417,13 @@ def run_posteriors(args, plan) -> int:
     reparameterized = first.bnn.local_reparameterization
     if args.show_spec:
         print(spec)
-    counts = plan["counts"]
-    sizes = [1] * len(clients) if counts is None or plan["counts_source"] == "estimated" else \
-        [int(n) for n in counts.sum(1)]
-    notes = _counts_notes(plan["counts_source"])
-    if counts is None or plan["counts_source"] == "estimated":
-        notes = notes[:1] if fusion.align == "match" else []
-        notes.append("no --counts: every client's posterior weighs the same (give --counts for weights by size)")
+    counts, source = plan["counts"], plan["counts_source"]
+    if source == "estimated":   # no --counts: the class shares are estimated when matching, the sizes unknown
+        sizes = [1] * len(clients)
+        notes = (_counts_notes(source) if fusion.align == "match" else []) + [
+            "no --counts: every client's posterior weighs the same (give --counts for weights by size)"]
+    else:
+        sizes, notes = [int(n) for n in counts.sum(1)], _counts_notes(source)
     t0 = time.perf_counter()
     if fusion.align == "match":
         try:
@@ -440,7 +439,7 @@ def run_posteriors(args, plan) -> int:
             notes += [f"{group}: {n}" for n in getattr(result, "notes", [])]
         described = dict(spec=spec, widths=match.widths, hyperparameters=match.hyperparameters,
                          class_shares=match.class_shares,
-                         class_shares_estimated=plan["counts_source"] == "estimated")
+                         class_shares_estimated=source == "estimated")
     else:
         step = fuse_posteriors([c.posterior() for c in clients], [c.deterministic_state() for c in clients], sizes,
                                fusion, seed=args.seed, round=1)
@@ -461,5 +460,5 @@ def run_posteriors(args, plan) -> int:
           f"{fusion.rule} in {seconds:.2f} s")
     settings = {"fusion": config_dict(fusion), "clients": len(clients), "input_shape": list(plan["input_shape"])}
     _report(args, described["widths"], described.get("hyperparameters", {}), count_parameters(network),
-            [count_parameters(c.mean_network()) for c in clients], notes, settings)
+            [count_parameters(m) for m in plan["means"]], notes, settings)
     return 0
