@@ -10,22 +10,12 @@ import bnpfed
 from bnpfed.cli import main
 from bnpfed.data import load_dataset
 from bnpfed.federated.clients import initial_network, train_network
-from bnpfed.federated.config import NetworkConfig, PartitionConfig, TrainingConfig
+from bnpfed.federated.config import NetworkConfig, TrainingConfig
 from bnpfed.federated.partition import class_counts
 from bnpfed.inference import match_by_spec
 from bnpfed.metrics import classification_report
 from bnpfed.saved import read_global, save_global
 from user_networks import UserCNN, UserMixingNet
-
-
-@pytest.fixture(scope="module")
-def digits():
-    return load_dataset("digits")
-
-
-@pytest.fixture(scope="module")
-def parts(digits):
-    return PartitionConfig(clients=3, partition="dirichlet", alpha=0.5).split(digits.y_train.numpy(), seed=0)
 
 
 def trained(make, digits, parts, epochs=3):

@@ -11,9 +11,8 @@ from torch.testing import assert_close
 
 import bnpfed
 from bnpfed.cli import main
-from bnpfed.data import load_dataset
 from bnpfed.federated.clients import initial_network
-from bnpfed.federated.config import FusionConfig, NetworkConfig, PartitionConfig
+from bnpfed.federated.config import FusionConfig, NetworkConfig
 from bnpfed.federated.partition import class_counts
 from bnpfed.federated.server import fuse_posteriors
 from bnpfed.inference import BayesianClient, derive_spec
@@ -24,16 +23,6 @@ from bnpfed.models import IIDPrior, LeNet, only_linear_weights
 from bnpfed.saved import read_global, save_global
 from bnpfed.seeding import Stream, derive_seed
 from user_networks import UserCNN, UserPlainCNN
-
-
-@pytest.fixture(scope="module")
-def digits():
-    return load_dataset("digits")
-
-
-@pytest.fixture(scope="module")
-def parts(digits):
-    return PartitionConfig(clients=3, partition="dirichlet", alpha=0.5).split(digits.y_train.numpy(), seed=0)
 
 
 def mlp(j):

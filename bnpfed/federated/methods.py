@@ -769,12 +769,11 @@ def _kl_fusion(experiment: Experiment) -> MethodResult:
                       seed=derive_seed(experiment.seed, Stream.MATCH, 1))
     seconds = time.perf_counter() - t0
     client = bayesian_from_match(match, experiment.bayesian)
-    experiment.keep("kl-fusion", client, match, predictive={
-        "samples": experiment.config.predictive_samples, "seed": derive_seed(experiment.seed, Stream.PREDICT, 1)})
+    draws = {"samples": experiment.config.predictive_samples, "seed": derive_seed(experiment.seed, Stream.PREDICT, 1)}
+    experiment.keep("kl-fusion", client, match, predictive=draws)
 
     def predict(x):
-        return client.predict_proba(x, num_samples=experiment.config.predictive_samples,
-                                    seed=derive_seed(experiment.seed, Stream.PREDICT, 1))
+        return client.predict_proba(x, num_samples=draws["samples"], seed=draws["seed"])
 
     metrics = experiment.report(*experiment.predictions(predict))
     net = match.network()

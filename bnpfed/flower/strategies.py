@@ -59,6 +59,7 @@ from bnpfed.federated.config import BayesianConfig, FusionConfig, NetworkConfig,
 from bnpfed.federated.rounds import Architecture, HoldsRounds, MatchRounds
 from bnpfed.federated.server import (average_states, batch_norm_steps, clients_per_round, fuse_posteriors,
                                      matched_fusion_step, mean_sigma, pfnm_step, sample_clients, with_statistics)
+from bnpfed.inference.layout import width
 from bnpfed.inference.posterior_matching import client_posterior
 from bnpfed.flower.records import (
     ARRAYS,
@@ -122,6 +123,14 @@ def unexpected_reply(reply: Message, message_type: str, sent: Mapping[int, int],
     nodes = ", ".join(map(str, sorted(sent))) or "none"
     return (f"a {message_type} reply from node id {node}, to which this round sent no {message_type} message "
             f"(sent to nodes {nodes}), ignored{error}")
+
+
+def _network(network: Optional[NetworkConfig]) -> NetworkConfig:
+    """A strategy's ``network`` argument: the clients' architecture (default an MLP of ``NetworkConfig()``)."""
+    network = NetworkConfig() if network is None else network
+    if not isinstance(network, NetworkConfig):
+        raise ValueError(f"network: expected a NetworkConfig, got {type(network).__name__}")
+    return network
 
 
 @dataclass
@@ -507,9 +516,7 @@ class PFNMStrategy(_MatchingStrategy):
         if pfnm.layerwise_retrain:
             raise ValueError(f"layerwise-retrain: expected 0 on Flower (FedMA's layer-wise scheme runs in process: "
                              f"bnpfed pfnm --layerwise-retrain), got {pfnm.layerwise_retrain}")
-        network = NetworkConfig() if network is None else network
-        if not isinstance(network, NetworkConfig):
-            raise ValueError(f"network: expected a NetworkConfig, got {type(network).__name__}")
+        network = _network(network)
         super().__init__(seed=seed, fraction=pfnm.fraction, **kwargs)
         self.pfnm, self.network = pfnm, network
         self.rounds: Optional[MatchRounds] = None
@@ -630,12 +637,11 @@ class FedAvgStrategy(_RoundStrategy):
     def __init__(self, fusion: FusionConfig, *, seed: int, network: Optional[NetworkConfig] = None, **kwargs: Any):
         if not isinstance(fusion, FusionConfig):
             raise ValueError(f"fusion: expected a FusionConfig, got {type(fusion).__name__}")
-        network = NetworkConfig() if network is None else network
-        if not isinstance(network, NetworkConfig):
-            raise ValueError(f"network: expected a NetworkConfig, got {type(network).__name__}")
+        network = _network(network)
         super().__init__(seed=seed, fraction=fusion.fraction, **kwargs)
         self.fusion, self.network = fusion, network
         self.architecture: Optional[Architecture] = None
+        self.widths: dict[str, int] = {}   # the architecture's, which FedAvg keeps
         self.state: Optional[dict] = None
 
     def connect(self, grid: Grid) -> NodeIdentity:
@@ -644,6 +650,8 @@ class FedAvgStrategy(_RoundStrategy):
         if self.architecture is None:
             self.architecture = Architecture.of(self.network, identity.input_shape, identity.num_classes,
                                                 seed=self.seed)
+            template = self.architecture.template.state_dict()
+            self.widths = {g.name: width(template, g, "template") for g in self.architecture.spec.groups}
         return identity
 
     def _train_content(self, server_round, j, arrays):
@@ -651,20 +659,14 @@ class FedAvgStrategy(_RoundStrategy):
             if len(arrays) == 0:
                 raise ValueError("initial_arrays: expected the shared initial network for FedAvg "
                                  "(bnpfed.flower.server.run_federation sends it), got no arrays")
-            template = self.architecture.template.state_dict()
-            self.state = state_from_arrays(from_array_record(arrays), self.architecture.spec, template,
-                                           widths=self._widths())
+            self.state = state_from_arrays(from_array_record(arrays), self.architecture.spec,
+                                           self.architecture.template.state_dict(), widths=self.widths)
         return state_to_record(self.state)
-
-    def _widths(self) -> dict:
-        template = self.architecture.template.state_dict()
-        return {g.name: int(template[g.axes[0].param].shape[g.axes[0].dim] // g.axes[0].block)
-                for g in self.architecture.spec.groups}
 
     def _parse_train(self, reply):
         arrays, metrics, j, n = self._identity_and_count(reply)
         state = state_from_arrays(arrays, self.architecture.spec, self.architecture.template.state_dict(),
-                                  widths=self._widths())
+                                  widths=self.widths)
         return _Accepted(j, n, state, metrics)
 
     def _aggregate(self, server_round, accepted):
@@ -723,7 +725,7 @@ class MatchedFusionStrategy(_MatchingStrategy):
 
     def __init__(self, fusion: FusionConfig, *, seed: int, network: Optional[NetworkConfig] = None,
                  bayesian: Optional[BayesianConfig] = None, **kwargs: Any):
-        network = NetworkConfig() if network is None else network
+        network = _network(network)
         bayesian = BayesianConfig() if bayesian is None else bayesian
         for name, value, kind in (("fusion", fusion, FusionConfig), ("network", network, NetworkConfig),
                                   ("bayesian", bayesian, BayesianConfig)):

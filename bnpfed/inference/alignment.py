@@ -117,10 +117,10 @@ def weight_matching_permutations(states: Sequence[Mapping[str, Tensor]], spec: P
                 group = spec.groups[c]
                 n = sizes[group.name]
                 A = torch.zeros(n, n, dtype=torch.float64)
+                others = {**perm, group.name: torch.arange(n)}   # the other groups' permutations applied
                 for axis in group.axes:
                     if not _scored(spec, axis.param):
                         continue
-                    others = {g.name: perm[g.name] if g.name != group.name else torch.arange(n) for g in spec.groups}
                     w_b = client_slice(spec, {axis.param: model[axis.param]}, others)[axis.param]
                     A += ref64[axis.param].movedim(axis.dim, 0).reshape(n, -1) @ \
                         w_b.movedim(axis.dim, 0).reshape(n, -1).T

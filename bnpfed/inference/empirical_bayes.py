@@ -270,9 +270,7 @@ class PooledMoments(_Estimator):
         den = {k: max(d, 0.0) for k, d in den.items()}  # 1 - s / W is 0 for a lone member, up to rounding
         out = dict(current)
         main = "A" if A.size else "B"   # the block sigma2 comes from: A when there is one
-        if "sigma2" in self.estimated and current["_flat"]:
-            pass   # one and the same vector everywhere: nothing to estimate from (FLAT_NOTE); the start is kept
-        elif "sigma2" in self.estimated:
+        if "sigma2" in self.estimated and not current["_flat"]:   # (flat: FLAT_NOTE, the start is kept)
             if not den[main] > 1e-9 * max(self.N * self.D, 1):
                 self.note("sigma2 not estimable (no atom has two members: every neuron is alone): the previous "
                           "value was kept (a start far below the noise can stay there; the data-driven start does "
