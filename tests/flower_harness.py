@@ -413,41 +413,112 @@ class Loopback:
             yield name, summary, dict(np.load(out / f"{method}-global.npz"))
 
 
+def tls_material(root: Path, num_nodes: int) -> dict:
+    """What a TLS deployment with SuperNode authentication needs, made here (``cryptography``, a Flower dependency):
+    a CA and a server certificate for 127.0.0.1 / localhost signed by it (PEM), and one EC (NIST P-384) key pair per
+    SuperNode in OpenSSH format, as ``flower-supernode --auth-supernode-private-key`` and ``flwr supernode register``
+    read them. Returns the paths: ``ca``, ``cert``, ``key``, ``node_keys`` (private), ``node_public_keys``."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    def name(common: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common)])
+
+    def pem_key(key) -> bytes:
+        return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                 serialization.NoEncryption())
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    valid = dict(not_valid_before=now - datetime.timedelta(minutes=5), not_valid_after=now + datetime.timedelta(days=1))
+    ca_key = ec.generate_private_key(ec.SECP384R1())
+    ca = (x509.CertificateBuilder(subject_name=name("bnpfed test CA"), issuer_name=name("bnpfed test CA"),
+                                  public_key=ca_key.public_key(), serial_number=x509.random_serial_number(), **valid)
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    server_key = ec.generate_private_key(ec.SECP384R1())
+    server = (x509.CertificateBuilder(subject_name=name("127.0.0.1"), issuer_name=ca.subject,
+                                      public_key=server_key.public_key(), serial_number=x509.random_serial_number(),
+                                      **valid)
+              .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                          x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                             critical=False)
+              .sign(ca_key, hashes.SHA256()))
+    tls = root / "tls"
+    tls.mkdir()
+    paths = {"ca": tls / "ca.crt", "cert": tls / "server.pem", "key": tls / "server.key", "node_keys": [],
+             "node_public_keys": []}
+    paths["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths["cert"].write_bytes(server.public_bytes(serialization.Encoding.PEM))
+    paths["key"].write_bytes(pem_key(server_key))
+    for j in range(num_nodes):
+        node_key = ec.generate_private_key(ec.SECP384R1())
+        private, public = tls / f"supernode{j}", tls / f"supernode{j}.pub"
+        private.write_bytes(node_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                                   serialization.NoEncryption()))
+        public.write_bytes(node_key.public_key().public_bytes(serialization.Encoding.OpenSSH,
+                                                              serialization.PublicFormat.OpenSSH))
+        paths["node_keys"].append(private)
+        paths["node_public_keys"].append(public)
+    return paths
+
+
 @contextlib.contextmanager
-def loopback(root: Path, seconds: int = DEPLOYMENT_TIMEOUT) -> Iterator[Loopback]:
+def loopback(root: Path, seconds: int = DEPLOYMENT_TIMEOUT, *, secure: bool = False) -> Iterator[Loopback]:
     """A SuperLink and :data:`CLIENTS` SuperNodes (partition-ids 0, 1, ...) on free ports of 127.0.0.1, separate
-    processes with their own FLWR_HOME under ``root`` (insecure, no runtime dependency installation, no telemetry),
-    ready once the SuperLink answers ``/health``. The whole ``with`` block may take ``seconds``: then, or on a process
-    that dies while starting, the test fails with the processes' logs. On leaving it the processes are stopped
-    (SuperNodes first)."""
+    processes with their own FLWR_HOME under ``root`` (no runtime dependency installation, no telemetry), ready once
+    the SuperLink answers ``/health``. Insecure by default; with ``secure``, as a real federation runs: the SuperLink
+    serves HTTPS with a certificate of a CA made for the test (:func:`tls_material`), the SuperNodes and the CLI
+    verify it, and SuperNode authentication is on (``--enable-supernode-auth``): every SuperNode's public key is
+    registered with ``flwr supernode register`` before it starts and it signs its requests with its private key.
+    The whole ``with`` block may take ``seconds``: then, or on a process that dies while starting, the test fails
+    with the processes' logs. On leaving it the processes are stopped (SuperNodes first)."""
+    import ssl
+
     bin_dir = Path(sys.executable).parent
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "OMP_NUM_THREADS": "1",
            "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
     link_port, *node_ports = free_ports(1 + CLIENTS)
+    tls = tls_material(root, CLIENTS) if secure else None
     cli_home = root / "cli"
     cli_home.mkdir()
+    transport = f'root-certificates = "{tls["ca"]}"\n' if secure else "insecure = true\n"
     (cli_home / "config.toml").write_text(f'[superlink]\ndefault = "loopback"\n\n[superlink.loopback]\n'
-                                          f'address = "127.0.0.1:{link_port}"\ninsecure = true\n')
+                                          f'address = "127.0.0.1:{link_port}"\n{transport}')
+    cli_env = {**env, "FLWR_HOME": str(cli_home)}
+    link_security = (["--ssl-ca-certfile", str(tls["ca"]), "--ssl-certfile", str(tls["cert"]), "--ssl-keyfile",
+                      str(tls["key"]), "--enable-supernode-auth"] if secure else ["--insecure"])
+    scheme, context = ("https", ssl.create_default_context(cafile=str(tls["ca"]))) if secure else ("http", None)
     processes = Processes(root, env)
     with deadline(seconds):
         try:
-            processes.start("superlink", str(bin_dir / "flower-superlink"), "--insecure", "--host", "127.0.0.1",
+            processes.start("superlink", str(bin_dir / "flower-superlink"), *link_security, "--host", "127.0.0.1",
                             "--port", str(link_port), "--disable-runtime-dependency-installation")
-            for j, port in enumerate(node_ports):
-                processes.start(f"supernode{j}", str(bin_dir / "flower-supernode"), "--insecure", "--superlink",
-                                f"127.0.0.1:{link_port}", "--host", "127.0.0.1", "--port", str(port),
-                                "--max-wait-time", "120", "--node-config",
-                                f"partition-id={j} num-partitions={CLIENTS}")
             for _ in range(240):
                 with contextlib.suppress(OSError):
-                    if urllib.request.urlopen(f"http://127.0.0.1:{link_port}/health", timeout=2).status == 200:
+                    if urllib.request.urlopen(f"{scheme}://127.0.0.1:{link_port}/health", timeout=2,
+                                              context=context).status == 200:
                         break
                 assert all(p.poll() is None for _, p, _ in processes.started), processes.logs()
                 time.sleep(0.5)
             else:
                 pytest.fail("the SuperLink never answered /health\n" + processes.logs())
-            yield Loopback(root, processes, {**env, "FLWR_HOME": str(cli_home)})
+            for j, port in enumerate(node_ports):
+                node_security = ["--insecure"]
+                if secure:
+                    flwr_cli(cli_env, "supernode", "register", str(tls["node_public_keys"][j]), "loopback")
+                    node_security = ["--root-certificates", str(tls["ca"]), "--auth-supernode-private-key",
+                                     str(tls["node_keys"][j])]
+                processes.start(f"supernode{j}", str(bin_dir / "flower-supernode"), *node_security, "--superlink",
+                                f"127.0.0.1:{link_port}", "--host", "127.0.0.1", "--port", str(port),
+                                "--max-wait-time", "120", "--node-config",
+                                f"partition-id={j} num-partitions={CLIENTS}")
+            yield Loopback(root, processes, cli_env)
         except TimeoutError as error:
             pytest.fail(f"{error}\n{processes.logs()}")
         finally:

@@ -22,8 +22,8 @@ flwr = pytest.importorskip("flwr", reason="Flower is not installed (pip install 
 
 from flower_harness import (APP_DIR, CLIENTS, FRACTION, assert_refused_before_any_node_is_asked,  # noqa: E402
                             assert_same_as_in_process, assert_same_model, assert_same_rounds, global_arrays,
-                            in_process, loopback, nan_at_0, raise_error, recording, set_array, set_identity,
-                            set_metric, simulate, tampered)
+                            flwr_cli, in_process, json_of, loopback, nan_at_0, raise_error, recording, set_array,
+                            set_identity, set_metric, simulate, tampered, tls_material)
 from flwr.app import MessageType  # noqa: E402
 from flwr.common.serde import recorddict_from_proto, recorddict_to_proto  # noqa: E402
 
@@ -532,6 +532,7 @@ def test_bnpfed_flower_help_gives_a_loopback_and_a_tls_recipe(capsys):
     for needle in ("flower-superlink --insecure --host 127.0.0.1", "flower-supernode --insecure",
                    "partition-id=$i num-partitions=3", "flwr run examples/flower_app loopback",
                    "flwr ls loopback --format json", "/health", "kill -TERM", "--ssl-certfile", "--root-certificates",
+                   "--enable-supernode-auth", "flwr supernode register", "--auth-supernode-private-key",
                    "root-certificates =", "--disable-runtime-dependency-installation", "finished:completed"):
         assert needle in text, needle
 
@@ -589,6 +590,39 @@ def test_a_superlink_and_three_supernodes_on_loopback_give_the_in_process_global
             assert_same_rounds(summary["results"]["rounds"], reference)
             assert_same_model(arrays, reference)
     assert all(p.poll() is not None for _, p, _ in deployment.processes.started)
+
+
+@pytest.mark.slow
+def test_with_tls_and_supernode_authentication_the_deployment_gives_the_same_global_model(tmp_path):
+    # HTTPS with a certificate of the test's own CA, SuperNodes registered by public key and signing their requests:
+    # the transport changes, the numbers do not; a SuperNode whose key was not registered is turned away
+    configs = {"fedavg": FEDAVG}
+    with loopback(tmp_path, secure=True) as deployment:
+        for name, summary, arrays in deployment.run(configs):
+            reference = in_process(configs[name])
+            assert_same_rounds(summary["results"]["rounds"], reference)
+            assert_same_model(arrays, reference)
+        (tmp_path / "stranger").mkdir()
+        stranger_key = tls_material(tmp_path / "stranger", 1)["node_keys"][0]
+        link = next(p for name, p, _ in deployment.processes.started if name == "superlink")
+        address = link.args[link.args.index("--port") + 1]
+        stranger = deployment.processes.start(
+            "stranger-node", link.args[0].replace("flower-superlink", "flower-supernode"), "--root-certificates",
+            str(tmp_path / "tls" / "ca.crt"), "--auth-supernode-private-key", str(stranger_key), "--superlink",
+            f"127.0.0.1:{address}", "--max-retries", "1", "--node-config", "partition-id=0 num-partitions=3")
+        for _ in range(60):
+            if stranger.poll() is not None:
+                break
+            time.sleep(0.5)
+        nodes = json_of(flwr_cli(deployment.cli_env, "supernode", "ls", "loopback", "--format", "json"))
+        stranger_log = (tmp_path / "stranger-node.log").read_text()
+    link_log = (tmp_path / "superlink.log").read_text()
+    assert "Uvicorn running on https://127.0.0.1" in link_log
+    assert all("--insecure" not in p.args for _, p, _ in deployment.processes.started)
+    assert len(nodes["nodes"]) == CLIENTS, nodes     # the three registered keys, and no other node
+    assert stranger.poll() is not None and stranger.returncode != 0, stranger_log
+    assert "SuperNode ID" not in stranger_log, stranger_log
+    assert "No SuperNode found with the given public key" in link_log     # refused for its key, not its transport
 
 
 def test_an_ignored_reply_is_logged_with_the_nodes_the_round_sent_to_and_its_error():

@@ -55,25 +55,30 @@ give the same global model, bit for bit (here /tmp/bnpfed-out/fusion-global.npz)
 TLS = """\
 running on several machines (Flower 1.42; install bnpfed[flower] on every machine first):
 
-  1. one SuperLink, on the server host (Fleet, Control and Runtime API on one HTTPS port):
+  1. one SuperLink, on the server host (Fleet, Control and Runtime API on one HTTPS port; only SuperNodes
+     with a registered public key may join):
        flower-superlink --host 0.0.0.0 --port 9092 --disable-runtime-dependency-installation \\
-           --ssl-ca-certfile ca.crt --ssl-certfile server.pem --ssl-keyfile server.key
-  2. one SuperNode per client host, each with its own partition of the data:
-       flower-supernode --superlink SERVER:9092 --root-certificates ca.crt \\
-           --node-config "partition-id=0 num-partitions=3"         (1, 2, ... on the other hosts)
-  3. a run, from any machine holding the app directory examples/flower_app; the connection lives in
+           --ssl-ca-certfile ca.crt --ssl-certfile server.pem --ssl-keyfile server.key --enable-supernode-auth
+  2. the connection, on any machine holding the app directory examples/flower_app, in
      $FLWR_HOME/config.toml (default ~/.flwr):
        [superlink.prod]
        address = "SERVER:9092"
        root-certificates = "ca.crt"
-     then
+  3. one SuperNode per client host, each with its own key pair and partition of the data:
+       ssh-keygen -t ecdsa -b 384 -N "" -f supernode0            (writes supernode0, supernode0.pub)
+       flwr supernode register supernode0.pub prod                (on the CLI machine, once per SuperNode)
+       flower-supernode --superlink SERVER:9092 --root-certificates ca.crt \\
+           --auth-supernode-private-key supernode0 \\
+           --node-config "partition-id=0 num-partitions=3"         (1, 2, ... on the other hosts)
+  4. a run:
        flwr run examples/flower_app prod --stream --run-config 'method="fusion" rule="conflation" rounds=5'
        flwr ls prod --run-id RUN_ID --format json     (status finished:completed, or :failed / :stopped)
      `flwr run` exits 0 even when the run fails: check the status, and `flwr log RUN_ID prod --show`.
 
 TLS: the SuperLink serves HTTPS with --ssl-certfile/--ssl-keyfile (its certificate and key) and
 --ssl-ca-certfile (the CA that signed it); SuperNodes and the CLI verify it against that CA
-(--root-certificates, and root-certificates = "..." in the connection). --insecure on SuperLink and
+(--root-certificates, and root-certificates = "..." in the connection). --enable-supernode-auth (TLS only)
+refuses a SuperNode whose public key was not registered. --insecure on SuperLink and
 SuperNode, and insecure = true in the connection, turn TLS off: model updates then travel as plain HTTP that
 anyone on the network can read or alter. Use it only on 127.0.0.1 (tests, trying things out).
 """
