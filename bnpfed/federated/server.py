@@ -58,6 +58,7 @@ __all__ = [
     "client_weights",
     "clients_per_round",
     "fedma_group_step",
+    "floor_variances",
     "fuse_posteriors",
     "match_hyperparameters",
     "mean_sigma",
@@ -125,6 +126,20 @@ class FusionStep:
     seconds: float = 0.0
 
 
+def floor_variances(fused: Mapping[str, GaussianPosterior], min_variance: float
+                    ) -> tuple[dict[str, GaussianPosterior], int, float]:
+    """``(fused, floored, smallest)``: every fused variance below ``min_variance`` raised to it (none when it is
+    0), how many were, and the smallest variance after the floor."""
+    out, floored, smallest = dict(fused), 0, math.inf
+    for site, (loc, variance) in fused.items():
+        if min_variance > 0:
+            floored += int((variance < min_variance).sum())
+            variance = variance.clamp_min(min_variance)
+            out[site] = GaussianPosterior(loc, variance)
+        smallest = min(smallest, float(variance.min()))
+    return out, floored, smallest
+
+
 def fuse_posteriors(posteriors: Sequence[Mapping[str, GaussianPosterior]],
                     deterministic: Sequence[Mapping[str, Tensor]], sizes: Sequence[int], config: FusionConfig, *,
                     seed: int, round: int) -> FusionStep:
@@ -148,14 +163,7 @@ def fuse_posteriors(posteriors: Sequence[Mapping[str, GaussianPosterior]],
     weights = client_weights(sizes, config.weights)
     fused = fuse_sites(list(posteriors), config.rule, weights, num_samples=config.pooling_samples,
                        generator=torch_generator(seed, Stream.POOLING, round))
-    floored, smallest = 0, math.inf
-    if config.min_variance > 0:
-        for site, (loc, variance) in fused.items():
-            low = variance < config.min_variance
-            floored += int(low.sum())
-            fused[site] = GaussianPosterior(loc, variance.clamp_min(config.min_variance))
-    for loc, variance in fused.values():
-        smallest = min(smallest, float(variance.min()))
+    fused, floored, smallest = floor_variances(fused, config.min_variance)
     names = list(deterministic[0]) if deterministic else []
     for k, state in enumerate(deterministic):
         if list(state) != names:

@@ -25,6 +25,10 @@ alone decides. The steps are :mod:`bnpfed.federated.clients`' (the in-process fe
   with the global posterior and deterministic parameters loaded, fitted by
   :func:`~bnpfed.federated.clients.fit_bayesian`; reply with its posterior, parameters, ``num-examples``,
   ``train-loss``;
+* ``train``, task ``"secure-fusion"`` (``secure-aggregation = true``): as ``"fusion"``, but the posterior stays
+  in ``context.state`` and the reply carries only ``num-examples`` and ``train-loss``; then the stages of SecAgg+
+  (``secaggplus_mod``), in which the client sends its statistics masked
+  (:func:`~bnpfed.flower.secure.secure_fit`, :mod:`bnpfed.flower.secure`);
 * ``train``, task ``"matched-fusion"`` (``method = "fusion"``, ``align = "match"``): round 1 (no arrays) a Bayesian
   client of its own initial network (:func:`~bnpfed.federated.clients.initial_network` with its partition id),
   later one holding what the server sent -- its slice of the global posterior, or the whole of it -- as posterior
@@ -51,7 +55,9 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
 from bnpfed.data import Dataset, load_dataset
 from bnpfed.federated.clients import (batch_norm_moments_step, bayesian_client, fit_bayesian, initial_network,
@@ -61,6 +67,7 @@ from bnpfed.federated.matched_fusion import client_from_slice
 from bnpfed.federated.partition import class_counts
 from bnpfed.federated.rounds import Architecture
 from bnpfed.flower.config import ClientSettings, client_settings
+from bnpfed.flower.secure import keep_for_secure_sum, secure_fit
 from bnpfed.flower.records import (
     ARRAYS,
     CLIENT,
@@ -265,6 +272,20 @@ def _train_fusion(msg: Message, context: Context) -> Message:
     return c.reply(msg, posterior_to_record(client.posterior(), client.deterministic_state()), metrics)
 
 
+def _train_secure(msg: Message, context: Context) -> Message:
+    """Posterior fusion under secure aggregation, step 1: train as ``fusion`` does, keep the posterior (and the
+    global model sent) in ``context.state`` for the secure sum (:func:`~bnpfed.flower.secure.secure_fit`), reply
+    with the count and the loss only."""
+    c = _Client(msg, context)
+    s = c.settings
+    x, y = c.train_data
+    sent = msg.content.array_records[ARRAYS]
+    client = c.global_client(sent)
+    loss = fit_bayesian(client, x, y, s.training, seed=s.seed, round=c.round, index=c.j)
+    keep_for_secure_sum(context, client.posterior(), client.deterministic_state(), sent)
+    return c.reply(msg, ArrayRecord(), {"num-examples": int(len(y)), "train-loss": float(loss)})
+
+
 def _train_matched(msg: Message, context: Context) -> Message:
     c = _Client(msg, context)
     s, ds = c.settings, c.ds
@@ -302,7 +323,8 @@ def _evaluate(msg: Message, context: Context) -> Message:
     return c.reply(msg, None, metrics)
 
 
-_TRAIN = {"pfnm": _train_pfnm, "fedavg": _train_fedavg, "fusion": _train_fusion, "matched-fusion": _train_matched}
+_TRAIN = {"pfnm": _train_pfnm, "fedavg": _train_fedavg, "fusion": _train_fusion, "matched-fusion": _train_matched,
+          "secure-fusion": _train_secure}
 
 
 def make_client_app() -> ClientApp:
@@ -316,6 +338,8 @@ def make_client_app() -> ClientApp:
 
     @client_app.train()
     def train(msg: Message, context: Context) -> Message:
+        if RECORD_KEY_CONFIGS in msg.content.config_records:  # a stage of SecAgg+ (SecureFusionStrategy)
+            return secaggplus_mod(msg, context, secure_fit)
         task = msg.content.config_records[CONFIG].get("task")
         if task not in _TRAIN:
             raise ValueError(f"task: expected one of {sorted(_TRAIN)}, got {task!r}")

@@ -14,7 +14,9 @@ keys: a config field's name with ``-`` for ``_`` (``sigma0_2`` is ``sigma0-2``, 
   :class:`~bnpfed.federated.config.NetworkConfig`, :class:`~bnpfed.federated.config.TrainingConfig`,
   :class:`~bnpfed.federated.config.BayesianConfig` (what the clients need);
 * :class:`~bnpfed.federated.config.PFNMConfig` and :class:`~bnpfed.federated.config.FusionConfig` (the servers;
-  their ``fraction``, the share of clients a round trains, is one key).
+  their ``fraction``, the share of clients a round trains, is one key);
+* :class:`SecureAggregationConfig`: weight-wise posterior fusion under SecAgg+ (``secure-aggregation``,
+  ``secagg-*``).
 
 Values are converted to the field's type: a tuple is a list or a comma-separated string (``hidden = "100,100"``,
 ``sigma2 = "0.3,1"``), a bool may be ``"true"`` / ``"false"``, an optional int may be ``"none"``. The network and
@@ -54,12 +56,14 @@ from bnpfed.data import DATASET_NAMES, NPZ_PREFIX
 from bnpfed.federated.config import (FUSION_TRAINING, PFNM_NETWORK, PFNM_TRAINING, BayesianConfig, FusionConfig,
                                      NetworkConfig, PartitionConfig, PFNMConfig, TrainingConfig, config_dict)
 from bnpfed.federated.fusion import check_fusion_network
+from bnpfed.secure_fusion import SECURE_RULES
 from bnpfed.validation import check_choice, check_fraction, check_int, check_positive
 
 __all__ = [
     "AUTO",
     "ClientSettings",
     "CONFIGS",
+    "SecureAggregationConfig",
     "METHODS",
     "FlowerRun",
     "FlowerSettings",
@@ -150,9 +154,42 @@ class FlowerRun:
         return self.method in ("fusion", "fedavg") if self.standardize == AUTO else self.standardize == "true"
 
 
+@dataclass(frozen=True)
+class SecureAggregationConfig:
+    """Weight-wise posterior fusion under secure aggregation (SecAgg+, Flower's ``SecAggPlusWorkflow`` and
+    ``secaggplus_mod``): the server learns the sums over the clients of their statistics
+    (:mod:`bnpfed.secure_fusion`) and their example counts, never one client's posterior
+    (:class:`~bnpfed.flower.secure.SecureFusionStrategy`).
+
+    :param bool secure_aggregation: fuse under SecAgg+ (``method = "fusion"``, ``align = "none"``, a rule of
+        :data:`~bnpfed.secure_fusion.SECURE_RULES`). Default False.
+    :param float secagg_clipping_range: ``c``: every statistic, centred and scaled at the global posterior sent
+        (shifts in its standard deviations, ratios of variances), must lie in ``[-c, c]`` -- a client whose does not
+        fails its round with a message naming this key, rather than be clipped; the sums are off by less than
+        ``K * 2c / Q``, ``Q = 2^32 / 2^ceil(log2(K + 1))`` (:func:`~bnpfed.secure_fusion.quantisation_bound`).
+        Default 64.
+    :param float secagg_shares: the share of a round's clients each client splits its secret keys among (SecAgg+'s
+        ``num_shares`` as a proportion), in (0, 1]. Default 1 (every client).
+    :param float secagg_threshold: the share of those shares needed to reconstruct a dropped client's masks
+        (``reconstruction_threshold``), in (0, 1]; a round in which fewer clients remain fails. Default 0.5.
+    """
+
+    secure_aggregation: bool = False
+    secagg_clipping_range: float = 64.0
+    secagg_shares: float = 1.0
+    secagg_threshold: float = 0.5
+
+    def __post_init__(self):
+        if not isinstance(self.secure_aggregation, bool):
+            raise ValueError(f"secure_aggregation: expected true or false, got {self.secure_aggregation!r}")
+        check_positive(self.secagg_clipping_range, "secagg_clipping_range")
+        check_fraction(self.secagg_shares, "secagg_shares")
+        check_fraction(self.secagg_threshold, "secagg_threshold")
+
+
 #: The configs of a run, by name, as :class:`FlowerSettings` holds them (``run`` first).
 CONFIGS = {"run": FlowerRun, "partition": PartitionConfig, "network": NetworkConfig, "training": TrainingConfig,
-           "bayesian": BayesianConfig, "pfnm": PFNMConfig, "fusion": FusionConfig}
+           "bayesian": BayesianConfig, "pfnm": PFNMConfig, "fusion": FusionConfig, "secure": SecureAggregationConfig}
 #: Fields that are not run config keys, and why.
 _NOT_KEYS = {("partition", "clients"): "the number of clients J is the SuperNodes' num-partitions (their "
              "--node-config; a simulation's number of SuperNodes), not a run config key"}
@@ -174,6 +211,7 @@ class FlowerSettings:
     bayesian: BayesianConfig
     pfnm: PFNMConfig
     fusion: FusionConfig
+    secure: SecureAggregationConfig = SecureAggregationConfig()
 
     def with_clients(self, clients: int) -> "FlowerSettings":
         return replace(self, partition=replace(self.partition, clients=clients))
@@ -385,7 +423,7 @@ def parse_run_config(config: Mapping[str, Any]) -> FlowerSettings:
             raise ValueError(f"{key}: not a run config key (`bnpfed flower keys` lists them)")
     run = _build(FlowerRun, _config_values(config, "run", auto=False))
     built = {"run": run}
-    for name in ("partition", "network", "training", "bayesian", "pfnm", "fusion"):
+    for name in ("partition", "network", "training", "bayesian", "pfnm", "fusion", "secure"):
         base = _METHOD_DEFAULTS[run.method].get(name)
         values = _config_values(config, name, auto=True)
         built[name] = _build(CONFIGS[name], values, base)
@@ -394,7 +432,27 @@ def parse_run_config(config: Mapping[str, Any]) -> FlowerSettings:
                          f"bnpfed pfnm --layerwise-retrain), got {built['pfnm'].layerwise_retrain}")
     if run.method == "fusion":
         _check_fusion(built["fusion"], built["network"])
+    _check_secure(built["secure"], run.method, built["fusion"])
     return FlowerSettings(**built)
+
+
+def _check_secure(secure: SecureAggregationConfig, method: str, fusion: FusionConfig) -> None:
+    """Secure aggregation runs weight-wise fusion with a rule of sums; its other keys need it on."""
+    if not secure.secure_aggregation:
+        default = SecureAggregationConfig()
+        for f in fields(SecureAggregationConfig):
+            if getattr(secure, f.name) != getattr(default, f.name):
+                raise ValueError(f"{config_key(f.name)}: applies only with secure-aggregation = true, got "
+                                 f"{getattr(secure, f.name)!r} without it")
+        return
+    if method != "fusion" or fusion.align != "none":
+        raise ValueError(f"secure-aggregation: expected method=\"fusion\" with align=\"none\" (weight-wise fusion "
+                         "needs only sums over clients; matching needs each client's units in the clear: match "
+                         "first, then fuse in place), got method=" + repr(method) +
+                         (f" with align={fusion.align!r}" if method == "fusion" else ""))
+    if fusion.rule not in SECURE_RULES:
+        raise ValueError(f"rule: expected one of {list(SECURE_RULES)} with secure-aggregation (pooling draws from "
+                         f"each client's posterior: not a sum of fixed statistics), got {fusion.rule!r}")
 
 
 def _check_fusion(fusion: FusionConfig, network: NetworkConfig) -> None:

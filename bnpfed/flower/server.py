@@ -38,6 +38,7 @@ from bnpfed.federated.clients import bayesian_client, initial_network
 from bnpfed.federated.matched_fusion import client_from_slice
 from bnpfed.flower.client import initial_global_model
 from bnpfed.flower.config import FlowerSettings, parse_run_config
+from bnpfed.flower.secure import SecureFusionStrategy
 from bnpfed.flower.records import (from_array_record, matched_posterior_from_arrays, posterior_from_arrays,
                                    state_to_record)
 from bnpfed.flower.strategies import (LOGGER, FedAvgStrategy, MatchedFusionStrategy, PFNMStrategy,
@@ -91,6 +92,8 @@ def run_federation(grid: Grid, config: Mapping[str, Any]) -> FederationResult:
         strategy = PFNMStrategy(settings.pfnm, network=settings.network, **common)
     elif run.method == "fedavg":
         strategy = FedAvgStrategy(settings.fusion, network=settings.network, **common)
+    elif settings.secure.secure_aggregation:
+        strategy = SecureFusionStrategy(settings.fusion, settings.secure, **common)
     elif matched:
         strategy = MatchedFusionStrategy(settings.fusion, network=settings.network, bayesian=settings.bayesian,
                                          **common)

@@ -90,7 +90,7 @@ from bnpfed.metrics import ece_from_gaps
 from bnpfed.seeding import Stream
 from bnpfed.validation import check_fraction, check_int, check_positive
 
-__all__ = ["LOGGER", "FedAvgStrategy", "MatchedFusionStrategy", "PFNMStrategy", "PosteriorFusionStrategy",
+__all__ = ["LOGGER", "Accepted", "FedAvgStrategy", "MatchedFusionStrategy", "PFNMStrategy", "PosteriorFusionStrategy",
            "evaluation_clients", "unexpected_reply"]
 
 #: Where rejections, missing clients and round summaries are logged: a child of Flower's logger, so the lines show
@@ -134,8 +134,9 @@ def _network(network: Optional[NetworkConfig]) -> NetworkConfig:
 
 
 @dataclass
-class _Accepted:
-    """One usable reply: which client sent it and what it carried, parsed."""
+class Accepted:
+    """One usable reply: which client sent it and what it carried, parsed (what a strategy's ``_parse_train``
+    returns)."""
 
     partition_id: int
     num_examples: int
@@ -277,12 +278,12 @@ class _RoundStrategy(Strategy):
     # ------------------------------------------------------------------------------------------------ replies
 
     def _accept(self, server_round: int, replies: Iterable[Message], message_type: str, parse
-                ) -> tuple[list[_Accepted], dict[int, str], list[int]]:
+                ) -> tuple[list[Accepted], dict[int, str], list[int]]:
         """Parse every reply; drop (and log) errors and malformed replies; log the clients that never answered.
         Returns the accepted replies sorted by partition id (the order of the in-process run), the rejected
         ``{partition: reason}`` and the missing partitions."""
         sent = self._sent.get((server_round, message_type), {})
-        accepted: dict[int, _Accepted] = {}
+        accepted: dict[int, Accepted] = {}
         rejected: dict[int, str] = {}
         for reply in replies:
             node = reply.metadata.src_node_id
@@ -364,11 +365,11 @@ class _RoundStrategy(Strategy):
         """The arrays client ``j`` starts its round from."""
 
     @abstractmethod
-    def _parse_train(self, reply: Message) -> _Accepted:
+    def _parse_train(self, reply: Message) -> Accepted:
         """A training reply, checked and unpacked."""
 
     @abstractmethod
-    def _aggregate(self, server_round: int, accepted: list[_Accepted]) -> tuple[ArrayRecord, dict]:
+    def _aggregate(self, server_round: int, accepted: list[Accepted]) -> tuple[ArrayRecord, dict]:
         """The server step on the accepted replies: the new global arrays and the round's own numbers."""
 
     # ------------------------------------------------------------------------------------------------ evaluation
@@ -386,7 +387,7 @@ class _RoundStrategy(Strategy):
         """Example-weighted means of the clients' ``accuracy``, ``nll`` and ``brier`` on their test shards, and the
         ECE of their union with 100 and 15 bins (``ece``, ``ece15``) from the sums of their per-bin gaps: what the
         in-process federation reports on the whole test split."""
-        def parse(reply: Message) -> _Accepted:
+        def parse(reply: Message) -> Accepted:
             content = reply.content
             missing = [key for key, kind in ((METRICS, content.metric_records), (CLIENT, content.config_records))
                        if key not in kind]
@@ -396,7 +397,7 @@ class _RoundStrategy(Strategy):
             metrics = content.metric_records[METRICS]
             scores = {key: read_finite(metrics, key) for key in ("accuracy", "nll", "brier")}
             gaps = {bins: read_gaps(metrics, bins) for bins in ECE_BINS}
-            return _Accepted(read_partition_id(content.config_records[CLIENT]), read_count(metrics), gaps, scores)
+            return Accepted(read_partition_id(content.config_records[CLIENT]), read_count(metrics), gaps, scores)
 
         accepted, _, _ = self._accept(server_round, replies, MessageType.EVALUATE, parse)
         if not accepted:
@@ -427,9 +428,9 @@ class _RoundStrategy(Strategy):
             record = state_to_record(with_statistics(state, statistics))
             channels = {layer: int(state[f"{layer}.running_mean"].shape[0])}
 
-            def parse(reply: Message) -> _Accepted:
+            def parse(reply: Message) -> Accepted:
                 arrays, _, j, n = self._identity_and_count(reply)
-                return _Accepted(j, n, moments_from_arrays(arrays, channels), {})
+                return Accepted(j, n, moments_from_arrays(arrays, channels), {})
 
             messages = self._messages(server_round, MessageType.QUERY, list(clients),
                                       lambda j: (record, {"step": "batch-norm-moments", "layer": layer}))
@@ -529,7 +530,7 @@ class PFNMStrategy(_MatchingStrategy):
         arrays, metrics, j, n = self._identity_and_count(reply)
         state = state_from_arrays(arrays, self.spec, self.template.state_dict(), widths=self.rounds.widths(j))
         counts = read_class_counts(metrics, self.identity.num_classes)
-        return _Accepted(j, n, (state, counts), metrics)
+        return Accepted(j, n, (state, counts), metrics)
 
     def _aggregate(self, server_round, accepted):
         clients = [a.partition_id for a in accepted]
@@ -601,7 +602,7 @@ class PosteriorFusionStrategy(_RoundStrategy):
     def _parse_train(self, reply):
         arrays, metrics, j, n = self._identity_and_count(reply)
         posterior, params = posterior_from_arrays(arrays, self._expected)
-        return _Accepted(j, n, (posterior, params), {"train_loss": read_finite(metrics, "train-loss")})
+        return Accepted(j, n, (posterior, params), {"train_loss": read_finite(metrics, "train-loss")})
 
     def _aggregate(self, server_round, accepted):
         step = fuse_posteriors([a.payload[0] for a in accepted], [a.payload[1] for a in accepted],
@@ -667,7 +668,7 @@ class FedAvgStrategy(_RoundStrategy):
         arrays, metrics, j, n = self._identity_and_count(reply)
         state = state_from_arrays(arrays, self.architecture.spec, self.architecture.template.state_dict(),
                                   widths=self.widths)
-        return _Accepted(j, n, state, metrics)
+        return Accepted(j, n, state, metrics)
 
     def _aggregate(self, server_round, accepted):
         start = time.perf_counter()
@@ -761,7 +762,7 @@ class MatchedFusionStrategy(_MatchingStrategy):
                                                         widths=self.rounds.widths(j))
         counts = read_class_counts(metrics, self.identity.num_classes)
         posterior = ({k: locs[k] for k in self._order}, variances)
-        return _Accepted(j, n, (posterior, counts), {"train_loss": read_finite(metrics, "train-loss")})
+        return Accepted(j, n, (posterior, counts), {"train_loss": read_finite(metrics, "train-loss")})
 
     def _aggregate(self, server_round, accepted):
         clients = [a.partition_id for a in accepted]
