@@ -49,7 +49,14 @@ def bench_scaling_fn(quick: bool):
     print(format_table(bench_scaling.table(rows)))
 
 
-BENCHMARKS = {"matching": bench_matching, "scaling": bench_scaling_fn, "fusion": bench_fusion_fn}
+def bench_secure_fn(quick: bool):
+    import bench_secure
+
+    bench_secure.main(["--quick"] if quick else [])   # posterior fusion under SecAgg+ against plain, same process
+
+
+BENCHMARKS = {"matching": bench_matching, "scaling": bench_scaling_fn, "fusion": bench_fusion_fn,
+              "secure": bench_secure_fn}
 
 
 def main(argv=None):

@@ -9,6 +9,8 @@ and clients as :mod:`bnpfed.federated`, run as real server and client processes.
   and :class:`FedAvgStrategy` (the FedAvg baseline, the in-process ``fedavg`` method's server step).
   They sample partitions, check every reply at the boundary and call the server steps of
   :mod:`bnpfed.federated.server`; no aggregation math is written here.
+* :mod:`bnpfed.flower.secure`: :class:`SecureFusionStrategy`, weight-wise posterior fusion under SecAgg+ (the server
+  sees sums over clients, :mod:`bnpfed.secure_fusion`, and counts, never one client's posterior).
 * :mod:`bnpfed.flower.client`: the ClientApp (``bnpfed.flower.client:app``), with Torch, Pyro and the data; its
   steps are :mod:`bnpfed.federated.clients`'.
 * :mod:`bnpfed.flower.server`: the ServerApp (``bnpfed.flower.server:app``) and :func:`run_federation`.
@@ -26,6 +28,8 @@ except ImportError as error:  # pragma: no cover - depends on the environment
                       ) from error
 
 from bnpfed.flower.records import ReplyError
+from bnpfed.flower.secure import SecureFusionStrategy
 from bnpfed.flower.strategies import FedAvgStrategy, MatchedFusionStrategy, PFNMStrategy, PosteriorFusionStrategy
 
-__all__ = ["FedAvgStrategy", "MatchedFusionStrategy", "PFNMStrategy", "PosteriorFusionStrategy", "ReplyError"]
+__all__ = ["FedAvgStrategy", "MatchedFusionStrategy", "PFNMStrategy", "PosteriorFusionStrategy", "ReplyError",
+           "SecureFusionStrategy"]
