@@ -22,9 +22,10 @@ from bnpfed.secure_fusion import SECURE_RULES  # noqa: E402
 
 FUSION = {"method": "fusion", "rounds": 2, "hidden": "16", "epochs": 1, "fraction-evaluate": 0.0}
 SECURE = {"secure-aggregation": True}
-#: Relative tolerance of the secure run against the plain one: float32 rounding of the global model (the
-#: quantisation bound itself is ~4e-7 of the global posterior's standard deviation with 3 clients).
-RTOL = 1e-5
+#: Relative tolerance of the secure run against the plain one: the quantisation bound (2.3e-5 of the global
+#: posterior's standard deviation, or of a variance ratio, with 3 clients and the default clipping range) and float32
+#: rounding of the global model.
+RTOL = 1e-4
 
 
 def assert_close_to_plain(secure, plain):
@@ -56,7 +57,7 @@ def test_under_secure_aggregation_the_global_posterior_is_the_plain_runs(rule):
     assert_close_to_plain(secure, plain)
     for record in secure.history:
         assert record["secure_clients"] == [0, 1, 2] and record["secure_failures"] == []
-        assert 0 < record["quantisation_bound"] < 1e-6
+        assert 0 < record["quantisation_bound"] < 3e-5
         assert record["weights"] == plain.history[record["round"] - 1]["weights"]
 
 
