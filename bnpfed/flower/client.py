@@ -25,8 +25,9 @@ alone decides. The steps are :mod:`bnpfed.federated.clients`' (the in-process fe
   with the global posterior and deterministic parameters loaded, fitted by
   :func:`~bnpfed.federated.clients.fit_bayesian`; reply with its posterior, parameters, ``num-examples``,
   ``train-loss``;
-* ``train``, task ``"secure-fusion"`` (``secure-aggregation = true``): as ``"fusion"``, but the posterior stays
-  in ``context.state`` and the reply carries only ``num-examples`` and ``train-loss``; then the stages of SecAgg+
+* ``train``, task ``"secure-fusion"`` (``secure-aggregation = true``): as ``"fusion"`` (at the widths of the
+  global model sent: after a round of matching, the matched network's), but the posterior stays in
+  ``context.state`` and the reply carries only ``num-examples`` and ``train-loss``; then the stages of SecAgg+
   (``secaggplus_mod``), in which the client sends its statistics masked
   (:func:`~bnpfed.flower.secure.secure_fit`, :mod:`bnpfed.flower.secure`);
 * ``train``, task ``"matched-fusion"`` (``method = "fusion"``, ``align = "match"``): round 1 (no arrays) a Bayesian
@@ -176,6 +177,17 @@ class _Client:
         client.load_deterministic(params)
         return client
 
+    def sized_global_client(self, record: ArrayRecord) -> BayesianClient:
+        """A Bayesian client of the configured architecture at the widths of the global model in ``record`` (the
+        layout of :func:`~bnpfed.flower.records.posterior_to_record`): the shared initial network's, or a matched
+        global network's (secure fusion after a round of matching); its prior the configured one."""
+        arch = _architecture(self.settings.network, tuple(self.ds.input_shape), self.ds.num_classes,
+                             self.settings.seed)
+        posterior, params = posterior_from_arrays(from_array_record(record), array_shapes(record))
+        locs = {**{site: p.loc for site, p in posterior.items()}, **params}
+        return client_from_slice(arch.template, locs, {site: p.variance for site, p in posterior.items()},
+                                 self.settings.bayesian, as_prior=False)
+
     def matched_client(self, record: ArrayRecord, *, as_prior: bool) -> BayesianClient:
         """A Bayesian client of the configured architecture holding the posterior in ``record`` (a slice of a
         matched global posterior, or the whole of it), as its prior too with ``as_prior``."""
@@ -280,7 +292,7 @@ def _train_secure(msg: Message, context: Context) -> Message:
     s = c.settings
     x, y = c.train_data
     sent = msg.content.array_records[ARRAYS]
-    client = c.global_client(sent)
+    client = c.sized_global_client(sent)
     loss = fit_bayesian(client, x, y, s.training, seed=s.seed, round=c.round, index=c.j)
     keep_for_secure_sum(context, client.posterior(), client.deterministic_state(), sent)
     return c.reply(msg, ArrayRecord(), {"num-examples": int(len(y)), "train-loss": float(loss)})
@@ -311,8 +323,9 @@ def _evaluate(msg: Message, context: Context) -> Message:
         with torch.no_grad():
             probs = net.eval()(x).softmax(-1)
     else:
-        model = (c.matched_client(record, as_prior=False) if c.config["task"] == "matched-fusion"
-                 else c.global_client(record))
+        task = c.config["task"]
+        model = (c.matched_client(record, as_prior=False) if task == "matched-fusion"
+                 else c.sized_global_client(record) if task == "secure-fusion" else c.global_client(record))
         probs = model.predict_proba(
             x, num_samples=c.settings.predictive_samples, seed=derive_seed(c.settings.seed, Stream.PREDICT, c.round))
     report = classification_report(probs, y)

@@ -170,6 +170,9 @@ class SecureAggregationConfig:
         Default 4096: trained clients move their means hundreds of the initial posterior's standard deviations in
         round 1 (MNIST: up to ~90 of them times ``b_k``), and the sums stay within ``3e-4`` of a standard deviation
         (or of a variance ratio) at 10 clients.
+    :param float secagg_parameter_range: the same for a deterministic parameter's statistic ``b_k (theta_k -
+        theta_g)`` (biases, unscaled: no standard deviation to measure it in); summed to within
+        ``K * 2 r / Q``. Default 8.
     :param float secagg_shares: the share of a round's clients each client splits its secret keys among (SecAgg+'s
         ``num_shares`` as a proportion), in (0, 1]. Default 1 (every client).
     :param float secagg_threshold: the share of those shares needed to reconstruct a dropped client's masks
@@ -178,6 +181,7 @@ class SecureAggregationConfig:
 
     secure_aggregation: bool = False
     secagg_clipping_range: float = 4096.0
+    secagg_parameter_range: float = 8.0
     secagg_shares: float = 1.0
     secagg_threshold: float = 0.5
 
@@ -185,6 +189,7 @@ class SecureAggregationConfig:
         if not isinstance(self.secure_aggregation, bool):
             raise ValueError(f"secure_aggregation: expected true or false, got {self.secure_aggregation!r}")
         check_positive(self.secagg_clipping_range, "secagg_clipping_range")
+        check_positive(self.secagg_parameter_range, "secagg_parameter_range")
         check_fraction(self.secagg_shares, "secagg_shares")
         check_fraction(self.secagg_threshold, "secagg_threshold")
 

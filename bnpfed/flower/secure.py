@@ -85,13 +85,17 @@ def statistic_keys(global_keys: Sequence[str], rule: str) -> list[str]:
 
 
 def client_statistics(posterior: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray], rule: str, *,
-                      weight: float, max_weight: float, clipping_range: float) -> list[np.ndarray]:
-    """A client's vector for the secure sum, in :func:`statistic_keys` order (float64).
+                      weight: float, max_weight: float, clipping_range: float, parameter_range: float
+                      ) -> list[np.ndarray]:
+    """A client's vector for the secure sum, in :func:`statistic_keys` order (float64). A deterministic parameter's
+    statistic ``b_k (theta_k - theta_g)`` has no standard deviation to be measured in: it must lie in
+    ``[-parameter_range, parameter_range]`` and is sent scaled by ``clipping_range / parameter_range``, so that it
+    is summed to within ``K * 2 parameter_range / Q``.
 
     :param posterior: its arrays as :func:`~bnpfed.flower.records.posterior_to_record` lays them out.
     :param reference: the global model it was sent, in the same layout.
-    :raises ValueError: if a statistic falls outside ``[-clipping_range, clipping_range]`` (SecAgg+ would clip it),
-        naming ``secagg-clipping-range``, the statistic and the range it needs.
+    :raises ValueError: if a statistic falls outside its range (SecAgg+ would clip it), naming
+        ``secagg-clipping-range`` or ``secagg-parameter-range``, the statistic and the range it needs.
     """
     out = []
     as64 = {k: torch.as_tensor(np.asarray(v), dtype=torch.float64) for k, v in posterior.items()}
@@ -100,6 +104,12 @@ def client_statistics(posterior: Mapping[str, np.ndarray], reference: Mapping[st
         kind, _, site = key.partition("/")
         if kind == "param":
             value = deterministic_statistic(as64[key], ref64[key], weight=weight)
+            largest = float(value.abs().max()) if value.numel() else 0.0
+            if not largest <= parameter_range:
+                raise ValueError(f"secagg-parameter-range: expected at least {largest:.4g} to hold statistic "
+                                 f"{key!r} of this client (secure aggregation would clip it), got {parameter_range}")
+            out.append((value * (clipping_range / parameter_range)).numpy())
+            continue
         else:
             stats = sum_statistics(rule, as64[f"loc/{site}"], as64[f"variance/{site}"], ref64[f"loc/{site}"],
                                    ref64[f"variance/{site}"], weight=weight, max_weight=max_weight)
@@ -180,7 +190,8 @@ class SecureFusionStrategy(PosteriorFusionStrategy):
                            client_weights([a.num_examples for a in accepted], self.fusion.weights)))
         b_max = max(weights.values())
         config = {j: {"weight": w, "max-weight": b_max, "rule": rule, "task": self.task,
-                      "clipping-range": self.secure.secagg_clipping_range, "server-round": server_round}
+                      "clipping-range": self.secure.secagg_clipping_range,
+                      "parameter-range": self.secure.secagg_parameter_range, "server-round": server_round}
                   for j, w in weights.items()}
         num = len(accepted)
         levels = quantization_range(num) if num >= 2 else 0
@@ -218,7 +229,9 @@ class SecureFusionStrategy(PosteriorFusionStrategy):
         if len(mean) != len(keys):
             raise RuntimeError(f"round {server_round}: secure aggregation returned {len(mean)} arrays, expected "
                                f"{len(keys)} statistics")
-        sums = {key: torch.as_tensor(a * len(summed), dtype=torch.float64) for key, a in zip(keys, mean)}
+        unscale = self.secure.secagg_parameter_range / self.secure.secagg_clipping_range
+        sums = {key: torch.as_tensor(a * len(summed) * (unscale if key.startswith("param/") else 1.0),
+                                     dtype=torch.float64) for key, a in zip(keys, mean)}
         total = sum(weights[j] for j in summed)
         ratio = b_max / max(weights[j] for j in summed)
         posterior, deterministic = self._fused(sums, rule, total, ratio)
@@ -226,6 +239,7 @@ class SecureFusionStrategy(PosteriorFusionStrategy):
         summary = {"weights": [weights[j] for j in sorted(weights)], "secure_clients": summed,
                    "secure_failures": failures,
                    "quantisation_bound": quantisation_bound(self.secure.secagg_clipping_range, levels, len(summed)),
+                   "parameter_bound": quantisation_bound(self.secure.secagg_parameter_range, levels, len(summed)),
                    "train_loss": sum(a.metrics["train_loss"] for a in accepted) / len(accepted),
                    "mean_sigma": mean_sigma(g.variance for g in posterior.values()),
                    "min_variance": smallest, "floored": floored, "server_seconds": time.perf_counter() - start}
@@ -261,7 +275,8 @@ def secure_fit(msg: Message, context: Context) -> Message:
     vector = client_statistics(from_array_record(state[POSTERIOR_STATE]), from_array_record(state[REFERENCE_STATE]),
                                str(config["rule"]), weight=float(config["weight"]),
                                max_weight=float(config["max-weight"]),
-                               clipping_range=float(config["clipping-range"]))
+                               clipping_range=float(config["clipping-range"]),
+                               parameter_range=float(config["parameter-range"]))
     res = FitRes(status=Status(code=Code.OK, message=""), parameters=ndarrays_to_parameters(vector), num_examples=1,
                  metrics={})
     return Message(content=fitres_to_recorddict(res, keep_input=False), reply_to=msg)
