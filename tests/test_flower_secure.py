@@ -15,8 +15,11 @@ from flower_harness import CLIENTS, assert_refused_before_any_node_is_asked, rai
 from flwr.app import MessageType  # noqa: E402
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage  # noqa: E402
 
+from bnpfed.combine import fuse  # noqa: E402
 from bnpfed.flower.client import app as client_app  # noqa: E402
 from bnpfed.flower.local import LocalGrid  # noqa: E402
+from bnpfed.flower.records import from_array_record  # noqa: E402
+from bnpfed.flower.secure import POSTERIOR_STATE  # noqa: E402
 from bnpfed.flower.server import run_federation  # noqa: E402
 from bnpfed.secure_fusion import SECURE_RULES  # noqa: E402
 
@@ -104,12 +107,36 @@ def test_a_statistic_that_would_be_clipped_fails_the_client_naming_the_range():
         run_federation(LocalGrid(client_app, CLIENTS), {**FUSION, **SECURE, "secagg-clipping-range": 0.01})
 
 
+def test_matched_fusion_matches_in_the_clear_once_then_fuses_the_aligned_posteriors_under_secagg():
+    # the documented compromise: round 1 is matched fusion's round (units in the clear), rounds 2-3 are secure
+    # weight-wise rounds at the matched widths, every client starting from the whole matched global posterior
+    config = {**FUSION, "align": "match", "rule": "conflation", "rounds": 3}
+    grid = LocalGrid(client_app, CLIENTS)
+    secure = run_federation(grid, {**config, **SECURE})
+    matched = run_federation(LocalGrid(client_app, CLIENTS), {**config, "rounds": 1})
+    first = secure.history[0]
+    assert first["hidden"] == matched.history[0]["hidden"] and "secure_clients" not in first
+    assert [r["hidden"] for r in secure.history] == [first["hidden"]] * 3     # the assignment fixed after round 1
+    assert [r["secure_clients"] for r in secure.history[1:]] == [[0, 1, 2], [0, 1, 2]]
+    # the last round's global posterior is the rule over the posteriors the clients kept to themselves
+    kept = [from_array_record(grid.contexts[grid.node_of[j]].state.array_records[POSTERIOR_STATE])
+            for j in range(CLIENTS)]
+    counts = secure.history[-1]["num_examples"]
+    for key in (k for k in secure.arrays if k.startswith("loc/")):
+        site = key.partition("/")[2]
+        expected = fuse(np.stack([p[key] for p in kept]), np.stack([p[f"variance/{site}"] for p in kept]),
+                        "conflation", weights=counts)
+        np.testing.assert_allclose(secure.arrays[key], expected.loc.numpy(), rtol=RTOL,
+                                   atol=RTOL * expected.loc.abs().max().item())
+        np.testing.assert_allclose(secure.arrays[f"variance/{site}"], expected.variance.numpy(), rtol=RTOL)
+    assert secure.arrays["loc/1.weight"].shape[0] == first["hidden"][0]
+
+
 @pytest.mark.parametrize("config, message", [
     ({**FUSION, **SECURE, "rule": "pooling"}, r"rule: expected one of \['eaa', 'gaa', 'log_variance', 'conflation'\] "
                                              r"with secure-aggregation \(pooling draws"),
-    ({**FUSION, **SECURE, "align": "match"}, r"secure-aggregation: expected method=\"fusion\" with align=\"none\" "
-                                            r".*matching needs each client's units in the clear"),
-    ({"method": "pfnm", **SECURE}, r"secure-aggregation: expected method=\"fusion\""),
+    ({"method": "pfnm", **SECURE}, r"secure-aggregation: expected method=\"fusion\" \(weight-wise posterior fusion "
+                                   r"needs only sums over clients; with align=\"match\" round 1 matches in the clear"),
     ({**FUSION, "secagg-clipping-range": 8.0}, r"secagg-clipping-range: applies only with secure-aggregation = true"),
     ({**FUSION, **SECURE, "secagg-threshold": 0.0}, r"secagg-threshold: expected"),
 ])

@@ -68,7 +68,7 @@ from bnpfed.federated.matched_fusion import client_from_slice
 from bnpfed.federated.partition import class_counts
 from bnpfed.federated.rounds import Architecture
 from bnpfed.flower.config import ClientSettings, client_settings
-from bnpfed.flower.secure import keep_for_secure_sum, secure_fit
+from bnpfed.flower.secure import client_at_widths, keep_for_secure_sum, secure_fit
 from bnpfed.flower.records import (
     ARRAYS,
     CLIENT,
@@ -184,9 +184,7 @@ class _Client:
         arch = _architecture(self.settings.network, tuple(self.ds.input_shape), self.ds.num_classes,
                              self.settings.seed)
         posterior, params = posterior_from_arrays(from_array_record(record), array_shapes(record))
-        locs = {**{site: p.loc for site, p in posterior.items()}, **params}
-        return client_from_slice(arch.template, locs, {site: p.variance for site, p in posterior.items()},
-                                 self.settings.bayesian, as_prior=False)
+        return client_at_widths(arch.template, posterior, params, self.settings.bayesian)
 
     def matched_client(self, record: ArrayRecord, *, as_prior: bool) -> BayesianClient:
         """A Bayesian client of the configured architecture holding the posterior in ``record`` (a slice of a

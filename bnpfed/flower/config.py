@@ -161,8 +161,10 @@ class SecureAggregationConfig:
     (:mod:`bnpfed.secure_fusion`) and their example counts, never one client's posterior
     (:class:`~bnpfed.flower.secure.SecureFusionStrategy`).
 
-    :param bool secure_aggregation: fuse under SecAgg+ (``method = "fusion"``, ``align = "none"``, a rule of
-        :data:`~bnpfed.secure_fusion.SECURE_RULES`). Default False.
+    :param bool secure_aggregation: fuse under SecAgg+ (``method = "fusion"``, a rule of
+        :data:`~bnpfed.secure_fusion.SECURE_RULES`; with ``align = "match"``, round 1 matches the clients' units in
+        the clear and later rounds fuse at the matched widths under SecAgg+,
+        :class:`~bnpfed.flower.secure.SecureMatchedFusionStrategy`). Default False.
     :param float secagg_clipping_range: ``c``: every statistic, centred and scaled at the global posterior sent
         (shifts in its standard deviations, ratios of variances), must lie in ``[-c, c]`` -- a client whose does not
         fails its round with a message naming this key, rather than be clipped; the sums are off by less than
@@ -452,11 +454,10 @@ def _check_secure(secure: SecureAggregationConfig, method: str, fusion: FusionCo
                 raise ValueError(f"{config_key(f.name)}: applies only with secure-aggregation = true, got "
                                  f"{getattr(secure, f.name)!r} without it")
         return
-    if method != "fusion" or fusion.align != "none":
-        raise ValueError(f"secure-aggregation: expected method=\"fusion\" with align=\"none\" (weight-wise fusion "
-                         "needs only sums over clients; matching needs each client's units in the clear: match "
-                         "first, then fuse in place), got method=" + repr(method) +
-                         (f" with align={fusion.align!r}" if method == "fusion" else ""))
+    if method != "fusion":
+        raise ValueError(f"secure-aggregation: expected method=\"fusion\" (weight-wise posterior fusion needs only sums "
+                         f"over clients; with align=\"match\" round 1 matches in the clear, then fuses under SecAgg+), "
+                         f"got method={method!r}")
     if fusion.rule not in SECURE_RULES:
         raise ValueError(f"rule: expected one of {list(SECURE_RULES)} with secure-aggregation (pooling draws from "
                          f"each client's posterior: not a sum of fixed statistics), got {fusion.rule!r}")

@@ -32,14 +32,16 @@ standard deviation (locations) or of its variance (variances). The measured effe
 ``benchmarks/README.md``.
 
 Matching (PFNM, matched fusion) needs each client's units in the clear: the assignment is computed from them.
-The compromise the literature uses is to match once in the clear and then fuse in place under secure aggregation;
-here that is: run matched fusion for one round, save its global model, and start weight-wise rounds under SecAgg+
-from clients that hold their slice of it.
+The compromise is to match once in the clear and then fuse aligned posteriors under secure aggregation, where the
+assignment is fixed: :class:`SecureMatchedFusionStrategy` matches in round 1 and, from round 2, has every client
+start from the whole matched global posterior (aligned with it by construction) and fuses weight by weight under
+SecAgg+.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
@@ -54,18 +56,22 @@ from flwr.server.workflow import SecAggPlusWorkflow
 from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD
 from flwr.server.workflow.constant import Key as WorkflowKey
 from flwr.server.workflow.secure_aggregation.secaggplus_workflow import WorkflowState
+from flwr.serverapp import Grid
 
-from bnpfed.federated.config import FusionConfig
+from bnpfed.federated.config import BayesianConfig, FusionConfig, NetworkConfig
+from bnpfed.federated.matched_fusion import client_from_slice
 from bnpfed.federated.server import client_weights, floor_variances, mean_sigma
 from bnpfed.flower.config import SecureAggregationConfig
 from bnpfed.flower.records import (array_shapes, from_array_record, posterior_from_arrays, posterior_to_record,
                                    read_finite)
-from bnpfed.flower.strategies import LOGGER, PosteriorFusionStrategy, Accepted
+from bnpfed.flower.records import NodeIdentity
+from bnpfed.flower.strategies import LOGGER, Accepted, MatchedFusionStrategy, PosteriorFusionStrategy
 from bnpfed.posterior import GaussianPosterior
 from bnpfed.secure_fusion import (deterministic_from_sum, deterministic_statistic, fuse_sums, quantisation_bound,
                                   quantization_range, statistic_names, sum_statistics)
 
-__all__ = ["POSTERIOR_STATE", "REFERENCE_STATE", "SecureFusionStrategy", "client_statistics", "statistic_keys"]
+__all__ = ["POSTERIOR_STATE", "REFERENCE_STATE", "SecureFusionStrategy", "SecureMatchedFusionStrategy",
+           "client_at_widths", "client_statistics", "keep_for_secure_sum", "secure_fit", "statistic_keys"]
 
 #: Where a client keeps, between the two steps of a round, its posterior and the global posterior it was sent
 #: (``context.state.array_records``; they never leave the client).
@@ -261,6 +267,66 @@ class SecureFusionStrategy(PosteriorFusionStrategy):
             value = deterministic_from_sum(sums[key], ref[key].double(), weight_total=total)
             deterministic[key.partition("/")[2]] = value.to(ref[key].dtype)
         return posterior, deterministic
+
+
+class SecureMatchedFusionStrategy(SecureFusionStrategy):
+    """Matched posterior fusion's documented compromise with secure aggregation (run config ``method = "fusion"``,
+    ``align = "match"``, ``secure-aggregation = true``): round 1 is a round of
+    :class:`~bnpfed.flower.strategies.MatchedFusionStrategy` -- each client from its own initialisation, its units
+    sent **in the clear** and matched by the server (matching cannot work on sums) -- and every later round is a
+    round of :class:`SecureFusionStrategy` at the matched widths: each client starts from the whole matched global
+    posterior (so every client's units are aligned with the global ones: the assignment is fixed), and the server
+    sees only the sums of the secure rounds.
+
+    :param FusionConfig fusion: as for :class:`~bnpfed.flower.strategies.MatchedFusionStrategy` (``align =
+        "match"``, a rule of :data:`~bnpfed.secure_fusion.SECURE_RULES`).
+    :param SecureAggregationConfig secure: as for :class:`SecureFusionStrategy`.
+    :param NetworkConfig network: the clients' network kind (without batch norm).
+    :param BayesianConfig bayesian: the clients' prior.
+    """
+
+    def __init__(self, fusion: FusionConfig, secure: Optional[SecureAggregationConfig] = None, *, seed: int,
+                 network: Optional[NetworkConfig] = None, bayesian: Optional[BayesianConfig] = None, **kwargs: Any):
+        super().__init__(replace(fusion, align="none"), secure, seed=seed, **kwargs)
+        self.matching = MatchedFusionStrategy(fusion, seed=seed, network=network, bayesian=bayesian, **kwargs)
+        self.bayesian = self.matching.bayesian
+
+    def connect(self, grid: Grid) -> NodeIdentity:
+        """Both the matching round's strategy and this one learn the SuperNodes' partitions."""
+        self.matching.connect(grid)
+        return super().connect(grid)
+
+    def configure_train(self, server_round, arrays, config, grid):
+        if server_round == 1:
+            if self.identity is None:
+                self.connect(grid)
+            return self.matching.configure_train(server_round, arrays, config, grid)
+        return super().configure_train(server_round, arrays, config, grid)
+
+    def aggregate_train(self, server_round, replies):
+        if server_round > 1:
+            return super().aggregate_train(server_round, replies)
+        _, metrics = self.matching.aggregate_train(server_round, replies)
+        self.history.append(self.matching.history[-1])
+        match = self.matching.match
+        self._hidden = self.matching.history[-1]["hidden"]
+        client = client_from_slice(self.matching.template, match.locs, match.variances, self.bayesian,
+                                   as_prior=False)   # the matched global network, at the matched widths
+        return posterior_to_record(client.posterior(), client.deterministic_state()), metrics
+
+    def _aggregate(self, server_round, accepted):
+        arrays, summary = super()._aggregate(server_round, accepted)
+        return arrays, {"hidden": self._hidden, **summary}   # the widths matched in round 1, fixed since
+
+
+def client_at_widths(template, posterior: Mapping[str, GaussianPosterior], deterministic: Mapping[str, torch.Tensor],
+                     bayesian: BayesianConfig):
+    """A Bayesian client of ``template``'s kind at the widths of ``(posterior, deterministic)`` (a weight-wise
+    global model: the shared initial network's widths, or a matched network's), holding it; its prior
+    ``bayesian``'s."""
+    locs = {**{site: p.loc for site, p in posterior.items()}, **deterministic}
+    return client_from_slice(template, locs, {site: p.variance for site, p in posterior.items()}, bayesian,
+                             as_prior=False)
 
 
 def secure_fit(msg: Message, context: Context) -> Message:

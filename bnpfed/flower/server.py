@@ -38,7 +38,7 @@ from bnpfed.federated.clients import bayesian_client, initial_network
 from bnpfed.federated.matched_fusion import client_from_slice
 from bnpfed.flower.client import initial_global_model
 from bnpfed.flower.config import FlowerSettings, parse_run_config
-from bnpfed.flower.secure import SecureFusionStrategy
+from bnpfed.flower.secure import SecureFusionStrategy, SecureMatchedFusionStrategy, client_at_widths
 from bnpfed.flower.records import (from_array_record, matched_posterior_from_arrays, posterior_from_arrays,
                                    state_to_record)
 from bnpfed.flower.strategies import (LOGGER, FedAvgStrategy, MatchedFusionStrategy, PFNMStrategy,
@@ -92,6 +92,9 @@ def run_federation(grid: Grid, config: Mapping[str, Any]) -> FederationResult:
         strategy = PFNMStrategy(settings.pfnm, network=settings.network, **common)
     elif run.method == "fedavg":
         strategy = FedAvgStrategy(settings.fusion, network=settings.network, **common)
+    elif settings.secure.secure_aggregation and matched:   # round 1 matched in the clear, then under SecAgg+
+        strategy = SecureMatchedFusionStrategy(settings.fusion, settings.secure, network=settings.network,
+                                               bayesian=settings.bayesian, **common)
     elif settings.secure.secure_aggregation:
         strategy = SecureFusionStrategy(settings.fusion, settings.secure, **common)
     elif matched:
@@ -135,6 +138,10 @@ def global_model(settings: FlowerSettings, input_shape, num_classes: int, arrays
     template = initial_network(settings.network, input_shape, num_classes, seed=run.seed)
     if run.method in ("pfnm", "fedavg"):
         return run.method, network_from_state(template, {k: torch.as_tensor(v) for k, v in arrays.items()})
+    if settings.secure.secure_aggregation:   # weight-wise layout, at the widths of the global (matched ones too)
+        posterior, deterministic = posterior_from_arrays(arrays, {k: v.shape for k, v in arrays.items()})
+        client = client_at_widths(template, posterior, deterministic, settings.bayesian)
+        return (f"match-{settings.fusion.rule}" if settings.fusion.align == "match" else settings.fusion.rule), client
     if settings.fusion.align == "match":
         locs, variances = matched_posterior_from_arrays(arrays, derive_spec(template, input_shape),
                                                         template.state_dict())
