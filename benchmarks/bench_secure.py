@@ -11,7 +11,8 @@ accuracy / NLL / ECE; and for SecAgg+ the largest difference of the global poste
 units of the plain global standard deviation, variances relative).
 
 Usage: python benchmarks/bench_secure.py [--clients 10] [--rounds 2] [--dataset digits] [--data-dir DIR]
-       [--out benchmarks/results/secure_fusion.jsonl] [--quick]
+       [--rules eaa,...] [--out benchmarks/results/secure_fusion.jsonl] [--quick]
+       python benchmarks/bench_secure.py --loopback [--clients 10] [--rounds 1] [--out ...]   (real processes)
 """
 
 from __future__ import annotations
@@ -87,6 +88,40 @@ def run(clients: int, rounds: int, dataset: str, data_dir: str | None, out: Path
     return rows
 
 
+def run_loopback(clients: int, rounds: int, out: Path | None) -> list[dict]:
+    """The same comparison on a real deployment: a SuperLink and ``clients`` SuperNodes as separate processes on
+    127.0.0.1 (the test harness's :func:`flower_harness.loopback`), ``flwr run`` of the example app, conflation on
+    the bundled digits; runs plain, SecAgg+, plain again (the plain time is their mean). Wall seconds from ``flwr
+    run`` to the run's ``finished:completed`` (polled every 3 s)."""
+    import sys
+    import tempfile
+
+    sys.path.insert(0, str(HERE.parent / "tests"))
+    from flower_harness import loopback
+
+    rows = []
+    config = {"method": "fusion", "rule": "conflation", "rounds": rounds, "epochs": 1}
+    with tempfile.TemporaryDirectory() as root, loopback(Path(root), seconds=7200, num_nodes=clients) as deployment:
+        for k, secure in enumerate((False, True, False)):
+            start = time.perf_counter()
+            ((_, summary, _),) = list(deployment.run({f"run{k}": {**config, "secure-aggregation": secure}}))
+            seconds = time.perf_counter() - start
+            server = float(np.mean([r["server_seconds"] for r in summary["results"]["rounds"]]))
+            row = {"rule": "conflation", "mode": "secagg+" if secure else "plain", "where": "loopback",
+                   "clients": clients, "rounds": rounds, "dataset": "digits", "seconds": seconds,
+                   "seconds_per_round": seconds / rounds, "server_seconds": server}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    plain = float(np.mean([r["seconds_per_round"] for r in rows if r["mode"] == "plain"]))
+    rows[1]["round_ratio"] = rows[1]["seconds_per_round"] / plain
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with out.open("a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+    return rows
+
+
 def table(rows: list[dict]) -> list[dict]:
     out = []
     for r in rows:
@@ -109,7 +144,12 @@ def main(argv=None):
     parser.add_argument("--rules", default=None, help="comma-separated subset of the rules (default all four)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--quick", action="store_true", help="conflation only, 3 clients, one round")
+    parser.add_argument("--loopback", action="store_true", help="on a loopback deployment (separate processes)")
     args = parser.parse_args(argv)
+    if args.loopback:
+        for row in run_loopback(args.clients, args.rounds, args.out):
+            print(json.dumps(row))
+        return
     if args.quick:
         rows = run(3, 1, "digits", None, args.out, rules=("conflation",))
     else:

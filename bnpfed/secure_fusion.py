@@ -27,8 +27,9 @@ round), coordinate by coordinate:
   ``(b_k / b_max) (v_g / sigma_k^2) (mu_k - mu_g) / sqrt(v_g)``.
 
 The server, knowing the reference, undoes the centring and scaling exactly (:func:`fuse_sums`). Each statistic is
-then a shift in reference standard deviations or a ratio of variances, of order 1 whatever the layer's scale, and
-the quantisation error of a sum over K clients is below ``K * 2c / Q`` in those units (:func:`quantisation_bound`).
+then a shift in reference standard deviations or a ratio of variances, the same whatever the layer's scale; each
+travels in two limbs (:func:`split_limbs`), so that the quantisation error of a sum over K clients is below
+``K (2c / Q)^2 / 2c`` in those units (:func:`quantisation_bound`: 1.8e-11 at 10 clients with ``c = 2^16``).
 
 **Clients that drop out.** When only some of the clients' vectors enter the sum (SecAgg+ completes a round without
 the clients that dropped), ``weight_total = sum_k b_k`` over those clients and ``max_weight_ratio = b_max /
@@ -60,8 +61,8 @@ from torch import Tensor
 from bnpfed.posterior import GaussianPosterior
 from bnpfed.validation import check_choice, check_positive
 
-__all__ = ["SECURE_RULES", "deterministic_from_sum", "deterministic_statistic", "fuse_sums", "quantisation_bound",
-           "quantization_range", "statistic_names", "sum_statistics"]
+__all__ = ["SECURE_RULES", "deterministic_from_sum", "deterministic_statistic", "fuse_sums", "join_limbs",
+           "quantisation_bound", "quantization_range", "split_limbs", "statistic_names", "sum_statistics"]
 
 #: The rules of :mod:`bnpfed.combine` that need only sums over clients.
 SECURE_RULES = ("eaa", "gaa", "log_variance", "conflation")
@@ -190,8 +191,31 @@ def quantization_range(num_clients: int) -> int:
     return 1 << (MODULUS_BITS - math.ceil(math.log2(num_clients + 1)))
 
 
+def split_limbs(x: Tensor, clipping_range: float, quantization_range: int) -> tuple[Tensor, Tensor]:
+    """``x`` (entries in ``[-c, c]``) as two arrays whose SecAgg+ sums give the sum of ``x`` almost exactly.
+
+    SecAgg+ rounds each value to one of ``Q`` levels ``-c + i * 2c / Q`` (stochastically: unbiased, off by less than
+    one level ``s = 2c / Q``), and ``Q`` is at most ``2^32 / K``: one array alone keeps ~28 bits, too few for
+    statistics that span orders of magnitude (variance ratios from 1e-4 to 1e4). So ``x`` travels as two limbs:
+    ``hi``, ``x`` rounded to the nearest level (which SecAgg+ then quantises without loss: with ``c`` and ``Q``
+    powers of two the levels are exact in floating point), and ``lo = (x - hi) * 2c / s``, the remainder scaled up
+    to ``[-c, c]``, whose rounding error shrinks by ``s / 2c`` on the way back (:func:`join_limbs`): each client's
+    value is off by less than ``s^2 / 2c``."""
+    c = float(clipping_range)
+    step = 2.0 * c / quantization_range
+    hi = torch.floor((x + c) / step + 0.5) * step - c
+    return hi, (x - hi) * (2.0 * c / step)
+
+
+def join_limbs(hi: Tensor, lo: Tensor, clipping_range: float, quantization_range: int) -> Tensor:
+    """The value (or sum over clients) of :func:`split_limbs`'s two limbs (or of their sums)."""
+    step = 2.0 * float(clipping_range) / quantization_range
+    return hi + lo * (step / (2.0 * float(clipping_range)))
+
+
 def quantisation_bound(clipping_range: float, quantization_range: int, num_clients: int) -> float:
-    """Bound on the error of one summed statistic: each client's value is rounded to one of ``Q`` levels over
-    ``[-c, c]``, off by less than one level, ``2c / Q``; the sum of K clients by less than ``K * 2c / Q``."""
+    """Bound on the error of one statistic summed over K clients in two limbs (:func:`split_limbs`): each client's
+    value is off by less than ``s^2 / 2c`` (``s = 2c / Q``, one level), the sum by less than ``K s^2 / 2c``."""
     check_positive(clipping_range, "clipping_range")
-    return num_clients * 2.0 * clipping_range / quantization_range
+    step = 2.0 * clipping_range / quantization_range
+    return num_clients * step * step / (2.0 * clipping_range)

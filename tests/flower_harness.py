@@ -468,9 +468,10 @@ def tls_material(root: Path, num_nodes: int) -> dict:
 
 
 @contextlib.contextmanager
-def loopback(root: Path, seconds: int = DEPLOYMENT_TIMEOUT, *, secure: bool = False) -> Iterator[Loopback]:
-    """A SuperLink and :data:`CLIENTS` SuperNodes (partition-ids 0, 1, ...) on free ports of 127.0.0.1, separate
-    processes with their own FLWR_HOME under ``root`` (no runtime dependency installation, no telemetry), ready once
+def loopback(root: Path, seconds: int = DEPLOYMENT_TIMEOUT, *, secure: bool = False, num_nodes: int = CLIENTS
+             ) -> Iterator[Loopback]:
+    """A SuperLink and ``num_nodes`` SuperNodes (default :data:`CLIENTS`; partition-ids 0, 1, ...) on free ports of
+    127.0.0.1, separate processes with their own FLWR_HOME under ``root`` (no runtime dependency installation, no telemetry), ready once
     the SuperLink answers ``/health``. Insecure by default; with ``secure``, as a real federation runs: the SuperLink
     serves HTTPS with a certificate of a CA made for the test (:func:`tls_material`), the SuperNodes and the CLI
     verify it, and SuperNode authentication is on (``--enable-supernode-auth``): every SuperNode's public key is
@@ -483,8 +484,8 @@ def loopback(root: Path, seconds: int = DEPLOYMENT_TIMEOUT, *, secure: bool = Fa
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "OMP_NUM_THREADS": "1",
            "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
-    link_port, *node_ports = free_ports(1 + CLIENTS)
-    tls = tls_material(root, CLIENTS) if secure else None
+    link_port, *node_ports = free_ports(1 + num_nodes)
+    tls = tls_material(root, num_nodes) if secure else None
     cli_home = root / "cli"
     cli_home.mkdir()
     transport = f'root-certificates = "{tls["ca"]}"\n' if secure else "insecure = true\n"
@@ -517,7 +518,7 @@ def loopback(root: Path, seconds: int = DEPLOYMENT_TIMEOUT, *, secure: bool = Fa
                 processes.start(f"supernode{j}", str(bin_dir / "flower-supernode"), *node_security, "--superlink",
                                 f"127.0.0.1:{link_port}", "--host", "127.0.0.1", "--port", str(port),
                                 "--max-wait-time", "120", "--node-config",
-                                f"partition-id={j} num-partitions={CLIENTS}")
+                                f"partition-id={j} num-partitions={num_nodes}")
             yield Loopback(root, processes, cli_env)
         except TimeoutError as error:
             pytest.fail(f"{error}\n{processes.logs()}")

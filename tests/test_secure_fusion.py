@@ -1,15 +1,14 @@
 """Posterior fusion from sums over clients (bnpfed.secure_fusion): the rules secure aggregation can compute are
 the rules of bnpfed.combine, exactly, for any reference, with every client or only some."""
 
-import math
-
 import numpy as np
 import pytest
 import torch
 
 from bnpfed.combine import average_deterministic, fuse
 from bnpfed.secure_fusion import (SECURE_RULES, deterministic_from_sum, deterministic_statistic, fuse_sums,
-                                  quantisation_bound, quantization_range, statistic_names, sum_statistics)
+                                  join_limbs, quantisation_bound, quantization_range, split_limbs, statistic_names,
+                                  sum_statistics)
 
 
 def overlapping_clients(seed: int, num_clients: int = 6, shape=(7, 5)):
@@ -79,22 +78,33 @@ def test_statistics_are_order_one_in_reference_units_whatever_the_layer_scale():
             torch.testing.assert_close(small[name], at_one[name], rtol=1e-9, atol=1e-12)
 
 
-def test_the_quantisation_bound_holds_for_stochastic_rounding():
-    # SecAgg+'s rounding (flwr.common.secure_aggregation.quantization) of K clients' values, summed and mapped
-    # back, is off by less than K * 2c / Q; by Monte Carlo over 20,000 values, and the mean error is ~0 (unbiased)
+def test_two_limbs_through_secaggs_rounding_sum_to_within_the_bound():
+    # SecAgg+'s rounding (flwr.common.secure_aggregation.quantization) of K clients' values, as two limbs each,
+    # summed and mapped back as Flower's server does: off by less than K (2c/Q)^2 / 2c plus float64 rounding, over
+    # values spread across ten orders of magnitude; one limb alone is off by up to K * 2c / Q
     flwr_quantization = pytest.importorskip("flwr.common.secure_aggregation.quantization")
-    num_clients, c = 10, 4.0
+    num_clients, c = 10, 2.0 ** 16
     q = quantization_range(num_clients)
     assert q == 2 ** 28 and num_clients * q < 2 ** 32 <= 2 * num_clients * q
     rng = np.random.default_rng(0)
-    values = rng.uniform(-c, c, size=(num_clients, 20_000))
+    values = rng.choice([-1, 1], size=(num_clients, 20_000)) * 10.0 ** rng.uniform(-6, 4, size=(num_clients, 20_000))
     np.random.seed(0)   # flwr's stochastic rounding draws from numpy's global generator
-    levels = sum(flwr_quantization.quantize([v], c, q)[0].astype(np.int64) for v in values)
-    recovered = levels * (2 * c / q) - num_clients * c
-    error = recovered - values.sum(axis=0)
+
+    def secure_sum(arrays):   # levels summed as integers, then Flower's dequantisation and offset
+        levels = sum(flwr_quantization.quantize([a], c, q)[0].astype(np.int64) for a in arrays)
+        return flwr_quantization.dequantize([levels], c, q)[0] - (num_clients - 1) * c
+
+    limbs = [split_limbs(torch.as_tensor(v), c, q) for v in values]
+    recovered = join_limbs(torch.as_tensor(secure_sum([h.numpy() for h, _ in limbs])),
+                           torch.as_tensor(secure_sum([lo.numpy() for _, lo in limbs])), c, q).numpy()
+    exact = values.sum(axis=0)
     bound = quantisation_bound(c, q, num_clients)
-    assert np.abs(error).max() < bound
-    assert abs(error.mean()) < 5 * bound / math.sqrt(values.shape[1])
+    rounding = 4 * np.finfo(np.float64).eps * np.abs(values).sum(axis=0).max()   # of the last additions
+    assert np.abs(recovered - exact).max() < bound + rounding < 1e-10
+    assert np.abs(secure_sum(list(values)) - exact).max() > 1e3 * (bound + rounding)   # one limb: ~1e-5
+    hi, _ = limbs[0]
+    assert torch.equal(hi, torch.as_tensor(flwr_quantization.dequantize(
+        flwr_quantization.quantize([hi.numpy()], c, q), c, q)[0]))   # the first limb is quantised without loss
 
 
 def test_bad_input_is_named():

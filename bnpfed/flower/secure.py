@@ -25,10 +25,11 @@ counts and the losses. The global posterior itself is public to every client (it
 run releases is what any weight-wise fusion releases; secure aggregation removes the per-client posteriors from the
 server's view, not the differences between successive global models (no differential privacy is added).
 
-What the quantisation costs: each statistic is clipped to ``[-c, c]`` (a client whose statistic would be clipped
-fails its round instead, naming ``secagg-clipping-range``) and rounded to one of ``Q`` levels; the sums are off by
-less than ``K * 2c / Q`` (:func:`~bnpfed.secure_fusion.quantisation_bound`), in units of the global posterior's
-standard deviation (locations) or of its variance (variances). The measured effect on the fused moments is in
+What the quantisation costs: each statistic must lie in ``[-c, c]`` (a client whose statistic would be clipped
+fails its round instead, naming ``secagg-clipping-range``) and travels in two limbs of ``Q`` levels each
+(:func:`~bnpfed.secure_fusion.split_limbs`); the sums are off by less than ``K (2c / Q)^2 / 2c``
+(:func:`~bnpfed.secure_fusion.quantisation_bound`), in units of the global posterior's standard deviation
+(locations) or of its variance (variances), plus float64 rounding. The measured effect on the fused moments is in
 ``benchmarks/README.md``.
 
 Matching (PFNM, matched fusion) needs each client's units in the clear: the assignment is computed from them.
@@ -67,8 +68,9 @@ from bnpfed.flower.records import (array_shapes, from_array_record, posterior_fr
 from bnpfed.flower.records import NodeIdentity
 from bnpfed.flower.strategies import LOGGER, Accepted, MatchedFusionStrategy, PosteriorFusionStrategy
 from bnpfed.posterior import GaussianPosterior
-from bnpfed.secure_fusion import (deterministic_from_sum, deterministic_statistic, fuse_sums, quantisation_bound,
-                                  quantization_range, statistic_names, sum_statistics)
+from bnpfed.secure_fusion import (deterministic_from_sum, deterministic_statistic, fuse_sums, join_limbs,
+                                  quantisation_bound, quantization_range, split_limbs, statistic_names,
+                                  sum_statistics)
 
 __all__ = ["POSTERIOR_STATE", "REFERENCE_STATE", "SecureFusionStrategy", "SecureMatchedFusionStrategy",
            "client_at_widths", "client_statistics", "keep_for_secure_sum", "secure_fit", "statistic_keys"]
@@ -91,17 +93,16 @@ def statistic_keys(global_keys: Sequence[str], rule: str) -> list[str]:
 
 
 def client_statistics(posterior: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray], rule: str, *,
-                      weight: float, max_weight: float, clipping_range: float, parameter_range: float
+                      weight: float, max_weight: float, clipping_range: float, quantization_range: int
                       ) -> list[np.ndarray]:
-    """A client's vector for the secure sum, in :func:`statistic_keys` order (float64). A deterministic parameter's
-    statistic ``b_k (theta_k - theta_g)`` has no standard deviation to be measured in: it must lie in
-    ``[-parameter_range, parameter_range]`` and is sent scaled by ``clipping_range / parameter_range``, so that it
-    is summed to within ``K * 2 parameter_range / Q``.
+    """A client's vector for the secure sum (float64): for every statistic of :func:`statistic_keys`, in that
+    order, its two limbs (:func:`~bnpfed.secure_fusion.split_limbs`). A deterministic parameter's statistic
+    ``b_k (theta_k - theta_g)`` travels unscaled.
 
     :param posterior: its arrays as :func:`~bnpfed.flower.records.posterior_to_record` lays them out.
     :param reference: the global model it was sent, in the same layout.
-    :raises ValueError: if a statistic falls outside its range (SecAgg+ would clip it), naming
-        ``secagg-clipping-range`` or ``secagg-parameter-range``, the statistic and the range it needs.
+    :raises ValueError: if a statistic falls outside ``[-clipping_range, clipping_range]`` (SecAgg+ would clip
+        it), naming ``secagg-clipping-range``, the statistic and the range it needs.
     """
     out = []
     as64 = {k: torch.as_tensor(np.asarray(v), dtype=torch.float64) for k, v in posterior.items()}
@@ -110,21 +111,14 @@ def client_statistics(posterior: Mapping[str, np.ndarray], reference: Mapping[st
         kind, _, site = key.partition("/")
         if kind == "param":
             value = deterministic_statistic(as64[key], ref64[key], weight=weight)
-            largest = float(value.abs().max()) if value.numel() else 0.0
-            if not largest <= parameter_range:
-                raise ValueError(f"secagg-parameter-range: expected at least {largest:.4g} to hold statistic "
-                                 f"{key!r} of this client (secure aggregation would clip it), got {parameter_range}")
-            out.append((value * (clipping_range / parameter_range)).numpy())
-            continue
         else:
-            stats = sum_statistics(rule, as64[f"loc/{site}"], as64[f"variance/{site}"], ref64[f"loc/{site}"],
-                                   ref64[f"variance/{site}"], weight=weight, max_weight=max_weight)
-            value = stats[kind]
+            value = sum_statistics(rule, as64[f"loc/{site}"], as64[f"variance/{site}"], ref64[f"loc/{site}"],
+                                   ref64[f"variance/{site}"], weight=weight, max_weight=max_weight)[kind]
         largest = float(value.abs().max()) if value.numel() else 0.0
         if not largest <= clipping_range:
             raise ValueError(f"secagg-clipping-range: expected at least {largest:.4g} to hold statistic {key!r} of "
                              f"this client (secure aggregation would clip it), got {clipping_range}")
-        out.append(value.numpy())
+        out.extend(limb.numpy() for limb in split_limbs(value, clipping_range, quantization_range))
     return out
 
 
@@ -196,14 +190,16 @@ class SecureFusionStrategy(PosteriorFusionStrategy):
                            client_weights([a.num_examples for a in accepted], self.fusion.weights)))
         b_max = max(weights.values())
         config = {j: {"weight": w, "max-weight": b_max, "rule": rule, "task": self.task,
-                      "clipping-range": self.secure.secagg_clipping_range,
-                      "parameter-range": self.secure.secagg_parameter_range, "server-round": server_round}
+                      "clipping-range": self.secure.secagg_clipping_range, "levels": None,
+                      "server-round": server_round}
                   for j, w in weights.items()}
         num = len(accepted)
-        levels = quantization_range(num) if num >= 2 else 0
         if num < 2:
             raise RuntimeError(f"round {server_round}: secure aggregation needs at least 2 clients, got "
                                f"{num} usable training replies")
+        levels = quantization_range(num)
+        for item in config.values():
+            item["levels"] = levels
         legacy = _SecureRound(self._grid, self._grid.run.run_id, self.nodes, config)
         context = LegacyContext(Context(run_id=self._grid.run.run_id, node_id=0, node_config={}, state=RecordDict(),
                                         run_config={}),
@@ -232,12 +228,12 @@ class SecureFusionStrategy(PosteriorFusionStrategy):
         summed = sorted(node_partition[proxy.node_id] for proxy, _ in legacy.results)
         mean = parameters_to_ndarrays(legacy.results[0][1].parameters)
         keys = statistic_keys(list(self._reference.keys()), rule)
-        if len(mean) != len(keys):
+        if len(mean) != 2 * len(keys):
             raise RuntimeError(f"round {server_round}: secure aggregation returned {len(mean)} arrays, expected "
-                               f"{len(keys)} statistics")
-        unscale = self.secure.secagg_parameter_range / self.secure.secagg_clipping_range
-        sums = {key: torch.as_tensor(a * len(summed) * (unscale if key.startswith("param/") else 1.0),
-                                     dtype=torch.float64) for key, a in zip(keys, mean)}
+                               f"two limbs of each of {len(keys)} statistics")
+        limbs = [torch.as_tensor(a, dtype=torch.float64) * len(summed) for a in mean]   # means back to sums
+        sums = {key: join_limbs(limbs[2 * i], limbs[2 * i + 1], self.secure.secagg_clipping_range, levels)
+                for i, key in enumerate(keys)}
         total = sum(weights[j] for j in summed)
         ratio = b_max / max(weights[j] for j in summed)
         posterior, deterministic = self._fused(sums, rule, total, ratio)
@@ -245,7 +241,6 @@ class SecureFusionStrategy(PosteriorFusionStrategy):
         summary = {"weights": [weights[j] for j in sorted(weights)], "secure_clients": summed,
                    "secure_failures": failures,
                    "quantisation_bound": quantisation_bound(self.secure.secagg_clipping_range, levels, len(summed)),
-                   "parameter_bound": quantisation_bound(self.secure.secagg_parameter_range, levels, len(summed)),
                    "train_loss": sum(a.metrics["train_loss"] for a in accepted) / len(accepted),
                    "mean_sigma": mean_sigma(g.variance for g in posterior.values()),
                    "min_variance": smallest, "floored": floored, "server_seconds": time.perf_counter() - start}
@@ -342,7 +337,7 @@ def secure_fit(msg: Message, context: Context) -> Message:
                                str(config["rule"]), weight=float(config["weight"]),
                                max_weight=float(config["max-weight"]),
                                clipping_range=float(config["clipping-range"]),
-                               parameter_range=float(config["parameter-range"]))
+                               quantization_range=int(config["levels"]))
     res = FitRes(status=Status(code=Code.OK, message=""), parameters=ndarrays_to_parameters(vector), num_examples=1,
                  metrics={})
     return Message(content=fitres_to_recorddict(res, keep_input=False), reply_to=msg)
