@@ -63,9 +63,8 @@ from bnpfed.federated.config import BayesianConfig, FusionConfig, NetworkConfig
 from bnpfed.federated.matched_fusion import client_from_slice
 from bnpfed.federated.server import client_weights, floor_variances, mean_sigma
 from bnpfed.flower.config import SecureAggregationConfig
-from bnpfed.flower.records import (array_shapes, from_array_record, posterior_from_arrays, posterior_to_record,
-                                   read_finite)
-from bnpfed.flower.records import NodeIdentity
+from bnpfed.flower.records import (NodeIdentity, array_shapes, from_array_record, posterior_from_arrays,
+                                   posterior_to_record, read_finite)
 from bnpfed.flower.strategies import LOGGER, Accepted, MatchedFusionStrategy, PosteriorFusionStrategy
 from bnpfed.posterior import GaussianPosterior
 from bnpfed.secure_fusion import (deterministic_from_sum, deterministic_statistic, fuse_sums, join_limbs,
@@ -185,21 +184,36 @@ class SecureFusionStrategy(PosteriorFusionStrategy):
 
     def _aggregate(self, server_round, accepted):
         start = time.perf_counter()
-        rule = self.fusion.rule
+        if len(accepted) < 2:
+            raise RuntimeError(f"round {server_round}: secure aggregation needs at least 2 clients, got "
+                               f"{len(accepted)} usable training replies")
         weights = dict(zip([a.partition_id for a in accepted],
                            client_weights([a.num_examples for a in accepted], self.fusion.weights)))
+        levels = quantization_range(len(accepted))
+        summed, failures, sums = self._secure_sums(server_round, weights, levels)
         b_max = max(weights.values())
-        config = {j: {"weight": w, "max-weight": b_max, "rule": rule, "task": self.task,
-                      "clipping-range": self.secure.secagg_clipping_range, "levels": None,
-                      "server-round": server_round}
+        posterior, deterministic = self._fused(sums, self.fusion.rule, sum(weights[j] for j in summed),
+                                               b_max / max(weights[j] for j in summed))
+        posterior, floored, smallest = floor_variances(posterior, self.fusion.min_variance)
+        summary = {"weights": [weights[j] for j in sorted(weights)], "secure_clients": summed,
+                   "secure_failures": failures,
+                   "quantisation_bound": quantisation_bound(self.secure.secagg_clipping_range, levels, len(summed)),
+                   "train_loss": sum(a.metrics["train_loss"] for a in accepted) / len(accepted),
+                   "mean_sigma": mean_sigma(g.variance for g in posterior.values()),
+                   "min_variance": smallest, "floored": floored, "server_seconds": time.perf_counter() - start}
+        return posterior_to_record(posterior, deterministic), summary
+
+    def _secure_sums(self, server_round: int, weights: Mapping[int, float], levels: int
+                     ) -> tuple[list[int], list[str], dict[str, torch.Tensor]]:
+        """Run SecAgg+ over the clients of ``weights`` (each told its weight, the largest, the rule, the range and
+        the levels); return the partitions whose vectors are in the sum, the failures (one line each) and
+        ``{statistic key: sum}``.
+
+        :raises RuntimeError: when the protocol halts (fewer clients left than its threshold)."""
+        c = self.secure.secagg_clipping_range
+        config = {j: {"weight": w, "max-weight": max(weights.values()), "rule": self.fusion.rule, "task": self.task,
+                      "clipping-range": c, "levels": levels, "server-round": server_round}
                   for j, w in weights.items()}
-        num = len(accepted)
-        if num < 2:
-            raise RuntimeError(f"round {server_round}: secure aggregation needs at least 2 clients, got "
-                               f"{num} usable training replies")
-        levels = quantization_range(num)
-        for item in config.values():
-            item["levels"] = levels
         legacy = _SecureRound(self._grid, self._grid.run.run_id, self.nodes, config)
         context = LegacyContext(Context(run_id=self._grid.run.run_id, node_id=0, node_config={}, state=RecordDict(),
                                         run_config={}),
@@ -209,8 +223,8 @@ class SecureFusionStrategy(PosteriorFusionStrategy):
         context.state.array_records[MAIN_PARAMS_RECORD] = ArrayRecord()
         workflow = SecAggPlusWorkflow(num_shares=float(self.secure.secagg_shares),
                                       reconstruction_threshold=float(self.secure.secagg_threshold), max_weight=1.0,
-                                      clipping_range=float(self.secure.secagg_clipping_range),
-                                      quantization_range=levels, modulus_range=MODULUS, timeout=self.query_timeout)
+                                      clipping_range=float(c), quantization_range=levels, modulus_range=MODULUS,
+                                      timeout=self.query_timeout)
         state = WorkflowState()   # the workflow's __call__, stage by stage, to read its failures when it halts
         for stage in (workflow.setup_stage, workflow.share_keys_stage, workflow.collect_masked_vectors_stage,
                       workflow.unmask_stage):
@@ -222,29 +236,18 @@ class SecureFusionStrategy(PosteriorFusionStrategy):
         if not legacy.results:
             raise RuntimeError(f"round {server_round}: secure aggregation halted: fewer clients remained than its "
                                f"reconstruction threshold (secagg-threshold={self.secure.secagg_threshold} of "
-                               f"secagg-shares={self.secure.secagg_shares} of the {num} clients); failures: "
-                               f"{failures or 'none'}")
+                               f"secagg-shares={self.secure.secagg_shares} of the {len(weights)} clients); "
+                               f"failures: {failures or 'none'}")
         node_partition = {node: j for j, node in self.nodes.items()}
         summed = sorted(node_partition[proxy.node_id] for proxy, _ in legacy.results)
-        mean = parameters_to_ndarrays(legacy.results[0][1].parameters)
-        keys = statistic_keys(list(self._reference.keys()), rule)
+        mean = parameters_to_ndarrays(legacy.results[0][1].parameters)   # SecAgg+ divides by the clients summed
+        keys = statistic_keys(list(self._reference.keys()), self.fusion.rule)
         if len(mean) != 2 * len(keys):
             raise RuntimeError(f"round {server_round}: secure aggregation returned {len(mean)} arrays, expected "
                                f"two limbs of each of {len(keys)} statistics")
-        limbs = [torch.as_tensor(a, dtype=torch.float64) * len(summed) for a in mean]   # means back to sums
-        sums = {key: join_limbs(limbs[2 * i], limbs[2 * i + 1], self.secure.secagg_clipping_range, levels)
-                for i, key in enumerate(keys)}
-        total = sum(weights[j] for j in summed)
-        ratio = b_max / max(weights[j] for j in summed)
-        posterior, deterministic = self._fused(sums, rule, total, ratio)
-        posterior, floored, smallest = floor_variances(posterior, self.fusion.min_variance)
-        summary = {"weights": [weights[j] for j in sorted(weights)], "secure_clients": summed,
-                   "secure_failures": failures,
-                   "quantisation_bound": quantisation_bound(self.secure.secagg_clipping_range, levels, len(summed)),
-                   "train_loss": sum(a.metrics["train_loss"] for a in accepted) / len(accepted),
-                   "mean_sigma": mean_sigma(g.variance for g in posterior.values()),
-                   "min_variance": smallest, "floored": floored, "server_seconds": time.perf_counter() - start}
-        return posterior_to_record(posterior, deterministic), summary
+        limbs = [torch.as_tensor(a, dtype=torch.float64) * len(summed) for a in mean]
+        return summed, failures, {key: join_limbs(limbs[2 * i], limbs[2 * i + 1], c, levels)
+                                  for i, key in enumerate(keys)}
 
     def _fused(self, sums: Mapping[str, torch.Tensor], rule: str, total: float, ratio: float
                ) -> tuple[dict[str, GaussianPosterior], dict[str, torch.Tensor]]:
