@@ -143,3 +143,13 @@ def test_matched_fusion_matches_in_the_clear_once_then_fuses_the_aligned_posteri
 ])
 def test_what_secure_aggregation_does_not_run_is_refused_before_any_node_is_asked(config, message):
     assert_refused_before_any_node_is_asked(config, message)
+
+
+def test_bnpfed_flower_sim_runs_it_and_says_so(capsys):
+    from bnpfed.cli import main
+
+    assert main(["flower", "sim", "--local", "--supernodes", "3", "--run-config",
+                 'method="fusion" rule="eaa" rounds=1 hidden="16" epochs=1 secure-aggregation=true']) == 0
+    out = capsys.readouterr().out
+    assert "bnpfed fusion on Flower (in-process grid, under SecAgg+): 3 clients" in out
+    assert "accuracy" in out

@@ -221,7 +221,8 @@ def _sim(args, flower_config) -> int:
     columns += [c for c in ("accuracy", "nll", "ece", "ece15", "brier") if any(c in r for r in history)]
     rows = [{**r, "rejected": len(r["rejected"]), "missing": len(r["missing"])} for r in history]
     run_ = result.settings.run
-    where = "in-process grid" if args.local else "simulation"
+    where = ("in-process grid" if args.local else "simulation") + (
+        ", under SecAgg+" if result.settings.secure.secure_aggregation else "")
     print(f"bnpfed {result.method} on Flower ({where}): {args.supernodes} clients, {run_.dataset}, seed {run_.seed}"
           + ("" if "accuracy" in columns else "; no evaluation (fraction-evaluate=0)"))
     print(format_table(rows, columns))
