@@ -11,8 +11,9 @@ and clients as :mod:`bnpfed.federated`, run as real server and client processes.
   :mod:`bnpfed.federated.server`; no aggregation math is written here.
 * :mod:`bnpfed.flower.secure`: :class:`SecureFusionStrategy`, weight-wise posterior fusion under SecAgg+ (the server
   sees sums over clients, :mod:`bnpfed.secure_fusion`, and counts, never one client's posterior).
-* :mod:`bnpfed.flower.client`: the ClientApp (``bnpfed.flower.client:app``), with Torch, Pyro and the data; its
-  steps are :mod:`bnpfed.federated.clients`'.
+* :mod:`bnpfed.flower.client`: the ClientApp (``bnpfed.flower.client:app``), light to import (Flower only);
+  :mod:`bnpfed.flower.client_steps`: what it does with each message, with Torch, Pyro and the data; the steps are
+  :mod:`bnpfed.federated.clients`'.
 * :mod:`bnpfed.flower.server`: the ServerApp (``bnpfed.flower.server:app``) and :func:`run_federation`.
 * :mod:`bnpfed.flower.config`: the run config (the configs of :mod:`bnpfed.federated.config` as Flower keys).
 * :mod:`bnpfed.flower.records`: packing arrays into Flower records, checking replies.
@@ -27,9 +28,21 @@ except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("bnpfed.flower needs Flower: pip install 'bnpfed[flower]' (flwr[simulation]>=1.42,<1.43)"
                       ) from error
 
-from bnpfed.flower.records import ReplyError
-from bnpfed.flower.secure import SecureFusionStrategy
-from bnpfed.flower.strategies import FedAvgStrategy, MatchedFusionStrategy, PFNMStrategy, PosteriorFusionStrategy
+#: The package's names; each is imported on first use, so that ``import bnpfed.flower.client`` (every message a
+#: SuperNode runs) loads Flower alone, not torch and Pyro.
+_STRATEGIES = ("FedAvgStrategy", "MatchedFusionStrategy", "PFNMStrategy", "PosteriorFusionStrategy")
+_SECURE = ("SecureFusionStrategy", "SecureMatchedFusionStrategy")
 
-__all__ = ["FedAvgStrategy", "MatchedFusionStrategy", "PFNMStrategy", "PosteriorFusionStrategy", "ReplyError",
-           "SecureFusionStrategy"]
+__all__ = sorted([*_STRATEGIES, *_SECURE, "ReplyError"])
+
+
+def __getattr__(name: str):
+    if name in _STRATEGIES:
+        from bnpfed.flower import strategies as module
+    elif name in _SECURE:
+        from bnpfed.flower import secure as module
+    elif name == "ReplyError":
+        from bnpfed.flower import records as module
+    else:
+        raise AttributeError(f"module 'bnpfed.flower' has no attribute {name!r}")
+    return getattr(module, name)

@@ -1,46 +1,10 @@
-"""The Flower ClientApp: one app that runs a PFNM client or a Bayesian (posterior fusion, matched or weight by
-weight) client, as the server's message says (``config["task"]``). Torch, Pyro and the data live here, not in the
-strategies.
+"""The Flower ClientApp (``bnpfed.flower.client:app``): a PFNM or Bayesian client on this SuperNode's partition.
 
-A client is a SuperNode started with ``--node-config "partition-id=<j> num-partitions=<J>"`` (a simulation fills
-both in) and optionally ``data-dir=<path>`` (torchvision datasets). It loads the dataset the server names and holds
-its part of the training split, ``PartitionConfig.split(labels, seed)[j]`` -- the part client j has in the
-in-process run with the same settings -- and its test shard, the j-th of J contiguous near-equal slices of the test
-split (the shards together are the test split). Every setting comes from the server's message
-(:meth:`~bnpfed.flower.config.FlowerSettings.client_record`); nothing is read from the run config, so the server
-alone decides. The steps are :mod:`bnpfed.federated.clients`' (the in-process federations call them too):
-
-* ``query``: tell the server the partition ``(j, J)``, the input shape and the number of classes; or, with
-  ``step`` ``"batch-norm-moments"``, reply with the moments of the inputs of batch norm ``layer`` (every batch norm
-  without one) of the global network sent, on this client's training inputs
-  (:func:`~bnpfed.federated.clients.batch_norm_moments_step`; the server asks for one layer at a time, front to
-  back);
-* ``train``, task ``"pfnm"``: start from the network sent (its slice of the global network, a ``state_dict`` of
-  the configured architecture, checked against its permutation spec) or, when the message has no arrays (round 1),
-  from :func:`~bnpfed.federated.clients.initial_network` (its own initialisation); train it with
-  :func:`~bnpfed.federated.clients.train_network`; reply with its state, ``num-examples``, ``class-counts``;
-* ``train``, task ``"fedavg"``: the global network sent (round 1 the shared initialisation), trained with
-  :func:`~bnpfed.federated.clients.train_network`; reply with its state and ``num-examples``;
-* ``train``, task ``"fusion"``: a :func:`~bnpfed.federated.clients.bayesian_client` of the shared initial network
-  with the global posterior and deterministic parameters loaded, fitted by
-  :func:`~bnpfed.federated.clients.fit_bayesian`; reply with its posterior, parameters, ``num-examples``,
-  ``train-loss``;
-* ``train``, task ``"secure-fusion"`` (``secure-aggregation = true``): as ``"fusion"`` (at the widths of the
-  global model sent: after a round of matching, the matched network's), but the posterior stays in
-  ``context.state`` and the reply carries only ``num-examples`` and ``train-loss``; then the stages of SecAgg+
-  (``secaggplus_mod``), in which the client sends its statistics masked
-  (:func:`~bnpfed.flower.secure.secure_fit`, :mod:`bnpfed.flower.secure`);
-* ``train``, task ``"matched-fusion"`` (``method = "fusion"``, ``align = "match"``): round 1 (no arrays) a Bayesian
-  client of its own initial network (:func:`~bnpfed.federated.clients.initial_network` with its partition id),
-  later one holding what the server sent -- its slice of the global posterior, or the whole of it -- as posterior
-  and prior (:func:`~bnpfed.federated.matched_fusion.client_from_slice`); fitted by
-  :func:`~bnpfed.federated.clients.fit_bayesian`; reply with its posterior
-  (:func:`~bnpfed.inference.posterior_matching.client_posterior`), ``num-examples``, ``class-counts``,
-  ``train-loss``;
-* ``evaluate``: accuracy, NLL and Brier score of the global model on the test shard, and the per-bin calibration
-  gaps of ECE with 100 and 15 bins (:func:`~bnpfed.metrics.calibration_gaps`: sums over the shard, from which the
-  server computes the test split's ECE exactly); fusion and matched fusion: the posterior predictive drawn from
-  ``(seed, PREDICT, round)``, as in process.
+On a SuperNode every message runs in a fresh ``flwr-clientapp`` process that imports this module first, so the
+module imports Flower alone; the handlers import the client's steps (:mod:`bnpfed.flower.client_steps`: torch,
+Pyro, the data, about 3 s of CPU) when a message needs them. Three of the four stages of SecAgg+
+(``secaggplus_mod``: setup, key sharing, unmasking) need none of it; the masked-vector stage calls
+:func:`~bnpfed.flower.secure.secure_fit`.
 
 Usage (the example app under ``examples/flower_app`` does exactly this)::
 
@@ -49,316 +13,56 @@ Usage (the example app under ``examples/flower_app`` does exactly this)::
 
 from __future__ import annotations
 
-from dataclasses import replace
-from functools import lru_cache
-from typing import Optional, Sequence
-
-import numpy as np
-import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Context, Message
 from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
-from bnpfed.data import Dataset, load_dataset
-from bnpfed.federated.clients import (batch_norm_moments_step, bayesian_client, fit_bayesian, initial_network,
-                                      train_network)
-from bnpfed.federated.config import BayesianConfig, NetworkConfig, PartitionConfig
-from bnpfed.federated.matched_fusion import client_from_slice
-from bnpfed.federated.partition import class_counts
-from bnpfed.federated.rounds import Architecture
-from bnpfed.flower.config import ClientSettings, client_settings
-from bnpfed.flower.secure import client_at_widths, keep_for_secure_sum, secure_fit
-from bnpfed.flower.records import (
-    ARRAYS,
-    CLIENT,
-    CONFIG,
-    ECE_BINS,
-    METRICS,
-    NodeIdentity,
-    array_shapes,
-    from_array_record,
-    matched_posterior_from_arrays,
-    matched_posterior_to_record,
-    moments_to_record,
-    posterior_from_arrays,
-    posterior_to_record,
-    state_from_arrays,
-    state_to_record,
-)
-from bnpfed.inference import BayesianClient
-from bnpfed.inference.posterior_matching import client_posterior
-from bnpfed.metrics import calibration_gaps, classification_report
-from bnpfed.seeding import Stream, derive_seed
+__all__ = ["app", "evaluation_shard", "initial_global_model", "make_client_app", "node_partition"]
 
-__all__ = ["app", "initial_global_model", "make_client_app", "node_partition", "evaluation_shard"]
+#: Names of :mod:`bnpfed.flower.client_steps` reachable from here too (imported on first use).
+_STEPS = ("evaluation_shard", "initial_global_model", "node_partition")
 
 
-def node_partition(context: Context) -> tuple[int, int]:
-    """``(partition-id, num-partitions)`` of this SuperNode, from its node config."""
-    config = context.node_config
-    try:
-        j, num = int(config["partition-id"]), int(config["num-partitions"])
-    except (KeyError, TypeError, ValueError):
-        raise ValueError("--node-config: expected \"partition-id=<j> num-partitions=<J>\" (this SuperNode has no "
-                         f"partition: start it with them), got {dict(config)}") from None
-    if not 0 <= j < num:
-        raise ValueError(f"partition-id: expected an int in [0, num-partitions={num}), got {j}")
-    return j, num
+def __getattr__(name: str):
+    if name in _STEPS:
+        from bnpfed.flower import client_steps
+
+        return getattr(client_steps, name)
+    raise AttributeError(f"module 'bnpfed.flower.client' has no attribute {name!r}")
 
 
-@lru_cache(maxsize=4)
-def _dataset(name: str, standardize: bool, data_dir: Optional[str]) -> Dataset:
-    """Loaded once per process (a simulation's actors and a test's in-process clients reuse it)."""
-    return load_dataset(name, data_dir=data_dir, standardize=standardize)
+def _secure_fit(msg: Message, context: Context) -> Message:
+    from bnpfed.flower.secure import secure_fit
 
-
-@lru_cache(maxsize=8)
-def _architecture(network: NetworkConfig, input_shape: tuple, num_classes: int, seed: int) -> Architecture:
-    """The configured architecture (template network, permutation spec), as the server builds it (once per
-    process)."""
-    return Architecture.of(network, input_shape, num_classes, seed=seed)
-
-
-@lru_cache(maxsize=8)
-def _parts(name: str, standardize: bool, data_dir: Optional[str], partition: PartitionConfig, seed: int
-           ) -> tuple[np.ndarray, ...]:
-    return tuple(partition.split(_dataset(name, standardize, data_dir).y_train.numpy(), seed))
-
-
-def _data_dir(context: Context) -> Optional[str]:
-    value = context.node_config.get("data-dir")
-    return None if value is None else str(value)
-
-
-def evaluation_shard(num_test: int, j: int, num_clients: int) -> np.ndarray:
-    """Client j's indices into a test split of ``num_test`` examples: the j-th of J contiguous near-equal slices.
-
-    >>> [len(evaluation_shard(450, j, 4)) for j in range(4)]
-    [113, 113, 112, 112]
-    """
-    return np.array_split(np.arange(num_test), num_clients)[j]
-
-
-class _Client:
-    """This node's view of a message: the settings, the data, its part of it."""
-
-    def __init__(self, msg: Message, context: Context):
-        self.config = msg.content.config_records[CONFIG]
-        self.j, self.num = node_partition(context)
-        self.settings: ClientSettings = client_settings(self.config, self.num)
-        s = self.settings
-        key = (s.dataset, s.standardize, _data_dir(context))
-        self.ds = _dataset(*key)
-        self.idx = torch.as_tensor(_parts(*key, s.partition, s.seed)[self.j])
-        self.round = int(self.config.get("server-round", 0))
-
-    @property
-    def train_data(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.ds.x_train[self.idx], self.ds.y_train[self.idx]
-
-    @property
-    def test_data(self) -> tuple[torch.Tensor, torch.Tensor]:
-        idx = torch.as_tensor(evaluation_shard(len(self.ds.y_test), self.j, self.num))
-        return self.ds.x_test[idx], self.ds.y_test[idx]
-
-    def network(self, record: ArrayRecord) -> torch.nn.Module:
-        """The network of the configured architecture carrying the ``state_dict`` in ``record``."""
-        arch = _architecture(self.settings.network, tuple(self.ds.input_shape), self.ds.num_classes,
-                             self.settings.seed)
-        return arch.network(state_from_arrays(from_array_record(record), arch.spec, arch.template.state_dict()))
-
-    def global_client(self, record: ArrayRecord) -> BayesianClient:
-        """A Bayesian client of the shared initial network carrying the global model in ``record``."""
-        client = _bayesian(self.settings.network, self.settings.bayesian, self.ds.input_shape, self.ds.num_classes,
-                           self.settings.seed)
-        posterior, params = posterior_from_arrays(from_array_record(record), array_shapes(record))
-        client.load_posterior(posterior)
-        client.load_deterministic(params)
-        return client
-
-    def sized_global_client(self, record: ArrayRecord) -> BayesianClient:
-        """A Bayesian client of the configured architecture at the widths of the global model in ``record`` (the
-        layout of :func:`~bnpfed.flower.records.posterior_to_record`): the shared initial network's, or a matched
-        global network's (secure fusion after a round of matching); its prior the configured one."""
-        arch = _architecture(self.settings.network, tuple(self.ds.input_shape), self.ds.num_classes,
-                             self.settings.seed)
-        posterior, params = posterior_from_arrays(from_array_record(record), array_shapes(record))
-        return client_at_widths(arch.template, posterior, params, self.settings.bayesian)
-
-    def matched_client(self, record: ArrayRecord, *, as_prior: bool) -> BayesianClient:
-        """A Bayesian client of the configured architecture holding the posterior in ``record`` (a slice of a
-        matched global posterior, or the whole of it), as its prior too with ``as_prior``."""
-        arch = _architecture(self.settings.network, tuple(self.ds.input_shape), self.ds.num_classes,
-                             self.settings.seed)
-        locs, variances = matched_posterior_from_arrays(from_array_record(record), arch.spec,
-                                                        arch.template.state_dict())
-        return client_from_slice(arch.template, locs, variances, self.settings.bayesian, as_prior=as_prior)
-
-    def class_counts(self) -> list[int]:
-        """This client's training examples per class."""
-        counts = class_counts(self.ds.y_train.numpy(), [self.idx.numpy()], self.ds.num_classes)[0]
-        return [int(k) for k in counts]
-
-    def reply(self, msg: Message, arrays: Optional[ArrayRecord], metrics: dict) -> Message:
-        content = RecordDict({METRICS: MetricRecord(metrics), CLIENT: ConfigRecord({"partition-id": self.j})})
-        if arrays is not None:
-            content[ARRAYS] = arrays
-        return Message(content=content, reply_to=msg)
-
-
-def _bayesian(network: NetworkConfig, bayesian: BayesianConfig, input_shape: Sequence[int], num_classes: int,
-              seed: int) -> BayesianClient:
-    """A Bayesian client of the shared initial network, as :class:`~bnpfed.federated.fusion.FusionFederation`
-    builds its clients."""
-    return bayesian_client(initial_network(network, input_shape, num_classes, seed=seed), bayesian)
-
-
-def initial_global_model(network: NetworkConfig, bayesian: BayesianConfig, input_shape: Sequence[int],
-                         num_classes: int, *, seed: int) -> ArrayRecord:
-    """Posterior fusion's global model before round 1 (the initial posterior and deterministic parameters of a
-    Bayesian client of the shared initial network), packed for
-    :class:`~bnpfed.flower.strategies.PosteriorFusionStrategy`.
-
-    >>> record = initial_global_model(NetworkConfig(hidden=(8,)), BayesianConfig(), (1, 8, 8), 10, seed=0)
-    >>> sorted(record)
-    ['loc/1.weight', 'loc/3.weight', 'param/1.bias', 'param/3.bias', 'variance/1.weight', 'variance/3.weight']
-    """
-    client = _bayesian(network, bayesian, input_shape, num_classes, seed)
-    return posterior_to_record(client.posterior(), client.deterministic_state())
-
-
-def _query(msg: Message, context: Context) -> Message:
-    if msg.content.config_records[CONFIG].get("step") == "batch-norm-moments":
-        return _moments(msg, context)
-    j, num = node_partition(context)
-    config = msg.content.config_records[CONFIG]
-    ds = _dataset(str(config["dataset"]), bool(config["standardize"]), _data_dir(context))
-    identity = NodeIdentity(j, num, tuple(int(s) for s in ds.input_shape), int(ds.num_classes))
-    return Message(content=RecordDict({CLIENT: identity.record()}), reply_to=msg)
-
-
-def _train_pfnm(msg: Message, context: Context) -> Message:
-    c = _Client(msg, context)
-    s, ds = c.settings, c.ds
-    x, y = c.train_data
-    sent = msg.content.array_records[ARRAYS]
-    if len(sent) == 0:  # round 1: this client's own initialisation
-        net = initial_network(s.network, ds.input_shape, ds.num_classes, seed=s.seed, client=c.j)
-    else:
-        net = c.network(sent)
-    trained = train_network(net, x, y, s.training, seed=s.seed, round=c.round, client=c.j)
-    metrics = {"num-examples": int(len(y)), "class-counts": c.class_counts()}
-    return c.reply(msg, state_to_record(trained.state_dict()), metrics)
-
-
-def _moments(msg: Message, context: Context) -> Message:
-    c = _Client(msg, context)
-    x, _ = c.train_data
-    net = c.network(msg.content.array_records[ARRAYS])
-    layer = msg.content.config_records[CONFIG].get("layer")   # one batch norm at a time (the server's order)
-    if layer is not None and layer not in dict(net.named_modules()):
-        raise ValueError(f"layer: expected a batch norm of the network, got {layer!r}")
-    moments = batch_norm_moments_step(net, x, c.settings.training.batch_size, layer=layer)
-    return c.reply(msg, moments_to_record(moments), {"num-examples": int(len(x))})
-
-
-def _train_fedavg(msg: Message, context: Context) -> Message:
-    c = _Client(msg, context)
-    s = c.settings
-    x, y = c.train_data
-    trained = train_network(c.network(msg.content.array_records[ARRAYS]), x, y, s.training, seed=s.seed,
-                            round=c.round, client=c.j)
-    return c.reply(msg, state_to_record(trained.state_dict()), {"num-examples": int(len(y))})
-
-
-def _train_fusion(msg: Message, context: Context) -> Message:
-    c = _Client(msg, context)
-    s = c.settings
-    x, y = c.train_data
-    client = c.global_client(msg.content.array_records[ARRAYS])
-    loss = fit_bayesian(client, x, y, s.training, seed=s.seed, round=c.round, index=c.j)
-    metrics = {"num-examples": int(len(y)), "train-loss": float(loss)}
-    return c.reply(msg, posterior_to_record(client.posterior(), client.deterministic_state()), metrics)
-
-
-def _train_secure(msg: Message, context: Context) -> Message:
-    """Posterior fusion under secure aggregation, step 1: train as ``fusion`` does, keep the posterior (and the
-    global model sent) in ``context.state`` for the secure sum (:func:`~bnpfed.flower.secure.secure_fit`), reply
-    with the count and the loss only."""
-    c = _Client(msg, context)
-    s = c.settings
-    x, y = c.train_data
-    sent = msg.content.array_records[ARRAYS]
-    client = c.sized_global_client(sent)
-    loss = fit_bayesian(client, x, y, s.training, seed=s.seed, round=c.round, index=c.j)
-    keep_for_secure_sum(context, client.posterior(), client.deterministic_state(), sent)
-    return c.reply(msg, ArrayRecord(), {"num-examples": int(len(y)), "train-loss": float(loss)})
-
-
-def _train_matched(msg: Message, context: Context) -> Message:
-    c = _Client(msg, context)
-    s, ds = c.settings, c.ds
-    x, y = c.train_data
-    sent = msg.content.array_records[ARRAYS]
-    if len(sent) == 0:  # round 1: this client's own initialisation
-        net = initial_network(replace(s.network, shared_init=False), ds.input_shape, ds.num_classes, seed=s.seed,
-                              client=c.j)
-        client = bayesian_client(net, s.bayesian)
-    else:  # its slice of the global posterior (or the whole of it), as posterior and prior
-        client = c.matched_client(sent, as_prior=True)
-    loss = fit_bayesian(client, x, y, s.training, seed=s.seed, round=c.round, index=c.j)
-    metrics = {"num-examples": int(len(y)), "class-counts": c.class_counts(), "train-loss": float(loss)}
-    return c.reply(msg, matched_posterior_to_record(*client_posterior(client)), metrics)
-
-
-def _evaluate(msg: Message, context: Context) -> Message:
-    c = _Client(msg, context)
-    x, y = c.test_data
-    record = msg.content.array_records[ARRAYS]
-    if c.config["task"] in ("pfnm", "fedavg"):
-        net = c.network(record)
-        with torch.no_grad():
-            probs = net.eval()(x).softmax(-1)
-    else:
-        task = c.config["task"]
-        model = (c.matched_client(record, as_prior=False) if task == "matched-fusion"
-                 else c.sized_global_client(record) if task == "secure-fusion" else c.global_client(record))
-        probs = model.predict_proba(
-            x, num_samples=c.settings.predictive_samples, seed=derive_seed(c.settings.seed, Stream.PREDICT, c.round))
-    report = classification_report(probs, y)
-    metrics = {"num-examples": int(len(y)), "accuracy": float(report["accuracy"]), "nll": float(report["nll"]),
-               "brier": float(report["brier"])}
-    for bins in ECE_BINS:  # sums over the shard's examples: the server adds them up into the test split's ECE
-        metrics[f"ece-gaps-{bins}"] = [float(g) for g in calibration_gaps(probs, y, bins)]
-    return c.reply(msg, None, metrics)
-
-
-_TRAIN = {"pfnm": _train_pfnm, "fedavg": _train_fedavg, "fusion": _train_fusion, "matched-fusion": _train_matched,
-          "secure-fusion": _train_secure}
+    return secure_fit(msg, context)
 
 
 def make_client_app() -> ClientApp:
-    """A ``ClientApp`` with ``query`` (this node's partition and data shape), ``train`` (PFNM, posterior fusion or
-    matched posterior fusion, by the message's ``task``) and ``evaluate``."""
+    """A ``ClientApp`` with ``query`` (this node's partition and data shape, or batch-norm moments), ``train``
+    (PFNM, posterior fusion, matched posterior fusion, FedAvg by the message's ``task``; the stages of SecAgg+) and
+    ``evaluate`` (:mod:`bnpfed.flower.client_steps`)."""
     client_app = ClientApp()
 
     @client_app.query()
     def query(msg: Message, context: Context) -> Message:
-        return _query(msg, context)
+        from bnpfed.flower import client_steps
+
+        return client_steps.query(msg, context)
 
     @client_app.train()
     def train(msg: Message, context: Context) -> Message:
         if RECORD_KEY_CONFIGS in msg.content.config_records:  # a stage of SecAgg+ (SecureFusionStrategy)
-            return secaggplus_mod(msg, context, secure_fit)
-        task = msg.content.config_records[CONFIG].get("task")
-        if task not in _TRAIN:
-            raise ValueError(f"task: expected one of {sorted(_TRAIN)}, got {task!r}")
-        return _TRAIN[task](msg, context)
+            return secaggplus_mod(msg, context, _secure_fit)
+        from bnpfed.flower import client_steps
+
+        return client_steps.train(msg, context)
 
     @client_app.evaluate()
     def evaluate(msg: Message, context: Context) -> Message:
-        return _evaluate(msg, context)
+        from bnpfed.flower import client_steps
+
+        return client_steps.evaluate(msg, context)
 
     return client_app
 

@@ -36,7 +36,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from bnpfed.federated.clients import bayesian_client, initial_network
 from bnpfed.federated.matched_fusion import client_from_slice
-from bnpfed.flower.client import initial_global_model
+from bnpfed.flower.client_steps import initial_global_model
 from bnpfed.flower.config import FlowerSettings, parse_run_config
 from bnpfed.flower.secure import SecureFusionStrategy, SecureMatchedFusionStrategy, client_at_widths
 from bnpfed.flower.records import (from_array_record, matched_posterior_from_arrays, posterior_from_arrays,

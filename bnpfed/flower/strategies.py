@@ -571,7 +571,7 @@ class PosteriorFusionStrategy(_RoundStrategy):
     floor, the averaged deterministic parameters), on the clients in partition order.
 
     Usage (``initial`` is the global model before round 1, see
-    :func:`bnpfed.flower.client.initial_global_model`)::
+    :func:`bnpfed.flower.client_steps.initial_global_model`)::
 
         strategy = PosteriorFusionStrategy(FusionConfig(rule="pooling"), seed=0)
         strategy.connect(grid)
@@ -595,7 +595,7 @@ class PosteriorFusionStrategy(_RoundStrategy):
     def _train_content(self, server_round, j, arrays):
         if len(arrays) == 0:
             raise ValueError("initial_arrays: expected the initial global model for posterior fusion "
-                             "(bnpfed.flower.client.initial_global_model), got no arrays")
+                             "(bnpfed.flower.client_steps.initial_global_model), got no arrays")
         self._expected = array_shapes(arrays)
         return arrays
 
