@@ -67,7 +67,7 @@ CLIENTS = 3
 #: client 2 from its slice.
 FRACTION = {"fraction": 0.67, "seed": 1}
 #: Seconds a whole loopback deployment may take before it is stopped (processes included).
-DEPLOYMENT_TIMEOUT = 420
+DEPLOYMENT_TIMEOUT = 600
 
 
 # ------------------------------------------------------------------------------------------------ in process
