@@ -65,7 +65,7 @@ def run(clients: int, rounds: int, dataset: str, data_dir: str | None, out: Path
     run_one("eaa", True, 2, 1, dataset, data_dir)   # warm-up: the first SVI fit and key agreement of a process
     rows = []
     for rule in rules or SECURE_RULES:
-        outcome = {}
+        plain = plain_row = None   # the plain run, which SecAgg+'s is compared with
         for secure in (False, True):
             result, seconds = run_one(rule, secure, clients, rounds, dataset, data_dir)
             last = result.history[-1]
@@ -74,11 +74,11 @@ def run(clients: int, rounds: int, dataset: str, data_dir: str | None, out: Path
                    "server_seconds": float(np.mean([r["server_seconds"] for r in result.history])),
                    "accuracy": last.get("accuracy"), "nll": last.get("nll"), "ece": last.get("ece")}
             if secure:
-                row.update(difference(result.arrays, outcome["plain"].arrays),
+                row.update(difference(result.arrays, plain.arrays),
                            quantisation_bound=last["quantisation_bound"])
-                row["round_ratio"] = row["seconds_per_round"] / outcome["plain_row"]["seconds_per_round"]
-            outcome["plain" if not secure else "secure"], outcome[("plain" if not secure else "secure") + "_row"] = \
-                result, row
+                row["round_ratio"] = row["seconds_per_round"] / plain_row["seconds_per_round"]
+            else:
+                plain, plain_row = result, row
             rows.append(row)
             if out is not None:
                 out.parent.mkdir(parents=True, exist_ok=True)

@@ -18,9 +18,10 @@ from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
-__all__ = ["app", "evaluation_shard", "initial_global_model", "make_client_app", "node_partition"]
+__all__ = ["app", "make_client_app"]
 
-#: Names of :mod:`bnpfed.flower.client_steps` reachable from here too (imported on first use).
+#: Names of :mod:`bnpfed.flower.client_steps` reachable from here too, as before the steps moved there (imported on
+#: first use, and not in ``__all__``: a star import would load torch).
 _STEPS = ("evaluation_shard", "initial_global_model", "node_partition")
 
 

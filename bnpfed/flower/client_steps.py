@@ -165,18 +165,9 @@ class _Client:
         return arch.network(state_from_arrays(from_array_record(record), arch.spec, arch.template.state_dict()))
 
     def global_client(self, record: ArrayRecord) -> BayesianClient:
-        """A Bayesian client of the shared initial network carrying the global model in ``record``."""
-        client = _bayesian(self.settings.network, self.settings.bayesian, self.ds.input_shape, self.ds.num_classes,
-                           self.settings.seed)
-        posterior, params = posterior_from_arrays(from_array_record(record), array_shapes(record))
-        client.load_posterior(posterior)
-        client.load_deterministic(params)
-        return client
-
-    def sized_global_client(self, record: ArrayRecord) -> BayesianClient:
-        """A Bayesian client of the configured architecture at the widths of the global model in ``record`` (the
-        layout of :func:`~bnpfed.flower.records.posterior_to_record`): the shared initial network's, or a matched
-        global network's (secure fusion after a round of matching); its prior the configured one."""
+        """A Bayesian client of the configured architecture carrying the global model in ``record`` (the layout of
+        :func:`~bnpfed.flower.records.posterior_to_record`), at its widths: the shared initial network's, or a
+        matched global network's (secure fusion after a round of matching); its prior the configured one."""
         arch = _architecture(self.settings.network, tuple(self.ds.input_shape), self.ds.num_classes,
                              self.settings.seed)
         posterior, params = posterior_from_arrays(from_array_record(record), array_shapes(record))
@@ -203,13 +194,6 @@ class _Client:
         return Message(content=content, reply_to=msg)
 
 
-def _bayesian(network: NetworkConfig, bayesian: BayesianConfig, input_shape: Sequence[int], num_classes: int,
-              seed: int) -> BayesianClient:
-    """A Bayesian client of the shared initial network, as :class:`~bnpfed.federated.fusion.FusionFederation`
-    builds its clients."""
-    return bayesian_client(initial_network(network, input_shape, num_classes, seed=seed), bayesian)
-
-
 def initial_global_model(network: NetworkConfig, bayesian: BayesianConfig, input_shape: Sequence[int],
                          num_classes: int, *, seed: int) -> ArrayRecord:
     """Posterior fusion's global model before round 1 (the initial posterior and deterministic parameters of a
@@ -220,7 +204,7 @@ def initial_global_model(network: NetworkConfig, bayesian: BayesianConfig, input
     >>> sorted(record)
     ['loc/1.weight', 'loc/3.weight', 'param/1.bias', 'param/3.bias', 'variance/1.weight', 'variance/3.weight']
     """
-    client = _bayesian(network, bayesian, input_shape, num_classes, seed)
+    client = bayesian_client(initial_network(network, input_shape, num_classes, seed=seed), bayesian)
     return posterior_to_record(client.posterior(), client.deterministic_state())
 
 
@@ -270,27 +254,20 @@ def _train_fedavg(msg: Message, context: Context) -> Message:
 
 
 def _train_fusion(msg: Message, context: Context) -> Message:
-    c = _Client(msg, context)
-    s = c.settings
-    x, y = c.train_data
-    client = c.global_client(msg.content.array_records[ARRAYS])
-    loss = fit_bayesian(client, x, y, s.training, seed=s.seed, round=c.round, index=c.j)
-    metrics = {"num-examples": int(len(y)), "train-loss": float(loss)}
-    return c.reply(msg, posterior_to_record(client.posterior(), client.deterministic_state()), metrics)
-
-
-def _train_secure(msg: Message, context: Context) -> Message:
-    """Posterior fusion under secure aggregation, step 1: train as ``fusion`` does, keep the posterior (and the
-    global model sent) in ``context.state`` for the secure sum (:func:`~bnpfed.flower.secure.secure_fit`), reply
-    with the count and the loss only."""
+    """Weight-wise posterior fusion: start from the global model sent, train, reply with the posterior; under
+    secure aggregation (task ``"secure-fusion"``) keep the posterior and the global model sent in ``context.state``
+    for the secure sum (:func:`~bnpfed.flower.secure.secure_fit`) and reply with the count and the loss only."""
     c = _Client(msg, context)
     s = c.settings
     x, y = c.train_data
     sent = msg.content.array_records[ARRAYS]
-    client = c.sized_global_client(sent)
+    client = c.global_client(sent)
     loss = fit_bayesian(client, x, y, s.training, seed=s.seed, round=c.round, index=c.j)
-    keep_for_secure_sum(context, client.posterior(), client.deterministic_state(), sent)
-    return c.reply(msg, ArrayRecord(), {"num-examples": int(len(y)), "train-loss": float(loss)})
+    metrics = {"num-examples": int(len(y)), "train-loss": float(loss)}
+    if c.config["task"] == "secure-fusion":
+        keep_for_secure_sum(context, client.posterior(), client.deterministic_state(), sent)
+        return c.reply(msg, ArrayRecord(), metrics)
+    return c.reply(msg, posterior_to_record(client.posterior(), client.deterministic_state()), metrics)
 
 
 def _train_matched(msg: Message, context: Context) -> Message:
@@ -319,9 +296,8 @@ def evaluate(msg: Message, context: Context) -> Message:
         with torch.no_grad():
             probs = net.eval()(x).softmax(-1)
     else:
-        task = c.config["task"]
-        model = (c.matched_client(record, as_prior=False) if task == "matched-fusion"
-                 else c.sized_global_client(record) if task == "secure-fusion" else c.global_client(record))
+        model = (c.matched_client(record, as_prior=False) if c.config["task"] == "matched-fusion"
+                 else c.global_client(record))
         probs = model.predict_proba(
             x, num_samples=c.settings.predictive_samples, seed=derive_seed(c.settings.seed, Stream.PREDICT, c.round))
     report = classification_report(probs, y)
@@ -333,7 +309,7 @@ def evaluate(msg: Message, context: Context) -> Message:
 
 
 _TRAIN = {"pfnm": _train_pfnm, "fedavg": _train_fedavg, "fusion": _train_fusion, "matched-fusion": _train_matched,
-          "secure-fusion": _train_secure}
+          "secure-fusion": _train_fusion}
 
 
 def train(msg: Message, context: Context) -> Message:

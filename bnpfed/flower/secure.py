@@ -60,7 +60,7 @@ from flwr.server.workflow.secure_aggregation.secaggplus_workflow import Workflow
 from flwr.serverapp import Grid
 
 from bnpfed.federated.config import BayesianConfig, FusionConfig, NetworkConfig
-from bnpfed.federated.matched_fusion import client_from_slice
+from bnpfed.federated.matched_fusion import bayesian_from_match, client_from_slice
 from bnpfed.federated.server import client_weights, floor_variances, mean_sigma
 from bnpfed.flower.config import SecureAggregationConfig
 from bnpfed.flower.records import (NodeIdentity, array_shapes, from_array_record, posterior_from_arrays,
@@ -290,8 +290,10 @@ class SecureMatchedFusionStrategy(SecureFusionStrategy):
         self.bayesian = self.matching.bayesian
 
     def connect(self, grid: Grid) -> NodeIdentity:
-        """Both the matching round's strategy and this one learn the SuperNodes' partitions."""
-        self.matching.connect(grid)
+        """The matching round's strategy asks the SuperNodes for their partitions; this one takes its node map (and
+        asks only nodes it does not know)."""
+        identity = self.matching.connect(grid)
+        self.identity, self.nodes, self.refused = identity, dict(self.matching.nodes), dict(self.matching.refused)
         return super().connect(grid)
 
     def configure_train(self, server_round, arrays, config, grid):
@@ -306,15 +308,12 @@ class SecureMatchedFusionStrategy(SecureFusionStrategy):
             return super().aggregate_train(server_round, replies)
         _, metrics = self.matching.aggregate_train(server_round, replies)
         self.history.append(self.matching.history[-1])
-        match = self.matching.match
-        self._hidden = self.matching.history[-1]["hidden"]
-        client = client_from_slice(self.matching.template, match.locs, match.variances, self.bayesian,
-                                   as_prior=False)   # the matched global network, at the matched widths
+        client = bayesian_from_match(self.matching.match, self.bayesian)   # at the matched widths
         return posterior_to_record(client.posterior(), client.deterministic_state()), metrics
 
     def _aggregate(self, server_round, accepted):
         arrays, summary = super()._aggregate(server_round, accepted)
-        return arrays, {"hidden": self._hidden, **summary}   # the widths matched in round 1, fixed since
+        return arrays, {"hidden": self.matching.history[0]["hidden"], **summary}   # matched in round 1, fixed since
 
 
 def client_at_widths(template, posterior: Mapping[str, GaussianPosterior], deterministic: Mapping[str, torch.Tensor],

@@ -34,7 +34,7 @@ import torch
 from flwr.app import ArrayRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
-from bnpfed.federated.clients import bayesian_client, initial_network
+from bnpfed.federated.clients import initial_network
 from bnpfed.federated.matched_fusion import client_from_slice
 from bnpfed.flower.client_steps import initial_global_model
 from bnpfed.flower.config import FlowerSettings, parse_run_config
@@ -138,20 +138,15 @@ def global_model(settings: FlowerSettings, input_shape, num_classes: int, arrays
     template = initial_network(settings.network, input_shape, num_classes, seed=run.seed)
     if run.method in ("pfnm", "fedavg"):
         return run.method, network_from_state(template, {k: torch.as_tensor(v) for k, v in arrays.items()})
-    if settings.secure.secure_aggregation:   # weight-wise layout, at the widths of the global (matched ones too)
-        posterior, deterministic = posterior_from_arrays(arrays, {k: v.shape for k, v in arrays.items()})
-        client = client_at_widths(template, posterior, deterministic, settings.bayesian)
-        return (f"match-{settings.fusion.rule}" if settings.fusion.align == "match" else settings.fusion.rule), client
-    if settings.fusion.align == "match":
+    if settings.fusion.align == "match" and not settings.secure.secure_aggregation:
         locs, variances = matched_posterior_from_arrays(arrays, derive_spec(template, input_shape),
                                                         template.state_dict())
         return (f"match-{settings.fusion.rule}",
                 client_from_slice(template, locs, variances, settings.bayesian, as_prior=False))
-    client = bayesian_client(template, settings.bayesian)
+    # weight-wise layout, at the widths of the global (a matched network's after SecAgg+'s matching round)
     posterior, deterministic = posterior_from_arrays(arrays, {k: v.shape for k, v in arrays.items()})
-    client.load_posterior(posterior)
-    client.load_deterministic(deterministic)
-    return settings.fusion.rule, client
+    method = f"match-{settings.fusion.rule}" if settings.fusion.align == "match" else settings.fusion.rule
+    return method, client_at_widths(template, posterior, deterministic, settings.bayesian)
 
 
 def make_server_app(defaults: Optional[Mapping[str, Any]] = None,
