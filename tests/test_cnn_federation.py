@@ -22,7 +22,9 @@ from bnpfed.metrics import count_parameters
 
 TRAIN = TrainingConfig(epochs=1, round_epochs=1)
 #: A matcher that merges only identical units: the clients' permuted copies come back as one network.
-EXACT = PFNMConfig(hyperparameters="fixed", sigma2=1e-8, sigma0_2=1.0, gamma0=1.0)
+# every unit matched: a unit dead on one client's data may be alive on another's, and the copies are matched back
+# unit for unit only when none is left out
+EXACT = PFNMConfig(hyperparameters="fixed", sigma2=1e-8, sigma0_2=1.0, gamma0=1.0, inactive="keep")
 
 
 @pytest.fixture(scope="module")
@@ -134,15 +136,22 @@ def test_fedma_retrains_only_the_layers_above_the_matched_ones(digits, parts, ar
     assert list(fed.match.layer_results) == names
 
 
-def test_fedma_with_communication_starts_each_client_from_its_slice(digits, parts):
-    fed = federation(digits, parts, "simple-cnn-bn", pfnm=PFNMConfig(layerwise_retrain=1))
+@pytest.mark.parametrize("inactive", ["keep", "drop"])
+def test_fedma_with_communication_starts_each_client_from_its_slice(digits, parts, inactive):
+    fed = federation(digits, parts, "simple-cnn-bn", pfnm=PFNMConfig(layerwise_retrain=1, inactive=inactive))
     first = fed.run_round()
     match = fed.match
     second = fed.run_round()
     assert fed.match is not match and all(math.isfinite(second.metrics[k]) for k in ("accuracy", "nll"))
     for j in range(3):
         _, ids = client_start(match, j)
-        assert [len(ids[g]) for g in fed.spec.group_names] == [6, 16, 120, 84]   # each client's own widths
+        widths = [len(ids[g]) for g in fed.spec.group_names]
+        if inactive == "keep":
+            assert widths == [6, 16, 120, 84]   # each client's own widths
+        else:   # less the units dead on its data (here in the fully connected layers)
+            assert all(w <= full for w, full in zip(widths, [6, 16, 120, 84])) and widths != [6, 16, 120, 84]
+        assert all(len(set(ids[g].tolist())) == len(ids[g]) <= n for g, n in zip(fed.spec.group_names,
+                                                                                  match.hidden_sizes))
     assert len(first.metrics["hyperparameters"]) == 4
 
 

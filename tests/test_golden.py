@@ -3,7 +3,10 @@
 top-down order, spec matching of MLPs and a batch-normalised CNN, FedMA's group step, matched fusion with every rule, a
 short experiment of eleven methods) is reproduced by today's code on the same inputs and seeds: assignments exactly,
 numbers to float tolerance. Empirical Bayes then swept to the exact fixed point; its default now stops on the result
-(``stop="result"``), so these runs ask for ``stop="fixed-point"`` (``EXACT``)."""
+(``stop="result"``), so these runs ask for ``stop="fixed-point"`` (``EXACT``); it then ran from the small-noise
+start alone and matched every unit, where it now runs both starts and a federation leaves out the units its clients
+report inactive (issue "compression by default"), so the PFNM runs ask for ``starts="small-noise"`` and
+``inactive="keep"`` (``BEFORE``)."""
 
 from pathlib import Path
 
@@ -15,6 +18,7 @@ from bnpfed.inference import REFERENCE_CONSTANTS, match_bayesian_layer, match_la
 
 GOLDEN = Path(__file__).with_name("golden") / "before_refactor.pt"
 EXACT = dict(stop="fixed-point")
+BEFORE = dict(EXACT, starts="small-noise")
 RTOL = 1e-6
 
 
@@ -70,11 +74,11 @@ def test_layer_matching_reproduces_the_recorded_results(golden):
     V, s = data["sampled"], data["sampled_precisions"]
     fixed = dict(sigma2=0.3, sigma0_2=1.0, gamma0=12.0, hyperparameters="fixed")
     runs = {
-        "layer_eb": match_layer(V, seed=0, **EXACT),
-        "layer_eb_scaled": match_layer(V, precisions=s, seed=0, **EXACT),
+        "layer_eb": match_layer(V, seed=0, **BEFORE),
+        "layer_eb_scaled": match_layer(V, precisions=s, seed=0, **BEFORE),
         "layer_eb_partial": match_layer(V, precisions=s, gamma0=5.0,
-                                        mu0=torch.cat([torch.zeros(10), torch.full((20,), np.nan)]), seed=1, **EXACT),
-        "layer_eb_gram": match_layer(V, precisions=s, seed=2, cross_products="gram", **EXACT),
+                                        mu0=torch.cat([torch.zeros(10), torch.full((20,), np.nan)]), seed=1, **BEFORE),
+        "layer_eb_gram": match_layer(V, precisions=s, seed=2, cross_products="gram", **BEFORE),
         "layer_reference": match_layer(V, seed=0, **{**fixed, **REFERENCE_CONSTANTS}),
         "layer_fixed_marginal": match_layer(V, precisions=s, seed=0, objective="marginal", cross_products="direct",
                                             **fixed),
@@ -82,8 +86,8 @@ def test_layer_matching_reproduces_the_recorded_results(golden):
     runs["layer_fixed_warm"] = match_layer(V, precisions=s, seed=4, objective="marginal", sweeps=3, **fixed,
                                            init_assignments=out["layer_fixed_marginal"]["assignments"])
     M, U, t = data["hetero_means"], data["hetero_variances"], data["hetero_precisions"]
-    runs["bayes_eb"] = match_bayesian_layer(M, U, seed=0, **EXACT)
-    runs["bayes_eb_scaled"] = match_bayesian_layer(M, U, precisions=t, seed=0, **EXACT)
+    runs["bayes_eb"] = match_bayesian_layer(M, U, seed=0, **BEFORE)
+    runs["bayes_eb_scaled"] = match_bayesian_layer(M, U, precisions=t, seed=0, **BEFORE)
     runs["bayes_fixed"] = match_bayesian_layer(M, U, precisions=t, tau2=0.01, sigma0_2=1.0, gamma0=8.0,
                                                hyperparameters="fixed", seed=0)
     for name, r in runs.items():
@@ -119,7 +123,7 @@ def test_the_top_down_order_is_the_spec_reversed_with_the_recorded_results(golde
     data, out = golden["inputs"], golden["outputs"]
     counts, template = data["class_counts"], mlp_template()
     ref = dict(sigma2=0.3, sigma0_2=1.0, gamma0=3.0, **REFERENCE_CONSTANTS)
-    for name, kwargs in (("topdown_reference", ref), ("topdown_eb", EXACT)):
+    for name, kwargs in (("topdown_reference", ref), ("topdown_eb", BEFORE)):
         m = match_by_spec(data["mlps"], counts, template=template, seed=5, direction="top-down", **kwargs)
         linear = ["1", "3", "5"]
         recorded = out[name]
@@ -135,15 +139,15 @@ def test_spec_matching_of_mlps_and_a_batch_normalised_cnn_reproduces_the_recorde
     from bnpfed.inference import align_to_group, derive_spec, match_by_spec, match_group
     data, out = golden["inputs"], golden["outputs"]
     counts, template = data["class_counts"], mlp_template()
-    assert_same(spec_result(match_by_spec(data["mlps"], counts, template=template, seed=6, **EXACT)),
+    assert_same(spec_result(match_by_spec(data["mlps"], counts, template=template, seed=6, **BEFORE)),
                 out["spec_mlp_eb"])
-    assert_same(spec_result(match_by_spec(data["mlps"], counts, template=template, seed=6, **EXACT,
+    assert_same(spec_result(match_by_spec(data["mlps"], counts, template=template, seed=6, **BEFORE,
                                           global_weights="posterior-mean")), out["spec_mlp_posterior_mean"])
     cnn = initial_network(NetworkConfig(arch="simple-cnn-bn"), (1, 8, 8), 10, seed=0)
     assert_same(spec_result(match_by_spec(data["cnns"], counts, template=cnn, input_shape=(1, 8, 8), seed=7,
-                                          **EXACT)), out["spec_cnn_eb"], "spec_cnn_eb")
+                                          **BEFORE)), out["spec_cnn_eb"], "spec_cnn_eb")
     spec = derive_spec(cnn, (1, 8, 8))
-    first = match_group(data["cnns"], spec, spec.group_names[0], counts, seed=8, **EXACT)
+    first = match_group(data["cnns"], spec, spec.group_names[0], counts, seed=8, **BEFORE)
     new = {"group": layer_result(first.result), "atoms": fingerprint(first.atoms),
            "aligned": [{k: fingerprint(v) for k, v in align_to_group(s, spec, first, j).items()}
                        for j, s in enumerate(data["cnns"])]}
@@ -184,7 +188,7 @@ def test_a_short_experiment_of_eleven_methods_reproduces_the_recorded_rows(golde
     result = run_experiment(load_dataset("digits", standardize=False),
                             partition=PartitionConfig(clients=3, partition="dirichlet"),
                             network=NetworkConfig(hidden=(16,)), training=TrainingConfig(epochs=3),
-                            pfnm=PFNMConfig(**EXACT), fusion=FusionConfig(**EXACT),
+                            pfnm=PFNMConfig(**BEFORE, inactive="keep"), fusion=FusionConfig(**EXACT),
                             config=ExperimentConfig(methods=methods, rounds=2, seed=0))
     keep = ("method", "accuracy", "nll", "ece", "brier", "hidden", "parameters", "mean_sigma")
     rows = [{k: v for k, v in asdict(row).items() if k in keep} for row in result.rows]

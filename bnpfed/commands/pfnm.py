@@ -127,6 +127,13 @@ def add_parser(sub):
                    help="the global network's weights: average (each global unit the average of its members, the "
                    "logits the clients' averaged class by class) or posterior-mean (the atoms' posterior means, as "
                    "published). Default: average under empirical Bayes, posterior-mean with fixed hyper-parameters")
+    g.add_argument("--starts", choices=("both", "small-noise"), default=d.starts,
+                   help="empirical Bayes: run each layer's estimation from the small-noise start and from the even "
+                   "split and keep the likelier (both), or from the first only (small-noise, bnpfed before 2026-12)")
+    g.add_argument("--inactive", choices=("drop", "keep"), default=d.inactive,
+                   help="units a client reports dead on its own data (0 wherever they enter the next layer): drop "
+                   "leaves them out of matching (the client's network computes the same without them); keep "
+                   "matches them like any other (bnpfed before 2026-12)")
     g.add_argument("--layerwise-retrain", type=int, metavar="EPOCHS", default=d.layerwise_retrain,
                    help="FedMA's layer-wise scheme (the fedma method, added to the default methods when > 0): match a "
                    "layer, freeze it, let the clients retrain the layers above for EPOCHS epochs, match the next "
@@ -236,7 +243,8 @@ def prepare(args) -> dict:
                       gamma0=_one_or_many(args.gamma0), hyperparameters=args.hyperparameters,
                       constants=args.constants, objective=args.objective, direction=args.direction,
                       sweeps=args.sweeps, warm_start=args.warm_start, fraction=args.fraction,
-                      global_weights=args.global_weights, layerwise_retrain=args.layerwise_retrain)
+                      global_weights=args.global_weights, layerwise_retrain=args.layerwise_retrain,
+                      starts=args.starts, inactive=args.inactive)
     fusion = FusionConfig(fraction=args.fraction)  # FedAvg's client sampling
     chosen = args.methods
     if chosen is None:

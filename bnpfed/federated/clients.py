@@ -33,7 +33,8 @@ import torch
 from torch import Tensor, nn
 
 from bnpfed.federated.config import BayesianConfig, NetworkConfig, TrainingConfig
-from bnpfed.inference import BayesianClient, DeterministicClient
+from bnpfed.inference import BayesianClient, DeterministicClient, derive_spec
+from bnpfed.inference.activity import unit_activity
 from bnpfed.inference.permutation import BatchNormMoments, batch_norm_moments
 from bnpfed.models import LeNet, mlp, reference_init_, simple_cnn
 from bnpfed.seeding import Stream, derive_seed, seeded, torch_generator
@@ -141,6 +142,15 @@ def batch_norm_moments_step(net: nn.Module, x: Tensor, batch_size: int, layer: O
     without batch norm."""
     return batch_norm_moments(net, [x[i:i + batch_size] for i in range(0, len(x), batch_size)],
                               None if layer is None else [layer])
+
+
+def unit_activity_step(net: nn.Module, x: Tensor, input_shape: Sequence[int], batch_size: int = 1024
+                       ) -> dict[str, Tensor]:
+    """A client's report on its own hidden units: per group of the network's permutation spec, each unit's largest
+    absolute contribution to the next layer over the client's training inputs ``x``
+    (:func:`~bnpfed.inference.activity.unit_activity`; 0 exactly: a unit dead on the client's data, which the server
+    leaves out of matching under ``PFNMConfig.inactive="drop"``)."""
+    return unit_activity(net, x, derive_spec(net, input_shape), batch_size=batch_size)
 
 
 def bayesian_client(net: nn.Module, bayesian: BayesianConfig) -> BayesianClient:

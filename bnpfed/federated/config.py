@@ -334,6 +334,13 @@ class PFNMConfig:
         of the neurons and no estimate by more than 1 %; on trained MNIST layers the same width and accuracy as the
         exact fixed point at a third of the sweeps) or ``"fixed-point"`` (until nothing changes). Default
         ``"result"``.
+    :param str starts: under empirical Bayes, ``"both"`` (the small-noise start and the even split, the assignment
+        of higher marginal likelihood kept per layer) or ``"small-noise"`` (the first only, bnpfed before 2026-12).
+        Default ``"both"``.
+    :param str inactive: what the server does with the units a client reports inactive on its own data (exactly 0
+        wherever they enter the next layer: dead ReLU units; :mod:`bnpfed.inference.activity`): ``"drop"`` (left out
+        before matching: the client's network computes the same without them) or ``"keep"`` (matched like any
+        other, bnpfed before 2026-12). Default ``"drop"``.
 
     Over communication rounds each global neuron is a posterior mean, ``sum v / (m + sigma2 / sigma0_2)``: a neuron few
     clients hold comes back to them shrunk towards the prior mean. With too little retraining per round (say 2 local
@@ -354,6 +361,8 @@ class PFNMConfig:
     global_weights: Optional[str] = None
     layerwise_retrain: int = 0
     stop: str = "result"
+    starts: str = "both"
+    inactive: str = "drop"
 
     def __post_init__(self):
         check_choice(self.hyperparameters, ("empirical-bayes", "fixed"), "hyperparameters")
@@ -383,6 +392,12 @@ class PFNMConfig:
             check_choice(self.global_weights, ("average", "posterior-mean"), "global_weights")
         check_int(self.layerwise_retrain, "layerwise_retrain", low=0)
         check_choice(self.stop, ("result", "fixed-point"), "stop")
+        check_choice(self.starts, ("both", "small-noise"), "starts")
+        check_choice(self.inactive, ("drop", "keep"), "inactive")
+        if self.fixed and self.starts != "both":
+            raise ValueError(f"starts: applies under empirical Bayes only (with fixed hyper-parameters there is one "
+                             f"start, the greedy pass at the given values); got {self.starts!r} with "
+                             f"{'constants=reference' if self.constants == 'reference' else 'hyperparameters=fixed'}")
         if self.layerwise_retrain and self.direction != "bottom-up":
             raise ValueError(f"layerwise_retrain: expected 0 unless direction is 'bottom-up' (FedMA's layer-wise "
                              f"scheme matches bottom-up), got {self.layerwise_retrain} with direction "
@@ -405,7 +420,7 @@ class PFNMConfig:
                           gamma0=value(self.gamma0), objective=self.objective or "map")
         else:
             kwargs.update(hyperparameters="empirical-bayes", sigma2=self.sigma2, sigma0_2=self.sigma0_2,
-                          gamma0=self.gamma0, objective="marginal", stop=self.stop)
+                          gamma0=self.gamma0, objective="marginal", stop=self.stop, starts=self.starts)
         if self.sweeps is not None:
             kwargs["sweeps"] = self.sweeps
         if self.global_weights is not None:

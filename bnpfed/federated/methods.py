@@ -67,7 +67,8 @@ from bnpfed.combine import available_rules
 from bnpfed.data import Dataset
 from bnpfed.federated.baselines import (aligned_average, ensemble_proba, fedavg_network, kmeans_networks,
                                        reference_client)
-from bnpfed.federated.clients import bayesian_client, fit_bayesian, initial_network, train_network
+from bnpfed.federated.clients import (bayesian_client, fit_bayesian, initial_network, train_network,
+                                      unit_activity_step)
 from bnpfed.federated.config import (BayesianConfig, FusionConfig, NetworkConfig, PFNMConfig,
                                      PartitionConfig, TrainingConfig, config_dict, holdout_split)
 from bnpfed.federated.federation import EVAL_CHUNK, Federation, reestimate_statistics
@@ -374,6 +375,7 @@ class Experiment:
         self._local: dict[bool, list[nn.Module]] = {}
         self._selection: Optional[Selection] = None
         self._bayesian: Optional[list] = None
+        self._activity: Optional[list] = None
 
     @property
     def num_clients(self) -> int:
@@ -494,6 +496,16 @@ class Experiment:
             self._local[shared] = models
         return self._local[shared]
 
+    def activity(self) -> Optional[list[dict]]:
+        """Each client's report on the units of its local model (:func:`~bnpfed.federated.clients.
+        unit_activity_step` on its own training inputs), when PFNM drops inactive units (``pfnm.inactive``)."""
+        if self.pfnm.inactive != "drop":
+            return None
+        if self._activity is None:
+            self._activity = [unit_activity_step(net, x, self.input_shape, self.training.batch_size)
+                              for net, (x, _) in zip(self.local_models(), self.client_data)]
+        return self._activity
+
     def bayesian_clients(self) -> list:
         """The clients' variational Bayesian networks after round 1's local SVI, each from its own initialisation
         (what matched posterior fusion starts from; the Bayesian ensemble averages their predictive distributions);
@@ -517,7 +529,7 @@ class Experiment:
         if self._selection is None:
             if self.config.select == "none":
                 match = pfnm_step(self.local_models(), self.class_counts, self.pfnm, seed=self.seed, round=1,
-                                  input_shape=self.input_shape)
+                                  input_shape=self.input_shape, activity=self.activity())
                 self._selection = Selection(self.pfnm, "none", match=self.reestimate(match))
             else:
                 if self.config.select == "federated":
@@ -531,7 +543,7 @@ class Experiment:
                     grid_sigma2=self.config.grid_sigma2, grid_sigma0_2=self.config.grid_sigma0_2,
                     grid_gamma0=self.config.grid_gamma0, seed=self.seed, by=self.config.select,
                     test=(self.dataset.x_test, self.dataset.y_test), input_shape=self.input_shape,
-                    reestimate=self.reestimate)
+                    reestimate=self.reestimate, activity=self.activity())
         return self._selection
 
     def federation_row(self, federation: Federation, rounds: int, note: str = "") -> MethodResult:
@@ -799,7 +811,8 @@ for _name, _fn in (("local", _local), ("ensemble", _ensemble), ("ensemble-bayesi
 def select_hyperparameters(local_models: Sequence[nn.Module], class_counts, validation: Sequence, pfnm: PFNMConfig, *,
                            grid_sigma2: Sequence[float], grid_sigma0_2: Sequence[float], grid_gamma0: Sequence[float],
                            seed: int, by: str = "federated", test=None, input_shape=None,
-                           reestimate: Optional[Callable[[SpecMatch], SpecMatch]] = None) -> Selection:
+                           reestimate: Optional[Callable[[SpecMatch], SpecMatch]] = None,
+                           activity: Optional[Sequence] = None) -> Selection:
     """Choose PFNM's ``sigma2, sigma0_2, gamma0`` from a grid by validation accuracy of the one-shot global network
     (each candidate with fixed hyper-parameters; the alternative to empirical Bayes, which needs no held-out data).
 
@@ -811,6 +824,8 @@ def select_hyperparameters(local_models: Sequence[nn.Module], class_counts, vali
     :param input_shape: the shape of one input (to derive a convolutional network's permutation spec).
     :param reestimate: applied to every candidate's match before it is scored (an experiment's
         :meth:`Experiment.reestimate` of the batch-norm statistics).
+    :param activity: the clients' reports on their units (:meth:`Experiment.activity`), as for
+        :func:`~bnpfed.federated.server.pfnm_step`.
     """
     best: Optional[Selection] = None
     curve = []
@@ -819,7 +834,8 @@ def select_hyperparameters(local_models: Sequence[nn.Module], class_counts, vali
         raise ValueError("validation: expected at least one held-out example, got none")
     for s2, s02, g in itertools.product(grid_sigma2, grid_sigma0_2, grid_gamma0):
         candidate = replace(pfnm, hyperparameters="fixed", sigma2=s2, sigma0_2=s02, gamma0=g)
-        match = pfnm_step(local_models, class_counts, candidate, seed=seed, round=1, input_shape=input_shape)
+        match = pfnm_step(local_models, class_counts, candidate, seed=seed, round=1, input_shape=input_shape,
+                          activity=activity)
         if reestimate is not None:
             match = reestimate(match)
         net = match.network().eval()
@@ -892,7 +908,8 @@ def width_sweep(dataset: Dataset, *, sigma2: Sequence[float], gamma0: Sequence[f
         candidate = replace(experiment.pfnm, hyperparameters="fixed", constants=name, sigma2=s2, gamma0=g,
                             direction="top-down" if name == "reference" else experiment.pfnm.direction)
         match = experiment.reestimate(pfnm_step(models, experiment.class_counts, candidate, seed=experiment.seed,
-                                                round=1, input_shape=experiment.input_shape))
+                                                round=1, input_shape=experiment.input_shape,
+                                                activity=experiment.activity()))
         points.append(dict(constants=name, sigma2=s2, gamma0=g, hidden=match.hidden_sizes,
                            width=sum(match.hidden_sizes),
                            accuracy=experiment.evaluate_network(match.network())["accuracy"],

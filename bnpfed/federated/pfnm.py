@@ -56,7 +56,8 @@ from bnpfed.federated.config import NetworkConfig, PFNMConfig, TrainingConfig
 from bnpfed.federated.federation import Federation, reestimate_statistics
 from bnpfed.federated.partition import class_counts
 from bnpfed.federated.rounds import Architecture, HoldsRounds, MatchRounds
-from bnpfed.federated.server import fedma_group_step, matched_parameters, pfnm_step, with_statistics
+from bnpfed.federated.server import drop_inactive, fedma_group_step, matched_parameters, pfnm_step, with_statistics
+from bnpfed.inference.activity import unit_activity
 from bnpfed.inference.permutation import SpecMatch, align_to_group
 from bnpfed.metrics import count_parameters
 
@@ -129,12 +130,18 @@ class PFNMFederation(HoldsRounds, Federation):
             nets.append(train_network(net, x, y, self.training, seed=self.seed, round=round, client=j))
         states = [{k: v.detach() for k, v in n.state_dict().items()} for n in nets]
         starts = self.rounds.warm_start(sampled)
+        activity = None
+        if self.pfnm.inactive == "drop":   # each client's report on its units, on its own data
+            activity = [unit_activity(net, self.client_data[j][0], self.spec, batch_size=self.training.batch_size)
+                        for net, j in zip(nets, sampled)]
         if self.pfnm.layerwise_retrain:
+            if activity is not None:
+                states, starts = drop_inactive(states, self.spec, activity, starts)
             match, seconds = self._layerwise(round, sampled, states, starts)
         else:
             t0 = time.perf_counter()
             match = pfnm_step(states, self.class_counts[sampled], self.pfnm, seed=self.seed, round=round,
-                              starts=starts, spec=self.spec, template=self.template)
+                              starts=starts, spec=self.spec, template=self.template, activity=activity)
             seconds = time.perf_counter() - t0
             if self.architecture.batch_norms:
                 match.state = with_statistics(match.state, self._statistics(sampled, self.architecture.batch_norms,

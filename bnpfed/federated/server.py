@@ -42,6 +42,7 @@ from torch import Tensor, nn
 
 from bnpfed.combine import average_deterministic, fuse_sites
 from bnpfed.federated.config import CLIENT_WEIGHTS, FusionConfig, PFNMConfig
+from bnpfed.inference.activity import drop_units, kept_units
 from bnpfed.inference.permutation import (BatchNormMoments, GroupMatch, PermutationSpec, SpecMatch,
                                           batch_norm_statistics, match_by_spec, match_group)
 from bnpfed.inference.posterior_matching import MIN_VARIANCE, match_posteriors
@@ -57,6 +58,7 @@ __all__ = [
     "client_start",
     "client_weights",
     "clients_per_round",
+    "drop_inactive",
     "fedma_group_step",
     "floor_variances",
     "fuse_posteriors",
@@ -239,10 +241,25 @@ def _warm_start(config: PFNMConfig, starts, J: int) -> Optional[dict[str, list[T
     return {g: [start[g] for start in starts] for g in starts[0]}
 
 
+def drop_inactive(states: Sequence[Mapping[str, Tensor]], spec: PermutationSpec, activity: Sequence[Mapping[str, Tensor]],
+                  starts: Optional[Sequence[Optional[Mapping[str, Tensor]]]] = None) -> tuple[list, Optional[list]]:
+    """The clients' ``state_dict`` s without the units they report inactive (:mod:`bnpfed.inference.activity`), and
+    their ``starts`` (global ids per group, as :func:`pfnm_step` takes them) restricted to the units kept: what
+    FedMA's layer-wise matching starts from (:func:`pfnm_step` does the same inside
+    :func:`~bnpfed.inference.match_by_spec`)."""
+    kept = [kept_units(a, spec, who=f"activity[{j}]") for j, a in enumerate(activity)]
+    states = [drop_units(s, spec, k) for s, k in zip(states, kept)]
+    if starts is not None:
+        starts = [None if st is None else {g: torch.as_tensor(ids)[k[g]] for g, ids in st.items()}
+                  for st, k in zip(starts, kept)]
+    return states, starts
+
+
 def pfnm_step(client_nets: Sequence, class_counts, config: PFNMConfig, *, seed: int, round: int,
               starts: Optional[Sequence[Optional[Mapping[str, Tensor]]]] = None,
               spec: Optional[PermutationSpec] = None, template: Optional[nn.Module] = None,
-              input_shape: Optional[Sequence[int]] = None) -> SpecMatch:
+              input_shape: Optional[Sequence[int]] = None,
+              activity: Optional[Sequence[Mapping[str, Tensor]]] = None) -> SpecMatch:
     """PFNM's server step: match the clients' networks (in the given order) into one global network, group by group
     of the permutation spec (:func:`~bnpfed.inference.permutation.match_by_spec`; for an MLP the hidden layers),
     with ``config``'s hyper-parameters (estimated per group by default), bottom-up or, with
@@ -262,12 +279,16 @@ def pfnm_step(client_nets: Sequence, class_counts, config: PFNMConfig, *, seed: 
         ``template``, or client 0's network, and ``input_shape``).
     :param template: a network of the clients' kind the global one is built from (default client 0's).
     :param input_shape: the shape of one input, to derive the spec of a convolutional network.
+    :param activity: per client, its report on its units (:func:`~bnpfed.federated.clients.unit_activity_step`);
+        with ``config.inactive="drop"`` the units inactive on the client's data are left out before matching
+        (``SpecMatch.kept_units``), with ``"keep"`` the reports are not used. None: every unit is matched.
     :returns: :class:`~bnpfed.inference.permutation.SpecMatch` (``state``, ``assignments``, ``widths``,
         ``network()``, ``client_slice(j)``).
     """
     init = _warm_start(config, starts, len(client_nets))
     return match_by_spec(list(client_nets), class_counts, spec, input_shape=input_shape, template=template,
-                         seed=derive_seed(seed, Stream.MATCH, round), warm_start=init, **config.matcher_kwargs())
+                         seed=derive_seed(seed, Stream.MATCH, round), warm_start=init,
+                         activity=activity if config.inactive == "drop" else None, **config.matcher_kwargs())
 
 
 def match_hyperparameters(match) -> list[dict]:

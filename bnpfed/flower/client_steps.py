@@ -19,7 +19,9 @@ alone decides. The steps are :mod:`bnpfed.federated.clients`' (the in-process fe
 * ``train``, task ``"pfnm"``: start from the network sent (its slice of the global network, a ``state_dict`` of
   the configured architecture, checked against its permutation spec) or, when the message has no arrays (round 1),
   from :func:`~bnpfed.federated.clients.initial_network` (its own initialisation); train it with
-  :func:`~bnpfed.federated.clients.train_network`; reply with its state, ``num-examples``, ``class-counts``;
+  :func:`~bnpfed.federated.clients.train_network`; reply with its state, ``num-examples``, ``class-counts`` and
+  its units' activity on its data (``activity:<group>``, :func:`~bnpfed.federated.clients.unit_activity_step`;
+  the server leaves the inactive units out under ``inactive = "drop"``);
 * ``train``, task ``"fedavg"``: the global network sent (round 1 the shared initialisation), trained with
   :func:`~bnpfed.federated.clients.train_network`; reply with its state and ``num-examples``;
 * ``train``, task ``"fusion"``: a :func:`~bnpfed.federated.clients.bayesian_client` of the shared initial network
@@ -58,7 +60,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 
 from bnpfed.data import Dataset, load_dataset
 from bnpfed.federated.clients import (batch_norm_moments_step, bayesian_client, fit_bayesian, initial_network,
-                                      train_network)
+                                      train_network, unit_activity_step)
 from bnpfed.federated.config import BayesianConfig, NetworkConfig, PartitionConfig
 from bnpfed.federated.matched_fusion import client_from_slice
 from bnpfed.federated.partition import class_counts
@@ -72,6 +74,7 @@ from bnpfed.flower.records import (
     ECE_BINS,
     METRICS,
     NodeIdentity,
+    activity_metrics,
     array_shapes,
     from_array_record,
     matched_posterior_from_arrays,
@@ -229,7 +232,8 @@ def _train_pfnm(msg: Message, context: Context) -> Message:
     else:
         net = c.network(sent)
     trained = train_network(net, x, y, s.training, seed=s.seed, round=c.round, client=c.j)
-    metrics = {"num-examples": int(len(y)), "class-counts": c.class_counts()}
+    metrics = {"num-examples": int(len(y)), "class-counts": c.class_counts(),
+               **activity_metrics(unit_activity_step(trained, x, ds.input_shape, s.training.batch_size))}
     return c.reply(msg, state_to_record(trained.state_dict()), metrics)
 
 

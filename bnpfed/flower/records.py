@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -379,6 +379,30 @@ def read_class_counts(record: Mapping[str, Any], num_classes: int | None, key: s
     if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in items) or sum(items) <= 0:
         raise ReplyError(f"{key!r}: expected ints >= 0, not all 0, got {value!r}")
     return np.asarray(items, dtype=np.int64)
+
+
+ACTIVITY_PREFIX = "activity:"
+
+
+def activity_metrics(activity: Mapping[str, Any]) -> dict[str, list[float]]:
+    """A client's report on its units (:func:`~bnpfed.federated.clients.unit_activity_step`) as metric values:
+    ``"activity:<group>"`` -> the group's activities."""
+    return {ACTIVITY_PREFIX + g: [float(v) for v in np.asarray(a, dtype=np.float64)] for g, a in activity.items()}
+
+
+def read_activity(record: Mapping[str, Any], groups: Sequence[str]) -> dict[str, torch.Tensor]:
+    """The report of :func:`activity_metrics` back, one float64 tensor per group of ``groups``; :class:`ReplyError`
+    when a group is missing or an activity is not a finite number >= 0."""
+    out = {}
+    for g in groups:
+        value = record.get(ACTIVITY_PREFIX + g)
+        items = value if isinstance(value, list) else None
+        if not items or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0
+                            for v in items):
+            raise ReplyError(f"{ACTIVITY_PREFIX + g!r}: expected a list of the units' activities (finite, >= 0), got "
+                             f"{value!r}")
+        out[g] = torch.tensor(items, dtype=torch.float64)
+    return out
 
 
 def read_partition_id(record: Mapping[str, Any]) -> int:

@@ -76,6 +76,7 @@ from bnpfed.flower.records import (
     moments_from_arrays,
     posterior_from_arrays,
     posterior_to_record,
+    read_activity,
     read_class_counts,
     read_count,
     read_finite,
@@ -530,13 +531,15 @@ class PFNMStrategy(_MatchingStrategy):
         arrays, metrics, j, n = self._identity_and_count(reply)
         state = state_from_arrays(arrays, self.spec, self.template.state_dict(), widths=self.rounds.widths(j))
         counts = read_class_counts(metrics, self.identity.num_classes)
-        return Accepted(j, n, (state, counts), metrics)
+        activity = read_activity(metrics, self.spec.group_names) if self.pfnm.inactive == "drop" else None
+        return Accepted(j, n, (state, counts, activity), metrics)
 
     def _aggregate(self, server_round, accepted):
         clients = [a.partition_id for a in accepted]
+        activity = None if self.pfnm.inactive != "drop" else [a.payload[2] for a in accepted]
         match = pfnm_step([a.payload[0] for a in accepted], np.stack([a.payload[1] for a in accepted]), self.pfnm,
                           seed=self.seed, round=server_round, starts=self.rounds.warm_start(clients), spec=self.spec,
-                          template=self.template)
+                          template=self.template, activity=activity)
         self.rounds.update(match, clients)
         seconds = match.seconds
         summary = {}

@@ -8,8 +8,9 @@ the heteroscedastic model: ``match_layer``, ``match_bayesian_layer``), :mod:`~bn
 :mod:`~bnpfed.inference.derive`, :mod:`~bnpfed.inference.layout`, :mod:`~bnpfed.inference.assembly` (permutation
 specs), :mod:`~bnpfed.inference.network_matching` (the one network driver, ``match_by_spec``),
 :mod:`~bnpfed.inference.fedma` (one group at a time), :mod:`~bnpfed.inference.posterior_matching` (the driver with a
-fusing step), :mod:`~bnpfed.inference.batch_norm`; :mod:`~bnpfed.inference.permutation` is the public face of the
-spec floor."""
+fusing step), :mod:`~bnpfed.inference.batch_norm`, :mod:`~bnpfed.inference.activity` (the units a client reports
+inactive on its data, left out of matching); :mod:`~bnpfed.inference.permutation` is the public face of the spec
+floor."""
 
 from bnpfed.inference.matching import REFERENCE_CONSTANTS, MatchResult, assignment_objective, match_layer
 from bnpfed.inference.bayesian_matching import bayesian_assignment_objective, match_bayesian_layer
@@ -32,6 +33,7 @@ from bnpfed.inference.permutation import (
     verify_spec,
 )
 
+from bnpfed.inference.activity import drop_units, inactive_units, kept_units, unit_activity
 from bnpfed.inference.guides import MeanFieldGuide
 from bnpfed.inference.elbo import MeanFieldELBO
 from bnpfed.inference.svi import BayesianClient, DeterministicClient, TrainingDiverged
@@ -60,6 +62,10 @@ __all__ = [
     "set_batch_norm_statistics",
     "unit_vectors",
     "verify_spec",
+    "drop_units",
+    "inactive_units",
+    "kept_units",
+    "unit_activity",
     "MeanFieldGuide",
     "MeanFieldELBO",
     "BayesianClient",

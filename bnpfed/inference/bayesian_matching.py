@@ -96,6 +96,7 @@ def match_bayesian_layer(
     popularity_factor: float = 2.0,
     objective: Literal["map", "marginal"] = "marginal",
     stop: Literal["fixed-point", "result"] = "result",
+    starts: Literal["both", "small-noise"] = "both",
     **constants,
 ) -> MatchResult:
     """Match J clients' Bayesian neurons (posterior means and variances) to global atoms under the Beta-Bernoulli
@@ -154,7 +155,7 @@ def match_bayesian_layer(
     return match_one_layer(means, variances, noise="tau2", given=dict(tau2=tau2, sigma0_2=sigma0_2, gamma0=gamma0),
                            mu0=mu0, precisions=precisions, hyperparameters=hyperparameters, sweeps=sweeps, seed=seed,
                            objective=objective, init_assignments=init_assignments, estimator=estimator, name="means",
-                           stop=stop, popularity_factor=popularity_factor, **constants)
+                           stop=stop, starts=starts, popularity_factor=popularity_factor, **constants)
 
 
 def bayesian_assignment_objective(

@@ -178,6 +178,11 @@ class _Estimator:
                   f"neuron alone: redone from the even split ({self.noise} = sigma0_2 = half of it)")
         return self._even
 
+    def alternative_start(self) -> dict | None:
+        """The even split, the second start of :func:`~bnpfed.inference.matcher.run_matching` (None when the noise
+        is given or starts from a given value: there is then one start)."""
+        return self._even if self._restartable else None
+
     def close(self, new: dict, old: dict, rtol: float = EB_RTOL) -> bool:
         """Whether no estimate moved by more than ``rtol`` (relative; mu0 relative to sqrt(sigma0_2))."""
         for name in self.names:

@@ -137,6 +137,12 @@ class MatchResult:
         with fixed hyper-parameters.
     :param int sweeps_run: sweeps actually run after the first assignment.
     :param list moved: per sweep run, how many neurons did not stay with the others they were with.
+    :param float log_likelihood: ``log p(Z, V)`` of the assignment at the final values, every normalising constant
+        included (:meth:`LayerMatcher.log_likelihood`): comparable across hyper-parameters.
+    :param list starts: empirical Bayes from both starts (:func:`run_matching`): per start its ``start``,
+        ``log_likelihood``, ``atoms``, ``sweeps`` and ``converged``; empty when there was one start.
+    :param bool restarted: the small-noise start's first pass left every neuron alone and was redone from the even
+        split.
     """
 
     global_atoms: Tensor
@@ -154,6 +160,9 @@ class MatchResult:
     notes: list = field(default_factory=list)
     sweeps_run: int = 0
     moved: list = field(default_factory=list)
+    log_likelihood: float | None = None
+    starts: list = field(default_factory=list)
+    restarted: bool = False
 
     @property
     def num_atoms(self) -> int:
@@ -360,6 +369,7 @@ class LayerMatcher:
                    for j, u in enumerate(self.uN)]
         self.xN = [w * v for w, v in zip(self.wN, self.vN)]
         self.log_new = 2.0 * math.log(gamma0 / self.J)
+        self.gamma0 = float(gamma0)
         self.new_scores = [self._new_atom_scores(j) for j in range(self.J)]
         if old is not None:
             self._rescale(*old)
@@ -687,6 +697,38 @@ class LayerMatcher:
             F -= float(self.F.size * np.log(P / self.P0).sum())
         return F
 
+    def log_likelihood(self) -> float:
+        """``log p(Z, V | hyper-parameters)`` of the current assignment: the Beta-Bernoulli configuration density
+        ``gamma0^L exp(-gamma0 H_J) prod_i (m_i - 1)! (J - m_i)! / J!`` times every atom's members' Gaussian marginal
+        on every coordinate (atoms integrated out: covariance ``sigma0_2 11^T + diag(1/w)`` over the members with
+        ``w > 0``), with every normalising constant -- so that, unlike the objectives, it compares assignments
+        reached at *different* hyper-parameters (the two starts of :func:`run_matching`). Per atom and coordinate
+        the Gaussian part is ``-(1/2) [sum_members (log(2 pi / w) + w v^2) + log(P/P0) + g0^2/P0 - g^2/P]``."""
+        active = np.flatnonzero(self.m[: self.n_rows] > 0)
+        m = self.m[active]
+        J = self.J
+        ll = active.size * math.log(self.gamma0) - self.gamma0 * float(np.sum(1.0 / np.arange(
+            1, J + 1)))
+        ll += float(sum(math.lgamma(k) + math.lgamma(J - k + 1) - math.lgamma(J + 1) for k in m))
+        gauss = 0.0
+        if self.F.size:
+            P = self.P0 + m * self.tau
+            gauss += float(self.F.size * np.log(P / self.P0).sum() + active.size * self.g0F_sq / self.P0
+                           - (self.gF_sq[active] / P).sum())
+            gauss += self.F.size * int(self.offsets[-1]) * math.log(2 * math.pi / self.tau) + float(
+                self.tau * (self.vF_all ** 2).sum())
+        for g, Pk, g0, P0, ws, vs in ((self.gC, self.PC, self.g0C, self.P0C, self.wC, self.vC),
+                                      (self.gN, self.PN, self.g0N, self.P0N, self.wN, self.vN)):
+            if not g.shape[1]:
+                continue
+            gauss += float(np.log(Pk[active] / P0).sum() + active.size * (g0 ** 2 / P0).sum()
+                           - (g[active] ** 2 / Pk[active]).sum())
+            for w, v in zip(ws, vs):
+                w = np.broadcast_to(w, v.shape)
+                seen = w > 0
+                gauss += float(np.log(2 * math.pi / w[seen]).sum() + (w * v ** 2)[seen].sum())
+        return ll - 0.5 * gauss
+
     def result(self, objective: list[float], seconds: float, dtype, **extra) -> MatchResult:
         active = np.flatnonzero(self.m[: self.n_rows] > 0)
         labels, _ = self.labels()
@@ -727,6 +769,9 @@ class FixedValues:
     def restart(self, matcher: LayerMatcher) -> None:
         return None
 
+    def alternative_start(self) -> None:
+        return None
+
     def update(self, labels, L: int, current: dict) -> dict:
         return current
 
@@ -745,6 +790,7 @@ class FixedValues:
 def match_one_layer(means, variances, *, noise: str, given: Mapping[str, object], mu0, precisions,
                     hyperparameters: str, sweeps, seed, objective, init_assignments, estimator, name: str,
                     stop_at_fixed_point: bool = True, cross_products: str = "auto", stop: str = "result",
+                    starts: str = "both",
                     **options) -> MatchResult:
     """What :func:`~bnpfed.inference.match_layer` and :func:`~bnpfed.inference.match_bayesian_layer` share: the
     options checked, the matcher made, the given variances (``given``, named ``noise``, ``"sigma0_2"``,
@@ -775,7 +821,7 @@ def match_one_layer(means, variances, *, noise: str, given: Mapping[str, object]
         estimator = FixedValues(values, noise)
     return run_matching(matcher, estimator, init=init, sweeps=sweeps, seed=seed,
                         stop_at_fixed_point=stop_at_fixed_point, cross_products=cross_products, stop=stop,
-                        dtype=result_dtype(means), t0=t0)
+                        starts=starts, dtype=result_dtype(means), t0=t0)
 
 
 def assignment_objective_of(means, variances, assignments, *, noise: str, values: Mapping[str, object], mu0,
@@ -791,7 +837,8 @@ def assignment_objective_of(means, variances, assignments, *, noise: str, values
 
 
 def run_matching(matcher: LayerMatcher, estimator, *, init, sweeps: int, seed, stop_at_fixed_point: bool = True,
-                 cross_products: str = "auto", stop: str = "result", dtype, t0: float) -> MatchResult:
+                 cross_products: str = "auto", stop: str = "result", starts: str = "both", dtype,
+                 t0: float) -> MatchResult:
     """The first assignment (greedy pass at the estimator's start, or ``init``), then up to ``sweeps`` sweeps, the
     hyper-parameters re-estimated after the first assignment and after every sweep, until a sweep changes neither.
 
@@ -804,14 +851,44 @@ def run_matching(matcher: LayerMatcher, estimator, *, init, sweeps: int, seed, s
     the neurons moved in a sweep and no estimate moved by more than :data:`STOP_RTOL` (the assignment is then as good
     as settled: on trained MNIST layers the same width and accuracy at a third of the sweeps, benchmarks/README.md)."""
     check_choice(cross_products, ("auto", "direct", "gram"), "cross_products")
+    check_choice(starts, ("both", "small-noise"), "starts")
     fixed = getattr(estimator, "fixed", False)
-    current = estimator.start()
+    options = dict(sweeps=sweeps, seed=seed, stop_at_fixed_point=stop_at_fixed_point, cross_products=cross_products,
+                   stop=stop, dtype=dtype, t0=t0)
+    alternative = None if fixed else estimator.alternative_start()
+    if init is not None or starts != "both" or alternative is None:
+        return _alternate(matcher, estimator, estimator.start(), init=init, restart=True, **options)
+    first = _alternate(matcher, estimator, estimator.start(), init=None, restart=True, **options)
+    if first.restarted:   # the small-noise start was already redone from the even split
+        return first
+    matcher.assign, matcher.hyper, matcher.gram = [None] * matcher.J, None, None
+    second = _alternate(matcher, estimator, alternative, init=None, restart=False, **options)
+    runs = [("small-noise", first), ("even-split", second)]
+    name, best = max(runs, key=lambda r: r[1].log_likelihood)
+    best.starts = [dict(start=n, log_likelihood=r.log_likelihood, atoms=int(r.counts.numel()), sweeps=r.sweeps_run,
+                        converged=r.converged) for n, r in runs]
+    best.notes = list(dict.fromkeys(first.notes + second.notes)) + [
+        "both starts run, the " + name + " one kept (higher log p(Z, V): " + ", ".join(
+            f"{n} {r.log_likelihood:.1f} at {int(r.counts.numel())} atoms" for n, r in runs) + ")"]
+    best.seconds = time.perf_counter() - t0
+    best.lsa_seconds = first.lsa_seconds + second.lsa_seconds
+    return best
+
+
+def _alternate(matcher: LayerMatcher, estimator, current: dict, *, init, restart: bool, sweeps: int, seed,
+               stop_at_fixed_point: bool, cross_products: str, stop: str, dtype, t0: float) -> MatchResult:
+    """One run of :func:`run_matching` from the estimator's values ``current`` (``restart``: redo it from the
+    estimator's fallback start when the first pass left every neuron alone)."""
+    fixed = getattr(estimator, "fixed", False)
+    notes_before = len(estimator.notes)
+    lsa_before = matcher.lsa_seconds
+    restarted = False
     matcher.set_hyperparameters(**estimator.coordinates(current))
     if init is None:
         matcher.greedy()
-        restart = estimator.restart(matcher)
-        if restart is not None:  # the estimator's fallback start (every neuron alone at its first start)
-            current = restart
+        fallback = estimator.restart(matcher) if restart else None
+        if fallback is not None:  # the estimator's fallback start (every neuron alone at its first start)
+            current, restarted = fallback, True
             matcher.assign = [None] * matcher.J
             matcher.hyper = None
             matcher.set_hyperparameters(**estimator.coordinates(current))
@@ -860,6 +937,11 @@ def run_matching(matcher: LayerMatcher, estimator, *, init, sweeps: int, seed, s
         estimator.note(f"not converged: the assignment or the estimates still changed at sweep {sweeps}, the limit "
                        "(raise sweeps)")
     matcher.set_hyperparameters(**estimator.coordinates(current))  # the atoms' posterior at the final values
-    return matcher.result(objective, time.perf_counter() - t0, dtype, hyperparameters=history[-1],
-                          hyperparameter_history=history, converged=converged, estimated=tuple(estimator.estimated),
-                          notes=list(estimator.notes), sweeps_run=run, moved=moved)
+    notes = list(estimator.notes[:notes_before]) + list(estimator.notes[notes_before:])
+    del estimator.notes[notes_before:]
+    result = matcher.result(objective, time.perf_counter() - t0, dtype, hyperparameters=history[-1],
+                            hyperparameter_history=history, converged=converged, estimated=tuple(estimator.estimated),
+                            notes=notes, sweeps_run=run, moved=moved, log_likelihood=matcher.log_likelihood())
+    result.lsa_seconds = matcher.lsa_seconds - lsa_before
+    result.restarted = restarted
+    return result

@@ -96,11 +96,15 @@ The iteration starts from ``start`` or, for what it does not give, from the pool
 their mean on coordinate d, ``sigma2 = EB_START_NOISE_SHARE * T`` and ``sigma0_2 = (1 - EB_START_NOISE_SHARE) * T``
 with T their pooled variance (``Var(v_d) = sigma0_2 + sigma2`` under the model; the scaled pair likewise from the
 scaled coordinates), and gamma0 the mean number of neurons per client (under the IBP every client uses gamma0 atoms
-on average). The alternation may have several fixed points, and the start chooses among them: on the layers of
-independently trained networks the small-noise start reaches the fixed point of higher marginal likelihood -- the
-few never-active units that agree closely across clients set the noise, and the trained ones stay apart -- while
-the even split (``sigma2 = sigma0_2 = T / 2``) merges trained neurons in its first pass and stays at a fixed point
-2.5 to 3.5 x 10^4 nats lower (MNIST 784-100-10, J = 10; benchmarks/README.md). If the first pass from the small noise
+on average). The alternation may have several fixed points, and the start chooses among them. The small-noise
+start merges only neurons far closer than a typical pair first, and a few tight neurons that agree across clients
+(units dead on the client's data, whose weights are left near their initial values) then set the noise; the even
+split (``sigma2 = sigma0_2 = T / 2``) merges widely in its first pass and settles at a fixed point with a larger
+noise. Neither is right everywhere, so by default (``starts="both"``) both are run and the one of higher marginal
+likelihood ``log p(Z, V)`` (at its own estimates, every normalising constant included) is kept: on MNIST
+784-100-10 (J = 10) the small-noise one wins by 2.6-3.1 x 10^4 nats while the dead units are matched, the even
+split by 3.7-4.0 x 10^4 nats once the clients leave them out (:mod:`bnpfed.inference.activity`), at 156-157
+global units instead of 759-804 (benchmarks/README.md). If the first pass from the small noise
 leaves every neuron alone (sigma2 not estimable: nothing agrees that closely), it is redone from the even split
 (noted). It stops when a sweep changed no assignment and no estimate moved by more than ``EB_RTOL`` (relative; mu0
 relative to sqrt(sigma0_2)) -- by default already when at most 2 % of the neurons moved in a sweep and no estimate by
@@ -169,6 +173,7 @@ def match_layer(
     cross_products: Literal["auto", "direct", "gram"] = "auto",
     init_assignments=None,
     stop: Literal["fixed-point", "result"] = "result",
+    starts: Literal["both", "small-noise"] = "both",
 ) -> MatchResult:
     """Match J clients' neurons to global atoms under the Beta-Bernoulli process (PFNM's server step), with the
     hyper-parameters estimated from the neurons (empirical Bayes, the default) or given.
@@ -259,6 +264,11 @@ def match_layer(
         (:data:`~bnpfed.inference.matcher.STOP_MOVED`) and no estimate by more than 1 %
         (:data:`~bnpfed.inference.matcher.STOP_RTOL`): on trained layers the same width and accuracy as the exact
         fixed point at a third of the sweeps; ``"fixed-point"`` sweeps until nothing changes (``EB_RTOL``).
+    :param str starts: empirical Bayes with the noise estimated from the data's start: ``"both"`` (default) runs the
+        alternation from the small-noise start and from the even split and keeps the assignment of higher ``log p(Z,
+        V)`` at its own estimates (``MatchResult.log_likelihood``, every constant included; both runs in
+        ``MatchResult.starts``); ``"small-noise"`` runs the first only. One start whenever the noise is given or
+        ``start`` sets it, and with fixed hyper-parameters.
     :param init_assignments: optional starting point replacing the greedy pass: J integer arrays or tensors, the
         j-th of length L_j (empty for a client without neurons), ``init_assignments[j][l]`` the atom of client j's
         l-th neuron. Labels may take any values (they are compacted internally) but must be distinct within a client.
@@ -279,7 +289,7 @@ def match_layer(
                            mu0=mu0, precisions=precisions, hyperparameters=hyperparameters, sweeps=sweeps, seed=seed,
                            objective=objective, init_assignments=init_assignments, estimator=estimator,
                            name="neurons", stop_at_fixed_point=stop_at_fixed_point, cross_products=cross_products,
-                           stop=stop,
+                           stop=stop, starts=starts,
                            popularity_factor=popularity_factor, popularity_cap=popularity_cap, max_atoms=max_atoms,
                            new_atom_penalty=new_atom_penalty)
 

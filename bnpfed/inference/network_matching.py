@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from bnpfed.inference.activity import check_activity, drop_units, kept_units
 from bnpfed.inference.assembly import client_slice, network_from_state, state_from_atoms
 from bnpfed.inference.derive import derive_spec
 from bnpfed.inference.layout import VectorLayout, group_layout, layout_rows, width
@@ -89,6 +90,9 @@ class SpecMatch:
     :param Tensor class_shares: (J, C) ``share_jk = n_jk / sum_j' n_j'k`` (0 for a class nobody holds).
     :param dict hyperparameters: group name -> the ``hyperparameters`` of its result (``{}`` when it has none).
     :param float output_bias_mu0: the prior mean the output bias was shrunk towards (given or estimated).
+    :param list kept_units: with the clients' ``activity`` reports, per client and group the indices of the units
+        it kept (the others were inactive on its data and left out; ``assignments`` refer to the kept ones, in
+        order); None when every unit was matched.
     """
 
     spec: PermutationSpec
@@ -100,6 +104,7 @@ class SpecMatch:
     class_shares: Tensor | None = field(default=None, repr=False)
     hyperparameters: dict = field(default_factory=dict)
     output_bias_mu0: float | None = None
+    kept_units: list | None = None
 
     @property
     def widths(self) -> dict[str, int]:
@@ -487,6 +492,7 @@ def match_by_spec(
     warm_start=None,
     layer_fn: Callable | Sequence[Callable] = match_layer,
     global_weights: Literal["average", "posterior-mean"] | None = None,
+    activity=None,
     **matcher_kwargs,
 ) -> SpecMatch:
     """Match J clients' networks of one kind into one global network (PFNM's server step), group by group in the
@@ -557,6 +563,12 @@ def match_by_spec(
         output layer the clients' logits averaged class by class: :func:`~bnpfed.inference.average_atoms`) or
         ``"posterior-mean"`` (the atoms' posterior means, as published); None (default): ``"average"`` under
         empirical Bayes, ``"posterior-mean"`` with fixed hyper-parameters.
+    :param activity: None, or per client what it reports about its units on its own data
+        (:func:`~bnpfed.inference.activity.unit_activity`: per group the (L,) largest contribution of each unit):
+        the units with activity 0 (dead on the client's data: its network computes the same without them) are left
+        out before matching (:mod:`bnpfed.inference.activity`); they join no global unit, the assignments and
+        ``warm_start`` refer to each client's remaining units (in their order), and ``SpecMatch.kept_units`` says
+        which they are.
     :param matcher_kwargs: passed to ``layer_fn`` (``objective``, ``popularity_factor``, ``start``, ...).
     :returns: :class:`SpecMatch`.
     """
@@ -567,9 +579,24 @@ def match_by_spec(
     states, template = client_states(client_nets, template)
     spec = resolve_spec(spec, template, input_shape,
                         missing="spec: expected a PermutationSpec when client_nets are state dicts (or a template)")
-    clients = prepare_clients({"value": states}, spec, class_counts)
     names = spec.group_names
+    reports = check_activity(activity, len(states))
+    clients = prepare_clients({"value": states}, spec, class_counts)
     init = warm_start_labels(warm_start, names, clients.widths)
+    kept = None
+    if reports is not None:
+        kept = []
+        for j, report in enumerate(reports):
+            kept.append(kept_units(report, spec, who=f"activity[{j}]"))
+            for g in names:
+                n = clients.widths[j][g]
+                if len(report[g]) != n:
+                    raise ValueError(f"activity[{j}][{g!r}]: expected {n} activities (client {j} has {n} units in "
+                                     f"group {g!r}), got {len(report[g])}")
+        states = [drop_units(st, spec, k) for st, k in zip(states, kept)]
+        if init is not None:
+            init = {g: [labels[k[g]] for labels, k in zip(init[g], kept)] for g in names}
+        clients = prepare_clients({"value": states}, spec, class_counts)
     fns = dict(zip(names, check_layer_fns(layer_fn, len(names))))
     values = group_values(names, mode, {"sigma2": sigma2, "sigma0_2": sigma0_2, "gamma0": gamma0}, mu0, bias_mu0)
     order = spec if direction == "bottom-up" else spec.reversed()
@@ -595,4 +622,5 @@ def match_by_spec(
     return SpecMatch(spec=spec, state=state, assignments=assignments,
                      layer_results={n: matches[n].result for n in names}, template=template,
                      seconds=time.perf_counter() - t0, class_shares=clients.shares,
-                     hyperparameters={n: matches[n].hyperparameters for n in names}, output_bias_mu0=b_mu0)
+                     hyperparameters={n: matches[n].hyperparameters for n in names}, output_bias_mu0=b_mu0,
+                     kept_units=kept)

@@ -1,0 +1,100 @@
+"""Inactive units reported by the clients and left out of matching: a unit dead on a client's data contributes
+nothing, so the client's network without it computes the same; matching then never sees it."""
+
+import pytest
+import torch
+from torch import nn
+
+from bnpfed.inference import derive_spec, match_by_spec
+from bnpfed.inference.activity import drop_units, inactive_units, kept_units, unit_activity
+
+
+def _mlp_with_dead_units(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    net = nn.Sequential(nn.Flatten(), nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 5), nn.ReLU(), nn.Linear(5, 3))
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+        net[1].bias[[2, 5]] = -100.0     # never above 0 on inputs of this size: dead
+        net[3].bias[1] = -100.0
+    return net
+
+
+def _cnn_with_dead_channels():
+    torch.manual_seed(1)
+    net = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(4, 5, 3),
+                        nn.ReLU(), nn.Flatten(), nn.Linear(5 * 2 * 2, 6), nn.ReLU(), nn.Linear(6, 3))
+    with torch.no_grad():
+        net[1].bias[3] = -100.0          # batch-norm shift: channel 3 of conv 0 never fires
+        net[4].bias[0] = -100.0
+        net[7].bias[4] = -100.0
+    return net.eval()
+
+
+def test_activity_is_each_units_largest_output_on_the_clients_data():
+    net = _mlp_with_dead_units()
+    x = torch.randn(50, 6)
+    spec = derive_spec(net, (6,))
+    a = unit_activity(net, x, spec, batch_size=7)
+    h1 = torch.relu(net[1](x))
+    h2 = torch.relu(net[3](h1))
+    assert torch.allclose(a["1"], h1.amax(0).double())
+    assert torch.allclose(a["3"], h2.amax(0).double())
+    dead = inactive_units(a)
+    assert dead["1"].nonzero().flatten().tolist() == [2, 5]
+    assert dead["3"].nonzero().flatten().tolist() == [1]
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn"])
+def test_a_network_without_its_inactive_units_computes_the_same_on_that_data(kind):
+    net = _mlp_with_dead_units() if kind == "mlp" else _cnn_with_dead_channels()
+    shape = (6,) if kind == "mlp" else (1, 10, 10)
+    x = torch.randn(40, *shape)
+    spec = derive_spec(net, shape)
+    kept = kept_units(unit_activity(net, x, spec), spec)
+    small = drop_units(net, spec, kept).eval()
+    forced = {"mlp": {"1": [2, 5], "3": [1]}, "cnn": {"0": [3], "4": [0], "7": [4]}}[kind]
+    for g, units in forced.items():
+        assert not set(units) & set(kept[g].tolist())
+    with torch.no_grad():
+        assert torch.allclose(small(x), net.eval()(x), atol=1e-6, rtol=0)
+    assert sum(p.numel() for p in small.parameters()) < sum(p.numel() for p in net.parameters())
+
+
+def test_matching_leaves_the_reported_inactive_units_out():
+    nets = [_mlp_with_dead_units(seed) for seed in range(3)]
+    x = torch.randn(30, 6)
+    spec = derive_spec(nets[0], (6,))
+    reports = [unit_activity(n, x, spec) for n in nets]
+    counts = [[5, 3, 2], [2, 5, 3], [3, 2, 5]]
+    match = match_by_spec(nets, counts, spec, seed=0, activity=reports)
+    kept = [kept_units(r, spec) for r in reports]
+    direct = match_by_spec([drop_units(n, spec, k) for n, k in zip(nets, kept)], counts, spec, seed=0)
+    assert match.widths == direct.widths
+    for g in match.assignments:
+        for a, b, k in zip(match.assignments[g], direct.assignments[g], kept):
+            assert torch.equal(a, b)
+            assert a.numel() == k[g].numel() <= {"1": 6, "3": 4}[g]
+    for k, v in match.state.items():
+        assert torch.equal(v, direct.state[k])
+    assert [{g: t.tolist() for g, t in k.items()} for k in match.kept_units] == \
+        [{g: t.tolist() for g, t in k.items()} for k in kept]
+    # a warm start is given over every unit and follows the drop
+    again = match_by_spec(nets, counts, spec, seed=0, activity=reports,
+                          warm_start={g: [torch.arange(8 if g == "1" else 5)] * 3 for g in ("1", "3")},
+                          hyperparameters="fixed", sigma2=1.0, sigma0_2=1.0, gamma0=1.0)
+    assert [a.numel() for a in again.assignments["1"]] == [k["1"].numel() for k in kept]
+
+
+def test_a_bad_activity_report_is_refused_before_any_work():
+    nets = [_mlp_with_dead_units(seed) for seed in range(2)]
+    spec = derive_spec(nets[0], (6,))
+    report = unit_activity(nets[0], torch.randn(5, 6), spec)
+    with pytest.raises(ValueError, match="activity: expected None or one report per client"):
+        match_by_spec(nets, None, spec, activity=[report])
+    with pytest.raises(ValueError, match=r"activity\[1\]\['1'\]: expected 8 activities"):
+        match_by_spec(nets, None, spec, activity=[report, {"1": torch.ones(7).double(), "3": torch.ones(5).double()}])
+    with pytest.raises(ValueError, match=r"activity\[0\]: expected a mapping with one"):
+        match_by_spec(nets, None, spec, activity=[{"1": report["1"]}, report])
+    with pytest.raises(ValueError, match="inputs: expected a tensor"):
+        unit_activity(nets[0], [1.0, 2.0], spec)
