@@ -24,6 +24,9 @@ Parts (each writes JSON lines to ``--out`` and can be resumed: finished configur
   PFNM (empirical Bayes), FedMA layer-wise, and ``--rounds`` rounds of PFNM with communication against FedAvg;
 * ``cifar``: CIFAR-10 (``--dataset cifar10``) with FedMA's simple-cnn (``--arch simple-cnn-bn``: with batch norms),
   J = 10, Dirichlet(0.5) and IID: every method of the convolutional benchmark, one JSON line per method as it ends;
+* ``compress``: one-shot PFNM with bnpfed's defaults (dead units left out, empirical Bayes from both starts)
+  against the behaviour before on the same local models (``--arch``, ``--dataset``, ``--partitions``), with
+  parameters;
 * ``cnn-timing``: LeNet's groups matched for J = 25 (IID, seed 0): seconds per group, best of 3, empirical Bayes
   and fixed hyper-parameters;
 * ``deep``: 784-100-100-10, top-down against bottom-up under both sets of constants (J = 10, homogeneous, seed 0);
@@ -47,6 +50,7 @@ from bnpfed.federated.config import PFNM_NETWORK, PFNM_TRAINING, PartitionConfig
 from bnpfed.federated.methods import ExperimentConfig, Experiment, run_experiment, run_method, width_sweep
 from bnpfed.federated.pfnm import PFNMFederation
 from bnpfed.federated.server import match_hyperparameters, pfnm_step
+from bnpfed.metrics import count_parameters
 
 HERE = Path(__file__).parent
 DEFAULT_DATA = HERE.parent.parent / "shared" / "data" / "mnist"
@@ -355,7 +359,34 @@ def part_cnn_timing(ds, out: Path, name: str = "mnist") -> None:
     _emit(out, key, dict(rows=rows, threads=torch.get_num_threads()))
 
 
-PARTS = {"reference": part_reference, "cnn": part_cnn, "cifar": part_cifar, "cnn-timing": part_cnn_timing,
+def part_compress(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("iid", "dirichlet"),
+                  arch: str = "lenet") -> None:
+    """Compression by default (issue 16): one-shot PFNM with bnpfed's defaults (dead units left out, empirical Bayes
+    from both starts) against the behaviour before (``starts="small-noise", inactive="keep"``) on the same local
+    models, beside the local models and the ensemble, with parameters and widths."""
+    done = _done(out)
+    for J in Js:
+        for partition in partitions:
+            for seed in seeds:
+                key = f"compress/{name}/{arch}/J={J}/{partition}/seed={seed}"
+                if key in done:
+                    continue
+                configs = _configs(J, partition, seed, methods=("local", "ensemble", "pfnm"))
+                configs["network"] = replace(PFNM_NETWORK, arch=arch)
+                configs["pfnm"] = PFNMConfig()
+                result = run_experiment(ds, **configs)
+                rows = {r.method: dict(_row(r), parameters=r.parameters) for r in result.rows}
+                rows["pfnm"]["layers"] = _layers(result.selection.match)
+                before = pfnm_step(result.local_models, result.class_counts,
+                                   PFNMConfig(starts="small-noise", inactive="keep"), seed=seed, round=1,
+                                   input_shape=ds.input_shape)
+                net = before.network()
+                rows["pfnm (before)"] = dict(accuracy=_accuracy(net, ds), hidden=before.hidden_sizes,
+                                             seconds=before.seconds, parameters=count_parameters(net))
+                _emit(out, key, dict(dataset=name, arch=arch, J=J, partition=partition, seed=seed, rows=rows))
+
+
+PARTS = {"reference": part_reference, "compress": part_compress, "cnn": part_cnn, "cifar": part_cifar, "cnn-timing": part_cnn_timing,
          "baselines": part_baselines,
          "eb": part_eb, "plane": part_plane, "width": part_width, "rounds": part_rounds, "start": part_start,
          "deep": part_deep, "timing": part_timing}
@@ -405,6 +436,9 @@ def main(argv=None):
         elif part == "baselines":
             part_baselines(ds, out, seeds, Js, name=args.dataset, partitions=tuple(args.partitions.split(",")),
                            arch=args.arch)
+        elif part == "compress":
+            part_compress(ds, out, seeds, Js, name=args.dataset, partitions=tuple(args.partitions.split(",")),
+                          arch=args.arch)
         elif part == "cnn-timing":
             part_cnn_timing(ds, out, name=args.dataset)
         else:

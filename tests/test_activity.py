@@ -98,3 +98,18 @@ def test_a_bad_activity_report_is_refused_before_any_work():
         match_by_spec(nets, None, spec, activity=[{"1": report["1"]}, report])
     with pytest.raises(ValueError, match="inputs: expected a tensor"):
         unit_activity(nets[0], [1.0, 2.0], spec)
+
+
+def test_a_flower_client_sends_its_activity_as_metrics_and_the_server_reads_it_back():
+    pytest.importorskip("flwr")
+    from bnpfed.flower.records import ReplyError, activity_metrics, read_activity
+
+    net = _mlp_with_dead_units()
+    spec = derive_spec(net, (6,))
+    report = unit_activity(net, torch.randn(20, 6), spec)
+    back = read_activity(activity_metrics(report), spec.group_names)
+    assert all(torch.equal(back[g], report[g]) for g in spec.group_names)
+    with pytest.raises(ReplyError, match="'activity:3': expected a list of the units' activities"):
+        read_activity({"activity:1": [1.0, 0.0]}, spec.group_names)
+    with pytest.raises(ReplyError, match="'activity:1'"):
+        read_activity({"activity:1": [1.0, -1.0], "activity:3": [0.0]}, spec.group_names)
