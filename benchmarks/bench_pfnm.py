@@ -386,7 +386,8 @@ def part_compress(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=(
                 _emit(out, key, dict(dataset=name, arch=arch, J=J, partition=partition, seed=seed, rows=rows))
 
 
-PARTS = {"reference": part_reference, "compress": part_compress, "cnn": part_cnn, "cifar": part_cifar, "cnn-timing": part_cnn_timing,
+PARTS = {"reference": part_reference, "compress": part_compress, "cnn": part_cnn, "cifar": part_cifar,
+         "cnn-timing": part_cnn_timing,
          "baselines": part_baselines,
          "eb": part_eb, "plane": part_plane, "width": part_width, "rounds": part_rounds, "start": part_start,
          "deep": part_deep, "timing": part_timing}

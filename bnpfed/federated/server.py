@@ -241,7 +241,8 @@ def _warm_start(config: PFNMConfig, starts, J: int) -> Optional[dict[str, list[T
     return {g: [start[g] for start in starts] for g in starts[0]}
 
 
-def drop_inactive(states: Sequence[Mapping[str, Tensor]], spec: PermutationSpec, activity: Sequence[Mapping[str, Tensor]],
+def drop_inactive(states: Sequence[Mapping[str, Tensor]], spec: PermutationSpec,
+                  activity: Sequence[Mapping[str, Tensor]],
                   starts: Optional[Sequence[Optional[Mapping[str, Tensor]]]] = None) -> tuple[list, Optional[list]]:
     """The clients' ``state_dict`` s without the units they report inactive (:mod:`bnpfed.inference.activity`), and
     their ``starts`` (global ids per group, as :func:`pfnm_step` takes them) restricted to the units kept: what

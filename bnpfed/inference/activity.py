@@ -68,8 +68,8 @@ def unit_activity(net: nn.Module, inputs: Tensor, spec: PermutationSpec, *, batc
     >>> with torch.no_grad():
     ...     _ = net[0].weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, -1.0]]))
     ...     _ = net[0].bias.zero_()
-    >>> unit_activity(net, torch.tensor([[1.0, 2.0], [3.0, 0.5]]), derive_spec(net, (2,)))["0"]
-    tensor([3., 2., 0.])
+    >>> unit_activity(net, torch.tensor([[1.0, 2.0], [3.0, 0.5]]), derive_spec(net, (2,)))["0"].tolist()
+    [3.0, 2.0, 0.0]
     """
     if not isinstance(inputs, Tensor) or inputs.dim() < 2 or inputs.shape[0] < 1:
         raise ValueError(f"inputs: expected a tensor of at least one example (batch first), got "

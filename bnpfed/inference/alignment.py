@@ -33,6 +33,7 @@ Usage::
     >>> import torch
     >>> from bnpfed.inference import client_slice, derive_spec
     >>> from bnpfed.models import mlp
+    >>> g = torch.manual_seed(0)
     >>> net = mlp(4, [6, 5], 3)
     >>> spec, state = derive_spec(net, (4,)), net.state_dict()
     >>> shuffled = client_slice(spec, state, {"1": torch.randperm(6), "3": torch.randperm(5)})

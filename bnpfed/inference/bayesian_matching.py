@@ -75,7 +75,8 @@ import numpy as np  # noqa: F401 (the examples use it)
 
 from bnpfed.inference.empirical_bayes import TAU2_FLOOR, PauleMandel
 from bnpfed.inference.layer_inputs import validate_mu0
-from bnpfed.inference.matcher import CHUNK_ELEMENTS, MatchResult, assignment_objective_of, match_one_layer
+from bnpfed.inference.driver import assignment_objective_of, match_one_layer
+from bnpfed.inference.matcher import CHUNK_ELEMENTS, MatchResult
 
 __all__ = ["CHUNK_ELEMENTS", "TAU2_FLOOR", "bayesian_assignment_objective", "match_bayesian_layer"]
 

@@ -1,5 +1,5 @@
 """Empirical Bayes for the layer matcher: two estimators of the same hyper-parameters behind one interface, driven
-by :func:`~bnpfed.inference.matcher.run_matching`.
+by :func:`~bnpfed.inference.driver.run_matching`.
 
 * :class:`PooledMoments` (point-estimate neurons, :func:`~bnpfed.inference.matching.match_layer`): the pooled
   within-atom variance for sigma2, the between-atom variance less the noise's share for sigma0_2, DerSimonian &
@@ -13,7 +13,7 @@ Both hold one (noise, sigma0_2) pair per block of coordinates (its names suffixe
 even split, when the first pass from the start left every neuron alone), ``update`` (the estimates at an assignment),
 ``close`` (whether two sets of values agree within :data:`EB_RTOL`), ``coordinates`` (the per-coordinate values the
 matcher scores with) and ``public`` (the values as the result reports them); ``estimated`` names what is estimated
-and ``notes`` what had to fall back. :class:`~bnpfed.inference.matcher.FixedValues` is the estimator of given values.
+and ``notes`` what had to fall back. :class:`~bnpfed.inference.driver.FixedValues` is the estimator of given values.
 The statistics are derived in the module docstrings of :mod:`bnpfed.inference.matching` (*Empirical Bayes*) and
 :mod:`bnpfed.inference.bayesian_matching`.
 """
@@ -54,10 +54,9 @@ EB_RTOL = 1e-6
 
 #: The data-driven start splits the pooled variance T of the neurons (less their mean posterior variance) as noise =
 #: this * T and sigma0_2 = (1 - this) * T (so that the two add to T, the variance the model gives a neuron), on the
-#: side of splitting: the first assignment then merges only neurons far closer than a typical pair. From the even
-#: split (1/2) the first pass of a layer of trained networks merges unrelated neurons, whose spread then sets the
-#: noise estimate: a fixed point of far lower marginal likelihood (:mod:`bnpfed.inference.matching`, *Empirical
-#: Bayes*).
+#: side of splitting: the first assignment then merges only neurons far closer than a typical pair. The even split
+#: (1/2) is the second start; by default both run and the fixed point of higher marginal likelihood is kept
+#: (:mod:`bnpfed.inference.matching`, *Empirical Bayes*).
 EB_START_NOISE_SHARE = 0.1
 
 
@@ -179,7 +178,7 @@ class _Estimator:
         return self._even
 
     def alternative_start(self) -> dict | None:
-        """The even split, the second start of :func:`~bnpfed.inference.matcher.run_matching` (None when the noise
+        """The even split, the second start of :func:`~bnpfed.inference.driver.run_matching` (None when the noise
         is given or starts from a given value: there is then one start)."""
         return self._even if self._restartable else None
 

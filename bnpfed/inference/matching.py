@@ -129,7 +129,8 @@ from torch import Tensor
 from bnpfed.inference.empirical_bayes import (EB_RTOL, EB_START_NOISE_SHARE, SIGMA0_2_FLOOR, SIGMA2_FLOOR,
                                               PooledMoments, validate_start)
 from bnpfed.inference.layer_inputs import validate_mu0
-from bnpfed.inference.matcher import MatchResult, assignment_objective_of, match_one_layer
+from bnpfed.inference.driver import assignment_objective_of, match_one_layer
+from bnpfed.inference.matcher import MatchResult
 
 __all__ = [
     "MatchResult",
