@@ -7,7 +7,8 @@ estimates alternated, from one start or two), :mod:`~bnpfed.inference.layer_inpu
 :mod:`~bnpfed.inference.empirical_bayes` (its two estimators), :mod:`~bnpfed.inference.matching` and
 :mod:`~bnpfed.inference.bayesian_matching` (the homoscedastic and the heteroscedastic model: ``match_layer``,
 ``match_bayesian_layer``), :mod:`~bnpfed.inference.spec`, :mod:`~bnpfed.inference.derive`,
-:mod:`~bnpfed.inference.layout`, :mod:`~bnpfed.inference.assembly` (permutation specs), :mod:`~bnpfed.inference.network_matching` (the one network driver, ``match_by_spec``),
+:mod:`~bnpfed.inference.layout`, :mod:`~bnpfed.inference.assembly` (permutation specs),
+:mod:`~bnpfed.inference.network_matching` (the one network driver, ``match_by_spec``),
 :mod:`~bnpfed.inference.fedma` (one group at a time), :mod:`~bnpfed.inference.posterior_matching` (the driver with a
 fusing step), :mod:`~bnpfed.inference.batch_norm`, :mod:`~bnpfed.inference.activity` (the units a client reports
 inactive on its data, left out of matching); :mod:`~bnpfed.inference.permutation` is the public face of the spec

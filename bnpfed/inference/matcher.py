@@ -649,7 +649,8 @@ class LayerMatcher:
 
     def start_from(self, labels: list[np.ndarray]) -> None:
         """Put every client on the atoms of a given assignment (labels from
-        :func:`~bnpfed.inference.layer_inputs.validate_labels`; any values, compacted here to rows ``0 .. U-1`` in sorted label order): every atom's statistics as one product of the
+        :func:`~bnpfed.inference.layer_inputs.validate_labels`; any values, compacted here to rows ``0 .. U-1`` in
+        sorted label order): every atom's statistics as one product of the
         (U, N) membership matrix with the neurons' contributions."""
         uniq, flat = np.unique(np.concatenate(labels), return_inverse=True)
         flat = flat.reshape(-1)
