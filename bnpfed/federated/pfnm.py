@@ -51,13 +51,12 @@ import torch
 from torch import Tensor, nn
 
 from bnpfed.data import Dataset
-from bnpfed.federated.clients import initial_network, train_network
+from bnpfed.federated.clients import initial_network, train_network, unit_activity_step
 from bnpfed.federated.config import NetworkConfig, PFNMConfig, TrainingConfig
 from bnpfed.federated.federation import Federation, reestimate_statistics
 from bnpfed.federated.partition import class_counts
 from bnpfed.federated.rounds import Architecture, HoldsRounds, MatchRounds
 from bnpfed.federated.server import drop_inactive, fedma_group_step, matched_parameters, pfnm_step, with_statistics
-from bnpfed.inference.activity import unit_activity
 from bnpfed.inference.permutation import SpecMatch, align_to_group
 from bnpfed.metrics import count_parameters
 
@@ -132,8 +131,8 @@ class PFNMFederation(HoldsRounds, Federation):
         starts = self.rounds.warm_start(sampled)
         activity = None
         if self.pfnm.inactive == "drop":   # each client's report on its units, on its own data
-            activity = [unit_activity(net, self.client_data[j][0], self.spec, batch_size=self.training.batch_size)
-                        for net, j in zip(nets, sampled)]
+            activity = [unit_activity_step(net, self.client_data[j][0], self.dataset.input_shape,
+                                           self.training.batch_size) for net, j in zip(nets, sampled)]
         if self.pfnm.layerwise_retrain:
             if activity is not None:
                 states, starts = drop_inactive(states, self.spec, activity, starts)

@@ -42,7 +42,8 @@ from torch import Tensor, nn
 
 from bnpfed.combine import average_deterministic, fuse_sites
 from bnpfed.federated.config import CLIENT_WEIGHTS, FusionConfig, PFNMConfig
-from bnpfed.inference.activity import drop_units, kept_units
+from bnpfed.inference.activity import drop_units, kept_per_client
+from bnpfed.inference.layout import width
 from bnpfed.inference.permutation import (BatchNormMoments, GroupMatch, PermutationSpec, SpecMatch,
                                           batch_norm_statistics, match_by_spec, match_group)
 from bnpfed.inference.posterior_matching import MIN_VARIANCE, match_posteriors
@@ -248,7 +249,8 @@ def drop_inactive(states: Sequence[Mapping[str, Tensor]], spec: PermutationSpec,
     their ``starts`` (global ids per group, as :func:`pfnm_step` takes them) restricted to the units kept: what
     FedMA's layer-wise matching starts from (:func:`pfnm_step` does the same inside
     :func:`~bnpfed.inference.match_by_spec`)."""
-    kept = [kept_units(a, spec, who=f"activity[{j}]") for j, a in enumerate(activity)]
+    kept = kept_per_client(activity, spec, [{g.name: width(s, g, f"states[{j}]") for g in spec.groups}
+                                            for j, s in enumerate(states)])
     states = [drop_units(s, spec, k) for s, k in zip(states, kept)]
     if starts is not None:
         starts = [None if st is None else {g: torch.as_tensor(ids)[k[g]] for g, ids in st.items()}

@@ -31,7 +31,7 @@ from bnpfed.inference.assembly import client_slice, network_from_state
 from bnpfed.inference.layout import width
 from bnpfed.inference.spec import PermutationSpec
 
-__all__ = ["check_activity", "drop_units", "inactive_units", "kept_units", "unit_activity"]
+__all__ = ["drop_units", "inactive_units", "kept_per_client", "kept_units", "unit_activity"]
 
 
 def _consumers(net: nn.Module, spec: PermutationSpec) -> dict[str, list[tuple[str, nn.Module, int]]]:
@@ -140,12 +140,24 @@ def drop_units(net_or_state, spec: PermutationSpec, kept: Mapping[str, Tensor], 
     return client_slice(spec, net_or_state, kept)
 
 
-def check_activity(activity, J: int) -> list | None:
-    """``activity`` of :func:`~bnpfed.inference.network_matching.match_by_spec`: None or one report per client."""
+def kept_per_client(activity, spec: PermutationSpec, widths: Sequence[Mapping[str, int]]) -> list | None:
+    """The clients' reports (None, or one :func:`unit_activity` mapping per client) checked against their widths
+    (per client, its units per group), and per client the units it keeps (:func:`kept_units`); None for None. What
+    :func:`~bnpfed.inference.network_matching.match_by_spec` and FedMA's layer-wise rounds
+    (:func:`~bnpfed.federated.server.drop_inactive`) leave out."""
     if activity is None:
         return None
+    J = len(widths)
     if not isinstance(activity, Sequence) or isinstance(activity, (str, bytes)) or len(activity) != J:
         raise ValueError(f"activity: expected None or one report per client ({J}: per group the units' activity, "
                          f"unit_activity), got {type(activity).__name__}"
                          f"{'' if not isinstance(activity, Sequence) else f' of length {len(activity)}'}")
-    return list(activity)
+    kept = []
+    for j, report in enumerate(activity):
+        kept.append(kept_units(report, spec, who=f"activity[{j}]"))
+        for g in spec.group_names:
+            n = widths[j][g]
+            if len(report[g]) != n:
+                raise ValueError(f"activity[{j}][{g!r}]: expected {n} activities (client {j} has {n} units in "
+                                 f"group {g!r}), got {len(report[g])}")
+    return kept

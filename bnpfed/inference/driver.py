@@ -133,7 +133,8 @@ def run_matching(matcher: LayerMatcher, estimator, *, init, sweeps: int, seed, s
     first = _alternate(matcher, estimator, estimator.start(), init=None, restart=True, **options)
     if first.restarted:   # the small-noise start was already redone from the even split
         return first
-    matcher.assign, matcher.hyper, matcher.gram = [None] * matcher.J, None, None
+    matcher.unassign()
+    matcher.gram = None   # the second run decides on the Gram matrix as a run of its own would
     second = _alternate(matcher, estimator, alternative, init=None, restart=False, **options)
     runs = [("small-noise", first), ("even-split", second)]
     name, best = max(runs, key=lambda r: r[1].log_likelihood)
@@ -143,7 +144,7 @@ def run_matching(matcher: LayerMatcher, estimator, *, init, sweeps: int, seed, s
         "both starts run, the " + name + " one kept (higher log p(Z, V): " + ", ".join(
             f"{n} {r.log_likelihood:.1f} at {int(r.counts.numel())} atoms" for n, r in runs) + ")"]
     best.seconds = time.perf_counter() - t0
-    best.lsa_seconds = first.lsa_seconds + second.lsa_seconds
+    best.lsa_seconds = matcher.lsa_seconds   # both runs' (as ``rematches`` lists both runs')
     return best
 
 
@@ -153,7 +154,6 @@ def _alternate(matcher: LayerMatcher, estimator, current: dict, *, init, restart
     estimator's fallback start when the first pass left every neuron alone)."""
     fixed = getattr(estimator, "fixed", False)
     notes_before = len(estimator.notes)
-    lsa_before = matcher.lsa_seconds
     restarted = False
     matcher.set_hyperparameters(**estimator.coordinates(current))
     if init is None:
@@ -161,8 +161,7 @@ def _alternate(matcher: LayerMatcher, estimator, current: dict, *, init, restart
         fallback = estimator.restart(matcher) if restart else None
         if fallback is not None:  # the estimator's fallback start (every neuron alone at its first start)
             current, restarted = fallback, True
-            matcher.assign = [None] * matcher.J
-            matcher.hyper = None
+            matcher.unassign()
             matcher.set_hyperparameters(**estimator.coordinates(current))
             matcher.greedy()
     else:
@@ -209,11 +208,9 @@ def _alternate(matcher: LayerMatcher, estimator, current: dict, *, init, restart
         estimator.note(f"not converged: the assignment or the estimates still changed at sweep {sweeps}, the limit "
                        "(raise sweeps)")
     matcher.set_hyperparameters(**estimator.coordinates(current))  # the atoms' posterior at the final values
-    notes = list(estimator.notes[:notes_before]) + list(estimator.notes[notes_before:])
-    del estimator.notes[notes_before:]
-    result = matcher.result(objective, time.perf_counter() - t0, dtype, hyperparameters=history[-1],
-                            hyperparameter_history=history, converged=converged, estimated=tuple(estimator.estimated),
-                            notes=notes, sweeps_run=run, moved=moved, log_likelihood=matcher.log_likelihood())
-    result.lsa_seconds = matcher.lsa_seconds - lsa_before
-    result.restarted = restarted
-    return result
+    notes = list(estimator.notes)
+    del estimator.notes[notes_before:]   # a second run notes its own
+    return matcher.result(objective, time.perf_counter() - t0, dtype, hyperparameters=history[-1],
+                          hyperparameter_history=history, converged=converged, estimated=tuple(estimator.estimated),
+                          notes=notes, sweeps_run=run, moved=moved, log_likelihood=matcher.log_likelihood(),
+                          restarted=restarted)

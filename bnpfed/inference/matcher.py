@@ -410,6 +410,12 @@ class LayerMatcher:
         self.free: list[int] = []
         self.assign = [None] * self.J
 
+    def unassign(self) -> None:
+        """Take every client off the atoms and forget the values scored with: the next
+        :meth:`set_hyperparameters` rebuilds the statistics from nothing (a fresh start)."""
+        self.assign = [None] * self.J
+        self.hyper = None
+
     def _grow(self, needed: int):
         cap = self.m.shape[0]
         if needed <= cap:

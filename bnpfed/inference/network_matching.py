@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import inspect
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Literal, Mapping, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
-from bnpfed.inference.activity import check_activity, drop_units, kept_units
+from bnpfed.inference.activity import drop_units, kept_per_client
 from bnpfed.inference.assembly import client_slice, network_from_state, state_from_atoms
 from bnpfed.inference.derive import derive_spec
 from bnpfed.inference.layout import VectorLayout, group_layout, layout_rows, width
@@ -580,23 +580,15 @@ def match_by_spec(
     spec = resolve_spec(spec, template, input_shape,
                         missing="spec: expected a PermutationSpec when client_nets are state dicts (or a template)")
     names = spec.group_names
-    reports = check_activity(activity, len(states))
     clients = prepare_clients({"value": states}, spec, class_counts)
     init = warm_start_labels(warm_start, names, clients.widths)
-    kept = None
-    if reports is not None:
-        kept = []
-        for j, report in enumerate(reports):
-            kept.append(kept_units(report, spec, who=f"activity[{j}]"))
-            for g in names:
-                n = clients.widths[j][g]
-                if len(report[g]) != n:
-                    raise ValueError(f"activity[{j}][{g!r}]: expected {n} activities (client {j} has {n} units in "
-                                     f"group {g!r}), got {len(report[g])}")
+    kept = kept_per_client(activity, spec, clients.widths)
+    if kept is not None:   # slices of checked states: only the widths change
         states = [drop_units(st, spec, k) for st, k in zip(states, kept)]
         if init is not None:
             init = {g: [labels[k[g]] for labels, k in zip(init[g], kept)] for g in names}
-        clients = prepare_clients({"value": states}, spec, class_counts)
+        clients = replace(clients, channels={"value": states},
+                          widths=[{g: int(k[g].numel()) for g in names} for k in kept])
     fns = dict(zip(names, check_layer_fns(layer_fn, len(names))))
     values = group_values(names, mode, {"sigma2": sigma2, "sigma0_2": sigma0_2, "gamma0": gamma0}, mu0, bias_mu0)
     order = spec if direction == "bottom-up" else spec.reversed()
