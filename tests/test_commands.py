@@ -12,7 +12,7 @@ from bnpfed.cli import build_parser, main
 from bnpfed.commands import fuse, pfnm
 from bnpfed.data import NPZ_FORMAT
 from bnpfed.federated import methods
-from bnpfed.federated.config import PAPER_MIN_VARIANCE, PartitionConfig, TrainingConfig
+from bnpfed.federated.config import PAPER_MIN_VARIANCE, BayesianConfig, PartitionConfig, TrainingConfig
 from bnpfed.report import RECORD_SCHEMA, command_record, command_results, read_record
 from bnpfed.inference import TrainingDiverged, recovery
 
@@ -349,6 +349,16 @@ def test_fuse_paper_is_the_published_setting_and_explicit_flags_win():
     plan = fuse.prepare(parsed(["fuse"]))
     assert plan["network"].arch == "mlp" and plan["fusion"].min_variance == 1e-16
     assert float(plan["dataset"].x_train.min()) < 0
+
+
+def test_fuse_takes_the_clients_prior_variance_kl_weight_and_scale_rate():
+    plan = fuse.prepare(parsed(["fuse", "--prior-variance", "empirical-bayes", "--kl-weight", "0.1",
+                                "--scale-lr-factor", "10"]))
+    bayesian = plan["bayesian"]
+    assert (bayesian.prior_variance, bayesian.kl_weight, bayesian.scale_lr_factor) == ("empirical-bayes", 0.1, 10.0)
+    assert fuse.prepare(parsed(["fuse"]))["bayesian"] == BayesianConfig()
+    with pytest.raises(ValueError, match="kl_weight"):
+        fuse.prepare(parsed(["fuse", "--kl-weight", "0"]))
 
 
 def test_pfnm_keeps_pixels_in_0_1_unless_told_and_adds_pfnm_rounds_for_several_rounds():

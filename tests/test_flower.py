@@ -243,7 +243,10 @@ def test_in_round_two_each_pfnm_client_starts_from_what_client_start_gives_it():
 
 
 @pytest.mark.parametrize("rule, extra", [(rule, {}) for rule in available_rules()]
-                         + [("pooling", FRACTION), ("gaa", {**FRACTION, "weights": "uniform"})])
+                         + [("pooling", FRACTION), ("gaa", {**FRACTION, "weights": "uniform"}),
+                            # a client's own empirical-Bayes prior, a tempered ELBO and the scales' own rate
+                            ("conflation", {"prior-variance": "empirical-bayes", "kl-weight": 0.1,
+                                            "scale-lr-factor": 10.0})])
 def test_fusion_on_flower_is_the_in_process_federation_bit_for_bit(rule, extra):
     config = {**FUSION, "rule": rule, **extra}
     assert_same_as_in_process(run_federation(LocalGrid(client_app, CLIENTS), config), config)

@@ -38,6 +38,12 @@ def test_matched_fusion_on_flower_is_the_in_process_federation_bit_for_bit():
     assert all(r["test_examples"] == 450 and 0.5 < r["accuracy"] <= 1 for r in result.history)
 
 
+def test_matched_fusion_with_empirical_bayes_priors_on_flower_is_the_in_process_federation_bit_for_bit():
+    # round 1: each client's own prior variance per weight matrix; round 2: its slice of the posterior as prior
+    config = {**MATCHED, "prior-variance": "empirical-bayes", "kl-weight": 0.1, "scale-lr-factor": 10.0}
+    assert_same_as_in_process(run_federation(LocalGrid(client_app, CLIENTS), config), config)
+
+
 def test_each_client_starts_round_two_from_its_slice_or_else_the_whole_posterior_bit_for_bit():
     config = {**MATCHED, **FRACTION, "rule": "pooling", "fraction-evaluate": 0.0}
     sent = {}

@@ -25,7 +25,7 @@ from bnpfed.commands._args import HelpFormatter, UsageError, fail, flag_message,
 from bnpfed.federated import methods
 from bnpfed.federated.clients import initial_network
 from bnpfed.federated.config import (CLIENT_WEIGHTS, FUSION_TRAINING, INITIALISATIONS, PAPER_MIN_VARIANCE, PRIORS,
-                                     BayesianConfig, FusionConfig, NetworkConfig, config_dict)
+                                     PRIOR_VARIANCES, BayesianConfig, FusionConfig, NetworkConfig, config_dict)
 from bnpfed.federated.methods import ExperimentConfig
 from bnpfed.federated.fusion import FUSION_ARCHITECTURES
 from bnpfed.federated.matched_fusion import MatchedFusionFederation
@@ -90,6 +90,15 @@ def add_parser(sub):
                    help="the prior's standard deviation")
     g.add_argument("--init-scale", type=float, metavar="SCALE", default=bayes.init_scale,
                    help="the posterior's initial standard deviation")
+    g.add_argument("--prior-variance", choices=PRIOR_VARIANCES, default=bayes.prior_variance,
+                   help="fixed (prior-scale^2, the paper's) or empirical-bayes (each client's own type-II maximum-"
+                   "likelihood variance per weight matrix, re-estimated every step, starting at prior-scale^2)")
+    g.add_argument("--kl-weight", type=float, metavar="LAMBDA", default=bayes.kl_weight,
+                   help="weight of the KL term in the clients' loss: 1 is the ELBO, < 1 a tempered (cold) posterior "
+                   "that counts each example 1/LAMBDA times")
+    g.add_argument("--scale-lr-factor", type=float, metavar="F", default=bayes.scale_lr_factor,
+                   help="the posterior scales learn at F times --lr (1: one rate, as recorded; 10 reaches the "
+                   "variational optimum)")
     g.add_argument("--local-reparameterization", action=argparse.BooleanOptionalAction,
                    default=bayes.local_reparameterization,
                    help="sample pre-activations rather than weights (the local reparameterisation trick, as in the "
@@ -187,6 +196,8 @@ def prepare(args) -> dict:
         raise UsageError(f"--device: expected cpu for posterior fusion (the Bayesian clients' SVI runs on the CPU "
                          f"only), got {training.device}")
     bayesian = BayesianConfig(prior=args.prior, prior_scale=args.prior_scale, init_scale=args.init_scale,
+                              prior_variance=args.prior_variance, kl_weight=args.kl_weight,
+                              scale_lr_factor=args.scale_lr_factor,
                               local_reparameterization=args.local_reparameterization)
     for rule in args.rule:
         check_choice(rule, available_rules(), "rule")

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from bnpfed.federated.config import BayesianConfig, NetworkConfig, TrainingConfig
-from bnpfed.inference import BayesianClient, DeterministicClient, derive_spec
+from bnpfed.inference import BayesianClient, DeterministicClient, MeanFieldELBO, derive_spec
 from bnpfed.inference.activity import unit_activity
 from bnpfed.inference.permutation import BatchNormMoments, batch_norm_moments
 from bnpfed.models import LeNet, mlp, reference_init_, simple_cnn
@@ -157,18 +157,21 @@ def bayesian_client(net: nn.Module, bayesian: BayesianConfig) -> BayesianClient:
     """A variational Bayesian client of (a copy of) ``net`` with ``bayesian``'s prior, initial posterior scale and
     local reparameterisation; the in-process federation and the Flower client app build their clients here."""
     return BayesianClient(net, bayesian.build_prior(), init_scale=bayesian.init_scale,
-                          local_reparameterization=bayesian.local_reparameterization)
+                          local_reparameterization=bayesian.local_reparameterization,
+                          elbo=MeanFieldELBO(kl_weight=bayesian.kl_weight))
 
 
 def fit_bayesian(client: BayesianClient, x: Tensor, y: Tensor, training: TrainingConfig, *, seed: int, round: int,
-                 index: int) -> float:
+                 index: int, scale_lr_factor: float = 1.0) -> float:
     """Client ``index`` 's local SVI of round ``round``: ``training.schedule(round)`` epochs, drawing from ``(seed,
-    FIT, round, index)``. Returns its last epoch's loss (negative ELBO per example). On the CPU only
+    FIT, round, index)``, the guide's scales at ``scale_lr_factor`` times the schedule's rate
+    (``BayesianConfig.scale_lr_factor``). Returns its last epoch's loss (negative ELBO per example). On the CPU only
     (``training.device`` must be ``"cpu"``)."""
     if torch.device(training.device).type != "cpu":
         raise ValueError(f"training.device: expected 'cpu' for the Bayesian clients' SVI (it runs on the CPU only), "
                          f"got {training.device!r}")
     schedule = training.schedule(round)
     client.fit(x, y, epochs=schedule.epochs, batch_size=training.batch_size, lr=schedule.lr,
-               seed=derive_seed(seed, Stream.FIT, round, index), amsgrad=training.amsgrad)
+               seed=derive_seed(seed, Stream.FIT, round, index), amsgrad=training.amsgrad,
+               scale_lr=scale_lr_factor * schedule.lr)
     return float(client.losses_[-1])

@@ -131,6 +131,7 @@ class FusionFederation(Federation):
                              f"its own initialisation (fusion.own_init), got {len(initial_clients)}")
         self.initial_clients = initial_clients
         _check_configs(network=network, training=training, bayesian=bayesian, fusion=fusion)
+        self.bayesian = bayesian
         check_fusion_network(network)
         self.training, self.fusion = training, fusion
         self.method = fusion.rule
@@ -157,7 +158,8 @@ class FusionFederation(Federation):
                 client.load_posterior(self.global_posterior)
                 client.load_deterministic(self.global_deterministic)
             x, y = self.client_data[k]
-            losses.append(fit_bayesian(client, x, y, self.training, seed=self.seed, round=round, index=k))
+            losses.append(fit_bayesian(client, x, y, self.training, seed=self.seed, round=round, index=k,
+                                       scale_lr_factor=self.bayesian.scale_lr_factor))
         step = fuse_posteriors([self.clients[k].posterior() for k in sampled],
                                [self.clients[k].deterministic_state() for k in sampled],
                                [self.sizes[k] for k in sampled], self.fusion, seed=self.seed, round=round)

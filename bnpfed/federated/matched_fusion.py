@@ -157,7 +157,8 @@ class MatchedFusionFederation(HoldsRounds, Federation):
                 continue
             client = self._start(j)
             x, y = self.client_data[j]
-            losses.append(fit_bayesian(client, x, y, self.training, seed=self.seed, round=round, index=j))
+            losses.append(fit_bayesian(client, x, y, self.training, seed=self.seed, round=round, index=j,
+                                       scale_lr_factor=self.bayesian.scale_lr_factor))
             self.clients[j] = client
         t0 = time.perf_counter()
         match = matched_fusion_step([client_posterior(self.clients[j]) for j in sampled], self.class_counts[sampled],

@@ -518,7 +518,8 @@ class Experiment:
                 net = initial_network(network, self.dataset.input_shape, self.dataset.num_classes, seed=self.seed,
                                       client=j)
                 client = bayesian_client(net, self.bayesian)
-                fit_bayesian(client, x, y, self.training, seed=self.seed, round=1, index=j)
+                fit_bayesian(client, x, y, self.training, seed=self.seed, round=1, index=j,
+                             scale_lr_factor=self.bayesian.scale_lr_factor)
                 clients.append(client)
                 self.tick(f"client {j + 1}")
             self._bayesian = clients

@@ -266,7 +266,8 @@ def _train_fusion(msg: Message, context: Context) -> Message:
     x, y = c.train_data
     sent = msg.content.array_records[ARRAYS]
     client = c.global_client(sent)
-    loss = fit_bayesian(client, x, y, s.training, seed=s.seed, round=c.round, index=c.j)
+    loss = fit_bayesian(client, x, y, s.training, seed=s.seed, round=c.round, index=c.j,
+                        scale_lr_factor=s.bayesian.scale_lr_factor)
     metrics = {"num-examples": int(len(y)), "train-loss": float(loss)}
     if c.config["task"] == "secure-fusion":
         keep_for_secure_sum(context, client.posterior(), client.deterministic_state(), sent)
@@ -285,7 +286,8 @@ def _train_matched(msg: Message, context: Context) -> Message:
         client = bayesian_client(net, s.bayesian)
     else:  # its slice of the global posterior (or the whole of it), as posterior and prior
         client = c.matched_client(sent, as_prior=True)
-    loss = fit_bayesian(client, x, y, s.training, seed=s.seed, round=c.round, index=c.j)
+    loss = fit_bayesian(client, x, y, s.training, seed=s.seed, round=c.round, index=c.j,
+                        scale_lr_factor=s.bayesian.scale_lr_factor)
     metrics = {"num-examples": int(len(y)), "class-counts": c.class_counts(), "train-loss": float(loss)}
     return c.reply(msg, matched_posterior_to_record(*client_posterior(client)), metrics)
 

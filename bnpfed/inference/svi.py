@@ -56,6 +56,8 @@ __all__ = ["BayesianClient", "DeterministicClient", "TrainingDiverged"]
 
 #: The initial posterior standard deviation of the default guide.
 DEFAULT_INIT_SCALE = 1e-2
+#: A fit has converged when its last epoch improved the mean -ELBO per example by less than this fraction.
+CONVERGENCE_TOLERANCE = 1e-3
 
 
 class TrainingDiverged(RuntimeError):
@@ -128,7 +130,8 @@ class BayesianClient:
         (give it to your factory).
 
     Attributes: ``bnn`` (the :class:`BayesianNetwork`), ``guide`` (the guide module), ``elbo``, ``losses_`` (mean
-    negative ELBO per example, one per epoch of the last ``fit``).
+    negative ELBO per example, one per epoch of the last ``fit``), ``converged_`` and ``notes_`` (whether that fit
+    converged; see :meth:`fit`).
     """
 
     def __init__(self, net: nn.Module, prior: Prior, *, likelihood: Optional[Likelihood] = None,
@@ -153,12 +156,34 @@ class BayesianClient:
             raise ValueError(f"elbo: expected an object with differentiable_loss(model, guide, ...) such as "
                              f"MeanFieldELBO() or pyro.infer.TraceMeanField_ELBO(), got {elbo!r}")
         self.losses_: list[float] = []
+        self.converged_: Optional[bool] = None
+        self.notes_: list[str] = []
 
     def fit(self, x: Tensor, y: Tensor, *, epochs: int = 1, batch_size: int = 64, lr: float = 1e-3, seed: int = 0,
-            amsgrad: bool = False) -> "BayesianClient":
+            amsgrad: bool = False, scale_lr: Optional[float] = None) -> "BayesianClient":
         """Run SVI on the local data ``x`` ``(n, ...)``, ``y`` (targets the likelihood accepts, e.g. ``(n,)`` labels
         in ``0 .. num_classes - 1``) for ``epochs`` passes of mini-batches of ``batch_size`` with Adam (AMSGrad if
         ``amsgrad``) at learning rate ``lr``; every random step uses ``seed``. Returns ``self``.
+
+        The guide's scale parameters (``rho``, ``sigma = softplus(rho)``, about ``log sigma`` for small sigma) may
+        have their own learning rate ``scale_lr``: Adam moves a parameter by about its learning rate per step, so at
+        one rate for all, a weight's mean (of size ~0.03) moves by a few percent a step while its scale moves by
+        0.1 %, and after a few hundred steps the scales are still near ``init_scale`` (784-100-10 on 6,000 MNIST
+        digits, 10 epochs at 1e-3: sd 0.025 from 0.01). ``scale_lr = 10 * lr`` reaches the variational optimum
+        there, where weights no datum touches sit at their prior; but at that optimum the paper's N(0, 1) prior
+        swamps the data (accuracy 0.854 against 0.942), so pair it with a prior that does not
+        (:class:`~bnpfed.models.EmpiricalBayesPrior`, a ``kl_weight`` < 1 of :class:`MeanFieldELBO`). Default
+        None: ``lr`` (one rate for all, the recorded behaviour). Only for a guide with scale parameters ``rhos``
+        (:class:`MeanFieldGuide`).
+
+        With an estimable prior (``prior.estimable``, e.g. :class:`~bnpfed.models.EmpiricalBayesPrior`), the prior
+        is estimated from the guide before the first step and after every step (``prior.estimate_(...)`` on the
+        sites whose prior is not a posterior), so it is a function of the fit alone, not of earlier fits (a client
+        rebuilt each round, as on Flower, gets the same numbers as one kept).
+
+        After the fit, ``losses_`` holds each epoch's mean ``-ELBO / n``, ``converged_`` whether the last epoch
+        improved it by less than :data:`CONVERGENCE_TOLERANCE` (relative, 1e-3; a fit of one epoch is not
+        judged: None), and ``notes_`` says so in words when it has not.
 
         :raises ValueError: naming the argument, for bad data or settings (checked before any training).
         :raises TrainingDiverged: when the loss or a parameter becomes NaN or infinite.
@@ -166,14 +191,36 @@ class BayesianClient:
         n = _check_x(x)
         self.bnn.likelihood.check_targets(y, n, self._probe(x))
         y = self.bnn.likelihood.targets(y)
+        lr = check_positive(lr, "lr")
+        rhos = getattr(self.guide, "rhos", None)
+        if scale_lr is None or scale_lr == lr:
+            scale_lr = None  # one parameter group: exactly the recorded steps
+        elif not isinstance(rhos, nn.ParameterList):
+            raise ValueError(f"scale_lr: sets the learning rate of a MeanFieldGuide's scales (rhos); the guide "
+                             f"{type(self.guide).__name__} has none, got scale_lr={scale_lr!r}")
+        else:
+            scale_lr = check_positive(scale_lr, "scale_lr")
+        scale_ids = {id(p) for p in rhos} if scale_lr is not None else set()
         named = [*(("bnn." + k, p) for k, p in self.bnn.named_parameters()),
-                 *(("guide." + k, p) for k, p in self.guide.named_parameters())]
+                 *(("guide." + k, p) for k, p in self.guide.named_parameters() if id(p) not in scale_ids)]
+        scales = [("guide." + k, p) for k, p in self.guide.named_parameters() if id(p) in scale_ids]
+        prior = self.bnn.prior
+        after_step = None
+        estimated = [name for name in self.bnn.bayesian_sites if name not in prior.posterior_sites]
+        if getattr(prior, "estimable", False) and estimated:
+            def after_step():
+                posterior = self.guide.posterior()
+                prior.estimate_({name: posterior[name] for name in estimated})
+
+            after_step()  # from the guide the fit starts at: the estimate never depends on earlier fits
 
         def loss(xb, yb):
             return self._loss(xb, yb, n)
 
         self.losses_ = _train(named, loss, x, y, epochs=epochs, batch_size=batch_size, lr=lr, seed=seed,
-                              amsgrad=amsgrad, trainer="BayesianClient.fit")
+                              amsgrad=amsgrad, trainer="BayesianClient.fit", scale_params=scales, scale_lr=scale_lr,
+                              after_step=after_step)
+        self.converged_, self.notes_ = _convergence(self.losses_)
         return self
 
     def loss(self, x: Tensor, y: Tensor, dataset_size: Optional[int] = None) -> Tensor:
@@ -325,20 +372,28 @@ def _train(
     amsgrad: bool = False,
     weight_decay: float = 0.0,
     trainer: str = "fit",
+    scale_params: Iterable[tuple[str, Tensor]] = (),
+    scale_lr: Optional[float] = None,
+    after_step: Optional[Callable[[], None]] = None,
 ) -> list[float]:
     """Adam (optionally AMSGrad, with coupled L2 ``weight_decay``) on ``loss_fn(x_batch, y_batch)`` over shuffled
-    mini-batches; returns the mean loss of each epoch. Raises :class:`TrainingDiverged` on a non-finite loss or
-    parameter."""
+    mini-batches; returns the mean loss of each epoch. ``scale_params`` learn at ``scale_lr`` (the others at
+    ``lr``); ``after_step()`` runs after every optimiser step. Raises :class:`TrainingDiverged` on a non-finite loss
+    or parameter."""
     epochs = check_int(epochs, "epochs", low=1)
     batch_size = check_int(batch_size, "batch_size", low=1)
     lr = check_positive(lr, "lr")
     seed = check_int(seed, "seed", low=-(2**63), high=2**64 - 1)
     amsgrad = check_bool(amsgrad, "amsgrad")
     weight_decay = check_float(weight_decay, "weight_decay", low=0.0)
-    named_params = list(named_params)
+    named_params, scale_params = list(named_params), list(scale_params)
+    groups = [{"params": [p for _, p in named_params]}]
+    if scale_params:
+        groups.append({"params": [p for _, p in scale_params], "lr": scale_lr})
+    named_params += scale_params
     # foreach: one kernel per operation for all parameters instead of one per parameter, the same numbers (small
     # networks' steps are dominated by per-call overhead; the default on CPU is the per-parameter loop)
-    optimizer = torch.optim.Adam([p for _, p in named_params], lr=lr, amsgrad=amsgrad, weight_decay=weight_decay,
+    optimizer = torch.optim.Adam(groups, lr=lr, amsgrad=amsgrad, weight_decay=weight_decay,
                                  foreach=True)
     shuffle = torch.Generator().manual_seed(seed)
     n = x.shape[0]
@@ -368,12 +423,28 @@ def _train(
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()
+                if after_step is not None:
+                    after_step()
                 total += value * batch.numel()
             bad = _first_not_finite(named_params)
             if bad is not None:
                 raise TrainingDiverged(trainer, epoch, 0, steps, value, lr, f"parameter {bad} is not finite")
             losses.append(total / n)
     return losses
+
+
+def _convergence(losses: list[float]) -> tuple[Optional[bool], list[str]]:
+    """``(converged, notes)`` of a fit's epoch losses: converged when the last epoch improved the mean loss by less
+    than :data:`CONVERGENCE_TOLERANCE` of its size; None (not judged) after one epoch."""
+    if len(losses) < 2:
+        return None, []
+    previous, last = losses[-2], losses[-1]
+    change = (previous - last) / max(abs(last), 1e-12)
+    if change < CONVERGENCE_TOLERANCE:
+        return True, []
+    return False, [f"not converged: the last epoch still lowered -ELBO/n by {100 * change:.2g} % "
+                   f"({previous:.6g} -> {last:.6g}; converged is under {100 * CONVERGENCE_TOLERANCE:.2g} %); "
+                   "train more epochs or raise lr / scale_lr"]
 
 
 def _first_not_finite(named_params) -> Optional[str]:

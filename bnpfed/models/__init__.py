@@ -19,6 +19,7 @@ from bnpfed.models.local_reparameterization import (
 )
 from bnpfed.models.networks import LeNet, mlp, reference_init_, simple_cnn, simple_cnn_bn
 from bnpfed.models.priors import (
+    EmpiricalBayesPrior,
     IIDPrior,
     LayerwisePrior,
     Prior,
@@ -50,6 +51,7 @@ __all__ = [
     "reference_init_",
     "simple_cnn",
     "simple_cnn_bn",
+    "EmpiricalBayesPrior",
     "IIDPrior",
     "LayerwisePrior",
     "Prior",

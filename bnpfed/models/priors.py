@@ -49,7 +49,7 @@ from torch import Tensor, nn
 
 from bnpfed.posterior import GaussianPosterior
 
-__all__ = ["IIDPrior", "LayerwisePrior", "Prior", "Selector", "SitePrior", "linear_weights", "only_linear_weights"]
+__all__ = ["EmpiricalBayesPrior", "IIDPrior", "LayerwisePrior", "Prior", "Selector", "SitePrior", "linear_weights", "only_linear_weights"]
 
 #: A name pattern, an ``nn.Module`` subclass, or a callable ``(name, module) -> bool``.
 Selector = Union[str, type, Callable[[str, nn.Module], bool]]
@@ -153,6 +153,11 @@ class Prior(ABC):
         self.version += 1
         return self
 
+    @property
+    def posterior_sites(self) -> frozenset:
+        """The sites whose prior is a posterior given by :meth:`update_`."""
+        return frozenset(self._posterior_priors)
+
     def initial(self) -> "Prior":
         """A copy of this prior as it was before any :meth:`update_`: the same rules and distributions, no
         posterior-as-prior, tied to no network yet (e.g. the prior of a global network whose widths differ from a
@@ -163,6 +168,12 @@ class Prior(ABC):
 
     def _check_selectors_used(self, names: list[str]) -> None:
         """Hook for subclasses that pick parameters with selectors: complain about selectors that matched nothing."""
+
+    def site_distribution(self, name: str, default: Distribution) -> Distribution:
+        """The distribution site ``name`` has now: the posterior :meth:`update_` gave for it if any, else
+        ``default`` (the prior's own distribution of the site, expanded to its shape). Subclasses whose prior
+        changes with the fit (:class:`EmpiricalBayesPrior`) override it."""
+        return self._posterior_priors.get(name, default)
 
 
 class SitePrior:
@@ -178,7 +189,7 @@ class SitePrior:
         self.prior, self.name, self.default = prior, name, default
 
     def __call__(self, module: Optional[nn.Module]) -> Distribution:  # PyroSample passes the owning module
-        return self.prior._posterior_priors.get(self.name, self.default)
+        return self.prior.site_distribution(self.name, self.default)
 
 
 class _SelectorPrior(Prior):
@@ -276,6 +287,123 @@ class LayerwisePrior(_SelectorPrior):
         if not isinstance(rules, Mapping):
             raise ValueError(f"rules: expected a mapping selector -> distribution, got {type(rules).__name__}")
         super().__init__([(s, d, f"rules[{s!r}]") for s, d in rules.items()])
+
+
+class EmpiricalBayesPrior(Prior):
+    """A zero-mean Gaussian prior per site whose variance is the client's own type-II maximum-likelihood estimate.
+
+    Every chosen site s (by default the ``nn.Linear`` weight matrices, Ozer et al.'s choice) has the prior
+    ``w_sj ~ N(0, v_s)``, one variance ``v_s`` per site (per layer's weight matrix), which :meth:`estimate_`
+    sets to the value that maximises the ELBO for the current mean-field posterior ``q(w_sj) = N(mu_sj, sigma_sj^2)``:
+
+        d/dv_s KL(q || p) = sum_j ( 1/(2 v_s) - (sigma_sj^2 + mu_sj^2) / (2 v_s^2) ) = 0
+        =>  v_s = 1/D_s sum_j (mu_sj^2 + sigma_sj^2)                                  (D_s: the site's size)
+
+    (variational EM's M-step; MacKay's evidence framework for a Gaussian weight prior). A
+    :class:`~bnpfed.inference.BayesianClient` with this prior calls :meth:`estimate_` before its first optimiser
+    step and after every one, so the prior follows the fit (``init_scale`` is the prior only before any fit): a
+    prior a thousand times wider than the weights it describes, as the paper's N(0, 1) is for a 784-100-10 MLP, no
+    longer dominates ``-ELBO / n``.
+    A weight no datum touches ends at this prior, ``N(0, v_s)``.
+
+    Sites given a posterior by :meth:`update_` (posterior as prior) keep it: :meth:`estimate_` leaves them alone.
+
+    Usage::
+
+        >>> import torch
+        >>> from bnpfed.models import BayesianNetwork, mlp
+        >>> prior = EmpiricalBayesPrior()
+        >>> bnn = BayesianNetwork(mlp(4, [3], 2), prior)
+        >>> bnn.bayesian_sites, prior.variances["1.weight"]
+        (('1.weight', '3.weight'), 1.0)
+        >>> posterior = {"1.weight": (torch.full((3, 4), 0.3), torch.full((3, 4), 0.07)),
+        ...              "3.weight": (torch.zeros(2, 3), torch.full((2, 3), 0.5))}
+        >>> round(prior.estimate_(posterior).variances["1.weight"], 6)          # 0.3^2 + 0.07
+        0.16
+        >>> round(bnn.prior_distributions()["3.weight"].base_dist.scale[0, 0].item() ** 2, 6)
+        0.5
+
+    :param expose: selectors of the parameters to make Bayesian (see the module docstring); ``None`` (default):
+        the ``nn.Linear`` weight matrices (:func:`linear_weights`).
+    :param hide: selectors of parameters to keep deterministic; they win over ``expose``. Default none.
+    :param float init_scale: the prior standard deviation before the first estimate, > 0. Default 1 (the paper's).
+    """
+
+    #: A client fitting with this prior re-estimates it after every step (:meth:`estimate_`).
+    estimable = True
+
+    def __init__(self, expose: Optional[Iterable[Selector]] = None, hide: Iterable[Selector] = (), *,
+                 init_scale: float = 1.0):
+        if isinstance(init_scale, bool) or not isinstance(init_scale, (int, float)) or not init_scale > 0 \
+                or init_scale == float("inf"):
+            raise ValueError(f"init_scale: expected a finite number > 0, got {init_scale!r}")
+        self.init_scale = float(init_scale)
+        self._selection = IIDPrior(dist.Normal(0.0, self.init_scale),
+                                   expose=[linear_weights] if expose is None else expose, hide=hide)
+        #: ``{site: v_s}``, the current prior variance of every chosen site (filled by :meth:`apply_`).
+        self.variances: dict[str, float] = {}
+        self._distributions: dict[str, Distribution] = {}
+
+    def distribution(self, name, module, param):
+        return self._selection.distribution(name, module, param)
+
+    def apply_(self, net):
+        self._selection._used = set()
+        values = super().apply_(net)
+        for name, value in values.items():
+            self.variances.setdefault(name, self.init_scale ** 2)
+            self._distributions.pop(name, None)
+        return values
+
+    def _check_selectors_used(self, names):
+        self._selection._check_selectors_used(names)
+
+    def site_distribution(self, name, default):
+        if name in self._posterior_priors or name not in self.variances:
+            return super().site_distribution(name, default)
+        fn = self._distributions.get(name)
+        if fn is None:
+            scale = torch.tensor(self.variances[name], dtype=default.mean.dtype).sqrt()
+            fn = dist.Normal(torch.zeros((), dtype=scale.dtype), scale).expand(default.event_shape) \
+                .to_event(len(default.event_shape))
+            self._distributions[name] = fn
+        return fn
+
+    @torch.no_grad()
+    def estimate_(self, posterior: Mapping[str, Any]) -> "EmpiricalBayesPrior":
+        """Set each site's prior variance to its maximum-likelihood value for the mean-field posterior
+        ``posterior`` (``{site: GaussianPosterior or (loc, variance)}``, e.g. a client's guide):
+        ``v_s = mean_j (loc_sj^2 + variance_sj)``. Sites with a posterior prior (:meth:`update_`) and sites this
+        prior does not hold are refused; returns ``self``.
+
+        :raises ValueError: naming the site, for an unknown site or one whose prior is a posterior, a wrong shape,
+            a NaN or a variance <= 0; nothing is changed then.
+        """
+        if not isinstance(posterior, Mapping):
+            raise ValueError(f"posterior: expected a dict site -> (loc, variance), got {type(posterior).__name__}")
+        estimates = {}
+        for name, value in posterior.items():
+            if name not in self.variances:
+                raise ValueError(f"posterior: expected sites of this prior {list(self.variances)}, got {name!r}")
+            if name in self._posterior_priors:
+                raise ValueError(f"posterior[{name!r}]: the site's prior is a posterior (update_), which "
+                                 "estimate_ does not change")
+            loc, variance = GaussianPosterior.of(value, f"posterior[{name!r}]", self._site_shapes.get(name))
+            estimates[name] = float((loc.double().square() + variance.double()).mean())
+        for name, v in estimates.items():
+            if v != self.variances[name]:
+                self.variances[name] = v
+                self._distributions.pop(name, None)
+        self.version += 1
+        return self
+
+    def initial(self) -> "EmpiricalBayesPrior":
+        fresh = super().initial()
+        fresh.variances, fresh._distributions = {}, {}
+        return fresh
+
+    def __repr__(self) -> str:
+        return f"EmpiricalBayesPrior(init_scale={self.init_scale!r}, variances={self.variances!r})"
 
 
 def only_linear_weights(distribution: Optional[Distribution] = None) -> IIDPrior:

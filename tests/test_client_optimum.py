@@ -1,0 +1,193 @@
+"""Bayesian clients that reach their variational optimum, and priors that need not swamp the data (issue 17, first
+part): the guide's scales with their own learning rate, the empirical-Bayes prior variance per weight matrix, the
+tempered (KL-weighted) ELBO, and the fit's convergence verdict."""
+
+import math
+
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.infer import TraceMeanField_ELBO
+from scipy.optimize import minimize_scalar
+
+from bnpfed.data import load_dataset
+from bnpfed.federated.config import BayesianConfig, FusionConfig, NetworkConfig, PartitionConfig, TrainingConfig
+from bnpfed.federated.fusion import FusionFederation
+from bnpfed.inference import BayesianClient, MeanFieldELBO, MeanFieldGuide
+from bnpfed.models import BayesianNetwork, EmpiricalBayesPrior, IIDPrior, mlp, only_linear_weights
+from bnpfed.seeding import seeded
+
+#: inputs 3, 4, 5 are 0 in every example: the first layer's weights from them get no likelihood gradient, so their
+#: posterior optimum is their prior.
+UNTOUCHED = slice(3, 6)
+
+
+def _data(n=256, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 6, generator=g)
+    x[:, UNTOUCHED] = 0.0
+    y = (x[:, :3] @ torch.tensor([[1.0, -1.0, 0.0], [0.5, 1.0, -1.0], [-1.0, 0.0, 1.0]])).argmax(1)
+    return x, y
+
+
+def _untouched(client):
+    post = client.posterior()["1.weight"]
+    return post.loc[:, UNTOUCHED], post.variance[:, UNTOUCHED].sqrt()
+
+
+@pytest.mark.parametrize("local_reparameterization", [False, True])
+def test_weights_no_datum_touches_end_at_the_prior_when_the_scales_learn_as_fast_as_the_means(
+        local_reparameterization):
+    x, y = _data()
+    torch.manual_seed(0)
+    net = mlp(6, [8], 3)
+    fast = BayesianClient(net, only_linear_weights(), local_reparameterization=local_reparameterization)
+    fast.fit(x, y, epochs=100, batch_size=32, lr=1e-3, scale_lr=1e-2, seed=0)     # 800 steps
+    loc, sd = _untouched(fast)
+    assert float((sd - 1.0).abs().max()) < 0.05          # the prior N(0, 1)'s sd, within 5 %
+    assert float(loc.abs().max()) < 0.01                 # and its mean
+    # one rate for all (the recorded behaviour): after the same 800 steps the scales are still near init_scale
+    slow = BayesianClient(net, only_linear_weights(), local_reparameterization=local_reparameterization)
+    slow.fit(x, y, epochs=100, batch_size=32, lr=1e-3, seed=0)
+    assert float(_untouched(slow)[1].max()) < 0.05
+
+
+def test_one_learning_rate_given_twice_is_exactly_the_one_rate_fit():
+    x, y = _data(64)
+    net = mlp(6, [8], 3)
+    a = BayesianClient(net, only_linear_weights()).fit(x, y, epochs=2, batch_size=16, lr=1e-2, seed=3)
+    b = BayesianClient(net, only_linear_weights()).fit(x, y, epochs=2, batch_size=16, lr=1e-2, scale_lr=1e-2, seed=3)
+    assert a.losses_ == b.losses_
+    for site, post in a.posterior().items():
+        assert torch.equal(post.variance, b.posterior()[site].variance)
+
+
+def test_the_empirical_bayes_variance_maximises_the_elbo_over_the_prior_variance():
+    torch.manual_seed(1)
+    prior = EmpiricalBayesPrior()
+    bnn = BayesianNetwork(mlp(5, [7], 3), prior)
+    guide = MeanFieldGuide(bnn.init_values, init_scale=0.2)
+    with torch.no_grad():
+        for loc, rho in zip(guide.locs, guide.rhos):
+            loc.normal_(0.0, 0.4)
+            rho.normal_(-1.5, 0.5)
+    posterior = guide.posterior()
+    prior.estimate_(posterior)
+    elbo = MeanFieldELBO()
+    for site, post in posterior.items():
+        # brute force: the KL of this site as a function of the prior variance, minimised numerically
+        def kl(log_v, post=post):
+            return float(torch.distributions.kl_divergence(
+                torch.distributions.Normal(post.loc.double(), post.variance.double().sqrt()),
+                torch.distributions.Normal(0.0, math.exp(0.5 * log_v))).sum())
+        best = minimize_scalar(kl, bounds=(-10, 5), method="bounded", options={"xatol": 1e-10})
+        assert prior.variances[site] == pytest.approx(math.exp(best.x), rel=1e-5)
+    # the network's prior is the estimate: the closed-form KL there equals the brute force minimum
+    total = sum(minimize_scalar(lambda lv, p=p: float(torch.distributions.kl_divergence(
+        torch.distributions.Normal(p.loc.double(), p.variance.double().sqrt()),
+        torch.distributions.Normal(0.0, math.exp(0.5 * lv))).sum()), bounds=(-10, 5), method="bounded").fun
+        for p in posterior.values())
+    assert float(elbo.kl_divergence(bnn, guide)) == pytest.approx(total, rel=1e-5)
+
+
+def test_with_an_empirical_bayes_prior_untouched_weights_end_at_the_estimated_prior_and_the_fit_still_learns():
+    x, y = _data()
+    torch.manual_seed(0)
+    prior = EmpiricalBayesPrior()
+    client = BayesianClient(mlp(6, [8], 3), prior)
+    client.fit(x, y, epochs=100, batch_size=32, lr=1e-2, scale_lr=3e-2, seed=0)
+    loc, sd = _untouched(client)
+    v = prior.variances["1.weight"]
+    assert float((sd / math.sqrt(v) - 1.0).abs().max()) < 0.1
+    assert float(loc.abs().max()) < 0.1 * math.sqrt(v)
+    accuracy = float((client.predict_proba(x, seed=0).argmax(1) == y).float().mean())
+    assert accuracy > 0.9
+    # the estimate is the closed form of the final guide: mean of loc^2 + variance over the site
+    post = client.posterior()["1.weight"]
+    assert v == pytest.approx(float((post.loc.double() ** 2 + post.variance.double()).mean()), rel=1e-6)
+
+
+def test_a_posterior_prior_is_left_alone_by_the_estimate():
+    prior = EmpiricalBayesPrior()
+    bnn = BayesianNetwork(mlp(4, [3], 2), prior)
+    given = {"1.weight": (torch.zeros(3, 4), torch.full((3, 4), 0.25))}
+    prior.update_(given)
+    with pytest.raises(ValueError, match=r"posterior\['1.weight'\]: the site's prior is a posterior"):
+        prior.estimate_(given)
+    with pytest.raises(ValueError, match="expected sites of this prior"):
+        prior.estimate_({"2.weight": given["1.weight"]})
+    prior.estimate_({"3.weight": (torch.zeros(2, 3), torch.full((2, 3), 0.04))})
+    scales = {site: fn.base_dist.scale.reshape(-1)[0].item() for site, fn in bnn.prior_distributions().items()}
+    assert scales == pytest.approx({"1.weight": 0.5, "3.weight": 0.2})
+    assert prior.initial().variances == {}
+    with pytest.raises(ValueError, match="init_scale: expected a finite number > 0"):
+        EmpiricalBayesPrior(init_scale=0.0)
+
+
+def test_the_kl_weight_scales_the_kl_term_only_and_the_pyro_program_agrees():
+    x, y = _data(16)
+    bnn = BayesianNetwork(mlp(6, [4], 3), IIDPrior(dist.Normal(0.0, 0.5)))
+    guide = MeanFieldGuide(bnn.init_values, init_scale=0.1)
+    with seeded(0):
+        one = MeanFieldELBO().differentiable_loss(bnn, guide, x, y, dataset_size=100)
+    with seeded(0):
+        tempered = MeanFieldELBO(kl_weight=0.3).differentiable_loss(bnn, guide, x, y, dataset_size=100)
+    kl = MeanFieldELBO().kl_divergence(bnn, guide)
+    assert float(tempered) == pytest.approx(float(one - 0.7 * kl), rel=1e-6)
+
+    class Plain(MeanFieldGuide):  # off the closed-form path: Pyro's TraceMeanField_ELBO with the sites scaled
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    plain = Plain(bnn.init_values, init_scale=0.1)
+    plain.load_state_dict(guide.state_dict())
+    with seeded(0):
+        reference = MeanFieldELBO(kl_weight=0.3).differentiable_loss(bnn, plain, x, y, dataset_size=100)
+    assert float(reference) == pytest.approx(float(tempered), rel=1e-5)
+    with seeded(0), bnn.context():
+        plain_one = TraceMeanField_ELBO().differentiable_loss(bnn, plain, x, y, dataset_size=100)
+    assert float(plain_one) == pytest.approx(float(one), rel=1e-5)
+    for bad in (0.0, -1.0, math.inf, True, "1"):
+        with pytest.raises(ValueError, match="kl_weight: expected a finite number > 0"):
+            MeanFieldELBO(kl_weight=bad)
+
+
+def test_a_fit_says_whether_it_converged():
+    x, y = _data(64)
+    client = BayesianClient(mlp(6, [8], 3), only_linear_weights())
+    client.fit(x, y, epochs=1, seed=0)
+    assert client.converged_ is None and client.notes_ == []
+    client.fit(x, y, epochs=5, batch_size=16, lr=1e-3, seed=0)   # the KL of N(0, 1) still falling
+    assert client.converged_ is False and "not converged" in client.notes_[0]
+    client.fit(x, y, epochs=300, batch_size=64, lr=1e-2, scale_lr=1e-1, seed=0)
+    assert client.converged_ is True and client.notes_ == []
+
+
+def test_scale_lr_needs_a_guide_with_scales_and_a_positive_value():
+    x, y = _data(16)
+    with pytest.raises(ValueError, match="scale_lr: expected a positive"):
+        BayesianClient(mlp(6, [4], 3), only_linear_weights()).fit(x, y, scale_lr=0.0)
+
+
+def test_the_federation_takes_the_new_priors_and_rates_from_its_config():
+    ds = load_dataset("digits")
+    parts = PartitionConfig(clients=3).split(ds.y_train.numpy(), seed=0)
+    bayesian = BayesianConfig(prior_variance="empirical-bayes", kl_weight=0.1, scale_lr_factor=10.0)
+    assert isinstance(bayesian.build_prior(), EmpiricalBayesPrior)
+    federation = FusionFederation(ds, parts, network=NetworkConfig(hidden=(16,)), training=TrainingConfig(epochs=3),
+                                  bayesian=bayesian, fusion=FusionConfig(rule="conflation"), seed=0)
+    record = federation.run_round()
+    assert record.metrics["accuracy"] > 0.5
+    recorded = FusionFederation(ds, parts, network=NetworkConfig(hidden=(16,)), training=TrainingConfig(epochs=3),
+                                bayesian=BayesianConfig(), fusion=FusionConfig(rule="conflation"), seed=0)
+    recorded.run_round()
+    sd_new = float(federation.global_posterior["1.weight"].variance.sqrt().mean())
+    sd_old = float(recorded.global_posterior["1.weight"].variance.sqrt().mean())
+    assert sd_new != sd_old
+    with pytest.raises(ValueError, match="prior_variance: sets a named prior's variance"):
+        BayesianConfig(prior=only_linear_weights(), prior_variance="empirical-bayes")
+    for field in ("kl_weight", "scale_lr_factor"):
+        with pytest.raises(ValueError, match=field):
+            BayesianConfig(**{field: 0.0})
+    with pytest.raises(ValueError, match="prior_variance"):
+        BayesianConfig(prior_variance="learned")
