@@ -53,6 +53,11 @@ def _data(name: str, dirs: dict):
     return ds, ood
 
 
+def _bayesian(args) -> BayesianConfig:
+    return BayesianConfig(init_scale=args.init_scale, prior_variance=args.prior_variance, kl_weight=args.kl_weight,
+                          scale_lr_factor=args.scale_lr_factor)
+
+
 def _row(r) -> dict:
     out = {m: getattr(r, m) for m in METRICS}
     out.update(hidden=r.hidden, server_seconds=r.server_seconds, mean_sigma=r.mean_sigma,
@@ -76,17 +81,21 @@ def _one_round(part: str, methods, datasets, dirs, out: Path, seeds, args) -> No
                     ds, ood=ood, partition=PartitionConfig(clients=args.clients, partition=partition),
                     network=NetworkConfig(hidden=(100,)),
                     training=TrainingConfig(epochs=args.epochs, batch_size=64, lr=args.lr),
-                    bayesian=BayesianConfig(init_scale=args.init_scale), fusion=FusionConfig(own_init=True),
+                    bayesian=_bayesian(args), fusion=FusionConfig(own_init=True),
                     config=ExperimentConfig(methods=methods, rounds=1, seed=seed, ece_bins=100,
                                             predictive_samples=args.samples))
                 _emit(out, key, dict(dataset=name, partition=partition, seed=seed, J=args.clients, tag=args.tag,
                                      lr=args.lr, init_scale=args.init_scale, epochs=args.epochs,
+                                     prior_variance=args.prior_variance, kl_weight=args.kl_weight,
+                                     scale_lr_factor=args.scale_lr_factor,
                                      rows={r.method: _row(r) for r in result.rows}, warnings=result.warnings,
                                      wall_seconds=time.perf_counter() - t0))
 
 
 def part_oneshot(datasets, dirs, out: Path, seeds, args) -> None:
     methods = ("ensemble-bayesian", "pfnm", "fedavg") + RULES + tuple(f"match-{r}" for r in RULES)
+    if args.methods:
+        methods = tuple(args.methods.split(","))
     _one_round("oneshot", methods, datasets, dirs, out, seeds, args)
 
 
@@ -116,7 +125,7 @@ def part_rounds(datasets, dirs, out: Path, seeds, args) -> None:
                 ds, ood=ood, partition=PartitionConfig(clients=args.clients, partition="dirichlet"),
                 network=NetworkConfig(hidden=(100,)),
                 training=TrainingConfig(epochs=args.epochs, batch_size=64, lr=args.lr, round_epochs=args.round_epochs),
-                bayesian=BayesianConfig(init_scale=args.init_scale), fusion=FusionConfig(rule=args.rule),
+                bayesian=_bayesian(args), fusion=FusionConfig(rule=args.rule),
                 config=ExperimentConfig(methods=(f"match-{args.rule}", args.rule, "fedavg"), rounds=args.rounds,
                                         seed=seed, ece_bins=100, predictive_samples=args.samples))
             _emit(out, key, dict(dataset=name, partition="dirichlet", seed=seed, J=args.clients, rounds=args.rounds,
@@ -164,6 +173,10 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=1e-3, help="local learning rate (Adam)")
     p.add_argument("--init-scale", type=float, default=BayesianConfig().init_scale,
                    help="the Bayesian clients' initial posterior standard deviation")
+    p.add_argument("--prior-variance", default="fixed", help="the clients' prior variance: fixed or empirical-bayes")
+    p.add_argument("--kl-weight", type=float, default=1.0, help="the clients' KL weight (1: the ELBO)")
+    p.add_argument("--scale-lr-factor", type=float, default=1.0, help="the posterior scales' rate as a multiple of lr")
+    p.add_argument("--methods", default="", help="comma-separated methods of the oneshot part (default: all)")
     p.add_argument("--tag", default="", help="appended to every key (a variant of the settings)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--summary", action="store_true", help="print the tables of --out and stop")

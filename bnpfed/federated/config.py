@@ -281,8 +281,8 @@ class BayesianConfig:
         (:meth:`~bnpfed.inference.BayesianClient.fit`'s ``scale_lr``), > 0. Default 1: one rate for all, the
         recorded behaviour, where the scales barely leave ``init_scale`` in a round's few hundred steps. 10 reaches
         the variational optimum; under the paper's N(0, 1) prior that optimum underfits (784-100-10 on 6,000 MNIST
-        digits, 10 epochs: accuracy 0.854 against 0.942 at factor 1), so 1 stays the default until a prior that does
-        not swamp the data is.
+        digits, 10 epochs: accuracy 0.873 against 0.932 at factor 1; benchmarks/README.md), so 1 stays the default
+        until a prior that does not swamp the data is.
     """
 
     prior: Union[str, Prior] = "linear-weights"
