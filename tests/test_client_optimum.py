@@ -191,3 +191,14 @@ def test_the_federation_takes_the_new_priors_and_rates_from_its_config():
             BayesianConfig(**{field: 0.0})
     with pytest.raises(ValueError, match="prior_variance"):
         BayesianConfig(prior_variance="learned")
+
+
+def test_a_saved_client_keeps_its_estimated_prior(tmp_path):
+    from bnpfed.saved import read_global, save_global
+
+    x, y = _data(32)
+    client = BayesianClient(mlp(6, [3], 3), EmpiricalBayesPrior()).fit(x, y, epochs=2, seed=0)
+    save_global(tmp_path / "global.pt", client, method="fusion")
+    loaded = read_global(tmp_path / "global.pt").client
+    assert loaded.bnn.prior.variances == client.bnn.prior.variances != {"1.weight": 1.0, "3.weight": 1.0}
+    assert torch.equal(loaded.predict_proba(x, seed=0), client.predict_proba(x, seed=0))
