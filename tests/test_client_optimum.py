@@ -201,4 +201,5 @@ def test_a_saved_client_keeps_its_estimated_prior(tmp_path):
     save_global(tmp_path / "global.pt", client, method="fusion")
     loaded = read_global(tmp_path / "global.pt").client
     assert loaded.bnn.prior.variances == client.bnn.prior.variances != {"1.weight": 1.0, "3.weight": 1.0}
-    assert torch.equal(loaded.predict_proba(x, seed=0), client.predict_proba(x, seed=0))
+    # the variance travels exactly; the guide stores softplus^-1(sqrt(variance)), which rounds in the last bits
+    assert torch.allclose(loaded.predict_proba(x, seed=0), client.predict_proba(x, seed=0), atol=1e-6)

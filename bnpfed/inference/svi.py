@@ -207,7 +207,7 @@ class BayesianClient:
         prior = self.bnn.prior
         after_step = None
         estimated = [name for name in self.bnn.bayesian_sites if name not in prior.posterior_sites]
-        if getattr(prior, "estimable", False) and estimated:
+        if prior.estimable and estimated:
             def after_step():
                 posterior = self.guide.posterior()
                 prior.estimate_({name: posterior[name] for name in estimated})

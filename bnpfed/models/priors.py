@@ -73,6 +73,9 @@ class Prior(ABC):
     _site_shapes: Mapping[str, torch.Size] = MappingProxyType({})
     #: Incremented by every :meth:`update_`; code that caches the prior's parameters compares it.
     version: int = 0
+    #: Whether a client re-estimates this prior from its fit (``estimate_(posterior)``, as
+    #: :class:`EmpiricalBayesPrior` does); False: the prior is what it is.
+    estimable: bool = False
 
     @abstractmethod
     def distribution(self, name: str, module: nn.Module, param: Tensor) -> Optional[Distribution]:
