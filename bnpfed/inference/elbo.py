@@ -41,7 +41,6 @@ Usage::
 from __future__ import annotations
 
 import contextlib
-import math
 import weakref
 from typing import Optional, Union
 
@@ -53,6 +52,7 @@ from torch import Tensor
 
 from bnpfed.inference.guides import MeanFieldGuide
 from bnpfed.models.bayesian import BayesianNetwork
+from bnpfed.validation import check_float
 
 __all__ = ["MeanFieldELBO"]
 
@@ -81,9 +81,7 @@ class MeanFieldELBO:
     """
 
     def __init__(self, kl_weight: float = 1.0):
-        if isinstance(kl_weight, bool) or not isinstance(kl_weight, (int, float)) or not 0 < kl_weight < math.inf:
-            raise ValueError(f"kl_weight: expected a finite number > 0, got {kl_weight!r}")
-        self.kl_weight = float(kl_weight)
+        self.kl_weight = check_float(kl_weight, "kl_weight", low=0.0, low_open=True, what="a finite number > 0")
         self._reference = TraceMeanField_ELBO(max_plate_nesting=1)
         self._key: Optional[tuple] = None
         self._plan: Optional[list[tuple[str, Tensor, Tensor, _Param, _Param]]] = None

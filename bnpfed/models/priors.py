@@ -48,8 +48,10 @@ from pyro.nn.module import PyroModule, PyroSample
 from torch import Tensor, nn
 
 from bnpfed.posterior import GaussianPosterior
+from bnpfed.validation import check_float
 
-__all__ = ["EmpiricalBayesPrior", "IIDPrior", "LayerwisePrior", "Prior", "Selector", "SitePrior", "linear_weights", "only_linear_weights"]
+__all__ = ["EmpiricalBayesPrior", "IIDPrior", "LayerwisePrior", "Prior", "Selector", "SitePrior", "linear_weights",
+           "only_linear_weights"]
 
 #: A name pattern, an ``nn.Module`` subclass, or a callable ``(name, module) -> bool``.
 Selector = Union[str, type, Callable[[str, nn.Module], bool]]
@@ -337,10 +339,7 @@ class EmpiricalBayesPrior(Prior):
 
     def __init__(self, expose: Optional[Iterable[Selector]] = None, hide: Iterable[Selector] = (), *,
                  init_scale: float = 1.0):
-        if isinstance(init_scale, bool) or not isinstance(init_scale, (int, float)) or not init_scale > 0 \
-                or init_scale == float("inf"):
-            raise ValueError(f"init_scale: expected a finite number > 0, got {init_scale!r}")
-        self.init_scale = float(init_scale)
+        self.init_scale = check_float(init_scale, "init_scale", low=0.0, low_open=True, what="a finite number > 0")
         self._selection = IIDPrior(dist.Normal(0.0, self.init_scale),
                                    expose=[linear_weights] if expose is None else expose, hide=hide)
         #: ``{site: v_s}``, the current prior variance of every chosen site (filled by :meth:`apply_`).
@@ -353,7 +352,7 @@ class EmpiricalBayesPrior(Prior):
     def apply_(self, net):
         self._selection._used = set()
         values = super().apply_(net)
-        for name, value in values.items():
+        for name in values:
             self.variances.setdefault(name, self.init_scale ** 2)
             self._distributions.pop(name, None)
         return values
