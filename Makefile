@@ -13,7 +13,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c $(CONSTRAINTS) -e '.[vision,test,flower,ot]'
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e '.[vision,test,flower,ot,laplace]'
 	$(PY) -c "import torch, torchvision, pyro; print('installed torch', torch.__version__, 'torchvision', torchvision.__version__, 'pyro', pyro.__version__)"
 	touch $(STAMP)
 

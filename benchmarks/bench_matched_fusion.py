@@ -55,7 +55,7 @@ def _data(name: str, dirs: dict):
 
 def _bayesian(args) -> BayesianConfig:
     return BayesianConfig(init_scale=args.init_scale, prior_variance=args.prior_variance, kl_weight=args.kl_weight,
-                          scale_lr_factor=args.scale_lr_factor)
+                          scale_lr_factor=args.scale_lr_factor, client=args.client)
 
 
 def _row(r) -> dict:
@@ -87,7 +87,7 @@ def _one_round(part: str, methods, datasets, dirs, out: Path, seeds, args) -> No
                 _emit(out, key, dict(dataset=name, partition=partition, seed=seed, J=args.clients, tag=args.tag,
                                      lr=args.lr, init_scale=args.init_scale, epochs=args.epochs,
                                      prior_variance=args.prior_variance, kl_weight=args.kl_weight,
-                                     scale_lr_factor=args.scale_lr_factor,
+                                     scale_lr_factor=args.scale_lr_factor, client=args.client,
                                      rows={r.method: _row(r) for r in result.rows}, warnings=result.warnings,
                                      wall_seconds=time.perf_counter() - t0))
 
@@ -176,6 +176,8 @@ def main(argv=None):
     p.add_argument("--prior-variance", default="fixed", help="the clients' prior variance: fixed or empirical-bayes")
     p.add_argument("--kl-weight", type=float, default=1.0, help="the clients' KL weight (1: the ELBO)")
     p.add_argument("--scale-lr-factor", type=float, default=1.0, help="the posterior scales' rate as a multiple of lr")
+    p.add_argument("--client", default="variational", choices=("variational", "laplace"),
+                   help="the Bayesian clients: SVI, or PFNM's trained clients with a diagonal Laplace posterior")
     p.add_argument("--methods", default="", help="comma-separated methods of the oneshot part (default: all)")
     p.add_argument("--tag", default="", help="appended to every key (a variant of the settings)")
     p.add_argument("--threads", type=int, default=1)

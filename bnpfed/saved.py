@@ -21,7 +21,10 @@ A Bayesian global network (a :class:`~bnpfed.inference.BayesianClient`: ``bnpfed
 
 ``module`` is then the posterior-mean network (plain torch, usable without bnpfed), and :func:`load_global` returns
 the :class:`~bnpfed.inference.BayesianClient` (default mean-field guide at the saved posterior, the saved prior), whose
-``predict_proba(x, num_samples, seed)`` gives the same predictive as the client that was saved. The deterministic
+``predict_proba(x, num_samples, seed)`` gives the same predictive as the client that was saved. A global network
+fused from Laplace clients (a :class:`~bnpfed.inference.LaplaceClient`) has ``"kind": "laplace"``, its
+``"posterior"``, ``"prior"`` and ``"predictive"`` likewise, and loads as a LaplaceClient holding that posterior (its
+linearised predictive). The deterministic
 files have ``"kind": "deterministic"`` (files without the key, from bnpfed 0.x before it, are read as such).
 
 Usage::
@@ -56,6 +59,7 @@ from typing import Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
+from bnpfed.inference.laplace import LaplaceClient
 from bnpfed.inference.svi import BayesianClient
 from bnpfed.posterior import GaussianPosterior
 from bnpfed.report import json_safe, versions
@@ -66,7 +70,7 @@ __all__ = ["FORMAT", "KINDS", "SavedGlobal", "global_from_record", "load_global"
 #: The layout of a saved global network (the module docstring); a file of another layout is refused.
 FORMAT = "bnpfed-global/1"
 #: What a file holds: a plain network, or a Bayesian one (a BayesianClient's posterior, prior and likelihood).
-KINDS = ("deterministic", "bayesian")
+KINDS = ("deterministic", "bayesian", "laplace")
 
 
 def _plain(value):
@@ -102,10 +106,10 @@ def save_global(path: str | Path, network, *, method: str, spec=None, widths: Ma
     if not isinstance(method, str) or not method:
         raise ValueError(f"method: expected the name of the method that built the network, got {method!r}")
     bayesian = {}
-    if predictive is not None and not isinstance(network, BayesianClient):
-        raise ValueError(f"predictive: expected only with a Bayesian network (a BayesianClient), got a "
-                         f"{type(network).__name__}")
-    if isinstance(network, BayesianClient):
+    if predictive is not None and not isinstance(network, (BayesianClient, LaplaceClient)):
+        raise ValueError(f"predictive: expected only with a Bayesian network (a BayesianClient or LaplaceClient), "
+                         f"got a {type(network).__name__}")
+    if isinstance(network, (BayesianClient, LaplaceClient)):
         bayesian = _bayesian_record(network)
         if predictive is not None:
             if not (isinstance(predictive, Mapping) and set(predictive) == {"samples", "seed"}):
@@ -115,11 +119,11 @@ def save_global(path: str | Path, network, *, method: str, spec=None, widths: Ma
     elif isinstance(network, nn.Module):
         module = copy.deepcopy(network).cpu().eval()
     else:
-        raise ValueError(f"network: expected a torch.nn.Module or a bnpfed BayesianClient, got "
+        raise ValueError(f"network: expected a torch.nn.Module or a bnpfed BayesianClient or LaplaceClient, got "
                          f"{type(network).__name__}")
     record = {
         "format": FORMAT,
-        "kind": "bayesian" if bayesian else "deterministic",
+        "kind": ("laplace" if isinstance(network, LaplaceClient) else "bayesian") if bayesian else "deterministic",
         "method": method,
         "module": module,
         "state_dict": {k: v.detach().clone() for k, v in module.state_dict().items()},
@@ -139,7 +143,7 @@ def save_global(path: str | Path, network, *, method: str, spec=None, widths: Ma
     return path
 
 
-def _bayesian_record(client: BayesianClient) -> dict:
+def _bayesian_record(client: BayesianClient | LaplaceClient) -> dict:
     posterior = client.posterior()
     bad = [site for site, p in posterior.items() if not isinstance(p, GaussianPosterior)]
     if bad:
@@ -148,16 +152,20 @@ def _bayesian_record(client: BayesianClient) -> dict:
     for site, p in posterior.items():
         if not (bool(torch.isfinite(p.loc).all()) and bool(torch.isfinite(p.variance).all())):
             raise ValueError(f"network: the posterior of {site!r} holds NaN or infinite values")
+    laplace = isinstance(client, LaplaceClient)
     try:
-        prior = copy.deepcopy(client.bnn.prior)
+        prior = copy.deepcopy(client.prior if laplace else client.bnn.prior)
         pickle.dumps(prior)
-        pickle.dumps(client.bnn.likelihood)
+        if not laplace:
+            pickle.dumps(client.bnn.likelihood)
     except Exception as error:  # a selector that is a lambda or a local function: it cannot be pickled
         raise ValueError(f"network: its prior or likelihood cannot be saved (pickled): {type(error).__name__}: "
                          f"{error}; use selectors that are module-level functions, patterns or classes") from None
-    return {"posterior": {site: {"loc": p.loc.detach().cpu().clone(), "variance": p.variance.detach().cpu().clone()}
-                          for site, p in posterior.items()},
-            "prior": prior, "likelihood": client.bnn.likelihood,
+    record = {"posterior": {site: {"loc": p.loc.detach().cpu().clone(), "variance": p.variance.detach().cpu().clone()}
+                            for site, p in posterior.items()}, "prior": prior}
+    if laplace:
+        return record
+    return {**record, "likelihood": client.bnn.likelihood,
             "local_reparameterization": bool(client.bnn.local_reparameterization)}
 
 
@@ -171,7 +179,7 @@ class SavedGlobal:
     method: str
     architecture: str
     kind: str = "deterministic"
-    client: BayesianClient | None = None
+    client: BayesianClient | LaplaceClient | None = None
     predictive: dict | None = None
     spec: str | None = None
     widths: dict = field(default_factory=dict)
@@ -230,6 +238,12 @@ def global_from_record(record, path: str | Path = "<record>") -> SavedGlobal:
         try:
             client.load_posterior({site: GaussianPosterior(p["loc"], p["variance"])
                                    for site, p in record["posterior"].items()})
+        except ValueError as error:
+            raise ValueError(f"path: {str(path)!r} holds a posterior that does not load ({error})") from None
+    elif kind == "laplace":
+        try:
+            client = LaplaceClient.holding(network, {site: GaussianPosterior(p["loc"], p["variance"])
+                                                     for site, p in record["posterior"].items()}, record["prior"])
         except ValueError as error:
             raise ValueError(f"path: {str(path)!r} holds a posterior that does not load ({error})") from None
     return SavedGlobal(network=network.eval(), method=record["method"], architecture=record["architecture"],

@@ -44,6 +44,15 @@ def test_matched_fusion_with_empirical_bayes_priors_on_flower_is_the_in_process_
     assert_same_as_in_process(run_federation(LocalGrid(client_app, CLIENTS), config), config)
 
 
+def test_matched_fusion_of_laplace_clients_on_flower_is_the_in_process_federation_bit_for_bit():
+    # PFNM's training and a diagonal Laplace posterior on each client; round 2 from the slices' means
+    pytest.importorskip("laplace")
+    config = {**MATCHED, "client": "laplace", "rule": "conflation"}
+    result = run_federation(LocalGrid(client_app, CLIENTS), config)
+    assert_same_as_in_process(result, config)
+    assert all(0.5 < r["accuracy"] <= 1 for r in result.history)
+
+
 def test_each_client_starts_round_two_from_its_slice_or_else_the_whole_posterior_bit_for_bit():
     config = {**MATCHED, **FRACTION, "rule": "pooling", "fraction-evaluate": 0.0}
     sent = {}
@@ -83,6 +92,9 @@ def test_a_bad_posterior_reply_is_rejected_with_its_reason_and_the_round_goes_on
                                              r"\(weight-wise fusion from each client's own initialisation.*got true"),
     ({**MATCHED, "align": "nearest"}, r"align: expected one of \['none', 'match'\]"),
     ({**MATCHED, "tau2": 0}, "tau2: expected a positive"),
+    ({"method": "fusion", "client": "laplace"}, r"client: Laplace clients serve matched posterior fusion"),
+    ({"method": "pfnm", "client": "laplace"}, r"client: Laplace clients serve matched posterior fusion"),
+    ({**MATCHED, "client": "laplace", "kl-weight": 0.5}, r"kl-weight: a setting of the variational clients' SVI"),
 ])
 def test_what_matched_fusion_on_flower_does_not_run_is_refused_before_any_node_is_asked(config, message):
     assert_refused_before_any_node_is_asked(config, message)

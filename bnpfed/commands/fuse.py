@@ -24,8 +24,9 @@ from bnpfed.commands import _args
 from bnpfed.commands._args import HelpFormatter, UsageError, fail, flag_message, warn
 from bnpfed.federated import methods
 from bnpfed.federated.clients import initial_network
-from bnpfed.federated.config import (CLIENT_WEIGHTS, FUSION_TRAINING, INITIALISATIONS, PAPER_MIN_VARIANCE, PRIORS,
-                                     PRIOR_VARIANCES, BayesianConfig, FusionConfig, NetworkConfig, config_dict)
+from bnpfed.federated.config import (CLIENT_KINDS, CLIENT_WEIGHTS, FUSION_TRAINING, INITIALISATIONS,
+                                     PAPER_MIN_VARIANCE, PRIORS, PRIOR_VARIANCES, BayesianConfig, FusionConfig,
+                                     NetworkConfig, config_dict)
 from bnpfed.federated.methods import ExperimentConfig
 from bnpfed.federated.fusion import FUSION_ARCHITECTURES
 from bnpfed.federated.matched_fusion import MatchedFusionFederation
@@ -99,6 +100,11 @@ def add_parser(sub):
     g.add_argument("--scale-lr-factor", type=float, metavar="F", default=bayes.scale_lr_factor,
                    help="the posterior scales learn at F times --lr (1: one rate, as recorded; 10 reaches the "
                    "variational optimum)")
+    g.add_argument("--client", choices=CLIENT_KINDS, default=bayes.client,
+                   help="variational (SVI on the ELBO) or laplace: each client trains its network as a PFNM client "
+                   "does and takes its diagonal Laplace posterior, prior precision per weight matrix by the marginal "
+                   "likelihood (laplace-torch); with --align match only (its table then has the matched rows, "
+                   "not weight-wise fusion from the own initialisations), without the SVI flags above")
     g.add_argument("--local-reparameterization", action=argparse.BooleanOptionalAction,
                    default=bayes.local_reparameterization,
                    help="sample pre-activations rather than weights (the local reparameterisation trick, as in the "
@@ -197,13 +203,16 @@ def prepare(args) -> dict:
                          f"only), got {training.device}")
     bayesian = BayesianConfig(prior=args.prior, prior_scale=args.prior_scale, init_scale=args.init_scale,
                               prior_variance=args.prior_variance, kl_weight=args.kl_weight,
-                              scale_lr_factor=args.scale_lr_factor,
+                              scale_lr_factor=args.scale_lr_factor, client=args.client,
                               local_reparameterization=args.local_reparameterization)
     for rule in args.rule:
         check_choice(rule, available_rules(), "rule")
     if len(set(args.rule)) != len(args.rule):
         raise ValueError(f"rule: expected each rule at most once, got {','.join(args.rule)}")
     match = args.align == "match"
+    if args.client != "variational" and not match:
+        raise UsageError(f"--client {args.client}: expected only with --align match (Laplace clients serve matched "
+                         f"fusion), got --align {args.align}")
     if args.tau2 is not None and not match:
         raise UsageError(f"--tau2: expected only with --align match, got --align {args.align}")
     _args.check_ood_flags(args)
@@ -219,7 +228,10 @@ def prepare(args) -> dict:
                 raise UsageError(f"--baselines: expected names among {', '.join(BASELINES)}, got {name!r}")
     fedavg = () if args.no_fedavg else (FEDAVG,)
     if match:
-        names = ("ensemble-bayesian", "pfnm" if args.rounds == 1 else "pfnm-rounds") + fedavg + args.rule + tuple(
+        # weight-wise fusion from the own initialisations trains variational clients from the global posterior
+        # after round 1, so Laplace clients have the matched rows only (said in --client's help)
+        weight_wise = args.rule if args.client == "variational" else ()
+        names = ("ensemble-bayesian", "pfnm" if args.rounds == 1 else "pfnm-rounds") + fedavg + weight_wise + tuple(
             MATCH_PREFIX + rule for rule in args.rule) + tuple(args.baselines or ())
     else:
         names = args.rule + fedavg

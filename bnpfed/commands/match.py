@@ -124,7 +124,7 @@ def _read(path: str):
     if isinstance(obj, nn.Module):
         return obj
     if isinstance(obj, dict) and obj.get("format") == FORMAT:  # a file bnpfed wrote (save_global)
-        if obj.get("kind") == "bayesian":
+        if obj.get("kind") in ("bayesian", "laplace"):
             raise UsageError(f"MODEL: {path!r} holds a Bayesian client; expected --posteriors to fuse Bayesian "
                              "clients")
         return global_from_record(obj, path).network

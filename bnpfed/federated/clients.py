@@ -7,7 +7,10 @@
 * :func:`batch_norm_moments_step`: the moments of a (global) network's batch-norm inputs on the client's data, from
   which the server re-estimates the running statistics after a match or an average;
 * :func:`bayesian_client`: a variational Bayesian client of a network (posterior fusion's clients);
-* :func:`fit_bayesian`: its local SVI in a round.
+* :func:`posterior_client`: the client of ``BayesianConfig.client``'s kind (variational, or Laplace) that matched
+  fusion's clients are;
+* :func:`fit_bayesian`: its local step in a round (SVI; or, for a Laplace client, PFNM's training and the Laplace
+  posterior).
 
 Every random step draws from a stream of :mod:`bnpfed.seeding`: client j's own initialisation from
 ``(seed, INIT, 0, j + 1)``, the shared one from ``(seed, INIT, 0, 0)``, its fit in round r from ``(seed, FIT, r, j)``.
@@ -33,14 +36,14 @@ import torch
 from torch import Tensor, nn
 
 from bnpfed.federated.config import BayesianConfig, NetworkConfig, TrainingConfig
-from bnpfed.inference import BayesianClient, DeterministicClient, MeanFieldELBO, derive_spec
+from bnpfed.inference import BayesianClient, DeterministicClient, LaplaceClient, MeanFieldELBO, derive_spec
 from bnpfed.inference.activity import unit_activity
 from bnpfed.inference.permutation import BatchNormMoments, batch_norm_moments
 from bnpfed.models import LeNet, mlp, reference_init_, simple_cnn
 from bnpfed.seeding import Stream, derive_seed, seeded, torch_generator
 
 __all__ = ["batch_norm_moments_step", "bayesian_client", "build_network", "fit_bayesian", "initial_network",
-           "train_network"]
+           "posterior_client", "train_network"]
 
 
 def build_network(network: NetworkConfig, input_shape: Sequence[int], num_classes: int) -> nn.Module:
@@ -161,15 +164,34 @@ def bayesian_client(net: nn.Module, bayesian: BayesianConfig) -> BayesianClient:
                           elbo=MeanFieldELBO(kl_weight=bayesian.kl_weight))
 
 
-def fit_bayesian(client: BayesianClient, x: Tensor, y: Tensor, training: TrainingConfig, *, seed: int, round: int,
-                 index: int, scale_lr_factor: float = 1.0) -> float:
-    """Client ``index`` 's local SVI of round ``round``: ``training.schedule(round)`` epochs, drawing from ``(seed,
-    FIT, round, index)``, the guide's scales at ``scale_lr_factor`` times the schedule's rate
-    (``BayesianConfig.scale_lr_factor``). Returns its last epoch's loss (negative ELBO per example). On the CPU only
-    (``training.device`` must be ``"cpu"``)."""
+def posterior_client(net: nn.Module, bayesian: BayesianConfig) -> BayesianClient | LaplaceClient:
+    """A client of (a copy of) ``net`` of ``bayesian.client`` 's kind: :func:`bayesian_client` (variational), or a
+    :class:`~bnpfed.inference.LaplaceClient` whose Bayesian sites are those ``bayesian`` 's prior makes Bayesian."""
+    if bayesian.client == "laplace":
+        return LaplaceClient(net, bayesian.build_prior())
+    return bayesian_client(net, bayesian)
+
+
+def fit_bayesian(client: BayesianClient | LaplaceClient, x: Tensor, y: Tensor, training: TrainingConfig, *,
+                 seed: int, round: int, index: int, scale_lr_factor: float = 1.0) -> float:
+    """Client ``index`` 's local step of round ``round``: ``training.schedule(round)`` epochs, drawing from ``(seed,
+    FIT, round, index)``. A variational client runs SVI, the guide's scales at ``scale_lr_factor`` times the
+    schedule's rate (``BayesianConfig.scale_lr_factor``), and the loss returned is its last epoch's negative ELBO per
+    example. A :class:`~bnpfed.inference.LaplaceClient` trains its network exactly as :func:`train_network` does
+    (the same network, to the bit), then fits its Laplace posterior on the same data; the loss returned is its last
+    epoch's mean cross-entropy. On the CPU only (``training.device`` must be ``"cpu"``)."""
     if torch.device(training.device).type != "cpu":
         raise ValueError(f"training.device: expected 'cpu' for the Bayesian clients' SVI (it runs on the CPU only), "
                          f"got {training.device!r}")
+    if isinstance(client, LaplaceClient):
+        if scale_lr_factor != 1.0:
+            raise ValueError(f"scale_lr_factor: a setting of the variational clients' SVI; expected 1 for a Laplace "
+                             f"client, got {scale_lr_factor!r}")
+        schedule = training.schedule(round)
+        client.fit(x, y, epochs=schedule.epochs, batch_size=training.batch_size, lr=schedule.lr,
+                   seed=derive_seed(seed, Stream.FIT, round, index), amsgrad=training.amsgrad,
+                   weight_decay=training.weight_decay)
+        return float(client.losses_[-1])
     schedule = training.schedule(round)
     client.fit(x, y, epochs=schedule.epochs, batch_size=training.batch_size, lr=schedule.lr,
                seed=derive_seed(seed, Stream.FIT, round, index), amsgrad=training.amsgrad,

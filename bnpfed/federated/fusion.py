@@ -132,6 +132,10 @@ class FusionFederation(Federation):
         self.initial_clients = initial_clients
         _check_configs(network=network, training=training, bayesian=bayesian, fusion=fusion)
         self.bayesian = bayesian
+        if bayesian.client != "variational":
+            raise ValueError(f"bayesian.client: weight-wise posterior fusion trains variational clients from the "
+                             f"global posterior each round; Laplace clients serve matched fusion "
+                             f"(MatchedFusionFederation, fusion.align='match'), got client={bayesian.client!r}")
         check_fusion_network(network)
         self.training, self.fusion = training, fusion
         self.method = fusion.rule

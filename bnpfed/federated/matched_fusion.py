@@ -43,14 +43,14 @@ import torch
 from torch import Tensor, nn
 
 from bnpfed.data import Dataset
-from bnpfed.federated.clients import bayesian_client, fit_bayesian, initial_network
+from bnpfed.federated.clients import bayesian_client, fit_bayesian, initial_network, posterior_client
 from bnpfed.federated.config import BayesianConfig, FusionConfig, NetworkConfig, TrainingConfig
 from bnpfed.federated.federation import Federation
 from bnpfed.federated.fusion import check_fusion_network
 from bnpfed.federated.partition import class_counts
 from bnpfed.federated.rounds import Architecture, HoldsRounds, MatchRounds
 from bnpfed.federated.server import match_hyperparameters, matched_fusion_step
-from bnpfed.inference import BayesianClient
+from bnpfed.inference import BayesianClient, LaplaceClient
 from bnpfed.inference.permutation import network_from_state
 from bnpfed.inference.posterior_matching import PosteriorMatch, client_posterior
 from bnpfed.metrics import count_parameters
@@ -68,8 +68,18 @@ def client_from_slice(template: nn.Module, locs, variances, bayesian: BayesianCo
                       as_prior: bool = True) -> BayesianClient:
     """A Bayesian client holding ``(locs, variances)`` (a client's slice of a global posterior, or the whole of it):
     its network of the template's kind at those widths, its posterior set to them and, with ``as_prior``, its prior
-    too (each client has a prior object of its own)."""
+    too (each client has a prior object of its own). With ``as_prior`` and Laplace clients (``bayesian.client``), a
+    :class:`~bnpfed.inference.LaplaceClient` of that network at the means instead (its next fit starts there; the
+    variances are no prior of a Laplace client); without ``as_prior`` (the global network) a Laplace client holding
+    them (:meth:`~bnpfed.inference.LaplaceClient.holding`: the linearised predictive suits a posterior of Laplace
+    clients)."""
     net = network_from_state(template, locs)
+    if bayesian.client == "laplace":
+        client = posterior_client(net, bayesian)
+        if as_prior:
+            return client
+        posterior = {k: GaussianPosterior(locs[k], v) for k, v in variances.items()}
+        return LaplaceClient.holding(client.net, posterior, client.prior)
     client = bayesian_client(net, bayesian)
     like = {k: p.loc for k, p in client.posterior().items()}
     posterior = _posterior(locs, variances, like)
@@ -145,7 +155,7 @@ class MatchedFusionFederation(HoldsRounds, Federation):
         if start is None:  # round 1: the client's own initialisation
             net = initial_network(self.network, self.dataset.input_shape, self.dataset.num_classes, seed=self.seed,
                                   client=j)
-            return bayesian_client(net, self.bayesian)
+            return posterior_client(net, self.bayesian)
         return client_from_slice(self.template, *start, self.bayesian)
 
     def _round(self, round, sampled):

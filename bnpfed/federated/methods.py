@@ -67,7 +67,7 @@ from bnpfed.combine import available_rules
 from bnpfed.data import Dataset
 from bnpfed.federated.baselines import (aligned_average, ensemble_proba, fedavg_network, kmeans_networks,
                                        reference_client)
-from bnpfed.federated.clients import (bayesian_client, fit_bayesian, initial_network, train_network,
+from bnpfed.federated.clients import (fit_bayesian, initial_network, posterior_client, train_network,
                                       unit_activity_step)
 from bnpfed.federated.config import (BayesianConfig, FusionConfig, NetworkConfig, PFNMConfig,
                                      PartitionConfig, TrainingConfig, config_dict, holdout_split)
@@ -517,7 +517,7 @@ class Experiment:
             for j, (x, y) in enumerate(self.client_data):
                 net = initial_network(network, self.dataset.input_shape, self.dataset.num_classes, seed=self.seed,
                                       client=j)
-                client = bayesian_client(net, self.bayesian)
+                client = posterior_client(net, self.bayesian)
                 fit_bayesian(client, x, y, self.training, seed=self.seed, round=1, index=j,
                              scale_lr_factor=self.bayesian.scale_lr_factor)
                 clients.append(client)

@@ -60,7 +60,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 
 from bnpfed.data import Dataset, load_dataset
 from bnpfed.federated.clients import (batch_norm_moments_step, bayesian_client, fit_bayesian, initial_network,
-                                      train_network, unit_activity_step)
+                                      posterior_client, train_network, unit_activity_step)
 from bnpfed.federated.config import BayesianConfig, NetworkConfig, PartitionConfig
 from bnpfed.federated.matched_fusion import client_from_slice
 from bnpfed.federated.partition import class_counts
@@ -283,7 +283,7 @@ def _train_matched(msg: Message, context: Context) -> Message:
     if len(sent) == 0:  # round 1: this client's own initialisation
         net = initial_network(replace(s.network, shared_init=False), ds.input_shape, ds.num_classes, seed=s.seed,
                               client=c.j)
-        client = bayesian_client(net, s.bayesian)
+        client = posterior_client(net, s.bayesian)
     else:  # its slice of the global posterior (or the whole of it), as posterior and prior
         client = c.matched_client(sent, as_prior=True)
     loss = fit_bayesian(client, x, y, s.training, seed=s.seed, round=c.round, index=c.j,

@@ -439,6 +439,10 @@ def parse_run_config(config: Mapping[str, Any]) -> FlowerSettings:
                          f"bnpfed pfnm --layerwise-retrain), got {built['pfnm'].layerwise_retrain}")
     if run.method == "fusion":
         _check_fusion(built["fusion"], built["network"])
+    if built["bayesian"].client != "variational" and (run.method != "fusion" or built["fusion"].align != "match"):
+        raise ValueError(f"client: Laplace clients serve matched posterior fusion (method=\"fusion\", "
+                         f"align=\"match\"), got client={built['bayesian'].client!r} with method={run.method!r}, "
+                         f"align={built['fusion'].align!r}")
     _check_secure(built["secure"], run.method, built["fusion"])
     return FlowerSettings(**built)
 

@@ -12,7 +12,8 @@ estimates alternated, from one start or two), :mod:`~bnpfed.inference.layer_inpu
 :mod:`~bnpfed.inference.fedma` (one group at a time), :mod:`~bnpfed.inference.posterior_matching` (the driver with a
 fusing step), :mod:`~bnpfed.inference.batch_norm`, :mod:`~bnpfed.inference.activity` (the units a client reports
 inactive on its data, left out of matching); :mod:`~bnpfed.inference.permutation` is the public face of the spec
-floor."""
+floor. The clients: :mod:`~bnpfed.inference.svi` (variational, by SVI; deterministic), :mod:`~bnpfed.inference.laplace`
+(a trained network's diagonal Laplace posterior)."""
 
 from bnpfed.inference.matching import REFERENCE_CONSTANTS, MatchResult, assignment_objective, match_layer
 from bnpfed.inference.bayesian_matching import bayesian_assignment_objective, match_bayesian_layer
@@ -39,6 +40,7 @@ from bnpfed.inference.activity import drop_units, inactive_units, kept_units, un
 from bnpfed.inference.guides import MeanFieldGuide
 from bnpfed.inference.elbo import MeanFieldELBO
 from bnpfed.inference.svi import BayesianClient, DeterministicClient, TrainingDiverged
+from bnpfed.inference.laplace import LaplaceClient, laplace_posterior
 
 __all__ = [
     "REFERENCE_CONSTANTS",
@@ -73,4 +75,6 @@ __all__ = [
     "BayesianClient",
     "DeterministicClient",
     "TrainingDiverged",
+    "LaplaceClient",
+    "laplace_posterior",
 ]
