@@ -361,6 +361,14 @@ def test_fuse_takes_the_clients_prior_variance_kl_weight_and_scale_rate():
         fuse.prepare(parsed(["fuse", "--kl-weight", "0"]))
 
 
+def test_fuse_takes_the_atom_posterior_rule_with_align_match_only():
+    plan = fuse.prepare(parsed(["fuse", "--align", "match", "--rule", "conflation,atom-posterior"]))
+    assert "match-atom-posterior" in plan["config"].methods and "match-conflation" in plan["config"].methods
+    assert "conflation" in plan["config"].methods and "atom-posterior" not in plan["config"].methods
+    with pytest.raises(Exception, match="--rule atom-posterior: expected only with --align match"):
+        fuse.prepare(parsed(["fuse", "--rule", "atom-posterior"]))
+
+
 def test_pfnm_keeps_pixels_in_0_1_unless_told_and_adds_pfnm_rounds_for_several_rounds():
     plan = pfnm.prepare(parsed(["pfnm"]))
     assert float(plan["dataset"].x_train.min()) >= 0

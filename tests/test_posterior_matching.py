@@ -320,3 +320,65 @@ def test_bayesian_clients_match_without_a_template_their_own_network_is_used(dig
     match = match_posteriors(clients, None, rule="eaa", seed=0)
     assert list(match.widths) == ["1"] and 6 <= match.widths["1"] <= 12
     assert type(match.template) is nn.Sequential and match.network()(digits.x_test[:3]).shape == (3, 10)
+
+
+# ------------------------------------------------------------------------------------------------ the atom posterior
+
+
+def test_the_atom_posterior_rule_is_the_models_conjugate_posterior_of_every_matched_unit_by_hand():
+    """rule="atom-posterior": each global unit of each group is N(g / P, 1 / P) with P = 1/sigma0_2 + sum_j s_jd /
+    (u_jd + tau2) and g = mu0/sigma0_2 + sum_j s_jd v_jd / (u_jd + tau2) over its members (s the class share on the
+    output coordinates, 1 elsewhere), computed here from the members' own numbers; the global network scales the
+    output coordinates by the coverage (the members' share of the class), as every rule's."""
+    net = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+    torch.manual_seed(3)
+    clients = []
+    for j in range(3):   # three noisy, permuted copies of one network, with their own posterior variances
+        g = torch.Generator().manual_seed(20 + j)
+        base = {k: v.detach().double() for k, v in net.state_dict().items()}
+        noisy = {k: v + 0.05 * torch.randn(v.shape, generator=g, dtype=torch.float64) for k, v in base.items()}
+        u = {k: torch.rand(v.shape, generator=g, dtype=torch.float64) * 0.01 + 1e-3 for k, v in base.items()
+             if k.endswith("weight")}
+        perm = {"0": torch.randperm(6, generator=g)}
+        spec = derive_spec(net, (4,))
+        clients.append((client_slice(spec, noisy, perm), client_slice(spec, u, perm)))
+    counts = torch.tensor([[30, 10, 5], [10, 30, 10], [5, 10, 30]], dtype=torch.float64)
+    hyper = dict(hyperparameters="fixed", tau2=0.004, sigma0_2=0.5, gamma0=2.0, mu0=0.0, bias_mu0=0.0)
+    match = match_posteriors(clients, counts, rule="atom-posterior", template=net, seed=0, **hyper)
+    shares = counts / counts.sum(0)
+    (assign,) = match.assignments.values()
+    for i in range(match.widths["0"]):
+        members = [(j, l) for j in range(3) for l, a in enumerate(assign[j].tolist()) if a == i]
+        P_in = torch.full((4,), 1 / 0.5, dtype=torch.float64)
+        g_in = torch.zeros(4, dtype=torch.float64)
+        P_b, g_b = torch.tensor(1 / 0.5, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64)
+        P_out = torch.full((3,), 1 / 0.5, dtype=torch.float64)
+        g_out = torch.zeros(3, dtype=torch.float64)
+        for j, l in members:
+            v, u = clients[j]
+            w = 1 / (u["0.weight"][l] + 0.004)
+            P_in, g_in = P_in + w, g_in + w * v["0.weight"][l]
+            P_b, g_b = P_b + 1 / 0.004, g_b + v["0.bias"][l] / 0.004      # deterministic: noise tau2 only
+            w = shares[j] / (u["2.weight"][:, l] + 0.004)
+            P_out, g_out = P_out + w, g_out + w * v["2.weight"][:, l]
+        kappa = sum(shares[j] for j, _ in members)      # the members' share of each class (all clients': 1)
+        torch.testing.assert_close(match.unit_locs["0.weight"][i], g_in / P_in)
+        torch.testing.assert_close(match.unit_variances["0.weight"][i], 1 / P_in)
+        torch.testing.assert_close(match.unit_locs["0.bias"][i], g_b / P_b)
+        torch.testing.assert_close(match.unit_locs["2.weight"][:, i], g_out / P_out)
+        torch.testing.assert_close(match.unit_variances["2.weight"][:, i], 1 / P_out)
+        # the global network: a unit's own coordinates as they are (every member holds them), its outgoing weights
+        # scaled by the coverage
+        torch.testing.assert_close(match.locs["0.weight"][i], g_in / P_in)
+        torch.testing.assert_close(match.locs["2.weight"][:, i], kappa * g_out / P_out)
+        torch.testing.assert_close(match.variances["2.weight"][:, i], kappa ** 2 / P_out)
+    # the output bias has no atom: each class's share-weighted average (deterministic here)
+    torch.testing.assert_close(match.locs["2.bias"], (shares * torch.stack([c[0]["2.bias"] for c in clients])).sum(0)
+                               / shares.sum(0))
+
+
+def test_the_atom_posterior_rule_is_a_matched_method_and_needs_matching():
+    assert "match-atom-posterior" in available_methods() and "atom-posterior" not in available_methods()
+    assert FusionConfig(rule="atom-posterior", align="match").rule == "atom-posterior"
+    with pytest.raises(ValueError, match="rule: 'atom-posterior' is the matching model's posterior"):
+        FusionConfig(rule="atom-posterior")

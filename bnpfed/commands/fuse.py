@@ -20,6 +20,7 @@ from dataclasses import asdict
 import torch
 
 from bnpfed.combine import available_rules
+from bnpfed.inference.posterior_matching import ATOM_POSTERIOR, matched_rules
 from bnpfed.commands import _args
 from bnpfed.commands._args import HelpFormatter, UsageError, fail, flag_message, warn
 from bnpfed.federated import methods
@@ -115,7 +116,8 @@ def add_parser(sub):
                                         "error; the flag is here so that every command takes the same settings)")
     g = p.add_argument_group("fusion (the server)")
     g.add_argument("--rule", type=_rules, default="all", metavar="all|R,R,...",
-                   help=f"fusion rules to compare: all, or a comma-separated list of {', '.join(available_rules())}")
+                   help=f"fusion rules to compare: all, or a comma-separated list of {', '.join(available_rules())}; "
+                   f"with --align match also {ATOM_POSTERIOR} (the matching model's own posterior of each unit)")
     g.add_argument("--no-fedavg", action="store_true", help="skip the FedAvg baseline")
     g.add_argument("--weights", choices=CLIENT_WEIGHTS, default=fusion.weights,
                    help="client weights b_k: size (proportional to the client's examples, the paper's) or uniform")
@@ -206,7 +208,10 @@ def prepare(args) -> dict:
                               scale_lr_factor=args.scale_lr_factor, client=args.client,
                               local_reparameterization=args.local_reparameterization)
     for rule in args.rule:
-        check_choice(rule, available_rules(), "rule")
+        check_choice(rule, matched_rules(), "rule")
+        if rule == ATOM_POSTERIOR and args.align != "match":
+            raise UsageError(f"--rule {ATOM_POSTERIOR}: expected only with --align match (the matching model's "
+                             f"posterior of each matched unit), got --align {args.align}")
     if len(set(args.rule)) != len(args.rule):
         raise ValueError(f"rule: expected each rule at most once, got {','.join(args.rule)}")
     match = args.align == "match"
@@ -230,7 +235,7 @@ def prepare(args) -> dict:
     if match:
         # weight-wise fusion from the own initialisations trains variational clients from the global posterior
         # after round 1, so Laplace clients have the matched rows only (said in --client's help)
-        weight_wise = args.rule if args.client == "variational" else ()
+        weight_wise = tuple(r for r in args.rule if r != ATOM_POSTERIOR) if args.client == "variational" else ()
         names = ("ensemble-bayesian", "pfnm" if args.rounds == 1 else "pfnm-rounds") + fedavg + weight_wise + tuple(
             MATCH_PREFIX + rule for rule in args.rule) + tuple(args.baselines or ())
     else:

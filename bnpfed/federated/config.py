@@ -39,7 +39,7 @@ from typing import Any, NamedTuple, Optional, Union
 import numpy as np
 import pyro.distributions as dist
 
-from bnpfed.combine import available_rules
+from bnpfed.inference.posterior_matching import ATOM_POSTERIOR, matched_rules
 from bnpfed.inference.matching import REFERENCE_CONSTANTS
 from bnpfed.federated.partition import partition_dirichlet, partition_homogeneous, train_validation_split
 from bnpfed.models.priors import EmpiricalBayesPrior, IIDPrior, Prior, only_linear_weights
@@ -496,7 +496,9 @@ class FusionConfig:
     """The posterior-fusion server (Ozer et al. 2022).
 
     :param str rule: a rule of :mod:`bnpfed.combine` (``"eaa"``, ``"gaa"``, ``"log_variance"``, ``"pooling"``,
-        ``"conflation"``, or a registered one). Default ``"conflation"``.
+        ``"conflation"``, or a registered one), or with ``align="match"`` ``"atom-posterior"`` (the matching model's
+        own posterior of each matched unit's atom: :mod:`bnpfed.inference.posterior_matching`). Default
+        ``"conflation"``.
     :param str weights: client weights ``b_k``: ``"size"`` (``n_k / sum_j n_j`` over the clients of the round, the
         paper's) or ``"uniform"``. Default ``"size"``.
     :param int pooling_samples: N of the pooling rule (client k contributes ``floor(b_k N)`` draws), >= 2.
@@ -533,7 +535,10 @@ class FusionConfig:
     stop: str = "result"
 
     def __post_init__(self):
-        check_choice(self.rule, available_rules(), "rule")
+        check_choice(self.rule, matched_rules(), "rule")
+        if self.rule == ATOM_POSTERIOR and self.align != "match":
+            raise ValueError(f"rule: {ATOM_POSTERIOR!r} is the matching model's posterior of a matched unit's atom; "
+                             f"expected align='match' with it, got align={self.align!r}")
         check_choice(self.weights, CLIENT_WEIGHTS, "weights")
         check_int(self.pooling_samples, "pooling_samples", low=2)
         check_float(self.min_variance, "min_variance", low=0.0)

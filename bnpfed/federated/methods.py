@@ -80,6 +80,7 @@ from bnpfed.federated.server import clients_per_round, match_hyperparameters, pf
 from bnpfed.inference.batch_norm import batch_norm_order
 from bnpfed.inference.kl_fusion import kl_fusion
 from bnpfed.inference.permutation import SpecMatch, derive_spec
+from bnpfed.inference.posterior_matching import matched_rules
 from bnpfed.metrics import classification_report, count_parameters, expected_calibration_error, ood_auroc
 from bnpfed.report import json_safe, plural
 from bnpfed.seeding import Stream, derive_seed
@@ -126,9 +127,10 @@ MATCH_PREFIX = "match-"
 
 def available_methods() -> list[str]:
     """Every method name: the registered runners, then one per fusion rule of :mod:`bnpfed.combine` (weight-wise
-    fusion), then ``match-<rule>`` per rule (matched posterior fusion)."""
+    fusion), then ``match-<rule>`` per rule of matched fusion (those rules and ``atom-posterior``, the matching
+    model's own posterior of each atom)."""
     rules = [rule for rule in available_rules() if rule not in _METHODS]
-    return list(_METHODS) + rules + [MATCH_PREFIX + rule for rule in available_rules()
+    return list(_METHODS) + rules + [MATCH_PREFIX + rule for rule in matched_rules()
                                      if MATCH_PREFIX + rule not in _METHODS]
 
 
@@ -137,7 +139,7 @@ def _runner(name: str) -> Runner:
         return _METHODS[name]
     if name in available_rules():
         return lambda experiment: _fusion(experiment, name)
-    if isinstance(name, str) and name.startswith(MATCH_PREFIX) and name[len(MATCH_PREFIX):] in available_rules():
+    if isinstance(name, str) and name.startswith(MATCH_PREFIX) and name[len(MATCH_PREFIX):] in matched_rules():
         return lambda experiment: _matched_fusion(experiment, name[len(MATCH_PREFIX):])
     raise ValueError(f"methods: expected names from {available_methods()}, got {name!r}")
 

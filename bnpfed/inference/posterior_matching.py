@@ -47,6 +47,26 @@ client has speaks with that client's share and no more. A coordinate no member h
 
 Deterministic coordinates (variance 0 at every member) are averaged with the same weights and coverage.
 
+**The model's own atom posterior** (``rule="atom-posterior"``, :data:`ATOM_POSTERIOR`; not a rule of
+:mod:`bnpfed.combine`, as it needs the matching model). Every global unit i becomes the posterior of its atom under
+the model it was matched by, given its members: per coordinate
+
+    P_id = 1 / sigma0_2 + sum_{j in i} s_jd / (u_jd + tau2),      theta_id | V ~ N(g_id / P_id, 1 / P_id),
+    g_id = mu0_d / sigma0_2 + sum_{j in i} s_jd v_jd / (u_jd + tau2),
+
+at the matcher's final hyper-parameters (the per-group tau2 and sigma0_2 of the coordinate's kind, estimated or
+given), i.e. the matcher's ``MatchResult.global_atoms`` and ``1 / posterior_precision``. Unlike ``conflation`` it
+widens every member by tau2 (copies of a unit at two clients lie further apart than either's posterior says) and
+keeps the atom prior: it says what the model says of the atom, where conflation of the members' raw variances is
+more confident whenever tau2 is not negligible beside them. Within the atom a client's class share enters once, as
+the model has it: ``s_jd`` is ``share_jk`` on the output coordinates of class k (1 elsewhere) and divides the
+member's noise variance ``u_jd + tau2``; a coordinate a member lacks (a unit of the layer below it does not have) is,
+as in matching, an observation 0 with variance tau2. The global network is then built from the atoms as from any
+rule's fusion: the coverage ``kappa`` above scales each unit (the clients' logits averaged class by class; the
+client slices hold the atoms themselves). Deterministic coordinates take the atom's mean, with variance 0. The output
+bias (no atom) is each class's share-weighted conflation of the clients' (a weighted average where it is
+deterministic).
+
 **Rounds.** :meth:`PosteriorMatch.client_slice` gives a client its own units of the global posterior (its assignment
 in every group): in PFNM with communication (Yurochkin et al. 2019, section 3.3) that slice is the client's next
 starting point and, here, its next prior (:func:`~bnpfed.inference.BayesianClient.update_prior_`).
@@ -92,7 +112,16 @@ from bnpfed.models.priors import Prior
 from bnpfed.posterior import GaussianPosterior
 from bnpfed.validation import check_choice, check_int, check_positive
 
-__all__ = ["MIN_VARIANCE", "PosteriorMatch", "client_posterior", "fuse_members", "match_posteriors"]
+__all__ = ["ATOM_POSTERIOR", "MIN_VARIANCE", "PosteriorMatch", "client_posterior", "fuse_members", "match_posteriors",
+           "matched_rules"]
+
+#: The fusion of matched units by the matching model's own posterior of their atom (module docstring).
+ATOM_POSTERIOR = "atom-posterior"
+
+
+def matched_rules() -> tuple[str, ...]:
+    """The rules matched fusion takes: every rule of :mod:`bnpfed.combine`, and :data:`ATOM_POSTERIOR`."""
+    return (*available_rules(), ATOM_POSTERIOR)
 
 #: The variance of a coordinate no member holds (a structural zero of the global network), and the floor of every
 #: fused variance (as posterior fusion's default floor).
@@ -372,7 +401,8 @@ def match_posteriors(
     :param class_counts: (J, C) training examples per class at each client (class shares on the output coordinates,
         and the default ``sizes``); default all ones.
     :param spec: the :class:`~bnpfed.inference.permutation.PermutationSpec` (default derived from ``template``).
-    :param str rule: the fusion rule of :mod:`bnpfed.combine` (default ``"conflation"``).
+    :param str rule: the fusion rule of :mod:`bnpfed.combine` (default ``"conflation"``), or ``"atom-posterior"``
+        (the model's own posterior of each atom: module docstring).
     :param sizes: (J,) the clients' example counts ``n_j`` (default: ``class_counts``' row sums, or ones).
     :param input_shape: the shape of one input, to derive the spec of a convolutional network.
     :param template: a network of the clients' kind (required unless ``clients`` are BayesianClients, whose network
@@ -396,7 +426,7 @@ def match_posteriors(
     """
     t0 = time.perf_counter()
     mode = check_choice(hyperparameters, ("empirical-bayes", "fixed"), "hyperparameters")
-    check_choice(rule, available_rules(), "rule")
+    check_choice(rule, matched_rules(), "rule")
     check_int(num_samples, "num_samples", low=1)
     min_variance = check_positive(min_variance, "min_variance")
     if not isinstance(clients, Sequence) or isinstance(clients, (str, bytes)) or not clients:
@@ -439,8 +469,14 @@ def match_posteriors(
         match_seconds.append(time.perf_counter() - t1)
         bayesian = torch.cat([torch.full((s.stop - s.start,), s.param in sites, dtype=torch.bool)
                               for s in layout.segments])
+        member_rule = "eaa" if rule == ATOM_POSTERIOR else rule   # the atom posterior: the coverage alone
         loc, var, kappa = _fuse_group(rows["value"], rows["variance"], rows["held"], assignments, L, layout, shares,
-                                      n, rule, bayesian, min_variance, num_samples=num_samples, generator=generator)
+                                      n, member_rule, bayesian, min_variance, num_samples=num_samples,
+                                      generator=generator)
+        if rule == ATOM_POSTERIOR:   # the matcher's own posterior of each atom
+            loc = torch.as_tensor(r.global_atoms, dtype=torch.float64)
+            precision = torch.as_tensor(r.posterior_precision, dtype=torch.float64)
+            var = torch.where(bayesian, torch.clamp(1.0 / precision, min=min_variance), torch.zeros_like(loc))
         return _FusedGroup(assignments, L, r, loc, var, kappa, bayesian)
 
     groups = match_groups(data, spec, step)
@@ -460,8 +496,8 @@ def match_posteriors(
             else:
                 w = weights[k]
             if out_b in sites:
-                fused = fuse(b_locs[who, k], b_vars[who, k], rule, w[who], num_samples=num_samples,
-                             generator=generator)
+                fused = fuse(b_locs[who, k], b_vars[who, k], "conflation" if rule == ATOM_POSTERIOR else rule,
+                             w[who], num_samples=num_samples, generator=generator)
                 bias_loc[k], bias_var[k] = fused.loc, torch.clamp(fused.variance, min=min_variance)
             else:
                 bias_loc[k] = (w[who] / w[who].sum()) @ b_locs[who, k]
