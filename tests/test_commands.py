@@ -369,6 +369,18 @@ def test_fuse_takes_the_atom_posterior_rule_with_align_match_only():
         fuse.prepare(parsed(["fuse", "--rule", "atom-posterior"]))
 
 
+def test_fuse_takes_pvi_rounds_with_align_match_every_client_and_its_damping():
+    plan = fuse.prepare(parsed(["fuse", "--align", "match", "--rule", "pvi,conflation", "--pvi-damping", "0.3"]))
+    assert plan["fusion"].pvi_damping == 0.3 and plan["fusion"].rule == "pvi"
+    assert "match-pvi" in plan["config"].methods and "pvi" not in plan["config"].methods
+    with pytest.raises(Exception, match="--rule pvi: expected only with --align match"):
+        fuse.prepare(parsed(["fuse", "--rule", "pvi"]))
+    with pytest.raises(Exception, match="--pvi-damping: expected only with --rule pvi"):
+        fuse.prepare(parsed(["fuse", "--align", "match", "--pvi-damping", "0.3"]))
+    with pytest.raises(Exception, match="--fraction: --rule pvi keeps every client's factor"):
+        fuse.prepare(parsed(["fuse", "--align", "match", "--rule", "pvi", "--fraction", "0.5"]))
+
+
 def test_pfnm_keeps_pixels_in_0_1_unless_told_and_adds_pfnm_rounds_for_several_rounds():
     plan = pfnm.prepare(parsed(["pfnm"]))
     assert float(plan["dataset"].x_train.min()) >= 0

@@ -95,6 +95,7 @@ def test_a_bad_posterior_reply_is_rejected_with_its_reason_and_the_round_goes_on
     ({**MATCHED, "align": "nearest"}, r"align: expected one of \['none', 'match'\]"),
     ({**MATCHED, "tau2": 0}, "tau2: expected a positive"),
     ({"method": "fusion", "client": "laplace"}, r"client: Laplace clients serve matched posterior fusion"),
+    ({**MATCHED, "rule": "pvi"}, r"rule: 'pvi' \(partitioned variational inference\) runs in process for now"),
     ({"method": "pfnm", "client": "laplace"}, r"client: Laplace clients serve matched posterior fusion"),
     ({**MATCHED, "client": "laplace", "kl-weight": 0.5}, r"kl-weight: a setting of the variational clients' SVI"),
 ])

@@ -380,5 +380,139 @@ def test_the_atom_posterior_rule_is_the_models_conjugate_posterior_of_every_matc
 def test_the_atom_posterior_rule_is_a_matched_method_and_needs_matching():
     assert "match-atom-posterior" in available_methods() and "atom-posterior" not in available_methods()
     assert FusionConfig(rule="atom-posterior", align="match").rule == "atom-posterior"
-    with pytest.raises(ValueError, match="rule: 'atom-posterior' is the matching model's posterior"):
+    with pytest.raises(ValueError, match="rule: 'atom-posterior' fuses matched units"):
         FusionConfig(rule="atom-posterior")
+
+
+# ------------------------------------------------------------------------------------------------ PVI
+
+
+def _pvi_clients():
+    """Two noisy permuted copies of one Bayesian MLP (4-6-3), their weights Bayesian, with their own variances."""
+    net = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+    torch.manual_seed(5)
+    spec = derive_spec(net, (4,))
+    clients = []
+    for j in range(2):
+        g = torch.Generator().manual_seed(40 + j)
+        base = {k: v.detach().double() for k, v in net.state_dict().items()}
+        noisy = {k: v + 0.01 * torch.randn(v.shape, generator=g, dtype=torch.float64) for k, v in base.items()}
+        u = {k: torch.rand(v.shape, generator=g, dtype=torch.float64) * 1e-3 + 1e-4 for k, v in base.items()
+             if k.endswith("weight")}
+        perm = {"0": torch.randperm(6, generator=g) if j else torch.arange(6)}
+        clients.append((client_slice(spec, noisy, perm), client_slice(spec, u, perm)))
+    return net, spec, clients
+
+
+PVI_FIXED = dict(hyperparameters="fixed", tau2=1e-3, sigma0_2=1.0, gamma0=1.0)
+
+
+def test_a_cavity_is_the_posterior_divided_by_the_factor_and_the_factor_the_posterior_over_the_cavity():
+    from bnpfed.inference.posterior_matching import cavity, pvi_factor
+
+    _, _, clients = _pvi_clients()
+    q, c = clients
+    factor = pvi_factor(q, c, prior_variance=2.0)
+    for k in q[1]:   # natural parameters: precisions and precision-means subtract
+        torch.testing.assert_close(factor[0][k], 1 / q[1][k] - 1 / c[1][k])
+        torch.testing.assert_close(factor[1][k], q[0][k] / q[1][k] - c[0][k] / c[1][k])
+    prior = pvi_factor(q, None, prior_variance=2.0)
+    torch.testing.assert_close(prior[0]["0.weight"], 1 / q[1]["0.weight"] - 0.5)
+    # dividing q by the factor of q over c gives c back (here every cavity precision is above the prior's)
+    (means, variances), improper = cavity(q, factor, prior_variance=2.0)
+    assert improper == 0
+    for k in q[1]:
+        torch.testing.assert_close(means[k], c[0][k])
+        torch.testing.assert_close(variances[k], c[1][k])
+    # a cavity wider than the prior is the prior there, and counted
+    (means, variances), improper = cavity(q, factor, prior_variance=1e-9)
+    assert improper == sum(v.numel() for v in q[1].values())
+    assert torch.allclose(variances["0.weight"], torch.full_like(variances["0.weight"], 1e-9))
+
+
+def test_pvi_fuses_the_prior_once_times_the_members_factors():
+    """Round 1 (every cavity the prior): a unit of two members has precision lambda_0 + sum_j (1/u_j - lambda_0),
+    i.e. the members' product with the prior counted once; conflation counts it twice."""
+    net, spec, clients = _pvi_clients()
+    pvi = match_posteriors(clients, rule="pvi", template=net, seed=0, prior_variance=0.5, **PVI_FIXED)
+    assert pvi.widths == {"0": 6} and pvi.improper == 0
+    (a0, a1) = pvi.assignments["0"]
+    for l in range(6):
+        i = int(a0[l])
+        l1 = int((a1 == i).nonzero())
+        u0, u1 = clients[0][1]["0.weight"][l], clients[1][1]["0.weight"][l1]
+        v0, v1 = clients[0][0]["0.weight"][l], clients[1][0]["0.weight"][l1]
+        lam = 2.0 + (1 / u0 - 2.0) + (1 / u1 - 2.0)
+        torch.testing.assert_close(pvi.unit_variances["0.weight"][i], 1 / lam)
+        torch.testing.assert_close(pvi.unit_locs["0.weight"][i], (v0 / u0 + v1 / u1) / lam)
+
+
+def test_under_pvi_a_round_in_which_no_client_learns_leaves_the_global_posterior_as_it_was():
+    """If every client's new posterior is just its slice (it learned nothing new), its new factor is its old one and
+    the fused posterior is unchanged; fusing the slices by conflation instead would count the data twice (the
+    precision of every two-member unit doubles)."""
+    from bnpfed.inference.posterior_matching import cavity, pvi_factor
+
+    net, spec, clients = _pvi_clients()
+    first = match_posteriors(clients, rule="pvi", template=net, seed=0, prior_variance=0.5, **PVI_FIXED)
+    factors = [pvi_factor(q, None, 0.5) for q in clients]
+    slices = [first.client_slice(j) for j in range(2)]
+    cavities = [cavity(s, f, 0.5)[0] for s, f in zip(slices, factors)]
+    new_factors = [pvi_factor(s, c, 0.5) for s, c in zip(slices, cavities)]
+    for f, g in zip(factors, new_factors):
+        for k in f[0]:
+            torch.testing.assert_close(g[0][k], f[0][k], rtol=1e-6, atol=1e-3)
+    again = match_posteriors(slices, rule="pvi", template=net, seed=0, prior_variance=0.5, factors=new_factors,
+                             **PVI_FIXED)
+    for k in first.variances:
+        torch.testing.assert_close(again.unit_variances[k], first.unit_variances[k], rtol=1e-6, atol=0)
+        torch.testing.assert_close(again.unit_locs[k], first.unit_locs[k], rtol=1e-6, atol=1e-9)
+    conflated = match_posteriors(slices, rule="conflation", template=net, seed=0, **PVI_FIXED)
+    ratio = first.unit_variances["0.weight"] / conflated.unit_variances["0.weight"]
+    torch.testing.assert_close(ratio, torch.full_like(ratio, 2.0), rtol=1e-6, atol=0)
+
+
+def test_pvi_rounds_train_against_the_cavity_and_are_reproducible(digits):
+    parts = PartitionConfig(clients=3).split(digits.y_train.numpy(), seed=0)
+
+    def run():
+        fed = MatchedFusionFederation(digits, parts, network=NetworkConfig(hidden=(16,)),
+                                      training=TrainingConfig(epochs=2, lr=1e-2), bayesian=BayesianConfig(),
+                                      fusion=FusionConfig(rule="pvi", align="match"), seed=0)
+        return fed, fed.run(rounds=3)
+
+    fed, records = run()
+    _, again = run()
+    assert [r.metrics["accuracy"] for r in records] == [r.metrics["accuracy"] for r in again]
+    assert fed.method == "match-pvi" and fed.pvi.damping == 0.5
+    assert {"cavity_at_prior", "improper"} <= set(records[-1].metrics)
+    assert records[-1].metrics["accuracy"] > 0.5
+    # the next round's client j trains against its cavity: its slice of the global posterior over its factor
+    from bnpfed.inference.posterior_matching import cavity
+
+    j = 1
+    expected, _ = cavity(fed.match.client_slice(fed.matched.index(j)), fed.pvi.factors[j], 1.0)
+    fed.run_round()
+    prior = fed.clients[j].bnn.prior
+    for site in ("1.weight", "3.weight"):
+        d = prior.site_distribution(site, None)
+        torch.testing.assert_close(d.base_dist.loc.double(), expected[0][site], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(d.base_dist.scale.double() ** 2, expected[1][site], rtol=1e-5, atol=1e-9)
+
+
+def test_pvi_refuses_what_it_cannot_run():
+    with pytest.raises(ValueError, match="fraction: rule 'pvi' keeps every client's factor"):
+        FusionConfig(rule="pvi", align="match", fraction=0.5)
+    with pytest.raises(ValueError, match="rule: 'pvi' fuses matched units"):
+        FusionConfig(rule="pvi")
+    with pytest.raises(ValueError, match="pvi_damping: expected a number in"):
+        FusionConfig(rule="pvi", align="match", pvi_damping=0.0)
+    ds = load_dataset("digits")
+    parts = PartitionConfig(clients=2).split(ds.y_train.numpy(), seed=0)
+    for bayesian in (BayesianConfig(prior_variance="empirical-bayes"), BayesianConfig(client="laplace")):
+        with pytest.raises(ValueError, match="fusion.rule: 'pvi' trains variational clients"):
+            MatchedFusionFederation(ds, parts, network=NetworkConfig(hidden=(8,)), training=TrainingConfig(epochs=1),
+                                    bayesian=bayesian, fusion=FusionConfig(rule="pvi", align="match"), seed=0)
+    net, spec, clients = _pvi_clients()
+    with pytest.raises(ValueError, match="factors: expected only with rule='pvi'"):
+        match_posteriors(clients, rule="conflation", template=net, factors=[None, None], **PVI_FIXED)

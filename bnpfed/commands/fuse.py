@@ -20,14 +20,14 @@ from dataclasses import asdict
 import torch
 
 from bnpfed.combine import available_rules
-from bnpfed.inference.posterior_matching import ATOM_POSTERIOR, matched_rules
+from bnpfed.inference.posterior_matching import ATOM_POSTERIOR, PVI, matched_rules
 from bnpfed.commands import _args
 from bnpfed.commands._args import HelpFormatter, UsageError, fail, flag_message, warn
 from bnpfed.federated import methods
 from bnpfed.federated.clients import initial_network
 from bnpfed.federated.config import (CLIENT_KINDS, CLIENT_WEIGHTS, FUSION_TRAINING, INITIALISATIONS,
-                                     PAPER_MIN_VARIANCE, PRIORS, PRIOR_VARIANCES, BayesianConfig, FusionConfig,
-                                     NetworkConfig, config_dict)
+                                     PAPER_MIN_VARIANCE, PRIORS, PRIOR_VARIANCES, PVI_DAMPING, BayesianConfig,
+                                     FusionConfig, NetworkConfig, config_dict)
 from bnpfed.federated.methods import ExperimentConfig
 from bnpfed.federated.fusion import FUSION_ARCHITECTURES
 from bnpfed.federated.matched_fusion import MatchedFusionFederation
@@ -117,7 +117,9 @@ def add_parser(sub):
     g = p.add_argument_group("fusion (the server)")
     g.add_argument("--rule", type=_rules, default="all", metavar="all|R,R,...",
                    help=f"fusion rules to compare: all, or a comma-separated list of {', '.join(available_rules())}; "
-                   f"with --align match also {ATOM_POSTERIOR} (the matching model's own posterior of each unit)")
+                   f"with --align match also {ATOM_POSTERIOR} (the matching model's own posterior of each unit) and "
+                   f"{PVI} (partitioned variational inference: the prior times the clients' factors; in later rounds "
+                   "each client trains against its cavity, so its data is not counted twice)")
     g.add_argument("--no-fedavg", action="store_true", help="skip the FedAvg baseline")
     g.add_argument("--weights", choices=CLIENT_WEIGHTS, default=fusion.weights,
                    help="client weights b_k: size (proportional to the client's examples, the paper's) or uniform")
@@ -138,6 +140,9 @@ def add_parser(sub):
     g.add_argument("--own-init", action=argparse.BooleanOptionalAction, default=None,
                    help="weight-wise rows: start each client from its own initialisation instead of a shared one "
                    "(default: off with --align none, on with --align match)")
+    g.add_argument("--pvi-damping", type=float, metavar="RHO",
+                   help=f"--rule {PVI}: each client's factor moves RHO of the way to its new value each round, in "
+                   f"(0, 1] (default: {PVI_DAMPING})")
     g.add_argument("--tau2", type=float, metavar="V",
                    help="--align match: the extra variance between two clients' copies of a unit, > 0 (default: "
                    "estimated per layer)")
@@ -209,9 +214,9 @@ def prepare(args) -> dict:
                               local_reparameterization=args.local_reparameterization)
     for rule in args.rule:
         check_choice(rule, matched_rules(), "rule")
-        if rule == ATOM_POSTERIOR and args.align != "match":
-            raise UsageError(f"--rule {ATOM_POSTERIOR}: expected only with --align match (the matching model's "
-                             f"posterior of each matched unit), got --align {args.align}")
+        if rule in (ATOM_POSTERIOR, PVI) and args.align != "match":
+            raise UsageError(f"--rule {rule}: expected only with --align match (a fusion of matched units), got "
+                             f"--align {args.align}")
     if len(set(args.rule)) != len(args.rule):
         raise ValueError(f"rule: expected each rule at most once, got {','.join(args.rule)}")
     match = args.align == "match"
@@ -221,10 +226,15 @@ def prepare(args) -> dict:
     if args.tau2 is not None and not match:
         raise UsageError(f"--tau2: expected only with --align match, got --align {args.align}")
     _args.check_ood_flags(args)
+    if args.pvi_damping is not None and PVI not in args.rule:
+        raise UsageError(f"--pvi-damping: expected only with --rule {PVI}, got --rule {','.join(args.rule)}")
+    if PVI in args.rule and args.fraction != 1:
+        raise UsageError(f"--fraction: --rule {PVI} keeps every client's factor from round to round, so every "
+                         f"client takes part in every round; expected 1, got {args.fraction}")
     own_init = match if args.own_init is None else args.own_init
     fusion = FusionConfig(rule=args.rule[0], weights=args.weights, pooling_samples=args.pooling_samples,
                           min_variance=args.min_variance, fraction=args.fraction, align=args.align, tau2=args.tau2,
-                          own_init=own_init)
+                          own_init=own_init, pvi_damping=args.pvi_damping)
     if args.baselines is not None:
         if not match:
             raise UsageError(f"--baselines: expected only with --align match, got --align {args.align}")
@@ -235,7 +245,8 @@ def prepare(args) -> dict:
     if match:
         # weight-wise fusion from the own initialisations trains variational clients from the global posterior
         # after round 1, so Laplace clients have the matched rows only (said in --client's help)
-        weight_wise = tuple(r for r in args.rule if r != ATOM_POSTERIOR) if args.client == "variational" else ()
+        weight_wise = (tuple(r for r in args.rule if r not in (ATOM_POSTERIOR, PVI)) if args.client == "variational"
+                       else ())
         names = ("ensemble-bayesian", "pfnm" if args.rounds == 1 else "pfnm-rounds") + fedavg + weight_wise + tuple(
             MATCH_PREFIX + rule for rule in args.rule) + tuple(args.baselines or ())
     else:

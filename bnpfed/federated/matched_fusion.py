@@ -44,20 +44,20 @@ from torch import Tensor, nn
 
 from bnpfed.data import Dataset
 from bnpfed.federated.clients import bayesian_client, fit_bayesian, initial_network, posterior_client
-from bnpfed.federated.config import BayesianConfig, FusionConfig, NetworkConfig, TrainingConfig
+from bnpfed.federated.config import PVI_DAMPING, BayesianConfig, FusionConfig, NetworkConfig, TrainingConfig
 from bnpfed.federated.federation import Federation
 from bnpfed.federated.fusion import check_fusion_network
 from bnpfed.federated.partition import class_counts
-from bnpfed.federated.rounds import Architecture, HoldsRounds, MatchRounds
+from bnpfed.federated.rounds import Architecture, HoldsRounds, MatchRounds, PVIFactors
 from bnpfed.federated.server import match_hyperparameters, matched_fusion_step
 from bnpfed.inference import BayesianClient, LaplaceClient
 from bnpfed.inference.permutation import network_from_state
-from bnpfed.inference.posterior_matching import PosteriorMatch, client_posterior
+from bnpfed.inference.posterior_matching import PVI, PosteriorMatch, client_posterior
 from bnpfed.metrics import count_parameters
 from bnpfed.posterior import GaussianPosterior
 from bnpfed.seeding import Stream, derive_seed
 
-__all__ = ["MatchedFusionFederation", "bayesian_from_match", "client_from_slice", "matched_hyperparameters"]
+__all__ = ["MatchedFusionFederation", "bayesian_from_match", "client_from_slice", "matched_hyperparameters", "pvi_factors"]
 
 
 def _posterior(locs, variances, like: dict[str, Tensor]) -> dict[str, GaussianPosterior]:
@@ -65,14 +65,14 @@ def _posterior(locs, variances, like: dict[str, Tensor]) -> dict[str, GaussianPo
 
 
 def client_from_slice(template: nn.Module, locs, variances, bayesian: BayesianConfig, *,
-                      as_prior: bool = True) -> BayesianClient:
+                      as_prior: bool = True, prior: Optional[tuple] = None) -> BayesianClient:
     """A Bayesian client holding ``(locs, variances)`` (a client's slice of a global posterior, or the whole of it):
     its network of the template's kind at those widths, its posterior set to them and, with ``as_prior``, its prior
     too (each client has a prior object of its own). With ``as_prior`` and Laplace clients (``bayesian.client``), a
     :class:`~bnpfed.inference.LaplaceClient` of that network at the means instead (its next fit starts there; the
     variances are no prior of a Laplace client); without ``as_prior`` (the global network) a Laplace client holding
     them (:meth:`~bnpfed.inference.LaplaceClient.holding`: the linearised predictive suits a posterior of Laplace
-    clients)."""
+    clients). ``prior``: ``(means, variances)`` of its Bayesian sites to be its prior instead (PVI's cavity)."""
     net = network_from_state(template, locs)
     if bayesian.client == "laplace":
         client = posterior_client(net, bayesian)
@@ -86,7 +86,9 @@ def client_from_slice(template: nn.Module, locs, variances, bayesian: BayesianCo
     client.load_posterior(posterior)
     deterministic = client.deterministic_state()
     client.load_deterministic({k: locs[k].to(v.dtype) for k, v in deterministic.items()})
-    if as_prior:
+    if prior is not None:
+        client.update_prior_(_posterior(prior[0], prior[1], like))
+    elif as_prior:
         client.update_prior_(posterior)
     return client
 
@@ -94,6 +96,21 @@ def client_from_slice(template: nn.Module, locs, variances, bayesian: BayesianCo
 def bayesian_from_match(match: PosteriorMatch, bayesian: BayesianConfig) -> BayesianClient:
     """The global Bayesian network of a match, as a client (for its posterior predictive)."""
     return client_from_slice(match.template, match.locs, match.variances, bayesian, as_prior=False)
+
+
+def pvi_factors(fusion: FusionConfig, bayesian: BayesianConfig) -> Optional[PVIFactors]:
+    """The server's PVI bookkeeping for ``fusion.rule == "pvi"`` (None otherwise), after checking that the clients
+    can take part: variational clients under a fixed named prior ``N(0, prior_scale^2)`` (the factors are measured
+    against it)."""
+    if fusion.rule != PVI:
+        return None
+    if bayesian.client != "variational" or not isinstance(bayesian.prior, str) or bayesian.prior_variance != "fixed":
+        raise ValueError(f"fusion.rule: {PVI!r} trains variational clients against their cavities under a fixed "
+                         f"named prior N(0, prior_scale^2); expected client='variational', a named prior and "
+                         f"prior_variance='fixed', got client={bayesian.client!r}, prior={bayesian.prior!r}, "
+                         f"prior_variance={bayesian.prior_variance!r}")
+    damping = PVI_DAMPING if fusion.pvi_damping is None else fusion.pvi_damping
+    return PVIFactors(bayesian.prior_scale ** 2, damping)
 
 
 #: The hyper-parameter table of a match (one function for PFNM and matched fusion alike).
@@ -143,6 +160,7 @@ class MatchedFusionFederation(HoldsRounds, Federation):
         self.initial_clients = initial_clients
         self.clients: list[Optional[BayesianClient]] = [None] * self.num_clients
         self.global_model: Optional[BayesianClient] = None
+        self.pvi = pvi_factors(fusion, bayesian)
 
     @staticmethod
     def check_network(network: NetworkConfig) -> None:
@@ -156,6 +174,8 @@ class MatchedFusionFederation(HoldsRounds, Federation):
             net = initial_network(self.network, self.dataset.input_shape, self.dataset.num_classes, seed=self.seed,
                                   client=j)
             return posterior_client(net, self.bayesian)
+        if self.pvi is not None:   # PVI: its slice as the start, the slice less its own factor as the prior
+            return client_from_slice(self.template, *start, self.bayesian, prior=self.pvi.cavity(j, start))
         return client_from_slice(self.template, *start, self.bayesian)
 
     def _round(self, round, sampled):
@@ -171,15 +191,21 @@ class MatchedFusionFederation(HoldsRounds, Federation):
                                        scale_lr_factor=self.bayesian.scale_lr_factor))
             self.clients[j] = client
         t0 = time.perf_counter()
-        match = matched_fusion_step([client_posterior(self.clients[j]) for j in sampled], self.class_counts[sampled],
-                                    [self.sizes[j] for j in sampled], self.fusion, seed=self.seed, round=round,
-                                    starts=self.rounds.warm_start(sampled), spec=self.spec, template=self.template)
+        posteriors = [client_posterior(self.clients[j]) for j in sampled]
+        pvi_metrics = {} if self.pvi is None else {"cavity_at_prior": self.pvi.improper}
+        pvi = {} if self.pvi is None else {"factors": self.pvi.update(sampled, posteriors),
+                                           "prior_variance": self.pvi.prior_variance}
+        match = matched_fusion_step(posteriors, self.class_counts[sampled], [self.sizes[j] for j in sampled],
+                                    self.fusion, seed=self.seed, round=round, starts=self.rounds.warm_start(sampled),
+                                    spec=self.spec, template=self.template, **pvi)
         seconds = time.perf_counter() - t0
         self.rounds.update(match, sampled)
+        if self.pvi is not None:
+            pvi_metrics["improper"] = match.improper
         self.global_model = bayesian_from_match(match, self.bayesian)
         self._mean_net = match.network().float().eval()
         metrics = {**self.rounds.summary(), "parameters": count_parameters(self._mean_net),
-                   "server_seconds": seconds}
+                   "server_seconds": seconds, **pvi_metrics}
         if losses:
             metrics["train_loss"] = sum(losses) / len(losses)
         with torch.no_grad():

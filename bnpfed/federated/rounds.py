@@ -33,8 +33,10 @@ from bnpfed.federated.config import NetworkConfig
 from bnpfed.federated.server import match_hyperparameters, mean_sigma
 from bnpfed.inference.batch_norm import batch_norm_order
 from bnpfed.inference.permutation import PermutationSpec, derive_spec, network_from_state
+from bnpfed.inference.posterior_matching import cavity, pvi_factor
+from bnpfed.validation import check_fraction, check_positive
 
-__all__ = ["Architecture", "HoldsRounds", "MatchRounds"]
+__all__ = ["Architecture", "HoldsRounds", "MatchRounds", "PVIFactors"]
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,55 @@ class MatchRounds:
         variances = getattr(self.match, "variances", None)
         if variances is not None:
             out["mean_sigma"] = mean_sigma(variances.values())
+        return out
+
+
+class PVIFactors:
+    """The server's PVI bookkeeping between rounds (:data:`~bnpfed.inference.posterior_matching.PVI`): per client its
+    approximate-likelihood factor ``t_j`` (natural parameters per Bayesian site, in its own units), and this round
+    the cavity ``c_j = slice_j / t_j`` it was sent to train against.
+
+    After the round its factor becomes ``q_j / c_j`` (round 1: ``q_j / p``), damped from the second update on:
+    ``t_j <- (1 - damping) t_j + damping q_j / c_j`` in natural parameters (all clients update at once, and the
+    undamped parallel update overshoots: Bui et al. 2018, Ashman et al. 2022).
+
+    :param float prior_variance: the clients' zero-mean prior variance.
+    :param float damping: in (0, 1].
+
+    Attributes: ``factors`` (client -> ``(precisions, etas)``), ``improper`` (this round's cavity coordinates set to
+    the prior, summed over its clients).
+    """
+
+    def __init__(self, prior_variance: float, damping: float = 1.0):
+        self.prior_variance = check_positive(prior_variance, "prior_variance")
+        self.damping = check_fraction(damping, "damping")
+        self.factors: dict[int, tuple[dict, dict]] = {}
+        self.sent: dict[int, tuple] = {}
+        self.improper = 0
+
+    def cavity(self, j: int, slice_: tuple) -> tuple[dict, dict]:
+        """Client ``j``'s cavity this round: ``slice_`` (its slice of the global posterior, ``(locs, variances)``)
+        divided by its factor; remembered for :meth:`update`."""
+        if j not in self.factors:
+            raise ValueError(f"j: expected a client that took part in the last round, got {j}")
+        out, improper = cavity(slice_, self.factors[j], self.prior_variance)
+        self.improper += improper
+        self.sent[j] = out
+        return out
+
+    def update(self, clients: Sequence[int], posteriors: Sequence[tuple]) -> list[tuple[dict, dict]]:
+        """The round's replies ``q_j`` (``(locs, variances)`` each, in ``clients``' order) turned into the clients'
+        new factors, returned in that order (what the server's fusion multiplies)."""
+        out = []
+        for j, posterior in zip(clients, posteriors):
+            new = pvi_factor(posterior, self.sent.get(j), self.prior_variance)
+            old = self.factors.get(j)
+            if old is not None and self.damping < 1:
+                rho = self.damping
+                new = tuple({k: (1 - rho) * o[k] + rho * n[k] for k in n} for o, n in zip(old, new))
+            self.factors[j] = new
+            out.append(new)
+        self.sent, self.improper = {}, 0
         return out
 
 

@@ -46,7 +46,7 @@ from bnpfed.inference.activity import drop_units, kept_per_client
 from bnpfed.inference.layout import width
 from bnpfed.inference.permutation import (BatchNormMoments, GroupMatch, PermutationSpec, SpecMatch,
                                           batch_norm_statistics, match_by_spec, match_group)
-from bnpfed.inference.posterior_matching import MIN_VARIANCE, match_posteriors
+from bnpfed.inference.posterior_matching import MIN_VARIANCE, PVI, match_posteriors
 from bnpfed.posterior import GaussianPosterior
 from bnpfed.seeding import Stream, derive_seed, numpy_rng, torch_generator
 from bnpfed.validation import check_choice, check_fraction, check_int
@@ -179,7 +179,8 @@ def fuse_posteriors(posteriors: Sequence[Mapping[str, GaussianPosterior]],
 def matched_fusion_step(clients: Sequence, class_counts, sizes: Sequence[int], config: FusionConfig, *, seed: int,
                         round: int, starts: Optional[Sequence[Optional[Mapping[str, Tensor]]]] = None,
                         spec: Optional[PermutationSpec] = None, template: Optional[nn.Module] = None,
-                        input_shape: Optional[Sequence[int]] = None):
+                        input_shape: Optional[Sequence[int]] = None, factors: Optional[Sequence] = None,
+                        prior_variance: float = 1.0):
     """Matched posterior fusion's server step (``config.align == "match"``): the clients' hidden units matched group
     by group under the heteroscedastic Beta-Bernoulli model, every global unit's members fused with ``config.rule``
     (:func:`~bnpfed.inference.posterior_matching.match_posteriors`).
@@ -195,6 +196,8 @@ def matched_fusion_step(clients: Sequence, class_counts, sizes: Sequence[int], c
     :param sizes: per client, ``n_k``.
     :param starts: None in round 1; later, per client, the global ids of its units per group it started the round
         from (the warm start of the matching).
+    :param factors: ``config.rule == "pvi"``: per client its approximate-likelihood factor (None: each posterior
+        over the prior, round 1); ``prior_variance`` the clients' prior variance.
     :returns: :class:`~bnpfed.inference.posterior_matching.PosteriorMatch`.
     """
     if not isinstance(config, FusionConfig):
@@ -205,7 +208,8 @@ def matched_fusion_step(clients: Sequence, class_counts, sizes: Sequence[int], c
     init = None
     if starts is not None and all(s is not None for s in starts):
         init = {g: [s[g] for s in starts] for g in starts[0]}
-    return match_posteriors(list(clients), class_counts, spec, rule=config.rule, sizes=weights,
+    pvi = {"factors": factors, "prior_variance": prior_variance} if config.rule == PVI else {}
+    return match_posteriors(list(clients), class_counts, spec, rule=config.rule, sizes=weights, **pvi,
                             input_shape=input_shape, template=template, tau2=config.tau2,
                             seed=derive_seed(seed, Stream.MATCH, round), warm_start=init,
                             num_samples=config.pooling_samples, min_variance=config.min_variance or MIN_VARIANCE,

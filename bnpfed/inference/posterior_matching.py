@@ -67,6 +67,22 @@ client slices hold the atoms themselves). Deterministic coordinates take the ato
 bias (no atom) is each class's share-weighted conflation of the clients' (a weighted average where it is
 deterministic).
 
+**Partitioned variational inference** (``rule="pvi"``, :data:`PVI`; Bui et al. 2018, Ashman et al. 2022). The
+global posterior is the prior times one approximate-likelihood factor per client, ``q = p prod_j t_j``, and client
+j's factor is what its fit added to what it trained against (its *cavity* ``c_j``): ``t_j = q_j / c_j``, in
+natural parameters (precision ``lambda = 1 / v``, ``eta = m / v``) a difference. Matched, every global unit is the
+prior times its members' factors, per Bayesian coordinate over the members holding it:
+
+    lambda_id = lambda_0 + sum_{j in i} (1 / u_jd - lambda^c_jd),     eta_id = sum_{j in i} (v_jd / u_jd - eta^c_jd),
+
+``lambda_0 = 1 / prior_variance`` the clients' zero-mean prior; the unit is ``N(eta / lambda, 1 / lambda)``, then
+the coverage as for every rule. In round 1 (``cavities=None``) every cavity is the prior, so this is conflation of
+the members with the prior counted once instead of once per member. In later rounds client j trains against the
+cavity of its slice, ``c_j = slice_j(q) / t_j`` (:func:`cavity`), so that its own data, already in the slice through
+its last factor, is not counted twice. A coordinate whose product is improper (the factors' precisions sum below
+``-lambda_0``, which a client whose posterior came out wider than its cavity can cause) is set to the prior and
+counted (``PosteriorMatch.improper``). Deterministic coordinates are averaged as for every rule.
+
 **Rounds.** :meth:`PosteriorMatch.client_slice` gives a client its own units of the global posterior (its assignment
 in every group): in PFNM with communication (Yurochkin et al. 2019, section 3.3) that slice is the client's next
 starting point and, here, its next prior (:func:`~bnpfed.inference.BayesianClient.update_prior_`).
@@ -112,16 +128,59 @@ from bnpfed.models.priors import Prior
 from bnpfed.posterior import GaussianPosterior
 from bnpfed.validation import check_choice, check_int, check_positive
 
-__all__ = ["ATOM_POSTERIOR", "MIN_VARIANCE", "PosteriorMatch", "client_posterior", "fuse_members", "match_posteriors",
-           "matched_rules"]
+__all__ = ["ATOM_POSTERIOR", "MIN_VARIANCE", "PVI", "PosteriorMatch", "cavity", "client_posterior", "fuse_members",
+           "match_posteriors", "matched_rules", "pvi_factor"]
 
 #: The fusion of matched units by the matching model's own posterior of their atom (module docstring).
 ATOM_POSTERIOR = "atom-posterior"
+#: Partitioned variational inference: the prior times the members' approximate-likelihood factors (module docstring).
+PVI = "pvi"
 
 
 def matched_rules() -> tuple[str, ...]:
-    """The rules matched fusion takes: every rule of :mod:`bnpfed.combine`, and :data:`ATOM_POSTERIOR`."""
-    return (*available_rules(), ATOM_POSTERIOR)
+    """The rules matched fusion takes: every rule of :mod:`bnpfed.combine`, :data:`ATOM_POSTERIOR` and :data:`PVI`."""
+    return (*available_rules(), ATOM_POSTERIOR, PVI)
+
+
+def cavity(posterior: tuple[Mapping[str, Tensor], Mapping[str, Tensor]],
+           factor: tuple[Mapping[str, Tensor], Mapping[str, Tensor]], prior_variance: float
+           ) -> tuple[tuple[dict, dict], int]:
+    """PVI's cavity ``posterior / factor`` per Bayesian site, ``((means, variances), improper)``: natural parameters
+    subtracted (``factor`` given as ``(precisions, etas)``); where the cavity's precision would fall below the
+    prior's ``1 / prior_variance`` (the other clients' factors would make it wider than the prior) it is the prior
+    ``N(0, prior_variance)`` there, and ``improper`` counts those coordinates."""
+    (locs, variances), (lam_t, eta_t) = posterior, factor
+    lam0 = 1.0 / check_positive(prior_variance, "prior_variance")
+    means, out_var, improper = {}, {}, 0
+    for k, v in variances.items():
+        v = v.to(torch.float64)
+        lam = 1.0 / v - lam_t[k].to(torch.float64)
+        eta = locs[k].to(torch.float64) / v - eta_t[k].to(torch.float64)
+        bad = lam < lam0
+        improper += int(bad.sum())
+        lam = torch.where(bad, torch.full_like(lam, lam0), lam)
+        eta = torch.where(bad, torch.zeros_like(eta), eta)
+        means[k], out_var[k] = eta / lam, 1.0 / lam
+    return (means, out_var), improper
+
+
+def pvi_factor(posterior: tuple[Mapping[str, Tensor], Mapping[str, Tensor]],
+               cavity_: tuple[Mapping[str, Tensor], Mapping[str, Tensor]] | None, prior_variance: float
+               ) -> tuple[dict, dict]:
+    """Client j's approximate-likelihood factor ``t_j = q_j / c_j`` per Bayesian site as natural parameters
+    ``(precisions, etas)``; ``cavity_`` None: the prior ``N(0, prior_variance)``."""
+    locs, variances = posterior
+    lam0 = 1.0 / check_positive(prior_variance, "prior_variance")
+    precisions, etas = {}, {}
+    for k, v in variances.items():
+        v = v.to(torch.float64)
+        if cavity_ is None:
+            lam_c, eta_c = torch.full_like(v, lam0), torch.zeros_like(v)
+        else:
+            lam_c = 1.0 / cavity_[1][k].to(torch.float64)
+            eta_c = cavity_[0][k].to(torch.float64) * lam_c
+        precisions[k], etas[k] = 1.0 / v - lam_c, locs[k].to(torch.float64) / v - eta_c
+    return precisions, etas
 
 #: The variance of a coordinate no member holds (a structural zero of the global network), and the floor of every
 #: fused variance (as posterior fusion's default floor).
@@ -157,6 +216,7 @@ class PosteriorMatch:
     :param float seconds: wall time of matching and fusion; ``match_seconds`` of the matching alone.
     :param Tensor class_shares: (J, C) ``share_jk``.
     :param Tensor sizes: (J,) the clients' example counts ``n_j`` (member weights on a unit's own coordinates).
+    :param int improper: ``rule="pvi"``: the coordinates whose product of factors was improper, set to the prior.
     """
 
     spec: PermutationSpec
@@ -172,6 +232,7 @@ class PosteriorMatch:
     match_seconds: float = 0.0
     class_shares: Tensor | None = field(default=None, repr=False)
     sizes: Tensor | None = field(default=None, repr=False)
+    improper: int = 0
 
     @property
     def widths(self) -> dict[str, int]:
@@ -391,6 +452,8 @@ def match_posteriors(
     num_samples: int = 1000,
     min_variance: float = MIN_VARIANCE,
     stop: Literal["fixed-point", "result"] = "result",
+    factors=None,
+    prior_variance: float = 1.0,
 ) -> PosteriorMatch:
     """Match J Bayesian clients' hidden units group by group and fuse every global unit's members' posteriors (see
     the module docstring).
@@ -422,6 +485,9 @@ def match_posteriors(
     :param float min_variance: floor of the fused variances.
     :param str stop: when the matcher's empirical-Bayes sweeps stop (``"result"``, ``"fixed-point"``: see
         :func:`~bnpfed.inference.matching.match_layer`); passed to the default ``layer_fn`` only.
+    :param factors: ``rule="pvi"``: per client its factor ``(precisions, etas)`` per Bayesian site, in its own
+        coordinates (:func:`pvi_factor`, possibly damped); None (round 1): each client's posterior over the prior.
+    :param float prior_variance: ``rule="pvi"``: the variance of the clients' zero-mean prior.
     :returns: :class:`PosteriorMatch`.
     """
     t0 = time.perf_counter()
@@ -447,7 +513,12 @@ def match_posteriors(
     locs = [{k: v.to(torch.float64) for k, v in p[0].items()} for p in pairs]
     variances = [_full_variances(p[0], {k: v.to(torch.float64) for k, v in p[1].items()}) for p in pairs]
     ones = [{k: torch.ones_like(v) for k, v in s.items()} for s in locs]
-    data = prepare_clients({"value": locs, "variance": variances, "held": ones}, spec, class_counts)
+    channels = {"value": locs, "variance": variances, "held": ones}
+    if rule == PVI:
+        channels.update(_factor_channels(pairs, locs, factors, prior_variance))
+    elif factors is not None:
+        raise ValueError(f"factors: expected only with rule={PVI!r}, got rule={rule!r}")
+    data = prepare_clients(channels, spec, class_counts)
     names, shares = spec.group_names, data.shares
     n = _sizes(sizes, class_counts, data.J)
     init = warm_start_labels(warm_start, names, data.widths)
@@ -457,6 +528,7 @@ def match_posteriors(
     values = group_values(names, mode, {"tau2": tau2, "sigma0_2": sigma0_2, "gamma0": gamma0}, mu0, bias_mu0)
     generator = None if seed is None else torch.Generator().manual_seed(int(seed))
     match_seconds = []
+    improper = [0]
 
     def step(name, layout, rows, below):
         c = names.index(name)
@@ -469,7 +541,7 @@ def match_posteriors(
         match_seconds.append(time.perf_counter() - t1)
         bayesian = torch.cat([torch.full((s.stop - s.start,), s.param in sites, dtype=torch.bool)
                               for s in layout.segments])
-        member_rule = "eaa" if rule == ATOM_POSTERIOR else rule   # the atom posterior: the coverage alone
+        member_rule = "eaa" if rule in (ATOM_POSTERIOR, PVI) else rule   # those two: deterministic parts, coverage
         loc, var, kappa = _fuse_group(rows["value"], rows["variance"], rows["held"], assignments, L, layout, shares,
                                       n, member_rule, bayesian, min_variance, num_samples=num_samples,
                                       generator=generator)
@@ -477,6 +549,19 @@ def match_posteriors(
             loc = torch.as_tensor(r.global_atoms, dtype=torch.float64)
             precision = torch.as_tensor(r.posterior_precision, dtype=torch.float64)
             var = torch.where(bayesian, torch.clamp(1.0 / precision, min=min_variance), torch.zeros_like(loc))
+        elif rule == PVI:            # the prior times the members' factors
+            lam = torch.full((L, layout.D), 1.0 / prior_variance, dtype=torch.float64)
+            eta = torch.zeros(L, layout.D, dtype=torch.float64)
+            for j, a in enumerate(assignments):
+                held = rows["held"][j]
+                lam.index_add_(0, a, held * rows["factor_precision"][j])
+                eta.index_add_(0, a, held * rows["factor_eta"][j])
+            bad = bayesian & (lam <= 0)
+            improper[0] += int(bad.sum())
+            lam = torch.where(bad, torch.full_like(lam, 1.0 / prior_variance), lam)
+            eta = torch.where(bad, torch.zeros_like(eta), eta)
+            loc = torch.where(bayesian, eta / lam, loc)
+            var = torch.where(bayesian, torch.clamp(1.0 / lam, min=min_variance), var)
         return _FusedGroup(assignments, L, r, loc, var, kappa, bayesian)
 
     groups = match_groups(data, spec, step)
@@ -495,7 +580,14 @@ def match_posteriors(
                 w = torch.ones(J, dtype=torch.float64)
             else:
                 w = weights[k]
-            if out_b in sites:
+            if out_b in sites and rule == PVI:   # every client's factor of the class's bias
+                lam = 1.0 / prior_variance + sum(f[out_b][k] for f in data.channels["factor_precision"])
+                eta = sum(f[out_b][k] for f in data.channels["factor_eta"])
+                if lam <= 0:
+                    improper[0] += 1
+                    lam, eta = torch.tensor(1.0 / prior_variance, dtype=torch.float64), torch.tensor(0.0)
+                bias_loc[k], bias_var[k] = eta / lam, torch.clamp(1.0 / lam, min=min_variance)
+            elif out_b in sites:
                 fused = fuse(b_locs[who, k], b_vars[who, k], "conflation" if rule == ATOM_POSTERIOR else rule,
                              w[who], num_samples=num_samples, generator=generator)
                 bias_loc[k], bias_var[k] = fused.loc, torch.clamp(fused.variance, min=min_variance)
@@ -514,4 +606,27 @@ def match_posteriors(
     return PosteriorMatch(spec=spec, **states, assignments={g: f.assignments for g, f in groups.items()},
                           layer_results={g: f.result for g, f in groups.items()}, rule=rule, template=template,
                           seconds=time.perf_counter() - t0, match_seconds=sum(match_seconds), class_shares=shares,
-                          sizes=n)
+                          sizes=n, improper=improper[0])
+
+
+def _factor_channels(pairs, locs, factors, prior_variance) -> dict[str, list]:
+    """The clients' PVI factors as two more channels (every ``state_dict`` key; 0 off the Bayesian sites)."""
+    prior_variance = check_positive(prior_variance, "prior_variance")
+    J = len(pairs)
+    if factors is not None and (not isinstance(factors, Sequence) or len(factors) != J):
+        raise ValueError(f"factors: expected one (precisions, etas) pair per client ({J}), got {type(factors)}")
+    out = {"factor_precision": [], "factor_eta": []}
+    for j, (pair, full) in enumerate(zip(pairs, locs)):
+        if factors is None:
+            lam, eta = pvi_factor(pair, None, prior_variance)
+        else:
+            lam, eta = factors[j]
+            for k, v in pair[1].items():
+                if k not in lam or k not in eta or lam[k].shape != v.shape or eta[k].shape != v.shape:
+                    raise ValueError(f"factors[{j}]: expected precisions and etas of the Bayesian sites' shapes, "
+                                     f"{k!r} {tuple(v.shape)}")
+            lam = {k: lam[k].to(torch.float64) for k in pair[1]}
+            eta = {k: eta[k].to(torch.float64) for k in pair[1]}
+        out["factor_precision"].append({k: lam.get(k, torch.zeros_like(v)) for k, v in full.items()})
+        out["factor_eta"].append({k: eta.get(k, torch.zeros_like(v)) for k, v in full.items()})
+    return out
