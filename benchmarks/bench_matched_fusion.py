@@ -121,13 +121,16 @@ def part_rounds(datasets, dirs, out: Path, seeds, args) -> None:
             if key in done:
                 continue
             t0 = time.perf_counter()
+            matched_only = args.rule in ("pvi", "atom-posterior")   # rules of matched units: no weight-wise row
+            methods = ((f"match-{args.rule}",) if matched_only else (f"match-{args.rule}", args.rule, "fedavg"))
             result = run_experiment(
                 ds, ood=ood, partition=PartitionConfig(clients=args.clients, partition="dirichlet"),
                 network=NetworkConfig(hidden=(100,)),
                 training=TrainingConfig(epochs=args.epochs, batch_size=64, lr=args.lr, round_epochs=args.round_epochs),
-                bayesian=_bayesian(args), fusion=FusionConfig(rule=args.rule),
-                config=ExperimentConfig(methods=(f"match-{args.rule}", args.rule, "fedavg"), rounds=args.rounds,
-                                        seed=seed, ece_bins=100, predictive_samples=args.samples))
+                bayesian=_bayesian(args), fusion=FusionConfig(rule=args.rule,
+                                                              align="match" if matched_only else "none"),
+                config=ExperimentConfig(methods=tuple(args.methods.split(",")) if args.methods else methods,
+                                        rounds=args.rounds, seed=seed, ece_bins=100, predictive_samples=args.samples))
             _emit(out, key, dict(dataset=name, partition="dirichlet", seed=seed, J=args.clients, rounds=args.rounds,
                                  tag=args.tag, lr=args.lr, init_scale=args.init_scale, epochs=args.epochs,
                                  rows={r.method: _row(r) for r in result.rows}, warnings=result.warnings,
@@ -168,7 +171,8 @@ def main(argv=None):
     p.add_argument("--epochs", type=int, default=10, help="local epochs of round 1")
     p.add_argument("--round-epochs", type=int, default=2, help="local epochs of later rounds (rounds part)")
     p.add_argument("--rounds", type=int, default=10)
-    p.add_argument("--rule", default="conflation", choices=RULES, help="the rule of the rounds part")
+    p.add_argument("--rule", default="conflation", choices=RULES + ("pvi", "atom-posterior"),
+                   help="the rule of the rounds part (pvi, atom-posterior: matched fusion only)")
     p.add_argument("--samples", type=int, default=10, help="predictive weight draws")
     p.add_argument("--lr", type=float, default=1e-3, help="local learning rate (Adam)")
     p.add_argument("--init-scale", type=float, default=BayesianConfig().init_scale,
@@ -178,7 +182,8 @@ def main(argv=None):
     p.add_argument("--scale-lr-factor", type=float, default=1.0, help="the posterior scales' rate as a multiple of lr")
     p.add_argument("--client", default="variational", choices=("variational", "laplace"),
                    help="the Bayesian clients: SVI, or PFNM's trained clients with a diagonal Laplace posterior")
-    p.add_argument("--methods", default="", help="comma-separated methods of the oneshot part (default: all)")
+    p.add_argument("--methods", default="", help="comma-separated methods of the oneshot or rounds part (default: "
+                   "all of the part's)")
     p.add_argument("--tag", default="", help="appended to every key (a variant of the settings)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--summary", action="store_true", help="print the tables of --out and stop")

@@ -55,6 +55,17 @@ def test_matched_fusion_of_laplace_clients_on_flower_is_the_in_process_federatio
     assert all(0.5 < r["accuracy"] <= 1 for r in result.history)
 
 
+def test_pvi_rounds_on_flower_are_the_in_process_federation_bit_for_bit():
+    # round 2: each client trains against its cavity (sent beside its slice), the server keeps the factors
+    config = {**MATCHED, "rule": "pvi", "rounds": 3}
+    sent = {}
+    result = run_federation(LocalGrid(recording(sent), CLIENTS), config)
+    reference = assert_same_as_in_process(result, config)
+    assert reference.pvi is not None and sorted(reference.pvi.factors) == [0, 1, 2]
+    assert any(k.startswith("cavity-loc/") for k in sent[2, 0]) and not any(k.startswith("cavity-") for k in
+                                                                            sent[1, 0])
+
+
 def test_each_client_starts_round_two_from_its_slice_or_else_the_whole_posterior_bit_for_bit():
     config = {**MATCHED, **FRACTION, "rule": "pooling", "fraction-evaluate": 0.0}
     sent = {}
@@ -95,7 +106,7 @@ def test_a_bad_posterior_reply_is_rejected_with_its_reason_and_the_round_goes_on
     ({**MATCHED, "align": "nearest"}, r"align: expected one of \['none', 'match'\]"),
     ({**MATCHED, "tau2": 0}, "tau2: expected a positive"),
     ({"method": "fusion", "client": "laplace"}, r"client: Laplace clients serve matched posterior fusion"),
-    ({**MATCHED, "rule": "pvi"}, r"rule: 'pvi' \(partitioned variational inference\) runs in process for now"),
+    ({**MATCHED, "rule": "pvi", "client": "laplace"}, r"fusion.rule: 'pvi' trains variational clients"),
     ({"method": "pfnm", "client": "laplace"}, r"client: Laplace clients serve matched posterior fusion"),
     ({**MATCHED, "client": "laplace", "kl-weight": 0.5}, r"kl-weight: a setting of the variational clients' SVI"),
 ])

@@ -78,6 +78,38 @@ def test_a_convolutional_site_gets_its_ggn_diagonal_too():
         assert torch.allclose(fit.curvature[k], brute[k], rtol=1e-4, atol=1e-6), k
 
 
+class _Functional(nn.Module):
+    """A network whose forward calls a function between its layers: no BackPACK, the CurvLinOps backend."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 5), nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def test_both_curvature_backends_give_the_brute_force_ggn_diagonal():
+    from bnpfed.inference.laplace import backpack_supports
+
+    x, y = _data()
+    torch.manual_seed(2)
+    functional = _Functional()
+    sequential = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    sequential.load_state_dict({k.replace("fc1", "0").replace("fc2", "2"): v
+                                for k, v in functional.state_dict().items()})
+    assert backpack_supports(sequential) and not backpack_supports(functional)
+    assert not backpack_supports(nn.Sequential(nn.Linear(6, 5), nn.BatchNorm1d(5), nn.Linear(5, 3)))
+    a = laplace_posterior(sequential, x, y, sites=["0.weight", "2.weight"])
+    b = laplace_posterior(functional, x, y, sites=["fc1.weight", "fc2.weight"])
+    brute = _ggn_diagonal(functional, x, ["fc1.weight", "fc2.weight"])
+    for k, f in (("0.weight", "fc1.weight"), ("2.weight", "fc2.weight")):
+        assert torch.allclose(a.curvature[k], brute[f], rtol=1e-4, atol=1e-6), k
+        assert torch.allclose(b.curvature[f], brute[f], rtol=1e-4, atol=1e-6), f
+        assert a.prior_precision[k] == pytest.approx(b.prior_precision[f], rel=1e-5)
+    assert a.log_marginal_likelihood == pytest.approx(b.log_marginal_likelihood, rel=1e-5)
+
+
 def test_the_prior_precision_maximises_laplace_torchs_own_marginal_likelihood():
     """Each site's delta is the maximiser of laplace-torch's log evidence in that site's precision (the others held),
     found independently by scipy's bounded scalar minimiser; and it satisfies MacKay's delta ||theta||^2 = gamma."""

@@ -84,6 +84,7 @@ from bnpfed.flower.records import (
     posterior_to_record,
     state_from_arrays,
     state_to_record,
+    split_cavity,
 )
 from bnpfed.inference import BayesianClient
 from bnpfed.inference.posterior_matching import client_posterior
@@ -181,9 +182,12 @@ class _Client:
         matched global posterior, or the whole of it), as its prior too with ``as_prior``."""
         arch = _architecture(self.settings.network, tuple(self.ds.input_shape), self.ds.num_classes,
                              self.settings.seed)
-        locs, variances = matched_posterior_from_arrays(from_array_record(record), arch.spec,
-                                                        arch.template.state_dict())
-        return client_from_slice(arch.template, locs, variances, self.settings.bayesian, as_prior=as_prior)
+        arrays, cavity = split_cavity(from_array_record(record))   # PVI: the cavity to train against
+        locs, variances = matched_posterior_from_arrays(arrays, arch.spec, arch.template.state_dict())
+        if cavity is not None and sorted(cavity[1]) != sorted(variances):
+            raise ValueError(f"cavity: expected the Bayesian sites {sorted(variances)}, got {sorted(cavity[1])}")
+        return client_from_slice(arch.template, locs, variances, self.settings.bayesian, as_prior=as_prior,
+                                 prior=cavity)
 
     def class_counts(self) -> list[int]:
         """This client's training examples per class."""

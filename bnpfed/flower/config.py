@@ -56,7 +56,6 @@ from bnpfed.data import DATASET_NAMES, NPZ_PREFIX
 from bnpfed.federated.config import (FUSION_TRAINING, PFNM_NETWORK, PFNM_TRAINING, BayesianConfig, FusionConfig,
                                      NetworkConfig, PartitionConfig, PFNMConfig, TrainingConfig, config_dict)
 from bnpfed.federated.fusion import check_fusion_network
-from bnpfed.inference.posterior_matching import PVI
 from bnpfed.secure_fusion import SECURE_RULES
 from bnpfed.validation import check_choice, check_fraction, check_int, check_positive
 
@@ -440,10 +439,6 @@ def parse_run_config(config: Mapping[str, Any]) -> FlowerSettings:
                          f"bnpfed pfnm --layerwise-retrain), got {built['pfnm'].layerwise_retrain}")
     if run.method == "fusion":
         _check_fusion(built["fusion"], built["network"])
-    if run.method == "fusion" and built["fusion"].rule == PVI:
-        raise ValueError(f"rule: {PVI!r} (partitioned variational inference) runs in process for now (bnpfed fuse "
-                         f"--align match --rule {PVI}; MatchedFusionFederation): its clients need their cavities "
-                         f"sent beside their slices, which the Flower messages do not carry yet")
     if built["bayesian"].client != "variational" and (run.method != "fusion" or built["fusion"].align != "match"):
         raise ValueError(f"client: Laplace clients serve matched posterior fusion (method=\"fusion\", "
                          f"align=\"match\"), got client={built['bayesian'].client!r} with method={run.method!r}, "

@@ -51,6 +51,7 @@ from bnpfed.validation import check_names, check_tensor
 
 __all__ = [
     "ARRAYS",
+    "CAVITY",
     "CLIENT",
     "CONFIG",
     "ECE_BINS",
@@ -58,6 +59,8 @@ __all__ = [
     "NodeIdentity",
     "ReplyError",
     "to_array_record",
+    "with_cavity",
+    "split_cavity",
     "from_array_record",
     "state_to_record",
     "state_from_arrays",
@@ -272,6 +275,37 @@ def matched_posterior_to_record(locs: Mapping[str, Any], variances: Mapping[str,
     ``variances`` as ``"loc/"`` and ``"variance/"``, the other entries of ``locs`` as ``"param/"``; dtypes kept."""
     return posterior_to_record({k: GaussianPosterior(locs[k], v) for k, v in variances.items()},
                                {k: v for k, v in locs.items() if k not in variances})
+
+
+#: Prefix of a PVI cavity's arrays sent beside a matched slice (``"cavity-loc/<site>"``, ``"cavity-variance/<site>"``).
+CAVITY = "cavity-"
+
+
+def with_cavity(record: ArrayRecord, cavity: tuple[Mapping[str, Any], Mapping[str, Any]]) -> ArrayRecord:
+    """``record`` (a slice, :func:`matched_posterior_to_record`) with PVI's cavity ``(means, variances)`` of its
+    Bayesian sites added as ``"cavity-loc/<site>"`` and ``"cavity-variance/<site>"``."""
+    means, variances = cavity
+    extra = to_array_record({**{f"{CAVITY}loc/{k}": v for k, v in means.items()},
+                             **{f"{CAVITY}variance/{k}": v for k, v in variances.items()}})
+    for name, array in extra.items():
+        record[name] = array
+    return record
+
+
+def split_cavity(arrays: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], tuple[dict, dict] | None]:
+    """``(the other arrays, cavity)`` of what :func:`with_cavity` sent: the cavity as ``(means, variances)`` tensors,
+    None when there is none."""
+    rest = {k: v for k, v in arrays.items() if not k.startswith(CAVITY)}
+    found = {k[len(CAVITY):]: v for k, v in arrays.items() if k.startswith(CAVITY)}
+    if not found:
+        return rest, None
+    means = {k[len("loc/"):]: torch.from_numpy(np.asarray(v)) for k, v in found.items() if k.startswith("loc/")}
+    variances = {k[len("variance/"):]: torch.from_numpy(np.asarray(v)) for k, v in found.items()
+                 if k.startswith("variance/")}
+    if sorted(means) != sorted(variances) or len(means) + len(variances) != len(found):
+        raise ReplyError(f"cavity: expected 'cavity-loc/' and 'cavity-variance/' arrays of the same sites, got "
+                         f"{sorted(found)}")
+    return rest, (means, variances)
 
 
 def _renamed(message: str, names: Mapping[str, str]) -> str:

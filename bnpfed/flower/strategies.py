@@ -56,6 +56,7 @@ from flwr.serverapp.strategy import Strategy
 
 from bnpfed.federated.clients import bayesian_client
 from bnpfed.federated.config import BayesianConfig, FusionConfig, NetworkConfig, PFNMConfig
+from bnpfed.federated.matched_fusion import pvi_factors
 from bnpfed.federated.rounds import Architecture, HoldsRounds, MatchRounds
 from bnpfed.federated.server import (average_states, batch_norm_steps, clients_per_round, fuse_posteriors,
                                      matched_fusion_step, mean_sigma, pfnm_step, sample_clients, with_statistics)
@@ -86,6 +87,7 @@ from bnpfed.flower.records import (
     reply_parts,
     state_from_arrays,
     state_to_record,
+    with_cavity,
 )
 from bnpfed.metrics import ece_from_gaps
 from bnpfed.seeding import Stream
@@ -745,6 +747,7 @@ class MatchedFusionStrategy(_MatchingStrategy):
         self.fusion, self.bayesian = fusion, bayesian
         self.network = replace(network, shared_init=False)
         self.rounds: Optional[MatchRounds] = None
+        self.pvi = pvi_factors(fusion, bayesian)   # rule "pvi": the clients' factors, kept on the server
 
     def connect(self, grid: Grid) -> NodeIdentity:
         """As :meth:`_MatchingStrategy.connect`, then the template's Bayesian sites (what every client builds
@@ -757,7 +760,10 @@ class MatchedFusionStrategy(_MatchingStrategy):
 
     def _train_content(self, server_round, j, arrays):
         start = self.rounds.start(j)   # None in round 1: the client starts from its own initialisation
-        return ArrayRecord() if start is None else matched_posterior_to_record(*start)
+        if start is None:
+            return ArrayRecord()
+        record = matched_posterior_to_record(*start)
+        return record if self.pvi is None else with_cavity(record, self.pvi.cavity(j, start))
 
     def _parse_train(self, reply):
         arrays, metrics, j, n = self._identity_and_count(reply)
@@ -769,10 +775,13 @@ class MatchedFusionStrategy(_MatchingStrategy):
 
     def _aggregate(self, server_round, accepted):
         clients = [a.partition_id for a in accepted]
-        match = matched_fusion_step([a.payload[0] for a in accepted], np.stack([a.payload[1] for a in accepted]),
+        posteriors = [a.payload[0] for a in accepted]
+        pvi = {} if self.pvi is None else {"factors": self.pvi.update(clients, posteriors),
+                                           "prior_variance": self.pvi.prior_variance}
+        match = matched_fusion_step(posteriors, np.stack([a.payload[1] for a in accepted]),
                                     [a.num_examples for a in accepted], self.fusion, seed=self.seed,
                                     round=server_round, starts=self.rounds.warm_start(clients), spec=self.spec,
-                                    template=self.template)
+                                    template=self.template, **pvi)
         self.rounds.update(match, clients)
         own = self.rounds.summary()
         summary = {"hidden": own["hidden"],

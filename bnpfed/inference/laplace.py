@@ -160,10 +160,23 @@ class LaplaceFit:
 def _laplace_torch():
     try:
         from laplace import Laplace
-        from laplace.curvature import CurvlinopsGGN
+        from laplace.curvature import BackPackGGN, CurvlinopsGGN
     except ImportError as error:  # pragma: no cover - the extra is installed by `make test`
         raise ImportError("Laplace clients need laplace-torch: pip install 'bnpfed[laplace]'") from error
-    return Laplace, CurvlinopsGGN
+    return Laplace, BackPackGGN, CurvlinopsGGN
+
+
+#: The layers BackPACK's exact GGN diagonal backpropagates through (its second-order extensions know each one).
+BACKPACK_LAYERS = (nn.Linear, nn.Conv2d, nn.ReLU, nn.Tanh, nn.Sigmoid, nn.Flatten, nn.MaxPool2d, nn.AvgPool2d,
+                   nn.Identity)
+
+
+def backpack_supports(net: nn.Module) -> bool:
+    """Whether ``net`` is an ``nn.Sequential`` of :data:`BACKPACK_LAYERS` only: then laplace-torch's BackPACK backend
+    computes the GGN diagonal (one backward pass of the loss's symmetric factorisation: hundreds of times faster than
+    the CurvLinOps backend on an MNIST MLP, the same numbers); any other network (a ``forward`` with functional
+    calls, batch norm, a custom container) takes CurvLinOps, which needs only autograd."""
+    return isinstance(net, nn.Sequential) and all(isinstance(m, BACKPACK_LAYERS) for m in net)
 
 
 def laplace_posterior(net: nn.Module, x: Tensor, y: Tensor, *, sites: list[str],
@@ -177,7 +190,7 @@ def laplace_posterior(net: nn.Module, x: Tensor, y: Tensor, *, sites: list[str],
         :func:`evidence_precision`), one float for every site, or ``{site: float}``.
     :param int batch_size: examples per curvature batch (the sum does not depend on it beyond rounding).
     """
-    Laplace, CurvlinopsGGN = _laplace_torch()
+    Laplace, BackPackGGN, CurvlinopsGGN = _laplace_torch()
     if not isinstance(net, nn.Module):
         raise ValueError(f"net: expected a torch.nn.Module, got {type(net).__name__}")
     batch_size = check_int(batch_size, "batch_size", low=1)
@@ -205,23 +218,42 @@ def laplace_posterior(net: nn.Module, x: Tensor, y: Tensor, *, sites: list[str],
         Categorical().check_targets(y, n, copy.deepcopy(net).eval()(x[:1]))
     model = copy.deepcopy(net).eval()
     params = dict(model.named_parameters())
-    order = [name for name in names if name in set(sites)]       # laplace-torch's order: model.parameters()
+    order = [name for name in names if name in set(sites)]
+    backpack = backpack_supports(model)
+    # laplace-torch's vector runs over model.parameters() that require grad: BackPACK needs all of them (the
+    # diagonal's entries of a site do not depend on which others are included), CurvLinOps takes the sites alone
+    included = names if backpack else order
     for name, p in params.items():
-        p.requires_grad_(name in set(sites))
+        p.requires_grad_(name in set(included))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, Categorical().targets(y)),
                                          batch_size=batch_size, shuffle=False)
     la = Laplace(model, "classification", subset_of_weights="all", hessian_structure="diag",
-                 backend=CurvlinopsGGN)
+                 backend=BackPackGGN if backpack else CurvlinopsGGN)
     la.fit(loader, progress_bar=False)
-    sizes = [params[name].numel() for name in order]
-    h_all = la.H.detach().double().split(sizes)
-    curvature = {name: h.reshape(params[name].shape).clone() for name, h in zip(order, h_all)}
+    h_all = dict(zip(included, la.H.detach().double().split([params[name].numel() for name in included])))
+    curvature = {name: h_all[name].reshape(params[name].shape).clone() for name in order}
     locs = {name: params[name].detach().double().clone() for name in order}
     delta = given or {name: evidence_precision(curvature[name], locs[name], name) for name in order}
-    la.prior_precision = torch.tensor([delta[name] for name in order], dtype=la.H.dtype)
     variances = {name: 1.0 / (curvature[name] + delta[name]) for name in order}
     return LaplaceFit(locs, variances, curvature, {k: float(delta[k]) for k in order},
-                      float(la.log_marginal_likelihood()), n)
+                      _log_evidence(la, model, included, order, delta), n)
+
+
+def _log_evidence(la, model: nn.Module, included: list[str], order: list[str], delta: Mapping[str, float]) -> float:
+    """laplace-torch's log marginal likelihood of the sites: with every parameter included (BackPACK), the others
+    are fixed at their values, i.e. their precision is infinite; their terms are dropped by evaluating the
+    evidence of the sites' sub-problem (the same log-likelihood, the sites' curvature and precisions)."""
+    if included == order:
+        la.prior_precision = torch.tensor([delta[name] for name in order], dtype=la.H.dtype)
+        return float(la.log_marginal_likelihood())
+    params = dict(model.named_parameters())
+    h = torch.cat([la.H.detach().double().split([params[k].numel() for k in included])[included.index(k)]
+                   for k in order])
+    theta = torch.cat([params[k].detach().double().reshape(-1) for k in order])
+    prec = torch.cat([torch.full((params[k].numel(),), float(delta[k]), dtype=torch.float64) for k in order])
+    log_det_ratio = float(torch.log(h + prec).sum() - torch.log(prec).sum())
+    scatter = float((prec * theta * theta).sum())
+    return float(la.log_likelihood) - 0.5 * (log_det_ratio + scatter)
 
 
 class LaplaceClient:
