@@ -127,13 +127,15 @@ def part_rounds(datasets, dirs, out: Path, seeds, args) -> None:
                 ds, ood=ood, partition=PartitionConfig(clients=args.clients, partition="dirichlet"),
                 network=NetworkConfig(hidden=(100,)),
                 training=TrainingConfig(epochs=args.epochs, batch_size=64, lr=args.lr, round_epochs=args.round_epochs),
-                bayesian=_bayesian(args), fusion=FusionConfig(rule=args.rule,
+                bayesian=_bayesian(args), fusion=FusionConfig(rule=args.rule, pvi_damping=args.pvi_damping,
                                                               align="match" if matched_only else "none"),
                 config=ExperimentConfig(methods=tuple(args.methods.split(",")) if args.methods else methods,
                                         rounds=args.rounds, seed=seed, ece_bins=100, predictive_samples=args.samples))
             _emit(out, key, dict(dataset=name, partition="dirichlet", seed=seed, J=args.clients, rounds=args.rounds,
                                  tag=args.tag, lr=args.lr, init_scale=args.init_scale, epochs=args.epochs,
-                                 rows={r.method: _row(r) for r in result.rows}, warnings=result.warnings,
+                                 round_epochs=args.round_epochs, prior_variance=args.prior_variance,
+                                 kl_weight=args.kl_weight, scale_lr_factor=args.scale_lr_factor, client=args.client,
+                                 pvi_damping=args.pvi_damping, rows={r.method: _row(r) for r in result.rows}, warnings=result.warnings,
                                  wall_seconds=time.perf_counter() - t0))
 
 
@@ -182,6 +184,7 @@ def main(argv=None):
     p.add_argument("--scale-lr-factor", type=float, default=1.0, help="the posterior scales' rate as a multiple of lr")
     p.add_argument("--client", default="variational", choices=("variational", "laplace"),
                    help="the Bayesian clients: SVI, or PFNM's trained clients with a diagonal Laplace posterior")
+    p.add_argument("--pvi-damping", type=float, default=None, help="rule pvi: the factors' damping (default 0.5)")
     p.add_argument("--methods", default="", help="comma-separated methods of the oneshot or rounds part (default: "
                    "all of the part's)")
     p.add_argument("--tag", default="", help="appended to every key (a variant of the settings)")

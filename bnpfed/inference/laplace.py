@@ -62,8 +62,10 @@ Usage: a small network trained by maximum likelihood, then its posterior::
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Mapping, Optional, Union
 
@@ -157,10 +159,21 @@ class LaplaceFit:
         return {k: GaussianPosterior(self.locs[k], v) for k, v in self.variances.items()}
 
 
+@contextlib.contextmanager
+def _without_jit_script_warning():
+    """torch 2.14 warns that ``torch.jit.script`` is deprecated wherever a library still calls it: ASDL (a
+    laplace-torch dependency) at import, and torch's own forward-mode AD on its first ``jvp`` (loading its
+    decompositions). Neither is the caller's doing, so neither reaches them."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*torch\.jit\.script.* is deprecated", category=FutureWarning)
+        yield
+
+
 def _laplace_torch():
     try:
-        from laplace import Laplace
-        from laplace.curvature import BackPackGGN, CurvlinopsGGN
+        with _without_jit_script_warning():
+            from laplace import Laplace
+            from laplace.curvature import BackPackGGN, CurvlinopsGGN
     except ImportError as error:  # pragma: no cover - the extra is installed by `make test`
         raise ImportError("Laplace clients need laplace-torch: pip install 'bnpfed[laplace]'") from error
     return Laplace, BackPackGGN, CurvlinopsGGN
@@ -229,7 +242,9 @@ def laplace_posterior(net: nn.Module, x: Tensor, y: Tensor, *, sites: list[str],
                                          batch_size=batch_size, shuffle=False)
     la = Laplace(model, "classification", subset_of_weights="all", hessian_structure="diag",
                  backend=BackPackGGN if backpack else CurvlinopsGGN)
-    la.fit(loader, progress_bar=False)
+    with warnings.catch_warnings():   # BackPACK's module hooks fire with no input requiring grad: as intended here
+        warnings.filterwarnings("ignore", message="Full backward hook is firing", category=UserWarning)
+        la.fit(loader, progress_bar=False)
     h_all = dict(zip(included, la.H.detach().double().split([params[name].numel() for name in included])))
     curvature = {name: h_all[name].reshape(params[name].shape).clone() for name in order}
     locs = {name: params[name].detach().double().clone() for name in order}
@@ -380,7 +395,8 @@ class LaplaceClient:
             for _ in range(num_samples):
                 eps = {k: p.scale * torch.randn_like(p.loc) for k, p in posterior.items()}
                 if predictive == "linearised":
-                    f, jvp = torch.func.jvp(logits, (means,), (eps,))
+                    with _without_jit_script_warning():
+                        f, jvp = torch.func.jvp(logits, (means,), (eps,))
                     out = f + jvp
                 else:
                     out = logits({k: means[k] + eps[k] for k in means})
