@@ -184,7 +184,7 @@ def main(argv=None):
     p.add_argument("--scale-lr-factor", type=float, default=1.0, help="the posterior scales' rate as a multiple of lr")
     p.add_argument("--client", default="variational", choices=("variational", "laplace"),
                    help="the Bayesian clients: SVI, or PFNM's trained clients with a diagonal Laplace posterior")
-    p.add_argument("--pvi-damping", type=float, default=None, help="rule pvi: the factors' damping (default 0.5)")
+    p.add_argument("--pvi-damping", type=float, default=None, help="rule pvi: the factors' damping (default 0.1)")
     p.add_argument("--methods", default="", help="comma-separated methods of the oneshot or rounds part (default: "
                    "all of the part's)")
     p.add_argument("--tag", default="", help="appended to every key (a variant of the settings)")

@@ -89,9 +89,9 @@ PRIORS = ("linear-weights", "all")
 #: How a named prior's variance is set: ``prior_scale^2`` throughout, or each client's type-II maximum-likelihood
 #: estimate per site (:class:`~bnpfed.models.EmpiricalBayesPrior`, starting at ``prior_scale``).
 PRIOR_VARIANCES = ("fixed", "empirical-bayes")
-#: PVI's default damping: on digits (J = 5, Dirichlet(0.5), 6 rounds) the undamped parallel update diverged from
-#: round 3 on (accuracy 0.12-0.17) and 0.5 was stable (0.78-0.81, ECE falling to 0.063; benchmarks/README.md).
-PVI_DAMPING = 0.5
+#: PVI's default damping: on MNIST (J = 10, Dirichlet(0.5), 10 rounds, clients at the tempered optimum) the parallel
+#: update diverged at 1, 0.5 and 0.25 and rose every round at 0.1 (benchmarks/README.md, "PVI rounds").
+PVI_DAMPING = 0.1
 #: How a Bayesian client gets its posterior: by SVI on the ELBO (:class:`~bnpfed.inference.BayesianClient`), or by
 #: training its network as a PFNM client does and a diagonal Laplace approximation after the fact
 #: (:class:`~bnpfed.inference.LaplaceClient`, prior precision per site by the marginal likelihood).
@@ -529,7 +529,7 @@ class FusionConfig:
     :param str stop: ``align="match"``: when the matcher's empirical-Bayes sweeps stop, ``"result"`` (default) or
         ``"fixed-point"`` (:class:`PFNMConfig`'s ``stop``).
     :param float pvi_damping: ``rule="pvi"``: rho in (0, 1], each client's factor moves ``rho`` of the way to its new
-        value from the second round on (:class:`~bnpfed.federated.rounds.PVIFactors`). Default None: 0.5
+        value from the second round on (:class:`~bnpfed.federated.rounds.PVIFactors`). Default None: 0.1
         (:data:`PVI_DAMPING`). Read by ``rule="pvi"`` only.
     """
 
