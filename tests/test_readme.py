@@ -22,7 +22,7 @@ def test_the_comment_after_available_methods_names_every_method_it_prints():
     from bnpfed.combine import available_rules
     from bnpfed.federated.methods import available_methods
 
-    line = re.search(r"print\(available_methods\(\)\)\s*#(.*?)\n(\s*#.*?\n)?", README.read_text())
+    line = re.search(r"print\(available_methods\(\)\)\s*#(.*?)\n(\s*#.*?\n)?(\s*#.*?\n)?", README.read_text())
     assert line, "the README prints available_methods() with a comment"
     comment = " ".join(g for g in line.groups() if g)
     named = set()
