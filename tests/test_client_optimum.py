@@ -17,17 +17,12 @@ from bnpfed.inference import BayesianClient, MeanFieldELBO, MeanFieldGuide
 from bnpfed.models import BayesianNetwork, EmpiricalBayesPrior, IIDPrior, mlp, only_linear_weights
 from bnpfed.seeding import seeded
 
-#: inputs 3, 4, 5 are 0 in every example: the first layer's weights from them get no likelihood gradient, so their
-#: posterior optimum is their prior.
-UNTOUCHED = slice(3, 6)
+from untouched_data import UNTOUCHED, untouched_data
 
 
 def _data(n=256, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 6, generator=g)
-    x[:, UNTOUCHED] = 0.0
-    y = (x[:, :3] @ torch.tensor([[1.0, -1.0, 0.0], [0.5, 1.0, -1.0], [-1.0, 0.0, 1.0]])).argmax(1)
-    return x, y
+    """The first layer's weights from the UNTOUCHED inputs get no likelihood gradient: their optimum is the prior."""
+    return untouched_data(n, seed)
 
 
 def _untouched(client):

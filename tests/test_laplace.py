@@ -21,18 +21,14 @@ from bnpfed.inference.permutation import client_slice, derive_spec
 from bnpfed.inference.posterior_matching import match_posteriors
 from bnpfed.models import IIDPrior, mlp, only_linear_weights
 
-pytest.importorskip("laplace")
+from untouched_data import UNTOUCHED, untouched_data
 
-#: inputs 3, 4, 5 are 0 in every example: no example's loss depends on the first layer's weights from them.
-UNTOUCHED = slice(3, 6)
+pytest.importorskip("laplace")
 
 
 def _data(n=300, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 6, generator=g)
-    x[:, UNTOUCHED] = 0.0
-    y = (x[:, :3] @ torch.tensor([[1.0, -1.0, 0.0], [0.5, 1.0, -1.0], [-1.0, 0.0, 1.0]])).argmax(1)
-    return x, y
+    """No example's loss depends on the first layer's weights from the UNTOUCHED inputs."""
+    return untouched_data(n, seed)
 
 
 def _trained(seed=0, epochs=20):
