@@ -130,11 +130,11 @@ def test_federated_evaluation_reports_the_test_splits_ece_and_brier_as_in_proces
         assert last[key] == pytest.approx(expected[key], rel=1e-9, abs=1e-12), key
     if config["method"] in ("pfnm", "fedavg"):   # deterministic: the shards together are the in-process evaluation
         # of the whole split, up to float32 round-off: a network's outputs on a shard and on the whole split come from
-        # matrix products of other sizes, which may round differently (on this project's machines by up to 1e-9 of
-        # the Brier score); the arg-max (accuracy) and the 15 bins do not move
-        for key in ("accuracy", "ece15"):
-            assert last[key] == pytest.approx(reference.history[-1].metrics[key], rel=1e-9, abs=1e-12), key
-        assert last["brier"] == pytest.approx(reference.history[-1].metrics["brier"], rel=1e-6), "brier"
+        # matrix products of other sizes, which may round differently (on this project's machines by about 1e-9 of
+        # the Brier score and of the ECE); the arg-max, and so the accuracy, does not move
+        assert last["accuracy"] == reference.history[-1].metrics["accuracy"]
+        for key in ("brier", "ece15"):
+            assert last[key] == pytest.approx(reference.history[-1].metrics[key], rel=1e-6), key
 
 
 def test_calibration_gaps_of_shards_add_up_to_the_ece_of_their_union():
