@@ -55,7 +55,7 @@ import functools
 import itertools
 import math
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -76,13 +76,14 @@ from bnpfed.federated.fusion import FedAvgFederation, FusionFederation
 from bnpfed.federated.matched_fusion import MatchedFusionFederation, bayesian_from_match
 from bnpfed.federated.partition import class_counts
 from bnpfed.federated.pfnm import PFNMFederation
+from bnpfed.federated.results import ExperimentResult, MethodResult, Selection
 from bnpfed.federated.server import clients_per_round, match_hyperparameters, pfnm_step, with_statistics
 from bnpfed.inference.batch_norm import batch_norm_order
 from bnpfed.inference.kl_fusion import kl_fusion
 from bnpfed.inference.permutation import SpecMatch, derive_spec
 from bnpfed.inference.posterior_matching import matched_rules
 from bnpfed.metrics import classification_report, count_parameters, expected_calibration_error, ood_auroc
-from bnpfed.report import json_safe, plural
+from bnpfed.report import plural
 from bnpfed.seeding import Stream, derive_seed
 from bnpfed.validation import check_choice, check_fraction, check_int, check_positives
 
@@ -192,121 +193,6 @@ class ExperimentConfig:
         check_fraction(self.holdout, "holdout", allow_one=False)
         check_int(self.ece_bins, "ece_bins", low=1)
         check_int(self.predictive_samples, "predictive_samples", low=1)
-
-
-# ------------------------------------------------------------------------------------------------ results
-
-
-@dataclass
-class MethodResult:
-    """One row of an experiment's table.
-
-    :param str method: the row's name (a method, or ``local-mean`` / ``local-min`` / ``local-max``).
-    :param float accuracy: test accuracy of the method's final global model (``nll``, ``ece``, ``brier`` likewise;
-        ECE with the experiment's ``ece_bins``).
-    :param list hidden: widths of the global model's hidden permutations (an MLP's hidden layers; a CNN's conv
-        channels, then its hidden units), :func:`network_widths`.
-    :param int parameters: its number of parameters (a Bayesian weight counts once).
-    :param int rounds: communication rounds it took.
-    :param float server_seconds: wall time of the server's aggregation (matching, fusion, averaging) summed over
-        the rounds; local training and evaluation are not included.
-    :param float mean_sigma: the mean posterior standard deviation of the Bayesian weights (NaN for deterministic
-        methods).
-    :param float ece15: the ECE with 15 bins (``ece`` has the experiment's ``ece_bins``).
-    :param float auroc_max_prob: with an out-of-distribution test set (``Experiment(ood=...)``), the AUROC of telling
-        in- from out-of-distribution inputs by the maximum predicted probability (``auroc_entropy``: by the
-        predictive entropy); NaN without one.
-    :param int width: the sum of ``hidden`` (set when the experiment ends).
-    :param list history: the metrics after every round (dicts; see :class:`~bnpfed.federated.federation.RoundRecord`).
-    :param list hyperparameters: PFNM's hyper-parameters per hidden layer of the final match, estimated or fixed
-        (:func:`~bnpfed.federated.server.match_hyperparameters`); empty for the other methods.
-    :param str note: what distinguishes the row.
-    """
-
-    method: str
-    accuracy: float
-    nll: float = math.nan
-    ece: float = math.nan
-    brier: float = math.nan
-    hidden: list = field(default_factory=list)
-    parameters: int = 0
-    rounds: int = 1
-    server_seconds: float = math.nan
-    mean_sigma: float = math.nan
-    ece15: float = math.nan
-    auroc_max_prob: float = math.nan
-    auroc_entropy: float = math.nan
-    width: int = 0
-    history: list = field(default_factory=list)
-    hyperparameters: list = field(default_factory=list)
-    note: str = ""
-
-    @classmethod
-    def from_metrics(cls, method: str, metrics: dict, **fields) -> "MethodResult":
-        """A row from a metrics dict (``accuracy``, ``nll``, ``ece``, ``brier``, e.g. ``Experiment.report(probs)``)
-        and any other fields."""
-        extra = {k: metrics[k] for k in ("ece15", "auroc_max_prob", "auroc_entropy") if k in metrics}
-        return cls(method=method, accuracy=metrics["accuracy"], nll=metrics["nll"], ece=metrics["ece"],
-                   brier=metrics["brier"], **extra, **fields)
-
-
-@dataclass
-class Selection:
-    """PFNM's hyper-parameters as :func:`select_hyperparameters` chose them.
-
-    :param PFNMConfig config: the PFNM config with the chosen ``sigma2``, ``sigma0_2``, ``gamma0``.
-    :param str by: ``"none"``, ``"federated"`` or ``"pooled-train"``.
-    :param float score: the chosen candidate's validation accuracy (NaN when nothing was selected).
-    :param list curve: every candidate's ``sigma2, sigma0_2, gamma0, hidden, validation`` (and ``test``, when a
-        test split was given).
-    :param SpecMatch match: the chosen candidate's one-shot matching (batch-norm statistics re-estimated).
-    """
-
-    config: PFNMConfig
-    by: str
-    score: float = math.nan
-    curve: list = field(default_factory=list)
-    match: Optional[SpecMatch] = field(default=None, repr=False)
-
-    def as_dict(self) -> dict:
-        return {"by": self.by, "sigma2": self.config.sigma2, "sigma0_2": self.config.sigma0_2,
-                "gamma0": self.config.gamma0, "validation_accuracy": self.score, "curve": self.curve}
-
-
-@dataclass
-class ExperimentResult:
-    """What :func:`run_experiment` produced.
-
-    Attributes: ``settings`` (every config as plain values), ``rows`` (:class:`MethodResult` s in the order run),
-    ``local_accuracies`` (each client's test accuracy, when its local model was trained), ``selection`` (PFNM's,
-    when PFNM ran), ``client_sizes``, ``warnings`` (a method that diverged or sits at chance accuracy, said
-    plainly), and, not serialised, ``local_models`` and ``class_counts``.
-    """
-
-    settings: dict
-    rows: list[MethodResult]
-    client_sizes: list[int]
-    local_accuracies: list[float] = field(default_factory=list)
-    selection: Optional[Selection] = None
-    warnings: list[str] = field(default_factory=list)
-    local_models: list = field(default_factory=list, repr=False)
-    class_counts: Optional[np.ndarray] = field(default=None, repr=False)
-    global_models: dict = field(default_factory=dict, repr=False)
-
-    def row(self, method: str) -> MethodResult:
-        """The row named ``method``."""
-        for r in self.rows:
-            if r.method == method:
-                return r
-        raise KeyError(f"no row for method {method!r}; rows: {[r.method for r in self.rows]}")
-
-    def as_dict(self) -> dict:
-        """JSON-ready (NaN becomes None): settings, rows (with their per-round histories), client sizes, local
-        accuracies, selection, warnings."""
-        return json_safe({"settings": self.settings, "rows": [asdict(r) for r in self.rows],
-                          "client_sizes": self.client_sizes, "local_accuracies": self.local_accuracies,
-                          "selection": None if self.selection is None else self.selection.as_dict(),
-                          "warnings": self.warnings})
 
 
 # ------------------------------------------------------------------------------------------------ the experiment
