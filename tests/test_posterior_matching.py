@@ -516,3 +516,5 @@ def test_pvi_refuses_what_it_cannot_run():
     net, spec, clients = _pvi_clients()
     with pytest.raises(ValueError, match="factors: expected only with rule='pvi'"):
         match_posteriors(clients, rule="conflation", template=net, factors=[None, None], **PVI_FIXED)
+    with pytest.raises(ValueError, match="prior_variance: the clients' prior of rule='pvi'"):
+        match_posteriors(clients, rule="conflation", template=net, prior_variance=2.0, **PVI_FIXED)

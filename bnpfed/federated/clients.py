@@ -183,17 +183,14 @@ def fit_bayesian(client: BayesianClient | LaplaceClient, x: Tensor, y: Tensor, t
     if torch.device(training.device).type != "cpu":
         raise ValueError(f"training.device: expected 'cpu' for the Bayesian clients' SVI (it runs on the CPU only), "
                          f"got {training.device!r}")
+    schedule = training.schedule(round)
+    common = dict(epochs=schedule.epochs, batch_size=training.batch_size, lr=schedule.lr,
+                  seed=derive_seed(seed, Stream.FIT, round, index), amsgrad=training.amsgrad)
     if isinstance(client, LaplaceClient):
         if scale_lr_factor != 1.0:
             raise ValueError(f"scale_lr_factor: a setting of the variational clients' SVI; expected 1 for a Laplace "
                              f"client, got {scale_lr_factor!r}")
-        schedule = training.schedule(round)
-        client.fit(x, y, epochs=schedule.epochs, batch_size=training.batch_size, lr=schedule.lr,
-                   seed=derive_seed(seed, Stream.FIT, round, index), amsgrad=training.amsgrad,
-                   weight_decay=training.weight_decay)
-        return float(client.losses_[-1])
-    schedule = training.schedule(round)
-    client.fit(x, y, epochs=schedule.epochs, batch_size=training.batch_size, lr=schedule.lr,
-               seed=derive_seed(seed, Stream.FIT, round, index), amsgrad=training.amsgrad,
-               scale_lr=scale_lr_factor * schedule.lr)
+        client.fit(x, y, **common, weight_decay=training.weight_decay)
+    else:
+        client.fit(x, y, **common, scale_lr=scale_lr_factor * schedule.lr)
     return float(client.losses_[-1])

@@ -326,8 +326,9 @@ class BayesianConfig:
         check_positive(self.scale_lr_factor, "scale_lr_factor")
         check_choice(self.client, CLIENT_KINDS, "client")
         if self.client == "laplace":
-            for name, default in (("prior_scale", 1.0), ("init_scale", 1e-2), ("prior_variance", "fixed"),
-                                  ("kl_weight", 1.0), ("scale_lr_factor", 1.0)):
+            defaults = {f.name: f.default for f in fields(self)}
+            for name in ("prior_scale", "init_scale", "prior_variance", "kl_weight", "scale_lr_factor"):
+                default = defaults[name]
                 if getattr(self, name) != default:
                     raise ValueError(f"{name}: a setting of the variational clients' SVI, which Laplace clients "
                                      f"(client='laplace') do not run; expected its default {default!r}, got "

@@ -75,11 +75,10 @@ def client_from_slice(template: nn.Module, locs, variances, bayesian: BayesianCo
     clients). ``prior``: ``(means, variances)`` of its Bayesian sites to be its prior instead (PVI's cavity)."""
     net = network_from_state(template, locs)
     if bayesian.client == "laplace":
-        client = posterior_client(net, bayesian)
         if as_prior:
-            return client
+            return posterior_client(net, bayesian)
         posterior = {k: GaussianPosterior(locs[k], v) for k, v in variances.items()}
-        return LaplaceClient.holding(client.net, posterior, client.prior)
+        return LaplaceClient.holding(net, posterior, bayesian.build_prior())
     client = bayesian_client(net, bayesian)
     like = {k: p.loc for k, p in client.posterior().items()}
     posterior = _posterior(locs, variances, like)
@@ -193,8 +192,7 @@ class MatchedFusionFederation(HoldsRounds, Federation):
         t0 = time.perf_counter()
         posteriors = [client_posterior(self.clients[j]) for j in sampled]
         pvi_metrics = {} if self.pvi is None else {"cavity_at_prior": self.pvi.improper}
-        pvi = {} if self.pvi is None else {"factors": self.pvi.update(sampled, posteriors),
-                                           "prior_variance": self.pvi.prior_variance}
+        pvi = {} if self.pvi is None else self.pvi.step_arguments(sampled, posteriors)
         match = matched_fusion_step(posteriors, self.class_counts[sampled], [self.sizes[j] for j in sampled],
                                     self.fusion, seed=self.seed, round=round, starts=self.rounds.warm_start(sampled),
                                     spec=self.spec, template=self.template, **pvi)

@@ -187,6 +187,12 @@ class PVIFactors:
         self.sent, self.improper = {}, 0
         return out
 
+    def step_arguments(self, clients: Sequence[int], posteriors: Sequence[tuple]) -> dict:
+        """:meth:`update` of the round's replies, as the keyword arguments of
+        :func:`~bnpfed.federated.server.matched_fusion_step` (``factors``, ``prior_variance``): what the in-process
+        federation and the Flower strategy both pass it."""
+        return {"factors": self.update(clients, posteriors), "prior_variance": self.prior_variance}
+
 
 class HoldsRounds:
     """What a server holding a :class:`MatchRounds` as ``rounds`` (None until it knows the architecture) shows of it:

@@ -776,8 +776,7 @@ class MatchedFusionStrategy(_MatchingStrategy):
     def _aggregate(self, server_round, accepted):
         clients = [a.partition_id for a in accepted]
         posteriors = [a.payload[0] for a in accepted]
-        pvi = {} if self.pvi is None else {"factors": self.pvi.update(clients, posteriors),
-                                           "prior_variance": self.pvi.prior_variance}
+        pvi = {} if self.pvi is None else self.pvi.step_arguments(clients, posteriors)
         match = matched_fusion_step(posteriors, np.stack([a.payload[1] for a in accepted]),
                                     [a.num_examples for a in accepted], self.fusion, seed=self.seed,
                                     round=server_round, starts=self.rounds.warm_start(clients), spec=self.spec,

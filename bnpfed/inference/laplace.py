@@ -227,9 +227,9 @@ def laplace_posterior(net: nn.Module, x: Tensor, y: Tensor, *, sites: list[str],
     if not torch.is_tensor(x) or x.dim() < 1 or x.shape[0] == 0:
         raise ValueError(f"x: expected a tensor of examples (n >= 1, ...), got {getattr(x, 'shape', type(x).__name__)}")
     n = int(x.shape[0])
-    with torch.no_grad():
-        Categorical().check_targets(y, n, copy.deepcopy(net).eval()(x[:1]))
     model = copy.deepcopy(net).eval()
+    with torch.no_grad():
+        Categorical().check_targets(y, n, model(x[:1]))
     params = dict(model.named_parameters())
     order = [name for name in names if name in set(sites)]
     backpack = backpack_supports(model)
@@ -251,24 +251,20 @@ def laplace_posterior(net: nn.Module, x: Tensor, y: Tensor, *, sites: list[str],
     delta = given or {name: evidence_precision(curvature[name], locs[name], name) for name in order}
     variances = {name: 1.0 / (curvature[name] + delta[name]) for name in order}
     return LaplaceFit(locs, variances, curvature, {k: float(delta[k]) for k in order},
-                      _log_evidence(la, model, included, order, delta), n)
+                      _log_evidence(float(la.log_likelihood), curvature, locs, delta), n)
 
 
-def _log_evidence(la, model: nn.Module, included: list[str], order: list[str], delta: Mapping[str, float]) -> float:
-    """laplace-torch's log marginal likelihood of the sites: with every parameter included (BackPACK), the others
-    are fixed at their values, i.e. their precision is infinite; their terms are dropped by evaluating the
-    evidence of the sites' sub-problem (the same log-likelihood, the sites' curvature and precisions)."""
-    if included == order:
-        la.prior_precision = torch.tensor([delta[name] for name in order], dtype=la.H.dtype)
-        return float(la.log_marginal_likelihood())
-    params = dict(model.named_parameters())
-    h = torch.cat([la.H.detach().double().split([params[k].numel() for k in included])[included.index(k)]
-                   for k in order])
-    theta = torch.cat([params[k].detach().double().reshape(-1) for k in order])
-    prec = torch.cat([torch.full((params[k].numel(),), float(delta[k]), dtype=torch.float64) for k in order])
-    log_det_ratio = float(torch.log(h + prec).sum() - torch.log(prec).sum())
-    scatter = float((prec * theta * theta).sum())
-    return float(la.log_likelihood) - 0.5 * (log_det_ratio + scatter)
+def _log_evidence(log_likelihood: float, curvature: Mapping[str, Tensor], locs: Mapping[str, Tensor],
+                  delta: Mapping[str, float]) -> float:
+    """Laplace's log evidence of the sites (the module docstring; laplace-torch's ``log_marginal_likelihood`` of the
+    sites alone, tested equal): ``log p(D | theta*) - 1/2 sum_s [sum_i log(1 + h_i / delta_s) + delta_s
+    ||theta*_s||^2]``. The parameters that are no site are held at their values, so they have no term (with the
+    BackPACK backend laplace-torch's own evidence would count them too)."""
+    total = 0.0
+    for k, h in curvature.items():
+        d = float(delta[k])
+        total += float(torch.log1p(h / d).sum()) + d * float(locs[k].pow(2).sum())
+    return log_likelihood - 0.5 * total
 
 
 class LaplaceClient:

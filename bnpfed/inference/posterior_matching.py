@@ -464,8 +464,9 @@ def match_posteriors(
     :param class_counts: (J, C) training examples per class at each client (class shares on the output coordinates,
         and the default ``sizes``); default all ones.
     :param spec: the :class:`~bnpfed.inference.permutation.PermutationSpec` (default derived from ``template``).
-    :param str rule: the fusion rule of :mod:`bnpfed.combine` (default ``"conflation"``), or ``"atom-posterior"``
-        (the model's own posterior of each atom: module docstring).
+    :param str rule: the fusion rule of :mod:`bnpfed.combine` (default ``"conflation"``), ``"atom-posterior"``
+        (the model's own posterior of each atom) or ``"pvi"`` (the prior times the members' factors): module
+        docstring.
     :param sizes: (J,) the clients' example counts ``n_j`` (default: ``class_counts``' row sums, or ones).
     :param input_shape: the shape of one input, to derive the spec of a convolutional network.
     :param template: a network of the clients' kind (required unless ``clients`` are BayesianClients, whose network
@@ -518,6 +519,9 @@ def match_posteriors(
         channels.update(_factor_channels(pairs, locs, factors, prior_variance))
     elif factors is not None:
         raise ValueError(f"factors: expected only with rule={PVI!r}, got rule={rule!r}")
+    elif prior_variance != 1.0:
+        raise ValueError(f"prior_variance: the clients' prior of rule={PVI!r}; expected the default 1 with "
+                         f"rule={rule!r}, got {prior_variance!r}")
     data = prepare_clients(channels, spec, class_counts)
     names, shares = spec.group_names, data.shares
     n = _sizes(sizes, class_counts, data.J)
