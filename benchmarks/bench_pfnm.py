@@ -386,7 +386,52 @@ def part_compress(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=(
                 _emit(out, key, dict(dataset=name, arch=arch, J=J, partition=partition, seed=seed, rows=rows))
 
 
-PARTS = {"reference": part_reference, "compress": part_compress, "cnn": part_cnn, "cifar": part_cifar,
+def part_size(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("iid", "dirichlet"),
+              arch: str = "lenet") -> None:
+    """The accuracy-parameters plane (issue 16): one-shot PFNM with bnpfed's defaults and then with a size asked
+    for (``max_width`` for an MLP, ``max_params`` for a CNN: fractions of the model's own size and the ensemble's),
+    on the same local models, beside the local models and the ensemble."""
+    done = _done(out)
+    for J in Js:
+        for partition in partitions:
+            for seed in seeds:
+                key = f"size/{name}/{arch}/J={J}/{partition}/seed={seed}"
+                if key in done:
+                    continue
+                configs = _configs(J, partition, seed, methods=("local", "ensemble", "pfnm"))
+                configs["network"] = replace(PFNM_NETWORK, arch=arch)
+                configs["pfnm"] = PFNMConfig()
+                experiment = Experiment(ds, **configs)
+                rows = {}
+                for method in ("local", "ensemble", "pfnm"):
+                    for r in run_method(experiment, method):
+                        rows[r.method] = dict(_row(r), parameters=r.parameters)
+                nets, counts = experiment.local_models(), experiment.class_counts
+                ensemble = rows["ensemble"]["parameters"]
+                own_params, own_width = rows["pfnm"]["parameters"], rows["pfnm"]["hidden"]
+                if arch == "mlp":
+                    limits = [("max_width", int(f * own_width[0])) for f in (0.9, 0.8, 0.7)]
+                else:
+                    limits = [("max_params", int(f * own_params)) for f in (0.8, 0.6, 0.4)]
+                    limits.append(("max_params", "ensemble"))
+                for flag, limit in limits:
+                    t0 = time.perf_counter()
+                    try:
+                        match = pfnm_step(nets, counts, PFNMConfig(**{flag: limit}), seed=seed, round=1,
+                                          input_shape=ds.input_shape, activity=experiment.activity())
+                    except ValueError as error:   # a limit below what any assignment allows
+                        rows[f"pfnm {flag}={limit}"] = dict(error=str(error))
+                        continue
+                    net = match.network()
+                    search = match.size_searches.get("parameters") or next(iter(match.size_searches.values()))
+                    rows[f"pfnm {flag}={limit}"] = dict(
+                        accuracy=_accuracy(net, ds), hidden=match.hidden_sizes, parameters=count_parameters(net),
+                        seconds=time.perf_counter() - t0, strength=search.strength, matches=len(search.trace),
+                        limit=ensemble if limit == "ensemble" else limit)
+                _emit(out, key, dict(dataset=name, arch=arch, J=J, partition=partition, seed=seed, rows=rows))
+
+
+PARTS = {"reference": part_reference, "compress": part_compress, "size": part_size, "cnn": part_cnn, "cifar": part_cifar,
          "cnn-timing": part_cnn_timing,
          "baselines": part_baselines,
          "eb": part_eb, "plane": part_plane, "width": part_width, "rounds": part_rounds, "start": part_start,
@@ -404,8 +449,8 @@ def main(argv=None):
     p.add_argument("--dataset", choices=("mnist", "fashion-mnist", "cifar10"), default="mnist",
                    help="the data (the cnn part also runs on fashion-mnist and cifar10; --data-dir must hold it: "
                         "for cifar10 torchvision's pickles or the JPEG container cifar10_jpeg.npz)")
-    p.add_argument("--arch", choices=("lenet", "simple-cnn", "simple-cnn-bn"), default="lenet",
-                   help="the cnn part's network")
+    p.add_argument("--arch", choices=("lenet", "simple-cnn", "simple-cnn-bn", "mlp"), default="lenet",
+                   help="the cnn part's network (mlp: the size part's MLP)")
     p.add_argument("--rounds", type=int, default=3, help="communication rounds of the cnn part")
     p.add_argument("--partitions", default="iid,dirichlet", help="partitions of the cnn part")
     args = p.parse_args(argv)
@@ -440,6 +485,9 @@ def main(argv=None):
         elif part == "compress":
             part_compress(ds, out, seeds, Js, name=args.dataset, partitions=tuple(args.partitions.split(",")),
                           arch=args.arch)
+        elif part == "size":
+            part_size(ds, out, seeds, Js, name=args.dataset, partitions=tuple(args.partitions.split(",")),
+                      arch=args.arch)
         elif part == "cnn-timing":
             part_cnn_timing(ds, out, name=args.dataset)
         else:

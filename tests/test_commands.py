@@ -122,6 +122,13 @@ PFNM_ONLY = [
     (["--dataset", "npz:{small_images}", "--arch", "lenet-paper"], "--arch"),
     (["--layerwise-retrain", "-1"], "--layerwise-retrain"),
     (["--layerwise-retrain", "2", "--direction", "top-down"], "--layerwise-retrain"),
+    (["--max-width", "0"], "--max-width"),
+    (["--max-width", "x"], "--max-width"),
+    (["--max-width", "10,20", "--hidden", "100"], "--max-width"),  # 2 values for 1 hidden layer: before training
+    (["--max-params", "0"], "--max-params"),
+    (["--max-params", "half"], "--max-params"),
+    (["--width-sweep", "--max-width", "50"], "--max-width"),  # the sweep shows widths: a limit is not ignored
+    (["--layerwise-retrain", "2", "--max-params", "1000"], "--max-params"),  # FedMA matches a group at a time
 ]
 FUSE_ONLY = [
     (["--rule", "foo"], "--rule"),
@@ -682,3 +689,15 @@ def test_a_record_that_breaks_the_layout_is_refused_naming_the_field(tmp_path):
             read_record(path)
     with pytest.raises(ValueError, match="results: expected command_results"):
         command_record("demo", {}, {}, {"rows": []})
+
+
+def test_pfnm_meets_a_width_asked_for_and_says_so(tmp_path, capsys):
+    """--max-width on the bundled digits: the global layer has at most that many units, and the row says what the
+    limit changed (the model's own width -> the one kept)."""
+    out = tmp_path / "r.json"
+    assert main(["pfnm", "--methods", "pfnm", "--epochs", "2", "--max-width", "95", "--no-progress",
+                 "--json", str(out)]) == 0
+    row = [r for r in json.loads(out.read_text())["results"]["runs"][0]["rows"] if r["method"] == "pfnm"][0]
+    assert row["hidden"][0] <= 95
+    assert "max_width['1'] = 95 met (" in row["note"]
+    assert any("max_width['1'] = 95" in n for n in row["hyperparameters"][0]["notes"])

@@ -34,6 +34,7 @@ from torch import Tensor
 from bnpfed.data import (CIFAR10_JPEG, DATASET_NAMES, NPZ_FORMAT, NPZ_PREFIX, Dataset, load_dataset,
                          standardize_together)
 from bnpfed.inference import TrainingDiverged
+from bnpfed.inference.size import SizeLimitError
 from bnpfed.report import plural
 from bnpfed.federated.config import PARTITION_ALIASES, PARTITIONS, PartitionConfig, TrainingConfig
 
@@ -116,6 +117,8 @@ def training_failure(error: BaseException, start: Optional[str] = None) -> str:
     why itself (and, when the first loss was already not finite, ``start``: the flags that set the starting point);
     any other error gives its type and the first line of its message."""
     text = str(error).strip()
+    if isinstance(error, SizeLimitError):   # a --max-width / --max-params the clients' networks cannot meet
+        return "--" + one_line(text, 600).replace("_", "-", 1)
     if isinstance(error, TrainingDiverged):
         if start and error.epoch == 1 and error.step == 1:
             text += f" The starting point is set by {start}."

@@ -26,7 +26,7 @@ from torch import nn
 
 from bnpfed.commands import _args
 from bnpfed.commands._args import HelpFormatter, UsageError, fail, flag_message
-from bnpfed.commands.pfnm import hyper_values
+from bnpfed.commands.pfnm import hyper_values, max_params, max_widths
 from bnpfed.federated.clients import initial_network
 from bnpfed.combine import available_rules
 from bnpfed.federated.config import ARCHITECTURES, FusionConfig, NetworkConfig, PFNMConfig, config_dict
@@ -73,6 +73,12 @@ def add_parser(sub):
     g.add_argument("--hyperparameters", choices=("empirical-bayes", "fixed"), default=d.hyperparameters,
                    help="empirical-bayes: estimate what is not given; fixed: those not given are 1")
     g.add_argument("--sweeps", type=int, metavar="N", help="at most this many sweeps per group")
+    g.add_argument("--max-width", type=max_widths, metavar="W[,W...]",
+                   help="the most global units per group (one, or one per group, 'none' for no limit there), met "
+                   "inside the model by lowering the group's IBP mass (not with --posteriors)")
+    g.add_argument("--max-params", type=max_params, metavar="N|ensemble",
+                   help="the most parameters of the global network, or 'ensemble' (no more than the clients' networks "
+                   "together), met by pricing every parameter in the prior (not with --posteriors)")
     g.add_argument("--seed", type=int, default=0, help="seed of the sweeps' client order (and of the pooling rule's "
                    "draws), >= 0")
     fusion = FusionConfig()
@@ -221,6 +227,10 @@ def prepare(args) -> dict:
     if args.seed < 0:
         raise UsageError(f"--seed: expected an integer >= 0, got {args.seed}")
     if args.posteriors:
+        for flag in ("max_width", "max_params"):
+            if getattr(args, flag) is not None:
+                raise UsageError(f"--{flag.replace('_', '-')}: expected only without --posteriors (it limits PFNM's "
+                                 f"match of deterministic networks)")
         return prepare_posteriors(args)
     given = [name for name in POSTERIOR_FLAGS if getattr(args, name) is not None]
     if given:
@@ -259,7 +269,8 @@ def prepare(args) -> dict:
     if counts is None:
         counts = estimate_class_shares(clients, spec)
     pfnm = PFNMConfig(sigma2=_one(args.sigma2), sigma0_2=_one(args.sigma0_2), gamma0=_one(args.gamma0),
-                      hyperparameters=args.hyperparameters, sweeps=args.sweeps)
+                      hyperparameters=args.hyperparameters, sweeps=args.sweeps, max_width=_one(args.max_width),
+                      max_params=args.max_params)
     return dict(clients=clients, template=template, input_shape=input_shape, spec=spec, counts=counts,
                 counts_source=source, pfnm=pfnm)
 
@@ -291,6 +302,8 @@ def run(args) -> int:
     notes = _counts_notes(plan["counts_source"])
     for group, result in match.layer_results.items():
         notes += [f"{group}: {n}" for n in getattr(result, "notes", [])]
+    if "parameters" in match.size_searches:
+        notes.append(match.size_searches["parameters"].note())
     save_global(args.out, network, method="pfnm", spec=spec, widths=match.widths,
                 hyperparameters=match.hyperparameters, class_shares=match.class_shares,
                 class_shares_estimated=plan["counts_source"] == "estimated", notes=notes)

@@ -134,6 +134,14 @@ def add_parser(sub):
                    help="units a client reports dead on its own data (0 wherever they enter the next layer): drop "
                    "leaves them out of matching (the client's network computes the same without them); keep "
                    "matches them like any other (bnpfed before 2026-12)")
+    g.add_argument("--max-width", type=max_widths, default=None, metavar="W[,W...]",
+                   help="the most global units per hidden layer (one, or one per hidden layer, 'none' for no limit "
+                   "there), met inside the model by lowering the layer's IBP mass gamma0 (never by truncating); at "
+                   "least the most units one client has there. Default: the model's own widths")
+    g.add_argument("--max-params", type=max_params, default=None, metavar="N|ensemble",
+                   help="the most parameters of the global network: a number, or 'ensemble' (no more than the "
+                   "clients' networks together), met by pricing every parameter in the prior (each layer's gamma0 "
+                   "times exp(-lambda x its unit's parameters)). Default: the model's own size")
     g.add_argument("--layerwise-retrain", type=int, metavar="EPOCHS", default=d.layerwise_retrain,
                    help="FedMA's layer-wise scheme (the fedma method, added to the default methods when > 0): match a "
                    "layer, freeze it, let the clients retrain the layers above for EPOCHS epochs, match the next "
@@ -202,6 +210,32 @@ def hyper_values(value: str) -> tuple:
     return out
 
 
+def max_widths(value: str) -> tuple:
+    """argparse type of ``--max-width``: comma-separated ints >= 1, ``none`` for a layer without a limit."""
+    items = [v.strip() for v in value.split(",")]
+    message = f"expected comma-separated ints >= 1 or 'none', e.g. 200 or none,200, got {value!r}"
+    try:
+        out = tuple(None if v.lower() == "none" else int(v) for v in items)
+    except ValueError:
+        raise argparse.ArgumentTypeError(message) from None
+    if any(v is not None and v < 1 for v in out):
+        raise argparse.ArgumentTypeError(message)
+    return out
+
+
+def max_params(value: str):
+    """argparse type of ``--max-params``: an int >= 1 or ``ensemble``."""
+    if value.strip().lower() == "ensemble":
+        return "ensemble"
+    try:
+        out = int(value)
+    except ValueError:
+        out = 0
+    if out < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1 or 'ensemble', got {value!r}")
+    return out
+
+
 def _one_or_many(values):
     """A flag's comma-separated values: None (not given: estimated), one value for every layer, or one per hidden
     layer."""
@@ -225,6 +259,10 @@ def prepare(args) -> dict:
         if args.width_sweep:
             raise UsageError("--save-global: expected only without --width-sweep (the sweep keeps no network)")
         _args.check_save_global(args.save_global)
+    for flag in ("max_width", "max_params"):
+        if args.width_sweep and getattr(args, flag) is not None:
+            raise UsageError(f"--{flag.replace('_', '-')}: expected only without --width-sweep (the sweep shows the "
+                             f"widths each sigma2 and gamma0 give)")
     if args.width_sweep and args.rounds is not None:
         raise UsageError(f"--rounds: expected only without --width-sweep (the sweep matches the first round's local "
                          f"models), got --rounds {args.rounds}")
@@ -244,7 +282,8 @@ def prepare(args) -> dict:
                       constants=args.constants, objective=args.objective, direction=args.direction,
                       sweeps=args.sweeps, warm_start=args.warm_start, fraction=args.fraction,
                       global_weights=args.global_weights, layerwise_retrain=args.layerwise_retrain,
-                      starts=args.starts, inactive=args.inactive)
+                      starts=args.starts, inactive=args.inactive, max_width=_one_or_many(args.max_width),
+                      max_params=args.max_params)
     fusion = FusionConfig(fraction=args.fraction)  # FedAvg's client sampling
     chosen = args.methods
     if chosen is None:
@@ -267,10 +306,11 @@ def prepare(args) -> dict:
 
 
 def _check_per_group(args, spec) -> None:
-    """--sigma2 / --sigma0-2 / --gamma0 with several values: one per matched group (hidden layer or conv channels),
-    checked before anything trains."""
+    """--sigma2 / --sigma0-2 / --gamma0 / --max-width with several values: one per matched group (hidden layer or
+    conv channels), checked before anything trains."""
     names = [g.name for g in spec.groups]
-    for flag, values in (("--sigma2", args.sigma2), ("--sigma0-2", args.sigma0_2), ("--gamma0", args.gamma0)):
+    for flag, values in (("--sigma2", args.sigma2), ("--sigma0-2", args.sigma0_2), ("--gamma0", args.gamma0),
+                         ("--max-width", args.max_width)):
         if values is not None and len(values) > 1 and len(values) != len(names):
             raise UsageError(f"{flag}: expected one value or one per matched group ({len(names)}: "
                              f"{', '.join(names)}), got {len(values)}")

@@ -398,6 +398,12 @@ class PFNMConfig:
         wherever they enter the next layer: dead ReLU units; :mod:`bnpfed.inference.activity`): ``"drop"`` (left out
         before matching: the client's network computes the same without them) or ``"keep"`` (matched like any
         other, bnpfed before 2026-12). Default ``"drop"``.
+    :param max_width: the most global units per hidden layer (group): an int (every group), one per group in the
+        spec's order (None: no limit), or None (default: the model's own widths). Met inside the model by lowering the
+        group's IBP mass (:mod:`bnpfed.inference.size`), never by truncating.
+    :param max_params: the most parameters of the global network: an int, ``"ensemble"`` (no more than the
+        clients' networks together: what it replaces) or None (default: the model's own size). Met by pricing every
+        parameter in the prior (each group's IBP mass times ``exp(-lambda D_g)``, :mod:`bnpfed.inference.size`).
 
     Over communication rounds each global neuron is a posterior mean, ``sum v / (m + sigma2 / sigma0_2)``: a neuron few
     clients hold comes back to them shrunk towards the prior mean. With too little retraining per round (say 2 local
@@ -420,9 +426,22 @@ class PFNMConfig:
     stop: str = "result"
     starts: str = "both"
     inactive: str = "drop"
+    max_width: Union[None, int, tuple[Optional[int], ...]] = None
+    max_params: Union[None, int, str] = None
 
     def __post_init__(self):
         check_choice(self.hyperparameters, ("empirical-bayes", "fixed"), "hyperparameters")
+        if isinstance(self.max_width, (tuple, list)):
+            if not self.max_width:
+                raise ValueError(f"max_width: expected an int, one per hidden layer, or None, got {self.max_width!r}")
+            object.__setattr__(self, "max_width", tuple(None if v is None else check_int(v, f"max_width[{i}]", low=1)
+                                                        for i, v in enumerate(self.max_width)))
+        elif self.max_width is not None:
+            check_int(self.max_width, "max_width", low=1)
+        if isinstance(self.max_params, str):
+            check_choice(self.max_params, ("ensemble",), "max_params")
+        elif self.max_params is not None:
+            check_int(self.max_params, "max_params", low=1)
         check_choice(self.constants, ("bnpfed", "reference"), "constants")
         for name in ("sigma2", "sigma0_2", "gamma0"):
             value = getattr(self, name)
@@ -455,6 +474,11 @@ class PFNMConfig:
             raise ValueError(f"starts: applies under empirical Bayes only (with fixed hyper-parameters there is one "
                              f"start, the greedy pass at the given values); got {self.starts!r} with "
                              f"{'constants=reference' if self.constants == 'reference' else 'hyperparameters=fixed'}")
+        if self.layerwise_retrain and (self.max_width is not None or self.max_params is not None):
+            flag = "max_width" if self.max_width is not None else "max_params"
+            raise ValueError(f"{flag}: applies to PFNM's whole-network match, not to FedMA's layer-wise scheme "
+                             f"(layerwise_retrain={self.layerwise_retrain} matches one group at a time); got "
+                             f"{getattr(self, flag)!r}")
         if self.layerwise_retrain and self.direction != "bottom-up":
             raise ValueError(f"layerwise_retrain: expected 0 unless direction is 'bottom-up' (FedMA's layer-wise "
                              f"scheme matches bottom-up), got {self.layerwise_retrain} with direction "
@@ -482,6 +506,10 @@ class PFNMConfig:
             kwargs["sweeps"] = self.sweeps
         if self.global_weights is not None:
             kwargs["global_weights"] = self.global_weights
+        if self.max_width is not None:
+            kwargs["max_width"] = self.max_width
+        if self.max_params is not None:
+            kwargs["max_params"] = self.max_params
         if self.constants == "reference":
             kwargs.update(REFERENCE_CONSTANTS)
         return kwargs

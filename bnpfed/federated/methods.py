@@ -538,10 +538,12 @@ def _pfnm(experiment: Experiment) -> MethodResult:
         how = "hyper-parameters given" if selection.config.fixed else "hyper-parameters by empirical Bayes"
     else:
         how = f"hyper-parameters by {selection.by}"
+    limits = "".join(f"; {s.what} = {s.limit} met ({s.own} -> {s.size})" for s in
+                     getattr(match, "size_searches", {}).values() if s.binding)
     return MethodResult.from_metrics("pfnm", experiment.evaluate_network(net), hidden=match.hidden_sizes,
                                      parameters=count_parameters(net), server_seconds=match.seconds,
                                      hyperparameters=match_hyperparameters(match),
-                                     note=f"one shot; {how}")
+                                     note=f"one shot; {how}{limits}")
 
 
 def _pfnm_federation(experiment: Experiment, layerwise_retrain: int) -> PFNMFederation:

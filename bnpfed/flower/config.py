@@ -374,6 +374,12 @@ def _coerce(value: Any, hint, key: str) -> Any:
         scalars = [a for a in options if typing.get_origin(a) is not tuple]
         if tuples and (isinstance(value, (list, tuple)) or (isinstance(value, str) and "," in value)):
             return _coerce(value, tuples[0], key)
+        if len(scalars) == 2 and str in scalars:   # Union[int, str]: a number where it reads as one, else a name
+            other = next(a for a in scalars if a is not str)
+            try:
+                return _coerce(value, other, key)
+            except ValueError:
+                return _scalar(value, str, key)
         if len(scalars) == 1:
             try:
                 return _coerce(value, scalars[0], key)

@@ -11,7 +11,8 @@ estimates alternated, from one start or two), :mod:`~bnpfed.inference.layer_inpu
 :mod:`~bnpfed.inference.network_matching` (the one network driver, ``match_by_spec``),
 :mod:`~bnpfed.inference.fedma` (one group at a time), :mod:`~bnpfed.inference.posterior_matching` (the driver with a
 fusing step), :mod:`~bnpfed.inference.batch_norm`, :mod:`~bnpfed.inference.activity` (the units a client reports
-inactive on its data, left out of matching); :mod:`~bnpfed.inference.permutation` is the public face of the spec
+inactive on its data, left out of matching), :mod:`~bnpfed.inference.size` (a width or parameter count asked for,
+met through the IBP mass); :mod:`~bnpfed.inference.permutation` is the public face of the spec
 floor. The clients: :mod:`~bnpfed.inference.svi` (variational, by SVI; deterministic), :mod:`~bnpfed.inference.laplace`
 (a trained network's diagonal Laplace posterior)."""
 
@@ -37,6 +38,7 @@ from bnpfed.inference.permutation import (
 )
 
 from bnpfed.inference.activity import drop_units, inactive_units, kept_units, unit_activity
+from bnpfed.inference.size import SizeSearch, parameter_count
 from bnpfed.inference.guides import MeanFieldGuide
 from bnpfed.inference.elbo import MeanFieldELBO
 from bnpfed.inference.svi import BayesianClient, DeterministicClient, TrainingDiverged
@@ -70,6 +72,8 @@ __all__ = [
     "inactive_units",
     "kept_units",
     "unit_activity",
+    "SizeSearch",
+    "parameter_count",
     "MeanFieldGuide",
     "MeanFieldELBO",
     "BayesianClient",

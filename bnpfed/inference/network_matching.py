@@ -13,6 +13,7 @@ order) is the spec with its groups reversed (:meth:`~bnpfed.inference.spec.Permu
 from __future__ import annotations
 
 import inspect
+import math
 import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Literal, Mapping, Sequence
@@ -26,12 +27,13 @@ from bnpfed.inference.assembly import client_slice, network_from_state, state_fr
 from bnpfed.inference.derive import derive_spec
 from bnpfed.inference.layout import VectorLayout, group_layout, layout_rows, width
 from bnpfed.inference.matching import average_atoms, averaging_weights, match_layer
+from bnpfed.inference.size import SizeLimitError, SizeSearch, fit_size, minimum_widths, parameter_count
 from bnpfed.inference.spec import PermutationSpec
-from bnpfed.validation import check_choice
+from bnpfed.validation import check_choice, check_int
 
 __all__ = ["Clients", "GroupMatch", "GroupValues", "SpecMatch", "call_matcher", "check_global_weights",
-           "check_layer_fns", "client_states", "group_values", "match_by_spec", "match_groups", "output_bias",
-           "pfnm_group", "prepare_clients", "resolve_spec", "warm_start_labels"]
+           "check_layer_fns", "check_size_limits", "client_states", "group_values", "match_by_spec", "match_gamma0",
+           "match_groups", "output_bias", "pfnm_group", "prepare_clients", "resolve_spec", "warm_start_labels"]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -53,6 +55,8 @@ class GroupMatch:
     :param dict output_bias: ``{key: (C,) tensor}`` when the group holds the output weights and the spec has an output
         bias (its class-share posterior mean), else empty.
     :param float output_bias_mu0: the prior mean that bias was shrunk towards.
+    :param SizeSearch size_search: with a ``max_width`` for the group, what meeting it took
+        (:mod:`bnpfed.inference.size`); else None.
     """
 
     group: str
@@ -64,6 +68,7 @@ class GroupMatch:
     hyperparameters: dict = field(default_factory=dict)
     output_bias: dict = field(default_factory=dict, repr=False)
     output_bias_mu0: float | None = None
+    size_search: SizeSearch | None = None
 
     @property
     def size(self) -> int:
@@ -93,6 +98,8 @@ class SpecMatch:
     :param list kept_units: with the clients' ``activity`` reports, per client and group the indices of the units
         it kept (the others were inactive on its data and left out; ``assignments`` refer to the kept ones, in
         order); None when every unit was matched.
+    :param dict size_searches: with ``max_width`` / ``max_params``, what meeting each limit took
+        (:class:`~bnpfed.inference.size.SizeSearch`), by group name and ``"parameters"``; empty without limits.
     """
 
     spec: PermutationSpec
@@ -105,6 +112,15 @@ class SpecMatch:
     hyperparameters: dict = field(default_factory=dict)
     output_bias_mu0: float | None = None
     kept_units: list | None = None
+    size_searches: dict = field(default_factory=dict)
+
+    @property
+    def parameters(self) -> int:
+        """The global network's number of parameters (the template's parameters at the matched widths; buffers
+        such as running statistics not counted)."""
+        if self.template is None:
+            raise ValueError("parameters: this match has no template network; pass template= to match_by_spec")
+        return sum(int(self.state[n].numel()) for n, _ in self.template.named_parameters())
 
     @property
     def widths(self) -> dict[str, int]:
@@ -458,6 +474,50 @@ def output_bias(clients: Clients, hypers: Mapping, values: GroupValues, combine:
     return (b_mu0 / s02 + weighted) / (1.0 / s02 + precision), b_mu0
 
 
+def check_size_limits(max_width, max_params, clients: Clients, template: nn.Module | None, states: Sequence
+                      ) -> tuple[dict[str, int | None], int | None]:
+    """``max_width`` per group (None: no limit) and ``max_params`` as a number (None: no limit; ``"ensemble"``: the
+    parameters of the clients' networks ``states`` together), checked against the smallest sizes any assignment of
+    ``clients`` (their units after any left out) allows (:func:`~bnpfed.inference.size.minimum_widths`)."""
+    spec, names = clients.spec, clients.spec.group_names
+    caps = {g: None if v is None else check_int(v, f"max_width[{g!r}]", low=1)
+            for g, v in zip(names, _per_group(max_width, names, "max_width"))}
+    floor = minimum_widths(clients.widths)
+    for g, cap in caps.items():
+        if cap is not None and cap < floor[g]:
+            j = max(range(clients.J), key=lambda i: clients.widths[i][g])
+            raise SizeLimitError(f"max_width[{g!r}]: expected at least {floor[g]} (client {j} has {floor[g]} units in "
+                             f"group {g!r}, each needing a global unit of its own), got {cap}")
+    if max_params is None:
+        return caps, None
+    if template is None:
+        raise ValueError("max_params: expected a template network (to tell its parameters from its buffers); pass "
+                         "template= with state dicts")
+    parameters = [n for n, _ in template.named_parameters()]
+    if isinstance(max_params, str):
+        if max_params != "ensemble":
+            raise ValueError(f"max_params: expected a positive int, 'ensemble' or None, got {max_params!r}")
+        limit = sum(int(s[p].numel()) for s in states for p in parameters)
+    else:
+        limit = check_int(max_params, "max_params", low=1)
+    smallest = parameter_count(spec, clients.shapes, parameters,
+                               {g: floor[g] for g in names})
+    if limit < smallest:
+        raise SizeLimitError(f"max_params: expected at least {smallest} (the parameters at the smallest widths any "
+                         f"assignment allows, {floor}), got {limit}" + (" ('ensemble')" if max_params == "ensemble"
+                                                                        else ""))
+    return caps, limit
+
+
+def match_gamma0(match: GroupMatch, arg: str) -> float:
+    """The IBP mass a group's match ran at (estimated or given), which a size limit lowers."""
+    gamma = match.hyperparameters.get("gamma0")
+    if gamma is None:
+        raise ValueError(f"{arg}: applies to a Beta-Bernoulli matcher (a layer_fn whose result has hyperparameters "
+                         f"with gamma0, such as match_layer); group {match.group!r}'s result has none")
+    return float(gamma)
+
+
 def _average_forward(clients: Clients, assignments: Mapping[str, list], sizes: Mapping[str, int]
                      ) -> dict[str, Tensor]:
     """The members' average of every group in the spec's own (bottom-up) layouts, given every group's assignment (and
@@ -493,6 +553,8 @@ def match_by_spec(
     layer_fn: Callable | Sequence[Callable] = match_layer,
     global_weights: Literal["average", "posterior-mean"] | None = None,
     activity=None,
+    max_width=None,
+    max_params=None,
     **matcher_kwargs,
 ) -> SpecMatch:
     """Match J clients' networks of one kind into one global network (PFNM's server step), group by group in the
@@ -569,6 +631,15 @@ def match_by_spec(
         out before matching (:mod:`bnpfed.inference.activity`); they join no global unit, the assignments and
         ``warm_start`` refer to each client's remaining units (in their order), and ``SpecMatch.kept_units`` says
         which they are.
+    :param max_width: the most global units a group may have: None (default: the model's own width), an int
+        (every group), one per group in the spec's order, or a mapping by group name (None: no limit). Met inside
+        the model: the group's IBP mass gamma0 is lowered until its match fits, every other hyper-parameter
+        estimated at that gamma0 (:mod:`bnpfed.inference.size`). At least the most units one client holds in the
+        group (checked before any work).
+    :param max_params: the most parameters the global network may have: None (default), an int, or ``"ensemble"``
+        (the clients' networks' parameters together: a global network no larger than what it replaces). Met by one
+        factor on every group's own gamma0 (with ``max_width`` applied inside each run). ``SpecMatch.size_searches``
+        and each limited group's result ``notes`` say what meeting a limit took.
     :param matcher_kwargs: passed to ``layer_fn`` (``objective``, ``popularity_factor``, ``start``, ...).
     :returns: :class:`SpecMatch`.
     """
@@ -584,22 +655,59 @@ def match_by_spec(
     init = warm_start_labels(warm_start, names, clients.widths)
     kept = kept_per_client(activity, spec, clients.widths)
     if kept is not None:   # slices of checked states: only the widths change
-        states = [drop_units(st, spec, k) for st, k in zip(states, kept)]
+        dropped = [drop_units(st, spec, k) for st, k in zip(states, kept)]
         if init is not None:
             init = {g: [labels[k[g]] for labels, k in zip(init[g], kept)] for g in names}
-        clients = replace(clients, channels={"value": states},
+        clients = replace(clients, channels={"value": dropped},
                           widths=[{g: int(k[g].numel()) for g in names} for k in kept])
+    caps, param_limit = check_size_limits(max_width, max_params, clients, template, states)
+    states = clients.channels["value"]
     fns = dict(zip(names, check_layer_fns(layer_fn, len(names))))
     values = group_values(names, mode, {"sigma2": sigma2, "sigma0_2": sigma0_2, "gamma0": gamma0}, mu0, bias_mu0)
     order = spec if direction == "bottom-up" else spec.reversed()
+    own_gamma0, dims = {}, {}
 
-    def step(name, layout, rows, below):
+    def group_at(name, layout, rows, below, gamma):
         c = names.index(name)
-        return pfnm_group(clients, order, name, layout, rows["value"], below, fns[name], values[name], mode=mode,
+        v = values[name] if gamma is None else replace(values[name], given={**values[name].given, "gamma0": gamma})
+        return pfnm_group(clients, order, name, layout, rows["value"], below, fns[name], v, mode=mode,
                           sweeps=sweeps, seed=None if seed is None else seed + c,
                           init=None if init is None else init[name], options=matcher_kwargs, combine=combine)
 
-    matches = match_groups(clients, order, step)
+    def steps(strength):
+        """The group step with every group's gamma0 at ``exp(-strength D_g / D_max)`` times its own (0: the model's
+        own; :mod:`bnpfed.inference.size`), and the group's ``max_width`` met inside."""
+        def step(name, layout, rows, below):
+            if strength == 0.0:
+                first = group_at(name, layout, rows, below, None)
+                dims[name] = layout.D
+                if caps[name] is not None or param_limit is not None:
+                    own_gamma0[name] = match_gamma0(first, "max_width" if caps[name] is not None else "max_params")
+            else:
+                factor = math.exp(-strength * layout.D / max(dims.values()))
+                first = group_at(name, layout, rows, below, own_gamma0[name] * factor)
+            if caps[name] is None:
+                return first
+            base = match_gamma0(first, "max_width")
+            match, search = fit_size(
+                lambda t: first if t == 0.0 else group_at(name, layout, rows, below, base * math.exp(-t)),
+                lambda m: m.size, caps[name], f"max_width[{name!r}]")
+            match.size_search = search
+            if search.binding and hasattr(match.result, "notes"):
+                match.result.notes = [*match.result.notes, search.note()]
+            return match
+        return step
+
+    searches = {}
+    if param_limit is None:
+        matches = match_groups(clients, order, steps(0.0))
+    else:
+        parameters = [n for n, _ in template.named_parameters()]
+        matches, searches["parameters"] = fit_size(
+            lambda f: match_groups(clients, order, steps(f)),
+            lambda ms: parameter_count(spec, clients.shapes, parameters, {n: m.size for n, m in ms.items()}),
+            param_limit, "max_params")
+    searches.update({n: m.size_search for n, m in matches.items() if m.size_search is not None})
     assignments = {n: matches[n].assignments for n in names}
     extra = {k: v for m in matches.values() for k, v in m.statistics.items()}
     owner = matches[order.owner(clients.output_weight)]
@@ -615,4 +723,4 @@ def match_by_spec(
                      layer_results={n: matches[n].result for n in names}, template=template,
                      seconds=time.perf_counter() - t0, class_shares=clients.shares,
                      hyperparameters={n: matches[n].hyperparameters for n in names}, output_bias_mu0=b_mu0,
-                     kept_units=kept)
+                     kept_units=kept, size_searches=searches)

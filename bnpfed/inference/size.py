@@ -1,0 +1,151 @@
+"""A global network of the size a user asks for (``max_width`` per group, ``max_params`` for the whole network), met
+inside the Beta-Bernoulli model by the IBP mass, never by truncating a result.
+
+**Why gamma0.** Under the IBP prior the number of global units is Poisson(gamma0 H_J), and in the matcher's objective
+every global unit carries ``2 log(gamma0 / J)`` (:mod:`bnpfed.inference.matcher`): the smaller gamma0, the more a
+unit of its own costs against joining the best existing one. Lowering gamma0 is therefore the model's own way to a
+smaller network: units merge where the evidence for keeping them apart is weakest, every client unit still belongs to
+exactly one global unit, and under empirical Bayes every other hyper-parameter (noise and prior variances, prior
+means) is estimated again at the lowered gamma0, so the noise model describes the merged units.
+
+**Width.** ``max_width`` of a group multiplies its own gamma0 (estimated, ``L / H_J`` at empirical Bayes' fixed
+point, or the given value) by ``exp(-t)``, with the strength ``t >= 0`` found by :func:`fit_size`.
+
+**Parameters.** A unit of group g brings ``D_g`` parameters (its incoming weights at the matched width below, its
+bias and batch-norm entries; the last group's also its output weights), so the network has ``sum_g L_g D_g``
+parameters plus the output bias. ``max_params`` puts a price on them: the prior of the global network times
+``exp(-lambda * parameters)``, which multiplies group g's gamma0 by ``exp(-lambda D_g)``. Units are then given up where
+they cost most (a fully connected layer after a Flatten, not the first convolution); one factor on every group's
+gamma0 would instead collapse the small early layers first. ``lambda = t / D_max`` (``D_max`` the largest ``D_g`` of
+the model's own match), ``t`` again found by :func:`fit_size`, every group's own ``max_width`` applied inside each run.
+
+**The search** (:func:`fit_size`): the model's own match (``t = 0``) if it fits; else the strengths in
+:data:`BRACKET` in turn until a match fits, then :data:`BISECTIONS` bisections between the last strength that did not
+fit and the first that did; the match kept is the one at the weakest strength found that fits. Size is not exactly
+monotone in ``t`` (the sweeps are a local search): the strength is the weakest *found*, not the weakest that exists.
+
+**The floor.** A client's units go to distinct global units, so no assignment has fewer global units in a group than
+the client with the most units there: :func:`minimum_widths`. Limits below that (or a ``max_params`` below the
+parameters at those widths) are refused before any matching.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Mapping, Sequence
+
+from bnpfed.inference.spec import PermutationSpec
+
+__all__ = ["BISECTIONS", "BRACKET", "SizeLimitError", "SizeSearch", "fit_size", "minimum_widths", "parameter_count"]
+
+#: Strengths ``t = -log f`` (``f`` the factor on gamma0) tried in turn until a match fits the limit.
+BRACKET = (2.0, 8.0, 32.0, 128.0, 512.0)
+#: Bisections of ``t`` between the last strength that did not fit and the first that did.
+BISECTIONS = 8
+
+
+class SizeLimitError(ValueError):
+    """A ``max_width`` / ``max_params`` no assignment can meet (below the floor), or that the matcher did not meet at
+    the strongest strength; its message starts with the argument's name."""
+
+
+@dataclass
+class SizeSearch:
+    """What meeting one size limit took.
+
+    :param str what: ``"max_width['<group>']"`` or ``"max_params"``.
+    :param int limit: the limit asked for.
+    :param int own: the size at the model's own gamma0.
+    :param int size: the size of the match kept (<= ``limit``).
+    :param float strength: ``t`` of the match kept (0: the limit did not bind): the group's gamma0 was multiplied
+        by ``exp(-t)`` (``max_width``), or every group's by ``exp(-t D_g / D_max)`` (``max_params``).
+    :param list trace: ``(t, size)`` of every match run, in order.
+    """
+
+    what: str
+    limit: int
+    own: int
+    size: int
+    strength: float
+    trace: list = field(default_factory=list)
+
+    @property
+    def binding(self) -> bool:
+        """Whether the limit changed the result (the model's own size was over it)."""
+        return self.own > self.limit
+
+    def note(self) -> str:
+        """One line: what the limit cost."""
+        if not self.binding:
+            return f"{self.what} = {self.limit}: not binding (the model's own size is {self.own})"
+        return (f"{self.what} = {self.limit}: strength {self.strength:.4g} ({len(self.trace)} matches run) gives "
+                f"{self.size} against the model's own {self.own}")
+
+
+def minimum_widths(widths: Sequence[Mapping[str, int]]) -> dict[str, int]:
+    """Per group, the smallest global width any assignment allows: the most units one client holds there."""
+    groups = list(widths[0]) if widths else []
+    return {g: max(int(w[g]) for w in widths) for g in groups}
+
+
+def parameter_count(spec: PermutationSpec, shapes: Mapping[str, Sequence[int]], parameters: Iterable[str],
+                    widths: Mapping[str, int]) -> int:
+    """The number of parameters of a network of the spec's kind at the given global widths: every entry of
+    ``parameters`` (names of the network's parameters, not its buffers) with its shape from ``shapes`` (any one
+    client's state) and every axis a group acts on at ``widths[group] * block``.
+
+    >>> from bnpfed.inference import derive_spec
+    >>> from bnpfed.models import mlp
+    >>> net = mlp(4, [3], 2)
+    >>> shapes = {k: tuple(v.shape) for k, v in net.state_dict().items()}
+    >>> parameter_count(derive_spec(net, (4,)), shapes, [n for n, _ in net.named_parameters()], {"1": 10})
+    72
+    >>> 4 * 10 + 10 + 10 * 2 + 2    # W1, b1, W2, b2 at 10 hidden units
+    72
+    """
+    names = spec.group_names
+    total = 0
+    for p in parameters:
+        shape = list(shapes[p])
+        for c, axis in spec.axes_of(p):
+            shape[axis.dim] = int(widths[names[c]]) * axis.block
+        total += math.prod(shape)
+    return total
+
+
+def fit_size(run: Callable[[float], object], size_of: Callable[[object], int], limit: int, what: str
+             ) -> tuple[object, SizeSearch]:
+    """The result of ``run(t)`` at the smallest strength ``t >= 0`` found whose ``size_of`` is at most ``limit``
+    (the module docstring's search; ``t`` is ``-log f``, the factor on gamma0), and the :class:`SizeSearch` that
+    says what it took. ``run(0.0)`` is the model's own match, returned as it is when it fits."""
+    best = run(0.0)
+    own = best_size = int(size_of(best))
+    trace = [(0.0, own)]
+    if own <= limit:
+        return best, SizeSearch(what, limit, own, own, 0.0, trace)
+    weak, strong = 0.0, None   # strengths known over the limit / known within it
+    for t in BRACKET:
+        result = run(t)
+        size = int(size_of(result))
+        trace.append((t, size))
+        if size <= limit:
+            best, best_size, strong = result, size, t
+            break
+        weak = t
+    if strong is None:
+        raise SizeLimitError(f"{what}: expected a limit the matcher can meet, got {limit}: at strength {BRACKET[-1]:g} "
+                         f"(gamma0 times exp(-{BRACKET[-1]:g})) the match still has {trace[-1][1]} (the model's own: "
+                         f"{own}); the clients' units are too far apart to merge into fewer")
+    for _ in range(BISECTIONS):
+        if best_size == limit:
+            break
+        mid = 0.5 * (weak + strong)
+        result = run(mid)
+        size = int(size_of(result))
+        trace.append((mid, size))
+        if size <= limit:
+            best, best_size, strong = result, size, mid
+        else:
+            weak = mid
+    return best, SizeSearch(what, limit, own, best_size, strong, trace)

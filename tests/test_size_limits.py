@@ -1,0 +1,232 @@
+"""A global network of the size a user asks for (bnpfed.inference.size): ``max_width`` and ``max_params`` met inside
+the Beta-Bernoulli model, by the IBP mass, never by truncating; the result is the model's own match at the lowered
+gamma0, and what the limit cost is said."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from bnpfed.federated.config import PFNMConfig
+from bnpfed.inference import derive_spec, match_by_spec
+from bnpfed.inference.size import BISECTIONS, BRACKET, fit_size, minimum_widths, parameter_count
+from bnpfed.metrics import count_parameters
+from bnpfed.models import mlp
+
+J, D_IN, C = 4, 8, 3
+
+
+def federation(hidden=(20,), pool=50, noise=0.05, seed=0):
+    """J MLPs whose first hidden layer holds ``hidden[0]`` of ``pool`` shared units each (a random subset, plus
+    noise): the model's own global width is far above one client's, so a limit between the two binds."""
+    g = torch.Generator().manual_seed(seed)
+    w_pool, b_pool = torch.randn(pool, D_IN, generator=g), 0.1 * torch.randn(pool, generator=g)
+    nets = []
+    for _ in range(J):
+        net = mlp(D_IN, list(hidden), C)
+        linears = [m for m in net if isinstance(m, nn.Linear)]
+        pick = torch.randperm(pool, generator=g)[:hidden[0]]
+        with torch.no_grad():
+            linears[0].weight.copy_(w_pool[pick] + noise * torch.randn(hidden[0], D_IN, generator=g))
+            linears[0].bias.copy_(b_pool[pick])
+            for layer in linears[1:]:
+                layer.weight.copy_(0.3 * torch.randn(layer.weight.shape, generator=g))
+                layer.bias.zero_()
+        nets.append(net)
+    return nets
+
+
+def valid_assignment(match, nets):
+    """Every client unit belongs to exactly one global unit: no unit dropped, none of a client's two in one."""
+    for group, labels in match.assignments.items():
+        for j, ids in enumerate(labels):
+            assert len(set(ids.tolist())) == ids.numel()
+            assert int(ids.max()) < match.widths[group]
+    return True
+
+
+def test_max_width_is_met_by_the_ibp_mass_and_the_result_is_the_model_at_that_mass():
+    nets = federation()
+    own = match_by_spec(nets, seed=0)
+    assert own.widths["1"] > 30   # the model's own width is over the limit below
+    capped = match_by_spec(nets, seed=0, max_width=30)
+    assert capped.widths["1"] <= 30 and valid_assignment(capped, nets)
+    search = capped.size_searches["1"]
+    assert search.binding and search.own == own.widths["1"] and search.size == capped.widths["1"]
+    gamma_own, gamma = own.hyperparameters["1"]["gamma0"], capped.hyperparameters["1"]["gamma0"]
+    assert gamma == pytest.approx(gamma_own * math.exp(-search.strength), rel=1e-12)
+    assert any("max_width['1'] = 30" in n for n in capped.layer_results["1"].notes)
+    # independent: the same model with that gamma0 given (the other hyper-parameters estimated) is the same match
+    direct = match_by_spec(nets, seed=0, gamma0=gamma)
+    assert direct.widths == capped.widths
+    for a, b in zip(direct.assignments["1"], capped.assignments["1"]):
+        assert torch.equal(a, b)
+    # not truncation: the limited network's units are unions of the model's own (its members' averages)
+    assert capped.parameters == count_parameters(capped.network())
+
+
+def test_a_weaker_search_step_stays_over_the_limit():
+    """The strength kept is the weakest found that fits: the strongest one tried that did not fit is weaker, and its
+    match is over the limit."""
+    nets = federation()
+    search = match_by_spec(nets, seed=0, max_width=30).size_searches["1"]
+    over = [t for t, size in search.trace if size > 30]
+    assert over and max(over) < search.strength
+    assert all(size <= 30 for t, size in search.trace if t >= search.strength)
+
+
+def test_limits_that_do_not_bind_change_nothing():
+    nets = federation(hidden=(20, 6))
+    own = match_by_spec(nets, seed=0)
+    for kwargs in (dict(max_width=1000), dict(max_width=[None, 500]), dict(max_params=10 ** 9),
+                   dict(max_params=own.parameters), dict(max_width=own.widths)):
+        limited = match_by_spec(nets, seed=0, **kwargs)
+        assert limited.widths == own.widths
+        for key, value in own.state.items():
+            assert torch.equal(value, limited.state[key]), (kwargs, key)
+        assert all(not s.binding for s in limited.size_searches.values())
+
+
+def test_max_params_prices_every_unit_by_its_parameters():
+    """max_params multiplies group g's gamma0 by exp(-lambda D_g), D_g the parameters a unit of g brings (incoming
+    weights at the matched width below, bias; the last group's output weights too): checked per group against the
+    model's own gamma0, with D_g counted here by hand."""
+    nets = federation(hidden=(20, 12))
+    own = match_by_spec(nets, seed=0)
+    ensemble = sum(count_parameters(n) for n in nets)
+    assert own.parameters > 0.8 * ensemble
+    limit = int(0.8 * ensemble)
+    limited = match_by_spec(nets, seed=0, max_params=limit)
+    assert limited.parameters <= limit and limited.parameters == count_parameters(limited.network())
+    assert valid_assignment(limited, nets)
+    t = limited.size_searches["parameters"].strength
+    assert t > 0
+    w1 = limited.widths["1"]
+    dims = {"1": D_IN + 1, "3": w1 + 1 + C}                 # at the model's own match: D_3 at its own width below
+    own_dims = {"1": D_IN + 1, "3": own.widths["1"] + 1 + C}
+    d_max = max(own_dims.values())
+    for g in ("1", "3"):
+        expected = own.hyperparameters[g]["gamma0"] * math.exp(-t * dims[g] / d_max)
+        assert limited.hyperparameters[g]["gamma0"] == pytest.approx(expected, rel=1e-12), g
+
+
+def test_ensemble_limit_is_the_clients_parameters_together():
+    nets = federation(hidden=(20, 12))
+    ensemble = sum(count_parameters(n) for n in nets)
+    a = match_by_spec(nets, seed=0, max_params="ensemble")
+    b = match_by_spec(nets, seed=0, max_params=ensemble)
+    assert a.size_searches["parameters"].limit == ensemble and a.widths == b.widths
+
+
+def test_parameter_count_of_a_conv_net_is_the_built_networks():
+    def net(c1, c2, h):
+        return nn.Sequential(nn.Conv2d(1, c1, 3), nn.BatchNorm2d(c1), nn.ReLU(), nn.MaxPool2d(2),
+                             nn.Conv2d(c1, c2, 3), nn.ReLU(), nn.Flatten(), nn.Linear(c2 * 2 * 2, h), nn.ReLU(),
+                             nn.Linear(h, 5))
+    small = net(3, 4, 6)
+    spec = derive_spec(small, (1, 10, 10))
+    shapes = {k: tuple(v.shape) for k, v in small.state_dict().items()}
+    names = [n for n, _ in small.named_parameters()]
+    for widths in ((3, 4, 6), (7, 2, 11), (1, 9, 30)):
+        by_group = dict(zip(spec.group_names, widths))
+        assert parameter_count(spec, shapes, names, by_group) == count_parameters(net(*widths))
+
+
+def test_limits_below_what_any_assignment_allows_are_refused_before_matching():
+    nets = federation(hidden=(20, 12))
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("matched before the limits were checked")
+
+    with pytest.raises(ValueError, match=r"max_width\['1'\]: expected at least 20 \(client 0 has 20 units"):
+        match_by_spec(nets, seed=0, max_width=19, layer_fn=no_work)
+    floor = parameter_count(derive_spec(nets[0], (D_IN,)), {k: tuple(v.shape) for k, v in nets[0].state_dict().items()},
+                            [n for n, _ in nets[0].named_parameters()], {"1": 20, "3": 12})
+    with pytest.raises(ValueError, match=rf"max_params: expected at least {floor} "):
+        match_by_spec(nets, seed=0, max_params=floor - 1, layer_fn=no_work)
+    for bad, message in ((0, "max_width\\['1'\\]: expected an int >= 1"), (2.5, "max_width\\['1'\\]: expected")):
+        with pytest.raises(ValueError, match=message):
+            match_by_spec(nets, seed=0, max_width=bad, layer_fn=no_work)
+    with pytest.raises(ValueError, match="max_params: expected a positive int, 'ensemble' or None, got 'big'"):
+        match_by_spec(nets, seed=0, max_params="big", layer_fn=no_work)
+    with pytest.raises(ValueError, match="max_width: expected a scalar, one value per group"):
+        match_by_spec(nets, seed=0, max_width=[30], layer_fn=no_work)
+    spec = derive_spec(nets[0], (D_IN,))
+    with pytest.raises(ValueError, match="max_params: expected a template network"):
+        match_by_spec([n.state_dict() for n in nets], spec=spec, seed=0, max_params=10 ** 6, layer_fn=no_work)
+    assert minimum_widths([{"a": 3, "b": 5}, {"a": 4, "b": 1}]) == {"a": 4, "b": 5}
+
+
+def test_a_matcher_without_an_ibp_mass_cannot_take_a_limit():
+    from bnpfed.federated.baselines import kmeans_layer
+    nets = federation()
+    with pytest.raises(ValueError, match="max_width: applies to a Beta-Bernoulli matcher"):
+        match_by_spec(nets, seed=0, max_width=30, layer_fn=kmeans_layer(25))
+
+
+def test_fit_size_keeps_the_weakest_strength_found_that_fits():
+    def size(t):
+        return int(100 * math.exp(-t / 50))
+
+    result, search = fit_size(lambda t: t, size, 40, "limit")
+    assert size(result) <= 40 and search.size == size(result) and search.strength == result
+    assert search.trace[0] == (0.0, 100) and search.own == 100 and search.binding
+    weaker = [t for t, s in search.trace if s > 40]
+    assert size(max(weaker)) > 40
+    assert search.size == 40 or result - max(weaker) <= (BRACKET[3] - BRACKET[2]) / 2 ** BISECTIONS
+    result, search = fit_size(lambda t: t, lambda t: int(1000 * math.exp(-t / 50)) // 7, 40, "limit")
+    gap = result - max(t for t, s in search.trace if s > 40)
+    assert search.size == 40 or gap <= (BRACKET[3] - BRACKET[2]) / 2 ** BISECTIONS
+    with pytest.raises(ValueError, match="limit: expected a limit the matcher can meet, got 0"):
+        fit_size(lambda t: t, lambda t: 5, 0, "limit")
+    result, search = fit_size(lambda t: t, size, 100, "limit")
+    assert result == 0.0 and not search.binding and "not binding" in search.note()
+
+
+def test_pfnm_config_checks_and_passes_the_limits():
+    assert PFNMConfig(max_width=(None, 30)).matcher_kwargs()["max_width"] == (None, 30)
+    assert PFNMConfig(max_params="ensemble").matcher_kwargs()["max_params"] == "ensemble"
+    assert "max_width" not in PFNMConfig().matcher_kwargs()
+    with pytest.raises(ValueError, match=r"max_width\[1\]: expected an int >= 1"):
+        PFNMConfig(max_width=(30, 0))
+    with pytest.raises(ValueError, match="max_params: expected one of"):
+        PFNMConfig(max_params="half")
+    with pytest.raises(ValueError, match="max_params: applies to PFNM's whole-network match, not to FedMA"):
+        PFNMConfig(max_params=1000, layerwise_retrain=2)
+
+
+def test_flower_run_config_reads_the_limits():
+    from bnpfed.flower.config import parse_run_config
+    assert parse_run_config({"max-params": "ensemble"}).pfnm.max_params == "ensemble"
+    assert parse_run_config({"max-params": 5000}).pfnm.max_params == 5000
+    assert parse_run_config({"max-params": "5000"}).pfnm.max_params == 5000
+    assert parse_run_config({"max-width": "none,30"}).pfnm.max_width == (None, 30)
+    with pytest.raises(ValueError, match="max-params: expected one of"):
+        parse_run_config({"max-params": "half"})
+
+
+def test_lenet_limited_to_its_ensembles_size_on_digits():
+    """A trained conv net federation (LeNet on the bundled digits): max_params='ensemble' gives a global network
+    no larger than the clients' together, every unit assigned."""
+    from bnpfed.data import load_dataset
+    from bnpfed.federated.clients import train_network
+    from bnpfed.federated.config import TrainingConfig
+    from bnpfed.models.networks import LeNet
+    ds = load_dataset("digits")
+    torch.manual_seed(0)
+    x, y = ds.x_train.reshape(-1, 1, 8, 8), ds.y_train
+    nets = []
+    for j in range(3):
+        torch.manual_seed(j)
+        net = LeNet(in_channels=1, image_size=8, num_classes=10, conv1_padding=2)
+        idx = torch.arange(j, len(y), 3)
+        nets.append(train_network(net, x[idx], y[idx], TrainingConfig(epochs=3, batch_size=32, lr=0.01), seed=0,
+                                  round=1, client=j))
+    ensemble = sum(count_parameters(n) for n in nets)
+    own = match_by_spec(nets, input_shape=(1, 8, 8), seed=0)
+    limit = min(ensemble, int(0.7 * own.parameters))
+    limited = match_by_spec(nets, input_shape=(1, 8, 8), seed=0, max_params=limit)
+    assert limited.parameters <= limit < own.parameters and valid_assignment(limited, nets)
+    assert np.isfinite(limited.network()(x[:4]).detach().numpy()).all()
