@@ -11,7 +11,7 @@ from torch import nn
 
 from bnpfed.federated.config import PFNMConfig
 from bnpfed.inference import derive_spec, match_by_spec
-from bnpfed.inference.size import BISECTIONS, BRACKET, fit_size, minimum_widths, parameter_count
+from bnpfed.inference.size import BISECTIONS, BRACKET, fit_size, minimum_widths, parameter_count, unit_cost
 from bnpfed.metrics import count_parameters
 from bnpfed.models import mlp
 
@@ -90,9 +90,10 @@ def test_limits_that_do_not_bind_change_nothing():
 
 
 def test_max_params_prices_every_unit_by_its_parameters():
-    """max_params multiplies group g's gamma0 by exp(-lambda D_g), D_g the parameters a unit of g brings (incoming
-    weights at the matched width below, bias; the last group's output weights too): checked per group against the
-    model's own gamma0, with D_g counted here by hand."""
+    """max_params multiplies group g's gamma0 by exp(-lambda c_g), c_g the parameters one more unit of g adds (its
+    incoming weights at the matched width below, its bias, its columns in the next layer at the model's own width
+    there; the last group's output weights): checked per group against the model's own gamma0, with c_g counted here
+    by hand."""
     nets = federation(hidden=(20, 12))
     own = match_by_spec(nets, seed=0)
     ensemble = sum(count_parameters(n) for n in nets)
@@ -103,13 +104,27 @@ def test_max_params_prices_every_unit_by_its_parameters():
     assert valid_assignment(limited, nets)
     t = limited.size_searches["parameters"].strength
     assert t > 0
-    w1 = limited.widths["1"]
-    dims = {"1": D_IN + 1, "3": w1 + 1 + C}                 # at the model's own match: D_3 at its own width below
-    own_dims = {"1": D_IN + 1, "3": own.widths["1"] + 1 + C}
-    d_max = max(own_dims.values())
+    w1, w2 = own.widths["1"], own.widths["3"]
+    costs = {"1": D_IN + 1 + w2, "3": limited.widths["1"] + 1 + C}   # below: this run's width; above: the own
+    c_max = max(D_IN + 1 + w2, w1 + 1 + C)
     for g in ("1", "3"):
-        expected = own.hyperparameters[g]["gamma0"] * math.exp(-t * dims[g] / d_max)
+        expected = own.hyperparameters[g]["gamma0"] * math.exp(-t * costs[g] / c_max)
         assert limited.hyperparameters[g]["gamma0"] == pytest.approx(expected, rel=1e-12), g
+
+
+def test_unit_cost_is_the_parameter_counts_difference_for_a_conv_channel_before_a_flatten():
+    """A conv channel feeding a Linear through a Flatten costs its own filter and bias plus block x (next width)
+    columns: counted by building the two networks."""
+    def net(c, h):
+        return nn.Sequential(nn.Conv2d(1, c, 3), nn.ReLU(), nn.Flatten(), nn.Linear(c * 4 * 4, h), nn.ReLU(),
+                             nn.Linear(h, 5))
+    base = net(3, 7)
+    spec = derive_spec(base, (1, 6, 6))
+    shapes = {k: tuple(v.shape) for k, v in base.state_dict().items()}
+    names = [n for n, _ in base.named_parameters()]
+    conv, fc = spec.group_names
+    assert unit_cost(spec, shapes, names, {conv: 3, fc: 7}, conv) == count_parameters(net(4, 7)) - count_parameters(
+        net(3, 7)) == 9 + 1 + 16 * 7
 
 
 def test_ensemble_limit_is_the_clients_parameters_together():
@@ -230,3 +245,19 @@ def test_lenet_limited_to_its_ensembles_size_on_digits():
     limited = match_by_spec(nets, input_shape=(1, 8, 8), seed=0, max_params=limit)
     assert limited.parameters <= limit < own.parameters and valid_assignment(limited, nets)
     assert np.isfinite(limited.network()(x[:4]).detach().numpy()).all()
+
+
+def test_fedma_matches_one_group_within_its_max_width():
+    """FedMA's one-group step takes the group's max_width as match_by_spec does (the same search: its match equals
+    match_by_spec's for the first group)."""
+    from bnpfed.inference import match_group
+    nets = federation(hidden=(20, 12))
+    spec = derive_spec(nets[0], (D_IN,))
+    whole = match_by_spec(nets, seed=0, max_width=[30, None])
+    first = match_group(nets, spec, "1", seed=0, max_width=[30, None])
+    assert first.size == whole.widths["1"] <= 30 and first.size_search.binding
+    for a, b in zip(first.assignments, whole.assignments["1"]):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match=r"max_width\['1'\]: expected at least 20"):
+        match_group(nets, spec, "1", seed=0, max_width=10)
+    assert PFNMConfig(layerwise_retrain=2, max_width=(30, None)).matcher_kwargs()["max_width"] == (30, None)

@@ -8,6 +8,7 @@ matched ones frozen (:mod:`bnpfed.federated.pfnm`)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable, Literal, Mapping, Sequence
 
 import torch
@@ -15,9 +16,9 @@ from torch import Tensor
 
 from bnpfed.inference.layout import reindex
 from bnpfed.inference.matching import match_layer
-from bnpfed.inference.network_matching import (GroupMatch, check_global_weights, client_states, group_values,
-                                               match_groups, output_bias, pfnm_group, prepare_clients,
-                                               warm_start_labels)
+from bnpfed.inference.network_matching import (GroupMatch, check_global_weights, check_size_limits, client_states,
+                                               group_values, limit_width, match_groups, output_bias, pfnm_group,
+                                               prepare_clients, warm_start_labels)
 from bnpfed.inference.spec import PermutationSpec
 from bnpfed.validation import check_choice
 
@@ -42,6 +43,7 @@ def match_group(
     init_assignments=None,
     layer_fn: Callable = match_layer,
     global_weights: Literal["average", "posterior-mean"] | None = None,
+    max_width=None,
     **matcher_kwargs,
 ) -> GroupMatch:
     """Match one group of J clients' networks: :func:`match_by_spec`'s step for that group, on its own. FedMA's
@@ -79,6 +81,9 @@ def match_group(
     :param int seed: the seed of this group's sweeps.
     :param init_assignments: J label arrays to start the matching from (a warm start), or None.
     :param layer_fn: the one-group matcher.
+    :param max_width: the most global units of the group (as :func:`match_by_spec`'s: one value, one per group, or a
+        mapping by name; this group's is used), met by lowering its IBP mass (:mod:`bnpfed.inference.size`); at least
+        the most units one client holds in it. None: the model's own width.
     :returns: :class:`GroupMatch`.
     """
     mode = check_choice(hyperparameters, ("empirical-bayes", "fixed"), "hyperparameters")
@@ -124,9 +129,14 @@ def match_group(
     values = group_values(names, mode, {"sigma2": sigma2, "sigma0_2": sigma0_2, "gamma0": gamma0}, mu0,
                           bias_mu0)[group]
 
+    cap = check_size_limits(max_width, None, clients, None, states, groups=[group])[0][group]
+
     def step(name, layout, rows, below_):
-        return pfnm_group(clients, spec, name, layout, rows["value"], below_, layer_fn, values, mode=mode,
-                          sweeps=sweeps, seed=seed, init=init, options=matcher_kwargs, combine=combine)
+        def at(gamma):
+            v = values if gamma is None else replace(values, given={**values.given, "gamma0": gamma})
+            return pfnm_group(clients, spec, name, layout, rows["value"], below_, layer_fn, v, mode=mode,
+                              sweeps=sweeps, seed=seed, init=init, options=matcher_kwargs, combine=combine)
+        return limit_width(at(None), at, cap)
 
     match = match_groups(clients, spec, step, below=resolved, groups=[group])[group]
     if clients.output_bias is not None and spec.owner(clients.output_weight) == group:

@@ -27,12 +27,14 @@ from bnpfed.inference.assembly import client_slice, network_from_state, state_fr
 from bnpfed.inference.derive import derive_spec
 from bnpfed.inference.layout import VectorLayout, group_layout, layout_rows, width
 from bnpfed.inference.matching import average_atoms, averaging_weights, match_layer
-from bnpfed.inference.size import SizeLimitError, SizeSearch, fit_size, minimum_widths, parameter_count
+from bnpfed.inference.size import (SizeLimitError, SizeSearch, fit_size, minimum_widths, parameter_count,
+                                   unit_cost)
 from bnpfed.inference.spec import PermutationSpec
 from bnpfed.validation import check_choice, check_int
 
 __all__ = ["Clients", "GroupMatch", "GroupValues", "SpecMatch", "call_matcher", "check_global_weights",
-           "check_layer_fns", "check_size_limits", "client_states", "group_values", "match_by_spec", "match_gamma0",
+           "check_layer_fns", "check_size_limits", "client_states", "group_values", "limit_width", "match_by_spec",
+           "match_gamma0",
            "match_groups", "output_bias", "pfnm_group", "prepare_clients", "resolve_spec", "warm_start_labels"]
 
 
@@ -474,17 +476,18 @@ def output_bias(clients: Clients, hypers: Mapping, values: GroupValues, combine:
     return (b_mu0 / s02 + weighted) / (1.0 / s02 + precision), b_mu0
 
 
-def check_size_limits(max_width, max_params, clients: Clients, template: nn.Module | None, states: Sequence
-                      ) -> tuple[dict[str, int | None], int | None]:
+def check_size_limits(max_width, max_params, clients: Clients, template: nn.Module | None, states: Sequence, *,
+                      groups: Sequence[str] | None = None) -> tuple[dict[str, int | None], int | None]:
     """``max_width`` per group (None: no limit) and ``max_params`` as a number (None: no limit; ``"ensemble"``: the
     parameters of the clients' networks ``states`` together), checked against the smallest sizes any assignment of
-    ``clients`` (their units after any left out) allows (:func:`~bnpfed.inference.size.minimum_widths`)."""
+    ``clients`` (their units after any left out) allows (:func:`~bnpfed.inference.size.minimum_widths`); the widths
+    only of ``groups`` when given (the ones about to be matched)."""
     spec, names = clients.spec, clients.spec.group_names
     caps = {g: None if v is None else check_int(v, f"max_width[{g!r}]", low=1)
             for g, v in zip(names, _per_group(max_width, names, "max_width"))}
     floor = minimum_widths(clients.widths)
     for g, cap in caps.items():
-        if cap is not None and cap < floor[g]:
+        if cap is not None and cap < floor[g] and (groups is None or g in groups):
             j = max(range(clients.J), key=lambda i: clients.widths[i][g])
             raise SizeLimitError(f"max_width[{g!r}]: expected at least {floor[g]} (client {j} has {floor[g]} units in "
                              f"group {g!r}, each needing a global unit of its own), got {cap}")
@@ -507,6 +510,21 @@ def check_size_limits(max_width, max_params, clients: Clients, template: nn.Modu
                          f"assignment allows, {floor}), got {limit}" + (" ('ensemble')" if max_params == "ensemble"
                                                                         else ""))
     return caps, limit
+
+
+def limit_width(first: GroupMatch, rerun: Callable[[float], GroupMatch], cap: int | None) -> GroupMatch:
+    """``first`` (a group's match at its own gamma0) if ``cap`` is None or it fits; else the match ``rerun(gamma0)``
+    at the largest gamma0 below its own found to fit ``cap`` (:func:`~bnpfed.inference.size.fit_size`), with its
+    ``size_search`` set and the search's note added to its result's notes."""
+    if cap is None:
+        return first
+    base = match_gamma0(first, "max_width")
+    match, search = fit_size(lambda t: first if t == 0.0 else rerun(base * math.exp(-t)), lambda m: m.size, cap,
+                             f"max_width[{first.group!r}]")
+    match.size_search = search
+    if search.binding and hasattr(match.result, "notes"):
+        match.result.notes = [*match.result.notes, search.note()]
+    return match
 
 
 def match_gamma0(match: GroupMatch, arg: str) -> float:
@@ -665,7 +683,8 @@ def match_by_spec(
     fns = dict(zip(names, check_layer_fns(layer_fn, len(names))))
     values = group_values(names, mode, {"sigma2": sigma2, "sigma0_2": sigma0_2, "gamma0": gamma0}, mu0, bias_mu0)
     order = spec if direction == "bottom-up" else spec.reversed()
-    own_gamma0, dims = {}, {}
+    own_gamma0, own_widths = {}, {}
+    parameters = [n for n, _ in template.named_parameters()] if param_limit is not None else []
 
     def group_at(name, layout, rows, below, gamma):
         c = names.index(name)
@@ -674,27 +693,24 @@ def match_by_spec(
                           sweeps=sweeps, seed=None if seed is None else seed + c,
                           init=None if init is None else init[name], options=matcher_kwargs, combine=combine)
 
+    def cost(name, widths):
+        return unit_cost(spec, clients.shapes, parameters, widths, name)
+
     def steps(strength):
-        """The group step with every group's gamma0 at ``exp(-strength D_g / D_max)`` times its own (0: the model's
-        own; :mod:`bnpfed.inference.size`), and the group's ``max_width`` met inside."""
+        """The group step with every group's gamma0 at ``exp(-strength c_g / c_max)`` times its own (0: the model's
+        own; ``c_g`` a unit's parameters, :mod:`bnpfed.inference.size`), and the group's ``max_width`` met inside."""
         def step(name, layout, rows, below):
             if strength == 0.0:
                 first = group_at(name, layout, rows, below, None)
-                dims[name] = layout.D
                 if caps[name] is not None or param_limit is not None:
                     own_gamma0[name] = match_gamma0(first, "max_width" if caps[name] is not None else "max_params")
             else:
-                factor = math.exp(-strength * layout.D / max(dims.values()))
-                first = group_at(name, layout, rows, below, own_gamma0[name] * factor)
-            if caps[name] is None:
-                return first
-            base = match_gamma0(first, "max_width")
-            match, search = fit_size(
-                lambda t: first if t == 0.0 else group_at(name, layout, rows, below, base * math.exp(-t)),
-                lambda m: m.size, caps[name], f"max_width[{name!r}]")
-            match.size_search = search
-            if search.binding and hasattr(match.result, "notes"):
-                match.result.notes = [*match.result.notes, search.note()]
+                c_max = max(cost(g, own_widths) for g in names)
+                c = cost(name, {**own_widths, **{h: size for h, (_, size) in below.items()}})
+                first = group_at(name, layout, rows, below, own_gamma0[name] * math.exp(-strength * c / c_max))
+            match = limit_width(first, lambda gamma: group_at(name, layout, rows, below, gamma), caps[name])
+            if strength == 0.0:
+                own_widths[name] = match.size
             return match
         return step
 
@@ -702,7 +718,6 @@ def match_by_spec(
     if param_limit is None:
         matches = match_groups(clients, order, steps(0.0))
     else:
-        parameters = [n for n, _ in template.named_parameters()]
         matches, searches["parameters"] = fit_size(
             lambda f: match_groups(clients, order, steps(f)),
             lambda ms: parameter_count(spec, clients.shapes, parameters, {n: m.size for n, m in ms.items()}),
