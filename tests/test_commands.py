@@ -128,7 +128,6 @@ PFNM_ONLY = [
     (["--max-params", "0"], "--max-params"),
     (["--max-params", "half"], "--max-params"),
     (["--width-sweep", "--max-width", "50"], "--max-width"),  # the sweep shows widths: a limit is not ignored
-    (["--layerwise-retrain", "2", "--max-params", "1000"], "--max-params"),  # FedMA matches a group at a time
 ]
 FUSE_ONLY = [
     (["--rule", "foo"], "--rule"),

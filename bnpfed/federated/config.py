@@ -404,7 +404,8 @@ class PFNMConfig:
     :param max_params: the most parameters of the global network: an int, ``"ensemble"`` (no more than the
         clients' networks together: what it replaces) or None (default: the model's own size). Met by pricing every
         parameter in the prior (each group's IBP mass times ``exp(-lambda c_g)``, ``c_g`` the parameters one of its
-        units adds: :mod:`bnpfed.inference.size`).
+        units adds: :mod:`bnpfed.inference.size`). FedMA's layer-wise scheme, which matches one group at a time,
+        splits it into a ``max_width`` per group first (:func:`~bnpfed.federated.server.fedma_width_limits`).
 
     Over communication rounds each global neuron is a posterior mean, ``sum v / (m + sigma2 / sigma0_2)``: a neuron few
     clients hold comes back to them shrunk towards the prior mean. With too little retraining per round (say 2 local
@@ -475,10 +476,6 @@ class PFNMConfig:
             raise ValueError(f"starts: applies under empirical Bayes only (with fixed hyper-parameters there is one "
                              f"start, the greedy pass at the given values); got {self.starts!r} with "
                              f"{'constants=reference' if self.constants == 'reference' else 'hyperparameters=fixed'}")
-        if self.layerwise_retrain and self.max_params is not None:
-            raise ValueError(f"max_params: applies to PFNM's whole-network match, not to FedMA's layer-wise scheme "
-                             f"(layerwise_retrain={self.layerwise_retrain} matches one group at a time: give "
-                             f"max_width per group); got {self.max_params!r}")
         if self.layerwise_retrain and self.direction != "bottom-up":
             raise ValueError(f"layerwise_retrain: expected 0 unless direction is 'bottom-up' (FedMA's layer-wise "
                              f"scheme matches bottom-up), got {self.layerwise_retrain} with direction "

@@ -56,7 +56,8 @@ from bnpfed.federated.config import NetworkConfig, PFNMConfig, TrainingConfig
 from bnpfed.federated.federation import Federation, reestimate_statistics
 from bnpfed.federated.partition import class_counts
 from bnpfed.federated.rounds import Architecture, HoldsRounds, MatchRounds
-from bnpfed.federated.server import drop_inactive, fedma_group_step, matched_parameters, pfnm_step, with_statistics
+from bnpfed.federated.server import (drop_inactive, fedma_group_step, fedma_width_limits, matched_parameters, pfnm_step,
+                                     with_statistics)
 from bnpfed.inference.permutation import SpecMatch, align_to_group
 from bnpfed.metrics import count_parameters
 
@@ -134,9 +135,12 @@ class PFNMFederation(HoldsRounds, Federation):
             activity = [unit_activity_step(net, self.client_data[j][0], self.dataset.input_shape,
                                            self.training.batch_size) for net, j in zip(nets, sampled)]
         if self.pfnm.layerwise_retrain:
+            names = {n for n, _ in self.template.named_parameters()}
+            ensemble = sum(int(v.numel()) for s in states for k, v in s.items() if k in names)
             if activity is not None:
                 states, starts = drop_inactive(states, self.spec, activity, starts)
-            match, seconds = self._layerwise(round, sampled, states, starts)
+            config = fedma_width_limits(self.pfnm, self.spec, self.template, states, ensemble)
+            match, seconds = self._layerwise(round, sampled, states, starts, config)
         else:
             t0 = time.perf_counter()
             match = pfnm_step(states, self.class_counts[sampled], self.pfnm, seed=self.seed, round=round,
@@ -149,15 +153,17 @@ class PFNMFederation(HoldsRounds, Federation):
         self._net = match.network().eval()
         return [], {**self.rounds.summary(), "parameters": count_parameters(self._net), "server_seconds": seconds}
 
-    def _layerwise(self, round: int, sampled: list[int], states: list[dict], starts) -> tuple[SpecMatch, float]:
-        """FedMA's round: group by group, match, align every client to it, re-estimate its batch norm, retrain the
-        layers above (see the module docstring)."""
+    def _layerwise(self, round: int, sampled: list[int], states: list[dict], starts, config: PFNMConfig
+                   ) -> tuple[SpecMatch, float]:
+        """FedMA's round: group by group, match (with ``config``: ``max_params`` already split into widths by
+        :func:`~bnpfed.federated.server.fedma_width_limits`), align every client to it, re-estimate its batch norm,
+        retrain the layers above (see the module docstring)."""
         spec, names = self.spec, self.spec.group_names
         counts = self.class_counts[sampled]
         matches, seconds = {}, 0.0
         for c, group in enumerate(names):
             t0 = time.perf_counter()
-            match = fedma_group_step(states, counts, self.pfnm, spec=spec, group=group, seed=self.seed,
+            match = fedma_group_step(states, counts, config, spec=spec, group=group, seed=self.seed,
                                      round=round, starts=starts)
             states = [align_to_group(s, spec, match, k) for k, s in enumerate(states)]
             seconds += time.perf_counter() - t0
@@ -177,7 +183,9 @@ class PFNMFederation(HoldsRounds, Federation):
         return SpecMatch(spec=spec, state=states[0], assignments={g: m.assignments for g, m in matches.items()},
                          layer_results={g: m.result for g, m in matches.items()}, template=self.template,
                          seconds=seconds, hyperparameters={g: m.hyperparameters for g, m in matches.items()},
-                         output_bias_mu0=last.output_bias_mu0), seconds
+                         output_bias_mu0=last.output_bias_mu0,
+                         size_searches={g: m.size_search for g, m in matches.items() if m.size_search is not None}
+                         ), seconds
 
     @torch.no_grad()
     def predict_proba(self, x: Tensor) -> Tensor:

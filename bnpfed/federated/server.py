@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Optional, Sequence
 
 import torch
@@ -47,6 +47,7 @@ from bnpfed.inference.layout import width
 from bnpfed.inference.permutation import (BatchNormMoments, GroupMatch, PermutationSpec, SpecMatch,
                                           batch_norm_statistics, match_by_spec, match_group)
 from bnpfed.inference.posterior_matching import MIN_VARIANCE, PVI, match_posteriors
+from bnpfed.inference.size import proportional_widths
 from bnpfed.posterior import GaussianPosterior
 from bnpfed.seeding import Stream, derive_seed, numpy_rng, torch_generator
 from bnpfed.validation import check_choice, check_fraction, check_int
@@ -60,6 +61,7 @@ __all__ = [
     "client_weights",
     "clients_per_round",
     "drop_inactive",
+    "fedma_width_limits",
     "fedma_group_step",
     "floor_variances",
     "fuse_posteriors",
@@ -414,6 +416,29 @@ def fedma_group_step(client_states: Sequence[Mapping[str, Tensor]], class_counts
     return match_group(list(client_states), spec, group, class_counts,
                        seed=derive_seed(seed, Stream.MATCH, round) + c,
                        init_assignments=None if init is None else init[group], **kwargs)
+
+
+def fedma_width_limits(config: PFNMConfig, spec: PermutationSpec, template: nn.Module,
+                       client_states: Sequence[Mapping[str, Tensor]], ensemble: int) -> PFNMConfig:
+    """The config FedMA's group steps run with: ``config.max_params`` turned into a ``max_width`` per group (FedMA
+    matches one group at a time, before the widths above it are known): ``floor(k m_g)``, ``m_g`` the most units one
+    client holds in group g, at the largest k whose network fits the budget
+    (:func:`~bnpfed.inference.size.proportional_widths`), each the smaller of that and ``config.max_width``'s for the
+    group. ``ensemble``: the clients' networks' parameters together (``max_params="ensemble"``). ``config`` itself
+    when it has no ``max_params``."""
+    if config.max_params is None:
+        return config
+    names = spec.group_names
+    limit = ensemble if config.max_params == "ensemble" else int(config.max_params)
+    widths = [{g.name: width(s, g, f"client_states[{j}]") for g in spec.groups} for j, s in enumerate(client_states)]
+    shapes = {k: tuple(v.shape) for k, v in client_states[0].items()}
+    budget = proportional_widths(spec, shapes, [n for n, _ in template.named_parameters()], widths, limit)
+    given = config.max_width if isinstance(config.max_width, tuple) else (config.max_width,) * len(names)
+    if len(given) != len(names):
+        raise ValueError(f"max_width: expected one value or one per matched group ({len(names)}), got {len(given)}")
+    caps = tuple(b if c is None else c if b is None else min(b, c)
+                 for b, c in zip((None,) * len(names) if budget is None else (budget[g] for g in names), given))
+    return replace(config, max_width=caps if any(c is not None for c in caps) else None, max_params=None)
 
 
 def matched_parameters(spec: PermutationSpec, groups: Sequence[str]) -> list[str]:

@@ -41,7 +41,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 from bnpfed.inference.spec import PermutationSpec
 
 __all__ = ["BISECTIONS", "BRACKET", "SizeLimitError", "SizeSearch", "fit_size", "minimum_widths", "parameter_count",
-           "unit_cost"]
+           "proportional_widths", "unit_cost"]
 
 #: Strengths ``t = -log f`` (``f`` the factor on gamma0) tried in turn until a match fits the limit.
 BRACKET = (2.0, 8.0, 32.0, 128.0, 512.0)
@@ -134,6 +134,44 @@ def unit_cost(spec: PermutationSpec, shapes: Mapping[str, Sequence[int]], parame
     """
     more = {**widths, group: int(widths[group]) + 1}
     return parameter_count(spec, shapes, parameters, more) - parameter_count(spec, shapes, parameters, widths)
+
+
+def proportional_widths(spec: PermutationSpec, shapes: Mapping[str, Sequence[int]], parameters: Iterable[str],
+                        widths: Sequence[Mapping[str, int]], limit: int, *, what: str = "max_params"
+                        ) -> dict[str, int] | None:
+    """Per group a width limit ``floor(k * m_g)`` (``m_g`` the most units one client holds in group g:
+    :func:`minimum_widths`) at the largest ``k >= 1`` whose network has at most ``limit`` parameters (bisection to
+    ``1e-6`` in k): a parameter budget split over groups that are matched one at a time, as FedMA's are, before the
+    widths above are known. None when even ``k = J`` (every client's units apart) fits.
+
+    >>> from bnpfed.inference import derive_spec
+    >>> from bnpfed.models import mlp
+    >>> net = mlp(4, [3, 5], 2)
+    >>> shapes = {k: tuple(v.shape) for k, v in net.state_dict().items()}
+    >>> names = [n for n, _ in net.named_parameters()]
+    >>> proportional_widths(derive_spec(net, (4,)), shapes, names, [{"1": 3, "3": 5}] * 4, 120)
+    {'1': 5, '3': 9}
+    >>> (4 * 5 + 5) + (5 * 9 + 9) + (9 * 2 + 2), (4 * 6 + 6) + (6 * 10 + 10) + (10 * 2 + 2)   # k = 2 would not fit
+    (99, 122)
+    """
+    parameters = list(parameters)
+    floor = minimum_widths(widths)
+
+    def count(k):
+        return parameter_count(spec, shapes, parameters, {g: max(m, math.floor(k * m)) for g, m in floor.items()})
+
+    smallest = count(1.0)
+    if limit < smallest:
+        raise SizeLimitError(f"{what}: expected at least {smallest} (the parameters at the smallest widths any "
+                             f"assignment allows, {floor}), got {limit}")
+    hi = float(len(widths))
+    if count(hi) <= limit:
+        return None
+    lo = 1.0
+    while hi - lo > 1e-6:
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if count(mid) <= limit else (lo, mid)
+    return {g: max(m, math.floor(lo * m)) for g, m in floor.items()}
 
 
 def fit_size(run: Callable[[float], object], size_of: Callable[[object], int], limit: int, what: str
