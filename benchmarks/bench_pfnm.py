@@ -390,7 +390,8 @@ def part_size(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("iid
               arch: str = "lenet") -> None:
     """The accuracy-parameters plane (issue 16): one-shot PFNM with bnpfed's defaults and then with a size asked
     for (``max_width`` for an MLP, ``max_params`` for a CNN: fractions of the model's own size and the ensemble's),
-    on the same local models, beside the local models and the ensemble."""
+    and for a CNN FedMA's layer-wise scheme (2 epochs a group) without a limit, at the ensemble's size and at half of
+    it, all on the same local models, beside the local models and the ensemble."""
     done = _done(out)
     for J in Js:
         for partition in partitions:
@@ -428,6 +429,19 @@ def part_size(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("iid
                         accuracy=_accuracy(net, ds), hidden=match.hidden_sizes, parameters=count_parameters(net),
                         seconds=time.perf_counter() - t0, strength=search.strength, matches=len(search.trace),
                         limit=ensemble if limit == "ensemble" else limit)
+                if arch != "mlp":   # FedMA layer-wise (2 epochs a group), one round, from the same local models
+                    for limit in (None, "ensemble", ensemble // 2):
+                        t0 = time.perf_counter()
+                        fed = PFNMFederation(experiment.dataset, experiment.parts, network=experiment.network,
+                                             training=experiment.training,
+                                             pfnm=PFNMConfig(layerwise_retrain=2, max_params=limit), seed=seed,
+                                             initial_models=nets)
+                        fed.run_round()
+                        net = fed.match.network()
+                        rows["fedma" if limit is None else f"fedma max_params={limit}"] = dict(
+                            accuracy=_accuracy(net, ds), hidden=fed.match.hidden_sizes,
+                            parameters=count_parameters(net), seconds=time.perf_counter() - t0,
+                            limit=None if limit is None else ensemble if limit == "ensemble" else limit)
                 _emit(out, key, dict(dataset=name, arch=arch, J=J, partition=partition, seed=seed, rows=rows))
 
 

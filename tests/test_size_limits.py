@@ -11,7 +11,7 @@ from torch import nn
 
 from bnpfed.federated.config import PFNMConfig
 from bnpfed.inference import derive_spec, match_by_spec
-from bnpfed.inference.size import BISECTIONS, BRACKET, fit_size, minimum_widths, parameter_count, unit_cost
+from bnpfed.inference.size import BISECTIONS, BRACKET, fit_size, minimum_widths, parameter_count
 from bnpfed.metrics import count_parameters
 from bnpfed.models import mlp
 
@@ -90,10 +90,10 @@ def test_limits_that_do_not_bind_change_nothing():
 
 
 def test_max_params_prices_every_unit_by_its_parameters():
-    """max_params multiplies group g's gamma0 by exp(-lambda c_g), c_g the parameters one more unit of g adds (its
-    incoming weights at the matched width below, its bias, its columns in the next layer at the model's own width
-    there; the last group's output weights): checked per group against the model's own gamma0, with c_g counted here
-    by hand."""
+    """max_params multiplies group g's gamma0 by exp(-lambda D_g), D_g the parameters a unit of g owns (incoming
+    weights at the matched width below, bias; the last group's output weights too): checked per group against the
+    model's own gamma0, with D_g counted here by hand; and sum_g L_g D_g + the output bias is the network's count (the
+    price on the units is the price on the parameters)."""
     nets = federation(hidden=(20, 12))
     own = match_by_spec(nets, seed=0)
     ensemble = sum(count_parameters(n) for n in nets)
@@ -104,27 +104,13 @@ def test_max_params_prices_every_unit_by_its_parameters():
     assert valid_assignment(limited, nets)
     t = limited.size_searches["parameters"].strength
     assert t > 0
-    w1, w2 = own.widths["1"], own.widths["3"]
-    costs = {"1": D_IN + 1 + w2, "3": limited.widths["1"] + 1 + C}   # below: this run's width; above: the own
-    c_max = max(D_IN + 1 + w2, w1 + 1 + C)
+    w1, w2 = limited.widths["1"], limited.widths["3"]
+    dims = {"1": D_IN + 1, "3": w1 + 1 + C}                 # D_3 at this run's width below
+    assert w1 * dims["1"] + w2 * dims["3"] + C == limited.parameters
+    d_max = max(D_IN + 1, own.widths["1"] + 1 + C)           # at the model's own match
     for g in ("1", "3"):
-        expected = own.hyperparameters[g]["gamma0"] * math.exp(-t * costs[g] / c_max)
+        expected = own.hyperparameters[g]["gamma0"] * math.exp(-t * dims[g] / d_max)
         assert limited.hyperparameters[g]["gamma0"] == pytest.approx(expected, rel=1e-12), g
-
-
-def test_unit_cost_is_the_parameter_counts_difference_for_a_conv_channel_before_a_flatten():
-    """A conv channel feeding a Linear through a Flatten costs its own filter and bias plus block x (next width)
-    columns: counted by building the two networks."""
-    def net(c, h):
-        return nn.Sequential(nn.Conv2d(1, c, 3), nn.ReLU(), nn.Flatten(), nn.Linear(c * 4 * 4, h), nn.ReLU(),
-                             nn.Linear(h, 5))
-    base = net(3, 7)
-    spec = derive_spec(base, (1, 6, 6))
-    shapes = {k: tuple(v.shape) for k, v in base.state_dict().items()}
-    names = [n for n, _ in base.named_parameters()]
-    conv, fc = spec.group_names
-    assert unit_cost(spec, shapes, names, {conv: 3, fc: 7}, conv) == count_parameters(net(4, 7)) - count_parameters(
-        net(3, 7)) == 9 + 1 + 16 * 7
 
 
 def test_ensemble_limit_is_the_clients_parameters_together():

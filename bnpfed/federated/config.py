@@ -403,8 +403,8 @@ class PFNMConfig:
         group's IBP mass (:mod:`bnpfed.inference.size`), never by truncating.
     :param max_params: the most parameters of the global network: an int, ``"ensemble"`` (no more than the
         clients' networks together: what it replaces) or None (default: the model's own size). Met by pricing every
-        parameter in the prior (each group's IBP mass times ``exp(-lambda c_g)``, ``c_g`` the parameters one of its
-        units adds: :mod:`bnpfed.inference.size`). FedMA's layer-wise scheme, which matches one group at a time,
+        parameter in the prior (each group's IBP mass times ``exp(-lambda D_g)``, ``D_g`` the parameters one of its
+        units owns: :mod:`bnpfed.inference.size`). FedMA's layer-wise scheme, which matches one group at a time,
         splits it into a ``max_width`` per group first (:func:`~bnpfed.federated.server.fedma_width_limits`).
 
     Over communication rounds each global neuron is a posterior mean, ``sum v / (m + sigma2 / sigma0_2)``: a neuron few

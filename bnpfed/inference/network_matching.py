@@ -27,8 +27,7 @@ from bnpfed.inference.assembly import client_slice, network_from_state, state_fr
 from bnpfed.inference.derive import derive_spec
 from bnpfed.inference.layout import VectorLayout, group_layout, layout_rows, width
 from bnpfed.inference.matching import average_atoms, averaging_weights, match_layer
-from bnpfed.inference.size import (SizeLimitError, SizeSearch, fit_size, minimum_widths, parameter_count,
-                                   unit_cost)
+from bnpfed.inference.size import SizeLimitError, SizeSearch, fit_size, minimum_widths, parameter_count
 from bnpfed.inference.spec import PermutationSpec
 from bnpfed.validation import check_choice, check_int
 
@@ -683,8 +682,7 @@ def match_by_spec(
     fns = dict(zip(names, check_layer_fns(layer_fn, len(names))))
     values = group_values(names, mode, {"sigma2": sigma2, "sigma0_2": sigma0_2, "gamma0": gamma0}, mu0, bias_mu0)
     order = spec if direction == "bottom-up" else spec.reversed()
-    own_gamma0, own_widths = {}, {}
-    parameters = [n for n, _ in template.named_parameters()] if param_limit is not None else []
+    own_gamma0, dims = {}, {}
 
     def group_at(name, layout, rows, below, gamma):
         c = names.index(name)
@@ -693,31 +691,27 @@ def match_by_spec(
                           sweeps=sweeps, seed=None if seed is None else seed + c,
                           init=None if init is None else init[name], options=matcher_kwargs, combine=combine)
 
-    def cost(name, widths):
-        return unit_cost(spec, clients.shapes, parameters, widths, name)
-
     def steps(strength):
-        """The group step with every group's gamma0 at ``exp(-strength c_g / c_max)`` times its own (0: the model's
-        own; ``c_g`` a unit's parameters, :mod:`bnpfed.inference.size`), and the group's ``max_width`` met inside."""
+        """The group step with every group's gamma0 at ``exp(-strength D_g / D_max)`` times its own (0: the model's
+        own; ``D_g`` the parameters a unit of the group owns, :mod:`bnpfed.inference.size`), and the group's
+        ``max_width`` met inside."""
         def step(name, layout, rows, below):
             if strength == 0.0:
                 first = group_at(name, layout, rows, below, None)
+                dims[name] = layout.D
                 if caps[name] is not None or param_limit is not None:
                     own_gamma0[name] = match_gamma0(first, "max_width" if caps[name] is not None else "max_params")
             else:
-                c_max = max(cost(g, own_widths) for g in names)
-                c = cost(name, {**own_widths, **{h: size for h, (_, size) in below.items()}})
-                first = group_at(name, layout, rows, below, own_gamma0[name] * math.exp(-strength * c / c_max))
-            match = limit_width(first, lambda gamma: group_at(name, layout, rows, below, gamma), caps[name])
-            if strength == 0.0:
-                own_widths[name] = match.size
-            return match
+                factor = math.exp(-strength * layout.D / max(dims.values()))
+                first = group_at(name, layout, rows, below, own_gamma0[name] * factor)
+            return limit_width(first, lambda gamma: group_at(name, layout, rows, below, gamma), caps[name])
         return step
 
     searches = {}
     if param_limit is None:
         matches = match_groups(clients, order, steps(0.0))
     else:
+        parameters = [n for n, _ in template.named_parameters()]
         matches, searches["parameters"] = fit_size(
             lambda f: match_groups(clients, order, steps(f)),
             lambda ms: parameter_count(spec, clients.shapes, parameters, {n: m.size for n, m in ms.items()}),

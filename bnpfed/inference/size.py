@@ -11,16 +11,16 @@ means) is estimated again at the lowered gamma0, so the noise model describes th
 **Width.** ``max_width`` of a group multiplies its own gamma0 (estimated, ``L / H_J`` at empirical Bayes' fixed
 point, or the given value) by ``exp(-t)``, with the strength ``t >= 0`` found by :func:`fit_size`.
 
-**Parameters.** The network's parameter count is linear in each group's width; one more unit of group g adds
-``c_g`` parameters (:func:`unit_cost`: its incoming weights, bias and batch-norm entries, and its columns in the layers
-it feeds -- for a channel before a Flatten, ``block`` columns of every unit of the next layer). ``max_params`` puts a
-price on parameters: the prior of the global network times ``exp(-lambda * parameters)``, which multiplies group g's
-gamma0 by ``exp(-lambda c_g)``. ``c_g`` is taken at the widths matched below g in the same run and at the model's own
-widths above it (not matched yet), and ``lambda = t / c_max`` (``c_max`` the largest ``c_g`` at the model's own
-widths), ``t`` found by :func:`fit_size`, every group's own ``max_width`` applied inside each run. Units are then
-given up where they cost most: a conv channel feeding a wide fully connected layer costs that layer's width times
-its block, so conv channels merge first, and the layer after the Flatten can then merge too (its units read the same
-channels); one factor on every group's gamma0 would instead collapse the small early layers first.
+**Parameters.** Every parameter of the network belongs to exactly one group's unit vectors (the group that matches
+it: a unit's incoming weights at the matched width below, its bias and batch-norm entries; the last group's also its
+output weights), so a network of widths ``L_g`` has ``sum_g L_g D_g`` parameters plus the output bias, ``D_g`` the
+length of group g's unit vectors. ``max_params`` puts a price on parameters: the prior of the global network times
+``exp(-lambda * parameters)``, which factorises over the groups as they are matched: group g's gamma0 times
+``exp(-lambda D_g)``, exact given the groups below it (``D_g`` at their matched widths). ``lambda = t / D_max``
+(``D_max`` the largest ``D_g`` of the model's own match), ``t`` found by :func:`fit_size`, every group's own
+``max_width`` applied inside each run. Units are given up where they cost most (a fully connected layer after a
+Flatten, not the first convolution); one factor on every group's gamma0 would instead collapse the small early layers
+first (measured: benchmarks/README.md).
 
 **The search** (:func:`fit_size`): the model's own match (``t = 0``) if it fits; else the strengths in
 :data:`BRACKET` in turn until a match fits, then :data:`BISECTIONS` bisections between the last strength that did not
@@ -41,7 +41,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 from bnpfed.inference.spec import PermutationSpec
 
 __all__ = ["BISECTIONS", "BRACKET", "SizeLimitError", "SizeSearch", "fit_size", "minimum_widths", "parameter_count",
-           "proportional_widths", "unit_cost"]
+           "proportional_widths"]
 
 #: Strengths ``t = -log f`` (``f`` the factor on gamma0) tried in turn until a match fits the limit.
 BRACKET = (2.0, 8.0, 32.0, 128.0, 512.0)
@@ -63,7 +63,7 @@ class SizeSearch:
     :param int own: the size at the model's own gamma0.
     :param int size: the size of the match kept (<= ``limit``).
     :param float strength: ``t`` of the match kept (0: the limit did not bind): the group's gamma0 was multiplied
-        by ``exp(-t)`` (``max_width``), or every group's by ``exp(-t c_g / c_max)`` (``max_params``).
+        by ``exp(-t)`` (``max_width``), or every group's by ``exp(-t D_g / D_max)`` (``max_params``).
     :param list trace: ``(t, size)`` of every match run, in order.
     """
 
@@ -116,24 +116,6 @@ def parameter_count(spec: PermutationSpec, shapes: Mapping[str, Sequence[int]], 
             shape[axis.dim] = int(widths[names[c]]) * axis.block
         total += math.prod(shape)
     return total
-
-
-def unit_cost(spec: PermutationSpec, shapes: Mapping[str, Sequence[int]], parameters: Iterable[str],
-              widths: Mapping[str, int], group: str) -> int:
-    """The parameters one more unit of ``group`` adds to a network at ``widths`` (:func:`parameter_count` is linear
-    in each group's width, so this is its exact derivative): the unit's own (incoming weights, bias, batch-norm
-    entries) and its columns in the layers it feeds (a channel's ``block`` columns of each unit of the next group).
-
-    >>> from bnpfed.inference import derive_spec
-    >>> from bnpfed.models import mlp
-    >>> net = mlp(4, [3, 5], 2)
-    >>> shapes = {k: tuple(v.shape) for k, v in net.state_dict().items()}
-    >>> names = [n for n, _ in net.named_parameters()]
-    >>> unit_cost(derive_spec(net, (4,)), shapes, names, {"1": 10, "3": 7}, "1")   # 4 in, 1 bias, 7 out
-    12
-    """
-    more = {**widths, group: int(widths[group]) + 1}
-    return parameter_count(spec, shapes, parameters, more) - parameter_count(spec, shapes, parameters, widths)
 
 
 def proportional_widths(spec: PermutationSpec, shapes: Mapping[str, Sequence[int]], parameters: Iterable[str],
