@@ -59,11 +59,15 @@ def test_the_fraction_cases_sample_different_clients_in_the_two_rounds():
 # ------------------------------------------------------------------------------------------------ in process
 
 
-@pytest.mark.parametrize("extra", [{}, FRACTION], ids=["all-clients", "fraction-0.67"])
+@pytest.mark.parametrize("extra", [{}, FRACTION, {"max-width": "20"}],
+                         ids=["all-clients", "fraction-0.67", "max-width-20"])
 def test_pfnm_on_flower_is_the_in_process_federation_bit_for_bit(extra):
     config = {**PFNM, **extra}
     result = run_federation(LocalGrid(client_app, CLIENTS), config)
     assert_same_as_in_process(result, config)
+    if "max-width" in extra:   # the limit binds (the model's own width is over it) and holds in every round
+        assert all(r["hidden"][0] <= 20 for r in result.history)
+        assert max(in_process({**PFNM, "rounds": 1}).match.hidden_sizes) > 20
     if not extra:  # the warm start matters here: a cold-started second round gives another network
         cold = global_arrays(in_process({**config, "warm-start": False}))
         assert not all(k in result.arrays and np.array_equal(result.arrays[k], v) for k, v in cold.items())
