@@ -244,3 +244,21 @@ def test_bad_model_arguments_raise():
         beta_bernoulli_layer(2, 3, gamma0=1.0, sigma2=1.0, atom_prior=dist.Normal(torch.zeros(4), 1.0))
     with pytest.raises(ValueError, match="mu0"):
         beta_bernoulli_layer(2, 3, gamma0=1.0, sigma2=1.0, mu0=torch.zeros(4))
+
+
+def test_a_price_per_parameter_is_the_same_program_at_a_lower_ibp_mass(float64):
+    """The size prior of bnpfed.inference.size: p(Z, V) exp(-lambda L D) is the program at gamma0 exp(-lambda D),
+    up to a constant free of the configuration (checked on layers of different atom counts, through Pyro's trace
+    density)."""
+    gamma0, lam, D = 4.0, 0.3, 6
+    kw = dict(sigma2=0.2, sigma0_2=1.0)
+    offsets = []
+    for seed in range(4):
+        layer = sample_federated_layer(5, D, seed=seed, gamma0=gamma0, **kw)
+        priced = log_joint(layer, gamma0=gamma0, **kw).item() - lam * layer.num_atoms * D
+        lowered = log_joint(layer, gamma0=gamma0 * math.exp(-lam * D), **kw).item()
+        offsets.append((layer.num_atoms, lowered - priced))
+    assert len({n for n, _ in offsets}) > 1                     # the layers differ in their number of atoms
+    constant = gamma0 * (1 - math.exp(-lam * D)) * sum(1 / k for k in range(1, 6))   # (gamma0 - gamma0') H_J
+    for _, offset in offsets:
+        assert offset == pytest.approx(constant, rel=1e-9)

@@ -26,6 +26,12 @@ variances alone understate. Without ``neuron_variance`` this is the
 homoscedastic model above (u = 0). The density of the ``u_j`` sites does not depend on the assignment or the atoms,
 so it is a constant of any matching objective.
 
+**A size prior.** A network of L atoms of D coordinates each holds L D parameters; multiplying the IBP prior by
+``exp(-lambda L D)`` (a price of lambda nats per parameter) gives ``gamma0^L exp(-lambda L D) = (gamma0 e^{-lambda
+D})^L`` times terms free of L, i.e. this same program with mass ``gamma0 exp(-lambda D)`` (and a constant). So a
+global network of a size asked for (``max_width``, ``max_params`` of :func:`~bnpfed.inference.match_by_spec`) is
+this model at a lower mass, ``gamma0 exp(-t)``, found by :mod:`bnpfed.inference.size`; one program serves both.
+
 A client may use no atom at all (its number of atoms is Poisson(gamma0) marginally, so with probability
 ``exp(-gamma0)``): it then has no neurons, an empty assignment and no ``perm_j`` / ``v_j`` sites, and it still counts
 in J -- the later clients' ``m_i / j`` and ``gamma0 / j`` count it, and so do the densities below.
