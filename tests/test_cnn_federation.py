@@ -189,16 +189,16 @@ def test_every_cnn_is_matched_on_every_image_shape(arch, input_shape):
 
 @pytest.mark.parametrize("limit", ["ensemble", 25000])
 def test_fedma_meets_a_parameter_budget_split_into_widths(digits, parts, limit):
-    """FedMA matches one group at a time, so max_params becomes a max_width per group before the first
-    (fedma_width_limits: k times a client's width, the largest k that fits); the global network is within the
-    budget, every group at most its width limit."""
+    """FedMA matches one group at a time, so max_params becomes a max_width per group before each (fedma_width_limits:
+    k times a client's width, the largest k that fits with the groups below at their matched widths); the global
+    network is within the budget, every group at most its width limit."""
     from bnpfed.federated.server import fedma_width_limits
     fed = federation(digits, parts, "lenet", pfnm=PFNMConfig(layerwise_retrain=1, max_params=limit))
     record = fed.run_round()
     client = initial_network(NetworkConfig(arch="lenet"), digits.input_shape, digits.num_classes, seed=0)
     budget = 3 * count_parameters(client) if limit == "ensemble" else limit
     assert record.metrics["parameters"] == count_parameters(fed.match.network()) <= budget
-    assert sorted(fed.match.size_searches) == sorted(fed.spec.group_names)
+    assert fed.match.size_searches and set(fed.match.size_searches) <= set(fed.spec.group_names)
     for group, search in fed.match.size_searches.items():
         assert fed.match.widths[group] <= search.limit
     states = [client.state_dict()] * 3

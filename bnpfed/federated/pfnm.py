@@ -139,8 +139,7 @@ class PFNMFederation(HoldsRounds, Federation):
             ensemble = sum(int(v.numel()) for s in states for k, v in s.items() if k in names)
             if activity is not None:
                 states, starts = drop_inactive(states, self.spec, activity, starts)
-            config = fedma_width_limits(self.pfnm, self.spec, self.template, states, ensemble)
-            match, seconds = self._layerwise(round, sampled, states, starts, config)
+            match, seconds = self._layerwise(round, sampled, states, starts, ensemble)
         else:
             t0 = time.perf_counter()
             match = pfnm_step(states, self.class_counts[sampled], self.pfnm, seed=self.seed, round=round,
@@ -153,16 +152,18 @@ class PFNMFederation(HoldsRounds, Federation):
         self._net = match.network().eval()
         return [], {**self.rounds.summary(), "parameters": count_parameters(self._net), "server_seconds": seconds}
 
-    def _layerwise(self, round: int, sampled: list[int], states: list[dict], starts, config: PFNMConfig
+    def _layerwise(self, round: int, sampled: list[int], states: list[dict], starts, ensemble: int
                    ) -> tuple[SpecMatch, float]:
-        """FedMA's round: group by group, match (with ``config``: ``max_params`` already split into widths by
-        :func:`~bnpfed.federated.server.fedma_width_limits`), align every client to it, re-estimate its batch norm,
-        retrain the layers above (see the module docstring)."""
+        """FedMA's round: group by group, match (``max_params`` split into widths before each group by
+        :func:`~bnpfed.federated.server.fedma_width_limits`, ``ensemble`` the clients' parameters together), align
+        every client to it, re-estimate its batch norm, retrain the layers above (see the module docstring)."""
         spec, names = self.spec, self.spec.group_names
         counts = self.class_counts[sampled]
         matches, seconds = {}, 0.0
         for c, group in enumerate(names):
             t0 = time.perf_counter()
+            config = fedma_width_limits(self.pfnm, spec, self.template, states, ensemble,
+                                        matched={g: m.size for g, m in matches.items()})
             match = fedma_group_step(states, counts, config, spec=spec, group=group, seed=self.seed,
                                      round=round, starts=starts)
             states = [align_to_group(s, spec, match, k) for k, s in enumerate(states)]

@@ -419,11 +419,13 @@ def fedma_group_step(client_states: Sequence[Mapping[str, Tensor]], class_counts
 
 
 def fedma_width_limits(config: PFNMConfig, spec: PermutationSpec, template: nn.Module,
-                       client_states: Sequence[Mapping[str, Tensor]], ensemble: int) -> PFNMConfig:
-    """The config FedMA's group steps run with: ``config.max_params`` turned into a ``max_width`` per group (FedMA
+                       client_states: Sequence[Mapping[str, Tensor]], ensemble: int,
+                       matched: Optional[Mapping[str, int]] = None) -> PFNMConfig:
+    """The config FedMA's next group step runs with: ``config.max_params`` turned into a ``max_width`` per group (FedMA
     matches one group at a time, before the widths above it are known): ``floor(k m_g)``, ``m_g`` the most units one
-    client holds in group g, at the largest k whose network fits the budget
-    (:func:`~bnpfed.inference.size.proportional_widths`), each the smaller of that and ``config.max_width``'s for the
+    client holds in group g, at the largest k whose network fits the budget with the groups already ``matched`` at
+    their global widths (:func:`~bnpfed.inference.size.proportional_widths`; called before each group, so the budget
+    the groups below left unused goes to the ones above), each the smaller of that and ``config.max_width``'s for the
     group. ``ensemble``: the clients' networks' parameters together (``max_params="ensemble"``). ``config`` itself
     when it has no ``max_params``."""
     if config.max_params is None:
@@ -432,7 +434,8 @@ def fedma_width_limits(config: PFNMConfig, spec: PermutationSpec, template: nn.M
     limit = ensemble if config.max_params == "ensemble" else int(config.max_params)
     widths = [{g.name: width(s, g, f"client_states[{j}]") for g in spec.groups} for j, s in enumerate(client_states)]
     shapes = {k: tuple(v.shape) for k, v in client_states[0].items()}
-    budget = proportional_widths(spec, shapes, [n for n, _ in template.named_parameters()], widths, limit)
+    budget = proportional_widths(spec, shapes, [n for n, _ in template.named_parameters()], widths, limit,
+                                 matched=matched)
     given = config.max_width if isinstance(config.max_width, tuple) else (config.max_width,) * len(names)
     if len(given) != len(names):
         raise ValueError(f"max_width: expected one value or one per matched group ({len(names)}), got {len(given)}")

@@ -119,12 +119,14 @@ def parameter_count(spec: PermutationSpec, shapes: Mapping[str, Sequence[int]], 
 
 
 def proportional_widths(spec: PermutationSpec, shapes: Mapping[str, Sequence[int]], parameters: Iterable[str],
-                        widths: Sequence[Mapping[str, int]], limit: int, *, what: str = "max_params"
-                        ) -> dict[str, int] | None:
+                        widths: Sequence[Mapping[str, int]], limit: int, *, matched: Mapping[str, int] | None = None,
+                        what: str = "max_params") -> dict[str, int] | None:
     """Per group a width limit ``floor(k * m_g)`` (``m_g`` the most units one client holds in group g:
     :func:`minimum_widths`) at the largest ``k >= 1`` whose network has at most ``limit`` parameters (bisection to
-    ``1e-6`` in k): a parameter budget split over groups that are matched one at a time, as FedMA's are, before the
-    widths above are known. None when even ``k = J`` (every client's units apart) fits.
+    ``1e-6`` in k), the groups in ``matched`` at their given (matched) widths: a parameter budget split over groups that
+    are matched one at a time, as FedMA's are, before the widths above are known (called again before each group, the
+    budget the groups below left unused goes to the ones above). None when even ``k = J`` (every client's units apart)
+    fits.
 
     >>> from bnpfed.inference import derive_spec
     >>> from bnpfed.models import mlp
@@ -135,12 +137,20 @@ def proportional_widths(spec: PermutationSpec, shapes: Mapping[str, Sequence[int
     {'1': 5, '3': 9}
     >>> (4 * 5 + 5) + (5 * 9 + 9) + (9 * 2 + 2), (4 * 6 + 6) + (6 * 10 + 10) + (10 * 2 + 2)   # k = 2 would not fit
     (99, 122)
+    >>> proportional_widths(derive_spec(net, (4,)), shapes, names, [{"1": 3, "3": 5}] * 4, 120, matched={"1": 3})
+    {'1': 3, '3': 17}
+    >>> (4 * 3 + 3) + (3 * 17 + 17) + (17 * 2 + 2)   # layer "1" came out at 3: layer "3" takes what it left
+    119
     """
     parameters = list(parameters)
-    floor = minimum_widths(widths)
+    matched = dict(matched or {})
+    floor = {**minimum_widths(widths), **matched}
+
+    def at(k):
+        return {g: m if g in matched else max(m, math.floor(k * m)) for g, m in floor.items()}
 
     def count(k):
-        return parameter_count(spec, shapes, parameters, {g: max(m, math.floor(k * m)) for g, m in floor.items()})
+        return parameter_count(spec, shapes, parameters, at(k))
 
     smallest = count(1.0)
     if limit < smallest:
@@ -153,7 +163,7 @@ def proportional_widths(spec: PermutationSpec, shapes: Mapping[str, Sequence[int
     while hi - lo > 1e-6:
         mid = 0.5 * (lo + hi)
         lo, hi = (mid, hi) if count(mid) <= limit else (lo, mid)
-    return {g: max(m, math.floor(lo * m)) for g, m in floor.items()}
+    return at(lo)
 
 
 def fit_size(run: Callable[[float], object], size_of: Callable[[object], int], limit: int, what: str
