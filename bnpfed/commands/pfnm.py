@@ -228,12 +228,9 @@ def max_params(value: str):
     if value.strip().lower() == "ensemble":
         return "ensemble"
     try:
-        out = int(value)
-    except ValueError:
-        out = 0
-    if out < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1 or 'ensemble', got {value!r}")
-    return out
+        return _args.positive_int(value)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1 or 'ensemble', got {value!r}") from None
 
 
 def _one_or_many(values):
