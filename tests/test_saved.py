@@ -13,7 +13,7 @@ from bnpfed.federated.clients import initial_network, train_network
 from bnpfed.federated.config import NetworkConfig, TrainingConfig
 from bnpfed.federated.partition import class_counts
 from bnpfed.inference import match_by_spec
-from bnpfed.metrics import classification_report
+from bnpfed.metrics import classification_report, count_parameters
 from bnpfed.saved import read_global, save_global
 from user_networks import UserCNN, UserMixingNet
 
@@ -222,3 +222,27 @@ def test_bnpfed_match_reads_global_network_files_bnpfed_wrote(folder, tmp_path, 
     with torch.no_grad():
         assert torch.equal(bnpfed.load_global(tmp_path / "a.pt")(digits.x_test),
                            bnpfed.load_global(tmp_path / "b.pt")(digits.x_test))
+
+
+def test_bnpfed_match_meets_a_parameter_budget_for_a_users_own_cnn(folder, tmp_path, capsys, digits):
+    """A user's own conv net (not built by bnpfed), trained on the digits: --max-params ensemble gives a global
+    network no larger than the three together, the match by_spec builds with that limit, and the note says what it
+    cost."""
+    nets = [torch.load(f, weights_only=False) for f in files(folder, "user")]
+    ensemble = sum(count_parameters(n) for n in nets)
+    own = match_by_spec(nets, torch.ones(3, 10), input_shape=digits.input_shape, seed=0)
+    assert own.parameters > ensemble          # the model's own global network is larger than what it replaces
+    out = tmp_path / "small.pt"
+    assert main(["match", *files(folder, "user"), "--input-shape", "1,8,8", "--counts", "uniform",
+                 "--max-params", "ensemble", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "note: max_params = " in text
+    loaded = bnpfed.load_global(out)
+    assert count_parameters(loaded) <= ensemble
+    expected = match_by_spec(nets, torch.ones(3, 10), input_shape=digits.input_shape, seed=0,
+                             max_params="ensemble").network().eval()
+    with torch.no_grad():
+        assert_close(loaded(digits.x_test), expected(digits.x_test))
+    assert main(["match", *files(folder, "user"), "--input-shape", "1,8,8", "--max-width", "1",
+                 "--out", str(tmp_path / "x.pt")]) == 2
+    assert "--max-width" in capsys.readouterr().err

@@ -82,7 +82,7 @@ class UsageError(Exception):
 # ------------------------------------------------------------------------------------------------ messages
 
 
-_FIELD = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(?:\[(\d+)\])?: (.*)$", re.S)
+_FIELD = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(?:\[(\d+|'[^']*')\])?: (.*)$", re.S)
 
 
 def one_line(text: str, limit: int = 400) -> str:
@@ -102,7 +102,10 @@ def flag_message(error: Exception, *, aliases: Optional[Mapping[str, str]] = Non
     if match and (fields is None or match.group(1) in fields or match.group(1) in aliases):
         field, index, rest = match.groups()
         flag = aliases.get(field, "--" + field.replace("_", "-"))
-        return f"{flag}{f' (item {int(index) + 1})' if index is not None else ''}: {rest}"
+        if index is None:
+            return f"{flag}: {rest}"
+        where = f"group {index}" if index.startswith("'") else f"item {int(index) + 1}"   # a group by name
+        return f"{flag} ({where}): {rest}"
     return f"{default}: {message}" if default else message
 
 
@@ -118,7 +121,7 @@ def training_failure(error: BaseException, start: Optional[str] = None) -> str:
     any other error gives its type and the first line of its message."""
     text = str(error).strip()
     if isinstance(error, SizeLimitError):   # a --max-width / --max-params the clients' networks cannot meet
-        return "--" + one_line(text, 600).replace("_", "-", 1)
+        return flag_message(error)
     if isinstance(error, TrainingDiverged):
         if start and error.epoch == 1 and error.step == 1:
             text += f" The starting point is set by {start}."
