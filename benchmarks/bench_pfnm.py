@@ -359,31 +359,37 @@ def part_cnn_timing(ds, out: Path, name: str = "mnist") -> None:
     _emit(out, key, dict(rows=rows, threads=torch.get_num_threads()))
 
 
+def _settings(out: Path, prefix: str, Js, partitions, seeds):
+    """``(key, J, partition, seed)`` of every setting whose key (``prefix/J=../partition/seed=..``) is not yet in
+    ``out``."""
+    done = _done(out)
+    for J in Js:
+        for partition in partitions:
+            for seed in seeds:
+                key = f"{prefix}/J={J}/{partition}/seed={seed}"
+                if key not in done:
+                    yield key, J, partition, seed
+
+
 def part_compress(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("iid", "dirichlet"),
                   arch: str = "lenet") -> None:
     """Compression by default (issue 16): one-shot PFNM with bnpfed's defaults (dead units left out, empirical Bayes
     from both starts) against the behaviour before (``starts="small-noise", inactive="keep"``) on the same local
     models, beside the local models and the ensemble, with parameters and widths."""
-    done = _done(out)
-    for J in Js:
-        for partition in partitions:
-            for seed in seeds:
-                key = f"compress/{name}/{arch}/J={J}/{partition}/seed={seed}"
-                if key in done:
-                    continue
-                configs = _configs(J, partition, seed, methods=("local", "ensemble", "pfnm"))
-                configs["network"] = replace(PFNM_NETWORK, arch=arch)
-                configs["pfnm"] = PFNMConfig()
-                result = run_experiment(ds, **configs)
-                rows = {r.method: dict(_row(r), parameters=r.parameters) for r in result.rows}
-                rows["pfnm"]["layers"] = _layers(result.selection.match)
-                before = pfnm_step(result.local_models, result.class_counts,
-                                   PFNMConfig(starts="small-noise", inactive="keep"), seed=seed, round=1,
-                                   input_shape=ds.input_shape)
-                net = before.network()
-                rows["pfnm (before)"] = dict(accuracy=_accuracy(net, ds), hidden=before.hidden_sizes,
-                                             seconds=before.seconds, parameters=count_parameters(net))
-                _emit(out, key, dict(dataset=name, arch=arch, J=J, partition=partition, seed=seed, rows=rows))
+    for key, J, partition, seed in _settings(out, f"compress/{name}/{arch}", Js, partitions, seeds):
+        configs = _configs(J, partition, seed, methods=("local", "ensemble", "pfnm"))
+        configs["network"] = replace(PFNM_NETWORK, arch=arch)
+        configs["pfnm"] = PFNMConfig()
+        result = run_experiment(ds, **configs)
+        rows = {r.method: dict(_row(r), parameters=r.parameters) for r in result.rows}
+        rows["pfnm"]["layers"] = _layers(result.selection.match)
+        before = pfnm_step(result.local_models, result.class_counts,
+                           PFNMConfig(starts="small-noise", inactive="keep"), seed=seed, round=1,
+                           input_shape=ds.input_shape)
+        net = before.network()
+        rows["pfnm (before)"] = dict(accuracy=_accuracy(net, ds), hidden=before.hidden_sizes,
+                                     seconds=before.seconds, parameters=count_parameters(net))
+        _emit(out, key, dict(dataset=name, arch=arch, J=J, partition=partition, seed=seed, rows=rows))
 
 
 def part_size(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("iid", "dirichlet"),
@@ -392,60 +398,55 @@ def part_size(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("iid
     for (``max_width`` for an MLP, ``max_params`` for a CNN: fractions of the model's own size and the ensemble's),
     and for a CNN FedMA's layer-wise scheme (2 epochs a group) without a limit, at the ensemble's size and at half of
     it, all on the same local models, beside the local models and the ensemble."""
-    done = _done(out)
-    for J in Js:
-        for partition in partitions:
-            for seed in seeds:
-                key = f"size/{name}/{arch}/J={J}/{partition}/seed={seed}"
-                if key in done:
-                    continue
-                configs = _configs(J, partition, seed, methods=("local", "ensemble", "pfnm"))
-                configs["network"] = replace(PFNM_NETWORK, arch=arch)
-                configs["pfnm"] = PFNMConfig()
-                experiment = Experiment(ds, **configs)
-                rows = {}
-                for method in ("local", "ensemble", "pfnm"):
-                    for r in run_method(experiment, method):
-                        rows[r.method] = dict(_row(r), parameters=r.parameters)
-                nets, counts = experiment.local_models(), experiment.class_counts
-                ensemble = rows["ensemble"]["parameters"]
-                own_params, own_width = rows["pfnm"]["parameters"], rows["pfnm"]["hidden"]
-                if arch == "mlp":
-                    limits = [("max_width", int(f * own_width[0])) for f in (0.9, 0.8, 0.7)]
-                else:
-                    limits = [("max_params", int(f * own_params)) for f in (0.8, 0.6, 0.4)]
-                    limits.append(("max_params", "ensemble"))
-                for flag, limit in limits:
-                    t0 = time.perf_counter()
-                    try:
-                        match = pfnm_step(nets, counts, PFNMConfig(**{flag: limit}), seed=seed, round=1,
-                                          input_shape=ds.input_shape, activity=experiment.activity())
-                    except ValueError as error:   # a limit below what any assignment allows
-                        rows[f"pfnm {flag}={limit}"] = dict(error=str(error))
-                        continue
-                    net = match.network()
-                    search = match.size_searches.get("parameters") or next(iter(match.size_searches.values()))
-                    rows[f"pfnm {flag}={limit}"] = dict(
-                        accuracy=_accuracy(net, ds), hidden=match.hidden_sizes, parameters=count_parameters(net),
-                        seconds=time.perf_counter() - t0, strength=search.strength, matches=len(search.trace),
-                        limit=ensemble if limit == "ensemble" else limit)
-                if arch != "mlp":   # FedMA layer-wise (2 epochs a group), one round, from the same local models
-                    for limit in (None, "ensemble", ensemble // 2):
-                        t0 = time.perf_counter()
-                        fed = PFNMFederation(experiment.dataset, experiment.parts, network=experiment.network,
-                                             training=experiment.training,
-                                             pfnm=PFNMConfig(layerwise_retrain=2, max_params=limit), seed=seed,
-                                             initial_models=nets)
-                        fed.run_round()
-                        net = fed.match.network()
-                        rows["fedma" if limit is None else f"fedma max_params={limit}"] = dict(
-                            accuracy=_accuracy(net, ds), hidden=fed.match.hidden_sizes,
-                            parameters=count_parameters(net), seconds=time.perf_counter() - t0,
-                            limit=None if limit is None else ensemble if limit == "ensemble" else limit)
-                _emit(out, key, dict(dataset=name, arch=arch, J=J, partition=partition, seed=seed, rows=rows))
+    for key, J, partition, seed in _settings(out, f"size/{name}/{arch}", Js, partitions, seeds):
+        configs = _configs(J, partition, seed, methods=("local", "ensemble", "pfnm"))
+        configs["network"] = replace(PFNM_NETWORK, arch=arch)
+        configs["pfnm"] = PFNMConfig()
+        experiment = Experiment(ds, **configs)
+        rows = {}
+        for method in ("local", "ensemble", "pfnm"):
+            for r in run_method(experiment, method):
+                rows[r.method] = dict(_row(r), parameters=r.parameters)
+        nets, counts = experiment.local_models(), experiment.class_counts
+        ensemble = rows["ensemble"]["parameters"]
+        own_params, own_width = rows["pfnm"]["parameters"], rows["pfnm"]["hidden"]
+        if arch == "mlp":
+            limits = [("max_width", int(f * own_width[0])) for f in (0.9, 0.8, 0.7)]
+        else:
+            limits = [("max_params", int(f * own_params)) for f in (0.8, 0.6, 0.4)]
+            limits.append(("max_params", "ensemble"))
+        for flag, limit in limits:
+            t0 = time.perf_counter()
+            try:
+                match = pfnm_step(nets, counts, PFNMConfig(**{flag: limit}), seed=seed, round=1,
+                                  input_shape=ds.input_shape, activity=experiment.activity())
+            except ValueError as error:   # a limit below what any assignment allows
+                rows[f"pfnm {flag}={limit}"] = dict(error=str(error))
+                continue
+            net = match.network()
+            search = match.size_searches.get("parameters") or next(iter(match.size_searches.values()))
+            rows[f"pfnm {flag}={limit}"] = dict(
+                accuracy=_accuracy(net, ds), hidden=match.hidden_sizes, parameters=count_parameters(net),
+                seconds=time.perf_counter() - t0, strength=search.strength, matches=len(search.trace),
+                limit=ensemble if limit == "ensemble" else limit)
+        if arch != "mlp":   # FedMA layer-wise (2 epochs a group), one round, from the same local models
+            for limit in (None, "ensemble", ensemble // 2):
+                t0 = time.perf_counter()
+                fed = PFNMFederation(experiment.dataset, experiment.parts, network=experiment.network,
+                                     training=experiment.training,
+                                     pfnm=PFNMConfig(layerwise_retrain=2, max_params=limit), seed=seed,
+                                     initial_models=nets)
+                fed.run_round()
+                net = fed.match.network()
+                rows["fedma" if limit is None else f"fedma max_params={limit}"] = dict(
+                    accuracy=_accuracy(net, ds), hidden=fed.match.hidden_sizes,
+                    parameters=count_parameters(net), seconds=time.perf_counter() - t0,
+                    limit=None if limit is None else ensemble if limit == "ensemble" else limit)
+        _emit(out, key, dict(dataset=name, arch=arch, J=J, partition=partition, seed=seed, rows=rows))
 
 
-PARTS = {"reference": part_reference, "compress": part_compress, "size": part_size, "cnn": part_cnn, "cifar": part_cifar,
+PARTS = {"reference": part_reference, "compress": part_compress, "size": part_size, "cnn": part_cnn,
+         "cifar": part_cifar,
          "cnn-timing": part_cnn_timing,
          "baselines": part_baselines,
          "eb": part_eb, "plane": part_plane, "width": part_width, "rounds": part_rounds, "start": part_start,

@@ -59,6 +59,7 @@ from bnpfed.federated.rounds import Architecture, HoldsRounds, MatchRounds
 from bnpfed.federated.server import (drop_inactive, fedma_group_step, fedma_width_limits, matched_parameters, pfnm_step,
                                      with_statistics)
 from bnpfed.inference.permutation import SpecMatch, align_to_group
+from bnpfed.inference.size import parameters_in
 from bnpfed.metrics import count_parameters
 
 __all__ = ["PFNMFederation"]
@@ -135,8 +136,7 @@ class PFNMFederation(HoldsRounds, Federation):
             activity = [unit_activity_step(net, self.client_data[j][0], self.dataset.input_shape,
                                            self.training.batch_size) for net, j in zip(nets, sampled)]
         if self.pfnm.layerwise_retrain:
-            names = {n for n, _ in self.template.named_parameters()}
-            ensemble = sum(int(v.numel()) for s in states for k, v in s.items() if k in names)
+            ensemble = parameters_in(states, (n for n, _ in self.template.named_parameters()))
             if activity is not None:
                 states, starts = drop_inactive(states, self.spec, activity, starts)
             match, seconds = self._layerwise(round, sampled, states, starts, ensemble)

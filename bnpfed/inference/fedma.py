@@ -8,7 +8,6 @@ matched ones frozen (:mod:`bnpfed.federated.pfnm`)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Callable, Literal, Mapping, Sequence
 
 import torch
@@ -133,9 +132,9 @@ def match_group(
 
     def step(name, layout, rows, below_):
         def at(gamma):
-            v = values if gamma is None else replace(values, given={**values.given, "gamma0": gamma})
-            return pfnm_group(clients, spec, name, layout, rows["value"], below_, layer_fn, v, mode=mode,
-                              sweeps=sweeps, seed=seed, init=init, options=matcher_kwargs, combine=combine)
+            return pfnm_group(clients, spec, name, layout, rows["value"], below_, layer_fn, values.with_gamma0(gamma),
+                              mode=mode, sweeps=sweeps, seed=seed, init=init, options=matcher_kwargs,
+                              combine=combine)
         return limit_width(at(None), at, cap)
 
     match = match_groups(clients, spec, step, below=resolved, groups=[group])[group]

@@ -27,14 +27,15 @@ from bnpfed.inference.assembly import client_slice, network_from_state, state_fr
 from bnpfed.inference.derive import derive_spec
 from bnpfed.inference.layout import VectorLayout, group_layout, layout_rows, width
 from bnpfed.inference.matching import average_atoms, averaging_weights, match_layer
-from bnpfed.inference.size import SizeLimitError, SizeSearch, fit_size, minimum_widths, parameter_count
+from bnpfed.inference.size import (SizeLimitError, SizeSearch, fit_size, minimum_widths, parameter_count,
+                                   parameters_in)
 from bnpfed.inference.spec import PermutationSpec
 from bnpfed.validation import check_choice, check_int
 
 __all__ = ["Clients", "GroupMatch", "GroupValues", "SpecMatch", "call_matcher", "check_global_weights",
            "check_layer_fns", "check_size_limits", "client_states", "group_values", "limit_width", "match_by_spec",
-           "match_gamma0",
-           "match_groups", "output_bias", "pfnm_group", "prepare_clients", "resolve_spec", "warm_start_labels"]
+           "match_gamma0", "match_groups", "output_bias", "pfnm_group", "prepare_clients", "resolve_spec",
+           "warm_start_labels"]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -121,7 +122,7 @@ class SpecMatch:
         such as running statistics not counted)."""
         if self.template is None:
             raise ValueError("parameters: this match has no template network; pass template= to match_by_spec")
-        return sum(int(self.state[n].numel()) for n, _ in self.template.named_parameters())
+        return parameters_in([self.state], (n for n, _ in self.template.named_parameters()))
 
     @property
     def widths(self) -> dict[str, int]:
@@ -278,6 +279,10 @@ class GroupValues:
     given: Mapping[str, float | None]
     mu0: float | None = None
     bias_mu0: float | None = None
+
+    def with_gamma0(self, gamma0: float | None) -> GroupValues:
+        """These values with the IBP mass given as ``gamma0`` (a size limit's lowered mass); themselves for None."""
+        return self if gamma0 is None else replace(self, given={**self.given, "gamma0": gamma0})
 
 
 def _per_group(value, names: list[str], arg: str) -> list:
@@ -488,8 +493,8 @@ def check_size_limits(max_width, max_params, clients: Clients, template: nn.Modu
     for g, cap in caps.items():
         if cap is not None and cap < floor[g] and (groups is None or g in groups):
             j = max(range(clients.J), key=lambda i: clients.widths[i][g])
-            raise SizeLimitError(f"max_width[{g!r}]: expected at least {floor[g]} (client {j} has {floor[g]} units in "
-                             f"group {g!r}, each needing a global unit of its own), got {cap}")
+            raise SizeLimitError(f"max_width[{g!r}]: expected at least {floor[g]} (client {j} has {floor[g]} units "
+                                 f"in group {g!r}, each needing a global unit of its own), got {cap}")
     if max_params is None:
         return caps, None
     if template is None:
@@ -499,15 +504,14 @@ def check_size_limits(max_width, max_params, clients: Clients, template: nn.Modu
     if isinstance(max_params, str):
         if max_params != "ensemble":
             raise ValueError(f"max_params: expected a positive int, 'ensemble' or None, got {max_params!r}")
-        limit = sum(int(s[p].numel()) for s in states for p in parameters)
+        limit = parameters_in(states, parameters)
     else:
         limit = check_int(max_params, "max_params", low=1)
-    smallest = parameter_count(spec, clients.shapes, parameters,
-                               {g: floor[g] for g in names})
+    smallest = parameter_count(spec, clients.shapes, parameters, floor)
     if limit < smallest:
+        given = " ('ensemble')" if max_params == "ensemble" else ""
         raise SizeLimitError(f"max_params: expected at least {smallest} (the parameters at the smallest widths any "
-                         f"assignment allows, {floor}), got {limit}" + (" ('ensemble')" if max_params == "ensemble"
-                                                                        else ""))
+                             f"assignment allows, {floor}), got {limit}{given}")
     return caps, limit
 
 
@@ -654,8 +658,9 @@ def match_by_spec(
         estimated at that gamma0 (:mod:`bnpfed.inference.size`). At least the most units one client holds in the
         group (checked before any work).
     :param max_params: the most parameters the global network may have: None (default), an int, or ``"ensemble"``
-        (the clients' networks' parameters together: a global network no larger than what it replaces). Met by one
-        factor on every group's own gamma0 (with ``max_width`` applied inside each run). ``SpecMatch.size_searches``
+        (the clients' networks' parameters together: a global network no larger than what it replaces). Met by
+        pricing every parameter in the prior: each group's own gamma0 times ``exp(-lambda D_g)``, ``D_g`` the
+        parameters one of its units owns (with ``max_width`` applied inside each run). ``SpecMatch.size_searches``
         and each limited group's result ``notes`` say what meeting a limit took.
     :param matcher_kwargs: passed to ``layer_fn`` (``objective``, ``popularity_factor``, ``start``, ...).
     :returns: :class:`SpecMatch`.
@@ -686,8 +691,8 @@ def match_by_spec(
 
     def group_at(name, layout, rows, below, gamma):
         c = names.index(name)
-        v = values[name] if gamma is None else replace(values[name], given={**values[name].given, "gamma0": gamma})
-        return pfnm_group(clients, order, name, layout, rows["value"], below, fns[name], v, mode=mode,
+        return pfnm_group(clients, order, name, layout, rows["value"], below, fns[name],
+                          values[name].with_gamma0(gamma), mode=mode,
                           sweeps=sweeps, seed=None if seed is None else seed + c,
                           init=None if init is None else init[name], options=matcher_kwargs, combine=combine)
 

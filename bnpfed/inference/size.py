@@ -41,7 +41,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 from bnpfed.inference.spec import PermutationSpec
 
 __all__ = ["BISECTIONS", "BRACKET", "SizeLimitError", "SizeSearch", "fit_size", "minimum_widths", "parameter_count",
-           "proportional_widths"]
+           "parameters_in", "proportional_widths"]
 
 #: Strengths ``t = -log f`` (``f`` the factor on gamma0) tried in turn until a match fits the limit.
 BRACKET = (2.0, 8.0, 32.0, 128.0, 512.0)
@@ -85,6 +85,13 @@ class SizeSearch:
             return f"{self.what} = {self.limit}: not binding (the model's own size is {self.own})"
         return (f"{self.what} = {self.limit}: strength {self.strength:.4g} ({len(self.trace)} matches run) gives "
                 f"{self.size} against the model's own {self.own}")
+
+
+def parameters_in(states: Iterable[Mapping], parameters: Iterable[str]) -> int:
+    """The number of parameters the given states hold together: the entries named in ``parameters`` (a network's
+    parameters, not its buffers) of every state (``"ensemble"``: the clients' networks together)."""
+    names = list(parameters)
+    return sum(int(state[p].numel()) for state in states for p in names)
 
 
 def minimum_widths(widths: Sequence[Mapping[str, int]]) -> dict[str, int]:
