@@ -117,7 +117,8 @@ def run_matching(matcher: LayerMatcher, estimator, *, init, sweeps: int, seed, s
     With fixed values (:class:`FixedValues`) exactly ``sweeps`` sweeps are run (less any skipped at a fixed point
     with ``stop_at_fixed_point``, the objective then repeating its last value) and the Gram matrix is taken after the
     greedy pass when ``sweeps * L > N``; under empirical Bayes, where ``sweeps`` is only a limit, once the sweeps run
-    so far have cost as much (``k * L > N`` after sweep k). ``cross_products``: ``"auto"``, ``"direct"`` or
+    so far have cost as much (``k * L > N`` after sweep k); the second start reuses a Gram matrix the first took (it
+    holds the neurons' products at the precision it was taken with, the ratio applied). ``cross_products``: ``"auto"``, ``"direct"`` or
     ``"gram"`` (from the first sweep on). ``stop`` (empirical Bayes): ``"fixed-point"`` stops when a sweep changed no
     assignment and no estimate moved by more than ``EB_RTOL``; ``"result"`` also when at most :data:`STOP_MOVED` of
     the neurons moved in a sweep and no estimate moved by more than :data:`STOP_RTOL` (the assignment is then as good
@@ -133,8 +134,7 @@ def run_matching(matcher: LayerMatcher, estimator, *, init, sweeps: int, seed, s
     first = _alternate(matcher, estimator, estimator.start(), init=None, restart=True, **options)
     if first.restarted:   # the small-noise start was already redone from the even split
         return first
-    matcher.unassign()
-    matcher.gram = None   # the second run decides on the Gram matrix as a run of its own would
+    matcher.unassign()   # the Gram matrix, if the first run took it, is kept: it holds the neurons alone
     second = _alternate(matcher, estimator, alternative, init=None, restart=False, **options)
     runs = [("small-noise", first), ("even-split", second)]
     name, best = max(runs, key=lambda r: r[1].log_likelihood)
