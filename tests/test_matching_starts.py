@@ -95,3 +95,21 @@ def test_one_start_where_the_noise_is_given_or_fixed():
     assert len(match_layer(V, seed=0).starts) == 2
     with pytest.raises(ValueError, match="starts: expected one of"):
         match_layer(V, seed=0, starts="even")
+
+
+def test_the_second_start_reading_the_first_starts_gram_matrix_matches_as_direct_products_do():
+    """The even-split start reuses the Gram matrix the small-noise start took (its noise differs, so the precision
+    ratio is applied when it is read): same starts, same labels, same likelihoods as with direct products."""
+    from bnpfed.inference import match_layer
+    from bnpfed.models.beta_bernoulli import sample_federated_layer
+
+    layer = sample_federated_layer(8, 12, seed=4, gamma0=10.0, sigma2=0.5, sigma0_2=1.0)
+    s = np.random.default_rng(4).uniform(0.3, 1.0, size=(8, 12))
+    gram = match_layer(layer.neurons, precisions=s, seed=1, cross_products="gram")
+    direct = match_layer(layer.neurons, precisions=s, seed=1, cross_products="direct")
+    assert [st["start"] for st in gram.starts] == ["small-noise", "even-split"]
+    for a, b in zip(gram.starts, direct.starts):
+        assert a["log_likelihood"] == pytest.approx(b["log_likelihood"], rel=1e-10)
+    assert gram.num_atoms == direct.num_atoms
+    for a, b in zip(gram.assignments, direct.assignments):
+        np.testing.assert_array_equal(a, b)
