@@ -53,7 +53,7 @@ def _pfnm_config(mode: str):
                                                                      sigma0_2=1.0, gamma0=1.0)
 
 
-def _local_models(data_dir: str, cache: Path, net: str, J: int):
+def _local_models(data_dir: str, cache: Path, net: str, J: int, progress: bool = True):
     """The J clients' round-1 state dicts and class counts (trained on first use, then read from ``cache``)."""
     import torch
     path = cache / f"{net}_J{J}.pt"
@@ -66,7 +66,7 @@ def _local_models(data_dir: str, cache: Path, net: str, J: int):
     network = replace(PFNM_NETWORK, arch=arch, **({"hidden": hidden} if hidden else {}))
     ds = load_dataset("mnist", data_dir=data_dir, standardize=False)
     experiment = Experiment(ds, partition=PartitionConfig(clients=J, partition="iid"), network=network,
-                            training=PFNM_TRAINING, config=ExperimentConfig(seed=0), progress=True)
+                            training=PFNM_TRAINING, config=ExperimentConfig(seed=0), progress=progress)
     local = experiment.local_models()
     saved = dict(states=[m.state_dict() for m in local], counts=experiment.class_counts, network=network,
                  input_shape=experiment.input_shape, num_classes=ds.num_classes)
@@ -105,7 +105,7 @@ def one(args) -> dict:
     else:
         from bnpfed.federated.clients import initial_network
         from bnpfed.federated.server import pfnm_step
-        saved = _local_models(args.data_dir, Path(args.cache), args.net, args.J)
+        saved = _local_models(args.data_dir, Path(args.cache), args.net, args.J, progress=not args.no_progress)
         if args.train:
             return {}
         template = initial_network(saved["network"], saved["input_shape"], saved["num_classes"], seed=0)
@@ -243,7 +243,7 @@ def run(nets=("mlp",), clients=CLIENTS, *, threads: int = 2, data_dir=str(DEFAUL
         cmd = [sys.executable, __file__, "--one", "--net", net, "--J", str(J), "--mode", mode, "--source", source,
                "--threads", str(threads), "--data-dir", str(data_dir), "--cache", str(cache)]
         if source == "trained" and not (Path(cache) / f"{net}_J{J}.pt").exists():
-            subprocess.run(cmd + ["--train"], check=True, env=env)  # the local models, in a process of their own
+            subprocess.run(cmd + ["--train"] + ([] if progress else ["--no-progress"]), check=True, env=env)  # the local models, in a process of their own
         line = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout.strip().splitlines()[-1]
         with out.open("a") as f:
             f.write(line + "\n")

@@ -187,16 +187,17 @@ def test_every_cnn_is_matched_on_every_image_shape(arch, input_shape):
     assert out.shape == (2, 10) and len(match.hidden_sizes) == 4
 
 
-@pytest.mark.parametrize("limit", ["ensemble", 25000])
+@pytest.mark.parametrize("limit", ["ensemble", "auto", 25000])
 def test_fedma_meets_a_parameter_budget_split_into_widths(digits, parts, limit):
     """FedMA matches one group at a time, so max_params becomes a max_width per group before each (fedma_width_limits:
     k times a client's width, the largest k that fits with the groups below at their matched widths); the global
-    network is within the budget, every group at most its width limit."""
+    network is within the budget, every group at most its width limit. FedMA's default ("auto") is the ensemble's
+    size."""
     from bnpfed.federated.server import fedma_width_limits
     fed = federation(digits, parts, "lenet", pfnm=PFNMConfig(layerwise_retrain=1, max_params=limit))
     record = fed.run_round()
     client = initial_network(NetworkConfig(arch="lenet"), digits.input_shape, digits.num_classes, seed=0)
-    budget = 3 * count_parameters(client) if limit == "ensemble" else limit
+    budget = 3 * count_parameters(client) if limit in ("ensemble", "auto") else limit
     assert record.metrics["parameters"] == count_parameters(fed.match.network()) <= budget
     assert fed.match.size_searches and set(fed.match.size_searches) <= set(fed.spec.group_names)
     for group, search in fed.match.size_searches.items():
@@ -211,3 +212,5 @@ def test_fedma_meets_a_parameter_budget_split_into_widths(digits, parts, limit):
                                fed.spec, client, states, 0)
     assert given.max_width == (6, caps["conv2"], caps["fc1"], min(90, caps["fc2"]))
     assert fedma_width_limits(PFNMConfig(), fed.spec, client, states, 0) == PFNMConfig()
+    unlimited = PFNMConfig(layerwise_retrain=1, max_params=None)   # the model's own size, asked for
+    assert fedma_width_limits(unlimited, fed.spec, client, states, 0) is unlimited

@@ -12,7 +12,7 @@ from bnpfed.cli import build_parser, main
 from bnpfed.commands import fuse, pfnm
 from bnpfed.data import NPZ_FORMAT
 from bnpfed.federated import methods
-from bnpfed.federated.config import PAPER_MIN_VARIANCE, BayesianConfig, PartitionConfig, TrainingConfig
+from bnpfed.federated.config import PAPER_MIN_VARIANCE, BayesianConfig, PartitionConfig, PFNMConfig, TrainingConfig
 from bnpfed.report import RECORD_SCHEMA, command_record, command_results, read_record
 from bnpfed.inference import TrainingDiverged, recovery
 
@@ -128,6 +128,7 @@ PFNM_ONLY = [
     (["--max-params", "0"], "--max-params"),
     (["--max-params", "half"], "--max-params"),
     (["--width-sweep", "--max-width", "50"], "--max-width"),  # the sweep shows widths: a limit is not ignored
+    (["--width-sweep", "--max-params", "none"], "--max-params"),
 ]
 FUSE_ONLY = [
     (["--rule", "foo"], "--rule"),
@@ -396,6 +397,12 @@ def test_pfnm_keeps_pixels_in_0_1_unless_told_and_adds_pfnm_rounds_for_several_r
     assert float(plan["dataset"].x_train.min()) < 0
     assert plan["config"].methods == pfnm.DEFAULT_METHODS + ("pfnm-rounds",)
     assert not plan["pfnm"].warm_start and plan["pfnm"].fraction == plan["fusion"].fraction == 0.5
+
+
+def test_pfnm_max_params_defaults_to_the_configs_auto_and_reads_none_and_ensemble():
+    assert pfnm.prepare(parsed(["pfnm"]))["pfnm"].max_params == "auto" == PFNMConfig().max_params
+    for given, expected in (("none", None), ("ensemble", "ensemble"), ("5000", 5000), ("AUTO", "auto")):
+        assert pfnm.prepare(parsed(["pfnm", "--max-params", given]))["pfnm"].max_params == expected
 
 
 @pytest.mark.parametrize("command", ["pfnm", "fuse"])

@@ -138,10 +138,11 @@ def add_parser(sub):
                    help="the most global units per hidden layer (one, or one per hidden layer, 'none' for no limit "
                    "there), met inside the model by lowering the layer's IBP mass gamma0 (never by truncating); at "
                    "least the most units one client has there. Default: the model's own widths")
-    g.add_argument("--max-params", type=max_params, default=None, metavar="N|ensemble",
-                   help="the most parameters of the global network: a number, or 'ensemble' (no more than the "
-                   "clients' networks together), met by pricing every parameter in the prior (each layer's gamma0 "
-                   "times exp(-lambda x its unit's parameters)). Default: the model's own size")
+    g.add_argument("--max-params", type=max_params_or_none, default=d.max_params, metavar="N|ensemble|none|auto",
+                   help="the most parameters of the global network: a number, 'ensemble' (no more than the "
+                   "clients' networks together) or 'none' (the model's own size), met by pricing every parameter in "
+                   "the prior (each layer's gamma0 times exp(-lambda x its unit's parameters)). Default 'auto': "
+                   "'ensemble' for fedma (its retraining between layers makes the budget cheap), none for pfnm")
     g.add_argument("--layerwise-retrain", type=int, metavar="EPOCHS", default=d.layerwise_retrain,
                    help="FedMA's layer-wise scheme (the fedma method, added to the default methods when > 0): match a "
                    "layer, freeze it, let the clients retrain the layers above for EPOCHS epochs, match the next "
@@ -233,6 +234,18 @@ def max_params(value: str):
         raise argparse.ArgumentTypeError(f"expected an int >= 1 or 'ensemble', got {value!r}") from None
 
 
+def max_params_or_none(value: str):
+    """argparse type of ``bnpfed pfnm --max-params``: what :func:`max_params` reads, ``none`` (None: the model's own
+    size) or ``auto`` (the config's default)."""
+    word = value.strip().lower()
+    if word in ("none", "auto"):
+        return None if word == "none" else "auto"
+    try:
+        return max_params(value)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, 'ensemble', 'none' or 'auto', got {value!r}") from None
+
+
 def _one_or_many(values):
     """A flag's comma-separated values: None (not given: estimated), one value for every layer, or one per hidden
     layer."""
@@ -256,8 +269,8 @@ def prepare(args) -> dict:
         if args.width_sweep:
             raise UsageError("--save-global: expected only without --width-sweep (the sweep keeps no network)")
         _args.check_save_global(args.save_global)
-    for flag in ("max_width", "max_params"):
-        if args.width_sweep and getattr(args, flag) is not None:
+    for flag, default in (("max_width", None), ("max_params", PFNMConfig().max_params)):
+        if args.width_sweep and getattr(args, flag) != default:
             raise UsageError(f"--{flag.replace('_', '-')}: expected only without --width-sweep (the sweep shows the "
                              f"widths each sigma2 and gamma0 give)")
     if args.width_sweep and args.rounds is not None:

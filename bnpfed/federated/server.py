@@ -426,12 +426,13 @@ def fedma_width_limits(config: PFNMConfig, spec: PermutationSpec, template: nn.M
     client holds in group g, at the largest k whose network fits the budget with the groups already ``matched`` at
     their global widths (:func:`~bnpfed.inference.size.proportional_widths`; called before each group, so the budget
     the groups below left unused goes to the ones above), each the smaller of that and ``config.max_width``'s for the
-    group. ``ensemble``: the clients' networks' parameters together (``max_params="ensemble"``). ``config`` itself
-    when it has no ``max_params``."""
-    if config.max_params is None:
+    group. ``ensemble``: the clients' networks' parameters together (``max_params="ensemble"``, FedMA's default
+    ``"auto"``). ``config`` itself when it has no limit (:attr:`~bnpfed.federated.config.PFNMConfig.parameter_limit`
+    is None)."""
+    if config.parameter_limit is None:
         return config
     names = spec.group_names
-    limit = ensemble if config.max_params == "ensemble" else int(config.max_params)
+    limit = ensemble if config.parameter_limit == "ensemble" else int(config.parameter_limit)
     widths = [{g.name: width(s, g, f"client_states[{j}]") for g in spec.groups} for j, s in enumerate(client_states)]
     shapes = {k: tuple(v.shape) for k, v in client_states[0].items()}
     budget = proportional_widths(spec, shapes, [n for n, _ in template.named_parameters()], widths, limit,
