@@ -132,6 +132,8 @@ PFNM_ONLY = [
 ]
 FUSE_ONLY = [
     (["--rule", "foo"], "--rule"),
+    (["--match-on", "means"], "--match-on"),   # only with --align match
+    (["--align", "match", "--match-on", "weights"], "--match-on"),
     (["--rule", "eaa,eaa"], "--rule"),
     (["--local-epochs", "0"], "--epochs"),
     (["--min-variance", "-1"], "--min-variance"),

@@ -11,7 +11,7 @@ from scipy.optimize import minimize_scalar
 from torch import nn
 
 from bnpfed.data import load_dataset
-from bnpfed.federated.clients import fit_bayesian, posterior_client, train_network
+from bnpfed.federated.clients import fit_bayesian, initial_network, posterior_client, train_network
 from bnpfed.federated.config import (BayesianConfig, FusionConfig, NetworkConfig, PartitionConfig, TrainingConfig)
 from bnpfed.federated.fusion import FusionFederation
 from bnpfed.federated.matched_fusion import MatchedFusionFederation, client_from_slice
@@ -304,3 +304,68 @@ def test_bnpfed_fuse_takes_laplace_clients_with_align_match_only():
         fuse.prepare(parsed(["fuse", "--client", "laplace"]))
     with pytest.raises(ValueError, match="kl_weight: a setting of the variational clients' SVI"):
         fuse.prepare(parsed(["fuse", "--align", "match", "--client", "laplace", "--kl-weight", "0.1"]))
+
+
+def _digits_laplace_clients(J=3, hidden=16, epochs=3):
+    ds = load_dataset("digits")
+    parts = PartitionConfig(clients=J).split(ds.y_train.numpy(), seed=0)
+    training = TrainingConfig(epochs=epochs, batch_size=32, lr=1e-2)
+    clients, data = [], []
+    for j, idx in enumerate(parts):
+        x, y = ds.x_train[idx], ds.y_train[idx]
+        net = initial_network(NetworkConfig(hidden=(hidden,)), ds.input_shape, ds.num_classes, seed=0, client=j)
+        client = posterior_client(net, BayesianConfig(client="laplace"))
+        fit_bayesian(client, x, y, training, seed=0, round=1, index=j)
+        clients.append(client)
+        data.append((x, y))
+    return ds, clients, data
+
+
+def test_matched_on_the_means_laplace_clients_get_pfnms_assignment_with_dead_units_left_out():
+    """match_on="means": the assignment is PFNM's (match_by_spec on the posterior means, the same reports of dead
+    units), whatever the variances; the posteriors are then fused along it (conflation here)."""
+    from bnpfed.inference import kept_units, match_by_spec, unit_activity
+
+    ds, clients, data = _digits_laplace_clients()
+    nets = [c.mean_network() for c in clients]
+    spec = derive_spec(nets[0], ds.input_shape)
+    reports = [unit_activity(n, x, spec) for n, (x, _) in zip(nets, data)]
+    with torch.no_grad():   # make two units of client 0 dead on its data: they must join no global unit
+        nets[0][1].bias[[3, 7]] = -1e3
+        clients[0].net[1].bias[[3, 7]] = -1e3
+    reports[0] = unit_activity(clients[0].mean_network(), data[0][0], spec)
+    assert reports[0]["1"][[3, 7]].eq(0).all()
+    counts = torch.stack([torch.bincount(y, minlength=ds.num_classes) for _, y in data])
+    pfnm = match_by_spec(nets, counts, spec, seed=5, activity=reports)
+    fused = match_posteriors(clients, counts, spec, rule="conflation", seed=5, match_on="means", activity=reports)
+    assert fused.widths == pfnm.widths
+    for a, b in zip(fused.assignments["1"], pfnm.assignments["1"]):
+        assert torch.equal(a, b)
+    kept0 = fused.kept_units[0]["1"]
+    assert not {3, 7} & set(kept0.tolist())
+    assert fused.assignments["1"][0].numel() == kept0.numel() == kept_units(reports[0], spec)["1"].numel() <= 14
+    # on the posteriors themselves (today's default for these variances) the units keep further apart
+    on_posteriors = match_posteriors(clients, counts, spec, rule="conflation", seed=5, activity=reports)
+    assert on_posteriors.widths["1"] >= fused.widths["1"]
+    # a global unit with one member is that member's posterior; with several, conflation narrows it
+    var = fused.unit_variances["1.weight"]
+    for i in range(fused.widths["1"]):
+        members = [(j, int((a == i).nonzero()[0])) for j, a in enumerate(fused.assignments["1"]) if (a == i).any()]
+        if len(members) == 1:
+            j, l = members[0]
+            kept = fused.kept_units[j]["1"][l]
+            expected = clients[j].posterior()["1.weight"].variance[kept].double()
+            assert torch.allclose(var[i], expected, rtol=1e-6)
+
+
+def test_match_on_is_checked_and_resolved_by_the_clients_kind():
+    client, x, y = _trained()
+    with pytest.raises(ValueError, match="match_on: expected one of"):
+        match_posteriors([client, client], rule="conflation", match_on="weights")
+    with pytest.raises(ValueError, match="match_on: a given layer_fn decides"):
+        match_posteriors([client, client], rule="conflation", match_on="means", layer_fn=lambda *a, **k: None)
+    assert FusionConfig(align="match").matches_on("laplace") == "means"
+    assert FusionConfig(align="match").matches_on("variational") == "posteriors"
+    assert FusionConfig(align="match", match_on="posteriors").matches_on("laplace") == "posteriors"
+    with pytest.raises(ValueError, match="match_on: what matched fusion's assignment is computed from"):
+        FusionConfig(match_on="means")

@@ -186,6 +186,22 @@ def test_fit_size_keeps_the_weakest_strength_found_that_fits():
     assert result == 0.0 and not search.binding and "not binding" in search.note()
 
 
+def test_a_best_effort_limit_the_matcher_cannot_meet_keeps_the_smallest_match_found_and_says_so():
+    """FedMA's default budget: a width no strength reaches gives the smallest match run (not the last), noted."""
+    def size(t):   # shrinks to 17 by t = 8, then grows again a little: the smallest is not at the strongest
+        return 17 if 8 <= t < 100 else 18 if t >= 100 else 30
+
+    with pytest.raises(ValueError, match="limit: expected a limit the matcher can meet, got 16"):
+        fit_size(lambda t: t, size, 16, "limit")
+    result, search = fit_size(lambda t: t, size, 16, "limit", best_effort=True)
+    assert size(result) == search.size == 17 and not search.met and search.binding
+    assert search.strength == result == min(t for t, s in search.trace if s == 17)
+    assert [t for t, _ in search.trace] == [0.0, *BRACKET]   # the bracket only: no bisection without a fit
+    assert "not met (best effort)" in search.note() and "has 17 against the model's own 30" in search.note()
+    result, search = fit_size(lambda t: t, size, 20, "limit", best_effort=True)
+    assert search.met and search.size <= 20   # a limit it can meet: the same search as without best effort
+
+
 def test_pfnm_config_checks_and_passes_the_limits():
     assert PFNMConfig(max_width=(None, 30)).matcher_kwargs()["max_width"] == (None, 30)
     assert PFNMConfig(max_params="ensemble").matcher_kwargs()["max_params"] == "ensemble"
@@ -257,3 +273,20 @@ def test_fedma_matches_one_group_within_its_max_width():
     with pytest.raises(ValueError, match=r"max_width\['1'\]: expected at least 20"):
         match_group(nets, spec, "1", seed=0, max_width=10)
     assert PFNMConfig(layerwise_retrain=2, max_width=(30, None)).matcher_kwargs()["max_width"] == (30, None)
+
+
+def test_fedmas_default_budget_overdrawn_below_limits_the_groups_above_to_one_clients_width():
+    """Under max_params="auto" (FedMA's default) a budget the groups below already overdrew is best effort: the
+    groups above are limited to one client's width; an explicit budget is refused as before."""
+    from bnpfed.federated.server import fedma_width_limits
+    from bnpfed.inference.size import SizeLimitError
+    nets = federation(hidden=(20, 12))
+    spec = derive_spec(nets[0], (D_IN,))
+    states = [n.state_dict() for n in nets]
+    ensemble = sum(count_parameters(n) for n in nets)
+    matched = {"1": 20 * len(nets)}   # the first layer kept every unit apart: the budget is spent
+    auto = fedma_width_limits(PFNMConfig(layerwise_retrain=1), spec, nets[0], states, ensemble // 2, matched=matched)
+    assert auto.max_width == (20 * len(nets), 12) and auto.max_params is None
+    with pytest.raises(SizeLimitError, match="max_params: expected at least"):
+        fedma_width_limits(PFNMConfig(layerwise_retrain=1, max_params=ensemble // 2), spec, nets[0], states,
+                           ensemble // 2, matched=matched)

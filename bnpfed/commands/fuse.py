@@ -20,7 +20,7 @@ from dataclasses import asdict
 import torch
 
 from bnpfed.combine import available_rules
-from bnpfed.inference.posterior_matching import ATOM_POSTERIOR, PVI, matched_rules
+from bnpfed.inference.posterior_matching import ATOM_POSTERIOR, MATCH_ON, PVI, matched_rules
 from bnpfed.commands import _args
 from bnpfed.commands._args import HelpFormatter, UsageError, fail, flag_message, warn
 from bnpfed.federated import methods
@@ -143,6 +143,11 @@ def add_parser(sub):
     g.add_argument("--pvi-damping", type=float, metavar="RHO",
                    help=f"--rule {PVI}: each client's factor moves RHO of the way to its new value each round, in "
                    f"(0, 1] (default: {PVI_DAMPING})")
+    g.add_argument("--match-on", choices=("auto",) + MATCH_ON, default=fusion.match_on,
+                   help="--align match: what the assignment is computed from: posteriors (the heteroscedastic "
+                   "model), means (PFNM's model on the posterior means, each client's units dead on its data left "
+                   "out first) or auto (means for --client laplace, whose post-hoc variances are mostly the prior's, "
+                   "posteriors for variational clients); the posteriors are fused along it either way")
     g.add_argument("--tau2", type=float, metavar="V",
                    help="--align match: the extra variance between two clients' copies of a unit, > 0 (default: "
                    "estimated per layer)")
@@ -225,6 +230,8 @@ def prepare(args) -> dict:
                          f"fusion), got --align {args.align}")
     if args.tau2 is not None and not match:
         raise UsageError(f"--tau2: expected only with --align match, got --align {args.align}")
+    if args.match_on != "auto" and not match:
+        raise UsageError(f"--match-on: expected only with --align match, got --align {args.align}")
     _args.check_ood_flags(args)
     if args.pvi_damping is not None and PVI not in args.rule:
         raise UsageError(f"--pvi-damping: expected only with --rule {PVI}, got --rule {','.join(args.rule)}")
@@ -234,7 +241,7 @@ def prepare(args) -> dict:
     own_init = match if args.own_init is None else args.own_init
     fusion = FusionConfig(rule=args.rule[0], weights=args.weights, pooling_samples=args.pooling_samples,
                           min_variance=args.min_variance, fraction=args.fraction, align=args.align, tau2=args.tau2,
-                          own_init=own_init, pvi_damping=args.pvi_damping)
+                          own_init=own_init, pvi_damping=args.pvi_damping, match_on=args.match_on)
     if args.baselines is not None:
         if not match:
             raise UsageError(f"--baselines: expected only with --align match, got --align {args.align}")

@@ -39,7 +39,7 @@ from typing import Any, NamedTuple, Optional, Union
 import numpy as np
 import pyro.distributions as dist
 
-from bnpfed.inference.posterior_matching import ATOM_POSTERIOR, PVI, matched_rules
+from bnpfed.inference.posterior_matching import ATOM_POSTERIOR, MATCH_ON, PVI, matched_rules
 from bnpfed.inference.matching import REFERENCE_CONSTANTS
 from bnpfed.federated.partition import partition_dirichlet, partition_homogeneous, train_validation_split
 from bnpfed.models.priors import EmpiricalBayesPrior, IIDPrior, Prior, only_linear_weights
@@ -570,6 +570,13 @@ class FusionConfig:
     :param float pvi_damping: ``rule="pvi"``: rho in (0, 1], each client's factor moves ``rho`` of the way to its new
         value from the second round on (:class:`~bnpfed.federated.rounds.PVIFactors`). Default None: 0.1
         (:data:`PVI_DAMPING`). Read by ``rule="pvi"`` only.
+    :param str match_on: ``align="match"``: what the assignment is computed from: ``"posteriors"`` (the
+        heteroscedastic model, every unit seen with its posterior variances plus tau2), ``"means"`` (PFNM's model on
+        the posterior means, the units a client reports dead on its own data left out first, as PFNM leaves them out)
+        or ``"auto"`` (default: ``"means"`` for Laplace clients, whose post-hoc posteriors keep most weights at their
+        prior variance so that on the posteriors nothing merges; ``"posteriors"`` for variational clients:
+        :meth:`matches_on`). The posteriors are fused along the assignment either way
+        (:func:`~bnpfed.inference.posterior_matching.match_posteriors`).
     """
 
     rule: str = "conflation"
@@ -582,6 +589,7 @@ class FusionConfig:
     own_init: bool = False
     stop: str = "result"
     pvi_damping: Optional[float] = None
+    match_on: str = "auto"
 
     def __post_init__(self):
         check_choice(self.rule, matched_rules(), "rule")
@@ -601,9 +609,20 @@ class FusionConfig:
         check_choice(self.align, ALIGNMENTS, "align")
         check_bool(self.own_init, "own_init")
         check_choice(self.stop, ("result", "fixed-point"), "stop")
+        check_choice(self.match_on, ("auto",) + MATCH_ON, "match_on")
+        if self.match_on != "auto" and self.align != "match":
+            raise ValueError(f"match_on: what matched fusion's assignment is computed from; expected 'auto' with "
+                             f"align={self.align!r} (nothing is matched), got {self.match_on!r}")
         if isinstance(self.tau2, (tuple, list)):
             if not self.tau2:
                 raise ValueError(f"tau2: expected a number, one per hidden permutation, or None, got {self.tau2!r}")
             object.__setattr__(self, "tau2", tuple(check_positive(v, f"tau2[{i}]") for i, v in enumerate(self.tau2)))
         elif self.tau2 is not None:
             check_positive(self.tau2, "tau2")
+
+    def matches_on(self, client: str) -> str:
+        """``match_on`` with ``"auto"`` resolved for the clients' kind (:class:`BayesianConfig`'s ``client``):
+        ``"means"`` for ``"laplace"``, ``"posteriors"`` for ``"variational"``."""
+        if self.match_on != "auto":
+            return self.match_on
+        return "means" if client == "laplace" else "posteriors"

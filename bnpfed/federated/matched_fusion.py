@@ -10,8 +10,10 @@ Round ``t = 1 .. T``:
    posterior-as-prior of Bayesian federated learning -- or, if it was not matched last round, from the whole global
    posterior;
 3. the server matches and fuses (:func:`~bnpfed.federated.server.matched_fusion_step`: heteroscedastic
-   Beta-Bernoulli matching group by group, warm-started from the assignment the clients came from, then one rule of
-   :mod:`bnpfed.combine` per global unit); the width may change from round to round;
+   Beta-Bernoulli matching group by group -- or, for Laplace clients by default (``FusionConfig.match_on``), PFNM's
+   matching of the posterior means with each client's dead units left out, from the activity it reports --
+   warm-started from the assignment the clients came from, then one rule of :mod:`bnpfed.combine` per global unit);
+   the width may change from round to round;
 4. the global Bayesian network is evaluated: the Monte Carlo posterior predictive (softmax averaged over S weight
    draws from ``(seed, PREDICT, t)``), and the posterior-mean network's accuracy beside it.
 
@@ -43,7 +45,8 @@ import torch
 from torch import Tensor, nn
 
 from bnpfed.data import Dataset
-from bnpfed.federated.clients import bayesian_client, fit_bayesian, initial_network, posterior_client
+from bnpfed.federated.clients import (bayesian_client, fit_bayesian, initial_network, posterior_client,
+                                     unit_activity_step)
 from bnpfed.federated.config import PVI_DAMPING, BayesianConfig, FusionConfig, NetworkConfig, TrainingConfig
 from bnpfed.federated.federation import Federation
 from bnpfed.federated.fusion import check_fusion_network
@@ -191,11 +194,17 @@ class MatchedFusionFederation(HoldsRounds, Federation):
             self.clients[j] = client
         t0 = time.perf_counter()
         posteriors = [client_posterior(self.clients[j]) for j in sampled]
+        match_on = self.fusion.matches_on(self.bayesian.client)
+        activity = None
+        if match_on == "means":   # each client's report on its units (its posterior-mean network), on its own data
+            activity = [unit_activity_step(self.clients[j].mean_network(), self.client_data[j][0],
+                                           self.dataset.input_shape, self.training.batch_size) for j in sampled]
         pvi_metrics = {} if self.pvi is None else {"cavity_at_prior": self.pvi.improper}
         pvi = {} if self.pvi is None else self.pvi.step_arguments(sampled, posteriors)
         match = matched_fusion_step(posteriors, self.class_counts[sampled], [self.sizes[j] for j in sampled],
                                     self.fusion, seed=self.seed, round=round, starts=self.rounds.warm_start(sampled),
-                                    spec=self.spec, template=self.template, **pvi)
+                                    spec=self.spec, template=self.template, match_on=match_on, activity=activity,
+                                    **pvi)
         seconds = time.perf_counter() - t0
         self.rounds.update(match, sampled)
         if self.pvi is not None:

@@ -165,7 +165,7 @@ class PFNMFederation(HoldsRounds, Federation):
             config = fedma_width_limits(self.pfnm, spec, self.template, states, ensemble,
                                         matched={g: m.size for g, m in matches.items()})
             match = fedma_group_step(states, counts, config, spec=spec, group=group, seed=self.seed,
-                                     round=round, starts=starts)
+                                     round=round, starts=starts, best_effort=self.pfnm.max_params == "auto")
             states = [align_to_group(s, spec, match, k) for k, s in enumerate(states)]
             seconds += time.perf_counter() - t0
             matches[group] = match

@@ -47,7 +47,7 @@ from bnpfed.inference.layout import width
 from bnpfed.inference.permutation import (BatchNormMoments, GroupMatch, PermutationSpec, SpecMatch,
                                           batch_norm_statistics, match_by_spec, match_group)
 from bnpfed.inference.posterior_matching import MIN_VARIANCE, PVI, match_posteriors
-from bnpfed.inference.size import proportional_widths
+from bnpfed.inference.size import SizeLimitError, minimum_widths, proportional_widths
 from bnpfed.posterior import GaussianPosterior
 from bnpfed.seeding import Stream, derive_seed, numpy_rng, torch_generator
 from bnpfed.validation import check_choice, check_fraction, check_int
@@ -182,7 +182,8 @@ def matched_fusion_step(clients: Sequence, class_counts, sizes: Sequence[int], c
                         round: int, starts: Optional[Sequence[Optional[Mapping[str, Tensor]]]] = None,
                         spec: Optional[PermutationSpec] = None, template: Optional[nn.Module] = None,
                         input_shape: Optional[Sequence[int]] = None, factors: Optional[Sequence] = None,
-                        prior_variance: float = 1.0):
+                        prior_variance: float = 1.0, match_on: str = "posteriors",
+                        activity: Optional[Sequence[Mapping[str, Tensor]]] = None):
     """Matched posterior fusion's server step (``config.align == "match"``): the clients' hidden units matched group
     by group under the heteroscedastic Beta-Bernoulli model, every global unit's members fused with ``config.rule``
     (:func:`~bnpfed.inference.posterior_matching.match_posteriors`).
@@ -200,6 +201,9 @@ def matched_fusion_step(clients: Sequence, class_counts, sizes: Sequence[int], c
         from (the warm start of the matching).
     :param factors: ``config.rule == "pvi"``: per client its approximate-likelihood factor (None: each posterior
         over the prior, round 1); ``prior_variance`` the clients' prior variance.
+    :param str match_on: what the assignment is computed from, ``config.matches_on(client kind)``: ``"posteriors"``
+        or ``"means"`` (then ``activity``, per client its :func:`~bnpfed.federated.clients.unit_activity_step` of its
+        posterior-mean network, leaves its dead units out).
     :returns: :class:`~bnpfed.inference.posterior_matching.PosteriorMatch`.
     """
     if not isinstance(config, FusionConfig):
@@ -215,7 +219,7 @@ def matched_fusion_step(clients: Sequence, class_counts, sizes: Sequence[int], c
                             input_shape=input_shape, template=template, tau2=config.tau2,
                             seed=derive_seed(seed, Stream.MATCH, round), warm_start=init,
                             num_samples=config.pooling_samples, min_variance=config.min_variance or MIN_VARIANCE,
-                            stop=config.stop)
+                            stop=config.stop, match_on=match_on, activity=activity)
 
 
 def matched_client_start(match, k: Optional[int]) -> tuple[dict, dict, dict]:
@@ -403,19 +407,21 @@ def with_statistics(state: Mapping[str, Tensor], statistics: Mapping[str, Tensor
 
 def fedma_group_step(client_states: Sequence[Mapping[str, Tensor]], class_counts, config: PFNMConfig, *,
                      spec: PermutationSpec, group: str, seed: int, round: int,
-                     starts: Optional[Sequence[Optional[Mapping[str, Tensor]]]] = None) -> GroupMatch:
+                     starts: Optional[Sequence[Optional[Mapping[str, Tensor]]]] = None,
+                     best_effort: bool = False) -> GroupMatch:
     """FedMA's server step for one group (Wang et al. 2020): match group ``group`` of the clients' networks, whose
     groups before it are the matched ones already (every client holds them, unit for unit, after
     :func:`~bnpfed.inference.permutation.align_to_group`), with ``config``'s hyper-parameters for that group; its
     sweeps draw from ``derive_seed(seed, MATCH, round) + c`` (c its position in the spec), as in :func:`pfnm_step`.
-    ``starts`` warm-starts it as in :func:`pfnm_step`."""
+    ``starts`` warm-starts it as in :func:`pfnm_step`; ``best_effort``: a width limit the matcher cannot meet gives
+    the smallest match found, noted (:func:`~bnpfed.inference.fedma.match_group`)."""
     kwargs = config.matcher_kwargs()
     kwargs.pop("direction")   # FedMA matches bottom-up (PFNMConfig refuses layer-wise top-down)
     init = _warm_start(config, starts, len(client_states))
     c = spec.group_names.index(group)
     return match_group(list(client_states), spec, group, class_counts,
                        seed=derive_seed(seed, Stream.MATCH, round) + c,
-                       init_assignments=None if init is None else init[group], **kwargs)
+                       init_assignments=None if init is None else init[group], best_effort=best_effort, **kwargs)
 
 
 def fedma_width_limits(config: PFNMConfig, spec: PermutationSpec, template: nn.Module,
@@ -428,15 +434,23 @@ def fedma_width_limits(config: PFNMConfig, spec: PermutationSpec, template: nn.M
     the groups below left unused goes to the ones above), each the smaller of that and ``config.max_width``'s for the
     group. ``ensemble``: the clients' networks' parameters together (``max_params="ensemble"``, FedMA's default
     ``"auto"``). ``config`` itself when it has no limit (:attr:`~bnpfed.federated.config.PFNMConfig.parameter_limit`
-    is None)."""
+    is None). Under the default ``"auto"`` the budget is best effort: when the groups below already took more than it
+    allows, the groups above are limited to one client's width (and :func:`fedma_group_step` with ``best_effort``
+    keeps the smallest match it finds)."""
     if config.parameter_limit is None:
         return config
     names = spec.group_names
     limit = ensemble if config.parameter_limit == "ensemble" else int(config.parameter_limit)
     widths = [{g.name: width(s, g, f"client_states[{j}]") for g in spec.groups} for j, s in enumerate(client_states)]
     shapes = {k: tuple(v.shape) for k, v in client_states[0].items()}
-    budget = proportional_widths(spec, shapes, [n for n, _ in template.named_parameters()], widths, limit,
-                                 matched=matched)
+    try:
+        budget = proportional_widths(spec, shapes, [n for n, _ in template.named_parameters()], widths, limit,
+                                     matched=matched)
+    except SizeLimitError:
+        if config.max_params != "auto":
+            raise
+        # FedMA's default budget, overdrawn by the groups below (best effort): the rest as small as one client's
+        budget = {**minimum_widths(widths), **(matched or {})}
     given = config.max_width if isinstance(config.max_width, tuple) else (config.max_width,) * len(names)
     if len(given) != len(names):
         raise ValueError(f"max_width: expected one value or one per matched group ({len(names)}), got {len(given)}")

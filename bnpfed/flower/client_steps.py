@@ -39,7 +39,8 @@ alone decides. The steps are :mod:`bnpfed.federated.clients`' (the in-process fe
   and prior (:func:`~bnpfed.federated.matched_fusion.client_from_slice`); fitted by
   :func:`~bnpfed.federated.clients.fit_bayesian`; reply with its posterior
   (:func:`~bnpfed.inference.posterior_matching.client_posterior`), ``num-examples``, ``class-counts``,
-  ``train-loss``;
+  ``train-loss`` and its posterior-mean network's units' activity on its data (``activity:<group>``; read when the
+  server matches on the means, ``match-on``);
 * ``evaluate``: accuracy, NLL and Brier score of the global model on the test shard, and the per-bin calibration
   gaps of ECE with 100 and 15 bins (:func:`~bnpfed.metrics.calibration_gaps`: sums over the shard, from which the
   server computes the test split's ECE exactly); fusion and matched fusion: the posterior predictive drawn from
@@ -292,7 +293,10 @@ def _train_matched(msg: Message, context: Context) -> Message:
         client = c.matched_client(sent, as_prior=True)
     loss = fit_bayesian(client, x, y, s.training, seed=s.seed, round=c.round, index=c.j,
                         scale_lr_factor=s.bayesian.scale_lr_factor)
-    metrics = {"num-examples": int(len(y)), "class-counts": c.class_counts(), "train-loss": float(loss)}
+    # its units' activity on its data, as PFNM's clients send it (read when the server matches on the means)
+    metrics = {"num-examples": int(len(y)), "class-counts": c.class_counts(), "train-loss": float(loss),
+               **activity_metrics(unit_activity_step(client.mean_network(), x, ds.input_shape,
+                                                     s.training.batch_size))}
     return c.reply(msg, matched_posterior_to_record(*client_posterior(client)), metrics)
 
 

@@ -748,6 +748,7 @@ class MatchedFusionStrategy(_MatchingStrategy):
         self.network = replace(network, shared_init=False)
         self.rounds: Optional[MatchRounds] = None
         self.pvi = pvi_factors(fusion, bayesian)   # rule "pvi": the clients' factors, kept on the server
+        self.match_on = fusion.matches_on(bayesian.client)
 
     def connect(self, grid: Grid) -> NodeIdentity:
         """As :meth:`_MatchingStrategy.connect`, then the template's Bayesian sites (what every client builds
@@ -771,7 +772,8 @@ class MatchedFusionStrategy(_MatchingStrategy):
                                                         widths=self.rounds.widths(j))
         counts = read_class_counts(metrics, self.identity.num_classes)
         posterior = ({k: locs[k] for k in self._order}, variances)
-        return Accepted(j, n, (posterior, counts), {"train_loss": read_finite(metrics, "train-loss")})
+        activity = read_activity(metrics, self.spec.group_names) if self.match_on == "means" else None
+        return Accepted(j, n, (posterior, counts, activity), {"train_loss": read_finite(metrics, "train-loss")})
 
     def _aggregate(self, server_round, accepted):
         clients = [a.partition_id for a in accepted]
@@ -780,7 +782,9 @@ class MatchedFusionStrategy(_MatchingStrategy):
         match = matched_fusion_step(posteriors, np.stack([a.payload[1] for a in accepted]),
                                     [a.num_examples for a in accepted], self.fusion, seed=self.seed,
                                     round=server_round, starts=self.rounds.warm_start(clients), spec=self.spec,
-                                    template=self.template, **pvi)
+                                    template=self.template, match_on=self.match_on,
+                                    activity=None if self.match_on != "means" else [a.payload[2] for a in accepted],
+                                    **pvi)
         self.rounds.update(match, clients)
         own = self.rounds.summary()
         summary = {"hidden": own["hidden"],

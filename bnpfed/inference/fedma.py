@@ -43,6 +43,7 @@ def match_group(
     layer_fn: Callable = match_layer,
     global_weights: Literal["average", "posterior-mean"] | None = None,
     max_width=None,
+    best_effort: bool = False,
     **matcher_kwargs,
 ) -> GroupMatch:
     """Match one group of J clients' networks: :func:`match_by_spec`'s step for that group, on its own. FedMA's
@@ -83,6 +84,9 @@ def match_group(
     :param max_width: the most global units of the group (as :func:`match_by_spec`'s: one value, one per group, or a
         mapping by name; this group's is used), met by lowering its IBP mass (:mod:`bnpfed.inference.size`); at least
         the most units one client holds in it. None: the model's own width.
+    :param bool best_effort: a ``max_width`` the matcher cannot meet gives the smallest match it found (its
+        ``size_search.met`` False, the note in its result's notes) instead of a
+        :class:`~bnpfed.inference.size.SizeLimitError` (FedMA's default budget, ``PFNMConfig(max_params="auto")``).
     :returns: :class:`GroupMatch`.
     """
     mode = check_choice(hyperparameters, ("empirical-bayes", "fixed"), "hyperparameters")
@@ -135,7 +139,7 @@ def match_group(
             return pfnm_group(clients, spec, name, layout, rows["value"], below_, layer_fn, values.with_gamma0(gamma),
                               mode=mode, sweeps=sweeps, seed=seed, init=init, options=matcher_kwargs,
                               combine=combine)
-        return limit_width(at(None), at, cap)
+        return limit_width(at(None), at, cap, best_effort=best_effort)
 
     match = match_groups(clients, spec, step, below=resolved, groups=[group])[group]
     if clients.output_bias is not None and spec.owner(clients.output_weight) == group:

@@ -515,15 +515,17 @@ def check_size_limits(max_width, max_params, clients: Clients, template: nn.Modu
     return caps, limit
 
 
-def limit_width(first: GroupMatch, rerun: Callable[[float], GroupMatch], cap: int | None) -> GroupMatch:
+def limit_width(first: GroupMatch, rerun: Callable[[float], GroupMatch], cap: int | None, *,
+                best_effort: bool = False) -> GroupMatch:
     """``first`` (a group's match at its own gamma0) if ``cap`` is None or it fits; else the match ``rerun(gamma0)``
-    at the largest gamma0 below its own found to fit ``cap`` (:func:`~bnpfed.inference.size.fit_size`), with its
-    ``size_search`` set and the search's note added to its result's notes."""
+    at the largest gamma0 below its own found to fit ``cap`` (:func:`~bnpfed.inference.size.fit_size`; with
+    ``best_effort``, the smallest found when none fits), with its ``size_search`` set and the search's note added to
+    its result's notes."""
     if cap is None:
         return first
     base = match_gamma0(first, "max_width")
     match, search = fit_size(lambda t: first if t == 0.0 else rerun(base * math.exp(-t)), lambda m: m.size, cap,
-                             f"max_width[{first.group!r}]")
+                             f"max_width[{first.group!r}]", best_effort=best_effort)
     match.size_search = search
     if search.binding and hasattr(match.result, "notes"):
         match.result.notes = [*match.result.notes, search.note()]

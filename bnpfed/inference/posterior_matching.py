@@ -83,6 +83,15 @@ its last factor, is not counted twice. A coordinate whose product is improper (t
 ``-lambda_0``, which a client whose posterior came out wider than its cavity can cause) is set to the prior and
 counted (``PosteriorMatch.improper``). Deterministic coordinates are averaged as for every rule.
 
+**Matched on the means** (``match_on="means"``). The assignment may instead come from PFNM's homoscedastic model on
+the posterior means alone (:func:`~bnpfed.inference.matching.match_layer`, tau2 in the role of its noise variance
+sigma2: the heteroscedastic model with every ``u = 0``), the posteriors fused along it as above. This is for
+posteriors whose variances say more about the prior than about the data: a post-hoc Laplace posterior of a network
+trained without weight decay keeps most weights at their prior variance, so under the heteroscedastic model every unit
+is uninformative and nothing merges (benchmarks/README.md, *Laplace clients*); on the means the units merge as PFNM's
+do. With the clients' ``activity`` reports (:mod:`bnpfed.inference.activity`) the units dead on a client's data are
+left out first, as :func:`~bnpfed.inference.network_matching.match_by_spec` leaves them out: they join no global unit.
+
 **Rounds.** :meth:`PosteriorMatch.client_slice` gives a client its own units of the global posterior (its assignment
 in every group): in PFNM with communication (Yurochkin et al. 2019, section 3.3) that slice is the client's next
 starting point and, here, its next prior (:func:`~bnpfed.inference.BayesianClient.update_prior_`).
@@ -109,16 +118,18 @@ Usage: two clients hold one Bayesian MLP with its hidden units permuted; matchin
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Literal, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from bnpfed.combine import available_rules, average_deterministic, fuse
+from bnpfed.inference.activity import drop_units, kept_per_client
 from bnpfed.inference.assembly import client_slice, network_from_state, state_from_atoms
 from bnpfed.inference.bayesian_matching import match_bayesian_layer
 from bnpfed.inference.layout import width
+from bnpfed.inference.matching import match_layer
 from bnpfed.inference.network_matching import (call_matcher, group_values, match_groups, prepare_clients,
                                                resolve_spec, warm_start_labels)
 from bnpfed.inference.spec import STATISTICS, PermutationSpec
@@ -128,8 +139,18 @@ from bnpfed.models.priors import Prior
 from bnpfed.posterior import GaussianPosterior
 from bnpfed.validation import check_choice, check_int, check_positive
 
-__all__ = ["ATOM_POSTERIOR", "MIN_VARIANCE", "PVI", "PosteriorMatch", "cavity", "client_posterior", "fuse_members",
-           "match_posteriors", "matched_rules", "pvi_factor"]
+__all__ = ["ATOM_POSTERIOR", "MATCH_ON", "MIN_VARIANCE", "PVI", "PosteriorMatch", "cavity", "client_posterior",
+           "fuse_members", "match_means", "match_posteriors", "matched_rules", "pvi_factor"]
+
+#: What a matched fusion's assignment is computed from (:func:`match_posteriors`' ``match_on``).
+MATCH_ON = ("posteriors", "means")
+
+
+def match_means(means, variances, *, tau2=None, hyperparameters: str = "empirical-bayes", **options):
+    """One group matched on its neurons' posterior means alone (``match_on="means"``, module docstring): PFNM's
+    :func:`~bnpfed.inference.matching.match_layer` with tau2 as its noise variance sigma2; ``variances`` are not
+    looked at. ``options``: the rest of :func:`~bnpfed.inference.matching.match_layer`'s keywords."""
+    return match_layer(means, sigma2=tau2, hyperparameters=hyperparameters, **options)
 
 #: The fusion of matched units by the matching model's own posterior of their atom (module docstring).
 ATOM_POSTERIOR = "atom-posterior"
@@ -217,6 +238,8 @@ class PosteriorMatch:
     :param Tensor class_shares: (J, C) ``share_jk``.
     :param Tensor sizes: (J,) the clients' example counts ``n_j`` (member weights on a unit's own coordinates).
     :param int improper: ``rule="pvi"``: the coordinates whose product of factors was improper, set to the prior.
+    :param list kept_units: with the clients' ``activity`` reports, per client and group the indices of the units
+        it kept (the assignments refer to those); None without reports.
     """
 
     spec: PermutationSpec
@@ -233,6 +256,7 @@ class PosteriorMatch:
     class_shares: Tensor | None = field(default=None, repr=False)
     sizes: Tensor | None = field(default=None, repr=False)
     improper: int = 0
+    kept_units: list | None = None
 
     @property
     def widths(self) -> dict[str, int]:
@@ -454,6 +478,8 @@ def match_posteriors(
     stop: Literal["fixed-point", "result"] = "result",
     factors=None,
     prior_variance: float = 1.0,
+    match_on: Literal["posteriors", "means"] = "posteriors",
+    activity=None,
 ) -> PosteriorMatch:
     """Match J Bayesian clients' hidden units group by group and fuse every global unit's members' posteriors (see
     the module docstring).
@@ -489,11 +515,23 @@ def match_posteriors(
     :param factors: ``rule="pvi"``: per client its factor ``(precisions, etas)`` per Bayesian site, in its own
         coordinates (:func:`pvi_factor`, possibly damped); None (round 1): each client's posterior over the prior.
     :param float prior_variance: ``rule="pvi"``: the variance of the clients' zero-mean prior.
+    :param str match_on: what the assignment is computed from: ``"posteriors"`` (default: the heteroscedastic
+        model, every neuron seen with its posterior variances plus tau2) or ``"means"`` (PFNM's model on the posterior
+        means, :func:`match_means`); the posteriors are fused along it either way (module docstring). Not with a
+        ``layer_fn``, which decides that itself.
+    :param activity: None, or per client its report on its units on its own data
+        (:func:`~bnpfed.inference.activity.unit_activity` of its posterior-mean network): the units with activity 0
+        are left out before matching, as :func:`~bnpfed.inference.network_matching.match_by_spec` does
+        (``PosteriorMatch.kept_units``; the assignments and ``warm_start`` refer to the units kept).
     :returns: :class:`PosteriorMatch`.
     """
     t0 = time.perf_counter()
     mode = check_choice(hyperparameters, ("empirical-bayes", "fixed"), "hyperparameters")
     check_choice(rule, matched_rules(), "rule")
+    check_choice(match_on, MATCH_ON, "match_on")
+    if layer_fn is not None and match_on != "posteriors":
+        raise ValueError(f"match_on: a given layer_fn decides what it matches on; expected the default "
+                         f"'posteriors' with one, got {match_on!r}")
     check_int(num_samples, "num_samples", low=1)
     min_variance = check_positive(min_variance, "min_variance")
     if not isinstance(clients, Sequence) or isinstance(clients, (str, bytes)) or not clients:
@@ -526,7 +564,14 @@ def match_posteriors(
     names, shares = spec.group_names, data.shares
     n = _sizes(sizes, class_counts, data.J)
     init = warm_start_labels(warm_start, names, data.widths)
-    fn = match_bayesian_layer if layer_fn is None else layer_fn
+    kept = kept_per_client(activity, spec, data.widths)
+    if kept is not None:   # as match_by_spec: every channel without the inactive units
+        data = replace(data, channels={name: [drop_units(st, spec, k) for st, k in zip(chs, kept)]
+                                       for name, chs in data.channels.items()},
+                       widths=[{g: int(k[g].numel()) for g in names} for k in kept])
+        if init is not None:
+            init = {g: [labels[k[g]] for labels, k in zip(init[g], kept)] for g in names}
+    fn = layer_fn if layer_fn is not None else match_means if match_on == "means" else match_bayesian_layer
     if not callable(fn):
         raise ValueError(f"layer_fn: expected a one-group matcher, got {layer_fn!r}")
     values = group_values(names, mode, {"tau2": tau2, "sigma0_2": sigma0_2, "gamma0": gamma0}, mu0, bias_mu0)
@@ -610,7 +655,7 @@ def match_posteriors(
     return PosteriorMatch(spec=spec, **states, assignments={g: f.assignments for g, f in groups.items()},
                           layer_results={g: f.result for g, f in groups.items()}, rule=rule, template=template,
                           seconds=time.perf_counter() - t0, match_seconds=sum(match_seconds), class_shares=shares,
-                          sizes=n, improper=improper[0])
+                          sizes=n, improper=improper[0], kept_units=kept)
 
 
 def _factor_channels(pairs, locs, factors, prior_variance) -> dict[str, list]:

@@ -65,6 +65,8 @@ class SizeSearch:
     :param float strength: ``t`` of the match kept (0: the limit did not bind): the group's gamma0 was multiplied
         by ``exp(-t)`` (``max_width``), or every group's by ``exp(-t D_g / D_max)`` (``max_params``).
     :param list trace: ``(t, size)`` of every match run, in order.
+    :param bool met: whether ``size <= limit``; False only for a best-effort search (``fit_size(...,
+        best_effort=True)``) that kept the smallest match it found above the limit.
     """
 
     what: str
@@ -73,6 +75,7 @@ class SizeSearch:
     size: int
     strength: float
     trace: list = field(default_factory=list)
+    met: bool = True
 
     @property
     def binding(self) -> bool:
@@ -83,6 +86,10 @@ class SizeSearch:
         """One line: what the limit cost."""
         if not self.binding:
             return f"{self.what} = {self.limit}: not binding (the model's own size is {self.own})"
+        if not self.met:
+            return (f"{self.what} = {self.limit}: not met (best effort): the smallest match found, at strength "
+                    f"{self.strength:.4g} ({len(self.trace)} matches run), has {self.size} against the model's own "
+                    f"{self.own}; the clients' units are too far apart to merge into fewer")
         return (f"{self.what} = {self.limit}: strength {self.strength:.4g} ({len(self.trace)} matches run) gives "
                 f"{self.size} against the model's own {self.own}")
 
@@ -173,17 +180,20 @@ def proportional_widths(spec: PermutationSpec, shapes: Mapping[str, Sequence[int
     return at(lo)
 
 
-def fit_size(run: Callable[[float], object], size_of: Callable[[object], int], limit: int, what: str
-             ) -> tuple[object, SizeSearch]:
+def fit_size(run: Callable[[float], object], size_of: Callable[[object], int], limit: int, what: str, *,
+             best_effort: bool = False) -> tuple[object, SizeSearch]:
     """The result of ``run(t)`` at the smallest strength ``t >= 0`` found whose ``size_of`` is at most ``limit``
     (the module docstring's search; ``t`` is ``-log f``, the factor on gamma0), and the :class:`SizeSearch` that
-    says what it took. ``run(0.0)`` is the model's own match, returned as it is when it fits."""
+    says what it took. ``run(0.0)`` is the model's own match, returned as it is when it fits. When no strength of
+    the bracket fits: :class:`SizeLimitError`, or with ``best_effort`` the smallest match the bracket found
+    (``SizeSearch.met`` False, its note saying so)."""
     best = run(0.0)
     own = best_size = int(size_of(best))
     trace = [(0.0, own)]
     if own <= limit:
         return best, SizeSearch(what, limit, own, own, 0.0, trace)
     weak, strong = 0.0, None   # strengths known over the limit / known within it
+    smallest = (own, 0.0, best)  # the smallest match run so far (a best effort's result)
     for t in BRACKET:
         result = run(t)
         size = int(size_of(result))
@@ -191,7 +201,12 @@ def fit_size(run: Callable[[float], object], size_of: Callable[[object], int], l
         if size <= limit:
             best, best_size, strong = result, size, t
             break
+        if size < smallest[0]:
+            smallest = (size, t, result)
         weak = t
+    if strong is None and best_effort:
+        size, t, result = smallest
+        return result, SizeSearch(what, limit, own, size, t, trace, met=False)
     if strong is None:
         raise SizeLimitError(f"{what}: expected a limit the matcher can meet, got {limit}: at strength {BRACKET[-1]:g} "
                          f"(gamma0 times exp(-{BRACKET[-1]:g})) the match still has {trace[-1][1]} (the model's own: "
