@@ -214,3 +214,21 @@ def test_fedma_meets_a_parameter_budget_split_into_widths(digits, parts, limit):
     assert fedma_width_limits(PFNMConfig(), fed.spec, client, states, 0) == PFNMConfig()
     unlimited = PFNMConfig(layerwise_retrain=1, max_params=None)   # the model's own size, asked for
     assert fedma_width_limits(unlimited, fed.spec, client, states, 0) is unlimited
+
+
+def test_fedmas_ensemble_budget_is_the_clients_own_networks_in_every_round(digits, parts, monkeypatch):
+    """Over rounds the clients hold slices of the global network; FedMA's default budget stays what the global
+    network replaces, the clients' own networks together (a budget on the slices would shrink it round by round)."""
+    seen = []
+    real = pfnm_module.fedma_width_limits
+
+    def recording(config, spec, template, states, ensemble, matched=None):
+        seen.append(ensemble)
+        return real(config, spec, template, states, ensemble, matched=matched)
+
+    monkeypatch.setattr(pfnm_module, "fedma_width_limits", recording)
+    fed = federation(digits, parts, "lenet", pfnm=PFNMConfig(layerwise_retrain=1))
+    fed.run(rounds=2)
+    client = initial_network(NetworkConfig(arch="lenet"), digits.input_shape, digits.num_classes, seed=0)
+    assert seen == [3 * count_parameters(client)] * (2 * len(fed.spec.group_names))
+    assert all(h.metrics["parameters"] <= 3 * count_parameters(client) for h in fed.history)

@@ -59,7 +59,6 @@ from bnpfed.federated.rounds import Architecture, HoldsRounds, MatchRounds
 from bnpfed.federated.server import (drop_inactive, fedma_group_step, fedma_width_limits, matched_parameters, pfnm_step,
                                      with_statistics)
 from bnpfed.inference.permutation import SpecMatch, align_to_group
-from bnpfed.inference.size import parameters_in
 from bnpfed.metrics import count_parameters
 
 __all__ = ["PFNMFederation"]
@@ -136,7 +135,9 @@ class PFNMFederation(HoldsRounds, Federation):
             activity = [unit_activity_step(net, self.client_data[j][0], self.dataset.input_shape,
                                            self.training.batch_size) for net, j in zip(nets, sampled)]
         if self.pfnm.layerwise_retrain:
-            ensemble = parameters_in(states, (n for n, _ in self.template.named_parameters()))
+            # the budget "ensemble": the round's clients at their own networks' size (round 1's), in every round
+            # (their slices of the global network shrink with it: a budget on those would shrink it round by round)
+            ensemble = len(sampled) * count_parameters(self.template)
             if activity is not None:
                 states, starts = drop_inactive(states, self.spec, activity, starts)
             match, seconds = self._layerwise(round, sampled, states, starts, ensemble)
