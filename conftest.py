@@ -12,3 +12,14 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+@pytest.fixture(autouse=True)
+def same_global_random_state():
+    """Every test and docstring example starts from one global random state (Python's, numpy's, torch's, through
+    Pyro's ``set_rng_seed``), so that what it draws without a seed of its own -- a network's initialisation, say --
+    does not depend on which tests ran before it."""
+    import pyro
+
+    pyro.set_rng_seed(0)
+    yield

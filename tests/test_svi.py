@@ -42,6 +42,8 @@ def posteriors_equal(a, b):
 @pytest.mark.parametrize("local_reparameterization", [False, True])
 def test_svi_reduces_the_loss_and_separates_blobs(local_reparameterization):
     x, y = blobs()
+    torch.manual_seed(0)   # the network's initialisation, not whatever the tests before left in the global RNG
+    # (measured over initial seeds 0-5: the last epoch's loss is 0.13-0.26 against 1.87-2.13 at the first)
     client = BayesianClient(mlp(2, [16], 2), IIDPrior(), local_reparameterization=local_reparameterization)
     client.fit(x, y, epochs=30, batch_size=50, lr=0.05, seed=0)
     assert len(client.losses_) == 30
