@@ -232,3 +232,14 @@ def test_fedmas_ensemble_budget_is_the_clients_own_networks_in_every_round(digit
     client = initial_network(NetworkConfig(arch="lenet"), digits.input_shape, digits.num_classes, seed=0)
     assert seen == [3 * count_parameters(client)] * (2 * len(fed.spec.group_names))
     assert all(h.metrics["parameters"] <= 3 * count_parameters(client) for h in fed.history)
+
+
+def test_pfnms_ensemble_budget_over_rounds_is_the_clients_own_networks_too(digits, parts):
+    fed = federation(digits, parts, "lenet", pfnm=PFNMConfig(max_params="ensemble"))
+    client = initial_network(NetworkConfig(arch="lenet"), digits.input_shape, digits.num_classes, seed=0)
+    limits = []
+    for _ in range(2):
+        fed.run_round()
+        limits.append(fed.match.size_searches["parameters"].limit)
+        assert count_parameters(fed.match.network()) <= 3 * count_parameters(client)
+    assert limits == [3 * count_parameters(client)] * 2

@@ -48,6 +48,7 @@ from bnpfed.inference.permutation import (BatchNormMoments, GroupMatch, Permutat
                                           batch_norm_statistics, match_by_spec, match_group)
 from bnpfed.inference.posterior_matching import MIN_VARIANCE, PVI, match_posteriors
 from bnpfed.inference.size import SizeLimitError, minimum_widths, proportional_widths
+from bnpfed.metrics import count_parameters
 from bnpfed.posterior import GaussianPosterior
 from bnpfed.seeding import Stream, derive_seed, numpy_rng, torch_generator
 from bnpfed.validation import check_choice, check_fraction, check_int
@@ -297,8 +298,14 @@ def pfnm_step(client_nets: Sequence, class_counts, config: PFNMConfig, *, seed: 
         (``SpecMatch.kept_units``), with ``"keep"`` the reports are not used. None: every unit is matched.
     :returns: :class:`~bnpfed.inference.permutation.SpecMatch` (``state``, ``assignments``, ``widths``,
         ``network()``, ``client_slice(j)``).
+
+    ``max_params="ensemble"`` with a ``template`` is the clients at the template's size together (their own
+    networks'), in every round: from round 2 on they hold slices of the global network, and a budget of the slices'
+    size would shrink it round by round.
     """
     init = _warm_start(config, starts, len(client_nets))
+    if config.parameter_limit == "ensemble" and template is not None:
+        config = replace(config, max_params=len(client_nets) * count_parameters(template))
     return match_by_spec(list(client_nets), class_counts, spec, input_shape=input_shape, template=template,
                          seed=derive_seed(seed, Stream.MATCH, round), warm_start=init,
                          activity=activity if config.inactive == "drop" else None, **config.matcher_kwargs())
