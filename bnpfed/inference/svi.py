@@ -38,6 +38,7 @@ import functools
 import math
 from typing import Any, Callable, Iterable, Mapping, Optional
 
+import numpy as np
 import pyro.infer
 import torch
 import torch.nn.functional as F
@@ -56,8 +57,11 @@ __all__ = ["BayesianClient", "DeterministicClient", "TrainingDiverged"]
 
 #: The initial posterior standard deviation of the default guide.
 DEFAULT_INIT_SCALE = 1e-2
-#: A fit has converged when its last epoch improved the mean -ELBO per example by less than this fraction.
+#: A fit has converged when its last epochs improved the mean -ELBO per example by less than this fraction (or by
+#: less than their Monte Carlo spread: :func:`_convergence`).
 CONVERGENCE_TOLERANCE = 1e-3
+#: The most epochs in each of the two windows :func:`_convergence` compares.
+CONVERGENCE_WINDOW = 20
 
 
 class TrainingDiverged(RuntimeError):
@@ -181,9 +185,10 @@ class BayesianClient:
         sites whose prior is not a posterior), so it is a function of the fit alone, not of earlier fits (a client
         rebuilt each round, as on Flower, gets the same numbers as one kept).
 
-        After the fit, ``losses_`` holds each epoch's mean ``-ELBO / n``, ``converged_`` whether the last epoch
-        improved it by less than :data:`CONVERGENCE_TOLERANCE` (relative, 1e-3; a fit of one epoch is not
-        judged: None), and ``notes_`` says so in words when it has not.
+        After the fit, ``losses_`` holds each epoch's mean ``-ELBO / n``, ``converged_`` whether the last epochs
+        improved it by less than :data:`CONVERGENCE_TOLERANCE` (relative, 1e-3) or than their Monte Carlo spread
+        (:func:`_convergence`; a fit of one epoch is not judged: None), and ``notes_`` says so in words when it has
+        not.
 
         :raises ValueError: naming the argument, for bad data or settings (checked before any training).
         :raises TrainingDiverged: when the loss or a parameter becomes NaN or infinite.
@@ -434,16 +439,29 @@ def _train(
 
 
 def _convergence(losses: list[float]) -> tuple[Optional[bool], list[str]]:
-    """``(converged, notes)`` of a fit's epoch losses: converged when the last epoch improved the mean loss by less
-    than :data:`CONVERGENCE_TOLERANCE` of its size; None (not judged) after one epoch."""
+    """``(converged, notes)`` of a fit's epoch losses; None (not judged) after one epoch.
+
+    An epoch's loss is a Monte Carlo estimate (weights drawn at every step), so one epoch against the one before
+    mostly compares noise when an epoch has few steps. The mean of the last ``W`` epochs is compared with the mean of
+    the ``W`` before them (``W = min(CONVERGENCE_WINDOW, len // 4)``): converged when it improved by less than
+    :data:`CONVERGENCE_TOLERANCE` of its size or by less than twice the standard error of the difference (no
+    improvement the noise does not explain). Fewer than 8 epochs: the last against the one before."""
     if len(losses) < 2:
         return None, []
-    previous, last = losses[-2], losses[-1]
+    W = min(CONVERGENCE_WINDOW, len(losses) // 4)
+    if W < 2:
+        previous, last, spread = losses[-2], losses[-1], 0.0
+    else:
+        before, after = np.asarray(losses[-2 * W:-W]), np.asarray(losses[-W:])
+        previous, last = float(before.mean()), float(after.mean())
+        spread = 2.0 * math.sqrt((before.var(ddof=1) + after.var(ddof=1)) / W)
     change = (previous - last) / max(abs(last), 1e-12)
-    if change < CONVERGENCE_TOLERANCE:
+    if change < CONVERGENCE_TOLERANCE or previous - last < spread:
         return True, []
-    return False, [f"not converged: the last epoch still lowered -ELBO/n by {100 * change:.2g} % "
-                   f"({previous:.6g} -> {last:.6g}; converged is under {100 * CONVERGENCE_TOLERANCE:.2g} %); "
+    what = "the last epoch" if W < 2 else f"the last {W} epochs (against the {W} before)"
+    noise = "" if W < 2 else f", more than their Monte Carlo spread {spread:.3g}"
+    return False, [f"not converged: {what} still lowered -ELBO/n by {100 * change:.2g} % "
+                   f"({previous:.6g} -> {last:.6g}{noise}; converged is under {100 * CONVERGENCE_TOLERANCE:.2g} %); "
                    "train more epochs or raise lr / scale_lr"]
 
 
