@@ -369,3 +369,5 @@ def test_match_on_is_checked_and_resolved_by_the_clients_kind():
     assert FusionConfig(align="match", match_on="posteriors").matches_on("laplace") == "posteriors"
     with pytest.raises(ValueError, match="match_on: what matched fusion's assignment is computed from"):
         FusionConfig(match_on="means")
+    with pytest.raises(ValueError, match="match_on: rule 'pvi' keeps each client's factor"):
+        FusionConfig(align="match", rule="pvi", match_on="means")

@@ -613,6 +613,10 @@ class FusionConfig:
         if self.match_on != "auto" and self.align != "match":
             raise ValueError(f"match_on: what matched fusion's assignment is computed from; expected 'auto' with "
                              f"align={self.align!r} (nothing is matched), got {self.match_on!r}")
+        if self.match_on == "means" and self.rule == PVI:
+            raise ValueError(f"match_on: rule {PVI!r} keeps each client's factor in the client's own units from round "
+                             f"to round, which leaving its dead units out (match_on='means') would change; expected "
+                             f"'posteriors' or 'auto' with it, got 'means'")
         if isinstance(self.tau2, (tuple, list)):
             if not self.tau2:
                 raise ValueError(f"tau2: expected a number, one per hidden permutation, or None, got {self.tau2!r}")
