@@ -35,6 +35,7 @@ import torch
 from bnpfed.data import load_dataset, standardize_together
 from bnpfed.federated.config import BayesianConfig, FusionConfig, NetworkConfig, PartitionConfig, TrainingConfig
 from bnpfed.federated.methods import ExperimentConfig, run_experiment
+from bnpfed.models import IIDPrior
 
 from bench_pfnm import _done, _emit  # noqa: E402  (the resumable JSON-lines files of every real-data benchmark)
 
@@ -54,6 +55,8 @@ def _data(name: str, dirs: dict):
 
 
 def _bayesian(args) -> BayesianConfig:
+    if args.expose:   # only these parameters Bayesian (e.g. "3.weight": the output layer, a last-layer Laplace)
+        return BayesianConfig(client=args.client, prior=IIDPrior(expose=args.expose.split(",")))
     return BayesianConfig(init_scale=args.init_scale, prior_variance=args.prior_variance, kl_weight=args.kl_weight,
                           scale_lr_factor=args.scale_lr_factor, client=args.client)
 
@@ -87,7 +90,7 @@ def _one_round(part: str, methods, datasets, dirs, out: Path, seeds, args) -> No
                 _emit(out, key, dict(dataset=name, partition=partition, seed=seed, J=args.clients, tag=args.tag,
                                      lr=args.lr, init_scale=args.init_scale, epochs=args.epochs,
                                      prior_variance=args.prior_variance, kl_weight=args.kl_weight,
-                                     scale_lr_factor=args.scale_lr_factor, client=args.client,
+                                     scale_lr_factor=args.scale_lr_factor, client=args.client, expose=args.expose,
                                      rows={r.method: _row(r) for r in result.rows}, warnings=result.warnings,
                                      wall_seconds=time.perf_counter() - t0))
 
@@ -184,6 +187,8 @@ def main(argv=None):
     p.add_argument("--scale-lr-factor", type=float, default=1.0, help="the posterior scales' rate as a multiple of lr")
     p.add_argument("--client", default="variational", choices=("variational", "laplace"),
                    help="the Bayesian clients: SVI, or PFNM's trained clients with a diagonal Laplace posterior")
+    p.add_argument("--expose", default="", help="comma-separated parameter names, the only Bayesian ones (a prior "
+                   "N(0, 1) on them; e.g. 3.weight, the output layer of 784-100-10); default: the named prior")
     p.add_argument("--pvi-damping", type=float, default=None, help="rule pvi: the factors' damping (default 0.1)")
     p.add_argument("--methods", default="", help="comma-separated methods of the oneshot or rounds part (default: "
                    "all of the part's)")
