@@ -215,7 +215,7 @@ def test_pfnm_config_checks_and_passes_the_limits():
 
 def test_the_default_budget_is_the_ensembles_for_fedma_and_the_models_own_for_pfnm():
     """``max_params="auto"``: FedMA's layer-wise scheme at the ensemble's size (measured: 0.2-0.4 points below its own
-    size at 6-8x fewer parameters), PFNM at the model's own (a one-shot budget costs it 10-70 points on LeNet)."""
+    size at 5-8x fewer parameters), PFNM at the model's own (a one-shot budget costs it 10-70 points on LeNet)."""
     assert PFNMConfig().max_params == "auto" and PFNMConfig().parameter_limit is None
     assert "max_params" not in PFNMConfig().matcher_kwargs()
     assert PFNMConfig(layerwise_retrain=2).parameter_limit == "ensemble"

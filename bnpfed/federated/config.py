@@ -409,7 +409,7 @@ class PFNMConfig:
         splits it into a ``max_width`` per group first (:func:`~bnpfed.federated.server.fedma_width_limits`). Why
         the defaults differ (benchmarks/README.md, LeNet on MNIST and Fashion-MNIST, J = 10, seeds 0-2): FedMA at
         the ensemble's size is 0.2-0.4 points below FedMA at its own (1.9-2.5 M parameters; 0.9 above on
-        Fashion-MNIST Dirichlet) with 6-8x fewer parameters, its retraining between groups repairing what a merge costs; one-shot PFNM under the same budget
+        Fashion-MNIST Dirichlet) with 5-8x fewer parameters, its retraining between groups repairing what a merge costs; one-shot PFNM under the same budget
         loses 10-70 points (independently trained conv channels cannot be merged without retraining).
 
     Over communication rounds each global neuron is a posterior mean, ``sum v / (m + sigma2 / sigma0_2)``: a neuron few
