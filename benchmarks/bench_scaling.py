@@ -53,23 +53,38 @@ def _pfnm_config(mode: str):
                                                                      sigma0_2=1.0, gamma0=1.0)
 
 
-def _local_models(data_dir: str, cache: Path, net: str, J: int, progress: bool = True):
-    """The J clients' round-1 state dicts and class counts (trained on first use, then read from ``cache``)."""
-    import torch
-    path = cache / f"{net}_J{J}.pt"
-    if path.exists():
-        return torch.load(path, weights_only=False)
+def _experiment(data_dir: str, net: str, J: int, progress: bool = False):
+    """The federation the local models of (net, J) come from: MNIST split IID into J shards, seed 0."""
     from bnpfed.data import load_dataset
     from bnpfed.federated.config import PFNM_NETWORK, PFNM_TRAINING, PartitionConfig
     from bnpfed.federated.methods import Experiment, ExperimentConfig
     arch, hidden = NETS[net]
     network = replace(PFNM_NETWORK, arch=arch, **({"hidden": hidden} if hidden else {}))
     ds = load_dataset("mnist", data_dir=data_dir, standardize=False)
-    experiment = Experiment(ds, partition=PartitionConfig(clients=J, partition="iid"), network=network,
-                            training=PFNM_TRAINING, config=ExperimentConfig(seed=0), progress=progress)
+    return Experiment(ds, partition=PartitionConfig(clients=J, partition="iid"), network=network,
+                      training=PFNM_TRAINING, config=ExperimentConfig(seed=0), progress=progress)
+
+
+def _activity(data_dir: str, net: str, J: int, saved: dict, template) -> list:
+    """Every client's report on its units on its own shard (what PFNM's clients send: ``inactive="drop"``)."""
+    from bnpfed.federated.clients import unit_activity_step
+    from bnpfed.inference.permutation import network_from_state
+    experiment = _experiment(data_dir, net, J)
+    return [unit_activity_step(network_from_state(template, state), experiment.client_data[j][0],
+                               saved["input_shape"]) for j, state in enumerate(saved["states"])]
+
+
+def _local_models(data_dir: str, cache: Path, net: str, J: int, progress: bool = True):
+    """The J clients' round-1 state dicts and class counts (trained on first use, then read from ``cache``)."""
+    import torch
+    path = cache / f"{net}_J{J}.pt"
+    if path.exists():
+        return torch.load(path, weights_only=False)
+    experiment = _experiment(data_dir, net, J, progress)
     local = experiment.local_models()
-    saved = dict(states=[m.state_dict() for m in local], counts=experiment.class_counts, network=network,
-                 input_shape=experiment.input_shape, num_classes=ds.num_classes)
+    saved = dict(states=[m.state_dict() for m in local], counts=experiment.class_counts,
+                 network=experiment.network, input_shape=experiment.input_shape,
+                 num_classes=experiment.dataset.num_classes)
     cache.mkdir(parents=True, exist_ok=True)
     torch.save(saved, path)
     return saved
@@ -109,19 +124,20 @@ def one(args) -> dict:
         if args.train:
             return {}
         template = initial_network(saved["network"], saved["input_shape"], saved["num_classes"], seed=0)
+        activity = _activity(args.data_dir, args.net, args.J, saved, template) if args.inactive == "drop" else None
         # warm-up (imports, first touches) on two clients, outside the measurement
         pfnm_step(saved["states"][:2], saved["counts"][:2], _pfnm_config(args.mode), seed=0, round=1,
-                  template=template, input_shape=saved["input_shape"])
+                  template=template, input_shape=saved["input_shape"], activity=activity and activity[:2])
         tracemalloc.start()
         t0 = time.perf_counter()
         match = pfnm_step(saved["states"], saved["counts"], _pfnm_config(args.mode), seed=0, round=1,
-                          template=template, input_shape=saved["input_shape"])
+                          template=template, input_shape=saved["input_shape"], activity=activity)
         seconds = time.perf_counter() - t0
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
         for _ in range(REPEATS - 1 if seconds < REPEAT_BELOW else 0):  # best of REPEATS for the short ones
             again = pfnm_step(saved["states"], saved["counts"], _pfnm_config(args.mode), seed=0, round=1,
-                              template=template, input_shape=saved["input_shape"])
+                              template=template, input_shape=saved["input_shape"], activity=activity)
             seconds = min(seconds, again.seconds)
         groups = {g: dict(seconds=r.seconds, sweeps=getattr(r, "sweeps_run", None), width=r.num_atoms,
                           converged=bool(getattr(r, "converged", True))) for g, r in match.layer_results.items()}
@@ -135,11 +151,11 @@ def one(args) -> dict:
             accuracy = float((match.network().eval()(ds.x_test).argmax(-1) == ds.y_test).float().mean())
     return dict(net=args.net, J=args.J, mode=args.mode, source=args.source, L_j=neurons, seconds=seconds,
                 groups=groups, accuracy=accuracy, matcher_peak_mib=peak / 2 ** 20, process_peak_mib=process_peak,
-                threads=args.threads)
+                threads=args.threads, inactive=args.inactive if args.source == "trained" else "keep")
 
 
-def interleaved(J: int, repeats: int, *, net: str = "mlp", data_dir=str(DEFAULT_DATA), cache=str(DEFAULT_CACHE)
-                ) -> dict:
+def interleaved(J: int, repeats: int, *, net: str = "mlp", data_dir=str(DEFAULT_DATA), cache=str(DEFAULT_CACHE),
+                inactive: str = "drop") -> dict:
     """EB and fixed matching of the same local models alternated ``repeats`` times in this process (one thread),
     the best of each and their ratio: the issue's measure of what empirical Bayes costs."""
     import torch
@@ -148,13 +164,15 @@ def interleaved(J: int, repeats: int, *, net: str = "mlp", data_dir=str(DEFAULT_
     torch.set_num_threads(1)
     saved = _local_models(data_dir, Path(cache), net, J)
     template = initial_network(saved["network"], saved["input_shape"], saved["num_classes"], seed=0)
+    activity = _activity(data_dir, net, J, saved, template) if inactive == "drop" else None
     best = dict.fromkeys(MODES, float("inf"))
     for _ in range(repeats):
         for mode in MODES:
             match = pfnm_step(saved["states"], saved["counts"], _pfnm_config(mode), seed=0, round=1,
-                              template=template, input_shape=saved["input_shape"])
+                              template=template, input_shape=saved["input_shape"], activity=activity)
             best[mode] = min(best[mode], match.seconds)
-    return {"net": net, "J": J, "repeats": repeats, "eb s": best["empirical-bayes"], "fixed s": best["fixed"],
+    return {"net": net, "J": J, "inactive": inactive, "repeats": repeats, "eb s": best["empirical-bayes"],
+            "fixed s": best["fixed"],
             "eb/fixed": best["empirical-bayes"] / best["fixed"]}
 
 
@@ -162,7 +180,7 @@ def _done(out: Path) -> set:
     if not out.exists():
         return set()
     rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
-    return {(r["net"], r["J"], r["mode"], r["source"], r["threads"]) for r in rows}
+    return {(r["net"], r["J"], r["mode"], r["source"], r["threads"], r.get("inactive", "keep")) for r in rows}
 
 
 def exponent(Js, seconds) -> float | None:
@@ -224,7 +242,8 @@ def lj_exponents(rows: list[dict]) -> list[dict]:
 
 
 def run(nets=("mlp",), clients=CLIENTS, *, threads: int = 2, data_dir=str(DEFAULT_DATA), cache=str(DEFAULT_CACHE),
-        out: Path | None = None, source: str | None = None, progress: bool = True) -> list[dict]:
+        out: Path | None = None, source: str | None = None, progress: bool = True, inactive: str = "drop"
+        ) -> list[dict]:
     """Every (network, J, mode) in a fresh process, results appended to ``out`` (JSON lines; finished ones are
     skipped); returns the rows of this configuration."""
     if source is None:
@@ -235,13 +254,14 @@ def run(nets=("mlp",), clients=CLIENTS, *, threads: int = 2, data_dir=str(DEFAUL
     out.parent.mkdir(parents=True, exist_ok=True)
     done = _done(out)
     from tqdm import tqdm
+    inactive = inactive if source == "trained" else "keep"   # layers drawn from the model have no dead units
     todo = [(net, J, mode) for net in nets for J in clients for mode in MODES
-            if (net, J, mode, source, threads) not in done]
+            if (net, J, mode, source, threads, inactive) not in done]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads),
                MKL_NUM_THREADS=str(threads))
     for net, J, mode in tqdm(todo, desc="scaling", unit="run", disable=not progress):
         cmd = [sys.executable, __file__, "--one", "--net", net, "--J", str(J), "--mode", mode, "--source", source,
-               "--threads", str(threads), "--data-dir", str(data_dir), "--cache", str(cache)]
+               "--threads", str(threads), "--data-dir", str(data_dir), "--cache", str(cache), "--inactive", inactive]
         if source == "trained" and not (Path(cache) / f"{net}_J{J}.pt").exists():
             subprocess.run(cmd + ["--train"] + ([] if progress else ["--no-progress"]), check=True, env=env)  # the local models, in a process of their own
         line = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout.strip().splitlines()[-1]
@@ -249,7 +269,7 @@ def run(nets=("mlp",), clients=CLIENTS, *, threads: int = 2, data_dir=str(DEFAUL
             f.write(line + "\n")
     rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
     return [r for r in rows if r["net"] in nets and r["J"] in clients and r["source"] == source
-            and r["threads"] == threads]
+            and r["threads"] == threads and r.get("inactive", "keep") == inactive]
 
 
 def main(argv=None):
@@ -264,6 +284,9 @@ def main(argv=None):
                         "when MNIST is in --data-dir)")
     p.add_argument("--out", default=None, help="JSON lines (default benchmarks/results/scaling_<source>.jsonl)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--inactive", choices=("drop", "keep"), default="drop",
+                   help="trained clients: report their units' activity and the server leaves the dead ones out "
+                   "(drop, PFNMConfig's default) or matches them too (keep, the rows recorded before 2026-12-03)")
     p.add_argument("--interleaved", type=int, metavar="J", default=None,
                    help="instead: EB and fixed alternated in one process on J clients' models (one thread)")
     p.add_argument("--repeats", type=int, default=7, help="alternations of --interleaved (the best kept)")
@@ -290,10 +313,11 @@ def main(argv=None):
         if args.interleaved < 1 or args.repeats < 1:
             p.error(f"--interleaved, --repeats: expected positive integers, got {args.interleaved}, {args.repeats}")
         print(format_table([interleaved(args.interleaved, args.repeats, net=nets[0], data_dir=args.data_dir,
-                                        cache=args.cache)]))
+                                        cache=args.cache, inactive=args.inactive)]))
         return
     rows = run(nets, tuple(int(j) for j in args.clients.split(",")), threads=args.threads, data_dir=args.data_dir,
-               cache=args.cache, out=args.out, source=args.source, progress=not args.no_progress)
+               cache=args.cache, out=args.out, source=args.source, progress=not args.no_progress,
+               inactive=args.inactive)
     print(format_table(table(rows)))
     lj = lj_exponents(rows)
     if lj:
