@@ -262,8 +262,9 @@ def run(nets=("mlp",), clients=CLIENTS, *, threads: int = 2, data_dir=str(DEFAUL
     for net, J, mode in tqdm(todo, desc="scaling", unit="run", disable=not progress):
         cmd = [sys.executable, __file__, "--one", "--net", net, "--J", str(J), "--mode", mode, "--source", source,
                "--threads", str(threads), "--data-dir", str(data_dir), "--cache", str(cache), "--inactive", inactive]
-        if source == "trained" and not (Path(cache) / f"{net}_J{J}.pt").exists():
-            subprocess.run(cmd + ["--train"] + ([] if progress else ["--no-progress"]), check=True, env=env)  # the local models, in a process of their own
+        if source == "trained" and not (Path(cache) / f"{net}_J{J}.pt").exists():   # the local models, in a
+            quiet = [] if progress else ["--no-progress"]                                  # process of their own
+            subprocess.run(cmd + ["--train"] + quiet, check=True, env=env)
         line = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout.strip().splitlines()[-1]
         with out.open("a") as f:
             f.write(line + "\n")

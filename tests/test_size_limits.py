@@ -222,6 +222,7 @@ def test_the_default_budget_is_the_ensembles_for_fedma_and_the_models_own_for_pf
     assert PFNMConfig(layerwise_retrain=2, max_params=None).parameter_limit is None
     assert PFNMConfig(layerwise_retrain=2, max_params=5000).parameter_limit == 5000
     assert PFNMConfig(max_params="ensemble").parameter_limit == "ensemble"
+    assert PFNMConfig().best_effort_budget and not PFNMConfig(max_params="ensemble").best_effort_budget
 
 
 def test_flower_run_config_reads_the_limits():

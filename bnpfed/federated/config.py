@@ -409,8 +409,9 @@ class PFNMConfig:
         splits it into a ``max_width`` per group first (:func:`~bnpfed.federated.server.fedma_width_limits`). Why
         the defaults differ (benchmarks/README.md, LeNet on MNIST and Fashion-MNIST, J = 10, seeds 0-2): FedMA at
         the ensemble's size is 0.2-0.4 points below FedMA at its own (1.9-2.5 M parameters; 0.9 above on
-        Fashion-MNIST Dirichlet) with 5-8x fewer parameters, its retraining between groups repairing what a merge costs; one-shot PFNM under the same budget
-        loses 10-70 points (independently trained conv channels cannot be merged without retraining).
+        Fashion-MNIST Dirichlet) with 5-8x fewer parameters, its retraining between groups repairing what a merge
+        costs; one-shot PFNM under the same budget loses 10-70 points (independently trained conv channels cannot be
+        merged without retraining).
 
     Over communication rounds each global neuron is a posterior mean, ``sum v / (m + sigma2 / sigma0_2)``: a neuron few
     clients hold comes back to them shrunk towards the prior mean. With too little retraining per round (say 2 local
@@ -498,6 +499,12 @@ class PFNMConfig:
         if self.max_params == "auto":
             return "ensemble" if self.layerwise_retrain else None
         return self.max_params
+
+    @property
+    def best_effort_budget(self) -> bool:
+        """Whether the parameter budget is the default one (``max_params="auto"``), met as far as the matcher can
+        (:func:`~bnpfed.federated.server.fedma_width_limits`) rather than refused when it cannot be."""
+        return self.max_params == "auto"
 
     def matcher_kwargs(self) -> dict[str, Any]:
         """Keywords of :func:`~bnpfed.inference.match_by_spec` (hyper-parameters, objective, order,

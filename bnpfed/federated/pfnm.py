@@ -56,8 +56,8 @@ from bnpfed.federated.config import NetworkConfig, PFNMConfig, TrainingConfig
 from bnpfed.federated.federation import Federation, reestimate_statistics
 from bnpfed.federated.partition import class_counts
 from bnpfed.federated.rounds import Architecture, HoldsRounds, MatchRounds
-from bnpfed.federated.server import (drop_inactive, fedma_group_step, fedma_width_limits, matched_parameters, pfnm_step,
-                                     with_statistics)
+from bnpfed.federated.server import (drop_inactive, ensemble_parameters, fedma_group_step, fedma_width_limits,
+                                     matched_parameters, pfnm_step, with_statistics)
 from bnpfed.inference.permutation import SpecMatch, align_to_group
 from bnpfed.metrics import count_parameters
 
@@ -135,9 +135,7 @@ class PFNMFederation(HoldsRounds, Federation):
             activity = [unit_activity_step(net, self.client_data[j][0], self.dataset.input_shape,
                                            self.training.batch_size) for net, j in zip(nets, sampled)]
         if self.pfnm.layerwise_retrain:
-            # the budget "ensemble": the round's clients at their own networks' size (round 1's), in every round
-            # (their slices of the global network shrink with it: a budget on those would shrink it round by round)
-            ensemble = len(sampled) * count_parameters(self.template)
+            ensemble = ensemble_parameters(self.template, len(sampled))
             if activity is not None:
                 states, starts = drop_inactive(states, self.spec, activity, starts)
             match, seconds = self._layerwise(round, sampled, states, starts, ensemble)
@@ -166,7 +164,7 @@ class PFNMFederation(HoldsRounds, Federation):
             config = fedma_width_limits(self.pfnm, spec, self.template, states, ensemble,
                                         matched={g: m.size for g, m in matches.items()})
             match = fedma_group_step(states, counts, config, spec=spec, group=group, seed=self.seed,
-                                     round=round, starts=starts, best_effort=self.pfnm.max_params == "auto")
+                                     round=round, starts=starts, best_effort=self.pfnm.best_effort_budget)
             states = [align_to_group(s, spec, match, k) for k, s in enumerate(states)]
             seconds += time.perf_counter() - t0
             matches[group] = match

@@ -62,6 +62,7 @@ __all__ = [
     "client_weights",
     "clients_per_round",
     "drop_inactive",
+    "ensemble_parameters",
     "fedma_width_limits",
     "fedma_group_step",
     "floor_variances",
@@ -269,6 +270,13 @@ def drop_inactive(states: Sequence[Mapping[str, Tensor]], spec: PermutationSpec,
     return states, starts
 
 
+def ensemble_parameters(template: nn.Module, num_clients: int) -> int:
+    """A budget of ``max_params="ensemble"`` over rounds: ``num_clients`` networks at the template's size (the
+    clients' own networks together, what the global network replaces), not the slices of a global network they hold
+    from round 2 on, whose size would shrink the budget round by round."""
+    return num_clients * count_parameters(template)
+
+
 def pfnm_step(client_nets: Sequence, class_counts, config: PFNMConfig, *, seed: int, round: int,
               starts: Optional[Sequence[Optional[Mapping[str, Tensor]]]] = None,
               spec: Optional[PermutationSpec] = None, template: Optional[nn.Module] = None,
@@ -305,7 +313,7 @@ def pfnm_step(client_nets: Sequence, class_counts, config: PFNMConfig, *, seed: 
     """
     init = _warm_start(config, starts, len(client_nets))
     if config.parameter_limit == "ensemble" and template is not None:
-        config = replace(config, max_params=len(client_nets) * count_parameters(template))
+        config = replace(config, max_params=ensemble_parameters(template, len(client_nets)))
     return match_by_spec(list(client_nets), class_counts, spec, input_shape=input_shape, template=template,
                          seed=derive_seed(seed, Stream.MATCH, round), warm_start=init,
                          activity=activity if config.inactive == "drop" else None, **config.matcher_kwargs())
@@ -454,7 +462,7 @@ def fedma_width_limits(config: PFNMConfig, spec: PermutationSpec, template: nn.M
         budget = proportional_widths(spec, shapes, [n for n, _ in template.named_parameters()], widths, limit,
                                      matched=matched)
     except SizeLimitError:
-        if config.max_params != "auto":
+        if not config.best_effort_budget:
             raise
         # FedMA's default budget, overdrawn by the groups below (best effort): the rest as small as one client's
         budget = {**minimum_widths(widths), **(matched or {})}

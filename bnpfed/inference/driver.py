@@ -118,8 +118,8 @@ def run_matching(matcher: LayerMatcher, estimator, *, init, sweeps: int, seed, s
     with ``stop_at_fixed_point``, the objective then repeating its last value) and the Gram matrix is taken after the
     greedy pass when ``sweeps * L > N``; under empirical Bayes, where ``sweeps`` is only a limit, once the sweeps run
     so far have cost as much (``k * L > N`` after sweep k); the second start reuses a Gram matrix the first took (it
-    holds the neurons' products at the precision it was taken with, the ratio applied). ``cross_products``: ``"auto"``, ``"direct"`` or
-    ``"gram"`` (from the first sweep on). ``stop`` (empirical Bayes): ``"fixed-point"`` stops when a sweep changed no
+    holds the neurons' products at the precision it was taken with, the ratio applied). ``cross_products``:
+    ``"auto"``, ``"direct"`` or ``"gram"`` (from the first sweep on). ``stop`` (empirical Bayes): ``"fixed-point"`` stops when a sweep changed no
     assignment and no estimate moved by more than ``EB_RTOL``; ``"result"`` also when at most :data:`STOP_MOVED` of
     the neurons moved in a sweep and no estimate moved by more than :data:`STOP_RTOL` (the assignment is then as good
     as settled: on trained MNIST layers the same width and accuracy at a third of the sweeps, benchmarks/README.md)."""

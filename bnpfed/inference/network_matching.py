@@ -35,7 +35,7 @@ from bnpfed.validation import check_choice, check_int
 __all__ = ["Clients", "GroupMatch", "GroupValues", "SpecMatch", "call_matcher", "check_global_weights",
            "check_layer_fns", "check_size_limits", "client_states", "group_values", "limit_width", "match_by_spec",
            "match_gamma0", "match_groups", "output_bias", "pfnm_group", "prepare_clients", "resolve_spec",
-           "warm_start_labels"]
+           "warm_start_labels", "without_inactive"]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -422,6 +422,23 @@ def call_matcher(fn, data: Sequence, layout: VectorLayout, values: GroupValues, 
     return r, [torch.as_tensor(a, dtype=torch.long) for a in r.assignments]
 
 
+def without_inactive(clients: Clients, spec: PermutationSpec, activity, init=None):
+    """``(clients, init, kept)``: every channel of ``clients`` without the units each client reports inactive
+    (:mod:`bnpfed.inference.activity`; slices of checked states, so only the widths change), the warm start
+    ``init`` (per group J label arrays, or None) restricted to the units kept, and per client the units it kept;
+    ``clients`` and ``init`` as given, and None, without reports (``activity`` None)."""
+    kept = kept_per_client(activity, spec, clients.widths)
+    if kept is None:
+        return clients, init, None
+    names = spec.group_names
+    clients = replace(clients, channels={name: [drop_units(st, spec, k) for st, k in zip(states, kept)]
+                                         for name, states in clients.channels.items()},
+                      widths=[{g: int(k[g].numel()) for g in names} for k in kept])
+    if init is not None:
+        init = {g: [labels[k[g]] for labels, k in zip(init[g], kept)] for g in names}
+    return clients, init, kept
+
+
 def check_global_weights(global_weights, mode: str) -> str:
     if global_weights is None:
         return "average" if mode == "empirical-bayes" else "posterior-mean"
@@ -677,13 +694,7 @@ def match_by_spec(
     names = spec.group_names
     clients = prepare_clients({"value": states}, spec, class_counts)
     init = warm_start_labels(warm_start, names, clients.widths)
-    kept = kept_per_client(activity, spec, clients.widths)
-    if kept is not None:   # slices of checked states: only the widths change
-        dropped = [drop_units(st, spec, k) for st, k in zip(states, kept)]
-        if init is not None:
-            init = {g: [labels[k[g]] for labels, k in zip(init[g], kept)] for g in names}
-        clients = replace(clients, channels={"value": dropped},
-                          widths=[{g: int(k[g].numel()) for g in names} for k in kept])
+    clients, init, kept = without_inactive(clients, spec, activity, init)
     caps, param_limit = check_size_limits(max_width, max_params, clients, template, states)
     states = clients.channels["value"]
     fns = dict(zip(names, check_layer_fns(layer_fn, len(names))))

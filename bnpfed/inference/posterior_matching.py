@@ -118,20 +118,19 @@ Usage: two clients hold one Bayesian MLP with its hidden units permuted; matchin
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable, Literal, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from bnpfed.combine import available_rules, average_deterministic, fuse
-from bnpfed.inference.activity import drop_units, kept_per_client
 from bnpfed.inference.assembly import client_slice, network_from_state, state_from_atoms
 from bnpfed.inference.bayesian_matching import match_bayesian_layer
 from bnpfed.inference.layout import width
 from bnpfed.inference.matching import match_layer
 from bnpfed.inference.network_matching import (call_matcher, group_values, match_groups, prepare_clients,
-                                               resolve_spec, warm_start_labels)
+                                               resolve_spec, warm_start_labels, without_inactive)
 from bnpfed.inference.spec import STATISTICS, PermutationSpec
 from bnpfed.inference.svi import BayesianClient
 from bnpfed.models.likelihoods import Likelihood
@@ -564,13 +563,7 @@ def match_posteriors(
     names, shares = spec.group_names, data.shares
     n = _sizes(sizes, class_counts, data.J)
     init = warm_start_labels(warm_start, names, data.widths)
-    kept = kept_per_client(activity, spec, data.widths)
-    if kept is not None:   # as match_by_spec: every channel without the inactive units
-        data = replace(data, channels={name: [drop_units(st, spec, k) for st, k in zip(chs, kept)]
-                                       for name, chs in data.channels.items()},
-                       widths=[{g: int(k[g].numel()) for g in names} for k in kept])
-        if init is not None:
-            init = {g: [labels[k[g]] for labels, k in zip(init[g], kept)] for g in names}
+    data, init, kept = without_inactive(data, spec, activity, init)   # as match_by_spec leaves them out
     fn = layer_fn if layer_fn is not None else match_means if match_on == "means" else match_bayesian_layer
     if not callable(fn):
         raise ValueError(f"layer_fn: expected a one-group matcher, got {layer_fn!r}")
