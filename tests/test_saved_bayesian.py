@@ -15,7 +15,7 @@ from bnpfed.federated.clients import initial_network
 from bnpfed.federated.config import FusionConfig, NetworkConfig
 from bnpfed.federated.partition import class_counts
 from bnpfed.federated.server import fuse_posteriors
-from bnpfed.inference import BayesianClient, derive_spec
+from bnpfed.inference import BayesianClient, LaplaceClient, derive_spec, match_by_spec
 from bnpfed.inference.class_shares import estimate_class_shares
 from bnpfed.inference.posterior_matching import match_posteriors
 from bnpfed.metrics import classification_report
@@ -44,14 +44,20 @@ def fitted(make, digits, parts, *, shared=False, epochs=4, **kwargs):
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory, digits, parts):
-    """Every kind's three Bayesian clients saved as a user saves them (save_global(path, client, method=...)), and
-    three MLP clients of one shared initialisation (for weight-wise fusion)."""
+    """Every kind's three Bayesian clients saved as a user saves them (save_global(path, client, method=...)),
+    three MLP clients of one shared initialisation (for weight-wise fusion), and three Laplace MLP clients of their own
+    initialisations and three of the shared one."""
     root = tmp_path_factory.mktemp("bayesian")
     for kind, make in KINDS.items():
         for j, client in enumerate(fitted(make, digits, parts)):
             save_global(root / f"{kind}{j}.pt", client, method="client")
     for j, client in enumerate(fitted(mlp, digits, parts, shared=True)):
         save_global(root / f"shared{j}.pt", client, method="client")
+    for shared in (False, True):   # Laplace clients: their own initialisations, or one shared one
+        for j, p in enumerate(parts):
+            client = LaplaceClient(mlp(None if shared else j)).fit(digits.x_train[p], digits.y_train[p], epochs=4,
+                                                                   lr=1e-2, seed=j)
+            save_global(root / f"laplace{'-shared' if shared else ''}{j}.pt", client, method="client")
     (root / "counts.json").write_text(json.dumps(class_counts(digits.y_train.numpy(), parts, 10).tolist()))
     return root
 
@@ -193,7 +199,82 @@ def test_bnpfed_match_posteriors_align_none_is_the_weight_wise_fusion(folder, tm
     assert saved.method == "eaa" and saved.widths == {"1": 32}
 
 
+def test_bnpfed_match_posteriors_takes_laplace_clients_matched_on_their_means_by_default(folder, tmp_path, digits,
+                                                                                       capsys):
+    """Laplace clients saved as a user saves them: matched on the posterior means (PFNM's model, FusionConfig's
+    match_on="auto" for Laplace clients) unless --match-on posteriors, fused along that assignment, and written as a
+    Laplace client (the linearised predictive); the same as match_posteriors called directly."""
+    counts = torch.tensor(json.loads((folder / "counts.json").read_text()))
+    sizes = [int(n) for n in counts.sum(1)]
+    clients = loaded(folder, "laplace")
+    assert all(isinstance(c, LaplaceClient) for c in clients)
+    template = clients[0].mean_network()
+    x = digits.x_test
+    widths = {}
+    for match_on in ("means", "posteriors"):
+        out = tmp_path / f"{match_on}.pt"
+        flag = [] if match_on == "means" else ["--match-on", match_on]
+        assert main(["match", *files(folder, "laplace"), "--posteriors", *flag, "--counts",
+                     str(folder / "counts.json"), "--out", str(out)]) == 0
+        text = capsys.readouterr().out
+        assert ("no dead unit is left out" in text) == (match_on == "means")
+        match = match_posteriors(clients, counts, rule=FusionConfig().rule, sizes=sizes,
+                                 input_shape=digits.input_shape, template=template, seed=0, match_on=match_on)
+        saved = read_global(out)
+        assert saved.kind == "laplace" and isinstance(saved.client, LaplaceClient)
+        assert saved.widths == match.widths and saved.method == f"match-{FusionConfig().rule}"
+        for site, p in match.posterior().items():
+            assert_close(saved.client.posterior()[site].loc, p.loc.float())
+            assert_close(saved.client.posterior()[site].variance, p.variance.float())
+        expected = LaplaceClient.holding(match.network(), match.posterior(), clients[0].prior)
+        assert_close(saved.client.predict_proba(x, num_samples=4, seed=1), expected.predict_proba(x, num_samples=4,
+                                                                                                  seed=1))
+        widths[match_on] = saved.widths["1"]
+    # post-hoc posteriors keep most weights near their prior variance: on them the units keep further apart
+    assert widths["posteriors"] > widths["means"], widths
+
+
+def test_bnpfed_match_posteriors_match_on_means_for_variational_clients_is_pfnms_assignment(folder, tmp_path, digits):
+    out = tmp_path / "g.pt"
+    assert main(["match", *files(folder, "mlp"), "--posteriors", "--match-on", "means", "--counts",
+                 str(folder / "counts.json"), "--out", str(out)]) == 0
+    clients = loaded(folder, "mlp")
+    counts = torch.tensor(json.loads((folder / "counts.json").read_text()))
+    match = match_posteriors(clients, counts, rule=FusionConfig().rule, sizes=[int(n) for n in counts.sum(1)],
+                             input_shape=digits.input_shape, template=clients[0].mean_network(), seed=0,
+                             match_on="means")
+    pfnm = match_by_spec([c.mean_network() for c in clients], counts, match.spec, seed=0)
+    assert match.widths == pfnm.widths
+    assert all(torch.equal(a, b) for a, b in zip(match.assignments["1"], pfnm.assignments["1"]))
+    saved = read_global(out)
+    assert saved.kind == "bayesian" and saved.widths == match.widths
+    assert_close(predictive(saved.client, digits.x_test), predictive(match.client(only_linear_weights()),
+                                                                     digits.x_test))
+
+
+def test_bnpfed_match_posteriors_align_none_fuses_laplace_clients_weight_by_weight(folder, tmp_path, digits):
+    out = tmp_path / "g.pt"
+    assert main(["match", *files(folder, "laplace-shared"), "--posteriors", "--align", "none", "--rule", "gaa",
+                 "--counts", str(folder / "counts.json"), "--out", str(out)]) == 0
+    clients = loaded(folder, "laplace-shared")
+    sizes = [int(n) for n in torch.tensor(json.loads((folder / "counts.json").read_text())).sum(1)]
+    step = fuse_posteriors([c.posterior() for c in clients], [c.deterministic_state() for c in clients], sizes,
+                           FusionConfig(rule="gaa"), seed=0, round=1)
+    saved = read_global(out)
+    assert saved.kind == "laplace"
+    for site, p in step.posterior.items():
+        assert torch.equal(saved.client.posterior()[site].loc, p.loc.float())
+        assert_close(saved.client.posterior()[site].variance, p.variance.float())
+        assert torch.equal(dict(saved.network.named_parameters())[site].detach(), p.loc.float())
+    assert all(torch.equal(saved.client.deterministic_state()[k], v.float()) for k, v in step.deterministic.items())
+
+
 @pytest.mark.parametrize("argv, message", [
+    (lambda f: [*files(f, "mlp")[:2], files(f, "laplace")[2], "--posteriors"],
+     r"MODEL: .*laplace2\.pt' holds a laplace client and .*mlp0\.pt' a variational one; expected clients of one kind"),
+    (lambda f: [*files(f, "laplace"), "--posteriors", "--align", "none", "--match-on", "means"],
+     r"--match-on: expected only with --align match"),
+    (lambda f: [*files(f, "mlp"), "--match-on", "means"], r"--match-on: expected only with --posteriors"),
     (lambda f: [*files(f, "mlp"), "--posteriors", "--sigma2", "0.1"], r"--sigma2: expected only without --posteriors"),
     (lambda f: [*files(f, "mlp"), "--posteriors", "--arch", "mlp"], r"--arch: expected only without --posteriors"),
     (lambda f: [*files(f, "mlp"), "--rule", "gaa"], r"--rule: expected only with --posteriors"),

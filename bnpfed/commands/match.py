@@ -1,6 +1,7 @@
 """``bnpfed match``: pre-trained local networks in, one global network file out (PFNM's own use case: the models are
 available, their data are not), through :func:`bnpfed.inference.match_by_spec` and :func:`bnpfed.saved.save_global`;
-with ``--posteriors``, saved Bayesian clients in, one global posterior out, matched
+with ``--posteriors``, saved Bayesian clients (variational, :class:`~bnpfed.inference.BayesianClient`, or Laplace,
+:class:`~bnpfed.inference.LaplaceClient`) in, one global posterior out, matched
 (:func:`bnpfed.inference.posterior_matching.match_posteriors`) or weight by weight
 (:func:`bnpfed.federated.server.fuse_posteriors`).
 
@@ -11,10 +12,12 @@ Examples::
     bnpfed match c*.pt --module mypkg.nets:make_cnn --input-shape 3,32,32 --show-spec --out global.pt
     bnpfed match b*.pt --posteriors --rule conflation --out global.pt      # Bayesian clients (bnpfed.save_global)
     bnpfed match b*.pt --posteriors --align none --rule gaa --out global.pt   # clients from one shared init
+    bnpfed match l*.pt --posteriors --match-on means --out global.pt     # Laplace clients (the default for them)
 """
 
 from __future__ import annotations
 
+import copy
 import importlib
 import json
 import math
@@ -30,7 +33,8 @@ from bnpfed.commands.pfnm import hyper_values, max_params, max_widths
 from bnpfed.federated.clients import initial_network
 from bnpfed.combine import available_rules
 from bnpfed.federated.config import ARCHITECTURES, FusionConfig, NetworkConfig, PFNMConfig, config_dict
-from bnpfed.inference.posterior_matching import MIN_VARIANCE
+from bnpfed.inference import LaplaceClient
+from bnpfed.inference.posterior_matching import MATCH_ON, MIN_VARIANCE
 from bnpfed.metrics import count_parameters
 from bnpfed.report import command_record, command_results, format_table, write_json
 from bnpfed.saved import FORMAT, global_from_record, load_torch_file, save_global
@@ -82,20 +86,27 @@ def add_parser(sub):
     g.add_argument("--seed", type=int, default=0, help="seed of the sweeps' client order (and of the pooling rule's "
                    "draws), >= 0")
     fusion = FusionConfig()
-    g = p.add_argument_group("posterior fusion (--posteriors)", "the MODEL files are Bayesian clients saved by "
+    g = p.add_argument_group("posterior fusion (--posteriors)", "the MODEL files are Bayesian clients (variational "
+                             "BayesianClient or post-hoc LaplaceClient, all of one kind) saved by "
                              "bnpfed.save_global(path, client, method=...) or bnpfed fuse --save-global: their "
-                             "posteriors are fused into one global posterior, written with the clients' prior")
+                             "posteriors are fused into one global posterior, written with the clients' prior (a "
+                             "Laplace global keeps the linearised predictive)")
     g.add_argument("--posteriors", action="store_true",
                    help="fuse the posteriors of saved Bayesian clients instead of matching deterministic networks")
     g.add_argument("--rule", choices=available_rules(),
                    help=f"the fusion rule of bnpfed.combine (default: {fusion.rule})")
     g.add_argument("--align", choices=("match", "none"),
-                   help="match (default): match the clients' hidden units (heteroscedastic Beta-Bernoulli model) and "
-                   "fuse every global unit's members; none: fuse weight i of every client with weight i of the "
+                   help="match (default): match the clients' hidden units (Beta-Bernoulli model, on what --match-on "
+                   "says) and fuse every global unit's members; none: fuse weight i of every client with weight i of the "
                    "others (clients of one shared initialisation and one width only)")
     g.add_argument("--tau2", type=hyper_values, metavar="V[,V...]",
-                   help="--align match: the extra variance between two clients' copies of a unit, > 0 (default: "
-                   "estimated per group)")
+                   help="--align match: the extra variance between two clients' copies of a unit, > 0 (with "
+                   "--match-on means the noise variance sigma2 of PFNM's model; default: estimated per group)")
+    g.add_argument("--match-on", choices=("auto",) + MATCH_ON,
+                   help="--align match: what the assignment is computed from: posteriors (the heteroscedastic "
+                   "model on the posterior means and variances), means (PFNM's model on the posterior means alone; "
+                   "the files carry no activity reports, so every unit is matched) or auto (default: means for "
+                   "Laplace clients, posteriors for variational ones; FusionConfig.match_on)")
     g.add_argument("--pooling-samples", type=int, metavar="N",
                    help=f"N of the pooling rule (default: {fusion.pooling_samples})")
     g.add_argument("--min-variance", type=float, metavar="V",
@@ -215,7 +226,7 @@ def _counts(path, J: int, C: int) -> tuple[torch.Tensor | None, str]:
 
 
 #: The flags of posterior fusion: an error without --posteriors.
-POSTERIOR_FLAGS = ("rule", "align", "tau2", "pooling_samples", "min_variance")
+POSTERIOR_FLAGS = ("rule", "align", "match_on", "tau2", "pooling_samples", "min_variance")
 
 
 def prepare(args) -> dict:
@@ -367,6 +378,7 @@ def prepare_posteriors(args) -> dict:
             raise UsageError(f"{flag}: expected only without --posteriors ({why})")
     if align == "none":
         for flag, value in (("--tau2", args.tau2), ("--sigma0-2", args.sigma0_2), ("--gamma0", args.gamma0),
+                            ("--match-on", args.match_on),
                             ("--sweeps", args.sweeps), ("--show-spec", args.show_spec or None)):
             if value is not None:
                 raise UsageError(f"{flag}: expected only with --align match (--align none matches nothing)")
@@ -374,15 +386,19 @@ def prepare_posteriors(args) -> dict:
             raise UsageError("--hyperparameters: expected only with --align match (--align none matches nothing)")
     clients = [_read_bayesian(path) for path in args.models]
     first = clients[0]
+    kind = client_kind(first)
     sites = list(first.posterior())
-    for path, client in zip(args.models, clients):
-        if type(client.bnn.template()) is not type(first.bnn.template()):
-            raise UsageError(f"MODEL: {path!r} is another architecture ({type(client.bnn.template()).__name__}) than "
-                             f"{args.models[0]!r} ({type(first.bnn.template()).__name__})")
+    means = [c.mean_network() for c in clients]   # each client's posterior-mean network
+    for path, client, mean in zip(args.models, clients, means):
+        if client_kind(client) != kind:
+            raise UsageError(f"MODEL: {path!r} holds a {client_kind(client)} client and {args.models[0]!r} a {kind} "
+                             f"one; expected clients of one kind (their posteriors mean different things)")
+        if type(mean) is not type(means[0]):
+            raise UsageError(f"MODEL: {path!r} is another architecture ({type(mean).__name__}) than "
+                             f"{args.models[0]!r} ({type(means[0]).__name__})")
         if list(client.posterior()) != sites:
             raise UsageError(f"MODEL: {path!r} has other Bayesian sites than {args.models[0]!r}: "
                              f"{sorted(set(client.posterior()) ^ set(sites))[:4]} differ")
-    means = [c.mean_network() for c in clients]   # each client's posterior-mean network
     template = means[0]
     if align == "none":
         shapes = {k: tuple(v.shape) for k, v in template.state_dict().items()}
@@ -410,11 +426,24 @@ def prepare_posteriors(args) -> dict:
                           else args.pooling_samples,
                           min_variance=(MIN_VARIANCE if align == "match" else FusionConfig().min_variance)
                           if args.min_variance is None else args.min_variance,
-                          align=align, tau2=_one(args.tau2))
+                          align=align, tau2=_one(args.tau2), match_on=args.match_on or "auto")
     if align == "match" and not fusion.min_variance > 0:
         raise UsageError(f"--min-variance: expected a floor > 0 with --align match, got {args.min_variance}")
-    return dict(clients=clients, means=means, template=template, input_shape=input_shape, spec=spec, counts=counts,
-                counts_source=source, fusion=fusion)
+    return dict(clients=clients, kind=kind, means=means, template=template, input_shape=input_shape, spec=spec,
+                counts=counts, counts_source=source, fusion=fusion)
+
+
+def client_kind(client) -> str:
+    """``"laplace"`` for a :class:`~bnpfed.inference.LaplaceClient`, ``"variational"`` for a
+    :class:`~bnpfed.inference.BayesianClient` (:class:`~bnpfed.federated.config.BayesianConfig`'s ``client``)."""
+    return "laplace" if isinstance(client, LaplaceClient) else "variational"
+
+
+def _variational(first) -> tuple:
+    """What a variational global client takes from the first client: its prior (as it was before any round), and its
+    likelihood and local reparameterisation as keywords."""
+    return first.bnn.prior.initial(), dict(likelihood=first.bnn.likelihood,
+                                           local_reparameterization=first.bnn.local_reparameterization)
 
 
 def run_posteriors(args, plan) -> int:
@@ -425,9 +454,7 @@ def run_posteriors(args, plan) -> int:
     from bnpfed.inference.posterior_matching import match_posteriors
 
     clients, fusion, spec = plan["clients"], plan["fusion"], plan["spec"]
-    first = clients[0]
-    prior, likelihood = first.bnn.prior.initial(), first.bnn.likelihood
-    reparameterized = first.bnn.local_reparameterization
+    first, laplace = clients[0], plan["kind"] == "laplace"
     if args.show_spec:
         print(spec)
     counts, source = plan["counts"], plan["counts_source"]
@@ -444,10 +471,18 @@ def run_posteriors(args, plan) -> int:
                                      input_shape=plan["input_shape"], template=plan["template"], tau2=fusion.tau2,
                                      sigma0_2=_one(args.sigma0_2), gamma0=_one(args.gamma0),
                                      hyperparameters=args.hyperparameters, sweeps=args.sweeps, seed=args.seed,
-                                     num_samples=fusion.pooling_samples, min_variance=fusion.min_variance)
+                                     num_samples=fusion.pooling_samples, min_variance=fusion.min_variance,
+                                     match_on=fusion.matches_on(plan["kind"]))
         except ValueError as error:
             return fail(PROG, flag_message(error))
-        client = match.client(prior, likelihood=likelihood, local_reparameterization=reparameterized)
+        if laplace:   # the global posterior with the linearised predictive of Laplace clients
+            client = LaplaceClient.holding(match.network(), match.posterior(), first.prior)
+        else:
+            prior, options = _variational(first)
+            client = match.client(prior, **options)
+        if fusion.matches_on(plan["kind"]) == "means":
+            notes.append("matched on the posterior means (PFNM's model) with every unit: the files carry no activity "
+                         "reports, so no dead unit is left out")
         for group, result in match.layer_results.items():
             notes += [f"{group}: {n}" for n in getattr(result, "notes", [])]
         described = dict(spec=spec, widths=match.widths, hyperparameters=match.hyperparameters,
@@ -456,10 +491,17 @@ def run_posteriors(args, plan) -> int:
     else:
         step = fuse_posteriors([c.posterior() for c in clients], [c.deterministic_state() for c in clients], sizes,
                                fusion, seed=args.seed, round=1)
-        client = BayesianClient(plan["template"], prior, likelihood=likelihood,
-                                local_reparameterization=reparameterized)
-        client.load_posterior(step.posterior)
-        client.load_deterministic(step.deterministic)
+        if laplace:
+            network = copy.deepcopy(plan["template"])
+            state = network.state_dict()
+            network.load_state_dict({**{k: v.to(state[k].dtype) for k, v in step.deterministic.items()},
+                                     **{k: p.loc.to(state[k].dtype) for k, p in step.posterior.items()}})
+            client = LaplaceClient.holding(network, step.posterior, first.prior)
+        else:
+            prior, options = _variational(first)
+            client = BayesianClient(plan["template"], prior, **options)
+            client.load_posterior(step.posterior)
+            client.load_deterministic(step.deterministic)
         if step.floored:
             notes.append(f"{step.floored} fused variance(s) raised to --min-variance {fusion.min_variance:g}")
         state = plan["template"].state_dict()
