@@ -715,3 +715,25 @@ def test_pooled_moments_equal_the_residual_computation():
     np.testing.assert_allclose(out["mu0"], mu0, rtol=1e-10, atol=1e-12)
     sigma0_2 = (((xbar - mu0) ** 2).sum() - sigma2 * (6 * (L - 1) / L) * (1 / W).sum()) / (6 * (L - 1))
     assert out["sigma0_2"] == pytest.approx(max(sigma0_2, 0.0), rel=1e-10)
+
+
+def test_direct_cross_products_over_freed_storage_rows_equal_the_products_with_each_active_atom():
+    """After a wide first pass most storage rows are freed (the atoms merged); the direct (L_j, L) products read the
+    active atoms' rows only, and equal x_l . g_i computed atom by atom."""
+    from bnpfed.inference.matcher import make_matcher
+    layer = sample_federated_layer(6, 10, seed=2, gamma0=4.0, sigma2=0.05)
+    neurons = [n.numpy().astype(np.float64) for n in layer.neurons]
+    D = neurons[0].shape[1]
+    mt = make_matcher(neurons)
+    mt.set_hyperparameters(noise=np.full(D, 1e-6), prior=np.ones(D), gamma0=4.0, mu0=np.zeros(D))
+    mt.greedy()   # a tiny noise: every neuron alone
+    wide = mt.n_rows
+    mt.set_hyperparameters(noise=np.full(D, 0.05), prior=np.ones(D), gamma0=4.0, mu0=np.zeros(D))
+    mt.sweep(np.random.default_rng(0))
+    j = 1
+    mt._remove(j)
+    active = np.flatnonzero(mt.m[: mt.n_rows] > 0)
+    assert mt.gram is None and active.size < mt.n_rows == wide, (active.size, mt.n_rows)
+    cross = mt._cross(j, active)
+    expected = np.array([[mt.xF[j][l] @ mt.gF[row] for row in active] for l in range(mt.L[j])])
+    np.testing.assert_allclose(cross, expected, rtol=1e-12, atol=1e-12)

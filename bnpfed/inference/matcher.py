@@ -624,11 +624,14 @@ class LayerMatcher:
 
     def _cross(self, j: int, active: np.ndarray) -> np.ndarray:
         """(L_j, L) products ``x_l . g_i`` of client j's neurons l with the active atoms i (sorted storage rows):
-        from the Gram matrix when it is used, else one matrix product."""
+        from the Gram matrix when it is used, else one matrix product with the active atoms' rows (gathered: the
+        storage keeps the rows atoms freed, which after a wide first pass can be most of them -- at J = 200 on MNIST
+        17,000 rows for 400 atoms)."""
         if self.gram is not None:
             return self._gram_cross(j, active)
-        cross = self.xF[j] @ self.gF[: self.n_rows].T
-        return cross if active.size == self.n_rows else cross[:, active]
+        if active.size == self.n_rows:
+            return self.xF[j] @ self.gF[: self.n_rows].T
+        return self.xF[j] @ self.gF[active].T
 
     def _gram_cross(self, j: int, active: np.ndarray) -> np.ndarray:
         """``x_l . g_i`` for client j's neurons l and the active atoms i, from the Gram matrix: an atom's g is
