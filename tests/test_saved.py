@@ -110,6 +110,54 @@ def test_bnpfed_match_without_counts_estimates_the_class_shares_and_says_so(fold
     assert not read_global(tmp_path / "u.pt").class_shares_estimated
 
 
+def reports(nets, digits, parts, spec):
+    """Every client's activity report on its own training data, as JSON (what --activity reads)."""
+    from bnpfed.inference import unit_activity
+
+    return [{g: a.tolist() for g, a in unit_activity(n, digits.x_train[p], spec).items()} for n, p in zip(nets, parts)]
+
+
+@pytest.mark.parametrize("kind, extra", [("mlp", []), ("lenet", ["--input-shape", "1,8,8"])])
+def test_bnpfed_match_with_the_clients_activity_reports_leaves_their_dead_units_out(kind, extra, folder, tmp_path,
+                                                                                   digits, parts, capsys):
+    """--activity: the units dead on their client's data join no global unit, exactly as match_by_spec with the
+    same reports (PFNMConfig's inactive="drop", bnpfed pfnm's default); without it every unit is matched, and the
+    result says so."""
+    from bnpfed.inference import derive_spec, kept_units
+
+    nets = [torch.load(f, weights_only=False) for f in files(folder, kind)]
+    spec = derive_spec(nets[0], digits.input_shape)
+    group = spec.group_names[0]
+    with torch.no_grad():   # two units of client 0 made dead on every input: their outputs are 0 after the ReLU
+        bias = next(v for k, v in nets[0].state_dict().items() if k.endswith("bias"))
+        bias[[1, 4]] = -1e4
+    model0 = tmp_path / "dead0.pt"
+    torch.save(nets[0], model0)
+    report = reports(nets, digits, parts, spec)
+    assert report[0][group][1] == report[0][group][4] == 0
+    (tmp_path / "activity.json").write_text(json.dumps(report))
+    counts = torch.tensor(json.loads((folder / "counts.json").read_text()))
+    models = [str(model0), *files(folder, kind)[1:]]
+    argv = ["match", *models, *extra, "--counts", str(folder / "counts.json")]
+    assert main([*argv, "--activity", str(tmp_path / "activity.json"), "--out", str(tmp_path / "a.pt")]) == 0
+    text = capsys.readouterr().out
+    dead = sum(int((torch.tensor(v) == 0).sum()) for r in report for v in r.values())
+    assert f"--activity: {dead} unit(s) dead on their client's data left out before matching" in text
+    activity = [{g: torch.tensor(v, dtype=torch.float64) for g, v in r.items()} for r in report]
+    expected = match_by_spec(nets, counts, input_shape=digits.input_shape, seed=0, activity=activity)
+    assert expected.kept_units[0][group].numel() == kept_units(activity[0], spec)[group].numel() <= \
+        nets[0].state_dict()[next(k for k in nets[0].state_dict() if k.endswith("bias"))].numel() - 2
+    saved = read_global(tmp_path / "a.pt")
+    assert saved.widths == expected.widths
+    with torch.no_grad():
+        assert_close(saved.network(digits.x_test), expected.network().eval()(digits.x_test))
+    assert main([*argv, "--out", str(tmp_path / "b.pt")]) == 0
+    assert "no --activity: every unit matched, dead ones included" in capsys.readouterr().out
+    everything = match_by_spec(nets, counts, input_shape=digits.input_shape, seed=0)
+    assert read_global(tmp_path / "b.pt").widths == everything.widths
+    assert any(not torch.equal(a, b) for a, b in zip(everything.assignments[group], expected.assignments[group]))
+
+
 @pytest.fixture
 def bad(folder, tmp_path):
     (tmp_path / "text.pt").write_text("not a model")
@@ -120,6 +168,11 @@ def bad(folder, tmp_path):
     for j in range(3):
         torch.save(UserMixingNet(), tmp_path / f"mixing{j}.pt")
     (tmp_path / "counts_short.json").write_text(json.dumps([[1] * 10] * 2))
+    good = {"1": [1.0] * 32}   # the MLP's one hidden group, "1" (its first Linear's index)
+    for name, value in (("short", [good] * 2), ("groups", [{"x": [1.0] * 32}] * 3), ("units", [{"1": [1.0] * 31}] * 3),
+                        ("negative", [{"1": [-1.0] * 32}] * 3), ("strings", [{"1": ["a"] * 32}] * 3)):
+        (tmp_path / f"activity_{name}.json").write_text(json.dumps(value))
+    (tmp_path / "activity_text.json").write_text("not json")
     (tmp_path / "counts_negative.json").write_text(json.dumps([[1] * 9 + [-1]] * 3))
     return tmp_path
 
@@ -140,6 +193,18 @@ def bad(folder, tmp_path):
     (lambda f, b: [*files(f, "user", True), "--module", "user_networks:nothing", "--input-shape", "1,8,8"],
      r"--module: cannot import"),
     (lambda f, b: [*files(f, "mlp"), "--sigma2", "0.1,0.2"], r"--sigma2"),
+    (lambda f, b: [*files(f, "mlp"), "--activity", str(b / "activity_short.json")],
+     r"--activity: expected a JSON list of 3 reports .* got list of length 2"),
+    (lambda f, b: [*files(f, "mlp"), "--activity", str(b / "activity_text.json")],
+     r"--activity: expected a JSON file of 3 reports"),
+    (lambda f, b: [*files(f, "mlp"), "--activity", str(b / "activity_groups.json")],
+     r"--activity: activity\[0\]: expected a mapping with one \(L,\) tensor per group \['1'\].*groups of the spec: 1"),
+    (lambda f, b: [*files(f, "mlp"), "--activity", str(b / "activity_units.json")],
+     r"--activity: activity\[0\]\['1'\]: expected 32 activities"),
+    (lambda f, b: [*files(f, "mlp"), "--activity", str(b / "activity_negative.json")],
+     r"--activity: activity\[0\]\['1'\]: expected a 1-d tensor of finite activities >= 0"),
+    (lambda f, b: [*files(f, "mlp"), "--activity", str(b / "activity_strings.json")],
+     r"--activity: report 0 .* group '1': expected a list of numbers"),
     (lambda f, b: [str(b / f"mixing{j}.pt") for j in range(3)], r"MODEL: cannot match these networks: .*cumsum"),
 ])
 def test_bad_input_to_bnpfed_match_is_named_before_any_matching(argv, message, folder, bad, capsys, monkeypatch):

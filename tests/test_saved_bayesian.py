@@ -216,8 +216,7 @@ def test_bnpfed_match_posteriors_takes_laplace_clients_matched_on_their_means_by
         flag = [] if match_on == "means" else ["--match-on", match_on]
         assert main(["match", *files(folder, "laplace"), "--posteriors", *flag, "--counts",
                      str(folder / "counts.json"), "--out", str(out)]) == 0
-        text = capsys.readouterr().out
-        assert ("no dead unit is left out" in text) == (match_on == "means")
+        assert "no --activity: every unit matched, dead ones included" in capsys.readouterr().out
         match = match_posteriors(clients, counts, rule=FusionConfig().rule, sizes=sizes,
                                  input_shape=digits.input_shape, template=template, seed=0, match_on=match_on)
         saved = read_global(out)
@@ -232,6 +231,33 @@ def test_bnpfed_match_posteriors_takes_laplace_clients_matched_on_their_means_by
         widths[match_on] = saved.widths["1"]
     # post-hoc posteriors keep most weights near their prior variance: on them the units keep further apart
     assert widths["posteriors"] > widths["means"], widths
+
+
+def test_bnpfed_match_posteriors_with_activity_reports_leaves_the_dead_units_out(folder, tmp_path, digits, parts,
+                                                                              capsys):
+    """--activity with Laplace clients: match_posteriors with the same reports (matched on the means, the units dead
+    on their client's data left out first)."""
+    from bnpfed.inference import unit_activity
+
+    clients = loaded(folder, "laplace")
+    means = [c.mean_network() for c in clients]
+    spec = derive_spec(means[0], digits.input_shape)
+    activity = [unit_activity(m, digits.x_train[p], spec) for m, p in zip(means, parts)]
+    (tmp_path / "activity.json").write_text(json.dumps([{g: a.tolist() for g, a in r.items()} for r in activity]))
+    out = tmp_path / "g.pt"
+    assert main(["match", *files(folder, "laplace"), "--posteriors", "--counts", str(folder / "counts.json"),
+                 "--activity", str(tmp_path / "activity.json"), "--out", str(out)]) == 0
+    dead = sum(int((a == 0).sum()) for r in activity for a in r.values())
+    assert dead > 0 and f"--activity: {dead} unit(s) dead" in capsys.readouterr().out
+    counts = torch.tensor(json.loads((folder / "counts.json").read_text()))
+    match = match_posteriors(clients, counts, rule=FusionConfig().rule, sizes=[int(n) for n in counts.sum(1)],
+                             input_shape=digits.input_shape, template=means[0], seed=0, match_on="means",
+                             activity=activity)
+    assert sum(k["1"].numel() for k in match.kept_units) == 3 * 32 - dead
+    saved = read_global(out)
+    assert saved.widths == match.widths
+    for site, p in match.posterior().items():
+        assert_close(saved.client.posterior()[site].loc, p.loc.float())
 
 
 def test_bnpfed_match_posteriors_match_on_means_for_variational_clients_is_pfnms_assignment(folder, tmp_path, digits):
@@ -275,6 +301,8 @@ def test_bnpfed_match_posteriors_align_none_fuses_laplace_clients_weight_by_weig
     (lambda f: [*files(f, "laplace"), "--posteriors", "--align", "none", "--match-on", "means"],
      r"--match-on: expected only with --align match"),
     (lambda f: [*files(f, "mlp"), "--match-on", "means"], r"--match-on: expected only with --posteriors"),
+    (lambda f: [*files(f, "laplace"), "--posteriors", "--align", "none", "--activity", str(f / "counts.json")],
+     r"--activity: expected only with --align match"),
     (lambda f: [*files(f, "mlp"), "--posteriors", "--sigma2", "0.1"], r"--sigma2: expected only without --posteriors"),
     (lambda f: [*files(f, "mlp"), "--posteriors", "--arch", "mlp"], r"--arch: expected only without --posteriors"),
     (lambda f: [*files(f, "mlp"), "--rule", "gaa"], r"--rule: expected only with --posteriors"),

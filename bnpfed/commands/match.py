@@ -10,6 +10,7 @@ Examples::
     bnpfed match client0.pt client1.pt client2.pt --out global.pt          # whole modules (torch.save(net))
     bnpfed match c*.pt --arch lenet --input-shape 1,28,28 --counts counts.json --out global.pt   # state dicts
     bnpfed match c*.pt --module mypkg.nets:make_cnn --input-shape 3,32,32 --show-spec --out global.pt
+    bnpfed match c*.pt --counts counts.json --activity activity.json --out global.pt   # dead units left out
     bnpfed match b*.pt --posteriors --rule conflation --out global.pt      # Bayesian clients (bnpfed.save_global)
     bnpfed match b*.pt --posteriors --align none --rule gaa --out global.pt   # clients from one shared init
     bnpfed match l*.pt --posteriors --match-on means --out global.pt     # Laplace clients (the default for them)
@@ -67,6 +68,11 @@ def add_parser(sub):
                    help="JSON: a J x C table of each client's training examples per class (its class shares weigh "
                    "the output layer), or 'uniform' (every client holds every class equally). Default: estimated "
                    "from each network's own output layer (bnpfed.inference.class_shares), and the result says so")
+    g.add_argument("--activity", metavar="PATH",
+                   help="JSON: one report per client in MODEL order, each {group: [one activity per unit]} as "
+                   "bnpfed.inference.unit_activity computes it on the client's own data; the units with activity 0 "
+                   "(dead on that data) are left out before matching, as bnpfed pfnm leaves them out. Default: "
+                   "every unit matched, dead ones included, and the result says so")
     g.add_argument("--show-spec", action="store_true", help="print the derived permutation spec")
     g = p.add_argument_group("matching", "as bnpfed pfnm; with --posteriors --align match the same but --sigma2 "
                              "(--tau2 instead)")
@@ -104,8 +110,8 @@ def add_parser(sub):
                    "--match-on means the noise variance sigma2 of PFNM's model; default: estimated per group)")
     g.add_argument("--match-on", choices=("auto",) + MATCH_ON,
                    help="--align match: what the assignment is computed from: posteriors (the heteroscedastic "
-                   "model on the posterior means and variances), means (PFNM's model on the posterior means alone; "
-                   "the files carry no activity reports, so every unit is matched) or auto (default: means for "
+                   "model on the posterior means and variances), means (PFNM's model on the posterior means alone) "
+                   "or auto (default: means for "
                    "Laplace clients, posteriors for variational ones; FusionConfig.match_on)")
     g.add_argument("--pooling-samples", type=int, metavar="N",
                    help=f"N of the pooling rule (default: {fusion.pooling_samples})")
@@ -199,6 +205,50 @@ def _checked_spec(template: nn.Module, input_shape):
     return spec
 
 
+def _activity(path, states: list, spec) -> list | None:
+    """``--activity``: the clients' reports (one ``{group: (L,) float64 tensor}`` per client), checked against the
+    spec and every client's widths (:func:`~bnpfed.inference.activity.kept_per_client`); None without the flag."""
+    from bnpfed.inference.activity import kept_per_client
+    from bnpfed.inference.layout import width
+
+    if path is None:
+        return None
+    J = len(states)
+    try:
+        reports = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as error:
+        raise UsageError(f"--activity: expected a JSON file of {J} reports, got {path!r} ({type(error).__name__})") \
+            from None
+    if not (isinstance(reports, list) and len(reports) == J and all(isinstance(r, dict) for r in reports)):
+        raise UsageError(f"--activity: expected a JSON list of {J} reports (one per MODEL, each {{group: [activity "
+                         f"per unit]}}), got {type(reports).__name__}"
+                         f"{f' of length {len(reports)}' if isinstance(reports, list) else ''}")
+    out = []
+    for j, report in enumerate(reports):
+        for group, values in report.items():
+            if not (isinstance(values, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                     for v in values)):
+                raise UsageError(f"--activity: report {j} (of {path!r}), group {group!r}: expected a list of numbers, "
+                                 f"got {type(values).__name__}")
+        out.append({g: torch.tensor(v, dtype=torch.float64) for g, v in report.items()})
+    widths = [{g.name: width(state, g, "MODEL") for g in spec.groups} for state in states]
+    try:
+        kept_per_client(out, spec, widths)
+    except ValueError as error:
+        raise UsageError(f"--activity: {_args.one_line(error)} (groups of the spec: {', '.join(spec.group_names)})") \
+            from None
+    return out
+
+
+def _activity_notes(activity) -> list[str]:
+    """What the result says about dead units."""
+    if activity is None:
+        return ["no --activity: every unit matched, dead ones included (give the clients' reports, "
+                "bnpfed.inference.unit_activity on their own data, to leave those out)"]
+    dead = sum(int((a == 0).sum()) for report in activity for a in report.values())
+    return [f"--activity: {dead} unit(s) dead on their client's data left out before matching"]
+
+
 def _counts(path, J: int, C: int) -> tuple[torch.Tensor | None, str]:
     """The class counts and where they came from: ``"given"``, ``"uniform"`` or ``"estimated"`` (None: estimated
     once the spec is known)."""
@@ -279,11 +329,12 @@ def prepare(args) -> dict:
     counts, source = _counts(args.counts, len(clients), int(probe.shape[-1]))
     if counts is None:
         counts = estimate_class_shares(clients, spec)
+    activity = _activity(args.activity, [c.state_dict() if isinstance(c, nn.Module) else c for c in clients], spec)
     pfnm = PFNMConfig(sigma2=_one(args.sigma2), sigma0_2=_one(args.sigma0_2), gamma0=_one(args.gamma0),
                       hyperparameters=args.hyperparameters, sweeps=args.sweeps, max_width=_one(args.max_width),
                       max_params=args.max_params)
     return dict(clients=clients, template=template, input_shape=input_shape, spec=spec, counts=counts,
-                counts_source=source, pfnm=pfnm)
+                counts_source=source, pfnm=pfnm, activity=activity)
 
 
 def _one(values):
@@ -306,11 +357,12 @@ def run(args) -> int:
         print(spec)
     try:
         match = match_by_spec(plan["clients"], plan["counts"], spec, input_shape=plan["input_shape"],
-                              template=plan["template"], seed=args.seed, **plan["pfnm"].matcher_kwargs())
+                              template=plan["template"], seed=args.seed, activity=plan["activity"],
+                              **plan["pfnm"].matcher_kwargs())
     except ValueError as error:  # per-group values of the wrong count, and the like: named as flags
         return fail(PROG, flag_message(error))
     network = match.network()
-    notes = _counts_notes(plan["counts_source"])
+    notes = _counts_notes(plan["counts_source"]) + _activity_notes(plan["activity"])
     for group, result in match.layer_results.items():
         notes += [f"{group}: {n}" for n in getattr(result, "notes", [])]
     if "parameters" in match.size_searches:
@@ -382,6 +434,9 @@ def prepare_posteriors(args) -> dict:
                             ("--sweeps", args.sweeps), ("--show-spec", args.show_spec or None)):
             if value is not None:
                 raise UsageError(f"{flag}: expected only with --align match (--align none matches nothing)")
+        if args.activity is not None:
+            raise UsageError("--activity: expected only with --align match (--align none matches nothing, so no unit "
+                             "is left out)")
         if args.hyperparameters != PFNMConfig().hyperparameters:
             raise UsageError("--hyperparameters: expected only with --align match (--align none matches nothing)")
     clients = [_read_bayesian(path) for path in args.models]
@@ -421,6 +476,7 @@ def prepare_posteriors(args) -> dict:
                          "clients' sizes, the weights of their posteriors)")
     if counts is None and align == "match":
         counts = estimate_class_shares(means, spec)
+    activity = _activity(args.activity, [m.state_dict() for m in means], spec)
     fusion = FusionConfig(rule=args.rule or FusionConfig().rule, weights="size",
                           pooling_samples=FusionConfig().pooling_samples if args.pooling_samples is None
                           else args.pooling_samples,
@@ -430,7 +486,7 @@ def prepare_posteriors(args) -> dict:
     if align == "match" and not fusion.min_variance > 0:
         raise UsageError(f"--min-variance: expected a floor > 0 with --align match, got {args.min_variance}")
     return dict(clients=clients, kind=kind, means=means, template=template, input_shape=input_shape, spec=spec,
-                counts=counts, counts_source=source, fusion=fusion)
+                counts=counts, counts_source=source, fusion=fusion, activity=activity)
 
 
 def client_kind(client) -> str:
@@ -472,7 +528,7 @@ def run_posteriors(args, plan) -> int:
                                      sigma0_2=_one(args.sigma0_2), gamma0=_one(args.gamma0),
                                      hyperparameters=args.hyperparameters, sweeps=args.sweeps, seed=args.seed,
                                      num_samples=fusion.pooling_samples, min_variance=fusion.min_variance,
-                                     match_on=fusion.matches_on(plan["kind"]))
+                                     match_on=fusion.matches_on(plan["kind"]), activity=plan["activity"])
         except ValueError as error:
             return fail(PROG, flag_message(error))
         if laplace:   # the global posterior with the linearised predictive of Laplace clients
@@ -480,9 +536,7 @@ def run_posteriors(args, plan) -> int:
         else:
             prior, options = _variational(first)
             client = match.client(prior, **options)
-        if fusion.matches_on(plan["kind"]) == "means":
-            notes.append("matched on the posterior means (PFNM's model) with every unit: the files carry no activity "
-                         "reports, so no dead unit is left out")
+        notes += _activity_notes(plan["activity"])
         for group, result in match.layer_results.items():
             notes += [f"{group}: {n}" for n in getattr(result, "notes", [])]
         described = dict(spec=spec, widths=match.widths, hyperparameters=match.hyperparameters,
