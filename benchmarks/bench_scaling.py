@@ -140,7 +140,9 @@ def one(args) -> dict:
                               template=template, input_shape=saved["input_shape"], activity=activity)
             seconds = min(seconds, again.seconds)
         groups = {g: dict(seconds=r.seconds, sweeps=getattr(r, "sweeps_run", None), width=r.num_atoms,
-                          converged=bool(getattr(r, "converged", True))) for g, r in match.layer_results.items()}
+                          converged=bool(getattr(r, "converged", True)),
+                          starts=list(getattr(r, "starts", None) or []))   # each start's sweeps and atoms, under EB
+                  for g, r in match.layer_results.items()}
         neurons = NETS[args.net][1][0] if NETS[args.net][1] else None
     process_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     accuracy = None
