@@ -103,16 +103,16 @@ def add_parser(sub):
                    help=f"the fusion rule of bnpfed.combine (default: {fusion.rule})")
     g.add_argument("--align", choices=("match", "none"),
                    help="match (default): match the clients' hidden units (Beta-Bernoulli model, on what --match-on "
-                   "says) and fuse every global unit's members; none: fuse weight i of every client with weight i of the "
-                   "others (clients of one shared initialisation and one width only)")
+                   "says) and fuse every global unit's members; none: fuse weight i of every client with weight i of "
+                   "the others (clients of one shared initialisation and one width only)")
     g.add_argument("--tau2", type=hyper_values, metavar="V[,V...]",
                    help="--align match: the extra variance between two clients' copies of a unit, > 0 (with "
                    "--match-on means the noise variance sigma2 of PFNM's model; default: estimated per group)")
     g.add_argument("--match-on", choices=("auto",) + MATCH_ON,
                    help="--align match: what the assignment is computed from: posteriors (the heteroscedastic "
                    "model on the posterior means and variances), means (PFNM's model on the posterior means alone) "
-                   "or auto (default: means for "
-                   "Laplace clients, posteriors for variational ones; FusionConfig.match_on)")
+                   "or auto (default: means for Laplace clients, posteriors for variational ones; "
+                   "FusionConfig.match_on)")
     g.add_argument("--pooling-samples", type=int, metavar="N",
                    help=f"N of the pooling rule (default: {fusion.pooling_samples})")
     g.add_argument("--min-variance", type=float, metavar="V",
