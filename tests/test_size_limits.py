@@ -291,3 +291,33 @@ def test_fedmas_default_budget_overdrawn_below_limits_the_groups_above_to_one_cl
     with pytest.raises(SizeLimitError, match="max_params: expected at least"):
         fedma_width_limits(PFNMConfig(layerwise_retrain=1, max_params=ensemble // 2), spec, nets[0], states,
                            ensemble // 2, matched=matched)
+
+
+def test_pfnms_one_shot_step_keeps_its_own_size_in_an_experiment_that_also_runs_fedma():
+    """``max_params="auto"`` is the ensemble's size for FedMA's layer-wise rounds only: PFNM's whole-network step
+    (``pfnm_step``, an experiment's one-shot "pfnm" row) given the same config, FedMA's ``layerwise_retrain``
+    included, matches at the model's own size, as with ``PFNMConfig()`` (a budget silently shrank it, or failed on
+    CIFAR-10 where no match meets the ensemble's size)."""
+    from bnpfed.data import load_dataset
+    from bnpfed.federated.clients import train_network
+    from bnpfed.federated.config import TrainingConfig
+    from bnpfed.federated.server import pfnm_step
+    from bnpfed.models.networks import LeNet
+    ds = load_dataset("digits")
+    x, y = ds.x_train.reshape(-1, 1, 8, 8), ds.y_train
+    nets = []
+    for j in range(3):
+        torch.manual_seed(j)
+        idx = torch.arange(j, len(y), 3)
+        nets.append(train_network(LeNet(in_channels=1, image_size=8, num_classes=10, conv1_padding=2), x[idx], y[idx],
+                                  TrainingConfig(epochs=2, batch_size=32, lr=0.01), seed=0, round=1, client=j))
+    counts = torch.stack([torch.bincount(y[torch.arange(j, len(y), 3)], minlength=10) for j in range(3)])
+    own = pfnm_step(nets, counts, PFNMConfig(), seed=0, round=1, input_shape=(1, 8, 8), template=nets[0])
+    shared = pfnm_step(nets, counts, PFNMConfig(layerwise_retrain=2), seed=0, round=1, input_shape=(1, 8, 8),
+                       template=nets[0])
+    assert own.parameters > sum(count_parameters(n) for n in nets)   # above the ensemble's size: a budget would bind
+    assert shared.widths == own.widths and not shared.size_searches
+    assert all(torch.equal(shared.state[k], v) for k, v in own.state.items())
+    explicit = pfnm_step(nets, counts, PFNMConfig(layerwise_retrain=2, max_params="ensemble"), seed=0, round=1,
+                         input_shape=(1, 8, 8), template=nets[0])
+    assert explicit.parameters <= sum(count_parameters(n) for n in nets) < own.parameters   # an explicit one holds

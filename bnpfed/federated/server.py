@@ -309,8 +309,12 @@ def pfnm_step(client_nets: Sequence, class_counts, config: PFNMConfig, *, seed: 
 
     ``max_params="ensemble"`` with a ``template`` is the clients at the template's size together (their own
     networks'), in every round: from round 2 on they hold slices of the global network, and a budget of the slices'
-    size would shrink it round by round.
+    size would shrink it round by round. This is PFNM's whole-network step whatever ``config.layerwise_retrain``
+    says (an experiment's one-shot PFNM shares its config with FedMA's rounds): the default ``max_params="auto"``
+    is then the model's own size, not FedMA's ensemble budget (:attr:`PFNMConfig.parameter_limit`).
     """
+    if config.layerwise_retrain:
+        config = replace(config, layerwise_retrain=0)
     init = _warm_start(config, starts, len(client_nets))
     if config.parameter_limit == "ensemble" and template is not None:
         config = replace(config, max_params=ensemble_parameters(template, len(client_nets)))
