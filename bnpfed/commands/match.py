@@ -18,7 +18,6 @@ Examples::
 
 from __future__ import annotations
 
-import copy
 import importlib
 import json
 import math
@@ -441,12 +440,12 @@ def prepare_posteriors(args) -> dict:
             raise UsageError("--hyperparameters: expected only with --align match (--align none matches nothing)")
     clients = [_read_bayesian(path) for path in args.models]
     first = clients[0]
-    kind = client_kind(first)
+    kind = _client_kind(first)
     sites = list(first.posterior())
     means = [c.mean_network() for c in clients]   # each client's posterior-mean network
     for path, client, mean in zip(args.models, clients, means):
-        if client_kind(client) != kind:
-            raise UsageError(f"MODEL: {path!r} holds a {client_kind(client)} client and {args.models[0]!r} a {kind} "
+        if _client_kind(client) != kind:
+            raise UsageError(f"MODEL: {path!r} holds a {_client_kind(client)} client and {args.models[0]!r} a {kind} "
                              f"one; expected clients of one kind (their posteriors mean different things)")
         if type(mean) is not type(means[0]):
             raise UsageError(f"MODEL: {path!r} is another architecture ({type(mean).__name__}) than "
@@ -489,7 +488,7 @@ def prepare_posteriors(args) -> dict:
                 counts=counts, counts_source=source, fusion=fusion, activity=activity)
 
 
-def client_kind(client) -> str:
+def _client_kind(client) -> str:
     """``"laplace"`` for a :class:`~bnpfed.inference.LaplaceClient`, ``"variational"`` for a
     :class:`~bnpfed.inference.BayesianClient` (:class:`~bnpfed.federated.config.BayesianConfig`'s ``client``)."""
     return "laplace" if isinstance(client, LaplaceClient) else "variational"
@@ -505,7 +504,7 @@ def _variational(first) -> tuple:
 def run_posteriors(args, plan) -> int:
     """Fuse the saved clients' posteriors (matched or weight by weight) and write the global Bayesian client."""
     from bnpfed.federated.server import fuse_posteriors
-    from bnpfed.inference import BayesianClient
+    from bnpfed.inference import BayesianClient, network_from_state
     from bnpfed.inference.layout import width
     from bnpfed.inference.posterior_matching import match_posteriors
 
@@ -545,11 +544,9 @@ def run_posteriors(args, plan) -> int:
     else:
         step = fuse_posteriors([c.posterior() for c in clients], [c.deterministic_state() for c in clients], sizes,
                                fusion, seed=args.seed, round=1)
-        if laplace:
-            network = copy.deepcopy(plan["template"])
-            state = network.state_dict()
-            network.load_state_dict({**{k: v.to(state[k].dtype) for k, v in step.deterministic.items()},
-                                     **{k: p.loc.to(state[k].dtype) for k, p in step.posterior.items()}})
+        if laplace:   # the template carrying the fused means and deterministic values
+            network = network_from_state(plan["template"], {**step.deterministic,
+                                                            **{k: p.loc for k, p in step.posterior.items()}})
             client = LaplaceClient.holding(network, step.posterior, first.prior)
         else:
             prior, options = _variational(first)

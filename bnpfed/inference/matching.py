@@ -256,7 +256,8 @@ def match_layer(
     :param str cross_products: how a re-match gets the products of a client's neurons with every atom:
         ``"direct"``, one (L_j, D) x (D, L) matrix product; ``"gram"``, from the (N, N) Gram matrix of all N neurons,
         computed once after the first assignment (a gather and a sum per atom per re-match); ``"auto"`` (default)
-        takes the Gram matrix when it fits in :data:`~bnpfed.inference.matcher.GRAM_BYTES` (1 GiB) and the sweeps' products would cost more than it: with
+        takes the Gram matrix when it fits in :data:`~bnpfed.inference.matcher.GRAM_BYTES` (1 GiB) and the sweeps'
+        products would cost more than it: with
         ``"fixed"`` decided after the greedy pass (``sweeps * L > N``, a wide layer), under empirical Bayes, where
         ``sweeps`` is only a limit, after the greedy pass for the sweeps it usually runs
         (:data:`~bnpfed.inference.matcher.EB_EXPECTED_SWEEPS`) and again once the sweeps run so far have cost as much
