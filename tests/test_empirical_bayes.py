@@ -116,12 +116,13 @@ def log_marginal_likelihood(neurons, assignments, h):
     return float(ll)
 
 
-def test_the_default_start_reaches_the_fixed_point_of_higher_marginal_likelihood_when_some_neurons_agree_closely():
-    """A layer like those of independently trained networks: 20 small atoms every client holds, its copies within
-    0.03 of each other (units that never activate, shrunk by weight decay), and 80 loose ones, each client's copy
-    correlated only 0.5 with the others'. The alternation has two fixed points here. From the even split
-    sigma2 = sigma0_2 = T / 2 the first pass merges the loose neurons and their spread becomes the noise; from the
-    default small noise only the close copies merge, and that fixed point has the higher marginal likelihood."""
+def test_two_fixed_points_when_some_neurons_agree_closely_and_both_starts_keep_the_likelier():
+    """A layer like those of independently trained networks with their dead units kept: 20 small atoms every client
+    holds, its copies within 0.03 of each other (units that never activate, shrunk by weight decay), and 80 loose
+    ones, each client's copy correlated only 0.5 with the others'. The alternation has two fixed points here. From
+    the even split sigma2 = sigma0_2 = T / 2 (the default start) the first pass merges the loose neurons and their
+    spread becomes the noise; from the small noise only the close copies merge, and that fixed point has the higher
+    marginal likelihood, which ``starts="both"`` keeps."""
     rng = np.random.default_rng(0)
     J, D, n_close, n_loose, rho = 10, 100, 20, 80, 0.5
     close = rng.normal(0.0, 0.1, (n_close, D))
@@ -134,24 +135,28 @@ def test_the_default_start_reaches_the_fixed_point_of_higher_marginal_likelihood
         neurons.append(v[order])
         # the close atoms shared, every loose neuron its own atom: what the higher fixed point finds
         truth.append(np.where(order < n_close, order, n_close + j * n_loose + order - n_close))
-    default = match_layer(neurons, seed=0)
+    small = match_layer(neurons, seed=0, starts="small-noise")
     T = pooled_variance(neurons)
     even = match_layer(neurons, seed=0, start=dict(sigma2=T / 2, sigma0_2=T / 2))
-    assert default.converged and even.converged
-    assert adjusted_rand_score(np.concatenate(truth), torch.cat(default.assignments).numpy()) == 1.0
-    assert default.hyperparameters["sigma2"] == pytest.approx(0.03 ** 2, rel=0.1)
-    assert even.num_atoms < 0.2 * default.num_atoms  # the loose neurons merged
-    assert even.hyperparameters["sigma2"] > 100 * default.hyperparameters["sigma2"]
-    ll_default = log_marginal_likelihood(neurons, default.assignments, default.hyperparameters)
+    default, both = match_layer(neurons, seed=0), match_layer(neurons, seed=0, starts="both")
+    assert small.converged and even.converged
+    assert adjusted_rand_score(np.concatenate(truth), torch.cat(small.assignments).numpy()) == 1.0
+    assert small.hyperparameters["sigma2"] == pytest.approx(0.03 ** 2, rel=0.1)
+    assert even.num_atoms < 0.2 * small.num_atoms  # the loose neurons merged
+    assert even.hyperparameters["sigma2"] > 100 * small.hyperparameters["sigma2"]
+    ll_small = log_marginal_likelihood(neurons, small.assignments, small.hyperparameters)
     ll_even = log_marginal_likelihood(neurons, even.assignments, even.hyperparameters)
-    assert ll_default > ll_even + 1e4
+    assert ll_small > ll_even + 1e4
+    assert all(torch.equal(a, b) for a, b in zip(default.assignments, even.assignments)) and not default.starts
+    assert all(torch.equal(a, b) for a, b in zip(both.assignments, small.assignments))
+    assert [s["start"] for s in both.starts] == ["small-noise", "even-split"]
 
 
-def test_the_default_start_is_a_tenth_of_the_pooled_variance_to_the_noise():
+@pytest.mark.parametrize("starts,share", [("small-noise", EB_START_NOISE_SHARE), ("even-split", 0.5)])
+def test_the_small_noise_start_is_a_tenth_of_the_pooled_variance_to_the_noise_and_the_even_split_half(starts, share):
     layer = model_layer(10, 50, seed=3)
     T = pooled_variance(layer.neurons)
-    share = EB_START_NOISE_SHARE
-    default = match_layer(layer.neurons, seed=0, sweeps=0)
+    default = match_layer(layer.neurons, seed=0, sweeps=0, starts=starts)
     started = match_layer(layer.neurons, seed=0, sweeps=0, start=dict(sigma2=share * T, sigma0_2=(1 - share) * T))
     assert all(torch.equal(a, b) for a, b in zip(default.assignments, started.assignments))
     assert default.objective == pytest.approx(started.objective, rel=1e-12)
@@ -161,7 +166,7 @@ def test_a_first_pass_that_leaves_every_neuron_alone_is_redone_from_the_even_spl
     """Noise as large as the atoms' spread: at a tenth of the pooled variance no two neurons merge (sigma2 would not
     be estimable); the first pass is redone from sigma2 = sigma0_2 = T / 2, noted."""
     layer = sample_federated_layer(10, 50, seed=1, sigma0_2=1.0, sigma2=1.0, gamma0=5.0)
-    r = match_layer(layer.neurons, seed=0)
+    r = match_layer(layer.neurons, seed=0, starts="small-noise")
     assert any("left every neuron alone: redone from the even split" in n for n in r.notes)
     T = pooled_variance(layer.neurons)
     even = match_layer(layer.neurons, seed=0, start=dict(sigma2=T / 2, sigma0_2=T / 2))

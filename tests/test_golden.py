@@ -4,9 +4,9 @@ top-down order, spec matching of MLPs and a batch-normalised CNN, FedMA's group 
 short experiment of eleven methods) is reproduced by today's code on the same inputs and seeds: assignments exactly,
 numbers to float tolerance. Empirical Bayes then swept to the exact fixed point; its default now stops on the result
 (``stop="result"``), so these runs ask for ``stop="fixed-point"`` (``EXACT``); it then ran from the small-noise
-start alone and matched every unit, where it now runs both starts and a federation leaves out the units its clients
-report inactive (issue "compression by default"), so the PFNM runs ask for ``starts="small-noise"`` and
-``inactive="keep"`` (``BEFORE``)."""
+start alone and matched every unit, where it now runs from the even split and a federation leaves out the units its
+clients report inactive (issue "compression by default"), so the runs ask for ``starts="small-noise"`` and the PFNM
+runs for ``inactive="keep"`` as well (``BEFORE``)."""
 
 from pathlib import Path
 
@@ -162,7 +162,7 @@ def test_matched_posterior_fusion_reproduces_the_recorded_results(golden, rule):
     data, out = golden["inputs"], golden["outputs"]
     template = initial_network(NetworkConfig(hidden=(20,)), (1, 8, 8), 10, seed=0)
     m = match_posteriors(data["posteriors"], data["class_counts"], rule=rule, sizes=data["sizes"], template=template,
-                         seed=9, **EXACT)
+                         seed=9, **BEFORE)
     assert_same(posterior_result(m), out[f"posterior_{rule}"], rule)
     if rule == "conflation":
         m = match_posteriors(data["posteriors"], data["class_counts"], rule="conflation", template=template, seed=9,
@@ -188,7 +188,7 @@ def test_a_short_experiment_of_eleven_methods_reproduces_the_recorded_rows(golde
     result = run_experiment(load_dataset("digits", standardize=False),
                             partition=PartitionConfig(clients=3, partition="dirichlet"),
                             network=NetworkConfig(hidden=(16,)), training=TrainingConfig(epochs=3),
-                            pfnm=PFNMConfig(**BEFORE, inactive="keep"), fusion=FusionConfig(**EXACT),
+                            pfnm=PFNMConfig(**BEFORE, inactive="keep"), fusion=FusionConfig(**BEFORE),
                             config=ExperimentConfig(methods=methods, rounds=2, seed=0))
     keep = ("method", "accuracy", "nll", "ece", "brier", "hidden", "parameters", "mean_sigma")
     rows = [{k: v for k, v in asdict(row).items() if k in keep} for row in result.rows]

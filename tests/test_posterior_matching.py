@@ -518,3 +518,20 @@ def test_pvi_refuses_what_it_cannot_run():
         match_posteriors(clients, rule="conflation", template=net, factors=[None, None], **PVI_FIXED)
     with pytest.raises(ValueError, match="prior_variance: the clients' prior of rule='pvi'"):
         match_posteriors(clients, rule="conflation", template=net, prior_variance=2.0, **PVI_FIXED)
+
+
+def test_where_the_matchers_empirical_bayes_starts_reaches_every_group_of_matched_fusion():
+    """``starts``: the even split alone by default, both starts (the likelier kept) on request, as
+    :func:`~bnpfed.inference.match_bayesian_layer` takes it; :class:`FusionConfig` checks and carries it."""
+    from bnpfed.federated import FusionConfig
+
+    net, locs, variances = bayesian_net(1, False)
+    spec, clients = permuted_copies(net, locs, variances, 3, (4,))
+    counts = torch.ones(3, 3, dtype=torch.float64)
+    default = match_posteriors(clients, counts, spec, template=net, seed=0)
+    both = match_posteriors(clients, counts, spec, template=net, seed=0, starts="both")
+    assert all(not r.starts for r in default.layer_results.values())
+    assert all([s["start"] for s in r.starts] == ["small-noise", "even-split"] for r in both.layer_results.values())
+    assert FusionConfig().starts == "even-split" and FusionConfig(align="match", starts="both").starts == "both"
+    with pytest.raises(ValueError, match="starts: expected one of"):
+        FusionConfig(align="match", starts="even")

@@ -127,9 +127,10 @@ def add_parser(sub):
                    help="the global network's weights: average (each global unit the average of its members, the "
                    "logits the clients' averaged class by class) or posterior-mean (the atoms' posterior means, as "
                    "published). Default: average under empirical Bayes, posterior-mean with fixed hyper-parameters")
-    g.add_argument("--starts", choices=("both", "small-noise"), default=d.starts,
-                   help="empirical Bayes: run each layer's estimation from the small-noise start and from the even "
-                   "split and keep the likelier (both), or from the first only (small-noise, bnpfed before 2026-12)")
+    g.add_argument("--starts", choices=("even-split", "both", "small-noise"), default=d.starts,
+                   help="empirical Bayes: run each layer's estimation from the even split (default), from the "
+                   "small-noise start as well and keep the likelier (both: about twice the time), or from the "
+                   "small-noise start only (bnpfed before 2026-12)")
     g.add_argument("--inactive", choices=("drop", "keep"), default=d.inactive,
                    help="units a client reports dead on its own data (0 wherever they enter the next layer): drop "
                    "leaves them out of matching (the client's network computes the same without them); keep "

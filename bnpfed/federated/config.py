@@ -391,9 +391,10 @@ class PFNMConfig:
         of the neurons and no estimate by more than 1 %; on trained MNIST layers the same width and accuracy as the
         exact fixed point at a third of the sweeps) or ``"fixed-point"`` (until nothing changes). Default
         ``"result"``.
-    :param str starts: under empirical Bayes, ``"both"`` (the small-noise start and the even split, the assignment
-        of higher marginal likelihood kept per layer) or ``"small-noise"`` (the first only, bnpfed before 2026-12).
-        Default ``"both"``.
+    :param str starts: under empirical Bayes, ``"even-split"`` (each layer's estimation from the even split),
+        ``"both"`` (from the small-noise start as well, the assignment of higher marginal likelihood kept per layer:
+        about twice the time) or ``"small-noise"`` (that start only, bnpfed before 2026-12). Default
+        ``"even-split"``.
     :param str inactive: what the server does with the units a client reports inactive on its own data (exactly 0
         wherever they enter the next layer: dead ReLU units; :mod:`bnpfed.inference.activity`): ``"drop"`` (left out
         before matching: the client's network computes the same without them) or ``"keep"`` (matched like any
@@ -432,7 +433,7 @@ class PFNMConfig:
     global_weights: Optional[str] = None
     layerwise_retrain: int = 0
     stop: str = "result"
-    starts: str = "both"
+    starts: str = "even-split"
     inactive: str = "drop"
     max_width: Union[None, int, tuple[Optional[int], ...]] = None
     max_params: Union[None, int, str] = "auto"
@@ -476,9 +477,9 @@ class PFNMConfig:
             check_choice(self.global_weights, ("average", "posterior-mean"), "global_weights")
         check_int(self.layerwise_retrain, "layerwise_retrain", low=0)
         check_choice(self.stop, ("result", "fixed-point"), "stop")
-        check_choice(self.starts, ("both", "small-noise"), "starts")
+        check_choice(self.starts, ("even-split", "both", "small-noise"), "starts")
         check_choice(self.inactive, ("drop", "keep"), "inactive")
-        if self.fixed and self.starts != "both":
+        if self.fixed and self.starts != "even-split":
             raise ValueError(f"starts: applies under empirical Bayes only (with fixed hyper-parameters there is one "
                              f"start, the greedy pass at the given values); got {self.starts!r} with "
                              f"{'constants=reference' if self.constants == 'reference' else 'hyperparameters=fixed'}")
@@ -574,6 +575,8 @@ class FusionConfig:
         own.
     :param str stop: ``align="match"``: when the matcher's empirical-Bayes sweeps stop, ``"result"`` (default) or
         ``"fixed-point"`` (:class:`PFNMConfig`'s ``stop``).
+    :param str starts: ``align="match"``: where the matcher's empirical Bayes starts, ``"even-split"`` (default),
+        ``"both"`` or ``"small-noise"`` (:class:`PFNMConfig`'s ``starts``).
     :param float pvi_damping: ``rule="pvi"``: rho in (0, 1], each client's factor moves ``rho`` of the way to its new
         value from the second round on (:class:`~bnpfed.federated.rounds.PVIFactors`). Default None: 0.1
         (:data:`PVI_DAMPING`). Read by ``rule="pvi"`` only.
@@ -595,6 +598,7 @@ class FusionConfig:
     tau2: Union[None, float, tuple[float, ...]] = None
     own_init: bool = False
     stop: str = "result"
+    starts: str = "even-split"
     pvi_damping: Optional[float] = None
     match_on: str = "auto"
 
@@ -616,6 +620,7 @@ class FusionConfig:
         check_choice(self.align, ALIGNMENTS, "align")
         check_bool(self.own_init, "own_init")
         check_choice(self.stop, ("result", "fixed-point"), "stop")
+        check_choice(self.starts, ("even-split", "both", "small-noise"), "starts")
         check_choice(self.match_on, ("auto",) + MATCH_ON, "match_on")
         if self.match_on != "auto" and self.align != "match":
             raise ValueError(f"match_on: what matched fusion's assignment is computed from; expected 'auto' with "

@@ -97,7 +97,7 @@ def match_bayesian_layer(
     popularity_factor: float = 2.0,
     objective: Literal["map", "marginal"] = "marginal",
     stop: Literal["fixed-point", "result"] = "result",
-    starts: Literal["both", "small-noise"] = "both",
+    starts: Literal["even-split", "both", "small-noise"] = "even-split",
     **constants,
 ) -> MatchResult:
     """Match J clients' Bayesian neurons (posterior means and variances) to global atoms under the Beta-Bernoulli

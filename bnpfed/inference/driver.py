@@ -1,7 +1,7 @@
 """The driver of the one layer matcher (:mod:`bnpfed.inference.matcher`): the greedy pass or a given start, sweeps
 of Hungarian re-matches, and the hyper-parameters re-estimated between them through an *estimator*
 (:mod:`bnpfed.inference.empirical_bayes`, or :class:`FixedValues` when nothing is estimated); under empirical Bayes
-from two starts, the likelier assignment kept (:func:`run_matching`). :func:`match_one_layer` is what
+from the even split, or from two starts with the likelier assignment kept (:func:`run_matching`). :func:`match_one_layer` is what
 :func:`~bnpfed.inference.match_layer` and :func:`~bnpfed.inference.match_bayesian_layer` share."""
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class FixedValues:
 def match_one_layer(means, variances, *, noise: str, given: Mapping[str, object], mu0, precisions,
                     hyperparameters: str, sweeps, seed, objective, init_assignments, estimator, name: str,
                     stop_at_fixed_point: bool = True, cross_products: str = "auto", stop: str = "result",
-                    starts: str = "both",
+                    starts: str = "even-split",
                     **options) -> MatchResult:
     """What :func:`~bnpfed.inference.match_layer` and :func:`~bnpfed.inference.match_bayesian_layer` share: the
     options checked, the matcher made, the given variances (``given``, named ``noise``, ``"sigma0_2"``,
@@ -109,10 +109,12 @@ def assignment_objective_of(means, variances, assignments, *, noise: str, values
 
 
 def run_matching(matcher: LayerMatcher, estimator, *, init, sweeps: int, seed, stop_at_fixed_point: bool = True,
-                 cross_products: str = "auto", stop: str = "result", starts: str = "both", dtype,
+                 cross_products: str = "auto", stop: str = "result", starts: str = "even-split", dtype,
                  t0: float) -> MatchResult:
     """The first assignment (greedy pass at the estimator's start, or ``init``), then up to ``sweeps`` sweeps, the
     hyper-parameters re-estimated after the first assignment and after every sweep, until a sweep changes neither.
+    ``starts`` (empirical Bayes, the noise from the data): ``"even-split"`` runs from the estimator's alternative
+    start, ``"small-noise"`` from its first, ``"both"`` from each and keeps the run of higher ``log p(Z, V)``.
 
     With fixed values (:class:`FixedValues`) exactly ``sweeps`` sweeps are run (less any skipped at a fixed point
     with ``stop_at_fixed_point``, the objective then repeating its last value) and the Gram matrix is taken after the
@@ -124,11 +126,13 @@ def run_matching(matcher: LayerMatcher, estimator, *, init, sweeps: int, seed, s
     the neurons moved in a sweep and no estimate moved by more than :data:`STOP_RTOL` (the assignment is then as good
     as settled: on trained MNIST layers the same width and accuracy at a third of the sweeps, benchmarks/README.md)."""
     check_choice(cross_products, ("auto", "direct", "gram"), "cross_products")
-    check_choice(starts, ("both", "small-noise"), "starts")
+    check_choice(starts, ("even-split", "both", "small-noise"), "starts")
     fixed = getattr(estimator, "fixed", False)
     options = dict(sweeps=sweeps, seed=seed, stop_at_fixed_point=stop_at_fixed_point, cross_products=cross_products,
                    stop=stop, dtype=dtype, t0=t0)
     alternative = None if fixed else estimator.alternative_start()
+    if init is None and starts == "even-split" and alternative is not None:
+        return _alternate(matcher, estimator, alternative, init=None, restart=False, **options)
     if init is not None or starts != "both" or alternative is None:
         return _alternate(matcher, estimator, estimator.start(), init=init, restart=True, **options)
     first = _alternate(matcher, estimator, estimator.start(), init=None, restart=True, **options)

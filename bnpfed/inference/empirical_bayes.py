@@ -142,7 +142,9 @@ class _Estimator:
     def _start(self, share: float, start: Mapping, mu0: np.ndarray) -> dict:
         """Per block with T its pooled variance and ubar its mean posterior variance: ``R = T - ubar`` (T where not
         positive) split ``share`` to the noise and the rest to sigma0_2, unless given or in ``start``; mu0 the
-        neurons' means where it is not given (NaN in ``mu0``); gamma0 the neurons per client."""
+        neurons' means where it is not given (NaN in ``mu0``); gamma0 the neurons per client. A block without spread
+        (:data:`FLAT_NOTE`) starts from :data:`EB_START_NOISE_SHARE` whatever ``share``: its variances are not
+        estimable, and at that share identical neurons merge (every start is then the same there)."""
         values = {"gamma0": self.given.get("gamma0", start.get("gamma0", self.N / self.J))}
         mu = mu0.copy()
         for coords, suffix, v, u, s in self.blocks:
@@ -152,12 +154,14 @@ class _Estimator:
             if flat:
                 self.note(FLAT_NOTE)
                 T = 1.0
+            block_share = EB_START_NOISE_SHARE if flat else share
             R = T - ubar
             if not R > 0:
                 self.note("the posterior variances account for all the spread of the means (mean u >= pooled "
                           "variance): the start splits the pooled variance itself")
                 R = T
-            for name, default in ((self.noise, max(share * R, self.start_floor * T)), ("sigma0_2", R - share * R)):
+            for name, default in ((self.noise, max(block_share * R, self.start_floor * T)),
+                                  ("sigma0_2", R - block_share * R)):
                 values[name + suffix] = self.given.get(name, start.get(name + suffix, default))
             values["_T" + suffix], values["_ubar" + suffix] = T, ubar
             free = np.isnan(mu[coords])

@@ -100,11 +100,14 @@ on average). The alternation may have several fixed points, and the start choose
 start merges only neurons far closer than a typical pair first, and a few tight neurons that agree across clients
 (units dead on the client's data, whose weights are left near their initial values) then set the noise; the even
 split (``sigma2 = sigma0_2 = T / 2``) merges widely in its first pass and settles at a fixed point with a larger
-noise. Neither is right everywhere, so by default (``starts="both"``) both are run and the one of higher marginal
-likelihood ``log p(Z, V)`` (at its own estimates, every normalising constant included) is kept: on MNIST
-784-100-10 (J = 10) the small-noise one wins by 2.6-3.1 x 10^4 nats while the dead units are matched, the even
-split by 3.7-4.0 x 10^4 nats once the clients leave them out (:mod:`bnpfed.inference.activity`), at 156-157
-global units instead of 759-804 (benchmarks/README.md). If the first pass from the small noise
+noise. ``starts="both"`` runs both and keeps the one of higher marginal likelihood ``log p(Z, V)`` (at its own
+estimates, every normalising constant included): on MNIST 784-100-10 (J = 10) the small-noise one wins by 2.6-3.1 x
+10^4 nats while the dead units are matched, the even split by 3.7-4.0 x 10^4 nats once the clients leave them out
+(:mod:`bnpfed.inference.activity`), at 156-157 global units instead of 759-804. With the dead units left out the
+small-noise start won 3 of 17 trained layers (MLPs and LeNets, J = 10-100), by 9-46 nats at the same width to 1 %,
+and on layers sampled from the model it was never likelier by more than 9 nats while it over-split where atoms
+overlap (benchmarks/README.md); so the default (``starts="even-split"``) runs the even split alone, at half the
+time. If the first pass from the small noise
 leaves every neuron alone (sigma2 not estimable: nothing agrees that closely), it is redone from the even split
 (noted). It stops when a sweep changed no assignment and no estimate moved by more than ``EB_RTOL`` (relative; mu0
 relative to sqrt(sigma0_2)) -- by default already when at most 2 % of the neurons moved in a sweep and no estimate by
@@ -174,7 +177,7 @@ def match_layer(
     cross_products: Literal["auto", "direct", "gram"] = "auto",
     init_assignments=None,
     stop: Literal["fixed-point", "result"] = "result",
-    starts: Literal["both", "small-noise"] = "both",
+    starts: Literal["even-split", "both", "small-noise"] = "even-split",
 ) -> MatchResult:
     """Match J clients' neurons to global atoms under the Beta-Bernoulli process (PFNM's server step), with the
     hyper-parameters estimated from the neurons (empirical Bayes, the default) or given.
@@ -196,7 +199,7 @@ def match_layer(
         >>> {k: round(v, 2) for k, v in result.hyperparameters.items() if k != "mu0"}
         {'sigma0_2': 1.0, 'sigma2': 0.01, 'gamma0': 16.73}
         >>> result.converged, result.estimated, result.sweeps_run
-        (True, ('mu0', 'sigma0_2', 'sigma2', 'gamma0'), 1)
+        (True, ('mu0', 'sigma0_2', 'sigma2', 'gamma0'), 2)
 
     (gamma0 = L / H_J = 49 / 2.929: the IBP mass most likely to give the 49 atoms this draw has.) A value that is
     given is held fixed, the others are still estimated; ``hyperparameters="fixed"`` estimates nothing (its defaults
@@ -266,11 +269,12 @@ def match_layer(
         (:data:`~bnpfed.inference.matcher.STOP_MOVED`) and no estimate by more than 1 %
         (:data:`~bnpfed.inference.matcher.STOP_RTOL`): on trained layers the same width and accuracy as the exact
         fixed point at a third of the sweeps; ``"fixed-point"`` sweeps until nothing changes (``EB_RTOL``).
-    :param str starts: empirical Bayes with the noise estimated from the data's start: ``"both"`` (default) runs the
-        alternation from the small-noise start and from the even split and keeps the assignment of higher ``log p(Z,
-        V)`` at its own estimates (``MatchResult.log_likelihood``, every constant included; both runs in
-        ``MatchResult.starts``); ``"small-noise"`` runs the first only. One start whenever the noise is given or
-        ``start`` sets it, and with fixed hyper-parameters.
+    :param str starts: empirical Bayes with the noise estimated from the data's start: ``"even-split"`` (default)
+        runs the alternation from the even split; ``"both"`` runs it from the small-noise start as well and keeps the
+        assignment of higher ``log p(Z, V)`` at its own estimates (``MatchResult.log_likelihood``, every constant
+        included; both runs in ``MatchResult.starts``), at about twice the time; ``"small-noise"`` runs the small-noise
+        start only (bnpfed before 2026-12). One start whenever the noise is given or ``start`` sets it, and with fixed
+        hyper-parameters.
     :param init_assignments: optional starting point replacing the greedy pass: J integer arrays or tensors, the
         j-th of length L_j (empty for a client without neurons), ``init_assignments[j][l]`` the atom of client j's
         l-th neuron. Labels may take any values (they are compacted internally) but must be distinct within a client.

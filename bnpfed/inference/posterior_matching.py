@@ -475,6 +475,7 @@ def match_posteriors(
     num_samples: int = 1000,
     min_variance: float = MIN_VARIANCE,
     stop: Literal["fixed-point", "result"] = "result",
+    starts: Literal["even-split", "both", "small-noise"] = "even-split",
     factors=None,
     prior_variance: float = 1.0,
     match_on: Literal["posteriors", "means"] = "posteriors",
@@ -511,6 +512,8 @@ def match_posteriors(
     :param float min_variance: floor of the fused variances.
     :param str stop: when the matcher's empirical-Bayes sweeps stop (``"result"``, ``"fixed-point"``: see
         :func:`~bnpfed.inference.matching.match_layer`); passed to the default ``layer_fn`` only.
+    :param str starts: where the matcher's empirical Bayes starts (``"even-split"``, ``"both"``, ``"small-noise"``:
+        see :func:`~bnpfed.inference.matching.match_layer`); passed to the default ``layer_fn`` only.
     :param factors: ``rule="pvi"``: per client its factor ``(precisions, etas)`` per Bayesian site, in its own
         coordinates (:func:`pvi_factor`, possibly damped); None (round 1): each client's posterior over the prior.
     :param float prior_variance: ``rule="pvi"``: the variance of the clients' zero-mean prior.
@@ -578,7 +581,7 @@ def match_posteriors(
         r, assignments = call_matcher(fn, [rows["value"], rows["variance"]], layout, values[name], shares,
                                       mode=mode, sweeps=sweeps, seed=None if seed is None else seed + c,
                                       init=None if init is None else init[name],
-                                      options={} if layer_fn is not None else {"stop": stop})
+                                      options={} if layer_fn is not None else {"stop": stop, "starts": starts})
         L = int(r.global_atoms.shape[0])
         match_seconds.append(time.perf_counter() - t1)
         bayesian = torch.cat([torch.full((s.stop - s.start,), s.param in sites, dtype=torch.bool)
