@@ -1,8 +1,9 @@
 """The driver of the one layer matcher (:mod:`bnpfed.inference.matcher`): the greedy pass or a given start, sweeps
 of Hungarian re-matches, and the hyper-parameters re-estimated between them through an *estimator*
 (:mod:`bnpfed.inference.empirical_bayes`, or :class:`FixedValues` when nothing is estimated); under empirical Bayes
-from the even split, or from two starts with the likelier assignment kept (:func:`run_matching`). :func:`match_one_layer` is what
-:func:`~bnpfed.inference.match_layer` and :func:`~bnpfed.inference.match_bayesian_layer` share."""
+from the even split, or from two starts with the likelier assignment kept (:func:`run_matching`).
+:func:`match_one_layer` is what :func:`~bnpfed.inference.match_layer` and :func:`~bnpfed.inference.match_bayesian_layer`
+share."""
 
 from __future__ import annotations
 
@@ -121,8 +122,8 @@ def run_matching(matcher: LayerMatcher, estimator, *, init, sweeps: int, seed, s
     greedy pass when ``sweeps * L > N``; under empirical Bayes, where ``sweeps`` is only a limit, once the sweeps run
     so far have cost as much (``k * L > N`` after sweep k); the second start reuses a Gram matrix the first took (it
     holds the neurons' products at the precision it was taken with, the ratio applied). ``cross_products``:
-    ``"auto"``, ``"direct"`` or ``"gram"`` (from the first sweep on). ``stop`` (empirical Bayes): ``"fixed-point"`` stops when a sweep changed no
-    assignment and no estimate moved by more than ``EB_RTOL``; ``"result"`` also when at most :data:`STOP_MOVED` of
+    ``"auto"``, ``"direct"`` or ``"gram"`` (from the first sweep on). ``stop`` (empirical Bayes): ``"fixed-point"``
+    stops when a sweep changed no assignment and no estimate moved by more than ``EB_RTOL``; ``"result"`` also when at most :data:`STOP_MOVED` of
     the neurons moved in a sweep and no estimate moved by more than :data:`STOP_RTOL` (the assignment is then as good
     as settled: on trained MNIST layers the same width and accuracy at a third of the sweeps, benchmarks/README.md)."""
     check_choice(cross_products, ("auto", "direct", "gram"), "cross_products")
