@@ -123,9 +123,10 @@ def run_matching(matcher: LayerMatcher, estimator, *, init, sweeps: int, seed, s
     so far have cost as much (``k * L > N`` after sweep k); the second start reuses a Gram matrix the first took (it
     holds the neurons' products at the precision it was taken with, the ratio applied). ``cross_products``:
     ``"auto"``, ``"direct"`` or ``"gram"`` (from the first sweep on). ``stop`` (empirical Bayes): ``"fixed-point"``
-    stops when a sweep changed no assignment and no estimate moved by more than ``EB_RTOL``; ``"result"`` also when at most :data:`STOP_MOVED` of
-    the neurons moved in a sweep and no estimate moved by more than :data:`STOP_RTOL` (the assignment is then as good
-    as settled: on trained MNIST layers the same width and accuracy at a third of the sweeps, benchmarks/README.md)."""
+    stops when a sweep changed no assignment and no estimate moved by more than ``EB_RTOL``; ``"result"`` also when at
+    most :data:`STOP_MOVED` of the neurons moved in a sweep and no estimate moved by more than :data:`STOP_RTOL` (the
+    assignment is then as good as settled: on trained MNIST layers the same width and accuracy at a third of the
+    sweeps, benchmarks/README.md)."""
     check_choice(cross_products, ("auto", "direct", "gram"), "cross_products")
     check_choice(starts, ("even-split", "both", "small-noise"), "starts")
     fixed = getattr(estimator, "fixed", False)
