@@ -178,6 +178,58 @@ def interleaved(J: int, repeats: int, *, net: str = "mlp", data_dir=str(DEFAULT_
             "eb/fixed": best["empirical-bayes"] / best["fixed"]}
 
 
+def starts(nets_and_clients, *, data_dir=str(DEFAULT_DATA), cache=str(DEFAULT_CACHE), out=None) -> list[dict]:
+    """Per (network, J), dead units left out, one thread: ``pfnm_step`` with both starts of empirical Bayes
+    (``PFNMConfig(starts="both")``) and with the even split alone (the default), in this process: every group's
+    two log likelihoods and widths, which start was kept, the seconds and the global network's MNIST test accuracy.
+    One line per (network, J, group) in the returned rows; ``out``: JSON lines, one per (network, J), resumed."""
+    import torch
+    from bnpfed.data import load_dataset
+    from bnpfed.federated.clients import initial_network
+    from bnpfed.federated.config import PFNMConfig
+    from bnpfed.federated.server import pfnm_step
+    torch.set_num_threads(1)
+    ds = load_dataset("mnist", data_dir=data_dir, standardize=False)
+    path = Path(out) if out else None
+    done = {}
+    if path is not None and path.exists():
+        done = {(r["net"], r["J"]): r for r in map(json.loads, path.read_text().splitlines()) if r}
+    rows = []
+    for net, J in nets_and_clients:
+        record = done.get((net, J))
+        if record is None:
+            saved = _local_models(data_dir, Path(cache), net, J, progress=False)
+            template = initial_network(saved["network"], saved["input_shape"], saved["num_classes"], seed=0)
+            activity = _activity(data_dir, net, J, saved, template)
+            record = dict(net=net, J=J)
+            for name, config in (("both", PFNMConfig(starts="both")), ("even-split", PFNMConfig())):
+                match = pfnm_step(saved["states"], saved["counts"], config, seed=0, round=1, template=template,
+                                  input_shape=saved["input_shape"], activity=activity)
+                with torch.no_grad():
+                    accuracy = float((match.network().eval()(ds.x_test).argmax(-1) == ds.y_test).float().mean())
+                record[name] = dict(seconds=match.seconds, accuracy=accuracy, groups={
+                    g: dict(atoms=r.num_atoms, seconds=r.seconds, starts=r.starts)
+                    for g, r in match.layer_results.items()})
+            if path is not None:
+                with path.open("a") as f:
+                    f.write(json.dumps(record, default=float) + "\n")
+        network = {"seconds (both / even)": f"{record['both']['seconds']:.2f} / {record['even-split']['seconds']:.2f}",
+                   "accuracy (both / even)": f"{record['both']['accuracy']:.4f} / "
+                                             f"{record['even-split']['accuracy']:.4f}"}
+        for g, both in record["both"]["groups"].items():
+            runs = {s["start"]: s for s in both["starts"]}
+            row = {"net": net, "J": J, "group": g, **network}
+            if runs:
+                gap = runs["small-noise"]["log_likelihood"] - runs["even-split"]["log_likelihood"]
+                row.update({"kept": "small-noise" if gap > 0 else "even-split", "small - even (nats)": round(gap, 1),
+                            "atoms (small / even)": f"{runs['small-noise']['atoms']} / {runs['even-split']['atoms']}"})
+            else:
+                row.update({"kept": "one start (small-noise redone from the even split)", "small - even (nats)": "",
+                            "atoms (small / even)": f"- / {both['atoms']}"})
+            rows.append(row)
+    return rows
+
+
 def _done(out: Path) -> set:
     if not out.exists():
         return set()
@@ -293,6 +345,9 @@ def main(argv=None):
     p.add_argument("--interleaved", type=int, metavar="J", default=None,
                    help="instead: EB and fixed alternated in one process on J clients' models (one thread)")
     p.add_argument("--repeats", type=int, default=7, help="alternations of --interleaved (the best kept)")
+    p.add_argument("--starts", action="store_true",
+                   help="instead: both starts of empirical Bayes against the even split alone, every (net, J) of "
+                   "--nets x --clients, dead units left out (JSON lines in --out, resumed)")
     # one measurement in this process (what run() calls)
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--net", default="mlp", help=argparse.SUPPRESS)
@@ -317,6 +372,10 @@ def main(argv=None):
             p.error(f"--interleaved, --repeats: expected positive integers, got {args.interleaved}, {args.repeats}")
         print(format_table([interleaved(args.interleaved, args.repeats, net=nets[0], data_dir=args.data_dir,
                                         cache=args.cache, inactive=args.inactive)]))
+        return
+    if args.starts:
+        print(format_table(starts([(n, int(j)) for n in nets for j in args.clients.split(",")],
+                                  data_dir=args.data_dir, cache=args.cache, out=args.out)))
         return
     rows = run(nets, tuple(int(j) for j in args.clients.split(",")), threads=args.threads, data_dir=args.data_dir,
                cache=args.cache, out=args.out, source=args.source, progress=not args.no_progress,

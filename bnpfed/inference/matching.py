@@ -103,11 +103,12 @@ split (``sigma2 = sigma0_2 = T / 2``) merges widely in its first pass and settle
 noise. ``starts="both"`` runs both and keeps the one of higher marginal likelihood ``log p(Z, V)`` (at its own
 estimates, every normalising constant included): on MNIST 784-100-10 (J = 10) the small-noise one wins by 2.6-3.1 x
 10^4 nats while the dead units are matched, the even split by 3.7-4.0 x 10^4 nats once the clients leave them out
-(:mod:`bnpfed.inference.activity`), at 156-157 global units instead of 759-804. With the dead units left out the
-small-noise start won 3 of 17 trained layers (MLPs and LeNets, J = 10-100), by 9-46 nats at the same width to 1 %,
-and on layers sampled from the model it was never likelier by more than 9 nats while it over-split where atoms
-overlap (benchmarks/README.md); so the default (``starts="even-split"``) runs the even split alone, at half the
-time. If the first pass from the small noise
+(:mod:`bnpfed.inference.activity`), at 156-157 global units instead of 759-804. With the dead units left out, on
+MNIST-trained MLPs and LeNets (J = 10-100) the small-noise start was likelier in 5 of 13 layers, all of LeNet, by 17
+to 163 nats (LeNet's conv1 at J = 25 then keeps 41 channels where the even split keeps 22), the global network's
+accuracy the same to 0.15 points; on layers sampled from the model it was never likelier by more than 9 nats, and it
+over-split where atoms overlap (benchmarks/README.md). So the default (``starts="even-split"``) runs the even split
+alone, at 0.3-0.75 of the time of both. If the first pass from the small noise
 leaves every neuron alone (sigma2 not estimable: nothing agrees that closely), it is redone from the even split
 (noted). It stops when a sweep changed no assignment and no estimate moved by more than ``EB_RTOL`` (relative; mu0
 relative to sqrt(sigma0_2)) -- by default already when at most 2 % of the neurons moved in a sweep and no estimate by
