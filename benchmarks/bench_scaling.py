@@ -158,8 +158,9 @@ def one(args) -> dict:
 
 def interleaved(J: int, repeats: int, *, net: str = "mlp", data_dir=str(DEFAULT_DATA), cache=str(DEFAULT_CACHE),
                 inactive: str = "drop") -> dict:
-    """EB and fixed matching of the same local models alternated ``repeats`` times in this process (one thread),
-    the best of each and their ratio: the issue's measure of what empirical Bayes costs."""
+    """EB (the default even split, and both starts) and fixed matching of the same local models alternated
+    ``repeats`` times in this process (one thread), the best of each and their ratios: the issue's measure of what
+    empirical Bayes costs."""
     import torch
     from bnpfed.federated.clients import initial_network
     from bnpfed.federated.server import pfnm_step
@@ -167,15 +168,17 @@ def interleaved(J: int, repeats: int, *, net: str = "mlp", data_dir=str(DEFAULT_
     saved = _local_models(data_dir, Path(cache), net, J)
     template = initial_network(saved["network"], saved["input_shape"], saved["num_classes"], seed=0)
     activity = _activity(data_dir, net, J, saved, template) if inactive == "drop" else None
-    best = dict.fromkeys(MODES, float("inf"))
+    from bnpfed.federated.config import PFNMConfig
+    configs = {mode: _pfnm_config(mode) for mode in MODES} | {"both": PFNMConfig(starts="both")}
+    best = dict.fromkeys(configs, float("inf"))
     for _ in range(repeats):
-        for mode in MODES:
-            match = pfnm_step(saved["states"], saved["counts"], _pfnm_config(mode), seed=0, round=1,
+        for mode, config in configs.items():
+            match = pfnm_step(saved["states"], saved["counts"], config, seed=0, round=1,
                               template=template, input_shape=saved["input_shape"], activity=activity)
             best[mode] = min(best[mode], match.seconds)
     return {"net": net, "J": J, "inactive": inactive, "repeats": repeats, "eb s": best["empirical-bayes"],
-            "fixed s": best["fixed"],
-            "eb/fixed": best["empirical-bayes"] / best["fixed"]}
+            "eb both starts s": best["both"], "fixed s": best["fixed"],
+            "eb/fixed": best["empirical-bayes"] / best["fixed"], "both/fixed": best["both"] / best["fixed"]}
 
 
 def starts(nets_and_clients, *, data_dir=str(DEFAULT_DATA), cache=str(DEFAULT_CACHE), out=None) -> list[dict]:
