@@ -60,7 +60,8 @@ from bnpfed.metrics import count_parameters
 from bnpfed.posterior import GaussianPosterior
 from bnpfed.seeding import Stream, derive_seed
 
-__all__ = ["MatchedFusionFederation", "bayesian_from_match", "client_from_slice", "matched_hyperparameters", "pvi_factors"]
+__all__ = ["MatchedFusionFederation", "bayesian_from_match", "client_from_slice", "matched_hyperparameters",
+           "pvi_factors"]
 
 
 def _posterior(locs, variances, like: dict[str, Tensor]) -> dict[str, GaussianPosterior]:

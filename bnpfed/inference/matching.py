@@ -86,9 +86,10 @@ Degenerate cases. No atom with two members (every neuron alone): sigma2 is not e
 Fewer than two atoms with data on every coordinate (one atom, with mu0 estimated): sigma0_2 keeps its previous value.
 A coordinate on which every client has precision 0 carries no data and is skipped (mu0 there keeps its starting
 value). Every neuron the same vector (no spread at all, e.g. every unit dead): neither variance is estimable, both
-keep their start (the pooled variance taken as 1) and identical neurons merge into max_j L_j atoms (``FLAT_NOTE`` of
-:mod:`~bnpfed.inference.empirical_bayes`). A client without neurons counts in J (in H_J) and nowhere else. Class shares on the output coordinates enter
-as the s_jd, and those coordinates get their own variances (above). Each case is recorded in ``MatchResult.notes``.
+keep their start (the small-noise one, the pooled variance taken as 1) and identical neurons merge into max_j L_j
+atoms (``FLAT_NOTE`` of :mod:`~bnpfed.inference.empirical_bayes`). A client without neurons counts in J (in H_J) and
+nowhere else. Class shares on the output coordinates enter as the s_jd, and those coordinates get their own
+variances (above). Each case is recorded in ``MatchResult.notes``.
 sigma2 is floored at ``SIGMA2_FLOOR`` times the pooled variance of the neurons (when every atom's members agree
 exactly).
 
