@@ -233,6 +233,33 @@ def starts(nets_and_clients, *, data_dir=str(DEFAULT_DATA), cache=str(DEFAULT_CA
     return rows
 
 
+def plane(J: int, noises, *, net: str = "mlp", data_dir=str(DEFAULT_DATA), cache=str(DEFAULT_CACHE)) -> list[dict]:
+    """The accuracy-width plane of empirical Bayes on the J clients' models (dead units left out, one thread): the
+    default, then the noise variance ``sigma2`` given at each of ``noises`` (both coordinate blocks; every other
+    hyper-parameter still estimated), one ``pfnm_step`` each: the hidden width and the MNIST test accuracy."""
+    import torch
+    from bnpfed.data import load_dataset
+    from bnpfed.federated.clients import initial_network
+    from bnpfed.federated.config import PFNMConfig
+    from bnpfed.federated.server import pfnm_step
+    torch.set_num_threads(1)
+    ds = load_dataset("mnist", data_dir=data_dir, standardize=False)
+    saved = _local_models(data_dir, Path(cache), net, J, progress=False)
+    template = initial_network(saved["network"], saved["input_shape"], saved["num_classes"], seed=0)
+    activity = _activity(data_dir, net, J, saved, template)
+    rows = []
+    for sigma2 in (None, *noises):
+        match = pfnm_step(saved["states"], saved["counts"], PFNMConfig(sigma2=sigma2), seed=0, round=1,
+                          template=template, input_shape=saved["input_shape"], activity=activity)
+        with torch.no_grad():
+            accuracy = float((match.network().eval()(ds.x_test).argmax(-1) == ds.y_test).float().mean())
+        estimates = next(iter(match.layer_results.values())).hyperparameters
+        rows.append({"net": net, "J": J, "sigma2": "estimated" if sigma2 is None else sigma2,
+                     "estimated sigma2": round(float(estimates["sigma2"]), 4) if sigma2 is None else "",
+                     "width": sum(match.hidden_sizes), "accuracy": round(accuracy, 4)})
+    return rows
+
+
 def _done(out: Path) -> set:
     if not out.exists():
         return set()
@@ -348,6 +375,10 @@ def main(argv=None):
     p.add_argument("--interleaved", type=int, metavar="J", default=None,
                    help="instead: EB and fixed alternated in one process on J clients' models (one thread)")
     p.add_argument("--repeats", type=int, default=7, help="alternations of --interleaved (the best kept)")
+    p.add_argument("--plane", type=int, metavar="J", default=None,
+                   help="instead: the accuracy-width plane on J clients' models, sigma2 given at --noises")
+    p.add_argument("--noises", default="0.045,0.04,0.035,0.03,0.025,0.02",
+                   help="the sigma2 values of --plane, comma-separated")
     p.add_argument("--starts", action="store_true",
                    help="instead: both starts of empirical Bayes against the even split alone, every (net, J) of "
                    "--nets x --clients, dead units left out (JSON lines in --out, resumed)")
@@ -375,6 +406,10 @@ def main(argv=None):
             p.error(f"--interleaved, --repeats: expected positive integers, got {args.interleaved}, {args.repeats}")
         print(format_table([interleaved(args.interleaved, args.repeats, net=nets[0], data_dir=args.data_dir,
                                         cache=args.cache, inactive=args.inactive)]))
+        return
+    if args.plane is not None:
+        print(format_table(plane(args.plane, [float(v) for v in args.noises.split(",")], net=nets[0],
+                                 data_dir=args.data_dir, cache=args.cache)))
         return
     if args.starts:
         print(format_table(starts([(n, int(j)) for n in nets for j in args.clients.split(",")],
