@@ -134,6 +134,8 @@ FUSE_ONLY = [
     (["--rule", "foo"], "--rule"),
     (["--match-on", "means"], "--match-on"),   # only with --align match
     (["--align", "match", "--match-on", "weights"], "--match-on"),
+    (["--starts", "both"], "--starts"),   # only with --align match
+    (["--align", "match", "--starts", "even"], "--starts"),
     (["--rule", "eaa,eaa"], "--rule"),
     (["--local-epochs", "0"], "--epochs"),
     (["--min-variance", "-1"], "--min-variance"),
@@ -376,6 +378,11 @@ def test_fuse_takes_the_atom_posterior_rule_with_align_match_only():
     assert "conflation" in plan["config"].methods and "atom-posterior" not in plan["config"].methods
     with pytest.raises(Exception, match="--rule atom-posterior: expected only with --align match"):
         fuse.prepare(parsed(["fuse", "--rule", "atom-posterior"]))
+
+
+def test_fuse_takes_where_the_matchers_empirical_bayes_starts_with_align_match():
+    assert fuse.prepare(parsed(["fuse", "--align", "match", "--starts", "both"]))["fusion"].starts == "both"
+    assert fuse.prepare(parsed(["fuse", "--align", "match"]))["fusion"].starts == "even-split"
 
 
 def test_fuse_takes_pvi_rounds_with_align_match_every_client_and_its_damping():

@@ -148,6 +148,9 @@ def add_parser(sub):
                    "model), means (PFNM's model on the posterior means, each client's units dead on its data left "
                    "out first) or auto (means for --client laplace, whose post-hoc variances are mostly the prior's, "
                    "posteriors for variational clients); the posteriors are fused along it either way")
+    g.add_argument("--starts", choices=("even-split", "both", "small-noise"), default=fusion.starts,
+                   help="--align match: where the matcher's empirical Bayes starts: the even split (default), from "
+                   "the small-noise start as well with the likelier kept (both), or the small-noise start only")
     g.add_argument("--tau2", type=float, metavar="V",
                    help="--align match: the extra variance between two clients' copies of a unit, > 0 (default: "
                    "estimated per layer)")
@@ -232,6 +235,8 @@ def prepare(args) -> dict:
         raise UsageError(f"--tau2: expected only with --align match, got --align {args.align}")
     if args.match_on != "auto" and not match:
         raise UsageError(f"--match-on: expected only with --align match, got --align {args.align}")
+    if args.starts != "even-split" and not match:
+        raise UsageError(f"--starts: expected only with --align match, got --align {args.align}")
     _args.check_ood_flags(args)
     if args.pvi_damping is not None and PVI not in args.rule:
         raise UsageError(f"--pvi-damping: expected only with --rule {PVI}, got --rule {','.join(args.rule)}")
@@ -241,7 +246,8 @@ def prepare(args) -> dict:
     own_init = match if args.own_init is None else args.own_init
     fusion = FusionConfig(rule=args.rule[0], weights=args.weights, pooling_samples=args.pooling_samples,
                           min_variance=args.min_variance, fraction=args.fraction, align=args.align, tau2=args.tau2,
-                          own_init=own_init, pvi_damping=args.pvi_damping, match_on=args.match_on)
+                          own_init=own_init, pvi_damping=args.pvi_damping, match_on=args.match_on,
+                          starts=args.starts)
     if args.baselines is not None:
         if not match:
             raise UsageError(f"--baselines: expected only with --align match, got --align {args.align}")
