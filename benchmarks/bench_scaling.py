@@ -90,6 +90,22 @@ def _local_models(data_dir: str, cache: Path, net: str, J: int, progress: bool =
     return saved
 
 
+def _federation(data_dir: str, cache: Path, net: str, J: int, *, inactive: str = "drop", progress: bool = False):
+    """The J clients' saved models, the template network and (``inactive="drop"``) their activity reports."""
+    from bnpfed.federated.clients import initial_network
+    saved = _local_models(data_dir, Path(cache), net, J, progress=progress)
+    template = initial_network(saved["network"], saved["input_shape"], saved["num_classes"], seed=0)
+    activity = _activity(data_dir, net, J, saved, template) if inactive == "drop" else None
+    return saved, template, activity
+
+
+def _test_accuracy(match, ds) -> float:
+    """The global network's accuracy on the test split."""
+    import torch
+    with torch.no_grad():
+        return float((match.network().eval()(ds.x_test).argmax(-1) == ds.y_test).float().mean())
+
+
 def _model_layer(J: int, L_j: int = 100, D: int = 795, seed: int = 0):
     import numpy as np
     rng = np.random.default_rng(seed)
@@ -148,9 +164,7 @@ def one(args) -> dict:
     accuracy = None
     if args.source == "trained":  # the one-shot global network on MNIST's test split (after the measurements)
         from bnpfed.data import load_dataset
-        ds = load_dataset("mnist", data_dir=args.data_dir, standardize=False)
-        with torch.no_grad():
-            accuracy = float((match.network().eval()(ds.x_test).argmax(-1) == ds.y_test).float().mean())
+        accuracy = _test_accuracy(match, load_dataset("mnist", data_dir=args.data_dir, standardize=False))
     return dict(net=args.net, J=args.J, mode=args.mode, source=args.source, L_j=neurons, seconds=seconds,
                 groups=groups, accuracy=accuracy, matcher_peak_mib=peak / 2 ** 20, process_peak_mib=process_peak,
                 threads=args.threads, inactive=args.inactive if args.source == "trained" else "keep")
@@ -162,13 +176,10 @@ def interleaved(J: int, repeats: int, *, net: str = "mlp", data_dir=str(DEFAULT_
     ``repeats`` times in this process (one thread), the best of each and their ratios: the issue's measure of what
     empirical Bayes costs."""
     import torch
-    from bnpfed.federated.clients import initial_network
+    from bnpfed.federated.config import PFNMConfig
     from bnpfed.federated.server import pfnm_step
     torch.set_num_threads(1)
-    saved = _local_models(data_dir, Path(cache), net, J)
-    template = initial_network(saved["network"], saved["input_shape"], saved["num_classes"], seed=0)
-    activity = _activity(data_dir, net, J, saved, template) if inactive == "drop" else None
-    from bnpfed.federated.config import PFNMConfig
+    saved, template, activity = _federation(data_dir, cache, net, J, inactive=inactive, progress=True)
     configs = {mode: _pfnm_config(mode) for mode in MODES} | {"both": PFNMConfig(starts="both")}
     best = dict.fromkeys(configs, float("inf"))
     for _ in range(repeats):
@@ -188,7 +199,6 @@ def starts(nets_and_clients, *, data_dir=str(DEFAULT_DATA), cache=str(DEFAULT_CA
     One line per (network, J, group) in the returned rows; ``out``: JSON lines, one per (network, J), resumed."""
     import torch
     from bnpfed.data import load_dataset
-    from bnpfed.federated.clients import initial_network
     from bnpfed.federated.config import PFNMConfig
     from bnpfed.federated.server import pfnm_step
     torch.set_num_threads(1)
@@ -201,16 +211,12 @@ def starts(nets_and_clients, *, data_dir=str(DEFAULT_DATA), cache=str(DEFAULT_CA
     for net, J in nets_and_clients:
         record = done.get((net, J))
         if record is None:
-            saved = _local_models(data_dir, Path(cache), net, J, progress=False)
-            template = initial_network(saved["network"], saved["input_shape"], saved["num_classes"], seed=0)
-            activity = _activity(data_dir, net, J, saved, template)
+            saved, template, activity = _federation(data_dir, cache, net, J)
             record = dict(net=net, J=J)
             for name, config in (("both", PFNMConfig(starts="both")), ("even-split", PFNMConfig())):
                 match = pfnm_step(saved["states"], saved["counts"], config, seed=0, round=1, template=template,
                                   input_shape=saved["input_shape"], activity=activity)
-                with torch.no_grad():
-                    accuracy = float((match.network().eval()(ds.x_test).argmax(-1) == ds.y_test).float().mean())
-                record[name] = dict(seconds=match.seconds, accuracy=accuracy, groups={
+                record[name] = dict(seconds=match.seconds, accuracy=_test_accuracy(match, ds), groups={
                     g: dict(atoms=r.num_atoms, seconds=r.seconds, starts=r.starts)
                     for g, r in match.layer_results.items()})
             if path is not None:
@@ -239,20 +245,16 @@ def plane(J: int, noises, *, net: str = "mlp", data_dir=str(DEFAULT_DATA), cache
     hyper-parameter still estimated), one ``pfnm_step`` each: the hidden width and the MNIST test accuracy."""
     import torch
     from bnpfed.data import load_dataset
-    from bnpfed.federated.clients import initial_network
     from bnpfed.federated.config import PFNMConfig
     from bnpfed.federated.server import pfnm_step
     torch.set_num_threads(1)
     ds = load_dataset("mnist", data_dir=data_dir, standardize=False)
-    saved = _local_models(data_dir, Path(cache), net, J, progress=False)
-    template = initial_network(saved["network"], saved["input_shape"], saved["num_classes"], seed=0)
-    activity = _activity(data_dir, net, J, saved, template)
+    saved, template, activity = _federation(data_dir, cache, net, J)
     rows = []
     for sigma2 in (None, *noises):
         match = pfnm_step(saved["states"], saved["counts"], PFNMConfig(sigma2=sigma2), seed=0, round=1,
                           template=template, input_shape=saved["input_shape"], activity=activity)
-        with torch.no_grad():
-            accuracy = float((match.network().eval()(ds.x_test).argmax(-1) == ds.y_test).float().mean())
+        accuracy = _test_accuracy(match, ds)
         estimates = next(iter(match.layer_results.values())).hyperparameters
         rows.append({"net": net, "J": J, "sigma2": "estimated" if sigma2 is None else sigma2,
                      "estimated sigma2": round(float(estimates["sigma2"]), 4) if sigma2 is None else "",

@@ -20,6 +20,7 @@ from dataclasses import asdict
 import torch
 
 from bnpfed.combine import available_rules
+from bnpfed.inference.driver import STARTS
 from bnpfed.inference.posterior_matching import ATOM_POSTERIOR, MATCH_ON, PVI, matched_rules
 from bnpfed.commands import _args
 from bnpfed.commands._args import HelpFormatter, UsageError, fail, flag_message, warn
@@ -148,7 +149,7 @@ def add_parser(sub):
                    "model), means (PFNM's model on the posterior means, each client's units dead on its data left "
                    "out first) or auto (means for --client laplace, whose post-hoc variances are mostly the prior's, "
                    "posteriors for variational clients); the posteriors are fused along it either way")
-    g.add_argument("--starts", choices=("even-split", "both", "small-noise"), default=fusion.starts,
+    g.add_argument("--starts", choices=STARTS, default=fusion.starts,
                    help="--align match: where the matcher's empirical Bayes starts: the even split (default), from "
                    "the small-noise start as well with the likelier kept (both), or the small-noise start only")
     g.add_argument("--tau2", type=float, metavar="V",

@@ -29,6 +29,7 @@ from bnpfed.federated.config import (ARCHITECTURES, INITIALISATIONS, PFNM_NETWOR
                                      NetworkConfig, PFNMConfig, config_dict)
 from bnpfed.federated.methods import ExperimentConfig
 from bnpfed.inference import derive_spec
+from bnpfed.inference.driver import STARTS
 from bnpfed.report import (command_record, command_results, format_table, line_styles, pyplot, save_figure,
                            write_json)
 from bnpfed.validation import check_positives
@@ -127,7 +128,7 @@ def add_parser(sub):
                    help="the global network's weights: average (each global unit the average of its members, the "
                    "logits the clients' averaged class by class) or posterior-mean (the atoms' posterior means, as "
                    "published). Default: average under empirical Bayes, posterior-mean with fixed hyper-parameters")
-    g.add_argument("--starts", choices=("even-split", "both", "small-noise"), default=d.starts,
+    g.add_argument("--starts", choices=STARTS, default=d.starts,
                    help="empirical Bayes: run each layer's estimation from the even split (default), from the "
                    "small-noise start as well and keep the likelier (both: about twice the time), or from the "
                    "small-noise start only (bnpfed before 2026-12)")

@@ -40,6 +40,7 @@ import numpy as np
 import pyro.distributions as dist
 
 from bnpfed.inference.posterior_matching import ATOM_POSTERIOR, MATCH_ON, PVI, matched_rules
+from bnpfed.inference.driver import STARTS
 from bnpfed.inference.matching import REFERENCE_CONSTANTS
 from bnpfed.federated.partition import partition_dirichlet, partition_homogeneous, train_validation_split
 from bnpfed.models.priors import EmpiricalBayesPrior, IIDPrior, Prior, only_linear_weights
@@ -477,7 +478,7 @@ class PFNMConfig:
             check_choice(self.global_weights, ("average", "posterior-mean"), "global_weights")
         check_int(self.layerwise_retrain, "layerwise_retrain", low=0)
         check_choice(self.stop, ("result", "fixed-point"), "stop")
-        check_choice(self.starts, ("even-split", "both", "small-noise"), "starts")
+        check_choice(self.starts, STARTS, "starts")
         check_choice(self.inactive, ("drop", "keep"), "inactive")
         if self.fixed and self.starts != "even-split":
             raise ValueError(f"starts: applies under empirical Bayes only (with fixed hyper-parameters there is one "
@@ -620,7 +621,7 @@ class FusionConfig:
         check_choice(self.align, ALIGNMENTS, "align")
         check_bool(self.own_init, "own_init")
         check_choice(self.stop, ("result", "fixed-point"), "stop")
-        check_choice(self.starts, ("even-split", "both", "small-noise"), "starts")
+        check_choice(self.starts, STARTS, "starts")
         check_choice(self.match_on, ("auto",) + MATCH_ON, "match_on")
         if self.match_on != "auto" and self.align != "match":
             raise ValueError(f"match_on: what matched fusion's assignment is computed from; expected 'auto' with "

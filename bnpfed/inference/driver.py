@@ -18,7 +18,11 @@ from bnpfed.inference.matcher import (EB_EXPECTED_SWEEPS, STOP_MOVED, STOP_RTOL,
                                       make_matcher)
 from bnpfed.validation import check_choice, check_int, check_positive
 
-__all__ = ["FixedValues", "assignment_objective_of", "match_one_layer", "run_matching"]
+__all__ = ["STARTS", "FixedValues", "assignment_objective_of", "match_one_layer", "run_matching"]
+
+#: Where empirical Bayes starts (``starts=``): the even split (the default), both starts with the likelier kept, or
+#: the small-noise start alone.
+STARTS = ("even-split", "both", "small-noise")
 
 
 
@@ -128,7 +132,7 @@ def run_matching(matcher: LayerMatcher, estimator, *, init, sweeps: int, seed, s
     assignment is then as good as settled: on trained MNIST layers the same width and accuracy at a third of the
     sweeps, benchmarks/README.md)."""
     check_choice(cross_products, ("auto", "direct", "gram"), "cross_products")
-    check_choice(starts, ("even-split", "both", "small-noise"), "starts")
+    check_choice(starts, STARTS, "starts")
     fixed = getattr(estimator, "fixed", False)
     options = dict(sweeps=sweeps, seed=seed, stop_at_fixed_point=stop_at_fixed_point, cross_products=cross_products,
                    stop=stop, dtype=dtype, t0=t0)
