@@ -737,3 +737,54 @@ def test_direct_cross_products_over_freed_storage_rows_equal_the_products_with_e
     cross = mt._cross(j, active)
     expected = np.array([[mt.xF[j][l] @ mt.gF[row] for row in active] for l in range(mt.L[j])])
     np.testing.assert_allclose(cross, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_direct_cross_products_with_few_freed_rows_equal_the_products_with_each_active_atom():
+    """With at most half of the storage rows freed, the product with every stored row (the freed ones' columns then
+    dropped) replaces the gather of the active rows: the same x_l . g_i, atom by atom."""
+    from bnpfed.inference.matcher import make_matcher
+    layer = sample_federated_layer(6, 10, seed=2, gamma0=4.0, sigma2=0.05)
+    neurons = [n.numpy().astype(np.float64) for n in layer.neurons]
+    D = neurons[0].shape[1]
+    mt = make_matcher(neurons)
+    mt.set_hyperparameters(noise=np.full(D, 1e-6), prior=np.ones(D), gamma0=4.0, mu0=np.zeros(D))
+    mt.greedy()   # every neuron alone
+    j = 1
+    mt._remove(j)  # client j's atoms freed: a few holes in the storage
+    active = np.flatnonzero(mt.m[: mt.n_rows] > 0)
+    assert mt.gram is None and mt.n_rows / 2 <= active.size < mt.n_rows, (active.size, mt.n_rows)
+    cross = mt._cross(j, active)
+    expected = np.array([[mt.xF[j][l] @ mt.gF[row] for row in active] for l in range(mt.L[j])])
+    np.testing.assert_allclose(cross, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_a_match_through_the_block_products_equals_one_through_gathered_rows(monkeypatch):
+    """The choice between the product with every stored row and the gather of the active ones changes no number:
+    empirical Bayes on overlapping atoms from every neuron alone (the storage as wide as the layer; the merges then
+    free most of it, as after a wide first pass) gives the same assignments, objective and estimates when every
+    re-match gathers its atoms' rows, as the matcher did before the choice."""
+    from bnpfed.inference.matcher import LayerMatcher
+    layer = sample_federated_layer(12, 20, seed=2, gamma0=8.0, sigma2=0.3)
+    neurons = [n.double() for n in layer.neurons]
+    ends = np.cumsum([0] + [n.shape[0] for n in neurons])
+    alone = [np.arange(ends[j], ends[j + 1]) for j in range(len(neurons))]
+    branches = []
+    plain = LayerMatcher._cross
+
+    def recording(self, j, active):
+        branches.append(active.size == self.n_rows or 2 * active.size >= self.n_rows)
+        return plain(self, j, active)
+
+    monkeypatch.setattr(LayerMatcher, "_cross", recording)
+    block = match_layer(neurons, seed=0, cross_products="direct", init_assignments=alone)
+    assert any(branches) and not all(branches)   # both kinds of re-match ran
+
+    def gathered(self, j, active):
+        return self.xF[j] @ self.gF[active].T
+
+    monkeypatch.setattr(LayerMatcher, "_cross", gathered)
+    gather = match_layer(neurons, seed=0, cross_products="direct", init_assignments=alone)
+    assert [a.tolist() for a in block.assignments] == [a.tolist() for a in gather.assignments]
+    assert block.objective == gather.objective and block.sweeps_run == gather.sweeps_run
+    for name, value in gather.hyperparameters.items():
+        assert torch.equal(torch.as_tensor(block.hyperparameters[name]), torch.as_tensor(value)), name

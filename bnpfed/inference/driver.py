@@ -52,7 +52,7 @@ class FixedValues:
     def update(self, labels, L: int, current: dict) -> dict:
         return current
 
-    def close(self, new: dict, old: dict, rtol: float = 0.0) -> bool:
+    def close(self, new: dict, old: dict, rtol: float = 0.0, *, mu0: str = "max") -> bool:
         return True
 
     def coordinates(self, values: dict) -> dict:
@@ -128,9 +128,9 @@ def run_matching(matcher: LayerMatcher, estimator, *, init, sweeps: int, seed, s
     holds the neurons' products at the precision it was taken with, the ratio applied). ``cross_products``:
     ``"auto"``, ``"direct"`` or ``"gram"`` (from the first sweep on). ``stop`` (empirical Bayes): ``"fixed-point"``
     stops when a sweep changed no assignment and no estimate moved by more than ``EB_RTOL``; ``"result"`` also when at
-    most :data:`STOP_MOVED` of the neurons moved in a sweep and no estimate moved by more than :data:`STOP_RTOL` (the
-    assignment is then as good as settled: on trained MNIST layers the same width and accuracy at a third of the
-    sweeps, benchmarks/README.md)."""
+    most :data:`STOP_MOVED` of the neurons moved in a sweep and no estimate moved by more than :data:`STOP_RTOL` (mu0 by
+    the root mean square of its changes over the coordinates; the assignment is then as good as settled: on trained
+    MNIST layers the same width and accuracy at a third of the sweeps, benchmarks/README.md)."""
     check_choice(cross_products, ("auto", "direct", "gram"), "cross_products")
     check_choice(starts, STARTS, "starts")
     fixed = getattr(estimator, "fixed", False)
@@ -197,10 +197,11 @@ def _alternate(matcher: LayerMatcher, estimator, current: dict, *, init, restart
         history.append(estimator.public(new, dtype))
         converged = not changed and estimator.close(new, current)
         if not fixed and stop == "result" and not converged and matcher.moved <= STOP_MOVED * N and \
-                estimator.close(new, current, rtol=STOP_RTOL):
+                estimator.close(new, current, rtol=STOP_RTOL, mu0="rms"):
             converged = True
             estimator.note(f"stopped on the result at sweep {k}: {matcher.moved} of {N} neurons moved in the last "
-                           f"sweep (at most {STOP_MOVED:g}), no estimate by more than {STOP_RTOL:g} (relative)")
+                           f"sweep (at most {STOP_MOVED:g}), no estimate by more than {STOP_RTOL:g} (relative; mu0 by "
+                           "the root mean square of its changes)")
         current = new
         if converged and stop_at_fixed_point:
             break

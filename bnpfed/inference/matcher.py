@@ -629,8 +629,11 @@ class LayerMatcher:
         17,000 rows for 400 atoms)."""
         if self.gram is not None:
             return self._gram_cross(j, active)
-        if active.size == self.n_rows:
-            return self.xF[j] @ self.gF[: self.n_rows].T
+        n = self.n_rows
+        if active.size == n:
+            return self.xF[j] @ self.gF[:n].T
+        if 2 * active.size >= n:   # the gather costs about what the product does: the product with every stored
+            return (self.xF[j] @ self.gF[:n].T)[:, active]   # row, the freed ones' columns dropped, is cheaper
         return self.xF[j] @ self.gF[active].T
 
     def _gram_cross(self, j: int, active: np.ndarray) -> np.ndarray:
