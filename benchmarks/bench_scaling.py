@@ -21,7 +21,9 @@ Fixed hyper-parameters are the reference's sigma2 = sigma0_2 = gamma0 = 1 with 5
 bnpfed's default (every hyper-parameter estimated per group, stopped on the result). The growth exponent of a
 column is the least-squares slope of log(seconds) on log(J) over J >= 25.
 
-Usage: python benchmarks/bench_scaling.py [--nets mlp,lenet] [--clients 10,25,...] [--threads N]
+Usage: python benchmarks/bench_scaling.py [--nets mlp,lenet] [--clients 10,25,...] [--threads N]; ``--stops``
+compares the stopping rule on the result with the exact fixed point, ``--starts`` the two starts of empirical Bayes,
+``--interleaved J`` times EB against fixed matching alternately in one process, ``--plane J`` the accuracy-width plane.
 """
 
 from __future__ import annotations
@@ -239,6 +241,48 @@ def starts(nets_and_clients, *, data_dir=str(DEFAULT_DATA), cache=str(DEFAULT_CA
     return rows
 
 
+def stops(nets_and_clients, *, data_dir=str(DEFAULT_DATA), cache=str(DEFAULT_CACHE), out=None) -> list[dict]:
+    """Per (network, J), dead units left out, one thread: ``pfnm_step`` under the exact fixed point
+    (``PFNMConfig(stop="fixed-point")``) and under the stopping rule on the result (the default), in this process:
+    per group the sweeps, widths and seconds, and the global network's MNIST test accuracy. One row per (network, J);
+    ``out``: JSON lines, one per (network, J), resumed."""
+    import torch
+    from bnpfed.data import load_dataset
+    from bnpfed.federated.config import PFNMConfig
+    from bnpfed.federated.server import pfnm_step
+    torch.set_num_threads(1)
+    ds = load_dataset("mnist", data_dir=data_dir, standardize=False)
+    path = Path(out) if out else None
+    done = {}
+    if path is not None and path.exists():
+        done = {(r["net"], r["J"]): r for r in map(json.loads, path.read_text().splitlines()) if r}
+    rows = []
+    for net, J in nets_and_clients:
+        record = done.get((net, J))
+        if record is None:
+            saved, template, activity = _federation(data_dir, cache, net, J)
+            record = dict(net=net, J=J)
+            for name, config in (("fixed-point", PFNMConfig(stop="fixed-point")), ("result", PFNMConfig())):
+                match = pfnm_step(saved["states"], saved["counts"], config, seed=0, round=1, template=template,
+                                  input_shape=saved["input_shape"], activity=activity)
+                record[name] = dict(seconds=match.seconds, accuracy=_test_accuracy(match, ds), groups={
+                    g: dict(atoms=r.num_atoms, sweeps=r.sweeps_run, converged=bool(r.converged),
+                            log_likelihood=r.log_likelihood) for g, r in match.layer_results.items()})
+            if path is not None:
+                with path.open("a") as f:
+                    f.write(json.dumps(record, default=float) + "\n")
+        exact, quick = record["fixed-point"], record["result"]
+        rows.append({"net": net, "J": J,
+                     "sweeps (exact / result)": " / ".join("/".join(str(g["sweeps"]) for g in r["groups"].values())
+                                                          for r in (exact, quick)),
+                     "widths (exact / result)": " / ".join("/".join(str(g["atoms"]) for g in r["groups"].values())
+                                                          for r in (exact, quick)),
+                     "accuracy (exact / result)": f"{exact['accuracy']:.4f} / {quick['accuracy']:.4f}",
+                     "seconds (exact / result)": f"{exact['seconds']:.2f} / {quick['seconds']:.2f}",
+                     "exact converged": all(g["converged"] for g in exact["groups"].values())})
+    return rows
+
+
 def plane(J: int, noises, *, net: str = "mlp", data_dir=str(DEFAULT_DATA), cache=str(DEFAULT_CACHE)) -> list[dict]:
     """The accuracy-width plane of empirical Bayes on the J clients' models (dead units left out, one thread): the
     default, then the noise variance ``sigma2`` given at each of ``noises`` (both coordinate blocks; every other
@@ -381,6 +425,9 @@ def main(argv=None):
                    help="instead: the accuracy-width plane on J clients' models, sigma2 given at --noises")
     p.add_argument("--noises", default="0.045,0.04,0.035,0.03,0.025,0.02",
                    help="the sigma2 values of --plane, comma-separated")
+    p.add_argument("--stops", action="store_true",
+                   help="per --nets and --clients: the exact fixed point against the stopping rule on the result "
+                        "(sweeps, widths, accuracy, seconds; one thread)")
     p.add_argument("--starts", action="store_true",
                    help="instead: both starts of empirical Bayes against the even split alone, every (net, J) of "
                    "--nets x --clients, dead units left out (JSON lines in --out, resumed)")
@@ -412,6 +459,10 @@ def main(argv=None):
     if args.plane is not None:
         print(format_table(plane(args.plane, [float(v) for v in args.noises.split(",")], net=nets[0],
                                  data_dir=args.data_dir, cache=args.cache)))
+        return
+    if args.stops:
+        print(format_table(stops([(n, int(j)) for n in nets for j in args.clients.split(",")],
+                                 data_dir=args.data_dir, cache=args.cache, out=args.out)))
         return
     if args.starts:
         print(format_table(starts([(n, int(j)) for n in nets for j in args.clients.split(",")],
