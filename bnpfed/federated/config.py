@@ -389,8 +389,8 @@ class PFNMConfig:
         ``fedma`` method; :class:`~bnpfed.federated.pfnm.PFNMFederation` with this config). Bottom-up only.
         Default 0.
     :param str stop: under empirical Bayes, when a layer's sweeps stop: ``"result"`` (once a sweep moved at most 2 %
-        of the neurons and no estimate by more than 1 %; on trained MNIST layers the same width and accuracy as the
-        exact fixed point at a third of the sweeps) or ``"fixed-point"`` (until nothing changes). Default
+        of the neurons and no estimate by more than 1 %; on trained MNIST layers widths within 3 % and accuracy within
+        0.001 of the exact fixed point at 0.3-0.6 of its sweeps) or ``"fixed-point"`` (until nothing changes). Default
         ``"result"``.
     :param str starts: under empirical Bayes, ``"even-split"`` (each layer's estimation from the even split),
         ``"both"`` (from the small-noise start as well, the assignment of higher marginal likelihood kept per layer:

@@ -94,7 +94,8 @@ CHUNK_ELEMENTS = 2 ** 22
 GRAM_BYTES = 2 ** 30
 
 #: Under empirical Bayes with ``stop="result"``: the sweeps stop once at most this share of the neurons moved in a
-#: sweep and no estimate moved by more than :data:`STOP_RTOL` (relative).
+#: sweep and no estimate moved by more than :data:`STOP_RTOL` (relative; mu0 by the root mean square of its changes
+#: over the coordinates, relative to sqrt(sigma0_2)).
 STOP_MOVED = 0.02
 STOP_RTOL = 1e-2
 

@@ -113,9 +113,9 @@ alone, at 0.3-0.75 of the time of both. If the first pass from the small noise
 leaves every neuron alone (sigma2 not estimable: nothing agrees that closely), it is redone from the even split
 (noted). It stops when a sweep changed no assignment and no estimate moved by more than ``EB_RTOL`` (relative; mu0
 relative to sqrt(sigma0_2)) -- by default already when at most 2 % of the neurons moved in a sweep and no estimate by
-more than 1 % (``stop="result"``) -- or after ``sweeps`` sweeps (``MatchResult.converged`` False). With the
-estimates held fixed a sweep never lowers F_marg; re-estimating moves F_marg itself, so ``objective`` need not be
-monotone across sweeps.
+more than 1 % (mu0 by the root mean square of its changes; ``stop="result"``) -- or after ``sweeps`` sweeps
+(``MatchResult.converged`` False). With the estimates held fixed a sweep never lowers F_marg; re-estimating moves
+F_marg itself, so ``objective`` need not be monotone across sweeps.
 
 Implementation: the one layer matcher of :mod:`bnpfed.inference.matcher` (the heteroscedastic model of
 :mod:`bnpfed.inference.bayesian_matching` at u = 0, tau2 = sigma2; block A its shared coordinates, block B its
@@ -269,8 +269,9 @@ def match_layer(
         (``k * L > N`` after sweep k). Same scores up to rounding.
     :param str stop: empirical Bayes: ``"result"`` (default) stops once a sweep moved at most 2 % of the neurons
         (:data:`~bnpfed.inference.matcher.STOP_MOVED`) and no estimate by more than 1 %
-        (:data:`~bnpfed.inference.matcher.STOP_RTOL`): on trained layers the same width and accuracy as the exact
-        fixed point at a third of the sweeps; ``"fixed-point"`` sweeps until nothing changes (``EB_RTOL``).
+        (:data:`~bnpfed.inference.matcher.STOP_RTOL`; mu0 by the root mean square of its changes over the
+        coordinates): on trained MNIST layers (J = 10-200) widths within 3 % and accuracy within 0.001 of the exact
+        fixed point at 0.3-0.6 of its sweeps; ``"fixed-point"`` sweeps until nothing changes (``EB_RTOL``).
     :param str starts: empirical Bayes with the noise estimated from the data's start: ``"even-split"`` (default)
         runs the alternation from the even split; ``"both"`` runs it from the small-noise start as well and keeps the
         assignment of higher ``log p(Z, V)`` at its own estimates (``MatchResult.log_likelihood``, every constant
