@@ -184,11 +184,20 @@ def make_matcher(means, variances=None, *, precisions=None, name: str = "neurons
                         max_atoms=max_atoms, new_atom_penalty=new_atom_penalty, marginal=objective == "marginal")
 
 
+def _columns(idx: np.ndarray):
+    """``idx`` (sorted coordinates) as a slice when it is one run of consecutive coordinates (a column block written
+    at memory speed instead of scattered column by column), else itself."""
+    if idx.size and int(idx[-1]) - int(idx[0]) == idx.size - 1:
+        return slice(int(idx[0]), int(idx[-1]) + 1)
+    return idx
+
+
 def _flat(arrays: list[np.ndarray], idx: np.ndarray, D: int) -> np.ndarray:
     """The (N, |idx|) columns ``idx`` of J (L_j, D) arrays, stacked in client order (contiguous)."""
     if idx.size == D:
         return np.ascontiguousarray(np.concatenate(arrays))
-    return np.ascontiguousarray(np.concatenate([a[:, idx] for a in arrays]))
+    cols = _columns(idx)
+    return np.ascontiguousarray(np.concatenate([a[:, cols] for a in arrays]))
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -402,7 +411,9 @@ class LayerMatcher:
     def reset(self) -> None:
         """Empty storage (no client on any atom); rows [0, n_rows) used, some of them free (m == 0, the prior's
         statistics); the capacity beyond n_rows is undefined until :meth:`_new_rows` takes it."""
-        cap = max(2 * max(self.L), 64, self.m.shape[0] if self.m is not None else 0)  # the capacity is kept
+        # every atom holds a neuron and a row is appended only when none is free, so N rows always suffice: taken at
+        # once (untouched memory costs nothing until a row is used), no copy as the layer widens; the capacity is kept
+        cap = max(int(self.offsets[-1]), 64, self.m.shape[0] if self.m is not None else 0)
         self.gF, self.gC, self.PC, self.gN, self.PN = (np.empty((cap, k)) for k in (
             self.F.size, self.C.size, self.C.size, self.N.size, self.N.size))
         self.gF_sq = np.empty(cap)
@@ -745,9 +756,11 @@ class LayerMatcher:
         labels, _ = self.labels()
         P = np.empty((active.size, self.D))
         g = np.empty((active.size, self.D))
-        P[:, self.F] = (self.P0 + self.m[active] * self.tau)[:, None]
-        g[:, self.F] = self.gF[active]
+        F = _columns(self.F)
+        P[:, F] = (self.P0 + self.m[active] * self.tau)[:, None]
+        g[:, F] = self.gF[active]
         for idx, gk, Pk in ((self.C, self.gC, self.PC), (self.N, self.gN, self.PN)):
+            idx = _columns(idx)
             P[:, idx], g[:, idx] = Pk[active], gk[active]
         return MatchResult(global_atoms=torch.as_tensor(g / P, dtype=dtype),
                            posterior_precision=torch.as_tensor(P, dtype=dtype),
