@@ -104,6 +104,8 @@ PFNM_ONLY = [
     (["--sigma0-2", "0"], "--sigma0-2"),
     (["--gamma0", "0"], "--gamma0"),
     (["--sweeps", "-1"], "--sweeps"),
+    (["--stop", "exact"], "--stop"),
+    (["--stop", "fixed-point", "--hyperparameters", "fixed"], "--stop"),   # empirical Bayes only
     (["--holdout", "1.5"], "--holdout"),
     (["--grid-sigma2", "0.1,0"], "--grid-sigma2"),
     (["--methods", "foo"], "--methods"),
@@ -136,6 +138,8 @@ FUSE_ONLY = [
     (["--align", "match", "--match-on", "weights"], "--match-on"),
     (["--starts", "both"], "--starts"),   # only with --align match
     (["--align", "match", "--starts", "even"], "--starts"),
+    (["--stop", "fixed-point"], "--stop"),   # only with --align match
+    (["--align", "match", "--stop", "exact"], "--stop"),
     (["--rule", "eaa,eaa"], "--rule"),
     (["--local-epochs", "0"], "--epochs"),
     (["--min-variance", "-1"], "--min-variance"),
@@ -383,6 +387,13 @@ def test_fuse_takes_the_atom_posterior_rule_with_align_match_only():
 def test_fuse_takes_where_the_matchers_empirical_bayes_starts_with_align_match():
     assert fuse.prepare(parsed(["fuse", "--align", "match", "--starts", "both"]))["fusion"].starts == "both"
     assert fuse.prepare(parsed(["fuse", "--align", "match"]))["fusion"].starts == "even-split"
+
+
+def test_fuse_and_pfnm_take_the_stopping_rule_of_empirical_bayes():
+    assert fuse.prepare(parsed(["fuse", "--align", "match", "--stop", "fixed-point"]))["fusion"].stop == "fixed-point"
+    assert fuse.prepare(parsed(["fuse", "--align", "match"]))["fusion"].stop == "result"
+    assert pfnm.prepare(parsed(["pfnm", "--stop", "fixed-point"]))["pfnm"].stop == "fixed-point"
+    assert pfnm.prepare(parsed(["pfnm"]))["pfnm"].stop == "result"
 
 
 def test_fuse_takes_pvi_rounds_with_align_match_every_client_and_its_damping():

@@ -135,3 +135,20 @@ def test_a_federation_runs_each_layer_from_the_even_split_unless_asked_for_both_
         assert all(len(r.starts) == n for r in match.layer_results.values())
     with pytest.raises(ValueError, match="starts: applies under empirical Bayes only"):
         PFNMConfig(starts="both", hyperparameters="fixed", sigma2=1.0, sigma0_2=1.0, gamma0=1.0)
+
+
+def test_the_stopping_rule_is_a_setting_of_empirical_bayes_only():
+    """``stop`` chooses when empirical Bayes's sweeps stop: with fixed hyper-parameters (PFNM) or with nothing matched
+    (weight-wise fusion) it has nothing to choose, and a value other than the default is refused, naming the field;
+    ``starts`` likewise for fusion without matching."""
+    from bnpfed.federated import FusionConfig, PFNMConfig
+    assert PFNMConfig(stop="fixed-point").matcher_kwargs()["stop"] == "fixed-point"
+    with pytest.raises(ValueError, match="stop: applies under empirical Bayes only"):
+        PFNMConfig(stop="fixed-point", hyperparameters="fixed", sigma2=1.0, sigma0_2=1.0, gamma0=1.0)
+    with pytest.raises(ValueError, match="stop: applies under empirical Bayes only"):
+        PFNMConfig(stop="fixed-point", constants="reference")
+    assert FusionConfig(align="match", stop="fixed-point").stop == "fixed-point"
+    with pytest.raises(ValueError, match="stop: when matched fusion's empirical-Bayes sweeps stop"):
+        FusionConfig(stop="fixed-point")
+    with pytest.raises(ValueError, match="starts: where matched fusion's empirical Bayes starts"):
+        FusionConfig(starts="both")

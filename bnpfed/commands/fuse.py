@@ -152,6 +152,10 @@ def add_parser(sub):
     g.add_argument("--starts", choices=STARTS, default=fusion.starts,
                    help="--align match: where the matcher's empirical Bayes starts: the even split (default), from "
                    "the small-noise start as well with the likelier kept (both), or the small-noise start only")
+    g.add_argument("--stop", choices=("result", "fixed-point"), default=fusion.stop,
+                   help="--align match: when the matcher's empirical-Bayes sweeps stop: once a sweep moved at most "
+                   "2%% of the units and no estimate by more than 1%% (result, default), or when nothing changes "
+                   "(fixed-point)")
     g.add_argument("--tau2", type=float, metavar="V",
                    help="--align match: the extra variance between two clients' copies of a unit, > 0 (default: "
                    "estimated per layer)")
@@ -238,6 +242,8 @@ def prepare(args) -> dict:
         raise UsageError(f"--match-on: expected only with --align match, got --align {args.align}")
     if args.starts != "even-split" and not match:
         raise UsageError(f"--starts: expected only with --align match, got --align {args.align}")
+    if args.stop != "result" and not match:
+        raise UsageError(f"--stop: expected only with --align match, got --align {args.align}")
     _args.check_ood_flags(args)
     if args.pvi_damping is not None and PVI not in args.rule:
         raise UsageError(f"--pvi-damping: expected only with --rule {PVI}, got --rule {','.join(args.rule)}")
@@ -248,7 +254,7 @@ def prepare(args) -> dict:
     fusion = FusionConfig(rule=args.rule[0], weights=args.weights, pooling_samples=args.pooling_samples,
                           min_variance=args.min_variance, fraction=args.fraction, align=args.align, tau2=args.tau2,
                           own_init=own_init, pvi_damping=args.pvi_damping, match_on=args.match_on,
-                          starts=args.starts)
+                          starts=args.starts, stop=args.stop)
     if args.baselines is not None:
         if not match:
             raise UsageError(f"--baselines: expected only with --align match, got --align {args.align}")

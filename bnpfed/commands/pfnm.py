@@ -132,6 +132,10 @@ def add_parser(sub):
                    help="empirical Bayes: run each layer's estimation from the even split (default), from the "
                    "small-noise start as well and keep the likelier (both: about twice the time), or from the "
                    "small-noise start only (bnpfed before 2026-12)")
+    g.add_argument("--stop", choices=("result", "fixed-point"), default=d.stop,
+                   help="empirical Bayes: when each layer's sweeps stop: once a sweep moved at most 2%% of the "
+                   "neurons and no estimate by more than 1%% (result, default), or when nothing changes "
+                   "(fixed-point: the exact rule, up to 3x the sweeps)")
     g.add_argument("--inactive", choices=("drop", "keep"), default=d.inactive,
                    help="units a client reports dead on its own data (0 wherever they enter the next layer): drop "
                    "leaves them out of matching (the client's network computes the same without them); keep "
@@ -294,7 +298,7 @@ def prepare(args) -> dict:
                       constants=args.constants, objective=args.objective, direction=args.direction,
                       sweeps=args.sweeps, warm_start=args.warm_start, fraction=args.fraction,
                       global_weights=args.global_weights, layerwise_retrain=args.layerwise_retrain,
-                      starts=args.starts, inactive=args.inactive, max_width=_one_or_many(args.max_width),
+                      starts=args.starts, stop=args.stop, inactive=args.inactive, max_width=_one_or_many(args.max_width),
                       max_params=args.max_params)
     fusion = FusionConfig(fraction=args.fraction)  # FedAvg's client sampling
     chosen = args.methods

@@ -480,6 +480,10 @@ class PFNMConfig:
         check_choice(self.stop, ("result", "fixed-point"), "stop")
         check_choice(self.starts, STARTS, "starts")
         check_choice(self.inactive, ("drop", "keep"), "inactive")
+        if self.fixed and self.stop != "result":
+            raise ValueError(f"stop: applies under empirical Bayes only (with fixed hyper-parameters the sweeps stop at "
+                             f"a fixed point of the assignment or at the sweep limit); got {self.stop!r} with "
+                             f"{'constants=reference' if self.constants == 'reference' else 'hyperparameters=fixed'}")
         if self.fixed and self.starts != "even-split":
             raise ValueError(f"starts: applies under empirical Bayes only (with fixed hyper-parameters there is one "
                              f"start, the greedy pass at the given values); got {self.starts!r} with "
@@ -623,6 +627,12 @@ class FusionConfig:
         check_choice(self.stop, ("result", "fixed-point"), "stop")
         check_choice(self.starts, STARTS, "starts")
         check_choice(self.match_on, ("auto",) + MATCH_ON, "match_on")
+        if self.stop != "result" and self.align != "match":
+            raise ValueError(f"stop: when matched fusion's empirical-Bayes sweeps stop; expected 'result' with "
+                             f"align={self.align!r} (nothing is matched), got {self.stop!r}")
+        if self.starts != "even-split" and self.align != "match":
+            raise ValueError(f"starts: where matched fusion's empirical Bayes starts; expected 'even-split' with "
+                             f"align={self.align!r} (nothing is matched), got {self.starts!r}")
         if self.match_on != "auto" and self.align != "match":
             raise ValueError(f"match_on: what matched fusion's assignment is computed from; expected 'auto' with "
                              f"align={self.align!r} (nothing is matched), got {self.match_on!r}")
