@@ -298,8 +298,8 @@ def prepare(args) -> dict:
                       constants=args.constants, objective=args.objective, direction=args.direction,
                       sweeps=args.sweeps, warm_start=args.warm_start, fraction=args.fraction,
                       global_weights=args.global_weights, layerwise_retrain=args.layerwise_retrain,
-                      starts=args.starts, stop=args.stop, inactive=args.inactive, max_width=_one_or_many(args.max_width),
-                      max_params=args.max_params)
+                      starts=args.starts, stop=args.stop, inactive=args.inactive,
+                      max_width=_one_or_many(args.max_width), max_params=args.max_params)
     fusion = FusionConfig(fraction=args.fraction)  # FedAvg's client sampling
     chosen = args.methods
     if chosen is None:

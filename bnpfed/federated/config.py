@@ -481,8 +481,8 @@ class PFNMConfig:
         check_choice(self.starts, STARTS, "starts")
         check_choice(self.inactive, ("drop", "keep"), "inactive")
         if self.fixed and self.stop != "result":
-            raise ValueError(f"stop: applies under empirical Bayes only (with fixed hyper-parameters the sweeps stop at "
-                             f"a fixed point of the assignment or at the sweep limit); got {self.stop!r} with "
+            raise ValueError(f"stop: applies under empirical Bayes only (with fixed hyper-parameters the sweeps stop "
+                             f"at a fixed point of the assignment or at the sweep limit); got {self.stop!r} with "
                              f"{'constants=reference' if self.constants == 'reference' else 'hyperparameters=fixed'}")
         if self.fixed and self.starts != "even-split":
             raise ValueError(f"starts: applies under empirical Bayes only (with fixed hyper-parameters there is one "
