@@ -194,14 +194,12 @@ def interleaved(J: int, repeats: int, *, net: str = "mlp", data_dir=str(DEFAULT_
             "eb/fixed": best["empirical-bayes"] / best["fixed"], "both/fixed": best["both"] / best["fixed"]}
 
 
-def starts(nets_and_clients, *, data_dir=str(DEFAULT_DATA), cache=str(DEFAULT_CACHE), out=None) -> list[dict]:
-    """Per (network, J), dead units left out, one thread: ``pfnm_step`` with both starts of empirical Bayes
-    (``PFNMConfig(starts="both")``) and with the even split alone (the default), in this process: every group's
-    two log likelihoods and widths, which start was kept, the seconds and the global network's MNIST test accuracy.
-    One line per (network, J, group) in the returned rows; ``out``: JSON lines, one per (network, J), resumed."""
+def _pfnm_records(nets_and_clients, configs, group_record, *, data_dir, cache, out) -> list[dict]:
+    """Per (network, J), dead units left out, one thread: one ``pfnm_step`` per ``(name, PFNMConfig)`` in
+    ``configs`` on the same local models, in this process; each record ``{net, J, name: {seconds, accuracy (MNIST
+    test), groups: {group: group_record(layer result)}}}``. ``out``: JSON lines, one per (network, J), resumed."""
     import torch
     from bnpfed.data import load_dataset
-    from bnpfed.federated.config import PFNMConfig
     from bnpfed.federated.server import pfnm_step
     torch.set_num_threads(1)
     ds = load_dataset("mnist", data_dir=data_dir, standardize=False)
@@ -209,21 +207,35 @@ def starts(nets_and_clients, *, data_dir=str(DEFAULT_DATA), cache=str(DEFAULT_CA
     done = {}
     if path is not None and path.exists():
         done = {(r["net"], r["J"]): r for r in map(json.loads, path.read_text().splitlines()) if r}
-    rows = []
+    records = []
     for net, J in nets_and_clients:
         record = done.get((net, J))
         if record is None:
             saved, template, activity = _federation(data_dir, cache, net, J)
             record = dict(net=net, J=J)
-            for name, config in (("both", PFNMConfig(starts="both")), ("even-split", PFNMConfig())):
+            for name, config in configs:
                 match = pfnm_step(saved["states"], saved["counts"], config, seed=0, round=1, template=template,
                                   input_shape=saved["input_shape"], activity=activity)
                 record[name] = dict(seconds=match.seconds, accuracy=_test_accuracy(match, ds), groups={
-                    g: dict(atoms=r.num_atoms, seconds=r.seconds, starts=r.starts)
-                    for g, r in match.layer_results.items()})
+                    g: group_record(r) for g, r in match.layer_results.items()})
             if path is not None:
                 with path.open("a") as f:
                     f.write(json.dumps(record, default=float) + "\n")
+        records.append(record)
+    return records
+
+
+def starts(nets_and_clients, *, data_dir=str(DEFAULT_DATA), cache=str(DEFAULT_CACHE), out=None) -> list[dict]:
+    """Per (network, J), dead units left out, one thread: ``pfnm_step`` with both starts of empirical Bayes
+    (``PFNMConfig(starts="both")``) and with the even split alone (the default), in this process: every group's
+    two log likelihoods and widths, which start was kept, the seconds and the global network's MNIST test accuracy.
+    One line per (network, J, group) in the returned rows; ``out``: JSON lines, one per (network, J), resumed."""
+    from bnpfed.federated.config import PFNMConfig
+    rows = []
+    for record in _pfnm_records(nets_and_clients, (("both", PFNMConfig(starts="both")), ("even-split", PFNMConfig())),
+                                lambda r: dict(atoms=r.num_atoms, seconds=r.seconds, starts=r.starts),
+                                data_dir=data_dir, cache=cache, out=out):
+        net, J = record["net"], record["J"]
         network = {"seconds (both / even)": f"{record['both']['seconds']:.2f} / {record['even-split']['seconds']:.2f}",
                    "accuracy (both / even)": f"{record['both']['accuracy']:.4f} / "
                                              f"{record['even-split']['accuracy']:.4f}"}
@@ -246,31 +258,14 @@ def stops(nets_and_clients, *, data_dir=str(DEFAULT_DATA), cache=str(DEFAULT_CAC
     (``PFNMConfig(stop="fixed-point")``) and under the stopping rule on the result (the default), in this process:
     per group the sweeps, widths and seconds, and the global network's MNIST test accuracy. One row per (network, J);
     ``out``: JSON lines, one per (network, J), resumed."""
-    import torch
-    from bnpfed.data import load_dataset
     from bnpfed.federated.config import PFNMConfig
-    from bnpfed.federated.server import pfnm_step
-    torch.set_num_threads(1)
-    ds = load_dataset("mnist", data_dir=data_dir, standardize=False)
-    path = Path(out) if out else None
-    done = {}
-    if path is not None and path.exists():
-        done = {(r["net"], r["J"]): r for r in map(json.loads, path.read_text().splitlines()) if r}
     rows = []
-    for net, J in nets_and_clients:
-        record = done.get((net, J))
-        if record is None:
-            saved, template, activity = _federation(data_dir, cache, net, J)
-            record = dict(net=net, J=J)
-            for name, config in (("fixed-point", PFNMConfig(stop="fixed-point")), ("result", PFNMConfig())):
-                match = pfnm_step(saved["states"], saved["counts"], config, seed=0, round=1, template=template,
-                                  input_shape=saved["input_shape"], activity=activity)
-                record[name] = dict(seconds=match.seconds, accuracy=_test_accuracy(match, ds), groups={
-                    g: dict(atoms=r.num_atoms, sweeps=r.sweeps_run, converged=bool(r.converged),
-                            log_likelihood=r.log_likelihood) for g, r in match.layer_results.items()})
-            if path is not None:
-                with path.open("a") as f:
-                    f.write(json.dumps(record, default=float) + "\n")
+    for record in _pfnm_records(nets_and_clients, (("fixed-point", PFNMConfig(stop="fixed-point")),
+                                                   ("result", PFNMConfig())),
+                                lambda r: dict(atoms=r.num_atoms, sweeps=r.sweeps_run, converged=bool(r.converged),
+                                               log_likelihood=r.log_likelihood),
+                                data_dir=data_dir, cache=cache, out=out):
+        net, J = record["net"], record["J"]
         exact, quick = record["fixed-point"], record["result"]
         rows.append({"net": net, "J": J,
                      "sweeps (exact / result)": " / ".join("/".join(str(g["sweeps"]) for g in r["groups"].values())
