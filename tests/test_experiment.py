@@ -133,3 +133,17 @@ def test_a_run_at_chance_accuracy_says_so(digits):
                             training=TrainingConfig(epochs=1, lr=1000.0),
                             config=ExperimentConfig(methods=("local", "fedavg")))
     assert any("local models: test accuracy" in w and "at chance" in w for w in result.warnings)
+
+
+def test_a_grid_of_fixed_values_is_chosen_from_a_config_with_empirical_bayes_settings(digits):
+    """The grid's candidates hold fixed values, so the settings of empirical Bayes (``starts``, ``stop``) that the
+    experiment's PFNM config carries for its empirical-Bayes methods go back to their defaults in them instead of
+    being refused there; the selection runs and its chosen config has the defaults."""
+    from bnpfed.federated.config import EB_DEFAULTS
+    result = run_experiment(digits, partition=PartitionConfig(clients=3), network=PFNM_NETWORK,
+                            training=TrainingConfig(epochs=2, amsgrad=True),
+                            pfnm=PFNMConfig(starts="both", stop="fixed-point"),
+                            config=ExperimentConfig(methods=("pfnm",), select="federated", grid_sigma2=(0.1, 1.0),
+                                                    grid_gamma0=(1.0,)))
+    chosen = result.selection.config
+    assert chosen.fixed and {k: getattr(chosen, k) for k in EB_DEFAULTS} == EB_DEFAULTS

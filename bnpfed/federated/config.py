@@ -50,6 +50,7 @@ from bnpfed.validation import (check_bool, check_choice, check_device, check_flo
 
 __all__ = [
     "ALIGNMENTS",
+    "EB_DEFAULTS",
     "ARCHITECTURES",
     "CLIENT_KINDS",
     "PVI_DAMPING",
@@ -349,6 +350,11 @@ class BayesianConfig:
 # ------------------------------------------------------------------------------------------------ servers
 
 
+#: The settings of :class:`PFNMConfig` that apply under empirical Bayes only, at their defaults: a config derived with
+#: fixed hyper-parameters from one that estimates them (a grid of fixed values) takes these.
+EB_DEFAULTS = dict(starts="even-split", stop="result")
+
+
 @dataclass(frozen=True)
 class PFNMConfig:
     """The PFNM server: Beta-Bernoulli matching of the clients' neurons (Yurochkin et al. 2019).
@@ -627,12 +633,6 @@ class FusionConfig:
         check_choice(self.stop, ("result", "fixed-point"), "stop")
         check_choice(self.starts, STARTS, "starts")
         check_choice(self.match_on, ("auto",) + MATCH_ON, "match_on")
-        if self.stop != "result" and self.align != "match":
-            raise ValueError(f"stop: when matched fusion's empirical-Bayes sweeps stop; expected 'result' with "
-                             f"align={self.align!r} (nothing is matched), got {self.stop!r}")
-        if self.starts != "even-split" and self.align != "match":
-            raise ValueError(f"starts: where matched fusion's empirical Bayes starts; expected 'even-split' with "
-                             f"align={self.align!r} (nothing is matched), got {self.starts!r}")
         if self.match_on != "auto" and self.align != "match":
             raise ValueError(f"match_on: what matched fusion's assignment is computed from; expected 'auto' with "
                              f"align={self.align!r} (nothing is matched), got {self.match_on!r}")

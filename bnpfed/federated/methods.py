@@ -69,7 +69,7 @@ from bnpfed.federated.baselines import (aligned_average, ensemble_proba, fedavg_
                                        reference_client)
 from bnpfed.federated.clients import (fit_bayesian, initial_network, posterior_client, train_network,
                                       unit_activity_step)
-from bnpfed.federated.config import (BayesianConfig, FusionConfig, NetworkConfig, PFNMConfig,
+from bnpfed.federated.config import (EB_DEFAULTS, BayesianConfig, FusionConfig, NetworkConfig, PFNMConfig,
                                      PartitionConfig, TrainingConfig, config_dict, holdout_split)
 from bnpfed.federated.federation import EVAL_CHUNK, Federation, reestimate_statistics
 from bnpfed.federated.fusion import FedAvgFederation, FusionFederation
@@ -724,7 +724,8 @@ def select_hyperparameters(local_models: Sequence[nn.Module], class_counts, vali
     if total == 0:
         raise ValueError("validation: expected at least one held-out example, got none")
     for s2, s02, g in itertools.product(grid_sigma2, grid_sigma0_2, grid_gamma0):
-        candidate = replace(pfnm, hyperparameters="fixed", sigma2=s2, sigma0_2=s02, gamma0=g)
+        # fixed values: the settings of empirical Bayes (its starts and stopping rule) go back to their defaults
+        candidate = replace(pfnm, hyperparameters="fixed", sigma2=s2, sigma0_2=s02, gamma0=g, **EB_DEFAULTS)
         match = pfnm_step(local_models, class_counts, candidate, seed=seed, round=1, input_shape=input_shape,
                           activity=activity)
         if reestimate is not None:
@@ -797,7 +798,8 @@ def width_sweep(dataset: Dataset, *, sigma2: Sequence[float], gamma0: Sequence[f
     grid = list(itertools.product(constants, sigma2, gamma0))
     for name, s2, g in tqdm(grid, desc="matching", disable=not progress, leave=False):
         candidate = replace(experiment.pfnm, hyperparameters="fixed", constants=name, sigma2=s2, gamma0=g,
-                            direction="top-down" if name == "reference" else experiment.pfnm.direction)
+                            direction="top-down" if name == "reference" else experiment.pfnm.direction,
+                            **EB_DEFAULTS)
         match = experiment.reestimate(pfnm_step(models, experiment.class_counts, candidate, seed=experiment.seed,
                                                 round=1, input_shape=experiment.input_shape,
                                                 activity=experiment.activity()))
