@@ -154,8 +154,8 @@ def add_parser(sub):
                    "the small-noise start as well with the likelier kept (both), or the small-noise start only")
     g.add_argument("--stop", choices=("result", "fixed-point"), default=fusion.stop,
                    help="--align match: when the matcher's empirical-Bayes sweeps stop: once a sweep moved at most "
-                   "2%% of the units and no estimate by more than 1%% (result, default), or when nothing changes "
-                   "(fixed-point)")
+                   "2 percent of the units and no estimate by more than 1 percent (result, default), or when "
+                   "nothing changes (fixed-point)")
     g.add_argument("--tau2", type=float, metavar="V",
                    help="--align match: the extra variance between two clients' copies of a unit, > 0 (default: "
                    "estimated per layer)")

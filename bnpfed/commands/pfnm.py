@@ -133,8 +133,8 @@ def add_parser(sub):
                    "small-noise start as well and keep the likelier (both: about twice the time), or from the "
                    "small-noise start only (bnpfed before 2026-12)")
     g.add_argument("--stop", choices=("result", "fixed-point"), default=d.stop,
-                   help="empirical Bayes: when each layer's sweeps stop: once a sweep moved at most 2%% of the "
-                   "neurons and no estimate by more than 1%% (result, default), or when nothing changes "
+                   help="empirical Bayes: when each layer's sweeps stop: once a sweep moved at most 2 percent of the "
+                   "neurons and no estimate by more than 1 percent (result, default), or when nothing changes "
                    "(fixed-point: the exact rule, up to 3x the sweeps)")
     g.add_argument("--inactive", choices=("drop", "keep"), default=d.inactive,
                    help="units a client reports dead on its own data (0 wherever they enter the next layer): drop "
