@@ -130,7 +130,8 @@ def run_matching(matcher: LayerMatcher, estimator, *, init, sweeps: int, seed, s
     stops when a sweep changed no assignment and no estimate moved by more than ``EB_RTOL``; ``"result"`` also when at
     most :data:`STOP_MOVED` of the neurons moved in a sweep and no estimate moved by more than :data:`STOP_RTOL` (mu0 by
     the root mean square of its changes over the coordinates; the assignment is then as good as settled: on trained
-    MNIST layers the same width and accuracy at a third of the sweeps, benchmarks/README.md)."""
+    MNIST layers, J = 10-200, widths within 3 % and accuracy within 0.001 of the exact fixed point at 0.3-0.8 of its
+    sweeps, benchmarks/README.md)."""
     check_choice(cross_products, ("auto", "direct", "gram"), "cross_products")
     check_choice(starts, STARTS, "starts")
     fixed = getattr(estimator, "fixed", False)
