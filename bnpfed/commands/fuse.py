@@ -20,7 +20,7 @@ from dataclasses import asdict
 import torch
 
 from bnpfed.combine import available_rules
-from bnpfed.inference.driver import STARTS
+from bnpfed.inference.driver import STARTS, STOPS
 from bnpfed.inference.posterior_matching import ATOM_POSTERIOR, MATCH_ON, PVI, matched_rules
 from bnpfed.commands import _args
 from bnpfed.commands._args import HelpFormatter, UsageError, fail, flag_message, warn
@@ -152,7 +152,7 @@ def add_parser(sub):
     g.add_argument("--starts", choices=STARTS, default=fusion.starts,
                    help="--align match: where the matcher's empirical Bayes starts: the even split (default), from "
                    "the small-noise start as well with the likelier kept (both), or the small-noise start only")
-    g.add_argument("--stop", choices=("result", "fixed-point"), default=fusion.stop,
+    g.add_argument("--stop", choices=STOPS, default=fusion.stop,
                    help="--align match: when the matcher's empirical-Bayes sweeps stop: once a sweep moved at most "
                    "2 percent of the units and no estimate by more than 1 percent (result, default), or when "
                    "nothing changes (fixed-point)")

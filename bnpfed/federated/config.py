@@ -40,7 +40,7 @@ import numpy as np
 import pyro.distributions as dist
 
 from bnpfed.inference.posterior_matching import ATOM_POSTERIOR, MATCH_ON, PVI, matched_rules
-from bnpfed.inference.driver import STARTS
+from bnpfed.inference.driver import STARTS, STOPS
 from bnpfed.inference.matching import REFERENCE_CONSTANTS
 from bnpfed.federated.partition import partition_dirichlet, partition_homogeneous, train_validation_split
 from bnpfed.models.priors import EmpiricalBayesPrior, IIDPrior, Prior, only_linear_weights
@@ -396,7 +396,7 @@ class PFNMConfig:
         Default 0.
     :param str stop: under empirical Bayes, when a layer's sweeps stop: ``"result"`` (once a sweep moved at most 2 %
         of the neurons and no estimate by more than 1 %; on trained MNIST layers widths within 3 % and accuracy within
-        0.001 of the exact fixed point at 0.3-0.6 of its sweeps) or ``"fixed-point"`` (until nothing changes). Default
+        0.001 of the exact fixed point at 0.3-0.8 of its sweeps) or ``"fixed-point"`` (until nothing changes). Default
         ``"result"``.
     :param str starts: under empirical Bayes, ``"even-split"`` (each layer's estimation from the even split),
         ``"both"`` (from the small-noise start as well, the assignment of higher marginal likelihood kept per layer:
@@ -483,7 +483,7 @@ class PFNMConfig:
         if self.global_weights is not None:
             check_choice(self.global_weights, ("average", "posterior-mean"), "global_weights")
         check_int(self.layerwise_retrain, "layerwise_retrain", low=0)
-        check_choice(self.stop, ("result", "fixed-point"), "stop")
+        check_choice(self.stop, STOPS, "stop")
         check_choice(self.starts, STARTS, "starts")
         check_choice(self.inactive, ("drop", "keep"), "inactive")
         if self.fixed and self.stop != "result":
@@ -630,7 +630,7 @@ class FusionConfig:
         check_fraction(self.fraction, "fraction")
         check_choice(self.align, ALIGNMENTS, "align")
         check_bool(self.own_init, "own_init")
-        check_choice(self.stop, ("result", "fixed-point"), "stop")
+        check_choice(self.stop, STOPS, "stop")
         check_choice(self.starts, STARTS, "starts")
         check_choice(self.match_on, ("auto",) + MATCH_ON, "match_on")
         if self.match_on != "auto" and self.align != "match":

@@ -18,11 +18,14 @@ from bnpfed.inference.matcher import (EB_EXPECTED_SWEEPS, STOP_MOVED, STOP_RTOL,
                                       make_matcher)
 from bnpfed.validation import check_choice, check_int, check_positive
 
-__all__ = ["STARTS", "FixedValues", "assignment_objective_of", "match_one_layer", "run_matching"]
+__all__ = ["STARTS", "STOPS", "FixedValues", "assignment_objective_of", "match_one_layer", "run_matching"]
 
 #: Where empirical Bayes starts (``starts=``): the even split (the default), both starts with the likelier kept, or
 #: the small-noise start alone.
 STARTS = ("even-split", "both", "small-noise")
+
+#: The choices of ``stop=`` (empirical Bayes: when the sweeps stop), the default first.
+STOPS = ("result", "fixed-point")
 
 
 
@@ -76,7 +79,7 @@ def match_one_layer(means, variances, *, noise: str, given: Mapping[str, object]
     t0 = time.perf_counter()
     eb = check_choice(hyperparameters, ("empirical-bayes", "fixed"), "hyperparameters") == "empirical-bayes"
     check_choice(cross_products, ("auto", "direct", "gram"), "cross_products")
-    check_choice(stop, ("fixed-point", "result"), "stop")
+    check_choice(stop, STOPS, "stop")
     objective = ("marginal" if eb else "map") if objective is None else objective
     if eb and objective == "map":
         raise ValueError("objective: expected 'marginal' with hyperparameters='empirical-bayes', got 'map': the MAP "

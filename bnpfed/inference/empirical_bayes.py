@@ -200,8 +200,10 @@ class _Estimator:
             if abs(new[name] - old[name]) > rtol * abs(old[name]):
                 return False
         change = np.abs(new["mu0"] - old["mu0"])
-        size = change.max(initial=0.0) if mu0 == "max" else math.sqrt(float(np.mean(change ** 2))) if change.size \
-            else 0.0
+        if mu0 == "max":
+            size = change.max(initial=0.0)
+        else:
+            size = math.sqrt(float(np.mean(change ** 2))) if change.size else 0.0
         return bool(size <= rtol * math.sqrt(new["sigma0_2"]))
 
     def coordinates(self, values: dict) -> dict:

@@ -271,7 +271,7 @@ def match_layer(
         (:data:`~bnpfed.inference.matcher.STOP_MOVED`) and no estimate by more than 1 %
         (:data:`~bnpfed.inference.matcher.STOP_RTOL`; mu0 by the root mean square of its changes over the
         coordinates): on trained MNIST layers (J = 10-200) widths within 3 % and accuracy within 0.001 of the exact
-        fixed point at 0.3-0.6 of its sweeps; ``"fixed-point"`` sweeps until nothing changes (``EB_RTOL``).
+        fixed point at 0.3-0.8 of its sweeps; ``"fixed-point"`` sweeps until nothing changes (``EB_RTOL``).
     :param str starts: empirical Bayes with the noise estimated from the data's start: ``"even-split"`` (default)
         runs the alternation from the even split; ``"both"`` runs it from the small-noise start as well and keeps the
         assignment of higher ``log p(Z, V)`` at its own estimates (``MatchResult.log_likelihood``, every constant
