@@ -22,7 +22,8 @@ bnpfed's default (every hyper-parameter estimated per group, stopped on the resu
 column is the least-squares slope of log(seconds) on log(J) over J >= 25.
 
 Usage: python benchmarks/bench_scaling.py [--nets mlp,lenet] [--clients 10,25,...] [--threads N]; ``--stops``
-compares the stopping rule on the result with the exact fixed point, ``--starts`` the two starts of empirical Bayes,
+compares the stopping rule on the result with the exact fixed point, ``--schedules`` Gauss-Seidel sweeps with Jacobi
+sweeps, ``--starts`` the two starts of empirical Bayes,
 ``--interleaved J`` times EB against fixed matching alternately in one process, ``--plane J`` the accuracy-width plane.
 """
 
@@ -49,10 +50,10 @@ MODES = ("empirical-bayes", "fixed")
 REPEATS, REPEAT_BELOW = 3, 10.0
 
 
-def _pfnm_config(mode: str):
+def _pfnm_config(mode: str, device: str | None = None):
     from bnpfed.federated.config import PFNMConfig
-    return PFNMConfig() if mode == "empirical-bayes" else PFNMConfig(hyperparameters="fixed", sigma2=1.0,
-                                                                     sigma0_2=1.0, gamma0=1.0)
+    return PFNMConfig(matcher_device=device) if mode == "empirical-bayes" else PFNMConfig(
+        hyperparameters="fixed", sigma2=1.0, sigma0_2=1.0, gamma0=1.0, matcher_device=device)
 
 
 def _experiment(data_dir: str, net: str, J: int, progress: bool = False):
@@ -126,6 +127,7 @@ def one(args) -> dict:
         match_layer(layer[:2], seed=0)  # warm-up
         kwargs = {} if args.mode == "empirical-bayes" else dict(sigma2=1.0, sigma0_2=1.0, gamma0=1.0,
                                                                   hyperparameters="fixed", sweeps=5)
+        kwargs["device"] = args.device
         tracemalloc.start()
         t0 = time.perf_counter()
         result = match_layer(layer, seed=0, **kwargs)
@@ -144,17 +146,17 @@ def one(args) -> dict:
         template = initial_network(saved["network"], saved["input_shape"], saved["num_classes"], seed=0)
         activity = _activity(args.data_dir, args.net, args.J, saved, template) if args.inactive == "drop" else None
         # warm-up (imports, first touches) on two clients, outside the measurement
-        pfnm_step(saved["states"][:2], saved["counts"][:2], _pfnm_config(args.mode), seed=0, round=1,
+        pfnm_step(saved["states"][:2], saved["counts"][:2], _pfnm_config(args.mode, args.device), seed=0, round=1,
                   template=template, input_shape=saved["input_shape"], activity=activity and activity[:2])
         tracemalloc.start()
         t0 = time.perf_counter()
-        match = pfnm_step(saved["states"], saved["counts"], _pfnm_config(args.mode), seed=0, round=1,
+        match = pfnm_step(saved["states"], saved["counts"], _pfnm_config(args.mode, args.device), seed=0, round=1,
                           template=template, input_shape=saved["input_shape"], activity=activity)
         seconds = time.perf_counter() - t0
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
         for _ in range(REPEATS - 1 if seconds < REPEAT_BELOW else 0):  # best of REPEATS for the short ones
-            again = pfnm_step(saved["states"], saved["counts"], _pfnm_config(args.mode), seed=0, round=1,
+            again = pfnm_step(saved["states"], saved["counts"], _pfnm_config(args.mode, args.device), seed=0, round=1,
                               template=template, input_shape=saved["input_shape"], activity=activity)
             seconds = min(seconds, again.seconds)
         groups = {g: dict(seconds=r.seconds, sweeps=getattr(r, "sweeps_run", None), width=r.num_atoms,
@@ -169,7 +171,8 @@ def one(args) -> dict:
         accuracy = _test_accuracy(match, load_dataset("mnist", data_dir=args.data_dir, standardize=False))
     return dict(net=args.net, J=args.J, mode=args.mode, source=args.source, L_j=neurons, seconds=seconds,
                 groups=groups, accuracy=accuracy, matcher_peak_mib=peak / 2 ** 20, process_peak_mib=process_peak,
-                threads=args.threads, inactive=args.inactive if args.source == "trained" else "keep")
+                threads=args.threads, inactive=args.inactive if args.source == "trained" else "keep",
+                device=args.device or "numpy")
 
 
 def interleaved(J: int, repeats: int, *, net: str = "mlp", data_dir=str(DEFAULT_DATA), cache=str(DEFAULT_CACHE),
@@ -278,6 +281,43 @@ def stops(nets_and_clients, *, data_dir=str(DEFAULT_DATA), cache=str(DEFAULT_CAC
     return rows
 
 
+def schedules(nets_and_clients, *, data_dir=str(DEFAULT_DATA), cache=str(DEFAULT_CACHE), out=None) -> list[dict]:
+    """Per (network, J), dead units left out, one thread: ``pfnm_step`` with Gauss-Seidel sweeps (the default: each
+    client re-matched given the moves of those before it) and with Jacobi sweeps (``PFNMConfig(schedule="jacobi")``:
+    every client against the assignment at the sweep's start, moved at once), under empirical Bayes and under the
+    reference's fixed values, in this process: per group the sweeps, whether it settled, the widths, ``log p(Z, V)``,
+    the neurons moved in the last sweep, the seconds and the global network's MNIST test accuracy. One row per
+    (network, J, hyper-parameters); ``out``: JSON lines, one per (network, J), resumed."""
+    from dataclasses import replace as with_
+    configs = [(f"{mode}/{schedule}", with_(_pfnm_config(mode), schedule=schedule)) for mode in MODES
+               for schedule in ("gauss-seidel", "jacobi")]
+    rows = []
+    for record in _pfnm_records(nets_and_clients, configs,
+                                lambda r: dict(atoms=r.num_atoms, sweeps=r.sweeps_run, converged=bool(r.converged),
+                                               log_likelihood=r.log_likelihood, moved=list(r.moved),
+                                               seconds=r.seconds),
+                                data_dir=data_dir, cache=cache, out=out):
+        for mode in MODES:
+            gs, jac = record[f"{mode}/gauss-seidel"], record[f"{mode}/jacobi"]
+
+            def per_group(key, run):
+                return "/".join(str(g[key]) for g in run["groups"].values())
+
+            rows.append({"net": record["net"], "J": record["J"], "hyper-parameters": mode,
+                         "sweeps (GS / Jacobi)": f"{per_group('sweeps', gs)} / {per_group('sweeps', jac)}",
+                         "settled (GS / Jacobi)": f"{per_group('converged', gs)} / {per_group('converged', jac)}",
+                         "widths (GS / Jacobi)": f"{per_group('atoms', gs)} / {per_group('atoms', jac)}",
+                         "log p(Z,V) Jacobi - GS": "/".join(
+                             f"{jac['groups'][g]['log_likelihood'] - v['log_likelihood']:.0f}"
+                             for g, v in gs["groups"].items()),
+                         "moved in last sweep (GS / Jacobi)": " / ".join(
+                             "/".join(str(g["moved"][-1] if g["moved"] else 0) for g in r["groups"].values())
+                             for r in (gs, jac)),
+                         "accuracy (GS / Jacobi)": f"{gs['accuracy']:.4f} / {jac['accuracy']:.4f}",
+                         "seconds (GS / Jacobi)": f"{gs['seconds']:.2f} / {jac['seconds']:.2f}"})
+    return rows
+
+
 def plane(J: int, noises, *, net: str = "mlp", data_dir=str(DEFAULT_DATA), cache=str(DEFAULT_CACHE)) -> list[dict]:
     """The accuracy-width plane of empirical Bayes on the J clients' models (dead units left out, one thread): the
     default, then the noise variance ``sigma2`` given at each of ``noises`` (both coordinate blocks; every other
@@ -305,7 +345,8 @@ def _done(out: Path) -> set:
     if not out.exists():
         return set()
     rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
-    return {(r["net"], r["J"], r["mode"], r["source"], r["threads"], r.get("inactive", "keep")) for r in rows}
+    return {(r["net"], r["J"], r["mode"], r["source"], r["threads"], r.get("inactive", "keep"),
+             r.get("device", "numpy")) for r in rows}
 
 
 def exponent(Js, seconds) -> float | None:
@@ -367,8 +408,8 @@ def lj_exponents(rows: list[dict]) -> list[dict]:
 
 
 def run(nets=("mlp",), clients=CLIENTS, *, threads: int = 2, data_dir=str(DEFAULT_DATA), cache=str(DEFAULT_CACHE),
-        out: Path | None = None, source: str | None = None, progress: bool = True, inactive: str = "drop"
-        ) -> list[dict]:
+        out: Path | None = None, source: str | None = None, progress: bool = True, inactive: str = "drop",
+        device: str | None = None) -> list[dict]:
     """Every (network, J, mode) in a fresh process, results appended to ``out`` (JSON lines; finished ones are
     skipped); returns the rows of this configuration."""
     if source is None:
@@ -381,12 +422,13 @@ def run(nets=("mlp",), clients=CLIENTS, *, threads: int = 2, data_dir=str(DEFAUL
     from tqdm import tqdm
     inactive = inactive if source == "trained" else "keep"   # layers drawn from the model have no dead units
     todo = [(net, J, mode) for net in nets for J in clients for mode in MODES
-            if (net, J, mode, source, threads, inactive) not in done]
+            if (net, J, mode, source, threads, inactive, device or "numpy") not in done]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads),
                MKL_NUM_THREADS=str(threads))
     for net, J, mode in tqdm(todo, desc="scaling", unit="run", disable=not progress):
         cmd = [sys.executable, __file__, "--one", "--net", net, "--J", str(J), "--mode", mode, "--source", source,
                "--threads", str(threads), "--data-dir", str(data_dir), "--cache", str(cache), "--inactive", inactive]
+        cmd += ["--device", device] if device else []
         if source == "trained" and not (Path(cache) / f"{net}_J{J}.pt").exists():   # the local models, in a
             quiet = [] if progress else ["--no-progress"]                                  # process of their own
             subprocess.run(cmd + ["--train"] + quiet, check=True, env=env)
@@ -395,7 +437,8 @@ def run(nets=("mlp",), clients=CLIENTS, *, threads: int = 2, data_dir=str(DEFAUL
             f.write(line + "\n")
     rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
     return [r for r in rows if r["net"] in nets and r["J"] in clients and r["source"] == source
-            and r["threads"] == threads and r.get("inactive", "keep") == inactive]
+            and r["threads"] == threads and r.get("inactive", "keep") == inactive
+            and r.get("device", "numpy") == (device or "numpy")]
 
 
 def main(argv=None):
@@ -413,6 +456,9 @@ def main(argv=None):
     p.add_argument("--inactive", choices=("drop", "keep"), default="drop",
                    help="trained clients: report their units' activity and the server leaves the dead ones out "
                    "(drop, PFNMConfig's default) or matches them too (keep, the rows recorded before 2026-12-03)")
+    p.add_argument("--device", default=None,
+                   help="the matcher's products in torch on this device (cpu, cuda[:N]; PFNMConfig's matcher_device); "
+                        "default: its numpy path. Local training stays on the CPU")
     p.add_argument("--interleaved", type=int, metavar="J", default=None,
                    help="instead: EB and fixed alternated in one process on J clients' models (one thread)")
     p.add_argument("--repeats", type=int, default=7, help="alternations of --interleaved (the best kept)")
@@ -423,6 +469,9 @@ def main(argv=None):
     p.add_argument("--stops", action="store_true",
                    help="per --nets and --clients: the exact fixed point against the stopping rule on the result "
                         "(sweeps, widths, accuracy, seconds; one thread)")
+    p.add_argument("--schedules", action="store_true",
+                   help="per --nets and --clients: Gauss-Seidel sweeps against Jacobi sweeps, under empirical Bayes "
+                        "and fixed values (sweeps, widths, log p(Z, V), accuracy, seconds; one thread)")
     p.add_argument("--starts", action="store_true",
                    help="instead: both starts of empirical Bayes against the even split alone, every (net, J) of "
                    "--nets x --clients, dead units left out (JSON lines in --out, resumed)")
@@ -459,13 +508,17 @@ def main(argv=None):
         print(format_table(stops([(n, int(j)) for n in nets for j in args.clients.split(",")],
                                  data_dir=args.data_dir, cache=args.cache, out=args.out)))
         return
+    if args.schedules:
+        print(format_table(schedules([(n, int(j)) for n in nets for j in args.clients.split(",")],
+                                     data_dir=args.data_dir, cache=args.cache, out=args.out)))
+        return
     if args.starts:
         print(format_table(starts([(n, int(j)) for n in nets for j in args.clients.split(",")],
                                   data_dir=args.data_dir, cache=args.cache, out=args.out)))
         return
     rows = run(nets, tuple(int(j) for j in args.clients.split(",")), threads=args.threads, data_dir=args.data_dir,
                cache=args.cache, out=args.out, source=args.source, progress=not args.no_progress,
-               inactive=args.inactive)
+               inactive=args.inactive, device=args.device)
     print(format_table(table(rows)))
     lj = lj_exponents(rows)
     if lj:

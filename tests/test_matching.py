@@ -788,3 +788,142 @@ def test_a_match_through_the_block_products_equals_one_through_gathered_rows(mon
     assert block.objective == gather.objective and block.sweeps_run == gather.sweeps_run
     for name, value in gather.hyperparameters.items():
         assert torch.equal(torch.as_tensor(block.hyperparameters[name]), torch.as_tensor(value)), name
+
+
+# --- the Jacobi schedule (issue 18): every client against the frozen assignment, moved at once ----------------------
+
+def _jacobi_matcher(seed, with_variances=False):
+    """An assigned matcher of overlapping atoms with per-client scales (and, ``with_variances``, per-neuron posterior
+    variances on two coordinates), after the greedy pass and one sweep (freed rows, reused ones)."""
+    from bnpfed.inference.matcher import make_matcher
+    neurons, scales = _layer_with_shares(seed)
+    D = neurons[0].shape[1]
+    rng = np.random.default_rng(seed)
+    variances = None
+    if with_variances:
+        variances = [np.zeros_like(v) for v in neurons]
+        for u in variances:
+            u[:, :2] = rng.uniform(0.0, 0.05, size=(u.shape[0], 2))
+    mt = make_matcher(neurons, variances, precisions=torch.as_tensor(scales))
+    mt.set_hyperparameters(noise=np.full(D, 0.05), prior=np.full(D, 1.0), gamma0=5.0, mu0=np.zeros(D))
+    mt.greedy()
+    mt.sweep(np.random.default_rng(seed))
+    return mt
+
+
+def _partition(labels):
+    """The partition of all neurons (client order) as a set of frozensets of flat neuron indices."""
+    flat = np.concatenate(labels)
+    return {frozenset(np.flatnonzero(flat == a).tolist()) for a in np.unique(flat)}
+
+
+@pytest.mark.parametrize("with_variances", [False, True])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_proposal_is_the_client_s_best_move_and_leaves_the_state_as_it_was(seed, with_variances):
+    """``propose(j)`` chooses what ``match(j, rematch=True)`` does (the same atoms joined, the same neurons opening new
+    ones) and leaves every per-atom statistic, the free rows and the objective as they were."""
+    for j in range(6):
+        mt = _jacobi_matcher(seed, with_variances)
+        before, free, objective = _statistics(mt), list(mt.free), mt.objective()
+        target = mt.propose(j)
+        after = _statistics(mt)
+        for name in before:
+            np.testing.assert_allclose(after[name], before[name], rtol=1e-12, atol=1e-12, err_msg=name)
+        assert mt.free == free and mt.objective() == pytest.approx(objective, rel=1e-12)
+        assert all(len(set(a.tolist())) == len(a) for a in mt.assign)
+        others = [a.copy() for k, a in enumerate(mt.assign) if k != j]
+        mt.match(j, rematch=True)
+        joined = target >= 0
+        np.testing.assert_array_equal(mt.assign[j][joined], target[joined])
+        assert not np.isin(mt.assign[j][~joined], np.concatenate(others)).any()   # the others opened new atoms
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_jacobi_sweep_moves_every_client_to_its_proposal_against_the_frozen_assignment(seed):
+    """After a Jacobi sweep each neuron is on the atom it proposed against the assignment at the sweep's start (its
+    new neurons alone), the statistics are those of that assignment rebuilt from the neurons, and ``moved`` counts
+    the neurons whose atom's members changed (counted here pair by pair)."""
+    from bnpfed.inference.matcher import make_matcher
+    mt = _jacobi_matcher(seed)
+    old = [a.copy() for a in mt.assign]
+    proposals = [mt.propose(j) for j in range(mt.J)]
+    expected, fresh = [], 10_000
+    for t in proposals:
+        t, opened = t.copy(), t < 0
+        t[opened] = fresh + np.arange(opened.sum())
+        fresh += int(opened.sum())
+        expected.append(t)
+    assert mt.jacobi_sweep() == (mt.moved > 0)
+    assert _partition(mt.assign) == _partition(expected)
+    members = {n: group for group in _partition(old) for n in group}
+    changed = {n for group in _partition(expected) for n in group if members[n] != group}
+    assert mt.moved == len(changed)
+    rebuilt = make_matcher(*_layer_with_shares(seed)[:1], precisions=torch.as_tensor(_layer_with_shares(seed)[1]))
+    rebuilt.set_hyperparameters(noise=np.full(7, 0.05), prior=np.full(7, 1.0), gamma0=5.0, mu0=np.zeros(7))
+    rebuilt.start_from(expected)
+    for name, a in _statistics(rebuilt).items():
+        np.testing.assert_allclose(_statistics(mt)[name], a, rtol=1e-12, atol=1e-12, err_msg=name)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_at_a_gauss_seidel_fixed_point_a_jacobi_sweep_changes_nothing(seed):
+    """Every client already optimal given the others proposes to stay, so the Jacobi sweep moves no neuron."""
+    layer = sample_federated_layer(8, 6, seed=seed, gamma0=6.0, sigma2=0.02)
+    fixed = dict(hyperparameters="fixed", sigma2=0.04, sigma0_2=1.0, gamma0=6.0, seed=seed)
+    gauss = match_layer(layer.neurons, sweeps=20, **fixed)
+    assert gauss.objective[-1] == pytest.approx(gauss.objective[-2], rel=1e-12)   # at a fixed point
+    jacobi = match_layer(layer.neurons, sweeps=3, init_assignments=gauss.assignments, schedule="jacobi", **fixed)
+    assert jacobi.moved == [0] and jacobi.converged
+    assert _partition([a.numpy() for a in jacobi.assignments]) == _partition([a.numpy() for a in gauss.assignments])
+
+
+def test_jacobi_matching_runs_under_empirical_bayes_and_reports_whether_it_settled():
+    """On well-separated atoms the Jacobi schedule finds the model's atoms too; a bad schedule is refused by name."""
+    layer = sample_federated_layer(10, 50, seed=0, gamma0=20.0, sigma2=0.01)
+    result = match_layer(layer.neurons, seed=0, schedule="jacobi")
+    assert result.num_atoms == layer.num_atoms and result.converged
+    assert adjusted_rand_score(torch.cat(layer.assignments).numpy(), torch.cat(result.assignments).numpy()) == 1.0
+    with pytest.raises(ValueError, match="schedule"):
+        match_layer(layer.neurons, schedule="parallel")
+
+
+# --- the matcher's products on a torch device (issue 18): the numpy path's numbers -----------------------------------
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("settings", [dict(), dict(hyperparameters="fixed", sigma2=0.05, sigma0_2=1.0, gamma0=6.0),
+                                      dict(schedule="jacobi", sweeps=4)])
+def test_products_on_a_torch_device_give_the_numpy_matching(device, settings):
+    """The atom sums and cross products held as torch tensors (on the CPU here, the code a GPU runs) give the
+    assignments, atoms, precisions and objectives of the numpy matcher, with per-client scales and Bayesian
+    neurons' per-neuron coordinates beside the shared ones."""
+    from bnpfed.inference import match_bayesian_layer
+    neurons, scales = _layer_with_shares(4)
+    for direct in ("auto", "direct"):
+        a = match_layer(neurons, precisions=torch.as_tensor(scales), seed=0, cross_products=direct, **settings)
+        b = match_layer(neurons, precisions=torch.as_tensor(scales), seed=0, device=device, **settings)
+        assert _partition([x.numpy() for x in a.assignments]) == _partition([x.numpy() for x in b.assignments])
+        torch.testing.assert_close(b.global_atoms, a.global_atoms, rtol=1e-9, atol=1e-10)
+        torch.testing.assert_close(b.posterior_precision, a.posterior_precision, rtol=1e-9, atol=1e-10)
+        np.testing.assert_allclose(b.objective, a.objective, rtol=1e-9)
+    variances = [np.zeros_like(v) for v in neurons]
+    for u in variances:
+        u[:, :2] = 0.01
+    bayes = {k.replace("sigma2", "tau2"): v for k, v in settings.items()}
+    a = match_bayesian_layer(neurons, variances, seed=0, **bayes)
+    b = match_bayesian_layer(neurons, variances, seed=0, device=device, **bayes)
+    assert _partition([x.numpy() for x in a.assignments]) == _partition([x.numpy() for x in b.assignments])
+    torch.testing.assert_close(b.global_atoms, a.global_atoms, rtol=1e-9, atol=1e-10)
+
+
+def test_a_device_the_matcher_cannot_use_is_refused_by_name():
+    neurons = small_problem(3, 0)
+    with pytest.raises(ValueError, match="device: expected"):
+        match_layer(neurons, device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device: .*torch sees no CUDA device"):
+            match_layer(neurons, device="cuda")
+    with pytest.raises(ValueError, match="cross_products: expected 'auto' or 'direct' with device"):
+        match_layer(neurons, device="cpu", cross_products="gram")

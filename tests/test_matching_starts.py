@@ -151,3 +151,31 @@ def test_the_stopping_rule_is_a_setting_of_empirical_bayes_only():
     assert FusionConfig(align="match", stop="fixed-point").stop == "fixed-point"
     with pytest.raises(ValueError, match="stop: expected one of"):
         FusionConfig(stop="exact")
+
+
+def test_the_schedule_and_the_matcher_device_reach_every_group_through_the_config():
+    """``PFNMConfig(schedule=, matcher_device=)`` travel to each group's matcher (a Jacobi sweep moves every client at once,
+    so its sweeps repeat no Gauss-Seidel run's; torch on the CPU gives the numpy path's match), and bad values are
+    refused by name."""
+    import torch
+
+    from bnpfed.federated import NetworkConfig, PFNMConfig
+    from bnpfed.federated.clients import initial_network
+    from bnpfed.inference import match_by_spec
+
+    template = initial_network(NetworkConfig(hidden=(12,)), (6,), 3, seed=0)
+    states = [initial_network(NetworkConfig(hidden=(12,)), (6,), 3, seed=j).state_dict() for j in range(4)]
+    counts = torch.ones(4, 3)
+    assert "schedule" not in PFNMConfig().matcher_kwargs() and "device" not in PFNMConfig().matcher_kwargs()
+    numpy = match_by_spec(states, counts, template=template, seed=0, **PFNMConfig().matcher_kwargs())
+    on_torch = match_by_spec(states, counts, template=template, seed=0, **PFNMConfig(matcher_device="cpu").matcher_kwargs())
+    for g, r in numpy.layer_results.items():
+        assert [a.tolist() for a in r.assignments] == [a.tolist() for a in on_torch.layer_results[g].assignments]
+        torch.testing.assert_close(on_torch.layer_results[g].global_atoms, r.global_atoms, rtol=1e-9, atol=1e-10)
+    jacobi = match_by_spec(states, counts, template=template, seed=0,
+                           **PFNMConfig(schedule="jacobi").matcher_kwargs())
+    assert all(r.sweeps_run >= 1 and r.hyperparameter_history for r in jacobi.layer_results.values())
+    with pytest.raises(ValueError, match="schedule: expected one of"):
+        PFNMConfig(schedule="parallel")
+    with pytest.raises(ValueError, match="matcher_device: expected"):
+        PFNMConfig(matcher_device="gpu")

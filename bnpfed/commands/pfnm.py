@@ -94,7 +94,10 @@ def add_parser(sub):
                    help="reference: the PFNM code's (weights N(0, 0.1^2), biases 0.1); torch: PyTorch's")
     g.add_argument("--shared-init", action="store_true",
                    help="every client starts from one initialisation (default: each from its own, as PFNM allows)")
-    _args.add_training_arguments(p, PFNM_TRAINING, what="defaults: the PFNM reference code's")
+    _args.add_training_arguments(p, PFNM_TRAINING, what="defaults: the PFNM reference code's", device=(
+        "where the clients train and the server's matcher computes its cross products: cpu (the matcher's numpy "
+        "path), or cuda[:N] when torch sees one (the networks come back to the CPU; the matcher's scores and "
+        "assignment problems stay there; numbers differ from the CPU's in the last digits)"))
     d = PFNMConfig()
     g = p.add_argument_group("matching", "the PFNM server: Beta-Bernoulli process matching of the neurons")
     estimated = ("default: estimated per hidden layer from the clients' weights (empirical Bayes); a value fixes it "
@@ -299,6 +302,7 @@ def prepare(args) -> dict:
                       sweeps=args.sweeps, warm_start=args.warm_start, fraction=args.fraction,
                       global_weights=args.global_weights, layerwise_retrain=args.layerwise_retrain,
                       starts=args.starts, stop=args.stop, inactive=args.inactive,
+                      matcher_device=None if torch.device(training.device).type == "cpu" else training.device,
                       max_width=_one_or_many(args.max_width), max_params=args.max_params)
     fusion = FusionConfig(fraction=args.fraction)  # FedAvg's client sampling
     chosen = args.methods

@@ -40,7 +40,7 @@ import numpy as np
 import pyro.distributions as dist
 
 from bnpfed.inference.posterior_matching import ATOM_POSTERIOR, MATCH_ON, PVI, matched_rules
-from bnpfed.inference.driver import STARTS, STOPS
+from bnpfed.inference.driver import SCHEDULES, STARTS, STOPS
 from bnpfed.inference.matching import REFERENCE_CONSTANTS
 from bnpfed.federated.partition import partition_dirichlet, partition_homogeneous, train_validation_split
 from bnpfed.models.priors import EmpiricalBayesPrior, IIDPrior, Prior, only_linear_weights
@@ -402,6 +402,13 @@ class PFNMConfig:
         ``"both"`` (from the small-noise start as well, the assignment of higher marginal likelihood kept per layer:
         about twice the time) or ``"small-noise"`` (that start only, bnpfed before 2026-12). Default
         ``"even-split"``.
+    :param str schedule: how a layer's sweeps re-match the clients: ``"gauss-seidel"`` (one after the other, each
+        given the moves of those before it) or ``"jacobi"`` (all against the assignment at the sweep's start, moved
+        at once; on trained MNIST layers it does not settle: benchmarks/README.md). Default ``"gauss-seidel"``.
+    :param str matcher_device: where the matcher's shared-coordinate products run: None (default: numpy on the
+        CPU) or a torch device (``"cuda"``, ``"cuda:1"``; ``"cpu"``: torch on the CPU); the scores and the assignment
+        problems stay on the CPU (:func:`~bnpfed.inference.match_layer`'s ``device``). Where the clients train is
+        :class:`TrainingConfig`'s ``device``.
     :param str inactive: what the server does with the units a client reports inactive on its own data (exactly 0
         wherever they enter the next layer: dead ReLU units; :mod:`bnpfed.inference.activity`): ``"drop"`` (left out
         before matching: the client's network computes the same without them) or ``"keep"`` (matched like any
@@ -441,6 +448,8 @@ class PFNMConfig:
     layerwise_retrain: int = 0
     stop: str = "result"
     starts: str = "even-split"
+    schedule: str = "gauss-seidel"
+    matcher_device: Optional[str] = None
     inactive: str = "drop"
     max_width: Union[None, int, tuple[Optional[int], ...]] = None
     max_params: Union[None, int, str] = "auto"
@@ -485,6 +494,9 @@ class PFNMConfig:
         check_int(self.layerwise_retrain, "layerwise_retrain", low=0)
         check_choice(self.stop, STOPS, "stop")
         check_choice(self.starts, STARTS, "starts")
+        check_choice(self.schedule, SCHEDULES, "schedule")
+        if self.matcher_device is not None:
+            check_device(self.matcher_device, "matcher_device")
         check_choice(self.inactive, ("drop", "keep"), "inactive")
         if self.fixed and self.stop != "result":
             raise ValueError(f"stop: applies under empirical Bayes only (with fixed hyper-parameters the sweeps stop "
@@ -533,6 +545,10 @@ class PFNMConfig:
                           gamma0=self.gamma0, objective="marginal", stop=self.stop, starts=self.starts)
         if self.sweeps is not None:
             kwargs["sweeps"] = self.sweeps
+        if self.schedule != "gauss-seidel":
+            kwargs["schedule"] = self.schedule
+        if self.matcher_device is not None:
+            kwargs["device"] = self.matcher_device
         if self.global_weights is not None:
             kwargs["global_weights"] = self.global_weights
         if self.max_width is not None:

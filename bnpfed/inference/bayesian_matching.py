@@ -98,6 +98,8 @@ def match_bayesian_layer(
     objective: Literal["map", "marginal"] = "marginal",
     stop: Literal["fixed-point", "result"] = "result",
     starts: Literal["even-split", "both", "small-noise"] = "even-split",
+    schedule: Literal["gauss-seidel", "jacobi"] = "gauss-seidel",
+    device=None,
     **constants,
 ) -> MatchResult:
     """Match J clients' Bayesian neurons (posterior means and variances) to global atoms under the Beta-Bernoulli
@@ -138,7 +140,8 @@ def match_bayesian_layer(
     :param str objective: ``"marginal"`` (default: the atoms integrated out) or, with fixed hyper-parameters,
         ``"map"`` (the atoms at their MAP values, as :func:`~bnpfed.inference.matching.match_layer` has it).
     :param str stop: empirical Bayes: ``"result"`` (default) or ``"fixed-point"``, as for
-        :func:`~bnpfed.inference.matching.match_layer`.
+        :func:`~bnpfed.inference.matching.match_layer`; ``schedule`` (``"gauss-seidel"``, ``"jacobi"``) and ``device``
+        (None or a torch device: its deterministic coordinates' products there) too.
     :param constants: the published code's constants, as for :func:`~bnpfed.inference.matching.match_layer`:
         ``popularity_cap``, ``max_atoms``, ``new_atom_penalty`` (``REFERENCE_CONSTANTS`` without its
         ``hyperparameters`` and ``objective``).
@@ -156,7 +159,8 @@ def match_bayesian_layer(
     return match_one_layer(means, variances, noise="tau2", given=dict(tau2=tau2, sigma0_2=sigma0_2, gamma0=gamma0),
                            mu0=mu0, precisions=precisions, hyperparameters=hyperparameters, sweeps=sweeps, seed=seed,
                            objective=objective, init_assignments=init_assignments, estimator=estimator, name="means",
-                           stop=stop, starts=starts, popularity_factor=popularity_factor, **constants)
+                           stop=stop, starts=starts, schedule=schedule, device=device,
+                           popularity_factor=popularity_factor, **constants)
 
 
 def bayesian_assignment_objective(

@@ -18,7 +18,7 @@ from bnpfed.inference.matcher import (EB_EXPECTED_SWEEPS, STOP_MOVED, STOP_RTOL,
                                       make_matcher)
 from bnpfed.validation import check_choice, check_int, check_positive
 
-__all__ = ["STARTS", "STOPS", "FixedValues", "assignment_objective_of", "match_one_layer", "run_matching"]
+__all__ = ["SCHEDULES", "STARTS", "STOPS", "FixedValues", "assignment_objective_of", "match_one_layer", "run_matching"]
 
 #: Where empirical Bayes starts (``starts=``): the even split (the default), both starts with the likelier kept, or
 #: the small-noise start alone.
@@ -26,6 +26,11 @@ STARTS = ("even-split", "both", "small-noise")
 
 #: The choices of ``stop=`` (empirical Bayes: when the sweeps stop), the default first.
 STOPS = ("result", "fixed-point")
+
+#: The choices of ``schedule=`` (how a sweep re-matches the clients), the default first: one after the other in a
+#: random order, each given the moves of those before it (Gauss-Seidel: :meth:`LayerMatcher.sweep`), or all against
+#: the assignment at the sweep's start, moved at once (Jacobi: :meth:`LayerMatcher.jacobi_sweep`).
+SCHEDULES = ("gauss-seidel", "jacobi")
 
 
 
@@ -70,7 +75,7 @@ class FixedValues:
 def match_one_layer(means, variances, *, noise: str, given: Mapping[str, object], mu0, precisions,
                     hyperparameters: str, sweeps, seed, objective, init_assignments, estimator, name: str,
                     stop_at_fixed_point: bool = True, cross_products: str = "auto", stop: str = "result",
-                    starts: str = "even-split",
+                    starts: str = "even-split", schedule: str = "gauss-seidel",
                     **options) -> MatchResult:
     """What :func:`~bnpfed.inference.match_layer` and :func:`~bnpfed.inference.match_bayesian_layer` share: the
     options checked, the matcher made, the given variances (``given``, named ``noise``, ``"sigma0_2"``,
@@ -80,6 +85,7 @@ def match_one_layer(means, variances, *, noise: str, given: Mapping[str, object]
     eb = check_choice(hyperparameters, ("empirical-bayes", "fixed"), "hyperparameters") == "empirical-bayes"
     check_choice(cross_products, ("auto", "direct", "gram"), "cross_products")
     check_choice(stop, STOPS, "stop")
+    check_choice(schedule, SCHEDULES, "schedule")
     objective = ("marginal" if eb else "map") if objective is None else objective
     if eb and objective == "map":
         raise ValueError("objective: expected 'marginal' with hyperparameters='empirical-bayes', got 'map': the MAP "
@@ -101,7 +107,7 @@ def match_one_layer(means, variances, *, noise: str, given: Mapping[str, object]
         estimator = FixedValues(values, noise)
     return run_matching(matcher, estimator, init=init, sweeps=sweeps, seed=seed,
                         stop_at_fixed_point=stop_at_fixed_point, cross_products=cross_products, stop=stop,
-                        starts=starts, dtype=result_dtype(means), t0=t0)
+                        starts=starts, schedule=schedule, dtype=result_dtype(means), t0=t0)
 
 
 def assignment_objective_of(means, variances, assignments, *, noise: str, values: Mapping[str, object], mu0,
@@ -117,8 +123,8 @@ def assignment_objective_of(means, variances, assignments, *, noise: str, values
 
 
 def run_matching(matcher: LayerMatcher, estimator, *, init, sweeps: int, seed, stop_at_fixed_point: bool = True,
-                 cross_products: str = "auto", stop: str = "result", starts: str = "even-split", dtype,
-                 t0: float) -> MatchResult:
+                 cross_products: str = "auto", stop: str = "result", starts: str = "even-split",
+                 schedule: str = "gauss-seidel", dtype, t0: float) -> MatchResult:
     """The first assignment (greedy pass at the estimator's start, or ``init``), then up to ``sweeps`` sweeps, the
     hyper-parameters re-estimated after the first assignment and after every sweep, until a sweep changes neither.
     ``starts`` (empirical Bayes, the noise from the data): ``"even-split"`` runs from the estimator's alternative
@@ -134,12 +140,13 @@ def run_matching(matcher: LayerMatcher, estimator, *, init, sweeps: int, seed, s
     most :data:`STOP_MOVED` of the neurons moved in a sweep and no estimate moved by more than :data:`STOP_RTOL` (mu0 by
     the root mean square of its changes over the coordinates; the assignment is then as good as settled: on trained
     MNIST layers, J = 10-200, widths within 3 % and accuracy within 0.001 of the exact fixed point at 0.3-0.8 of its
-    sweeps, benchmarks/README.md)."""
+    sweeps, benchmarks/README.md). ``schedule``: :data:`SCHEDULES`."""
     check_choice(cross_products, ("auto", "direct", "gram"), "cross_products")
     check_choice(starts, STARTS, "starts")
+    check_choice(schedule, SCHEDULES, "schedule")
     fixed = getattr(estimator, "fixed", False)
     options = dict(sweeps=sweeps, seed=seed, stop_at_fixed_point=stop_at_fixed_point, cross_products=cross_products,
-                   stop=stop, dtype=dtype, t0=t0)
+                   stop=stop, schedule=schedule, dtype=dtype, t0=t0)
     alternative = None if fixed else estimator.alternative_start()
     if init is None and starts == "even-split" and alternative is not None:
         return _alternate(matcher, estimator, alternative, init=None, restart=False, **options)
@@ -163,7 +170,8 @@ def run_matching(matcher: LayerMatcher, estimator, *, init, sweeps: int, seed, s
 
 
 def _alternate(matcher: LayerMatcher, estimator, current: dict, *, init, restart: bool, sweeps: int, seed,
-               stop_at_fixed_point: bool, cross_products: str, stop: str, dtype, t0: float) -> MatchResult:
+               stop_at_fixed_point: bool, cross_products: str, stop: str, schedule: str, dtype,
+               t0: float) -> MatchResult:
     """One run of :func:`run_matching` from the estimator's values ``current`` (``restart``: redo it from the
     estimator's fallback start when the first pass left every neuron alone)."""
     fixed = getattr(estimator, "fixed", False)
@@ -193,7 +201,7 @@ def _alternate(matcher: LayerMatcher, estimator, current: dict, *, init, restart
     converged, run, moved = False, 0, []
     for k in range(1, sweeps + 1):
         matcher.set_hyperparameters(**estimator.coordinates(current))
-        changed = matcher.sweep(rng)
+        changed = matcher.sweep(rng) if schedule == "gauss-seidel" else matcher.jacobi_sweep()
         run = k
         moved.append(matcher.moved)
         objective.append(matcher.objective())
@@ -216,7 +224,7 @@ def _alternate(matcher: LayerMatcher, estimator, current: dict, *, init, restart
         # a fixed point of every re-match: any further sweep, in any order, does the same
         objective.extend([objective[-1]] * (sweeps + 1 - len(objective)))
         history = [dict(history[-1]) for _ in objective]
-        converged = True
+        converged = converged or schedule == "gauss-seidel"   # Jacobi moves can undo each other: no fixed point
     elif not sweeps:
         estimator.note("not converged: no sweep was run (sweeps=0); the estimates are those of the first assignment")
     elif not converged:

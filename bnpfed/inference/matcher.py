@@ -72,7 +72,7 @@ from scipy.sparse import csr_matrix
 from torch import Tensor
 
 from bnpfed.inference.layer_inputs import validate_clients, validate_precisions
-from bnpfed.validation import check_choice, check_float
+from bnpfed.validation import check_choice, check_device, check_float
 
 __all__ = [
     "CHUNK_ELEMENTS",
@@ -168,9 +168,9 @@ class MatchResult:
 
 def make_matcher(means, variances=None, *, precisions=None, name: str = "neurons", objective: str = "marginal",
                  popularity_factor: float = 2.0, popularity_cap=None, max_atoms=None,
-                 new_atom_penalty: str = "none") -> LayerMatcher:
+                 new_atom_penalty: str = "none", device=None) -> LayerMatcher:
     """A :class:`LayerMatcher` of validated data and options (see :func:`~bnpfed.inference.matching.match_layer`
-    for the options)."""
+    for the options; ``device``: :class:`LayerMatcher`'s)."""
     V, U = validate_clients(means, variances, name=name)
     popularity_factor = check_float(popularity_factor, "popularity_factor", low=0.0)
     if popularity_cap is not None and (int(popularity_cap) != popularity_cap or popularity_cap < 1):
@@ -180,8 +180,11 @@ def make_matcher(means, variances=None, *, precisions=None, name: str = "neurons
     check_choice(objective, ("map", "marginal"), "objective")
     check_choice(new_atom_penalty, ("none", "log_k"), "new_atom_penalty")
     s = validate_precisions(precisions, [v.shape[0] for v in V], V[0].shape[1])
+    if device is not None:
+        device = torch.device(check_device(str(device) if isinstance(device, torch.device) else device, "device"))
     return LayerMatcher(V, U, s, popularity_factor=popularity_factor, popularity_cap=popularity_cap,
-                        max_atoms=max_atoms, new_atom_penalty=new_atom_penalty, marginal=objective == "marginal")
+                        max_atoms=max_atoms, new_atom_penalty=new_atom_penalty, marginal=objective == "marginal",
+                        device=device)
 
 
 def _columns(idx: np.ndarray):
@@ -267,10 +270,17 @@ class LayerMatcher:
     The data (means ``V``, variances ``U`` or None, precision scales ``s`` or None) are set once and split into the
     shared, per-client and per-neuron coordinates (module docstring); :meth:`set_hyperparameters` sets or changes the
     per-coordinate noise, prior variance and mean and the IBP mass, and rebuilds the statistics of the current
-    assignment under them."""
+    assignment under them.
+
+    ``device`` (None: numpy on the CPU): a torch device where the shared coordinates' atom sums ``g_F`` and the
+    neurons' ``x_F`` live, so that the (L_j, D) x (D, L) cross products, the largest work of a wide layer, run
+    there; scores, assignment problems (the LSA) and every other statistic stay on the CPU, and only the (L_j, L)
+    products and the norms cross over. The Gram matrix is not used there (the direct products are what a GPU does
+    well). The same numbers up to rounding."""
 
     def __init__(self, V, U, s, *, popularity_factor: float, popularity_cap, max_atoms, new_atom_penalty: str,
-                 marginal: bool):
+                 marginal: bool, device: torch.device | None = None):
+        self.device = device
         self.J = J = len(V)
         self.D = D = V[0].shape[1]
         self.L = [v.shape[0] for v in V]
@@ -311,6 +321,17 @@ class LayerMatcher:
     def client_rows(self, flat: np.ndarray) -> list[np.ndarray]:
         """Client j's rows (``L_j`` of them, views) of an (N, k) array of all neurons in client order."""
         return np.split(flat, self.offsets[1:-1])
+
+    # where g_F and x_F live: numpy arrays, or torch tensors on ``device``
+    def _there(self, a):
+        return a if self.device is None else torch.as_tensor(a, device=self.device)
+
+    def _here(self, a) -> np.ndarray:
+        return a if self.device is None else a.cpu().numpy()
+
+    def _norms(self, a) -> np.ndarray:
+        """(rows,) squared norms of the rows of ``a`` (numpy or on the device), on the CPU."""
+        return np.einsum("ld,ld->l", a, a) if self.device is None else self._here((a * a).sum(dim=1))
 
     def columns(self, coords) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
         """Every neuron's (N, k) means, posterior variances (None: 0 on every coordinate) and precision scales
@@ -353,16 +374,24 @@ class LayerMatcher:
         self.tau = tau = 1.0 / noise[F[0]] if F.size else 1.0   # shared-coordinate noise precision
         self.P0 = P0 = 1.0 / prior[F[0]] if F.size else 1.0
         self.g0F = mu0[F] * P0
+        self.g0F_there = self._there(self.g0F)
         self.g0F_sq = float(self.g0F @ self.g0F)
         if old is not None and self.F.size:  # x = tau v: scaled in place, with its squared norms
             r = tau / old[0]
             self.xF_all *= r
             self.xF_sq_all *= r * r
+            if self.device is not None:
+                self.xF_there_all *= r
         else:
             self.xF_all = self.vF_all * tau
             self.xF = self.client_rows(self.xF_all)
             self.xF_sq_all = np.einsum("nd,nd->n", self.xF_all, self.xF_all)
             self.xF_sq = self.client_rows(self.xF_sq_all)
+            if self.device is not None:   # its copy on the device, and each client's rows of it (views)
+                self.xF_there_all = self._there(self.xF_all.copy())
+                self.xF_there = list(torch.split(self.xF_there_all, self.L))
+            else:
+                self.xF_there = self.xF
         self.g0x = self.client_rows(self.xF_all @ self.g0F)  # cross term of each neuron with an empty (prior-only) atom
         self.P0C = 1.0 / prior[C]
         self.g0C = mu0[C] * self.P0C
@@ -397,9 +426,9 @@ class LayerMatcher:
             r = self.tau / tau
             gF = self.gF[:n]
             gF *= r
-            gF += self.g0F - r * g0F
-            self.gF_sq[:n] = np.einsum("ld,ld->l", gF, gF)
-            gF[free], self.gF_sq[:n][free] = self.g0F, self.g0F_sq
+            gF += self._there(self.g0F - r * g0F)
+            self.gF_sq[:n] = self._norms(gF)
+            gF[self._there(free)], self.gF_sq[:n][free] = self.g0F_there, self.g0F_sq
         if self.C.size:
             ratio = self.inv_noise_C / inv_noise_C
             for name, prior_old, prior in (("gC", g0C, self.g0C), ("PC", P0C, self.P0C)):
@@ -414,8 +443,10 @@ class LayerMatcher:
         # every atom holds a neuron and a row is appended only when none is free, so N rows always suffice: taken at
         # once (untouched memory costs nothing until a row is used), no copy as the layer widens; the capacity is kept
         cap = max(int(self.offsets[-1]), 64, self.m.shape[0] if self.m is not None else 0)
-        self.gF, self.gC, self.PC, self.gN, self.PN = (np.empty((cap, k)) for k in (
-            self.F.size, self.C.size, self.C.size, self.N.size, self.N.size))
+        self.gC, self.PC, self.gN, self.PN = (np.empty((cap, k)) for k in (
+            self.C.size, self.C.size, self.N.size, self.N.size))
+        self.gF = np.empty((cap, self.F.size)) if self.device is None else torch.empty(
+            (cap, self.F.size), dtype=torch.float64, device=self.device)
         self.gF_sq = np.empty(cap)
         self.m = np.zeros(cap, dtype=np.int64)
         self.n_rows = 0
@@ -433,9 +464,11 @@ class LayerMatcher:
         if needed <= cap:
             return
         extra = max(needed, 2 * cap) - cap
-        for name in ("gF", "gC", "PC", "gN", "PN"):
+        for name in ("gC", "PC", "gN", "PN"):
             a = getattr(self, name)
             setattr(self, name, np.concatenate([a, np.empty((extra, a.shape[1]))]))
+        self.gF = np.concatenate([self.gF, np.empty((extra, self.F.size))]) if self.device is None else torch.cat(
+            [self.gF, self.gF.new_empty((extra, self.F.size))])
         self.gF_sq = np.concatenate([self.gF_sq, np.empty(extra)])
         self.m = np.concatenate([self.m, np.zeros(extra, dtype=np.int64)])
 
@@ -445,7 +478,7 @@ class LayerMatcher:
         rest = k - len(take)
         self._grow(self.n_rows + rest)
         fresh = slice(self.n_rows, self.n_rows + rest)   # storage beyond n_rows is undefined until taken
-        self.gF[fresh], self.gF_sq[fresh], self.m[fresh] = self.g0F, self.g0F_sq, 0
+        self.gF[fresh], self.gF_sq[fresh], self.m[fresh] = self.g0F_there, self.g0F_sq, 0
         self.gC[fresh], self.PC[fresh], self.gN[fresh], self.PN[fresh] = self.g0C, self.P0C, self.g0N, self.P0N
         rows = np.array(list(take) + list(range(self.n_rows, self.n_rows + rest)), dtype=np.int64)
         self.n_rows += rest
@@ -459,10 +492,11 @@ class LayerMatcher:
     def add(self, j: int, rows: np.ndarray, cross: np.ndarray | None = None, *, norms: bool = True):
         """Put client j's neurons on atom ``rows``; ``cross[l] = g_rows[l] . x_l`` before the update, if known
         (``norms=False``: leave ||g_F||^2 to the caller)."""
-        self.gF[rows] += self.xF[j]
+        at = self._there(rows)
+        self.gF[at] += self.xF_there[j]
         if cross is None:
             if norms:
-                self.gF_sq[rows] = np.einsum("ld,ld->l", self.gF[rows], self.gF[rows])
+                self.gF_sq[rows] = self._norms(self.gF[at])
         else:
             self.gF_sq[rows] += 2.0 * cross + self.xF_sq[j]
         if self.C.size:
@@ -482,8 +516,8 @@ class LayerMatcher:
         self.m[rows] -= 1
         keep = self.m[rows] > 0
         kept, empty = rows[keep], rows[~keep]
-        self.gF[kept] -= self.xF[j][keep]
-        self.gF[empty] = self.g0F
+        self.gF[self._there(kept)] -= self.xF_there[j][self._there(keep)]
+        self.gF[self._there(empty)] = self.g0F_there
         self.gF_sq[empty] = self.g0F_sq
         if self.C.size:
             self.gC[kept] -= self.xC[j][keep]
@@ -565,6 +599,27 @@ class LayerMatcher:
             ex += join_scores(self.xN[j], self.wN[j], self.gN[active], self.PN[active], self.marginal)
         return S
 
+    def _choose(self, j: int, rematch: bool):
+        """Client j's best assignment given everyone else (taken off its atoms first if ``rematch``): the LSA's
+        ``(rows, cols)`` over the scores against the ``active`` atoms (then new ones), the cross products, and (when
+        ``rematch``) its previous atoms, the positions whose atom survived its removal and those atoms."""
+        previous = positions = kept = None
+        if rematch:
+            previous = self.assign[j]
+            positions, kept = self._remove(j)
+        active = np.flatnonzero(self.m[: self.n_rows] > 0)
+        cross = None
+        if self.F.size:
+            cross = self._cross(j, active)
+            if rematch:
+                self.gF_sq[kept] -= 2.0 * cross[positions, np.searchsorted(active, kept)] + self.xF_sq[j][positions]
+        S = self.scores(j, cross, active)
+        t0 = time.perf_counter()
+        rows, cols = best_assignment(S, active.size, prune=self.max_atoms is None and self.new_atom_penalty == "none")
+        self.lsa_seconds += time.perf_counter() - t0
+        self.rematches.append((j, self.L[j], active.size))
+        return rows, cols, active, cross, previous, positions, kept
+
     def match(self, j: int, *, rematch: bool = False) -> bool:
         """Assign client j optimally given everyone else (taking it off its atoms first if ``rematch``); return
         whether the partition changed (a client that is new to it always changes it, unless it has no neurons)."""
@@ -573,21 +628,8 @@ class LayerMatcher:
             self.assign[j] = np.empty(0, dtype=np.int64)
             self.rematches.append((j, 0, int((self.m[: self.n_rows] > 0).sum())))
             return False
-        if rematch:
-            previous = self.assign[j]
-            positions, kept = self._remove(j)
-        active = np.flatnonzero(self.m[: self.n_rows] > 0)
+        rows, cols, active, cross, previous, positions, _ = self._choose(j, rematch)
         L = active.size
-        cross = None
-        if self.F.size:
-            cross = self._cross(j, active)
-            if rematch:
-                self.gF_sq[kept] -= 2.0 * cross[positions, np.searchsorted(active, kept)] + self.xF_sq[j][positions]
-        S = self.scores(j, cross, active)
-        t0 = time.perf_counter()
-        rows, cols = best_assignment(S, L, prune=self.max_atoms is None and self.new_atom_penalty == "none")
-        self.lsa_seconds += time.perf_counter() - t0
-        self.rematches.append((j, self.L[j], L))
         target = np.empty(self.L[j], dtype=np.int64)
         target_cross = np.empty(self.L[j])
         is_new = cols >= L
@@ -609,6 +651,20 @@ class LayerMatcher:
         self.moved += int(moved.sum())
         return bool(moved.any())
 
+    def propose(self, j: int) -> np.ndarray:
+        """Client j's best assignment given everyone else, the state left as it was: per neuron the storage row of
+        the atom it would join, -1 for a new atom (client j must be on its atoms)."""
+        if self.L[j] == 0:
+            return np.empty(0, dtype=np.int64)
+        rows, cols, active, _, previous, positions, _ = self._choose(j, rematch=True)
+        target = np.full(self.L[j], -1, dtype=np.int64)
+        joins = cols < active.size
+        target[rows[joins]] = active[cols[joins]]
+        emptied = self.L[j] - positions.size   # the rows its removal freed (appended last) are its own again
+        del self.free[len(self.free) - emptied:]
+        self.add(j, previous)
+        return target
+
     def greedy(self) -> None:
         """The first assignment: every client matched in turn given those before it, largest client first."""
         for j in np.argsort(-np.array(self.L), kind="stable"):
@@ -623,16 +679,45 @@ class LayerMatcher:
             changed |= self.match(int(j), rematch=True)
         return changed
 
+    def jacobi_sweep(self) -> bool:
+        """Re-match every client against the assignment at the start of the sweep (frozen: :meth:`propose`), then
+        move all of them at once, each client's new neurons opening atoms of their own; return whether the partition
+        changed (``moved``: the neurons whose atom's members changed). Unlike :meth:`sweep` (Gauss-Seidel: each
+        client sees the moves of those before it) the clients' re-matches are independent of each other, so they
+        could run in parallel, but the step is no coordinate ascent: clients moving at once can undo each other
+        (measured in benchmarks/README.md)."""
+        old = [a.copy() for a in self.assign]
+        new, fresh = [], self.n_rows
+        for j in range(self.J):
+            target = self.propose(j)
+            opened = target < 0
+            target[opened] = fresh + np.arange(opened.sum())
+            fresh += int(opened.sum())
+            new.append(target)
+        # a neuron stayed with the others it was with iff its old atom went whole into its new atom and nobody joined
+        a, b = np.concatenate(old), np.concatenate(new)
+        _, pair, together = np.unique(np.stack([a, b]), axis=1, return_inverse=True, return_counts=True)
+        pair = pair.reshape(-1)
+        same = (together[pair] == np.bincount(a)[a]) & (together[pair] == np.bincount(b)[b])
+        self.moved = int((~same).sum())
+        self.reset()
+        self.start_from(new)
+        return self.moved > 0
+
     def use_gram(self) -> None:
         """Score the shared coordinates through the Gram matrix of all neurons from now on (:meth:`_gram_cross`)."""
+        if self.device is not None:
+            raise ValueError(f"cross_products: expected 'auto' or 'direct' with device={str(self.device)!r} (the "
+                             "Gram matrix is kept on the CPU; on a device the direct products are the fast path), got "
+                             "'gram'")
         if self.gram is None and self.F.size:
             self.gram = self.xF_all @ self.xF_all.T
             self.gram_tau = self.tau
 
     def gram_fits(self) -> bool:
-        """Whether the Gram matrix of all neurons fits in :data:`GRAM_BYTES`."""
+        """Whether the Gram matrix of all neurons fits in :data:`GRAM_BYTES` (never on a device: not used there)."""
         N = int(self.offsets[-1])
-        return N * N * 8 <= GRAM_BYTES
+        return self.device is None and N * N * 8 <= GRAM_BYTES
 
     def _cross(self, j: int, active: np.ndarray) -> np.ndarray:
         """(L_j, L) products ``x_l . g_i`` of client j's neurons l with the active atoms i (sorted storage rows):
@@ -641,12 +726,12 @@ class LayerMatcher:
         17,000 rows for 400 atoms)."""
         if self.gram is not None:
             return self._gram_cross(j, active)
-        n = self.n_rows
+        n, x = self.n_rows, self.xF_there[j]
         if active.size == n:
-            return self.xF[j] @ self.gF[:n].T
+            return self._here(x @ self.gF[:n].T)
         if 2 * active.size >= n:   # the gather costs about what the product does: the product with every stored
-            return (self.xF[j] @ self.gF[:n].T)[:, active]   # row, the freed ones' columns dropped, is cheaper
-        return self.xF[j] @ self.gF[active].T
+            return self._here((x @ self.gF[:n].T)[:, self._there(active)])   # row, the freed ones' columns dropped,
+        return self._here(x @ self.gF[self._there(active)].T)                # is cheaper
 
     def _gram_cross(self, j: int, active: np.ndarray) -> np.ndarray:
         """``x_l . g_i`` for client j's neurons l and the active atoms i, from the Gram matrix: an atom's g is
@@ -683,8 +768,9 @@ class LayerMatcher:
         self.n_rows = U
         membership = csr_matrix((np.ones(n), (flat, np.arange(n))), shape=(U, n))
         if self.F.size:
-            self.gF[:U] = self.g0F + membership @ self.xF_all
-            self.gF_sq[:U] = np.einsum("ld,ld->l", self.gF[:U], self.gF[:U])
+            g = self.g0F + membership @ self.xF_all
+            self.gF[:U] = self._there(g)
+            self.gF_sq[:U] = np.einsum("ld,ld->l", g, g)
         for kind, g0, P0, x, w in (("C", self.g0C, self.P0C, self.xC, self.wC), ("N", self.g0N, self.P0N, self.xN,
                                                                              self.wN)):
             if getattr(self, kind).size:
@@ -758,7 +844,7 @@ class LayerMatcher:
         g = np.empty((active.size, self.D))
         F = _columns(self.F)
         P[:, F] = (self.P0 + self.m[active] * self.tau)[:, None]
-        g[:, F] = self.gF[active]
+        g[:, F] = self._here(self.gF[self._there(active)])
         for idx, gk, Pk in ((self.C, self.gC, self.PC), (self.N, self.gN, self.PN)):
             idx = _columns(idx)
             P[:, idx], g[:, idx] = Pk[active], gk[active]

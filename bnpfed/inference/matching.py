@@ -180,6 +180,8 @@ def match_layer(
     init_assignments=None,
     stop: Literal["fixed-point", "result"] = "result",
     starts: Literal["even-split", "both", "small-noise"] = "even-split",
+    schedule: Literal["gauss-seidel", "jacobi"] = "gauss-seidel",
+    device=None,
 ) -> MatchResult:
     """Match J clients' neurons to global atoms under the Beta-Bernoulli process (PFNM's server step), with the
     hyper-parameters estimated from the neurons (empirical Bayes, the default) or given.
@@ -278,6 +280,14 @@ def match_layer(
         included; both runs in ``MatchResult.starts``), at about twice the time; ``"small-noise"`` runs the small-noise
         start only (bnpfed before 2026-12). One start whenever the noise is given or ``start`` sets it, and with fixed
         hyper-parameters.
+    :param str schedule: how a sweep re-matches the clients: ``"gauss-seidel"`` (default) one after the other in a
+        seeded random order, each given the moves of those before it (coordinate ascent); ``"jacobi"`` every client
+        against the assignment at the sweep's start, all moved at once (independent re-matches, which could run in
+        parallel; no coordinate ascent, and on trained MNIST layers it does not settle: benchmarks/README.md).
+    :param device: None (default: numpy on the CPU) or a torch device (``"cuda"``, ``"cuda:1"``, ``"cpu"``) for the
+        shared coordinates' atom sums and the (L_j, D) x (D, L) cross products, the largest work of a wide layer
+        (:class:`~bnpfed.inference.matcher.LayerMatcher`); the scores and the LSA stay on the CPU, the Gram matrix is
+        not used there (``cross_products="gram"`` is refused). The same matching up to rounding.
     :param init_assignments: optional starting point replacing the greedy pass: J integer arrays or tensors, the
         j-th of length L_j (empty for a client without neurons), ``init_assignments[j][l]`` the atom of client j's
         l-th neuron. Labels may take any values (they are compacted internally) but must be distinct within a client.
@@ -298,7 +308,7 @@ def match_layer(
                            mu0=mu0, precisions=precisions, hyperparameters=hyperparameters, sweeps=sweeps, seed=seed,
                            objective=objective, init_assignments=init_assignments, estimator=estimator,
                            name="neurons", stop_at_fixed_point=stop_at_fixed_point, cross_products=cross_products,
-                           stop=stop, starts=starts,
+                           stop=stop, starts=starts, schedule=schedule, device=device,
                            popularity_factor=popularity_factor, popularity_cap=popularity_cap, max_atoms=max_atoms,
                            new_atom_penalty=new_atom_penalty)
 
