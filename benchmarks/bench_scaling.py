@@ -116,6 +116,19 @@ def _model_layer(J: int, L_j: int = 100, D: int = 795, seed: int = 0):
     return [pool[rng.choice(4 * L_j, L_j, replace=False)] + 0.1 * rng.normal(size=(L_j, D)) for _ in range(J)]
 
 
+def _dgemm_rate(rows: int = 100, inner: int = 785, cols: int = 20_000, repeats: int = 20) -> float:
+    """This process's float64 matrix-product rate (GFLOP/s) at the shape of a client's cross products against a wide
+    layer, (rows x inner) times (inner x cols), numpy, at the process's thread count."""
+    import numpy as np
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(size=(rows, inner)), rng.normal(size=(cols, inner))
+    a @ b.T
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        a @ b.T
+    return repeats * 2 * rows * inner * cols / (time.perf_counter() - t0) / 1e9
+
+
 def one(args) -> dict:
     """One (network, J, mode) measurement, in this process."""
     import resource
@@ -161,7 +174,9 @@ def one(args) -> dict:
             seconds = min(seconds, again.seconds)
         groups = {g: dict(seconds=r.seconds, sweeps=getattr(r, "sweeps_run", None), width=r.num_atoms,
                           converged=bool(getattr(r, "converged", True)),
-                          starts=list(getattr(r, "starts", None) or []))   # each start's sweeps and atoms, under EB
+                          starts=list(getattr(r, "starts", None) or []),   # each start's sweeps and atoms, under EB
+                          pairs=sum(L_j * L for _, L_j, L in r.rematches),   # (neuron, atom) pairs scored
+                          lsa_seconds=r.lsa_seconds)
                   for g, r in match.layer_results.items()}
         neurons = NETS[args.net][1][0] if NETS[args.net][1] else None
     process_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -170,6 +185,7 @@ def one(args) -> dict:
         from bnpfed.data import load_dataset
         accuracy = _test_accuracy(match, load_dataset("mnist", data_dir=args.data_dir, standardize=False))
     return dict(net=args.net, J=args.J, mode=args.mode, source=args.source, L_j=neurons, seconds=seconds,
+                dgemm_gflops=_dgemm_rate(),
                 groups=groups, accuracy=accuracy, matcher_peak_mib=peak / 2 ** 20, process_peak_mib=process_peak,
                 threads=args.threads, inactive=args.inactive if args.source == "trained" else "keep",
                 device=args.device or "numpy")
