@@ -927,3 +927,57 @@ def test_a_device_the_matcher_cannot_use_is_refused_by_name():
             match_layer(neurons, device="cuda")
     with pytest.raises(ValueError, match="cross_products: expected 'auto' or 'direct' with device"):
         match_layer(neurons, device="cpu", cross_products="gram")
+
+
+# --- a client's own columns (issue 18): the products of a layer after a Flatten -------------------------------------
+
+def _layer_after_a_flatten(seed=0, J=6, blocks=8, width=5):
+    """Units reading ``blocks`` channels of ``width`` columns each (the columns of a Flatten) plus a bias; every
+    client holds 2-3 of the channels and is 0 on the others' columns, as a client's fc1 units are once its conv
+    channels are re-indexed to the global ones; overlapping atoms, clients of different sizes."""
+    rng = np.random.default_rng(seed)
+    D = blocks * width + 1
+    atoms = rng.normal(size=(12, D))
+    neurons = []
+    for j in range(J):
+        held = rng.choice(blocks, size=int(rng.integers(2, 4)), replace=False)
+        mask = np.zeros(D, dtype=bool)
+        for c in held:
+            mask[c * width:(c + 1) * width] = True
+        mask[-1] = True
+        L = int(rng.integers(3, 7))
+        v = atoms[rng.choice(12, size=L, replace=False)] + 0.3 * rng.normal(size=(L, D))
+        neurons.append(torch.as_tensor(np.where(mask, v, 0.0)))
+    return neurons
+
+
+@pytest.mark.parametrize("device", [None, "cpu"])
+@pytest.mark.parametrize("cross_products", ["direct", "gram"])
+@pytest.mark.parametrize("settings", [dict(seed=0), dict(seed=1, hyperparameters="fixed", sigma2=0.1, sigma0_2=1.0,
+                                                         gamma0=3.0)])
+def test_products_on_a_client_s_own_columns_give_the_dense_matching(monkeypatch, device, cross_products, settings):
+    """A client 0 on most columns has its cross products, atom sums and Gram entries computed on its own columns;
+    the matching (assignments, atoms, precisions, objectives) equals the one with every column computed."""
+    import bnpfed.inference.matcher as matcher
+    from bnpfed.inference.matcher import make_matcher
+    neurons = _layer_after_a_flatten(settings["seed"])
+    assert all(c is not None and c.size < neurons[0].shape[1] / 2 for c in make_matcher(neurons).columns_of)
+    if device is not None and cross_products == "gram":
+        cross_products = "auto"   # the Gram matrix is not used on a device
+    compact = match_layer(neurons, cross_products=cross_products, device=device, **settings)
+    monkeypatch.setattr(matcher, "SPARSE_SHARE", 0.0)
+    assert all(c is None for c in make_matcher(neurons).columns_of)
+    dense = match_layer(neurons, cross_products=cross_products, device=device, **settings)
+    assert [a.tolist() for a in compact.assignments] == [a.tolist() for a in dense.assignments]
+    torch.testing.assert_close(compact.global_atoms, dense.global_atoms, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(compact.posterior_precision, dense.posterior_precision, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(compact.objective, dense.objective, rtol=1e-10)
+
+
+def test_the_gram_matrix_from_client_blocks_equals_the_full_product():
+    from bnpfed.inference.matcher import make_matcher
+    neurons = _layer_after_a_flatten(3, J=5)
+    mt = make_matcher(neurons)
+    D = neurons[0].shape[1]
+    mt.set_hyperparameters(noise=np.full(D, 0.2), prior=np.full(D, 1.0), gamma0=2.0, mu0=np.zeros(D))
+    np.testing.assert_allclose(mt._gram(), mt.xF_all @ mt.xF_all.T, rtol=1e-12, atol=1e-12)

@@ -99,6 +99,12 @@ GRAM_BYTES = 2 ** 30
 STOP_MOVED = 0.02
 STOP_RTOL = 1e-2
 
+#: A client's products, atom sums and Gram entries on the shared coordinates are computed on the columns where some
+#: neuron of it is not 0 (:attr:`LayerMatcher.columns_of`) when they are at most this share of the block: after a
+#: Flatten a client's units read only the columns of the global channels it holds (LeNet's fc1 at J = 25: about a
+#: tenth of them), and where all of its neurons are 0 every product with them is 0.
+SPARSE_SHARE = 0.5
+
 #: Under empirical Bayes, the sweeps a matching is expected to run (measured on trained MNIST and LeNet layers: 8 to
 #: 13 at J = 10-25), for the choice of the Gram matrix after the first assignment.
 EB_EXPECTED_SWEEPS = 8
@@ -296,6 +302,10 @@ class LayerMatcher:
         self.uN_all = _flat(U, self.N, D) if U is not None else None
         self.vF, self.vC, self.vN = (self.client_rows(a) for a in (self.vF_all, self.vC_all, self.vN_all))
         self.uN = self.client_rows(self.uN_all) if U is not None else [None] * J
+        #: per client, the shared-block columns where some neuron of it is not 0, when they are few enough
+        #: (:data:`SPARSE_SHARE`; None: all of them)
+        self.columns_of = [c if c.size <= SPARSE_SHARE * self.F.size else None
+                           for c in (np.flatnonzero((v != 0).any(axis=0)) for v in self.vF)]
         ones = np.ones(D)
         self.sC = [(s[j] if s is not None else ones)[self.C] for j in range(J)]
         self.sN = [(s[j] if s is not None else ones)[self.N] for j in range(J)]
@@ -328,6 +338,27 @@ class LayerMatcher:
 
     def _here(self, a) -> np.ndarray:
         return a if self.device is None else a.cpu().numpy()
+
+    def _block(self, rows, cols):
+        """The atom sums ``g_F`` on storage rows ``rows`` (an index array or a slice) and block columns ``cols``."""
+        if self.device is None:
+            return self.gF[np.ix_(rows, cols)] if not isinstance(rows, slice) else self.gF[rows, cols]
+        return self.gF[rows, cols] if isinstance(rows, slice) else self.gF[rows[:, None], cols]
+
+    def _shift(self, j: int, rows: np.ndarray, sign: float, keep=None) -> None:
+        """``g_F[rows] += sign * x_F`` of client j's neurons (those of ``keep``, a mask, if given), on its own
+        columns when it has few (:attr:`columns_of`)."""
+        cols = self.columns_of[j]
+        x = self.xF_there[j] if cols is None else self.xF_compact[j]
+        if keep is not None:
+            x = x[self._there(keep)]
+        at = self._there(rows)
+        if cols is None:
+            self.gF[at] += sign * x if sign != 1.0 else x
+        elif self.device is None:
+            self.gF[np.ix_(rows, cols)] += sign * x
+        else:
+            self.gF[at[:, None], self._there(cols)] += sign * x
 
     def _norms(self, a) -> np.ndarray:
         """(rows,) squared norms of the rows of ``a`` (numpy or on the device), on the CPU."""
@@ -392,6 +423,8 @@ class LayerMatcher:
                 self.xF_there = list(torch.split(self.xF_there_all, self.L))
             else:
                 self.xF_there = self.xF
+        self.xF_compact = [None if c is None else self._there(np.ascontiguousarray(x[:, c]))
+                           for x, c in zip(self.xF, self.columns_of)]
         self.g0x = self.client_rows(self.xF_all @ self.g0F)  # cross term of each neuron with an empty (prior-only) atom
         self.P0C = 1.0 / prior[C]
         self.g0C = mu0[C] * self.P0C
@@ -492,11 +525,10 @@ class LayerMatcher:
     def add(self, j: int, rows: np.ndarray, cross: np.ndarray | None = None, *, norms: bool = True):
         """Put client j's neurons on atom ``rows``; ``cross[l] = g_rows[l] . x_l`` before the update, if known
         (``norms=False``: leave ||g_F||^2 to the caller)."""
-        at = self._there(rows)
-        self.gF[at] += self.xF_there[j]
+        self._shift(j, rows, 1.0)
         if cross is None:
             if norms:
-                self.gF_sq[rows] = self._norms(self.gF[at])
+                self.gF_sq[rows] = self._norms(self.gF[self._there(rows)])
         else:
             self.gF_sq[rows] += 2.0 * cross + self.xF_sq[j]
         if self.C.size:
@@ -516,7 +548,7 @@ class LayerMatcher:
         self.m[rows] -= 1
         keep = self.m[rows] > 0
         kept, empty = rows[keep], rows[~keep]
-        self.gF[self._there(kept)] -= self.xF_there[j][self._there(keep)]
+        self._shift(j, kept, -1.0, keep)
         self.gF[self._there(empty)] = self.g0F_there
         self.gF_sq[empty] = self.g0F_sq
         if self.C.size:
@@ -711,8 +743,29 @@ class LayerMatcher:
                              "Gram matrix is kept on the CPU; on a device the direct products are the fast path), got "
                              "'gram'")
         if self.gram is None and self.F.size:
-            self.gram = self.xF_all @ self.xF_all.T
+            self.gram = self._gram()
             self.gram_tau = self.tau
+
+    def _gram(self) -> np.ndarray:
+        """``x_u . x_v`` of all neurons' shared coordinates: one product, or, when some client has few columns
+        (:attr:`columns_of`), client block by client block on the columns both clients use."""
+        if all(c is None for c in self.columns_of):
+            return self.xF_all @ self.xF_all.T
+        N, every = int(self.offsets[-1]), np.arange(self.F.size)
+        cols = [every if c is None else c for c in self.columns_of]
+        x = [self.xF[j] if c is None else self.xF_compact[j] for j, c in enumerate(self.columns_of)]
+        gram = np.zeros((N, N))
+        for j in range(self.J):
+            rj = slice(self.offsets[j], self.offsets[j + 1])
+            for k in range(j, self.J):
+                common, a, b = np.intersect1d(cols[j], cols[k], assume_unique=True, return_indices=True)
+                if not common.size or not self.L[j] or not self.L[k]:
+                    continue
+                block = x[j][:, a] @ x[k][:, b].T
+                rk = slice(self.offsets[k], self.offsets[k + 1])
+                gram[rj, rk] = block
+                gram[rk, rj] = block.T
+        return gram
 
     def gram_fits(self) -> bool:
         """Whether the Gram matrix of all neurons fits in :data:`GRAM_BYTES` (never on a device: not used there)."""
@@ -726,12 +779,17 @@ class LayerMatcher:
         17,000 rows for 400 atoms)."""
         if self.gram is not None:
             return self._gram_cross(j, active)
-        n, x = self.n_rows, self.xF_there[j]
+        n, cols = self.n_rows, self.columns_of[j]
+        if cols is None:
+            x, block = self.xF_there[j], (lambda rows: self.gF[rows])
+        else:   # client j's own columns (the others' products with its neurons are 0)
+            x, cols = self.xF_compact[j], self._there(cols)
+            block = (lambda rows: self._block(rows, cols))
         if active.size == n:
-            return self._here(x @ self.gF[:n].T)
+            return self._here(x @ block(slice(0, n)).T)
         if 2 * active.size >= n:   # the gather costs about what the product does: the product with every stored
-            return self._here((x @ self.gF[:n].T)[:, self._there(active)])   # row, the freed ones' columns dropped,
-        return self._here(x @ self.gF[self._there(active)].T)                # is cheaper
+            return self._here((x @ block(slice(0, n)).T)[:, self._there(active)])   # row, the freed ones' columns
+        return self._here(x @ block(self._there(active)).T)                        # dropped, is cheaper
 
     def _gram_cross(self, j: int, active: np.ndarray) -> np.ndarray:
         """``x_l . g_i`` for client j's neurons l and the active atoms i, from the Gram matrix: an atom's g is
