@@ -981,3 +981,21 @@ def test_the_gram_matrix_from_client_blocks_equals_the_full_product():
     D = neurons[0].shape[1]
     mt.set_hyperparameters(noise=np.full(D, 0.2), prior=np.full(D, 1.0), gamma0=2.0, mu0=np.zeros(D))
     np.testing.assert_allclose(mt._gram(), mt.xF_all @ mt.xF_all.T, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("layer", ["after a flatten", "dense"])
+def test_the_atom_sums_of_an_assignment_are_its_members_sums(layer):
+    """``shared_sums`` (what the pooled moments read) equals the sum of each atom's members, counted neuron by
+    neuron, whether clients have few columns or all."""
+    from bnpfed.inference.matcher import make_matcher
+    neurons = _layer_after_a_flatten(5) if layer == "after a flatten" else _layer_with_shares(5)[0]
+    mt = make_matcher(neurons)
+    assert any(c is not None for c in mt.columns_of) == (layer == "after a flatten")
+    rng = np.random.default_rng(0)
+    L = 9
+    labels = [rng.choice(L, size=len(v), replace=False) for v in neurons]
+    expected = np.zeros((L, mt.F.size))
+    for v, a in zip(neurons, labels):
+        for l, i in enumerate(a):
+            expected[i] += np.asarray(v)[l, mt.F]
+    np.testing.assert_allclose(mt.shared_sums(labels, L), expected, rtol=1e-13, atol=1e-13)

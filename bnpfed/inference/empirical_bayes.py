@@ -119,6 +119,7 @@ class _Estimator:
         self.J, self.D, self.N = matcher.J, matcher.D, int(matcher.offsets[-1])
         #: (coordinates, suffix of the names, v, u, s): every neuron's means, variances and scales on the block
         self.blocks = [(coords, suffix, *matcher.columns(coords)) for coords, suffix in pairs]
+        self._pooled = {}   # per block suffix, its pooled moments (both starts read them)
         empty = [j for j in range(self.J) if matcher.L[j] == 0]
         if empty:
             self.note(f"client(s) {empty} hold no neurons: counted in J (H_J), nowhere else")
@@ -148,7 +149,9 @@ class _Estimator:
         values = {"gamma0": self.given.get("gamma0", start.get("gamma0", self.N / self.J))}
         mu = mu0.copy()
         for coords, suffix, v, u, s in self.blocks:
-            T, ubar, mean = self.pooled(v, u, s)
+            if suffix not in self._pooled:
+                self._pooled[suffix] = self.pooled(v, u, s)
+            T, ubar, mean = self._pooled[suffix]
             # no spread beyond rounding: the neurons' standard deviation below FLAT_RTOL of their typical size
             values["_flat" + suffix] = flat = not T > FLAT_RTOL ** 2 * float(np.mean(mean ** 2))
             if flat:
@@ -273,7 +276,7 @@ class PooledMoments(_Estimator):
             # and the atom means xbar_i = S_i / W_i (S_i the sum of the members) through S alone
             vA = mt.columns(A)[0]
             WA = np.bincount(flat, minlength=L).astype(float)
-            SA = np.asarray(M @ vA)
+            SA = mt.shared_sums(labels, L)
             sq_xbar = np.einsum("ld,ld->l", SA, SA) / WA ** 2  # ||xbar_i||^2
             sum_xbar = (1.0 / WA) @ SA                          # sum_i xbar_i, per coordinate
             if self._sq_A is None:

@@ -306,6 +306,8 @@ class LayerMatcher:
         #: (:data:`SPARSE_SHARE`; None: all of them)
         self.columns_of = [c if c.size <= SPARSE_SHARE * self.F.size else None
                            for c in (np.flatnonzero((v != 0).any(axis=0)) for v in self.vF)]
+        self.vF_compact = [None if c is None else np.ascontiguousarray(v[:, c]) for v, c in zip(self.vF,
+                                                                                                  self.columns_of)]
         ones = np.ones(D)
         self.sC = [(s[j] if s is not None else ones)[self.C] for j in range(J)]
         self.sN = [(s[j] if s is not None else ones)[self.N] for j in range(J)]
@@ -838,6 +840,21 @@ class LayerMatcher:
         self.m[:U] = np.bincount(flat, minlength=U)
         self.assign = [a.copy() for a in self.client_rows(flat)]
 
+    def shared_sums(self, labels: list[np.ndarray], L: int) -> np.ndarray:
+        """(L, |F|): per atom of the compact assignment ``labels`` (values 0 .. L-1) the sum of its members' means on
+        the shared coordinates, added client by client (on a client's own columns when it has few:
+        :attr:`columns_of`)."""
+        out = np.zeros((L, self.F.size))
+        for j, a in enumerate(labels):
+            cols = self.columns_of[j]
+            if not a.size:
+                continue
+            if cols is None:
+                out[a] += self.vF[j]
+            else:
+                out[np.ix_(a, cols)] += self.vF_compact[j]
+        return out
+
     def labels(self) -> tuple[list[np.ndarray], int]:
         """The current assignment as compact labels 0 .. L-1 (in storage order), and L."""
         active = np.flatnonzero(self.m[: self.n_rows] > 0)
@@ -906,7 +923,7 @@ class LayerMatcher:
         for idx, gk, Pk in ((self.C, self.gC, self.PC), (self.N, self.gN, self.PN)):
             idx = _columns(idx)
             P[:, idx], g[:, idx] = Pk[active], gk[active]
-        return MatchResult(global_atoms=torch.as_tensor(g / P, dtype=dtype),
+        return MatchResult(global_atoms=torch.as_tensor(np.divide(g, P, out=g), dtype=dtype),
                            posterior_precision=torch.as_tensor(P, dtype=dtype),
                            assignments=[torch.as_tensor(a) for a in labels], counts=torch.as_tensor(self.m[active]),
                            objective=objective, seconds=seconds, lsa_seconds=self.lsa_seconds,
