@@ -980,7 +980,8 @@ def test_the_gram_matrix_from_client_blocks_equals_the_full_product():
     mt = make_matcher(neurons)
     D = neurons[0].shape[1]
     mt.set_hyperparameters(noise=np.full(D, 0.2), prior=np.full(D, 1.0), gamma0=2.0, mu0=np.zeros(D))
-    np.testing.assert_allclose(mt._gram(), mt.xF_all @ mt.xF_all.T, rtol=1e-12, atol=1e-12)
+    x = mt.vF_all * mt.tau
+    np.testing.assert_allclose(mt._gram(), x @ x.T, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("layer", ["after a flatten", "dense"])

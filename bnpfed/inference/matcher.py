@@ -348,25 +348,36 @@ class LayerMatcher:
         self.g0F = mu0[F] * P0
         self.g0F_there = self._there(self.g0F)
         self.g0F_sq = float(self.g0F @ self.g0F)
+        dense = [j for j, c in enumerate(self.columns_of) if c is None]   # clients using most of the columns
         if old is not None and self.F.size:  # x = tau v: scaled in place, with its squared norms
             r = tau / old[0]
-            self.xF_all *= r
+            if dense:
+                self.xF_all *= r
+                if self.device is not None:
+                    self.xF_there_all *= r
+            for x in self.xF_compact:
+                if x is not None:
+                    x *= r
             self.xF_sq_all *= r * r
-            if self.device is not None:
-                self.xF_there_all *= r
         else:
-            self.xF_all = self.vF_all * tau
-            self.xF = self.client_rows(self.xF_all)
-            self.xF_sq_all = np.einsum("nd,nd->n", self.xF_all, self.xF_all)
+            x_all = self.vF_all * tau
+            self.xF_sq_all = np.einsum("nd,nd->n", x_all, x_all)
             self.xF_sq = self.client_rows(self.xF_sq_all)
-            if self.device is not None:   # its copy on the device, and each client's rows of it (views)
-                self.xF_there_all = self._there(self.xF_all.copy())
+            rows = self.client_rows(x_all)
+            self.xF_compact = [None if c is None else self._there(np.ascontiguousarray(x[:, c]))
+                               for x, c in zip(rows, self.columns_of)]
+            # the (N, |F|) contributions are kept only while some client uses most of the columns (each client
+            # with few is held on its own columns alone, and a rescale then never passes over the whole block)
+            self.xF_all, self.xF = (x_all, rows) if dense else (None, [None] * self.J)
+            if self.device is not None and dense:   # its copy on the device, and each client's rows of it (views)
+                self.xF_there_all = self._there(x_all.copy())
                 self.xF_there = list(torch.split(self.xF_there_all, self.L))
             else:
                 self.xF_there = self.xF
-        self.xF_compact = [None if c is None else self._there(np.ascontiguousarray(x[:, c]))
-                           for x, c in zip(self.xF, self.columns_of)]
-        self.g0x = self.client_rows(self.xF_all @ self.g0F)  # cross term of each neuron with an empty (prior-only) atom
+        # cross term of each neuron with an empty (prior-only) atom
+        self.g0x = [x @ self.g0F if c is None else self._here(x @ self._there(self.g0F[c])) for x, c in zip(
+            [self.xF[j] if c is None else self.xF_compact[j] for j, c in enumerate(self.columns_of)],
+            self.columns_of)]
         self.P0C = 1.0 / prior[C]
         self.g0C = mu0[C] * self.P0C
         self.inv_noise_C = inv_noise = 1.0 / noise[C]
@@ -767,7 +778,8 @@ class LayerMatcher:
         self.n_rows = U
         membership = csr_matrix((np.ones(n), (flat, np.arange(n))), shape=(U, n))
         if self.F.size:
-            g = self.g0F + membership @ self.xF_all
+            g = self.g0F + (membership @ self.xF_all if self.xF_all is not None else
+                            self.tau * self.shared_sums(self.client_rows(flat), U))
             self.gF[:U] = self._there(g)
             self.gF_sq[:U] = np.einsum("ld,ld->l", g, g)
         for kind, g0, P0, x, w in (("C", self.g0C, self.P0C, self.xC, self.wC), ("N", self.g0N, self.P0N, self.xN,
@@ -854,15 +866,22 @@ class LayerMatcher:
     def result(self, objective: list[float], seconds: float, dtype, **extra) -> MatchResult:
         active = np.flatnonzero(self.m[: self.n_rows] > 0)
         labels, _ = self.labels()
-        P = np.empty((active.size, self.D))
-        g = np.empty((active.size, self.D))
-        F = _columns(self.F)
-        P[:, F] = (self.P0 + self.m[active] * self.tau)[:, None]
-        g[:, F] = self._here(self.gF[self._there(active)])
-        for idx, gk, Pk in ((self.C, self.gC, self.PC), (self.N, self.gN, self.PN)):
-            idx = _columns(idx)
-            P[:, idx], g[:, idx] = Pk[active], gk[active]
-        return MatchResult(global_atoms=torch.as_tensor(np.divide(g, P, out=g), dtype=dtype),
+        P_F = self.P0 + self.m[active] * self.tau   # one precision per atom on the shared coordinates
+        if self.F.size == self.D:   # every coordinate shared: one gather and one division, no (L, D) precision copy
+            g = self._here(self.gF[self._there(active)])
+            g /= P_F[:, None]
+            P = torch.as_tensor(P_F, dtype=dtype)[:, None].expand(active.size, self.D).contiguous()
+        else:
+            P = np.empty((active.size, self.D))
+            g = np.empty((active.size, self.D))
+            F = _columns(self.F)
+            P[:, F] = P_F[:, None]
+            g[:, F] = self._here(self.gF[self._there(active)])
+            for idx, gk, Pk in ((self.C, self.gC, self.PC), (self.N, self.gN, self.PN)):
+                idx = _columns(idx)
+                P[:, idx], g[:, idx] = Pk[active], gk[active]
+            np.divide(g, P, out=g)
+        return MatchResult(global_atoms=torch.as_tensor(g, dtype=dtype),
                            posterior_precision=torch.as_tensor(P, dtype=dtype),
                            assignments=[torch.as_tensor(a) for a in labels], counts=torch.as_tensor(self.m[active]),
                            objective=objective, seconds=seconds, lsa_seconds=self.lsa_seconds,
