@@ -51,6 +51,12 @@ decreases across sweeps.
 * *per neuron* (some ``u_jld > 0``): ``P_id + w_jld`` depends on the atom and the neuron, and the (L_j, L) scores are
   broadcast over (L_j, atoms, D) in chunks of at most ``CHUNK_ELEMENTS`` entries (:func:`join_scores`).
 
+**A client's own columns.** After a Flatten a client's units read only the columns of the global channels it holds
+(LeNet's fc1: about a tenth of them at J = 25); where every neuron of a client is 0, its products with any atom, its
+share of the atom sums and its Gram entries are 0. So a client whose nonzero shared columns are at most
+:data:`SPARSE_SHARE` of them is held on those columns alone (:attr:`LayerMatcher.columns_of`), and its products, sums
+and Gram blocks are computed there: the same numbers up to rounding.
+
 A re-estimate of the hyper-parameters is O(N D) (N neurons) and rebuilds the per-atom statistics.
 :func:`~bnpfed.inference.driver.run_matching` runs the greedy pass (largest client first) or starts from given
 labels, then sweeps in a seeded random client order, re-estimating the hyper-parameters after the first assignment
