@@ -564,6 +564,8 @@ def test_fuse_align_match_has_one_row_per_method_with_the_metrics_that_line_up_a
 
 @pytest.mark.parametrize("argv, message", [
     (["--tau2", "0.1"], "--tau2: expected only with --align match, got --align none"),
+    (["--matcher-device", "cpu"], "--matcher-device: expected only with --align match, got --align none"),
+    (["--align", "match", "--matcher-device", "tpu"], "matcher-device: expected 'cpu' or 'cuda[:N]'"),
     (["--align", "match", "--tau2", "-1"], "tau2"),
     (["--ood", "digits"], "--ood: expected another dataset"),
     (["--ood", "npz:/no/such/file.npz"], "--ood: npz dataset file"),

@@ -535,3 +535,27 @@ def test_where_the_matchers_empirical_bayes_starts_reaches_every_group_of_matche
     assert FusionConfig().starts == "even-split" and FusionConfig(align="match", starts="both").starts == "both"
     with pytest.raises(ValueError, match="starts: expected one of"):
         FusionConfig(align="match", starts="even")
+
+
+def test_the_matchers_device_reaches_every_group_of_matched_fusion():
+    """``device`` (torch on the CPU here, the code a GPU runs) gives matched fusion the numpy path's assignments and
+    fused posteriors, on the posteriors and on the means; it is the default matchers' option, refused with a given
+    ``layer_fn``; :class:`FusionConfig` checks and carries it as ``matcher_device``."""
+    from bnpfed.federated import FusionConfig
+    from bnpfed.inference import match_bayesian_layer
+
+    net, locs, variances = bayesian_net(1, False)
+    spec, clients = permuted_copies(net, locs, variances, 3, (4,))
+    counts = torch.ones(3, 3, dtype=torch.float64)
+    for match_on in ("posteriors", "means"):
+        numpy = match_posteriors(clients, counts, spec, template=net, seed=0, match_on=match_on)
+        on_torch = match_posteriors(clients, counts, spec, template=net, seed=0, match_on=match_on, device="cpu")
+        for g, r in numpy.layer_results.items():
+            assert [a.tolist() for a in r.assignments] == [a.tolist() for a in on_torch.layer_results[g].assignments]
+        for name, loc in numpy.locs.items():
+            torch.testing.assert_close(on_torch.locs[name], loc, rtol=1e-9, atol=1e-12)
+    with pytest.raises(ValueError, match="device: the default matchers' option"):
+        match_posteriors(clients, counts, spec, template=net, layer_fn=match_bayesian_layer, device="cpu")
+    assert FusionConfig(align="match", matcher_device="cpu").matcher_device == "cpu"
+    with pytest.raises(ValueError, match="matcher_device: expected"):
+        FusionConfig(align="match", matcher_device="gpu")

@@ -156,6 +156,10 @@ def add_parser(sub):
                    help="--align match: when the matcher's empirical-Bayes sweeps stop: once a sweep moved at most "
                    "2 percent of the units and no estimate by more than 1 percent (result, default), or when "
                    "nothing changes (fixed-point)")
+    g.add_argument("--matcher-device", metavar="DEVICE",
+                   help="--align match: where the server's matcher computes its cross products: cuda[:N] when torch "
+                   "sees one, or cpu (torch there); default: its numpy path on the CPU (the clients train on the CPU "
+                   "either way)")
     g.add_argument("--tau2", type=float, metavar="V",
                    help="--align match: the extra variance between two clients' copies of a unit, > 0 (default: "
                    "estimated per layer)")
@@ -244,6 +248,8 @@ def prepare(args) -> dict:
         raise UsageError(f"--starts: expected only with --align match, got --align {args.align}")
     if args.stop != "result" and not match:
         raise UsageError(f"--stop: expected only with --align match, got --align {args.align}")
+    if args.matcher_device is not None and not match:
+        raise UsageError(f"--matcher-device: expected only with --align match, got --align {args.align}")
     _args.check_ood_flags(args)
     if args.pvi_damping is not None and PVI not in args.rule:
         raise UsageError(f"--pvi-damping: expected only with --rule {PVI}, got --rule {','.join(args.rule)}")
@@ -254,7 +260,7 @@ def prepare(args) -> dict:
     fusion = FusionConfig(rule=args.rule[0], weights=args.weights, pooling_samples=args.pooling_samples,
                           min_variance=args.min_variance, fraction=args.fraction, align=args.align, tau2=args.tau2,
                           own_init=own_init, pvi_damping=args.pvi_damping, match_on=args.match_on,
-                          starts=args.starts, stop=args.stop)
+                          starts=args.starts, stop=args.stop, matcher_device=args.matcher_device)
     if args.baselines is not None:
         if not match:
             raise UsageError(f"--baselines: expected only with --align match, got --align {args.align}")

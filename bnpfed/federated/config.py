@@ -614,6 +614,8 @@ class FusionConfig:
         prior variance so that on the posteriors nothing merges; ``"posteriors"`` for variational clients:
         :meth:`matches_on`). The posteriors are fused along the assignment either way
         (:func:`~bnpfed.inference.posterior_matching.match_posteriors`).
+    :param str matcher_device: ``align="match"``: where the matcher's cross products run, None (default: numpy on the
+        CPU) or a torch device (:class:`PFNMConfig`'s ``matcher_device``); the Bayesian clients train on the CPU.
     """
 
     rule: str = "conflation"
@@ -628,6 +630,7 @@ class FusionConfig:
     starts: str = "even-split"
     pvi_damping: Optional[float] = None
     match_on: str = "auto"
+    matcher_device: Optional[str] = None
 
     def __post_init__(self):
         check_choice(self.rule, matched_rules(), "rule")
@@ -648,6 +651,8 @@ class FusionConfig:
         check_bool(self.own_init, "own_init")
         check_choice(self.stop, STOPS, "stop")
         check_choice(self.starts, STARTS, "starts")
+        if self.matcher_device is not None:
+            check_device(self.matcher_device, "matcher_device")
         check_choice(self.match_on, ("auto",) + MATCH_ON, "match_on")
         if self.match_on != "auto" and self.align != "match":
             raise ValueError(f"match_on: what matched fusion's assignment is computed from; expected 'auto' with "

@@ -221,7 +221,8 @@ def matched_fusion_step(clients: Sequence, class_counts, sizes: Sequence[int], c
                             input_shape=input_shape, template=template, tau2=config.tau2,
                             seed=derive_seed(seed, Stream.MATCH, round), warm_start=init,
                             num_samples=config.pooling_samples, min_variance=config.min_variance or MIN_VARIANCE,
-                            stop=config.stop, starts=config.starts, match_on=match_on, activity=activity)
+                            stop=config.stop, starts=config.starts, match_on=match_on, activity=activity,
+                            device=config.matcher_device)
 
 
 def matched_client_start(match, k: Optional[int]) -> tuple[dict, dict, dict]:

@@ -480,6 +480,7 @@ def match_posteriors(
     prior_variance: float = 1.0,
     match_on: Literal["posteriors", "means"] = "posteriors",
     activity=None,
+    device=None,
 ) -> PosteriorMatch:
     """Match J Bayesian clients' hidden units group by group and fuse every global unit's members' posteriors (see
     the module docstring).
@@ -525,6 +526,8 @@ def match_posteriors(
         (:func:`~bnpfed.inference.activity.unit_activity` of its posterior-mean network): the units with activity 0
         are left out before matching, as :func:`~bnpfed.inference.network_matching.match_by_spec` does
         (``PosteriorMatch.kept_units``; the assignments and ``warm_start`` refer to the units kept).
+    :param device: None (default: numpy) or a torch device for the matcher's cross products
+        (:func:`~bnpfed.inference.matching.match_layer`'s ``device``); passed to the default ``layer_fn`` only.
     :returns: :class:`PosteriorMatch`.
     """
     t0 = time.perf_counter()
@@ -534,6 +537,8 @@ def match_posteriors(
     if layer_fn is not None and match_on != "posteriors":
         raise ValueError(f"match_on: a given layer_fn decides what it matches on; expected the default "
                          f"'posteriors' with one, got {match_on!r}")
+    if layer_fn is not None and device is not None:
+        raise ValueError(f"device: the default matchers' option; expected None with a given layer_fn, got {device!r}")
     check_int(num_samples, "num_samples", low=1)
     min_variance = check_positive(min_variance, "min_variance")
     if not isinstance(clients, Sequence) or isinstance(clients, (str, bytes)) or not clients:
@@ -581,7 +586,8 @@ def match_posteriors(
         r, assignments = call_matcher(fn, [rows["value"], rows["variance"]], layout, values[name], shares,
                                       mode=mode, sweeps=sweeps, seed=None if seed is None else seed + c,
                                       init=None if init is None else init[name],
-                                      options={} if layer_fn is not None else {"stop": stop, "starts": starts})
+                                      options={} if layer_fn is not None else {"stop": stop, "starts": starts,
+                                                                               "device": device})
         L = int(r.global_atoms.shape[0])
         match_seconds.append(time.perf_counter() - t1)
         bayesian = torch.cat([torch.full((s.stop - s.start,), s.param in sites, dtype=torch.bool)
