@@ -311,3 +311,18 @@ def test_bnpfed_match_meets_a_parameter_budget_for_a_users_own_cnn(folder, tmp_p
     assert main(["match", *files(folder, "user"), "--input-shape", "1,8,8", "--max-width", "1",
                  "--out", str(tmp_path / "x.pt")]) == 2
     assert "--max-width" in capsys.readouterr().err
+
+
+def test_bnpfed_match_on_the_matcher_device_writes_the_numpy_paths_network(folder, tmp_path, digits, capsys):
+    """``--matcher-device cpu`` (torch on the CPU, the code a GPU runs) writes the network the numpy matcher builds;
+    a device torch cannot use is refused, naming the flag."""
+    counts = str(folder / "counts.json")
+    for name, device in (("numpy.pt", []), ("torch.pt", ["--matcher-device", "cpu"])):
+        assert main(["match", *files(folder, "lenet"), "--input-shape", "1,8,8", "--counts", counts,
+                     "--out", str(tmp_path / name), *device]) == 0
+    with torch.no_grad():
+        assert_close(bnpfed.load_global(tmp_path / "torch.pt")(digits.x_test),
+                     bnpfed.load_global(tmp_path / "numpy.pt")(digits.x_test), rtol=1e-5, atol=1e-6)
+    capsys.readouterr()
+    assert main(["match", *files(folder, "mlp"), "--matcher-device", "tpu", "--out", str(tmp_path / "x.pt")]) == 2
+    assert "--matcher-device: expected 'cpu' or 'cuda[:N]'" in capsys.readouterr().err

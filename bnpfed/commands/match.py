@@ -90,6 +90,9 @@ def add_parser(sub):
                    "together), met by pricing every parameter in the prior (not with --posteriors)")
     g.add_argument("--seed", type=int, default=0, help="seed of the sweeps' client order (and of the pooling rule's "
                    "draws), >= 0")
+    g.add_argument("--matcher-device", metavar="DEVICE",
+                   help="where the matcher computes its cross products: cuda[:N] when torch sees one, or cpu (torch "
+                   "there); default: its numpy path on the CPU")
     fusion = FusionConfig()
     g = p.add_argument_group("posterior fusion (--posteriors)", "the MODEL files are Bayesian clients (variational "
                              "BayesianClient or post-hoc LaplaceClient, all of one kind) saved by "
@@ -331,7 +334,7 @@ def prepare(args) -> dict:
     activity = _activity(args.activity, [c.state_dict() if isinstance(c, nn.Module) else c for c in clients], spec)
     pfnm = PFNMConfig(sigma2=_one(args.sigma2), sigma0_2=_one(args.sigma0_2), gamma0=_one(args.gamma0),
                       hyperparameters=args.hyperparameters, sweeps=args.sweeps, max_width=_one(args.max_width),
-                      max_params=args.max_params)
+                      max_params=args.max_params, matcher_device=args.matcher_device)
     return dict(clients=clients, template=template, input_shape=input_shape, spec=spec, counts=counts,
                 counts_source=source, pfnm=pfnm, activity=activity)
 
@@ -429,7 +432,7 @@ def prepare_posteriors(args) -> dict:
             raise UsageError(f"{flag}: expected only without --posteriors ({why})")
     if align == "none":
         for flag, value in (("--tau2", args.tau2), ("--sigma0-2", args.sigma0_2), ("--gamma0", args.gamma0),
-                            ("--match-on", args.match_on),
+                            ("--match-on", args.match_on), ("--matcher-device", args.matcher_device),
                             ("--sweeps", args.sweeps), ("--show-spec", args.show_spec or None)):
             if value is not None:
                 raise UsageError(f"{flag}: expected only with --align match (--align none matches nothing)")
@@ -527,7 +530,8 @@ def run_posteriors(args, plan) -> int:
                                      sigma0_2=_one(args.sigma0_2), gamma0=_one(args.gamma0),
                                      hyperparameters=args.hyperparameters, sweeps=args.sweeps, seed=args.seed,
                                      num_samples=fusion.pooling_samples, min_variance=fusion.min_variance,
-                                     match_on=fusion.matches_on(plan["kind"]), activity=plan["activity"])
+                                     match_on=fusion.matches_on(plan["kind"]), activity=plan["activity"],
+                                     device=args.matcher_device)
         except ValueError as error:
             return fail(PROG, flag_message(error))
         if laplace:   # the global posterior with the linearised predictive of Laplace clients
