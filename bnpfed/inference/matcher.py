@@ -253,6 +253,8 @@ class LayerMatcher:
                            for c in (np.flatnonzero((v != 0).any(axis=0)) for v in self.vF)]
         self.vF_compact = [None if c is None else np.ascontiguousarray(v[:, c]) for v, c in zip(self.vF,
                                                                                                   self.columns_of)]
+        #: whether some client uses most of the shared columns (then the (N, |F|) contributions are kept whole)
+        self.dense_clients = any(c is None for c in self.columns_of)
         ones = np.ones(D)
         self.sC = [(s[j] if s is not None else ones)[self.C] for j in range(J)]
         self.sN = [(s[j] if s is not None else ones)[self.N] for j in range(J)]
@@ -286,26 +288,26 @@ class LayerMatcher:
     def _here(self, a) -> np.ndarray:
         return a if self.device is None else a.cpu().numpy()
 
-    def _block(self, rows, cols):
-        """The atom sums ``g_F`` on storage rows ``rows`` (an index array or a slice) and block columns ``cols``."""
-        if self.device is None:
-            return self.gF[np.ix_(rows, cols)] if not isinstance(rows, slice) else self.gF[rows, cols]
-        return self.gF[rows, cols] if isinstance(rows, slice) else self.gF[rows[:, None], cols]
+    def _at(self, rows, cols):
+        """The index of ``g_F``'s storage rows ``rows`` (an index array or a slice, where ``g_F`` lives) on block
+        columns ``cols`` (all of them: None)."""
+        if cols is None or isinstance(rows, slice):
+            return rows if cols is None else (rows, cols)
+        return np.ix_(rows, cols) if self.device is None else (rows[:, None], cols)
+
+    def _own(self, j: int):
+        """Client j's contributions ``x_F`` where ``g_F`` lives and the block columns they are on: its own columns
+        (:attr:`columns_of`) when it has few, else all of them (None)."""
+        cols = self.columns_of[j]
+        return (self.xF_there[j], None) if cols is None else (self.xF_compact[j], self._there(cols))
 
     def _shift(self, j: int, rows: np.ndarray, sign: float, keep=None) -> None:
         """``g_F[rows] += sign * x_F`` of client j's neurons (those of ``keep``, a mask, if given), on its own
         columns when it has few (:attr:`columns_of`)."""
-        cols = self.columns_of[j]
-        x = self.xF_there[j] if cols is None else self.xF_compact[j]
+        x, cols = self._own(j)
         if keep is not None:
             x = x[self._there(keep)]
-        at = self._there(rows)
-        if cols is None:
-            self.gF[at] += sign * x if sign != 1.0 else x
-        elif self.device is None:
-            self.gF[np.ix_(rows, cols)] += sign * x
-        else:
-            self.gF[at[:, None], self._there(cols)] += sign * x
+        self.gF[self._at(self._there(rows), cols)] += sign * x
 
     def _norms(self, a) -> np.ndarray:
         """(rows,) squared norms of the rows of ``a`` (numpy or on the device), on the CPU."""
@@ -354,7 +356,7 @@ class LayerMatcher:
         self.g0F = mu0[F] * P0
         self.g0F_there = self._there(self.g0F)
         self.g0F_sq = float(self.g0F @ self.g0F)
-        dense = [j for j, c in enumerate(self.columns_of) if c is None]   # clients using most of the columns
+        dense = self.dense_clients
         if old is not None and self.F.size:  # x = tau v: scaled in place, with its squared norms
             r = tau / old[0]
             if dense:
@@ -366,24 +368,26 @@ class LayerMatcher:
                     x *= r
             self.xF_sq_all *= r * r
         else:
-            x_all = self.vF_all * tau
-            self.xF_sq_all = np.einsum("nd,nd->n", x_all, x_all)
-            self.xF_sq = self.client_rows(self.xF_sq_all)
-            rows = self.client_rows(x_all)
-            self.xF_compact = [None if c is None else self._there(np.ascontiguousarray(x[:, c]))
-                               for x, c in zip(rows, self.columns_of)]
             # the (N, |F|) contributions are kept only while some client uses most of the columns (each client
             # with few is held on its own columns alone, and a rescale then never passes over the whole block)
-            self.xF_all, self.xF = (x_all, rows) if dense else (None, [None] * self.J)
+            compact = [None if v is None else v * tau for v in self.vF_compact]
+            if dense:
+                x_all = self.vF_all * tau
+                self.xF_sq_all = np.einsum("nd,nd->n", x_all, x_all)
+                self.xF_all, self.xF = x_all, self.client_rows(x_all)
+            else:
+                self.xF_sq_all = np.concatenate([np.einsum("nd,nd->n", x, x) for x in compact])
+                self.xF_all, self.xF = None, [None] * self.J
+            self.xF_sq = self.client_rows(self.xF_sq_all)
+            self.xF_compact = [None if x is None else self._there(x) for x in compact]
             if self.device is not None and dense:   # its copy on the device, and each client's rows of it (views)
-                self.xF_there_all = self._there(x_all.copy())
+                self.xF_there_all = self._there(self.xF_all.copy())
                 self.xF_there = list(torch.split(self.xF_there_all, self.L))
             else:
                 self.xF_there = self.xF
         # cross term of each neuron with an empty (prior-only) atom
-        self.g0x = [x @ self.g0F if c is None else self._here(x @ self._there(self.g0F[c])) for x, c in zip(
-            [self.xF[j] if c is None else self.xF_compact[j] for j, c in enumerate(self.columns_of)],
-            self.columns_of)]
+        self.g0x = [self._here(x @ (self.g0F_there if cols is None else self.g0F_there[cols]))
+                    for x, cols in map(self._own, range(self.J))]
         self.P0C = 1.0 / prior[C]
         self.g0C = mu0[C] * self.P0C
         self.inv_noise_C = inv_noise = 1.0 / noise[C]
@@ -676,7 +680,7 @@ class LayerMatcher:
         client sees the moves of those before it) the clients' re-matches are independent of each other, so they
         could run in parallel, but the step is no coordinate ascent: clients moving at once can undo each other
         (measured in benchmarks/README.md)."""
-        old = [a.copy() for a in self.assign]
+        a = np.concatenate(self.assign)   # propose leaves every assignment as it was
         new, fresh = [], self.n_rows
         for j in range(self.J):
             target = self.propose(j)
@@ -685,7 +689,7 @@ class LayerMatcher:
             fresh += int(opened.sum())
             new.append(target)
         # a neuron stayed with the others it was with iff its old atom went whole into its new atom and nobody joined
-        a, b = np.concatenate(old), np.concatenate(new)
+        b = np.concatenate(new)
         _, pair, together = np.unique(np.stack([a, b]), axis=1, return_inverse=True, return_counts=True)
         pair = pair.reshape(-1)
         same = (together[pair] == np.bincount(a)[a]) & (together[pair] == np.bincount(b)[b])
@@ -710,8 +714,8 @@ class LayerMatcher:
         if all(c is None for c in self.columns_of):
             return self.xF_all @ self.xF_all.T
         N, every = int(self.offsets[-1]), np.arange(self.F.size)
-        cols = [every if c is None else c for c in self.columns_of]
-        x = [self.xF[j] if c is None else self.xF_compact[j] for j, c in enumerate(self.columns_of)]
+        x, cols = zip(*map(self._own, range(self.J)))   # on the CPU: the Gram matrix is not used on a device
+        cols = [every if c is None else c for c in cols]
         gram = np.zeros((N, N))
         for j in range(self.J):
             rj = slice(self.offsets[j], self.offsets[j + 1])
@@ -737,17 +741,14 @@ class LayerMatcher:
         17,000 rows for 400 atoms)."""
         if self.gram is not None:
             return self._gram_cross(j, active)
-        n, cols = self.n_rows, self.columns_of[j]
-        if cols is None:
-            x, block = self.xF_there[j], (lambda rows: self.gF[rows])
-        else:   # client j's own columns (the others' products with its neurons are 0)
-            x, cols = self.xF_compact[j], self._there(cols)
-            block = (lambda rows: self._block(rows, cols))
+        n = self.n_rows
+        x, cols = self._own(j)   # on client j's own columns when it has few (the others' products with it are 0)
         if active.size == n:
-            return self._here(x @ block(slice(0, n)).T)
+            return self._here(x @ self.gF[self._at(slice(0, n), cols)].T)
         if 2 * active.size >= n:   # the gather costs about what the product does: the product with every stored
-            return self._here((x @ block(slice(0, n)).T)[:, self._there(active)])   # row, the freed ones' columns
-        return self._here(x @ block(self._there(active)).T)                        # dropped, is cheaper
+            stored = x @ self.gF[self._at(slice(0, n), cols)].T   # row, the freed ones' columns dropped, is cheaper
+            return self._here(stored[:, self._there(active)])
+        return self._here(x @ self.gF[self._at(self._there(active), cols)].T)
 
     def _gram_cross(self, j: int, active: np.ndarray) -> np.ndarray:
         """``x_l . g_i`` for client j's neurons l and the active atoms i, from the Gram matrix: an atom's g is
