@@ -27,6 +27,8 @@ Parts (each writes JSON lines to ``--out`` and can be resumed: finished configur
 * ``compress``: one-shot PFNM with bnpfed's defaults (dead units left out, empirical Bayes from both starts)
   against the behaviour before on the same local models (``--arch``, ``--dataset``, ``--partitions``), with
   parameters;
+* ``operating``: one-shot PFNM at the operating point chosen on the clients' held-out splits
+  (``select="operating-point"``, ``--arch``), with every candidate of the choice;
 * ``cnn-timing``: LeNet's groups matched for J = 25 (IID, seed 0): seconds per group, best of 3, empirical Bayes
   and fixed hyper-parameters;
 * ``deep``: 784-100-100-10, top-down against bottom-up under both sets of constants (J = 10, homogeneous, seed 0);
@@ -445,7 +447,30 @@ def part_size(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("iid
         _emit(out, key, dict(dataset=name, arch=arch, J=J, partition=partition, seed=seed, rows=rows))
 
 
+def part_operating(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("iid", "dirichlet"),
+                   arch: str = "mlp") -> None:
+    """The operating point chosen on the clients' held-out data (issue 16's targets): one-shot PFNM with
+    ``select="operating-point"`` (each client holds 10 percent out and trains on the rest; empirical Bayes, then the
+    estimated sigma2 scaled; the narrowest global network within one paired standard error of the best held-out
+    accuracy), beside the local models, the ensemble and the empirical-Bayes candidate (factor 1) of the same local
+    models, every candidate's width, parameters, held-out and test accuracy in ``curve``."""
+    for key, J, partition, seed in _settings(out, f"operating/{name}/{arch}", Js, partitions, seeds):
+        configs = _configs(J, partition, seed, methods=("local", "ensemble", "pfnm"), select="operating-point")
+        configs["network"] = replace(PFNM_NETWORK, arch=arch)
+        configs["pfnm"] = PFNMConfig()
+        t0 = time.perf_counter()
+        result = run_experiment(ds, **configs)
+        rows = {r.method: dict(_row(r), parameters=r.parameters) for r in result.rows}
+        curve = result.selection.curve
+        estimate = next(c for c in curve if c["factor"] == 1.0)
+        rows["pfnm (estimate)"] = dict(accuracy=estimate["test"], hidden=estimate["hidden"],
+                                       parameters=estimate["parameters"])
+        _emit(out, key, dict(dataset=name, arch=arch, J=J, partition=partition, seed=seed, rows=rows, curve=curve,
+                             wall_seconds=time.perf_counter() - t0))
+
+
 PARTS = {"reference": part_reference, "compress": part_compress, "size": part_size, "cnn": part_cnn,
+         "operating": part_operating,
          "cifar": part_cifar,
          "cnn-timing": part_cnn_timing,
          "baselines": part_baselines,
@@ -500,6 +525,9 @@ def main(argv=None):
         elif part == "compress":
             part_compress(ds, out, seeds, Js, name=args.dataset, partitions=tuple(args.partitions.split(",")),
                           arch=args.arch)
+        elif part == "operating":
+            part_operating(ds, out, seeds, Js, name=args.dataset, partitions=tuple(args.partitions.split(",")),
+                           arch=args.arch)
         elif part == "size":
             part_size(ds, out, seeds, Js, name=args.dataset, partitions=tuple(args.partitions.split(",")),
                       arch=args.arch)

@@ -108,6 +108,15 @@ PFNM_ONLY = [
     (["--stop", "fixed-point", "--hyperparameters", "fixed"], "--stop"),   # empirical Bayes only
     (["--holdout", "1.5"], "--holdout"),
     (["--grid-sigma2", "0.1,0"], "--grid-sigma2"),
+    (["--select", "operating-point", "--grid-gamma0", "1"], "--grid-gamma0"),   # a grid of another selection
+    (["--noise-factors", "0.5"], "--noise-factors"),   # only with --select operating-point
+    (["--tolerance", "2"], "--tolerance"),
+    (["--select", "operating-point", "--noise-factors", "1,0.5"], "--noise-factors"),
+    (["--select", "operating-point", "--noise-factors", "0.5,0"], "--noise-factors"),
+    (["--select", "operating-point", "--tolerance", "-1"], "--tolerance"),
+    (["--select", "operating-point", "--sigma2", "0.1"], "--sigma2"),   # nothing left to scale
+    (["--select", "operating-point", "--hyperparameters", "fixed"], "--select"),
+    (["--width-sweep", "--select", "federated"], "--select"),
     (["--methods", "foo"], "--methods"),
     (["--methods", "pfnm,pfnm"], "--methods"),
     (["--ece-bins", "0"], "--ece-bins"),
@@ -477,6 +486,23 @@ def test_pfnm_estimates_its_hyper_parameters_by_default_and_shows_and_records_th
     assert layer["sigma2_scaled"] > 0 and layer["sigma0_2_scaled"] > 0   # the output coordinates' pair
     assert layer["sigma2"] > 0 and layer["sigma0_2"] > 0 and layer["gamma0"] > 0 and len(layer["mu0"]) > 0
     assert payload["settings"]["pfnm"]["sigma2"] is None
+
+
+def test_pfnm_at_the_operating_point_prints_and_records_every_candidate(tmp_path, capsys):
+    out_json = tmp_path / "pfnm.json"
+    assert main(["pfnm", *TINY, "--methods", "pfnm", "--select", "operating-point", "--noise-factors", "2,0.5",
+                 "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    assert "PFNM operating point (the narrowest global network within 1 paired standard error(s)" in out
+    payload = check_record(out_json, "pfnm")
+    run = payload["results"]["runs"][0]
+    selection = run["selection"]
+    assert selection["by"] == "operating-point" and [c["factor"] for c in selection["curve"]] == [2.0, 1.0, 0.5]
+    (chosen,) = [c for c in selection["curve"] if c["chosen"]]
+    (row,) = run["rows"]
+    assert row["hidden"] == chosen["hidden"] and row["parameters"] == chosen["parameters"]
+    assert f"sigma2 {chosen['factor']:g} x its estimate" in row["note"]
+    assert payload["settings"]["config"]["noise_factors"] == [2.0, 0.5]
 
 
 def test_pfnm_rounds_record_the_estimates_of_every_round(tmp_path):

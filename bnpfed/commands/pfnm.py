@@ -157,19 +157,28 @@ def add_parser(sub):
                    "layer, freeze it, let the clients retrain the layers above for EPOCHS epochs, match the next "
                    "layer, ...; 0: fedma (if asked for by --methods) retrains for --round-epochs")
     e = ExperimentConfig()
-    g = p.add_argument_group("hyper-parameter selection", "choose sigma2 / sigma0_2 / gamma0 from grids")
-    g.add_argument("--select", choices=("none", "federated", "pooled-train"), default=e.select,
-                   help="none: use --sigma2 / --sigma0-2 / --gamma0; federated: the best one-shot accuracy on the "
-                   "clients' held-out splits; pooled-train: on all clients' pooled training data (the reference "
-                   "code's way, which a federation does not have)")
+    g = p.add_argument_group("hyper-parameter selection",
+                             "choose sigma2 / sigma0_2 / gamma0 from grids, or the operating point on held-out data")
+    g.add_argument("--select", choices=methods.SELECTIONS, default=e.select,
+                   help="none: use --sigma2 / --sigma0-2 / --gamma0 (estimated where not given); federated: a grid "
+                   "of fixed values, the best one-shot accuracy on the clients' held-out splits; pooled-train: that "
+                   "grid on all clients' pooled training data (the reference code's way, which a federation does not "
+                   "have); operating-point: empirical Bayes, then its estimated sigma2 scaled by each of "
+                   "--noise-factors, and the narrowest global network within --tolerance paired standard errors of "
+                   "the best accuracy on the clients' held-out splits (each client sends only counts)")
     g.add_argument("--grid-sigma2", type=_args.floats, default=e.grid_sigma2, metavar="S,S,...",
-                   help="candidates of sigma2")
+                   help="candidates of sigma2 (--select federated or pooled-train)")
     g.add_argument("--grid-sigma0-2", type=_args.floats, default=e.grid_sigma0_2, metavar="S,S,...",
-                   help="candidates of sigma0_2")
+                   help="candidates of sigma0_2 (--select federated or pooled-train)")
     g.add_argument("--grid-gamma0", type=_args.floats, default=e.grid_gamma0, metavar="G,G,...",
-                   help="candidates of gamma0")
+                   help="candidates of gamma0 (--select federated or pooled-train)")
+    g.add_argument("--noise-factors", type=_args.floats, default=e.noise_factors, metavar="F,F,...",
+                   help="factors of the estimated sigma2, none of them 1 (the estimate is always a candidate; "
+                   "--select operating-point). Default: " + ",".join(f"{f:g}" for f in e.noise_factors))
+    g.add_argument("--tolerance", type=float, default=e.tolerance, metavar="SE",
+                   help="standard errors of --select operating-point's rule, >= 0 (0: the most accurate candidate)")
     g.add_argument("--holdout", type=float, metavar="F", default=e.holdout,
-                   help="share of each client's data held out for --select federated, in (0, 1)")
+                   help="share of each client's data held out for --select federated or operating-point, in (0, 1)")
     g = p.add_argument_group("experiment")
     g.add_argument("--methods", type=_args.names, metavar="M,M,...",
                    help=f"methods to run, of {', '.join(methods.available_methods())} (default: "
@@ -282,6 +291,9 @@ def prepare(args) -> dict:
         if args.width_sweep and getattr(args, flag) != default:
             raise UsageError(f"--{flag.replace('_', '-')}: expected only without --width-sweep (the sweep shows the "
                              f"widths each sigma2 and gamma0 give)")
+    if args.width_sweep and args.select != "none":
+        raise UsageError(f"--select: expected only without --width-sweep (the sweep shows every sigma2 and gamma0 "
+                         f"instead of choosing one), got --select {args.select}")
     if args.width_sweep and args.rounds is not None:
         raise UsageError(f"--rounds: expected only without --width-sweep (the sweep matches the first round's local "
                          f"models), got --rounds {args.rounds}")
@@ -312,7 +324,14 @@ def prepare(args) -> dict:
             chosen += ("fedma",) + (("fedma-rounds",) if args.rounds > 1 else ())
     config = ExperimentConfig(methods=chosen, rounds=args.rounds, seed=args.seed, select=args.select,
                               grid_sigma2=args.grid_sigma2, grid_sigma0_2=args.grid_sigma0_2,
-                              grid_gamma0=args.grid_gamma0, holdout=args.holdout, ece_bins=args.ece_bins)
+                              grid_gamma0=args.grid_gamma0, noise_factors=args.noise_factors,
+                              tolerance=args.tolerance, holdout=args.holdout, ece_bins=args.ece_bins)
+    if config.select == "operating-point" and pfnm.fixed:
+        raise UsageError("--select operating-point: expected empirical Bayes (it scales the estimated sigma2), got "
+                         + ("--constants reference" if pfnm.constants == "reference" else "--hyperparameters fixed"))
+    if config.select == "operating-point" and pfnm.sigma2 is not None:
+        raise UsageError(f"--sigma2: expected it left to the estimate with --select operating-point (which scales "
+                         f"the estimate), got {','.join(f'{v:g}' for v in args.sigma2)}")
     if args.width_sweep:
         check_positives(args.sweep_sigma2, "sweep_sigma2")
         check_positives(args.sweep_gamma0, "sweep_gamma0")
@@ -446,6 +465,14 @@ def _print_result(name: str, partition, plan: dict, result) -> None:
     if selection is not None:
         if selection.by == "none":
             print(f"PFNM hyper-parameters: {_hyper(selection.config)}")
+        elif selection.by == "operating-point":
+            chosen = next(c for c in selection.curve if c["chosen"])
+            print(f"PFNM operating point (the narrowest global network within {plan['config'].tolerance:g} paired "
+                  f"standard error(s) of the best accuracy on the clients' held-out splits): sigma2 "
+                  f"{chosen['factor']:g} x the estimate, held-out accuracy {selection.score:.4f}; "
+                  f"{_hyper(selection.config)}")
+            print(format_table(selection.curve, [c for c in ("factor", "hidden", "parameters", "validation", "se",
+                                                             "test", "chosen") if c in selection.curve[0]]))
         else:
             where = ("the clients' held-out splits" if selection.by == "federated"
                      else "the pooled training data")

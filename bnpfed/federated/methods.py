@@ -55,7 +55,7 @@ import functools
 import itertools
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -74,6 +74,7 @@ from bnpfed.federated.config import (EB_DEFAULTS, BayesianConfig, FusionConfig, 
 from bnpfed.federated.federation import EVAL_CHUNK, Federation, reestimate_statistics
 from bnpfed.federated.fusion import FedAvgFederation, FusionFederation
 from bnpfed.federated.matched_fusion import MatchedFusionFederation, bayesian_from_match
+from bnpfed.federated.operating_point import NOISE_FACTORS, check_noise_to_scale, select_operating_point
 from bnpfed.federated.partition import class_counts
 from bnpfed.federated.pfnm import PFNMFederation
 from bnpfed.federated.results import ExperimentResult, MethodResult, Selection
@@ -147,6 +148,11 @@ def _runner(name: str) -> Runner:
 
 # ------------------------------------------------------------------------------------------------ the harness's config
 
+#: How PFNM's hyper-parameters are chosen (:attr:`ExperimentConfig.select`); those that hold each client's
+#: ``holdout`` out of its training data.
+SELECTIONS = ("none", "federated", "pooled-train", "operating-point")
+HELD_OUT = ("federated", "operating-point")
+
 
 @dataclass(frozen=True)
 class ExperimentConfig:
@@ -156,10 +162,18 @@ class ExperimentConfig:
     :param int rounds: communication rounds of the multi-round methods, >= 1. Default 1.
     :param int seed: the one seed every random step derives from (:mod:`bnpfed.seeding`), >= 0. Default 0.
     :param str select: how PFNM's sigma2 / sigma0_2 / gamma0 are chosen: ``"none"`` (as given), ``"federated"``
-        (on the clients' held-out splits) or ``"pooled-train"`` (on all clients' pooled training data, as the
-        reference code does; a federation does not have it). Default ``"none"``.
-    :param tuple grid_sigma2: candidates of the selection (and ``grid_sigma0_2``, ``grid_gamma0``).
-    :param float holdout: share of each client's data held out for ``select="federated"``, in (0, 1).
+        (a grid of fixed values, the best on the clients' held-out splits), ``"pooled-train"`` (that grid on all
+        clients' pooled training data, as the reference code does; a federation does not have it) or
+        ``"operating-point"`` (empirical Bayes, then the estimated sigma2 scaled by each of ``noise_factors``; the
+        narrowest global network within ``tolerance`` paired standard errors of the best on the clients' held-out
+        splits: :mod:`bnpfed.federated.operating_point`). Default ``"none"``.
+    :param tuple grid_sigma2: candidates of ``"federated"`` and ``"pooled-train"`` (and ``grid_sigma0_2``,
+        ``grid_gamma0``); only with those.
+    :param tuple noise_factors: the factors of the estimated sigma2 under ``"operating-point"`` (each > 0, none 1:
+        the estimate itself is always a candidate); only with it.
+    :param float tolerance: the standard errors of ``"operating-point"``'s rule, >= 0; only with it. Default 1.
+    :param float holdout: share of each client's data held out for ``select="federated"`` or
+        ``"operating-point"``, in (0, 1); only with those (the clients then train on the rest).
     :param int ece_bins: equal-width bins of the expected calibration error. Default 15.
     :param int predictive_samples: weight draws S of a Bayesian posterior predictive. Default 10.
     """
@@ -171,6 +185,8 @@ class ExperimentConfig:
     grid_sigma2: tuple[float, ...] = (0.05, 0.1, 0.3, 1.0)
     grid_sigma0_2: tuple[float, ...] = (1.0,)
     grid_gamma0: tuple[float, ...] = (1e-3, 1.0)
+    noise_factors: tuple[float, ...] = NOISE_FACTORS
+    tolerance: float = 1.0
     holdout: float = 0.1
     ece_bins: int = 15
     predictive_samples: int = 10
@@ -187,10 +203,24 @@ class ExperimentConfig:
             raise ValueError(f"methods: expected each method at most once, got {list(self.methods)}")
         check_int(self.rounds, "rounds", low=1)
         check_int(self.seed, "seed", low=0)
-        check_choice(self.select, ("none", "federated", "pooled-train"), "select")
-        for name in ("grid_sigma2", "grid_sigma0_2", "grid_gamma0"):
+        check_choice(self.select, SELECTIONS, "select")
+        for name in ("grid_sigma2", "grid_sigma0_2", "grid_gamma0", "noise_factors"):
             object.__setattr__(self, name, check_positives(getattr(self, name), name))
+        if any(f == 1.0 for f in self.noise_factors) or len(set(self.noise_factors)) != len(self.noise_factors):
+            raise ValueError(f"noise_factors: expected distinct factors other than 1 (the estimate itself is always "
+                             f"a candidate), got {list(self.noise_factors)}")
+        if not (isinstance(self.tolerance, (int, float)) and not isinstance(self.tolerance, bool)
+                and math.isfinite(self.tolerance) and self.tolerance >= 0):
+            raise ValueError(f"tolerance: expected a number of standard errors >= 0, got {self.tolerance!r}")
         check_fraction(self.holdout, "holdout", allow_one=False)
+        defaults = {f.name: f.default for f in fields(self)}
+        applies = {"grid_sigma2": ("federated", "pooled-train"), "grid_sigma0_2": ("federated", "pooled-train"),
+                   "grid_gamma0": ("federated", "pooled-train"), "noise_factors": ("operating-point",),
+                   "tolerance": ("operating-point",), "holdout": ("federated", "operating-point")}
+        for name, modes in applies.items():
+            if self.select not in modes and getattr(self, name) != defaults[name]:
+                raise ValueError(f"{name}: applies with select in {list(modes)} only, got {getattr(self, name)!r} "
+                                 f"with select={self.select!r}")
         check_int(self.ece_bins, "ece_bins", low=1)
         check_int(self.predictive_samples, "predictive_samples", low=1)
 
@@ -240,6 +270,8 @@ class Experiment:
                 shape = ", ".join(map(str, dataset.input_shape))
                 raise ValueError(f"ood: expected out-of-distribution inputs of shape (N, {shape}) (the dataset's input "
                                  f"shape), got {tuple(ood.shape)} {ood.dtype}")
+        if config.select == "operating-point":
+            check_noise_to_scale(pfnm)
         self.ood = ood
         self.dataset, self.partition, self.network, self.training = dataset, partition, network, training
         self.pfnm, self.fusion, self.bayesian, self.config = pfnm, fusion, bayesian, config
@@ -247,7 +279,7 @@ class Experiment:
         self.input_shape = tuple(dataset.input_shape)
         labels = dataset.y_train.numpy()
         parts = partition.split(labels, self.seed)
-        if config.select == "federated":
+        if config.select in HELD_OUT:
             self.parts, self.validation_parts = holdout_split(parts, config.holdout, self.seed)
         else:
             self.parts, self.validation_parts = parts, [np.zeros(0, dtype=np.int64) for _ in parts]
@@ -420,6 +452,14 @@ class Experiment:
                 match = pfnm_step(self.local_models(), self.class_counts, self.pfnm, seed=self.seed, round=1,
                                   input_shape=self.input_shape, activity=self.activity())
                 self._selection = Selection(self.pfnm, "none", match=self.reestimate(match))
+            elif self.config.select == "operating-point":
+                validation = [(self.dataset.x_train[torch.as_tensor(i)], self.dataset.y_train[torch.as_tensor(i)])
+                              for i in self.validation_parts]
+                self._selection = select_operating_point(
+                    self.local_models(), self.class_counts, validation, self.pfnm,
+                    noise_factors=self.config.noise_factors, tolerance=self.config.tolerance, seed=self.seed,
+                    test=(self.dataset.x_test, self.dataset.y_test), input_shape=self.input_shape,
+                    reestimate=self.reestimate, activity=self.activity(), batch_size=EVAL_CHUNK)
             else:
                 if self.config.select == "federated":
                     parts = self.validation_parts
@@ -536,6 +576,10 @@ def _pfnm(experiment: Experiment) -> MethodResult:
     experiment.keep("pfnm", net, match)
     if selection.by == "none":
         how = "hyper-parameters given" if selection.config.fixed else "hyper-parameters by empirical Bayes"
+    elif selection.by == "operating-point":
+        factor = next(c["factor"] for c in selection.curve if c["chosen"])
+        how = (f"empirical Bayes with sigma2 {factor:g} x its estimate (the operating point on the clients' held-out "
+               f"splits)")
     else:
         how = f"hyper-parameters by {selection.by}"
     limits = "".join(f"; {s.what} = {s.limit} met ({s.own} -> {s.size})" for s in
