@@ -171,3 +171,12 @@ def test_on_trained_networks_the_row_is_the_narrowest_candidate_within_one_stand
 
 def test_the_clients_train_on_what_they_did_not_hold_out(chosen, digits):
     assert sum(chosen.client_sizes) == pytest.approx(0.9 * len(digits.y_train), abs=4)
+
+
+def test_the_same_seed_chooses_the_same_operating_point(chosen, digits):
+    again = run_experiment(digits, partition=PartitionConfig(clients=4), network=PFNM_NETWORK,
+                           training=TrainingConfig(epochs=5, amsgrad=True),
+                           config=ExperimentConfig(methods=("pfnm",), select="operating-point",
+                                                   noise_factors=(1.4, 0.65, 0.4)))
+    assert again.selection.curve == chosen.selection.curve
+    assert again.row("pfnm").accuracy == chosen.row("pfnm").accuracy
