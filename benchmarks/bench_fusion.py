@@ -253,6 +253,7 @@ def paper_setting(data_dir=FASHION_MNIST_DIR, *, rounds: int = PAPER_SCHEDULE["r
 
 
 CIFAR10_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "cifar10"
+DEFAULT_CIFAR_OUT = str(Path(__file__).parent / "results" / "fusion_cifar10.jsonl")
 #: Ozer et al.'s CIFAR-10 figures (LeNet with 400 fc1 inputs, 10 clients IID, 50 rounds x 10 local epochs):
 #: accuracy and ECE in percent.
 PUBLISHED_CIFAR10 = {"fedavg": (70.09, 3.35), "gaa": (71.29, 3.11), "conflation": (71.17, 2.81)}
@@ -267,38 +268,75 @@ def cifar10_setting(out: Path, data_dir=CIFAR10_DIR, *, partitions=("iid", "diri
     """Issue 18's posterior-fusion row on CIFAR-10: the paper's LeNet (``lenet-paper``: 400 fc1 inputs on 32x32
     images), 10 clients IID and Dirichlet(0.5), ``rounds`` rounds of ``local_epochs`` (the paper: 50 x 10); one JSON
     line per (partition, method) in ``out`` as it ends (finished ones are skipped). Returns the rows so far."""
-    import json
-
-    from bnpfed.federated.config import BayesianConfig, FusionConfig, NetworkConfig, PartitionConfig, TrainingConfig
-    from bnpfed.federated.methods import Experiment, ExperimentConfig, run_method
-
     try:
         ds = load_dataset("cifar10", data_dir=data_dir)
     except FileNotFoundError as error:
         print(f"skipped: no CIFAR-10 under {data_dir} ({error})")
         return []
+    return resumable_setting(out, ds, "fusion-cifar10", PUBLISHED_CIFAR10, partitions=partitions, rounds=rounds,
+                             local_epochs=local_epochs, batch_size=batch_size, lr=lr, methods=methods, seed=seed)
+
+
+#: Ozer et al.'s Fashion-MNIST figures (Table 1: LeNet-5, 10 clients IID, 50 rounds x 10 local epochs): accuracy
+#: and ECE (100 bins) in percent, as in the issue (conflation's ECE from the paper's Table 1).
+PUBLISHED_FASHION = {"fedavg": (89.6, 7.99), "eaa": (90.1, 3.0), "gaa": (89.8, math.nan),
+                     "log_variance": (89.9, math.nan), "pooling": (89.8, math.nan), "conflation": (89.9, 6.35)}
+
+
+def paper_long_setting(out: Path, data_dir=FASHION_MNIST_DIR, *, rounds: int = 5, local_epochs: int = 10,
+                       batch_size: int = PAPER_SCHEDULE["batch_size"], lr: float = PAPER_SCHEDULE["lr"],
+                       methods=("conflation", "fedavg", "eaa"), seed: int = 0) -> list[dict]:
+    """Issue 17's paper setting at the paper's local epochs: Fashion-MNIST, 10 clients IID, the published code's
+    LeNet-5 (``lenet-paper``) on pixels in [0, 1], fused variances floored at its clamp (``bnpfed fuse --paper``),
+    ``rounds`` rounds of ``local_epochs`` local epochs (the paper: 50 x 10) with today's default clients; one JSON line
+    per method as it ends, with every round's accuracy and ECE (resumable: finished methods are skipped)."""
+    if not Path(data_dir, "FashionMNIST", "raw").is_dir():
+        print(f"skipped: no Fashion-MNIST files under {data_dir} (torchvision layout FashionMNIST/raw)")
+        return []
+    from bnpfed.federated.config import PAPER_MIN_VARIANCE
+
+    ds = load_dataset("fashion-mnist", data_dir=data_dir, standardize=False)
+    return resumable_setting(out, ds, "fusion-fashion-paper", PUBLISHED_FASHION, partitions=("iid",), rounds=rounds,
+                             local_epochs=local_epochs, batch_size=batch_size, lr=lr, methods=methods, seed=seed,
+                             min_variance=PAPER_MIN_VARIANCE)
+
+
+def resumable_setting(out: Path, ds, name: str, published: dict, *, partitions, rounds: int, local_epochs: int,
+                      batch_size: int, lr: float, methods, seed: int = 0, min_variance: float | None = None
+                      ) -> list[dict]:
+    """The paper's federation (``lenet-paper``, only the fully connected weights Bayesian, local reparameterisation,
+    client weights by data size) on ``ds``: per partition and method one JSON line in ``out`` as it ends (finished
+    ones are skipped), with the published figures ``published[method] = (accuracy, ECE)`` beside ours. Returns every
+    line of ``out``."""
+    import json
+
+    from bnpfed.federated.config import BayesianConfig, FusionConfig, NetworkConfig, PartitionConfig, TrainingConfig
+    from bnpfed.federated.methods import Experiment, ExperimentConfig, run_method
+
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     done = {json.loads(line)["key"] for line in out.read_text().splitlines() if line.strip()} if out.exists() else set()
+    fusion = FusionConfig(weights="size") if min_variance is None else FusionConfig(weights="size",
+                                                                                    min_variance=min_variance)
     for partition in partitions:
-        base = f"fusion-cifar10/{partition}/rounds={rounds}/epochs={local_epochs}/seed={seed}"
+        base = f"{name}/{partition}/rounds={rounds}/epochs={local_epochs}/seed={seed}"
         todo = [m for m in methods if f"{base}/{m}" not in done]
         if not todo:
             continue
         experiment = Experiment(
             ds, partition=PartitionConfig(clients=10, partition=partition), network=NetworkConfig(arch="lenet-paper"),
             training=TrainingConfig(epochs=local_epochs, batch_size=batch_size, lr=lr),
-            bayesian=BayesianConfig(prior="linear-weights", local_reparameterization=True),
-            fusion=FusionConfig(weights="size"),
-            config=ExperimentConfig(methods=tuple(todo), rounds=rounds, ece_bins=100, seed=seed))
+            bayesian=BayesianConfig(prior="linear-weights", local_reparameterization=True), fusion=fusion,
+            config=ExperimentConfig(methods=tuple(todo), rounds=rounds, ece_bins=100, seed=seed),
+            log=lambda line: print(f"  {line}", flush=True))
         for method in todo:
             t0 = time.perf_counter()
             for row in run_method(experiment, method):
-                published = PUBLISHED_CIFAR10.get(row.method, (math.nan, math.nan))
+                figures = published.get(row.method, (math.nan, math.nan))
                 line = dict(key=f"{base}/{row.method}", partition=partition, method=row.method, rounds=rounds,
                             local_epochs=local_epochs, source=ds.source, accuracy=100 * row.accuracy,
                             ece=100 * row.ece, nll=row.nll, brier=row.brier, mean_sigma=row.mean_sigma,
-                            published_accuracy=published[0], published_ece=published[1],
+                            published_accuracy=figures[0], published_ece=figures[1],
                             wall_seconds=time.perf_counter() - t0,
                             history=[dict(round=h["round"], accuracy=h["accuracy"], ece=h.get("ece"))
                                      for h in row.history])
@@ -342,11 +380,13 @@ def _run(parts, *, quick, baseline_ref, svi_repeats, **paper_kwargs):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", default="fuse,svi,paper",
-                        help="comma-separated subset of fuse, svi, paper, cifar10 (not in the default: hours)")
+                        help="comma-separated subset of fuse, svi, paper, cifar10 and paper-long (the last two not "
+                        "in the default: hours)")
     parser.add_argument("--cifar-dir", default=str(CIFAR10_DIR), help="CIFAR-10 (pickles or cifar10_jpeg.npz)")
     parser.add_argument("--partitions", default="iid,dirichlet", help="the cifar10 part's partitions")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "fusion_cifar10.jsonl"),
-                        help="the cifar10 part's JSON lines")
+    parser.add_argument("--out", default=DEFAULT_CIFAR_OUT,
+                        help="the JSON lines of the cifar10 part (default results/fusion_cifar10.jsonl) or of "
+                        "paper-long (default results/fusion_fashion_paper.jsonl)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rounds", type=int, default=PAPER_SCHEDULE["rounds"])
     parser.add_argument("--local-epochs", type=int, default=PAPER_SCHEDULE["local_epochs"])
@@ -361,6 +401,19 @@ def main(argv=None):
                         help="interleaved passes of the SVI table, best kept (more on a loaded machine)")
     args = parser.parse_args(argv)
     parts = args.part.split(",")
+    if "paper-long" in parts:
+        torch.set_num_threads(1)
+        out = args.out if args.out != DEFAULT_CIFAR_OUT else str(Path(__file__).parent / "results" /
+                                                                  "fusion_fashion_paper.jsonl")
+        rows = paper_long_setting(out, args.data_dir, rounds=args.rounds, local_epochs=args.local_epochs,
+                                  batch_size=args.batch_size, lr=args.lr,
+                                  **({"methods": tuple(args.rules.split(","))} if args.rules else {}))
+        print(format_table([{k: v for k, v in r.items() if k not in ("history", "key", "source")} for r in rows],
+                           digits=3))
+        parts.remove("paper-long")
+        if not parts:
+            return
+        args.part = ",".join(parts)
     if "cifar10" in parts:
         torch.set_num_threads(1)
         rows = cifar10_setting(args.out, args.cifar_dir, partitions=tuple(args.partitions.split(",")),

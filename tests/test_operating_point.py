@@ -123,7 +123,8 @@ def test_bad_operating_point_settings_are_refused_by_name(changes, message):
 
 
 @pytest.mark.parametrize("select, changes", [
-    ("none", dict(noise_factors=(0.5,))), ("federated", dict(tolerance=2.0)), ("operating-point", dict(grid_sigma2=(1.0,))),
+    ("none", dict(noise_factors=(0.5,))), ("federated", dict(tolerance=2.0)),
+    ("operating-point", dict(grid_sigma2=(1.0,))),
     ("none", dict(holdout=0.2)), ("pooled-train", dict(holdout=0.2)), ("none", dict(grid_gamma0=(1.0,))),
 ])
 def test_a_setting_of_another_selection_is_an_error_not_a_no_op(select, changes):

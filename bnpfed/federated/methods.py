@@ -231,10 +231,10 @@ class ExperimentConfig:
 class Experiment:
     """One experiment's data, partition and configs, and what several of its methods share.
 
-    The partition is drawn once (``partition.split(labels, seed)``); with ``select="federated"`` each client then
-    holds out ``holdout`` of its examples. The clients' local models (round 1 of training, from their own
-    initialisations or from the shared one) are trained on first use and kept for the other methods, as are PFNM's
-    selected hyper-parameters. Nothing else is kept between calls.
+    The partition is drawn once (``partition.split(labels, seed)``); with ``select="federated"`` or
+    ``"operating-point"`` each client then holds out ``holdout`` of its examples. The clients' local models (round 1
+    of training, from their own initialisations or from the shared one) are trained on first use and kept for the
+    other methods, as are PFNM's selected hyper-parameters. Nothing else is kept between calls.
 
     :param Dataset dataset: the data.
     :param progress: show a progress bar of client trainings (tqdm, on stderr). Default False.

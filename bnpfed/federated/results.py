@@ -72,13 +72,15 @@ class MethodResult:
 
 @dataclass
 class Selection:
-    """PFNM's hyper-parameters as :func:`~bnpfed.federated.methods.select_hyperparameters` chose them.
+    """PFNM's hyper-parameters as :func:`~bnpfed.federated.methods.select_hyperparameters` (a grid) or
+    :func:`~bnpfed.federated.operating_point.select_operating_point` chose them.
 
     :param PFNMConfig config: the PFNM config with the chosen ``sigma2``, ``sigma0_2``, ``gamma0``.
-    :param str by: ``"none"``, ``"federated"`` or ``"pooled-train"``.
+    :param str by: ``"none"``, ``"federated"``, ``"pooled-train"`` or ``"operating-point"``.
     :param float score: the chosen candidate's validation accuracy (NaN when nothing was selected).
     :param list curve: every candidate's ``sigma2, sigma0_2, gamma0, hidden, validation`` (and ``test``, when a
-        test split was given).
+        test split was given); for ``"operating-point"`` its ``factor, sigma2, hidden, parameters, validation, se,
+        chosen`` (and ``test``).
     :param SpecMatch match: the chosen candidate's one-shot matching (batch-norm statistics re-estimated).
     """
 
