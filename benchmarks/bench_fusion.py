@@ -335,11 +335,11 @@ def resumable_setting(out: Path, ds, name: str, published: dict, *, partitions, 
                 figures = published.get(row.method, (math.nan, math.nan))
                 line = dict(key=f"{base}/{row.method}", partition=partition, method=row.method, rounds=rounds,
                             local_epochs=local_epochs, source=ds.source, accuracy=100 * row.accuracy,
-                            ece=100 * row.ece, nll=row.nll, brier=row.brier, mean_sigma=row.mean_sigma,
-                            published_accuracy=figures[0], published_ece=figures[1],
+                            ece=100 * row.ece, ece_floor=100 * row.ece_floor, nll=row.nll, brier=row.brier,
+                            mean_sigma=row.mean_sigma, published_accuracy=figures[0], published_ece=figures[1],
                             wall_seconds=time.perf_counter() - t0,
-                            history=[dict(round=h["round"], accuracy=h["accuracy"], ece=h.get("ece"))
-                                     for h in row.history])
+                            history=[dict(round=h["round"], accuracy=h["accuracy"], ece=h.get("ece"),
+                                          ece_floor=h.get("ece_floor")) for h in row.history])
                 with out.open("a") as f:
                     f.write(json.dumps(line) + "\n")
                 print(line["key"], round(line["accuracy"], 2), round(line["ece"], 2), flush=True)

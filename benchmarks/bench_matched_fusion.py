@@ -42,7 +42,8 @@ from bench_pfnm import _done, _emit  # noqa: E402  (the resumable JSON-lines fil
 HERE = Path(__file__).parent
 SHARED = HERE.parent.parent / "shared" / "data"
 RULES = ("eaa", "gaa", "log_variance", "pooling", "conflation")
-METRICS = ("accuracy", "nll", "ece", "ece15", "brier", "auroc_max_prob", "auroc_entropy", "width", "parameters")
+METRICS = ("accuracy", "nll", "ece", "ece_floor", "ece15", "brier", "auroc_max_prob", "auroc_entropy", "width",
+           "parameters")
 FOLDERS = {"mnist": "MNIST", "fashion-mnist": "FashionMNIST"}
 
 
@@ -64,8 +65,8 @@ def _bayesian(args) -> BayesianConfig:
 def _row(r) -> dict:
     out = {m: getattr(r, m) for m in METRICS}
     out.update(hidden=r.hidden, server_seconds=r.server_seconds, mean_sigma=r.mean_sigma,
-               history=[{k: h.get(k) for k in ("round", "accuracy", "nll", "ece", "ece15", "brier", "hidden",
-                                               "mean_sigma")} for h in r.history])
+               history=[{k: h.get(k) for k in ("round", "accuracy", "nll", "ece", "ece_floor", "ece15", "brier",
+                                               "hidden", "mean_sigma")} for h in r.history])
     return out
 
 

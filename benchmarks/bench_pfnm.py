@@ -26,7 +26,7 @@ Parts (each writes JSON lines to ``--out`` and can be resumed: finished configur
   J = 10, Dirichlet(0.5) and IID: every method of the convolutional benchmark, one JSON line per method as it ends;
 * ``compress``: one-shot PFNM with bnpfed's defaults (dead units left out, empirical Bayes from both starts)
   against the behaviour before on the same local models (``--arch``, ``--dataset``, ``--partitions``), with
-  parameters;
+  parameters (dense, and the nonzero ones of the global network);
 * ``operating``: one-shot PFNM at the operating point chosen on the clients' held-out splits
   (``select="operating-point"``, ``--arch``), with every candidate of the choice;
 * ``cnn-timing``: LeNet's groups matched for J = 25 (IID, seed 0): seconds per group, best of 3, empirical Bayes
@@ -185,6 +185,12 @@ def part_timing(ds, out: Path) -> None:
 def _accuracy(net, ds) -> float:
     with torch.no_grad():
         return float((net.eval()(ds.x_test).argmax(-1) == ds.y_test).double().mean())
+
+
+def _nonzero(net) -> int:
+    """The parameters of ``net`` that are not exactly 0 (a matched global unit is 0 on every column of the units
+    below that none of its members' clients holds: its size if stored sparse)."""
+    return sum(int((p != 0).sum()) for p in net.parameters())
 
 
 def _layers(match) -> list[dict]:
@@ -385,6 +391,7 @@ def part_compress(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=(
         result = run_experiment(ds, **configs)
         rows = {r.method: dict(_row(r), parameters=r.parameters) for r in result.rows}
         rows["pfnm"]["layers"] = _layers(result.selection.match)
+        rows["pfnm"]["nonzero"] = _nonzero(result.selection.match.network())
         before = pfnm_step(result.local_models, result.class_counts,
                            PFNMConfig(starts="small-noise", inactive="keep"), seed=seed, round=1,
                            input_shape=ds.input_shape)

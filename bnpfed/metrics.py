@@ -15,7 +15,9 @@ Usage::
 
 from typing import Any
 
+import numpy as np
 import torch
+from scipy.signal import fftconvolve
 from torch import Tensor, nn
 
 from bnpfed.validation import check_float, check_int
@@ -30,6 +32,7 @@ __all__ = [
     "classification_report",
     "count_parameters",
     "ece_from_gaps",
+    "ece_noise_floor",
     "expected_calibration_error",
     "nll",
     "ood_auroc",
@@ -149,6 +152,54 @@ def expected_calibration_error(probs: Any, labels: Any, n_bins: int = 15) -> flo
     """
     check_int(n_bins, "n_bins", low=1)
     return _expected_calibration_error(*_validated(probs, labels), n_bins)
+
+
+def _poisson_binomial_pmf(p: np.ndarray) -> np.ndarray:
+    """(n + 1,) the law of the number of successes of independent Bernoulli(p_i) trials: a product of the n
+    polynomials ``(1 - p_i) + p_i z``, multiplied pairwise (by FFT above 64 trials), O(n log^2 n)."""
+    if p.size <= 64:
+        pmf = np.ones(1)
+        for q in p:
+            pmf = np.concatenate([pmf * (1.0 - q), [0.0]]) + np.concatenate([[0.0], pmf * q])
+        return pmf
+    half = p.size // 2
+    pmf = fftconvolve(_poisson_binomial_pmf(p[:half]), _poisson_binomial_pmf(p[half:]))
+    return np.clip(pmf, 0.0, None)   # the FFT's rounding leaves entries of about -1e-17 where the law is 0
+
+
+def _ece_noise_floor(probs: Tensor, n_bins: int) -> float:
+    confidences = probs.double().max(dim=1).values
+    edges = torch.linspace(0, 1, n_bins + 1, dtype=torch.float64, device=probs.device)
+    bins = (torch.bucketize(confidences, edges, right=False) - 1).clamp_(0, n_bins - 1)
+    confidences, bins = confidences.cpu().numpy(), bins.cpu().numpy()
+    total = 0.0
+    for b in np.unique(bins):
+        p = confidences[bins == b]
+        pmf = _poisson_binomial_pmf(p)
+        total += float(pmf @ np.abs(np.arange(pmf.size) - p.sum()))
+    return total / confidences.size
+
+
+def ece_noise_floor(probs: Any, n_bins: int = 15) -> float:
+    """The expected calibration error of a *perfectly calibrated* predictor that gives these confidences: what
+    :func:`expected_calibration_error` measures on average when prediction n is right with probability exactly
+    ``conf_n`` (independently), i.e. the part of an ECE that the finite test split alone produces.
+
+    ``floor = (1/N) sum_b E|S_b - sum_{n in B_b} conf_n|`` with ``S_b`` the number of right predictions in bin b, a
+    Poisson-binomial variable (its law computed exactly), the bins those of :func:`expected_calibration_error`. An
+    ECE at its floor is as calibrated as the test split can tell; with many bins and few examples the floor is not
+    small: a 784-100-10 MNIST client at 0.956 test accuracy (10,000 test images) has ECE 0.019 with 100 bins against
+    a floor of 0.010, so no predictor with its confidences can show an ECE much below half of its.
+
+    One example predicted at 0.8 (right with probability 0.8, then off by 0.2, else by 0.8)::
+
+        >>> round(ece_noise_floor([[0.8, 0.2]]), 6)
+        0.32
+
+    :param int n_bins: number of equal-width confidence bins, as for :func:`expected_calibration_error`.
+    """
+    check_int(n_bins, "n_bins", low=1)
+    return _ece_noise_floor(_validated_probs(probs), n_bins)
 
 
 def calibration_gaps(probs: Any, labels: Any, n_bins: int = 15) -> Tensor:

@@ -9,7 +9,7 @@ from sklearn.metrics import accuracy_score, brier_score_loss, log_loss
 from torch import nn
 
 from bnpfed.metrics import (NLL_EPS, accuracy, brier_score, calibration_report, classification_report,
-                            count_parameters, expected_calibration_error, nll, ood_auroc, ood_scores)
+                            count_parameters, ece_noise_floor, expected_calibration_error, nll, ood_auroc, ood_scores)
 
 
 def random_predictions(seed, n=500, num_classes=4):
@@ -320,3 +320,70 @@ def test_ood_auroc_refuses_different_numbers_of_classes():
         ood_auroc(GOOD_PROBS, [[0.2, 0.3, 0.5]])
     with pytest.raises(ValueError, match="probs_out"):
         ood_auroc(GOOD_PROBS, torch.tensor([[1, 0], [0, 1]]))  # integer dtype
+
+
+# --- the noise floor of the ECE ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_poisson_binomial_law_matches_enumerating_every_outcome(seed):
+    from itertools import product
+
+    from bnpfed.metrics import _poisson_binomial_pmf
+    p = np.random.default_rng(seed).uniform(0.05, 0.99, size=11)
+    expected = np.zeros(12)
+    for outcome in product((0, 1), repeat=11):
+        o = np.array(outcome)
+        expected[o.sum()] += np.prod(np.where(o == 1, p, 1 - p))
+    np.testing.assert_allclose(_poisson_binomial_pmf(p), expected, rtol=1e-10, atol=1e-15)
+
+
+def test_poisson_binomial_law_of_equal_trials_is_the_binomial_through_the_fft_products():
+    from scipy.stats import binom
+
+    from bnpfed.metrics import _poisson_binomial_pmf
+    np.testing.assert_allclose(_poisson_binomial_pmf(np.full(300, 0.9)), binom.pmf(np.arange(301), 300, 0.9),
+                               atol=1e-12)
+
+
+def test_ece_floor_of_one_bin_is_de_moivres_mean_absolute_deviation_over_n():
+    # n predictions at confidence p in one bin: E|S - np| of S ~ Binomial(n, p) is, by de Moivre's closed form,
+    # 2 (1 - p)^(n - m) p^(m + 1) (m + 1) C(n, m + 1) with m = floor(np)
+    n, p = 40, 0.855
+    m = math.floor(n * p)
+    mad = 2 * (1 - p) ** (n - m) * p ** (m + 1) * (m + 1) * math.comb(n, m + 1)
+    probs = np.tile([p, 1 - p], (n, 1))
+    assert ece_noise_floor(probs, n_bins=100) == pytest.approx(mad / n, rel=1e-10)
+
+
+def test_ece_floor_is_the_mean_ece_of_labels_drawn_from_the_confidences():
+    """Monte Carlo: each prediction right with probability its confidence; 400 draws, 4 standard errors."""
+    rng = np.random.default_rng(0)
+    probs = rng.dirichlet(np.full(5, 0.4), size=2000)
+    conf, pred = probs.max(axis=1), probs.argmax(axis=1)
+    eces = []
+    for _ in range(400):
+        right = rng.random(conf.size) < conf
+        labels = np.where(right, pred, (pred + 1) % 5)
+        eces.append(expected_calibration_error(probs, labels, n_bins=100))
+    floor = ece_noise_floor(probs, n_bins=100)
+    assert abs(np.mean(eces) - floor) < 4 * np.std(eces) / math.sqrt(len(eces))
+    assert floor > 0.02   # 2,000 examples in 100 bins: far from 0
+
+
+def test_ece_floor_shrinks_with_fewer_bins_and_more_examples():
+    probs = np.random.default_rng(1).dirichlet(np.full(4, 0.5), size=4000)
+    assert ece_noise_floor(probs, 15) < ece_noise_floor(probs, 100)
+    assert ece_noise_floor(probs, 100) < ece_noise_floor(probs[:1000], 100)
+
+
+def test_ece_floor_of_certain_predictions_is_zero():
+    assert ece_noise_floor([[1.0, 0.0], [0.0, 1.0]], n_bins=100) == 0.0
+
+
+@pytest.mark.parametrize("probs, argument", [(b[0], b[2]) for b in BAD_INPUTS if b[2] == "probs"])
+def test_ece_floor_refuses_bad_probabilities_by_name(probs, argument):
+    with pytest.raises(ValueError, match=rf"\b{argument}\b"):
+        ece_noise_floor(probs)
+    with pytest.raises(ValueError, match="n_bins"):
+        ece_noise_floor(GOOD_PROBS, n_bins=0)

@@ -38,9 +38,9 @@ from bnpfed.validation import check_choice
 
 PROG = "bnpfed fuse"
 FEDAVG = "fedavg"
-COLUMNS = ["method", "accuracy", "nll", "ece", "brier", "mean_sigma", "rounds", "server_seconds"]
+COLUMNS = ["method", "accuracy", "nll", "ece", "ece_floor", "brier", "mean_sigma", "rounds", "server_seconds"]
 #: ``--align match``'s table: the metrics that line up across runs (issue "matching Bayesian neurons").
-MATCH_COLUMNS = ["method", "accuracy", "nll", "ece", "ece15", "brier", "width", "parameters", "rounds",
+MATCH_COLUMNS = ["method", "accuracy", "nll", "ece", "ece_floor", "ece15", "brier", "width", "parameters", "rounds",
                  "server_seconds"]
 OOD_COLUMNS = ["auroc_max_prob", "auroc_entropy"]
 MATCH_PREFIX = methods.MATCH_PREFIX
@@ -55,7 +55,9 @@ PAPER = {"standardize": False, "arch": "lenet-paper", "min_variance": PAPER_MIN_
 NOT_PAPER = {"standardize": True, "arch": NetworkConfig().arch, "min_variance": FusionConfig().min_variance}
 SERVER_SECONDS = ("server_seconds: the server's aggregation time (fusion or averaging) summed over the rounds; local "
                   "training and evaluation are not included. mean_sigma: the mean posterior standard deviation of the "
-                  "Bayesian weights (- for FedAvg, which has none).")
+                  "Bayesian weights (- for FedAvg, which has none). ece_floor: the ECE a perfectly calibrated model "
+                  "with the same confidences would show on this test split (an ece near it is as calibrated as the "
+                  "split can tell).")
 
 
 def add_parser(sub):

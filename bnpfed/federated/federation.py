@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from bnpfed.data import Dataset
 from bnpfed.federated.clients import batch_norm_moments_step
 from bnpfed.federated.server import batch_norm_steps, sample_clients
-from bnpfed.metrics import classification_report, expected_calibration_error
+from bnpfed.metrics import classification_report, ece_noise_floor, expected_calibration_error
 from bnpfed.validation import check_fraction, check_int
 
 __all__ = ["EVAL_CHUNK", "Federation", "RoundRecord", "check_parts", "reestimate_statistics"]
@@ -134,11 +134,13 @@ class Federation(ABC):
 
     def evaluate(self) -> dict[str, float]:
         """``accuracy``, ``nll``, ``ece`` (``ece_bins`` bins), ``ece15`` (15 bins) and ``brier`` of the global model on
-        the test split."""
+        the test split, and ``ece_floor``: the ECE (``ece_bins`` bins) a perfectly calibrated model with the same
+        confidences would show on it (:func:`~bnpfed.metrics.ece_noise_floor`)."""
         x = self.dataset.x_test
         probs = torch.cat([self.predict_proba(x[i:i + EVAL_CHUNK]) for i in range(0, len(x), EVAL_CHUNK)])
         out = classification_report(probs, self.dataset.y_test, n_bins=self.ece_bins)
         out["ece15"] = expected_calibration_error(probs, self.dataset.y_test, 15)
+        out["ece_floor"] = ece_noise_floor(probs, self.ece_bins)
         return out
 
     @abstractmethod

@@ -83,7 +83,8 @@ from bnpfed.inference.batch_norm import batch_norm_order
 from bnpfed.inference.kl_fusion import kl_fusion
 from bnpfed.inference.permutation import SpecMatch, derive_spec
 from bnpfed.inference.posterior_matching import matched_rules
-from bnpfed.metrics import classification_report, count_parameters, expected_calibration_error, ood_auroc
+from bnpfed.metrics import (classification_report, count_parameters, ece_noise_floor, expected_calibration_error,
+                            ood_auroc)
 from bnpfed.report import plural
 from bnpfed.seeding import Stream, derive_seed
 from bnpfed.validation import check_choice, check_fraction, check_int, check_positives
@@ -353,11 +354,13 @@ class Experiment:
                       "the epochs and the data)")
 
     def report(self, probs: torch.Tensor, ood_probs: Optional[torch.Tensor] = None) -> dict[str, float]:
-        """Accuracy, NLL, ECE (``ece_bins``), ECE with 15 bins (``ece15``) and Brier score of test-set probabilities;
+        """Accuracy, NLL, ECE (``ece_bins``), ECE with 15 bins (``ece15``), the ECE's noise floor (``ece_floor``:
+        :func:`~bnpfed.metrics.ece_noise_floor`, ``ece_bins``) and Brier score of test-set probabilities;
         with ``ood_probs`` (the same predictor on the out-of-distribution images) also ``auroc_max_prob`` and
         ``auroc_entropy`` (:func:`~bnpfed.metrics.ood_auroc`)."""
         out = classification_report(probs, self.dataset.y_test, n_bins=self.config.ece_bins)
         out["ece15"] = expected_calibration_error(probs, self.dataset.y_test, 15)
+        out["ece_floor"] = ece_noise_floor(probs, self.config.ece_bins)
         if ood_probs is not None:
             out.update(ood_auroc(probs, ood_probs))
         return out

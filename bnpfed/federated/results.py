@@ -33,6 +33,9 @@ class MethodResult:
     :param float mean_sigma: the mean posterior standard deviation of the Bayesian weights (NaN for deterministic
         methods).
     :param float ece15: the ECE with 15 bins (``ece`` has the experiment's ``ece_bins``).
+    :param float ece_floor: the ECE (``ece_bins``) that a perfectly calibrated model with the same confidences would
+        show on the test split (:func:`~bnpfed.metrics.ece_noise_floor`): an ``ece`` near it is as calibrated as the
+        test split can tell; NaN where the probabilities were not at hand (Flower's shard sums).
     :param float auroc_max_prob: with an out-of-distribution test set (``Experiment(ood=...)``), the AUROC of telling
         in- from out-of-distribution inputs by the maximum predicted probability (``auroc_entropy``: by the
         predictive entropy); NaN without one.
@@ -54,6 +57,7 @@ class MethodResult:
     server_seconds: float = math.nan
     mean_sigma: float = math.nan
     ece15: float = math.nan
+    ece_floor: float = math.nan
     auroc_max_prob: float = math.nan
     auroc_entropy: float = math.nan
     width: int = 0
@@ -65,7 +69,7 @@ class MethodResult:
     def from_metrics(cls, method: str, metrics: dict, **fields) -> "MethodResult":
         """A row from a metrics dict (``accuracy``, ``nll``, ``ece``, ``brier``, e.g. ``Experiment.report(probs)``)
         and any other fields."""
-        extra = {k: metrics[k] for k in ("ece15", "auroc_max_prob", "auroc_entropy") if k in metrics}
+        extra = {k: metrics[k] for k in ("ece15", "ece_floor", "auroc_max_prob", "auroc_entropy") if k in metrics}
         return cls(method=method, accuracy=metrics["accuracy"], nll=metrics["nll"], ece=metrics["ece"],
                    brier=metrics["brier"], **extra, **fields)
 
