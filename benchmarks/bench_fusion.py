@@ -401,30 +401,25 @@ def main(argv=None):
                         help="interleaved passes of the SVI table, best kept (more on a loaded machine)")
     args = parser.parse_args(argv)
     parts = args.part.split(",")
-    if "paper-long" in parts:
+    methods = {"methods": tuple(args.rules.split(","))} if args.rules else {}
+    schedule = dict(rounds=args.rounds, local_epochs=args.local_epochs, batch_size=args.batch_size, lr=args.lr)
+    long_parts = {   # the parts that run for hours, each writing its own resumable JSON lines
+        "paper-long": lambda: paper_long_setting(
+            args.out if args.out != DEFAULT_CIFAR_OUT else str(Path(__file__).parent / "results" /
+                                                              "fusion_fashion_paper.jsonl"),
+            args.data_dir, **schedule, **methods),
+        "cifar10": lambda: cifar10_setting(args.out, args.cifar_dir, partitions=tuple(args.partitions.split(",")),
+                                           **schedule, **methods),
+    }
+    for part in [p for p in long_parts if p in parts]:
         torch.set_num_threads(1)
-        out = args.out if args.out != DEFAULT_CIFAR_OUT else str(Path(__file__).parent / "results" /
-                                                                  "fusion_fashion_paper.jsonl")
-        rows = paper_long_setting(out, args.data_dir, rounds=args.rounds, local_epochs=args.local_epochs,
-                                  batch_size=args.batch_size, lr=args.lr,
-                                  **({"methods": tuple(args.rules.split(","))} if args.rules else {}))
+        rows = long_parts[part]()
         print(format_table([{k: v for k, v in r.items() if k not in ("history", "key", "source")} for r in rows],
                            digits=3))
-        parts.remove("paper-long")
-        if not parts:
-            return
-        args.part = ",".join(parts)
-    if "cifar10" in parts:
-        torch.set_num_threads(1)
-        rows = cifar10_setting(args.out, args.cifar_dir, partitions=tuple(args.partitions.split(",")),
-                               rounds=args.rounds, local_epochs=args.local_epochs, batch_size=args.batch_size,
-                               lr=args.lr, methods=tuple(args.rules.split(",")) if args.rules else CIFAR10_METHODS)
-        print(format_table([{k: v for k, v in r.items() if k not in ("history", "key", "source")} for r in rows],
-                           digits=3))
-        parts.remove("cifar10")
-        if not parts:
-            return
-        args.part = ",".join(parts)
+        parts.remove(part)
+    if not parts:
+        return
+    args.part = ",".join(parts)
     run(tuple(args.part.split(",")), quick=args.quick, baseline_ref=args.baseline_ref,
         svi_repeats=args.svi_repeats, rounds=args.rounds,
         local_epochs=args.local_epochs, batch_size=args.batch_size, lr=args.lr,
