@@ -243,3 +243,29 @@ def test_pfnms_ensemble_budget_over_rounds_is_the_clients_own_networks_too(digit
         limits.append(fed.match.size_searches["parameters"].limit)
         assert count_parameters(fed.match.network()) <= 3 * count_parameters(client)
     assert limits == [3 * count_parameters(client)] * 2
+
+
+@pytest.mark.parametrize("arch", ["lenet", "simple-cnn-bn"])
+def test_the_layer_after_a_flatten_is_matched_compact_with_the_dense_result(digits, monkeypatch, arch):
+    """match_by_spec hands PFNM's matcher each client's fc units on the columns of the channels it holds
+    (CompactRows: no (N, D) array of the layer), and the global network is the one the dense arrays give."""
+    import bnpfed.inference.driver as driver
+    from bnpfed.inference import match_by_spec, match_layer
+    parts = PartitionConfig(clients=6).split(digits.y_train.numpy(), seed=1)
+    nets = []
+    for j, p in enumerate(parts):
+        net = initial_network(NetworkConfig(arch=arch), digits.input_shape, digits.num_classes, seed=0, client=j)
+        nets.append(train_network(net, digits.x_train[p], digits.y_train[p], TRAIN, seed=0, round=1, client=j))
+    built = []
+    make = driver.make_matcher
+    monkeypatch.setattr(driver, "make_matcher", lambda *a, **k: built.append(make(*a, **k)) or built[-1])
+    compact = match_by_spec(nets, input_shape=digits.input_shape, seed=0)
+    assert [m.compact for m in built][-2] is True      # fc1, after the Flatten (conv2's channels re-indexed)
+    built.clear()
+    dense = match_by_spec(nets, input_shape=digits.input_shape, seed=0, layer_fn=lambda *a, **k: match_layer(*a, **k))
+    assert not any(m.compact for m in built)
+    assert compact.widths == dense.widths
+    for name in compact.assignments:
+        assert [a.tolist() for a in compact.assignments[name]] == [a.tolist() for a in dense.assignments[name]]
+    for key, value in dense.state.items():
+        torch.testing.assert_close(compact.state[key], value, rtol=1e-9, atol=1e-10)

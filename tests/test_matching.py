@@ -1000,3 +1000,95 @@ def test_the_atom_sums_of_an_assignment_are_its_members_sums(layer):
         for l, i in enumerate(a):
             expected[i] += np.asarray(v)[l, mt.F]
     np.testing.assert_allclose(mt.shared_sums(labels, L), expected, rtol=1e-13, atol=1e-13)
+
+
+# --- compact rows (issue 18): a layer after a Flatten held on each client's own columns end to end ------------------
+
+@pytest.mark.parametrize("settings", [dict(seed=0), dict(seed=2), dict(seed=1, hyperparameters="fixed", sigma2=0.1,
+                                                                       sigma0_2=1.0, gamma0=3.0)])
+@pytest.mark.parametrize("cross_products", ["direct", "gram"])
+def test_compact_rows_give_the_matching_of_the_dense_arrays(settings, cross_products):
+    """The neurons as CompactRows (no (N, D) array of them anywhere: the matcher, the estimator's moments and the
+    atom sums read each client's own columns) give the dense arrays' matching: assignments, atoms, precisions,
+    objectives, estimates and the full log likelihood."""
+    from bnpfed.inference.layer_inputs import CompactRows
+    from bnpfed.inference.matcher import make_matcher
+    neurons = _layer_after_a_flatten(settings["seed"], J=8)
+    rows = [CompactRows.from_dense(v) for v in neurons]
+    mt = make_matcher(rows)
+    assert mt.compact and mt.vF_all is None and not mt.dense_clients
+    compact = match_layer(rows, cross_products=cross_products, **settings)
+    dense = match_layer(neurons, cross_products=cross_products, **settings)
+    assert [a.tolist() for a in compact.assignments] == [a.tolist() for a in dense.assignments]
+    assert compact.global_atoms.dtype == dense.global_atoms.dtype == torch.float64
+    torch.testing.assert_close(compact.global_atoms, dense.global_atoms, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(compact.posterior_precision, dense.posterior_precision, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(compact.objective, dense.objective, rtol=1e-10)
+    assert compact.log_likelihood == pytest.approx(dense.log_likelihood, rel=1e-10)
+    for name, value in dense.hyperparameters.items():
+        torch.testing.assert_close(torch.as_tensor(compact.hyperparameters[name]), torch.as_tensor(value),
+                                   rtol=1e-9, atol=1e-12)
+
+
+def test_compact_atom_moments_in_blocks_equal_the_whole_sums():
+    """The pooled moments' per-atom ``||S_i / W_i||^2`` and per-coordinate ``sum_i S_i / W_i``, atom block by atom
+    block (a wide layer's), equal those of the whole (L, |F|) sums, counted neuron by neuron."""
+    from bnpfed.inference.layer_inputs import CompactRows
+    from bnpfed.inference.matcher import make_matcher
+    neurons = _layer_after_a_flatten(4, J=7)
+    mt = make_matcher([CompactRows.from_dense(v) for v in neurons])
+    rng = np.random.default_rng(1)
+    L = 11
+    labels = [rng.choice(L, size=len(v), replace=False) for v in neurons]
+    S = np.zeros((L, mt.F.size))
+    for v, a in zip(neurons, labels):
+        for l, i in enumerate(a):
+            S[i] += np.asarray(v)[l, mt.F]
+    W = np.bincount(np.concatenate(labels), minlength=L).astype(float)
+    W[W == 0] = 1.0
+    for budget in (2 ** 24, mt.F.size, 3 * mt.F.size + 1):   # whole, one atom a block, three atoms a block
+        sq, total = mt.shared_atom_moments(labels, L, W, budget=budget)
+        np.testing.assert_allclose(sq, (S ** 2).sum(axis=1) / W ** 2, rtol=1e-12)
+        np.testing.assert_allclose(total, (S / W[:, None]).sum(axis=0), rtol=1e-12, atol=1e-14)
+    x = np.concatenate([np.asarray(v)[:, mt.F] for v in neurons])
+    np.testing.assert_allclose(mt.shared_moments()[0], x.sum(axis=0), rtol=1e-12, atol=1e-14)
+    assert mt.shared_moments()[1] == pytest.approx(float((x ** 2).sum()), rel=1e-12)
+
+
+def test_a_compact_client_on_most_columns_makes_the_layer_dense():
+    """CompactRows are a way of holding the data, not a different model: where some client uses more than
+    SPARSE_SHARE of the shared columns, the matcher holds the layer dense, with the same matching."""
+    from bnpfed.inference.layer_inputs import CompactRows
+    from bnpfed.inference.matcher import make_matcher
+    neurons = _layer_after_a_flatten(6)
+    neurons[0] = torch.as_tensor(np.random.default_rng(0).normal(size=tuple(neurons[0].shape)))
+    rows = [CompactRows.from_dense(v) for v in neurons]
+    assert not make_matcher(rows).compact
+    a, b = match_layer(rows, seed=0), match_layer(neurons, seed=0)
+    assert [x.tolist() for x in a.assignments] == [x.tolist() for x in b.assignments]
+    torch.testing.assert_close(a.global_atoms, b.global_atoms, rtol=1e-12, atol=1e-14)
+
+
+def test_the_average_of_compact_rows_is_the_average_of_the_dense_ones():
+    from bnpfed.inference.layer_inputs import CompactRows
+    neurons = _layer_after_a_flatten(7)
+    rng = np.random.default_rng(2)
+    labels = [rng.choice(9, size=len(v), replace=False) for v in neurons]
+    D = neurons[0].shape[1]
+    shares = np.ones((len(neurons), D))
+    shares[:, -1] = rng.uniform(0.1, 1.0, size=len(neurons))   # a per-client coordinate, weighted by omega
+    dense = average_atoms(neurons, labels, precisions=shares)
+    compact = average_atoms([CompactRows.from_dense(v) for v in neurons], labels, precisions=shares)
+    assert torch.equal(compact, dense)
+
+
+def test_compact_rows_are_refused_where_they_do_not_apply():
+    from bnpfed.inference import match_bayesian_layer
+    from bnpfed.inference.layer_inputs import CompactRows
+    with pytest.raises(ValueError, match="columns: expected increasing coordinates in \\[0, 4\\)"):
+        CompactRows(np.ones((2, 2)), [3, 1], 4)
+    with pytest.raises(ValueError, match="values: expected shape \\(L_j, 3\\)"):
+        CompactRows(np.ones((2, 2)), [0, 1, 2], 4)
+    rows = [CompactRows.from_dense(v) for v in _layer_after_a_flatten(0)]
+    with pytest.raises(ValueError, match="means\\[0\\]: expected an array of shape \\(L_j, D\\), got CompactRows"):
+        match_bayesian_layer(rows, [np.full(r.shape, 0.1) for r in rows], seed=0)

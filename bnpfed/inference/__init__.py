@@ -19,6 +19,7 @@ floor. The clients: :mod:`~bnpfed.inference.svi` (variational, by SVI; determini
 from bnpfed.inference.matching import REFERENCE_CONSTANTS, MatchResult, assignment_objective, match_layer
 from bnpfed.inference.bayesian_matching import bayesian_assignment_objective, match_bayesian_layer
 from bnpfed.inference.matching import average_atoms, averaging_weights
+from bnpfed.inference.layer_inputs import CompactRows
 from bnpfed.inference.permutation import (
     BatchNormMoments,
     GroupMatch,
@@ -50,6 +51,7 @@ __all__ = [
     "assignment_objective",
     "average_atoms",
     "averaging_weights",
+    "CompactRows",
     "match_layer",
     "match_bayesian_layer",
     "bayesian_assignment_objective",

@@ -118,7 +118,9 @@ class _Estimator:
         self.mt, self.given, self.notes = matcher, dict(given), []
         self.J, self.D, self.N = matcher.J, matcher.D, int(matcher.offsets[-1])
         #: (coordinates, suffix of the names, v, u, s): every neuron's means, variances and scales on the block
-        self.blocks = [(coords, suffix, *matcher.columns(coords)) for coords, suffix in pairs]
+        self.blocks = [(coords, suffix, *(
+            (None, None, None) if matcher.compact and np.array_equal(coords, matcher.F) else matcher.columns(coords)))
+            for coords, suffix in pairs]
         self._pooled = {}   # per block suffix, its pooled moments (both starts read them)
         empty = [j for j in range(self.J) if matcher.L[j] == 0]
         if empty:
@@ -140,6 +142,17 @@ class _Estimator:
         ubar = 0.0 if u is None else float((u * seen).sum() / max(seen.sum(), 1))
         return T, ubar, mean
 
+    @staticmethod
+    def pooled_shared(matcher: LayerMatcher) -> tuple[float, float, np.ndarray]:
+        """:meth:`pooled` of the shared block of a compact matcher (every scale 1, no posterior variance), from its
+        neurons' sums and sum of squares: ``T = (sum v^2 - N sum_d mean_d^2) / (|F| (N - 1))``."""
+        total, square = matcher.shared_moments()
+        N = int(matcher.offsets[-1])
+        mean = total / N
+        dof = float(matcher.F.size * max(N - 1, 0))
+        T = max(square - N * float(mean @ mean), 0.0) / dof if dof > 0 else 0.0
+        return T, 0.0, mean
+
     def _start(self, share: float, start: Mapping, mu0: np.ndarray) -> dict:
         """Per block with T its pooled variance and ubar its mean posterior variance: ``R = T - ubar`` (T where not
         positive) split ``share`` to the noise and the rest to sigma0_2, unless given or in ``start``; mu0 the
@@ -150,7 +163,7 @@ class _Estimator:
         mu = mu0.copy()
         for coords, suffix, v, u, s in self.blocks:
             if suffix not in self._pooled:
-                self._pooled[suffix] = self.pooled(v, u, s)
+                self._pooled[suffix] = self.pooled(v, u, s) if v is not None else self.pooled_shared(self.mt)
             T, ubar, mean = self._pooled[suffix]
             # no spread beyond rounding: the neurons' standard deviation below FLAT_RTOL of their typical size
             values["_flat" + suffix] = flat = not T > FLAT_RTOL ** 2 * float(np.mean(mean ** 2))
@@ -274,15 +287,23 @@ class PooledMoments(_Estimator):
             # the within-atom sum of squares as sum ||v||^2 - sum_i W_i ||xbar_i||^2 (no (N, D) residual array);
             # computed directly instead where that difference would lose more than half the digits
             # and the atom means xbar_i = S_i / W_i (S_i the sum of the members) through S alone
-            vA = mt.columns(A)[0]
             WA = np.bincount(flat, minlength=L).astype(float)
-            SA = mt.shared_sums(labels, L)
-            sq_xbar = np.einsum("ld,ld->l", SA, SA) / WA ** 2  # ||xbar_i||^2
-            sum_xbar = (1.0 / WA) @ SA                          # sum_i xbar_i, per coordinate
-            if self._sq_A is None:
-                self._sq_A = float(np.einsum("nd,nd->", vA, vA))
+            if mt.compact:   # no (N, |A|) array: the sums client by client, atom block by atom block
+                SA = None
+                sq_xbar, sum_xbar = mt.shared_atom_moments(labels, L, WA)
+                if self._sq_A is None:
+                    self._sq_A = mt.shared_moments()[1]
+            else:
+                vA = mt.columns(A)[0]
+                SA = mt.shared_sums(labels, L)
+                sq_xbar = np.einsum("ld,ld->l", SA, SA) / WA ** 2  # ||xbar_i||^2
+                sum_xbar = (1.0 / WA) @ SA                          # sum_i xbar_i, per coordinate
+                if self._sq_A is None:
+                    self._sq_A = float(np.einsum("nd,nd->", vA, vA))
             within = self._sq_A - float(WA @ sq_xbar)
             if not within > 1e-8 * self._sq_A:
+                if SA is None:   # (rare: the members of every atom agree to half the digits) the whole arrays
+                    vA, SA = mt.columns(A)[0], mt.shared_sums(labels, L)
                 res = vA - (SA / WA[:, None])[flat]
                 within = float(np.einsum("nd,nd->", res, res))
             num["A"], den["A"] = within, A.size * float((1.0 - 1.0 / WA[flat]).sum())
@@ -332,6 +353,7 @@ class PooledMoments(_Estimator):
                 # sum_i ||xbar_i - mu0||^2 = sum_i ||xbar_i||^2 - 2 mu0 . sum_i xbar_i + L ||mu0||^2
                 spread = float(sq_xbar.sum() - 2.0 * mu0[A] @ sum_xbar + L * mu0[A] @ mu0[A])
                 if not spread > 1e-8 * float(sq_xbar.sum()):
+                    SA = mt.shared_sums(labels, L) if SA is None else SA
                     spread = float(((SA / WA[:, None] - mu0[A]) ** 2).sum())
                 between[""] = (spread - out["sigma2"] * noise_share) / k if k > 0 else None
             else:

@@ -76,7 +76,7 @@ import torch
 from scipy.sparse import csr_matrix
 from torch import Tensor
 
-from bnpfed.inference.layer_inputs import validate_clients, validate_precisions
+from bnpfed.inference.layer_inputs import CompactRows, validate_clients, validate_precisions
 from bnpfed.inference.scoring import CHUNK_ELEMENTS, best_assignment, join_scores
 from bnpfed.validation import check_choice, check_device, check_float
 
@@ -203,12 +203,25 @@ def _columns(idx: np.ndarray):
     return idx
 
 
-def _flat(arrays: list[np.ndarray], idx: np.ndarray, D: int) -> np.ndarray:
-    """The (N, |idx|) columns ``idx`` of J (L_j, D) arrays, stacked in client order (contiguous)."""
+def _flat(arrays: list, idx: np.ndarray, D: int) -> np.ndarray:
+    """The (N, |idx|) columns ``idx`` of J (L_j, D) arrays (or :class:`CompactRows`), stacked in client order
+    (contiguous)."""
+    if any(isinstance(a, CompactRows) for a in arrays):
+        return np.ascontiguousarray(np.concatenate([a.on(idx) if isinstance(a, CompactRows) else a[:, _columns(idx)]
+                                                    for a in arrays]))
     if idx.size == D:
         return np.ascontiguousarray(np.concatenate(arrays))
     cols = _columns(idx)
     return np.ascontiguousarray(np.concatenate([a[:, cols] for a in arrays]))
+
+
+def _own_columns(rows: CompactRows, F: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A compact client's shared-block columns where some neuron of it is not 0 (positions in ``F``) and its rows
+    there: what the dense path finds by ``(v != 0).any(axis=0)`` on its (L_j, |F|) block."""
+    used = (rows.values != 0).any(axis=0)
+    _, mine, there = np.intersect1d(rows.columns, F, assume_unique=True, return_indices=True)
+    keep = used[mine]
+    return there[keep], np.ascontiguousarray(rows.values[:, mine[keep]])
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -242,17 +255,30 @@ class LayerMatcher:
         self.F = np.flatnonzero(plain & exact)   # shared
         self.C = np.flatnonzero(~plain & exact)  # per client
         self.N = np.flatnonzero(~exact)          # per neuron
+        own = [_own_columns(v, self.F) if isinstance(v, CompactRows) else None for v in V]
+        #: whether the neurons' shared block is held per client on its own columns only (every client given as
+        #: :class:`CompactRows`, each using at most :data:`SPARSE_SHARE` of the block): no (N, |F|) array of them
+        #: exists; otherwise any compact client is made dense
+        self.compact = bool(self.F.size) and all(o is not None and o[0].size <= SPARSE_SHARE * self.F.size
+                                                 for o in own)
+        if not self.compact:
+            V = [v.dense() if isinstance(v, CompactRows) else v for v in V]
         # every kind's (N, k) data of all neurons (clients in order), and each client's rows of it (views)
-        self.vF_all, self.vC_all, self.vN_all = (_flat(V, idx, D) for idx in (self.F, self.C, self.N))
+        self.vC_all, self.vN_all = (_flat(V, idx, D) for idx in (self.C, self.N))
+        self.vF_all = None if self.compact else _flat(V, self.F, D)
         self.uN_all = _flat(U, self.N, D) if U is not None else None
-        self.vF, self.vC, self.vN = (self.client_rows(a) for a in (self.vF_all, self.vC_all, self.vN_all))
+        self.vF = [None] * J if self.compact else self.client_rows(self.vF_all)
+        self.vC, self.vN = (self.client_rows(a) for a in (self.vC_all, self.vN_all))
         self.uN = self.client_rows(self.uN_all) if U is not None else [None] * J
         #: per client, the shared-block columns where some neuron of it is not 0, when they are few enough
         #: (:data:`SPARSE_SHARE`; None: all of them)
-        self.columns_of = [c if c.size <= SPARSE_SHARE * self.F.size else None
-                           for c in (np.flatnonzero((v != 0).any(axis=0)) for v in self.vF)]
-        self.vF_compact = [None if c is None else np.ascontiguousarray(v[:, c]) for v, c in zip(self.vF,
-                                                                                                  self.columns_of)]
+        if self.compact:
+            self.columns_of, self.vF_compact = (list(x) for x in zip(*own))
+        else:
+            self.columns_of = [c if c.size <= SPARSE_SHARE * self.F.size else None
+                               for c in (np.flatnonzero((v != 0).any(axis=0)) for v in self.vF)]
+            self.vF_compact = [None if c is None else np.ascontiguousarray(v[:, c]) for v, c in zip(self.vF,
+                                                                                                      self.columns_of)]
         #: whether some client uses most of the shared columns (then the (N, |F|) contributions are kept whole)
         self.dense_clients = any(c is None for c in self.columns_of)
         ones = np.ones(D)
@@ -316,19 +342,23 @@ class LayerMatcher:
     def columns(self, coords) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
         """Every neuron's (N, k) means, posterior variances (None: 0 on every coordinate) and precision scales
         (None: 1 on every coordinate) on the coordinates ``coords`` (sorted): the matcher's own arrays when they are
-        one kind's (no copy), else gathered."""
+        one kind's (no copy), else gathered. A compact matcher (:attr:`compact`) has no (N, |F|) array of its shared
+        block: asked for shared coordinates it builds one (what the estimators avoid: :meth:`shared_moments`)."""
         coords = np.asarray(coords)
+        vF_all = self.vF_all
+        if vF_all is None and np.isin(coords, self.F).any():
+            vF_all = np.zeros((int(self.offsets[-1]), self.F.size))
+            for j, (x, cols) in enumerate(zip(self.vF_compact, self.columns_of)):
+                vF_all[self.offsets[j]:self.offsets[j + 1], cols] = x
         scales = None
         if self.scales is not None and not (self.scales[:, coords] == 1.0).all():
             scales = np.repeat(self.scales[:, coords], self.L, axis=0)
-        for idx, v, u in ((self.F, self.vF_all, None), (self.C, self.vC_all, None), (self.N, self.vN_all,
-                                                                                      self.uN_all)):
+        for idx, v, u in ((self.F, vF_all, None), (self.C, self.vC_all, None), (self.N, self.vN_all, self.uN_all)):
             if np.array_equal(coords, idx):
                 return v, u, scales
         N = int(self.offsets[-1])
         v, u = np.empty((N, coords.size)), np.zeros((N, coords.size)) if self.N.size else None
-        for idx, vk, uk in ((self.F, self.vF_all, None), (self.C, self.vC_all, None), (self.N, self.vN_all,
-                                                                                      self.uN_all)):
+        for idx, vk, uk in ((self.F, vF_all, None), (self.C, self.vC_all, None), (self.N, self.vN_all, self.uN_all)):
             here = np.isin(coords, idx)
             v[:, here] = vk[:, np.searchsorted(idx, coords[here])]
             if uk is not None:
@@ -799,19 +829,57 @@ class LayerMatcher:
         self.assign = [a.copy() for a in self.client_rows(flat)]
 
     def shared_sums(self, labels: list[np.ndarray], L: int) -> np.ndarray:
-        """(L, |F|): per atom of the compact assignment ``labels`` (values 0 .. L-1) the sum of its members' means on
-        the shared coordinates, added client by client (on a client's own columns when it has few:
-        :attr:`columns_of`)."""
+        """(L, |F|): per atom of the compact assignment ``labels`` (values 0 .. L-1; -1 for a neuron left out) the sum
+        of its members' means on the shared coordinates, added client by client (on a client's own columns when it
+        has few: :attr:`columns_of`)."""
         out = np.zeros((L, self.F.size))
         for j, a in enumerate(labels):
             cols = self.columns_of[j]
-            if not a.size:
+            inside = a >= 0
+            if not inside.any():
                 continue
-            if cols is None:
-                out[a] += self.vF[j]
+            if not inside.all():   # a block of the atoms (:meth:`shared_atom_moments`): this client's rows in it
+                a = a[inside]
+                rows = self.vF[j][inside] if cols is None else self.vF_compact[j][inside]
             else:
-                out[np.ix_(a, cols)] += self.vF_compact[j]
+                rows = self.vF[j] if cols is None else self.vF_compact[j]
+            if cols is None:
+                out[a] += rows
+            else:
+                out[np.ix_(a, cols)] += rows
         return out
+
+    def shared_moments(self) -> tuple[np.ndarray, float]:
+        """The neurons' sum (|F|,) and sum of squares (a number) on the shared coordinates, client by client on
+        their own columns when the matcher is :attr:`compact` (computed once)."""
+        if getattr(self, "_shared_moments", None) is None:
+            if self.vF_all is not None:
+                self._shared_moments = (self.vF_all.sum(axis=0), float((self.vF_all ** 2).sum()))
+            else:
+                total, square = np.zeros(self.F.size), 0.0
+                for x, cols in zip(self.vF_compact, self.columns_of):
+                    total[cols] += x.sum(axis=0)
+                    square += float((x ** 2).sum())
+                self._shared_moments = (total, square)
+        return self._shared_moments
+
+    def shared_atom_moments(self, labels: list[np.ndarray], L: int, W: np.ndarray, budget: int = 2 ** 24
+                            ) -> tuple[np.ndarray, np.ndarray]:
+        """Per atom of the compact assignment ``labels`` (values 0 .. L-1, W members each) ``||S_i / W_i||^2`` and,
+        per shared coordinate, ``sum_i S_i / W_i``, S_i the atom's sum of its members' means (:meth:`shared_sums`):
+        at once when the (L, |F|) sums fit in ``budget`` entries, else atom block by atom block (the same sums per
+        atom, so no (L, |F|) array where the layer is wide)."""
+        if L * self.F.size <= budget:
+            S = self.shared_sums(labels, L)
+            return np.einsum("ld,ld->l", S, S) / W ** 2, (1.0 / W) @ S
+        step = max(1, budget // max(self.F.size, 1))
+        sq, total = np.empty(L), np.zeros(self.F.size)
+        for a0 in range(0, L, step):
+            a1 = min(a0 + step, L)
+            S = self.shared_sums([np.where((a >= a0) & (a < a1), a - a0, -1) for a in labels], a1 - a0)
+            sq[a0:a1] = np.einsum("ld,ld->l", S, S) / W[a0:a1] ** 2
+            total += (1.0 / W[a0:a1]) @ S
+        return sq, total
 
     def labels(self) -> tuple[list[np.ndarray], int]:
         """The current assignment as compact labels 0 .. L-1 (in storage order), and L."""
@@ -857,7 +925,7 @@ class LayerMatcher:
             gauss += float(self.F.size * np.log(P / self.P0).sum() + active.size * self.g0F_sq / self.P0
                            - (self.gF_sq[active] / P).sum())
             gauss += self.F.size * int(self.offsets[-1]) * math.log(2 * math.pi / self.tau) + float(
-                self.tau * (self.vF_all ** 2).sum())
+                self.tau * self.shared_moments()[1])
         for g, Pk, g0, P0, ws, vs in ((self.gC, self.PC, self.g0C, self.P0C, self.wC, self.vC),
                                       (self.gN, self.PN, self.g0N, self.P0N, self.wN, self.vN)):
             if not g.shape[1]:

@@ -133,7 +133,7 @@ from torch import Tensor
 
 from bnpfed.inference.empirical_bayes import (EB_RTOL, EB_START_NOISE_SHARE, SIGMA0_2_FLOOR, SIGMA2_FLOOR,
                                               PooledMoments, validate_start)
-from bnpfed.inference.layer_inputs import validate_mu0
+from bnpfed.inference.layer_inputs import CompactRows, validate_mu0
 from bnpfed.inference.driver import assignment_objective_of, match_one_layer
 from bnpfed.inference.matcher import MatchResult
 
@@ -228,7 +228,9 @@ def match_layer(
     :param neurons: sequence of J arrays or tensors of shape (L_j, D); L_j may differ, D may not. A client may have
         no neurons (shape (0, D), which the Beta-Bernoulli process gives with probability ``exp(-gamma0)``): it still
         counts in J (in ``log(gamma0/J)``, ``m/(J-m)`` and H_J) and gets an empty assignment. At least one client must
-        have a neuron. They are all the estimates see: no data set is needed.
+        have a neuron. They are all the estimates see: no data set is needed. A client may be given as
+        :class:`~bnpfed.inference.CompactRows` (its neurons on the columns it uses; after a Flatten a small share of
+        D): when every client is, the layer is held on each client's own columns end to end, with the same result.
     :param float sigma2: local noise variance; None (default): estimated (required with ``"fixed"``).
     :param float sigma0_2: prior variance of the atoms; None: estimated (required with ``"fixed"``).
     :param float gamma0: IBP mass; None: estimated (required with ``"fixed"``).
@@ -364,7 +366,8 @@ def average_atoms(neurons, assignments, *, precisions=None) -> Tensor:
     over all clients (:func:`averaging_weights`): the average over every client, one without a neuron on the atom
     counting as 0 -- so that the output layer built from it computes the clients' logits averaged class by class.
 
-    :param neurons: J arrays or tensors (L_j, D), as for :func:`match_layer`.
+    :param neurons: J arrays or tensors (L_j, D) or :class:`~bnpfed.inference.CompactRows`, as for
+        :func:`match_layer`.
     :param assignments: J integer arrays (L_j,) of atom labels 0 .. L-1 (a :class:`MatchResult`'s); labels may
         repeat within a client (a baseline such as k-means), the members then all count.
     :param precisions: optional (J, D) per-client precision scales, as for :func:`match_layer`.
@@ -373,7 +376,8 @@ def average_atoms(neurons, assignments, *, precisions=None) -> Tensor:
         ...               precisions=[[1.0, 0.25], [1.0, 0.75]])
         tensor([[2., 7.]], dtype=torch.float64)
     """
-    V = [torch.as_tensor(v, dtype=torch.float64) for v in neurons]
+    compact = any(isinstance(v, CompactRows) for v in neurons)
+    V = [v if isinstance(v, CompactRows) else torch.as_tensor(v, dtype=torch.float64) for v in neurons]
     J, D = len(V), V[0].shape[1]
     labels = [torch.as_tensor(a, dtype=torch.long).reshape(-1) for a in assignments]
     if len(labels) != J or any(a.numel() != v.shape[0] for a, v in zip(labels, V)):
@@ -383,6 +387,8 @@ def average_atoms(neurons, assignments, *, precisions=None) -> Tensor:
                                                                                           dtype=torch.float64)
     plain = (s == 1.0).all(0)
     omega = averaging_weights(s)
+    if compact:
+        return _average_compact(V, labels, L, plain, omega)
     total = torch.zeros(L, dtype=torch.float64)
     mean = torch.zeros(L, D, dtype=torch.float64)
     shared = torch.zeros(L, D, dtype=torch.float64)
@@ -393,3 +399,25 @@ def average_atoms(neurons, assignments, *, precisions=None) -> Tensor:
         mean.index_add_(0, a, v)
         shared.index_add_(0, a, omega[j] * v)
     return torch.where(plain, mean / total[:, None], shared)
+
+
+def _average_compact(V: list, labels: list, L: int, plain: Tensor, omega: Tensor) -> Tensor:
+    """:func:`average_atoms` of clients given as :class:`CompactRows` (others dense), with one (L, D) array: the
+    plain coordinates' sums divided by the member counts, the others' omega-weighted sums (the same sums, added in
+    the same client order, as the dense computation)."""
+    D = V[0].shape[1]
+    out = np.zeros((L, D))
+    plain, omega = plain.numpy(), omega.numpy()
+    for j, (v, a) in enumerate(zip(V, labels)):
+        if not a.numel():
+            continue
+        a = a.numpy()
+        cols, rows = (v.columns, v.values) if isinstance(v, CompactRows) else (np.arange(D), v.numpy())
+        rows = rows * np.where(plain[cols], 1.0, omega[j, cols])
+        if np.unique(a).size == a.size:
+            out[np.ix_(a, cols)] += rows
+        else:   # a baseline's labels may repeat within a client: every member counts
+            np.add.at(out, (a[:, None], cols[None, :]), rows)
+    counts = np.bincount(np.concatenate([a.numpy() for a in labels if a.numel()]), minlength=L).astype(float)
+    out[:, plain] /= counts[:, None]
+    return torch.from_numpy(out)

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from bnpfed.inference.activity import drop_units, kept_per_client
 from bnpfed.inference.assembly import client_slice, network_from_state, state_from_atoms
 from bnpfed.inference.derive import derive_spec
+from bnpfed.inference.layer_inputs import CompactRows
 from bnpfed.inference.layout import VectorLayout, group_layout, layout_rows, width
 from bnpfed.inference.matching import average_atoms, averaging_weights, match_layer
 from bnpfed.inference.size import (SizeLimitError, SizeSearch, fit_size, minimum_widths, parameter_count,
@@ -388,20 +389,23 @@ def _accepts(fn, name: str) -> bool:
 # the group loop
 
 
-def match_groups(clients: Clients, spec: PermutationSpec, step: Callable, *, below=None, groups=None
-                 ) -> dict[str, object]:
+def match_groups(clients: Clients, spec: PermutationSpec, step: Callable, *, below=None, groups=None,
+                 compact: bool = False) -> dict[str, object]:
     """Every group of ``spec`` (the matching order: ``clients.spec`` or its reverse; only ``groups`` if given) in
     turn: its layout at the global sizes of the groups matched before it, every channel's unit vectors of every
     client, and ``step(name, layout, rows, below)`` -> a group result with ``assignments`` (J long tensors) and
-    ``size`` (L). ``rows``: channel name -> J (L_j, D) float64 tensors; ``below``: group -> (J id tensors, L) of the
-    groups matched before (given ones first)."""
+    ``size`` (L). ``rows``: channel name -> J (L_j, D) float64 tensors (with ``compact``, J
+    :class:`~bnpfed.inference.layer_inputs.CompactRows`: a client's units on the columns it uses, so that a layer
+    after a Flatten costs O(N k) memory, not O(N D)); ``below``: group -> (J id tensors, L) of the groups matched
+    before (given ones first)."""
     below = dict(below or {})
     shapes = clients.shapes
     out = {}
+    pack = CompactRows.from_dense if compact else (lambda rows: rows)
     for name in (spec.group_names if groups is None else groups):
         layout = group_layout(spec, shapes, name, {h: size for h, (_, size) in below.items()})
-        rows = {channel: [layout_rows(states[j], spec, layout, {h: (ids[j], size) for h, (ids, size) in
-                                                                 below.items()}) for j in range(clients.J)]
+        rows = {channel: [pack(layout_rows(states[j], spec, layout, {h: (ids[j], size) for h, (ids, size) in
+                                                                      below.items()})) for j in range(clients.J)]
                 for channel, states in clients.channels.items()}
         out[name] = step(name, layout, rows, below)
         below[name] = (out[name].assignments, out[name].size)
@@ -726,12 +730,14 @@ def match_by_spec(
         return step
 
     searches = {}
+    # PFNM's own matcher takes a client's units on the columns it uses (after a Flatten a tenth of them or fewer)
+    compact = all(fn is match_layer for fn in fns.values())
     if param_limit is None:
-        matches = match_groups(clients, order, steps(0.0))
+        matches = match_groups(clients, order, steps(0.0), compact=compact)
     else:
         parameters = [n for n, _ in template.named_parameters()]
         matches, searches["parameters"] = fit_size(
-            lambda f: match_groups(clients, order, steps(f)),
+            lambda f: match_groups(clients, order, steps(f), compact=compact),
             lambda ms: parameter_count(spec, clients.shapes, parameters, {n: m.size for n, m in ms.items()}),
             param_limit, "max_params")
     searches.update({n: m.size_search for n, m in matches.items() if m.size_search is not None})
