@@ -984,10 +984,20 @@ def test_the_gram_matrix_from_client_blocks_equals_the_full_product():
     np.testing.assert_allclose(mt._gram(), x @ x.T, rtol=1e-12, atol=1e-12)
 
 
+def _atom_sums_neuron_by_neuron(neurons, labels, L, F):
+    """(L, |F|) every atom's members' means added one neuron at a time."""
+    out = np.zeros((L, F.size))
+    for v, a in zip(neurons, labels):
+        for l, i in enumerate(a):
+            out[i] += np.asarray(v)[l, F]
+    return out
+
+
 @pytest.mark.parametrize("layer", ["after a flatten", "dense"])
 def test_the_atom_sums_of_an_assignment_are_its_members_sums(layer):
     """``shared_sums`` (what the pooled moments read) equals the sum of each atom's members, counted neuron by
     neuron, whether clients have few columns or all."""
+    from bnpfed.inference.atom_sums import shared_sums
     from bnpfed.inference.matcher import make_matcher
     neurons = _layer_after_a_flatten(5) if layer == "after a flatten" else _layer_with_shares(5)[0]
     mt = make_matcher(neurons)
@@ -995,11 +1005,8 @@ def test_the_atom_sums_of_an_assignment_are_its_members_sums(layer):
     rng = np.random.default_rng(0)
     L = 9
     labels = [rng.choice(L, size=len(v), replace=False) for v in neurons]
-    expected = np.zeros((L, mt.F.size))
-    for v, a in zip(neurons, labels):
-        for l, i in enumerate(a):
-            expected[i] += np.asarray(v)[l, mt.F]
-    np.testing.assert_allclose(mt.shared_sums(labels, L), expected, rtol=1e-13, atol=1e-13)
+    expected = _atom_sums_neuron_by_neuron(neurons, labels, L, mt.F)
+    np.testing.assert_allclose(shared_sums(mt, labels, L), expected, rtol=1e-13, atol=1e-13)
 
 
 # --- compact rows (issue 18): a layer after a Flatten held on each client's own columns end to end ------------------
@@ -1033,6 +1040,7 @@ def test_compact_rows_give_the_matching_of_the_dense_arrays(settings, cross_prod
 def test_compact_atom_moments_in_blocks_equal_the_whole_sums():
     """The pooled moments' per-atom ``||S_i / W_i||^2`` and per-coordinate ``sum_i S_i / W_i``, atom block by atom
     block (a wide layer's), equal those of the whole (L, |F|) sums, counted neuron by neuron."""
+    from bnpfed.inference.atom_sums import shared_atom_moments, shared_moments
     from bnpfed.inference.layer_inputs import CompactRows
     from bnpfed.inference.matcher import make_matcher
     neurons = _layer_after_a_flatten(4, J=7)
@@ -1040,19 +1048,16 @@ def test_compact_atom_moments_in_blocks_equal_the_whole_sums():
     rng = np.random.default_rng(1)
     L = 11
     labels = [rng.choice(L, size=len(v), replace=False) for v in neurons]
-    S = np.zeros((L, mt.F.size))
-    for v, a in zip(neurons, labels):
-        for l, i in enumerate(a):
-            S[i] += np.asarray(v)[l, mt.F]
+    S = _atom_sums_neuron_by_neuron(neurons, labels, L, mt.F)
     W = np.bincount(np.concatenate(labels), minlength=L).astype(float)
     W[W == 0] = 1.0
     for budget in (2 ** 24, mt.F.size, 3 * mt.F.size + 1):   # whole, one atom a block, three atoms a block
-        sq, total = mt.shared_atom_moments(labels, L, W, budget=budget)
+        sq, total = shared_atom_moments(mt, labels, L, W, budget=budget)
         np.testing.assert_allclose(sq, (S ** 2).sum(axis=1) / W ** 2, rtol=1e-12)
         np.testing.assert_allclose(total, (S / W[:, None]).sum(axis=0), rtol=1e-12, atol=1e-14)
     x = np.concatenate([np.asarray(v)[:, mt.F] for v in neurons])
-    np.testing.assert_allclose(mt.shared_moments()[0], x.sum(axis=0), rtol=1e-12, atol=1e-14)
-    assert mt.shared_moments()[1] == pytest.approx(float((x ** 2).sum()), rel=1e-12)
+    np.testing.assert_allclose(shared_moments(mt)[0], x.sum(axis=0), rtol=1e-12, atol=1e-14)
+    assert shared_moments(mt)[1] == pytest.approx(float((x ** 2).sum()), rel=1e-12)
 
 
 def test_a_compact_client_on_most_columns_makes_the_layer_dense():

@@ -28,6 +28,7 @@ import torch
 from scipy.optimize import brentq
 from scipy.sparse import csr_matrix
 
+from bnpfed.inference.atom_sums import shared_atom_moments, shared_moments, shared_sums
 from bnpfed.inference.layer_inputs import validate_mu0
 from bnpfed.inference.matcher import LayerMatcher
 from bnpfed.validation import check_positive
@@ -146,7 +147,7 @@ class _Estimator:
     def pooled_shared(matcher: LayerMatcher) -> tuple[float, float, np.ndarray]:
         """:meth:`pooled` of the shared block of a compact matcher (every scale 1, no posterior variance), from its
         neurons' sums and sum of squares: ``T = (sum v^2 - N sum_d mean_d^2) / (|F| (N - 1))``."""
-        total, square = matcher.shared_moments()
+        total, square = shared_moments(matcher)
         N = int(matcher.offsets[-1])
         mean = total / N
         dof = float(matcher.F.size * max(N - 1, 0))
@@ -290,12 +291,12 @@ class PooledMoments(_Estimator):
             WA = np.bincount(flat, minlength=L).astype(float)
             if mt.compact:   # no (N, |A|) array: the sums client by client, atom block by atom block
                 SA = None
-                sq_xbar, sum_xbar = mt.shared_atom_moments(labels, L, WA)
+                sq_xbar, sum_xbar = shared_atom_moments(mt, labels, L, WA)
                 if self._sq_A is None:
-                    self._sq_A = mt.shared_moments()[1]
+                    self._sq_A = shared_moments(mt)[1]
             else:
                 vA = mt.columns(A)[0]
-                SA = mt.shared_sums(labels, L)
+                SA = shared_sums(mt, labels, L)
                 sq_xbar = np.einsum("ld,ld->l", SA, SA) / WA ** 2  # ||xbar_i||^2
                 sum_xbar = (1.0 / WA) @ SA                          # sum_i xbar_i, per coordinate
                 if self._sq_A is None:
@@ -303,7 +304,7 @@ class PooledMoments(_Estimator):
             within = self._sq_A - float(WA @ sq_xbar)
             if not within > 1e-8 * self._sq_A:
                 if SA is None:   # (rare: the members of every atom agree to half the digits) the whole arrays
-                    vA, SA = mt.columns(A)[0], mt.shared_sums(labels, L)
+                    vA, SA = mt.columns(A)[0], shared_sums(mt, labels, L)
                 res = vA - (SA / WA[:, None])[flat]
                 within = float(np.einsum("nd,nd->", res, res))
             num["A"], den["A"] = within, A.size * float((1.0 - 1.0 / WA[flat]).sum())
@@ -353,7 +354,7 @@ class PooledMoments(_Estimator):
                 # sum_i ||xbar_i - mu0||^2 = sum_i ||xbar_i||^2 - 2 mu0 . sum_i xbar_i + L ||mu0||^2
                 spread = float(sq_xbar.sum() - 2.0 * mu0[A] @ sum_xbar + L * mu0[A] @ mu0[A])
                 if not spread > 1e-8 * float(sq_xbar.sum()):
-                    SA = mt.shared_sums(labels, L) if SA is None else SA
+                    SA = shared_sums(mt, labels, L) if SA is None else SA
                     spread = float(((SA / WA[:, None] - mu0[A]) ** 2).sum())
                 between[""] = (spread - out["sigma2"] * noise_share) / k if k > 0 else None
             else:

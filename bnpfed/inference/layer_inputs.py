@@ -70,6 +70,14 @@ class CompactRows:
         out[:, there] = self.values[:, mine]
         return out
 
+    def own_columns(self, F: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The columns of the sorted block ``F`` where some neuron is not 0 (positions in ``F``) and the rows there:
+        what ``(v != 0).any(axis=0)`` finds on the dense (L_j, |F|) block."""
+        used = (self.values != 0).any(axis=0)
+        _, mine, there = np.intersect1d(self.columns, F, assume_unique=True, return_indices=True)
+        keep = used[mine]
+        return there[keep], np.ascontiguousarray(self.values[:, mine[keep]])
+
     def __repr__(self) -> str:
         return f"CompactRows(L_j={self.values.shape[0]}, D={self.D}, columns={self.columns.size})"
 

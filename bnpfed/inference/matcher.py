@@ -76,6 +76,7 @@ import torch
 from scipy.sparse import csr_matrix
 from torch import Tensor
 
+from bnpfed.inference.atom_sums import shared_moments, shared_sums
 from bnpfed.inference.layer_inputs import CompactRows, validate_clients, validate_precisions
 from bnpfed.inference.scoring import CHUNK_ELEMENTS, best_assignment, join_scores
 from bnpfed.validation import check_choice, check_device, check_float
@@ -204,24 +205,13 @@ def _columns(idx: np.ndarray):
 
 
 def _flat(arrays: list, idx: np.ndarray, D: int) -> np.ndarray:
-    """The (N, |idx|) columns ``idx`` of J (L_j, D) arrays (or :class:`CompactRows`), stacked in client order
-    (contiguous)."""
-    if any(isinstance(a, CompactRows) for a in arrays):
-        return np.ascontiguousarray(np.concatenate([a.on(idx) if isinstance(a, CompactRows) else a[:, _columns(idx)]
-                                                    for a in arrays]))
+    """The (N, |idx|) columns ``idx`` of J (L_j, D) arrays (or J :class:`CompactRows`), stacked in client order."""
+    if isinstance(arrays[0], CompactRows):
+        return np.ascontiguousarray(np.concatenate([a.on(idx) for a in arrays]))
     if idx.size == D:
         return np.ascontiguousarray(np.concatenate(arrays))
     cols = _columns(idx)
     return np.ascontiguousarray(np.concatenate([a[:, cols] for a in arrays]))
-
-
-def _own_columns(rows: CompactRows, F: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """A compact client's shared-block columns where some neuron of it is not 0 (positions in ``F``) and its rows
-    there: what the dense path finds by ``(v != 0).any(axis=0)`` on its (L_j, |F|) block."""
-    used = (rows.values != 0).any(axis=0)
-    _, mine, there = np.intersect1d(rows.columns, F, assume_unique=True, return_indices=True)
-    keep = used[mine]
-    return there[keep], np.ascontiguousarray(rows.values[:, mine[keep]])
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -255,14 +245,12 @@ class LayerMatcher:
         self.F = np.flatnonzero(plain & exact)   # shared
         self.C = np.flatnonzero(~plain & exact)  # per client
         self.N = np.flatnonzero(~exact)          # per neuron
-        own = [_own_columns(v, self.F) if isinstance(v, CompactRows) else None for v in V]
+        own = [v.own_columns(self.F) if isinstance(v, CompactRows) else None for v in V]
         #: whether the neurons' shared block is held per client on its own columns only (every client given as
-        #: :class:`CompactRows`, each using at most :data:`SPARSE_SHARE` of the block): no (N, |F|) array of them
-        #: exists; otherwise any compact client is made dense
+        #: :class:`CompactRows`, using at most :data:`SPARSE_SHARE` of it: no (N, |F|) array); else all made dense
         self.compact = bool(self.F.size) and all(o is not None and o[0].size <= SPARSE_SHARE * self.F.size
                                                  for o in own)
-        if not self.compact:
-            V = [v.dense() if isinstance(v, CompactRows) else v for v in V]
+        V = V if self.compact else [v.dense() if isinstance(v, CompactRows) else v for v in V]
         # every kind's (N, k) data of all neurons (clients in order), and each client's rows of it (views)
         self.vC_all, self.vN_all = (_flat(V, idx, D) for idx in (self.C, self.N))
         self.vF_all = None if self.compact else _flat(V, self.F, D)
@@ -285,6 +273,7 @@ class LayerMatcher:
         self.sC = [(s[j] if s is not None else ones)[self.C] for j in range(J)]
         self.sN = [(s[j] if s is not None else ones)[self.N] for j in range(J)]
         self.gram: np.ndarray | None = None  # (N, N) products x_u . x_v of all neurons' shared coordinates, if used
+        self.shared_moments_: tuple | None = None  # the neurons' sums on the shared block (atom_sums.shared_moments)
         self.gram_tau: float | None = None  # the shared-coordinate precision when the Gram matrix was computed
         self.marginal = marginal
         m = np.arange(J + 1, dtype=np.float64)
@@ -343,7 +332,8 @@ class LayerMatcher:
         """Every neuron's (N, k) means, posterior variances (None: 0 on every coordinate) and precision scales
         (None: 1 on every coordinate) on the coordinates ``coords`` (sorted): the matcher's own arrays when they are
         one kind's (no copy), else gathered. A compact matcher (:attr:`compact`) has no (N, |F|) array of its shared
-        block: asked for shared coordinates it builds one (what the estimators avoid: :meth:`shared_moments`)."""
+        block: asked for shared coordinates it builds one (what the estimators avoid:
+        :mod:`~bnpfed.inference.atom_sums`)."""
         coords = np.asarray(coords)
         vF_all = self.vF_all
         if vF_all is None and np.isin(coords, self.F).any():
@@ -816,7 +806,7 @@ class LayerMatcher:
         membership = csr_matrix((np.ones(n), (flat, np.arange(n))), shape=(U, n))
         if self.F.size:
             g = self.g0F + (membership @ self.xF_all if self.xF_all is not None else
-                            self.tau * self.shared_sums(self.client_rows(flat), U))
+                            self.tau * shared_sums(self, self.client_rows(flat), U))
             self.gF[:U] = self._there(g)
             self.gF_sq[:U] = np.einsum("ld,ld->l", g, g)
         for kind, g0, P0, x, w in (("C", self.g0C, self.P0C, self.xC, self.wC), ("N", self.g0N, self.P0N, self.xN,
@@ -827,59 +817,6 @@ class LayerMatcher:
                 getattr(self, "P" + kind)[:U] = P0 + membership @ every
         self.m[:U] = np.bincount(flat, minlength=U)
         self.assign = [a.copy() for a in self.client_rows(flat)]
-
-    def shared_sums(self, labels: list[np.ndarray], L: int) -> np.ndarray:
-        """(L, |F|): per atom of the compact assignment ``labels`` (values 0 .. L-1; -1 for a neuron left out) the sum
-        of its members' means on the shared coordinates, added client by client (on a client's own columns when it
-        has few: :attr:`columns_of`)."""
-        out = np.zeros((L, self.F.size))
-        for j, a in enumerate(labels):
-            cols = self.columns_of[j]
-            inside = a >= 0
-            if not inside.any():
-                continue
-            if not inside.all():   # a block of the atoms (:meth:`shared_atom_moments`): this client's rows in it
-                a = a[inside]
-                rows = self.vF[j][inside] if cols is None else self.vF_compact[j][inside]
-            else:
-                rows = self.vF[j] if cols is None else self.vF_compact[j]
-            if cols is None:
-                out[a] += rows
-            else:
-                out[np.ix_(a, cols)] += rows
-        return out
-
-    def shared_moments(self) -> tuple[np.ndarray, float]:
-        """The neurons' sum (|F|,) and sum of squares (a number) on the shared coordinates, client by client on
-        their own columns when the matcher is :attr:`compact` (computed once)."""
-        if getattr(self, "_shared_moments", None) is None:
-            if self.vF_all is not None:
-                self._shared_moments = (self.vF_all.sum(axis=0), float((self.vF_all ** 2).sum()))
-            else:
-                total, square = np.zeros(self.F.size), 0.0
-                for x, cols in zip(self.vF_compact, self.columns_of):
-                    total[cols] += x.sum(axis=0)
-                    square += float((x ** 2).sum())
-                self._shared_moments = (total, square)
-        return self._shared_moments
-
-    def shared_atom_moments(self, labels: list[np.ndarray], L: int, W: np.ndarray, budget: int = 2 ** 24
-                            ) -> tuple[np.ndarray, np.ndarray]:
-        """Per atom of the compact assignment ``labels`` (values 0 .. L-1, W members each) ``||S_i / W_i||^2`` and,
-        per shared coordinate, ``sum_i S_i / W_i``, S_i the atom's sum of its members' means (:meth:`shared_sums`):
-        at once when the (L, |F|) sums fit in ``budget`` entries, else atom block by atom block (the same sums per
-        atom, so no (L, |F|) array where the layer is wide)."""
-        if L * self.F.size <= budget:
-            S = self.shared_sums(labels, L)
-            return np.einsum("ld,ld->l", S, S) / W ** 2, (1.0 / W) @ S
-        step = max(1, budget // max(self.F.size, 1))
-        sq, total = np.empty(L), np.zeros(self.F.size)
-        for a0 in range(0, L, step):
-            a1 = min(a0 + step, L)
-            S = self.shared_sums([np.where((a >= a0) & (a < a1), a - a0, -1) for a in labels], a1 - a0)
-            sq[a0:a1] = np.einsum("ld,ld->l", S, S) / W[a0:a1] ** 2
-            total += (1.0 / W[a0:a1]) @ S
-        return sq, total
 
     def labels(self) -> tuple[list[np.ndarray], int]:
         """The current assignment as compact labels 0 .. L-1 (in storage order), and L."""
@@ -925,7 +862,7 @@ class LayerMatcher:
             gauss += float(self.F.size * np.log(P / self.P0).sum() + active.size * self.g0F_sq / self.P0
                            - (self.gF_sq[active] / P).sum())
             gauss += self.F.size * int(self.offsets[-1]) * math.log(2 * math.pi / self.tau) + float(
-                self.tau * self.shared_moments()[1])
+                self.tau * shared_moments(self)[1])
         for g, Pk, g0, P0, ws, vs in ((self.gC, self.PC, self.g0C, self.P0C, self.wC, self.vC),
                                       (self.gN, self.PN, self.g0N, self.P0N, self.wN, self.vN)):
             if not g.shape[1]:
