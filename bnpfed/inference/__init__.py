@@ -3,7 +3,8 @@ SVI for Bayesian clients.
 
 The matching floor, one job a file: :mod:`~bnpfed.inference.matcher` (the one layer matcher: per-neuron,
 per-coordinate noise, the Hungarian re-match, the full log likelihood), :mod:`~bnpfed.inference.driver` (sweeps and
-estimates alternated, from one start or two), :mod:`~bnpfed.inference.layer_inputs` (its inputs checked),
+estimates alternated, from one start or two), :mod:`~bnpfed.inference.layer_inputs` (its inputs checked; ``CompactRows``, a client's units on the columns it uses),
+:mod:`~bnpfed.inference.atom_sums` (the sums the estimates read, client by client),
 :mod:`~bnpfed.inference.empirical_bayes` (its two estimators), :mod:`~bnpfed.inference.matching` and
 :mod:`~bnpfed.inference.bayesian_matching` (the homoscedastic and the heteroscedastic model: ``match_layer``,
 ``match_bayesian_layer``), :mod:`~bnpfed.inference.spec`, :mod:`~bnpfed.inference.derive`,

@@ -120,7 +120,7 @@ class MatchResult:
 
     :param Tensor global_atoms: (L, D) posterior means ``g_i / P_i`` given the assignment (at the final
         hyper-parameters).
-    :param Tensor posterior_precision: (L, D) posterior precisions ``P_i``.
+    :param Tensor posterior_precision: (L, D) posterior precisions ``P_i`` (all coordinates shared: a read-only view).
     :param list assignments: J long tensors of length L_j with values in [0, L), distinct within a client (empty
         for a client without neurons).
     :param Tensor counts: (L,) number of clients on each atom (m_i).
@@ -882,7 +882,7 @@ class LayerMatcher:
         if self.F.size == self.D:   # every coordinate shared: one gather and one division, no (L, D) precision copy
             g = self._here(self.gF[self._there(active)])
             g /= P_F[:, None]
-            P = torch.as_tensor(P_F, dtype=dtype)[:, None].expand(active.size, self.D).contiguous()
+            P = torch.as_tensor(P_F, dtype=dtype)[:, None].expand(active.size, self.D)   # no (L, D) copy
         else:
             P = np.empty((active.size, self.D))
             g = np.empty((active.size, self.D))
