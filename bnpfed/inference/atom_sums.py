@@ -3,21 +3,17 @@
 of its members' means, added client by client on a client's own columns where it has few
 (:attr:`~bnpfed.inference.matcher.LayerMatcher.columns_of`), so that a compact layer (every client given as
 :class:`~bnpfed.inference.layer_inputs.CompactRows`, the layer after a Flatten) never builds an (N, |F|) or, atom
-block by atom block, an (L, |F|) array."""
+block by atom block, an (L, |F|) array. Each function reads a matcher's public per-client data (``F``,
+``columns_of``, ``vF``, ``vF_compact``, ``vF_all``); it imports nothing of the matcher, which calls it."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
-
-if TYPE_CHECKING:
-    from bnpfed.inference.matcher import LayerMatcher
 
 __all__ = ["shared_atom_moments", "shared_moments", "shared_sums"]
 
 
-def shared_sums(matcher: LayerMatcher, labels: list[np.ndarray], L: int) -> np.ndarray:
+def shared_sums(matcher, labels: list[np.ndarray], L: int) -> np.ndarray:
     """(L, |F|): per atom of the compact assignment ``labels`` (values 0 .. L-1; -1 for a neuron left out) the sum
     of its members' means on the shared coordinates, added client by client (on a client's own columns when it
     has few)."""
@@ -37,7 +33,7 @@ def shared_sums(matcher: LayerMatcher, labels: list[np.ndarray], L: int) -> np.n
     return out
 
 
-def shared_moments(matcher: LayerMatcher) -> tuple[np.ndarray, float]:
+def shared_moments(matcher) -> tuple[np.ndarray, float]:
     """The neurons' sum (|F|,) and sum of squares (a number) on the shared coordinates, client by client on their
     own columns when the matcher is compact (computed once, kept on the matcher)."""
     if matcher.shared_moments_ is None:
@@ -52,7 +48,7 @@ def shared_moments(matcher: LayerMatcher) -> tuple[np.ndarray, float]:
     return matcher.shared_moments_
 
 
-def shared_atom_moments(matcher: LayerMatcher, labels: list[np.ndarray], L: int, W: np.ndarray,
+def shared_atom_moments(matcher, labels: list[np.ndarray], L: int, W: np.ndarray,
                         budget: int = 2 ** 24) -> tuple[np.ndarray, np.ndarray]:
     """Per atom of the compact assignment ``labels`` (values 0 .. L-1, W members each) ``||S_i / W_i||^2`` and, per
     shared coordinate, ``sum_i S_i / W_i``, S_i the atom's sum of its members' means (:func:`shared_sums`): at once
