@@ -56,7 +56,7 @@ def state_from_atoms(spec: PermutationSpec, template: Mapping[str, Tensor], atom
                 if tuple(shape) != tuple(t.shape):
                     fill = 1.0 if spec.kinds[key] == "running_var" else 0.0
                     v = torch.full(shape, fill, dtype=t.dtype)
-        out[key] = v.detach().to(t.dtype).clone()
+        out[key] = v.detach().to(t.dtype, copy=True)   # one copy (a float64 atom: the cast is it)
     return out
 
 
