@@ -111,8 +111,11 @@ class VectorLayout:
         return p
 
     def to_params(self, atoms: Tensor) -> dict[str, Tensor]:
-        """The parameters held in ``atoms`` (L, D), each with the group's axis at L units (float64)."""
-        atoms = torch.as_tensor(atoms, dtype=torch.float64)
+        """The parameters held in ``atoms`` (L, D), each with the group's axis at L units (in the atoms' floating
+        dtype; float64 for anything else)."""
+        atoms = torch.as_tensor(atoms)
+        if not atoms.dtype.is_floating_point:
+            atoms = atoms.to(torch.float64)
         if atoms.dim() != 2 or atoms.shape[1] != self.D:
             raise ValueError(f"atoms[{self.group!r}]: expected shape (L, {self.D}), got {tuple(atoms.shape)}")
         L = atoms.shape[0]
