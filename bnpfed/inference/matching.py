@@ -419,5 +419,5 @@ def _average_compact(V: list, labels: list, L: int, plain: Tensor, omega: Tensor
         else:   # a baseline's labels may repeat within a client: every member counts
             np.add.at(out, (a[:, None], cols[None, :]), rows)
     counts = np.bincount(np.concatenate([a.numpy() for a in labels if a.numel()]), minlength=L).astype(float)
-    out[:, plain] /= counts[:, None]
+    np.divide(out, counts[:, None], out=out, where=plain[None, :])   # in place: no (L, D) temporary
     return torch.from_numpy(out)
