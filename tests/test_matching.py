@@ -1097,3 +1097,39 @@ def test_compact_rows_are_refused_where_they_do_not_apply():
     rows = [CompactRows.from_dense(v) for v in _layer_after_a_flatten(0)]
     with pytest.raises(ValueError, match="means\\[0\\]: expected an array of shape \\(L_j, D\\), got CompactRows"):
         match_bayesian_layer(rows, [np.full(r.shape, 0.1) for r in rows], seed=0)
+
+
+@pytest.mark.parametrize("kind", ["dense", "flatten", "shares"])
+def test_the_result_takes_its_atoms_from_the_storage_block_by_block_as_at_once(monkeypatch, kind):
+    """The result moves the atoms' rows of the storage to its front in place (no (L, D) copy beside it), a block of
+    rows at a time: one row a block gives the atoms of one block for the whole, and both are the posterior means of
+    the assignment, (mu0 / sigma0_2 + sum_j w_jd x_jd) / (1 / sigma0_2 + sum_j w_jd) with w_jd = s_jd / sigma2 --
+    on a dense layer, a layer after a Flatten held compact, and with a per-client coordinate (PFNM's class shares)."""
+    from bnpfed.inference import matcher as matcher_module
+    from bnpfed.inference.layer_inputs import CompactRows
+    rng = np.random.default_rng(3)
+    pool = rng.normal(size=(12, 9))   # overlapping atoms: each client holds 5 of 12, seen with noise
+    dense = _layer_after_a_flatten(3) if kind == "flatten" else [
+        torch.as_tensor(pool[rng.choice(12, 5, replace=False)] + 0.5 * rng.normal(size=(5, 9))) for _ in range(6)]
+    neurons = [CompactRows.from_dense(v) for v in dense] if kind == "flatten" else dense
+    D = dense[0].shape[1]
+    s = np.ones((len(dense), D))
+    if kind == "shares":
+        s[:, -1] = rng.uniform(0.1, 1.0, size=len(dense))
+    settings = dict(sigma2=0.5, sigma0_2=2.0, gamma0=3.0, seed=0, precisions=s if kind == "shares" else None)
+    whole = match_layer(neurons, **settings)
+    monkeypatch.setattr(matcher_module, "TAKE_BLOCK", 1)
+    blocks = match_layer(neurons, **settings)
+    assert [a.tolist() for a in blocks.assignments] == [a.tolist() for a in whole.assignments]
+    assert torch.equal(blocks.global_atoms, whole.global_atoms)
+    assert torch.equal(blocks.posterior_precision, whole.posterior_precision)
+    L = whole.global_atoms.shape[0]
+    weighted = torch.zeros(L, D, dtype=torch.float64)
+    precision = torch.full((L, D), 1 / 2.0, dtype=torch.float64)
+    for j, (v, a) in enumerate(zip(dense, whole.assignments)):
+        w = torch.as_tensor(s[j] / 0.5)
+        weighted.index_add_(0, a, w * torch.as_tensor(v, dtype=torch.float64))
+        precision.index_add_(0, a, w.expand(len(a), D).contiguous())
+    mu0 = torch.as_tensor(whole.hyperparameters["mu0"], dtype=torch.float64)   # estimated: not given
+    torch.testing.assert_close(whole.posterior_precision, precision, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(whole.global_atoms, (mu0 / 2.0 + weighted) / precision, rtol=1e-12, atol=1e-12)
