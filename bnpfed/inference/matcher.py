@@ -896,6 +896,9 @@ class LayerMatcher:
         return gF
 
     def result(self, objective: list[float], seconds: float, dtype, **extra) -> MatchResult:
+        """The :class:`MatchResult` of the current assignment, the end of a run: on the CPU the atoms' storage is handed
+        over to it and the matcher left unassigned (:meth:`_take_rows`; the next :meth:`set_hyperparameters` starts
+        afresh)."""
         active = np.flatnonzero(self.m[: self.n_rows] > 0)
         labels, _ = self.labels()
         P_F = self.P0 + self.m[active] * self.tau   # one precision per atom on the shared coordinates
