@@ -879,10 +879,13 @@ class LayerMatcher:
         return ll - 0.5 * gauss
 
     def _take_rows(self, rows: np.ndarray) -> np.ndarray:
-        """The storage's ``g_F`` rows ``rows`` (increasing) moved to its first ``rows.size`` rows in place, a block at a
-        time, and the storage cut to them: the result's atoms with no (L, |F|) copy beside the storage (LeNet's fc1 at
-        J = 500: 4.5 GB). The storage is handed over with them and the matcher left unassigned (the next
-        :meth:`set_hyperparameters` takes new storage, as after :meth:`unassign`)."""
+        """The ``g_F`` rows ``rows`` (increasing) of the storage on the CPU. In numpy, moved to its first ``rows.size``
+        rows in place, a block at a time, and the storage cut to them: the result's atoms with no (L, |F|) copy beside
+        the storage (LeNet's fc1 at J = 500: 4.5 GB); the storage is handed over with them and the matcher left
+        unassigned (the next :meth:`set_hyperparameters` takes new storage, as after :meth:`unassign`). On a torch
+        device, copied to the CPU (the storage stays)."""
+        if self.device is not None:
+            return self._here(self.gF[self._there(rows)])
         gF, self.gF = self.gF, None
         self.unassign()
         step = max(1, TAKE_BLOCK // max(gF.shape[1], 1))
@@ -896,20 +899,20 @@ class LayerMatcher:
         return gF
 
     def result(self, objective: list[float], seconds: float, dtype, **extra) -> MatchResult:
-        """The :class:`MatchResult` of the current assignment, the end of a run: on the CPU the atoms' storage is handed
+        """The :class:`MatchResult` of the current assignment, the end of a run: in numpy the atoms' storage is handed
         over to it and the matcher left unassigned (:meth:`_take_rows`; the next :meth:`set_hyperparameters` starts
         afresh)."""
         active = np.flatnonzero(self.m[: self.n_rows] > 0)
         labels, _ = self.labels()
         P_F = self.P0 + self.m[active] * self.tau   # one precision per atom on the shared coordinates
         if self.F.size == self.D:   # every coordinate shared: one gather and one division, no (L, D) precision copy
-            g = self._take_rows(active) if self.device is None else self._here(self.gF[self._there(active)])
+            g = self._take_rows(active)
             g /= P_F[:, None]
             P = torch.as_tensor(P_F, dtype=dtype)[:, None].expand(active.size, self.D)   # no (L, D) copy
         else:
             F = _columns(self.F)
             g = np.empty((active.size, self.D))   # the storage's shared block handed over first, then the precisions
-            g[:, F] = self._take_rows(active) if self.device is None else self._here(self.gF[self._there(active)])
+            g[:, F] = self._take_rows(active)
             P = np.empty((active.size, self.D))
             P[:, F] = P_F[:, None]
             for idx, gk, Pk in ((self.C, self.gC, self.PC), (self.N, self.gN, self.PN)):
