@@ -59,7 +59,7 @@ def _bayesian(args) -> BayesianConfig:
     if args.expose:   # only these parameters Bayesian (e.g. "3.weight": the output layer, a last-layer Laplace)
         return BayesianConfig(client=args.client, prior=IIDPrior(expose=args.expose.split(",")))
     return BayesianConfig(init_scale=args.init_scale, prior_variance=args.prior_variance, kl_weight=args.kl_weight,
-                          scale_lr_factor=args.scale_lr_factor, client=args.client)
+                          scale_lr_factor=args.scale_lr_factor, client=args.client, round_prior=args.round_prior)
 
 
 def _row(r) -> dict:
@@ -139,7 +139,7 @@ def part_rounds(datasets, dirs, out: Path, seeds, args) -> None:
                                  tag=args.tag, lr=args.lr, init_scale=args.init_scale, epochs=args.epochs,
                                  round_epochs=args.round_epochs, prior_variance=args.prior_variance,
                                  kl_weight=args.kl_weight, scale_lr_factor=args.scale_lr_factor, client=args.client,
-                                 pvi_damping=args.pvi_damping, rows={r.method: _row(r) for r in result.rows}, warnings=result.warnings,
+                                 pvi_damping=args.pvi_damping, round_prior=args.round_prior, rows={r.method: _row(r) for r in result.rows}, warnings=result.warnings,
                                  wall_seconds=time.perf_counter() - t0))
 
 
@@ -190,6 +190,9 @@ def main(argv=None):
                    help="the Bayesian clients: SVI, or PFNM's trained clients with a diagonal Laplace posterior")
     p.add_argument("--expose", default="", help="comma-separated parameter names, the only Bayesian ones (a prior "
                    "N(0, 1) on them; e.g. 3.weight, the output layer of 784-100-10); default: the named prior")
+    p.add_argument("--round-prior", choices=("prior", "posterior"),
+                   help="rounds part: a client's prior after round 1, the configured one (default) or the global "
+                   "posterior / its slice (posterior as prior, the behaviour before 2026-12-05)")
     p.add_argument("--pvi-damping", type=float, default=None, help="rule pvi: the factors' damping (default 0.1)")
     p.add_argument("--methods", default="", help="comma-separated methods of the oneshot or rounds part (default: "
                    "all of the part's)")

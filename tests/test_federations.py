@@ -95,6 +95,39 @@ def test_every_sampled_client_starts_its_round_from_the_global_model(digits, mon
             assert torch.equal(value, averaged[name])
 
 
+@pytest.mark.parametrize("round_prior", [None, "posterior"])
+def test_a_client_of_round_two_trains_under_the_configured_prior_unless_told_to_take_the_posterior(
+        digits, monkeypatch, round_prior):
+    """Round 1 always under N(0, 1); from round 2 the configured prior again by default (the global posterior is
+    where SVI starts, not a prior: nothing is counted twice), or with ``round_prior="posterior"`` the global
+    posterior it starts from."""
+    parts = PartitionConfig(clients=3).split(digits.y_train.numpy(), seed=0)
+    federation = fusion(digits, parts, "conflation", bayesian=BayesianConfig(round_prior=round_prior))
+    priors = {}
+    original_fit = BayesianClient.fit
+
+    def recording_fit(client, *args, **kwargs):
+        priors.setdefault(federation.round + 1, []).append(
+            {k: (d.mean.clone(), d.variance.clone()) for k, d in client.bnn.prior_distributions().items()})
+        return original_fit(client, *args, **kwargs)
+
+    monkeypatch.setattr(BayesianClient, "fit", recording_fit)
+    federation.run_round()
+    fused = federation.global_model.posterior()
+    federation.run_round()
+    for prior in priors[1]:
+        for mean, variance in prior.values():
+            assert torch.equal(mean, torch.zeros_like(mean)) and torch.equal(variance, torch.ones_like(variance))
+    assert len(priors[2]) == 3
+    for prior in priors[2]:
+        for name, (mean, variance) in prior.items():
+            if round_prior == "posterior":
+                assert torch.equal(mean, fused[name].loc)
+                assert_close(variance, fused[name].variance, rtol=1e-5, atol=0)
+            else:
+                assert torch.equal(mean, torch.zeros_like(mean)) and torch.equal(variance, torch.ones_like(variance))
+
+
 def test_each_local_fit_draws_from_its_own_seed_of_seed_round_and_client(digits, monkeypatch):
     parts = PartitionConfig(clients=3).split(digits.y_train.numpy(), seed=0)
     seeds = []

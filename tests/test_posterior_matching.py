@@ -198,10 +198,11 @@ def digits():
     return load_dataset("digits")
 
 
-def run_rounds(ds, rounds=2, seed=0, rule="conflation"):
+def run_rounds(ds, rounds=2, seed=0, rule="conflation", round_prior=None):
     parts = PartitionConfig(clients=3).split(ds.y_train.numpy(), seed=0)
     federation = MatchedFusionFederation(ds, parts, network=NetworkConfig(hidden=(16,)),
-                                         training=TrainingConfig(epochs=2, lr=1e-2), bayesian=BayesianConfig(),
+                                         training=TrainingConfig(epochs=2, lr=1e-2),
+                                         bayesian=BayesianConfig(round_prior=round_prior),
                                          fusion=FusionConfig(rule=rule, align="match"), seed=seed)
     records, matches = [], []
     for _ in range(rounds):
@@ -211,26 +212,48 @@ def run_rounds(ds, rounds=2, seed=0, rule="conflation"):
     return federation, records
 
 
-def test_a_matched_fusion_federation_is_reproducible_and_its_clients_start_from_their_slices(digits):
-    """Round 2: every client starts from its slice of the global posterior (means and prior); the same seed gives
-    the same numbers."""
-    a, records = run_rounds(digits)
-    b, again = run_rounds(digits)
+@pytest.mark.parametrize("round_prior", [None, "posterior"])
+def test_a_matched_fusion_federation_is_reproducible_and_its_clients_start_from_their_slices(digits, round_prior):
+    """Round 2: every client starts from its slice of the global posterior, under the configured prior N(0, 1) by
+    default (its data is in the slice once and not multiplied in again) or, with ``round_prior="posterior"``, with
+    the slice as its prior too; the same seed gives the same numbers."""
+    a, records = run_rounds(digits, round_prior=round_prior)
+    b, again = run_rounds(digits, round_prior=round_prior)
     assert [r.metrics["accuracy"] for r in records] == [r.metrics["accuracy"] for r in again]
     for key in a.match.locs:
         assert torch.equal(a.match.locs[key], b.match.locs[key])
     assert records[-1].metrics["hidden"] == list(a.match.widths.values())
     assert records[-1].metrics["accuracy"] > 0.5
-    # the clients of round 2 were built from round 1's slices: their priors are those slices, value for value
     first, matched = a.matches[0]
     for j, client in enumerate(a.clients):
         prior = client.bnn.prior_distributions()
         assert set(prior) == set(a.match.variances)
         locs, variances = first.client_slice(matched.index(j))
         for site, distribution in prior.items():
-            torch.testing.assert_close(distribution.mean, locs[site].to(distribution.mean.dtype), rtol=1e-6, atol=0)
-            torch.testing.assert_close(distribution.variance, variances[site].to(distribution.variance.dtype),
+            if round_prior == "posterior":   # the slice, value for value
+                expected_mean, expected_variance = locs[site], variances[site]
+            else:                            # the configured N(0, 1), at the slice's widths
+                expected_mean, expected_variance = torch.zeros_like(locs[site]), torch.ones_like(variances[site])
+            torch.testing.assert_close(distribution.mean, expected_mean.to(distribution.mean.dtype), rtol=1e-6,
+                                       atol=0)
+            torch.testing.assert_close(distribution.variance, expected_variance.to(distribution.variance.dtype),
                                        rtol=1e-5, atol=0)
+    if round_prior is None:   # the two priors give two different round-2 posteriors from the same round 1
+        c, _ = run_rounds(digits, round_prior="posterior")
+        assert torch.equal(a.matches[0][0].locs["1.weight"], c.matches[0][0].locs["1.weight"])
+        assert not torch.equal(a.match.locs["1.weight"], c.match.locs["1.weight"])
+
+
+def test_a_round_prior_is_refused_where_it_does_not_apply(digits):
+    parts = PartitionConfig(clients=3).split(digits.y_train.numpy(), seed=0)
+    with pytest.raises(ValueError, match="round_prior: rule 'pvi' trains every client against its cavity"):
+        MatchedFusionFederation(digits, parts, network=NetworkConfig(hidden=(16,)), training=TrainingConfig(),
+                                bayesian=BayesianConfig(round_prior="prior"),
+                                fusion=FusionConfig(rule="pvi", align="match"), seed=0)
+    with pytest.raises(ValueError, match="round_prior: a setting of the variational clients' SVI"):
+        BayesianConfig(client="laplace", round_prior="posterior")
+    with pytest.raises(ValueError, match=r"round_prior: expected one of \['prior', 'posterior'\]"):
+        BayesianConfig(round_prior="slice")
 
 
 def test_match_methods_are_registered_for_every_rule():

@@ -27,8 +27,8 @@ from bnpfed.commands._args import HelpFormatter, UsageError, fail, flag_message,
 from bnpfed.federated import methods
 from bnpfed.federated.clients import initial_network
 from bnpfed.federated.config import (CLIENT_KINDS, CLIENT_WEIGHTS, FUSION_TRAINING, INITIALISATIONS,
-                                     PAPER_MIN_VARIANCE, PRIORS, PRIOR_VARIANCES, PVI_DAMPING, BayesianConfig,
-                                     FusionConfig, NetworkConfig, config_dict)
+                                     PAPER_MIN_VARIANCE, PRIORS, PRIOR_VARIANCES, PVI_DAMPING, ROUND_PRIORS,
+                                     BayesianConfig, FusionConfig, NetworkConfig, config_dict)
 from bnpfed.federated.methods import ExperimentConfig
 from bnpfed.federated.fusion import FUSION_ARCHITECTURES
 from bnpfed.federated.matched_fusion import MatchedFusionFederation
@@ -104,6 +104,12 @@ def add_parser(sub):
     g.add_argument("--scale-lr-factor", type=float, metavar="F", default=bayes.scale_lr_factor,
                    help="the posterior scales learn at F times --lr (1: one rate, as recorded; 10 reaches the "
                    "variational optimum)")
+    g.add_argument("--round-prior", choices=ROUND_PRIORS,
+                   help="a client's prior in the rounds after the first: prior (the configured one; the global "
+                   "posterior, or its slice, only where SVI starts: each round fuses posteriors that hold each "
+                   "client's data once) or posterior (the global posterior or its slice as the prior too: posterior "
+                   "as prior, which counts a client's data once more every round) (default: prior; not with --rule "
+                   f"{PVI}, whose clients train against their cavities)")
     g.add_argument("--client", choices=CLIENT_KINDS, default=bayes.client,
                    help="variational (SVI on the ELBO) or laplace: each client trains its network as a PFNM client "
                    "does and takes its diagonal Laplace posterior, prior precision per weight matrix by the marginal "
@@ -230,7 +236,7 @@ def prepare(args) -> dict:
     bayesian = BayesianConfig(prior=args.prior, prior_scale=args.prior_scale, init_scale=args.init_scale,
                               prior_variance=args.prior_variance, kl_weight=args.kl_weight,
                               scale_lr_factor=args.scale_lr_factor, client=args.client,
-                              local_reparameterization=args.local_reparameterization)
+                              local_reparameterization=args.local_reparameterization, round_prior=args.round_prior)
     for rule in args.rule:
         check_choice(rule, matched_rules(), "rule")
         if rule in (ATOM_POSTERIOR, PVI) and args.align != "match":
@@ -253,6 +259,9 @@ def prepare(args) -> dict:
     if args.matcher_device is not None and not match:
         raise UsageError(f"--matcher-device: expected only with --align match, got --align {args.align}")
     _args.check_ood_flags(args)
+    if args.round_prior is not None and PVI in args.rule:
+        raise UsageError(f"--round-prior: --rule {PVI} trains every client against its cavity; expected it unset "
+                         f"with that rule, got --round-prior {args.round_prior}")
     if args.pvi_damping is not None and PVI not in args.rule:
         raise UsageError(f"--pvi-damping: expected only with --rule {PVI}, got --rule {','.join(args.rule)}")
     if PVI in args.rule and args.fraction != 1:

@@ -64,6 +64,7 @@ __all__ = [
     "PFNM_TRAINING",
     "PRIORS",
     "PRIOR_VARIANCES",
+    "ROUND_PRIORS",
     "BayesianConfig",
     "FusionConfig",
     "LocalSchedule",
@@ -98,6 +99,10 @@ PVI_DAMPING = 0.1
 #: training its network as a PFNM client does and a diagonal Laplace approximation after the fact
 #: (:class:`~bnpfed.inference.LaplaceClient`, prior precision per site by the marginal likelihood).
 CLIENT_KINDS = ("variational", "laplace")
+#: What a variational client's prior is in the rounds after the first (:class:`BayesianConfig`'s ``round_prior``):
+#: the configured prior, the global posterior only where its SVI starts (the default), or the global posterior (its
+#: slice under matched fusion) as its prior too (posterior as prior: it counts the client's data once more a round).
+ROUND_PRIORS = ("prior", "posterior")
 #: Client weights ``b_k`` of posterior fusion: proportional to the local data size, or uniform.
 CLIENT_WEIGHTS = ("size", "uniform")
 
@@ -301,7 +306,16 @@ class BayesianConfig:
         matched and fused; the global network is then a mean-field Gaussian network like any other); in later
         rounds a client starts from its slice's means, its prior the zero-mean evidence one (the slice is no prior).
         The settings of SVI (``prior_scale``, ``init_scale``, ``prior_variance``, ``kl_weight``,
-        ``scale_lr_factor``) do not apply and must keep their defaults.
+        ``scale_lr_factor``, ``round_prior``) do not apply and must keep their defaults.
+    :param str round_prior: a variational client's prior in the rounds after the first, where it starts from the
+        global posterior (weight-wise fusion) or its slice of it (matched fusion): ``"prior"`` (the configured prior;
+        the global posterior is only where its SVI starts, so each round fuses J posteriors that hold each client's
+        data once, as Ozer et al.'s rounds do) or ``"posterior"`` (the global posterior, or its slice, is its prior
+        too: posterior as prior; it already holds the client's own likelihood, which the next fit multiplies in
+        again, so its data counts once more every round and matched rounds level off: MNIST, J = 10,
+        Dirichlet(0.5), 10 rounds, matched conflation 0.9581 against 0.9708 with ``"prior"``; benchmarks/README.md).
+        None (default): ``"prior"``. Rule ``"pvi"`` trains every client against its cavity and takes None only
+        (:meth:`FusionConfig.client_prior`).
     """
 
     prior: Union[str, Prior] = "linear-weights"
@@ -312,6 +326,7 @@ class BayesianConfig:
     kl_weight: float = 1.0
     scale_lr_factor: float = 1.0
     client: str = "variational"
+    round_prior: Optional[str] = None
 
     def __post_init__(self):
         if not isinstance(self.prior, Prior):
@@ -327,9 +342,12 @@ class BayesianConfig:
         check_positive(self.kl_weight, "kl_weight")
         check_positive(self.scale_lr_factor, "scale_lr_factor")
         check_choice(self.client, CLIENT_KINDS, "client")
+        if self.round_prior is not None:
+            check_choice(self.round_prior, ROUND_PRIORS, "round_prior")
         if self.client == "laplace":
             defaults = {f.name: f.default for f in fields(self)}
-            for name in ("prior_scale", "init_scale", "prior_variance", "kl_weight", "scale_lr_factor"):
+            for name in ("prior_scale", "init_scale", "prior_variance", "kl_weight", "scale_lr_factor",
+                         "round_prior"):
                 default = defaults[name]
                 if getattr(self, name) != default:
                     raise ValueError(f"{name}: a setting of the variational clients' SVI, which Laplace clients "
@@ -674,3 +692,18 @@ class FusionConfig:
         if self.match_on != "auto":
             return self.match_on
         return "means" if client == "laplace" else "posteriors"
+
+    def client_prior(self, bayesian: BayesianConfig) -> str:
+        """What a client of ``bayesian`` trains against in the rounds after the first under this fusion:
+        ``"cavity"`` (rule ``"pvi"``: the global posterior's slice divided by the client's own factor), ``"prior"``
+        (the configured prior; ``bayesian.round_prior`` None or ``"prior"``, and always for Laplace clients, whose
+        slice is no prior) or ``"posterior"`` (the global posterior it starts from, or its slice of a matched one).
+        Raises when ``bayesian.round_prior`` is set with rule ``"pvi"``, where it does not apply."""
+        if not isinstance(bayesian, BayesianConfig):
+            raise ValueError(f"bayesian: expected a BayesianConfig, got {type(bayesian).__name__}")
+        if self.rule == PVI:
+            if bayesian.round_prior is not None:
+                raise ValueError(f"round_prior: rule {PVI!r} trains every client against its cavity (the slice "
+                                 f"less its own factor); expected None with it, got {bayesian.round_prior!r}")
+            return "cavity"
+        return bayesian.round_prior or "prior"

@@ -7,7 +7,9 @@ weight matrices; convolutions and biases stay deterministic). Round ``t = 1 .. T
 1. the server samples ``m = max(1, floor(fraction * J))`` clients without replacement
    (:func:`~bnpfed.federated.server.sample_clients`);
 2. each sampled client k takes the global model -- the fused posterior and the averaged deterministic parameters
-   -- and runs SVI on its ``n_k`` examples for E local epochs (:func:`~bnpfed.federated.clients.fit_bayesian`);
+   -- and runs SVI on its ``n_k`` examples for E local epochs (:func:`~bnpfed.federated.clients.fit_bayesian`)
+   under the configured prior (from round 2 on with ``BayesianConfig(round_prior="posterior")``, under the global
+   posterior as prior);
 3. the server fuses the sampled clients' posteriors weight by weight with one rule of :mod:`bnpfed.combine`
    (``eaa``, ``gaa``, ``log_variance``, ``pooling``, ``conflation``) under client weights ``b_k`` (``"size"``:
    ``b_k = n_k / sum_{j sampled} n_j``; ``"uniform"``: ``b_k = 1 / m``), floors the fused variances at
@@ -137,6 +139,7 @@ class FusionFederation(Federation):
                              f"global posterior each round; Laplace clients serve matched fusion "
                              f"(MatchedFusionFederation, fusion.align='match'), got client={bayesian.client!r}")
         check_fusion_network(network)
+        self.posterior_as_prior = fusion.client_prior(bayesian) == "posterior"
         self.training, self.fusion = training, fusion
         self.method = fusion.rule
         self.predictive_samples = check_int(predictive_samples, "predictive_samples", low=1)
@@ -161,6 +164,8 @@ class FusionFederation(Federation):
             if self.shared_init or round > 1:  # without a shared one, round 1 starts from the client's own init
                 client.load_posterior(self.global_posterior)
                 client.load_deterministic(self.global_deterministic)
+            if round > 1 and self.posterior_as_prior:   # bayesian.round_prior: the global posterior as prior too
+                client.update_prior_(client.posterior())
             x, y = self.client_data[k]
             losses.append(fit_bayesian(client, x, y, self.training, seed=self.seed, round=round, index=k,
                                        scale_lr_factor=self.bayesian.scale_lr_factor))

@@ -6,9 +6,11 @@ Round ``t = 1 .. T``:
 1. the server samples the clients of the round (:func:`~bnpfed.federated.server.sample_clients`);
 2. each sampled client runs SVI on its data (:func:`~bnpfed.federated.clients.fit_bayesian`): in round 1 from its own
    initialisation (no shared one) with the configured prior; later from its slice of the global posterior -- the
-   global units its own were matched to, as means *and* as its new prior (:meth:`BayesianClient.update_prior_`), the
-   posterior-as-prior of Bayesian federated learning -- or, if it was not matched last round, from the whole global
-   posterior;
+   global units its own were matched to -- or, if it was not matched last round, from the whole global posterior,
+   under the configured prior (``BayesianConfig.round_prior``: ``"prior"``, the default, so that every round fuses
+   posteriors that hold each client's data once), or with that slice as its prior too (``"posterior"``: the
+   posterior-as-prior of Bayesian federated learning, :meth:`BayesianClient.update_prior_`, which counts the
+   client's data once more every round), or under rule ``"pvi"`` against its cavity;
 3. the server matches and fuses (:func:`~bnpfed.federated.server.matched_fusion_step`: heteroscedastic
    Beta-Bernoulli matching group by group -- or, for Laplace clients by default (``FusionConfig.match_on``), PFNM's
    matching of the posterior means with each client's dead units left out, from the activity it reports --
@@ -71,12 +73,15 @@ def _posterior(locs, variances, like: dict[str, Tensor]) -> dict[str, GaussianPo
 def client_from_slice(template: nn.Module, locs, variances, bayesian: BayesianConfig, *,
                       as_prior: bool = True, prior: Optional[tuple] = None) -> BayesianClient:
     """A Bayesian client holding ``(locs, variances)`` (a client's slice of a global posterior, or the whole of it):
-    its network of the template's kind at those widths, its posterior set to them and, with ``as_prior``, its prior
-    too (each client has a prior object of its own). With ``as_prior`` and Laplace clients (``bayesian.client``), a
-    :class:`~bnpfed.inference.LaplaceClient` of that network at the means instead (its next fit starts there; the
-    variances are no prior of a Laplace client); without ``as_prior`` (the global network) a Laplace client holding
-    them (:meth:`~bnpfed.inference.LaplaceClient.holding`: the linearised predictive suits a posterior of Laplace
-    clients). ``prior``: ``(means, variances)`` of its Bayesian sites to be its prior instead (PVI's cavity)."""
+    its network of the template's kind at those widths and its posterior set to them. With ``as_prior``, a client to
+    train in the next round, its prior as ``bayesian.round_prior`` says: the configured one (None, ``"prior"``) or
+    the slice itself (``"posterior"``; each client has a prior object of its own); ``prior``: ``(means, variances)``
+    of its Bayesian sites to be its prior instead (PVI's cavity). With ``as_prior`` and Laplace clients
+    (``bayesian.client``), a :class:`~bnpfed.inference.LaplaceClient` of that network at the means instead (its
+    next fit starts there; the variances are no prior of a Laplace client); without ``as_prior`` (the global
+    network) a client of the configured prior holding them, for Laplace clients
+    :meth:`~bnpfed.inference.LaplaceClient.holding` (the linearised predictive suits a posterior of Laplace
+    clients)."""
     net = network_from_state(template, locs)
     if bayesian.client == "laplace":
         if as_prior:
@@ -91,7 +96,7 @@ def client_from_slice(template: nn.Module, locs, variances, bayesian: BayesianCo
     client.load_deterministic({k: locs[k].to(v.dtype) for k, v in deterministic.items()})
     if prior is not None:
         client.update_prior_(_posterior(prior[0], prior[1], like))
-    elif as_prior:
+    elif as_prior and bayesian.round_prior == "posterior":
         client.update_prior_(posterior)
     return client
 
@@ -164,6 +169,7 @@ class MatchedFusionFederation(HoldsRounds, Federation):
         self.clients: list[Optional[BayesianClient]] = [None] * self.num_clients
         self.global_model: Optional[BayesianClient] = None
         self.pvi = pvi_factors(fusion, bayesian)
+        fusion.client_prior(bayesian)   # raises if bayesian.round_prior does not apply to this fusion
 
     @staticmethod
     def check_network(network: NetworkConfig) -> None:

@@ -271,6 +271,8 @@ def _train_fusion(msg: Message, context: Context) -> Message:
     x, y = c.train_data
     sent = msg.content.array_records[ARRAYS]
     client = c.global_client(sent)
+    if c.round > 1 and s.bayesian.round_prior == "posterior":   # the global posterior as prior too
+        client.update_prior_(client.posterior())
     loss = fit_bayesian(client, x, y, s.training, seed=s.seed, round=c.round, index=c.j,
                         scale_lr_factor=s.bayesian.scale_lr_factor)
     metrics = {"num-examples": int(len(y)), "train-loss": float(loss)}

@@ -445,6 +445,10 @@ def parse_run_config(config: Mapping[str, Any]) -> FlowerSettings:
                          f"bnpfed pfnm --layerwise-retrain), got {built['pfnm'].layerwise_retrain}")
     if run.method == "fusion":
         _check_fusion(built["fusion"], built["network"])
+        built["fusion"].client_prior(built["bayesian"])   # round-prior: raises where it does not apply
+    elif built["bayesian"].round_prior is not None:
+        raise ValueError(f"round-prior: a Bayesian client's prior in later rounds (method=\"fusion\"); expected "
+                         f"it unset with method={run.method!r}, got {built['bayesian'].round_prior!r}")
     if built["bayesian"].client != "variational" and (run.method != "fusion" or built["fusion"].align != "match"):
         raise ValueError(f"client: Laplace clients serve matched posterior fusion (method=\"fusion\", "
                          f"align=\"match\"), got client={built['bayesian'].client!r} with method={run.method!r}, "
