@@ -25,8 +25,8 @@ alone decides. The steps are :mod:`bnpfed.federated.clients`' (the in-process fe
 * ``train``, task ``"fedavg"``: the global network sent (round 1 the shared initialisation), trained with
   :func:`~bnpfed.federated.clients.train_network`; reply with its state and ``num-examples``;
 * ``train``, task ``"fusion"``: a :func:`~bnpfed.federated.clients.bayesian_client` of the shared initial network
-  with the global posterior and deterministic parameters loaded, fitted by
-  :func:`~bnpfed.federated.clients.fit_bayesian`; reply with its posterior, parameters, ``num-examples``,
+  with the global posterior and deterministic parameters loaded (from round 2 with ``round-prior = "posterior"``
+  that posterior its prior too), fitted by :func:`~bnpfed.federated.clients.fit_bayesian`; reply with its posterior, parameters, ``num-examples``,
   ``train-loss``;
 * ``train``, task ``"secure-fusion"`` (``secure-aggregation = true``): as ``"fusion"`` (at the widths of the
   global model sent: after a round of matching, the matched network's), but the posterior stays in
@@ -35,8 +35,9 @@ alone decides. The steps are :mod:`bnpfed.federated.clients`' (the in-process fe
   (:func:`~bnpfed.flower.secure.secure_fit`, :mod:`bnpfed.flower.secure`);
 * ``train``, task ``"matched-fusion"`` (``method = "fusion"``, ``align = "match"``): round 1 (no arrays) a Bayesian
   client of its own initial network (:func:`~bnpfed.federated.clients.initial_network` with its partition id),
-  later one holding what the server sent -- its slice of the global posterior, or the whole of it -- as posterior
-  and prior (:func:`~bnpfed.federated.matched_fusion.client_from_slice`); fitted by
+  later one holding what the server sent -- its slice of the global posterior, or the whole of it -- as posterior,
+  its prior the configured one or (``round-prior = "posterior"``) that slice, or the cavity sent beside it under
+  PVI (:func:`~bnpfed.federated.matched_fusion.client_from_slice`); fitted by
   :func:`~bnpfed.federated.clients.fit_bayesian`; reply with its posterior
   (:func:`~bnpfed.inference.posterior_matching.client_posterior`), ``num-examples``, ``class-counts``,
   ``train-loss`` and its posterior-mean network's units' activity on its data (``activity:<group>``; read when the
@@ -180,7 +181,9 @@ class _Client:
 
     def matched_client(self, record: ArrayRecord, *, as_prior: bool) -> BayesianClient:
         """A Bayesian client of the configured architecture holding the posterior in ``record`` (a slice of a
-        matched global posterior, or the whole of it), as its prior too with ``as_prior``."""
+        matched global posterior, or the whole of it); with ``as_prior`` a client to train, its prior as the
+        settings' ``round_prior`` says or the cavity sent beside it
+        (:func:`~bnpfed.federated.matched_fusion.client_from_slice`)."""
         arch = _architecture(self.settings.network, tuple(self.ds.input_shape), self.ds.num_classes,
                              self.settings.seed)
         arrays, cavity = split_cavity(from_array_record(record))   # PVI: the cavity to train against
@@ -291,7 +294,7 @@ def _train_matched(msg: Message, context: Context) -> Message:
         net = initial_network(replace(s.network, shared_init=False), ds.input_shape, ds.num_classes, seed=s.seed,
                               client=c.j)
         client = posterior_client(net, s.bayesian)
-    else:  # its slice of the global posterior (or the whole of it), as posterior and prior
+    else:  # its slice of the global posterior (or the whole of it); its prior: round-prior's, or its cavity
         client = c.matched_client(sent, as_prior=True)
     loss = fit_bayesian(client, x, y, s.training, seed=s.seed, round=c.round, index=c.j,
                         scale_lr_factor=s.bayesian.scale_lr_factor)

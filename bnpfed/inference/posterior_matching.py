@@ -94,7 +94,10 @@ left out first, as :func:`~bnpfed.inference.network_matching.match_by_spec` leav
 
 **Rounds.** :meth:`PosteriorMatch.client_slice` gives a client its own units of the global posterior (its assignment
 in every group): in PFNM with communication (Yurochkin et al. 2019, section 3.3) that slice is the client's next
-starting point and, here, its next prior (:func:`~bnpfed.inference.BayesianClient.update_prior_`).
+starting point; by default it trains under its configured prior again, and with
+``BayesianConfig(round_prior="posterior")`` the slice is its next prior too
+(:func:`~bnpfed.inference.BayesianClient.update_prior_`), which counts the client's data once more every round
+(:class:`~bnpfed.federated.config.BayesianConfig`; benchmarks/README.md, "What held matched rounds back").
 
 Usage: two clients hold one Bayesian MLP with its hidden units permuted; matching and fusing puts it back together::
 
