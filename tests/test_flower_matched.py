@@ -10,6 +10,7 @@ import re
 
 import numpy as np
 import pytest
+import torch
 
 flwr = pytest.importorskip("flwr", reason="Flower is not installed (pip install 'bnpfed[flower]')")
 
@@ -36,6 +37,15 @@ def test_matched_fusion_on_flower_is_the_in_process_federation_bit_for_bit():
     # the clients score the global Bayesian network on their shards: together the test split
     assert [r["evaluated"] for r in result.history] == [[0, 1, 2]] * 2
     assert all(r["test_examples"] == 450 and 0.5 < r["accuracy"] <= 1 for r in result.history)
+
+
+def test_fixed_later_rounds_on_flower_are_the_in_process_federation_bit_for_bit():
+    # round 2: every client trains the whole global posterior, the server fuses it unit by unit (no matching)
+    config = {**MATCHED, "rule": "conflation", "later-rounds": "fixed", "rounds": 3}
+    result = run_federation(LocalGrid(client_app, CLIENTS), config)
+    reference = assert_same_as_in_process(result, config)
+    assert len({tuple(r["hidden"]) for r in result.history}) == 1   # the width of round 1, kept
+    assert all(torch.equal(a, torch.arange(a.numel())) for a in reference.match.assignments["1"])
 
 
 def test_matched_fusion_with_empirical_bayes_priors_on_flower_is_the_in_process_federation_bit_for_bit():

@@ -15,7 +15,7 @@ from bnpfed.federated.matched_fusion import MatchedFusionFederation
 from bnpfed.federated.methods import ExperimentConfig, available_methods, run_experiment
 from bnpfed.inference.bayesian_matching import match_bayesian_layer
 from bnpfed.inference.permutation import client_slice, derive_spec, network_from_state
-from bnpfed.inference.posterior_matching import MIN_VARIANCE, fuse_members, match_posteriors
+from bnpfed.inference.posterior_matching import MIN_VARIANCE, client_posterior, fuse_members, match_posteriors
 
 RULES = ("eaa", "gaa", "log_variance", "conflation")
 #: tiny noise and a wide prior: copies of one unit merge, distinct units stay apart
@@ -198,12 +198,13 @@ def digits():
     return load_dataset("digits")
 
 
-def run_rounds(ds, rounds=2, seed=0, rule="conflation", round_prior=None):
+def run_rounds(ds, rounds=2, seed=0, rule="conflation", round_prior=None, later_rounds="rematch"):
     parts = PartitionConfig(clients=3).split(ds.y_train.numpy(), seed=0)
     federation = MatchedFusionFederation(ds, parts, network=NetworkConfig(hidden=(16,)),
                                          training=TrainingConfig(epochs=2, lr=1e-2),
                                          bayesian=BayesianConfig(round_prior=round_prior),
-                                         fusion=FusionConfig(rule=rule, align="match"), seed=seed)
+                                         fusion=FusionConfig(rule=rule, align="match", later_rounds=later_rounds),
+                                         seed=seed)
     records, matches = [], []
     for _ in range(rounds):
         records.append(federation.run_round())
@@ -242,6 +243,40 @@ def test_a_matched_fusion_federation_is_reproducible_and_its_clients_start_from_
         c, _ = run_rounds(digits, round_prior="posterior")
         assert torch.equal(a.matches[0][0].locs["1.weight"], c.matches[0][0].locs["1.weight"])
         assert not torch.equal(a.match.locs["1.weight"], c.match.locs["1.weight"])
+
+
+def test_fixed_later_rounds_give_every_client_the_whole_global_posterior_and_fuse_it_unit_by_unit(digits):
+    """``later_rounds="fixed"``: from round 2 every client trains the whole global posterior of the last round, the
+    assignment is the identity (no unit re-paired, the width kept), and each global unit's input weights are the
+    conflation of the clients' copies of it with their sizes as weights (``bnpfed.combine.fuse``, computed here)."""
+    from bnpfed.combine import fuse
+
+    fed, records = run_rounds(digits, rounds=3, later_rounds="fixed")
+    first = fed.matches[0][0]
+    L = first.widths["1"]
+    for match, matched in fed.matches[1:]:
+        assert match.widths == first.widths and records[-1].metrics["hidden"] == [L]
+        assert all(torch.equal(a, torch.arange(L)) for a in match.assignments["1"])
+    pairs = [client_posterior(c) for c in fed.clients]
+    assert all(locs["1.weight"].shape[0] == L for locs, _ in pairs)   # the whole global network, every client
+    expected = fuse(torch.stack([locs["1.weight"] for locs, _ in pairs]).double(),
+                    torch.stack([v["1.weight"] for _, v in pairs]).double(), "conflation",
+                    torch.tensor(fed.sizes, dtype=torch.float64))
+    torch.testing.assert_close(fed.match.locs["1.weight"], expected.loc, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(fed.match.variances["1.weight"], expected.variance, rtol=1e-9, atol=1e-20)
+    # re-matched rounds start each client from its slice instead, and the second match is free to re-pair
+    rematched, _ = run_rounds(digits, rounds=2)
+    assert torch.equal(rematched.matches[0][0].locs["1.weight"], first.locs["1.weight"])
+    assert not torch.equal(rematched.match.locs["1.weight"], fed.matches[1][0].locs["1.weight"])
+
+
+def test_fixed_later_rounds_are_refused_where_they_do_not_apply():
+    with pytest.raises(ValueError, match="later_rounds: matched fusion's rounds after the first"):
+        FusionConfig(later_rounds="fixed")
+    with pytest.raises(ValueError, match="later_rounds: rule 'pvi' keeps each client's factor in its own units"):
+        FusionConfig(rule="pvi", align="match", later_rounds="fixed")
+    with pytest.raises(ValueError, match=r"later_rounds: expected one of \['rematch', 'fixed'\]"):
+        FusionConfig(align="match", later_rounds="frozen")
 
 
 def test_a_round_prior_is_refused_where_it_does_not_apply(digits):

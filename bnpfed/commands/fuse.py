@@ -28,7 +28,7 @@ from bnpfed.federated import methods
 from bnpfed.federated.clients import initial_network
 from bnpfed.federated.config import (CLIENT_KINDS, CLIENT_WEIGHTS, FUSION_TRAINING, INITIALISATIONS,
                                      PAPER_MIN_VARIANCE, PRIORS, PRIOR_VARIANCES, PVI_DAMPING, ROUND_PRIORS,
-                                     BayesianConfig, FusionConfig, NetworkConfig, config_dict)
+                                     LATER_ROUNDS, BayesianConfig, FusionConfig, NetworkConfig, config_dict)
 from bnpfed.federated.methods import ExperimentConfig
 from bnpfed.federated.fusion import FUSION_ARCHITECTURES
 from bnpfed.federated.matched_fusion import MatchedFusionFederation
@@ -157,6 +157,11 @@ def add_parser(sub):
                    "model), means (PFNM's model on the posterior means, each client's units dead on its data left "
                    "out first) or auto (means for --client laplace, whose post-hoc variances are mostly the prior's, "
                    "posteriors for variational clients); the posteriors are fused along it either way")
+    g.add_argument("--later-rounds", choices=LATER_ROUNDS, default=fusion.later_rounds,
+                   help="--align match: the rounds after the first: rematch (each client from its slice of the "
+                   "global posterior, the units matched again) or fixed (every client from the whole global "
+                   "posterior, fused unit by unit with the assignment fixed: round 1's matched network as the shared "
+                   f"start); fixed not with --rule {PVI}")
     g.add_argument("--starts", choices=STARTS, default=fusion.starts,
                    help="--align match: where the matcher's empirical Bayes starts: the even split (default), from "
                    "the small-noise start as well with the likelier kept (both), or the small-noise start only")
@@ -254,6 +259,11 @@ def prepare(args) -> dict:
         raise UsageError(f"--match-on: expected only with --align match, got --align {args.align}")
     if args.starts != "even-split" and not match:
         raise UsageError(f"--starts: expected only with --align match, got --align {args.align}")
+    if args.later_rounds != "rematch" and not match:
+        raise UsageError(f"--later-rounds: expected only with --align match, got --align {args.align}")
+    if args.later_rounds == "fixed" and PVI in args.rule:
+        raise UsageError(f"--later-rounds fixed: --rule {PVI} keeps each client's factor in its own units; expected "
+                         f"rematch with it")
     if args.stop != "result" and not match:
         raise UsageError(f"--stop: expected only with --align match, got --align {args.align}")
     if args.matcher_device is not None and not match:
@@ -271,7 +281,8 @@ def prepare(args) -> dict:
     fusion = FusionConfig(rule=args.rule[0], weights=args.weights, pooling_samples=args.pooling_samples,
                           min_variance=args.min_variance, fraction=args.fraction, align=args.align, tau2=args.tau2,
                           own_init=own_init, pvi_damping=args.pvi_damping, match_on=args.match_on,
-                          starts=args.starts, stop=args.stop, matcher_device=args.matcher_device)
+                          starts=args.starts, stop=args.stop, matcher_device=args.matcher_device,
+                          later_rounds=args.later_rounds)
     if args.baselines is not None:
         if not match:
             raise UsageError(f"--baselines: expected only with --align match, got --align {args.align}")

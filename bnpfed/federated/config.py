@@ -65,6 +65,7 @@ __all__ = [
     "PRIORS",
     "PRIOR_VARIANCES",
     "ROUND_PRIORS",
+    "LATER_ROUNDS",
     "BayesianConfig",
     "FusionConfig",
     "LocalSchedule",
@@ -103,6 +104,9 @@ CLIENT_KINDS = ("variational", "laplace")
 #: the configured prior, the global posterior only where its SVI starts (the default), or the global posterior (its
 #: slice under matched fusion) as its prior too (posterior as prior: it counts the client's data once more a round).
 ROUND_PRIORS = ("prior", "posterior")
+#: Matched fusion's rounds after the first (:class:`FusionConfig`'s ``later_rounds``): each client from its slice and
+#: the units matched again, or every client from the whole global posterior with the assignment fixed.
+LATER_ROUNDS = ("rematch", "fixed")
 #: Client weights ``b_k`` of posterior fusion: proportional to the local data size, or uniform.
 CLIENT_WEIGHTS = ("size", "uniform")
 
@@ -634,6 +638,13 @@ class FusionConfig:
         (:func:`~bnpfed.inference.posterior_matching.match_posteriors`).
     :param str matcher_device: ``align="match"``: where the matcher's cross products run, None (default: numpy on the
         CPU) or a torch device (:class:`PFNMConfig`'s ``matcher_device``); the Bayesian clients train on the CPU.
+    :param str later_rounds: ``align="match"``: the rounds after the first. ``"rematch"`` (default): each client
+        starts from its slice of the global posterior and the server matches the units again, warm-started from the
+        assignment they came from (PFNM's rounds; the width can change). ``"fixed"``: every client starts from the
+        *whole* global posterior and the server fuses global unit by global unit, the assignment fixed at what each
+        client was sent (no matching: round 1's matched network is from then on the shared starting point that
+        weight-wise fusion needs; the matching model's estimates are still made, for ``rule="atom-posterior"``).
+        Not with ``rule="pvi"``, whose factors live in each client's own units.
     """
 
     rule: str = "conflation"
@@ -649,6 +660,7 @@ class FusionConfig:
     pvi_damping: Optional[float] = None
     match_on: str = "auto"
     matcher_device: Optional[str] = None
+    later_rounds: str = "rematch"
 
     def __post_init__(self):
         check_choice(self.rule, matched_rules(), "rule")
@@ -675,6 +687,14 @@ class FusionConfig:
         if self.match_on != "auto" and self.align != "match":
             raise ValueError(f"match_on: what matched fusion's assignment is computed from; expected 'auto' with "
                              f"align={self.align!r} (nothing is matched), got {self.match_on!r}")
+        check_choice(self.later_rounds, LATER_ROUNDS, "later_rounds")
+        if self.later_rounds != "rematch" and self.align != "match":
+            raise ValueError(f"later_rounds: matched fusion's rounds after the first; expected 'rematch' with "
+                             f"align={self.align!r} (nothing is matched), got {self.later_rounds!r}")
+        if self.later_rounds == "fixed" and self.rule == PVI:
+            raise ValueError(f"later_rounds: rule {PVI!r} keeps each client's factor in its own units, which the "
+                             f"whole global posterior of 'fixed' rounds would change; expected 'rematch' with it, got "
+                             f"'fixed'")
         if self.match_on == "means" and self.rule == PVI:
             raise ValueError(f"match_on: rule {PVI!r} keeps each client's factor in the client's own units from round "
                              f"to round, which leaving its dead units out (match_on='means') would change; expected "

@@ -6,7 +6,8 @@ Round ``t = 1 .. T``:
 1. the server samples the clients of the round (:func:`~bnpfed.federated.server.sample_clients`);
 2. each sampled client runs SVI on its data (:func:`~bnpfed.federated.clients.fit_bayesian`): in round 1 from its own
    initialisation (no shared one) with the configured prior; later from its slice of the global posterior -- the
-   global units its own were matched to -- or, if it was not matched last round, from the whole global posterior,
+   global units its own were matched to -- or, if it was not matched last round or ``FusionConfig.later_rounds`` is
+   ``"fixed"``, from the whole global posterior,
    under the configured prior (``BayesianConfig.round_prior``: ``"prior"``, the default, so that every round fuses
    posteriors that hold each client's data once), or with that slice as its prior too (``"posterior"``: the
    posterior-as-prior of Bayesian federated learning, :meth:`BayesianClient.update_prior_`, which counts the
@@ -14,7 +15,8 @@ Round ``t = 1 .. T``:
 3. the server matches and fuses (:func:`~bnpfed.federated.server.matched_fusion_step`: heteroscedastic
    Beta-Bernoulli matching group by group -- or, for Laplace clients by default (``FusionConfig.match_on``), PFNM's
    matching of the posterior means with each client's dead units left out, from the activity it reports --
-   warm-started from the assignment the clients came from, then one rule of :mod:`bnpfed.combine` per global unit);
+   warm-started from the assignment the clients came from, or with ``later_rounds="fixed"`` kept at it, then one
+   rule of :mod:`bnpfed.combine` per global unit);
    the width may change from round to round;
 4. the global Bayesian network is evaluated: the Monte Carlo posterior predictive (softmax averaged over S weight
    draws from ``(seed, PREDICT, t)``), and the posterior-mean network's accuracy beside it.
@@ -164,7 +166,7 @@ class MatchedFusionFederation(HoldsRounds, Federation):
         self.class_counts = class_counts(dataset.y_train.numpy(), [p.numpy() for p in self.parts],
                                          dataset.num_classes)
         self.architecture = Architecture.of(self.network, dataset.input_shape, dataset.num_classes, seed=seed)
-        self.rounds = MatchRounds(self.architecture)
+        self.rounds = MatchRounds(self.architecture, whole=fusion.later_rounds == "fixed")
         self.initial_clients = initial_clients
         self.clients: list[Optional[BayesianClient]] = [None] * self.num_clients
         self.global_model: Optional[BayesianClient] = None

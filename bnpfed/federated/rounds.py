@@ -34,7 +34,7 @@ from bnpfed.federated.server import match_hyperparameters, mean_sigma
 from bnpfed.inference.batch_norm import batch_norm_order
 from bnpfed.inference.permutation import PermutationSpec, derive_spec, network_from_state
 from bnpfed.inference.posterior_matching import cavity, pvi_factor
-from bnpfed.validation import check_fraction, check_positive
+from bnpfed.validation import check_bool, check_fraction, check_positive
 
 __all__ = ["Architecture", "HoldsRounds", "MatchRounds", "PVIFactors"]
 
@@ -84,6 +84,8 @@ class MatchRounds:
     """The server's memory between rounds of a matching method (PFNM, FedMA, matched posterior fusion).
 
     :param Architecture architecture: the clients' network kind.
+    :param bool whole: after round 1 every client starts from the whole global model (matched fusion's
+        ``later_rounds="fixed"``), not from its slice. Default False.
 
     Attributes: ``match`` (the last match: a :class:`~bnpfed.inference.SpecMatch` or a
     :class:`~bnpfed.inference.posterior_matching.PosteriorMatch`; None before round 1 ends), ``matched`` (the clients
@@ -91,22 +93,25 @@ class MatchRounds:
     when it started from its own initialisation).
     """
 
-    def __init__(self, architecture: Architecture):
+    def __init__(self, architecture: Architecture, *, whole: bool = False):
         if not isinstance(architecture, Architecture):
             raise ValueError(f"architecture: expected an Architecture, got {type(architecture).__name__}")
         self.architecture = architecture
+        self.whole = check_bool(whole, "whole")
         self.match: Any = None
         self.matched: list[int] = []
         self.sent: dict[int, Optional[dict[str, Tensor]]] = {}
 
     def start(self, j: int) -> Any:
         """What client ``j`` starts this round from, remembered with the global ids of its units: None in round 1
-        (its own initialisation); later the match's :meth:`client_start` -- its slice if it was matched last round,
-        else the whole global model (a state dict for PFNM, ``(locs, variances)`` for matched fusion)."""
+        (its own initialisation); later the match's :meth:`client_start` -- its slice if it was matched last round
+        (and not ``whole``), else the whole global model (a state dict for PFNM, ``(locs, variances)`` for matched
+        fusion)."""
         if self.match is None:
             self.sent[j] = None
             return None
-        payload, ids = self.match.client_start(self.matched.index(j) if j in self.matched else None)
+        own = j in self.matched and not self.whole
+        payload, ids = self.match.client_start(self.matched.index(j) if own else None)
         self.sent[j] = ids
         return payload
 

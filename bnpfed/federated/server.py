@@ -200,7 +200,7 @@ def matched_fusion_step(clients: Sequence, class_counts, sizes: Sequence[int], c
     :param class_counts: ``(J, C)`` training examples per class of each client.
     :param sizes: per client, ``n_k``.
     :param starts: None in round 1; later, per client, the global ids of its units per group it started the round
-        from (the warm start of the matching).
+        from (the warm start of the matching; with ``config.later_rounds="fixed"`` the assignment itself).
     :param factors: ``config.rule == "pvi"``: per client its approximate-likelihood factor (None: each posterior
         over the prior, round 1); ``prior_variance`` the clients' prior variance.
     :param str match_on: what the assignment is computed from, ``config.matches_on(client kind)``: ``"posteriors"``
@@ -216,9 +216,11 @@ def matched_fusion_step(clients: Sequence, class_counts, sizes: Sequence[int], c
     init = None
     if starts is not None and all(s is not None for s in starts):
         init = {g: [s[g] for s in starts] for g in starts[0]}
+    # later_rounds="fixed": the assignment stays what each client was sent (no sweep); the estimates are still made
+    sweeps = 0 if config.later_rounds == "fixed" and init is not None else None
     pvi = {"factors": factors, "prior_variance": prior_variance} if config.rule == PVI else {}
     return match_posteriors(list(clients), class_counts, spec, rule=config.rule, sizes=weights, **pvi,
-                            input_shape=input_shape, template=template, tau2=config.tau2,
+                            input_shape=input_shape, template=template, tau2=config.tau2, sweeps=sweeps,
                             seed=derive_seed(seed, Stream.MATCH, round), warm_start=init,
                             num_samples=config.pooling_samples, min_variance=config.min_variance or MIN_VARIANCE,
                             stop=config.stop, starts=config.starts, match_on=match_on, activity=activity,

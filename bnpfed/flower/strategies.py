@@ -464,13 +464,14 @@ class _MatchingStrategy(HoldsRounds, _RoundStrategy):
 
     network: NetworkConfig
     rounds: Optional[MatchRounds]
+    whole_rounds = False   # every client from the whole global model after round 1 (MatchRounds' whole)
 
     def connect(self, grid: Grid) -> NodeIdentity:
         """As :meth:`_RoundStrategy.connect`, then the architecture for the nodes' data."""
         identity = super().connect(grid)
         if self.rounds is None:
             self.rounds = MatchRounds(Architecture.of(self.network, identity.input_shape, identity.num_classes,
-                                                      seed=self.seed))
+                                                      seed=self.seed), whole=self.whole_rounds)
         return identity
 
 
@@ -748,6 +749,7 @@ class MatchedFusionStrategy(_MatchingStrategy):
         self.network = replace(network, shared_init=False)
         self.rounds: Optional[MatchRounds] = None
         self.pvi = pvi_factors(fusion, bayesian)   # rule "pvi": the clients' factors, kept on the server
+        self.whole_rounds = fusion.later_rounds == "fixed"
         fusion.client_prior(bayesian)   # raises if bayesian.round_prior does not apply to this fusion
         self.match_on = fusion.matches_on(bayesian.client)
 
