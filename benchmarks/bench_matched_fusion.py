@@ -133,7 +133,7 @@ def part_rounds(datasets, dirs, out: Path, seeds, args) -> None:
                 training=TrainingConfig(epochs=args.epochs, batch_size=64, lr=args.lr, round_epochs=args.round_epochs),
                 bayesian=_bayesian(args), fusion=FusionConfig(
                     rule=args.rule, pvi_damping=args.pvi_damping, later_rounds=args.later_rounds,
-                    align="match" if matched_only or args.later_rounds != "rematch" else "none"),
+                    align="match" if matched_only or args.later_rounds != "auto" else "none"),
                 config=ExperimentConfig(methods=tuple(args.methods.split(",")) if args.methods else methods,
                                         rounds=args.rounds, seed=seed, ece_bins=100, predictive_samples=args.samples))
             _emit(out, key, dict(dataset=name, partition="dirichlet", seed=seed, J=args.clients, rounds=args.rounds,
@@ -195,7 +195,7 @@ def main(argv=None):
     p.add_argument("--round-prior", choices=("prior", "posterior"),
                    help="rounds part: a client's prior after round 1, the configured one (default) or the global "
                    "posterior / its slice (posterior as prior, the behaviour before 2026-12-05)")
-    p.add_argument("--later-rounds", choices=("rematch", "fixed"), default="rematch",
+    p.add_argument("--later-rounds", choices=("auto", "rematch", "fixed"), default="auto",
                    help="rounds part: matched fusion's rounds after the first (FusionConfig.later_rounds)")
     p.add_argument("--pvi-damping", type=float, default=None, help="rule pvi: the factors' damping (default 0.1)")
     p.add_argument("--methods", default="", help="comma-separated methods of the oneshot or rounds part (default: "

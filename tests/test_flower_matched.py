@@ -78,7 +78,8 @@ def test_pvi_rounds_on_flower_are_the_in_process_federation_bit_for_bit():
 
 
 def test_each_client_starts_round_two_from_its_slice_or_else_the_whole_posterior_bit_for_bit():
-    config = {**MATCHED, **FRACTION, "rule": "pooling", "fraction-evaluate": 0.0}
+    # re-matched rounds (later-rounds "rematch"; by default every client gets the whole posterior: the test above)
+    config = {**MATCHED, **FRACTION, "rule": "pooling", "fraction-evaluate": 0.0, "later-rounds": "rematch"}
     sent = {}
     assert_same_as_in_process(run_federation(LocalGrid(recording(sent), CLIENTS), config), config)
     first = in_process({**config, "rounds": 1})

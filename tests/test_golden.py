@@ -177,8 +177,9 @@ def test_a_short_experiment_of_eleven_methods_reproduces_the_recorded_rows(golde
     (``client_weights``), which pooling groups into other patterns than the raw example counts, so its Monte Carlo
     draws land on other coordinates -- the same law, other draws: NLL 0.7526 against 0.7532, mean sigma 0.015027
     against 0.015033 (accuracy and widths unchanged); that row is compared to 2e-3. The recording's matched rounds
-    trained each client of round 2 under its slice as prior, the default then: ``round_prior="posterior"`` here
-    (the default now, the configured prior, gives match-conflation 0.929 against the recorded 0.867)."""
+    trained each client of round 2 from its slice, under that slice as prior, and matched again, the defaults then:
+    ``round_prior="posterior"`` and ``later_rounds="rematch"`` here (the configured prior alone gives match-conflation
+    0.929 against the recorded 0.867)."""
     from dataclasses import asdict
 
     from bnpfed.data import load_dataset
@@ -189,18 +190,20 @@ def test_a_short_experiment_of_eleven_methods_reproduces_the_recorded_rows(golde
                "match-conflation", "match-pooling", "ensemble-bayesian")
     matched = ("match-conflation", "match-pooling")   # their rounds under the slice as prior, as recorded
 
-    def run(names, round_prior):
+    def run(names, round_prior, later_rounds="auto"):
         return run_experiment(load_dataset("digits", standardize=False),
                               partition=PartitionConfig(clients=3, partition="dirichlet"),
                               network=NetworkConfig(hidden=(16,)), training=TrainingConfig(epochs=3),
-                              pfnm=PFNMConfig(**BEFORE, inactive="keep"), fusion=FusionConfig(**BEFORE),
+                              pfnm=PFNMConfig(**BEFORE, inactive="keep"),
+                              fusion=FusionConfig(**BEFORE, later_rounds=later_rounds,
+                                                  align="match" if later_rounds != "auto" else "none"),
                               bayesian=BayesianConfig(round_prior=round_prior),
                               config=ExperimentConfig(methods=names, rounds=2, seed=0)).rows
 
     others = run(tuple(m for m in methods if m not in matched), None)   # ends with the Bayesian ensemble's row
     keep = ("method", "accuracy", "nll", "ece", "brier", "hidden", "parameters", "mean_sigma")
     rows = [{k: v for k, v in asdict(row).items() if k in keep}
-            for row in others[:-1] + run(matched, "posterior") + others[-1:]]
+            for row in others[:-1] + run(matched, "posterior", "rematch") + others[-1:]]
     recorded = golden["outputs"]["experiment"]
     assert [r["method"] for r in rows] == [r["method"] for r in recorded]
     for row, old in zip(rows, recorded):

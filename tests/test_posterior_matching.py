@@ -275,7 +275,10 @@ def test_fixed_later_rounds_are_refused_where_they_do_not_apply():
         FusionConfig(later_rounds="fixed")
     with pytest.raises(ValueError, match="later_rounds: rule 'pvi' keeps each client's factor in its own units"):
         FusionConfig(rule="pvi", align="match", later_rounds="fixed")
-    with pytest.raises(ValueError, match=r"later_rounds: expected one of \['rematch', 'fixed'\]"):
+    # "auto": PVI re-matches, every other rule keeps the assignment
+    assert FusionConfig(rule="pvi", align="match").rounds_after_first() == "rematch"
+    assert FusionConfig(align="match").rounds_after_first() == "fixed"
+    with pytest.raises(ValueError, match=r"later_rounds: expected one of \['auto', 'rematch', 'fixed'\]"):
         FusionConfig(align="match", later_rounds="frozen")
 
 

@@ -157,11 +157,11 @@ def add_parser(sub):
                    "model), means (PFNM's model on the posterior means, each client's units dead on its data left "
                    "out first) or auto (means for --client laplace, whose post-hoc variances are mostly the prior's, "
                    "posteriors for variational clients); the posteriors are fused along it either way")
-    g.add_argument("--later-rounds", choices=LATER_ROUNDS, default=fusion.later_rounds,
+    g.add_argument("--later-rounds", choices=("auto",) + LATER_ROUNDS, default=fusion.later_rounds,
                    help="--align match: the rounds after the first: rematch (each client from its slice of the "
-                   "global posterior, the units matched again) or fixed (every client from the whole global "
+                   "global posterior, the units matched again), fixed (every client from the whole global "
                    "posterior, fused unit by unit with the assignment fixed: round 1's matched network as the shared "
-                   f"start); fixed not with --rule {PVI}")
+                   f"start; not with --rule {PVI}) or auto (default: rematch for --rule {PVI}, fixed otherwise)")
     g.add_argument("--starts", choices=STARTS, default=fusion.starts,
                    help="--align match: where the matcher's empirical Bayes starts: the even split (default), from "
                    "the small-noise start as well with the likelier kept (both), or the small-noise start only")
@@ -259,7 +259,7 @@ def prepare(args) -> dict:
         raise UsageError(f"--match-on: expected only with --align match, got --align {args.align}")
     if args.starts != "even-split" and not match:
         raise UsageError(f"--starts: expected only with --align match, got --align {args.align}")
-    if args.later_rounds != "rematch" and not match:
+    if args.later_rounds != "auto" and not match:
         raise UsageError(f"--later-rounds: expected only with --align match, got --align {args.align}")
     if args.later_rounds == "fixed" and PVI in args.rule:
         raise UsageError(f"--later-rounds fixed: --rule {PVI} keeps each client's factor in its own units; expected "

@@ -166,7 +166,7 @@ class MatchedFusionFederation(HoldsRounds, Federation):
         self.class_counts = class_counts(dataset.y_train.numpy(), [p.numpy() for p in self.parts],
                                          dataset.num_classes)
         self.architecture = Architecture.of(self.network, dataset.input_shape, dataset.num_classes, seed=seed)
-        self.rounds = MatchRounds(self.architecture, whole=fusion.later_rounds == "fixed")
+        self.rounds = MatchRounds(self.architecture, whole=fusion.rounds_after_first() == "fixed")
         self.initial_clients = initial_clients
         self.clients: list[Optional[BayesianClient]] = [None] * self.num_clients
         self.global_model: Optional[BayesianClient] = None

@@ -217,7 +217,7 @@ def matched_fusion_step(clients: Sequence, class_counts, sizes: Sequence[int], c
     if starts is not None and all(s is not None for s in starts):
         init = {g: [s[g] for s in starts] for g in starts[0]}
     # later_rounds="fixed": the assignment stays what each client was sent (no sweep); the estimates are still made
-    sweeps = 0 if config.later_rounds == "fixed" and init is not None else None
+    sweeps = 0 if config.rounds_after_first() == "fixed" and init is not None else None
     pvi = {"factors": factors, "prior_variance": prior_variance} if config.rule == PVI else {}
     return match_posteriors(list(clients), class_counts, spec, rule=config.rule, sizes=weights, **pvi,
                             input_shape=input_shape, template=template, tau2=config.tau2, sweeps=sweeps,

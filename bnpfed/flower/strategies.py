@@ -749,7 +749,7 @@ class MatchedFusionStrategy(_MatchingStrategy):
         self.network = replace(network, shared_init=False)
         self.rounds: Optional[MatchRounds] = None
         self.pvi = pvi_factors(fusion, bayesian)   # rule "pvi": the clients' factors, kept on the server
-        self.whole_rounds = fusion.later_rounds == "fixed"
+        self.whole_rounds = fusion.rounds_after_first() == "fixed"
         fusion.client_prior(bayesian)   # raises if bayesian.round_prior does not apply to this fusion
         self.match_on = fusion.matches_on(bayesian.client)
 
