@@ -33,7 +33,8 @@ import numpy as np
 import torch
 
 from bnpfed.data import load_dataset, standardize_together
-from bnpfed.federated.config import BayesianConfig, FusionConfig, NetworkConfig, PartitionConfig, TrainingConfig
+from bnpfed.federated.config import (LATER_ROUNDS, ROUND_PRIORS, BayesianConfig, FusionConfig, NetworkConfig,
+                                     PartitionConfig, TrainingConfig)
 from bnpfed.federated.methods import ExperimentConfig, run_experiment
 from bnpfed.models import IIDPrior
 
@@ -141,7 +142,8 @@ def part_rounds(datasets, dirs, out: Path, seeds, args) -> None:
                                  round_epochs=args.round_epochs, prior_variance=args.prior_variance,
                                  kl_weight=args.kl_weight, scale_lr_factor=args.scale_lr_factor, client=args.client,
                                  pvi_damping=args.pvi_damping, round_prior=args.round_prior,
-                                 later_rounds=args.later_rounds, rows={r.method: _row(r) for r in result.rows}, warnings=result.warnings,
+                                 later_rounds=args.later_rounds, rows={r.method: _row(r) for r in result.rows},
+                                 warnings=result.warnings,
                                  wall_seconds=time.perf_counter() - t0))
 
 
@@ -192,10 +194,10 @@ def main(argv=None):
                    help="the Bayesian clients: SVI, or PFNM's trained clients with a diagonal Laplace posterior")
     p.add_argument("--expose", default="", help="comma-separated parameter names, the only Bayesian ones (a prior "
                    "N(0, 1) on them; e.g. 3.weight, the output layer of 784-100-10); default: the named prior")
-    p.add_argument("--round-prior", choices=("prior", "posterior"),
+    p.add_argument("--round-prior", choices=ROUND_PRIORS,
                    help="rounds part: a client's prior after round 1, the configured one (default) or the global "
                    "posterior / its slice (posterior as prior, the behaviour before 2026-12-05)")
-    p.add_argument("--later-rounds", choices=("auto", "rematch", "fixed"), default="auto",
+    p.add_argument("--later-rounds", choices=("auto",) + LATER_ROUNDS, default=FusionConfig().later_rounds,
                    help="rounds part: matched fusion's rounds after the first (FusionConfig.later_rounds)")
     p.add_argument("--pvi-damping", type=float, default=None, help="rule pvi: the factors' damping (default 0.1)")
     p.add_argument("--methods", default="", help="comma-separated methods of the oneshot or rounds part (default: "

@@ -43,7 +43,7 @@ from bnpfed.models import LeNet, mlp, reference_init_, simple_cnn
 from bnpfed.seeding import Stream, derive_seed, seeded, torch_generator
 
 __all__ = ["batch_norm_moments_step", "bayesian_client", "build_network", "fit_bayesian", "initial_network",
-           "posterior_client", "train_network"]
+           "posterior_client", "start_round_prior_", "train_network"]
 
 
 def build_network(network: NetworkConfig, input_shape: Sequence[int], num_classes: int) -> nn.Module:
@@ -170,6 +170,16 @@ def posterior_client(net: nn.Module, bayesian: BayesianConfig) -> BayesianClient
     if bayesian.client == "laplace":
         return LaplaceClient(net, bayesian.build_prior())
     return bayesian_client(net, bayesian)
+
+
+def start_round_prior_(client: BayesianClient, bayesian: BayesianConfig, round: int) -> BayesianClient:
+    """Weight-wise fusion's client of round ``round``, holding the global posterior it starts from: with
+    ``bayesian.round_prior == "posterior"`` and from round 2 on, that posterior becomes its prior too
+    (:meth:`~bnpfed.inference.BayesianClient.update_prior_`); else it keeps the configured prior. The in-process
+    federation and the Flower client app both call it. Returns ``client``."""
+    if round > 1 and bayesian.round_prior == "posterior":
+        client.update_prior_(client.posterior())
+    return client
 
 
 def fit_bayesian(client: BayesianClient | LaplaceClient, x: Tensor, y: Tensor, training: TrainingConfig, *,

@@ -68,7 +68,8 @@ import torch
 from torch import Tensor
 
 from bnpfed.data import Dataset
-from bnpfed.federated.clients import bayesian_client, fit_bayesian, initial_network, train_network
+from bnpfed.federated.clients import (bayesian_client, fit_bayesian, initial_network, start_round_prior_,
+                                     train_network)
 from bnpfed.federated.config import BayesianConfig, FusionConfig, NetworkConfig, TrainingConfig
 from bnpfed.federated.federation import Federation, reestimate_statistics
 from bnpfed.federated.server import average_states, fuse_posteriors, mean_sigma, with_statistics
@@ -139,7 +140,7 @@ class FusionFederation(Federation):
                              f"global posterior each round; Laplace clients serve matched fusion "
                              f"(MatchedFusionFederation, fusion.align='match'), got client={bayesian.client!r}")
         check_fusion_network(network)
-        self.posterior_as_prior = fusion.client_prior(bayesian) == "posterior"
+        fusion.client_prior(bayesian)   # raises if bayesian.round_prior does not apply to this fusion
         self.training, self.fusion = training, fusion
         self.method = fusion.rule
         self.predictive_samples = check_int(predictive_samples, "predictive_samples", low=1)
@@ -164,8 +165,7 @@ class FusionFederation(Federation):
             if self.shared_init or round > 1:  # without a shared one, round 1 starts from the client's own init
                 client.load_posterior(self.global_posterior)
                 client.load_deterministic(self.global_deterministic)
-            if round > 1 and self.posterior_as_prior:   # bayesian.round_prior: the global posterior as prior too
-                client.update_prior_(client.posterior())
+            start_round_prior_(client, self.bayesian, round)
             x, y = self.client_data[k]
             losses.append(fit_bayesian(client, x, y, self.training, seed=self.seed, round=round, index=k,
                                        scale_lr_factor=self.bayesian.scale_lr_factor))

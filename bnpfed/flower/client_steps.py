@@ -26,7 +26,8 @@ alone decides. The steps are :mod:`bnpfed.federated.clients`' (the in-process fe
   :func:`~bnpfed.federated.clients.train_network`; reply with its state and ``num-examples``;
 * ``train``, task ``"fusion"``: a :func:`~bnpfed.federated.clients.bayesian_client` of the shared initial network
   with the global posterior and deterministic parameters loaded (from round 2 with ``round-prior = "posterior"``
-  that posterior its prior too), fitted by :func:`~bnpfed.federated.clients.fit_bayesian`; reply with its posterior, parameters, ``num-examples``,
+  that posterior its prior too: :func:`~bnpfed.federated.clients.start_round_prior_`), fitted by
+  :func:`~bnpfed.federated.clients.fit_bayesian`; reply with its posterior, parameters, ``num-examples``,
   ``train-loss``;
 * ``train``, task ``"secure-fusion"`` (``secure-aggregation = true``): as ``"fusion"`` (at the widths of the
   global model sent: after a round of matching, the matched network's), but the posterior stays in
@@ -62,7 +63,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 
 from bnpfed.data import Dataset, load_dataset
 from bnpfed.federated.clients import (batch_norm_moments_step, bayesian_client, fit_bayesian, initial_network,
-                                      posterior_client, train_network, unit_activity_step)
+                                      posterior_client, start_round_prior_, train_network,
+                                      unit_activity_step)
 from bnpfed.federated.config import BayesianConfig, NetworkConfig, PartitionConfig
 from bnpfed.federated.matched_fusion import client_from_slice
 from bnpfed.federated.partition import class_counts
@@ -273,9 +275,7 @@ def _train_fusion(msg: Message, context: Context) -> Message:
     s = c.settings
     x, y = c.train_data
     sent = msg.content.array_records[ARRAYS]
-    client = c.global_client(sent)
-    if c.round > 1 and s.bayesian.round_prior == "posterior":   # the global posterior as prior too
-        client.update_prior_(client.posterior())
+    client = start_round_prior_(c.global_client(sent), s.bayesian, c.round)
     loss = fit_bayesian(client, x, y, s.training, seed=s.seed, round=c.round, index=c.j,
                         scale_lr_factor=s.bayesian.scale_lr_factor)
     metrics = {"num-examples": int(len(y)), "train-loss": float(loss)}

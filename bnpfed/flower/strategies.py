@@ -702,8 +702,10 @@ class MatchedFusionStrategy(_MatchingStrategy):
     ``train-loss``. The server matches the clients' hidden units and fuses every global unit's members
     (:func:`~bnpfed.federated.server.matched_fusion_step`, clients in partition order). Round r > 1: a client
     matched last round gets its slice of the global posterior (its start; its prior as the run's ``round-prior``
-    says: the configured one by default, or the slice itself), any other client the whole global posterior; the server remembers the global units it sent each client and
-    warm-starts the matching from them. The global widths can change every round (``history[r]["hidden"]``).
+    says: the configured one by default, or the slice itself), any other client -- and with ``later-rounds``
+    ``"fixed"`` (the default for every rule but PVI) every client -- the whole global posterior; the server
+    remembers the global units it sent each client and warm-starts the matching from them (or, fixed, keeps them).
+    The global widths can change every round (``history[r]["hidden"]``).
     Evaluation: the clients score the global Bayesian network (its posterior predictive, as fusion's) on their test
     shards.
 
