@@ -29,6 +29,9 @@ Parts (each writes JSON lines to ``--out`` and can be resumed: finished configur
   parameters (dense, and the nonzero ones of the global network);
 * ``operating``: one-shot PFNM at the operating point chosen on the clients' held-out splits
   (``select="operating-point"``, ``--arch``), with every candidate of the choice;
+* ``shrink``: PFNM with communication (``--rounds``, ``--arch``, ``--partitions``) held to the ensemble's size from
+  round 2 on (``max_params="ensemble", limit_from_round=2``) against the model's own size in every round (the
+  default), on the same local models, with the global parameters of every round;
 * ``cnn-timing``: LeNet's groups matched for J = 25 (IID, seed 0): seconds per group, best of 3, empirical Bayes
   and fixed hyper-parameters;
 * ``deep``: 784-100-100-10, top-down against bottom-up under both sets of constants (J = 10, homogeneous, seed 0);
@@ -401,6 +404,40 @@ def part_compress(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=(
         _emit(out, key, dict(dataset=name, arch=arch, J=J, partition=partition, seed=seed, rows=rows))
 
 
+def part_shrink(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("iid", "dirichlet"),
+                arch: str = "lenet", rounds: int = 6) -> None:
+    """More rounds shrink the global network (PFNM's promise): ``rounds`` rounds of PFNM held to the ensemble's size
+    from round 2 on (``max_params="ensemble", limit_from_round=2``: round 1 one-shot at the model's own size, the
+    later rounds' budget met as far as the matcher can) and at the model's own size in every round (bnpfed's default),
+    both from the same local models, beside the ensemble."""
+    for key, J, partition, seed in _settings(out, f"shrink/{name}/{arch}/rounds={rounds}", Js, partitions, seeds):
+        configs = _configs(J, partition, seed, rounds=rounds, methods=("ensemble",))
+        configs["network"] = replace(PFNM_NETWORK, arch=arch)
+        configs["pfnm"] = PFNMConfig(max_params=None)
+        experiment = Experiment(ds, **configs)
+        try:
+            ensemble = run_method(experiment, "ensemble")[0]
+            rows = {"ensemble": dict(_row(ensemble), parameters=ensemble.parameters)}
+            for label, config in (("ensemble from round 2", PFNMConfig(max_params="ensemble", limit_from_round=2)),
+                                  ("own size", PFNMConfig(max_params=None))):
+                t0 = time.perf_counter()
+                federation = PFNMFederation(ds, experiment.parts, network=experiment.network,
+                                            training=experiment.training, pfnm=config, seed=seed,
+                                            initial_models=experiment.local_models())
+                r = experiment.federation_row(federation, rounds)
+                rows[f"pfnm-rounds ({label})"] = dict(
+                    _row(r), parameters=r.parameters, seconds=time.perf_counter() - t0,
+                    history=[dict(round=h["round"], accuracy=h["accuracy"], hidden=h.get("hidden"),
+                                  parameters=h.get("parameters"), server_seconds=h.get("server_seconds"))
+                             for h in r.history],
+                    budget=None if federation.match.size_searches.get("parameters") is None else dict(
+                        limit=federation.match.size_searches["parameters"].limit,
+                        met=federation.match.size_searches["parameters"].met))
+        finally:
+            experiment.close()
+        _emit(out, key, dict(dataset=name, arch=arch, J=J, partition=partition, seed=seed, rounds=rounds, rows=rows))
+
+
 def part_size(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("iid", "dirichlet"),
               arch: str = "lenet") -> None:
     """The accuracy-parameters plane (issue 16): one-shot PFNM with bnpfed's defaults and then with a size asked
@@ -410,7 +447,7 @@ def part_size(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("iid
     for key, J, partition, seed in _settings(out, f"size/{name}/{arch}", Js, partitions, seeds):
         configs = _configs(J, partition, seed, methods=("local", "ensemble", "pfnm"))
         configs["network"] = replace(PFNM_NETWORK, arch=arch)
-        configs["pfnm"] = PFNMConfig()
+        configs["pfnm"] = PFNMConfig(max_params=None)
         experiment = Experiment(ds, **configs)
         rows = {}
         for method in ("local", "ensemble", "pfnm"):
@@ -477,6 +514,7 @@ def part_operating(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=
 
 
 PARTS = {"reference": part_reference, "compress": part_compress, "size": part_size, "cnn": part_cnn,
+         "shrink": part_shrink,
          "operating": part_operating,
          "cifar": part_cifar,
          "cnn-timing": part_cnn_timing,
@@ -498,7 +536,7 @@ def main(argv=None):
                         "for cifar10 torchvision's pickles or the JPEG container cifar10_jpeg.npz)")
     p.add_argument("--arch", choices=("lenet", "simple-cnn", "simple-cnn-bn", "mlp"), default="lenet",
                    help="the cnn part's network (mlp: the size part's MLP)")
-    p.add_argument("--rounds", type=int, default=3, help="communication rounds of the cnn part")
+    p.add_argument("--rounds", type=int, default=3, help="communication rounds of the cnn and shrink parts")
     p.add_argument("--partitions", default="iid,dirichlet", help="partitions of the cnn part")
     args = p.parse_args(argv)
     unknown = [part for part in args.parts.split(",") if part not in PARTS]
@@ -535,6 +573,9 @@ def main(argv=None):
         elif part == "operating":
             part_operating(ds, out, seeds, Js, name=args.dataset, partitions=tuple(args.partitions.split(",")),
                            arch=args.arch)
+        elif part == "shrink":
+            part_shrink(ds, out, seeds, Js, name=args.dataset, partitions=tuple(args.partitions.split(",")),
+                        arch=args.arch, rounds=args.rounds)
         elif part == "size":
             part_size(ds, out, seeds, Js, name=args.dataset, partitions=tuple(args.partitions.split(",")),
                       arch=args.arch)

@@ -245,6 +245,31 @@ def test_pfnms_ensemble_budget_over_rounds_is_the_clients_own_networks_too(digit
     assert limits == [3 * count_parameters(client)] * 2
 
 
+def test_pfnm_rounds_limited_from_round_two_keep_round_one_one_shot(digits, parts):
+    """``limit_from_round=2``: round 1 is one-shot PFNM at the model's own size (a CNN's global network then larger
+    than the clients' networks together), round 2 is held to the budget (here 45,000 parameters, two thirds of the
+    clients' networks together); by default no round is limited."""
+    fed = federation(digits, parts, "lenet", pfnm=PFNMConfig(max_params=45000, limit_from_round=2))
+    client = initial_network(NetworkConfig(arch="lenet"), digits.input_shape, digits.num_classes, seed=0)
+    fed.run_round()
+    assert not fed.match.size_searches and count_parameters(fed.match.network()) > 3 * count_parameters(client)
+    fed.run_round()
+    search = fed.match.size_searches["parameters"]
+    assert search.limit == 45000 and search.binding and search.met
+    assert count_parameters(fed.match.network()) == search.size <= 45000
+    own = federation(digits, parts, "lenet")   # the default: the model's own size in every round
+    own.run(2)
+    assert not own.match.size_searches
+
+
+def test_pfnms_ensemble_budget_from_round_two_is_the_clients_own_networks(digits, parts):
+    fed = federation(digits, parts, "lenet", pfnm=PFNMConfig(max_params="ensemble", limit_from_round=2))
+    client = initial_network(NetworkConfig(arch="lenet"), digits.input_shape, digits.num_classes, seed=0)
+    fed.run(2)
+    assert fed.match.size_searches["parameters"].limit == 3 * count_parameters(client)
+    assert count_parameters(fed.match.network()) <= 3 * count_parameters(client)
+
+
 @pytest.mark.parametrize("arch", ["lenet", "simple-cnn-bn"])
 def test_the_layer_after_a_flatten_is_matched_compact_with_the_dense_result(digits, monkeypatch, arch):
     """match_by_spec hands PFNM's matcher each client's fc units on the columns of the channels it holds

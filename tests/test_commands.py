@@ -140,6 +140,9 @@ PFNM_ONLY = [
     (["--max-params", "half"], "--max-params"),
     (["--width-sweep", "--max-width", "50"], "--max-width"),  # the sweep shows widths: a limit is not ignored
     (["--width-sweep", "--max-params", "none"], "--max-params"),
+    (["--limit-from-round", "2"], "--limit-from-round"),   # no limit to start later: not a no-op
+    (["--limit-from-round", "0", "--max-params", "ensemble"], "--limit-from-round"),
+    (["--limit-from-round", "2", "--max-params", "ensemble", "--layerwise-retrain", "1"], "--limit-from-round"),
 ]
 FUSE_ONLY = [
     (["--rule", "foo"], "--rule"),

@@ -188,8 +188,11 @@ def test_cifar10_from_its_jpeg_container_runs_on_flower_as_in_process(tmp_path):
     assert_same_rounds(result.history, reference)
 
 
-@pytest.mark.parametrize("config", [LENET, CNN_BN, {**CNN_BN, **FRACTION}],
-                         ids=["lenet", "simple-cnn-bn", "simple-cnn-bn-fraction-0.67"])
+@pytest.mark.parametrize("config", [LENET, CNN_BN, {**CNN_BN, **FRACTION},
+                                    {**LENET, "max-params": 45000, "limit-from-round": 2},
+                                    {**CNN_BN, **FRACTION, "max-params": "ensemble", "limit-from-round": 2}],
+                         ids=["lenet", "simple-cnn-bn", "simple-cnn-bn-fraction-0.67", "lenet-limit-from-round-2",
+                              "simple-cnn-bn-fraction-0.67-limit-from-round-2"])
 def test_a_cnn_on_flower_is_the_in_process_federation_bit_for_bit(config):
     grid = LocalGrid(client_app, CLIENTS)
     result = run_federation(grid, config)
@@ -203,6 +206,9 @@ def test_a_cnn_on_flower_is_the_in_process_federation_bit_for_bit(config):
         assert result.arrays["bn1.running_var"].shape == (result.history[-1]["hidden"][0],)
     else:
         assert queries == CLIENTS and "statistics_from" not in result.history[-1]
+        if "limit-from-round" in config:   # round 2 held to a budget, on Flower as in process
+            search = reference.match.size_searches["parameters"]
+            assert search.binding and search.met and reference.match.parameters <= search.limit
 
 
 def test_a_client_that_fails_the_batch_norm_step_is_left_out_of_the_statistics(caplog):

@@ -11,7 +11,7 @@ from torch import nn
 
 from bnpfed.federated.config import PFNMConfig
 from bnpfed.inference import derive_spec, match_by_spec
-from bnpfed.inference.size import BISECTIONS, BRACKET, fit_size, minimum_widths, parameter_count
+from bnpfed.inference.size import BISECTIONS, BRACKET, SizeLimitError, fit_size, minimum_widths, parameter_count
 from bnpfed.metrics import count_parameters
 from bnpfed.models import mlp
 
@@ -224,6 +224,49 @@ def test_the_default_budget_is_the_ensembles_for_fedma_and_the_models_own_for_pf
     assert PFNMConfig(max_params="ensemble").parameter_limit == "ensemble"
     assert PFNMConfig().best_effort_budget and not PFNMConfig(max_params="ensemble").best_effort_budget
 
+
+def test_limits_from_a_later_round_leave_the_rounds_before_at_the_models_own_size():
+    """``limit_from_round``: PFNM's step matches at the model's own size before it and under the limits from it on;
+    it needs a limit to start, and FedMA's layer-wise rounds (a budget split into widths every round) refuse it."""
+    later = PFNMConfig(max_params="ensemble", max_width=40, limit_from_round=2)
+    first = later.in_round(1)
+    assert (first.max_params, first.max_width, first.limit_from_round) == (None, None, 1)
+    assert later.in_round(2) is later and later.in_round(9) is later
+    assert PFNMConfig(max_params=5000).in_round(1).max_params == 5000   # default: every round
+    with pytest.raises(ValueError, match="limit_from_round: expected 1 unless max_width or max_params sets a limit"):
+        PFNMConfig(limit_from_round=2)
+    with pytest.raises(ValueError, match="limit_from_round: expected 1 with layerwise_retrain"):
+        PFNMConfig(max_params="ensemble", layerwise_retrain=2, limit_from_round=2)
+    with pytest.raises(ValueError, match="limit_from_round: expected an int >= 1"):
+        PFNMConfig(max_params="ensemble", limit_from_round=0)
+    with pytest.raises(ValueError, match="round: expected an int >= 1"):
+        later.in_round(0)
+
+
+def test_a_best_effort_budget_no_strength_meets_keeps_the_smallest_match_and_an_explicit_one_is_refused():
+    """Units the model will not merge at any price (fixed noise 1e-8: two distinct units are exp(-10^7) apart, far
+    below the bracket's exp(-512) on gamma0): ``best_effort=True`` keeps the smallest match found and says it missed;
+    without it the budget is refused. ``best_effort`` without a budget is an error, not a no-op."""
+    nets = federation()
+    fixed = dict(hyperparameters="fixed", sigma2=1e-8, sigma0_2=1.0, gamma0=1.0)
+    own = match_by_spec(nets, seed=0, **fixed)
+    floor = parameter_count(derive_spec(nets[0], (D_IN,)), {k: tuple(v.shape) for k, v in nets[0].state_dict().items()},
+                            [n for n, _ in nets[0].named_parameters()], {"1": 20})
+    limit = (floor + own.parameters) // 2
+    kept = match_by_spec(nets, seed=0, max_params=limit, best_effort=True, **fixed)
+    search = kept.size_searches["parameters"]
+    assert not search.met and search.size == kept.parameters > limit and valid_assignment(kept, nets)
+    assert search.size == min(size for _, size in search.trace)
+    with pytest.raises(SizeLimitError, match="max_params: expected a limit the matcher can meet"):
+        match_by_spec(nets, seed=0, max_params=limit, **fixed)
+    with pytest.raises(ValueError, match="best_effort: applies to a max_params budget only"):
+        match_by_spec(nets, seed=0, best_effort=True, **fixed)
+    # below what any assignment allows (a client sent the whole global network holds more than the budget): kept,
+    # and missed, with best effort; refused before any matching without it
+    below = match_by_spec(nets, seed=0, max_params=floor - 1, best_effort=True)
+    assert not below.size_searches["parameters"].met and below.parameters >= floor
+    with pytest.raises(SizeLimitError, match="max_params: expected at least"):
+        match_by_spec(nets, seed=0, max_params=floor - 1)
 
 def test_flower_run_config_reads_the_limits():
     from bnpfed.flower.config import parse_run_config

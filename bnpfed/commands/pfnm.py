@@ -152,6 +152,12 @@ def add_parser(sub):
                    "clients' networks together) or 'none' (the model's own size), met by pricing every parameter in "
                    "the prior (each layer's gamma0 times exp(-lambda x its unit's parameters)). Default 'auto': "
                    "'ensemble' for fedma (its retraining between layers makes the budget cheap), none for pfnm")
+    g.add_argument("--limit-from-round", type=int, metavar="R", default=d.limit_from_round,
+                   help="the first round of pfnm-rounds that --max-width / --max-params apply to (earlier rounds "
+                   "match at the model's own size). 2 keeps round 1 one-shot PFNM and holds the later rounds, whose "
+                   "clients retrain slices of one global network, to the limit, met as far as the matcher can: with "
+                   "--max-params ensemble a CNN's global network shrinks below the ensemble's size over the rounds. "
+                   "Default 1 (every round)")
     g.add_argument("--layerwise-retrain", type=int, metavar="EPOCHS", default=d.layerwise_retrain,
                    help="FedMA's layer-wise scheme (the fedma method, added to the default methods when > 0): match a "
                    "layer, freeze it, let the clients retrain the layers above for EPOCHS epochs, match the next "
@@ -315,7 +321,8 @@ def prepare(args) -> dict:
                       global_weights=args.global_weights, layerwise_retrain=args.layerwise_retrain,
                       starts=args.starts, stop=args.stop, inactive=args.inactive,
                       matcher_device=None if torch.device(training.device).type == "cpu" else training.device,
-                      max_width=_one_or_many(args.max_width), max_params=args.max_params)
+                      max_width=_one_or_many(args.max_width), max_params=args.max_params,
+                      limit_from_round=args.limit_from_round)
     fusion = FusionConfig(fraction=args.fraction)  # FedAvg's client sampling
     chosen = args.methods
     if chosen is None:

@@ -314,16 +314,22 @@ def pfnm_step(client_nets: Sequence, class_counts, config: PFNMConfig, *, seed: 
     networks'), in every round: from round 2 on they hold slices of the global network, and a budget of the slices'
     size would shrink it round by round. This is PFNM's whole-network step whatever ``config.layerwise_retrain``
     says (an experiment's one-shot PFNM shares its config with FedMA's rounds): the default ``max_params="auto"``
-    is then the model's own size, not FedMA's ensemble budget (:attr:`PFNMConfig.parameter_limit`).
+    is then the model's own size, not FedMA's ensemble budget (:attr:`PFNMConfig.parameter_limit`). The limits apply
+    from round ``config.limit_from_round`` on (:meth:`PFNMConfig.in_round`); when that is a later round than the
+    first, a ``max_params`` the matcher cannot meet keeps the smallest match found (``size_searches["parameters"]``
+    says ``met=False``) instead of failing the federation mid-way.
     """
     if config.layerwise_retrain:
         config = replace(config, layerwise_retrain=0)
     init = _warm_start(config, starts, len(client_nets))
+    later = config.limit_from_round > 1   # a limit that starts after round 1: met as far as the matcher can
+    config = config.in_round(round)
     if config.parameter_limit == "ensemble" and template is not None:
         config = replace(config, max_params=ensemble_parameters(template, len(client_nets)))
+    kwargs = dict(config.matcher_kwargs(), **({"best_effort": True} if later and config.parameter_limit else {}))
     return match_by_spec(list(client_nets), class_counts, spec, input_shape=input_shape, template=template,
                          seed=derive_seed(seed, Stream.MATCH, round), warm_start=init,
-                         activity=activity if config.inactive == "drop" else None, **config.matcher_kwargs())
+                         activity=activity if config.inactive == "drop" else None, **kwargs)
 
 
 def match_hyperparameters(match) -> list[dict]:

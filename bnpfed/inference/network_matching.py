@@ -31,7 +31,7 @@ from bnpfed.inference.matching import average_atoms, averaging_weights, match_la
 from bnpfed.inference.size import (SizeLimitError, SizeSearch, fit_size, minimum_widths, parameter_count,
                                    parameters_in)
 from bnpfed.inference.spec import PermutationSpec
-from bnpfed.validation import check_choice, check_int
+from bnpfed.validation import check_bool, check_choice, check_int
 
 __all__ = ["Clients", "GroupMatch", "GroupValues", "SpecMatch", "call_matcher", "check_global_weights",
            "check_layer_fns", "check_size_limits", "client_states", "group_values", "limit_width", "match_by_spec",
@@ -502,11 +502,13 @@ def output_bias(clients: Clients, hypers: Mapping, values: GroupValues, combine:
 
 
 def check_size_limits(max_width, max_params, clients: Clients, template: nn.Module | None, states: Sequence, *,
-                      groups: Sequence[str] | None = None) -> tuple[dict[str, int | None], int | None]:
+                      groups: Sequence[str] | None = None, best_effort: bool = False
+                      ) -> tuple[dict[str, int | None], int | None]:
     """``max_width`` per group (None: no limit) and ``max_params`` as a number (None: no limit; ``"ensemble"``: the
     parameters of the clients' networks ``states`` together), checked against the smallest sizes any assignment of
     ``clients`` (their units after any left out) allows (:func:`~bnpfed.inference.size.minimum_widths`); the widths
-    only of ``groups`` when given (the ones about to be matched)."""
+    only of ``groups`` when given (the ones about to be matched). With ``best_effort`` a ``max_params`` below that
+    smallest size is kept (the search then keeps the smallest match it finds) instead of refused."""
     spec, names = clients.spec, clients.spec.group_names
     caps = {g: None if v is None else check_int(v, f"max_width[{g!r}]", low=1)
             for g, v in zip(names, _per_group(max_width, names, "max_width"))}
@@ -529,7 +531,7 @@ def check_size_limits(max_width, max_params, clients: Clients, template: nn.Modu
     else:
         limit = check_int(max_params, "max_params", low=1)
     smallest = parameter_count(spec, clients.shapes, parameters, floor)
-    if limit < smallest:
+    if limit < smallest and not best_effort:
         given = " ('ensemble')" if max_params == "ensemble" else ""
         raise SizeLimitError(f"max_params: expected at least {smallest} (the parameters at the smallest widths any "
                              f"assignment allows, {floor}), got {limit}{given}")
@@ -599,6 +601,7 @@ def match_by_spec(
     activity=None,
     max_width=None,
     max_params=None,
+    best_effort: bool = False,
     **matcher_kwargs,
 ) -> SpecMatch:
     """Match J clients' networks of one kind into one global network (PFNM's server step), group by group in the
@@ -685,6 +688,11 @@ def match_by_spec(
         pricing every parameter in the prior: each group's own gamma0 times ``exp(-lambda D_g)``, ``D_g`` the
         parameters one of its units owns (with ``max_width`` applied inside each run). ``SpecMatch.size_searches``
         and each limited group's result ``notes`` say what meeting a limit took.
+    :param bool best_effort: with ``max_params``, a budget no pricing strength meets (the clients' units too far
+        apart to merge into fewer, or a client holding more than the budget allows, as one sent the whole global
+        network does) keeps the smallest match the search found, its ``SizeSearch.met`` False, instead of raising
+        :class:`~bnpfed.inference.size.SizeLimitError` (default False; what PFNM's default budget of its later rounds
+        uses: :meth:`~bnpfed.federated.config.PFNMConfig.round_parameter_limit`).
     :param matcher_kwargs: passed to ``layer_fn`` (``objective``, ``popularity_factor``, ``start``, ...).
     :returns: :class:`SpecMatch`.
     """
@@ -699,7 +707,11 @@ def match_by_spec(
     clients = prepare_clients({"value": states}, spec, class_counts)
     init = warm_start_labels(warm_start, names, clients.widths)
     clients, init, kept = without_inactive(clients, spec, activity, init)
-    caps, param_limit = check_size_limits(max_width, max_params, clients, template, states)
+    caps, param_limit = check_size_limits(max_width, max_params, clients, template, states,
+                                          best_effort=check_bool(best_effort, "best_effort"))
+    if best_effort and param_limit is None:
+        raise ValueError("best_effort: applies to a max_params budget only (it keeps the smallest match a budget's "
+                         "search found); got best_effort=True without max_params")
     states = clients.channels["value"]
     fns = dict(zip(names, check_layer_fns(layer_fn, len(names))))
     values = group_values(names, mode, {"sigma2": sigma2, "sigma0_2": sigma0_2, "gamma0": gamma0}, mu0, bias_mu0)
@@ -751,7 +763,7 @@ def match_by_spec(
         matches, searches["parameters"] = fit_size(
             lambda f: match_groups(clients, order, steps(f), compact=compact),
             lambda ms: parameter_count(spec, clients.shapes, parameters, {n: m.size for n, m in ms.items()}),
-            param_limit, "max_params")
+            param_limit, "max_params", best_effort=best_effort)
     searches.update({n: m.size_search for n, m in matches.items() if m.size_search is not None})
     assignments = {n: matches[n].assignments for n in names}
     extra = {k: v for m in matches.values() for k, v in m.statistics.items()}
