@@ -436,6 +436,47 @@ def part_shrink(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("i
         finally:
             experiment.close()
         _emit(out, key, dict(dataset=name, arch=arch, J=J, partition=partition, seed=seed, rounds=rounds, rows=rows))
+    plot_shrink(out, out.with_suffix(".png"))
+
+
+def plot_shrink(out: Path, png: Path) -> None:
+    """The accuracy-parameters plane of the ``shrink`` lines in ``out``: every round of both federations (the limited
+    one's rounds numbered), one panel per setting, the ensemble as a star."""
+    import matplotlib
+    import matplotlib.ticker
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    lines = [json.loads(x) for x in out.read_text().splitlines() if x.strip() and json.loads(x)["key"].startswith(
+        "shrink/")]
+    if not lines:
+        return
+    fig, axes = plt.subplots(1, len(lines), figsize=(4.2 * len(lines), 3.8), squeeze=False)
+    for ax, line in zip(axes[0], lines):
+        ensemble = line["rows"]["ensemble"]
+        for name, row in line["rows"].items():
+            if name == "ensemble":
+                continue
+            limited = "own size" not in name
+            xs = [h["parameters"] for h in row["history"]]
+            ys = [h["accuracy"] for h in row["history"]]
+            ax.plot(xs, ys, "o-" if limited else "s--", label="ensemble's size from round 2" if limited else
+                    "own size every round", alpha=0.85)
+            if limited:
+                for h in row["history"]:
+                    ax.annotate(str(h["round"]), (h["parameters"], h["accuracy"]), fontsize=7,
+                                xytext=(3, 3), textcoords="offset points")
+        ax.plot([ensemble["parameters"]], [ensemble["accuracy"]], "k*", ms=12, label="ensemble")
+        ax.axvline(ensemble["parameters"], c="grey", lw=0.8, ls=":")
+        ax.set(xscale="log", xlabel="global parameters", ylabel="test accuracy",
+               title=f"{line['dataset']} {line['partition']} seed {line['seed']}")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        low = min(h["accuracy"] for r in line["rows"].values() for h in r.get("history", []))
+        ax.set_ylim(max(0.0, min(low, ensemble["accuracy"]) - 0.02), 1.0 if line["dataset"] == "mnist" else 0.92)
+    axes[0][0].legend(fontsize=7, loc="lower right")
+    fig.suptitle("PFNM rounds, LeNet, J = 10 (numbers: the limited federation's rounds)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
 
 
 def part_size(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("iid", "dirichlet"),
