@@ -691,8 +691,8 @@ def match_by_spec(
     :param bool best_effort: with ``max_params``, a budget no pricing strength meets (the clients' units too far
         apart to merge into fewer, or a client holding more than the budget allows, as one sent the whole global
         network does) keeps the smallest match the search found, its ``SizeSearch.met`` False, instead of raising
-        :class:`~bnpfed.inference.size.SizeLimitError` (default False; what PFNM's default budget of its later rounds
-        uses: :meth:`~bnpfed.federated.config.PFNMConfig.round_parameter_limit`).
+        :class:`~bnpfed.inference.size.SizeLimitError` (default False; what PFNM's rounds use for a budget that starts
+        after round 1: :attr:`~bnpfed.federated.config.PFNMConfig.limit_from_round`).
     :param matcher_kwargs: passed to ``layer_fn`` (``objective``, ``popularity_factor``, ``start``, ...).
     :returns: :class:`SpecMatch`.
     """
