@@ -7,6 +7,7 @@ import re
 
 import numpy as np
 import pytest
+import torch
 
 from bnpfed.cli import build_parser, main
 from bnpfed.commands import fuse, pfnm
@@ -197,6 +198,21 @@ def test_a_bad_argument_or_file_exits_2_naming_its_flag_before_anything_trains(c
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err, err
     assert re.match(rf"bnpfed {command}: error: (argument )?{re.escape(flag)}[:/ ]", err), err
+
+
+@pytest.mark.parametrize("command", ["pfnm", "fuse"])
+def test_a_command_run_in_process_leaves_torchs_thread_count_as_it_found_it(command, capsys):
+    """``--threads`` holds while the command trains; a command called from Python (a notebook, these tests) leaves
+    no thread count behind it: results of the code after it do not depend on which command ran first."""
+    before = torch.get_num_threads()
+    other = 2 if before != 2 else 1
+    extra = ["--methods", "pfnm"] if command == "pfnm" else ["--rounds", "1", "--rule", "eaa", "--no-fedavg"]
+    torch.set_num_threads(other)
+    try:
+        assert main([command, *TINY, *extra, "--threads", str(3 - other)]) == 0
+        assert torch.get_num_threads() == other
+    finally:
+        torch.set_num_threads(before)
 
 
 # ------------------------------------------------------------------------------------------------ diverging runs

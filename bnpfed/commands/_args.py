@@ -26,9 +26,11 @@ import os
 import re
 import sys
 import textwrap
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Collection, Mapping, Optional
 
+import torch
 from torch import Tensor
 
 from bnpfed.data import (CIFAR10_JPEG, DATASET_NAMES, NPZ_FORMAT, NPZ_PREFIX, Dataset, load_dataset,
@@ -49,6 +51,7 @@ __all__ = [
     "check_output_path",
     "check_partition",
     "check_threads",
+    "torch_threads",
     "dataset_name",
     "examples",
     "fail",
@@ -379,6 +382,19 @@ def check_partition(partition: PartitionConfig, dataset: Dataset, seed: int) -> 
         partition.split(dataset.y_train.numpy(), seed)
     except RuntimeError as error:
         raise UsageError(f"--min-size: {one_line(error)} (--min-size, --alpha)") from None
+
+
+@contextmanager
+def torch_threads(threads: Optional[int]):
+    """torch's CPU threads at ``threads`` (None: as they are) for the block, and back to what they were after it: a
+    command run in process (a notebook, the tests) leaves no thread count behind for the code after it."""
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def check_threads(threads: Optional[int]) -> None:

@@ -317,8 +317,6 @@ def run(args) -> int:
         return fail(PROG, str(error))
     except ValueError as error:
         return fail(PROG, flag_message(error, aliases={"methods": "--rule"}))
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     dataset = plan.pop("dataset")
     ood = plan.pop("ood")
     settings = {k: config_dict(v) for k, v in plan.items()}
@@ -326,7 +324,9 @@ def run(args) -> int:
     print(_describe(dataset.name, plan))
     progress = not args.no_progress
     try:
-        result = methods.run_experiment(dataset, progress=progress, log=_args.round_log(progress), ood=ood, **plan)
+        with _args.torch_threads(args.threads):
+            result = methods.run_experiment(dataset, progress=progress, log=_args.round_log(progress), ood=ood,
+                                            **plan)
     except _args.TRAINING_ERRORS as error:
         start = (f"--init-scale {args.init_scale:g} (the guide's initial posterior sd: the first weights are drawn at "
                  f"that scale; default {BayesianConfig().init_scale:g}) and --init {args.init}")

@@ -369,25 +369,25 @@ def run(args) -> int:
         return fail(PROG, str(error))
     except ValueError as error:
         return fail(PROG, flag_message(error))
-    torch.set_num_threads(args.threads)
     dataset, partitions = plan.pop("dataset"), plan.pop("partitions")
     progress = not args.no_progress
     settings = {"partition": config_dict(partitions[0]), **{k: config_dict(v) for k, v in plan.items()}}
     settings["partition"]["clients"] = list(args.clients) if len(args.clients) > 1 else args.clients[0]
     try:
-        if args.width_sweep:
-            # the reference constants match top-down, which only an MLP can be
-            constants = ("bnpfed", "reference") if plan["network"].arch == "mlp" else ("bnpfed",)
-            points = methods.width_sweep(dataset, sigma2=args.sweep_sigma2, gamma0=args.sweep_gamma0,
-                                         constants=constants, progress=progress, partition=partitions[0],
-                                         **_without(plan, "fusion"))
-        else:
-            results = []
-            for partition in partitions:
-                result = methods.run_experiment(dataset, partition=partition, progress=progress,
-                                                log=_args.round_log(progress), **plan)
-                results.append(result)
-                _print_result(dataset.name, partition, plan, result)
+        with _args.torch_threads(args.threads):
+            if args.width_sweep:
+                # the reference constants match top-down, which only an MLP can be
+                constants = ("bnpfed", "reference") if plan["network"].arch == "mlp" else ("bnpfed",)
+                points = methods.width_sweep(dataset, sigma2=args.sweep_sigma2, gamma0=args.sweep_gamma0,
+                                             constants=constants, progress=progress, partition=partitions[0],
+                                             **_without(plan, "fusion"))
+            else:
+                results = []
+                for partition in partitions:
+                    result = methods.run_experiment(dataset, partition=partition, progress=progress,
+                                                    log=_args.round_log(progress), **plan)
+                    results.append(result)
+                    _print_result(dataset.name, partition, plan, result)
     except _args.TRAINING_ERRORS as error:
         return fail(PROG, _args.training_failure(error), 1)
     except KeyboardInterrupt:
