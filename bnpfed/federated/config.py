@@ -452,12 +452,13 @@ class PFNMConfig:
     :param int limit_from_round: the first round of PFNM's whole-network step (``pfnm_step``, in process and on
         Flower) that ``max_width`` / ``max_params`` apply to; the rounds before it match at the model's own size.
         Default 1 (every round). 2 keeps round 1 one-shot PFNM and holds the later rounds, whose clients retrain
-        slices of one global network, to the limit: on LeNet (J = 10, seed 0, 6 rounds, ``max_params="ensemble"``)
-        0.98-1.00x the ensemble's parameters within 0.33 points of its accuracy on MNIST (IID, Dirichlet(0.5)) and
-        Fashion-MNIST IID, where the model's own size ends at 2.2-3.4x; on Fashion-MNIST Dirichlet(0.5) the budget is
-        not met (2.3x kept) and 3.5 points are lost. Not the default: the first limited round dips (0.38-0.78) before
-        retraining repairs it, and on clients of a few hundred examples it does not recover (benchmarks/README.md,
-        *PFNM rounds held to the ensemble's size*). Such a later round's clients hold slices of the global network
+        slices of one global network, to the limit: on LeNet (J = 10, seeds 0-1, 6 rounds, ``max_params="ensemble"``)
+        0.88-1.00x the ensemble's parameters within half a point of its accuracy on MNIST (IID, Dirichlet(0.5)),
+        where the model's own size ends at 2.2-3.4x; on Fashion-MNIST within a point in one of four settings (IID
+        seed 0), 1.9 to 9.6 points below it in the others. Not the default: the first limited round dips
+        (0.38-0.92) before retraining repairs it, and on clients of a few hundred examples it does not recover
+        (benchmarks/README.md, *PFNM rounds held to the ensemble's size*). Such a later round's clients hold slices
+        of the global network
         or, when not sampled the round before, all of it, so its ``max_params`` is met as far as the matcher can
         (``SpecMatch.size_searches["parameters"].met`` says whether it was); a ``max_width`` below what such a client
         holds is still refused. Needs a limit; not with ``layerwise_retrain``.
