@@ -425,14 +425,13 @@ def part_shrink(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("i
                                             training=experiment.training, pfnm=config, seed=seed,
                                             initial_models=experiment.local_models())
                 r = experiment.federation_row(federation, rounds)
+                search = federation.match.size_searches.get("parameters")
                 rows[f"pfnm-rounds ({label})"] = dict(
                     _row(r), parameters=r.parameters, seconds=time.perf_counter() - t0,
                     history=[dict(round=h["round"], accuracy=h["accuracy"], hidden=h.get("hidden"),
                                   parameters=h.get("parameters"), server_seconds=h.get("server_seconds"))
                              for h in r.history],
-                    budget=None if federation.match.size_searches.get("parameters") is None else dict(
-                        limit=federation.match.size_searches["parameters"].limit,
-                        met=federation.match.size_searches["parameters"].met))
+                    budget=None if search is None else dict(limit=search.limit, met=search.met))
         finally:
             experiment.close()
         _emit(out, key, dict(dataset=name, arch=arch, J=J, partition=partition, seed=seed, rounds=rounds, rows=rows))
@@ -446,8 +445,8 @@ def plot_shrink(out: Path, png: Path) -> None:
     import matplotlib.ticker
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    lines = [json.loads(x) for x in out.read_text().splitlines() if x.strip() and json.loads(x)["key"].startswith(
-        "shrink/")]
+    lines = [line for line in map(json.loads, filter(str.strip, out.read_text().splitlines()))
+             if line["key"].startswith("shrink/")]
     if not lines:
         return
     fig, axes = plt.subplots(1, len(lines), figsize=(4.2 * len(lines), 3.8), squeeze=False)
@@ -488,7 +487,7 @@ def part_size(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("iid
     for key, J, partition, seed in _settings(out, f"size/{name}/{arch}", Js, partitions, seeds):
         configs = _configs(J, partition, seed, methods=("local", "ensemble", "pfnm"))
         configs["network"] = replace(PFNM_NETWORK, arch=arch)
-        configs["pfnm"] = PFNMConfig(max_params=None)
+        configs["pfnm"] = PFNMConfig()
         experiment = Experiment(ds, **configs)
         rows = {}
         for method in ("local", "ensemble", "pfnm"):

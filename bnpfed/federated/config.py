@@ -458,10 +458,9 @@ class PFNMConfig:
         seed 0), 1.9 to 9.6 points below it in the others. Not the default: the first limited round dips
         (0.38-0.92) before retraining repairs it, and on clients of a few hundred examples it does not recover
         (benchmarks/README.md, *PFNM rounds held to the ensemble's size*). Such a later round's clients hold slices
-        of the global network
-        or, when not sampled the round before, all of it, so its ``max_params`` is met as far as the matcher can
-        (``SpecMatch.size_searches["parameters"].met`` says whether it was); a ``max_width`` below what such a client
-        holds is still refused. Needs a limit; not with ``layerwise_retrain``.
+        of the global network or, when not sampled the round before, all of it, so its ``max_params`` is met as far
+        as the matcher can (``SpecMatch.size_searches["parameters"].met`` says whether it was); a ``max_width`` below
+        what such a client holds is still refused. Needs a limit; not with ``layerwise_retrain``.
 
     Over communication rounds each global neuron is a posterior mean, ``sum v / (m + sigma2 / sigma0_2)``: a neuron few
     clients hold comes back to them shrunk towards the prior mean. With too little retraining per round (say 2 local
