@@ -774,3 +774,25 @@ def test_pfnm_meets_a_width_asked_for_and_says_so(tmp_path, capsys):
     assert row["hidden"][0] <= 95
     assert "max_width['1'] = 95 met (" in row["note"]
     assert any("max_width['1'] = 95" in n for n in row["hyperparameters"][0]["notes"])
+
+
+@pytest.mark.parametrize("command, extra", [("pfnm", ["--arch", "simple-cnn", "--methods", "ensemble,pfnm,fedma"]),
+                                            ("fuse", ["--arch", "lenet-paper", "--rule", "conflation"])])
+def test_cifar10_runs_through_both_commands_from_its_jpeg_container(tmp_path, capsys, command, extra):
+    """``--dataset cifar10 --data-dir DIR`` with only the JPEG container in DIR (the shared copy's layout, made here):
+    the command says on stderr which it read, trains on 3 x 32 x 32 images, and writes its usual record."""
+    from test_data import write_cifar10_jpeg
+
+    write_cifar10_jpeg(tmp_path, n_train=30, n_test=10)
+    out_json = tmp_path / f"{command}.json"
+    assert main([command, "--dataset", "cifar10", "--data-dir", str(tmp_path), "--clients", "2", "--epochs", "1",
+                 "--no-progress", *extra, "--json", str(out_json)]) == 0
+    err = capsys.readouterr().err
+    assert "cifar10: read from" in err and "JPEG copy" in err
+    payload = check_record(out_json, command)
+    assert payload["arguments"]["dataset"] == "cifar10"
+    rows = payload["results"]["runs"][0]["rows"]
+    assert rows and all(0.0 <= r["accuracy"] <= 1.0 for r in rows)
+    if command == "pfnm":   # the matched network reads 3-channel 32 x 32 images: conv1 holds 3 x 5 x 5 per channel
+        pfnm_row = next(r for r in rows if r["method"] == "pfnm")
+        assert pfnm_row["parameters"] > 62_006 // 2
