@@ -18,9 +18,11 @@ from bnpfed.inference.permutation import (
     match_group,
     network_from_state,
     reestimate_batch_norm,
+    state_from_atoms,
     unit_vectors,
     verify_spec,
 )
+from bnpfed.inference.layout import group_layout
 from bnpfed.models import LeNet, mlp, simple_cnn, simple_cnn_bn
 
 EXACT = dict(hyperparameters="fixed", sigma2=1e-8, sigma0_2=1.0, gamma0=1.0)
@@ -341,6 +343,33 @@ def test_flattened_channels_carry_their_blocks_of_columns_of_the_next_linear():
     torch.testing.assert_close(uv.vectors[:, 4 * 7:4 * 8], w[:, 0:4])  # client channel 0 -> global 7
     torch.testing.assert_close(uv.vectors[:, 4 * 3:4 * 4], w[:, 12:16])  # client channel 3 -> global 3
     assert float(uv.vectors[:, :8].abs().max()) == 0.0  # global channels 0 and 1: nobody here
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("make, shape", [(lambda: LeNet(image_size=12), (1, 12, 12)),
+                                         (lambda: simple_cnn_bn(1, 20), (1, 20, 20))], ids=["lenet", "simple-cnn-bn"])
+def test_a_global_state_from_atoms_gives_every_group_its_atoms_back(make, shape, dtype):
+    """``state_from_atoms`` is the inverse of ``unit_vectors`` with the identity below: every group's atoms, read
+    back from the state at the global widths (Flatten blocks and the output layer's columns included), are the atoms
+    given, each parameter its own contiguous tensor in the template's dtype (float32) sharing no memory with them."""
+    net = make()
+    spec = derive_spec(net, shape)
+    template = net.state_dict()
+    widths = dict(zip(spec.group_names, (7, 11, 13, 9)))
+    g = torch.Generator().manual_seed(0)
+    shapes = {k: tuple(v.shape) for k, v in template.items()}
+    atoms = {name: torch.randn(widths[name], group_layout(spec, shapes, name, widths).D, generator=g, dtype=dtype)
+             for name in spec.group_names}
+    state = state_from_atoms(spec, template, atoms)
+    assert list(state) == list(template)
+    for key, t in state.items():
+        assert t.dtype == template[key].dtype and t.is_contiguous()
+        assert all(t.untyped_storage().data_ptr() != a.untyped_storage().data_ptr() for a in atoms.values())
+    for name in spec.group_names:
+        below = {h: (torch.arange(widths[h]), widths[h]) for h in spec.group_names[:spec.group_names.index(name)]}
+        back = unit_vectors(state, spec, name, below).vectors
+        torch.testing.assert_close(back, atoms[name].to(torch.float32).double(), rtol=0, atol=0)
+    assert network_from_state(net, state)(torch.zeros(2, *shape)).shape == (2, 10)
 
 
 def test_unit_vectors_want_the_groups_matched_before():

@@ -35,16 +35,19 @@ def state_from_atoms(spec: PermutationSpec, template: Mapping[str, Tensor], atom
         raise ValueError(f"atoms: expected atoms of every group {spec.group_names}, got none for {missing}")
     shapes = {k: tuple(v.shape) for k, v in template.items()}
     sizes = {g: int(torch.as_tensor(atoms[g]).shape[0]) for g in spec.group_names}
-    values: dict[str, Tensor] = {}
+    owned: dict[str, Tensor] = {}   # each parameter the atoms hold, copied once into the template's dtype
     for g in spec.group_names:
-        values.update(group_layout(spec, shapes, g, sizes).to_params(atoms[g]))
+        for key, view in group_layout(spec, shapes, g, sizes).to_params(atoms[g], contiguous=False).items():
+            owned[key] = torch.empty(view.shape, dtype=torch.as_tensor(template[key]).dtype,
+                                     device=view.device).copy_(view.detach())
     extra = dict(extra or {})
     out = {}
     for key, t in template.items():
         t = torch.as_tensor(t)
-        if key in values:
-            v = values[key]
-        elif key in extra:
+        if key in owned:   # already its own contiguous copy (a wide group's atoms are not copied twice)
+            out[key] = owned.pop(key)
+            continue
+        if key in extra:
             v = torch.as_tensor(extra[key])
         else:
             v = t

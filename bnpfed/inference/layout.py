@@ -110,9 +110,10 @@ class VectorLayout:
         p[:, out] = shares.to(torch.float64)[:, self.classes[out]]
         return p
 
-    def to_params(self, atoms: Tensor) -> dict[str, Tensor]:
+    def to_params(self, atoms: Tensor, *, contiguous: bool = True) -> dict[str, Tensor]:
         """The parameters held in ``atoms`` (L, D), each with the group's axis at L units (in the atoms' floating
-        dtype; float64 for anything else)."""
+        dtype; float64 for anything else). ``contiguous=False`` leaves each parameter a view of ``atoms`` wherever
+        its layout allows (for a caller that copies it anyway: no second copy of a wide group's atoms)."""
         atoms = torch.as_tensor(atoms)
         if not atoms.dtype.is_floating_point:
             atoms = atoms.to(torch.float64)
@@ -122,7 +123,8 @@ class VectorLayout:
         out = {}
         for s in self.segments:
             t = atoms[:, s.start:s.stop].reshape(L * s.block, *s.unit_shape[1:])
-            out[s.param] = t.movedim(0, s.dim).contiguous()
+            t = t.movedim(0, s.dim)
+            out[s.param] = t.contiguous() if contiguous else t
         return out
 
 
