@@ -33,8 +33,8 @@ import numpy as np
 import torch
 
 from bnpfed.data import load_dataset, standardize_together
-from bnpfed.federated.config import (LATER_ROUNDS, ROUND_PRIORS, BayesianConfig, FusionConfig, NetworkConfig,
-                                     PartitionConfig, TrainingConfig)
+from bnpfed.federated.config import (LAPLACE_PRIORS, LATER_ROUNDS, ROUND_PRIORS, BayesianConfig, FusionConfig,
+                                     NetworkConfig, PartitionConfig, TrainingConfig)
 from bnpfed.federated.methods import ExperimentConfig, run_experiment
 from bnpfed.models import IIDPrior
 
@@ -58,9 +58,11 @@ def _data(name: str, dirs: dict):
 
 def _bayesian(args) -> BayesianConfig:
     if args.expose:   # only these parameters Bayesian (e.g. "3.weight": the output layer, a last-layer Laplace)
-        return BayesianConfig(client=args.client, prior=IIDPrior(expose=args.expose.split(",")))
+        return BayesianConfig(client=args.client, prior=IIDPrior(expose=args.expose.split(",")),
+                              laplace_prior=args.laplace_prior)
     return BayesianConfig(init_scale=args.init_scale, prior_variance=args.prior_variance, kl_weight=args.kl_weight,
-                          scale_lr_factor=args.scale_lr_factor, client=args.client, round_prior=args.round_prior)
+                          scale_lr_factor=args.scale_lr_factor, client=args.client, round_prior=args.round_prior,
+                          laplace_prior=args.laplace_prior)
 
 
 def _row(r) -> dict:
@@ -93,6 +95,7 @@ def _one_round(part: str, methods, datasets, dirs, out: Path, seeds, args) -> No
                                      lr=args.lr, init_scale=args.init_scale, epochs=args.epochs,
                                      prior_variance=args.prior_variance, kl_weight=args.kl_weight,
                                      scale_lr_factor=args.scale_lr_factor, client=args.client, expose=args.expose,
+                                     laplace_prior=args.laplace_prior,
                                      rows={r.method: _row(r) for r in result.rows}, warnings=result.warnings,
                                      wall_seconds=time.perf_counter() - t0))
 
@@ -141,7 +144,8 @@ def part_rounds(datasets, dirs, out: Path, seeds, args) -> None:
                                  tag=args.tag, lr=args.lr, init_scale=args.init_scale, epochs=args.epochs,
                                  round_epochs=args.round_epochs, prior_variance=args.prior_variance,
                                  kl_weight=args.kl_weight, scale_lr_factor=args.scale_lr_factor, client=args.client,
-                                 pvi_damping=args.pvi_damping, round_prior=args.round_prior,
+                                 laplace_prior=args.laplace_prior, pvi_damping=args.pvi_damping,
+                                 round_prior=args.round_prior,
                                  later_rounds=args.later_rounds, rows={r.method: _row(r) for r in result.rows},
                                  warnings=result.warnings,
                                  wall_seconds=time.perf_counter() - t0))
@@ -192,6 +196,8 @@ def main(argv=None):
     p.add_argument("--scale-lr-factor", type=float, default=1.0, help="the posterior scales' rate as a multiple of lr")
     p.add_argument("--client", default="variational", choices=("variational", "laplace"),
                    help="the Bayesian clients: SVI, or PFNM's trained clients with a diagonal Laplace posterior")
+    p.add_argument("--laplace-prior", choices=LAPLACE_PRIORS, default=BayesianConfig().laplace_prior,
+                   help="--client laplace: the prior precision, by the evidence (marglik) or a held-out tenth")
     p.add_argument("--expose", default="", help="comma-separated parameter names, the only Bayesian ones (a prior "
                    "N(0, 1) on them; e.g. 3.weight, the output layer of 784-100-10); default: the named prior")
     p.add_argument("--round-prior", choices=ROUND_PRIORS,

@@ -186,6 +186,7 @@ def one(args) -> dict:
     process_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     accuracy = None
     if args.source == "trained":  # the one-shot global network on MNIST's test split (after the measurements)
+        match.layer_results = {}   # only the state is evaluated: the groups' (L, D) posterior means go first
         from bnpfed.data import load_dataset
         accuracy = _test_accuracy(match, load_dataset("mnist", data_dir=args.data_dir, standardize=False))
     return dict(net=args.net, J=args.J, mode=args.mode, source=args.source, L_j=neurons, seconds=seconds,

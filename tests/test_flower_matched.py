@@ -57,10 +57,12 @@ def test_matched_fusion_with_empirical_bayes_priors_on_flower_is_the_in_process_
     assert_same_as_in_process(run_federation(LocalGrid(client_app, CLIENTS), config), config)
 
 
-def test_matched_fusion_of_laplace_clients_on_flower_is_the_in_process_federation_bit_for_bit():
-    # PFNM's training and a diagonal Laplace posterior on each client; round 2 from the slices' means
+@pytest.mark.parametrize("laplace_prior", ["marglik", "held-out"])
+def test_matched_fusion_of_laplace_clients_on_flower_is_the_in_process_federation_bit_for_bit(laplace_prior):
+    # PFNM's training and a diagonal Laplace posterior on each client; round 2 from the slices' means; held-out: each
+    # client holds a tenth of its data out (its seeded split) to choose the prior precision
     pytest.importorskip("laplace")
-    config = {**MATCHED, "client": "laplace", "rule": "conflation"}
+    config = {**MATCHED, "client": "laplace", "rule": "conflation", "laplace-prior": laplace_prior}
     result = run_federation(LocalGrid(client_app, CLIENTS), config)
     assert_same_as_in_process(result, config)
     assert all(0.5 < r["accuracy"] <= 1 for r in result.history)

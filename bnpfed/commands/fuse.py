@@ -26,7 +26,7 @@ from bnpfed.commands import _args
 from bnpfed.commands._args import HelpFormatter, UsageError, fail, flag_message, warn
 from bnpfed.federated import methods
 from bnpfed.federated.clients import initial_network
-from bnpfed.federated.config import (CLIENT_KINDS, CLIENT_WEIGHTS, FUSION_TRAINING, INITIALISATIONS,
+from bnpfed.federated.config import (CLIENT_KINDS, CLIENT_WEIGHTS, FUSION_TRAINING, INITIALISATIONS, LAPLACE_PRIORS,
                                      PAPER_MIN_VARIANCE, PRIORS, PRIOR_VARIANCES, PVI_DAMPING, ROUND_PRIORS,
                                      LATER_ROUNDS, BayesianConfig, FusionConfig, NetworkConfig, config_dict)
 from bnpfed.federated.methods import ExperimentConfig
@@ -115,6 +115,10 @@ def add_parser(sub):
                    "does and takes its diagonal Laplace posterior, prior precision per weight matrix by the marginal "
                    "likelihood (laplace-torch); with --align match only (its table then has the matched rows, "
                    "not weight-wise fusion from the own initialisations), without the SVI flags above")
+    g.add_argument("--laplace-prior", choices=LAPLACE_PRIORS, default=bayes.laplace_prior,
+                   help="--client laplace: each weight matrix's prior precision, marglik (its evidence maximiser) or "
+                   "held-out (those scaled by the factor whose linearised predictive gives a held-out tenth of the "
+                   "client's data the lowest NLL; the network trains on the rest)")
     g.add_argument("--local-reparameterization", action=argparse.BooleanOptionalAction,
                    default=bayes.local_reparameterization,
                    help="sample pre-activations rather than weights (the local reparameterisation trick, as in the "
@@ -241,7 +245,8 @@ def prepare(args) -> dict:
     bayesian = BayesianConfig(prior=args.prior, prior_scale=args.prior_scale, init_scale=args.init_scale,
                               prior_variance=args.prior_variance, kl_weight=args.kl_weight,
                               scale_lr_factor=args.scale_lr_factor, client=args.client,
-                              local_reparameterization=args.local_reparameterization, round_prior=args.round_prior)
+                              local_reparameterization=args.local_reparameterization, round_prior=args.round_prior,
+                              laplace_prior=args.laplace_prior)
     for rule in args.rule:
         check_choice(rule, matched_rules(), "rule")
         if rule in (ATOM_POSTERIOR, PVI) and args.align != "match":

@@ -168,7 +168,7 @@ def posterior_client(net: nn.Module, bayesian: BayesianConfig) -> BayesianClient
     """A client of (a copy of) ``net`` of ``bayesian.client`` 's kind: :func:`bayesian_client` (variational), or a
     :class:`~bnpfed.inference.LaplaceClient` whose Bayesian sites are those ``bayesian`` 's prior makes Bayesian."""
     if bayesian.client == "laplace":
-        return LaplaceClient(net, bayesian.build_prior())
+        return LaplaceClient(net, bayesian.build_prior(), prior_precision=bayesian.laplace_prior)
     return bayesian_client(net, bayesian)
 
 
@@ -188,7 +188,8 @@ def fit_bayesian(client: BayesianClient | LaplaceClient, x: Tensor, y: Tensor, t
     FIT, round, index)``. A variational client runs SVI, the guide's scales at ``scale_lr_factor`` times the
     schedule's rate (``BayesianConfig.scale_lr_factor``), and the loss returned is its last epoch's negative ELBO per
     example. A :class:`~bnpfed.inference.LaplaceClient` trains its network exactly as :func:`train_network` does
-    (the same network, to the bit), then fits its Laplace posterior on the same data; the loss returned is its last
+    (the same network, to the bit), then fits its Laplace posterior on the same data (with ``laplace_prior=
+    "held-out"`` on all but a held-out tenth, which chooses the prior precision); the loss returned is its last
     epoch's mean cross-entropy. On the CPU only (``training.device`` must be ``"cpu"``)."""
     if torch.device(training.device).type != "cpu":
         raise ValueError(f"training.device: expected 'cpu' for the Bayesian clients' SVI (it runs on the CPU only), "
