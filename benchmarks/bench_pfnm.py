@@ -51,7 +51,8 @@ import numpy as np
 import torch
 
 from bnpfed.data import load_dataset
-from bnpfed.federated.config import PFNM_NETWORK, PFNM_TRAINING, PartitionConfig, PFNMConfig
+from bnpfed.federated.config import PFNM_NETWORK, PFNM_TRAINING, PartitionConfig, PFNMConfig, TrainingConfig
+from bnpfed.federated.fusion import FedAvgFederation
 from bnpfed.federated.methods import ExperimentConfig, Experiment, run_experiment, run_method, width_sweep
 from bnpfed.federated.pfnm import PFNMFederation
 from bnpfed.federated.server import match_hyperparameters, pfnm_step
@@ -323,6 +324,49 @@ def part_cifar(ds, out: Path, seeds, Js, *, rounds: int = 10, layerwise: int = 2
                              parameters=h.get("parameters")) for h in r.history]))
 
 
+#: NIID-Bench's FedAvg schedule (Li et al., ICDE 2022: 10 parties, 50 rounds of 10 local epochs, batch 64, weight
+#: decay 1e-5) with this project's CIFAR-10 optimiser (Adam at 1e-3, AMSGrad) instead of its SGD (0.01, momentum 0.9).
+NIID_TRAINING = TrainingConfig(epochs=10, batch_size=64, lr=1e-3, weight_decay=1e-5, amsgrad=True)
+NIID_CACHE = Path.home() / ".cache" / "bnpfed-bench"
+
+
+def part_niid(ds, out: Path, seeds, *, rounds: int = 50, arch: str = "simple-cnn") -> None:
+    """The CIFAR-10 issue's anchor: FedAvg on NIID-Bench's schedule (:data:`NIID_TRAINING`), simple-cnn, J = 10,
+    Dirichlet(0.5), from a shared initialisation. One JSON line per round as it ends (key ``.../round=t``), the
+    global network checkpointed beside the cached local models after every round, so that a stopped run resumes at
+    the next round with the numbers it would have had (every round's training draws from ``(seed, FIT, round,
+    client)`` and starts a fresh optimiser)."""
+    for seed in seeds:
+        base = f"niid/{arch}/J=10/dirichlet/seed={seed}"
+        finished = [int(k.rsplit("=", 1)[1]) for k in _done(out) if k.startswith(base + "/round=")]
+        start = max(finished, default=0)
+        if start >= rounds:
+            continue
+        parts = PartitionConfig(clients=10, partition="dirichlet").split(ds.y_train.numpy(), seed=seed)
+        fed = FedAvgFederation(ds, parts, network=replace(PFNM_NETWORK, arch=arch), training=NIID_TRAINING,
+                               seed=seed, ece_bins=100)
+        checkpoint = NIID_CACHE / f"niid_{arch}_seed{seed}.pt"
+        if start:
+            saved = torch.load(checkpoint)
+            if saved["round"] != start:
+                raise SystemExit(f"{checkpoint}: holds round {saved['round']}, the results end at round {start}")
+            fed.global_model.load_state(saved["state"])
+            fed.global_state, fed.round = fed.global_model.state(), start
+        NIID_CACHE.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+
+        def after(record):
+            torch.save({"round": record.round, "state": fed.global_model.state()}, checkpoint)
+            _emit(out, f"{base}/round={record.round}", dict(
+                method="fedavg", arch=arch, seed=seed, source=ds.source, round=record.round,
+                local_epochs=NIID_TRAINING.epochs, batch_size=NIID_TRAINING.batch_size, lr=NIID_TRAINING.lr,
+                accuracy=record.metrics["accuracy"], nll=record.metrics["nll"], ece=record.metrics["ece"],
+                parameters=count_parameters(fed.global_model.net), round_seconds=record.metrics["seconds"],
+                wall_seconds=time.perf_counter() - t0))
+
+        fed.run(rounds - start, callback=after)
+
+
 BASELINE_METHODS = ("local", "ensemble", "pfnm", "weight-matching", "ot-fusion", "ot-fusion-sinkhorn")
 
 
@@ -556,7 +600,7 @@ def part_operating(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=
 PARTS = {"reference": part_reference, "compress": part_compress, "size": part_size, "cnn": part_cnn,
          "shrink": part_shrink,
          "operating": part_operating,
-         "cifar": part_cifar,
+         "cifar": part_cifar, "niid": part_niid,
          "cnn-timing": part_cnn_timing,
          "baselines": part_baselines,
          "eb": part_eb, "plane": part_plane, "width": part_width, "rounds": part_rounds, "start": part_start,
@@ -604,6 +648,10 @@ def main(argv=None):
                 p.error(f"--parts cifar: expected --dataset cifar10, got {args.dataset}")
             part_cifar(ds, out, seeds, Js, rounds=args.rounds, partitions=tuple(args.partitions.split(",")),
                        arch="simple-cnn" if args.arch == "lenet" else args.arch)
+        elif part == "niid":
+            if args.dataset != "cifar10":
+                p.error(f"--parts niid: expected --dataset cifar10, got {args.dataset}")
+            part_niid(ds, out, seeds, rounds=args.rounds)
         elif part == "baselines":
             part_baselines(ds, out, seeds, Js, name=args.dataset, partitions=tuple(args.partitions.split(",")),
                            arch=args.arch)
