@@ -325,27 +325,31 @@ def part_cifar(ds, out: Path, seeds, Js, *, rounds: int = 10, layerwise: int = 2
 
 
 #: NIID-Bench's FedAvg schedule (Li et al., ICDE 2022: 10 parties, 50 rounds of 10 local epochs, batch 64, weight
-#: decay 1e-5) with this project's CIFAR-10 optimiser (Adam at 1e-3, AMSGrad) instead of its SGD (0.01, momentum 0.9).
-NIID_TRAINING = TrainingConfig(epochs=10, batch_size=64, lr=1e-3, weight_decay=1e-5, amsgrad=True)
+#: decay 1e-5): with its optimiser (``"sgd"``: SGD at 0.01, momentum 0.9) or with this project's CIFAR-10 optimiser
+#: (``"adam"``: Adam at 1e-3, AMSGrad).
+NIID_TRAINING = {"adam": TrainingConfig(epochs=10, batch_size=64, lr=1e-3, weight_decay=1e-5, amsgrad=True),
+                 "sgd": TrainingConfig(epochs=10, batch_size=64, lr=0.01, weight_decay=1e-5, optimizer="sgd",
+                                       momentum=0.9)}
 NIID_CACHE = Path.home() / ".cache" / "bnpfed-bench"
 
 
-def part_niid(ds, out: Path, seeds, *, rounds: int = 50, arch: str = "simple-cnn") -> None:
-    """The CIFAR-10 issue's anchor: FedAvg on NIID-Bench's schedule (:data:`NIID_TRAINING`), simple-cnn, J = 10,
-    Dirichlet(0.5), from a shared initialisation. One JSON line per round as it ends (key ``.../round=t``), the
-    global network checkpointed beside the cached local models after every round, so that a stopped run resumes at
-    the next round with the numbers it would have had (every round's training draws from ``(seed, FIT, round,
-    client)`` and starts a fresh optimiser)."""
+def part_niid(ds, out: Path, seeds, *, rounds: int = 50, arch: str = "simple-cnn", optimizer: str = "sgd") -> None:
+    """The CIFAR-10 issue's anchor: FedAvg on NIID-Bench's schedule (:data:`NIID_TRAINING` of ``optimizer``),
+    simple-cnn, J = 10, Dirichlet(0.5), from a shared initialisation. One JSON line per round as it ends (key
+    ``.../round=t``), the global network checkpointed beside the cached local models after every round, so that a
+    stopped run resumes at the next round with the numbers it would have had (every round's training draws from
+    ``(seed, FIT, round, client)`` and starts a fresh optimiser)."""
+    training = NIID_TRAINING[optimizer]
     for seed in seeds:
-        base = f"niid/{arch}/J=10/dirichlet/seed={seed}"
+        base = f"niid/{arch}{'' if optimizer == 'adam' else '/' + optimizer}/J=10/dirichlet/seed={seed}"
         finished = [int(k.rsplit("=", 1)[1]) for k in _done(out) if k.startswith(base + "/round=")]
         start = max(finished, default=0)
         if start >= rounds:
             continue
         parts = PartitionConfig(clients=10, partition="dirichlet").split(ds.y_train.numpy(), seed=seed)
-        fed = FedAvgFederation(ds, parts, network=replace(PFNM_NETWORK, arch=arch), training=NIID_TRAINING,
+        fed = FedAvgFederation(ds, parts, network=replace(PFNM_NETWORK, arch=arch), training=training,
                                seed=seed, ece_bins=100)
-        checkpoint = NIID_CACHE / f"niid_{arch}_seed{seed}.pt"
+        checkpoint = NIID_CACHE / f"niid_{arch}{'' if optimizer == 'adam' else '_' + optimizer}_seed{seed}.pt"
         if start:
             saved = torch.load(checkpoint)
             if saved["round"] != start:
@@ -358,8 +362,9 @@ def part_niid(ds, out: Path, seeds, *, rounds: int = 50, arch: str = "simple-cnn
         def after(record):
             torch.save({"round": record.round, "state": fed.global_model.state()}, checkpoint)
             _emit(out, f"{base}/round={record.round}", dict(
-                method="fedavg", arch=arch, seed=seed, source=ds.source, round=record.round,
-                local_epochs=NIID_TRAINING.epochs, batch_size=NIID_TRAINING.batch_size, lr=NIID_TRAINING.lr,
+                method="fedavg", arch=arch, seed=seed, source=ds.source, round=record.round, optimizer=optimizer,
+                momentum=training.momentum, local_epochs=training.epochs, batch_size=training.batch_size,
+                lr=training.lr,
                 accuracy=record.metrics["accuracy"], nll=record.metrics["nll"], ece=record.metrics["ece"],
                 parameters=count_parameters(fed.global_model.net), round_seconds=record.metrics["seconds"],
                 wall_seconds=time.perf_counter() - t0))
@@ -622,6 +627,8 @@ def main(argv=None):
                    help="the cnn part's network (mlp: the size part's MLP)")
     p.add_argument("--rounds", type=int, default=3, help="communication rounds of the cnn and shrink parts")
     p.add_argument("--partitions", default="iid,dirichlet", help="partitions of the cnn part")
+    p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd",
+                   help="the niid part's local optimiser: NIID-Bench's (sgd) or this project's CIFAR-10 one (adam)")
     args = p.parse_args(argv)
     unknown = [part for part in args.parts.split(",") if part not in PARTS]
     if unknown:
@@ -651,7 +658,7 @@ def main(argv=None):
         elif part == "niid":
             if args.dataset != "cifar10":
                 p.error(f"--parts niid: expected --dataset cifar10, got {args.dataset}")
-            part_niid(ds, out, seeds, rounds=args.rounds)
+            part_niid(ds, out, seeds, rounds=args.rounds, optimizer=args.optimizer)
         elif part == "baselines":
             part_baselines(ds, out, seeds, Js, name=args.dataset, partitions=tuple(args.partitions.split(",")),
                            arch=args.arch)

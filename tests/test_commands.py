@@ -796,3 +796,17 @@ def test_cifar10_runs_through_both_commands_from_its_jpeg_container(tmp_path, ca
     if command == "pfnm":   # the matched network reads 3-channel 32 x 32 images: conv1 holds 3 x 5 x 5 per channel
         pfnm_row = next(r for r in rows if r["method"] == "pfnm")
         assert pfnm_row["parameters"] > 62_006 // 2
+
+
+def test_the_deterministic_clients_train_with_sgd_on_request_and_svi_refuses_it(tmp_path, capsys):
+    out_json = tmp_path / "sgd.json"
+    assert main(["pfnm", *TINY, "--methods", "pfnm", "--optimizer", "sgd", "--momentum", "0.9", "--no-amsgrad",
+                 "--json", str(out_json)]) == 0
+    training = check_record(out_json, "pfnm")["settings"]["training"]
+    assert (training["optimizer"], training["momentum"]) == ("sgd", 0.9)
+    assert exit_code(["pfnm", *TINY, "--momentum", "0.9"]) == 2
+    assert "--momentum: SGD's momentum; expected None with optimizer='adam'" in capsys.readouterr().err
+    assert exit_code(["pfnm", *TINY, "--optimizer", "sgd"]) == 2   # PFNM's reference schedule runs AMSGrad
+    assert "--amsgrad: the AMSGrad variant of Adam; expected False with optimizer='sgd'" in capsys.readouterr().err
+    assert exit_code(["fuse", *TINY, "--optimizer", "sgd"]) == 2
+    assert "optimizer: the variational clients' SVI runs Adam" in capsys.readouterr().err

@@ -91,8 +91,9 @@ FEDAVG = {"method": "fedavg", "rounds": 2, "hidden": "16", "epochs": 1}
 
 
 @pytest.mark.parametrize("config", [FEDAVG, {**FEDAVG, **FRACTION}, {**FEDAVG, "arch": "simple-cnn-bn",
-                                                                      "weights": "uniform"}],
-                         ids=["mlp", "fraction-0.67", "simple-cnn-bn-uniform"])
+                                                                      "weights": "uniform"},
+                                    {**FEDAVG, "optimizer": "sgd", "momentum": 0.9, "lr": 0.05}],
+                         ids=["mlp", "fraction-0.67", "simple-cnn-bn-uniform", "sgd-momentum"])
 def test_fedavg_on_flower_is_the_in_process_federation_bit_for_bit(config, tmp_path):
     """The baseline deployed: the same server step as the in-process fedavg method (with batch norm, its running
     statistics re-estimated from the clients' moments), the same global network array by array."""
@@ -446,6 +447,8 @@ def test_bnpfed_flower_sim_checks_every_key_and_value_before_it_starts(text, mes
     ({"weight-decay": -1.0}, "weight-decay: expected a finite number >= 0.0, got -1.0"),
     ({"min-variance": "tiny"}, "min-variance: expected a number, got 'tiny'"),
     ({"prior": "laplace"}, r"prior: expected one of \['linear-weights', 'all'\], got 'laplace'"),
+    ({"method": "fusion", "optimizer": "sgd"}, "optimizer: the variational clients' SVI runs Adam"),
+    ({"method": "fedavg", "momentum": 0.9}, "momentum: SGD's momentum; expected None with optimizer='adam'"),
 ])
 def test_the_server_app_names_a_bad_key_before_it_asks_any_node(config, message):
     assert_refused_before_any_node_is_asked(config, message)

@@ -287,6 +287,47 @@ def test_deterministic_client_learns_blobs_reproducibly_without_touching_the_net
     assert all(torch.equal(net.state_dict()[k], v) for k, v in before.items())
 
 
+def test_sgd_with_momentum_is_the_heavy_ball_update_on_the_seeded_mini_batches():
+    """``optimizer="sgd"``: written out by hand, v <- mu v + (g + lambda theta), theta <- theta - lr v, on the same
+    seeded shuffle (torch.randperm from a generator seeded with ``seed``, one permutation per epoch)."""
+    x, y = blobs(n=60)
+    net = mlp(2, [5], 2)
+    client = DeterministicClient(net).fit(x, y, epochs=2, batch_size=16, lr=0.1, seed=3, optimizer="sgd",
+                                          momentum=0.9, weight_decay=1e-3)
+    params = {k: v.detach().clone().requires_grad_(True) for k, v in net.named_parameters()}
+    velocity = {k: None for k in params}
+    shuffle = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        order = torch.randperm(60, generator=shuffle)
+        for start in range(0, 60, 16):
+            batch = order[start:start + 16]
+            loss = F.cross_entropy(torch.func.functional_call(net, params, (x[batch],)), y[batch])
+            grads = torch.autograd.grad(loss, list(params.values()))
+            with torch.no_grad():
+                for (k, p), g in zip(params.items(), grads):
+                    d = g + 1e-3 * p
+                    velocity[k] = d.clone() if velocity[k] is None else 0.9 * velocity[k] + d
+                    p -= 0.1 * velocity[k]
+    for k, p in client.net.named_parameters():
+        torch.testing.assert_close(p.detach(), params[k].detach(), rtol=1e-5, atol=1e-6)
+    plain = DeterministicClient(net).fit(x, y, epochs=2, batch_size=16, lr=0.1, seed=3, optimizer="sgd")
+    assert not torch.equal(plain.state()["1.weight"], client.state()["1.weight"])   # no momentum: another path
+
+
+def test_the_optimiser_settings_that_do_not_apply_are_refused():
+    x, y = blobs(n=20)
+    net = mlp(2, [3], 2)
+    with pytest.raises(ValueError, match="momentum: SGD's momentum; expected None with optimizer='adam'"):
+        DeterministicClient(net).fit(x, y, momentum=0.9)
+    with pytest.raises(ValueError, match="amsgrad: the AMSGrad variant of Adam; expected False with "
+                                         "optimizer='sgd'"):
+        DeterministicClient(net).fit(x, y, optimizer="sgd", amsgrad=True)
+    with pytest.raises(ValueError, match=r"optimizer: expected one of \['adam', 'sgd'\]"):
+        DeterministicClient(net).fit(x, y, optimizer="lbfgs")
+    with pytest.raises(ValueError, match="momentum: expected a finite number >= 0.0 and < 1.0"):
+        DeterministicClient(net).fit(x, y, optimizer="sgd", momentum=1.0)
+
+
 def test_deterministic_state_load_round_trip_and_validation():
     client = DeterministicClient(mlp(2, [4], 3))
     state = {k: torch.randn(v.shape) for k, v in client.state().items()}

@@ -37,6 +37,7 @@ from bnpfed.data import (CIFAR10_JPEG, DATASET_NAMES, NPZ_FORMAT, NPZ_PREFIX, Da
                          standardize_together)
 from bnpfed.inference import TrainingDiverged
 from bnpfed.inference.size import SizeLimitError
+from bnpfed.inference.svi import OPTIMIZERS
 from bnpfed.report import plural
 from bnpfed.federated.config import PARTITION_ALIASES, PARTITIONS, PartitionConfig, TrainingConfig
 
@@ -318,16 +319,21 @@ DEVICE_HELP = ("where the clients train: cpu, or cuda[:N] when torch sees one (t
 def add_training_arguments(parser, defaults: TrainingConfig, *, epochs_aliases=(), what: str,
                            device: str = DEVICE_HELP) -> None:
     """The fields of :class:`TrainingConfig` under the same flags in every command: ``--epochs``, ``--batch-size``,
-    ``--lr``, ``--weight-decay``, ``--amsgrad``, ``--round-epochs``, ``--lr-decay``, ``--device`` (its help
+    ``--lr``, ``--weight-decay``, ``--amsgrad``, ``--optimizer``, ``--momentum``, ``--round-epochs``, ``--lr-decay``, ``--device`` (its help
     ``device``: what the device means to the command)."""
-    g = parser.add_argument_group("local training", f"Adam on mini-batches; {what}")
+    g = parser.add_argument_group("local training", f"Adam (or SGD) on mini-batches; {what}")
     g.add_argument("--epochs", *epochs_aliases, dest="epochs", type=int, metavar="E", default=defaults.epochs,
                    help="local epochs of round 1 (and of every round unless --round-epochs)")
     g.add_argument("--batch-size", type=int, metavar="N", default=defaults.batch_size, help="mini-batch size")
-    g.add_argument("--lr", type=float, default=defaults.lr, help="Adam's learning rate")
+    g.add_argument("--lr", type=float, default=defaults.lr, help="the learning rate")
     g.add_argument("--weight-decay", type=float, metavar="L2", default=defaults.weight_decay, help="L2 strength, >= 0")
     g.add_argument("--amsgrad", action=argparse.BooleanOptionalAction, default=defaults.amsgrad,
                    help="the AMSGrad variant of Adam")
+    g.add_argument("--optimizer", choices=OPTIMIZERS, default=defaults.optimizer,
+                   help="the deterministic clients' optimiser: adam or sgd (NIID-Bench's FedAvg: sgd, --lr 0.01, "
+                   "--momentum 0.9); the variational clients' SVI runs adam only")
+    g.add_argument("--momentum", type=float, metavar="M", default=defaults.momentum,
+                   help="--optimizer sgd: its momentum, in [0, 1) (default: none)")
     g.add_argument("--round-epochs", type=int, metavar="E", default=defaults.round_epochs,
                    help="local epochs of rounds 2, 3, ..." + ("" if defaults.round_epochs is not None
                                                              else " (default: --epochs)"))
@@ -371,7 +377,8 @@ def hidden_widths(args, default: tuple) -> tuple:
 def training_config(args) -> TrainingConfig:
     return TrainingConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                           weight_decay=args.weight_decay, amsgrad=args.amsgrad, round_epochs=args.round_epochs,
-                          lr_decay=args.lr_decay, device=args.device)
+                          lr_decay=args.lr_decay, device=args.device, optimizer=args.optimizer,
+                          momentum=args.momentum)
 
 
 def check_partition(partition: PartitionConfig, dataset: Dataset, seed: int) -> None:

@@ -247,6 +247,7 @@ def prepare(args) -> dict:
                               scale_lr_factor=args.scale_lr_factor, client=args.client,
                               local_reparameterization=args.local_reparameterization, round_prior=args.round_prior,
                               laplace_prior=args.laplace_prior)
+    bayesian.check_training(training)
     for rule in args.rule:
         check_choice(rule, matched_rules(), "rule")
         if rule in (ATOM_POSTERIOR, PVI) and args.align != "match":

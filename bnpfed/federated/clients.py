@@ -128,7 +128,7 @@ def train_network(net: nn.Module, x: Tensor, y: Tensor, training: TrainingConfig
     try:
         client_model.fit(x, y, epochs=schedule.epochs if epochs is None else int(epochs),
                          batch_size=training.batch_size, lr=schedule.lr, seed=stream, amsgrad=training.amsgrad,
-                         weight_decay=training.weight_decay)
+                         weight_decay=training.weight_decay, optimizer=training.optimizer, momentum=training.momentum)
     finally:
         for name in frozen:
             params[name].requires_grad_(True)
@@ -201,7 +201,11 @@ def fit_bayesian(client: BayesianClient | LaplaceClient, x: Tensor, y: Tensor, t
         if scale_lr_factor != 1.0:
             raise ValueError(f"scale_lr_factor: a setting of the variational clients' SVI; expected 1 for a Laplace "
                              f"client, got {scale_lr_factor!r}")
-        client.fit(x, y, **common, weight_decay=training.weight_decay)
+        client.fit(x, y, **common, weight_decay=training.weight_decay, optimizer=training.optimizer,
+                   momentum=training.momentum)
     else:
+        if training.optimizer != "adam":
+            raise ValueError(f"training.optimizer: the variational clients' SVI runs Adam; expected 'adam' with a "
+                             f"variational client, got {training.optimizer!r}")
         client.fit(x, y, **common, scale_lr=scale_lr_factor * schedule.lr)
     return float(client.losses_[-1])

@@ -42,6 +42,7 @@ import pyro.distributions as dist
 from bnpfed.inference.posterior_matching import ATOM_POSTERIOR, MATCH_ON, PVI, matched_rules
 from bnpfed.inference.driver import SCHEDULES, STARTS, STOPS
 from bnpfed.inference.matching import REFERENCE_CONSTANTS
+from bnpfed.inference.svi import check_optimizer
 from bnpfed.federated.partition import partition_dirichlet, partition_homogeneous, train_validation_split
 from bnpfed.models.priors import EmpiricalBayesPrior, IIDPrior, Prior, only_linear_weights
 from bnpfed.seeding import Stream, derive_seed
@@ -220,16 +221,20 @@ class LocalSchedule(NamedTuple):
 
 @dataclass(frozen=True)
 class TrainingConfig:
-    """A client's local training: Adam on mini-batches, round after round.
+    """A client's local training: Adam (or SGD) on mini-batches, round after round.
 
     Round 1 trains ``epochs`` epochs at ``lr``; a later round r trains ``round_epochs`` epochs (``epochs`` when
     None) at ``lr * lr_decay ** (r - 1)``.
 
     :param int epochs: local epochs of round 1 (of every round when ``round_epochs`` is None). Default 2.
     :param int batch_size: mini-batch size. Default 32.
-    :param float lr: Adam learning rate. Default ``1e-2``.
-    :param float weight_decay: L2 strength (coupled, as ``torch.optim.Adam``'s), >= 0. Default 0.
+    :param float lr: the learning rate. Default ``1e-2``.
+    :param float weight_decay: L2 strength (coupled, as ``torch.optim.Adam``'s and ``SGD``'s), >= 0. Default 0.
     :param bool amsgrad: the AMSGrad variant of Adam. Default False.
+    :param str optimizer: ``"adam"`` (default) or ``"sgd"``: the deterministic clients' optimiser (PFNM's, FedAvg's,
+        FedMA's retraining, Laplace clients'; NIID-Bench's FedAvg runs SGD). The variational clients' SVI runs Adam
+        only.
+    :param float momentum: SGD's momentum in [0, 1) (None: none); with ``optimizer="sgd"`` only. Default None.
     :param int round_epochs: local epochs of rounds 2, 3, ...; None: ``epochs``. Default None.
     :param float lr_decay: learning-rate factor per round, in (0, 1]. Default 1.
     :param str device: where the deterministic clients train (PFNM's, FedAvg's, FedMA's retraining): ``"cpu"``
@@ -251,9 +256,12 @@ class TrainingConfig:
     round_epochs: Optional[int] = None
     lr_decay: float = 1.0
     device: str = "cpu"
+    optimizer: str = "adam"
+    momentum: Optional[float] = None
 
     def __post_init__(self):
         check_device(self.device, "device")
+        check_optimizer(self.optimizer, self.momentum, self.amsgrad)
         check_int(self.epochs, "epochs", low=1)
         check_int(self.batch_size, "batch_size", low=1)
         check_positive(self.lr, "lr")
@@ -369,6 +377,13 @@ class BayesianConfig:
                     raise ValueError(f"{name}: a setting of the variational clients' SVI, which Laplace clients "
                                      f"(client='laplace') do not run; expected its default {default!r}, got "
                                      f"{getattr(self, name)!r}")
+
+    def check_training(self, training: "TrainingConfig") -> None:
+        """``training`` can train these clients: the variational clients' SVI runs Adam only (a ``training``
+        with ``optimizer="sgd"`` serves deterministic and Laplace clients)."""
+        if self.client == "variational" and training.optimizer != "adam":
+            raise ValueError(f"training.optimizer: the variational clients' SVI runs Adam; expected 'adam' with "
+                             f"client='variational', got {training.optimizer!r}")
 
     def build_prior(self) -> Prior:
         """The prior object (a new one for a named prior)."""

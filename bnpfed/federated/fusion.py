@@ -140,6 +140,7 @@ class FusionFederation(Federation):
                              f"global posterior each round; Laplace clients serve matched fusion "
                              f"(MatchedFusionFederation, fusion.align='match'), got client={bayesian.client!r}")
         check_fusion_network(network)
+        bayesian.check_training(training)
         fusion.client_prior(bayesian)   # raises if bayesian.round_prior does not apply to this fusion
         self.training, self.fusion = training, fusion
         self.method = fusion.rule

@@ -156,6 +156,7 @@ class MatchedFusionFederation(HoldsRounds, Federation):
             if not isinstance(value, kind):
                 raise ValueError(f"{name}: expected a {kind.__name__}, got {type(value).__name__}")
         self.check_network(network)
+        bayesian.check_training(training)
         if initial_clients is not None and len(initial_clients) != self.num_clients:
             raise ValueError(f"initial_clients: expected one client per partition ({self.num_clients}), got "
                              f"{len(initial_clients)}")

@@ -445,6 +445,7 @@ def parse_run_config(config: Mapping[str, Any]) -> FlowerSettings:
                          f"bnpfed pfnm --layerwise-retrain), got {built['pfnm'].layerwise_retrain}")
     if run.method == "fusion":
         _check_fusion(built["fusion"], built["network"])
+        built["bayesian"].check_training(built["training"])   # optimizer: SVI runs Adam
         built["fusion"].client_prior(built["bayesian"])   # round-prior: raises where it does not apply
     elif built["bayesian"].round_prior is not None:
         raise ValueError(f"round-prior: a Bayesian client's prior in later rounds (method=\"fusion\"); expected "

@@ -353,7 +353,8 @@ class LaplaceClient:
         return client
 
     def fit(self, x: Tensor, y: Tensor, *, epochs: int = 1, batch_size: int = 64, lr: float = 1e-3, seed: int = 0,
-            amsgrad: bool = False, weight_decay: float = 0.0) -> "LaplaceClient":
+            amsgrad: bool = False, weight_decay: float = 0.0, optimizer: str = "adam",
+            momentum: Optional[float] = None) -> "LaplaceClient":
         """Train the network by maximum likelihood (:meth:`~bnpfed.inference.DeterministicClient.fit`, the same
         schedule and seeding), then :meth:`fit_posterior` on the same data. With ``prior_precision="held-out"`` a
         share ``held_out`` of the examples (drawn from ``seed``) is held out first: the network and its curvature
@@ -372,7 +373,7 @@ class LaplaceClient:
         trained = DeterministicClient(self.net)
         trained.net.train()      # in training mode, as a deterministic client trains (train_network)
         trained.fit(x, y, epochs=epochs, batch_size=batch_size, lr=lr, seed=seed, amsgrad=amsgrad,
-                    weight_decay=weight_decay)
+                    weight_decay=weight_decay, optimizer=optimizer, momentum=momentum)
         self.net = trained.net.eval()
         self.fit_posterior(x, y, validation=validation, seed=seed)
         self.losses_ = list(trained.losses_)

@@ -51,7 +51,7 @@ from bnpfed.models.likelihoods import Categorical, Likelihood
 from bnpfed.models.priors import Prior
 from bnpfed.posterior import GaussianPosterior
 from bnpfed.seeding import seeded
-from bnpfed.validation import check_bool, check_float, check_int, check_names, check_positive, check_tensor
+from bnpfed.validation import check_bool, check_choice, check_float, check_int, check_names, check_positive, check_tensor
 
 __all__ = ["BayesianClient", "DeterministicClient", "TrainingDiverged"]
 
@@ -334,10 +334,12 @@ class DeterministicClient:
         self.losses_: list[float] = []
 
     def fit(self, x: Tensor, y: Tensor, *, epochs: int = 1, batch_size: int = 64, lr: float = 1e-3, seed: int = 0,
-            amsgrad: bool = False, weight_decay: float = 0.0) -> "DeterministicClient":
+            amsgrad: bool = False, weight_decay: float = 0.0, optimizer: str = "adam",
+            momentum: Optional[float] = None) -> "DeterministicClient":
         """Minimise the mean cross-entropy on ``x`` ``(n, ...)``, ``y`` ``(n,)`` labels; same schedule, seeding and
         checks as :meth:`BayesianClient.fit`; ``weight_decay`` adds ``weight_decay * ||theta||^2 / 2`` to the loss
-        (the L2 term of the PFNM reference, 1e-6 there). Returns ``self``."""
+        (the L2 term of the PFNM reference, 1e-6 there). ``optimizer``: ``"adam"`` (default) or ``"sgd"`` (with
+        ``momentum``, None for none: FedAvg's usual local step). Returns ``self``."""
         n = _check_x(x)
         Categorical().check_targets(y, n, _probe(lambda: self.net(x[:1]), self.net, x))
         y = Categorical().targets(y)
@@ -346,8 +348,8 @@ class DeterministicClient:
             return F.cross_entropy(self.net(xb), yb)
 
         self.losses_ = _train(list(self.net.named_parameters()), loss, x, y, epochs=epochs, batch_size=batch_size,
-                              lr=lr, seed=seed, amsgrad=amsgrad, weight_decay=weight_decay,
-                              trainer="DeterministicClient.fit")
+                              lr=lr, seed=seed, amsgrad=amsgrad, weight_decay=weight_decay, optimizer=optimizer,
+                              momentum=momentum, trainer="DeterministicClient.fit")
         return self
 
     @torch.no_grad()
@@ -364,6 +366,21 @@ class DeterministicClient:
         _load_state(self.net, state, "state")
 
 
+#: The local optimisers: Adam (optionally AMSGrad) or SGD (optionally with momentum).
+OPTIMIZERS = ("adam", "sgd")
+
+
+def check_optimizer(optimizer: str, momentum: Optional[float], amsgrad: bool) -> None:
+    """``optimizer`` one of :data:`OPTIMIZERS`; ``momentum`` (in [0, 1)) with SGD only, ``amsgrad`` with Adam only."""
+    check_choice(optimizer, OPTIMIZERS, "optimizer")
+    if momentum is not None:
+        if optimizer != "sgd":
+            raise ValueError(f"momentum: SGD's momentum; expected None with optimizer={optimizer!r}, got {momentum!r}")
+        check_float(momentum, "momentum", low=0.0, high=1.0, high_open=True)
+    if amsgrad and optimizer != "adam":
+        raise ValueError(f"amsgrad: the AMSGrad variant of Adam; expected False with optimizer={optimizer!r}")
+
+
 def _train(
     named_params: Iterable[tuple[str, Tensor]],
     loss_fn: Callable[[Tensor, Tensor], Tensor],
@@ -376,13 +393,16 @@ def _train(
     seed: int,
     amsgrad: bool = False,
     weight_decay: float = 0.0,
+    optimizer: str = "adam",
+    momentum: Optional[float] = None,
     trainer: str = "fit",
     scale_params: Iterable[tuple[str, Tensor]] = (),
     scale_lr: Optional[float] = None,
     after_step: Optional[Callable[[], None]] = None,
 ) -> list[float]:
-    """Adam (optionally AMSGrad, with coupled L2 ``weight_decay``) on ``loss_fn(x_batch, y_batch)`` over shuffled
-    mini-batches; returns the mean loss of each epoch. ``scale_params`` learn at ``scale_lr`` (the others at
+    """Adam (``optimizer="adam"``, optionally AMSGrad) or SGD (``"sgd"``, with ``momentum``, None for none), with
+    coupled L2 ``weight_decay``, on ``loss_fn(x_batch, y_batch)`` over shuffled mini-batches; returns the mean loss of
+    each epoch. ``scale_params`` learn at ``scale_lr`` (the others at
     ``lr``); ``after_step()`` runs after every optimiser step. Raises :class:`TrainingDiverged` on a non-finite loss
     or parameter."""
     epochs = check_int(epochs, "epochs", low=1)
@@ -391,6 +411,7 @@ def _train(
     seed = check_int(seed, "seed", low=-(2**63), high=2**64 - 1)
     amsgrad = check_bool(amsgrad, "amsgrad")
     weight_decay = check_float(weight_decay, "weight_decay", low=0.0)
+    check_optimizer(optimizer, momentum, amsgrad)
     named_params, scale_params = list(named_params), list(scale_params)
     groups = [{"params": [p for _, p in named_params]}]
     if scale_params:
@@ -398,8 +419,10 @@ def _train(
     named_params += scale_params
     # foreach: one kernel per operation for all parameters instead of one per parameter, the same numbers (small
     # networks' steps are dominated by per-call overhead; the default on CPU is the per-parameter loop)
-    optimizer = torch.optim.Adam(groups, lr=lr, amsgrad=amsgrad, weight_decay=weight_decay,
-                                 foreach=True)
+    if optimizer == "sgd":
+        optimizer = torch.optim.SGD(groups, lr=lr, momentum=momentum or 0.0, weight_decay=weight_decay, foreach=True)
+    else:
+        optimizer = torch.optim.Adam(groups, lr=lr, amsgrad=amsgrad, weight_decay=weight_decay, foreach=True)
     shuffle = torch.Generator().manual_seed(seed)
     n = x.shape[0]
     steps = math.ceil(n / batch_size)
