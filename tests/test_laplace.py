@@ -152,6 +152,20 @@ def test_a_given_prior_precision_gives_one_over_curvature_plus_precision():
         assert fit.prior_precision[k] == 2.5
 
 
+def test_a_fit_moved_to_other_prior_precisions_is_the_fit_made_there():
+    """``LaplaceFit.at_prior_precision`` (no second pass over the data) gives the variances and the evidence that a
+    fresh ``laplace_posterior`` at those precisions computes (laplace-torch's log-likelihood included)."""
+    client, x, y = _trained()
+    deltas = {k: 0.7 * (i + 1) for i, k in enumerate(client.sites)}
+    moved = client.fit_.at_prior_precision(deltas)
+    fresh = laplace_posterior(client.net, x, y, sites=client.sites, prior_precision=deltas)
+    assert moved.prior_precision == fresh.prior_precision and moved.num_examples == fresh.num_examples
+    assert moved.log_marginal_likelihood == pytest.approx(fresh.log_marginal_likelihood, rel=1e-10)
+    for k in client.sites:
+        torch.testing.assert_close(moved.variances[k], fresh.variances[k], rtol=1e-12, atol=0)
+        assert torch.equal(moved.locs[k], fresh.locs[k])
+
+
 def test_evidence_precision_is_the_root_of_the_stationarity_condition():
     g = torch.Generator().manual_seed(3)
     h = torch.rand(50, generator=g) * 10

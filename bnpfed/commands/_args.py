@@ -319,8 +319,8 @@ DEVICE_HELP = ("where the clients train: cpu, or cuda[:N] when torch sees one (t
 def add_training_arguments(parser, defaults: TrainingConfig, *, epochs_aliases=(), what: str,
                            device: str = DEVICE_HELP) -> None:
     """The fields of :class:`TrainingConfig` under the same flags in every command: ``--epochs``, ``--batch-size``,
-    ``--lr``, ``--weight-decay``, ``--amsgrad``, ``--optimizer``, ``--momentum``, ``--round-epochs``, ``--lr-decay``, ``--device`` (its help
-    ``device``: what the device means to the command)."""
+    ``--lr``, ``--weight-decay``, ``--amsgrad``, ``--optimizer``, ``--momentum``, ``--round-epochs``, ``--lr-decay``,
+    ``--device`` (its help ``device``: what the device means to the command)."""
     g = parser.add_argument_group("local training", f"Adam (or SGD) on mini-batches; {what}")
     g.add_argument("--epochs", *epochs_aliases, dest="epochs", type=int, metavar="E", default=defaults.epochs,
                    help="local epochs of round 1 (and of every round unless --round-epochs)")

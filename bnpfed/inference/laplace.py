@@ -84,6 +84,7 @@ import torch
 from torch import Tensor, nn
 
 from bnpfed.inference.svi import DeterministicClient
+from bnpfed.metrics import nll
 from bnpfed.models.likelihoods import Categorical
 from bnpfed.models.priors import Prior, only_linear_weights
 from bnpfed.posterior import GaussianPosterior
@@ -101,8 +102,6 @@ PREDICTIVES = ("linearised", "sample")
 HELD_OUT_SCALES = tuple(10.0 ** (k / 4) for k in range(-4, 13))
 HELD_OUT_FRACTION = 0.1
 HELD_OUT_SAMPLES = 20
-#: The smallest probability a held-out example's NLL takes the log of (as bnpfed.metrics' NLL).
-NLL_FLOOR = 1e-12
 
 
 def prior_sites(prior: Prior, net: nn.Module) -> list[str]:
@@ -176,6 +175,17 @@ class LaplaceFit:
     def posterior(self) -> dict[str, GaussianPosterior]:
         """``{site: GaussianPosterior(loc, variance)}``."""
         return {k: GaussianPosterior(self.locs[k], v) for k, v in self.variances.items()}
+
+    def at_prior_precision(self, prior_precision: Mapping[str, float]) -> "LaplaceFit":
+        """The same mode and curvature at other prior precisions ``{site: delta_s}``: variances ``1 / (h +
+        delta_s)`` and the log evidence there (its log-likelihood term is the mode's, recovered from this fit's
+        evidence), with no second pass over the data."""
+        log_likelihood = self.log_marginal_likelihood + 0.5 * _evidence_penalty(self.curvature, self.locs,
+                                                                                 self.prior_precision)
+        delta = {k: float(prior_precision[k]) for k in self.curvature}
+        return LaplaceFit(dict(self.locs), {k: 1.0 / (h + delta[k]) for k, h in self.curvature.items()},
+                          dict(self.curvature), delta, _log_evidence(log_likelihood, self.curvature, self.locs, delta),
+                          self.num_examples)
 
 
 @contextlib.contextmanager
@@ -279,11 +289,18 @@ def _log_evidence(log_likelihood: float, curvature: Mapping[str, Tensor], locs: 
     sites alone, tested equal): ``log p(D | theta*) - 1/2 sum_s [sum_i log(1 + h_i / delta_s) + delta_s
     ||theta*_s||^2]``. The parameters that are no site are held at their values, so they have no term (with the
     BackPACK backend laplace-torch's own evidence would count them too)."""
+    return log_likelihood - 0.5 * _evidence_penalty(curvature, locs, delta)
+
+
+def _evidence_penalty(curvature: Mapping[str, Tensor], locs: Mapping[str, Tensor],
+                      delta: Mapping[str, float]) -> float:
+    """``sum_s [sum_i log(1 + h_i / delta_s) + delta_s ||theta*_s||^2]``: twice what the evidence subtracts from the
+    log-likelihood (:func:`_log_evidence`)."""
     total = 0.0
     for k, h in curvature.items():
         d = float(delta[k])
         total += float(torch.log1p(h / d).sum()) + d * float(locs[k].pow(2).sum())
-    return log_likelihood - 0.5 * total
+    return total
 
 
 class LaplaceClient:
@@ -414,18 +431,15 @@ class LaplaceClient:
         evidence = laplace_posterior(self.net, x, y, sites=self.sites, prior_precision="marglik",
                                      batch_size=batch_size)
         like = dict(self.net.named_parameters())
-        target = Categorical().targets(yv).long()
+        target = Categorical().targets(yv)
         nlls = []
         for c in HELD_OUT_SCALES:
             posterior = {k: GaussianPosterior(evidence.locs[k].to(like[k].dtype),
                                               (1.0 / (evidence.curvature[k] + c * evidence.prior_precision[k]))
                                               .to(like[k].dtype)) for k in self.sites}
-            probs = self._predictive(posterior, xv, HELD_OUT_SAMPLES, seed, "linearised")
-            picked = probs.gather(1, target[:, None]).squeeze(1).double()
-            nlls.append(float(-torch.log(picked.clamp_min(NLL_FLOOR)).mean()))
+            nlls.append(nll(self._predictive(posterior, xv, HELD_OUT_SAMPLES, seed, "linearised"), target))
         best = HELD_OUT_SCALES[int(np.argmin(nlls))]
-        fit = laplace_posterior(self.net, x, y, sites=self.sites, batch_size=batch_size,
-                                prior_precision={k: best * d for k, d in evidence.prior_precision.items()})
+        fit = evidence.at_prior_precision({k: best * d for k, d in evidence.prior_precision.items()})
         return fit, dict(scales=list(HELD_OUT_SCALES), nll=nlls, scale=best,
                          evidence_precision=dict(evidence.prior_precision), examples=int(xv.shape[0]))
 

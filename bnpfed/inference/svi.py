@@ -51,7 +51,8 @@ from bnpfed.models.likelihoods import Categorical, Likelihood
 from bnpfed.models.priors import Prior
 from bnpfed.posterior import GaussianPosterior
 from bnpfed.seeding import seeded
-from bnpfed.validation import check_bool, check_choice, check_float, check_int, check_names, check_positive, check_tensor
+from bnpfed.validation import (check_bool, check_choice, check_float, check_int, check_names, check_positive,
+                               check_tensor)
 
 __all__ = ["BayesianClient", "DeterministicClient", "TrainingDiverged"]
 
@@ -402,8 +403,8 @@ def _train(
 ) -> list[float]:
     """Adam (``optimizer="adam"``, optionally AMSGrad) or SGD (``"sgd"``, with ``momentum``, None for none), with
     coupled L2 ``weight_decay``, on ``loss_fn(x_batch, y_batch)`` over shuffled mini-batches; returns the mean loss of
-    each epoch. ``scale_params`` learn at ``scale_lr`` (the others at
-    ``lr``); ``after_step()`` runs after every optimiser step. Raises :class:`TrainingDiverged` on a non-finite loss
+    each epoch. ``scale_params`` learn at ``scale_lr`` (the others at ``lr``); ``after_step()`` runs after every
+    optimiser step. Raises :class:`TrainingDiverged` on a non-finite loss
     or parameter."""
     epochs = check_int(epochs, "epochs", low=1)
     batch_size = check_int(batch_size, "batch_size", low=1)
@@ -420,9 +421,9 @@ def _train(
     # foreach: one kernel per operation for all parameters instead of one per parameter, the same numbers (small
     # networks' steps are dominated by per-call overhead; the default on CPU is the per-parameter loop)
     if optimizer == "sgd":
-        optimizer = torch.optim.SGD(groups, lr=lr, momentum=momentum or 0.0, weight_decay=weight_decay, foreach=True)
+        optim = torch.optim.SGD(groups, lr=lr, momentum=momentum or 0.0, weight_decay=weight_decay, foreach=True)
     else:
-        optimizer = torch.optim.Adam(groups, lr=lr, amsgrad=amsgrad, weight_decay=weight_decay, foreach=True)
+        optim = torch.optim.Adam(groups, lr=lr, amsgrad=amsgrad, weight_decay=weight_decay, foreach=True)
     shuffle = torch.Generator().manual_seed(seed)
     n = x.shape[0]
     steps = math.ceil(n / batch_size)
@@ -448,9 +449,9 @@ def _train(
                 value = loss.item()
                 if not math.isfinite(value):
                     raise TrainingDiverged(trainer, epoch, step, steps, value, lr, f"the loss is {value}")
-                optimizer.zero_grad()
+                optim.zero_grad()
                 loss.backward()
-                optimizer.step()
+                optim.step()
                 if after_step is not None:
                     after_step()
                 total += value * batch.numel()
