@@ -333,15 +333,18 @@ NIID_TRAINING = {"adam": TrainingConfig(epochs=10, batch_size=64, lr=1e-3, weigh
 NIID_CACHE = Path.home() / ".cache" / "bnpfed-bench"
 
 
-def part_niid(ds, out: Path, seeds, *, rounds: int = 50, arch: str = "simple-cnn", optimizer: str = "sgd") -> None:
+def part_niid(ds, out: Path, seeds, *, rounds: int = 50, arch: str = "simple-cnn", optimizer: str = "sgd",
+              augment: str = "none") -> None:
     """The CIFAR-10 issue's anchor: FedAvg on NIID-Bench's schedule (:data:`NIID_TRAINING` of ``optimizer``),
-    simple-cnn, J = 10, Dirichlet(0.5), from a shared initialisation. One JSON line per round as it ends (key
+    simple-cnn, J = 10, Dirichlet(0.5), from a shared initialisation; ``augment="crop-flip"`` trains with
+    NIID-Bench's random crops and flips (``TrainingConfig.augment``). One JSON line per round as it ends (key
     ``.../round=t``), the global network checkpointed beside the cached local models after every round, so that a
     stopped run resumes at the next round with the numbers it would have had (every round's training draws from
     ``(seed, FIT, round, client)`` and starts a fresh optimiser)."""
-    training = NIID_TRAINING[optimizer]
+    training = replace(NIID_TRAINING[optimizer], augment=augment)
+    tag = ("" if optimizer == "adam" else "/" + optimizer) + ("" if augment == "none" else "/" + augment)
     for seed in seeds:
-        base = f"niid/{arch}{'' if optimizer == 'adam' else '/' + optimizer}/J=10/dirichlet/seed={seed}"
+        base = f"niid/{arch}{tag}/J=10/dirichlet/seed={seed}"
         finished = [int(k.rsplit("=", 1)[1]) for k in _done(out) if k.startswith(base + "/round=")]
         start = max(finished, default=0)
         if start >= rounds:
@@ -349,7 +352,7 @@ def part_niid(ds, out: Path, seeds, *, rounds: int = 50, arch: str = "simple-cnn
         parts = PartitionConfig(clients=10, partition="dirichlet").split(ds.y_train.numpy(), seed=seed)
         fed = FedAvgFederation(ds, parts, network=replace(PFNM_NETWORK, arch=arch), training=training,
                                seed=seed, ece_bins=100)
-        checkpoint = NIID_CACHE / f"niid_{arch}{'' if optimizer == 'adam' else '_' + optimizer}_seed{seed}.pt"
+        checkpoint = NIID_CACHE / f"niid_{arch}{tag.replace('/', '_')}_seed{seed}.pt"
         if start:
             saved = torch.load(checkpoint)
             if saved["round"] != start:
@@ -363,6 +366,7 @@ def part_niid(ds, out: Path, seeds, *, rounds: int = 50, arch: str = "simple-cnn
             torch.save({"round": record.round, "state": fed.global_model.state()}, checkpoint)
             _emit(out, f"{base}/round={record.round}", dict(
                 method="fedavg", arch=arch, seed=seed, source=ds.source, round=record.round, optimizer=optimizer,
+                augment=augment,
                 momentum=training.momentum, local_epochs=training.epochs, batch_size=training.batch_size,
                 lr=training.lr,
                 accuracy=record.metrics["accuracy"], nll=record.metrics["nll"], ece=record.metrics["ece"],
@@ -627,6 +631,8 @@ def main(argv=None):
                    help="the cnn part's network (mlp: the size part's MLP)")
     p.add_argument("--rounds", type=int, default=3, help="communication rounds of the cnn and shrink parts")
     p.add_argument("--partitions", default="iid,dirichlet", help="partitions of the cnn part")
+    p.add_argument("--augment", choices=("none", "crop", "crop-flip"), default="none",
+                   help="the niid part's local training: NIID-Bench's random crops and flips (crop-flip) or none")
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd",
                    help="the niid part's local optimiser: NIID-Bench's (sgd) or this project's CIFAR-10 one (adam)")
     args = p.parse_args(argv)
@@ -658,7 +664,7 @@ def main(argv=None):
         elif part == "niid":
             if args.dataset != "cifar10":
                 p.error(f"--parts niid: expected --dataset cifar10, got {args.dataset}")
-            part_niid(ds, out, seeds, rounds=args.rounds, optimizer=args.optimizer)
+            part_niid(ds, out, seeds, rounds=args.rounds, optimizer=args.optimizer, augment=args.augment)
         elif part == "baselines":
             part_baselines(ds, out, seeds, Js, name=args.dataset, partitions=tuple(args.partitions.split(",")),
                            arch=args.arch)

@@ -58,6 +58,8 @@ class Stream(IntEnum):
     EVALUATION = 7
     #: a client's held-out split (federated hyper-parameter selection)
     HOLDOUT = 8
+    #: a local fit's random image transforms (crops, flips), spawned from the fit's own seed
+    AUGMENT = 9
 
 
 def _check_key(value, name: str) -> int:

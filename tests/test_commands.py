@@ -93,6 +93,8 @@ SHARED = [  # (argv, the flag the message must name): the same flags in pfnm and
     (["--json", "{folder}"], "--json"),
     (["--plot", "{folder}/plot.json"], "--plot"),
     (["--plot", "{folder}/plot"], "--plot"),
+    (["--augment", "crop", "--dataset", "npz:{flat}"], "--augment"),   # crops need images: refused, not skipped
+    (["--augment", "rotate"], "--augment"),
 ]
 PFNM_ONLY = [
     (["--sigma2", "0"], "--sigma2"),
@@ -810,3 +812,16 @@ def test_the_deterministic_clients_train_with_sgd_on_request_and_svi_refuses_it(
     assert "--amsgrad: the AMSGrad variant of Adam; expected False with optimizer='sgd'" in capsys.readouterr().err
     assert exit_code(["fuse", *TINY, "--optimizer", "sgd"]) == 2
     assert "optimizer: the variational clients' SVI runs Adam" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["pfnm", "fuse"])
+def test_the_clients_train_through_random_crops_on_request(tmp_path, command):
+    out_json = tmp_path / "crops.json"
+    methods = ["--methods", "pfnm"] if command == "pfnm" else ["--rule", "eaa"]
+    assert main([command, *TINY, *methods, "--augment", "crop", "--json", str(out_json)]) == 0
+    payload = check_record(out_json, command)
+    assert payload["settings"]["training"]["augment"] == "crop"
+    plain = tmp_path / "plain.json"
+    assert main([command, *TINY, *methods, "--json", str(plain)]) == 0
+    rows = lambda path: [r["accuracy"] for r in check_record(path, command)["results"]["runs"][0]["rows"]]
+    assert rows(out_json) != rows(plain)

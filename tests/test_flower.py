@@ -92,8 +92,9 @@ FEDAVG = {"method": "fedavg", "rounds": 2, "hidden": "16", "epochs": 1}
 
 @pytest.mark.parametrize("config", [FEDAVG, {**FEDAVG, **FRACTION}, {**FEDAVG, "arch": "simple-cnn-bn",
                                                                       "weights": "uniform"},
-                                    {**FEDAVG, "optimizer": "sgd", "momentum": 0.9, "lr": 0.05}],
-                         ids=["mlp", "fraction-0.67", "simple-cnn-bn-uniform", "sgd-momentum"])
+                                    {**FEDAVG, "optimizer": "sgd", "momentum": 0.9, "lr": 0.05},
+                                    {**FEDAVG, "augment": "crop-flip"}],
+                         ids=["mlp", "fraction-0.67", "simple-cnn-bn-uniform", "sgd-momentum", "crop-flip"])
 def test_fedavg_on_flower_is_the_in_process_federation_bit_for_bit(config, tmp_path):
     """The baseline deployed: the same server step as the in-process fedavg method (with batch norm, its running
     statistics re-estimated from the clients' moments), the same global network array by array."""

@@ -36,6 +36,7 @@ from torch import Tensor
 from bnpfed.data import (CIFAR10_JPEG, DATASET_NAMES, NPZ_FORMAT, NPZ_PREFIX, Dataset, load_dataset,
                          standardize_together)
 from bnpfed.inference import TrainingDiverged
+from bnpfed.inference.augment import AUGMENTATIONS
 from bnpfed.inference.size import SizeLimitError
 from bnpfed.inference.svi import OPTIMIZERS
 from bnpfed.report import plural
@@ -319,8 +320,8 @@ DEVICE_HELP = ("where the clients train: cpu, or cuda[:N] when torch sees one (t
 def add_training_arguments(parser, defaults: TrainingConfig, *, epochs_aliases=(), what: str,
                            device: str = DEVICE_HELP) -> None:
     """The fields of :class:`TrainingConfig` under the same flags in every command: ``--epochs``, ``--batch-size``,
-    ``--lr``, ``--weight-decay``, ``--amsgrad``, ``--optimizer``, ``--momentum``, ``--round-epochs``, ``--lr-decay``,
-    ``--device`` (its help ``device``: what the device means to the command)."""
+    ``--lr``, ``--weight-decay``, ``--amsgrad``, ``--optimizer``, ``--momentum``, ``--augment``, ``--round-epochs``,
+    ``--lr-decay``, ``--device`` (its help ``device``: what the device means to the command)."""
     g = parser.add_argument_group("local training", f"Adam (or SGD) on mini-batches; {what}")
     g.add_argument("--epochs", *epochs_aliases, dest="epochs", type=int, metavar="E", default=defaults.epochs,
                    help="local epochs of round 1 (and of every round unless --round-epochs)")
@@ -334,6 +335,10 @@ def add_training_arguments(parser, defaults: TrainingConfig, *, epochs_aliases=(
                    "--momentum 0.9); the variational clients' SVI runs adam only")
     g.add_argument("--momentum", type=float, metavar="M", default=defaults.momentum,
                    help="--optimizer sgd: its momentum, in [0, 1) (default: none)")
+    g.add_argument("--augment", choices=AUGMENTATIONS, default=defaults.augment,
+                   help="each mini-batch's images through a random transform: crop (reflect-pad 4 pixels, crop back "
+                   "to size) or crop-flip (and a left-right flip half the time: CIFAR-10's, NIID-Bench's); images "
+                   "only (default: none)")
     g.add_argument("--round-epochs", type=int, metavar="E", default=defaults.round_epochs,
                    help="local epochs of rounds 2, 3, ..." + ("" if defaults.round_epochs is not None
                                                              else " (default: --epochs)"))
@@ -378,7 +383,7 @@ def training_config(args) -> TrainingConfig:
     return TrainingConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                           weight_decay=args.weight_decay, amsgrad=args.amsgrad, round_epochs=args.round_epochs,
                           lr_decay=args.lr_decay, device=args.device, optimizer=args.optimizer,
-                          momentum=args.momentum)
+                          momentum=args.momentum, augment=args.augment)
 
 
 def check_partition(partition: PartitionConfig, dataset: Dataset, seed: int) -> None:

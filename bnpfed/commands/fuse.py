@@ -309,6 +309,7 @@ def prepare(args) -> dict:
                               predictive_samples=args.predictive_samples)
     dataset, ood = _args.load_data_and_ood(args, standardize=args.standardize)
     _args.check_partition(partition, dataset, config.seed)
+    training.check_inputs(dataset.input_shape)
     initial_network(network, dataset.input_shape, dataset.num_classes, seed=config.seed)
     if match:
         MatchedFusionFederation.check_network(network)

@@ -345,6 +345,7 @@ def prepare(args) -> dict:
     dataset = _args.load_data(args, standardize=args.standardize)
     for partition in partitions:
         _args.check_partition(partition, dataset, config.seed)
+    training.check_inputs(dataset.input_shape)
     net = initial_network(network, dataset.input_shape, dataset.num_classes, seed=config.seed, client=0)
     _check_per_group(args, derive_spec(net, dataset.input_shape))
     return dict(dataset=dataset, partitions=partitions, network=network, training=training, pfnm=pfnm, fusion=fusion,

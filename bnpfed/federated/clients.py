@@ -128,7 +128,8 @@ def train_network(net: nn.Module, x: Tensor, y: Tensor, training: TrainingConfig
     try:
         client_model.fit(x, y, epochs=schedule.epochs if epochs is None else int(epochs),
                          batch_size=training.batch_size, lr=schedule.lr, seed=stream, amsgrad=training.amsgrad,
-                         weight_decay=training.weight_decay, optimizer=training.optimizer, momentum=training.momentum)
+                         weight_decay=training.weight_decay, optimizer=training.optimizer, momentum=training.momentum,
+                         augment=training.augment)
     finally:
         for name in frozen:
             params[name].requires_grad_(True)
@@ -202,10 +203,10 @@ def fit_bayesian(client: BayesianClient | LaplaceClient, x: Tensor, y: Tensor, t
             raise ValueError(f"scale_lr_factor: a setting of the variational clients' SVI; expected 1 for a Laplace "
                              f"client, got {scale_lr_factor!r}")
         client.fit(x, y, **common, weight_decay=training.weight_decay, optimizer=training.optimizer,
-                   momentum=training.momentum)
+                   momentum=training.momentum, augment=training.augment)
     else:
         if training.optimizer != "adam":
             raise ValueError(f"training.optimizer: the variational clients' SVI runs Adam; expected 'adam' with a "
                              f"variational client, got {training.optimizer!r}")
-        client.fit(x, y, **common, scale_lr=scale_lr_factor * schedule.lr)
+        client.fit(x, y, **common, scale_lr=scale_lr_factor * schedule.lr, augment=training.augment)
     return float(client.losses_[-1])

@@ -34,11 +34,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields, replace
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 import pyro.distributions as dist
 
+from bnpfed.inference.augment import check_augment
 from bnpfed.inference.posterior_matching import ATOM_POSTERIOR, MATCH_ON, PVI, matched_rules
 from bnpfed.inference.driver import SCHEDULES, STARTS, STOPS
 from bnpfed.inference.matching import REFERENCE_CONSTANTS
@@ -242,6 +243,12 @@ class TrainingConfig:
         where the server matches and averages them (the matcher is numpy and scipy). The Bayesian clients' SVI runs
         on the CPU only: another device is refused there. The same seed gives the same mini-batches on every device;
         the floating-point results of another device differ in the last digits.
+    :param str augment: each mini-batch's images drawn through a random transform before the step (data
+        augmentation, :mod:`bnpfed.inference.augment`): ``"none"`` (default), ``"crop"`` (reflect-pad 4 pixels, a
+        random crop back to size) or ``"crop-flip"`` (and a left-right flip with probability 1/2: CIFAR-10's usual
+        transforms, NIID-Bench's). Images ``(C, H, W)`` only (:meth:`check_inputs`); every client and every kind
+        of client (deterministic, variational, Laplace) trains with it; evaluation, matching and the clients'
+        reports see the images as they are.
 
     :data:`PFNM_TRAINING` is the PFNM reference code's (10 epochs of AMSGrad at 0.01, batch 32, L2 1e-6; later
     rounds 5 epochs with the rate decayed by 0.99 a round); :data:`FUSION_TRAINING` (the defaults) suits posterior
@@ -258,10 +265,12 @@ class TrainingConfig:
     device: str = "cpu"
     optimizer: str = "adam"
     momentum: Optional[float] = None
+    augment: str = "none"
 
     def __post_init__(self):
         check_device(self.device, "device")
         check_optimizer(self.optimizer, self.momentum, self.amsgrad)
+        check_augment(self.augment)
         check_int(self.epochs, "epochs", low=1)
         check_int(self.batch_size, "batch_size", low=1)
         check_positive(self.lr, "lr")
@@ -270,6 +279,11 @@ class TrainingConfig:
         if self.round_epochs is not None:
             check_int(self.round_epochs, "round_epochs", low=1)
         check_float(self.lr_decay, "lr_decay", low=0.0, high=1.0, low_open=True, what="a number in (0, 1]")
+
+    def check_inputs(self, input_shape: Sequence[int]) -> None:
+        """Raises unless the settings apply to inputs of ``input_shape`` (one example's shape): ``augment``'s
+        crops need images ``(C, H, W)``."""
+        check_augment(self.augment, input_shape)
 
     def schedule(self, round: int) -> LocalSchedule:
         """The local training of round ``round`` (1-based)."""

@@ -134,6 +134,7 @@ class FusionFederation(Federation):
                              f"its own initialisation (fusion.own_init), got {len(initial_clients)}")
         self.initial_clients = initial_clients
         _check_configs(network=network, training=training, bayesian=bayesian, fusion=fusion)
+        training.check_inputs(dataset.input_shape)
         self.bayesian = bayesian
         if bayesian.client != "variational":
             raise ValueError(f"bayesian.client: weight-wise posterior fusion trains variational clients from the "
@@ -208,6 +209,7 @@ class FedAvgFederation(Federation):
                  seed: int, weights: str = "size", fraction: float = 1.0, ece_bins: int = 15):
         super().__init__(dataset, parts, seed=seed, fraction=fraction, ece_bins=ece_bins)
         _check_configs(network=network, training=training)
+        training.check_inputs(dataset.input_shape)
         self.training, self.weights = training, weights
         net = initial_network(network, dataset.input_shape, dataset.num_classes, seed=seed)
         self.batch_norms = batch_norm_order(net, dataset.input_shape)

@@ -157,6 +157,7 @@ class MatchedFusionFederation(HoldsRounds, Federation):
                 raise ValueError(f"{name}: expected a {kind.__name__}, got {type(value).__name__}")
         self.check_network(network)
         bayesian.check_training(training)
+        training.check_inputs(dataset.input_shape)
         if initial_clients is not None and len(initial_clients) != self.num_clients:
             raise ValueError(f"initial_clients: expected one client per partition ({self.num_clients}), got "
                              f"{len(initial_clients)}")

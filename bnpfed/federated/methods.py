@@ -273,6 +273,7 @@ class Experiment:
                                  f"shape), got {tuple(ood.shape)} {ood.dtype}")
         if config.select == "operating-point":
             check_noise_to_scale(pfnm)
+        training.check_inputs(dataset.input_shape)
         self.ood = ood
         self.dataset, self.partition, self.network, self.training = dataset, partition, network, training
         self.pfnm, self.fusion, self.bayesian, self.config = pfnm, fusion, bayesian, config

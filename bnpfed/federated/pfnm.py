@@ -95,6 +95,7 @@ class PFNMFederation(HoldsRounds, Federation):
                                   ("pfnm", pfnm, PFNMConfig)):
             if not isinstance(value, kind):
                 raise ValueError(f"{name}: expected a {kind.__name__}, got {type(value).__name__}")
+        training.check_inputs(dataset.input_shape)
         if initial_models is not None and len(initial_models) != self.num_clients:
             raise ValueError(f"initial_models: expected one network per client ({self.num_clients}), got "
                              f"{len(initial_models)}")

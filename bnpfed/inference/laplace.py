@@ -371,11 +371,13 @@ class LaplaceClient:
 
     def fit(self, x: Tensor, y: Tensor, *, epochs: int = 1, batch_size: int = 64, lr: float = 1e-3, seed: int = 0,
             amsgrad: bool = False, weight_decay: float = 0.0, optimizer: str = "adam",
-            momentum: Optional[float] = None) -> "LaplaceClient":
+            momentum: Optional[float] = None, augment: str = "none") -> "LaplaceClient":
         """Train the network by maximum likelihood (:meth:`~bnpfed.inference.DeterministicClient.fit`, the same
         schedule and seeding), then :meth:`fit_posterior` on the same data. With ``prior_precision="held-out"`` a
         share ``held_out`` of the examples (drawn from ``seed``) is held out first: the network and its curvature
-        are fitted on the rest, and the held-out examples choose the prior precision. Returns ``self``."""
+        are fitted on the rest, and the held-out examples choose the prior precision. ``augment`` transforms the
+        training mini-batches only: the curvature and the held-out choice see the images as they are. Returns
+        ``self``."""
         validation = None
         if self.prior_precision == "held-out":
             if not torch.is_tensor(x) or x.dim() < 1 or x.shape[0] < 2:
@@ -390,7 +392,7 @@ class LaplaceClient:
         trained = DeterministicClient(self.net)
         trained.net.train()      # in training mode, as a deterministic client trains (train_network)
         trained.fit(x, y, epochs=epochs, batch_size=batch_size, lr=lr, seed=seed, amsgrad=amsgrad,
-                    weight_decay=weight_decay, optimizer=optimizer, momentum=momentum)
+                    weight_decay=weight_decay, optimizer=optimizer, momentum=momentum, augment=augment)
         self.net = trained.net.eval()
         self.fit_posterior(x, y, validation=validation, seed=seed)
         self.losses_ = list(trained.losses_)

@@ -50,7 +50,8 @@ from bnpfed.models.bayesian import BayesianNetwork
 from bnpfed.models.likelihoods import Categorical, Likelihood
 from bnpfed.models.priors import Prior
 from bnpfed.posterior import GaussianPosterior
-from bnpfed.seeding import seeded
+from bnpfed.inference.augment import augmenter, check_augment
+from bnpfed.seeding import Stream, seeded, torch_generator
 from bnpfed.validation import (check_bool, check_choice, check_float, check_int, check_names, check_positive,
                                check_tensor)
 
@@ -165,7 +166,7 @@ class BayesianClient:
         self.notes_: list[str] = []
 
     def fit(self, x: Tensor, y: Tensor, *, epochs: int = 1, batch_size: int = 64, lr: float = 1e-3, seed: int = 0,
-            amsgrad: bool = False, scale_lr: Optional[float] = None) -> "BayesianClient":
+            amsgrad: bool = False, scale_lr: Optional[float] = None, augment: str = "none") -> "BayesianClient":
         """Run SVI on the local data ``x`` ``(n, ...)``, ``y`` (targets the likelihood accepts, e.g. ``(n,)`` labels
         in ``0 .. num_classes - 1``) for ``epochs`` passes of mini-batches of ``batch_size`` with Adam (AMSGrad if
         ``amsgrad``) at learning rate ``lr``; every random step uses ``seed``. Returns ``self``.
@@ -180,6 +181,9 @@ class BayesianClient:
         (a ``kl_weight`` < 1 of :class:`MeanFieldELBO`) or :class:`~bnpfed.models.EmpiricalBayesPrior`. Default
         None: ``lr`` (one rate for all, the recorded behaviour). Only for a guide with scale parameters ``rhos``
         (:class:`MeanFieldGuide`).
+
+        ``augment``: each mini-batch's images drawn through a random transform before the step, ``"none"``
+        (default), ``"crop"`` or ``"crop-flip"`` (:mod:`bnpfed.inference.augment`; images ``(n, C, H, W)`` only).
 
         With an estimable prior (``prior.estimable``, e.g. :class:`~bnpfed.models.EmpiricalBayesPrior`), the prior
         is estimated from the guide before the first step and after every step (``prior.estimate_(...)`` on the
@@ -225,7 +229,7 @@ class BayesianClient:
 
         self.losses_ = _train(named, loss, x, y, epochs=epochs, batch_size=batch_size, lr=lr, seed=seed,
                               amsgrad=amsgrad, trainer="BayesianClient.fit", scale_params=scales, scale_lr=scale_lr,
-                              after_step=after_step)
+                              after_step=after_step, augment=augment)
         self.converged_, self.notes_ = _convergence(self.losses_)
         return self
 
@@ -336,11 +340,11 @@ class DeterministicClient:
 
     def fit(self, x: Tensor, y: Tensor, *, epochs: int = 1, batch_size: int = 64, lr: float = 1e-3, seed: int = 0,
             amsgrad: bool = False, weight_decay: float = 0.0, optimizer: str = "adam",
-            momentum: Optional[float] = None) -> "DeterministicClient":
-        """Minimise the mean cross-entropy on ``x`` ``(n, ...)``, ``y`` ``(n,)`` labels; same schedule, seeding and
-        checks as :meth:`BayesianClient.fit`; ``weight_decay`` adds ``weight_decay * ||theta||^2 / 2`` to the loss
-        (the L2 term of the PFNM reference, 1e-6 there). ``optimizer``: ``"adam"`` (default) or ``"sgd"`` (with
-        ``momentum``, None for none: FedAvg's usual local step). Returns ``self``."""
+            momentum: Optional[float] = None, augment: str = "none") -> "DeterministicClient":
+        """Minimise the mean cross-entropy on ``x`` ``(n, ...)``, ``y`` ``(n,)`` labels; same schedule, seeding,
+        ``augment`` and checks as :meth:`BayesianClient.fit`; ``weight_decay`` adds ``weight_decay * ||theta||^2 /
+        2`` to the loss (the L2 term of the PFNM reference, 1e-6 there). ``optimizer``: ``"adam"`` (default) or
+        ``"sgd"`` (with ``momentum``, None for none: FedAvg's usual local step). Returns ``self``."""
         n = _check_x(x)
         Categorical().check_targets(y, n, _probe(lambda: self.net(x[:1]), self.net, x))
         y = Categorical().targets(y)
@@ -350,7 +354,7 @@ class DeterministicClient:
 
         self.losses_ = _train(list(self.net.named_parameters()), loss, x, y, epochs=epochs, batch_size=batch_size,
                               lr=lr, seed=seed, amsgrad=amsgrad, weight_decay=weight_decay, optimizer=optimizer,
-                              momentum=momentum, trainer="DeterministicClient.fit")
+                              momentum=momentum, trainer="DeterministicClient.fit", augment=augment)
         return self
 
     @torch.no_grad()
@@ -400,12 +404,14 @@ def _train(
     scale_params: Iterable[tuple[str, Tensor]] = (),
     scale_lr: Optional[float] = None,
     after_step: Optional[Callable[[], None]] = None,
+    augment: str = "none",
 ) -> list[float]:
     """Adam (``optimizer="adam"``, optionally AMSGrad) or SGD (``"sgd"``, with ``momentum``, None for none), with
     coupled L2 ``weight_decay``, on ``loss_fn(x_batch, y_batch)`` over shuffled mini-batches; returns the mean loss of
     each epoch. ``scale_params`` learn at ``scale_lr`` (the others at ``lr``); ``after_step()`` runs after every
-    optimiser step. Raises :class:`TrainingDiverged` on a non-finite loss
-    or parameter."""
+    optimiser step. ``augment`` (:data:`~bnpfed.inference.augment.AUGMENTATIONS`) draws each mini-batch's images
+    through its transform, from a generator of its own (``(seed, AUGMENT)``), so the mini-batches are the same as
+    without it. Raises :class:`TrainingDiverged` on a non-finite loss or parameter."""
     epochs = check_int(epochs, "epochs", low=1)
     batch_size = check_int(batch_size, "batch_size", low=1)
     lr = check_positive(lr, "lr")
@@ -413,6 +419,8 @@ def _train(
     amsgrad = check_bool(amsgrad, "amsgrad")
     weight_decay = check_float(weight_decay, "weight_decay", low=0.0)
     check_optimizer(optimizer, momentum, amsgrad)
+    check_augment(augment, tuple(x.shape[1:]))
+    transform = augmenter(augment)
     named_params, scale_params = list(named_params), list(scale_params)
     groups = [{"params": [p for _, p in named_params]}]
     if scale_params:
@@ -425,6 +433,7 @@ def _train(
     else:
         optim = torch.optim.Adam(groups, lr=lr, amsgrad=amsgrad, weight_decay=weight_decay, foreach=True)
     shuffle = torch.Generator().manual_seed(seed)
+    draws = None if transform is None else torch_generator(seed % 2**64, Stream.AUGMENT)
     n = x.shape[0]
     steps = math.ceil(n / batch_size)
     losses = []
@@ -435,7 +444,8 @@ def _train(
             for step, start in enumerate(range(0, n, batch_size), 1):
                 batch = order[start : start + batch_size]
                 try:
-                    loss = loss_fn(x[batch], y[batch])
+                    xb = x[batch] if transform is None else transform(x[batch], draws)
+                    loss = loss_fn(xb, y[batch])
                 except ValueError as error:
                     # after a step of training, a NaN parameter, or a distribution refusing its parameters (Pyro's
                     # Normal with a scale that underflowed to 0), is divergence; before any step it is a real error
