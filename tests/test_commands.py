@@ -808,7 +808,11 @@ def test_the_deterministic_clients_train_with_sgd_on_request_and_svi_refuses_it(
     assert (training["optimizer"], training["momentum"]) == ("sgd", 0.9)
     assert exit_code(["pfnm", *TINY, "--momentum", "0.9"]) == 2
     assert "--momentum: SGD's momentum; expected None with optimizer='adam'" in capsys.readouterr().err
-    assert exit_code(["pfnm", *TINY, "--optimizer", "sgd"]) == 2   # PFNM's reference schedule runs AMSGrad
+    # PFNM's reference schedule runs AMSGrad: its default gives way to --optimizer sgd, --amsgrad given does not
+    out_default = tmp_path / "sgd-default.json"
+    assert main(["pfnm", *TINY, "--methods", "pfnm", "--optimizer", "sgd", "--json", str(out_default)]) == 0
+    assert check_record(out_default, "pfnm")["settings"]["training"]["amsgrad"] is False
+    assert exit_code(["pfnm", *TINY, "--optimizer", "sgd", "--amsgrad"]) == 2
     assert "--amsgrad: the AMSGrad variant of Adam; expected False with optimizer='sgd'" in capsys.readouterr().err
     assert exit_code(["fuse", *TINY, "--optimizer", "sgd"]) == 2
     assert "optimizer: the variational clients' SVI runs Adam" in capsys.readouterr().err

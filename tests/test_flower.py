@@ -450,6 +450,7 @@ def test_bnpfed_flower_sim_checks_every_key_and_value_before_it_starts(text, mes
     ({"prior": "laplace"}, r"prior: expected one of \['linear-weights', 'all'\], got 'laplace'"),
     ({"method": "fusion", "optimizer": "sgd"}, "optimizer: the variational clients' SVI runs Adam"),
     ({"method": "fedavg", "momentum": 0.9}, "momentum: SGD's momentum; expected None with optimizer='adam'"),
+    ({"method": "pfnm", "optimizer": "sgd", "amsgrad": True}, "amsgrad: the AMSGrad variant of Adam; expected False"),
 ])
 def test_the_server_app_names_a_bad_key_before_it_asks_any_node(config, message):
     assert_refused_before_any_node_is_asked(config, message)
@@ -466,6 +467,9 @@ def test_the_run_config_speaks_the_configs_words():
     assert (pfnm.training.epochs, pfnm.network.init, pfnm.run.standardized) == (10, "reference", False)
     assert (fusion.training.epochs, fusion.network.init, fusion.run.standardized) == (2, "torch", True)
     assert parse_run_config({"method": "fusion", "epochs": 3}).training.epochs == 3
+    # PFNM's schedule runs AMSGrad; with optimizer "sgd" and amsgrad left to the method, AMSGrad gives way
+    assert pfnm.training.amsgrad and not parse_run_config({"method": "pfnm", "optimizer": "sgd"}).training.amsgrad
+    assert not parse_run_config({"method": "pfnm", "optimizer": "sgd", "amsgrad": "auto"}).training.amsgrad
 
 
 def test_the_example_apps_run_config_lists_every_key_with_its_default():

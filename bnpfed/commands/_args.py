@@ -328,8 +328,9 @@ def add_training_arguments(parser, defaults: TrainingConfig, *, epochs_aliases=(
     g.add_argument("--batch-size", type=int, metavar="N", default=defaults.batch_size, help="mini-batch size")
     g.add_argument("--lr", type=float, default=defaults.lr, help="the learning rate")
     g.add_argument("--weight-decay", type=float, metavar="L2", default=defaults.weight_decay, help="L2 strength, >= 0")
-    g.add_argument("--amsgrad", action=argparse.BooleanOptionalAction, default=defaults.amsgrad,
-                   help="the AMSGrad variant of Adam")
+    g.add_argument("--amsgrad", action=argparse.BooleanOptionalAction, default=None,
+                   help="the AMSGrad variant of Adam (default: " + ("on with --optimizer adam, off with sgd"
+                                                                    if defaults.amsgrad else "off") + ")")
     g.add_argument("--optimizer", choices=OPTIMIZERS, default=defaults.optimizer,
                    help="the deterministic clients' optimiser: adam or sgd (NIID-Bench's FedAvg: sgd, --lr 0.01, "
                    "--momentum 0.9); the variational clients' SVI runs adam only")
@@ -379,9 +380,13 @@ def hidden_widths(args, default: tuple) -> tuple:
     return args.hidden
 
 
-def training_config(args) -> TrainingConfig:
+def training_config(args, defaults: TrainingConfig) -> TrainingConfig:
+    """The command's :class:`TrainingConfig`; ``--amsgrad`` not given is ``defaults.amsgrad`` with Adam and off with
+    SGD (AMSGrad is a variant of Adam: a default of the command's Adam schedule does not refuse ``--optimizer sgd``;
+    ``--amsgrad`` given with it does)."""
+    amsgrad = args.amsgrad if args.amsgrad is not None else defaults.amsgrad and args.optimizer == "adam"
     return TrainingConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
-                          weight_decay=args.weight_decay, amsgrad=args.amsgrad, round_epochs=args.round_epochs,
+                          weight_decay=args.weight_decay, amsgrad=amsgrad, round_epochs=args.round_epochs,
                           lr_decay=args.lr_decay, device=args.device, optimizer=args.optimizer,
                           momentum=args.momentum, augment=args.augment)
 

@@ -238,7 +238,7 @@ def prepare(args) -> dict:
     _args.check_save_global(args.save_global)
     partition = _args.partition_config(args, args.clients)
     network = NetworkConfig(arch=args.arch, hidden=_args.hidden_widths(args, NetworkConfig().hidden), init=args.init)
-    training = _args.training_config(args)
+    training = _args.training_config(args, FUSION_TRAINING)
     if torch.device(training.device).type != "cpu":
         raise UsageError(f"--device: expected cpu for posterior fusion (the Bayesian clients' SVI runs on the CPU "
                          f"only), got {training.device}")

@@ -313,7 +313,7 @@ def prepare(args) -> dict:
     partitions = [_args.partition_config(args, J) for J in args.clients]
     network = NetworkConfig(arch=args.arch, hidden=_args.hidden_widths(args, PFNM_NETWORK.hidden), init=args.init,
                             shared_init=args.shared_init)
-    training = _args.training_config(args)
+    training = _args.training_config(args, PFNM_TRAINING)
     pfnm = PFNMConfig(sigma2=_one_or_many(args.sigma2), sigma0_2=_one_or_many(args.sigma0_2),
                       gamma0=_one_or_many(args.gamma0), hyperparameters=args.hyperparameters,
                       constants=args.constants, objective=args.objective, direction=args.direction,
