@@ -15,7 +15,8 @@ fusing step), :mod:`~bnpfed.inference.batch_norm`, :mod:`~bnpfed.inference.activ
 inactive on its data, left out of matching), :mod:`~bnpfed.inference.size` (a width or parameter count asked for,
 met through the IBP mass); :mod:`~bnpfed.inference.permutation` is the public face of the spec
 floor. The clients: :mod:`~bnpfed.inference.svi` (variational, by SVI; deterministic), :mod:`~bnpfed.inference.laplace`
-(a trained network's diagonal Laplace posterior)."""
+(a trained network's diagonal Laplace posterior), :mod:`~bnpfed.inference.augment` (random crops and flips of their
+training images)."""
 
 from bnpfed.inference.matching import REFERENCE_CONSTANTS, MatchResult, assignment_objective, match_layer
 from bnpfed.inference.bayesian_matching import bayesian_assignment_objective, match_bayesian_layer
@@ -41,6 +42,7 @@ from bnpfed.inference.permutation import (
 
 from bnpfed.inference.activity import drop_units, inactive_units, kept_units, unit_activity
 from bnpfed.inference.size import SizeSearch, parameter_count
+from bnpfed.inference.augment import AUGMENTATIONS, random_crop_flip
 from bnpfed.inference.guides import MeanFieldGuide
 from bnpfed.inference.elbo import MeanFieldELBO
 from bnpfed.inference.svi import BayesianClient, DeterministicClient, TrainingDiverged
@@ -77,6 +79,8 @@ __all__ = [
     "unit_activity",
     "SizeSearch",
     "parameter_count",
+    "AUGMENTATIONS",
+    "random_crop_flip",
     "MeanFieldGuide",
     "MeanFieldELBO",
     "BayesianClient",
