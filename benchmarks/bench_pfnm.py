@@ -376,6 +376,43 @@ def part_niid(ds, out: Path, seeds, *, rounds: int = 50, arch: str = "simple-cnn
         fed.run(rounds - start, callback=after)
 
 
+#: NIID-Bench's published FedAvg accuracy on this setting, and Flower's reproduction of it.
+NIID_PUBLISHED = {"NIID-Bench (68.2 %)": 0.682, "Flower's reproduction (63.4 %)": 0.634}
+
+
+def plot_niid(paths, png: Path) -> None:
+    """Accuracy and test NLL per round of every ``niid`` run in the JSON-lines files ``paths`` (one curve per
+    optimiser and transform), beside the published accuracies."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    runs: dict = {}
+    for path in paths:
+        for line in map(json.loads, filter(str.strip, Path(path).read_text().splitlines())):
+            if line["key"].startswith("niid/"):
+                label = (f"{line['arch']}, {line.get('optimizer', 'adam')}, "
+                         f"{'no augmentation' if line.get('augment', 'none') == 'none' else line['augment']}, "
+                         f"seed {line['seed']}")
+                runs.setdefault(label, {})[line["round"]] = line
+    if not runs:
+        raise SystemExit(f"{', '.join(map(str, paths))}: no niid lines")
+    fig, (acc, nll) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for label, rounds in runs.items():
+        order = sorted(rounds)
+        acc.plot(order, [rounds[r]["accuracy"] for r in order], label=label)
+        nll.plot(order, [rounds[r]["nll"] for r in order], label=label)
+    for (name, value), style in zip(NIID_PUBLISHED.items(), ("--", ":")):
+        acc.axhline(value, c="k", ls=style, lw=0.9, label=name)
+    acc.set(xlabel="round", ylabel="test accuracy", ylim=(0, 0.75))
+    nll.set(xlabel="round", ylabel="test NLL")
+    acc.legend(fontsize=7, loc="lower right")
+    fig.suptitle("FedAvg on NIID-Bench's CIFAR-10 schedule: 10 clients, Dirichlet(0.5), 10 local epochs a round",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
 BASELINE_METHODS = ("local", "ensemble", "pfnm", "weight-matching", "ot-fusion", "ot-fusion-sinkhorn")
 
 
@@ -631,11 +668,16 @@ def main(argv=None):
                    help="the cnn part's network (mlp: the size part's MLP)")
     p.add_argument("--rounds", type=int, default=3, help="communication rounds of the cnn and shrink parts")
     p.add_argument("--partitions", default="iid,dirichlet", help="partitions of the cnn part")
+    p.add_argument("--plot-niid", metavar="PNG", help="draw the niid lines of --out (comma-separated files) into "
+                   "PNG and exit")
     p.add_argument("--augment", choices=("none", "crop", "crop-flip"), default="none",
                    help="the niid part's local training: NIID-Bench's random crops and flips (crop-flip) or none")
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd",
                    help="the niid part's local optimiser: NIID-Bench's (sgd) or this project's CIFAR-10 one (adam)")
     args = p.parse_args(argv)
+    if args.plot_niid:
+        plot_niid(args.out.split(","), Path(args.plot_niid))
+        return
     unknown = [part for part in args.parts.split(",") if part not in PARTS]
     if unknown:
         p.error(f"--parts: unknown part(s) {unknown}; expected names from {list(PARTS)}")
