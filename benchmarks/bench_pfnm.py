@@ -569,14 +569,18 @@ def plot_shrink(out: Path, png: Path) -> None:
 
 
 def part_size(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("iid", "dirichlet"),
-              arch: str = "lenet") -> None:
+              arch: str = "lenet", fedma_epochs: int = 2) -> None:
     """The accuracy-parameters plane (issue 16): one-shot PFNM with bnpfed's defaults and then with a size asked
     for (``max_width`` for an MLP, ``max_params`` for a CNN: fractions of the model's own size and the ensemble's),
-    and for a CNN FedMA's layer-wise scheme (2 epochs a group) without a limit, at the ensemble's size and at half of
-    it, all on the same local models, beside the local models and the ensemble."""
-    for key, J, partition, seed in _settings(out, f"size/{name}/{arch}", Js, partitions, seeds):
+    and for a CNN FedMA's layer-wise scheme (``fedma_epochs`` a group, 2 by default) without a limit, at the
+    ensemble's size and at half of it, all on the same local models, beside the local models and the ensemble.
+    CIFAR-10 clients train with the cifar part's schedule (:data:`CIFAR_TRAINING`)."""
+    tag = "" if fedma_epochs == 2 else f"/fedma-epochs={fedma_epochs}"
+    for key, J, partition, seed in _settings(out, f"size/{name}/{arch}{tag}", Js, partitions, seeds):
         configs = _configs(J, partition, seed, methods=("local", "ensemble", "pfnm"))
         configs["network"] = replace(PFNM_NETWORK, arch=arch)
+        if name == "cifar10":
+            configs["training"] = CIFAR_TRAINING
         configs["pfnm"] = PFNMConfig()
         experiment = Experiment(ds, **configs)
         rows = {}
@@ -610,7 +614,7 @@ def part_size(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("iid
                 t0 = time.perf_counter()
                 fed = PFNMFederation(experiment.dataset, experiment.parts, network=experiment.network,
                                      training=experiment.training,
-                                     pfnm=PFNMConfig(layerwise_retrain=2, max_params=limit), seed=seed,
+                                     pfnm=PFNMConfig(layerwise_retrain=fedma_epochs, max_params=limit), seed=seed,
                                      initial_models=nets)
                 fed.run_round()
                 net = fed.match.network()
@@ -618,7 +622,8 @@ def part_size(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("iid
                     accuracy=_accuracy(net, ds), hidden=fed.match.hidden_sizes,
                     parameters=count_parameters(net), seconds=time.perf_counter() - t0,
                     limit=None if limit is None else ensemble if limit == "ensemble" else limit)
-        _emit(out, key, dict(dataset=name, arch=arch, J=J, partition=partition, seed=seed, rows=rows))
+        _emit(out, key, dict(dataset=name, arch=arch, J=J, partition=partition, seed=seed, fedma_epochs=fedma_epochs,
+                             rows=rows))
 
 
 def part_operating(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("iid", "dirichlet"),
@@ -668,6 +673,7 @@ def main(argv=None):
                    help="the cnn part's network (mlp: the size part's MLP)")
     p.add_argument("--rounds", type=int, default=3, help="communication rounds of the cnn and shrink parts")
     p.add_argument("--partitions", default="iid,dirichlet", help="partitions of the cnn part")
+    p.add_argument("--fedma-epochs", type=int, default=2, help="the size part's FedMA: retraining epochs a group")
     p.add_argument("--plot-niid", metavar="PNG", help="draw the niid lines of --out (comma-separated files) into "
                    "PNG and exit")
     p.add_argument("--augment", choices=("none", "crop", "crop-flip"), default="none",
@@ -721,7 +727,7 @@ def main(argv=None):
                         arch=args.arch, rounds=args.rounds)
         elif part == "size":
             part_size(ds, out, seeds, Js, name=args.dataset, partitions=tuple(args.partitions.split(",")),
-                      arch=args.arch)
+                      arch=args.arch, fedma_epochs=args.fedma_epochs)
         elif part == "cnn-timing":
             part_cnn_timing(ds, out, name=args.dataset)
         else:
