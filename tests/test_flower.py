@@ -110,6 +110,17 @@ def test_fedavg_on_flower_is_the_in_process_federation_bit_for_bit(config, tmp_p
         assert [r["statistics_from"] for r in result.history] == [r.sampled for r in reference.history]
 
 
+def test_the_server_refuses_crops_of_flat_data_once_the_nodes_report_its_shape_before_any_training(tmp_path):
+    rng = np.random.default_rng(0)
+    path = tmp_path / "flat.npz"
+    np.savez(path, x_train=rng.random((60, 5), dtype=np.float32), y_train=np.arange(60) % 3,
+             x_test=rng.random((12, 5), dtype=np.float32), y_test=np.arange(12) % 3)
+    grid = LocalGrid(client_app, CLIENTS)
+    with pytest.raises(ValueError, match=r"augment: 'crop' crops images; expected inputs of shape \(C, H, W\)"):
+        run_federation(grid, {**FEDAVG, "dataset": f"npz:{path}", "augment": "crop"})
+    assert not any(kind == MessageType.TRAIN for _, kind in grid.calls)   # the nodes were asked, never trained
+
+
 @pytest.mark.parametrize("config", [PFNM, FUSION, {**FUSION, "align": "match", "rule": "eaa"}, FEDAVG],
                          ids=["pfnm", "weight-wise", "matched", "fedavg"])
 def test_federated_evaluation_reports_the_test_splits_ece_and_brier_as_in_process(config):

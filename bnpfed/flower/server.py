@@ -79,7 +79,9 @@ def run_federation(grid: Grid, config: Mapping[str, Any]) -> FederationResult:
     """Run the method ``config`` asks for on ``grid`` and return the result; see :mod:`bnpfed.flower.config` for
     the keys. The SuperNodes are asked for their partitions first (at most ``node-timeout`` seconds).
 
-    :raises ValueError: on an unknown key or a bad value (naming it), before anything is sent.
+    :raises ValueError: on an unknown key or a bad value (naming it), before anything is sent; ``augment`` that
+        does not apply to the SuperNodes' data (crops of inputs that are not images), once they have reported its
+        shape and before any training.
     :raises RuntimeError: when the run cannot go on (too few SuperNodes, too few usable replies).
     """
     settings = parse_run_config(config)
@@ -103,6 +105,7 @@ def run_federation(grid: Grid, config: Mapping[str, Any]) -> FederationResult:
     else:
         strategy = PosteriorFusionStrategy(settings.fusion, **common)
     identity = strategy.connect(grid)
+    settings.training.check_inputs(identity.input_shape)   # augment: images only, known once the nodes report
     settings = settings.with_clients(identity.num_partitions)
     if run.method == "pfnm" or matched:  # each client starts round 1 from its own initialisation
         initial = ArrayRecord()
