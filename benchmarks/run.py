@@ -55,8 +55,14 @@ def bench_secure_fn(quick: bool):
     bench_secure.main(["--quick"] if quick else [])   # posterior fusion under SecAgg+ against plain, same process
 
 
+def bench_augment_fn(quick: bool):
+    import bench_augment
+
+    bench_augment.main(["--quick"] if quick else [])   # a local epoch with random crops (and flips) against none
+
+
 BENCHMARKS = {"matching": bench_matching, "scaling": bench_scaling_fn, "fusion": bench_fusion_fn,
-              "secure": bench_secure_fn}
+              "secure": bench_secure_fn, "augment": bench_augment_fn}
 
 
 def main(argv=None):
