@@ -56,6 +56,7 @@ from bnpfed.federated.fusion import FedAvgFederation
 from bnpfed.federated.methods import ExperimentConfig, Experiment, run_experiment, run_method, width_sweep
 from bnpfed.federated.pfnm import PFNMFederation
 from bnpfed.federated.server import match_hyperparameters, pfnm_step
+from bnpfed.inference.augment import AUGMENTATIONS
 from bnpfed.metrics import count_parameters
 
 HERE = Path(__file__).parent
@@ -676,7 +677,7 @@ def main(argv=None):
     p.add_argument("--fedma-epochs", type=int, default=2, help="the size part's FedMA: retraining epochs a group")
     p.add_argument("--plot-niid", metavar="PNG", help="draw the niid lines of --out (comma-separated files) into "
                    "PNG and exit")
-    p.add_argument("--augment", choices=("none", "crop", "crop-flip"), default="none",
+    p.add_argument("--augment", choices=AUGMENTATIONS, default="none",
                    help="the niid part's local training: NIID-Bench's random crops and flips (crop-flip) or none")
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd",
                    help="the niid part's local optimiser: NIID-Bench's (sgd) or this project's CIFAR-10 one (adam)")

@@ -384,7 +384,7 @@ def training_config(args, defaults: TrainingConfig) -> TrainingConfig:
     """The command's :class:`TrainingConfig`; ``--amsgrad`` not given is ``defaults.amsgrad`` with Adam and off with
     SGD (AMSGrad is a variant of Adam: a default of the command's Adam schedule does not refuse ``--optimizer sgd``;
     ``--amsgrad`` given with it does)."""
-    amsgrad = args.amsgrad if args.amsgrad is not None else defaults.amsgrad and args.optimizer == "adam"
+    amsgrad = args.amsgrad if args.amsgrad is not None else defaults.amsgrad_for(args.optimizer)
     return TrainingConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                           weight_decay=args.weight_decay, amsgrad=amsgrad, round_epochs=args.round_epochs,
                           lr_decay=args.lr_decay, device=args.device, optimizer=args.optimizer,

@@ -280,6 +280,13 @@ class TrainingConfig:
             check_int(self.round_epochs, "round_epochs", low=1)
         check_float(self.lr_decay, "lr_decay", low=0.0, high=1.0, low_open=True, what="a number in (0, 1]")
 
+    def amsgrad_for(self, optimizer: str) -> bool:
+        """AMSGrad for ``optimizer`` when a user leaves it to this schedule's default: ``amsgrad`` with Adam, off with
+        SGD (AMSGrad is a variant of Adam, so an Adam schedule's default gives way to ``"sgd"``; ``amsgrad=True``
+        set with SGD is still refused). ``bnpfed pfnm`` / ``bnpfed fuse`` and the Flower run config both resolve
+        an unset ``amsgrad`` here."""
+        return self.amsgrad and optimizer == "adam"
+
     def check_inputs(self, input_shape: Sequence[int]) -> None:
         """Raises unless the settings apply to inputs of ``input_shape`` (one example's shape): ``augment``'s
         crops need images ``(C, H, W)``."""

@@ -439,9 +439,9 @@ def parse_run_config(config: Mapping[str, Any]) -> FlowerSettings:
     for name in ("partition", "network", "training", "bayesian", "pfnm", "fusion", "secure"):
         base = _METHOD_DEFAULTS[run.method].get(name)
         values = _config_values(config, name, auto=True)
-        if name == "training" and "amsgrad" not in values and values.get(
-                "optimizer", (base or TrainingConfig()).optimizer) == "sgd":
-            values["amsgrad"] = False   # the method's Adam default gives way to SGD; amsgrad = true given does not
+        if name == "training" and "amsgrad" not in values:   # left to the method: its Adam default gives way to SGD
+            schedule = base or TrainingConfig()
+            values["amsgrad"] = schedule.amsgrad_for(values.get("optimizer", schedule.optimizer))
         built[name] = _build(CONFIGS[name], values, base)
     if built["pfnm"].layerwise_retrain:
         raise ValueError(f"layerwise-retrain: expected 0 on Flower (FedMA's layer-wise scheme runs in process: "

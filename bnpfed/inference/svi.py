@@ -44,13 +44,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from bnpfed.inference.augment import augmenter, check_augment
 from bnpfed.inference.elbo import MeanFieldELBO
 from bnpfed.inference.guides import MeanFieldGuide
 from bnpfed.models.bayesian import BayesianNetwork
 from bnpfed.models.likelihoods import Categorical, Likelihood
 from bnpfed.models.priors import Prior
 from bnpfed.posterior import GaussianPosterior
-from bnpfed.inference.augment import augmenter, check_augment
 from bnpfed.seeding import Stream, seeded, torch_generator
 from bnpfed.validation import (check_bool, check_choice, check_float, check_int, check_names, check_positive,
                                check_tensor)
@@ -443,8 +443,8 @@ def _train(
             total = 0.0
             for step, start in enumerate(range(0, n, batch_size), 1):
                 batch = order[start : start + batch_size]
+                xb = x[batch] if transform is None else transform(x[batch], draws)
                 try:
-                    xb = x[batch] if transform is None else transform(x[batch], draws)
                     loss = loss_fn(xb, y[batch])
                 except ValueError as error:
                     # after a step of training, a NaN parameter, or a distribution refusing its parameters (Pyro's
