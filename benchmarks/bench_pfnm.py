@@ -32,6 +32,9 @@ Parts (each writes JSON lines to ``--out`` and can be resumed: finished configur
 * ``shrink``: PFNM with communication (``--rounds``, ``--arch``, ``--partitions``) held to the ensemble's size from
   round 2 on (``max_params="ensemble", limit_from_round=2``) against the model's own size in every round (the
   default), on the same local models, with the global parameters of every round;
+* ``pooled``: one-shot PFNM and the same match with the clients' own output layers pooled log-linearly with
+  class-share weights (``pfnm-pooled``), beside the local models and the ensemble (``--arch``, ``--dataset``,
+  ``--partitions``);
 * ``cnn-timing``: LeNet's groups matched for J = 25 (IID, seed 0): seconds per group, best of 3, empirical Bayes
   and fixed hyper-parameters;
 * ``deep``: 784-100-100-10, top-down against bottom-up under both sets of constants (J = 10, homogeneous, seed 0);
@@ -46,6 +49,7 @@ import json
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -495,6 +499,22 @@ def part_compress(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=(
         _emit(out, key, dict(dataset=name, arch=arch, J=J, partition=partition, seed=seed, rows=rows))
 
 
+def part_pooled(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("iid", "dirichlet"),
+                arch: str = "lenet") -> None:
+    """PFNM's output rule under label skew: one-shot PFNM (bnpfed's defaults) and the same match with the clients'
+    own output layers pooled log-linearly (``pfnm-pooled``, :mod:`bnpfed.inference.pooled_heads`), beside the local
+    models and the ensemble, on the same local models."""
+    for key, J, partition, seed in _settings(out, f"pooled/{name}/{arch}", Js, partitions, seeds):
+        configs = _configs(J, partition, seed, methods=("local", "ensemble", "pfnm", "pfnm-pooled"))
+        configs["network"] = replace(PFNM_NETWORK, arch=arch)
+        configs["pfnm"] = PFNMConfig()
+        if name == "cifar10":
+            configs["training"] = CIFAR_TRAINING
+        result = run_experiment(ds, **configs)
+        rows = {r.method: dict(_row(r), parameters=r.parameters, nll=r.nll, ece=r.ece) for r in result.rows}
+        _emit(out, key, dict(dataset=name, arch=arch, J=J, partition=partition, seed=seed, rows=rows))
+
+
 def part_shrink(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("iid", "dirichlet"),
                 arch: str = "lenet", rounds: int = 6) -> None:
     """More rounds shrink the global network (PFNM's promise): ``rounds`` rounds of PFNM held to the ensemble's size
@@ -569,19 +589,29 @@ def plot_shrink(out: Path, png: Path) -> None:
     plt.close(fig)
 
 
+#: The size part's row sets: every row, or the FedMA target's (the local models, the ensemble, PFNM at its own size,
+#: FedMA at the ensemble's size and at half of it).
+SIZE_ROWS = ("all", "fedma")
+
+
 def part_size(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("iid", "dirichlet"),
-              arch: str = "lenet", fedma_epochs: int = 2) -> None:
+              arch: str = "lenet", fedma_epochs: Optional[int] = None, row_set: str = "all") -> None:
     """The accuracy-parameters plane (issue 16): one-shot PFNM with bnpfed's defaults and then with a size asked
     for (``max_width`` for an MLP, ``max_params`` for a CNN: fractions of the model's own size and the ensemble's),
-    and for a CNN FedMA's layer-wise scheme (``fedma_epochs`` a group, 2 by default) without a limit, at the
-    ensemble's size and at half of it, all on the same local models, beside the local models and the ensemble.
-    CIFAR-10 clients train with the cifar part's schedule (:data:`CIFAR_TRAINING`)."""
-    tag = "" if fedma_epochs == 2 else f"/fedma-epochs={fedma_epochs}"
+    and for a CNN FedMA's layer-wise scheme (``fedma_epochs`` a group; None: the library's default,
+    :func:`~bnpfed.federated.methods.fedma_epochs`, a later round's local epochs: 5 under the reference training)
+    without a limit, at the ensemble's size and at half of it, all on the same local models, beside the local models
+    and the ensemble. ``row_set="fedma"`` leaves out PFNM's limits and FedMA without one. CIFAR-10 clients train with
+    the cifar part's schedule (:data:`CIFAR_TRAINING`)."""
+    if row_set not in SIZE_ROWS:
+        raise ValueError(f"row_set: expected one of {SIZE_ROWS}, got {row_set!r}")
+    training = CIFAR_TRAINING if name == "cifar10" else PFNM_TRAINING
+    epochs = training.schedule(2).epochs if fedma_epochs is None else fedma_epochs
+    tag = "" if epochs == 2 else f"/fedma-epochs={epochs}"   # the keys of the files written with 2 before
     for key, J, partition, seed in _settings(out, f"size/{name}/{arch}{tag}", Js, partitions, seeds):
         configs = _configs(J, partition, seed, methods=("local", "ensemble", "pfnm"))
         configs["network"] = replace(PFNM_NETWORK, arch=arch)
-        if name == "cifar10":
-            configs["training"] = CIFAR_TRAINING
+        configs["training"] = training
         configs["pfnm"] = PFNMConfig()
         experiment = Experiment(ds, **configs)
         rows = {}
@@ -591,7 +621,9 @@ def part_size(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("iid
         nets, counts = experiment.local_models(), experiment.class_counts
         ensemble = rows["ensemble"]["parameters"]
         own_params, own_width = rows["pfnm"]["parameters"], rows["pfnm"]["hidden"]
-        if arch == "mlp":
+        if row_set == "fedma":
+            limits = []
+        elif arch == "mlp":
             limits = [("max_width", int(f * own_width[0])) for f in (0.9, 0.8, 0.7)]
         else:
             limits = [("max_params", int(f * own_params)) for f in (0.8, 0.6, 0.4)]
@@ -610,12 +642,12 @@ def part_size(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("iid
                 accuracy=_accuracy(net, ds), hidden=match.hidden_sizes, parameters=count_parameters(net),
                 seconds=time.perf_counter() - t0, strength=search.strength, matches=len(search.trace),
                 limit=ensemble if limit == "ensemble" else limit)
-        if arch != "mlp":   # FedMA layer-wise (2 epochs a group), one round, from the same local models
-            for limit in (None, "ensemble", ensemble // 2):
+        if arch != "mlp":   # FedMA layer-wise, one round, from the same local models
+            for limit in ((None,) if row_set == "all" else ()) + ("ensemble", ensemble // 2):
                 t0 = time.perf_counter()
                 fed = PFNMFederation(experiment.dataset, experiment.parts, network=experiment.network,
                                      training=experiment.training,
-                                     pfnm=PFNMConfig(layerwise_retrain=fedma_epochs, max_params=limit), seed=seed,
+                                     pfnm=PFNMConfig(layerwise_retrain=epochs, max_params=limit), seed=seed,
                                      initial_models=nets)
                 fed.run_round()
                 net = fed.match.network()
@@ -623,7 +655,7 @@ def part_size(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("iid
                     accuracy=_accuracy(net, ds), hidden=fed.match.hidden_sizes,
                     parameters=count_parameters(net), seconds=time.perf_counter() - t0,
                     limit=None if limit is None else ensemble if limit == "ensemble" else limit)
-        _emit(out, key, dict(dataset=name, arch=arch, J=J, partition=partition, seed=seed, fedma_epochs=fedma_epochs,
+        _emit(out, key, dict(dataset=name, arch=arch, J=J, partition=partition, seed=seed, fedma_epochs=epochs,
                              rows=rows))
 
 
@@ -650,7 +682,7 @@ def part_operating(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=
 
 
 PARTS = {"reference": part_reference, "compress": part_compress, "size": part_size, "cnn": part_cnn,
-         "shrink": part_shrink,
+         "shrink": part_shrink, "pooled": part_pooled,
          "operating": part_operating,
          "cifar": part_cifar, "niid": part_niid,
          "cnn-timing": part_cnn_timing,
@@ -674,7 +706,12 @@ def main(argv=None):
                    help="the cnn part's network (mlp: the size part's MLP)")
     p.add_argument("--rounds", type=int, default=3, help="communication rounds of the cnn and shrink parts")
     p.add_argument("--partitions", default="iid,dirichlet", help="partitions of the cnn part")
-    p.add_argument("--fedma-epochs", type=int, default=2, help="the size part's FedMA: retraining epochs a group")
+    p.add_argument("--fedma-epochs", type=int, default=None,
+                   help="the size part's FedMA: retraining epochs a group (default: the library's, a later round's "
+                        "local epochs: 5 under the reference training)")
+    p.add_argument("--size-rows", choices=SIZE_ROWS, default="all",
+                   help="the size part's rows: all, or fedma (the local models, the ensemble, PFNM at its own size, "
+                        "FedMA at the ensemble's size and at half of it)")
     p.add_argument("--plot-niid", metavar="PNG", help="draw the niid lines of --out (comma-separated files) into "
                    "PNG and exit")
     p.add_argument("--augment", choices=AUGMENTATIONS, default="none",
@@ -723,12 +760,15 @@ def main(argv=None):
         elif part == "operating":
             part_operating(ds, out, seeds, Js, name=args.dataset, partitions=tuple(args.partitions.split(",")),
                            arch=args.arch)
+        elif part == "pooled":
+            part_pooled(ds, out, seeds, Js, name=args.dataset, partitions=tuple(args.partitions.split(",")),
+                        arch=args.arch)
         elif part == "shrink":
             part_shrink(ds, out, seeds, Js, name=args.dataset, partitions=tuple(args.partitions.split(",")),
                         arch=args.arch, rounds=args.rounds)
         elif part == "size":
             part_size(ds, out, seeds, Js, name=args.dataset, partitions=tuple(args.partitions.split(",")),
-                      arch=args.arch, fedma_epochs=args.fedma_epochs)
+                      arch=args.arch, fedma_epochs=args.fedma_epochs, row_set=args.size_rows)
         elif part == "cnn-timing":
             part_cnn_timing(ds, out, name=args.dataset)
         else:

@@ -19,6 +19,9 @@ match):
   shared initialisation);
 * ``kmeans``: k-means over the pooled units of every group (layer, conv channels), at PFNM's global widths;
 * ``pfnm``: PFNM in one communication round, hyper-parameters chosen by ``select``;
+* ``pfnm-pooled``: the same match, its global network's output layer replaced by the clients' own output layers
+  pooled log-linearly with class-share weights (:mod:`bnpfed.inference.pooled_heads`: what PFNM's averaged output
+  layer loses under label skew; the same predictions as ``pfnm`` when every class's shares are equal);
 * ``pfnm-rounds``: PFNM with ``rounds`` communication rounds;
 * ``fedma``: FedMA's layer-wise scheme in one round (Wang et al., ICLR 2020): match a layer, freeze it, let the
   clients retrain the layers above for ``pfnm.layerwise_retrain`` epochs (the schedule's epochs of a later round
@@ -83,6 +86,7 @@ from bnpfed.inference.batch_norm import batch_norm_order
 from bnpfed.inference.kl_fusion import kl_fusion
 from bnpfed.inference.permutation import SpecMatch, derive_spec
 from bnpfed.inference.posterior_matching import matched_rules
+from bnpfed.inference.pooled_heads import pooled_network
 from bnpfed.metrics import (classification_report, count_parameters, ece_noise_floor, expected_calibration_error,
                             ood_auroc)
 from bnpfed.report import plural
@@ -594,6 +598,17 @@ def _pfnm(experiment: Experiment) -> MethodResult:
                                      note=f"one shot; {how}{limits}")
 
 
+def _pfnm_pooled(experiment: Experiment) -> MethodResult:
+    match = experiment.selection().match
+    net = pooled_network(match, experiment.local_models())
+    experiment.keep("pfnm-pooled", net, match)
+    return MethodResult.from_metrics("pfnm-pooled", experiment.evaluate_network(net), hidden=match.hidden_sizes,
+                                     parameters=count_parameters(net), server_seconds=match.seconds,
+                                     hyperparameters=match_hyperparameters(match),
+                                     note="one shot; pfnm's global body, the clients' own output layers pooled "
+                                          "log-linearly with class-share weights")
+
+
 def _pfnm_federation(experiment: Experiment, layerwise_retrain: int) -> PFNMFederation:
     config = replace(experiment.selection().config, layerwise_retrain=layerwise_retrain)
     return PFNMFederation(experiment.dataset, experiment.parts, network=experiment.network,
@@ -736,7 +751,8 @@ def _kl_fusion(experiment: Experiment) -> MethodResult:
 
 for _name, _fn in (("local", _local), ("ensemble", _ensemble), ("ensemble-bayesian", _bayesian_ensemble),
                    ("fedavg-oneshot", _fedavg_oneshot),
-                   ("fedavg", _fedavg), ("kmeans", _kmeans), ("pfnm", _pfnm), ("pfnm-rounds", _pfnm_rounds),
+                   ("fedavg", _fedavg), ("kmeans", _kmeans), ("pfnm", _pfnm), ("pfnm-pooled", _pfnm_pooled),
+                   ("pfnm-rounds", _pfnm_rounds),
                    ("fedma", lambda e: _fedma(e, 1, "fedma")),
                    *((m, functools.partial(_aligned, method=m)) for m in ALIGNMENT_METHODS),
                    ("kl-fusion", _kl_fusion),

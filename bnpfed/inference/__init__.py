@@ -13,7 +13,8 @@ estimates alternated, from one start or two), :mod:`~bnpfed.inference.layer_inpu
 :mod:`~bnpfed.inference.fedma` (one group at a time), :mod:`~bnpfed.inference.posterior_matching` (the driver with a
 fusing step), :mod:`~bnpfed.inference.batch_norm`, :mod:`~bnpfed.inference.activity` (the units a client reports
 inactive on its data, left out of matching), :mod:`~bnpfed.inference.size` (a width or parameter count asked for,
-met through the IBP mass); :mod:`~bnpfed.inference.permutation` is the public face of the spec
+met through the IBP mass), :mod:`~bnpfed.inference.pooled_heads` (the clients' own output layers on the global
+body, pooled log-linearly); :mod:`~bnpfed.inference.permutation` is the public face of the spec
 floor. The clients: :mod:`~bnpfed.inference.svi` (variational, by SVI; deterministic), :mod:`~bnpfed.inference.laplace`
 (a trained network's diagonal Laplace posterior), :mod:`~bnpfed.inference.augment` (random crops and flips of their
 training images)."""
@@ -42,6 +43,7 @@ from bnpfed.inference.permutation import (
 
 from bnpfed.inference.activity import drop_units, inactive_units, kept_units, unit_activity
 from bnpfed.inference.size import SizeSearch, parameter_count
+from bnpfed.inference.pooled_heads import PooledHeads, client_heads, pool_log_probabilities, pooled_network
 from bnpfed.inference.augment import AUGMENTATIONS, random_crop_flip
 from bnpfed.inference.guides import MeanFieldGuide
 from bnpfed.inference.elbo import MeanFieldELBO
@@ -79,6 +81,10 @@ __all__ = [
     "unit_activity",
     "SizeSearch",
     "parameter_count",
+    "PooledHeads",
+    "client_heads",
+    "pool_log_probabilities",
+    "pooled_network",
     "AUGMENTATIONS",
     "random_crop_flip",
     "MeanFieldGuide",

@@ -76,6 +76,9 @@ def unit_activity(net: nn.Module, inputs: Tensor, spec: PermutationSpec, *, batc
                          f"{type(inputs).__name__}{'' if not isinstance(inputs, Tensor) else tuple(inputs.shape)}")
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"batch_size: expected an int >= 1, got {batch_size!r}")
+    if not isinstance(spec, PermutationSpec):
+        raise ValueError(f"spec: expected the network's PermutationSpec (derive_spec(net, input_shape)), got "
+                         f"{type(spec).__name__} {spec!r}"[:200])
     consumers = _consumers(net, spec)
     state = net.state_dict()
     sizes = {g.name: width(state, g, "net") for g in spec.groups}
