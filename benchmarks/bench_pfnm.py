@@ -601,7 +601,8 @@ def part_size(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("iid
     and for a CNN FedMA's layer-wise scheme (``fedma_epochs`` a group; None: the library's default,
     :func:`~bnpfed.federated.methods.fedma_epochs`, a later round's local epochs: 5 under the reference training)
     without a limit, at the ensemble's size and at half of it, all on the same local models, beside the local models
-    and the ensemble. ``row_set="fedma"`` leaves out PFNM's limits and FedMA without one. CIFAR-10 clients train with
+    and the ensemble; PFNM and every FedMA network also with the clients' own output layers pooled (``pfnm-pooled``,
+    ``fedma-pooled``). ``row_set="fedma"`` leaves out PFNM's limits and FedMA without one. CIFAR-10 clients train with
     the cifar part's schedule (:data:`CIFAR_TRAINING`)."""
     if row_set not in SIZE_ROWS:
         raise ValueError(f"row_set: expected one of {SIZE_ROWS}, got {row_set!r}")
@@ -609,13 +610,13 @@ def part_size(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("iid
     epochs = training.schedule(2).epochs if fedma_epochs is None else fedma_epochs
     tag = "" if epochs == 2 else f"/fedma-epochs={epochs}"   # the keys of the files written with 2 before
     for key, J, partition, seed in _settings(out, f"size/{name}/{arch}{tag}", Js, partitions, seeds):
-        configs = _configs(J, partition, seed, methods=("local", "ensemble", "pfnm"))
+        configs = _configs(J, partition, seed, methods=("local", "ensemble", "pfnm", "pfnm-pooled"))
         configs["network"] = replace(PFNM_NETWORK, arch=arch)
         configs["training"] = training
         configs["pfnm"] = PFNMConfig()
         experiment = Experiment(ds, **configs)
         rows = {}
-        for method in ("local", "ensemble", "pfnm"):
+        for method in ("local", "ensemble", "pfnm", "pfnm-pooled"):
             for r in run_method(experiment, method):
                 rows[r.method] = dict(_row(r), parameters=r.parameters)
         nets, counts = experiment.local_models(), experiment.class_counts
@@ -651,10 +652,14 @@ def part_size(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("iid
                                      initial_models=nets)
                 fed.run_round()
                 net = fed.match.network()
-                rows["fedma" if limit is None else f"fedma max_params={limit}"] = dict(
+                label = "" if limit is None else f" max_params={limit}"
+                rows["fedma" + label] = dict(
                     accuracy=_accuracy(net, ds), hidden=fed.match.hidden_sizes,
                     parameters=count_parameters(net), seconds=time.perf_counter() - t0,
                     limit=None if limit is None else ensemble if limit == "ensemble" else limit)
+                pooled = fed.pooled_network()   # the same body, the clients' own output layers pooled
+                rows["fedma-pooled" + label] = dict(accuracy=_accuracy(pooled, ds), hidden=fed.match.hidden_sizes,
+                                                    parameters=count_parameters(pooled))
         _emit(out, key, dict(dataset=name, arch=arch, J=J, partition=partition, seed=seed, fedma_epochs=epochs,
                              rows=rows))
 

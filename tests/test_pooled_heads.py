@@ -204,3 +204,55 @@ def test_pfnm_pooled_method_row_beside_pfnm():
     # J output layers instead of one
     assert pooled.parameters == pfnm.parameters + (J - 1) * C * (L + 1)
     assert 0.0 <= pooled.accuracy <= 1.0 and "pooled" in pooled.note
+
+
+def _body_features(net, x, layer):
+    seen = {}
+
+    def hook(module, inputs, output):   # returns None: the layer's output stays as it is
+        seen["h"] = inputs[0]
+
+    handle = dict(net.named_modules())[layer].register_forward_hook(hook)
+    with torch.no_grad():
+        logits = net(x)
+    handle.remove()
+    return seen["h"].double(), logits.double()
+
+
+@pytest.mark.parametrize("layerwise", [0, 1])
+def test_federation_heads_are_the_states_its_output_layer_was_averaged_from(layerwise):
+    # the averaged output layer is sum_j omega_jk (W_j h + b_j): the heads' class-share average must give the
+    # global network's logits, so the heads are the very output layers the last match averaged (FedMA: as the
+    # clients retrained them before the last group)
+    from bnpfed.federated.config import PFNMConfig
+    from bnpfed.federated.partition import partition_dirichlet
+    from bnpfed.federated.pfnm import PFNMFederation
+    ds = load_dataset("digits", standardize=False)
+    parts = partition_dirichlet(ds.y_train.numpy(), 3, alpha=0.5, seed=0)
+    fed = PFNMFederation(ds, parts, network=NetworkConfig(hidden=(16, 12)), training=TrainingConfig(epochs=2),
+                         pfnm=PFNMConfig(layerwise_retrain=layerwise), seed=0)
+    with pytest.raises(ValueError, match="no round has run yet"):
+        fed.pooled_network()
+    fed.run_round()
+    match = fed.match
+    W, b = client_heads(match, fed.matched_states)
+    net = match.network().eval()
+    out_layer = match.spec.params_of_kind("output_weight")[0].rpartition(".")[0]
+    h, logits = _body_features(net, ds.x_test[:40], out_layer)
+    omega = torch.as_tensor(match.class_shares, dtype=torch.float64)
+    averaged = (omega[:, None, :] * (torch.einsum("nl,jcl->jnc", h, W) + b[:, None])).sum(0)
+    torch.testing.assert_close(averaged, logits, rtol=0, atol=1e-4)
+    pooled = fed.pooled_network()
+    assert isinstance(dict(pooled.named_modules())[out_layer], PooledHeads)
+
+
+def test_fedma_pooled_row_has_fedmas_body():
+    ds = load_dataset("digits", standardize=False)
+    from bnpfed.federated.config import PFNMConfig
+    result = run_experiment(ds, partition=PartitionConfig(clients=3, partition="dirichlet"),
+                            network=NetworkConfig(hidden=(16,)), training=TrainingConfig(epochs=2),
+                            pfnm=PFNMConfig(layerwise_retrain=1),
+                            config=ExperimentConfig(methods=("fedma", "fedma-pooled"), seed=0))
+    fedma, pooled = result.rows
+    assert pooled.method == "fedma-pooled" and pooled.hidden == fedma.hidden
+    assert pooled.parameters == fedma.parameters + 2 * 10 * (fedma.hidden[0] + 1)

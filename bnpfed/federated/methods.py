@@ -26,6 +26,8 @@ match):
 * ``fedma``: FedMA's layer-wise scheme in one round (Wang et al., ICLR 2020): match a layer, freeze it, let the
   clients retrain the layers above for ``pfnm.layerwise_retrain`` epochs (the schedule's epochs of a later round
   when 0), match the next layer, ...;
+* ``fedma-pooled``: ``fedma`` with the clients' own output layers (as they retrained them before the last group was
+  matched) pooled log-linearly with class-share weights, as ``pfnm-pooled``;
 * ``fedma-rounds``: FedMA with ``rounds`` communication rounds (each client starting a round from its slice);
 * each fusion rule (``eaa``, ``gaa``, ``log_variance``, ``pooling``, ``conflation``): variational Bayesian clients
   whose posteriors the server fuses with that rule weight by weight, ``rounds`` rounds (from one shared
@@ -641,6 +643,21 @@ def _fedma(experiment: Experiment, rounds: int, name: str) -> MethodResult:
     return row
 
 
+def _fedma_pooled(experiment: Experiment) -> MethodResult:
+    epochs = fedma_epochs(experiment)
+    federation = _pfnm_federation(experiment, epochs)
+    federation.method = "fedma-pooled"
+    experiment.federation_row(federation, 1)
+    net = federation.pooled_network()
+    experiment.keep("fedma-pooled", net, federation.match)
+    return MethodResult.from_metrics(
+        "fedma-pooled", experiment.evaluate_network(net), hidden=federation.match.hidden_sizes,
+        parameters=count_parameters(net), server_seconds=federation.match.seconds, rounds=1,
+        hyperparameters=match_hyperparameters(federation.match),
+        note=f"layer-wise, {epochs} retraining epoch(s) a layer; the clients' own output layers pooled "
+             "log-linearly with class-share weights")
+
+
 #: The alignment baselines (:func:`~bnpfed.federated.baselines.aligned_average`) and their papers.
 ALIGNMENT_METHODS = {"weight-matching": "Git Re-Basin weight matching (Ainsworth et al. 2023)",
                      "ot-fusion": "OT fusion, exact plan (Singh & Jaggi 2020)",
@@ -753,7 +770,7 @@ for _name, _fn in (("local", _local), ("ensemble", _ensemble), ("ensemble-bayesi
                    ("fedavg-oneshot", _fedavg_oneshot),
                    ("fedavg", _fedavg), ("kmeans", _kmeans), ("pfnm", _pfnm), ("pfnm-pooled", _pfnm_pooled),
                    ("pfnm-rounds", _pfnm_rounds),
-                   ("fedma", lambda e: _fedma(e, 1, "fedma")),
+                   ("fedma", lambda e: _fedma(e, 1, "fedma")), ("fedma-pooled", _fedma_pooled),
                    *((m, functools.partial(_aligned, method=m)) for m in ALIGNMENT_METHODS),
                    ("kl-fusion", _kl_fusion),
                    ("fedma-rounds", lambda e: _fedma(e, e.config.rounds, "fedma-rounds"))):

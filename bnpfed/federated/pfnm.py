@@ -59,6 +59,8 @@ from bnpfed.federated.rounds import Architecture, HoldsRounds, MatchRounds
 from bnpfed.federated.server import (drop_inactive, ensemble_parameters, fedma_group_step, fedma_width_limits,
                                      matched_parameters, pfnm_step, with_statistics)
 from bnpfed.inference.permutation import SpecMatch, align_to_group
+from bnpfed.inference.matching import averaging_weights
+from bnpfed.inference.pooled_heads import pooled_network
 from bnpfed.metrics import count_parameters
 
 __all__ = ["PFNMFederation"]
@@ -107,6 +109,7 @@ class PFNMFederation(HoldsRounds, Federation):
                                          dataset.num_classes)
         self.architecture = Architecture.of(network, dataset.input_shape, dataset.num_classes, seed=seed)
         self.rounds = MatchRounds(self.architecture)
+        self.matched_states: Optional[list] = None   # the sampled clients' states the last round matched
 
     def _statistics(self, sampled: Sequence[int], layers: Sequence[str], states: Sequence[dict]) -> dict:
         """The batch-norm statistics of ``layers`` re-estimated from the sampled clients' data, each client's network
@@ -141,6 +144,7 @@ class PFNMFederation(HoldsRounds, Federation):
                 states, starts = drop_inactive(states, self.spec, activity, starts)
             match, seconds = self._layerwise(round, sampled, states, starts, ensemble)
         else:
+            self.matched_states = states
             t0 = time.perf_counter()
             match = pfnm_step(states, self.class_counts[sampled], self.pfnm, seed=self.seed, round=round,
                               starts=starts, spec=self.spec, template=self.template, activity=activity)
@@ -164,6 +168,8 @@ class PFNMFederation(HoldsRounds, Federation):
             t0 = time.perf_counter()
             config = fedma_width_limits(self.pfnm, spec, self.template, states, ensemble,
                                         matched={g: m.size for g, m in matches.items()})
+            if group == spec.owner(spec.params_of_kind("output_weight")[0]):
+                self.matched_states = states   # the output layers as the clients retrained them last
             match = fedma_group_step(states, counts, config, spec=spec, group=group, seed=self.seed,
                                      round=round, starts=starts, best_effort=self.pfnm.best_effort_budget)
             states = [align_to_group(s, spec, match, k) for k, s in enumerate(states)]
@@ -184,9 +190,18 @@ class PFNMFederation(HoldsRounds, Federation):
         return SpecMatch(spec=spec, state=states[0], assignments={g: m.assignments for g, m in matches.items()},
                          layer_results={g: m.result for g, m in matches.items()}, template=self.template,
                          seconds=seconds, hyperparameters={g: m.hyperparameters for g, m in matches.items()},
+                         class_shares=averaging_weights(torch.as_tensor(counts, dtype=torch.float64)),
                          output_bias_mu0=last.output_bias_mu0,
                          size_searches={g: m.size_search for g, m in matches.items() if m.size_search is not None}
                          ), seconds
+
+    def pooled_network(self) -> nn.Module:
+        """The last round's global network with the matched clients' own output layers in place of its averaged
+        one, pooled log-linearly with class-share weights (:func:`~bnpfed.inference.pooled_network`; under FedMA's
+        layer-wise scheme the output layers as the clients retrained them before the last group was matched)."""
+        if self.match is None:
+            raise ValueError("no round has run yet: the federation has no global network")
+        return pooled_network(self.match, self.matched_states)
 
     @torch.no_grad()
     def predict_proba(self, x: Tensor) -> Tensor:
