@@ -18,11 +18,12 @@ matched to (``h_S_j(x)``, the members' averages), and pools the clients' *log-pr
 a logarithmic opinion pool (Genest & Zidek 1986) with the class shares as weights. Each client's term is at most 0,
 so a client can only lower a class it knows about, never raise one by the scale of its logits. When every class's
 shares are equal (``omega_jk = 1/J``) the pool is the averaged logits up to a term common to the classes, so it
-predicts exactly what PFNM's global network predicts (tested); only under unequal shares do they differ. A class no
-client holds gets equal weights ``1/J`` (the clients' log-probabilities of a class none of them saw), not 0, which
-would put it above every held class. The cost: J output layers over the last hidden group instead of one
-(``J * C * (L + 1)`` parameters; LeNet's 552 global fc2 units, J = 10: 55,720 beside 2.3 M), one forward pass
-through the shared body.
+predicts exactly what PFNM's global network predicts when that network's weights are the members' average (the
+empirical-Bayes default; tested); only under unequal shares do they differ. A class no client holds gets equal
+weights ``1/J`` (the clients' log-probabilities of a class none of them saw), not 0, which would put it above every
+held class. The cost: J output layers over the last hidden group instead of one (``J * C * (L + 1)`` parameters;
+LeNet's 552 global fc2 units, J = 10: 55,300, 49,770 more than one layer, beside 2.6 M), one forward pass through
+the shared body.
 
 :func:`client_heads` is the pure function (the J output layers in the global units' columns),
 :class:`PooledHeads` the layer, :func:`pooled_network` the global network with it in place of the output layer.
