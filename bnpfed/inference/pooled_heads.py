@@ -158,7 +158,9 @@ def pooled_network(match, client_states: Sequence[Mapping[str, Tensor]]) -> nn.M
     """The global network of ``match`` (:meth:`SpecMatch.network`) with its output layer replaced by the clients'
     own output layers, pooled (:class:`PooledHeads`, weights :func:`pooling_weights` of ``match.class_shares``).
 
-    :param match: a :class:`~bnpfed.inference.SpecMatch` with a template network and class shares.
+    :param match: a :class:`~bnpfed.inference.SpecMatch` with a template network and class shares (a
+        :class:`~bnpfed.inference.posterior_matching.PosteriorMatch` too: its posterior-mean body, the clients'
+        posterior-mean networks as ``client_states``; measured as a prototype only, benchmarks/README.md).
     :param client_states: the clients' networks or ``state_dict`` s that were matched, in the match's order.
     """
     name, _, _, _ = _output_layer(match)
