@@ -8,8 +8,10 @@ import torch
 from torch import nn
 
 from bnpfed.data import load_dataset
-from bnpfed.federated.config import NetworkConfig, PartitionConfig, TrainingConfig
+from bnpfed.federated.config import NetworkConfig, PartitionConfig, PFNMConfig, TrainingConfig
 from bnpfed.federated.methods import ExperimentConfig, run_experiment
+from bnpfed.federated.partition import partition_dirichlet
+from bnpfed.federated.pfnm import PFNMFederation
 from bnpfed.inference import (PooledHeads, client_heads, derive_spec, match_by_spec, pool_log_probabilities, pooled_network,
                               unit_activity)
 from bnpfed.inference.pooled_heads import pooling_weights
@@ -224,9 +226,6 @@ def test_federation_heads_are_the_states_its_output_layer_was_averaged_from(laye
     # the averaged output layer is sum_j omega_jk (W_j h + b_j): the heads' class-share average must give the
     # global network's logits, so the heads are the very output layers the last match averaged (FedMA: as the
     # clients retrained them before the last group)
-    from bnpfed.federated.config import PFNMConfig
-    from bnpfed.federated.partition import partition_dirichlet
-    from bnpfed.federated.pfnm import PFNMFederation
     ds = load_dataset("digits", standardize=False)
     parts = partition_dirichlet(ds.y_train.numpy(), 3, alpha=0.5, seed=0)
     fed = PFNMFederation(ds, parts, network=NetworkConfig(hidden=(16, 12)), training=TrainingConfig(epochs=2),
@@ -248,7 +247,6 @@ def test_federation_heads_are_the_states_its_output_layer_was_averaged_from(laye
 
 def test_fedma_pooled_row_has_fedmas_body():
     ds = load_dataset("digits", standardize=False)
-    from bnpfed.federated.config import PFNMConfig
     result = run_experiment(ds, partition=PartitionConfig(clients=3, partition="dirichlet"),
                             network=NetworkConfig(hidden=(16,)), training=TrainingConfig(epochs=2),
                             pfnm=PFNMConfig(layerwise_retrain=1),

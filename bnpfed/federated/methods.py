@@ -600,15 +600,23 @@ def _pfnm(experiment: Experiment) -> MethodResult:
                                      note=f"one shot; {how}{limits}")
 
 
+_POOLED_NOTE = "the clients' own output layers pooled log-linearly with class-share weights"
+
+
+def _pooled_row(experiment: Experiment, name: str, net: nn.Module, match: SpecMatch, note: str,
+                **extra) -> MethodResult:
+    """The row of ``net``, ``match``'s global body with the clients' own output layers pooled
+    (:mod:`bnpfed.inference.pooled_heads`), kept under ``name``."""
+    experiment.keep(name, net, match)
+    return MethodResult.from_metrics(name, experiment.evaluate_network(net), hidden=match.hidden_sizes,
+                                     parameters=count_parameters(net), server_seconds=match.seconds,
+                                     hyperparameters=match_hyperparameters(match), note=note, **extra)
+
+
 def _pfnm_pooled(experiment: Experiment) -> MethodResult:
     match = experiment.selection().match
-    net = pooled_network(match, experiment.local_models())
-    experiment.keep("pfnm-pooled", net, match)
-    return MethodResult.from_metrics("pfnm-pooled", experiment.evaluate_network(net), hidden=match.hidden_sizes,
-                                     parameters=count_parameters(net), server_seconds=match.seconds,
-                                     hyperparameters=match_hyperparameters(match),
-                                     note="one shot; pfnm's global body, the clients' own output layers pooled "
-                                          "log-linearly with class-share weights")
+    return _pooled_row(experiment, "pfnm-pooled", pooled_network(match, experiment.local_models()), match,
+                       note=f"one shot; pfnm's global body, {_POOLED_NOTE}")
 
 
 def _pfnm_federation(experiment: Experiment, layerwise_retrain: int) -> PFNMFederation:
@@ -633,29 +641,26 @@ def fedma_epochs(experiment: Experiment) -> int:
     return experiment.pfnm.layerwise_retrain or experiment.training.schedule(2).epochs
 
 
-def _fedma(experiment: Experiment, rounds: int, name: str) -> MethodResult:
+def _fedma_federation(experiment: Experiment, rounds: int, name: str) -> tuple[PFNMFederation, MethodResult]:
+    """FedMA's federation run for ``rounds`` rounds under ``name``, and its row."""
     epochs = fedma_epochs(experiment)
     federation = _pfnm_federation(experiment, epochs)
     federation.method = name
     row = experiment.federation_row(federation, rounds, note=f"layer-wise, {epochs} retraining epoch(s) a layer")
     row.hyperparameters = match_hyperparameters(federation.match)
+    return federation, row
+
+
+def _fedma(experiment: Experiment, rounds: int, name: str) -> MethodResult:
+    federation, row = _fedma_federation(experiment, rounds, name)
     experiment.keep(name, federation.match.network(), federation.match)
     return row
 
 
 def _fedma_pooled(experiment: Experiment) -> MethodResult:
-    epochs = fedma_epochs(experiment)
-    federation = _pfnm_federation(experiment, epochs)
-    federation.method = "fedma-pooled"
-    experiment.federation_row(federation, 1)
-    net = federation.pooled_network()
-    experiment.keep("fedma-pooled", net, federation.match)
-    return MethodResult.from_metrics(
-        "fedma-pooled", experiment.evaluate_network(net), hidden=federation.match.hidden_sizes,
-        parameters=count_parameters(net), server_seconds=federation.match.seconds, rounds=1,
-        hyperparameters=match_hyperparameters(federation.match),
-        note=f"layer-wise, {epochs} retraining epoch(s) a layer; the clients' own output layers pooled "
-             "log-linearly with class-share weights")
+    federation, row = _fedma_federation(experiment, 1, "fedma-pooled")
+    return _pooled_row(experiment, "fedma-pooled", federation.pooled_network(), federation.match,
+                       note=f"{row.note}; {_POOLED_NOTE}", rounds=1)
 
 
 #: The alignment baselines (:func:`~bnpfed.federated.baselines.aligned_average`) and their papers.

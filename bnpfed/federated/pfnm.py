@@ -162,13 +162,14 @@ class PFNMFederation(HoldsRounds, Federation):
         :func:`~bnpfed.federated.server.fedma_width_limits`, ``ensemble`` the clients' parameters together), align
         every client to it, re-estimate its batch norm, retrain the layers above (see the module docstring)."""
         spec, names = self.spec, self.spec.group_names
+        output_group = spec.owner(spec.params_of_kind("output_weight")[0])
         counts = self.class_counts[sampled]
         matches, seconds = {}, 0.0
         for c, group in enumerate(names):
             t0 = time.perf_counter()
             config = fedma_width_limits(self.pfnm, spec, self.template, states, ensemble,
                                         matched={g: m.size for g, m in matches.items()})
-            if group == spec.owner(spec.params_of_kind("output_weight")[0]):
+            if group == output_group:
                 self.matched_states = states   # the output layers as the clients retrained them last
             match = fedma_group_step(states, counts, config, spec=spec, group=group, seed=self.seed,
                                      round=round, starts=starts, best_effort=self.pfnm.best_effort_budget)
@@ -186,7 +187,7 @@ class PFNMFederation(HoldsRounds, Federation):
                     self.architecture.network(s), *self.client_data[j], self.training, seed=self.seed,
                     round=round, client=j, epochs=self.pfnm.layerwise_retrain, frozen=frozen,
                     step=c + 1).state_dict().items()} for s, j in zip(states, sampled)]
-        last = matches[spec.owner(spec.params_of_kind("output_weight")[0])]
+        last = matches[output_group]
         return SpecMatch(spec=spec, state=states[0], assignments={g: m.assignments for g, m in matches.items()},
                          layer_results={g: m.result for g, m in matches.items()}, template=self.template,
                          seconds=seconds, hyperparameters={g: m.hyperparameters for g, m in matches.items()},
