@@ -54,7 +54,7 @@ from bnpfed.flower.client import app as client_app  # noqa: E402
 from bnpfed.flower.config import FlowerSettings, parse_run_config  # noqa: E402
 from bnpfed.flower.local import LocalGrid  # noqa: E402
 from bnpfed.flower.records import (from_array_record, matched_posterior_to_record, posterior_to_record,  # noqa: E402
-                                   state_to_record)
+                                   state_to_record, with_heads)
 from bnpfed.flower.server import FederationResult, run_federation  # noqa: E402
 from bnpfed.flower.strategies import (FedAvgStrategy, MatchedFusionStrategy, PFNMStrategy,  # noqa: E402
                                       PosteriorFusionStrategy)
@@ -73,9 +73,11 @@ DEPLOYMENT_TIMEOUT = 600
 # ------------------------------------------------------------------------------------------------ in process
 
 
-def matched_arrays(locs, variances) -> dict[str, np.ndarray]:
-    """Matched posterior fusion's ``(locs, variances)`` in the layout of :mod:`bnpfed.flower.records`."""
-    return from_array_record(matched_posterior_to_record(locs, variances))
+def matched_arrays(locs, variances, pooled=None) -> dict[str, np.ndarray]:
+    """Matched posterior fusion's ``(locs, variances)`` in the layout of :mod:`bnpfed.flower.records` (with the
+    heads of ``pooled``, a PooledPosterior, beside them when given)."""
+    record = matched_posterior_to_record(locs, variances)
+    return from_array_record(record if pooled is None else with_heads(record, pooled))
 
 
 def _metric(key: str) -> Callable[[RoundRecord], Any]:
@@ -125,7 +127,7 @@ METHODS: dict[type, Method] = {
                            lambda f: from_array_record(state_to_record(f.global_model.net.state_dict())),
                            {"weights": attrgetter("weights")}),
     MatchedFusionStrategy: Method(MatchedFusionFederation, _fusion_options,
-                                  lambda f: matched_arrays(f.match.locs, f.match.variances),
+                                  lambda f: matched_arrays(f.match.locs, f.match.variances, f.pooled),
                                   {"hidden": _metric("hidden"), "mean_sigma": _metric("mean_sigma")}),
 }
 

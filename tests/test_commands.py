@@ -414,6 +414,22 @@ def test_fuse_takes_the_atom_posterior_rule_with_align_match_only():
         fuse.prepare(parsed(["fuse", "--rule", "atom-posterior"]))
 
 
+def test_fuse_takes_pooled_heads_with_align_match_and_not_with_save_global(tmp_path):
+    plan = fuse.prepare(parsed(["fuse", "--align", "match", "--rule", "conflation", "--heads", "both",
+                                "--rounds", "1"]))
+    methods = plan["config"].methods
+    assert methods.index("pfnm-pooled") == methods.index("pfnm") + 1
+    assert methods[-2:] == ("match-conflation", "match-conflation-pooled")
+    pooled = fuse.prepare(parsed(["fuse", "--align", "match", "--rule", "eaa", "--heads", "pooled"]))
+    assert "match-eaa-pooled" in pooled["config"].methods and "match-eaa" not in pooled["config"].methods
+    rounds = fuse.prepare(parsed(["fuse", "--align", "match", "--rule", "eaa", "--heads", "pooled", "--rounds", "2"]))
+    assert "pfnm-rounds" in rounds["config"].methods and "pfnm-pooled" not in rounds["config"].methods
+    with pytest.raises(Exception, match="--heads: expected only with --align match"):
+        fuse.prepare(parsed(["fuse", "--heads", "pooled"]))
+    with pytest.raises(Exception, match="--heads both: a global network with the clients' pooled posterior heads"):
+        fuse.prepare(parsed(["fuse", "--align", "match", "--heads", "both", "--save-global", str(tmp_path)]))
+
+
 def test_fuse_takes_where_the_matchers_empirical_bayes_starts_with_align_match():
     assert fuse.prepare(parsed(["fuse", "--align", "match", "--starts", "both"]))["fusion"].starts == "both"
     assert fuse.prepare(parsed(["fuse", "--align", "match"]))["fusion"].starts == "even-split"

@@ -79,6 +79,21 @@ def test_pvi_rounds_on_flower_are_the_in_process_federation_bit_for_bit():
                                                                             sent[1, 0])
 
 
+def test_pooled_heads_on_flower_are_the_in_process_federation_bit_for_bit():
+    # the server sends the round's clients' own posterior output layers beside the fused body; the clients score
+    # the pooled predictive on their shards: together the in-process federation's evaluation of the test split
+    config = {**MATCHED, "rule": "conflation", "heads": "pooled", "partition": "dirichlet"}
+    result = run_federation(LocalGrid(client_app, CLIENTS), config)
+    reference = assert_same_as_in_process(result, config)
+    assert reference.method == "match-conflation-pooled" and reference.pooled is not None
+    assert result.arrays["heads/weight"].shape == (CLIENTS, 10, reference.match.widths["1"])
+    for flower, own in zip(result.history, reference.history):
+        assert flower["accuracy"] == own.metrics["accuracy"]
+        assert flower["nll"] == pytest.approx(own.metrics["nll"], rel=1e-5)
+    fused = in_process({**config, "heads": "fused"})
+    assert fused.history[-1].metrics["accuracy"] != reference.history[-1].metrics["accuracy"]
+
+
 def test_each_client_starts_round_two_from_its_slice_or_else_the_whole_posterior_bit_for_bit():
     # re-matched rounds (later-rounds "rematch"; by default every client gets the whole posterior: the test above)
     config = {**MATCHED, **FRACTION, "rule": "pooling", "fraction-evaluate": 0.0, "later-rounds": "rematch"}
@@ -123,6 +138,10 @@ def test_a_bad_posterior_reply_is_rejected_with_its_reason_and_the_round_goes_on
     ({**MATCHED, "rule": "pvi", "client": "laplace"}, r"fusion.rule: 'pvi' trains variational clients"),
     ({"method": "pfnm", "client": "laplace"}, r"client: Laplace clients serve matched posterior fusion"),
     ({**MATCHED, "client": "laplace", "kl-weight": 0.5}, r"kl-weight: a setting of the variational clients' SVI"),
+    ({"method": "fusion", "heads": "pooled"}, r"heads: the output layer of matched fusion"),
+    ({"method": "pfnm", "align": "match", "heads": "pooled"}, r"heads: the output layer of matched posterior fusion "
+                                                              r"in the clear"),
+    ({**MATCHED, "heads": "pooled", "output-dir": "out"}, r"output-dir: writes the global model as a bnpfed"),
 ])
 def test_what_matched_fusion_on_flower_does_not_run_is_refused_before_any_node_is_asked(config, message):
     assert_refused_before_any_node_is_asked(config, message)

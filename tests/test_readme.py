@@ -31,5 +31,7 @@ def test_the_comment_after_available_methods_names_every_method_it_prints():
         named |= {base} | ({base + suffix.rstrip(")")} if suffix else set())
     if "match-<rule>" in comment:
         named |= {"match-" + rule for rule in available_rules()}
+    if "match-<rule>(-pooled)" in comment:   # the matched rows with the clients' output layers pooled too
+        named |= {"match-" + rule + "-pooled" for rule in available_rules()}
     missing = [m for m in available_methods() if m not in named]
     assert not missing, f"the comment leaves out {missing}"

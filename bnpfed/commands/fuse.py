@@ -44,6 +44,9 @@ MATCH_COLUMNS = ["method", "accuracy", "nll", "ece", "ece_floor", "ece15", "brie
                  "server_seconds"]
 OOD_COLUMNS = ["auroc_max_prob", "auroc_entropy"]
 MATCH_PREFIX = methods.MATCH_PREFIX
+POOLED_SUFFIX = methods.POOLED_SUFFIX
+#: ``--heads``: the matched rows' output layers fused, pooled, or both rows.
+HEADS_CHOICES = ("fused", "pooled", "both")
 #: The one-shot fusion baselines --baselines adds (--align match).
 BASELINES = ("kl-fusion", *methods.ALIGNMENT_METHODS)
 #: Metrics the plot shows, one panel each.
@@ -166,6 +169,12 @@ def add_parser(sub):
                    "global posterior, the units matched again), fixed (every client from the whole global "
                    "posterior, fused unit by unit with the assignment fixed: round 1's matched network as the shared "
                    f"start; not with --rule {PVI}) or auto (default: rematch for --rule {PVI}, fixed otherwise)")
+    g.add_argument("--heads", choices=HEADS_CHOICES, default="fused",
+                   help="--align match: the global network's output layer: fused (default; each rule fuses the "
+                   "clients' output layers, rows match-RULE), pooled (the clients' own posterior output layers, "
+                   "log-probabilities pooled with their class shares inside every weight draw: rows "
+                   "match-RULE-pooled, and pfnm-pooled beside pfnm one shot) or both; J output layers instead of "
+                   "one, better under label skew (benchmarks/README.md); not with --save-global")
     g.add_argument("--starts", choices=STARTS, default=fusion.starts,
                    help="--align match: where the matcher's empirical Bayes starts: the even split (default), from "
                    "the small-noise start as well with the likelier kept (both), or the small-noise start only")
@@ -263,6 +272,11 @@ def prepare(args) -> dict:
         raise UsageError(f"--tau2: expected only with --align match, got --align {args.align}")
     if args.match_on != "auto" and not match:
         raise UsageError(f"--match-on: expected only with --align match, got --align {args.align}")
+    if args.heads != "fused" and not match:
+        raise UsageError(f"--heads: expected only with --align match, got --align {args.align}")
+    if args.heads != "fused" and args.save_global is not None:
+        raise UsageError(f"--heads {args.heads}: a global network with the clients' pooled posterior heads has no "
+                         "global-model file yet; expected --heads fused with --save-global")
     if args.starts != "even-split" and not match:
         raise UsageError(f"--starts: expected only with --align match, got --align {args.align}")
     if args.later_rounds != "auto" and not match:
@@ -301,8 +315,11 @@ def prepare(args) -> dict:
         # after round 1, so Laplace clients have the matched rows only (said in --client's help)
         weight_wise = (tuple(r for r in args.rule if r not in (ATOM_POSTERIOR, PVI)) if args.client == "variational"
                        else ())
-        names = ("ensemble-bayesian", "pfnm" if args.rounds == 1 else "pfnm-rounds") + fedavg + weight_wise + tuple(
-            MATCH_PREFIX + rule for rule in args.rule) + tuple(args.baselines or ())
+        suffixes = {"fused": ("",), "pooled": (POOLED_SUFFIX,), "both": ("", POOLED_SUFFIX)}[args.heads]
+        pfnm = (("pfnm",) + (("pfnm-pooled",) if args.heads != "fused" else ()) if args.rounds == 1
+                else ("pfnm-rounds",))
+        names = ("ensemble-bayesian",) + pfnm + fedavg + weight_wise + tuple(
+            MATCH_PREFIX + rule + suffix for rule in args.rule for suffix in suffixes) + tuple(args.baselines or ())
     else:
         names = args.rule + fedavg
     config = ExperimentConfig(methods=names, rounds=args.rounds, seed=args.seed, ece_bins=args.ece_bins,

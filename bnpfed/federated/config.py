@@ -68,6 +68,7 @@ __all__ = [
     "PRIOR_VARIANCES",
     "ROUND_PRIORS",
     "LATER_ROUNDS",
+    "HEADS",
     "BayesianConfig",
     "FusionConfig",
     "LocalSchedule",
@@ -112,6 +113,9 @@ ROUND_PRIORS = ("prior", "posterior")
 #: Matched fusion's rounds after the first (:class:`FusionConfig`'s ``later_rounds``): each client from its slice and
 #: the units matched again, or every client from the whole global posterior with the assignment fixed.
 LATER_ROUNDS = ("rematch", "fixed")
+#: Matched fusion's output layer (:class:`FusionConfig`'s ``heads``): the rule's fusion of the clients' output layers,
+#: or the clients' own output layers pooled log-linearly with the class shares.
+HEADS = ("fused", "pooled")
 #: Client weights ``b_k`` of posterior fusion: proportional to the local data size, or uniform.
 CLIENT_WEIGHTS = ("size", "uniform")
 
@@ -725,6 +729,13 @@ class FusionConfig:
         ``rule="pvi"``, ``"fixed"`` for every other rule (:meth:`rounds_after_first`; MNIST and Fashion-MNIST, J =
         10, Dirichlet(0.5), 10 rounds, seeds 0-2: matched conflation 0.9699 and 0.8623 fixed against 0.9663 and
         0.8393 re-matched, benchmarks/README.md).
+    :param str heads: ``align="match"``: the global network's output layer, ``"fused"`` (default: the rule fuses the
+        clients' output layers like every other layer) or ``"pooled"`` (the clients' own posterior output layers of
+        the last round on the fused body, their log-probabilities pooled with the class shares inside every weight
+        draw: :class:`~bnpfed.inference.PooledPosterior`; J output layers instead of one; under label skew the
+        fused layer averages the clients' logits class by class, which the pool does not: benchmarks/README.md,
+        "The output layer under label skew"). The clients start their next round from their slices of the fused
+        posterior either way.
     """
 
     rule: str = "conflation"
@@ -741,9 +752,15 @@ class FusionConfig:
     match_on: str = "auto"
     matcher_device: Optional[str] = None
     later_rounds: str = "auto"
+    heads: str = "fused"
 
     def __post_init__(self):
         check_choice(self.rule, matched_rules(), "rule")
+        check_choice(self.heads, HEADS, "heads")
+        if self.heads != "fused" and self.align != "match":
+            raise ValueError(f"heads: the output layer of matched fusion (the clients' own heads placed at the global "
+                             f"units their units were matched to); expected 'fused' with align={self.align!r}, got "
+                             f"{self.heads!r}")
         if self.rule in (ATOM_POSTERIOR, PVI) and self.align != "match":
             raise ValueError(f"rule: {self.rule!r} fuses matched units ({ATOM_POSTERIOR!r}: the matching model's "
                              f"posterior of each atom; {PVI!r}: the prior times the members' PVI factors); expected "

@@ -19,7 +19,10 @@ Round ``t = 1 .. T``:
    rule of :mod:`bnpfed.combine` per global unit);
    the width may change from round to round;
 4. the global Bayesian network is evaluated: the Monte Carlo posterior predictive (softmax averaged over S weight
-   draws from ``(seed, PREDICT, t)``), and the posterior-mean network's accuracy beside it.
+   draws from ``(seed, PREDICT, t)``), and the posterior-mean network's accuracy beside it. With
+   ``FusionConfig(heads="pooled")`` the global network's output layer is the clients' own posterior output layers
+   pooled log-linearly with the class shares (:class:`~bnpfed.inference.PooledPosterior`; method
+   ``match-<rule>-pooled``) instead of their fusion.
 
 The in-process federation and the Flower strategy call the same server step, so with every client answering they
 give the same global posterior.
@@ -57,7 +60,7 @@ from bnpfed.federated.fusion import check_fusion_network
 from bnpfed.federated.partition import class_counts
 from bnpfed.federated.rounds import Architecture, HoldsRounds, MatchRounds, PVIFactors
 from bnpfed.federated.server import match_hyperparameters, matched_fusion_step
-from bnpfed.inference import BayesianClient, LaplaceClient
+from bnpfed.inference import BayesianClient, LaplaceClient, PooledPosterior
 from bnpfed.inference.permutation import network_from_state
 from bnpfed.inference.posterior_matching import PVI, PosteriorMatch, client_posterior
 from bnpfed.metrics import count_parameters
@@ -135,7 +138,8 @@ class MatchedFusionFederation(HoldsRounds, Federation):
     :param NetworkConfig network: the clients' network kind (``shared_init`` is ignored: each starts from its own).
     :param TrainingConfig training: the clients' local SVI schedule.
     :param BayesianConfig bayesian: the round-1 prior, initial posterior scale, local reparameterisation.
-    :param FusionConfig fusion: the rule, member weights, ``tau2``, pooling draws, variance floor, client sampling.
+    :param FusionConfig fusion: the rule, member weights, ``tau2``, pooling draws, variance floor, client sampling,
+        the output layer (``heads``: with ``"pooled"`` the method is ``match-<rule>-pooled``).
     :param int seed: the experiment's seed.
     :param int ece_bins: bins of the calibration error. Default 15.
     :param int predictive_samples: weight draws S of the posterior predictive. Default 10.
@@ -143,8 +147,9 @@ class MatchedFusionFederation(HoldsRounds, Federation):
         (shared by several rules in an experiment): round 1 then reuses them.
 
     Attributes: ``clients`` (the J clients as they last trained), ``match`` (the last
-    :class:`~bnpfed.inference.posterior_matching.PosteriorMatch`), ``global_model`` (its Bayesian network),
-    ``spec``, ``template``, ``class_counts``.
+    :class:`~bnpfed.inference.posterior_matching.PosteriorMatch`), ``global_model`` (its Bayesian network, the fused
+    output layer's), ``pooled`` (with ``fusion.heads="pooled"``, the :class:`~bnpfed.inference.PooledPosterior` the
+    predictions come from; else None), ``spec``, ``template``, ``class_counts``.
     """
 
     def __init__(self, dataset: Dataset, parts: Sequence, *, network: NetworkConfig, training: TrainingConfig,
@@ -163,7 +168,7 @@ class MatchedFusionFederation(HoldsRounds, Federation):
                              f"{len(initial_clients)}")
         self.network = replace(network, shared_init=False)
         self.training, self.bayesian, self.fusion = training, bayesian, fusion
-        self.method = f"match-{fusion.rule}"
+        self.method = f"match-{fusion.rule}" + ("-pooled" if fusion.heads == "pooled" else "")
         self.predictive_samples = int(predictive_samples)
         self.class_counts = class_counts(dataset.y_train.numpy(), [p.numpy() for p in self.parts],
                                          dataset.num_classes)
@@ -172,6 +177,7 @@ class MatchedFusionFederation(HoldsRounds, Federation):
         self.initial_clients = initial_clients
         self.clients: list[Optional[BayesianClient]] = [None] * self.num_clients
         self.global_model: Optional[BayesianClient] = None
+        self.pooled: Optional[PooledPosterior] = None
         self.pvi = pvi_factors(fusion, bayesian)
         fusion.client_prior(bayesian)   # raises if bayesian.round_prior does not apply to this fusion
 
@@ -221,7 +227,11 @@ class MatchedFusionFederation(HoldsRounds, Federation):
         if self.pvi is not None:
             pvi_metrics["improper"] = match.improper
         self.global_model = bayesian_from_match(match, self.bayesian)
-        self._mean_net = match.network().float().eval()
+        if self.fusion.heads == "pooled":   # the sampled clients' own heads, in the match's order
+            self.pooled = PooledPosterior.of_match(match, posteriors)
+            self._mean_net = self.pooled.mean_network().float().eval()
+        else:
+            self._mean_net = match.network().float().eval()
         metrics = {**self.rounds.summary(), "parameters": count_parameters(self._mean_net),
                    "server_seconds": seconds, **pvi_metrics}
         if losses:
@@ -233,15 +243,18 @@ class MatchedFusionFederation(HoldsRounds, Federation):
 
     def predict_proba(self, x: Tensor) -> Tensor:
         """The global posterior predictive: softmax averaged over ``predictive_samples`` weight draws, drawn from
-        ``(seed, PREDICT, round)``."""
+        ``(seed, PREDICT, round)`` (with ``heads="pooled"``, :meth:`PooledPosterior.predict_proba`)."""
         if self.global_model is None:
             raise ValueError("no round has run yet: the federation has no global network")
+        if self.pooled is not None:
+            return self.pooled.predict_proba(x, num_samples=self.predictive_samples,
+                                             seed=derive_seed(self.seed, Stream.PREDICT, self.round))
         return self.global_model.predict_proba(x, num_samples=self.predictive_samples,
                                                seed=derive_seed(self.seed, Stream.PREDICT, self.round))
 
     @torch.no_grad()
     def predict_mean(self, x: Tensor) -> Tensor:
-        """The posterior-mean network's class probabilities."""
+        """The posterior-mean network's class probabilities (with ``heads="pooled"``, the pooled one's)."""
         if self.match is None:
             raise ValueError("no round has run yet: the federation has no global network")
         return self._mean_net(x).softmax(-1)

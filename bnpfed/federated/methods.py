@@ -35,6 +35,10 @@ match):
 * ``match-<rule>`` for each rule: Bayesian clients from their own initialisations whose hidden units the server
   matches (heteroscedastic Beta-Bernoulli model) before fusing each global unit's members with the rule, ``rounds``
   rounds (:class:`~bnpfed.federated.matched_fusion.MatchedFusionFederation`);
+* ``match-<rule>-pooled`` for each rule: the same, with the clients' own posterior output layers pooled log-linearly
+  with class-share weights in place of the fused output layer (``FusionConfig(heads="pooled")``, which makes
+  ``match-<rule>`` pooled too,
+  :class:`~bnpfed.inference.PooledPosterior`), as ``pfnm-pooled`` does for PFNM;
 * ``ensemble-bayesian`` (its row is named ``ensemble``): the mean of those Bayesian clients' predictive
   distributions after round 1.
 * the fusion baselines of the literature since, one shot from the local networks
@@ -132,15 +136,17 @@ def register_method(name: str, runner: Runner, *, overwrite: bool = False) -> Ru
 
 #: Prefix of the matched posterior fusion methods: ``match-<rule>`` for every fusion rule.
 MATCH_PREFIX = "match-"
+#: Suffix of matched posterior fusion with the clients' own output layers pooled: ``match-<rule>-pooled``.
+POOLED_SUFFIX = "-pooled"
 
 
 def available_methods() -> list[str]:
     """Every method name: the registered runners, then one per fusion rule of :mod:`bnpfed.combine` (weight-wise
     fusion), then ``match-<rule>`` per rule of matched fusion (those rules and ``atom-posterior``, the matching
-    model's own posterior of each atom)."""
+    model's own posterior of each atom), then ``match-<rule>-pooled`` per rule (its output layers pooled)."""
     rules = [rule for rule in available_rules() if rule not in _METHODS]
-    return list(_METHODS) + rules + [MATCH_PREFIX + rule for rule in matched_rules()
-                                     if MATCH_PREFIX + rule not in _METHODS]
+    matched = [MATCH_PREFIX + rule + suffix for suffix in ("", POOLED_SUFFIX) for rule in matched_rules()]
+    return list(_METHODS) + rules + [name for name in matched if name not in _METHODS]
 
 
 def _runner(name: str) -> Runner:
@@ -148,8 +154,12 @@ def _runner(name: str) -> Runner:
         return _METHODS[name]
     if name in available_rules():
         return lambda experiment: _fusion(experiment, name)
-    if isinstance(name, str) and name.startswith(MATCH_PREFIX) and name[len(MATCH_PREFIX):] in matched_rules():
-        return lambda experiment: _matched_fusion(experiment, name[len(MATCH_PREFIX):])
+    if isinstance(name, str) and name.startswith(MATCH_PREFIX):
+        rule = name[len(MATCH_PREFIX):]
+        if rule in matched_rules():
+            return lambda experiment: _matched_fusion(experiment, rule)
+        if rule.endswith(POOLED_SUFFIX) and rule[:-len(POOLED_SUFFIX)] in matched_rules():
+            return lambda experiment: _matched_fusion(experiment, rule[:-len(POOLED_SUFFIX)], pooled=True)
     raise ValueError(f"methods: expected names from {available_methods()}, got {name!r}")
 
 
@@ -737,13 +747,17 @@ def _bayesian_ensemble(experiment: Experiment) -> MethodResult:
         note="mean of the Bayesian clients' predictive distributions")
 
 
-def _matched_fusion(experiment: Experiment, rule: str) -> MethodResult:
+def _matched_fusion(experiment: Experiment, rule: str, pooled: bool = False) -> MethodResult:
+    heads = "pooled" if pooled else experiment.fusion.heads   # match-<rule>-pooled, or the config's heads
     federation = MatchedFusionFederation(experiment.dataset, experiment.parts, network=experiment.network,
                                          training=experiment.training, bayesian=experiment.bayesian,
-                                         fusion=replace(experiment.fusion, rule=rule, align="match"),
+                                         fusion=replace(experiment.fusion, rule=rule, align="match", heads=heads),
                                          seed=experiment.seed, ece_bins=experiment.config.ece_bins,
                                          predictive_samples=experiment.config.predictive_samples,
                                          initial_clients=experiment.bayesian_clients())
+    if heads == "pooled":   # a fused body with J posterior heads: no global-model file holds it (not kept)
+        return experiment.federation_row(federation, experiment.config.rounds,
+                                         note=f"matched posterior fusion; {_POOLED_NOTE}, inside every draw")
     row = experiment.federation_row(federation, experiment.config.rounds, note="matched posterior fusion")
     experiment.keep(federation.method, federation.global_model, federation.match, predictive=_predictive(federation))
     return row

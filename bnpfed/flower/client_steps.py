@@ -89,8 +89,9 @@ from bnpfed.flower.records import (
     state_from_arrays,
     state_to_record,
     split_cavity,
+    split_heads,
 )
-from bnpfed.inference import BayesianClient
+from bnpfed.inference import BayesianClient, PooledPosterior
 from bnpfed.inference.posterior_matching import client_posterior
 from bnpfed.metrics import calibration_gaps, classification_report
 from bnpfed.seeding import Stream, derive_seed
@@ -194,6 +195,19 @@ class _Client:
             raise ValueError(f"cavity: expected the Bayesian sites {sorted(variances)}, got {sorted(cavity[1])}")
         return client_from_slice(arch.template, locs, variances, self.settings.bayesian, as_prior=as_prior,
                                  prior=cavity)
+
+    def pooled_posterior(self, record: ArrayRecord) -> Optional[PooledPosterior]:
+        """The matched global posterior in ``record`` with the clients' pooled heads sent beside it
+        (:func:`~bnpfed.flower.records.with_heads`), None when none were sent."""
+        arrays, heads = split_heads(from_array_record(record))
+        if heads is None:
+            return None
+        arch = _architecture(self.settings.network, tuple(self.ds.input_shape), self.ds.num_classes,
+                             self.settings.seed)
+        locs, variances = matched_posterior_from_arrays(arrays, arch.spec, arch.template.state_dict())
+        (output,) = arch.spec.params_of_kind("output_weight")
+        return PooledPosterior(arch.template, locs, variances, output.rpartition(".")[0], heads["weight"],
+                               heads["weight-variance"], heads["bias"], heads["bias-variance"], heads["pool-weights"])
 
     def class_counts(self) -> list[int]:
         """This client's training examples per class."""
@@ -315,8 +329,10 @@ def evaluate(msg: Message, context: Context) -> Message:
         with torch.no_grad():
             probs = net.eval()(x).softmax(-1)
     else:
-        model = (c.matched_client(record, as_prior=False) if c.config["task"] == "matched-fusion"
-                 else c.global_client(record))
+        model = c.pooled_posterior(record) if c.config["task"] == "matched-fusion" else None
+        if model is None:
+            model = (c.matched_client(record, as_prior=False) if c.config["task"] == "matched-fusion"
+                     else c.global_client(record))
         probs = model.predict_proba(
             x, num_samples=c.settings.predictive_samples, seed=derive_seed(c.settings.seed, Stream.PREDICT, c.round))
     report = classification_report(probs, y)

@@ -458,6 +458,16 @@ def parse_run_config(config: Mapping[str, Any]) -> FlowerSettings:
                          f"align=\"match\"), got client={built['bayesian'].client!r} with method={run.method!r}, "
                          f"align={built['fusion'].align!r}")
     _check_secure(built["secure"], run.method, built["fusion"])
+    if built["fusion"].heads != "fused":
+        if run.method != "fusion" or built["secure"].secure_aggregation:
+            raise ValueError(f"heads: the output layer of matched posterior fusion in the clear (method=\"fusion\", "
+                             f"align=\"match\", no secure-aggregation); expected 'fused' with method={run.method!r}, "
+                             f"secure-aggregation={built['secure'].secure_aggregation}, got "
+                             f"{built['fusion'].heads!r}")
+        if run.output_dir:
+            raise ValueError(f"output-dir: writes the global model as a bnpfed.save_global file, which has no layout "
+                             f"for pooled heads yet; expected heads = 'fused' with output-dir, or no output-dir, got "
+                             f"heads = {built['fusion'].heads!r}")
     return FlowerSettings(**built)
 
 

@@ -61,6 +61,9 @@ __all__ = [
     "to_array_record",
     "with_cavity",
     "split_cavity",
+    "HEADS",
+    "with_heads",
+    "split_heads",
     "from_array_record",
     "state_to_record",
     "state_from_arrays",
@@ -306,6 +309,37 @@ def split_cavity(arrays: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray
         raise ReplyError(f"cavity: expected 'cavity-loc/' and 'cavity-variance/' arrays of the same sites, got "
                          f"{sorted(found)}")
     return rest, (means, variances)
+
+
+#: Prefix of pooled heads' arrays sent beside a matched global posterior (``"heads/weight"``,
+#: ``"heads/weight-variance"``, ``"heads/bias"``, ``"heads/bias-variance"``, ``"heads/pool-weights"``).
+HEADS = "heads/"
+_HEAD_ARRAYS = ("weight", "weight-variance", "bias", "bias-variance", "pool-weights")
+
+
+def with_heads(record: ArrayRecord, pooled) -> ArrayRecord:
+    """``record`` (a matched global posterior, :func:`matched_posterior_to_record`) with the clients' pooled heads of
+    ``pooled`` (a :class:`~bnpfed.inference.PooledPosterior`) added as ``"heads/<array>"``: the (J, C, L) weights'
+    means and variances, the (J, C) biases' and the pool's weights."""
+    extra = to_array_record({f"{HEADS}weight": pooled.weight, f"{HEADS}weight-variance": pooled.weight_variance,
+                             f"{HEADS}bias": pooled.bias, f"{HEADS}bias-variance": pooled.bias_variance,
+                             f"{HEADS}pool-weights": pooled.pool_weights})
+    for name, array in extra.items():
+        record[name] = array
+    return record
+
+
+def split_heads(arrays: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, torch.Tensor] | None]:
+    """``(the other arrays, heads)`` of what :func:`with_heads` sent: ``heads`` as ``{"weight": ..., ...}`` float64
+    tensors (the names of :func:`with_heads` without the prefix), None when there are none."""
+    rest = {k: v for k, v in arrays.items() if not k.startswith(HEADS)}
+    found = {k[len(HEADS):]: v for k, v in arrays.items() if k.startswith(HEADS)}
+    if not found:
+        return rest, None
+    if sorted(found) != sorted(_HEAD_ARRAYS):
+        raise ReplyError(f"heads: expected the arrays {[HEADS + k for k in _HEAD_ARRAYS]}, got "
+                         f"{sorted(HEADS + k for k in found)}")
+    return rest, {k: torch.from_numpy(np.asarray(v, dtype=np.float64)) for k, v in found.items()}
 
 
 def _renamed(message: str, names: Mapping[str, str]) -> str:

@@ -88,7 +88,9 @@ from bnpfed.flower.records import (
     state_from_arrays,
     state_to_record,
     with_cavity,
+    with_heads,
 )
+from bnpfed.inference import PooledPosterior
 from bnpfed.metrics import ece_from_gaps
 from bnpfed.seeding import Stream
 from bnpfed.validation import check_fraction, check_int, check_positive
@@ -707,7 +709,9 @@ class MatchedFusionStrategy(_MatchingStrategy):
     remembers the global units it sent each client and warm-starts the matching from them (or, fixed, keeps them).
     The global widths can change every round (``history[r]["hidden"]``).
     Evaluation: the clients score the global Bayesian network (its posterior predictive, as fusion's) on their test
-    shards.
+    shards; with ``fusion.heads = "pooled"`` the global record carries the round's clients' own posterior output
+    layers beside it (:func:`~bnpfed.flower.records.with_heads` of the
+    :class:`~bnpfed.inference.PooledPosterior` the in-process federation predicts with), and the clients score that.
 
     Usage (``grid`` is any Flower ``Grid``; :func:`bnpfed.flower.server.run_federation` builds this)::
 
@@ -796,4 +800,7 @@ class MatchedFusionStrategy(_MatchingStrategy):
                    "train_loss": sum(a.metrics["train_loss"] for a in accepted) / len(accepted),
                    "mean_sigma": own["mean_sigma"], "hyperparameters": own["hyperparameters"],
                    "server_seconds": match.seconds}
-        return matched_posterior_to_record(match.locs, match.variances), summary
+        record = matched_posterior_to_record(match.locs, match.variances)
+        if self.fusion.heads == "pooled":   # the clients' own heads, in the match's order
+            record = with_heads(record, PooledPosterior.of_match(match, posteriors))
+        return record, summary

@@ -43,7 +43,8 @@ from bnpfed.inference.permutation import (
 
 from bnpfed.inference.activity import drop_units, inactive_units, kept_units, unit_activity
 from bnpfed.inference.size import SizeSearch, parameter_count
-from bnpfed.inference.pooled_heads import PooledHeads, client_heads, pool_log_probabilities, pooled_network
+from bnpfed.inference.pooled_heads import (PooledHeads, PooledPosterior, client_heads, pool_log_probabilities,
+                                          pooled_network)
 from bnpfed.inference.augment import AUGMENTATIONS, random_crop_flip
 from bnpfed.inference.guides import MeanFieldGuide
 from bnpfed.inference.elbo import MeanFieldELBO
@@ -82,6 +83,7 @@ __all__ = [
     "SizeSearch",
     "parameter_count",
     "PooledHeads",
+    "PooledPosterior",
     "client_heads",
     "pool_log_probabilities",
     "pooled_network",

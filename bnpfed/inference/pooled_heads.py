@@ -27,16 +27,29 @@ the shared body.
 
 :func:`client_heads` is the pure function (the J output layers in the global units' columns),
 :class:`PooledHeads` the layer, :func:`pooled_network` the global network with it in place of the output layer.
+
+Matched posterior fusion has the same output rule (its global output layer fuses the clients' output weights with
+the class shares), so :class:`PooledPosterior` gives its Bayesian global network the same pool: the fused posterior
+of the body, each client's own posterior of its output layer at the global units its units were matched to, and the
+posterior predictive
+
+    p(k | x) = (1/S) sum_s softmax_k( sum_j omega_jk log softmax(W_j^(s) h^(s)(x) + b_j^(s)) ),
+
+one draw ``s`` of the body's weights from the fused posterior and of every client's head from its own posterior,
+the pool taken inside each draw (each draw is one pooled network, the predictive their average).
 """
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["PooledHeads", "client_heads", "pool_log_probabilities", "pooled_network", "pooling_weights"]
+from bnpfed.inference.permutation import network_from_state
+
+__all__ = ["PooledHeads", "PooledPosterior", "client_heads", "pool_log_probabilities", "pooled_network",
+           "pooling_weights", "sample_state"]
 
 
 def pooling_weights(class_shares) -> Tensor:
@@ -160,14 +173,19 @@ def pooled_network(match, client_states: Sequence[Mapping[str, Tensor]]) -> nn.M
 
     :param match: a :class:`~bnpfed.inference.SpecMatch` with a template network and class shares (a
         :class:`~bnpfed.inference.posterior_matching.PosteriorMatch` too: its posterior-mean body, the clients'
-        posterior-mean networks as ``client_states``; measured as a prototype only, benchmarks/README.md).
+        posterior-mean networks as ``client_states``; :class:`PooledPosterior` is its Bayesian predictive).
     :param client_states: the clients' networks or ``state_dict`` s that were matched, in the match's order.
     """
-    name, _, _, _ = _output_layer(match)
+    _output_layer(match)
     if match.class_shares is None:
         raise ValueError("match: expected the class shares the matching used (SpecMatch.class_shares), got None")
+    return _with_heads(match.network(), match, client_states)
+
+
+def _with_heads(net: nn.Module, match, client_states) -> nn.Module:
+    """``net`` (``match``'s global body) with its output layer replaced by the clients' heads, pooled."""
+    name, _, _, _ = _output_layer(match)
     weight, bias = client_heads(match, client_states)
-    net = match.network()
     parent_name, _, child = name.rpartition(".")
     parent = net.get_submodule(parent_name) if parent_name else net
     old = getattr(parent, child)
@@ -177,3 +195,135 @@ def pooled_network(match, client_states: Sequence[Mapping[str, Tensor]]) -> nn.M
     setattr(parent, child, PooledHeads(weight.to(dtype), bias.to(dtype),
                                        pooling_weights(match.class_shares).to(dtype)))
     return net.eval()
+
+
+def sample_state(locs: Mapping[str, Tensor], variances: Mapping[str, Tensor],
+                 generator: torch.Generator) -> dict[str, Tensor]:
+    """One draw from a mean-field Gaussian posterior: ``locs`` with every key of ``variances`` replaced by
+    ``loc + sqrt(variance) * eps``, ``eps ~ N(0, I)`` from ``generator`` (keys in ``variances``' order); the other
+    entries (deterministic parameters) as they are."""
+    out = dict(locs)
+    for k, v in variances.items():
+        loc = locs[k]
+        eps = torch.randn(loc.shape, generator=generator, dtype=torch.float64)
+        out[k] = (loc.to(torch.float64) + v.to(torch.float64).clamp_min(0).sqrt() * eps).to(loc.dtype)
+    return out
+
+
+class PooledPosterior:
+    """Matched posterior fusion's global Bayesian network with the clients' own posterior output layers pooled: the
+    fused posterior of the body and each client's posterior of its output layer at the global units its units were
+    matched to, log-probabilities pooled with the class shares inside every weight draw (the module docstring's
+    predictive). Built from a match by :meth:`of_match`; the constructor takes the tensors themselves (what a
+    Flower client receives).
+
+    :param nn.Module template: the network kind the body is built from (:func:`network_from_state`).
+    :param dict locs: the body's ``state_dict`` (posterior means and deterministic values; the output layer's
+        entries are replaced by the heads).
+    :param dict variances: the body's Bayesian sites' posterior variances.
+    :param str output: the output layer's module name (a ``Linear`` in the template).
+    :param Tensor weight: (J, C, L) the heads' posterior means, 0 on the global units a client does not hold;
+        ``weight_variance`` their variances (0 there: those weights are exactly 0).
+    :param Tensor bias: (J, C) the heads' biases' means; ``bias_variance`` their variances (0: point masses).
+    :param Tensor pool_weights: (J, C) ``omega_jk`` (:func:`pooling_weights`).
+    """
+
+    def __init__(self, template: nn.Module, locs: Mapping[str, Tensor], variances: Mapping[str, Tensor], output: str,
+                 weight: Tensor, weight_variance: Tensor, bias: Tensor, bias_variance: Tensor, pool_weights: Tensor):
+        if not isinstance(template, nn.Module):
+            raise ValueError(f"template: expected the network kind (an nn.Module), got {type(template).__name__}")
+        layer = dict(template.named_modules()).get(output)
+        if not isinstance(layer, nn.Linear):
+            raise ValueError(f"output: expected the name of the template's Linear output layer, got {output!r}")
+        if weight.ndim != 3 or weight_variance.shape != weight.shape:
+            raise ValueError(f"weight, weight_variance: expected two (J, C, L) tensors of one shape, got "
+                             f"{tuple(weight.shape)} and {tuple(weight_variance.shape)}")
+        J, C, L = weight.shape
+        for name, value in (("bias", bias), ("bias_variance", bias_variance), ("pool_weights", pool_weights)):
+            if tuple(value.shape) != (J, C):
+                raise ValueError(f"{name}: expected shape (J, C) = {(J, C)}, got {tuple(value.shape)}")
+        for name, value in (("weight_variance", weight_variance), ("bias_variance", bias_variance)):
+            if not torch.isfinite(value).all() or (value < 0).any():
+                raise ValueError(f"{name}: expected finite variances >= 0")
+        self.template, self.output = template, output
+        self.locs, self.variances = dict(locs), dict(variances)
+        self.weight, self.weight_variance = weight.to(torch.float64), weight_variance.to(torch.float64)
+        self.bias, self.bias_variance = bias.to(torch.float64), bias_variance.to(torch.float64)
+        self.pool_weights = pool_weights.to(torch.float64)
+
+    @classmethod
+    def of_match(cls, match, client_posteriors: Sequence[tuple[Mapping[str, Tensor], Mapping[str, Tensor]]]
+                 ) -> "PooledPosterior":
+        """The pooled posterior of a :class:`~bnpfed.inference.posterior_matching.PosteriorMatch` (with its template
+        and class shares) and its J clients' posteriors in the match's order, each ``(locs, variances)``
+        (:func:`~bnpfed.inference.posterior_matching.client_posterior`; a head entry not among ``variances`` is a
+        point mass), their heads placed by :func:`client_heads`."""
+        name, weight, bias, group = _output_layer(match)
+        if getattr(match, "template", None) is None or not hasattr(match, "variances"):
+            raise ValueError("match: expected a PosteriorMatch with its template network (match_posteriors(..., "
+                             f"template=...)), got {type(match).__name__}")
+        if match.class_shares is None:
+            raise ValueError("match: expected the class shares the matching used (PosteriorMatch.class_shares), got "
+                             "None")
+        posteriors = list(client_posteriors)
+        if len(posteriors) != len(match.assignments[group]):
+            raise ValueError(f"client_posteriors: expected the {len(match.assignments[group])} clients that were "
+                             f"matched, got {len(posteriors)}")
+        means, spreads = [], []
+        for j, pair in enumerate(posteriors):
+            if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and isinstance(pair[0], Mapping)
+                    and isinstance(pair[1], Mapping)):
+                raise ValueError(f"client_posteriors[{j}]: expected a (locs, variances) pair of dicts, got "
+                                 f"{type(pair).__name__}")
+            locs, variances = pair
+            keys = [k for k in (weight, bias) if k is not None and k in locs]
+            means.append({k: locs[k] for k in keys})
+            spreads.append({k: variances[k] if k in variances else torch.zeros_like(locs[k]) for k in keys})
+        W, b = client_heads(match, means)
+        W_var, b_var = client_heads(match, spreads)
+        return cls(match.template, match.locs, match.variances, name, W, W_var, b, b_var,
+                   pooling_weights(match.class_shares))
+
+    @property
+    def clients(self) -> int:
+        """J, the number of heads."""
+        return self.weight.shape[0]
+
+    def _network(self, locs, weight: Tensor, bias: Tensor) -> nn.Module:
+        net = network_from_state(self.template, locs)
+        parent_name, _, child = self.output.rpartition(".")
+        parent = net.get_submodule(parent_name) if parent_name else net
+        dtype = getattr(parent, child).weight.dtype
+        setattr(parent, child, PooledHeads(weight.to(dtype), bias.to(dtype), self.pool_weights.to(dtype)))
+        return net.eval()
+
+    def mean_network(self) -> nn.Module:
+        """The pooled posterior-mean network: the body's posterior means, every head's posterior means (for a match,
+        :func:`pooled_network` of it and the clients' means)."""
+        return self._network(self.locs, self.weight, self.bias)
+
+    def sample_network(self, generator: torch.Generator) -> nn.Module:
+        """One pooled network drawn from the posterior: the body (:func:`sample_state`), then every head's weights
+        ``(J, C, L)`` and biases ``(J, C)``, in that order from ``generator``."""
+        body = sample_state(self.locs, self.variances, generator)
+        W = self.weight + self.weight_variance.sqrt() * torch.randn(self.weight.shape, generator=generator,
+                                                                    dtype=torch.float64)
+        b = self.bias + self.bias_variance.sqrt() * torch.randn(self.bias.shape, generator=generator,
+                                                                dtype=torch.float64)
+        return self._network(body, W, b)
+
+    @torch.no_grad()
+    def predict_proba(self, x: Tensor, num_samples: int = 10, seed: Optional[int] = None) -> Tensor:
+        """(N, C) the posterior predictive: the pooled networks' class probabilities averaged over ``num_samples``
+        draws (:meth:`sample_network`) from a generator seeded with ``seed`` (None: seeded from torch's global
+        generator)."""
+        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+            raise ValueError(f"num_samples: expected an int >= 1, got {num_samples!r}")
+        if seed is None:
+            seed = int(torch.randint(0, 2 ** 62, (1,)))
+        generator = torch.Generator().manual_seed(int(seed))
+        total = None
+        for _ in range(num_samples):
+            probs = self.sample_network(generator).to(x.dtype)(x).softmax(-1)
+            total = probs if total is None else total + probs
+        return total / num_samples
