@@ -92,6 +92,30 @@ def test_bnpfed_match_writes_the_global_network_that_match_by_spec_builds(kind, 
     assert record["command"] == "match" and record["results"]["runs"][0]["rows"]
 
 
+@pytest.mark.parametrize("kind, extra", [("mlp", []), ("user-state", ["--module", "user_networks:make",
+                                                                  "--input-shape", "1,8,8"])])
+def test_bnpfed_match_heads_pooled_writes_the_matched_body_with_the_clients_pooled_heads(kind, extra, folder, tmp_path,
+                                                                                       digits, capsys):
+    from bnpfed.inference import pooled_network
+
+    name, state = kind.split("-")[0], kind.endswith("-state")
+    out = tmp_path / "pooled.pt"
+    counts = torch.tensor(json.loads((folder / "counts.json").read_text()))
+    assert main(["match", *files(folder, name, state), *extra, "--counts", str(folder / "counts.json"),
+                 "--heads", "pooled", "--out", str(out)]) == 0
+    assert "note: --heads pooled: the 3 clients' own output layers" in capsys.readouterr().out
+    nets = [torch.load(f, weights_only=False) for f in files(folder, name)]
+    match = match_by_spec(nets, counts, input_shape=digits.input_shape, seed=0)
+    expected = pooled_network(match, nets)
+    saved = read_global(out)
+    assert saved.method == "pfnm-pooled" and count_parameters(saved.network) == count_parameters(expected)
+    with torch.no_grad():
+        assert_close(saved.network(digits.x_test), expected(digits.x_test))
+    assert main(["match", *files(folder, name, state), *extra, "--heads", "pooled", "--posteriors",
+                 "--out", str(tmp_path / "p.pt")]) == 2
+    assert "--heads pooled: a global posterior with the clients' pooled heads has no file" in capsys.readouterr().err
+
+
 def test_bnpfed_match_without_counts_estimates_the_class_shares_and_says_so(folder, tmp_path, capsys, digits):
     from bnpfed.inference import derive_spec
     from bnpfed.inference.class_shares import estimate_class_shares
