@@ -56,6 +56,7 @@ from bnpfed.flower.local import LocalGrid  # noqa: E402
 from bnpfed.flower.records import (from_array_record, matched_posterior_to_record, posterior_to_record,  # noqa: E402
                                    state_to_record, with_heads)
 from bnpfed.flower.server import FederationResult, run_federation  # noqa: E402
+from bnpfed.inference.pooled_heads import pooled_heads_of  # noqa: E402
 from bnpfed.flower.strategies import (FedAvgStrategy, MatchedFusionStrategy, PFNMStrategy,  # noqa: E402
                                       PosteriorFusionStrategy)
 
@@ -77,7 +78,16 @@ def matched_arrays(locs, variances, pooled=None) -> dict[str, np.ndarray]:
     """Matched posterior fusion's ``(locs, variances)`` in the layout of :mod:`bnpfed.flower.records` (with the
     heads of ``pooled``, a PooledPosterior, beside them when given)."""
     record = matched_posterior_to_record(locs, variances)
-    return from_array_record(record if pooled is None else with_heads(record, pooled))
+    return from_array_record(record if pooled is None else with_heads(record, pooled.heads()))
+
+
+def pfnm_arrays(federation) -> dict[str, np.ndarray]:
+    """PFNM's global network in the layout of :mod:`bnpfed.flower.records` (with the matched clients' pooled heads
+    beside it under ``pfnm.heads = "pooled"``)."""
+    record = state_to_record(federation.match.state)
+    if federation.pfnm.heads == "pooled":
+        record = with_heads(record, pooled_heads_of(federation.match, federation.matched_states))
+    return from_array_record(record)
 
 
 def _metric(key: str) -> Callable[[RoundRecord], Any]:
@@ -117,8 +127,7 @@ class Method:
 
 #: ``{strategy: Method}``: everything in the harness that differs between the three strategies.
 METHODS: dict[type, Method] = {
-    PFNMStrategy: Method(PFNMFederation, _pfnm_options, lambda f: from_array_record(state_to_record(f.match.state)),
-                         {"hidden": _metric("hidden")}),
+    PFNMStrategy: Method(PFNMFederation, _pfnm_options, pfnm_arrays, {"hidden": _metric("hidden")}),
     PosteriorFusionStrategy: Method(
         FusionFederation, _fusion_options,
         lambda f: from_array_record(posterior_to_record(f.global_posterior, f.global_deterministic)),

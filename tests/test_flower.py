@@ -86,6 +86,28 @@ def test_the_flower_apps_pfnm_output_is_a_global_network_file_bnpfed_loads(confi
         assert torch.equal(net(x), reference.match.network().eval()(x))  # the in-process global network
 
 
+@pytest.mark.parametrize("config", [PFNM, CNN_BN], ids=["mlp", "simple-cnn-bn"])
+def test_pfnm_with_pooled_heads_on_flower_is_the_in_process_federation_bit_for_bit(config, tmp_path):
+    # the server sends the matched clients' own output layers beside the global network, the clients score the
+    # pooled network on their shards, and the output file is the pooled network
+    import bnpfed
+
+    config = {**config, "heads": "pooled", "partition": "dirichlet"}
+    result = run_federation(LocalGrid(client_app, CLIENTS), {**config, "output-dir": str(tmp_path)})
+    reference = assert_same_as_in_process(result, config)
+    assert reference.method == "pfnm-rounds-pooled"
+    assert result.arrays["heads/weight"].shape[:2] == (CLIENTS, 10) and "heads/weight-variance" not in result.arrays
+    for flower, own in zip(result.history, reference.history):
+        assert flower["accuracy"] == own.metrics["accuracy"]
+        assert flower["nll"] == pytest.approx(own.metrics["nll"], rel=1e-5)
+    net = bnpfed.load_global(tmp_path / "pfnm-global.pt")
+    x = reference.dataset.x_test
+    with torch.no_grad():
+        assert torch.equal(net(x), reference.global_network()(x))
+    fused = in_process({**config, "heads": "fused"})
+    assert fused.history[-1].metrics["nll"] != reference.history[-1].metrics["nll"]
+
+
 #: FedAvg: the fusion settings' network and schedule, two rounds from the shared initialisation.
 FEDAVG = {"method": "fedavg", "rounds": 2, "hidden": "16", "epochs": 1}
 

@@ -139,8 +139,9 @@ def test_a_bad_posterior_reply_is_rejected_with_its_reason_and_the_round_goes_on
     ({"method": "pfnm", "client": "laplace"}, r"client: Laplace clients serve matched posterior fusion"),
     ({**MATCHED, "client": "laplace", "kl-weight": 0.5}, r"kl-weight: a setting of the variational clients' SVI"),
     ({"method": "fusion", "heads": "pooled"}, r"heads: the output layer of matched fusion"),
-    ({"method": "pfnm", "align": "match", "heads": "pooled"}, r"heads: the output layer of matched posterior fusion "
-                                                              r"in the clear"),
+    ({"method": "fedavg", "heads": "pooled"}, r"heads: the output layer of PFNM's or matched posterior fusion's"),
+    ({**MATCHED, "heads": "pooled", "secure-aggregation": True}, r"heads: the output layer of matched posterior "
+                                                                 r"fusion in the clear"),
     ({**MATCHED, "heads": "pooled", "output-dir": "out"}, r"output-dir: writes the global model as a bnpfed"),
 ])
 def test_what_matched_fusion_on_flower_does_not_run_is_refused_before_any_node_is_asked(config, message):

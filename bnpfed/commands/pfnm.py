@@ -25,8 +25,8 @@ from bnpfed.commands import _args
 from bnpfed.commands._args import HelpFormatter, UsageError, fail, flag_message, warn
 from bnpfed.federated import methods
 from bnpfed.federated.clients import initial_network
-from bnpfed.federated.config import (ARCHITECTURES, INITIALISATIONS, PFNM_NETWORK, PFNM_TRAINING, FusionConfig,
-                                     NetworkConfig, PFNMConfig, config_dict)
+from bnpfed.federated.config import (ARCHITECTURES, HEADS, INITIALISATIONS, PFNM_NETWORK, PFNM_TRAINING,
+                                     FusionConfig, NetworkConfig, PFNMConfig, config_dict)
 from bnpfed.federated.methods import ExperimentConfig
 from bnpfed.inference import derive_spec
 from bnpfed.inference.driver import STARTS, STOPS
@@ -158,6 +158,13 @@ def add_parser(sub):
                    "clients retrain slices of one global network, to the limit, met as far as the matcher can: with "
                    "--max-params ensemble a CNN's global network shrinks below the ensemble's size over the rounds. "
                    "Default 1 (every round)")
+    g.add_argument("--heads", choices=HEADS, default=d.heads,
+                   help="the global network's output layer in every PFNM and FedMA row: fused (default; the "
+                   "class-share average of the clients' output layers) or pooled (each matched client's own output "
+                   "layer on the global units its units were matched to, log-probabilities pooled with the class "
+                   "shares; J output layers instead of one, far better under label skew, benchmarks/README.md; the "
+                   "rows' names end in -pooled). The methods pfnm-pooled and fedma-pooled give such rows beside "
+                   "the fused ones")
     g.add_argument("--layerwise-retrain", type=int, metavar="EPOCHS", default=d.layerwise_retrain,
                    help="FedMA's layer-wise scheme (the fedma method, added to the default methods when > 0): match a "
                    "layer, freeze it, let the clients retrain the layers above for EPOCHS epochs, match the next "
@@ -322,7 +329,7 @@ def prepare(args) -> dict:
                       starts=args.starts, stop=args.stop, inactive=args.inactive,
                       matcher_device=None if torch.device(training.device).type == "cpu" else training.device,
                       max_width=_one_or_many(args.max_width), max_params=args.max_params,
-                      limit_from_round=args.limit_from_round)
+                      limit_from_round=args.limit_from_round, heads=args.heads)
     fusion = FusionConfig(fraction=args.fraction)  # FedAvg's client sampling
     chosen = args.methods
     if chosen is None:

@@ -513,6 +513,15 @@ class PFNMConfig:
         of the global network or, when not sampled the round before, all of it, so its ``max_params`` is met as far
         as the matcher can (``SpecMatch.size_searches["parameters"].met`` says whether it was); a ``max_width`` below
         what such a client holds is still refused. Needs a limit; not with ``layerwise_retrain``.
+    :param str heads: the global network's output layer, ``"fused"`` (default: PFNM's class-share average of the
+        clients' output layers) or ``"pooled"`` (every matched client's own output layer on the global units its
+        units were matched to, log-probabilities pooled with the class shares:
+        :func:`~bnpfed.inference.pooled_network`; J output layers instead of one; the method ``pfnm`` then gives the
+        row ``pfnm-pooled``, the federations' names end in ``-pooled``, and Flower's clients score the pooled
+        network). Under label skew the averaged layer sums the clients' logits class by class and loses 10-11 points
+        on Fashion-MNIST Dirichlet(0.5) that the pool keeps (benchmarks/README.md, "The output layer under label
+        skew"). The clients start the next round from their slices either way, and ``max_width`` / ``max_params`` and
+        the hyper-parameter selection see the fused network (the heads are not priced).
 
     Over communication rounds each global neuron is a posterior mean, ``sum v / (m + sigma2 / sigma0_2)``: a neuron few
     clients hold comes back to them shrunk towards the prior mean. With too little retraining per round (say 2 local
@@ -540,9 +549,11 @@ class PFNMConfig:
     max_width: Union[None, int, tuple[Optional[int], ...]] = None
     max_params: Union[None, int, str] = "auto"
     limit_from_round: int = 1
+    heads: str = "fused"
 
     def __post_init__(self):
         check_choice(self.hyperparameters, ("empirical-bayes", "fixed"), "hyperparameters")
+        check_choice(self.heads, HEADS, "heads")
         if isinstance(self.max_width, (tuple, list)):
             if not self.max_width:
                 raise ValueError(f"max_width: expected an int, one per hidden layer, or None, got {self.max_width!r}")

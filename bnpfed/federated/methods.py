@@ -590,6 +590,8 @@ def _fedavg(experiment: Experiment) -> MethodResult:
 
 
 def _pfnm(experiment: Experiment) -> MethodResult:
+    if experiment.pfnm.heads == "pooled":   # the config asks for the pooled output layer: that row
+        return _pfnm_pooled(experiment)
     selection = experiment.selection()
     match = selection.match
     net = match.network()
@@ -640,8 +642,9 @@ def _pfnm_federation(experiment: Experiment, layerwise_retrain: int) -> PFNMFede
 def _pfnm_rounds(experiment: Experiment) -> MethodResult:
     federation = _pfnm_federation(experiment, 0)
     start = "warm" if federation.pfnm.warm_start else "cold"
-    row = experiment.federation_row(federation, experiment.config.rounds, note=f"{start}-started matching")
-    experiment.keep("pfnm-rounds", federation.match.network(), federation.match)
+    pooled = f"; {_POOLED_NOTE}" if federation.pfnm.heads == "pooled" else ""
+    row = experiment.federation_row(federation, experiment.config.rounds, note=f"{start}-started matching{pooled}")
+    experiment.keep(federation.method, federation.global_network(), federation.match)
     return row
 
 
@@ -652,25 +655,29 @@ def fedma_epochs(experiment: Experiment) -> int:
 
 
 def _fedma_federation(experiment: Experiment, rounds: int, name: str) -> tuple[PFNMFederation, MethodResult]:
-    """FedMA's federation run for ``rounds`` rounds under ``name``, and its row."""
+    """FedMA's federation run for ``rounds`` rounds under ``name`` (``name-pooled`` when ``pfnm.heads`` pools the
+    output layers), and its row."""
     epochs = fedma_epochs(experiment)
     federation = _pfnm_federation(experiment, epochs)
-    federation.method = name
-    row = experiment.federation_row(federation, rounds, note=f"layer-wise, {epochs} retraining epoch(s) a layer")
+    pooled = federation.pfnm.heads == "pooled"
+    federation.method = name + ("-pooled" if pooled and not name.endswith("-pooled") else "")
+    row = experiment.federation_row(federation, rounds, note=f"layer-wise, {epochs} retraining epoch(s) a layer"
+                                                           + (f"; {_POOLED_NOTE}" if pooled else ""))
     row.hyperparameters = match_hyperparameters(federation.match)
     return federation, row
 
 
 def _fedma(experiment: Experiment, rounds: int, name: str) -> MethodResult:
     federation, row = _fedma_federation(experiment, rounds, name)
-    experiment.keep(name, federation.match.network(), federation.match)
+    experiment.keep(federation.method, federation.global_network(), federation.match)
     return row
 
 
 def _fedma_pooled(experiment: Experiment) -> MethodResult:
     federation, row = _fedma_federation(experiment, 1, "fedma-pooled")
-    return _pooled_row(experiment, "fedma-pooled", federation.pooled_network(), federation.match,
-                       note=f"{row.note}; {_POOLED_NOTE}", rounds=1)
+    note = row.note if _POOLED_NOTE in row.note else f"{row.note}; {_POOLED_NOTE}"
+    return _pooled_row(experiment, "fedma-pooled", federation.pooled_network(), federation.match, note=note,
+                       rounds=1)
 
 
 #: The alignment baselines (:func:`~bnpfed.federated.baselines.aligned_average`) and their papers.

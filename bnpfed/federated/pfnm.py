@@ -104,6 +104,8 @@ class PFNMFederation(HoldsRounds, Federation):
         self.network, self.training, self.pfnm = network, training, pfnm
         if pfnm.layerwise_retrain:
             self.method = "fedma-rounds"
+        if pfnm.heads == "pooled":
+            self.method += "-pooled"
         self.initial_models = initial_models
         self.class_counts = class_counts(dataset.y_train.numpy(), [p.numpy() for p in self.parts],
                                          dataset.num_classes)
@@ -153,7 +155,8 @@ class PFNMFederation(HoldsRounds, Federation):
                 match.state = with_statistics(match.state, self._statistics(sampled, self.architecture.batch_norms,
                                                                             [match.state]))
         self.rounds.update(match, sampled)
-        self._net = match.network().eval()
+        self._net = (pooled_network(match, self.matched_states) if self.pfnm.heads == "pooled"
+                     else match.network()).eval()
         return [], {**self.rounds.summary(), "parameters": count_parameters(self._net), "server_seconds": seconds}
 
     def _layerwise(self, round: int, sampled: list[int], states: list[dict], starts, ensemble: int
@@ -203,6 +206,13 @@ class PFNMFederation(HoldsRounds, Federation):
         if self.match is None:
             raise ValueError("no round has run yet: the federation has no global network")
         return pooled_network(self.match, self.matched_states)
+
+    def global_network(self) -> nn.Module:
+        """The last round's global network as the federation predicts with it: the match's, or with
+        ``pfnm.heads="pooled"`` :meth:`pooled_network`."""
+        if self.match is None:
+            raise ValueError("no round has run yet: the federation has no global network")
+        return self._net
 
     @torch.no_grad()
     def predict_proba(self, x: Tensor) -> Tensor:

@@ -92,6 +92,7 @@ from bnpfed.flower.records import (
     split_heads,
 )
 from bnpfed.inference import BayesianClient, PooledPosterior
+from bnpfed.inference.pooled_heads import attach_heads
 from bnpfed.inference.posterior_matching import client_posterior
 from bnpfed.metrics import calibration_gaps, classification_report
 from bnpfed.seeding import Stream, derive_seed
@@ -129,6 +130,12 @@ def _architecture(network: NetworkConfig, input_shape: tuple, num_classes: int, 
 def _parts(name: str, standardize: bool, data_dir: Optional[str], partition: PartitionConfig, seed: int
            ) -> tuple[np.ndarray, ...]:
     return tuple(partition.split(_dataset(name, standardize, data_dir).y_train.numpy(), seed))
+
+
+def _output(arch: Architecture) -> str:
+    """The module name of the architecture's output layer."""
+    (weight,) = arch.spec.params_of_kind("output_weight")
+    return weight.rpartition(".")[0]
 
 
 def _data_dir(context: Context) -> Optional[str]:
@@ -205,9 +212,24 @@ class _Client:
         arch = _architecture(self.settings.network, tuple(self.ds.input_shape), self.ds.num_classes,
                              self.settings.seed)
         locs, variances = matched_posterior_from_arrays(arrays, arch.spec, arch.template.state_dict())
-        (output,) = arch.spec.params_of_kind("output_weight")
-        return PooledPosterior(arch.template, locs, variances, output.rpartition(".")[0], heads["weight"],
-                               heads["weight-variance"], heads["bias"], heads["bias-variance"], heads["pool-weights"])
+        if "weight_variance" not in heads:
+            raise ValueError("heads: expected the heads' variances beside a matched posterior, got means only")
+        return PooledPosterior(arch.template, locs, variances, _output(arch), heads["weight"],
+                               heads["weight_variance"], heads["bias"], heads["bias_variance"],
+                               heads["pool_weights"])
+
+    def evaluation_network(self, record: ArrayRecord) -> torch.nn.Module:
+        """The global network in ``record`` (:meth:`network`), with the pooled heads sent beside it
+        (:func:`~bnpfed.flower.records.with_heads`) in place of its output layer when there are any."""
+        arrays, heads = split_heads(from_array_record(record))
+        arch = _architecture(self.settings.network, tuple(self.ds.input_shape), self.ds.num_classes,
+                             self.settings.seed)
+        net = arch.network(state_from_arrays(arrays, arch.spec, arch.template.state_dict()))
+        if heads is None:
+            return net
+        if "weight_variance" in heads:
+            raise ValueError("heads: expected a network's heads (means only), got variances too")
+        return attach_heads(net, _output(arch), heads["weight"], heads["bias"], heads["pool_weights"])
 
     def class_counts(self) -> list[int]:
         """This client's training examples per class."""
@@ -325,7 +347,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     x, y = c.test_data
     record = msg.content.array_records[ARRAYS]
     if c.config["task"] in ("pfnm", "fedavg"):
-        net = c.network(record)
+        net = c.evaluation_network(record)
         with torch.no_grad():
             probs = net.eval()(x).softmax(-1)
     else:

@@ -404,6 +404,10 @@ def _build(cls, values: Mapping[str, Any], base=None):
         raise ValueError(message) from None
 
 
+#: The configs holding a ``heads`` field and the method whose server reads it (the key ``heads`` goes to that one).
+_HEADS_OF = {"pfnm": "pfnm", "fusion": "fusion"}
+
+
 def _config_values(config: Mapping[str, Any], name: str, *, auto: bool) -> dict[str, Any]:
     """The fields of config ``name`` given in ``config``, converted (``"auto"`` left out when ``auto``)."""
     cls = CONFIGS[name]
@@ -439,6 +443,8 @@ def parse_run_config(config: Mapping[str, Any]) -> FlowerSettings:
     for name in ("partition", "network", "training", "bayesian", "pfnm", "fusion", "secure"):
         base = _METHOD_DEFAULTS[run.method].get(name)
         values = _config_values(config, name, auto=True)
+        if name in _HEADS_OF and _HEADS_OF[name] != run.method:   # heads: the output layer of the method's server
+            values.pop("heads", None)
         if name == "training" and "amsgrad" not in values:   # left to the method: its Adam default gives way to SGD
             schedule = base or TrainingConfig()
             values["amsgrad"] = schedule.amsgrad_for(values.get("optimizer", schedule.optimizer))
@@ -458,16 +464,19 @@ def parse_run_config(config: Mapping[str, Any]) -> FlowerSettings:
                          f"align=\"match\"), got client={built['bayesian'].client!r} with method={run.method!r}, "
                          f"align={built['fusion'].align!r}")
     _check_secure(built["secure"], run.method, built["fusion"])
-    if built["fusion"].heads != "fused":
-        if run.method != "fusion" or built["secure"].secure_aggregation:
-            raise ValueError(f"heads: the output layer of matched posterior fusion in the clear (method=\"fusion\", "
-                             f"align=\"match\", no secure-aggregation); expected 'fused' with method={run.method!r}, "
-                             f"secure-aggregation={built['secure'].secure_aggregation}, got "
-                             f"{built['fusion'].heads!r}")
+    heads = built["pfnm"].heads if run.method == "pfnm" else built["fusion"].heads
+    if "heads" in config and heads == "fused" and str(config["heads"]).strip() != "fused":
+        raise ValueError(f"heads: the output layer of PFNM's or matched posterior fusion's global network "
+                         f"(method=\"pfnm\", or \"fusion\" with align=\"match\"); expected 'fused' with "
+                         f"method={run.method!r}, got {config['heads']!r}")
+    if run.method == "fusion" and heads != "fused":
+        if built["secure"].secure_aggregation:
+            raise ValueError(f"heads: the output layer of matched posterior fusion in the clear; expected 'fused' "
+                             f"with secure-aggregation = true, got {heads!r}")
         if run.output_dir:
             raise ValueError(f"output-dir: writes the global model as a bnpfed.save_global file, which has no layout "
-                             f"for pooled heads yet; expected heads = 'fused' with output-dir, or no output-dir, got "
-                             f"heads = {built['fusion'].heads!r}")
+                             f"for a posterior with pooled heads yet; expected heads = 'fused' with method = "
+                             f"\"fusion\" and output-dir, or no output-dir, got heads = {heads!r}")
     return FlowerSettings(**built)
 
 

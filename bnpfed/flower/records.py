@@ -311,35 +311,37 @@ def split_cavity(arrays: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray
     return rest, (means, variances)
 
 
-#: Prefix of pooled heads' arrays sent beside a matched global posterior (``"heads/weight"``,
-#: ``"heads/weight-variance"``, ``"heads/bias"``, ``"heads/bias-variance"``, ``"heads/pool-weights"``).
+#: Prefix of pooled heads' arrays sent beside a global network or posterior: ``"heads/weight"`` (J, C, L),
+#: ``"heads/bias"``, ``"heads/pool-weights"`` (J, C), and for a posterior ``"heads/weight-variance"``,
+#: ``"heads/bias-variance"``.
 HEADS = "heads/"
-_HEAD_ARRAYS = ("weight", "weight-variance", "bias", "bias-variance", "pool-weights")
+_HEAD_ARRAYS = ("weight", "bias", "pool-weights")
+_HEAD_VARIANCES = ("weight-variance", "bias-variance")
 
 
-def with_heads(record: ArrayRecord, pooled) -> ArrayRecord:
-    """``record`` (a matched global posterior, :func:`matched_posterior_to_record`) with the clients' pooled heads of
-    ``pooled`` (a :class:`~bnpfed.inference.PooledPosterior`) added as ``"heads/<array>"``: the (J, C, L) weights'
-    means and variances, the (J, C) biases' and the pool's weights."""
-    extra = to_array_record({f"{HEADS}weight": pooled.weight, f"{HEADS}weight-variance": pooled.weight_variance,
-                             f"{HEADS}bias": pooled.bias, f"{HEADS}bias-variance": pooled.bias_variance,
-                             f"{HEADS}pool-weights": pooled.pool_weights})
-    for name, array in extra.items():
+def with_heads(record: ArrayRecord, heads: Mapping[str, Any]) -> ArrayRecord:
+    """``record`` (a global network or matched posterior) with pooled heads added as ``"heads/<name>"``: ``heads``
+    as :func:`~bnpfed.inference.pooled_heads_of` or :meth:`~bnpfed.inference.PooledPosterior.heads` give them
+    (``weight``, ``bias``, ``pool_weights``; a posterior's ``weight_variance``, ``bias_variance`` too)."""
+    names = {k.replace("-", "_") for k in _HEAD_ARRAYS}
+    if not names <= set(heads) or not set(heads) <= names | {k.replace("-", "_") for k in _HEAD_VARIANCES}:
+        raise ValueError(f"heads: expected {sorted(names)} and optionally their variances, got {sorted(heads)}")
+    for name, array in to_array_record({HEADS + k.replace("_", "-"): v for k, v in heads.items()}).items():
         record[name] = array
     return record
 
 
 def split_heads(arrays: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, torch.Tensor] | None]:
-    """``(the other arrays, heads)`` of what :func:`with_heads` sent: ``heads`` as ``{"weight": ..., ...}`` float64
-    tensors (the names of :func:`with_heads` without the prefix), None when there are none."""
+    """``(the other arrays, heads)`` of what :func:`with_heads` sent: ``heads`` as float64 tensors keyed as
+    :func:`with_heads` takes them, None when there are none."""
     rest = {k: v for k, v in arrays.items() if not k.startswith(HEADS)}
     found = {k[len(HEADS):]: v for k, v in arrays.items() if k.startswith(HEADS)}
     if not found:
         return rest, None
-    if sorted(found) != sorted(_HEAD_ARRAYS):
-        raise ReplyError(f"heads: expected the arrays {[HEADS + k for k in _HEAD_ARRAYS]}, got "
-                         f"{sorted(HEADS + k for k in found)}")
-    return rest, {k: torch.from_numpy(np.asarray(v, dtype=np.float64)) for k, v in found.items()}
+    if sorted(found) not in (sorted(_HEAD_ARRAYS), sorted(_HEAD_ARRAYS + _HEAD_VARIANCES)):
+        raise ReplyError(f"heads: expected the arrays {[HEADS + k for k in _HEAD_ARRAYS]} (and for a posterior "
+                         f"{[HEADS + k for k in _HEAD_VARIANCES]}), got {sorted(HEADS + k for k in found)}")
+    return rest, {k.replace("-", "_"): torch.from_numpy(np.asarray(v, dtype=np.float64)) for k, v in found.items()}
 
 
 def _renamed(message: str, names: Mapping[str, str]) -> str:

@@ -40,10 +40,11 @@ from bnpfed.flower.client_steps import initial_global_model
 from bnpfed.flower.config import FlowerSettings, parse_run_config
 from bnpfed.flower.secure import SecureFusionStrategy, SecureMatchedFusionStrategy, client_at_widths
 from bnpfed.flower.records import (from_array_record, matched_posterior_from_arrays, posterior_from_arrays,
-                                   state_to_record)
+                                   state_to_record, split_heads)
 from bnpfed.flower.strategies import (LOGGER, FedAvgStrategy, MatchedFusionStrategy, PFNMStrategy,
                                       PosteriorFusionStrategy)
 from bnpfed.inference.permutation import derive_spec, network_from_state
+from bnpfed.inference.pooled_heads import attach_heads
 from bnpfed.report import command_record, command_results, write_json
 from bnpfed.saved import save_global
 from bnpfed.seeding import Stream, derive_seed
@@ -140,7 +141,13 @@ def global_model(settings: FlowerSettings, input_shape, num_classes: int, arrays
     run = settings.run
     template = initial_network(settings.network, input_shape, num_classes, seed=run.seed)
     if run.method in ("pfnm", "fedavg"):
-        return run.method, network_from_state(template, {k: torch.as_tensor(v) for k, v in arrays.items()})
+        arrays, heads = split_heads(arrays)   # PFNM with pooled heads: they replace the output layer
+        net = network_from_state(template, {k: torch.as_tensor(v) for k, v in arrays.items()})
+        if heads is None:
+            return run.method, net
+        (weight,) = derive_spec(template, input_shape).params_of_kind("output_weight")
+        return f"{run.method}-pooled", attach_heads(net, weight.rpartition(".")[0], heads["weight"], heads["bias"],
+                                                    heads["pool_weights"])
     if settings.fusion.align == "match" and not settings.secure.secure_aggregation:
         locs, variances = matched_posterior_from_arrays(arrays, derive_spec(template, input_shape),
                                                         template.state_dict())

@@ -91,6 +91,7 @@ from bnpfed.flower.records import (
     with_heads,
 )
 from bnpfed.inference import PooledPosterior
+from bnpfed.inference.pooled_heads import pooled_heads_of
 from bnpfed.metrics import ece_from_gaps
 from bnpfed.seeding import Stream
 from bnpfed.validation import check_fraction, check_int, check_positive
@@ -553,7 +554,10 @@ class PFNMStrategy(_MatchingStrategy):
             summary["statistics_from"] = self._reestimate(server_round)
             seconds += time.perf_counter() - start
         own = self.rounds.summary()   # the hyper-parameters estimated (empirical Bayes, the default) or fixed
-        return state_to_record(match.state), {
+        record = state_to_record(match.state)
+        if self.pfnm.heads == "pooled":   # the matched clients' own output layers, in the match's order
+            record = with_heads(record, pooled_heads_of(match, [a.payload[0] for a in accepted]))
+        return record, {
             "hidden": own["hidden"], **{name: [h[name] for h in own["hyperparameters"]]
                                         for name in ("sigma2", "sigma0_2", "gamma0")},
             **summary, "server_seconds": seconds}
@@ -802,5 +806,5 @@ class MatchedFusionStrategy(_MatchingStrategy):
                    "server_seconds": match.seconds}
         record = matched_posterior_to_record(match.locs, match.variances)
         if self.fusion.heads == "pooled":   # the clients' own heads, in the match's order
-            record = with_heads(record, PooledPosterior.of_match(match, posteriors))
+            record = with_heads(record, PooledPosterior.of_match(match, posteriors).heads())
         return record, summary

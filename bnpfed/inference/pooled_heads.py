@@ -48,8 +48,8 @@ from torch import Tensor, nn
 
 from bnpfed.inference.permutation import network_from_state
 
-__all__ = ["PooledHeads", "PooledPosterior", "client_heads", "pool_log_probabilities", "pooled_network",
-           "pooling_weights", "sample_state"]
+__all__ = ["PooledHeads", "PooledPosterior", "attach_heads", "client_heads", "pool_log_probabilities",
+           "pooled_heads_of", "pooled_network", "pooling_weights", "sample_state"]
 
 
 def pooling_weights(class_shares) -> Tensor:
@@ -185,15 +185,31 @@ def pooled_network(match, client_states: Sequence[Mapping[str, Tensor]]) -> nn.M
 def _with_heads(net: nn.Module, match, client_states) -> nn.Module:
     """``net`` (``match``'s global body) with its output layer replaced by the clients' heads, pooled."""
     name, _, _, _ = _output_layer(match)
+    heads = pooled_heads_of(match, client_states)
+    return attach_heads(net, name, heads["weight"], heads["bias"], heads["pool_weights"])
+
+
+def pooled_heads_of(match, client_states: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
+    """What a :class:`PooledHeads` layer of ``match`` and its clients holds, float64: ``"weight"`` (J, C, L) and
+    ``"bias"`` (J, C) (:func:`client_heads`), ``"pool_weights"`` (J, C) (:func:`pooling_weights` of
+    ``match.class_shares``); what a Flower server sends its clients beside the global body."""
+    if match.class_shares is None:
+        raise ValueError("match: expected the class shares the matching used (SpecMatch.class_shares), got None")
     weight, bias = client_heads(match, client_states)
-    parent_name, _, child = name.rpartition(".")
+    return {"weight": weight, "bias": bias, "pool_weights": pooling_weights(match.class_shares)}
+
+
+def attach_heads(net: nn.Module, output: str, weight: Tensor, bias: Tensor, pool_weights: Tensor) -> nn.Module:
+    """``net`` with its ``Linear`` output layer named ``output`` replaced (in place) by
+    ``PooledHeads(weight, bias, pool_weights)`` in the layer's dtype; returned in eval mode."""
+    parent_name, _, child = output.rpartition(".")
     parent = net.get_submodule(parent_name) if parent_name else net
-    old = getattr(parent, child)
+    old = getattr(parent, child, None)
     if not isinstance(old, nn.Linear):
-        raise ValueError(f"match: expected a Linear output layer {name!r}, got {type(old).__name__}")
+        raise ValueError(f"output: expected the name of a Linear output layer, got {output!r} "
+                         f"({type(old).__name__})")
     dtype = old.weight.dtype
-    setattr(parent, child, PooledHeads(weight.to(dtype), bias.to(dtype),
-                                       pooling_weights(match.class_shares).to(dtype)))
+    setattr(parent, child, PooledHeads(weight.to(dtype), bias.to(dtype), pool_weights.to(dtype)))
     return net.eval()
 
 
@@ -290,12 +306,13 @@ class PooledPosterior:
         return self.weight.shape[0]
 
     def _network(self, locs, weight: Tensor, bias: Tensor) -> nn.Module:
-        net = network_from_state(self.template, locs)
-        parent_name, _, child = self.output.rpartition(".")
-        parent = net.get_submodule(parent_name) if parent_name else net
-        dtype = getattr(parent, child).weight.dtype
-        setattr(parent, child, PooledHeads(weight.to(dtype), bias.to(dtype), self.pool_weights.to(dtype)))
-        return net.eval()
+        return attach_heads(network_from_state(self.template, locs), self.output, weight, bias, self.pool_weights)
+
+    def heads(self) -> dict[str, Tensor]:
+        """The heads' posterior as tensors: ``"weight"``, ``"weight_variance"`` (J, C, L), ``"bias"``,
+        ``"bias_variance"``, ``"pool_weights"`` (J, C) (what a Flower server sends beside the global body)."""
+        return {"weight": self.weight, "weight_variance": self.weight_variance, "bias": self.bias,
+                "bias_variance": self.bias_variance, "pool_weights": self.pool_weights}
 
     def mean_network(self) -> nn.Module:
         """The pooled posterior-mean network: the body's posterior means, every head's posterior means (for a match,
