@@ -34,7 +34,7 @@ import torch
 
 from bnpfed.data import load_dataset, standardize_together
 from bnpfed.federated.config import (LAPLACE_PRIORS, LATER_ROUNDS, ROUND_PRIORS, BayesianConfig, FusionConfig,
-                                     NetworkConfig, PartitionConfig, TrainingConfig)
+                                     NetworkConfig, PartitionConfig, PFNMConfig, TrainingConfig)
 from bnpfed.federated.methods import ExperimentConfig, run_experiment
 from bnpfed.models import IIDPrior
 
@@ -65,6 +65,10 @@ def _bayesian(args) -> BayesianConfig:
                           laplace_prior=args.laplace_prior)
 
 
+def _pool_temperature(value: str):
+    return value if value == "fit" else float(value)
+
+
 def _row(r) -> dict:
     out = {m: getattr(r, m) for m in METRICS}
     out.update(hidden=r.hidden, server_seconds=r.server_seconds, mean_sigma=r.mean_sigma,
@@ -88,13 +92,15 @@ def _one_round(part: str, methods, datasets, dirs, out: Path, seeds, args) -> No
                     ds, ood=ood, partition=PartitionConfig(clients=args.clients, partition=partition),
                     network=NetworkConfig(hidden=(100,)),
                     training=TrainingConfig(epochs=args.epochs, batch_size=64, lr=args.lr),
-                    bayesian=_bayesian(args), fusion=FusionConfig(own_init=True),
+                    bayesian=_bayesian(args), fusion=FusionConfig(own_init=True, pool_temperature=args.pool_temperature),
+                    pfnm=PFNMConfig(pool_temperature=args.pool_temperature),
                     config=ExperimentConfig(methods=methods, rounds=1, seed=seed, ece_bins=100,
                                             predictive_samples=args.samples))
                 _emit(out, key, dict(dataset=name, partition=partition, seed=seed, J=args.clients, tag=args.tag,
                                      lr=args.lr, init_scale=args.init_scale, epochs=args.epochs,
                                      prior_variance=args.prior_variance, kl_weight=args.kl_weight,
                                      scale_lr_factor=args.scale_lr_factor, client=args.client, expose=args.expose,
+                                     pool_temperature=args.pool_temperature,
                                      laplace_prior=args.laplace_prior,
                                      rows={r.method: _row(r) for r in result.rows}, warnings=result.warnings,
                                      wall_seconds=time.perf_counter() - t0))
@@ -209,6 +215,8 @@ def main(argv=None):
     p.add_argument("--methods", default="", help="comma-separated methods of the oneshot or rounds part (default: "
                    "all of the part's)")
     p.add_argument("--tag", default="", help="appended to every key (a variant of the settings)")
+    p.add_argument("--pool-temperature", type=_pool_temperature, default=1.0,
+                   help="the temperature of the pooled rows (pfnm-pooled, match-RULE-pooled): a number or fit")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--summary", action="store_true", help="print the tables of --out and stop")
     args = p.parse_args(argv)

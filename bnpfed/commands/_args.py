@@ -22,6 +22,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import sys
@@ -508,3 +509,24 @@ def load_data_and_ood(args, *, standardize: bool) -> tuple[Dataset, Optional[Ten
         return dataset, other.x_test
     dataset, (ood,) = standardize_together(dataset, other.x_test)
     return dataset, ood
+
+
+def pool_temperature(value: str):
+    """argparse type of ``--pool-temperature``: a number > 0 or ``fit`` (chosen by the clients' data)."""
+    word = value.strip().lower()
+    if word == "fit":
+        return "fit"
+    try:
+        number = float(word)
+    except ValueError:
+        number = math.nan
+    if not math.isfinite(number) or number <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0 or 'fit', got {value!r}")
+    return number
+
+
+#: ``--pool-temperature``'s help, shared by bnpfed pfnm and bnpfed fuse.
+POOL_TEMPERATURE_HELP = ("the temperature of the pooled heads' pool (the -pooled rows): a number > 0 (default 1) or "
+                         "fit (every client scores the pooled network on its own training data at 61 temperatures "
+                         "from 0.05 to 5, the least summed negative log-likelihood wins; under label skew the pool "
+                         "at 1 is under-confident, benchmarks/README.md)")

@@ -28,7 +28,8 @@ from bnpfed.federated import methods
 from bnpfed.federated.clients import initial_network
 from bnpfed.federated.config import (CLIENT_KINDS, CLIENT_WEIGHTS, FUSION_TRAINING, INITIALISATIONS, LAPLACE_PRIORS,
                                      PAPER_MIN_VARIANCE, PRIORS, PRIOR_VARIANCES, PVI_DAMPING, ROUND_PRIORS,
-                                     LATER_ROUNDS, BayesianConfig, FusionConfig, NetworkConfig, config_dict)
+                                     LATER_ROUNDS, BayesianConfig, FusionConfig, NetworkConfig, PFNMConfig,
+                                     config_dict)
 from bnpfed.federated.methods import ExperimentConfig
 from bnpfed.federated.fusion import FUSION_ARCHITECTURES
 from bnpfed.federated.matched_fusion import MatchedFusionFederation
@@ -175,6 +176,8 @@ def add_parser(sub):
                    "log-probabilities pooled with their class shares inside every weight draw: rows "
                    "match-RULE-pooled, and pfnm-pooled beside pfnm one shot) or both; J output layers instead of "
                    "one, better under label skew (benchmarks/README.md); not with --save-global")
+    g.add_argument("--pool-temperature", type=_args.pool_temperature, metavar="T|fit",
+                   default=fusion.pool_temperature, help="--heads pooled or both: " + _args.POOL_TEMPERATURE_HELP)
     g.add_argument("--starts", choices=STARTS, default=fusion.starts,
                    help="--align match: where the matcher's empirical Bayes starts: the even split (default), from "
                    "the small-noise start as well with the likelier kept (both), or the small-noise start only")
@@ -274,6 +277,9 @@ def prepare(args) -> dict:
         raise UsageError(f"--match-on: expected only with --align match, got --align {args.align}")
     if args.heads != "fused" and not match:
         raise UsageError(f"--heads: expected only with --align match, got --align {args.align}")
+    if args.pool_temperature != 1 and args.heads == "fused":
+        raise UsageError(f"--pool-temperature: the temperature of pooled heads; expected it only with --heads pooled "
+                         f"or both, got --heads fused")
     if args.heads != "fused" and args.save_global is not None:
         raise UsageError(f"--heads {args.heads}: a global network with the clients' pooled posterior heads has no "
                          "global-model file yet; expected --heads fused with --save-global")
@@ -302,7 +308,7 @@ def prepare(args) -> dict:
                           min_variance=args.min_variance, fraction=args.fraction, align=args.align, tau2=args.tau2,
                           own_init=own_init, pvi_damping=args.pvi_damping, match_on=args.match_on,
                           starts=args.starts, stop=args.stop, matcher_device=args.matcher_device,
-                          later_rounds=args.later_rounds)
+                          later_rounds=args.later_rounds, pool_temperature=args.pool_temperature)
     if args.baselines is not None:
         if not match:
             raise UsageError(f"--baselines: expected only with --align match, got --align {args.align}")
@@ -330,8 +336,10 @@ def prepare(args) -> dict:
     initial_network(network, dataset.input_shape, dataset.num_classes, seed=config.seed)
     if match:
         MatchedFusionFederation.check_network(network)
+    # the pfnm-pooled row beside the matched pooled rows pools at the same temperature
+    pfnm = PFNMConfig(pool_temperature=args.pool_temperature if "pfnm-pooled" in names else 1.0)
     return dict(dataset=dataset, partition=partition, network=network, training=training, bayesian=bayesian,
-                fusion=fusion, config=config, ood=ood)
+                fusion=fusion, pfnm=pfnm, config=config, ood=ood)
 
 
 def run(args) -> int:

@@ -165,6 +165,8 @@ def add_parser(sub):
                    "shares; J output layers instead of one, far better under label skew, benchmarks/README.md; the "
                    "rows' names end in -pooled). The methods pfnm-pooled and fedma-pooled give such rows beside "
                    "the fused ones")
+    g.add_argument("--pool-temperature", type=_args.pool_temperature, metavar="T|fit", default=d.pool_temperature,
+                   help=_args.POOL_TEMPERATURE_HELP)
     g.add_argument("--layerwise-retrain", type=int, metavar="EPOCHS", default=d.layerwise_retrain,
                    help="FedMA's layer-wise scheme (the fedma method, added to the default methods when > 0): match a "
                    "layer, freeze it, let the clients retrain the layers above for EPOCHS epochs, match the next "
@@ -329,13 +331,18 @@ def prepare(args) -> dict:
                       starts=args.starts, stop=args.stop, inactive=args.inactive,
                       matcher_device=None if torch.device(training.device).type == "cpu" else training.device,
                       max_width=_one_or_many(args.max_width), max_params=args.max_params,
-                      limit_from_round=args.limit_from_round, heads=args.heads)
+                      limit_from_round=args.limit_from_round, heads=args.heads,
+                      pool_temperature=args.pool_temperature)
     fusion = FusionConfig(fraction=args.fraction)  # FedAvg's client sampling
     chosen = args.methods
     if chosen is None:
         chosen = DEFAULT_METHODS + (("pfnm-rounds",) if args.rounds > 1 else ())
         if args.layerwise_retrain:
             chosen += ("fedma",) + (("fedma-rounds",) if args.rounds > 1 else ())
+    if args.pool_temperature != 1 and args.heads == "fused" and not any(m.endswith("-pooled") for m in chosen):
+        raise UsageError(f"--pool-temperature: the temperature of pooled heads; expected it only with --heads pooled "
+                         f"or a -pooled method (pfnm-pooled, fedma-pooled), got --heads fused and --methods "
+                         f"{','.join(chosen)}")
     config = ExperimentConfig(methods=chosen, rounds=args.rounds, seed=args.seed, select=args.select,
                               grid_sigma2=args.grid_sigma2, grid_sigma0_2=args.grid_sigma0_2,
                               grid_gamma0=args.grid_gamma0, noise_factors=args.noise_factors,

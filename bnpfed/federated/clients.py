@@ -38,12 +38,13 @@ from torch import Tensor, nn
 from bnpfed.federated.config import BayesianConfig, NetworkConfig, TrainingConfig
 from bnpfed.inference import BayesianClient, DeterministicClient, LaplaceClient, MeanFieldELBO, derive_spec
 from bnpfed.inference.activity import unit_activity
+from bnpfed.inference.pooled_heads import PooledHeads, PooledPosterior, pool_nll
 from bnpfed.inference.permutation import BatchNormMoments, batch_norm_moments
 from bnpfed.models import LeNet, mlp, reference_init_, simple_cnn
 from bnpfed.seeding import Stream, derive_seed, seeded, torch_generator
 
 __all__ = ["batch_norm_moments_step", "bayesian_client", "build_network", "fit_bayesian", "initial_network",
-           "posterior_client", "start_round_prior_", "train_network"]
+           "pool_nll_step", "pooled_posterior_nll_step", "posterior_client", "start_round_prior_", "train_network"]
 
 
 def build_network(network: NetworkConfig, input_shape: Sequence[int], num_classes: int) -> nn.Module:
@@ -155,6 +156,28 @@ def unit_activity_step(net: nn.Module, x: Tensor, input_shape: Sequence[int], ba
     (:func:`~bnpfed.inference.activity.unit_activity`; 0 exactly: a unit dead on the client's data, which the server
     leaves out of matching under ``PFNMConfig.inactive="drop"``)."""
     return unit_activity(net, x, derive_spec(net, input_shape), batch_size=batch_size)
+
+
+@torch.no_grad()
+def pool_nll_step(net: nn.Module, x: Tensor, y: Tensor, batch_size: int = 1024) -> Tensor:
+    """A client's scores of a network with pooled heads on its own data: the summed negative log-likelihood of its
+    labels at every temperature of :data:`~bnpfed.inference.pooled_heads.TEMPERATURES`
+    (:func:`~bnpfed.inference.pooled_heads.pool_nll` of the network's outputs at temperature 1), what the server adds
+    up to choose the pool's temperature (:func:`~bnpfed.inference.pooled_heads.fit_temperature`)."""
+    net = net.eval()
+    layers = [m for m in net.modules() if isinstance(m, PooledHeads)]
+    if len(layers) != 1:
+        raise ValueError(f"net: expected a network with one PooledHeads layer, got {len(layers)}")
+    scale = float(layers[0].temperature)   # its outputs are the pool over its temperature
+    return sum(pool_nll(net(x[i:i + batch_size]) * scale, y[i:i + batch_size]) for i in range(0, len(x), batch_size))
+
+
+def pooled_posterior_nll_step(pooled: PooledPosterior, x: Tensor, y: Tensor, num_samples: int, seed: int,
+                              batch_size: int = 1000) -> Tensor:
+    """:func:`pool_nll_step` for a :class:`~bnpfed.inference.PooledPosterior`: the predictive of ``num_samples``
+    draws from ``seed`` (the same draws on every client and batch) on the client's own data, at every temperature."""
+    return sum(pool_nll(pooled.log_pools(x[i:i + batch_size], num_samples, seed), y[i:i + batch_size])
+               for i in range(0, len(x), batch_size))
 
 
 def bayesian_client(net: nn.Module, bayesian: BayesianConfig) -> BayesianClient:

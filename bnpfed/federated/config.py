@@ -116,6 +116,28 @@ LATER_ROUNDS = ("rematch", "fixed")
 #: Matched fusion's output layer (:class:`FusionConfig`'s ``heads``): the rule's fusion of the clients' output layers,
 #: or the clients' own output layers pooled log-linearly with the class shares.
 HEADS = ("fused", "pooled")
+#: ``pool_temperature="fit"``: the pool's temperature chosen by the clients' data.
+FIT = "fit"
+
+
+def check_pool_temperature(value) -> None:
+    """``pool_temperature``: a number > 0 or ``"fit"`` (read by pooled heads only: ``heads="pooled"``, or the
+    methods ``pfnm-pooled``, ``fedma-pooled``, ``match-<rule>-pooled``; a federation or an experiment with neither
+    refuses a value other than 1: :func:`check_pool_temperature_applies`)."""
+    if isinstance(value, str):
+        if value != FIT:
+            raise ValueError(f"pool_temperature: expected a number > 0 or {FIT!r}, got {value!r}")
+    elif isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"pool_temperature: expected a number > 0 or {FIT!r}, got {value!r}")
+
+
+def check_pool_temperature_applies(config, pooled: bool) -> None:
+    """Refuse ``config.pool_temperature`` other than 1 unless ``pooled`` (something pools heads with it)."""
+    if config.pool_temperature != 1 and not pooled:
+        raise ValueError(f"pool_temperature: the temperature of pooled heads; expected 1 without them (heads="
+                         f"{config.heads!r}), got {config.pool_temperature!r}")
+
+
 #: Client weights ``b_k`` of posterior fusion: proportional to the local data size, or uniform.
 CLIENT_WEIGHTS = ("size", "uniform")
 
@@ -522,6 +544,11 @@ class PFNMConfig:
         on Fashion-MNIST Dirichlet(0.5) that the pool keeps (benchmarks/README.md, "The output layer under label
         skew"). The clients start the next round from their slices either way, and ``max_width`` / ``max_params`` and
         the hyper-parameter selection see the fused network (the heads are not priced).
+    :param pool_temperature: ``heads="pooled"``: the pool's temperature, a number > 0 (default 1: the pool itself)
+        or ``"fit"``: each matched client scores the pooled network on its own training data at every temperature
+        of :data:`~bnpfed.inference.pooled_heads.TEMPERATURES` and the server keeps the one of least summed negative
+        log-likelihood (:func:`~bnpfed.inference.pooled_heads.fit_temperature`; in process only). Under label skew
+        the pool is under-confident at 1 (benchmarks/README.md, "Pooled heads, matched fusion and a temperature").
 
     Over communication rounds each global neuron is a posterior mean, ``sum v / (m + sigma2 / sigma0_2)``: a neuron few
     clients hold comes back to them shrunk towards the prior mean. With too little retraining per round (say 2 local
@@ -550,10 +577,12 @@ class PFNMConfig:
     max_params: Union[None, int, str] = "auto"
     limit_from_round: int = 1
     heads: str = "fused"
+    pool_temperature: Union[float, str] = 1.0
 
     def __post_init__(self):
         check_choice(self.hyperparameters, ("empirical-bayes", "fixed"), "hyperparameters")
         check_choice(self.heads, HEADS, "heads")
+        check_pool_temperature(self.pool_temperature)
         if isinstance(self.max_width, (tuple, list)):
             if not self.max_width:
                 raise ValueError(f"max_width: expected an int, one per hidden layer, or None, got {self.max_width!r}")
@@ -747,6 +776,10 @@ class FusionConfig:
         fused layer averages the clients' logits class by class, which the pool does not: benchmarks/README.md,
         "The output layer under label skew"). The clients start their next round from their slices of the fused
         posterior either way.
+    :param pool_temperature: ``heads="pooled"``: the pool's temperature in every draw, a number > 0 (default 1) or
+        ``"fit"`` (each matched client scores the pooled predictive on its own training data at every temperature of
+        :data:`~bnpfed.inference.pooled_heads.TEMPERATURES`, the server keeps the best summed one; in process only),
+        as :class:`PFNMConfig`'s.
     """
 
     rule: str = "conflation"
@@ -764,10 +797,12 @@ class FusionConfig:
     matcher_device: Optional[str] = None
     later_rounds: str = "auto"
     heads: str = "fused"
+    pool_temperature: Union[float, str] = 1.0
 
     def __post_init__(self):
         check_choice(self.rule, matched_rules(), "rule")
         check_choice(self.heads, HEADS, "heads")
+        check_pool_temperature(self.pool_temperature)
         if self.heads != "fused" and self.align != "match":
             raise ValueError(f"heads: the output layer of matched fusion (the clients' own heads placed at the global "
                              f"units their units were matched to); expected 'fused' with align={self.align!r}, got "

@@ -53,8 +53,9 @@ from torch import Tensor, nn
 
 from bnpfed.data import Dataset
 from bnpfed.federated.clients import (bayesian_client, fit_bayesian, initial_network, posterior_client,
-                                     unit_activity_step)
-from bnpfed.federated.config import PVI_DAMPING, BayesianConfig, FusionConfig, NetworkConfig, TrainingConfig
+                                     pooled_posterior_nll_step, unit_activity_step)
+from bnpfed.federated.config import (FIT, PVI_DAMPING, BayesianConfig, FusionConfig, NetworkConfig, TrainingConfig,
+                                     check_pool_temperature_applies)
 from bnpfed.federated.federation import Federation
 from bnpfed.federated.fusion import check_fusion_network
 from bnpfed.federated.partition import class_counts
@@ -62,6 +63,7 @@ from bnpfed.federated.rounds import Architecture, HoldsRounds, MatchRounds, PVIF
 from bnpfed.federated.server import match_hyperparameters, matched_fusion_step
 from bnpfed.inference import BayesianClient, LaplaceClient, PooledPosterior
 from bnpfed.inference.permutation import network_from_state
+from bnpfed.inference.pooled_heads import fit_temperature
 from bnpfed.inference.posterior_matching import PVI, PosteriorMatch, client_posterior
 from bnpfed.metrics import count_parameters
 from bnpfed.posterior import GaussianPosterior
@@ -161,6 +163,7 @@ class MatchedFusionFederation(HoldsRounds, Federation):
             if not isinstance(value, kind):
                 raise ValueError(f"{name}: expected a {kind.__name__}, got {type(value).__name__}")
         self.check_network(network)
+        check_pool_temperature_applies(fusion, fusion.heads == "pooled")
         bayesian.check_training(training)
         training.check_inputs(dataset.input_shape)
         if initial_clients is not None and len(initial_clients) != self.num_clients:
@@ -216,7 +219,7 @@ class MatchedFusionFederation(HoldsRounds, Federation):
         if match_on == "means":   # each client's report on its units (its posterior-mean network), on its own data
             activity = [unit_activity_step(self.clients[j].mean_network(), self.client_data[j][0],
                                            self.dataset.input_shape, self.training.batch_size) for j in sampled]
-        pvi_metrics = {} if self.pvi is None else {"cavity_at_prior": self.pvi.improper}
+        extra = {} if self.pvi is None else {"cavity_at_prior": self.pvi.improper}
         pvi = {} if self.pvi is None else self.pvi.step_arguments(sampled, posteriors)
         match = matched_fusion_step(posteriors, self.class_counts[sampled], [self.sizes[j] for j in sampled],
                                     self.fusion, seed=self.seed, round=round, starts=self.rounds.warm_start(sampled),
@@ -225,15 +228,22 @@ class MatchedFusionFederation(HoldsRounds, Federation):
         seconds = time.perf_counter() - t0
         self.rounds.update(match, sampled)
         if self.pvi is not None:
-            pvi_metrics["improper"] = match.improper
+            extra["improper"] = match.improper
         self.global_model = bayesian_from_match(match, self.bayesian)
         if self.fusion.heads == "pooled":   # the sampled clients' own heads, in the match's order
             self.pooled = PooledPosterior.of_match(match, posteriors)
+            temperature = self.fusion.pool_temperature
+            if temperature == FIT:   # each client scores the predictive's draws on its own data
+                draws = derive_seed(self.seed, Stream.PREDICT, round)
+                temperature = fit_temperature([pooled_posterior_nll_step(
+                    self.pooled, *self.client_data[j], self.predictive_samples, draws) for j in sampled])
+            self.pooled.temperature = float(temperature)
+            extra["pool_temperature"] = float(temperature)
             self._mean_net = self.pooled.mean_network().float().eval()
         else:
             self._mean_net = match.network().float().eval()
         metrics = {**self.rounds.summary(), "parameters": count_parameters(self._mean_net),
-                   "server_seconds": seconds, **pvi_metrics}
+                   "server_seconds": seconds, **extra}
         if losses:
             metrics["train_loss"] = sum(losses) / len(losses)
         with torch.no_grad():

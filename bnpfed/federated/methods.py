@@ -76,10 +76,11 @@ from bnpfed.combine import available_rules
 from bnpfed.data import Dataset
 from bnpfed.federated.baselines import (aligned_average, ensemble_proba, fedavg_network, kmeans_networks,
                                        reference_client)
-from bnpfed.federated.clients import (fit_bayesian, initial_network, posterior_client, train_network,
+from bnpfed.federated.clients import (fit_bayesian, initial_network, pool_nll_step, posterior_client, train_network,
                                       unit_activity_step)
-from bnpfed.federated.config import (EB_DEFAULTS, BayesianConfig, FusionConfig, NetworkConfig, PFNMConfig,
-                                     PartitionConfig, TrainingConfig, config_dict, holdout_split)
+from bnpfed.federated.config import (EB_DEFAULTS, FIT, BayesianConfig, FusionConfig, NetworkConfig, PFNMConfig,
+                                     PartitionConfig, TrainingConfig, check_pool_temperature_applies, config_dict,
+                                     holdout_split)
 from bnpfed.federated.federation import EVAL_CHUNK, Federation, reestimate_statistics
 from bnpfed.federated.fusion import FedAvgFederation, FusionFederation
 from bnpfed.federated.matched_fusion import MatchedFusionFederation, bayesian_from_match
@@ -92,7 +93,7 @@ from bnpfed.inference.batch_norm import batch_norm_order
 from bnpfed.inference.kl_fusion import kl_fusion
 from bnpfed.inference.permutation import SpecMatch, derive_spec
 from bnpfed.inference.posterior_matching import matched_rules
-from bnpfed.inference.pooled_heads import pooled_network
+from bnpfed.inference.pooled_heads import fit_temperature, pooled_network, set_temperature
 from bnpfed.metrics import (classification_report, count_parameters, ece_noise_floor, expected_calibration_error,
                             ood_auroc)
 from bnpfed.report import plural
@@ -289,6 +290,11 @@ class Experiment:
                                  f"shape), got {tuple(ood.shape)} {ood.dtype}")
         if config.select == "operating-point":
             check_noise_to_scale(pfnm)
+        pooled = [m for m in config.methods if isinstance(m, str) and m.endswith(POOLED_SUFFIX)]
+        check_pool_temperature_applies(pfnm, pfnm.heads == "pooled" or any(not m.startswith(MATCH_PREFIX)
+                                                                           for m in pooled))
+        check_pool_temperature_applies(fusion, fusion.heads == "pooled" or any(m.startswith(MATCH_PREFIX)
+                                                                               for m in pooled))
         training.check_inputs(dataset.input_shape)
         self.ood = ood
         self.dataset, self.partition, self.network, self.training = dataset, partition, network, training
@@ -618,7 +624,14 @@ _POOLED_NOTE = "the clients' own output layers pooled log-linearly with class-sh
 def _pooled_row(experiment: Experiment, name: str, net: nn.Module, match: SpecMatch, note: str,
                 **extra) -> MethodResult:
     """The row of ``net``, ``match``'s global body with the clients' own output layers pooled
-    (:mod:`bnpfed.inference.pooled_heads`), kept under ``name``."""
+    (:mod:`bnpfed.inference.pooled_heads`) at ``pfnm.pool_temperature`` (``"fit"``: every client scores it on its
+    training data), kept under ``name``."""
+    temperature = experiment.pfnm.pool_temperature
+    if temperature == FIT:
+        temperature = fit_temperature([pool_nll_step(net, x, y) for x, y in experiment.client_data])
+    set_temperature(net, temperature)
+    if temperature != 1:
+        note += f", at temperature {temperature:.3g}"
     experiment.keep(name, net, match)
     return MethodResult.from_metrics(name, experiment.evaluate_network(net), hidden=match.hidden_sizes,
                                      parameters=count_parameters(net), server_seconds=match.seconds,
@@ -633,6 +646,8 @@ def _pfnm_pooled(experiment: Experiment) -> MethodResult:
 
 def _pfnm_federation(experiment: Experiment, layerwise_retrain: int) -> PFNMFederation:
     config = replace(experiment.selection().config, layerwise_retrain=layerwise_retrain)
+    if config.heads == "fused":   # its temperature is for the pooled rows (pfnm-pooled, fedma-pooled)
+        config = replace(config, pool_temperature=1.0)
     return PFNMFederation(experiment.dataset, experiment.parts, network=experiment.network,
                           training=experiment.training, pfnm=config, seed=experiment.seed,
                           ece_bins=experiment.config.ece_bins,
@@ -758,7 +773,9 @@ def _matched_fusion(experiment: Experiment, rule: str, pooled: bool = False) -> 
     heads = "pooled" if pooled else experiment.fusion.heads   # match-<rule>-pooled, or the config's heads
     federation = MatchedFusionFederation(experiment.dataset, experiment.parts, network=experiment.network,
                                          training=experiment.training, bayesian=experiment.bayesian,
-                                         fusion=replace(experiment.fusion, rule=rule, align="match", heads=heads),
+                                         fusion=replace(experiment.fusion, rule=rule, align="match", heads=heads,
+                                                        pool_temperature=experiment.fusion.pool_temperature
+                                                        if heads == "pooled" else 1.0),
                                          seed=experiment.seed, ece_bins=experiment.config.ece_bins,
                                          predictive_samples=experiment.config.predictive_samples,
                                          initial_clients=experiment.bayesian_clients())

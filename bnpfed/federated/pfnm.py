@@ -51,8 +51,8 @@ import torch
 from torch import Tensor, nn
 
 from bnpfed.data import Dataset
-from bnpfed.federated.clients import initial_network, train_network, unit_activity_step
-from bnpfed.federated.config import NetworkConfig, PFNMConfig, TrainingConfig
+from bnpfed.federated.clients import initial_network, pool_nll_step, train_network, unit_activity_step
+from bnpfed.federated.config import FIT, NetworkConfig, PFNMConfig, TrainingConfig, check_pool_temperature_applies
 from bnpfed.federated.federation import Federation, reestimate_statistics
 from bnpfed.federated.partition import class_counts
 from bnpfed.federated.rounds import Architecture, HoldsRounds, MatchRounds
@@ -60,7 +60,7 @@ from bnpfed.federated.server import (drop_inactive, ensemble_parameters, fedma_g
                                      matched_parameters, pfnm_step, with_statistics)
 from bnpfed.inference.permutation import SpecMatch, align_to_group
 from bnpfed.inference.matching import averaging_weights
-from bnpfed.inference.pooled_heads import pooled_network
+from bnpfed.inference.pooled_heads import fit_temperature, pooled_network, set_temperature
 from bnpfed.metrics import count_parameters
 
 __all__ = ["PFNMFederation"]
@@ -101,6 +101,7 @@ class PFNMFederation(HoldsRounds, Federation):
         if initial_models is not None and len(initial_models) != self.num_clients:
             raise ValueError(f"initial_models: expected one network per client ({self.num_clients}), got "
                              f"{len(initial_models)}")
+        check_pool_temperature_applies(pfnm, pfnm.heads == "pooled")
         self.network, self.training, self.pfnm = network, training, pfnm
         if pfnm.layerwise_retrain:
             self.method = "fedma-rounds"
@@ -155,9 +156,24 @@ class PFNMFederation(HoldsRounds, Federation):
                 match.state = with_statistics(match.state, self._statistics(sampled, self.architecture.batch_norms,
                                                                             [match.state]))
         self.rounds.update(match, sampled)
-        self._net = (pooled_network(match, self.matched_states) if self.pfnm.heads == "pooled"
-                     else match.network()).eval()
-        return [], {**self.rounds.summary(), "parameters": count_parameters(self._net), "server_seconds": seconds}
+        pooled = {}
+        if self.pfnm.heads == "pooled":
+            self._net = self.pooled_network()
+            pooled["pool_temperature"] = self.pool_temperature_(sampled)
+        else:
+            self._net = match.network().eval()
+        return [], {**self.rounds.summary(), "parameters": count_parameters(self._net), "server_seconds": seconds,
+                    **pooled}
+
+    def pool_temperature_(self, clients: Sequence[int]) -> float:
+        """Set the pooled global network's temperature as ``pfnm.pool_temperature`` says (a number, or ``"fit"``:
+        ``clients`` score it on their training data, :func:`~bnpfed.federated.clients.pool_nll_step`) and return
+        it."""
+        value = self.pfnm.pool_temperature
+        if value == FIT:
+            value = fit_temperature([pool_nll_step(self._net, *self.client_data[j]) for j in clients])
+        set_temperature(self._net, value)
+        return float(value)
 
     def _layerwise(self, round: int, sampled: list[int], states: list[dict], starts, ensemble: int
                    ) -> tuple[SpecMatch, float]:

@@ -445,6 +445,7 @@ def parse_run_config(config: Mapping[str, Any]) -> FlowerSettings:
         values = _config_values(config, name, auto=True)
         if name in _HEADS_OF and _HEADS_OF[name] != run.method:   # heads: the output layer of the method's server
             values.pop("heads", None)
+            values.pop("pool_temperature", None)
         if name == "training" and "amsgrad" not in values:   # left to the method: its Adam default gives way to SGD
             schedule = base or TrainingConfig()
             values["amsgrad"] = schedule.amsgrad_for(values.get("optimizer", schedule.optimizer))
@@ -469,6 +470,11 @@ def parse_run_config(config: Mapping[str, Any]) -> FlowerSettings:
         raise ValueError(f"heads: the output layer of PFNM's or matched posterior fusion's global network "
                          f"(method=\"pfnm\", or \"fusion\" with align=\"match\"); expected 'fused' with "
                          f"method={run.method!r}, got {config['heads']!r}")
+    temperature = built["pfnm"].pool_temperature if run.method == "pfnm" else built["fusion"].pool_temperature
+    if "pool-temperature" in config and (temperature != 1 or str(config["pool-temperature"]).strip() not in
+                                         ("1", "1.0")):
+        raise ValueError(f"pool-temperature: a temperature of pooled heads runs in process only (bnpfed pfnm, bnpfed "
+                         f"fuse, the Python API); expected 1 on Flower, got {config['pool-temperature']!r}")
     if run.method == "fusion" and heads != "fused":
         if built["secure"].secure_aggregation:
             raise ValueError(f"heads: the output layer of matched posterior fusion in the clear; expected 'fused' "
