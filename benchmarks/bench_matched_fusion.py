@@ -71,9 +71,9 @@ def _pool_temperature(value: str):
 
 def _row(r) -> dict:
     out = {m: getattr(r, m) for m in METRICS}
-    out.update(hidden=r.hidden, server_seconds=r.server_seconds, mean_sigma=r.mean_sigma,
+    out.update(hidden=r.hidden, server_seconds=r.server_seconds, mean_sigma=r.mean_sigma, note=r.note,
                history=[{k: h.get(k) for k in ("round", "accuracy", "nll", "ece", "ece_floor", "ece15", "brier",
-                                               "hidden", "mean_sigma")} for h in r.history])
+                                               "hidden", "mean_sigma", "pool_temperature")} for h in r.history])
     return out
 
 

@@ -500,19 +500,23 @@ def part_compress(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=(
 
 
 def part_pooled(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("iid", "dirichlet"),
-                arch: str = "lenet") -> None:
+                arch: str = "lenet", pool_temperature=1.0) -> None:
     """PFNM's output rule under label skew: one-shot PFNM (bnpfed's defaults) and the same match with the clients'
-    own output layers pooled log-linearly (``pfnm-pooled``, :mod:`bnpfed.inference.pooled_heads`), beside the local
-    models and the ensemble, on the same local models."""
-    for key, J, partition, seed in _settings(out, f"pooled/{name}/{arch}", Js, partitions, seeds):
+    own output layers pooled log-linearly (``pfnm-pooled``, :mod:`bnpfed.inference.pooled_heads`; at
+    ``pool_temperature``, keys ``.../T=fit`` when not 1), beside the local models and the ensemble, on the same local
+    models."""
+    tag = "" if pool_temperature == 1 else f"/T={pool_temperature}"
+    for key, J, partition, seed in _settings(out, f"pooled/{name}/{arch}{tag}", Js, partitions, seeds):
         configs = _configs(J, partition, seed, methods=("local", "ensemble", "pfnm", "pfnm-pooled"))
         configs["network"] = replace(PFNM_NETWORK, arch=arch)
-        configs["pfnm"] = PFNMConfig()
+        configs["pfnm"] = PFNMConfig(pool_temperature=pool_temperature)
         if name == "cifar10":
             configs["training"] = CIFAR_TRAINING
         result = run_experiment(ds, **configs)
-        rows = {r.method: dict(_row(r), parameters=r.parameters, nll=r.nll, ece=r.ece) for r in result.rows}
-        _emit(out, key, dict(dataset=name, arch=arch, J=J, partition=partition, seed=seed, rows=rows))
+        rows = {r.method: dict(_row(r), parameters=r.parameters, nll=r.nll, ece=r.ece, note=r.note)
+                for r in result.rows}
+        _emit(out, key, dict(dataset=name, arch=arch, J=J, partition=partition, seed=seed, rows=rows,
+                             pool_temperature=pool_temperature))
 
 
 def part_shrink(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("iid", "dirichlet"),
@@ -714,6 +718,8 @@ def main(argv=None):
     p.add_argument("--fedma-epochs", type=int, default=None,
                    help="the size part's FedMA: retraining epochs a group (default: the library's, a later round's "
                         "local epochs: 5 under the reference training)")
+    p.add_argument("--pool-temperature", type=lambda v: v if v == "fit" else float(v), default=1.0,
+                   help="the pooled part's pool temperature: a number or fit (chosen by the clients' training data)")
     p.add_argument("--size-rows", choices=SIZE_ROWS, default="all",
                    help="the size part's rows: all, or fedma (the local models, the ensemble, PFNM at its own size, "
                         "FedMA at the ensemble's size and at half of it)")
@@ -767,7 +773,7 @@ def main(argv=None):
                            arch=args.arch)
         elif part == "pooled":
             part_pooled(ds, out, seeds, Js, name=args.dataset, partitions=tuple(args.partitions.split(",")),
-                        arch=args.arch)
+                        arch=args.arch, pool_temperature=args.pool_temperature)
         elif part == "shrink":
             part_shrink(ds, out, seeds, Js, name=args.dataset, partitions=tuple(args.partitions.split(",")),
                         arch=args.arch, rounds=args.rounds)
