@@ -254,3 +254,13 @@ def test_fedma_pooled_row_has_fedmas_body():
     fedma, pooled = result.rows
     assert pooled.method == "fedma-pooled" and pooled.hidden == fedma.hidden
     assert pooled.parameters == fedma.parameters + 2 * 10 * (fedma.hidden[0] + 1)
+
+
+def test_a_pooled_config_and_a_pooled_method_giving_one_row_name_twice_are_refused():
+    ds = load_dataset("digits", standardize=False)
+    with pytest.raises(ValueError, match="methods: with heads='pooled' configured, 'pfnm' already gives the row"):
+        run_experiment(ds, pfnm=PFNMConfig(heads="pooled"), config=ExperimentConfig(methods=("pfnm", "pfnm-pooled")))
+    result = run_experiment(ds, partition=PartitionConfig(clients=3), network=NetworkConfig(hidden=(8,)),
+                            training=TrainingConfig(epochs=1), pfnm=PFNMConfig(heads="pooled"),
+                            config=ExperimentConfig(methods=("pfnm",)))
+    assert [r.method for r in result.rows] == ["pfnm-pooled"]

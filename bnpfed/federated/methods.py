@@ -292,6 +292,13 @@ class Experiment:
         if config.select == "operating-point":
             check_noise_to_scale(pfnm)
         pooled = [m for m in config.methods if isinstance(m, str) and m.endswith(POOLED_SUFFIX)]
+        for m in pooled:   # with pooled heads configured, m and m-pooled would be two rows of the same name
+            base = m[:-len(POOLED_SUFFIX)]
+            heads = fusion.heads if base.startswith(MATCH_PREFIX) else pfnm.heads
+            if base in config.methods and heads == "pooled" and base in ("pfnm", "fedma") + tuple(
+                    MATCH_PREFIX + r for r in matched_rules()):
+                raise ValueError(f"methods: with heads='pooled' configured, {base!r} already gives the row {m!r}; "
+                                 f"expected one of {base!r} and {m!r}")
         check_pool_temperature_applies(pfnm, pfnm.heads == "pooled" or any(not m.startswith(MATCH_PREFIX)
                                                                            for m in pooled))
         check_pool_temperature_applies(fusion, fusion.heads == "pooled" or any(m.startswith(MATCH_PREFIX)
