@@ -114,6 +114,10 @@ def test_bnpfed_match_heads_pooled_writes_the_matched_body_with_the_clients_pool
     assert main(["match", *files(folder, name, state), *extra, "--heads", "pooled", "--posteriors",
                  "--out", str(tmp_path / "p.pt")]) == 2
     assert "--heads pooled: a global posterior with the clients' pooled heads has no file" in capsys.readouterr().err
+    # a size limit prices one output layer: the file says what the heads add on top
+    assert main(["match", *files(folder, name, state), *extra, "--heads", "pooled", "--max-params", "ensemble",
+                 "--out", str(tmp_path / "limited.pt")]) == 0
+    assert "the limits priced one output layer; the pooled heads add" in capsys.readouterr().out
 
 
 def test_bnpfed_match_without_counts_estimates_the_class_shares_and_says_so(folder, tmp_path, capsys, digits):

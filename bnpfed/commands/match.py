@@ -386,6 +386,10 @@ def run(args) -> int:
     if args.heads == "pooled":
         notes.append(f"--heads pooled: the {len(plan['clients'])} clients' own output layers on the matched units, "
                      "log-probabilities pooled with the class shares")
+        if args.max_params is not None or args.max_width is not None:
+            extra = count_parameters(network) - count_parameters(match.network())
+            notes.append(f"--heads pooled: the limits priced one output layer; the pooled heads add {extra:,} "
+                         "parameters on top")
     for group, result in match.layer_results.items():
         notes += [f"{group}: {n}" for n in getattr(result, "notes", [])]
     if "parameters" in match.size_searches:
