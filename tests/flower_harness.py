@@ -38,6 +38,7 @@ from typing import Any
 from unittest import mock
 
 import numpy as np
+import torch
 import pytest
 
 flwr = pytest.importorskip("flwr", reason="Flower is not installed (pip install 'bnpfed[flower]')")
@@ -86,7 +87,9 @@ def pfnm_arrays(federation) -> dict[str, np.ndarray]:
     beside it under ``pfnm.heads = "pooled"``)."""
     record = state_to_record(federation.match.state)
     if federation.pfnm.heads == "pooled":
-        record = with_heads(record, pooled_heads_of(federation.match, federation.matched_states))
+        heads = pooled_heads_of(federation.match, federation.matched_states)
+        temperature = federation.history[-1].metrics["pool_temperature"]
+        record = with_heads(record, {**heads, "temperature": torch.tensor(temperature, dtype=torch.float64)})
     return from_array_record(record)
 
 

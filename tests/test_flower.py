@@ -86,13 +86,15 @@ def test_the_flower_apps_pfnm_output_is_a_global_network_file_bnpfed_loads(confi
         assert torch.equal(net(x), reference.match.network().eval()(x))  # the in-process global network
 
 
-@pytest.mark.parametrize("config", [PFNM, CNN_BN], ids=["mlp", "simple-cnn-bn"])
-def test_pfnm_with_pooled_heads_on_flower_is_the_in_process_federation_bit_for_bit(config, tmp_path):
-    # the server sends the matched clients' own output layers beside the global network, the clients score the
-    # pooled network on their shards, and the output file is the pooled network
+@pytest.mark.parametrize("config, temperature", [(PFNM, 1.0), (CNN_BN, 1.0), (PFNM, "fit")],
+                         ids=["mlp", "simple-cnn-bn", "mlp-fitted-temperature"])
+def test_pfnm_with_pooled_heads_on_flower_is_the_in_process_federation_bit_for_bit(config, temperature, tmp_path):
+    # the server sends the matched clients' own output layers beside the global network (with "fit" after asking
+    # the matched clients for their NLL sums at every temperature), the clients score the pooled network on their
+    # shards, and the output file is the pooled network
     import bnpfed
 
-    config = {**config, "heads": "pooled", "partition": "dirichlet"}
+    config = {**config, "heads": "pooled", "partition": "dirichlet", "pool-temperature": temperature}
     result = run_federation(LocalGrid(client_app, CLIENTS), {**config, "output-dir": str(tmp_path)})
     reference = assert_same_as_in_process(result, config)
     assert reference.method == "pfnm-rounds-pooled"
@@ -104,8 +106,11 @@ def test_pfnm_with_pooled_heads_on_flower_is_the_in_process_federation_bit_for_b
     x = reference.dataset.x_test
     with torch.no_grad():
         assert torch.equal(net(x), reference.global_network()(x))
-    fused = in_process({**config, "heads": "fused"})
+    fused = in_process({**config, "heads": "fused", "pool-temperature": 1.0})
     assert fused.history[-1].metrics["nll"] != reference.history[-1].metrics["nll"]
+    fitted = [r["pool_temperature"] for r in result.history]
+    assert fitted == [r.metrics["pool_temperature"] for r in reference.history]
+    assert (fitted == [1.0, 1.0]) == (temperature == 1.0)
 
 
 #: FedAvg: the fusion settings' network and schedule, two rounds from the shared initialisation.

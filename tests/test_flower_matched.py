@@ -79,10 +79,13 @@ def test_pvi_rounds_on_flower_are_the_in_process_federation_bit_for_bit():
                                                                             sent[1, 0])
 
 
-def test_pooled_heads_on_flower_are_the_in_process_federation_bit_for_bit():
-    # the server sends the round's clients' own posterior output layers beside the fused body; the clients score
-    # the pooled predictive on their shards: together the in-process federation's evaluation of the test split
-    config = {**MATCHED, "rule": "conflation", "heads": "pooled", "partition": "dirichlet"}
+@pytest.mark.parametrize("temperature", [1.0, "fit"])
+def test_pooled_heads_on_flower_are_the_in_process_federation_bit_for_bit(temperature):
+    # the server sends the round's clients' own posterior output layers beside the fused body (with "fit" after
+    # asking them for their NLL sums of the predictive at every temperature); the clients score the pooled predictive
+    # on their shards: together the in-process federation's evaluation of the test split
+    config = {**MATCHED, "rule": "conflation", "heads": "pooled", "partition": "dirichlet",
+              "pool-temperature": temperature}
     result = run_federation(LocalGrid(client_app, CLIENTS), config)
     reference = assert_same_as_in_process(result, config)
     assert reference.method == "match-conflation-pooled" and reference.pooled is not None
@@ -90,8 +93,12 @@ def test_pooled_heads_on_flower_are_the_in_process_federation_bit_for_bit():
     for flower, own in zip(result.history, reference.history):
         assert flower["accuracy"] == own.metrics["accuracy"]
         assert flower["nll"] == pytest.approx(own.metrics["nll"], rel=1e-5)
-    fused = in_process({**config, "heads": "fused"})
-    assert fused.history[-1].metrics["accuracy"] != reference.history[-1].metrics["accuracy"]
+    fitted = [r["pool_temperature"] for r in result.history]
+    assert fitted == [r.metrics["pool_temperature"] for r in reference.history]
+    assert (fitted == [1.0, 1.0]) == (temperature == 1.0)
+    if temperature == 1.0:
+        fused = in_process({**config, "heads": "fused", "pool-temperature": 1.0})
+        assert fused.history[-1].metrics["accuracy"] != reference.history[-1].metrics["accuracy"]
 
 
 def test_each_client_starts_round_two_from_its_slice_or_else_the_whole_posterior_bit_for_bit():

@@ -547,7 +547,8 @@ class PFNMConfig:
     :param pool_temperature: ``heads="pooled"``: the pool's temperature, a number > 0 (default 1: the pool itself)
         or ``"fit"``: each matched client scores the pooled network on its own training data at every temperature
         of :data:`~bnpfed.inference.pooled_heads.TEMPERATURES` and the server keeps the one of least summed negative
-        log-likelihood (:func:`~bnpfed.inference.pooled_heads.fit_temperature`; in process only). Under label skew
+        log-likelihood (:func:`~bnpfed.inference.pooled_heads.fit_temperature`; on Flower a query to the matched
+        clients, ``step`` ``"pool-nll"``). Under label skew
         the pool is under-confident at 1 (benchmarks/README.md, "Pooled heads in matched fusion, and their
         temperature").
 
@@ -779,7 +780,7 @@ class FusionConfig:
         posterior either way.
     :param pool_temperature: ``heads="pooled"``: the pool's temperature in every draw, a number > 0 (default 1) or
         ``"fit"`` (each matched client scores the pooled predictive on its own training data at every temperature of
-        :data:`~bnpfed.inference.pooled_heads.TEMPERATURES`, the server keeps the best summed one; in process only),
+        :data:`~bnpfed.inference.pooled_heads.TEMPERATURES`, the server keeps the best summed one; on Flower too),
         as :class:`PFNMConfig`'s.
     """
 

@@ -15,7 +15,9 @@ alone decides. The steps are :mod:`bnpfed.federated.clients`' (the in-process fe
   ``step`` ``"batch-norm-moments"``, reply with the moments of the inputs of batch norm ``layer`` (every batch norm
   without one) of the global network sent, on this client's training inputs
   (:func:`~bnpfed.federated.clients.batch_norm_moments_step`; the server asks for one layer at a time, front to
-  back);
+  back); or, with ``step`` ``"pool-nll"``, reply with its summed NLL on its training data of the global network or
+  posterior with pooled heads sent, at every temperature (``pool-nll``,
+  :func:`~bnpfed.federated.clients.pool_nll_step`, :func:`~bnpfed.federated.clients.pooled_posterior_nll_step`);
 * ``train``, task ``"pfnm"``: start from the network sent (its slice of the global network, a ``state_dict`` of
   the configured architecture, checked against its permutation spec) or, when the message has no arrays (round 1),
   from :func:`~bnpfed.federated.clients.initial_network` (its own initialisation); train it with
@@ -63,8 +65,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 
 from bnpfed.data import Dataset, load_dataset
 from bnpfed.federated.clients import (batch_norm_moments_step, bayesian_client, fit_bayesian, initial_network,
-                                      posterior_client, start_round_prior_, train_network,
-                                      unit_activity_step)
+                                      pool_nll_step, pooled_posterior_nll_step, posterior_client, start_round_prior_,
+                                      train_network, unit_activity_step)
 from bnpfed.federated.config import BayesianConfig, NetworkConfig, PartitionConfig
 from bnpfed.federated.matched_fusion import client_from_slice
 from bnpfed.federated.partition import class_counts
@@ -90,6 +92,8 @@ from bnpfed.flower.records import (
     state_to_record,
     split_cavity,
     split_heads,
+    to_array_record,
+    POOL_NLL,
 )
 from bnpfed.inference import BayesianClient, PooledPosterior
 from bnpfed.inference.pooled_heads import attach_heads
@@ -216,7 +220,7 @@ class _Client:
             raise ValueError("heads: expected the heads' variances beside a matched posterior, got means only")
         return PooledPosterior(arch.template, locs, variances, _output(arch), heads["weight"],
                                heads["weight_variance"], heads["bias"], heads["bias_variance"],
-                               heads["pool_weights"])
+                               heads["pool_weights"], float(heads["temperature"]))
 
     def evaluation_network(self, record: ArrayRecord) -> torch.nn.Module:
         """The global network in ``record`` (:meth:`network`), with the pooled heads sent beside it
@@ -229,7 +233,8 @@ class _Client:
             return net
         if "weight_variance" in heads:
             raise ValueError("heads: expected a network's heads (means only), got variances too")
-        return attach_heads(net, _output(arch), heads["weight"], heads["bias"], heads["pool_weights"])
+        return attach_heads(net, _output(arch), heads["weight"], heads["bias"], heads["pool_weights"],
+                            float(heads["temperature"]))
 
     def class_counts(self) -> list[int]:
         """This client's training examples per class."""
@@ -258,9 +263,12 @@ def initial_global_model(network: NetworkConfig, bayesian: BayesianConfig, input
 
 
 def query(msg: Message, context: Context) -> Message:
-    """A ``query``: this node's partition, input shape and classes, or the batch-norm moments step."""
+    """A ``query``: this node's partition, input shape and classes, the batch-norm moments step, or the pool
+    temperature step."""
     if msg.content.config_records[CONFIG].get("step") == "batch-norm-moments":
         return _moments(msg, context)
+    if msg.content.config_records[CONFIG].get("step") == "pool-nll":
+        return _pool_nll(msg, context)
     j, num = node_partition(context)
     config = msg.content.config_records[CONFIG]
     ds = _dataset(str(config["dataset"]), bool(config["standardize"]), _data_dir(context))
@@ -292,6 +300,24 @@ def _moments(msg: Message, context: Context) -> Message:
         raise ValueError(f"layer: expected a batch norm of the network, got {layer!r}")
     moments = batch_norm_moments_step(net, x, c.settings.training.batch_size, layer=layer)
     return c.reply(msg, moments_to_record(moments), {"num-examples": int(len(x))})
+
+
+def _pool_nll(msg: Message, context: Context) -> Message:
+    """The pool-temperature step: this client's summed NLL, on its own training data, of the global network (or
+    posterior predictive) with pooled heads it was sent (at temperature 1), at every temperature of
+    :data:`~bnpfed.inference.pooled_heads.TEMPERATURES`, as the in-process federation computes it."""
+    c = _Client(msg, context)
+    x, y = c.train_data
+    record = msg.content.array_records[ARRAYS]
+    if c.config["task"] == "matched-fusion":
+        pooled = c.pooled_posterior(record)
+        if pooled is None:
+            raise ValueError("heads: expected pooled heads beside the global posterior of the pool-temperature step")
+        sums = pooled_posterior_nll_step(pooled, x, y, c.settings.predictive_samples,
+                                         derive_seed(c.settings.seed, Stream.PREDICT, c.round))
+    else:
+        sums = pool_nll_step(c.evaluation_network(record), x, y)
+    return c.reply(msg, to_array_record({POOL_NLL: sums}), {"num-examples": int(len(x))})
 
 
 def _train_fedavg(msg: Message, context: Context) -> Message:

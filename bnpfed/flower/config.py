@@ -471,10 +471,10 @@ def parse_run_config(config: Mapping[str, Any]) -> FlowerSettings:
                          f"(method=\"pfnm\", or \"fusion\" with align=\"match\"); expected 'fused' with "
                          f"method={run.method!r}, got {config['heads']!r}")
     temperature = built["pfnm"].pool_temperature if run.method == "pfnm" else built["fusion"].pool_temperature
-    if "pool-temperature" in config and (temperature != 1 or str(config["pool-temperature"]).strip() not in
-                                         ("1", "1.0")):
-        raise ValueError(f"pool-temperature: a temperature of pooled heads runs in process only (bnpfed pfnm, bnpfed "
-                         f"fuse, the Python API); expected 1 on Flower, got {config['pool-temperature']!r}")
+    given = str(config.get("pool-temperature", "1")).strip()
+    if heads == "fused" and (temperature != 1 or given not in ("1", "1.0")):
+        raise ValueError(f"pool-temperature: the temperature of pooled heads; expected 1 without them (heads = "
+                         f"'fused', method={run.method!r}), got {config['pool-temperature']!r}")
     if run.method == "fusion" and heads != "fused":
         if built["secure"].secure_aggregation:
             raise ValueError(f"heads: the output layer of matched posterior fusion in the clear; expected 'fused' "

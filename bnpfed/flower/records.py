@@ -312,17 +312,20 @@ def split_cavity(arrays: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray
 
 
 #: Prefix of pooled heads' arrays sent beside a global network or posterior: ``"heads/weight"`` (J, C, L),
-#: ``"heads/bias"``, ``"heads/pool-weights"`` (J, C), and for a posterior ``"heads/weight-variance"``,
-#: ``"heads/bias-variance"``.
+#: ``"heads/bias"``, ``"heads/pool-weights"`` (J, C), ``"heads/temperature"`` (0-d, the pool's), and for a posterior
+#: ``"heads/weight-variance"``, ``"heads/bias-variance"``.
 HEADS = "heads/"
-_HEAD_ARRAYS = ("weight", "bias", "pool-weights")
+_HEAD_ARRAYS = ("weight", "bias", "pool-weights", "temperature")
 _HEAD_VARIANCES = ("weight-variance", "bias-variance")
+#: A client's reply to the pool-temperature query: its summed NLL at every temperature (``"pool-nll"``, (K,)).
+POOL_NLL = "pool-nll"
 
 
 def with_heads(record: ArrayRecord, heads: Mapping[str, Any]) -> ArrayRecord:
     """``record`` (a global network or matched posterior) with pooled heads added as ``"heads/<name>"``: ``heads``
-    as :func:`~bnpfed.inference.pooled_heads_of` or :meth:`~bnpfed.inference.PooledPosterior.heads` give them
-    (``weight``, ``bias``, ``pool_weights``; a posterior's ``weight_variance``, ``bias_variance`` too)."""
+    as :func:`~bnpfed.inference.pooled_heads_of` (with the pool's ``temperature`` added) or
+    :meth:`~bnpfed.inference.PooledPosterior.heads` give them (``weight``, ``bias``, ``pool_weights``,
+    ``temperature``; a posterior's ``weight_variance``, ``bias_variance`` too)."""
     names = {k.replace("-", "_") for k in _HEAD_ARRAYS}
     if not names <= set(heads) or not set(heads) <= names | {k.replace("-", "_") for k in _HEAD_VARIANCES}:
         raise ValueError(f"heads: expected {sorted(names)} and optionally their variances, got {sorted(heads)}")

@@ -147,7 +147,7 @@ def global_model(settings: FlowerSettings, input_shape, num_classes: int, arrays
             return run.method, net
         (weight,) = derive_spec(template, input_shape).params_of_kind("output_weight")
         return f"{run.method}-pooled", attach_heads(net, weight.rpartition(".")[0], heads["weight"], heads["bias"],
-                                                    heads["pool_weights"])
+                                                    heads["pool_weights"], float(heads["temperature"]))
     if settings.fusion.align == "match" and not settings.secure.secure_aggregation:
         locs, variances = matched_posterior_from_arrays(arrays, derive_spec(template, input_shape),
                                                         template.state_dict())

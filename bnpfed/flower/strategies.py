@@ -50,6 +50,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence
 
 import numpy as np
+import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
@@ -89,7 +90,10 @@ from bnpfed.flower.records import (
     state_to_record,
     with_cavity,
     with_heads,
+    POOL_NLL,
 )
+from bnpfed.federated.config import FIT
+from bnpfed.inference.pooled_heads import TEMPERATURES, fit_temperature
 from bnpfed.inference import PooledPosterior
 from bnpfed.inference.pooled_heads import pooled_heads_of
 from bnpfed.metrics import ece_from_gaps
@@ -452,6 +456,35 @@ class _RoundStrategy(Strategy):
         statistics = batch_norm_steps(list(batch_norms), moments_of)
         return with_statistics(state, statistics), (sorted(used) if statistics else [])
 
+    def pool_temperature(self, server_round: int, value, record: ArrayRecord, heads: dict,
+                         clients: Sequence[int]) -> float:
+        """The pooled heads' temperature: ``value`` (a number), or with ``"fit"`` the one of least summed NLL over
+        ``clients``' replies to a ``query`` (``step`` ``"pool-nll"``) carrying ``record`` with ``heads`` at
+        temperature 1, summed in partition order (:func:`~bnpfed.inference.pooled_heads.fit_temperature`; 1 with a
+        warning when nobody answers)."""
+        if value != FIT:
+            return float(value)
+        probe = with_heads(ArrayRecord(dict(record.items())),
+                           {**heads, "temperature": torch.tensor(1.0, dtype=torch.float64)})
+
+        def parse(reply: Message) -> Accepted:
+            arrays, _, j, n = self._identity_and_count(reply)
+            sums = arrays.get(POOL_NLL)
+            if sums is None or sums.shape != tuple(TEMPERATURES.shape) or not np.isfinite(sums).all():
+                raise ReplyError(f"{POOL_NLL!r}: expected {len(TEMPERATURES)} finite sums, got "
+                                 f"{None if sums is None else sums.shape}")
+            return Accepted(j, n, torch.from_numpy(np.asarray(sums, dtype=np.float64)), {})
+
+        messages = self._messages(server_round, MessageType.QUERY, list(clients),
+                                  lambda j: (probe, {"step": "pool-nll"}))
+        replies = self._grid.send_and_receive(messages, timeout=self.query_timeout)
+        accepted, rejected, missing = self._accept(server_round, replies, MessageType.QUERY, parse)
+        if not accepted:
+            LOGGER.warning("round %d: no client scored the pooled heads (rejected: %s, missing: %s); their "
+                           "temperature stays 1", server_round, rejected or "none", missing or "none")
+            return 1.0
+        return fit_temperature([a.payload for a in sorted(accepted, key=lambda a: a.partition_id)])
+
     def summary(self) -> None:
         """Log the strategy's settings."""
         LOGGER.info("%s: fraction %.2f, fraction-evaluate %.2f, min-nodes %s, min-replies %d, node-timeout %.0f s, "
@@ -556,7 +589,10 @@ class PFNMStrategy(_MatchingStrategy):
         own = self.rounds.summary()   # the hyper-parameters estimated (empirical Bayes, the default) or fixed
         record = state_to_record(match.state)
         if self.pfnm.heads == "pooled":   # the matched clients' own output layers, in the match's order
-            record = with_heads(record, pooled_heads_of(match, [a.payload[0] for a in accepted]))
+            heads = pooled_heads_of(match, [a.payload[0] for a in accepted])
+            t = self.pool_temperature(server_round, self.pfnm.pool_temperature, record, heads, clients)
+            summary["pool_temperature"] = t
+            record = with_heads(record, {**heads, "temperature": torch.tensor(t, dtype=torch.float64)})
         return record, {
             "hidden": own["hidden"], **{name: [h[name] for h in own["hyperparameters"]]
                                         for name in ("sigma2", "sigma0_2", "gamma0")},
@@ -806,5 +842,9 @@ class MatchedFusionStrategy(_MatchingStrategy):
                    "server_seconds": match.seconds}
         record = matched_posterior_to_record(match.locs, match.variances)
         if self.fusion.heads == "pooled":   # the clients' own heads, in the match's order
-            record = with_heads(record, PooledPosterior.of_match(match, posteriors).heads())
+            pooled = PooledPosterior.of_match(match, posteriors)
+            pooled.temperature = self.pool_temperature(server_round, self.fusion.pool_temperature, record,
+                                                       pooled.heads(), clients)
+            summary["pool_temperature"] = pooled.temperature
+            record = with_heads(record, pooled.heads())
         return record, summary

@@ -372,9 +372,11 @@ class PooledPosterior:
 
     def heads(self) -> dict[str, Tensor]:
         """The heads' posterior as tensors: ``"weight"``, ``"weight_variance"`` (J, C, L), ``"bias"``,
-        ``"bias_variance"``, ``"pool_weights"`` (J, C) (what a Flower server sends beside the global body)."""
+        ``"bias_variance"``, ``"pool_weights"`` (J, C), ``"temperature"`` (0-d) (what a Flower server sends beside
+        the global body)."""
         return {"weight": self.weight, "weight_variance": self.weight_variance, "bias": self.bias,
-                "bias_variance": self.bias_variance, "pool_weights": self.pool_weights}
+                "bias_variance": self.bias_variance, "pool_weights": self.pool_weights,
+                "temperature": torch.tensor(float(self.temperature), dtype=torch.float64)}
 
     def mean_network(self) -> nn.Module:
         """The pooled posterior-mean network: the body's posterior means, every head's posterior means (for a match,
