@@ -548,9 +548,8 @@ class PFNMConfig:
         or ``"fit"``: each matched client scores the pooled network on its own training data at every temperature
         of :data:`~bnpfed.inference.pooled_heads.TEMPERATURES` and the server keeps the one of least summed negative
         log-likelihood (:func:`~bnpfed.inference.pooled_heads.fit_temperature`; on Flower a query to the matched
-        clients, ``step`` ``"pool-nll"``). Under label skew
-        the pool is under-confident at 1 (benchmarks/README.md, "Pooled heads in matched fusion, and their
-        temperature").
+        clients, ``step`` ``"pool-nll"``). Under label skew the pool is under-confident at 1 (benchmarks/README.md,
+        "Pooled heads in matched fusion, and their temperature").
 
     Over communication rounds each global neuron is a posterior mean, ``sum v / (m + sigma2 / sigma0_2)``: a neuron few
     clients hold comes back to them shrunk towards the prior mean. With too little retraining per round (say 2 local

@@ -62,6 +62,7 @@ __all__ = [
     "with_cavity",
     "split_cavity",
     "HEADS",
+    "POOL_NLL",
     "with_heads",
     "split_heads",
     "from_array_record",
