@@ -61,8 +61,14 @@ def bench_augment_fn(quick: bool):
     bench_augment.main(["--quick"] if quick else [])   # a local epoch with random crops (and flips) against none
 
 
+def bench_pooled_fn(quick: bool):
+    import bench_pooled
+
+    bench_pooled.main(["--quick"] if quick else [])   # pooled heads and their posterior against the fused layer
+
+
 BENCHMARKS = {"matching": bench_matching, "scaling": bench_scaling_fn, "fusion": bench_fusion_fn,
-              "secure": bench_secure_fn, "augment": bench_augment_fn}
+              "secure": bench_secure_fn, "augment": bench_augment_fn, "pooled": bench_pooled_fn}
 
 
 def main(argv=None):
