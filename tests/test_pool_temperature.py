@@ -65,7 +65,7 @@ def test_pooled_heads_divide_the_pool_by_their_temperature():
     net = torch.nn.Sequential(torch.nn.Identity(), plain)
     set_temperature(net, 0.5)
     torch.testing.assert_close(net(h), hot(h) * 5.0)
-    with pytest.raises(ValueError, match="temperature: expected a finite number > 0"):
+    with pytest.raises(ValueError, match="temperature: expected a positive finite number"):
         PooledHeads(w, b, omega, temperature=0.0)
 
 

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from bnpfed.federated.config import BayesianConfig, NetworkConfig, TrainingConfig
 from bnpfed.inference import BayesianClient, DeterministicClient, LaplaceClient, MeanFieldELBO, derive_spec
 from bnpfed.inference.activity import unit_activity
-from bnpfed.inference.pooled_heads import PooledHeads, PooledPosterior, pool_nll
+from bnpfed.inference.pooled_heads import PooledPosterior, pool_nll, pooled_heads_layer
 from bnpfed.inference.permutation import BatchNormMoments, batch_norm_moments
 from bnpfed.models import LeNet, mlp, reference_init_, simple_cnn
 from bnpfed.seeding import Stream, derive_seed, seeded, torch_generator
@@ -165,10 +165,7 @@ def pool_nll_step(net: nn.Module, x: Tensor, y: Tensor, batch_size: int = 1024) 
     (:func:`~bnpfed.inference.pooled_heads.pool_nll` of the network's outputs at temperature 1), what the server adds
     up to choose the pool's temperature (:func:`~bnpfed.inference.pooled_heads.fit_temperature`)."""
     net = net.eval()
-    layers = [m for m in net.modules() if isinstance(m, PooledHeads)]
-    if len(layers) != 1:
-        raise ValueError(f"net: expected a network with one PooledHeads layer, got {len(layers)}")
-    scale = float(layers[0].temperature)   # its outputs are the pool over its temperature
+    scale = float(pooled_heads_layer(net).temperature)   # its outputs are the pool over its temperature
     return sum(pool_nll(net(x[i:i + batch_size]) * scale, y[i:i + batch_size]) for i in range(0, len(x), batch_size))
 
 

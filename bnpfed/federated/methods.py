@@ -76,9 +76,9 @@ from bnpfed.combine import available_rules
 from bnpfed.data import Dataset
 from bnpfed.federated.baselines import (aligned_average, ensemble_proba, fedavg_network, kmeans_networks,
                                        reference_client)
-from bnpfed.federated.clients import (fit_bayesian, initial_network, pool_nll_step, posterior_client, train_network,
+from bnpfed.federated.clients import (fit_bayesian, initial_network, posterior_client, train_network,
                                       unit_activity_step)
-from bnpfed.federated.config import (EB_DEFAULTS, FIT, BayesianConfig, FusionConfig, NetworkConfig, PFNMConfig,
+from bnpfed.federated.config import (EB_DEFAULTS, BayesianConfig, FusionConfig, NetworkConfig, PFNMConfig,
                                      PartitionConfig, TrainingConfig, check_pool_temperature_applies, config_dict,
                                      holdout_split)
 from bnpfed.federated.federation import EVAL_CHUNK, Federation, reestimate_statistics
@@ -86,7 +86,7 @@ from bnpfed.federated.fusion import FedAvgFederation, FusionFederation
 from bnpfed.federated.matched_fusion import MatchedFusionFederation, bayesian_from_match
 from bnpfed.federated.operating_point import NOISE_FACTORS, check_noise_to_scale, select_operating_point
 from bnpfed.federated.partition import class_counts
-from bnpfed.federated.pfnm import PFNMFederation
+from bnpfed.federated.pfnm import PFNMFederation, temper_pool
 from bnpfed.federated.results import ExperimentResult, MethodResult, Selection
 from bnpfed.federated.selection import select_hyperparameters
 from bnpfed.federated.server import clients_per_round, match_hyperparameters, pfnm_step, with_statistics
@@ -94,7 +94,7 @@ from bnpfed.inference.batch_norm import batch_norm_order
 from bnpfed.inference.kl_fusion import kl_fusion
 from bnpfed.inference.permutation import SpecMatch, derive_spec
 from bnpfed.inference.posterior_matching import matched_rules
-from bnpfed.inference.pooled_heads import fit_temperature, pooled_network, set_temperature
+from bnpfed.inference.pooled_heads import pooled_network
 from bnpfed.metrics import (classification_report, count_parameters, ece_noise_floor, expected_calibration_error,
                             ood_auroc)
 from bnpfed.report import plural
@@ -634,10 +634,7 @@ def _pooled_row(experiment: Experiment, name: str, net: nn.Module, match: SpecMa
     """The row of ``net``, ``match``'s global body with the clients' own output layers pooled
     (:mod:`bnpfed.inference.pooled_heads`) at ``pfnm.pool_temperature`` (``"fit"``: every client scores it on its
     training data), kept under ``name``."""
-    temperature = experiment.pfnm.pool_temperature
-    if temperature == FIT:
-        temperature = fit_temperature([pool_nll_step(net, x, y) for x, y in experiment.client_data])
-    set_temperature(net, temperature)
+    temperature = temper_pool(net, experiment.pfnm.pool_temperature, experiment.client_data)
     if temperature != 1:
         note += f", at temperature {temperature:.3g}"
     experiment.keep(name, net, match)

@@ -63,7 +63,17 @@ from bnpfed.inference.matching import averaging_weights
 from bnpfed.inference.pooled_heads import fit_temperature, pooled_network, set_temperature
 from bnpfed.metrics import count_parameters
 
-__all__ = ["PFNMFederation"]
+__all__ = ["PFNMFederation", "temper_pool"]
+
+
+def temper_pool(net: nn.Module, value, client_data: Sequence[tuple[Tensor, Tensor]]) -> float:
+    """Set the temperature of ``net`` 's pooled heads to ``value`` (a number) or, with ``"fit"``, to
+    :func:`~bnpfed.inference.pooled_heads.fit_temperature` of every client's
+    :func:`~bnpfed.federated.clients.pool_nll_step` on its ``(x, y)`` of ``client_data``; return it."""
+    if value == FIT:
+        value = fit_temperature([pool_nll_step(net, x, y) for x, y in client_data])
+    set_temperature(net, value)
+    return float(value)
 
 
 class PFNMFederation(HoldsRounds, Federation):
@@ -166,14 +176,9 @@ class PFNMFederation(HoldsRounds, Federation):
                     **pooled}
 
     def pool_temperature_(self, clients: Sequence[int]) -> float:
-        """Set the pooled global network's temperature as ``pfnm.pool_temperature`` says (a number, or ``"fit"``:
-        ``clients`` score it on their training data, :func:`~bnpfed.federated.clients.pool_nll_step`) and return
-        it."""
-        value = self.pfnm.pool_temperature
-        if value == FIT:
-            value = fit_temperature([pool_nll_step(self._net, *self.client_data[j]) for j in clients])
-        set_temperature(self._net, value)
-        return float(value)
+        """Set the pooled global network's temperature as ``pfnm.pool_temperature`` says (:func:`temper_pool`, the
+        ``clients`` ' training data scoring it under ``"fit"``) and return it."""
+        return temper_pool(self._net, self.pfnm.pool_temperature, [self.client_data[j] for j in clients])
 
     def _layerwise(self, round: int, sampled: list[int], states: list[dict], starts, ensemble: int
                    ) -> tuple[SpecMatch, float]:

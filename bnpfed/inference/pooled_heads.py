@@ -48,9 +48,11 @@ import torch
 from torch import Tensor, nn
 
 from bnpfed.inference.permutation import network_from_state
+from bnpfed.validation import check_positive
 
 __all__ = ["PooledHeads", "PooledPosterior", "TEMPERATURES", "attach_heads", "client_heads", "fit_temperature",
-           "pool_log_probabilities", "pool_nll", "pooled_heads_of", "pooled_network", "pooling_weights",
+           "pool_log_probabilities", "pool_nll", "pooled_heads_layer", "pooled_heads_of", "pooled_network",
+           "pooling_weights",
            "sample_state", "set_temperature"]
 
 
@@ -106,7 +108,7 @@ class PooledHeads(nn.Module):
         self.weight = nn.Parameter(weight.detach().clone())
         self.bias = nn.Parameter(bias.detach().clone())
         self.register_buffer("pool_weights", pool_weights.detach().clone())
-        self.register_buffer("temperature", torch.tensor(_check_temperature(temperature), dtype=weight.dtype))
+        self.register_buffer("temperature", torch.tensor(check_positive(temperature, "temperature"), dtype=weight.dtype))
 
     @property
     def heads(self) -> int:
@@ -119,13 +121,6 @@ class PooledHeads(nn.Module):
     def extra_repr(self) -> str:
         J, C, L = self.weight.shape
         return f"heads={J}, in_features={L}, classes={C}, temperature={float(self.temperature):.4g}"
-
-
-def _check_temperature(temperature) -> float:
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
-            or temperature <= 0:
-        raise ValueError(f"temperature: expected a finite number > 0, got {temperature!r}")
-    return float(temperature)
 
 
 #: The temperatures the clients score a pool at (:func:`pool_nll`): 61 values, geometric from 0.05 to 5 (each about
@@ -261,12 +256,17 @@ def attach_heads(net: nn.Module, output: str, weight: Tensor, bias: Tensor, pool
     return net.eval()
 
 
-def set_temperature(net: nn.Module, temperature: float) -> nn.Module:
-    """``net``'s :class:`PooledHeads` layer's temperature set to ``temperature`` (in place); returns ``net``."""
+def pooled_heads_layer(net: nn.Module) -> PooledHeads:
+    """``net``'s one :class:`PooledHeads` layer (raises unless there is exactly one)."""
     layers = [m for m in net.modules() if isinstance(m, PooledHeads)]
     if len(layers) != 1:
         raise ValueError(f"net: expected a network with one PooledHeads layer, got {len(layers)}")
-    layers[0].temperature.fill_(_check_temperature(temperature))
+    return layers[0]
+
+
+def set_temperature(net: nn.Module, temperature: float) -> nn.Module:
+    """``net``'s :class:`PooledHeads` layer's temperature set to ``temperature`` (in place); returns ``net``."""
+    pooled_heads_layer(net).temperature.fill_(check_positive(temperature, "temperature"))
     return net
 
 
@@ -326,7 +326,7 @@ class PooledPosterior:
         self.weight, self.weight_variance = weight.to(torch.float64), weight_variance.to(torch.float64)
         self.bias, self.bias_variance = bias.to(torch.float64), bias_variance.to(torch.float64)
         self.pool_weights = pool_weights.to(torch.float64)
-        self.temperature = _check_temperature(temperature)
+        self.temperature = check_positive(temperature, "temperature")
 
     @classmethod
     def of_match(cls, match, client_posteriors: Sequence[tuple[Mapping[str, Tensor], Mapping[str, Tensor]]]
@@ -368,7 +368,7 @@ class PooledPosterior:
 
     def _network(self, locs, weight: Tensor, bias: Tensor) -> nn.Module:
         return attach_heads(network_from_state(self.template, locs), self.output, weight, bias, self.pool_weights,
-                            _check_temperature(self.temperature))
+                            check_positive(self.temperature, "temperature"))
 
     def heads(self) -> dict[str, Tensor]:
         """The heads' posterior as tensors: ``"weight"``, ``"weight_variance"`` (J, C, L), ``"bias"``,
