@@ -264,3 +264,24 @@ def test_a_pooled_config_and_a_pooled_method_giving_one_row_name_twice_are_refus
                             training=TrainingConfig(epochs=1), pfnm=PFNMConfig(heads="pooled"),
                             config=ExperimentConfig(methods=("pfnm",)))
     assert [r.method for r in result.rows] == ["pfnm-pooled"]
+
+
+def test_a_parameter_budget_holds_the_pooled_rows_j_output_layers():
+    """Beside a fused ``pfnm`` row under one budget, ``pfnm-pooled`` is matched with its J output layers priced and
+    ``fedma-pooled``'s budget split holds them: both pooled rows meet a budget their own-size networks exceed."""
+    ds = load_dataset("digits", standardize=False)
+
+    def rows(pfnm, methods):
+        return {r.method: r for r in run_experiment(
+            ds, partition=PartitionConfig(clients=3, partition="dirichlet"), network=NetworkConfig(hidden=(16,)),
+            training=TrainingConfig(epochs=2), pfnm=pfnm, config=ExperimentConfig(methods=methods, seed=0)).rows}
+
+    own = rows(PFNMConfig(), ("pfnm", "pfnm-pooled"))
+    budget = (own["pfnm"].parameters + own["pfnm-pooled"].parameters) // 2
+    limited = rows(PFNMConfig(max_params=budget), ("pfnm", "pfnm-pooled"))
+    assert limited["pfnm"].parameters == own["pfnm"].parameters          # one output layer: the budget does not bind
+    assert own["pfnm-pooled"].parameters > budget >= limited["pfnm-pooled"].parameters
+    assert "J output layers priced" in limited["pfnm-pooled"].note
+    fedma = rows(PFNMConfig(layerwise_retrain=1, max_params=budget), ("fedma", "fedma-pooled"))
+    assert fedma["fedma-pooled"].parameters <= budget and fedma["fedma"].parameters <= budget
+    assert fedma["fedma-pooled"].hidden[0] < fedma["fedma"].hidden[0]

@@ -114,10 +114,15 @@ def test_bnpfed_match_heads_pooled_writes_the_matched_body_with_the_clients_pool
     assert main(["match", *files(folder, name, state), *extra, "--heads", "pooled", "--posteriors",
                  "--out", str(tmp_path / "p.pt")]) == 2
     assert "--heads pooled: a global posterior with the clients' pooled heads has no file" in capsys.readouterr().err
-    # a size limit prices one output layer: the file says what the heads add on top
-    assert main(["match", *files(folder, name, state), *extra, "--heads", "pooled", "--max-params", "ensemble",
-                 "--out", str(tmp_path / "limited.pt")]) == 0
-    assert "the limits priced one output layer; the pooled heads add" in capsys.readouterr().out
+    # a size limit prices the J output layers the pooled network carries: the saved network meets it
+    pooled_own = count_parameters(expected)
+    limit = (count_parameters(match.network()) + pooled_own) // 2
+    assert pooled_own > limit
+    assert main(["match", *files(folder, name, state), *extra, "--counts", str(folder / "counts.json"), "--heads",
+                 "pooled", "--max-params", str(limit), "--out", str(tmp_path / "limited.pt")]) == 0
+    limited = read_global(tmp_path / "limited.pt")
+    assert count_parameters(limited.network) <= limit
+    assert any(n.startswith("max_params") for n in limited.notes)
 
 
 def test_bnpfed_match_without_counts_estimates_the_class_shares_and_says_so(folder, tmp_path, capsys, digits):

@@ -364,3 +364,76 @@ def test_pfnms_one_shot_step_keeps_its_own_size_in_an_experiment_that_also_runs_
     explicit = pfnm_step(nets, counts, PFNMConfig(layerwise_retrain=2, max_params="ensemble"), seed=0, round=1,
                          input_shape=(1, 8, 8), template=nets[0])
     assert explicit.parameters <= sum(count_parameters(n) for n in nets) < own.parameters   # an explicit one holds
+
+
+def test_pooled_heads_are_priced_as_the_j_output_layers_the_pooled_network_carries():
+    """With ``heads="pooled"`` the global network carries every matched client's output layer
+    (:func:`pooled_network`): ``parameter_count(..., heads=J)`` is that network's count, a ``max_params`` between
+    the fused and the pooled network's own size binds and is met by the pooled network, and the last group's units
+    are priced with their J output columns (D_g by hand)."""
+    from bnpfed.inference import pooled_network
+    from bnpfed.inference.size import head_parameters
+
+    nets = federation(hidden=(20, 12))
+    spec = derive_spec(nets[0], (D_IN,))
+    shapes = {k: tuple(v.shape) for k, v in nets[0].state_dict().items()}
+    names = [n for n, _ in nets[0].named_parameters()]
+    own = match_by_spec(nets, seed=0)
+    pooled_own = count_parameters(pooled_network(own, nets))
+    assert parameter_count(spec, shapes, names, own.widths, heads=J) == pooled_own
+    assert parameter_count(spec, shapes, names, own.widths) == own.parameters < pooled_own
+    assert head_parameters(spec, shapes, "3") == C and head_parameters(spec, shapes, "1") == 0
+
+    limit = (own.parameters + pooled_own) // 2      # the fused network fits, the pooled one does not
+    fused_limit = match_by_spec(nets, seed=0, max_params=limit)
+    assert fused_limit.widths == own.widths        # one output layer priced: the limit does not bind
+    assert count_parameters(pooled_network(fused_limit, nets)) > limit
+    limited = match_by_spec(nets, seed=0, max_params=limit, heads="pooled")
+    assert valid_assignment(limited, nets)
+    search = limited.size_searches["parameters"]
+    pooled = count_parameters(pooled_network(limited, nets))
+    assert search.binding and search.size == pooled <= limit
+    t = search.strength
+    w1 = limited.widths["1"]
+    dims = {"1": D_IN + 1, "3": w1 + 1 + J * C}            # a unit of the last group owns J output columns
+    d_max = max(D_IN + 1, own.widths["1"] + 1 + J * C)
+    for g in ("1", "3"):
+        expected = own.hyperparameters[g]["gamma0"] * math.exp(-t * dims[g] / d_max)
+        assert limited.hyperparameters[g]["gamma0"] == pytest.approx(expected, rel=1e-12), g
+
+
+def test_pooled_heads_pricing_is_checked_and_refused_where_it_prices_nothing():
+    nets = federation(hidden=(20,))
+    with pytest.raises(ValueError, match="heads: what max_params prices"):
+        match_by_spec(nets, seed=0, heads="pooled")
+    with pytest.raises(ValueError, match="heads"):
+        match_by_spec(nets, seed=0, max_params="ensemble", heads="both")
+    spec = derive_spec(nets[0], (D_IN,))
+    shapes = {k: tuple(v.shape) for k, v in nets[0].state_dict().items()}
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match="heads: expected the number of output layers"):
+            parameter_count(spec, shapes, ["0.weight"], {"1": 20}, heads=bad)
+    # the floor counts the heads too: one client's width with J output layers
+    floor = parameter_count(spec, shapes, [n for n, _ in nets[0].named_parameters()], {"1": 20}, heads=J)
+    with pytest.raises(SizeLimitError, match=rf"max_params: expected at least {floor} .*{J} output layers"):
+        match_by_spec(nets, seed=0, max_params=floor - 1, heads="pooled")
+    assert PFNMConfig(heads="pooled", max_params=500).matcher_kwargs()["heads"] == "pooled"
+    assert "heads" not in PFNMConfig(heads="pooled").matcher_kwargs()
+    assert "heads" not in PFNMConfig(max_params=500).matcher_kwargs()
+
+
+def test_fedmas_budget_split_holds_the_pooled_heads():
+    """FedMA's budget split (proportional_widths) with pooled heads leaves room for J output layers: the widths it
+    gives, at the pooled count, fit the budget, and are narrower than the fused split's."""
+    from bnpfed.federated.server import fedma_width_limits
+    nets = federation(hidden=(20, 12))
+    spec = derive_spec(nets[0], (D_IN,))
+    states = [n.state_dict() for n in nets]
+    shapes = {k: tuple(v.shape) for k, v in states[0].items()}
+    names = [n for n, _ in nets[0].named_parameters()]
+    ensemble = sum(count_parameters(n) for n in nets)
+    fused = fedma_width_limits(PFNMConfig(layerwise_retrain=1), spec, nets[0], states, ensemble)
+    pooled = fedma_width_limits(PFNMConfig(layerwise_retrain=1, heads="pooled"), spec, nets[0], states, ensemble)
+    widths = dict(zip(spec.group_names, pooled.max_width))
+    assert parameter_count(spec, shapes, names, widths, heads=J) <= ensemble
+    assert pooled.max_width[1] < fused.max_width[1] and pooled.max_params is None

@@ -344,7 +344,7 @@ def prepare(args) -> dict:
     activity = _activity(args.activity, [c.state_dict() if isinstance(c, nn.Module) else c for c in clients], spec)
     pfnm = PFNMConfig(sigma2=_one(args.sigma2), sigma0_2=_one(args.sigma0_2), gamma0=_one(args.gamma0),
                       hyperparameters=args.hyperparameters, sweeps=args.sweeps, max_width=_one(args.max_width),
-                      max_params=args.max_params, matcher_device=args.matcher_device)
+                      max_params=args.max_params, matcher_device=args.matcher_device, heads=args.heads)
     return dict(clients=clients, template=template, input_shape=input_shape, spec=spec, counts=counts,
                 counts_source=source, pfnm=pfnm, activity=activity)
 
@@ -386,10 +386,6 @@ def run(args) -> int:
     if args.heads == "pooled":
         notes.append(f"--heads pooled: the {len(plan['clients'])} clients' own output layers on the matched units, "
                      "log-probabilities pooled with the class shares")
-        if args.max_params is not None or args.max_width is not None:
-            extra = count_parameters(network) - count_parameters(match.network())
-            notes.append(f"--heads pooled: the limits priced one output layer; the pooled heads add {extra:,} "
-                         "parameters on top")
     for group, result in match.layer_results.items():
         notes += [f"{group}: {n}" for n in getattr(result, "notes", [])]
     if "parameters" in match.size_searches:

@@ -542,8 +542,10 @@ class PFNMConfig:
         row ``pfnm-pooled``, the federations' names end in ``-pooled``, and Flower's clients score the pooled
         network). Under label skew the averaged layer sums the clients' logits class by class and loses 10-11 points
         on Fashion-MNIST Dirichlet(0.5) that the pool keeps (benchmarks/README.md, "The output layer under label
-        skew"). The clients start the next round from their slices either way, and ``max_width`` / ``max_params`` and
-        the hyper-parameter selection see the fused network (the heads are not priced).
+        skew"). The clients start the next round from their slices either way. ``max_params`` prices the J output
+        layers the pooled network carries (each unit of the group they read with its J columns:
+        :func:`~bnpfed.inference.match_by_spec`'s ``heads``; FedMA's budget split likewise); ``max_width`` and the
+        hyper-parameter selection see the hidden layers, which the heads do not change.
     :param pool_temperature: ``heads="pooled"``: the pool's temperature, a number > 0 (default 1: the pool itself)
         or ``"fit"``: each matched client scores the pooled network on its own training data at every temperature
         of :data:`~bnpfed.inference.pooled_heads.TEMPERATURES` and the server keeps the one of least summed negative
@@ -699,6 +701,8 @@ class PFNMConfig:
             kwargs["max_width"] = self.max_width
         if self.parameter_limit is not None:
             kwargs["max_params"] = self.parameter_limit
+            if self.heads == "pooled":
+                kwargs["heads"] = "pooled"
         if self.constants == "reference":
             kwargs.update(REFERENCE_CONSTANTS)
         return kwargs

@@ -644,13 +644,23 @@ def _pooled_row(experiment: Experiment, name: str, net: nn.Module, match: SpecMa
 
 
 def _pfnm_pooled(experiment: Experiment) -> MethodResult:
-    match = experiment.selection().match
-    return _pooled_row(experiment, "pfnm-pooled", pooled_network(match, experiment.local_models()), match,
-                       note=f"one shot; pfnm's global body, {_POOLED_NOTE}")
+    selection = experiment.selection()
+    match, note = selection.match, f"one shot; pfnm's global body, {_POOLED_NOTE}"
+    config = replace(selection.config, layerwise_retrain=0)   # pfnm_step's: PFNM's whole-network budget
+    if config.heads == "fused" and config.parameter_limit is not None:
+        # pfnm's match priced one output layer: this row carries J, so its budget is met by a match that prices them
+        match = experiment.reestimate(pfnm_step(experiment.local_models(), experiment.class_counts,
+                                                replace(config, heads="pooled"), seed=experiment.seed, round=1,
+                                                input_shape=experiment.input_shape, activity=experiment.activity()))
+        note = f"one shot; pfnm matched with its J output layers priced in max_params, {_POOLED_NOTE}"
+    return _pooled_row(experiment, "pfnm-pooled", pooled_network(match, experiment.local_models()), match, note=note)
 
 
-def _pfnm_federation(experiment: Experiment, layerwise_retrain: int) -> PFNMFederation:
-    config = replace(experiment.selection().config, layerwise_retrain=layerwise_retrain)
+def _pfnm_federation(experiment: Experiment, layerwise_retrain: int, heads: Optional[str] = None) -> PFNMFederation:
+    """PFNM's (``layerwise_retrain`` 0) or FedMA's federation at the selected config, its output layer ``heads``
+    (default: the config's)."""
+    config = replace(experiment.selection().config, layerwise_retrain=layerwise_retrain,
+                     heads=heads or experiment.selection().config.heads)
     if config.heads == "fused":   # its temperature is for the pooled rows (pfnm-pooled, fedma-pooled)
         config = replace(config, pool_temperature=1.0)
     return PFNMFederation(experiment.dataset, experiment.parts, network=experiment.network,
@@ -674,11 +684,12 @@ def fedma_epochs(experiment: Experiment) -> int:
     return experiment.pfnm.layerwise_retrain or experiment.training.schedule(2).epochs
 
 
-def _fedma_federation(experiment: Experiment, rounds: int, name: str) -> tuple[PFNMFederation, MethodResult]:
-    """FedMA's federation run for ``rounds`` rounds under ``name`` (``name-pooled`` when ``pfnm.heads`` pools the
-    output layers), and its row."""
+def _fedma_federation(experiment: Experiment, rounds: int, name: str, heads: Optional[str] = None
+                      ) -> tuple[PFNMFederation, MethodResult]:
+    """FedMA's federation run for ``rounds`` rounds under ``name`` (``name-pooled`` when ``heads``, default
+    ``pfnm.heads``, pools the output layers: its budget then holds the J output layers), and its row."""
     epochs = fedma_epochs(experiment)
-    federation = _pfnm_federation(experiment, epochs)
+    federation = _pfnm_federation(experiment, epochs, heads)
     pooled = federation.pfnm.heads == "pooled"
     federation.method = name + ("-pooled" if pooled and not name.endswith("-pooled") else "")
     row = experiment.federation_row(federation, rounds, note=f"layer-wise, {epochs} retraining epoch(s) a layer"
@@ -694,10 +705,14 @@ def _fedma(experiment: Experiment, rounds: int, name: str) -> MethodResult:
 
 
 def _fedma_pooled(experiment: Experiment) -> MethodResult:
-    federation, row = _fedma_federation(experiment, 1, "fedma-pooled")
-    note = row.note if _POOLED_NOTE in row.note else f"{row.note}; {_POOLED_NOTE}"
-    return _pooled_row(experiment, "fedma-pooled", federation.pooled_network(), federation.match, note=note,
-                       rounds=1)
+    """FedMA's federation with its output layer pooled (its budget split holding the J heads); the row is the
+    federation's own pooled network at ``pfnm.pool_temperature``."""
+    federation, row = _fedma_federation(experiment, 1, "fedma-pooled", heads="pooled")
+    temperature = federation.history[-1].metrics["pool_temperature"]
+    if temperature != 1:
+        row.note += f", at temperature {temperature:.3g}"
+    experiment.keep("fedma-pooled", federation.global_network(), federation.match)
+    return row
 
 
 #: The alignment baselines (:func:`~bnpfed.federated.baselines.aligned_average`) and their papers.

@@ -464,7 +464,8 @@ def fedma_width_limits(config: PFNMConfig, spec: PermutationSpec, template: nn.M
     ``"auto"``). ``config`` itself when it has no limit (:attr:`~bnpfed.federated.config.PFNMConfig.parameter_limit`
     is None). Under the default ``"auto"`` the budget is best effort: when the groups below already took more than it
     allows, the groups above are limited to one client's width (and :func:`fedma_group_step` with ``best_effort``
-    keeps the smallest match it finds)."""
+    keeps the smallest match it finds). With ``config.heads="pooled"`` the budget holds the J clients' output layers
+    the pooled network carries."""
     if config.parameter_limit is None:
         return config
     names = spec.group_names
@@ -473,7 +474,7 @@ def fedma_width_limits(config: PFNMConfig, spec: PermutationSpec, template: nn.M
     shapes = {k: tuple(v.shape) for k, v in client_states[0].items()}
     try:
         budget = proportional_widths(spec, shapes, [n for n, _ in template.named_parameters()], widths, limit,
-                                     matched=matched)
+                                     matched=matched, heads=len(client_states) if config.heads == "pooled" else 1)
     except SizeLimitError:
         if not config.best_effort_budget:
             raise

@@ -28,8 +28,8 @@ from bnpfed.inference.derive import derive_spec
 from bnpfed.inference.layer_inputs import CompactRows
 from bnpfed.inference.layout import VectorLayout, group_layout, layout_rows, width
 from bnpfed.inference.matching import average_atoms, averaging_weights, match_layer
-from bnpfed.inference.size import (SizeLimitError, SizeSearch, fit_size, minimum_widths, parameter_count,
-                                   parameters_in)
+from bnpfed.inference.size import (SizeLimitError, SizeSearch, fit_size, head_parameters, minimum_widths,
+                                   parameter_count, parameters_in)
 from bnpfed.inference.spec import PermutationSpec
 from bnpfed.validation import check_bool, check_choice, check_int
 
@@ -502,13 +502,14 @@ def output_bias(clients: Clients, hypers: Mapping, values: GroupValues, combine:
 
 
 def check_size_limits(max_width, max_params, clients: Clients, template: nn.Module | None, states: Sequence, *,
-                      groups: Sequence[str] | None = None, best_effort: bool = False
+                      groups: Sequence[str] | None = None, best_effort: bool = False, heads: int = 1
                       ) -> tuple[dict[str, int | None], int | None]:
     """``max_width`` per group (None: no limit) and ``max_params`` as a number (None: no limit; ``"ensemble"``: the
     parameters of the clients' networks ``states`` together), checked against the smallest sizes any assignment of
     ``clients`` (their units after any left out) allows (:func:`~bnpfed.inference.size.minimum_widths`); the widths
     only of ``groups`` when given (the ones about to be matched). With ``best_effort`` a ``max_params`` below that
-    smallest size is kept (the search then keeps the smallest match it finds) instead of refused."""
+    smallest size is kept (the search then keeps the smallest match it finds) instead of refused. ``heads``: the
+    output layers the global network carries (J with pooled heads; :func:`~bnpfed.inference.size.parameter_count`)."""
     spec, names = clients.spec, clients.spec.group_names
     caps = {g: None if v is None else check_int(v, f"max_width[{g!r}]", low=1)
             for g, v in zip(names, _per_group(max_width, names, "max_width"))}
@@ -530,11 +531,12 @@ def check_size_limits(max_width, max_params, clients: Clients, template: nn.Modu
         limit = parameters_in(states, parameters)
     else:
         limit = check_int(max_params, "max_params", low=1)
-    smallest = parameter_count(spec, clients.shapes, parameters, floor)
+    smallest = parameter_count(spec, clients.shapes, parameters, floor, heads=heads)
     if limit < smallest and not best_effort:
         given = " ('ensemble')" if max_params == "ensemble" else ""
+        pooled = f", {heads} output layers (pooled heads)" if heads > 1 else ""
         raise SizeLimitError(f"max_params: expected at least {smallest} (the parameters at the smallest widths any "
-                             f"assignment allows, {floor}), got {limit}{given}")
+                             f"assignment allows, {floor}{pooled}), got {limit}{given}")
     return caps, limit
 
 
@@ -602,6 +604,7 @@ def match_by_spec(
     max_width=None,
     max_params=None,
     best_effort: bool = False,
+    heads: Literal["fused", "pooled"] = "fused",
     **matcher_kwargs,
 ) -> SpecMatch:
     """Match J clients' networks of one kind into one global network (PFNM's server step), group by group in the
@@ -693,6 +696,10 @@ def match_by_spec(
         network does) keeps the smallest match the search found, its ``SizeSearch.met`` False, instead of raising
         :class:`~bnpfed.inference.size.SizeLimitError` (default False; what PFNM's rounds use for a budget that starts
         after round 1: :attr:`~bnpfed.federated.config.PFNMConfig.limit_from_round`).
+    :param str heads: the output layer the global network will carry, what ``max_params`` prices: ``"fused"``
+        (default: one, :meth:`SpecMatch.network`) or ``"pooled"`` (every matched client's own,
+        :func:`~bnpfed.inference.pooled_network`: the J output layers counted, and each unit of the group they read
+        priced with its J columns). Refused without ``max_params``, where it changes nothing.
     :param matcher_kwargs: passed to ``layer_fn`` (``objective``, ``popularity_factor``, ``start``, ...).
     :returns: :class:`SpecMatch`.
     """
@@ -707,8 +714,13 @@ def match_by_spec(
     clients = prepare_clients({"value": states}, spec, class_counts)
     init = warm_start_labels(warm_start, names, clients.widths)
     clients, init, kept = without_inactive(clients, spec, activity, init)
+    check_choice(heads, ("fused", "pooled"), "heads")
+    if heads != "fused" and max_params is None:
+        raise ValueError(f"heads: what max_params prices (the output layers the global network will carry); expected "
+                         f"'fused' without max_params, got {heads!r}")
+    copies = clients.J if heads == "pooled" else 1
     caps, param_limit = check_size_limits(max_width, max_params, clients, template, states,
-                                          best_effort=check_bool(best_effort, "best_effort"))
+                                          best_effort=check_bool(best_effort, "best_effort"), heads=copies)
     if best_effort and param_limit is None:
         raise ValueError("best_effort: applies to a max_params budget only (it keeps the smallest match a budget's "
                          "search found); got best_effort=True without max_params")
@@ -743,11 +755,11 @@ def match_by_spec(
         def step(name, layout, rows, below):
             if strength == 0.0:
                 first = group_at(name, layout, rows, below, None)
-                dims[name] = layout.D
+                dims[name] = layout.D + (copies - 1) * head_parameters(spec, clients.shapes, name)
                 if caps[name] is not None or param_limit is not None:
                     own_gamma0[name] = match_gamma0(first, "max_width" if caps[name] is not None else "max_params")
             else:
-                factor = math.exp(-strength * layout.D / max(dims.values()))
+                factor = math.exp(-strength * dims[name] / max(dims.values()))
                 first = group_at(name, layout, rows, below, own_gamma0[name] * factor)
             return in_network_dtype(limit_width(first, lambda gamma: group_at(name, layout, rows, below, gamma),
                                                 caps[name]))
@@ -762,7 +774,8 @@ def match_by_spec(
         parameters = [n for n, _ in template.named_parameters()]
         matches, searches["parameters"] = fit_size(
             lambda f: match_groups(clients, order, steps(f), compact=compact),
-            lambda ms: parameter_count(spec, clients.shapes, parameters, {n: m.size for n, m in ms.items()}),
+            lambda ms: parameter_count(spec, clients.shapes, parameters, {n: m.size for n, m in ms.items()},
+                                       heads=copies),
             param_limit, "max_params", best_effort=best_effort)
     searches.update({n: m.size_search for n, m in matches.items() if m.size_search is not None})
     assignments = {n: matches[n].assignments for n in names}

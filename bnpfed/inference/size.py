@@ -40,8 +40,8 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 from bnpfed.inference.spec import PermutationSpec
 
-__all__ = ["BISECTIONS", "BRACKET", "SizeLimitError", "SizeSearch", "fit_size", "minimum_widths", "parameter_count",
-           "parameters_in", "proportional_widths"]
+__all__ = ["BISECTIONS", "BRACKET", "SizeLimitError", "SizeSearch", "check_heads", "fit_size", "head_parameters",
+           "minimum_widths", "parameter_count", "parameters_in", "proportional_widths"]
 
 #: Strengths ``t = -log f`` (``f`` the factor on gamma0) tried in turn until a match fits the limit.
 BRACKET = (2.0, 8.0, 32.0, 128.0, 512.0)
@@ -108,10 +108,12 @@ def minimum_widths(widths: Sequence[Mapping[str, int]]) -> dict[str, int]:
 
 
 def parameter_count(spec: PermutationSpec, shapes: Mapping[str, Sequence[int]], parameters: Iterable[str],
-                    widths: Mapping[str, int]) -> int:
+                    widths: Mapping[str, int], *, heads: int = 1) -> int:
     """The number of parameters of a network of the spec's kind at the given global widths: every entry of
     ``parameters`` (names of the network's parameters, not its buffers) with its shape from ``shapes`` (any one
-    client's state) and every axis a group acts on at ``widths[group] * block``.
+    client's state) and every axis a group acts on at ``widths[group] * block``; the output layer's weight and bias
+    ``heads`` times (J with pooled heads: :func:`~bnpfed.inference.pooled_network` carries every matched client's
+    own output layer).
 
     >>> from bnpfed.inference import derive_spec
     >>> from bnpfed.models import mlp
@@ -121,26 +123,54 @@ def parameter_count(spec: PermutationSpec, shapes: Mapping[str, Sequence[int]], 
     72
     >>> 4 * 10 + 10 + 10 * 2 + 2    # W1, b1, W2, b2 at 10 hidden units
     72
+    >>> parameter_count(derive_spec(net, (4,)), shapes, [n for n, _ in net.named_parameters()], {"1": 10}, heads=5)
+    160
+    >>> 4 * 10 + 10 + 5 * (10 * 2 + 2)    # five clients' output layers, pooled
+    160
     """
     names = spec.group_names
+    copies = check_heads(heads)
+    outputs = set(spec.params_of_kind("output_weight", "output_bias"))
     total = 0
     for p in parameters:
         shape = list(shapes[p])
         for c, axis in spec.axes_of(p):
             shape[axis.dim] = int(widths[names[c]]) * axis.block
-        total += math.prod(shape)
+        total += math.prod(shape) * (copies if p in outputs else 1)
+    return total
+
+
+def check_heads(heads) -> int:
+    """``heads``: how many output layers the global network carries (an int >= 1: 1 fused, J pooled)."""
+    if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
+        raise ValueError(f"heads: expected the number of output layers the global network carries (an int >= 1: 1 "
+                         f"for one fused output layer, J for the clients' pooled heads), got {heads!r}")
+    return heads
+
+
+def head_parameters(spec: PermutationSpec, shapes: Mapping[str, Sequence[int]], group: str) -> int:
+    """The output-layer parameters one unit of ``group`` owns (its column of the output weight; 0 unless the group
+    holds the output layer's input): what every further output layer adds per unit when heads are pooled."""
+    names = spec.group_names
+    total = 0
+    for p in spec.params_of_kind("output_weight"):
+        shape = list(shapes[p])
+        for c, axis in spec.axes_of(p):
+            if names[c] == group:
+                shape[axis.dim] = axis.block
+                total += math.prod(shape)
     return total
 
 
 def proportional_widths(spec: PermutationSpec, shapes: Mapping[str, Sequence[int]], parameters: Iterable[str],
                         widths: Sequence[Mapping[str, int]], limit: int, *, matched: Mapping[str, int] | None = None,
-                        what: str = "max_params") -> dict[str, int] | None:
+                        what: str = "max_params", heads: int = 1) -> dict[str, int] | None:
     """Per group a width limit ``floor(k * m_g)`` (``m_g`` the most units one client holds in group g:
     :func:`minimum_widths`) at the largest ``k >= 1`` whose network has at most ``limit`` parameters (bisection to
     ``1e-6`` in k), the groups in ``matched`` at their given (matched) widths: a parameter budget split over groups that
     are matched one at a time, as FedMA's are, before the widths above are known (called again before each group, the
     budget the groups below left unused goes to the ones above). None when even ``k = J`` (every client's units apart)
-    fits.
+    fits. ``heads``: the output layers the network carries (:func:`parameter_count`).
 
     >>> from bnpfed.inference import derive_spec
     >>> from bnpfed.models import mlp
@@ -164,7 +194,7 @@ def proportional_widths(spec: PermutationSpec, shapes: Mapping[str, Sequence[int
         return {g: m if g in matched else max(m, math.floor(k * m)) for g, m in floor.items()}
 
     def count(k):
-        return parameter_count(spec, shapes, parameters, at(k))
+        return parameter_count(spec, shapes, parameters, at(k), heads=heads)
 
     smallest = count(1.0)
     if limit < smallest:
