@@ -21,7 +21,17 @@ A Bayesian global network (a :class:`~bnpfed.inference.BayesianClient`: ``bnpfed
 
 ``module`` is then the posterior-mean network (plain torch, usable without bnpfed), and :func:`load_global` returns
 the :class:`~bnpfed.inference.BayesianClient` (default mean-field guide at the saved posterior, the saved prior), whose
-``predict_proba(x, num_samples, seed)`` gives the same predictive as the client that was saved. A global network
+``predict_proba(x, num_samples, seed)`` gives the same predictive as the client that was saved. A matched posterior
+with the clients' own posterior output layers pooled (a :class:`~bnpfed.inference.PooledPosterior`: ``FusionConfig(
+heads="pooled")``, ``bnpfed fuse --heads pooled --save-global``, ``bnpfed match --posteriors --heads pooled``) has
+``"kind": "pooled-posterior"``, ``module`` its posterior-mean network with the J heads pooled
+(:class:`~bnpfed.inference.PooledHeads`), ``"predictive"`` likewise, and::
+
+    "pooled_posterior": {"template": <the body's network kind>, "locs": {...}, "variances": {...}, "output": name,
+                         "weight": (J, C, L), "weight_variance", "bias": (J, C), "bias_variance",
+                         "pool_weights": (J, C), "temperature": T}
+
+which :func:`load_global` returns as the :class:`~bnpfed.inference.PooledPosterior` (the same predictive). A global network
 fused from Laplace clients (a :class:`~bnpfed.inference.LaplaceClient`) has ``"kind": "laplace"``, its
 ``"posterior"``, ``"prior"`` and ``"predictive"`` likewise, and loads as a LaplaceClient holding that posterior (its
 linearised predictive). The deterministic
@@ -60,17 +70,21 @@ import torch
 from torch import Tensor, nn
 
 from bnpfed.inference.laplace import LaplaceClient
+from bnpfed.inference.pooled_heads import PooledPosterior
 from bnpfed.inference.svi import BayesianClient
 from bnpfed.posterior import GaussianPosterior
 from bnpfed.report import json_safe, versions
 
-__all__ = ["FORMAT", "KINDS", "SavedGlobal", "global_from_record", "load_global", "load_torch_file", "read_global",
+__all__ = ["BAYESIAN", "FORMAT", "KINDS", "SavedGlobal", "global_from_record", "load_global", "load_torch_file", "read_global",
            "save_global"]
 
 #: The layout of a saved global network (the module docstring); a file of another layout is refused.
 FORMAT = "bnpfed-global/1"
-#: What a file holds: a plain network, or a Bayesian one (a BayesianClient's posterior, prior and likelihood).
-KINDS = ("deterministic", "bayesian", "laplace")
+#: What a file holds: a plain network, or a Bayesian one (a BayesianClient's posterior, prior and likelihood; a
+#: LaplaceClient's; a PooledPosterior's body and heads).
+KINDS = ("deterministic", "bayesian", "laplace", "pooled-posterior")
+#: The Bayesian global models a file can hold (each has ``predict_proba(x, num_samples, seed)``).
+BAYESIAN = (BayesianClient, LaplaceClient, PooledPosterior)
 
 
 def _plain(value):
@@ -92,7 +106,8 @@ def save_global(path: str | Path, network, *, method: str, spec=None, widths: Ma
 
     :param network: an ``nn.Module``, or a :class:`~bnpfed.inference.BayesianClient` (its posterior-mean network,
         posterior, prior, likelihood and local reparameterisation are written; its guide must be mean-field Gaussian,
-        as the default one is: ``posterior()`` gives ``{site: GaussianPosterior}``).
+        as the default one is: ``posterior()`` gives ``{site: GaussianPosterior}``), a
+        :class:`~bnpfed.inference.LaplaceClient`, or a :class:`~bnpfed.inference.PooledPosterior` (its tensors).
     :param str method: the method that built it (``"pfnm"``, ``"fedma"``, ...).
     :param spec: the :class:`~bnpfed.inference.PermutationSpec` it was matched by (stored as its text).
     :param dict widths: group name -> global units.
@@ -106,11 +121,11 @@ def save_global(path: str | Path, network, *, method: str, spec=None, widths: Ma
     if not isinstance(method, str) or not method:
         raise ValueError(f"method: expected the name of the method that built the network, got {method!r}")
     bayesian = {}
-    if predictive is not None and not isinstance(network, (BayesianClient, LaplaceClient)):
-        raise ValueError(f"predictive: expected only with a Bayesian network (a BayesianClient or LaplaceClient), "
-                         f"got a {type(network).__name__}")
-    if isinstance(network, (BayesianClient, LaplaceClient)):
-        bayesian = _bayesian_record(network)
+    if predictive is not None and not isinstance(network, BAYESIAN):
+        raise ValueError(f"predictive: expected only with a Bayesian network (a BayesianClient, LaplaceClient or "
+                         f"PooledPosterior), got a {type(network).__name__}")
+    if isinstance(network, BAYESIAN):
+        bayesian = _pooled_record(network) if isinstance(network, PooledPosterior) else _bayesian_record(network)
         if predictive is not None:
             if not (isinstance(predictive, Mapping) and set(predictive) == {"samples", "seed"}):
                 raise ValueError(f"predictive: expected {{'samples': S, 'seed': s}}, got {predictive!r}")
@@ -119,11 +134,13 @@ def save_global(path: str | Path, network, *, method: str, spec=None, widths: Ma
     elif isinstance(network, nn.Module):
         module = copy.deepcopy(network).cpu().eval()
     else:
-        raise ValueError(f"network: expected a torch.nn.Module or a bnpfed BayesianClient or LaplaceClient, got "
-                         f"{type(network).__name__}")
+        raise ValueError(f"network: expected a torch.nn.Module or a bnpfed BayesianClient, LaplaceClient or "
+                         f"PooledPosterior, got {type(network).__name__}")
+    kind = ("laplace" if isinstance(network, LaplaceClient) else "pooled-posterior"
+            if isinstance(network, PooledPosterior) else "bayesian") if bayesian else "deterministic"
     record = {
         "format": FORMAT,
-        "kind": ("laplace" if isinstance(network, LaplaceClient) else "bayesian") if bayesian else "deterministic",
+        "kind": kind,
         "method": method,
         "module": module,
         "state_dict": {k: v.detach().clone() for k, v in module.state_dict().items()},
@@ -169,17 +186,33 @@ def _bayesian_record(client: BayesianClient | LaplaceClient) -> dict:
             "local_reparameterization": bool(client.bnn.local_reparameterization)}
 
 
+def _cpu(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    return {k: v.detach().cpu().clone() for k, v in tensors.items()}
+
+
+def _pooled_record(posterior: PooledPosterior) -> dict:
+    """What rebuilds a :class:`PooledPosterior` (its constructor's arguments)."""
+    tensors = {"weight": posterior.weight, "weight_variance": posterior.weight_variance, "bias": posterior.bias,
+               "bias_variance": posterior.bias_variance, "pool_weights": posterior.pool_weights}
+    for name, value in [*posterior.locs.items(), *posterior.variances.items(), *tensors.items()]:
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            raise ValueError(f"network: the pooled posterior's {name!r} holds NaN or infinite values")
+    return {"pooled_posterior": {"template": copy.deepcopy(posterior.template).cpu(), "locs": _cpu(posterior.locs),
+                                 "variances": _cpu(posterior.variances), "output": posterior.output,
+                                 **_cpu(tensors), "temperature": float(posterior.temperature)}}
+
+
 @dataclass(frozen=True)
 class SavedGlobal:
     """What :func:`read_global` reads: the fields of the file (module docstring), ``network`` in eval mode (for a
-    Bayesian file its posterior-mean network; ``client`` the :class:`~bnpfed.inference.BayesianClient`, None
-    otherwise)."""
+    Bayesian file its posterior-mean network; ``client`` the :class:`~bnpfed.inference.BayesianClient`,
+    :class:`~bnpfed.inference.LaplaceClient` or :class:`~bnpfed.inference.PooledPosterior`, None otherwise)."""
 
     network: nn.Module
     method: str
     architecture: str
     kind: str = "deterministic"
-    client: BayesianClient | LaplaceClient | None = None
+    client: BayesianClient | LaplaceClient | PooledPosterior | None = None
     predictive: dict | None = None
     spec: str | None = None
     widths: dict = field(default_factory=dict)
@@ -246,6 +279,13 @@ def global_from_record(record, path: str | Path = "<record>") -> SavedGlobal:
                                                      for site, p in record["posterior"].items()}, record["prior"])
         except ValueError as error:
             raise ValueError(f"path: {str(path)!r} holds a posterior that does not load ({error})") from None
+    elif kind == "pooled-posterior":
+        saved = dict(record["pooled_posterior"])
+        try:
+            client = PooledPosterior(saved.pop("template"), saved.pop("locs"), saved.pop("variances"),
+                                     saved.pop("output"), **saved)
+        except (ValueError, TypeError) as error:
+            raise ValueError(f"path: {str(path)!r} holds a pooled posterior that does not load ({error})") from None
     return SavedGlobal(network=network.eval(), method=record["method"], architecture=record["architecture"],
                        kind=kind, client=client, predictive=record.get("predictive"), spec=record["spec"],
                        widths=dict(record["widths"]),
@@ -256,6 +296,7 @@ def global_from_record(record, path: str | Path = "<record>") -> SavedGlobal:
 
 def load_global(path: str | Path):
     """The global model a file of :func:`save_global` holds, ready to use: the network (eval mode, on the CPU), or
-    for a Bayesian file the :class:`~bnpfed.inference.BayesianClient`."""
+    for a Bayesian file the :class:`~bnpfed.inference.BayesianClient` (:class:`~bnpfed.inference.LaplaceClient`,
+    :class:`~bnpfed.inference.PooledPosterior`)."""
     saved = read_global(path)
     return saved.network if saved.client is None else saved.client

@@ -426,8 +426,8 @@ def test_fuse_takes_pooled_heads_with_align_match_and_not_with_save_global(tmp_p
     assert "pfnm-rounds" in rounds["config"].methods and "pfnm-pooled" not in rounds["config"].methods
     with pytest.raises(Exception, match="--heads: expected only with --align match"):
         fuse.prepare(parsed(["fuse", "--heads", "pooled"]))
-    with pytest.raises(Exception, match="--heads both: a global network with the clients' pooled posterior heads"):
-        fuse.prepare(parsed(["fuse", "--align", "match", "--heads", "both", "--save-global", str(tmp_path)]))
+    saving = fuse.prepare(parsed(["fuse", "--align", "match", "--heads", "both", "--save-global", str(tmp_path)]))
+    assert "match-conflation-pooled" in saving["config"].methods   # written as a pooled-posterior file
 
 
 def test_fuse_takes_where_the_matchers_empirical_bayes_starts_with_align_match():

@@ -80,14 +80,24 @@ def test_pvi_rounds_on_flower_are_the_in_process_federation_bit_for_bit():
 
 
 @pytest.mark.parametrize("temperature", [1.0, "fit"])
-def test_pooled_heads_on_flower_are_the_in_process_federation_bit_for_bit(temperature):
+def test_pooled_heads_on_flower_are_the_in_process_federation_bit_for_bit(temperature, tmp_path):
     # the server sends the round's clients' own posterior output layers beside the fused body (with "fit" after
     # asking them for their NLL sums of the predictive at every temperature); the clients score the pooled predictive
-    # on their shards: together the in-process federation's evaluation of the test split
+    # on their shards: together the in-process federation's evaluation of the test split; the output file holds the
+    # pooled posterior (bnpfed.load_global gives it back with the in-process predictive)
+    from bnpfed.inference import PooledPosterior
+    from bnpfed.saved import read_global
+
     config = {**MATCHED, "rule": "conflation", "heads": "pooled", "partition": "dirichlet",
               "pool-temperature": temperature}
-    result = run_federation(LocalGrid(client_app, CLIENTS), config)
+    result = run_federation(LocalGrid(client_app, CLIENTS), {**config, "output-dir": str(tmp_path)})
     reference = assert_same_as_in_process(result, config)
+    saved = read_global(tmp_path / "fusion-global.pt")
+    assert saved.kind == "pooled-posterior" and saved.method == "match-conflation-pooled"
+    assert isinstance(saved.client, PooledPosterior) and saved.client.temperature == reference.pooled.temperature
+    x = torch.randn(20, 64)
+    torch.testing.assert_close(saved.client.predict_proba(x, num_samples=3, seed=1),
+                               reference.pooled.predict_proba(x, num_samples=3, seed=1), rtol=0, atol=1e-6)
     assert reference.method == "match-conflation-pooled" and reference.pooled is not None
     assert result.arrays["heads/weight"].shape == (CLIENTS, 10, reference.match.widths["1"])
     for flower, own in zip(result.history, reference.history):
@@ -149,7 +159,6 @@ def test_a_bad_posterior_reply_is_rejected_with_its_reason_and_the_round_goes_on
     ({"method": "fedavg", "heads": "pooled"}, r"heads: the output layer of PFNM's or matched posterior fusion's"),
     ({**MATCHED, "heads": "pooled", "secure-aggregation": True}, r"heads: the output layer of matched posterior "
                                                                  r"fusion in the clear"),
-    ({**MATCHED, "heads": "pooled", "output-dir": "out"}, r"output-dir: writes the global model as a bnpfed"),
 ])
 def test_what_matched_fusion_on_flower_does_not_run_is_refused_before_any_node_is_asked(config, message):
     assert_refused_before_any_node_is_asked(config, message)

@@ -15,7 +15,7 @@ from bnpfed.federated.clients import initial_network
 from bnpfed.federated.config import FusionConfig, NetworkConfig
 from bnpfed.federated.partition import class_counts
 from bnpfed.federated.server import fuse_posteriors
-from bnpfed.inference import BayesianClient, LaplaceClient, derive_spec, match_by_spec
+from bnpfed.inference import BayesianClient, LaplaceClient, PooledPosterior, derive_spec, match_by_spec
 from bnpfed.inference.class_shares import estimate_class_shares
 from bnpfed.inference.posterior_matching import match_posteriors
 from bnpfed.metrics import classification_report
@@ -401,3 +401,77 @@ def test_a_prediction_runs_in_eval_mode_and_changes_no_running_statistic(digits,
     assert client.bnn.training  # the mode is restored
     alone = predictive(client, digits.x_test[:1])  # in eval mode an input's prediction needs no batch around it
     assert_close(alone[0], first[0])
+
+
+@pytest.mark.parametrize("kind, extra", [("mlp", []), ("lenet", ["--input-shape", "1,8,8"])])
+def test_bnpfed_match_posteriors_heads_pooled_writes_the_pooled_posterior_of_the_match(kind, extra, folder, tmp_path,
+                                                                                      digits, capsys):
+    """A matched posterior with the clients' own posterior heads pooled (a PooledPosterior) is written as kind
+    "pooled-posterior" and loads back with the same predictive as ``PooledPosterior.of_match`` of the same match;
+    the file's module is its pooled posterior-mean network."""
+    from bnpfed.inference.posterior_matching import client_posterior
+
+    out = tmp_path / "pooled.pt"
+    assert main(["match", *files(folder, kind), *extra, "--posteriors", "--heads", "pooled", "--counts",
+                 str(folder / "counts.json"), "--out", str(out)]) == 0
+    assert "--heads pooled: the 3 clients' own posterior output layers" in capsys.readouterr().out
+    clients = loaded(folder, kind)
+    counts = torch.tensor(json.loads((folder / "counts.json").read_text()))
+    match = match_posteriors(clients, counts, rule=FusionConfig().rule, sizes=[int(n) for n in counts.sum(1)],
+                             input_shape=digits.input_shape, template=clients[0].mean_network(), seed=0)
+    expected = PooledPosterior.of_match(match, [client_posterior(c) for c in clients])
+    saved = read_global(out)
+    assert saved.kind == "pooled-posterior" and saved.method == f"match-{FusionConfig().rule}-pooled"
+    assert isinstance(saved.client, PooledPosterior) and bnpfed.load_global(out) is not None
+    x = digits.x_test
+    assert_close(predictive(saved.client, x), predictive(expected, x))
+    with torch.no_grad():
+        assert_close(saved.network(x), expected.mean_network().to(x.dtype)(x))
+    # bnpfed evaluate reads it as any Bayesian file: the predictive of the draws asked for
+    assert main(["evaluate", str(out), "--dataset", "digits", "--predictive-samples", "8", "--seed", "0",
+                 "--json", str(tmp_path / "e.json")]) == 0
+    (row,) = json.loads((tmp_path / "e.json").read_text())["results"]["runs"][0]["rows"]
+    probs = expected.predict_proba(x, num_samples=8, seed=0).double()
+    assert row["accuracy"] == pytest.approx(classification_report(probs, digits.y_test)["accuracy"], abs=1e-12)
+    assert main(["match", *files(folder, kind), *extra, "--posteriors", "--align", "none", "--heads", "pooled",
+                 "--out", str(tmp_path / "x.pt")]) == 2
+    assert "--heads pooled: the clients' own heads on the units theirs were matched to; expected --align match" in \
+        capsys.readouterr().err
+
+
+def test_a_pooled_posterior_round_trips_through_save_global_with_its_temperature(folder, digits, tmp_path):
+    from bnpfed.inference.posterior_matching import client_posterior
+
+    clients = loaded(folder, "mlp")
+    match = match_posteriors(clients, torch.ones(3, 10), input_shape=digits.input_shape,
+                             template=clients[0].mean_network(), seed=0)
+    pooled = PooledPosterior.of_match(match, [client_posterior(c) for c in clients])
+    pooled.temperature = 0.7
+    path = save_global(tmp_path / "p.pt", pooled, method="match-conflation-pooled", predictive={"samples": 5,
+                                                                                                "seed": 3})
+    saved = read_global(path)
+    assert saved.client.temperature == 0.7 and saved.predictive == {"samples": 5, "seed": 3}
+    for name in ("weight", "weight_variance", "bias", "bias_variance", "pool_weights"):
+        assert torch.equal(getattr(saved.client, name), getattr(pooled, name)), name
+    assert_close(saved.client.predict_proba(digits.x_test, 5, 3), pooled.predict_proba(digits.x_test, 5, 3),
+                 rtol=0, atol=0)
+    pooled.weight_variance[0, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match="network: the pooled posterior's 'weight_variance' holds NaN"):
+        save_global(tmp_path / "bad.pt", pooled, method="m")
+
+
+def test_bnpfed_fuse_heads_both_saves_the_pooled_posterior_the_row_scored(tmp_path, digits, capsys):
+    out, folder = tmp_path / "fuse.json", tmp_path / "globals"
+    assert main(["fuse", "--clients", "3", "--partition", "dirichlet", "--rounds", "1", "--epochs", "1", "--hidden",
+                 "16", "--align", "match", "--rule", "conflation", "--heads", "both", "--no-progress", "--json",
+                 str(out), "--save-global", str(folder)]) == 0
+    rows = {r["method"]: r for r in json.loads(out.read_text())["results"]["runs"][0]["rows"]}
+    saved = read_global(folder / "match-conflation-pooled.pt")
+    assert saved.kind == "pooled-posterior" and isinstance(saved.client, PooledPosterior)
+    assert read_global(folder / "match-conflation.pt").kind == "bayesian"
+    seed = derive_seed(0, Stream.PREDICT, 1)
+    assert saved.predictive == {"samples": 10, "seed": seed}
+    probs = saved.client.predict_proba(digits.x_test, num_samples=10, seed=seed)
+    accuracy = float((probs.argmax(-1) == digits.y_test).double().mean())
+    assert accuracy == pytest.approx(rows["match-conflation-pooled"]["accuracy"], abs=1e-9)
+    assert sum(p.numel() for p in saved.network.parameters()) == rows["match-conflation-pooled"]["parameters"]

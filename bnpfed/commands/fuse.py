@@ -175,7 +175,7 @@ def add_parser(sub):
                    "clients' output layers, rows match-RULE), pooled (the clients' own posterior output layers, "
                    "log-probabilities pooled with their class shares inside every weight draw: rows "
                    "match-RULE-pooled, and pfnm-pooled beside pfnm one shot) or both; J output layers instead of "
-                   "one, better under label skew (benchmarks/README.md); not with --save-global")
+                   "one, better under label skew (benchmarks/README.md)")
     g.add_argument("--pool-temperature", type=_args.pool_temperature, metavar="T|fit",
                    default=fusion.pool_temperature, help="--heads pooled or both: " + _args.POOL_TEMPERATURE_HELP)
     g.add_argument("--starts", choices=STARTS, default=fusion.starts,
@@ -224,7 +224,8 @@ def add_parser(sub):
                                    "per method")
     g.add_argument("--save-global", metavar="DIR",
                    help="write every global model a method built to DIR/<method>.pt: the fused Bayesian networks "
-                   "(each rule, match-RULE: posterior, prior and posterior-mean network) and the deterministic ones "
+                   "(each rule, match-RULE: posterior, prior and posterior-mean network; match-RULE-pooled: the fused "
+                   "body with the clients' posterior heads, a PooledPosterior) and the deterministic ones "
                    "(fedavg, pfnm), each readable by bnpfed.load_global (a BayesianClient or a network) and bnpfed "
                    "evaluate")
     p.set_defaults(func=run)
@@ -280,9 +281,6 @@ def prepare(args) -> dict:
     if args.pool_temperature != 1 and args.heads == "fused":
         raise UsageError(f"--pool-temperature: the temperature of pooled heads; expected it only with --heads pooled "
                          f"or both, got --heads fused")
-    if args.heads != "fused" and args.save_global is not None:
-        raise UsageError(f"--heads {args.heads}: a global network with the clients' pooled posterior heads has no "
-                         "global-model file yet; expected --heads fused with --save-global")
     if args.starts != "even-split" and not match:
         raise UsageError(f"--starts: expected only with --align match, got --align {args.align}")
     if args.later_rounds != "auto" and not match:

@@ -94,7 +94,8 @@ def add_parser(sub):
                    "clients' output layers) or pooled (every client's own output layer on the global units its units "
                    "were matched to, log-probabilities pooled with the class shares: "
                    "bnpfed.inference.pooled_network; J output layers instead of one, far better under label skew, "
-                   "benchmarks/README.md); not with --posteriors")
+                   "benchmarks/README.md); with --posteriors (--align match) the clients' own posterior output "
+                   "layers, pooled inside every weight draw (bnpfed.inference.PooledPosterior)")
     g.add_argument("--seed", type=int, default=0, help="seed of the sweeps' client order (and of the pooling rule's "
                    "draws), >= 0")
     g.add_argument("--matcher-device", metavar="DEVICE",
@@ -296,9 +297,9 @@ def prepare(args) -> dict:
         raise UsageError(f"MODEL: expected at least two clients' models, got {len(args.models)}")
     if args.seed < 0:
         raise UsageError(f"--seed: expected an integer >= 0, got {args.seed}")
-    if args.posteriors and args.heads != "fused":
-        raise UsageError(f"--heads {args.heads}: a global posterior with the clients' pooled heads has no file layout "
-                         "yet; expected it only without --posteriors (in process and on Flower: FusionConfig.heads)")
+    if args.posteriors and args.heads != "fused" and args.align == "none":
+        raise UsageError(f"--heads {args.heads}: the clients' own heads on the units theirs were matched to; expected "
+                         "--align match with --posteriors (weight-by-weight fusion matches nothing)")
     if args.posteriors:
         for flag in ("max_width", "max_params"):
             if getattr(args, flag) is not None:
@@ -556,7 +557,17 @@ def run_posteriors(args, plan) -> int:
                                      device=args.matcher_device)
         except ValueError as error:
             return fail(PROG, flag_message(error))
-        if laplace:   # the global posterior with the linearised predictive of Laplace clients
+        if args.heads == "pooled":   # the fused body, every client's own posterior head pooled inside every draw
+            from bnpfed.inference import PooledPosterior
+            from bnpfed.inference.posterior_matching import client_posterior
+
+            try:
+                client = PooledPosterior.of_match(match, [client_posterior(c) for c in clients])
+            except ValueError as error:   # an output layer that does not read the last group's units directly
+                return fail(PROG, f"--heads pooled: {error}")
+            notes.append(f"--heads pooled: the {len(clients)} clients' own posterior output layers on the matched "
+                         "units, log-probabilities pooled with the class shares inside every weight draw")
+        elif laplace:   # the global posterior with the linearised predictive of Laplace clients
             client = LaplaceClient.holding(match.network(), match.posterior(), first.prior)
         else:
             prior, options = _variational(first)
@@ -585,7 +596,7 @@ def run_posteriors(args, plan) -> int:
         described = dict(spec=spec, widths={g.name: width(state, g, "MODEL") for g in spec.groups})
     seconds = time.perf_counter() - t0
     how = "matched and fused" if fusion.align == "match" else "fused weight by weight"
-    method = ("match-" if fusion.align == "match" else "") + fusion.rule
+    method = ("match-" if fusion.align == "match" else "") + fusion.rule + ("-pooled" if args.heads == "pooled" else "")
     save_global(args.out, client, method=method, notes=notes, **described)
     network = client.mean_network()
     print(f"{how} {len(clients)} Bayesian networks ({type(network).__name__}, input {plan['input_shape']}) with "

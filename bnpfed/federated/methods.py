@@ -799,11 +799,11 @@ def _matched_fusion(experiment: Experiment, rule: str, pooled: bool = False) -> 
                                          seed=experiment.seed, ece_bins=experiment.config.ece_bins,
                                          predictive_samples=experiment.config.predictive_samples,
                                          initial_clients=experiment.bayesian_clients())
-    if heads == "pooled":   # a fused body with J posterior heads: no global-model file holds it (not kept)
-        return experiment.federation_row(federation, experiment.config.rounds,
-                                         note=f"matched posterior fusion; {_POOLED_NOTE}, inside every draw")
-    row = experiment.federation_row(federation, experiment.config.rounds, note="matched posterior fusion")
-    experiment.keep(federation.method, federation.global_model, federation.match, predictive=_predictive(federation))
+    pooled = heads == "pooled"   # a fused body with the J clients' posterior heads (a PooledPosterior)
+    row = experiment.federation_row(federation, experiment.config.rounds, note="matched posterior fusion" + (
+        f"; {_POOLED_NOTE}, inside every draw" if pooled else ""))
+    experiment.keep(federation.method, federation.pooled if pooled else federation.global_model, federation.match,
+                    predictive=_predictive(federation))
     return row
 
 

@@ -479,10 +479,6 @@ def parse_run_config(config: Mapping[str, Any]) -> FlowerSettings:
         if built["secure"].secure_aggregation:
             raise ValueError(f"heads: the output layer of matched posterior fusion in the clear; expected 'fused' "
                              f"with secure-aggregation = true, got {heads!r}")
-        if run.output_dir:
-            raise ValueError(f"output-dir: writes the global model as a bnpfed.save_global file, which has no layout "
-                             f"for a posterior with pooled heads yet; expected heads = 'fused' with method = "
-                             f"\"fusion\" and output-dir, or no output-dir, got heads = {heads!r}")
     return FlowerSettings(**built)
 
 

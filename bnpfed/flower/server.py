@@ -44,7 +44,7 @@ from bnpfed.flower.records import (from_array_record, matched_posterior_from_arr
 from bnpfed.flower.strategies import (LOGGER, FedAvgStrategy, MatchedFusionStrategy, PFNMStrategy,
                                       PosteriorFusionStrategy)
 from bnpfed.inference.permutation import derive_spec, network_from_state
-from bnpfed.inference.pooled_heads import attach_heads
+from bnpfed.inference.pooled_heads import PooledPosterior, attach_heads
 from bnpfed.report import command_record, command_results, write_json
 from bnpfed.saved import save_global
 from bnpfed.seeding import Stream, derive_seed
@@ -149,8 +149,15 @@ def global_model(settings: FlowerSettings, input_shape, num_classes: int, arrays
         return f"{run.method}-pooled", attach_heads(net, weight.rpartition(".")[0], heads["weight"], heads["bias"],
                                                     heads["pool_weights"], float(heads["temperature"]))
     if settings.fusion.align == "match" and not settings.secure.secure_aggregation:
-        locs, variances = matched_posterior_from_arrays(arrays, derive_spec(template, input_shape),
-                                                        template.state_dict())
+        arrays, heads = split_heads(arrays)   # matched fusion with pooled heads: the clients' posterior heads
+        spec = derive_spec(template, input_shape)
+        locs, variances = matched_posterior_from_arrays(arrays, spec, template.state_dict())
+        if heads is not None:
+            (weight,) = spec.params_of_kind("output_weight")
+            return (f"match-{settings.fusion.rule}-pooled",
+                    PooledPosterior(template, locs, variances, weight.rpartition(".")[0], heads["weight"],
+                                    heads["weight_variance"], heads["bias"], heads["bias_variance"],
+                                    heads["pool_weights"], float(heads["temperature"])))
         return (f"match-{settings.fusion.rule}",
                 client_from_slice(template, locs, variances, settings.bayesian, as_prior=False))
     # weight-wise layout, at the widths of the global (a matched network's after SecAgg+'s matching round)
