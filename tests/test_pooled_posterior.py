@@ -143,7 +143,9 @@ def test_pooled_rows_beside_the_fused_ones_on_the_same_match():
     L, C, J = fused.hidden[0], 10, 3
     assert pooled.parameters == fused.parameters + (J - 1) * C * (L + 1)
     assert "pooled" in pooled.note and 0.0 <= pooled.accuracy <= 1.0
-    assert set(result.global_models) == {"match-conflation"}   # a pooled posterior has no global-model file
+    # every row's global model is kept for a file: the pooled ones as their PooledPosterior
+    assert set(result.global_models) == {"match-conflation", "match-conflation-pooled", "match-eaa-pooled"}
+    assert isinstance(result.global_models["match-conflation-pooled"]["network"], PooledPosterior)
     assert "match-conflation-pooled" in available_methods() and "match-atom-posterior-pooled" in available_methods()
 
 
