@@ -55,7 +55,7 @@ from bnpfed.flower.client import app as client_app  # noqa: E402
 from bnpfed.flower.config import FlowerSettings, parse_run_config  # noqa: E402
 from bnpfed.flower.local import LocalGrid  # noqa: E402
 from bnpfed.flower.records import (from_array_record, matched_posterior_to_record, posterior_to_record,  # noqa: E402
-                                   state_to_record, with_heads)
+                                   state_to_record, with_heads, with_temperature)
 from bnpfed.flower.server import FederationResult, run_federation  # noqa: E402
 from bnpfed.inference.pooled_heads import pooled_heads_of  # noqa: E402
 from bnpfed.flower.strategies import (FedAvgStrategy, MatchedFusionStrategy, PFNMStrategy,  # noqa: E402
@@ -75,10 +75,12 @@ DEPLOYMENT_TIMEOUT = 600
 # ------------------------------------------------------------------------------------------------ in process
 
 
-def matched_arrays(locs, variances, pooled=None) -> dict[str, np.ndarray]:
+def matched_arrays(locs, variances, pooled=None, temperature=None) -> dict[str, np.ndarray]:
     """Matched posterior fusion's ``(locs, variances)`` in the layout of :mod:`bnpfed.flower.records` (with the
-    heads of ``pooled``, a PooledPosterior, beside them when given)."""
+    heads of ``pooled``, a PooledPosterior, beside them when given, or the fused predictive's ``temperature``)."""
     record = matched_posterior_to_record(locs, variances)
+    if temperature is not None:
+        record = with_temperature(record, temperature)
     return from_array_record(record if pooled is None else with_heads(record, pooled.heads()))
 
 
@@ -139,7 +141,8 @@ METHODS: dict[type, Method] = {
                            lambda f: from_array_record(state_to_record(f.global_model.net.state_dict())),
                            {"weights": attrgetter("weights")}),
     MatchedFusionStrategy: Method(MatchedFusionFederation, _fusion_options,
-                                  lambda f: matched_arrays(f.match.locs, f.match.variances, f.pooled),
+                                  lambda f: matched_arrays(f.match.locs, f.match.variances, f.pooled,
+                                                           f.history[-1].metrics.get("temperature")),
                                   {"hidden": _metric("hidden"), "mean_sigma": _metric("mean_sigma")}),
 }
 

@@ -178,6 +178,11 @@ def add_parser(sub):
                    "one, better under label skew (benchmarks/README.md)")
     g.add_argument("--pool-temperature", type=_args.pool_temperature, metavar="T|fit",
                    default=fusion.pool_temperature, help="--heads pooled or both: " + _args.POOL_TEMPERATURE_HELP)
+    g.add_argument("--temperature", type=_args.pool_temperature, metavar="T|fit", default=fusion.temperature,
+                   help="--align match: the temperature of the match-RULE rows' posterior predictive (the fused output "
+                   "layer; softmax(logits / T) in every draw): a number > 0 (default 1) or fit (every matched client "
+                   "scores the predictive on its own training data at 61 temperatures from 0.05 to 5, the least "
+                   "summed negative log-likelihood wins; the fused posterior is under-confident, benchmarks/README.md)"),
     g.add_argument("--starts", choices=STARTS, default=fusion.starts,
                    help="--align match: where the matcher's empirical Bayes starts: the even split (default), from "
                    "the small-noise start as well with the likelier kept (both), or the small-noise start only")
@@ -278,6 +283,15 @@ def prepare(args) -> dict:
         raise UsageError(f"--match-on: expected only with --align match, got --align {args.align}")
     if args.heads != "fused" and not match:
         raise UsageError(f"--heads: expected only with --align match, got --align {args.align}")
+    if args.temperature != 1 and not match:
+        raise UsageError(f"--temperature: the predictive temperature of the match-RULE rows; expected it only with "
+                         f"--align match, got --align {args.align}")
+    if args.temperature != 1 and args.heads == "pooled":
+        raise UsageError("--temperature: the fused output layer's (match-RULE rows); with --heads pooled every row "
+                         "pools its heads, whose temperature is --pool-temperature; expected --heads fused or both")
+    if args.temperature != 1 and args.client == "laplace":
+        raise UsageError("--temperature: the temperature of a sampled posterior predictive; expected it only with "
+                         "--client variational (a Laplace global model predicts by its linearisation)")
     if args.pool_temperature != 1 and args.heads == "fused":
         raise UsageError(f"--pool-temperature: the temperature of pooled heads; expected it only with --heads pooled "
                          f"or both, got --heads fused")
@@ -306,7 +320,8 @@ def prepare(args) -> dict:
                           min_variance=args.min_variance, fraction=args.fraction, align=args.align, tau2=args.tau2,
                           own_init=own_init, pvi_damping=args.pvi_damping, match_on=args.match_on,
                           starts=args.starts, stop=args.stop, matcher_device=args.matcher_device,
-                          later_rounds=args.later_rounds, pool_temperature=args.pool_temperature)
+                          later_rounds=args.later_rounds, pool_temperature=args.pool_temperature,
+                          temperature=args.temperature)
     if args.baselines is not None:
         if not match:
             raise UsageError(f"--baselines: expected only with --align match, got --align {args.align}")

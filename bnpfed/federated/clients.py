@@ -44,7 +44,8 @@ from bnpfed.models import LeNet, mlp, reference_init_, simple_cnn
 from bnpfed.seeding import Stream, derive_seed, seeded, torch_generator
 
 __all__ = ["batch_norm_moments_step", "bayesian_client", "build_network", "fit_bayesian", "initial_network",
-           "pool_nll_step", "pooled_posterior_nll_step", "posterior_client", "start_round_prior_", "train_network"]
+           "pool_nll_step", "pooled_posterior_nll_step", "posterior_client", "posterior_nll_step", "start_round_prior_",
+           "train_network"]
 
 
 def build_network(network: NetworkConfig, input_shape: Sequence[int], num_classes: int) -> nn.Module:
@@ -174,6 +175,17 @@ def pooled_posterior_nll_step(pooled: PooledPosterior, x: Tensor, y: Tensor, num
     """:func:`pool_nll_step` for a :class:`~bnpfed.inference.PooledPosterior`: the predictive of ``num_samples``
     draws from ``seed`` (the same draws on every client and batch) on the client's own data, at every temperature."""
     return sum(pool_nll(pooled.log_pools(x[i:i + batch_size], num_samples, seed), y[i:i + batch_size])
+               for i in range(0, len(x), batch_size))
+
+
+def posterior_nll_step(client: BayesianClient, x: Tensor, y: Tensor, num_samples: int, seed: int,
+                       batch_size: int = 1000) -> Tensor:
+    """:func:`pool_nll_step` for a global Bayesian client: its posterior predictive of ``num_samples`` draws from
+    ``seed`` (:meth:`~bnpfed.inference.BayesianClient.sample_outputs`, batch by batch as its ``predict_proba`` runs)
+    on the client's own data, at every temperature of :data:`~bnpfed.inference.pooled_heads.TEMPERATURES` (the
+    network's logits, whatever temperature its likelihood holds): what the server adds up to choose the predictive's
+    temperature (``FusionConfig(temperature="fit")``)."""
+    return sum(pool_nll(client.sample_outputs(x[i:i + batch_size], num_samples, seed), y[i:i + batch_size])
                for i in range(0, len(x), batch_size))
 
 

@@ -53,7 +53,7 @@ from torch import Tensor, nn
 
 from bnpfed.data import Dataset
 from bnpfed.federated.clients import (bayesian_client, fit_bayesian, initial_network, posterior_client,
-                                     pooled_posterior_nll_step, unit_activity_step)
+                                     posterior_nll_step, pooled_posterior_nll_step, unit_activity_step)
 from bnpfed.federated.config import (FIT, PVI_DAMPING, BayesianConfig, FusionConfig, NetworkConfig, TrainingConfig,
                                      check_pool_temperature_applies)
 from bnpfed.federated.federation import Federation
@@ -66,11 +66,12 @@ from bnpfed.inference.permutation import network_from_state
 from bnpfed.inference.pooled_heads import fit_temperature
 from bnpfed.inference.posterior_matching import PVI, PosteriorMatch, client_posterior
 from bnpfed.metrics import count_parameters
+from bnpfed.models.likelihoods import Categorical
 from bnpfed.posterior import GaussianPosterior
 from bnpfed.seeding import Stream, derive_seed
 
 __all__ = ["MatchedFusionFederation", "bayesian_from_match", "client_from_slice", "matched_hyperparameters",
-           "pvi_factors"]
+           "pvi_factors", "tempered"]
 
 
 def _posterior(locs, variances, like: dict[str, Tensor]) -> dict[str, GaussianPosterior]:
@@ -111,6 +112,17 @@ def client_from_slice(template: nn.Module, locs, variances, bayesian: BayesianCo
 def bayesian_from_match(match: PosteriorMatch, bayesian: BayesianConfig) -> BayesianClient:
     """The global Bayesian network of a match, as a client (for its posterior predictive)."""
     return client_from_slice(match.template, match.locs, match.variances, bayesian, as_prior=False)
+
+
+def tempered(client: BayesianClient, temperature: float) -> BayesianClient:
+    """``client`` (in place, returned) with its likelihood's temperature set to ``temperature``: its posterior
+    predictive then averages ``softmax(f(x; w_s) / temperature)`` (:class:`~bnpfed.models.likelihoods.Categorical`);
+    for a global client, which no one trains."""
+    likelihood = client.bnn.likelihood
+    if not isinstance(likelihood, Categorical):
+        raise ValueError(f"client: expected a classifier (a Categorical likelihood) to temper, got {likelihood!r}")
+    client.bnn.likelihood = Categorical(likelihood.num_classes, temperature=temperature)
+    return client
 
 
 def pvi_factors(fusion: FusionConfig, bayesian: BayesianConfig) -> Optional[PVIFactors]:
@@ -164,6 +176,10 @@ class MatchedFusionFederation(HoldsRounds, Federation):
                 raise ValueError(f"{name}: expected a {kind.__name__}, got {type(value).__name__}")
         self.check_network(network)
         check_pool_temperature_applies(fusion, fusion.heads == "pooled")
+        if fusion.temperature != 1 and bayesian.client == "laplace":
+            raise ValueError(f"fusion.temperature: the temperature of a sampled posterior predictive; a global model "
+                             f"of Laplace clients predicts by its linearisation: expected 1 with bayesian.client="
+                             f"'laplace', got {fusion.temperature!r}")
         bayesian.check_training(training)
         training.check_inputs(dataset.input_shape)
         if initial_clients is not None and len(initial_clients) != self.num_clients:
@@ -242,6 +258,14 @@ class MatchedFusionFederation(HoldsRounds, Federation):
             self._mean_net = self.pooled.mean_network().float().eval()
         else:
             self._mean_net = match.network().float().eval()
+            if self.fusion.temperature != 1:   # the fused predictive's temperature, given or fitted
+                temperature = self.fusion.temperature
+                if temperature == FIT:   # each client scores the predictive's draws on its own data
+                    draws = derive_seed(self.seed, Stream.PREDICT, round)
+                    temperature = fit_temperature([posterior_nll_step(
+                        self.global_model, *self.client_data[j], self.predictive_samples, draws) for j in sampled])
+                self.global_model = tempered(self.global_model, float(temperature))
+                extra["temperature"] = float(temperature)
         metrics = {**self.rounds.summary(), "parameters": count_parameters(self._mean_net),
                    "server_seconds": seconds, **extra}
         if losses:

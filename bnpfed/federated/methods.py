@@ -303,6 +303,11 @@ class Experiment:
                                                                            for m in pooled))
         check_pool_temperature_applies(fusion, fusion.heads == "pooled" or any(m.startswith(MATCH_PREFIX)
                                                                                for m in pooled))
+        fused_matched = [m for m in config.methods if isinstance(m, str) and m.startswith(MATCH_PREFIX)
+                         and not m.endswith(POOLED_SUFFIX)]
+        if fusion.temperature != 1 and not fused_matched:
+            raise ValueError(f"fusion.temperature: the predictive temperature of matched fusion's fused output layer; "
+                             f"expected 1 without a match-<rule> row among the methods, got {fusion.temperature!r}")
         training.check_inputs(dataset.input_shape)
         self.ood = ood
         self.dataset, self.partition, self.network, self.training = dataset, partition, network, training
@@ -757,7 +762,8 @@ def _predictive(federation) -> dict:
 def _fusion(experiment: Experiment, rule: str) -> MethodResult:
     federation = FusionFederation(experiment.dataset, experiment.parts, network=experiment.network,
                                   training=experiment.training, bayesian=experiment.bayesian,
-                                  fusion=replace(experiment.fusion, rule=rule), seed=experiment.seed,
+                                  fusion=replace(experiment.fusion, rule=rule, temperature=1.0),
+                                  seed=experiment.seed,
                                   ece_bins=experiment.config.ece_bins,
                                   predictive_samples=experiment.config.predictive_samples,
                                   initial_clients=experiment.bayesian_clients() if experiment.fusion.own_init
@@ -795,7 +801,9 @@ def _matched_fusion(experiment: Experiment, rule: str, pooled: bool = False) -> 
                                          training=experiment.training, bayesian=experiment.bayesian,
                                          fusion=replace(experiment.fusion, rule=rule, align="match", heads=heads,
                                                         pool_temperature=experiment.fusion.pool_temperature
-                                                        if heads == "pooled" else 1.0),
+                                                        if heads == "pooled" else 1.0,
+                                                        temperature=experiment.fusion.temperature
+                                                        if heads == "fused" else 1.0),
                                          seed=experiment.seed, ece_bins=experiment.config.ece_bins,
                                          predictive_samples=experiment.config.predictive_samples,
                                          initial_clients=experiment.bayesian_clients())

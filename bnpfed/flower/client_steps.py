@@ -17,7 +17,9 @@ alone decides. The steps are :mod:`bnpfed.federated.clients`' (the in-process fe
   (:func:`~bnpfed.federated.clients.batch_norm_moments_step`; the server asks for one layer at a time, front to
   back); or, with ``step`` ``"pool-nll"``, reply with its summed NLL on its training data of the global network or
   posterior with pooled heads sent, at every temperature (``pool-nll``,
-  :func:`~bnpfed.federated.clients.pool_nll_step`, :func:`~bnpfed.federated.clients.pooled_posterior_nll_step`);
+  :func:`~bnpfed.federated.clients.pool_nll_step`, :func:`~bnpfed.federated.clients.pooled_posterior_nll_step`); or,
+  with ``step`` ``"posterior-nll"``, the same of the matched global posterior's predictive
+  (:func:`~bnpfed.federated.clients.posterior_nll_step`, for ``FusionConfig.temperature="fit"``);
 * ``train``, task ``"pfnm"``: start from the network sent (its slice of the global network, a ``state_dict`` of
   the configured architecture, checked against its permutation spec) or, when the message has no arrays (round 1),
   from :func:`~bnpfed.federated.clients.initial_network` (its own initialisation); train it with
@@ -65,10 +67,10 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 
 from bnpfed.data import Dataset, load_dataset
 from bnpfed.federated.clients import (batch_norm_moments_step, bayesian_client, fit_bayesian, initial_network,
-                                      pool_nll_step, pooled_posterior_nll_step, posterior_client, start_round_prior_,
-                                      train_network, unit_activity_step)
+                                      pool_nll_step, pooled_posterior_nll_step, posterior_client, posterior_nll_step,
+                                      start_round_prior_, train_network, unit_activity_step)
 from bnpfed.federated.config import BayesianConfig, NetworkConfig, PartitionConfig
-from bnpfed.federated.matched_fusion import client_from_slice
+from bnpfed.federated.matched_fusion import client_from_slice, tempered
 from bnpfed.federated.partition import class_counts
 from bnpfed.federated.rounds import Architecture
 from bnpfed.flower.config import ClientSettings, client_settings
@@ -92,6 +94,7 @@ from bnpfed.flower.records import (
     state_to_record,
     split_cavity,
     split_heads,
+    split_temperature,
     to_array_record,
     POOL_NLL,
 )
@@ -200,12 +203,17 @@ class _Client:
         (:func:`~bnpfed.federated.matched_fusion.client_from_slice`)."""
         arch = _architecture(self.settings.network, tuple(self.ds.input_shape), self.ds.num_classes,
                              self.settings.seed)
-        arrays, cavity = split_cavity(from_array_record(record))   # PVI: the cavity to train against
+        arrays, temperature = split_temperature(from_array_record(record))   # the global predictive's
+        arrays, cavity = split_cavity(arrays)   # PVI: the cavity to train against
         locs, variances = matched_posterior_from_arrays(arrays, arch.spec, arch.template.state_dict())
         if cavity is not None and sorted(cavity[1]) != sorted(variances):
             raise ValueError(f"cavity: expected the Bayesian sites {sorted(variances)}, got {sorted(cavity[1])}")
-        return client_from_slice(arch.template, locs, variances, self.settings.bayesian, as_prior=as_prior,
-                                 prior=cavity)
+        if temperature is not None and as_prior:
+            raise ValueError("predictive-temperature: the global posterior's, sent for evaluation; expected none "
+                             "beside a posterior to train from")
+        client = client_from_slice(arch.template, locs, variances, self.settings.bayesian, as_prior=as_prior,
+                                   prior=cavity)
+        return client if temperature is None else tempered(client, temperature)
 
     def pooled_posterior(self, record: ArrayRecord) -> Optional[PooledPosterior]:
         """The matched global posterior in ``record`` with the clients' pooled heads sent beside it
@@ -269,6 +277,8 @@ def query(msg: Message, context: Context) -> Message:
         return _moments(msg, context)
     if msg.content.config_records[CONFIG].get("step") == "pool-nll":
         return _pool_nll(msg, context)
+    if msg.content.config_records[CONFIG].get("step") == "posterior-nll":
+        return _posterior_nll(msg, context)
     j, num = node_partition(context)
     config = msg.content.config_records[CONFIG]
     ds = _dataset(str(config["dataset"]), bool(config["standardize"]), _data_dir(context))
@@ -317,6 +327,21 @@ def _pool_nll(msg: Message, context: Context) -> Message:
                                          derive_seed(c.settings.seed, Stream.PREDICT, c.round))
     else:
         sums = pool_nll_step(c.evaluation_network(record), x, y)
+    return c.reply(msg, to_array_record({POOL_NLL: sums}), {"num-examples": int(len(x))})
+
+
+def _posterior_nll(msg: Message, context: Context) -> Message:
+    """The predictive-temperature step: this client's summed NLL, on its own training data, of the matched global
+    posterior's predictive it was sent, at every temperature of :data:`~bnpfed.inference.pooled_heads.TEMPERATURES`
+    (:func:`~bnpfed.federated.clients.posterior_nll_step`, the draws of the round's evaluation), as the in-process
+    federation computes it."""
+    c = _Client(msg, context)
+    if c.config["task"] != "matched-fusion":
+        raise ValueError(f"step: 'posterior-nll' scores a matched global posterior, got task {c.config['task']!r}")
+    x, y = c.train_data
+    model = c.matched_client(msg.content.array_records[ARRAYS], as_prior=False)
+    sums = posterior_nll_step(model, x, y, c.settings.predictive_samples,
+                              derive_seed(c.settings.seed, Stream.PREDICT, c.round))
     return c.reply(msg, to_array_record({POOL_NLL: sums}), {"num-examples": int(len(x))})
 
 

@@ -63,8 +63,11 @@ __all__ = [
     "split_cavity",
     "HEADS",
     "POOL_NLL",
+    "PREDICTIVE_TEMPERATURE",
     "with_heads",
     "split_heads",
+    "with_temperature",
+    "split_temperature",
     "from_array_record",
     "state_to_record",
     "state_from_arrays",
@@ -320,6 +323,29 @@ _HEAD_ARRAYS = ("weight", "bias", "pool-weights", "temperature")
 _HEAD_VARIANCES = ("weight-variance", "bias-variance")
 #: A client's reply to the pool-temperature query: its summed NLL at every temperature (``"pool-nll"``, (K,)).
 POOL_NLL = "pool-nll"
+#: The temperature of a matched global posterior's predictive, sent beside it for evaluation (0-d;
+#: ``FusionConfig.temperature``).
+PREDICTIVE_TEMPERATURE = "predictive-temperature"
+
+
+def with_temperature(record: ArrayRecord, temperature: float) -> ArrayRecord:
+    """``record`` (a matched global posterior) with its predictive's temperature added as
+    :data:`PREDICTIVE_TEMPERATURE`."""
+    record[PREDICTIVE_TEMPERATURE] = to_array_record(
+        {PREDICTIVE_TEMPERATURE: torch.tensor(float(temperature), dtype=torch.float64)})[PREDICTIVE_TEMPERATURE]
+    return record
+
+
+def split_temperature(arrays: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], float | None]:
+    """``(the other arrays, temperature)`` of what :func:`with_temperature` sent, None when there is none; a
+    temperature that is no finite number > 0 is a :class:`ReplyError`."""
+    rest = {k: v for k, v in arrays.items() if k != PREDICTIVE_TEMPERATURE}
+    if PREDICTIVE_TEMPERATURE not in arrays:
+        return rest, None
+    value = np.asarray(arrays[PREDICTIVE_TEMPERATURE], dtype=np.float64)
+    if value.shape != () or not np.isfinite(value) or value <= 0:
+        raise ReplyError(f"{PREDICTIVE_TEMPERATURE}: expected one finite number > 0, got {value!r}")
+    return rest, float(value)
 
 
 def with_heads(record: ArrayRecord, heads: Mapping[str, Any]) -> ArrayRecord:

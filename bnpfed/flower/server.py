@@ -35,12 +35,12 @@ from flwr.app import ArrayRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
 from bnpfed.federated.clients import initial_network
-from bnpfed.federated.matched_fusion import client_from_slice
+from bnpfed.federated.matched_fusion import client_from_slice, tempered
 from bnpfed.flower.client_steps import initial_global_model
 from bnpfed.flower.config import FlowerSettings, parse_run_config
 from bnpfed.flower.secure import SecureFusionStrategy, SecureMatchedFusionStrategy, client_at_widths
 from bnpfed.flower.records import (from_array_record, matched_posterior_from_arrays, posterior_from_arrays,
-                                   state_to_record, split_heads)
+                                   state_to_record, split_heads, split_temperature)
 from bnpfed.flower.strategies import (LOGGER, FedAvgStrategy, MatchedFusionStrategy, PFNMStrategy,
                                       PosteriorFusionStrategy)
 from bnpfed.inference.permutation import derive_spec, network_from_state
@@ -150,6 +150,7 @@ def global_model(settings: FlowerSettings, input_shape, num_classes: int, arrays
                                                     heads["pool_weights"], float(heads["temperature"]))
     if settings.fusion.align == "match" and not settings.secure.secure_aggregation:
         arrays, heads = split_heads(arrays)   # matched fusion with pooled heads: the clients' posterior heads
+        arrays, temperature = split_temperature(arrays)   # or the fused predictive's temperature
         spec = derive_spec(template, input_shape)
         locs, variances = matched_posterior_from_arrays(arrays, spec, template.state_dict())
         if heads is not None:
@@ -158,8 +159,8 @@ def global_model(settings: FlowerSettings, input_shape, num_classes: int, arrays
                     PooledPosterior(template, locs, variances, weight.rpartition(".")[0], heads["weight"],
                                     heads["weight_variance"], heads["bias"], heads["bias_variance"],
                                     heads["pool_weights"], float(heads["temperature"])))
-        return (f"match-{settings.fusion.rule}",
-                client_from_slice(template, locs, variances, settings.bayesian, as_prior=False))
+        client = client_from_slice(template, locs, variances, settings.bayesian, as_prior=False)
+        return f"match-{settings.fusion.rule}", client if temperature is None else tempered(client, temperature)
     # weight-wise layout, at the widths of the global (a matched network's after SecAgg+'s matching round)
     posterior, deterministic = posterior_from_arrays(arrays, {k: v.shape for k, v in arrays.items()})
     method = f"match-{settings.fusion.rule}" if settings.fusion.align == "match" else settings.fusion.rule

@@ -90,6 +90,7 @@ from bnpfed.flower.records import (
     state_to_record,
     with_cavity,
     with_heads,
+    with_temperature,
     POOL_NLL,
 )
 from bnpfed.federated.config import FIT
@@ -466,7 +467,13 @@ class _RoundStrategy(Strategy):
             return float(value)
         probe = with_heads(ArrayRecord(dict(record.items())),
                            {**heads, "temperature": torch.tensor(1.0, dtype=torch.float64)})
+        return self.fitted_temperature(server_round, probe, "pool-nll", clients, "the pooled heads")
 
+    def fitted_temperature(self, server_round: int, probe: ArrayRecord, step: str, clients: Sequence[int],
+                           what: str) -> float:
+        """The temperature of least summed NLL over ``clients``' replies to a ``query`` (``step``: ``"pool-nll"``,
+        ``"posterior-nll"``) carrying ``probe`` at temperature 1, summed in partition order
+        (:func:`~bnpfed.inference.pooled_heads.fit_temperature`; 1 with a warning when nobody answers)."""
         def parse(reply: Message) -> Accepted:
             arrays, _, j, n = self._identity_and_count(reply)
             sums = arrays.get(POOL_NLL)
@@ -476,12 +483,12 @@ class _RoundStrategy(Strategy):
             return Accepted(j, n, torch.from_numpy(np.asarray(sums, dtype=np.float64)), {})
 
         messages = self._messages(server_round, MessageType.QUERY, list(clients),
-                                  lambda j: (probe, {"step": "pool-nll"}))
+                                  lambda j: (probe, {"step": step}))
         replies = self._grid.send_and_receive(messages, timeout=self.query_timeout)
         accepted, rejected, missing = self._accept(server_round, replies, MessageType.QUERY, parse)
         if not accepted:
-            LOGGER.warning("round %d: no client scored the pooled heads (rejected: %s, missing: %s); their "
-                           "temperature stays 1", server_round, rejected or "none", missing or "none")
+            LOGGER.warning("round %d: no client scored %s (rejected: %s, missing: %s); the temperature stays 1",
+                           server_round, what, rejected or "none", missing or "none")
             return 1.0
         return fit_temperature([a.payload for a in sorted(accepted, key=lambda a: a.partition_id)])
 
@@ -847,4 +854,11 @@ class MatchedFusionStrategy(_MatchingStrategy):
                                                        pooled.heads(), clients)
             summary["pool_temperature"] = pooled.temperature
             record = with_heads(record, pooled.heads())
+        elif self.fusion.temperature != 1:   # the fused predictive's temperature, given or fitted by the clients
+            temperature = self.fusion.temperature
+            if temperature == FIT:
+                temperature = self.fitted_temperature(server_round, record, "posterior-nll", clients,
+                                                      "the global posterior's predictive")
+            summary["temperature"] = float(temperature)
+            record = with_temperature(record, float(temperature))
         return record, summary

@@ -302,9 +302,14 @@ class BayesianClient:
         ``GaussianPredictive(mean, variance)`` for ``Gaussian``."""
         return self.bnn.predict(x, num_samples=num_samples, guide=self.guide, seed=seed)
 
+    def sample_outputs(self, x: Tensor, num_samples: int = 10, seed: Optional[int] = None) -> Tensor:
+        """``(S, B, ...)`` the network's outputs (logits) under the ``num_samples`` draws from the guide that
+        :meth:`predict` aggregates."""
+        return self.bnn.sample_outputs(x, num_samples=num_samples, guide=self.guide, seed=seed)
+
     def predict_proba(self, x: Tensor, num_samples: int = 10, seed: Optional[int] = None) -> Tensor:
         """Posterior predictive class probabilities ``(B, num_classes)``: the softmax averaged over ``num_samples``
-        draws from the guide (:meth:`predict` for a ``Categorical`` likelihood)."""
+        draws from the guide (:meth:`predict` for a ``Categorical`` likelihood; at its temperature)."""
         if not isinstance(self.bnn.likelihood, Categorical):
             raise ValueError(f"predict_proba: the likelihood {self.bnn.likelihood!r} has no class probabilities; "
                              "use predict")

@@ -224,17 +224,23 @@ class BayesianNetwork(nn.Module):
         :returns: what the likelihood's ``predictive`` returns: ``(B, num_classes)`` probabilities for
             ``Categorical``, a ``GaussianPredictive(mean, variance)`` for ``Gaussian``.
         """
+        return self.likelihood.predictive(self.sample_outputs(x, num_samples, guide, seed))
+
+    @torch.no_grad()
+    def sample_outputs(self, x: Tensor, num_samples: int = 10, guide: Optional[Callable] = None,
+                       seed: Optional[int] = None) -> Tensor:
+        """``(S, B, ...)`` the network's outputs under ``num_samples`` draws of the weights, the draws :meth:`predict`
+        aggregates (the same arguments, the same eval mode)."""
         num_samples = check_int(num_samples, "num_samples", low=1)
         _batch_size(x)
         modes = [(module, module.training) for module in self.modules()]
         self.eval()  # batch norm at its running statistics, no dropout: a prediction changes nothing
         try:
             with seeded(seed, x.device):
-                outputs = torch.stack([self.sample_output(x, guide) for _ in range(num_samples)])
+                return torch.stack([self.sample_output(x, guide) for _ in range(num_samples)])
         finally:
             for module, training in modes:
                 module.training = training
-        return self.likelihood.predictive(outputs)
 
     # ------------------------------------------------------------------------------------------ plain torch
 

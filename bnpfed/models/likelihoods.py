@@ -83,28 +83,34 @@ class Likelihood(ABC):
 
 
 class Categorical(Likelihood):
-    """Classification: ``y_i ~ Categorical(softmax(f(x_i; w)))``, the network's output being logits ``(B, C)``.
+    """Classification: ``y_i ~ Categorical(softmax(f(x_i; w) / T))``, the network's output being logits ``(B, C)``
+    and ``T > 0`` a temperature (1, the default, is the plain softmax of the papers).
 
     The predictive is the mean of the S draws' softmax probabilities,
-    ``p(y | x) ~= 1/S sum_s softmax(f(x; w_s))``, a ``(B, C)`` tensor whose rows sum to 1.
+    ``p(y | x) ~= 1/S sum_s softmax(f(x; w_s) / T)``, a ``(B, C)`` tensor whose rows sum to 1. A temperature other
+    than 1 is temperature scaling (Guo et al., ICML 2017) inside every draw: what a fused global posterior's
+    predictive is given when its clients fit one on their own data (``FusionConfig(temperature="fit")``); training
+    under it tempers the likelihood itself.
 
     :param int num_classes: C, if known; labels must then lie in ``0 .. C - 1`` and the network must output C
         values per example. Default ``None``: C is the width of the network's output.
+    :param float temperature: ``T > 0``. Default 1.
     """
 
-    def __init__(self, num_classes: Optional[int] = None):
+    def __init__(self, num_classes: Optional[int] = None, temperature: float = 1.0):
         self.num_classes = None if num_classes is None else check_int(num_classes, "num_classes", low=1)
+        self.temperature = float(check_positive(temperature, "temperature"))
 
     def distribution(self, output):
-        return dist.Categorical(logits=output)
+        return dist.Categorical(logits=output / self.temperature)
 
     def log_likelihood(self, output, y):
-        if output.dim() == 2:
-            return -F.cross_entropy(output, y, reduction="sum")  # the same value, one fused kernel
+        if output.dim() == 2:   # the same value, one fused kernel
+            return -F.cross_entropy(output / self.temperature, y, reduction="sum")
         return super().log_likelihood(output, y)
 
     def predictive(self, outputs):
-        return outputs.softmax(-1).mean(0)
+        return (outputs / self.temperature).softmax(-1).mean(0)
 
     def check_targets(self, y, n, output, label="y"):
         if not torch.is_tensor(y) or y.shape != (n,):
@@ -124,8 +130,13 @@ class Categorical(Likelihood):
         """Labels of any integer dtype as int64 (what torch's categorical and cross-entropy kernels take)."""
         return y.long()
 
+    def __setstate__(self, state):   # files written before the temperature existed
+        self.__dict__.update({"temperature": 1.0, **state})
+
     def __repr__(self):
-        return "Categorical()" if self.num_classes is None else f"Categorical(num_classes={self.num_classes})"
+        args = ([] if self.num_classes is None else [f"num_classes={self.num_classes}"]) + (
+            [] if self.temperature == 1.0 else [f"temperature={self.temperature:g}"])
+        return f"Categorical({', '.join(args)})"
 
 
 class GaussianPredictive(NamedTuple):
