@@ -73,7 +73,8 @@ def _row(r) -> dict:
     out = {m: getattr(r, m) for m in METRICS}
     out.update(hidden=r.hidden, server_seconds=r.server_seconds, mean_sigma=r.mean_sigma, note=r.note,
                history=[{k: h.get(k) for k in ("round", "accuracy", "nll", "ece", "ece_floor", "ece15", "brier",
-                                               "hidden", "mean_sigma", "pool_temperature")} for h in r.history])
+                                               "hidden", "mean_sigma", "pool_temperature", "temperature")}
+                         for h in r.history])
     return out
 
 
@@ -92,7 +93,10 @@ def _one_round(part: str, methods, datasets, dirs, out: Path, seeds, args) -> No
                     ds, ood=ood, partition=PartitionConfig(clients=args.clients, partition=partition),
                     network=NetworkConfig(hidden=(100,)),
                     training=TrainingConfig(epochs=args.epochs, batch_size=64, lr=args.lr),
-                    bayesian=_bayesian(args), fusion=FusionConfig(own_init=True, pool_temperature=args.pool_temperature),
+                    bayesian=_bayesian(args),
+                    fusion=FusionConfig(own_init=True, pool_temperature=args.pool_temperature,
+                                        temperature=args.temperature,
+                                        align="none" if args.temperature == 1 else "match"),
                     pfnm=PFNMConfig(pool_temperature=args.pool_temperature),
                     config=ExperimentConfig(methods=methods, rounds=1, seed=seed, ece_bins=100,
                                             predictive_samples=args.samples))
@@ -100,7 +104,7 @@ def _one_round(part: str, methods, datasets, dirs, out: Path, seeds, args) -> No
                                      lr=args.lr, init_scale=args.init_scale, epochs=args.epochs,
                                      prior_variance=args.prior_variance, kl_weight=args.kl_weight,
                                      scale_lr_factor=args.scale_lr_factor, client=args.client, expose=args.expose,
-                                     pool_temperature=args.pool_temperature,
+                                     pool_temperature=args.pool_temperature, temperature=args.temperature,
                                      laplace_prior=args.laplace_prior,
                                      rows={r.method: _row(r) for r in result.rows}, warnings=result.warnings,
                                      wall_seconds=time.perf_counter() - t0))
@@ -143,7 +147,9 @@ def part_rounds(datasets, dirs, out: Path, seeds, args) -> None:
                 training=TrainingConfig(epochs=args.epochs, batch_size=64, lr=args.lr, round_epochs=args.round_epochs),
                 bayesian=_bayesian(args), fusion=FusionConfig(
                     rule=args.rule, pvi_damping=args.pvi_damping, later_rounds=args.later_rounds,
-                    align="match" if matched_only or args.later_rounds != "auto" else "none"),
+                    temperature=args.temperature,
+                    align="match" if matched_only or args.later_rounds != "auto" or args.temperature != 1
+                    else "none"),
                 config=ExperimentConfig(methods=tuple(args.methods.split(",")) if args.methods else methods,
                                         rounds=args.rounds, seed=seed, ece_bins=100, predictive_samples=args.samples))
             _emit(out, key, dict(dataset=name, partition="dirichlet", seed=seed, J=args.clients, rounds=args.rounds,
@@ -152,7 +158,8 @@ def part_rounds(datasets, dirs, out: Path, seeds, args) -> None:
                                  kl_weight=args.kl_weight, scale_lr_factor=args.scale_lr_factor, client=args.client,
                                  laplace_prior=args.laplace_prior, pvi_damping=args.pvi_damping,
                                  round_prior=args.round_prior,
-                                 later_rounds=args.later_rounds, rows={r.method: _row(r) for r in result.rows},
+                                 later_rounds=args.later_rounds, temperature=args.temperature,
+                                 rows={r.method: _row(r) for r in result.rows},
                                  warnings=result.warnings,
                                  wall_seconds=time.perf_counter() - t0))
 
@@ -217,6 +224,8 @@ def main(argv=None):
     p.add_argument("--tag", default="", help="appended to every key (a variant of the settings)")
     p.add_argument("--pool-temperature", type=_pool_temperature, default=1.0,
                    help="the temperature of the pooled rows (pfnm-pooled, match-RULE-pooled): a number or fit")
+    p.add_argument("--temperature", type=_pool_temperature, default=1.0,
+                   help="the match-RULE rows' predictive temperature (FusionConfig.temperature): a number or fit")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--summary", action="store_true", help="print the tables of --out and stop")
     args = p.parse_args(argv)

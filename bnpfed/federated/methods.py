@@ -21,13 +21,14 @@ match):
 * ``pfnm``: PFNM in one communication round, hyper-parameters chosen by ``select``;
 * ``pfnm-pooled``: the same match, its global network's output layer replaced by the clients' own output layers
   pooled log-linearly with class-share weights (:mod:`bnpfed.inference.pooled_heads`: what PFNM's averaged output
-  layer loses under label skew; the same predictions as ``pfnm`` when every class's shares are equal);
+  layer loses under label skew; the same predictions as ``pfnm`` when every class's shares are equal); under a
+  ``max_params`` budget a match that prices the J output layers;
 * ``pfnm-rounds``: PFNM with ``rounds`` communication rounds;
 * ``fedma``: FedMA's layer-wise scheme in one round (Wang et al., ICLR 2020): match a layer, freeze it, let the
   clients retrain the layers above for ``pfnm.layerwise_retrain`` epochs (the schedule's epochs of a later round
   when 0), match the next layer, ...;
 * ``fedma-pooled``: ``fedma`` with the clients' own output layers (as they retrained them before the last group was
-  matched) pooled log-linearly with class-share weights, as ``pfnm-pooled``;
+  matched) pooled log-linearly with class-share weights, as ``pfnm-pooled`` (its budget split holding them);
 * ``fedma-rounds``: FedMA with ``rounds`` communication rounds (each client starting a round from its slice);
 * each fusion rule (``eaa``, ``gaa``, ``log_variance``, ``pooling``, ``conflation``): variational Bayesian clients
   whose posteriors the server fuses with that rule weight by weight, ``rounds`` rounds (from one shared
