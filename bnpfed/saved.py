@@ -31,11 +31,11 @@ heads="pooled")``, ``bnpfed fuse --heads pooled --save-global``, ``bnpfed match 
                          "weight": (J, C, L), "weight_variance", "bias": (J, C), "bias_variance",
                          "pool_weights": (J, C), "temperature": T}
 
-which :func:`load_global` returns as the :class:`~bnpfed.inference.PooledPosterior` (the same predictive). A global network
-fused from Laplace clients (a :class:`~bnpfed.inference.LaplaceClient`) has ``"kind": "laplace"``, its
+which :func:`load_global` returns as the :class:`~bnpfed.inference.PooledPosterior` (the same predictive). A global
+network fused from Laplace clients (a :class:`~bnpfed.inference.LaplaceClient`) has ``"kind": "laplace"``, its
 ``"posterior"``, ``"prior"`` and ``"predictive"`` likewise, and loads as a LaplaceClient holding that posterior (its
-linearised predictive). The deterministic
-files have ``"kind": "deterministic"`` (files without the key, from bnpfed 0.x before it, are read as such).
+linearised predictive). The deterministic files have ``"kind": "deterministic"`` (files without the key, from
+bnpfed 0.x before it, are read as such).
 
 Usage::
 
@@ -75,8 +75,8 @@ from bnpfed.inference.svi import BayesianClient
 from bnpfed.posterior import GaussianPosterior
 from bnpfed.report import json_safe, versions
 
-__all__ = ["BAYESIAN", "FORMAT", "KINDS", "SavedGlobal", "global_from_record", "load_global", "load_torch_file", "read_global",
-           "save_global"]
+__all__ = ["BAYESIAN", "FORMAT", "KINDS", "SavedGlobal", "global_from_record", "load_global", "load_torch_file",
+           "read_global", "save_global"]
 
 #: The layout of a saved global network (the module docstring); a file of another layout is refused.
 FORMAT = "bnpfed-global/1"

@@ -182,7 +182,8 @@ def add_parser(sub):
                    help="--align match: the temperature of the match-RULE rows' posterior predictive (the fused output "
                    "layer; softmax(logits / T) in every draw): a number > 0 (default 1) or fit (every matched client "
                    "scores the predictive on its own training data at 61 temperatures from 0.05 to 5, the least "
-                   "summed negative log-likelihood wins; the fused posterior is under-confident, benchmarks/README.md)"),
+                   "summed negative log-likelihood wins; the fused posterior is under-confident, "
+                   "benchmarks/README.md)"),
     g.add_argument("--starts", choices=STARTS, default=fusion.starts,
                    help="--align match: where the matcher's empirical Bayes starts: the even split (default), from "
                    "the small-noise start as well with the likelier kept (both), or the small-noise start only")

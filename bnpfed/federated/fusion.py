@@ -143,7 +143,8 @@ class FusionFederation(Federation):
         check_fusion_network(network)
         if fusion.temperature != 1:
             raise ValueError(f"fusion.temperature: the predictive temperature of matched fusion's global posterior "
-                             f"(MatchedFusionFederation); expected 1 for weight-wise fusion, got {fusion.temperature!r}")
+                             f"(MatchedFusionFederation); expected 1 for weight-wise fusion, got "
+                             f"{fusion.temperature!r}")
         bayesian.check_training(training)
         fusion.client_prior(bayesian)   # raises if bayesian.round_prior does not apply to this fusion
         self.training, self.fusion = training, fusion

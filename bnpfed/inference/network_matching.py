@@ -706,6 +706,10 @@ def match_by_spec(
     t0 = time.perf_counter()
     mode = check_choice(hyperparameters, ("empirical-bayes", "fixed"), "hyperparameters")
     check_choice(direction, ("bottom-up", "top-down"), "direction")
+    check_choice(heads, ("fused", "pooled"), "heads")
+    if heads != "fused" and max_params is None:
+        raise ValueError(f"heads: what max_params prices (the output layers the global network will carry); expected "
+                         f"'fused' without max_params, got {heads!r}")
     combine = check_global_weights(global_weights, mode)
     states, template = client_states(client_nets, template)
     spec = resolve_spec(spec, template, input_shape,
@@ -714,10 +718,6 @@ def match_by_spec(
     clients = prepare_clients({"value": states}, spec, class_counts)
     init = warm_start_labels(warm_start, names, clients.widths)
     clients, init, kept = without_inactive(clients, spec, activity, init)
-    check_choice(heads, ("fused", "pooled"), "heads")
-    if heads != "fused" and max_params is None:
-        raise ValueError(f"heads: what max_params prices (the output layers the global network will carry); expected "
-                         f"'fused' without max_params, got {heads!r}")
     copies = clients.J if heads == "pooled" else 1
     caps, param_limit = check_size_limits(max_width, max_params, clients, template, states,
                                           best_effort=check_bool(best_effort, "best_effort"), heads=copies)
