@@ -624,12 +624,16 @@ def _pfnm(experiment: Experiment) -> MethodResult:
                f"splits)")
     else:
         how = f"hyper-parameters by {selection.by}"
-    limits = "".join(f"; {s.what} = {s.limit} met ({s.own} -> {s.size})" for s in
-                     getattr(match, "size_searches", {}).values() if s.binding)
     return MethodResult.from_metrics("pfnm", experiment.evaluate_network(net), hidden=match.hidden_sizes,
                                      parameters=count_parameters(net), server_seconds=match.seconds,
                                      hyperparameters=match_hyperparameters(match),
-                                     note=f"one shot; {how}{limits}")
+                                     note=f"one shot; {how}{_limits(match)}")
+
+
+def _limits(match) -> str:
+    """What meeting the size limits took, for a row's note (empty when none bound)."""
+    return "".join(f"; {s.what} = {s.limit} met ({s.own} -> {s.size})" for s in
+                   getattr(match, "size_searches", {}).values() if s.binding)
 
 
 _POOLED_NOTE = "the clients' own output layers pooled log-linearly with class-share weights"
@@ -659,7 +663,8 @@ def _pfnm_pooled(experiment: Experiment) -> MethodResult:
                                                 replace(config, heads="pooled"), seed=experiment.seed, round=1,
                                                 input_shape=experiment.input_shape, activity=experiment.activity()))
         note = f"one shot; pfnm matched with its J output layers priced in max_params, {_POOLED_NOTE}"
-    return _pooled_row(experiment, "pfnm-pooled", pooled_network(match, experiment.local_models()), match, note=note)
+    return _pooled_row(experiment, "pfnm-pooled", pooled_network(match, experiment.local_models()), match,
+                       note=note + _limits(match))
 
 
 def _pfnm_federation(experiment: Experiment, layerwise_retrain: int, heads: Optional[str] = None) -> PFNMFederation:
