@@ -101,16 +101,19 @@ class Categorical(Likelihood):
         self.num_classes = None if num_classes is None else check_int(num_classes, "num_classes", low=1)
         self.temperature = float(check_positive(temperature, "temperature"))
 
+    def _tempered(self, output):
+        return output if self.temperature == 1.0 else output / self.temperature
+
     def distribution(self, output):
-        return dist.Categorical(logits=output / self.temperature)
+        return dist.Categorical(logits=self._tempered(output))
 
     def log_likelihood(self, output, y):
         if output.dim() == 2:   # the same value, one fused kernel
-            return -F.cross_entropy(output / self.temperature, y, reduction="sum")
+            return -F.cross_entropy(self._tempered(output), y, reduction="sum")
         return super().log_likelihood(output, y)
 
     def predictive(self, outputs):
-        return (outputs / self.temperature).softmax(-1).mean(0)
+        return self._tempered(outputs).softmax(-1).mean(0)
 
     def check_targets(self, y, n, output, label="y"):
         if not torch.is_tensor(y) or y.shape != (n,):
