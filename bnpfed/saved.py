@@ -191,15 +191,14 @@ def _cpu(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
 
 
 def _pooled_record(posterior: PooledPosterior) -> dict:
-    """What rebuilds a :class:`PooledPosterior` (its constructor's arguments)."""
-    tensors = {"weight": posterior.weight, "weight_variance": posterior.weight_variance, "bias": posterior.bias,
-               "bias_variance": posterior.bias_variance, "pool_weights": posterior.pool_weights}
-    for name, value in [*posterior.locs.items(), *posterior.variances.items(), *tensors.items()]:
+    """What rebuilds a :class:`PooledPosterior` (:meth:`~PooledPosterior.of_heads` of its body and heads)."""
+    heads = {k: v for k, v in posterior.heads().items() if k != "temperature"}
+    for name, value in [*posterior.locs.items(), *posterior.variances.items(), *heads.items()]:
         if value.is_floating_point() and not bool(torch.isfinite(value).all()):
             raise ValueError(f"network: the pooled posterior's {name!r} holds NaN or infinite values")
     return {"pooled_posterior": {"template": copy.deepcopy(posterior.template).cpu(), "locs": _cpu(posterior.locs),
                                  "variances": _cpu(posterior.variances), "output": posterior.output,
-                                 **_cpu(tensors), "temperature": float(posterior.temperature)}}
+                                 **_cpu(heads), "temperature": float(posterior.temperature)}}
 
 
 @dataclass(frozen=True)
@@ -280,10 +279,10 @@ def global_from_record(record, path: str | Path = "<record>") -> SavedGlobal:
         except ValueError as error:
             raise ValueError(f"path: {str(path)!r} holds a posterior that does not load ({error})") from None
     elif kind == "pooled-posterior":
-        saved = dict(record["pooled_posterior"])
+        saved = record["pooled_posterior"]
         try:
-            client = PooledPosterior(saved.pop("template"), saved.pop("locs"), saved.pop("variances"),
-                                     saved.pop("output"), **saved)
+            client = PooledPosterior.of_heads(saved["template"], saved["locs"], saved["variances"], saved["output"],
+                                              saved)
         except (ValueError, TypeError) as error:
             raise ValueError(f"path: {str(path)!r} holds a pooled posterior that does not load ({error})") from None
     return SavedGlobal(network=network.eval(), method=record["method"], architecture=record["architecture"],

@@ -29,7 +29,7 @@ Usage::
 from __future__ import annotations
 
 import math
-from typing import Collection, Optional, Sequence
+from typing import Callable, Collection, Optional, Sequence
 
 import numpy as np
 import torch
@@ -167,15 +167,20 @@ def pool_nll_step(net: nn.Module, x: Tensor, y: Tensor, batch_size: int = 1024) 
     up to choose the pool's temperature (:func:`~bnpfed.inference.pooled_heads.fit_temperature`)."""
     net = net.eval()
     scale = float(pooled_heads_layer(net).temperature)   # its outputs are the pool over its temperature
-    return sum(pool_nll(net(x[i:i + batch_size]) * scale, y[i:i + batch_size]) for i in range(0, len(x), batch_size))
+    return _summed_pool_nll(lambda xb: net(xb) * scale, x, y, batch_size)
+
+
+def _summed_pool_nll(outputs: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, batch_size: int) -> Tensor:
+    """:func:`~bnpfed.inference.pooled_heads.pool_nll` of ``outputs`` (at temperature 1) over ``x`` batch by batch,
+    summed: one client's reply to a temperature fit."""
+    return sum(pool_nll(outputs(x[i:i + batch_size]), y[i:i + batch_size]) for i in range(0, len(x), batch_size))
 
 
 def pooled_posterior_nll_step(pooled: PooledPosterior, x: Tensor, y: Tensor, num_samples: int, seed: int,
                               batch_size: int = 1000) -> Tensor:
     """:func:`pool_nll_step` for a :class:`~bnpfed.inference.PooledPosterior`: the predictive of ``num_samples``
     draws from ``seed`` (the same draws on every client and batch) on the client's own data, at every temperature."""
-    return sum(pool_nll(pooled.log_pools(x[i:i + batch_size], num_samples, seed), y[i:i + batch_size])
-               for i in range(0, len(x), batch_size))
+    return _summed_pool_nll(lambda xb: pooled.log_pools(xb, num_samples, seed), x, y, batch_size)
 
 
 def posterior_nll_step(client: BayesianClient, x: Tensor, y: Tensor, num_samples: int, seed: int,
@@ -185,8 +190,7 @@ def posterior_nll_step(client: BayesianClient, x: Tensor, y: Tensor, num_samples
     on the client's own data, at every temperature of :data:`~bnpfed.inference.pooled_heads.TEMPERATURES` (the
     network's logits, whatever temperature its likelihood holds): what the server adds up to choose the predictive's
     temperature (``FusionConfig(temperature="fit")``)."""
-    return sum(pool_nll(client.sample_outputs(x[i:i + batch_size], num_samples, seed), y[i:i + batch_size])
-               for i in range(0, len(x), batch_size))
+    return _summed_pool_nll(lambda xb: client.sample_outputs(xb, num_samples, seed), x, y, batch_size)
 
 
 def bayesian_client(net: nn.Module, bayesian: BayesianConfig) -> BayesianClient:

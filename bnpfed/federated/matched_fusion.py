@@ -248,24 +248,17 @@ class MatchedFusionFederation(HoldsRounds, Federation):
         self.global_model = bayesian_from_match(match, self.bayesian)
         if self.fusion.heads == "pooled":   # the sampled clients' own heads, in the match's order
             self.pooled = PooledPosterior.of_match(match, posteriors)
-            temperature = self.fusion.pool_temperature
-            if temperature == FIT:   # each client scores the predictive's draws on its own data
-                draws = derive_seed(self.seed, Stream.PREDICT, round)
-                temperature = fit_temperature([pooled_posterior_nll_step(
-                    self.pooled, *self.client_data[j], self.predictive_samples, draws) for j in sampled])
-            self.pooled.temperature = float(temperature)
-            extra["pool_temperature"] = float(temperature)
+            self.pooled.temperature = self._temperature(self.fusion.pool_temperature, pooled_posterior_nll_step,
+                                                        self.pooled, sampled, round)
+            extra["pool_temperature"] = self.pooled.temperature
             self._mean_net = self.pooled.mean_network().float().eval()
         else:
             self._mean_net = match.network().float().eval()
             if self.fusion.temperature != 1:   # the fused predictive's temperature, given or fitted
-                temperature = self.fusion.temperature
-                if temperature == FIT:   # each client scores the predictive's draws on its own data
-                    draws = derive_seed(self.seed, Stream.PREDICT, round)
-                    temperature = fit_temperature([posterior_nll_step(
-                        self.global_model, *self.client_data[j], self.predictive_samples, draws) for j in sampled])
-                self.global_model = tempered(self.global_model, float(temperature))
-                extra["temperature"] = float(temperature)
+                temperature = self._temperature(self.fusion.temperature, posterior_nll_step, self.global_model,
+                                                sampled, round)
+                self.global_model = tempered(self.global_model, temperature)
+                extra["temperature"] = temperature
         metrics = {**self.rounds.summary(), "parameters": count_parameters(self._mean_net),
                    "server_seconds": seconds, **extra}
         if losses:
@@ -274,6 +267,15 @@ class MatchedFusionFederation(HoldsRounds, Federation):
             x, y = self.dataset.x_test, self.dataset.y_test
             metrics["mean_accuracy"] = float((self._mean_net(x).argmax(-1) == y).double().mean())
         return [], metrics
+
+    def _temperature(self, value, nll_step, model, sampled: Sequence[int], round: int) -> float:
+        """``value`` (a number), or with ``"fit"`` the temperature of least summed NLL of ``model``'s predictive
+        (``nll_step(model, x, y, S, draws)``) on each sampled client's own data, with the round's evaluation draws."""
+        if value != FIT:
+            return float(value)
+        draws = derive_seed(self.seed, Stream.PREDICT, round)
+        return float(fit_temperature([nll_step(model, *self.client_data[j], self.predictive_samples, draws)
+                                      for j in sampled]))
 
     def predict_proba(self, x: Tensor) -> Tensor:
         """The global posterior predictive: softmax averaged over ``predictive_samples`` weight draws, drawn from

@@ -485,13 +485,17 @@ class Experiment:
             self._bayesian = clients
         return self._bayesian
 
+    def one_shot_match(self, config: PFNMConfig) -> SpecMatch:
+        """PFNM's one-shot match of the local models under ``config`` (their activity reports as it says), its
+        batch-norm statistics re-estimated (:meth:`reestimate`)."""
+        return self.reestimate(pfnm_step(self.local_models(), self.class_counts, config, seed=self.seed, round=1,
+                                         input_shape=self.input_shape, activity=self.activity()))
+
     def selection(self) -> Selection:
         """PFNM's hyper-parameters, chosen as ``config.select`` says on the local models (once)."""
         if self._selection is None:
             if self.config.select == "none":
-                match = pfnm_step(self.local_models(), self.class_counts, self.pfnm, seed=self.seed, round=1,
-                                  input_shape=self.input_shape, activity=self.activity())
-                self._selection = Selection(self.pfnm, "none", match=self.reestimate(match))
+                self._selection = Selection(self.pfnm, "none", match=self.one_shot_match(self.pfnm))
             elif self.config.select == "operating-point":
                 validation = [(self.dataset.x_train[torch.as_tensor(i)], self.dataset.y_train[torch.as_tensor(i)])
                               for i in self.validation_parts]
@@ -659,9 +663,7 @@ def _pfnm_pooled(experiment: Experiment) -> MethodResult:
     config = replace(selection.config, layerwise_retrain=0)   # pfnm_step's: PFNM's whole-network budget
     if config.heads == "fused" and config.parameter_limit is not None:
         # pfnm's match priced one output layer: this row carries J, so its budget is met by a match that prices them
-        match = experiment.reestimate(pfnm_step(experiment.local_models(), experiment.class_counts,
-                                                replace(config, heads="pooled"), seed=experiment.seed, round=1,
-                                                input_shape=experiment.input_shape, activity=experiment.activity()))
+        match = experiment.one_shot_match(replace(config, heads="pooled"))
         note = f"one shot; pfnm matched with its J output layers priced in max_params, {_POOLED_NOTE}"
     return _pooled_row(experiment, "pfnm-pooled", pooled_network(match, experiment.local_models()), match,
                        note=note + _limits(match))

@@ -224,11 +224,7 @@ class _Client:
         arch = _architecture(self.settings.network, tuple(self.ds.input_shape), self.ds.num_classes,
                              self.settings.seed)
         locs, variances = matched_posterior_from_arrays(arrays, arch.spec, arch.template.state_dict())
-        if "weight_variance" not in heads:
-            raise ValueError("heads: expected the heads' variances beside a matched posterior, got means only")
-        return PooledPosterior(arch.template, locs, variances, _output(arch), heads["weight"],
-                               heads["weight_variance"], heads["bias"], heads["bias_variance"],
-                               heads["pool_weights"], float(heads["temperature"]))
+        return PooledPosterior.of_heads(arch.template, locs, variances, _output(arch), heads)
 
     def evaluation_network(self, record: ArrayRecord) -> torch.nn.Module:
         """The global network in ``record`` (:meth:`network`), with the pooled heads sent beside it

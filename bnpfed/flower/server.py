@@ -156,9 +156,7 @@ def global_model(settings: FlowerSettings, input_shape, num_classes: int, arrays
         if heads is not None:
             (weight,) = spec.params_of_kind("output_weight")
             return (f"match-{settings.fusion.rule}-pooled",
-                    PooledPosterior(template, locs, variances, weight.rpartition(".")[0], heads["weight"],
-                                    heads["weight_variance"], heads["bias"], heads["bias_variance"],
-                                    heads["pool_weights"], float(heads["temperature"])))
+                    PooledPosterior.of_heads(template, locs, variances, weight.rpartition(".")[0], heads))
         client = client_from_slice(template, locs, variances, settings.bayesian, as_prior=False)
         return f"match-{settings.fusion.rule}", client if temperature is None else tempered(client, temperature)
     # weight-wise layout, at the widths of the global (a matched network's after SecAgg+'s matching round)

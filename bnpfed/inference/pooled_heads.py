@@ -283,6 +283,10 @@ def sample_state(locs: Mapping[str, Tensor], variances: Mapping[str, Tensor],
     return out
 
 
+#: What :meth:`PooledPosterior.heads` gives and :meth:`PooledPosterior.of_heads` takes.
+HEAD_TENSORS = ("weight", "weight_variance", "bias", "bias_variance", "pool_weights", "temperature")
+
+
 class PooledPosterior:
     """Matched posterior fusion's global Bayesian network with the clients' own posterior output layers pooled: the
     fused posterior of the body and each client's posterior of its output layer at the global units its units were
@@ -360,6 +364,19 @@ class PooledPosterior:
         W_var, b_var = client_heads(match, spreads)
         return cls(match.template, match.locs, match.variances, name, W, W_var, b, b_var,
                    pooling_weights(match.class_shares))
+
+    @classmethod
+    def of_heads(cls, template: nn.Module, locs: Mapping[str, Tensor], variances: Mapping[str, Tensor], output: str,
+                 heads: Mapping[str, Tensor]) -> "PooledPosterior":
+        """The pooled posterior of a body ``(locs, variances)`` and ``heads`` as :meth:`heads` gives them (what a
+        Flower server sends beside the body, what a global-model file keeps): ``"weight"``, ``"weight_variance"``,
+        ``"bias"``, ``"bias_variance"``, ``"pool_weights"``, ``"temperature"``."""
+        missing = [k for k in HEAD_TENSORS if k not in heads]
+        if missing:
+            raise ValueError(f"heads: expected the pooled posterior's heads {list(HEAD_TENSORS)}, missing {missing} "
+                             "(a network's pooled heads have no variances)")
+        return cls(template, locs, variances, output, heads["weight"], heads["weight_variance"], heads["bias"],
+                   heads["bias_variance"], heads["pool_weights"], float(heads["temperature"]))
 
     @property
     def clients(self) -> int:
