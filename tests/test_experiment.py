@@ -11,6 +11,7 @@ from bnpfed.data import load_dataset
 from bnpfed.federated.config import PFNM_NETWORK, NetworkConfig, PartitionConfig, PFNMConfig, TrainingConfig
 from bnpfed.federated.methods import (ExperimentConfig, MethodResult, available_methods, register_method,
                                       run_experiment, width_sweep)
+from bnpfed.federated.registry import unregister_method
 
 
 @pytest.fixture(scope="module")
@@ -109,9 +110,10 @@ def test_adding_a_method_is_one_function_and_one_registration(digits):
         with pytest.raises(ValueError, match="name: expected a method name not registered yet, got 'best-local'"):
             register_method("best-local", best_local)
     finally:
-        from bnpfed.federated import methods
-
-        methods._METHODS.pop("best-local")
+        unregister_method("best-local")
+    assert "best-local" not in available_methods()
+    with pytest.raises(ValueError, match="name: expected a registered method, got 'best-local'"):
+        unregister_method("best-local")
 
 
 def test_every_fusion_rule_is_a_method_and_so_is_a_newly_registered_rule(digits):

@@ -454,7 +454,7 @@ def check_save_global(folder: Optional[str]) -> None:
 
 
 def save_globals(folder, global_models: Mapping[str, dict]) -> None:
-    """Write every kept global model (:meth:`~bnpfed.federated.methods.Experiment.keep`: method -> its network or
+    """Write every kept global model (:meth:`~bnpfed.federated.experiment.Experiment.keep`: method -> its network or
     Bayesian client and what describes it) to ``folder/<method>.pt`` (:func:`bnpfed.saved.save_global`) and say so."""
     from bnpfed.saved import save_global
 

@@ -7,8 +7,10 @@
   federations and the Flower apps both call;
 * :mod:`~bnpfed.federated.pfnm`, :mod:`~bnpfed.federated.fusion`: PFNM, posterior fusion and FedAvg round by round;
 * :mod:`~bnpfed.federated.rounds`: what a matching server remembers between rounds (in process and on Flower);
-* :mod:`~bnpfed.federated.methods`: comparison methods as a registry, the experiment harness's config
-  (:class:`~bnpfed.federated.methods.ExperimentConfig`), :func:`run_experiment`.
+* :mod:`~bnpfed.federated.registry`: the comparison methods' names (a registry of runners);
+* :mod:`~bnpfed.federated.experiment`: the experiment harness (:class:`~bnpfed.federated.experiment.ExperimentConfig`,
+  :class:`~bnpfed.federated.experiment.Experiment`);
+* :mod:`~bnpfed.federated.methods`: the built-in methods' runners, :func:`run_experiment`.
 """
 
 from bnpfed.federated.partition import (

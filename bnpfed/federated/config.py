@@ -8,7 +8,7 @@ the experiment harness, the command line and the Flower apps.
 * :class:`PFNMConfig`: the PFNM server (Beta-Bernoulli matching hyper-parameters, client sampling);
 * :class:`FusionConfig`: the posterior-fusion server (rule, client weights, pooling draws, variance floor, client
   sampling);
-and the harness around them, :class:`~bnpfed.federated.methods.ExperimentConfig` (which methods, rounds, seed,
+and the harness around them, :class:`~bnpfed.federated.experiment.ExperimentConfig` (which methods, rounds, seed,
 hyper-parameter selection, evaluation), lives beside the method registry it validates against
 (:mod:`bnpfed.federated.methods`). Flower takes everything but that one (its run has ``rounds`` and ``seed`` of its
 own).

@@ -43,7 +43,7 @@ from bnpfed.federated.results import Selection
 from bnpfed.federated.server import pfnm_step
 from bnpfed.inference.permutation import SpecMatch
 from bnpfed.metrics import count_parameters
-from bnpfed.validation import check_positive, check_positives
+from bnpfed.validation import check_positives
 
 __all__ = ["co_correct_counts", "paired_standard_errors", "one_standard_error_choice", "OperatingPoint",
            "candidate_scores_step", "check_noise_to_scale", "select_operating_point", "NOISE_FACTORS"]

@@ -25,7 +25,7 @@ class MethodResult:
     :param float accuracy: test accuracy of the method's final global model (``nll``, ``ece``, ``brier`` likewise;
         ECE with the experiment's ``ece_bins``).
     :param list hidden: widths of the global model's hidden permutations (an MLP's hidden layers; a CNN's conv
-        channels, then its hidden units), :func:`~bnpfed.federated.methods.network_widths`.
+        channels, then its hidden units), :func:`~bnpfed.federated.experiment.network_widths`.
     :param int parameters: its number of parameters (a Bayesian weight counts once).
     :param int rounds: communication rounds it took.
     :param float server_seconds: wall time of the server's aggregation (matching, fusion, averaging) summed over
