@@ -520,12 +520,15 @@ def part_pooled(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("i
 
 
 def part_shrink(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("iid", "dirichlet"),
-                arch: str = "lenet", rounds: int = 6) -> None:
+                arch: str = "lenet", rounds: int = 6, heads: str = "fused") -> None:
     """More rounds shrink the global network (PFNM's promise): ``rounds`` rounds of PFNM held to the ensemble's size
     from round 2 on (``max_params="ensemble", limit_from_round=2``: round 1 one-shot at the model's own size, the
     later rounds' budget met as far as the matcher can) and at the model's own size in every round (bnpfed's default),
-    both from the same local models, beside the ensemble."""
-    for key, J, partition, seed in _settings(out, f"shrink/{name}/{arch}/rounds={rounds}", Js, partitions, seeds):
+    both from the same local models, beside the ensemble. ``heads="pooled"``: both federations' global networks
+    carry the clients' own output layers pooled (``PFNMConfig.heads``; the budget prices them)."""
+    tag = "" if heads == "fused" else f"/heads={heads}"
+    for key, J, partition, seed in _settings(out, f"shrink/{name}/{arch}/rounds={rounds}{tag}", Js, partitions,
+                                             seeds):
         configs = _configs(J, partition, seed, rounds=rounds, methods=("ensemble",))
         configs["network"] = replace(PFNM_NETWORK, arch=arch)
         configs["pfnm"] = PFNMConfig(max_params=None)
@@ -533,8 +536,10 @@ def part_shrink(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("i
         try:
             ensemble = run_method(experiment, "ensemble")[0]
             rows = {"ensemble": dict(_row(ensemble), parameters=ensemble.parameters)}
-            for label, config in (("ensemble from round 2", PFNMConfig(max_params="ensemble", limit_from_round=2)),
-                                  ("own size", PFNMConfig(max_params=None))):
+            pooled = {} if heads == "fused" else dict(heads=heads)
+            for label, config in (("ensemble from round 2", PFNMConfig(max_params="ensemble", limit_from_round=2,
+                                                                       **pooled)),
+                                  ("own size", PFNMConfig(max_params=None, **pooled))):
                 t0 = time.perf_counter()
                 federation = PFNMFederation(ds, experiment.parts, network=experiment.network,
                                             training=experiment.training, pfnm=config, seed=seed,
@@ -549,7 +554,8 @@ def part_shrink(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("i
                     budget=None if search is None else dict(limit=search.limit, met=search.met))
         finally:
             experiment.close()
-        _emit(out, key, dict(dataset=name, arch=arch, J=J, partition=partition, seed=seed, rounds=rounds, rows=rows))
+        _emit(out, key, dict(dataset=name, arch=arch, J=J, partition=partition, seed=seed, rounds=rounds, heads=heads,
+                             rows=rows))
     plot_shrink(out, out.with_suffix(".png"))
 
 
@@ -582,7 +588,8 @@ def plot_shrink(out: Path, png: Path) -> None:
         ax.plot([ensemble["parameters"]], [ensemble["accuracy"]], "k*", ms=12, label="ensemble")
         ax.axvline(ensemble["parameters"], c="grey", lw=0.8, ls=":")
         ax.set(xscale="log", xlabel="global parameters", ylabel="test accuracy",
-               title=f"{line['dataset']} {line['partition']} seed {line['seed']}")
+               title=f"{line['dataset']} {line['partition']} seed {line['seed']}"
+                     + (", pooled heads" if line.get("heads") == "pooled" else ""))
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         low = min(h["accuracy"] for r in line["rows"].values() for h in r.get("history", []))
         ax.set_ylim(max(0.0, min(low, ensemble["accuracy"]) - 0.02), 1.0 if line["dataset"] == "mnist" else 0.92)
@@ -720,6 +727,8 @@ def main(argv=None):
                         "local epochs: 5 under the reference training)")
     p.add_argument("--pool-temperature", type=lambda v: v if v == "fit" else float(v), default=1.0,
                    help="the pooled part's pool temperature: a number or fit (chosen by the clients' training data)")
+    p.add_argument("--heads", choices=("fused", "pooled"), default="fused",
+                   help="the shrink part's global output layer: fused (PFNM's) or pooled (the clients' own heads)")
     p.add_argument("--size-rows", choices=SIZE_ROWS, default="all",
                    help="the size part's rows: all, or fedma (the local models, the ensemble, PFNM at its own size, "
                         "FedMA at the ensemble's size and at half of it)")
@@ -776,7 +785,7 @@ def main(argv=None):
                         arch=args.arch, pool_temperature=args.pool_temperature)
         elif part == "shrink":
             part_shrink(ds, out, seeds, Js, name=args.dataset, partitions=tuple(args.partitions.split(",")),
-                        arch=args.arch, rounds=args.rounds)
+                        arch=args.arch, rounds=args.rounds, heads=args.heads)
         elif part == "size":
             part_size(ds, out, seeds, Js, name=args.dataset, partitions=tuple(args.partitions.split(",")),
                       arch=args.arch, fedma_epochs=args.fedma_epochs, row_set=args.size_rows)
