@@ -33,8 +33,9 @@ heads="pooled")``, ``bnpfed fuse --heads pooled --save-global``, ``bnpfed match 
 
 which :func:`load_global` returns as the :class:`~bnpfed.inference.PooledPosterior` (the same predictive). A global
 network fused from Laplace clients (a :class:`~bnpfed.inference.LaplaceClient`) has ``"kind": "laplace"``, its
-``"posterior"``, ``"prior"`` and ``"predictive"`` likewise, and loads as a LaplaceClient holding that posterior (its
-linearised predictive). The deterministic files have ``"kind": "deterministic"`` (files without the key, from
+``"posterior"``, ``"prior"`` and ``"predictive"`` likewise and ``"temperature"`` (its predictive's: 1 unless fused
+with ``FusionConfig(temperature=...)``), and loads as a LaplaceClient holding that posterior (its linearised
+predictive at that temperature). The deterministic files have ``"kind": "deterministic"`` (files without the key, from
 bnpfed 0.x before it, are read as such).
 
 Usage::
@@ -180,8 +181,8 @@ def _bayesian_record(client: BayesianClient | LaplaceClient) -> dict:
                          f"{error}; use selectors that are module-level functions, patterns or classes") from None
     record = {"posterior": {site: {"loc": p.loc.detach().cpu().clone(), "variance": p.variance.detach().cpu().clone()}
                             for site, p in posterior.items()}, "prior": prior}
-    if laplace:
-        return record
+    if laplace:   # its predictive's temperature (a fused global model's, 1 otherwise)
+        return {**record, "temperature": float(client.temperature)}
     return {**record, "likelihood": client.bnn.likelihood,
             "local_reparameterization": bool(client.bnn.local_reparameterization)}
 
@@ -275,7 +276,8 @@ def global_from_record(record, path: str | Path = "<record>") -> SavedGlobal:
     elif kind == "laplace":
         try:
             client = LaplaceClient.holding(network, {site: GaussianPosterior(p["loc"], p["variance"])
-                                                     for site, p in record["posterior"].items()}, record["prior"])
+                                                     for site, p in record["posterior"].items()}, record["prior"],
+                                           temperature=record.get("temperature", 1.0))   # none before 2026-12-06
         except ValueError as error:
             raise ValueError(f"path: {str(path)!r} holds a posterior that does not load ({error})") from None
     elif kind == "pooled-posterior":

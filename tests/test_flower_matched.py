@@ -160,8 +160,9 @@ def test_a_bad_posterior_reply_is_rejected_with_its_reason_and_the_round_goes_on
     ({**MATCHED, "heads": "pooled", "secure-aggregation": True}, r"heads: the output layer of matched posterior "
                                                                  r"fusion in the clear"),
     ({"method": "fusion", "temperature": "fit"}, r"temperature: the predictive temperature of matched fusion"),
-    ({**MATCHED, "client": "laplace", "temperature": 0.5}, r"temperature: the predictive temperature of matched "
-                                                          r"posterior fusion's global posterior .*client='laplace'"),
+    ({**MATCHED, "secure-aggregation": True, "temperature": 0.5}, r"temperature: the predictive temperature of "
+                                                                  r"matched posterior fusion's global posterior "
+                                                                  r".*secure-aggregation=true"),
     ({**MATCHED, "heads": "pooled", "temperature": 0.5}, r"temperature: the fused output layer's"),
 ])
 def test_what_matched_fusion_on_flower_does_not_run_is_refused_before_any_node_is_asked(config, message):
@@ -186,22 +187,27 @@ def test_a_flower_simulation_gives_the_in_process_global_posterior():
         assert_same_as_in_process(results[name], config)
 
 
-@pytest.mark.parametrize("temperature", [0.5, "fit"])
-def test_the_fused_predictives_temperature_on_flower_is_the_in_process_federation_bit_for_bit(temperature, tmp_path):
+@pytest.mark.parametrize("temperature, client", [(0.5, "variational"), ("fit", "variational"), ("fit", "laplace")])
+def test_the_fused_predictives_temperature_on_flower_is_the_in_process_federation_bit_for_bit(temperature, client,
+                                                                                                tmp_path):
     # with "fit" the server asks the round's clients for their NLL sums of the global posterior's predictive at every
     # temperature (a query, step "posterior-nll": the same sums as in process, so the same temperature), then sends
     # the temperature beside the global posterior for the clients to score the tempered predictive; the output file's
-    # global client holds the temperature in its likelihood
+    # global client holds the temperature (a variational one in its likelihood, a Laplace one for its linearised
+    # predictive)
     from bnpfed.saved import read_global
 
-    config = {**MATCHED, "rule": "conflation", "temperature": temperature}
+    if client == "laplace":
+        pytest.importorskip("laplace")
+    config = {**MATCHED, "rule": "conflation", "temperature": temperature, "client": client}
     result = run_federation(LocalGrid(client_app, CLIENTS), {**config, "output-dir": str(tmp_path)})
     reference = assert_same_as_in_process(result, config)
     chosen = [r["temperature"] for r in result.history]
     assert chosen == [r.metrics["temperature"] for r in reference.history]
     assert (chosen == [0.5, 0.5]) == (temperature == 0.5)
     saved = read_global(tmp_path / "fusion-global.pt")
-    assert saved.client.bnn.likelihood.temperature == chosen[-1]
+    held = saved.client.temperature if client == "laplace" else saved.client.bnn.likelihood.temperature
+    assert held == chosen[-1] and saved.kind == ("laplace" if client == "laplace" else "bayesian")
     x = torch.randn(20, 64)
     torch.testing.assert_close(saved.client.predict_proba(x, num_samples=3, seed=1),
                                reference.global_model.predict_proba(x, num_samples=3, seed=1), rtol=0, atol=1e-6)

@@ -3,6 +3,7 @@ Categorical likelihood, posterior_nll_step): the likelihood against its closed f
 predictive's own NLL at each temperature, the fit against the least summed NLL found by hand, and the refusals."""
 
 import copy
+import json
 import math
 import pickle
 
@@ -111,10 +112,6 @@ def test_a_temperature_where_it_does_not_apply_is_refused():
         FusionConfig(align="match", heads="pooled", temperature=0.5)
     with pytest.raises(ValueError, match="temperature: expected a number > 0 or 'fit'"):
         FusionConfig(align="match", temperature="auto")
-    with pytest.raises(ValueError, match="fusion.temperature: .*Laplace"):
-        MatchedFusionFederation(ds, parts, network=NetworkConfig(hidden=(16,)), training=TrainingConfig(epochs=1),
-                                bayesian=BayesianConfig(client="laplace"),
-                                fusion=FusionConfig(align="match", temperature="fit"), seed=0)
     with pytest.raises(ValueError, match="fusion.temperature: .*weight-wise"):
         FusionFederation(ds, parts, network=NetworkConfig(hidden=(16,)), training=TrainingConfig(epochs=1),
                          bayesian=BayesianConfig(), fusion=FusionConfig(align="match", temperature="fit"), seed=0)
@@ -146,5 +143,68 @@ def test_an_experiments_weight_wise_rows_keep_their_own_predictive(capsys):
         in capsys.readouterr().err
     assert main(["fuse", "--align", "match", "--heads", "pooled", "--temperature", "0.5"]) == 2
     assert "with --heads pooled every row pools its heads" in capsys.readouterr().err
-    assert main(["fuse", "--align", "match", "--client", "laplace", "--temperature", "0.5"]) == 2
-    assert "a Laplace global model predicts by its linearisation" in capsys.readouterr().err
+
+
+def test_a_laplace_predictives_temperature_divides_every_draws_logits():
+    """The linearised predictive at temperature T is the mean over its draws of softmax(logits / T), its draws those
+    of sample_outputs (the same seed, the same draws); at 1 it is the untempered predictive bit for bit."""
+    pytest.importorskip("laplace")
+    from bnpfed.inference import LaplaceClient
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(60, 5, generator=g), torch.randint(0, 3, (60,), generator=g)
+    client = LaplaceClient(mlp(5, [8], 3))
+    client.fit(x, y, epochs=3, batch_size=16, lr=1e-2, seed=0)
+    draws = client.sample_outputs(x, num_samples=6, seed=3)
+    assert draws.shape == (6, 60, 3)
+    plain = client.predict_proba(x, num_samples=6, seed=3)
+    torch.testing.assert_close(plain, draws.softmax(-1).mean(0))
+    for t in (0.4, 2.0):
+        held = LaplaceClient.holding(client.net, client.posterior(), client.prior, temperature=t)
+        torch.testing.assert_close(held.predict_proba(x, num_samples=6, seed=3), (draws / t).softmax(-1).mean(0))
+        assert tempered(copy.deepcopy(held), 1.0).predict_proba(x, 6, 3).equal(plain)
+    with pytest.raises(ValueError, match="temperature: expected a positive"):
+        LaplaceClient.holding(client.net, client.posterior(), client.prior, temperature=0)
+    with pytest.raises(ValueError, match="temperature"):
+        tempered(client, -1.0)
+
+
+def test_the_fitted_temperature_of_fused_laplace_clients_is_their_least_summed_nll(tmp_path):
+    """Matched conflation of Laplace clients (evidence prior, an under-confident linearised predictive): the fitted
+    temperature is the least summed NLL of the global model's draws on the clients' data, found by hand; the saved
+    global model keeps it; bnpfed fuse takes --client laplace --temperature fit."""
+    pytest.importorskip("laplace")
+    ds = load_dataset("digits")
+    parts = PartitionConfig(clients=3).split(ds.y_train.numpy(), seed=0)
+
+    def run(temperature):
+        fed = MatchedFusionFederation(ds, parts, network=NetworkConfig(hidden=(16,)),
+                                      training=TrainingConfig(epochs=2), bayesian=BayesianConfig(client="laplace"),
+                                      fusion=FusionConfig(align="match", temperature=temperature), seed=0)
+        fed.run_round()
+        return fed
+
+    plain, fitted = run(1.0), run("fit")
+    draws = derive_seed(0, Stream.PREDICT, 1)
+    total = torch.zeros(len(TEMPERATURES), dtype=torch.float64)
+    for j in range(3):
+        x, y = plain.client_data[j]
+        logits = plain.global_model.sample_outputs(x, plain.predictive_samples, draws).double()
+        total += torch.stack([-(logits / float(t)).softmax(-1).mean(0)[torch.arange(len(y)), y].log().sum()
+                              for t in TEMPERATURES])
+    best = float(TEMPERATURES[int(total.argmin())])
+    assert fitted.history[-1].metrics["temperature"] == best == fitted.global_model.temperature
+    assert best < 1 and fitted.history[-1].metrics["nll"] < plain.history[-1].metrics["nll"]
+    assert fitted.history[-1].metrics["accuracy"] == pytest.approx(plain.history[-1].metrics["accuracy"], abs=0.01)
+    torch.testing.assert_close(fitted.predict_proba(ds.x_test), tempered(copy.deepcopy(plain.global_model), best)
+                               .predict_proba(ds.x_test, plain.predictive_samples, draws))
+    saved = read_global(save_global(tmp_path / "g.pt", fitted.global_model, method="match-conflation"))
+    assert saved.kind == "laplace" and saved.client.temperature == best
+    torch.testing.assert_close(saved.client.predict_proba(ds.x_test, 4, 1), fitted.global_model.predict_proba(
+        ds.x_test, 4, 1))
+    out = tmp_path / "fuse.json"
+    assert main(["fuse", "--align", "match", "--client", "laplace", "--temperature", "fit", "--clients", "3",
+                 "--epochs", "1", "--rounds", "1", "--rule", "conflation", "--no-fedavg", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]["runs"][0]["rows"]
+    (row,) = [r for r in rows if r["method"] == "match-conflation"]
+    assert 0 < row["history"][-1]["temperature"] < 1

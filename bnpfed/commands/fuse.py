@@ -290,9 +290,6 @@ def prepare(args) -> dict:
     if args.temperature != 1 and args.heads == "pooled":
         raise UsageError("--temperature: the fused output layer's (match-RULE rows); with --heads pooled every row "
                          "pools its heads, whose temperature is --pool-temperature; expected --heads fused or both")
-    if args.temperature != 1 and args.client == "laplace":
-        raise UsageError("--temperature: the temperature of a sampled posterior predictive; expected it only with "
-                         "--client variational (a Laplace global model predicts by its linearisation)")
     if args.pool_temperature != 1 and args.heads == "fused":
         raise UsageError(f"--pool-temperature: the temperature of pooled heads; expected it only with --heads pooled "
                          f"or both, got --heads fused")

@@ -794,9 +794,10 @@ class FusionConfig:
         pool. The fused predictive is under-confident on its clients' data (MNIST IID, 784-100-10, J = 10, seeds
         0-2: matched conflation's ECE 0.0247 -> 0.0128, its floor 0.0125, at the fitted 0.86; OOD AUROC -0.002;
         benchmarks/README.md, "Every matched rule one shot"); after ten rounds the clients' training data, fitted
-        better than the test split, over-sharpen it (ECE +0.002). Variational clients only (a Laplace global model
-        predicts by its linearisation); in process, ``bnpfed fuse --temperature`` and on Flower (run-config key
-        ``temperature``). With ``heads="pooled"`` the pool's temperature is ``pool_temperature``.
+        better than the test split, over-sharpen it (ECE +0.002). With Laplace clients the draws are those of the
+        global model's linearised predictive (:attr:`~bnpfed.inference.LaplaceClient.temperature`). In process,
+        ``bnpfed fuse --temperature`` and on Flower (run-config key ``temperature``). With ``heads="pooled"`` the
+        pool's temperature is ``pool_temperature``.
     """
 
     rule: str = "conflation"

@@ -69,6 +69,7 @@ from bnpfed.metrics import count_parameters
 from bnpfed.models.likelihoods import Categorical
 from bnpfed.posterior import GaussianPosterior
 from bnpfed.seeding import Stream, derive_seed
+from bnpfed.validation import check_positive
 
 __all__ = ["MatchedFusionFederation", "bayesian_from_match", "client_from_slice", "matched_hyperparameters",
            "pvi_factors", "tempered"]
@@ -114,10 +115,15 @@ def bayesian_from_match(match: PosteriorMatch, bayesian: BayesianConfig) -> Baye
     return client_from_slice(match.template, match.locs, match.variances, bayesian, as_prior=False)
 
 
-def tempered(client: BayesianClient, temperature: float) -> BayesianClient:
-    """``client`` (in place, returned) with its likelihood's temperature set to ``temperature``: its posterior
-    predictive then averages ``softmax(f(x; w_s) / temperature)`` (:class:`~bnpfed.models.likelihoods.Categorical`);
-    for a global client, which no one trains."""
+def tempered(client: BayesianClient | LaplaceClient, temperature: float) -> BayesianClient | LaplaceClient:
+    """``client`` (in place, returned) with its predictive's temperature set to ``temperature``: its posterior
+    predictive then averages ``softmax(f(x; w_s) / temperature)`` over its draws (a variational client through its
+    likelihood, :class:`~bnpfed.models.likelihoods.Categorical`; a :class:`~bnpfed.inference.LaplaceClient` over the
+    draws of its linearised predictive, :attr:`~bnpfed.inference.LaplaceClient.temperature`); for a global client,
+    which no one trains."""
+    if isinstance(client, LaplaceClient):
+        client.temperature = float(check_positive(temperature, "temperature"))
+        return client
     likelihood = client.bnn.likelihood
     if not isinstance(likelihood, Categorical):
         raise ValueError(f"client: expected a classifier (a Categorical likelihood) to temper, got {likelihood!r}")
@@ -176,10 +182,6 @@ class MatchedFusionFederation(HoldsRounds, Federation):
                 raise ValueError(f"{name}: expected a {kind.__name__}, got {type(value).__name__}")
         self.check_network(network)
         check_pool_temperature_applies(fusion, fusion.heads == "pooled")
-        if fusion.temperature != 1 and bayesian.client == "laplace":
-            raise ValueError(f"fusion.temperature: the temperature of a sampled posterior predictive; a global model "
-                             f"of Laplace clients predicts by its linearisation: expected 1 with bayesian.client="
-                             f"'laplace', got {fusion.temperature!r}")
         bayesian.check_training(training)
         training.check_inputs(dataset.input_shape)
         if initial_clients is not None and len(initial_clients) != self.num_clients:

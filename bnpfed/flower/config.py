@@ -464,12 +464,11 @@ def parse_run_config(config: Mapping[str, Any]) -> FlowerSettings:
         raise ValueError(f"client: Laplace clients serve matched posterior fusion (method=\"fusion\", "
                          f"align=\"match\"), got client={built['bayesian'].client!r} with method={run.method!r}, "
                          f"align={built['fusion'].align!r}")
-    if built["fusion"].temperature != 1 and (built["bayesian"].client != "variational" or run.method != "fusion"
-                                             or built["secure"].secure_aggregation):
+    if built["fusion"].temperature != 1 and (run.method != "fusion" or built["secure"].secure_aggregation):
         raise ValueError(f"temperature: the predictive temperature of matched posterior fusion's global posterior "
-                         f"(method=\"fusion\", align=\"match\", variational clients, in the clear); expected 1 with "
-                         f"method={run.method!r}, client={built['bayesian'].client!r}, secure-aggregation="
-                         f"{str(built['secure'].secure_aggregation).lower()}, got {built['fusion'].temperature!r}")
+                         f"(method=\"fusion\", align=\"match\", in the clear); expected 1 with method={run.method!r}, "
+                         f"secure-aggregation={str(built['secure'].secure_aggregation).lower()}, got "
+                         f"{built['fusion'].temperature!r}")
     _check_secure(built["secure"], run.method, built["fusion"])
     heads = built["pfnm"].heads if run.method == "pfnm" else built["fusion"].heads
     if "heads" in config and heads == "fused" and str(config["heads"]).strip() != "fused":

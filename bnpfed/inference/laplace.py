@@ -348,16 +348,20 @@ class LaplaceClient:
         self.held_out = held_out
         self.fit_: Optional[LaplaceFit] = None
         self.held_out_: Optional[dict] = None
+        #: the predictive's temperature T: every draw's logits divided by T before the softmax (1: none); set on a
+        #: fused global model (:func:`~bnpfed.federated.matched_fusion.tempered`), never used in a fit
+        self.temperature = 1.0
         self._posterior: Optional[dict[str, GaussianPosterior]] = None
         self.losses_: list[float] = []
 
     @classmethod
     def holding(cls, net: nn.Module, posterior: Mapping[str, GaussianPosterior],
-                prior: Optional[Prior] = None) -> "LaplaceClient":
+                prior: Optional[Prior] = None, *, temperature: float = 1.0) -> "LaplaceClient":
         """A client of ``net`` holding a given Gaussian posterior of its sites (e.g. the fused posterior of Laplace
-        clients; ``net`` carries its means and the deterministic values), for the linearised predictive; it has no
-        :attr:`fit_`."""
+        clients; ``net`` carries its means and the deterministic values), for the linearised predictive, at
+        ``temperature`` (> 0; every draw's logits divided by it); it has no :attr:`fit_`."""
         client = cls(net, prior)
+        client.temperature = float(check_positive(temperature, "temperature"))
         if sorted(posterior) != sorted(client.sites):
             raise ValueError(f"posterior: expected the sites {sorted(client.sites)}, got {sorted(posterior)}")
         params = dict(client.net.named_parameters())
@@ -481,32 +485,52 @@ class LaplaceClient:
         draws of the Bayesian sites from the posterior (the other parameters at their values); ``seed`` fixes the
         draws. ``predictive``: ``"linearised"`` (default: the network linearised at the mode, logits
         ``f(x; theta*) + J(x) eps``) or ``"sample"`` (the weights drawn into the network itself, as a
-        :class:`~bnpfed.inference.BayesianClient` predicts); see the module docstring."""
+        :class:`~bnpfed.inference.BayesianClient` predicts); see the module docstring. Every draw's logits are divided
+        by :attr:`temperature` (1 unless the client is a tempered global model)."""
         num_samples = check_int(num_samples, "num_samples", low=1)
         if predictive not in PREDICTIVES:
             raise ValueError(f"predictive: expected one of {PREDICTIVES}, got {predictive!r}")
         return self._predictive(self.posterior(), x, num_samples, seed, predictive)
 
     @torch.no_grad()
-    def _predictive(self, posterior: Mapping[str, GaussianPosterior], x: Tensor, num_samples: int,
-                    seed: Optional[int], predictive: str) -> Tensor:
-        """:meth:`predict_proba` of a given posterior of the sites (checked arguments)."""
+    def sample_outputs(self, x: Tensor, num_samples: int = 10, seed: Optional[int] = None,
+                       predictive: str = "linearised") -> Tensor:
+        """``(S, B, C)`` the logits of the ``num_samples`` draws that :meth:`predict_proba` averages (the same draws
+        for the same ``seed``), before its temperature: what a temperature is fitted on
+        (:func:`~bnpfed.federated.clients.posterior_nll_step`), as for a
+        :class:`~bnpfed.inference.BayesianClient`."""
+        num_samples = check_int(num_samples, "num_samples", low=1)
+        if predictive not in PREDICTIVES:
+            raise ValueError(f"predictive: expected one of {PREDICTIVES}, got {predictive!r}")
+        return torch.stack(self._draws(self.posterior(), x, num_samples, seed, predictive))
+
+    def _draws(self, posterior: Mapping[str, GaussianPosterior], x: Tensor, num_samples: int,
+               seed: Optional[int], predictive: str) -> list[Tensor]:
+        """The logits of each of ``num_samples`` draws from ``posterior`` (checked arguments)."""
         state = dict(self.net.state_dict())
         means = {k: p.loc for k, p in posterior.items()}
 
         def logits(params):
             return torch.func.functional_call(self.net, {**state, **params}, (x,))
 
-        total = None
+        outputs = []
         with seeded(seed):
             for _ in range(num_samples):
                 eps = {k: p.scale * torch.randn_like(p.loc) for k, p in posterior.items()}
                 if predictive == "linearised":
                     with _without_jit_script_warning():
                         f, jvp = torch.func.jvp(logits, (means,), (eps,))
-                    out = f + jvp
+                    outputs.append(f + jvp)
                 else:
-                    out = logits({k: means[k] + eps[k] for k in means})
-                probs = out.softmax(-1)
-                total = probs if total is None else total + probs
+                    outputs.append(logits({k: means[k] + eps[k] for k in means}))
+        return outputs
+
+    @torch.no_grad()
+    def _predictive(self, posterior: Mapping[str, GaussianPosterior], x: Tensor, num_samples: int,
+                    seed: Optional[int], predictive: str) -> Tensor:
+        """:meth:`predict_proba` of a given posterior of the sites (checked arguments), at :attr:`temperature`."""
+        total = None
+        for out in self._draws(posterior, x, num_samples, seed, predictive):
+            probs = (out if self.temperature == 1.0 else out / self.temperature).softmax(-1)
+            total = probs if total is None else total + probs
         return total / num_samples
