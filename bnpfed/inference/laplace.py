@@ -490,7 +490,7 @@ class LaplaceClient:
         num_samples = check_int(num_samples, "num_samples", low=1)
         if predictive not in PREDICTIVES:
             raise ValueError(f"predictive: expected one of {PREDICTIVES}, got {predictive!r}")
-        return self._predictive(self.posterior(), x, num_samples, seed, predictive)
+        return self._predictive(self.posterior(), x, num_samples, seed, predictive, self.temperature)
 
     @torch.no_grad()
     def sample_outputs(self, x: Tensor, num_samples: int = 10, seed: Optional[int] = None,
@@ -527,10 +527,10 @@ class LaplaceClient:
 
     @torch.no_grad()
     def _predictive(self, posterior: Mapping[str, GaussianPosterior], x: Tensor, num_samples: int,
-                    seed: Optional[int], predictive: str) -> Tensor:
-        """:meth:`predict_proba` of a given posterior of the sites (checked arguments), at :attr:`temperature`."""
+                    seed: Optional[int], predictive: str, temperature: float = 1.0) -> Tensor:
+        """:meth:`predict_proba` of a given posterior of the sites (checked arguments), at ``temperature``."""
         total = None
         for out in self._draws(posterior, x, num_samples, seed, predictive):
-            probs = (out if self.temperature == 1.0 else out / self.temperature).softmax(-1)
+            probs = (out if temperature == 1.0 else out / temperature).softmax(-1)
             total = probs if total is None else total + probs
         return total / num_samples
