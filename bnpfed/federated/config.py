@@ -44,7 +44,7 @@ from bnpfed.inference.posterior_matching import ATOM_POSTERIOR, MATCH_ON, PVI, m
 from bnpfed.inference.driver import SCHEDULES, STARTS, STOPS
 from bnpfed.inference.matching import REFERENCE_CONSTANTS
 from bnpfed.inference.svi import check_optimizer
-from bnpfed.federated.partition import partition_dirichlet, partition_homogeneous, train_validation_split
+from bnpfed.federated.partition import holdout_split, partition_dirichlet, partition_homogeneous
 from bnpfed.models.priors import EmpiricalBayesPrior, IIDPrior, Prior, only_linear_weights
 from bnpfed.seeding import Stream, derive_seed
 from bnpfed.validation import (check_bool, check_choice, check_device, check_float, check_fraction, check_int,
@@ -199,14 +199,6 @@ class PartitionConfig:
         if self.partition == "iid":
             return partition_homogeneous(labels, self.clients, seed=rng)
         return partition_dirichlet(labels, self.clients, alpha=self.alpha, min_size=self.min_size, seed=rng)
-
-
-def holdout_split(parts, fraction: float, seed: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Each client's indices split into (train, held-out) parts, client j from the stream ``(seed, HOLDOUT, 0,
-    j)``: the held-out splits of federated hyper-parameter selection."""
-    splits = [train_validation_split(p, fraction, seed=derive_seed(seed, Stream.HOLDOUT, 0, j))
-              for j, p in enumerate(parts)]
-    return [s.train for s in splits], [s.validation for s in splits]
 
 
 # ------------------------------------------------------------------------------------------------ clients

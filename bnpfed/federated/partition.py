@@ -18,12 +18,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from bnpfed.seeding import Stream, derive_seed
 from bnpfed.validation import check_int
 
 __all__ = [
     "TrainValidationSplit",
     "class_counts",
     "class_shares",
+    "holdout_split",
     "partition_dirichlet",
     "partition_homogeneous",
     "train_validation_split",
@@ -268,3 +270,9 @@ def _check_num_clients(num_clients, n: int) -> int:
     return num_clients
 
 
+def holdout_split(parts, fraction: float, seed: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Each client's indices split into (train, held-out) parts, client j from the stream ``(seed, HOLDOUT, 0,
+    j)``: the held-out splits of federated hyper-parameter selection."""
+    splits = [train_validation_split(p, fraction, seed=derive_seed(seed, Stream.HOLDOUT, 0, j))
+              for j, p in enumerate(parts)]
+    return [s.train for s in splits], [s.validation for s in splits]
