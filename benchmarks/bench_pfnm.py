@@ -570,7 +570,7 @@ def plot_shrink(out: Path, png: Path) -> None:
              if line["key"].startswith("shrink/")]
     if not lines:
         return
-    fig, axes = plt.subplots(1, len(lines), figsize=(4.2 * len(lines), 3.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(lines), figsize=(max(4.2 * len(lines), 6.5), 3.8), squeeze=False)
     for ax, line in zip(axes[0], lines):
         ensemble = line["rows"]["ensemble"]
         for name, row in line["rows"].items():
