@@ -28,10 +28,10 @@ from tqdm.auto import tqdm
 from bnpfed.data import Dataset
 from bnpfed.federated.clients import fit_bayesian, initial_network, posterior_client, train_network, unit_activity_step
 from bnpfed.federated.config import (BayesianConfig, FusionConfig, NetworkConfig, PFNMConfig, PartitionConfig,
-                                     TrainingConfig, check_pool_temperature_applies, config_dict, holdout_split)
+                                     TrainingConfig, check_pool_temperature_applies, config_dict)
 from bnpfed.federated.federation import EVAL_CHUNK, Federation, reestimate_statistics
 from bnpfed.federated.operating_point import NOISE_FACTORS, check_noise_to_scale, select_operating_point
-from bnpfed.federated.partition import class_counts
+from bnpfed.federated.partition import class_counts, holdout_split
 from bnpfed.federated.registry import MATCH_PREFIX, POOLED_SUFFIX, available_methods
 from bnpfed.federated.results import MethodResult, Selection
 from bnpfed.federated.selection import select_hyperparameters
