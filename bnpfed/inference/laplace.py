@@ -303,6 +303,14 @@ def _evidence_penalty(curvature: Mapping[str, Tensor], locs: Mapping[str, Tensor
     return total
 
 
+def _check_draws(num_samples, predictive: str) -> int:
+    """``num_samples`` (an int >= 1) once ``predictive`` is one of :data:`PREDICTIVES`, or a ``ValueError``."""
+    num_samples = check_int(num_samples, "num_samples", low=1)
+    if predictive not in PREDICTIVES:
+        raise ValueError(f"predictive: expected one of {PREDICTIVES}, got {predictive!r}")
+    return num_samples
+
+
 class LaplaceClient:
     """A client whose posterior is the diagonal Laplace approximation of its trained network (the module docstring).
 
@@ -487,9 +495,7 @@ class LaplaceClient:
         ``f(x; theta*) + J(x) eps``) or ``"sample"`` (the weights drawn into the network itself, as a
         :class:`~bnpfed.inference.BayesianClient` predicts); see the module docstring. Every draw's logits are divided
         by :attr:`temperature` (1 unless the client is a tempered global model)."""
-        num_samples = check_int(num_samples, "num_samples", low=1)
-        if predictive not in PREDICTIVES:
-            raise ValueError(f"predictive: expected one of {PREDICTIVES}, got {predictive!r}")
+        num_samples = _check_draws(num_samples, predictive)
         return self._predictive(self.posterior(), x, num_samples, seed, predictive, self.temperature)
 
     @torch.no_grad()
@@ -499,9 +505,7 @@ class LaplaceClient:
         for the same ``seed``), before its temperature: what a temperature is fitted on
         (:func:`~bnpfed.federated.clients.posterior_nll_step`), as for a
         :class:`~bnpfed.inference.BayesianClient`."""
-        num_samples = check_int(num_samples, "num_samples", low=1)
-        if predictive not in PREDICTIVES:
-            raise ValueError(f"predictive: expected one of {PREDICTIVES}, got {predictive!r}")
+        num_samples = _check_draws(num_samples, predictive)
         return torch.stack(self._draws(self.posterior(), x, num_samples, seed, predictive))
 
     def _draws(self, posterior: Mapping[str, GaussianPosterior], x: Tensor, num_samples: int,
