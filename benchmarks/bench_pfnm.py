@@ -520,13 +520,16 @@ def part_pooled(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("i
 
 
 def part_shrink(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("iid", "dirichlet"),
-                arch: str = "lenet", rounds: int = 6, heads: str = "fused") -> None:
+                arch: str = "lenet", rounds: int = 6, heads: str = "fused", rows: str = "both") -> None:
     """More rounds shrink the global network (PFNM's promise): ``rounds`` rounds of PFNM held to the ensemble's size
     from round 2 on (``max_params="ensemble", limit_from_round=2``: round 1 one-shot at the model's own size, the
     later rounds' budget met as far as the matcher can) and at the model's own size in every round (bnpfed's default),
     both from the same local models, beside the ensemble. ``heads="pooled"``: both federations' global networks
-    carry the clients' own output layers pooled (``PFNMConfig.heads``; the budget prices them)."""
-    tag = "" if heads == "fused" else f"/heads={heads}"
+    carry the clients' own output layers pooled (``PFNMConfig.heads``; the budget prices them). ``rows="limited"``
+    runs the limited federation alone (half the time: for more rounds of a setting whose own-size rows exist)."""
+    if rows not in ("both", "limited"):
+        raise ValueError(f"rows: expected 'both' or 'limited', got {rows!r}")
+    tag = ("" if heads == "fused" else f"/heads={heads}") + ("" if rows == "both" else "/limited")
     for key, J, partition, seed in _settings(out, f"shrink/{name}/{arch}/rounds={rounds}{tag}", Js, partitions,
                                              seeds):
         configs = _configs(J, partition, seed, rounds=rounds, methods=("ensemble",))
@@ -539,7 +542,7 @@ def part_shrink(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("i
             pooled = {} if heads == "fused" else dict(heads=heads)
             for label, config in (("ensemble from round 2", PFNMConfig(max_params="ensemble", limit_from_round=2,
                                                                        **pooled)),
-                                  ("own size", PFNMConfig(max_params=None, **pooled))):
+                                  ("own size", PFNMConfig(max_params=None, **pooled)))[:2 if rows == "both" else 1]:
                 t0 = time.perf_counter()
                 federation = PFNMFederation(ds, experiment.parts, network=experiment.network,
                                             training=experiment.training, pfnm=config, seed=seed,
@@ -729,6 +732,9 @@ def main(argv=None):
                    help="the pooled part's pool temperature: a number or fit (chosen by the clients' training data)")
     p.add_argument("--heads", choices=("fused", "pooled"), default="fused",
                    help="the shrink part's global output layer: fused (PFNM's) or pooled (the clients' own heads)")
+    p.add_argument("--shrink-rows", choices=("both", "limited"), default="both",
+                   help="the shrink part's federations: both (the ensemble's size from round 2, and the own size), "
+                        "or the limited one alone")
     p.add_argument("--size-rows", choices=SIZE_ROWS, default="all",
                    help="the size part's rows: all, or fedma (the local models, the ensemble, PFNM at its own size, "
                         "FedMA at the ensemble's size and at half of it)")
@@ -745,6 +751,8 @@ def main(argv=None):
     unknown = [part for part in args.parts.split(",") if part not in PARTS]
     if unknown:
         p.error(f"--parts: unknown part(s) {unknown}; expected names from {list(PARTS)}")
+    if args.shrink_rows != "both" and "shrink" not in args.parts.split(","):
+        p.error("--shrink-rows: applies to the shrink part only; add shrink to --parts")
     try:
         # pixels in [0, 1] on the greyscale sets (the reference's scale); CIFAR-10 normalised per channel as FedMA does
         ds = load_dataset(args.dataset, data_dir=args.data_dir, standardize=args.dataset == "cifar10")
@@ -785,7 +793,8 @@ def main(argv=None):
                         arch=args.arch, pool_temperature=args.pool_temperature)
         elif part == "shrink":
             part_shrink(ds, out, seeds, Js, name=args.dataset, partitions=tuple(args.partitions.split(",")),
-                        arch=args.arch, rounds=args.rounds, heads=args.heads)
+                        arch=args.arch, rounds=args.rounds, heads=args.heads,
+                        rows=args.shrink_rows)
         elif part == "size":
             part_size(ds, out, seeds, Js, name=args.dataset, partitions=tuple(args.partitions.split(",")),
                       arch=args.arch, fedma_epochs=args.fedma_epochs, row_set=args.size_rows)

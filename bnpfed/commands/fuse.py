@@ -291,8 +291,8 @@ def prepare(args) -> dict:
         raise UsageError("--temperature: the fused output layer's (match-RULE rows); with --heads pooled every row "
                          "pools its heads, whose temperature is --pool-temperature; expected --heads fused or both")
     if args.pool_temperature != 1 and args.heads == "fused":
-        raise UsageError(f"--pool-temperature: the temperature of pooled heads; expected it only with --heads pooled "
-                         f"or both, got --heads fused")
+        raise UsageError("--pool-temperature: the temperature of pooled heads; expected it only with --heads pooled "
+                         "or both, got --heads fused")
     if args.starts != "even-split" and not match:
         raise UsageError(f"--starts: expected only with --align match, got --align {args.align}")
     if args.later_rounds != "auto" and not match:
