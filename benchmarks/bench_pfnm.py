@@ -604,25 +604,33 @@ def plot_shrink(out: Path, png: Path) -> None:
 
 
 #: The size part's row sets: every row, or the FedMA target's (the local models, the ensemble, PFNM at its own size,
-#: FedMA at the ensemble's size and at half of it).
-SIZE_ROWS = ("all", "fedma")
+#: FedMA at the ensemble's size and at half of it), or FedMA at half of the ensemble's size alone beside them.
+SIZE_ROWS = ("all", "fedma", "fedma-half")
 
 
 def part_size(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("iid", "dirichlet"),
-              arch: str = "lenet", fedma_epochs: Optional[int] = None, row_set: str = "all") -> None:
+              arch: str = "lenet", fedma_epochs: Optional[int] = None, row_set: str = "all",
+              fedma_rounds: int = 1) -> None:
     """The accuracy-parameters plane (issue 16): one-shot PFNM with bnpfed's defaults and then with a size asked
     for (``max_width`` for an MLP, ``max_params`` for a CNN: fractions of the model's own size and the ensemble's),
     and for a CNN FedMA's layer-wise scheme (``fedma_epochs`` a group; None: the library's default,
     :func:`~bnpfed.federated.methods.fedma_epochs`, a later round's local epochs: 5 under the reference training)
     without a limit, at the ensemble's size and at half of it, all on the same local models, beside the local models
     and the ensemble; PFNM and every FedMA network also with the clients' own output layers pooled (``pfnm-pooled``,
-    ``fedma-pooled``). ``row_set="fedma"`` leaves out PFNM's limits and FedMA without one. CIFAR-10 clients train with
-    the cifar part's schedule (:data:`CIFAR_TRAINING`)."""
+    ``fedma-pooled``). ``row_set="fedma"`` leaves out PFNM's limits and FedMA without one, ``"fedma-half"`` FedMA
+    at the ensemble's size too. ``fedma_rounds`` > 1: FedMA with communication (Wang et al.'s rounds: every round
+    the clients start from their slices of the global network and the layer-wise scheme runs again, the size limit
+    held in every round), each FedMA row with its ``history`` of rounds. CIFAR-10 clients train with the cifar
+    part's schedule (:data:`CIFAR_TRAINING`)."""
     if row_set not in SIZE_ROWS:
         raise ValueError(f"row_set: expected one of {SIZE_ROWS}, got {row_set!r}")
+    if int(fedma_rounds) != fedma_rounds or fedma_rounds < 1:
+        raise ValueError(f"fedma_rounds: expected an integer >= 1, got {fedma_rounds!r}")
     training = CIFAR_TRAINING if name == "cifar10" else PFNM_TRAINING
     epochs = training.schedule(2).epochs if fedma_epochs is None else fedma_epochs
     tag = "" if epochs == 2 else f"/fedma-epochs={epochs}"   # the keys of the files written with 2 before
+    tag += "" if fedma_rounds == 1 else f"/fedma-rounds={fedma_rounds}"
+    tag += "" if row_set != "fedma-half" else "/half"
     for key, J, partition, seed in _settings(out, f"size/{name}/{arch}{tag}", Js, partitions, seeds):
         configs = _configs(J, partition, seed, methods=("local", "ensemble", "pfnm", "pfnm-pooled"))
         configs["network"] = replace(PFNM_NETWORK, arch=arch)
@@ -636,7 +644,7 @@ def part_size(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("iid
         nets, counts = experiment.local_models(), experiment.class_counts
         ensemble = rows["ensemble"]["parameters"]
         own_params, own_width = rows["pfnm"]["parameters"], rows["pfnm"]["hidden"]
-        if row_set == "fedma":
+        if row_set != "all":
             limits = []
         elif arch == "mlp":
             limits = [("max_width", int(f * own_width[0])) for f in (0.9, 0.8, 0.7)]
@@ -658,24 +666,34 @@ def part_size(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("iid
                 seconds=time.perf_counter() - t0, strength=search.strength, matches=len(search.trace),
                 limit=ensemble if limit == "ensemble" else limit)
         if arch != "mlp":   # FedMA layer-wise, one round, from the same local models
-            for limit in ((None,) if row_set == "all" else ()) + ("ensemble", ensemble // 2):
+            limits = {"all": (None, "ensemble", ensemble // 2), "fedma": ("ensemble", ensemble // 2),
+                      "fedma-half": (ensemble // 2,)}[row_set]
+            for limit in limits:
                 t0 = time.perf_counter()
                 fed = PFNMFederation(experiment.dataset, experiment.parts, network=experiment.network,
                                      training=experiment.training,
                                      pfnm=PFNMConfig(layerwise_retrain=epochs, max_params=limit), seed=seed,
                                      initial_models=nets)
-                fed.run_round()
-                net = fed.match.network()
+                history = []
+                for _ in range(fedma_rounds):
+                    fed.run_round()
+                    net = fed.match.network()
+                    searches = fed.match.size_searches.values()   # FedMA's: one per group
+                    history.append(dict(round=len(history) + 1, accuracy=_accuracy(net, ds),
+                                        parameters=count_parameters(net), hidden=fed.match.hidden_sizes,
+                                        met=all(s.met for s in searches) if searches else None,
+                                        seconds=time.perf_counter() - t0))
                 label = "" if limit is None else f" max_params={limit}"
                 rows["fedma" + label] = dict(
-                    accuracy=_accuracy(net, ds), hidden=fed.match.hidden_sizes,
-                    parameters=count_parameters(net), seconds=time.perf_counter() - t0,
-                    limit=None if limit is None else ensemble if limit == "ensemble" else limit)
+                    accuracy=history[-1]["accuracy"], hidden=fed.match.hidden_sizes,
+                    parameters=history[-1]["parameters"], seconds=time.perf_counter() - t0,
+                    limit=None if limit is None else ensemble if limit == "ensemble" else limit,
+                    **(dict(history=history) if fedma_rounds > 1 else {}))
                 pooled = fed.pooled_network()   # the same body, the clients' own output layers pooled
                 rows["fedma-pooled" + label] = dict(accuracy=_accuracy(pooled, ds), hidden=fed.match.hidden_sizes,
                                                     parameters=count_parameters(pooled))
         _emit(out, key, dict(dataset=name, arch=arch, J=J, partition=partition, seed=seed, fedma_epochs=epochs,
-                             rows=rows))
+                             fedma_rounds=fedma_rounds, rows=rows))
 
 
 def part_operating(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("iid", "dirichlet"),
@@ -737,7 +755,11 @@ def main(argv=None):
                         "or the limited one alone")
     p.add_argument("--size-rows", choices=SIZE_ROWS, default="all",
                    help="the size part's rows: all, or fedma (the local models, the ensemble, PFNM at its own size, "
-                        "FedMA at the ensemble's size and at half of it)")
+                        "FedMA at the ensemble's size and at half of it), or fedma-half (FedMA at half alone beside "
+                        "them)")
+    p.add_argument("--fedma-rounds", type=int, default=1,
+                   help="the size part's FedMA: communication rounds (each a layer-wise pass from the clients' "
+                        "slices, the size limit held every round)")
     p.add_argument("--plot-niid", metavar="PNG", help="draw the niid lines of --out (comma-separated files) into "
                    "PNG and exit")
     p.add_argument("--augment", choices=AUGMENTATIONS, default="none",
@@ -753,6 +775,8 @@ def main(argv=None):
         p.error(f"--parts: unknown part(s) {unknown}; expected names from {list(PARTS)}")
     if args.shrink_rows != "both" and "shrink" not in args.parts.split(","):
         p.error("--shrink-rows: applies to the shrink part only; add shrink to --parts")
+    if (args.fedma_rounds != 1 or args.size_rows != "all") and "size" not in args.parts.split(","):
+        p.error("--fedma-rounds, --size-rows: apply to the size part only; add size to --parts")
     try:
         # pixels in [0, 1] on the greyscale sets (the reference's scale); CIFAR-10 normalised per channel as FedMA does
         ds = load_dataset(args.dataset, data_dir=args.data_dir, standardize=args.dataset == "cifar10")
@@ -797,7 +821,8 @@ def main(argv=None):
                         rows=args.shrink_rows)
         elif part == "size":
             part_size(ds, out, seeds, Js, name=args.dataset, partitions=tuple(args.partitions.split(",")),
-                      arch=args.arch, fedma_epochs=args.fedma_epochs, row_set=args.size_rows)
+                      arch=args.arch, fedma_epochs=args.fedma_epochs, row_set=args.size_rows,
+                      fedma_rounds=args.fedma_rounds)
         elif part == "cnn-timing":
             part_cnn_timing(ds, out, name=args.dataset)
         else:
