@@ -525,7 +525,8 @@ def part_shrink(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("i
     from round 2 on (``max_params="ensemble", limit_from_round=2``: round 1 one-shot at the model's own size, the
     later rounds' budget met as far as the matcher can) and at the model's own size in every round (bnpfed's default),
     both from the same local models, beside the ensemble. ``heads="pooled"``: both federations' global networks
-    carry the clients' own output layers pooled (``PFNMConfig.heads``; the budget prices them). ``rows="limited"``
+    carry the clients' own output layers pooled (``PFNMConfig.heads``; the budget prices them). CIFAR-10 clients
+    train with the cifar part's schedule (:data:`CIFAR_TRAINING`). ``rows="limited"``
     runs the limited federation alone (half the time: for more rounds of a setting whose own-size rows exist)."""
     if rows not in ("both", "limited"):
         raise ValueError(f"rows: expected 'both' or 'limited', got {rows!r}")
@@ -534,6 +535,8 @@ def part_shrink(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("i
                                              seeds):
         configs = _configs(J, partition, seed, rounds=rounds, methods=("ensemble",))
         configs["network"] = replace(PFNM_NETWORK, arch=arch)
+        if name == "cifar10":   # the local models of the size and cifar parts
+            configs["training"] = CIFAR_TRAINING
         configs["pfnm"] = PFNMConfig(max_params=None)
         experiment = Experiment(ds, **configs)
         try:
@@ -594,8 +597,9 @@ def plot_shrink(out: Path, png: Path) -> None:
                title=f"{line['dataset']} {line['partition']} seed {line['seed']}"
                      + (", pooled heads" if line.get("heads") == "pooled" else ""))
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-        low = min(h["accuracy"] for r in line["rows"].values() for h in r.get("history", []))
-        ax.set_ylim(max(0.0, min(low, ensemble["accuracy"]) - 0.02), 1.0 if line["dataset"] == "mnist" else 0.92)
+        accuracies = [h["accuracy"] for r in line["rows"].values() for h in r.get("history", [])]
+        accuracies.append(ensemble["accuracy"])
+        ax.set_ylim(max(0.0, min(accuracies) - 0.02), min(1.0, max(accuracies) + 0.03))
     axes[0][0].legend(fontsize=7, loc="lower right")
     fig.suptitle("PFNM rounds, LeNet, J = 10 (numbers: the limited federation's rounds)", fontsize=10)
     fig.tight_layout()
