@@ -222,9 +222,9 @@ def test_fedmas_ensemble_budget_is_the_clients_own_networks_in_every_round(digit
     seen = []
     real = pfnm_module.fedma_width_limits
 
-    def recording(config, spec, template, states, ensemble, matched=None):
+    def recording(config, spec, template, states, ensemble, matched=None, **kwargs):
         seen.append(ensemble)
-        return real(config, spec, template, states, ensemble, matched=matched)
+        return real(config, spec, template, states, ensemble, matched=matched, **kwargs)
 
     monkeypatch.setattr(pfnm_module, "fedma_width_limits", recording)
     fed = federation(digits, parts, "lenet", pfnm=PFNMConfig(layerwise_retrain=1))
@@ -232,6 +232,29 @@ def test_fedmas_ensemble_budget_is_the_clients_own_networks_in_every_round(digit
     client = initial_network(NetworkConfig(arch="lenet"), digits.input_shape, digits.num_classes, seed=0)
     assert seen == [3 * count_parameters(client)] * (2 * len(fed.spec.group_names))
     assert all(h.metrics["parameters"] <= 3 * count_parameters(client) for h in fed.history)
+
+
+def test_fedmas_explicit_budget_is_refused_in_round_one_and_met_as_far_as_the_matcher_can_later(digits, parts,
+                                                                                                 monkeypatch):
+    """An explicit budget: FedMA's first round refuses what it cannot meet, every later round meets it as far as the
+    matcher can (PFNMConfig.best_effort_in), for the budget's split into widths and for each group's match alike."""
+    widths, groups = [], []
+    real_widths, real_group = pfnm_module.fedma_width_limits, pfnm_module.fedma_group_step
+
+    def recording_widths(*args, best_effort=None, **kwargs):
+        widths.append(best_effort)
+        return real_widths(*args, best_effort=best_effort, **kwargs)
+
+    def recording_group(*args, best_effort=False, **kwargs):
+        groups.append(best_effort)
+        return real_group(*args, best_effort=best_effort, **kwargs)
+
+    monkeypatch.setattr(pfnm_module, "fedma_width_limits", recording_widths)
+    monkeypatch.setattr(pfnm_module, "fedma_group_step", recording_group)
+    fed = federation(digits, parts, "lenet", pfnm=PFNMConfig(layerwise_retrain=1, max_params="ensemble"))
+    fed.run(rounds=2)
+    per_round = len(fed.spec.group_names)
+    assert widths == groups == [False] * per_round + [True] * per_round
 
 
 def test_pfnms_ensemble_budget_over_rounds_is_the_clients_own_networks_too(digits, parts):

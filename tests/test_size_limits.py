@@ -268,6 +268,39 @@ def test_a_best_effort_budget_no_strength_meets_keeps_the_smallest_match_and_an_
     with pytest.raises(SizeLimitError, match="max_params: expected at least"):
         match_by_spec(nets, seed=0, max_params=floor - 1)
 
+def test_a_budget_no_match_meets_is_refused_in_round_one_and_met_as_far_as_the_matcher_can_in_later_rounds():
+    """A round after the first keeps the smallest match found and says so (``met`` False) instead of ending the
+    federation mid-way (its clients hold slices of the global network, which may merge no further); round 1 refuses
+    it, as a one-shot match does. FedMA's budget split into widths follows the same rule."""
+    from bnpfed.federated.server import fedma_width_limits, pfnm_step
+    nets = federation()
+    fixed = dict(hyperparameters="fixed", sigma2=1e-8, sigma0_2=1.0, gamma0=1.0)
+    own = match_by_spec(nets, seed=0, **fixed)
+    floor = parameter_count(derive_spec(nets[0], (D_IN,)), {k: tuple(v.shape) for k, v in nets[0].state_dict().items()},
+                            [n for n, _ in nets[0].named_parameters()], {"1": 20})
+    config = PFNMConfig(max_params=(floor + own.parameters) // 2, **fixed)
+    counts = torch.ones(J, C)
+    with pytest.raises(SizeLimitError, match="max_params: expected a limit the matcher can meet"):
+        pfnm_step(nets, counts, config, seed=0, round=1)
+    later = pfnm_step(nets, counts, config, seed=0, round=2)
+    search = later.size_searches["parameters"]
+    assert not search.met and search.size == later.parameters > config.max_params and valid_assignment(later, nets)
+    assert [config.best_effort_in(r) for r in (1, 2, 7)] == [False, True, True]
+    assert PFNMConfig(layerwise_retrain=1).best_effort_in(1)   # FedMA's default budget: in every round
+    # FedMA: a budget the first group overdrew (every unit kept apart) limits the groups above to one client's width
+    # in a later round, where round 1 refuses it
+    nets = federation(hidden=(20, 12))
+    spec, states = derive_spec(nets[0], (D_IN,)), [n.state_dict() for n in nets]
+    budget = sum(count_parameters(n) for n in nets) // 2
+    explicit = PFNMConfig(layerwise_retrain=1, max_params=budget)
+    with pytest.raises(SizeLimitError, match="max_params: expected at least"):
+        fedma_width_limits(explicit, spec, nets[0], states, budget, matched={"1": 20 * J},
+                           best_effort=explicit.best_effort_in(1))
+    kept = fedma_width_limits(explicit, spec, nets[0], states, budget, matched={"1": 20 * J},
+                              best_effort=explicit.best_effort_in(2))
+    assert kept.max_width == (20 * J, 12) and kept.max_params is None
+
+
 def test_flower_run_config_reads_the_limits():
     from bnpfed.flower.config import parse_run_config
     assert parse_run_config({"max-params": "ensemble"}).pfnm.max_params == "ensemble"

@@ -510,7 +510,9 @@ class PFNMConfig:
         ``"ensemble"`` under FedMA's layer-wise scheme, None for PFNM: :attr:`parameter_limit`). Met by pricing
         every parameter in the prior (each group's IBP mass times ``exp(-lambda D_g)``, ``D_g`` the parameters one of
         its units owns: :mod:`bnpfed.inference.size`). FedMA's layer-wise scheme, which matches one group at a time,
-        splits it into a ``max_width`` per group first (:func:`~bnpfed.federated.server.fedma_width_limits`). Why
+        splits it into a ``max_width`` per group first (:func:`~bnpfed.federated.server.fedma_width_limits`). A
+        budget the matcher cannot meet is refused in round 1 and met as far as it can in every later round
+        (:meth:`best_effort_in`: the smallest match found, ``SizeSearch.met`` False). Why
         the defaults differ (benchmarks/README.md, LeNet on MNIST and Fashion-MNIST, J = 10, seeds 0-2): FedMA at
         the ensemble's size is 0.2-0.4 points below FedMA at its own (1.9-2.5 M parameters; 0.9 above on
         Fashion-MNIST Dirichlet) with 5-8x fewer parameters, its retraining between groups repairing what a merge
@@ -668,6 +670,16 @@ class PFNMConfig:
         """Whether the parameter budget is the default one (``max_params="auto"``), met as far as the matcher can
         (:func:`~bnpfed.federated.server.fedma_width_limits`) rather than refused when it cannot be."""
         return self.max_params == "auto"
+
+    def best_effort_in(self, round: int) -> bool:
+        """Whether round ``round`` (1-based) meets its size limits as far as the matcher can (keeping the smallest
+        match found, ``SizeSearch.met`` False) rather than refusing them: under the default budget
+        (:attr:`best_effort_budget`), and in every round after the first. A limit refused in round 1 is refused
+        before the federation has spent anything but the clients' first training; in a later round the clients hold
+        slices of the global network (or all of it), which no strength may merge under the limit, and a refusal
+        there would end a federation mid-way."""
+        check_int(round, "round", low=1)
+        return self.best_effort_budget or round > 1
 
     def matcher_kwargs(self) -> dict[str, Any]:
         """Keywords of :func:`~bnpfed.inference.match_by_spec` (hyper-parameters, objective, order,

@@ -184,19 +184,22 @@ class PFNMFederation(HoldsRounds, Federation):
                    ) -> tuple[SpecMatch, float]:
         """FedMA's round: group by group, match (``max_params`` split into widths before each group by
         :func:`~bnpfed.federated.server.fedma_width_limits`, ``ensemble`` the clients' parameters together), align
-        every client to it, re-estimate its batch norm, retrain the layers above (see the module docstring)."""
+        every client to it, re-estimate its batch norm, retrain the layers above (see the module docstring). A width
+        no strength meets is kept as near as the matcher can under the default budget and in every round after the
+        first (:meth:`~bnpfed.federated.config.PFNMConfig.best_effort_in`), refused otherwise."""
         spec, names = self.spec, self.spec.group_names
         output_group = spec.owner(spec.params_of_kind("output_weight")[0])
         counts = self.class_counts[sampled]
         matches, seconds = {}, 0.0
+        best_effort = self.pfnm.best_effort_in(round)
         for c, group in enumerate(names):
             t0 = time.perf_counter()
             config = fedma_width_limits(self.pfnm, spec, self.template, states, ensemble,
-                                        matched={g: m.size for g, m in matches.items()})
+                                        matched={g: m.size for g, m in matches.items()}, best_effort=best_effort)
             if group == output_group:
                 self.matched_states = states   # the output layers as the clients retrained them last
             match = fedma_group_step(states, counts, config, spec=spec, group=group, seed=self.seed,
-                                     round=round, starts=starts, best_effort=self.pfnm.best_effort_budget)
+                                     round=round, starts=starts, best_effort=best_effort)
             states = [align_to_group(s, spec, match, k) for k, s in enumerate(states)]
             seconds += time.perf_counter() - t0
             matches[group] = match

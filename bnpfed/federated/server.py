@@ -315,14 +315,15 @@ def pfnm_step(client_nets: Sequence, class_counts, config: PFNMConfig, *, seed: 
     size would shrink it round by round. This is PFNM's whole-network step whatever ``config.layerwise_retrain``
     says (an experiment's one-shot PFNM shares its config with FedMA's rounds): the default ``max_params="auto"``
     is then the model's own size, not FedMA's ensemble budget (:attr:`PFNMConfig.parameter_limit`). The limits apply
-    from round ``config.limit_from_round`` on (:meth:`PFNMConfig.in_round`); when that is a later round than the
-    first, a ``max_params`` the matcher cannot meet keeps the smallest match found (``size_searches["parameters"]``
-    says ``met=False``) instead of failing the federation mid-way.
+    from round ``config.limit_from_round`` on (:meth:`PFNMConfig.in_round`); in every round after the first
+    (:meth:`PFNMConfig.best_effort_in`) a ``max_params`` the matcher cannot meet keeps the smallest match found
+    (``size_searches["parameters"]`` says ``met=False``) instead of failing the federation mid-way; in round 1 it
+    is refused (:class:`~bnpfed.inference.size.SizeLimitError`).
     """
     if config.layerwise_retrain:
         config = replace(config, layerwise_retrain=0)
     init = _warm_start(config, starts, len(client_nets))
-    later = config.limit_from_round > 1   # a limit that starts after round 1: met as far as the matcher can
+    later = round > 1   # a limit in a later round: met as far as the matcher can (PFNMConfig.best_effort_in)
     config = config.in_round(round)
     if config.parameter_limit == "ensemble" and template is not None:
         config = replace(config, max_params=ensemble_parameters(template, len(client_nets)))
@@ -454,7 +455,8 @@ def fedma_group_step(client_states: Sequence[Mapping[str, Tensor]], class_counts
 
 def fedma_width_limits(config: PFNMConfig, spec: PermutationSpec, template: nn.Module,
                        client_states: Sequence[Mapping[str, Tensor]], ensemble: int,
-                       matched: Optional[Mapping[str, int]] = None) -> PFNMConfig:
+                       matched: Optional[Mapping[str, int]] = None, *,
+                       best_effort: Optional[bool] = None) -> PFNMConfig:
     """The config FedMA's next group step runs with: ``config.max_params`` turned into a ``max_width`` per group (FedMA
     matches one group at a time, before the widths above it are known): ``floor(k m_g)``, ``m_g`` the most units one
     client holds in group g, at the largest k whose network fits the budget with the groups already ``matched`` at
@@ -462,9 +464,11 @@ def fedma_width_limits(config: PFNMConfig, spec: PermutationSpec, template: nn.M
     the groups below left unused goes to the ones above), each the smaller of that and ``config.max_width``'s for the
     group. ``ensemble``: the clients' networks' parameters together (``max_params="ensemble"``, FedMA's default
     ``"auto"``). ``config`` itself when it has no limit (:attr:`~bnpfed.federated.config.PFNMConfig.parameter_limit`
-    is None). Under the default ``"auto"`` the budget is best effort: when the groups below already took more than it
-    allows, the groups above are limited to one client's width (and :func:`fedma_group_step` with ``best_effort``
-    keeps the smallest match it finds). With ``config.heads="pooled"`` the budget holds the J clients' output layers
+    is None). With ``best_effort`` (default :attr:`~bnpfed.federated.config.PFNMConfig.best_effort_budget`: under
+    ``"auto"``; FedMA's rounds after the first pass True, :meth:`~bnpfed.federated.config.PFNMConfig.best_effort_in`)
+    the budget is met as far as the matcher can: when the groups below already took more than it allows, the groups
+    above are limited to one client's width (and :func:`fedma_group_step` with ``best_effort`` keeps the smallest
+    match it finds); without it such a budget is refused. With ``config.heads="pooled"`` the budget holds the J clients' output layers
     the pooled network carries."""
     if config.parameter_limit is None:
         return config
@@ -476,7 +480,7 @@ def fedma_width_limits(config: PFNMConfig, spec: PermutationSpec, template: nn.M
         budget = proportional_widths(spec, shapes, [n for n, _ in template.named_parameters()], widths, limit,
                                      matched=matched, heads=len(client_states) if config.heads == "pooled" else 1)
     except SizeLimitError:
-        if not config.best_effort_budget:
+        if not (config.best_effort_budget if best_effort is None else best_effort):
             raise
         # FedMA's default budget, overdrawn by the groups below (best effort): the rest as small as one client's
         budget = {**minimum_widths(widths), **(matched or {})}
