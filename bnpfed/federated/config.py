@@ -672,12 +672,9 @@ class PFNMConfig:
         return self.max_params == "auto"
 
     def best_effort_in(self, round: int) -> bool:
-        """Whether round ``round`` (1-based) meets its size limits as far as the matcher can (keeping the smallest
-        match found, ``SizeSearch.met`` False) rather than refusing them: under the default budget
-        (:attr:`best_effort_budget`), and in every round after the first. A limit refused in round 1 is refused
-        before the federation has spent anything but the clients' first training; in a later round the clients hold
-        slices of the global network (or all of it), which no strength may merge under the limit, and a refusal
-        there would end a federation mid-way."""
+        """Whether round ``round`` (1-based) meets its size limits as far as the matcher can (the smallest match found,
+        ``SizeSearch.met`` False) rather than refusing them: under the default budget, and after round 1 (whose
+        clients' slices may merge no further; a refusal there would end the federation mid-way)."""
         check_int(round, "round", low=1)
         return self.best_effort_budget or round > 1
 
