@@ -268,6 +268,7 @@ def test_a_best_effort_budget_no_strength_meets_keeps_the_smallest_match_and_an_
     with pytest.raises(SizeLimitError, match="max_params: expected at least"):
         match_by_spec(nets, seed=0, max_params=floor - 1)
 
+
 def test_a_budget_no_match_meets_is_refused_in_round_one_and_met_as_far_as_the_matcher_can_in_later_rounds():
     """A round after the first keeps the smallest match found and says so (``met`` False) instead of ending the
     federation mid-way (its clients hold slices of the global network, which may merge no further); round 1 refuses

@@ -468,8 +468,8 @@ def fedma_width_limits(config: PFNMConfig, spec: PermutationSpec, template: nn.M
     ``"auto"``; FedMA's rounds after the first pass True, :meth:`~bnpfed.federated.config.PFNMConfig.best_effort_in`)
     the budget is met as far as the matcher can: when the groups below already took more than it allows, the groups
     above are limited to one client's width (and :func:`fedma_group_step` with ``best_effort`` keeps the smallest
-    match it finds); without it such a budget is refused. With ``config.heads="pooled"`` the budget holds the J clients' output layers
-    the pooled network carries."""
+    match it finds); without it such a budget is refused. With ``config.heads="pooled"`` the budget holds the J
+    clients' output layers the pooled network carries."""
     if config.parameter_limit is None:
         return config
     names = spec.group_names
