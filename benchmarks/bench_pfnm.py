@@ -87,6 +87,12 @@ def _configs(J: int, partition: str, seed: int, **extra) -> dict:
                 training=PFNM_TRAINING, pfnm=PFNM, config=config)
 
 
+def _training(name: str) -> TrainingConfig:
+    """The local training of a data set's clients: the cifar part's schedule (:data:`CIFAR_TRAINING`) on CIFAR-10,
+    PFNM's reference training otherwise; every part that trains CIFAR-10 clients shares their local models."""
+    return CIFAR_TRAINING if name == "cifar10" else PFNM_TRAINING
+
+
 def _row(r) -> dict:
     return dict(accuracy=r.accuracy, hidden=r.hidden, seconds=r.server_seconds)
 
@@ -510,8 +516,7 @@ def part_pooled(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("i
         configs = _configs(J, partition, seed, methods=("local", "ensemble", "pfnm", "pfnm-pooled"))
         configs["network"] = replace(PFNM_NETWORK, arch=arch)
         configs["pfnm"] = PFNMConfig(pool_temperature=pool_temperature)
-        if name == "cifar10":
-            configs["training"] = CIFAR_TRAINING
+        configs["training"] = _training(name)
         result = run_experiment(ds, **configs)
         rows = {r.method: dict(_row(r), parameters=r.parameters, nll=r.nll, ece=r.ece, note=r.note)
                 for r in result.rows}
@@ -535,8 +540,7 @@ def part_shrink(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("i
                                              seeds):
         configs = _configs(J, partition, seed, rounds=rounds, methods=("ensemble",))
         configs["network"] = replace(PFNM_NETWORK, arch=arch)
-        if name == "cifar10":   # the local models of the size and cifar parts
-            configs["training"] = CIFAR_TRAINING
+        configs["training"] = _training(name)
         configs["pfnm"] = PFNMConfig(max_params=None)
         experiment = Experiment(ds, **configs)
         try:
@@ -622,8 +626,8 @@ def part_size(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("iid
     :func:`~bnpfed.federated.methods.fedma_epochs`, a later round's local epochs: 5 under the reference training)
     without a limit, at the ensemble's size and at half of it, all on the same local models, beside the local models
     and the ensemble; PFNM and every FedMA network also with the clients' own output layers pooled (``pfnm-pooled``,
-    ``fedma-pooled``). ``row_set="fedma"`` leaves out PFNM's limits and FedMA without one, ``"fedma-half"`` FedMA
-    at the ensemble's size too. ``fedma_rounds`` > 1: FedMA with communication (Wang et al.'s rounds: every round
+    ``fedma-pooled``). ``row_set="fedma"`` leaves out PFNM's limits and FedMA without one, ``"fedma-half"``
+    also FedMA at the ensemble's size (FedMA at half alone). ``fedma_rounds`` > 1: FedMA with communication (Wang et al.'s rounds: every round
     the clients start from their slices of the global network and the layer-wise scheme runs again, the size limit
     held in every round), each FedMA row with its ``history`` of rounds. CIFAR-10 clients train with the cifar
     part's schedule (:data:`CIFAR_TRAINING`)."""
@@ -631,7 +635,7 @@ def part_size(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("iid
         raise ValueError(f"row_set: expected one of {SIZE_ROWS}, got {row_set!r}")
     if int(fedma_rounds) != fedma_rounds or fedma_rounds < 1:
         raise ValueError(f"fedma_rounds: expected an integer >= 1, got {fedma_rounds!r}")
-    training = CIFAR_TRAINING if name == "cifar10" else PFNM_TRAINING
+    training = _training(name)
     epochs = training.schedule(2).epochs if fedma_epochs is None else fedma_epochs
     tag = "" if epochs == 2 else f"/fedma-epochs={epochs}"   # the keys of the files written with 2 before
     tag += "" if fedma_rounds == 1 else f"/fedma-rounds={fedma_rounds}"
@@ -671,9 +675,9 @@ def part_size(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("iid
                 seconds=time.perf_counter() - t0, strength=search.strength, matches=len(search.trace),
                 limit=ensemble if limit == "ensemble" else limit)
         if arch != "mlp":   # FedMA layer-wise, one round, from the same local models
-            limits = {"all": (None, "ensemble", ensemble // 2), "fedma": ("ensemble", ensemble // 2),
-                      "fedma-half": (ensemble // 2,)}[row_set]
-            for limit in limits:
+            fedma_limits = {"all": (None, "ensemble", ensemble // 2), "fedma": ("ensemble", ensemble // 2),
+                            "fedma-half": (ensemble // 2,)}[row_set]
+            for limit in fedma_limits:
                 t0 = time.perf_counter()
                 fed = PFNMFederation(experiment.dataset, experiment.parts, network=experiment.network,
                                      training=experiment.training,

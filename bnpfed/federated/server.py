@@ -323,7 +323,7 @@ def pfnm_step(client_nets: Sequence, class_counts, config: PFNMConfig, *, seed: 
     if config.layerwise_retrain:
         config = replace(config, layerwise_retrain=0)
     init = _warm_start(config, starts, len(client_nets))
-    later = round > 1   # a limit in a later round: met as far as the matcher can (PFNMConfig.best_effort_in)
+    later = config.best_effort_in(round)   # a limit met as far as the matcher can (after round 1)
     config = config.in_round(round)
     if config.parameter_limit == "ensemble" and template is not None:
         config = replace(config, max_params=ensemble_parameters(template, len(client_nets)))
