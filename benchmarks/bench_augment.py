@@ -15,8 +15,8 @@ import torch
 
 from bnpfed.federated.clients import build_network
 from bnpfed.federated.config import NetworkConfig
-from bnpfed.inference import DeterministicClient
-from bnpfed.inference.augment import AUGMENTATIONS, PADDING, augmenter
+from bnpfed.clients import DeterministicClient
+from bnpfed.clients.augment import AUGMENTATIONS, PADDING, augmenter
 from bnpfed.report import format_table
 
 SHAPE = (3, 32, 32)

@@ -2,7 +2,7 @@
 
 PFNM's server weighs each client's output coordinates by its class shares. A user with pre-trained networks often
 lacks the counts; ``bnpfed match`` then estimates them from each network's own output layer
-(:mod:`bnpfed.inference.class_shares`). This benchmark trains label-skewed federations (MNIST-style data split into
+(:mod:`bnpfed.matching.class_shares`). This benchmark trains label-skewed federations (MNIST-style data split into
 J shards of 7 random classes each, or Dirichlet(0.5)), with PFNM's reference schedule (bnpfed's MLP 784-100-10,
 pixels in [0, 1]), and matches the same local models with the true counts, with uniform shares, and with the
 estimate (and its variants, for the record): one JSON line per federation in ``--out``, PFNM's test accuracy each.
@@ -42,8 +42,8 @@ def one(name: str, J: int, kind: str, data_dir: Path) -> dict:
     from bnpfed.federated.clients import initial_network, train_network
     from bnpfed.federated.config import PFNM_NETWORK, PFNM_TRAINING, TrainingConfig
     from bnpfed.federated.partition import class_counts
-    from bnpfed.inference import derive_spec, match_by_spec
-    from bnpfed.inference.class_shares import estimate_class_shares
+    from bnpfed.matching import derive_spec, match_by_spec
+    from bnpfed.matching.class_shares import estimate_class_shares
 
     folder = None if name == "digits" else str(data_dir / name.replace("-", "_"))
     ds = load_dataset(name, data_dir=folder, standardize=False)

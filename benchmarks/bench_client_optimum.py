@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from bnpfed.data import load_dataset
-from bnpfed.inference import BayesianClient, DeterministicClient, MeanFieldELBO
+from bnpfed.clients import BayesianClient, DeterministicClient, MeanFieldELBO
 from bnpfed.metrics import expected_calibration_error
 from bnpfed.models import EmpiricalBayesPrior, mlp, only_linear_weights
 

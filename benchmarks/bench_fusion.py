@@ -11,7 +11,7 @@
   cross-entropy), :class:`DeterministicClient`, and a hand-written torch Bayes-by-backprop loop of the same
   objective (weights sampled from the mean-field Gaussian, closed-form KL to the N(0, 1) prior): the MLP 64-100-10
   on the bundled digits data, and LeNet-5 on 28x28 random images with only the fully connected weights Bayesian.
-  ``BayesianClient`` runs its default ELBO (:class:`bnpfed.inference.MeanFieldELBO`, the closed-form objective
+  ``BayesianClient`` runs its default ELBO (:class:`bnpfed.clients.MeanFieldELBO`, the closed-form objective
   computed from the guide's parameters); the rows ``Pyro ELBO`` train the same client through the Pyro program with
   ``TraceMeanField_ELBO`` (two traces per step, and local reparameterisation by the ``TorchFunctionMode`` handler).
 * ``paper_setting``: the 10-client IID Fashion-MNIST experiment of the paper's Table 1 (LeNet-5, only fully
@@ -44,7 +44,7 @@ from torch.func import functional_call
 
 from bnpfed.combine import available_rules, fuse
 from bnpfed.data import load_dataset
-from bnpfed.inference import BayesianClient, DeterministicClient
+from bnpfed.clients import BayesianClient, DeterministicClient
 from bnpfed.models import LeNet, mlp, only_linear_weights
 from bnpfed.report import format_table
 

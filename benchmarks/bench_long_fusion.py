@@ -24,7 +24,7 @@ from bnpfed.combine import available_rules
 from bnpfed.data import load_dataset
 from bnpfed.federated.config import BayesianConfig, FusionConfig, NetworkConfig, PartitionConfig, TrainingConfig
 from bnpfed.federated.fusion import FedAvgFederation, FusionFederation
-from bnpfed.inference import TrainingDiverged
+from bnpfed.clients import TrainingDiverged
 from bnpfed.report import format_table
 
 COLUMNS = ["method", "rounds", "accuracy", "nll", "ece_100", "mean_sigma", "min_variance", "floored", "all_finite",

@@ -22,7 +22,7 @@ import tracemalloc
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
-from bnpfed.inference import match_layer
+from bnpfed.matching import match_layer
 
 
 def make_layer(J: int, L_j: int, D: int, *, seed: int = 0, noise: float = 0.1) -> list[np.ndarray]:

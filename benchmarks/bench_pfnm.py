@@ -60,7 +60,7 @@ from bnpfed.federated.fusion import FedAvgFederation
 from bnpfed.federated.methods import ExperimentConfig, Experiment, run_experiment, run_method, width_sweep
 from bnpfed.federated.pfnm import PFNMFederation
 from bnpfed.federated.server import match_hyperparameters, pfnm_step
-from bnpfed.inference.augment import AUGMENTATIONS
+from bnpfed.clients.augment import AUGMENTATIONS
 from bnpfed.metrics import count_parameters
 
 HERE = Path(__file__).parent
@@ -508,7 +508,7 @@ def part_compress(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=(
 def part_pooled(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("iid", "dirichlet"),
                 arch: str = "lenet", pool_temperature=1.0) -> None:
     """PFNM's output rule under label skew: one-shot PFNM (bnpfed's defaults) and the same match with the clients'
-    own output layers pooled log-linearly (``pfnm-pooled``, :mod:`bnpfed.inference.pooled_heads`; at
+    own output layers pooled log-linearly (``pfnm-pooled``, :mod:`bnpfed.matching.pooled_heads`; at
     ``pool_temperature``, keys ``.../T=fit`` when not 1), beside the local models and the ensemble, on the same local
     models."""
     tag = "" if pool_temperature == 1 else f"/T={pool_temperature}"

@@ -3,11 +3,11 @@ LeNet (28 x 28 inputs), matched with a noise far below their units' distances so
 global network, J x 100 units: the worst case for the heads), predicting N inputs:
 
 * the global network (PFNM's fused output layer) against the same body with the J clients' heads pooled
-  (:func:`bnpfed.inference.pooled_network`);
+  (:func:`bnpfed.matching.pooled_network`);
 * the pool-temperature step of one client (:func:`bnpfed.federated.clients.pool_nll_step`, 61 temperatures, its
   share N / J of the inputs);
 * matched posterior fusion's predictive (S = 10 draws, the fused global Bayesian network) against
-  :class:`bnpfed.inference.PooledPosterior` 's (S draws of the body and the J heads, pooled inside each draw).
+  :class:`bnpfed.matching.PooledPosterior` 's (S draws of the body and the J heads, pooled inside each draw).
 
 Rows in one process, best of ``repeats``; the ratio is against the fused row of the same network. The extra memory
 of the heads is their parameters, ``(J - 1) C (L + 1)`` more floats than one output layer, and one forward pass's
@@ -26,8 +26,8 @@ import torch
 from bnpfed.federated.clients import bayesian_client, initial_network, pool_nll_step
 from bnpfed.federated.config import BayesianConfig, NetworkConfig
 from bnpfed.federated.matched_fusion import bayesian_from_match
-from bnpfed.inference import PooledPosterior, match_by_spec, pooled_network
-from bnpfed.inference.posterior_matching import client_posterior, match_posteriors
+from bnpfed.matching import PooledPosterior, match_by_spec, pooled_network
+from bnpfed.matching.posteriors import client_posterior, match_posteriors
 from bnpfed.metrics import count_parameters
 from bnpfed.report import format_table
 

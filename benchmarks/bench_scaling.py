@@ -71,7 +71,7 @@ def _experiment(data_dir: str, net: str, J: int, progress: bool = False):
 def _activity(data_dir: str, net: str, J: int, saved: dict, template) -> list:
     """Every client's report on its units on its own shard (what PFNM's clients send: ``inactive="drop"``)."""
     from bnpfed.federated.clients import unit_activity_step
-    from bnpfed.inference.permutation import network_from_state
+    from bnpfed.matching.permutation import network_from_state
     experiment = _experiment(data_dir, net, J)
     return [unit_activity_step(network_from_state(template, state), experiment.client_data[j][0],
                                saved["input_shape"]) for j, state in enumerate(saved["states"])]
@@ -138,7 +138,7 @@ def one(args) -> dict:
     import torch
     torch.set_num_threads(args.threads)
     if args.source == "model":
-        from bnpfed.inference import match_layer
+        from bnpfed.matching import match_layer
         layer = _model_layer(args.J)
         match_layer(layer[:2], seed=0)  # warm-up
         kwargs = {} if args.mode == "empirical-bayes" else dict(sigma2=1.0, sigma0_2=1.0, gamma0=1.0,

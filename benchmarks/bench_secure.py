@@ -1,6 +1,6 @@
 """Posterior fusion under secure aggregation (SecAgg+): what the quantisation costs, and what the protocol costs.
 
-For each rule of :data:`bnpfed.secure_fusion.SECURE_RULES`, a Flower federation of J clients on the in-process grid
+For each rule of :data:`bnpfed.combine.secure.SECURE_RULES`, a Flower federation of J clients on the in-process grid
 (:class:`bnpfed.flower.local.LocalGrid`: every SecAgg+ stage is a real Flower message through Flower's own
 ``SecAggPlusWorkflow`` and ``secaggplus_mod``, without processes or network) is run plain
 (:class:`~bnpfed.flower.strategies.PosteriorFusionStrategy`) and under SecAgg+
@@ -58,7 +58,7 @@ def difference(secure: dict, plain: dict) -> dict:
 
 
 def run(clients: int, rounds: int, dataset: str, data_dir: str | None, out: Path | None, rules=None) -> list[dict]:
-    from bnpfed.secure_fusion import SECURE_RULES
+    from bnpfed.combine.secure import SECURE_RULES
 
     logging.getLogger("flwr").setLevel(logging.WARNING)
     torch.set_num_threads(1)

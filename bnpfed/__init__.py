@@ -1,6 +1,6 @@
 """bnpfed: probabilistic federated learning in Pyro."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 #: names of :mod:`bnpfed.saved` reachable from the top (``bnpfed.load_global(path)``), imported on first use
 _SAVED = ("load_global", "read_global", "save_global")

@@ -11,7 +11,7 @@ so that ``torch.load(path, weights_only=False)["module"]`` is the network with t
 importable: bnpfed's networks, or the user's own), and ``state_dict`` with ``architecture`` rebuilds it without the
 pickle. :func:`load_global` returns the network in eval mode; :func:`read_global` everything.
 
-A Bayesian global network (a :class:`~bnpfed.inference.BayesianClient`: ``bnpfed fuse --save-global``, ``bnpfed match
+A Bayesian global network (a :class:`~bnpfed.clients.BayesianClient`: ``bnpfed fuse --save-global``, ``bnpfed match
 --posteriors``) adds ``"kind": "bayesian"`` and what rebuilds the client::
 
     {..., "kind": "bayesian", "module": <its posterior-mean network>,
@@ -20,19 +20,19 @@ A Bayesian global network (a :class:`~bnpfed.inference.BayesianClient`: ``bnpfed
      "predictive": {"samples": 10, "seed": ...}   # optional: the draws its method scored it with}
 
 ``module`` is then the posterior-mean network (plain torch, usable without bnpfed), and :func:`load_global` returns
-the :class:`~bnpfed.inference.BayesianClient` (default mean-field guide at the saved posterior, the saved prior), whose
+the :class:`~bnpfed.clients.BayesianClient` (default mean-field guide at the saved posterior, the saved prior), whose
 ``predict_proba(x, num_samples, seed)`` gives the same predictive as the client that was saved. A matched posterior
-with the clients' own posterior output layers pooled (a :class:`~bnpfed.inference.PooledPosterior`: ``FusionConfig(
+with the clients' own posterior output layers pooled (a :class:`~bnpfed.matching.PooledPosterior`: ``FusionConfig(
 heads="pooled")``, ``bnpfed fuse --heads pooled --save-global``, ``bnpfed match --posteriors --heads pooled``) has
 ``"kind": "pooled-posterior"``, ``module`` its posterior-mean network with the J heads pooled
-(:class:`~bnpfed.inference.PooledHeads`), ``"predictive"`` likewise, and::
+(:class:`~bnpfed.matching.PooledHeads`), ``"predictive"`` likewise, and::
 
     "pooled_posterior": {"template": <the body's network kind>, "locs": {...}, "variances": {...}, "output": name,
                          "weight": (J, C, L), "weight_variance", "bias": (J, C), "bias_variance",
                          "pool_weights": (J, C), "temperature": T}
 
-which :func:`load_global` returns as the :class:`~bnpfed.inference.PooledPosterior` (the same predictive). A global
-network fused from Laplace clients (a :class:`~bnpfed.inference.LaplaceClient`) has ``"kind": "laplace"``, its
+which :func:`load_global` returns as the :class:`~bnpfed.matching.PooledPosterior` (the same predictive). A global
+network fused from Laplace clients (a :class:`~bnpfed.clients.LaplaceClient`) has ``"kind": "laplace"``, its
 ``"posterior"``, ``"prior"`` and ``"predictive"`` likewise and ``"temperature"`` (its predictive's: 1 unless fused
 with ``FusionConfig(temperature=...)``), and loads as a LaplaceClient holding that posterior (its linearised
 predictive at that temperature). The deterministic files have ``"kind": "deterministic"`` (files without the key, from
@@ -51,7 +51,7 @@ Usage::
 
 A Bayesian client the same way::
 
-    >>> from bnpfed.inference import BayesianClient
+    >>> from bnpfed.clients import BayesianClient
     >>> from bnpfed.models import only_linear_weights
     >>> client = BayesianClient(mlp(4, [3], 2), only_linear_weights())
     >>> again = load_global(save_global(tempfile.mkdtemp() + "/client.pt", client, method="client"))
@@ -70,9 +70,9 @@ from typing import Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
-from bnpfed.inference.laplace import LaplaceClient
-from bnpfed.inference.pooled_heads import PooledPosterior
-from bnpfed.inference.svi import BayesianClient
+from bnpfed.clients import LaplaceClient
+from bnpfed.matching import PooledPosterior
+from bnpfed.clients import BayesianClient
 from bnpfed.posterior import GaussianPosterior
 from bnpfed.report import json_safe, versions
 
@@ -105,12 +105,12 @@ def save_global(path: str | Path, network, *, method: str, spec=None, widths: Ma
     """Write ``network`` (a copy on the CPU, in eval mode) and what describes it to ``path`` (its folder made if
     needed); return the path.
 
-    :param network: an ``nn.Module``, or a :class:`~bnpfed.inference.BayesianClient` (its posterior-mean network,
+    :param network: an ``nn.Module``, or a :class:`~bnpfed.clients.BayesianClient` (its posterior-mean network,
         posterior, prior, likelihood and local reparameterisation are written; its guide must be mean-field Gaussian,
         as the default one is: ``posterior()`` gives ``{site: GaussianPosterior}``), a
-        :class:`~bnpfed.inference.LaplaceClient`, or a :class:`~bnpfed.inference.PooledPosterior` (its tensors).
+        :class:`~bnpfed.clients.LaplaceClient`, or a :class:`~bnpfed.matching.PooledPosterior` (its tensors).
     :param str method: the method that built it (``"pfnm"``, ``"fedma"``, ...).
-    :param spec: the :class:`~bnpfed.inference.PermutationSpec` it was matched by (stored as its text).
+    :param spec: the :class:`~bnpfed.matching.PermutationSpec` it was matched by (stored as its text).
     :param dict widths: group name -> global units.
     :param dict hyperparameters: group name -> the matching's hyper-parameters (tensors become lists).
     :param class_shares: (J, C) the clients' class shares the matching used.
@@ -205,8 +205,8 @@ def _pooled_record(posterior: PooledPosterior) -> dict:
 @dataclass(frozen=True)
 class SavedGlobal:
     """What :func:`read_global` reads: the fields of the file (module docstring), ``network`` in eval mode (for a
-    Bayesian file its posterior-mean network; ``client`` the :class:`~bnpfed.inference.BayesianClient`,
-    :class:`~bnpfed.inference.LaplaceClient` or :class:`~bnpfed.inference.PooledPosterior`, None otherwise)."""
+    Bayesian file its posterior-mean network; ``client`` the :class:`~bnpfed.clients.BayesianClient`,
+    :class:`~bnpfed.clients.LaplaceClient` or :class:`~bnpfed.matching.PooledPosterior`, None otherwise)."""
 
     network: nn.Module
     method: str
@@ -297,7 +297,7 @@ def global_from_record(record, path: str | Path = "<record>") -> SavedGlobal:
 
 def load_global(path: str | Path):
     """The global model a file of :func:`save_global` holds, ready to use: the network (eval mode, on the CPU), or
-    for a Bayesian file the :class:`~bnpfed.inference.BayesianClient` (:class:`~bnpfed.inference.LaplaceClient`,
-    :class:`~bnpfed.inference.PooledPosterior`)."""
+    for a Bayesian file the :class:`~bnpfed.clients.BayesianClient` (:class:`~bnpfed.clients.LaplaceClient`,
+    :class:`~bnpfed.matching.PooledPosterior`)."""
     saved = read_global(path)
     return saved.network if saved.client is None else saved.client

@@ -57,7 +57,7 @@ from bnpfed.flower.local import LocalGrid  # noqa: E402
 from bnpfed.flower.records import (from_array_record, matched_posterior_to_record, posterior_to_record,  # noqa: E402
                                    state_to_record, with_heads, with_temperature)
 from bnpfed.flower.server import FederationResult, run_federation  # noqa: E402
-from bnpfed.inference.pooled_heads import pooled_heads_of  # noqa: E402
+from bnpfed.matching.pooled_heads import pooled_heads_of  # noqa: E402
 from bnpfed.flower.strategies import (FedAvgStrategy, MatchedFusionStrategy, PFNMStrategy,  # noqa: E402
                                       PosteriorFusionStrategy)
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-from bnpfed.inference import derive_spec, match_by_spec
-from bnpfed.inference.activity import drop_units, inactive_units, kept_units, unit_activity
+from bnpfed.matching import derive_spec, match_by_spec
+from bnpfed.matching.activity import drop_units, inactive_units, kept_units, unit_activity
 
 
 def _mlp_with_dead_units(seed=0):

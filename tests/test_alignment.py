@@ -9,9 +9,9 @@ from scipy.optimize import linear_sum_assignment
 from torch import nn
 from torch.testing import assert_close
 
-from bnpfed.federated.baselines import aligned_average, reference_client
-from bnpfed.inference import client_slice, derive_spec, network_from_state
-from bnpfed.inference.alignment import apply_maps, ot_alignment, weight_matching, weight_matching_permutations
+from bnpfed.baselines.averaging import aligned_average, reference_client
+from bnpfed.matching import client_slice, derive_spec, network_from_state
+from bnpfed.baselines.alignment import apply_maps, ot_alignment, weight_matching, weight_matching_permutations
 from bnpfed.models import LeNet, mlp, simple_cnn_bn
 
 pytest.importorskip("ot", reason="POT is not installed (pip install 'bnpfed[ot]')")
@@ -165,7 +165,7 @@ def test_aligned_average_names_bad_arguments():
 
 
 def test_kl_costs_are_the_kl_divergences_of_diagonal_gaussians():
-    from bnpfed.inference.kl_fusion import kl_costs
+    from bnpfed.baselines.kl_fusion import kl_costs
 
     g = torch.Generator().manual_seed(0)
     m, v = torch.randn(4, 5, dtype=torch.float64, generator=g), torch.rand(4, 5, dtype=torch.float64, generator=g) + .1
@@ -177,7 +177,7 @@ def test_kl_costs_are_the_kl_divergences_of_diagonal_gaussians():
 
 def test_the_kl_barycenter_is_the_mixtures_moments():
     """argmin_q sum_u w_u KL(p_u || q) over diagonal Gaussians: the closed form the step uses beats every nearby q."""
-    from bnpfed.inference.kl_fusion import kl_costs
+    from bnpfed.baselines.kl_fusion import kl_costs
 
     g = torch.Generator().manual_seed(1)
     m, v = torch.randn(5, 3, dtype=torch.float64, generator=g), torch.rand(5, 3, dtype=torch.float64, generator=g) + .1
@@ -196,7 +196,7 @@ def test_the_kl_barycenter_is_the_mixtures_moments():
 def test_kl_fusion_restores_permuted_copies_of_one_bayesian_network():
     """Permuted copies of one posterior: each copy's units go back to the reference's, and the fused means are the
     network's (to the pooling rule's Monte Carlo error, 4 sd of a mean of 1000 draws)."""
-    from bnpfed.inference.kl_fusion import kl_fusion
+    from bnpfed.baselines.kl_fusion import kl_fusion
 
     torch.manual_seed(0)
     net = mlp(6, [5, 4], 3)
@@ -217,7 +217,7 @@ def test_kl_fusion_restores_permuted_copies_of_one_bayesian_network():
 
 
 def test_kl_fusion_refuses_clients_of_other_widths():
-    from bnpfed.inference.kl_fusion import kl_fusion
+    from bnpfed.baselines.kl_fusion import kl_fusion
 
     a, b = mlp(4, [3], 2), mlp(4, [5], 2)
     pairs = [({k: v.double() for k, v in n.state_dict().items()},

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from bnpfed.inference import DeterministicClient
-from bnpfed.inference.augment import PADDING, augmenter, check_augment, random_crop_flip
+from bnpfed.clients import DeterministicClient
+from bnpfed.clients.augment import PADDING, augmenter, check_augment, random_crop_flip
 from bnpfed.seeding import Stream, torch_generator
 
 

@@ -12,7 +12,7 @@ from _reference import groups_of, ibp_configuration_logprob
 from scipy import stats
 from sklearn.metrics import adjusted_rand_score
 
-from bnpfed.inference import bayesian_assignment_objective, match_bayesian_layer, match_layer
+from bnpfed.matching import bayesian_assignment_objective, match_bayesian_layer, match_layer
 from bnpfed.models import FederatedLayer, beta_bernoulli_layer, log_joint, sample_federated_layer
 
 

@@ -247,7 +247,7 @@ def test_bad_model_arguments_raise():
 
 
 def test_a_price_per_parameter_is_the_same_program_at_a_lower_ibp_mass(float64):
-    """The size prior of bnpfed.inference.size: p(Z, V) exp(-lambda L D) is the program at gamma0 exp(-lambda D),
+    """The size prior of bnpfed.matching.size: p(Z, V) exp(-lambda L D) is the program at gamma0 exp(-lambda D),
     up to a constant free of the configuration (checked on layers of different atom counts, through Pyro's trace
     density)."""
     gamma0, lam, D = 4.0, 0.3, 6

@@ -1,4 +1,4 @@
-"""Class shares estimated from a client's own output layer (bnpfed.inference.class_shares)."""
+"""Class shares estimated from a client's own output layer (bnpfed.matching.class_shares)."""
 
 import numpy as np
 import pytest
@@ -8,8 +8,8 @@ from bnpfed.data import load_dataset
 from bnpfed.federated.clients import initial_network, train_network
 from bnpfed.federated.config import PFNM_NETWORK, TrainingConfig
 from bnpfed.federated.partition import class_counts
-from bnpfed.inference import derive_spec
-from bnpfed.inference.class_shares import estimate_class_shares, estimate_shares
+from bnpfed.matching import derive_spec
+from bnpfed.matching.class_shares import estimate_class_shares, estimate_shares
 
 
 def test_the_estimate_is_the_softmax_of_the_standardised_output_weight_sums_over_the_temperature():

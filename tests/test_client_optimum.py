@@ -14,7 +14,7 @@ from scipy.optimize import minimize_scalar
 from bnpfed.data import load_dataset
 from bnpfed.federated.config import BayesianConfig, FusionConfig, NetworkConfig, PartitionConfig, TrainingConfig
 from bnpfed.federated.fusion import FusionFederation
-from bnpfed.inference import BayesianClient, MeanFieldELBO, MeanFieldGuide
+from bnpfed.clients import BayesianClient, MeanFieldELBO, MeanFieldGuide
 from bnpfed.models import BayesianNetwork, EmpiricalBayesPrior, IIDPrior, mlp, only_linear_weights
 from bnpfed.seeding import seeded
 
@@ -164,7 +164,7 @@ def test_a_fit_says_whether_it_converged():
 def test_convergence_compares_windows_of_epochs_against_their_monte_carlo_spread():
     """One epoch against the one before compares noise when an epoch is one Monte Carlo step; the mean of the last
     W epochs against the W before, beside twice the standard error of that difference, does not."""
-    from bnpfed.inference.svi import _convergence
+    from bnpfed.clients.variational import _convergence
 
     rng = np.random.default_rng(0)
     flat = list(1.0 + 0.2 * rng.standard_normal(200))          # noise around a constant

@@ -17,7 +17,7 @@ from bnpfed.federated.config import NetworkConfig, PartitionConfig, PFNMConfig, 
 from bnpfed.federated.methods import network_widths
 from bnpfed.federated.pfnm import PFNMFederation
 from bnpfed.federated.server import client_start, matched_parameters
-from bnpfed.inference.permutation import client_slice, network_from_state, reestimate_batch_norm
+from bnpfed.matching.permutation import client_slice, network_from_state, reestimate_batch_norm
 from bnpfed.metrics import count_parameters
 
 TRAIN = TrainingConfig(epochs=1, round_epochs=1)
@@ -297,8 +297,8 @@ def test_pfnms_ensemble_budget_from_round_two_is_the_clients_own_networks(digits
 def test_the_layer_after_a_flatten_is_matched_compact_with_the_dense_result(digits, monkeypatch, arch):
     """match_by_spec hands PFNM's matcher each client's fc units on the columns of the channels it holds
     (CompactRows: no (N, D) array of the layer), and the global network is the one the dense arrays give."""
-    import bnpfed.inference.driver as driver
-    from bnpfed.inference import match_by_spec, match_layer
+    import bnpfed.matching.driver as driver
+    from bnpfed.matching import match_by_spec, match_layer
     parts = PartitionConfig(clients=6).split(digits.y_train.numpy(), seed=1)
     nets = []
     for j, p in enumerate(parts):

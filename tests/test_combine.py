@@ -8,7 +8,7 @@ import torch
 from scipy import integrate, stats
 from torch.testing import assert_close
 
-from bnpfed import combine
+from bnpfed.combine import rules as combine
 from bnpfed.combine import (GaussianPosterior, available_rules, average_deterministic, conflation, fuse, fuse_sites,
                             register_rule)
 

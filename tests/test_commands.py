@@ -15,7 +15,8 @@ from bnpfed.data import NPZ_FORMAT
 from bnpfed.federated import methods
 from bnpfed.federated.config import PAPER_MIN_VARIANCE, BayesianConfig, PartitionConfig, PFNMConfig, TrainingConfig
 from bnpfed.report import RECORD_SCHEMA, command_record, command_results, read_record
-from bnpfed.inference import TrainingDiverged, recovery
+from bnpfed.clients import TrainingDiverged
+from bnpfed.matching import recovery
 
 TINY = ["--clients", "3", "--epochs", "1", "--hidden", "16", "--no-progress"]
 

@@ -19,8 +19,8 @@ from scipy.optimize import linear_sum_assignment
 from scipy.special import gammaln
 from sklearn.metrics import adjusted_rand_score
 
-from bnpfed.inference import REFERENCE_CONSTANTS, assignment_objective, match_by_spec, match_layer
-from bnpfed.inference.matching import EB_START_NOISE_SHARE, SIGMA0_2_FLOOR, SIGMA2_FLOOR
+from bnpfed.matching import REFERENCE_CONSTANTS, assignment_objective, match_by_spec, match_layer
+from bnpfed.matching.layer import EB_START_NOISE_SHARE, SIGMA0_2_FLOOR, SIGMA2_FLOOR
 from bnpfed.models import sample_federated_layer
 
 TRUTH = dict(sigma0_2=1.0, sigma2=0.01, gamma0=40.0)
@@ -575,7 +575,7 @@ def test_the_result_rule_measures_mu0_by_the_prior_it_moves():
     the result rule's; a change of that size in every coordinate fails both."""
     from types import SimpleNamespace
 
-    from bnpfed.inference.empirical_bayes import PooledMoments
+    from bnpfed.matching.empirical_bayes import PooledMoments
     D, s, r = 100, 0.04, 0.01
     rng = np.random.default_rng(0)
     delta = rng.normal(size=D)

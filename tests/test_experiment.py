@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from bnpfed import combine
+from bnpfed.combine import rules as combine
 from bnpfed.data import load_dataset
 from bnpfed.federated.config import PFNM_NETWORK, NetworkConfig, PartitionConfig, PFNMConfig, TrainingConfig
 from bnpfed.federated.methods import (ExperimentConfig, MethodResult, available_methods, register_method,

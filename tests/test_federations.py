@@ -13,7 +13,7 @@ from bnpfed.federated.config import (BayesianConfig, FusionConfig, NetworkConfig
                                      TrainingConfig)
 from bnpfed.federated.fusion import FedAvgFederation, FusionFederation
 from bnpfed.federated.pfnm import PFNMFederation
-from bnpfed.inference import BayesianClient, DeterministicClient
+from bnpfed.clients import BayesianClient, DeterministicClient
 from bnpfed.seeding import Stream, derive_seed, torch_generator
 
 METRICS = ("accuracy", "nll", "ece", "brier")

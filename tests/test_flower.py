@@ -38,7 +38,7 @@ from bnpfed.flower.records import (ReplyError, from_array_record, moments_from_a
                                    state_to_record)
 from bnpfed.flower.server import run_federation  # noqa: E402
 from bnpfed.flower.strategies import evaluation_clients, unexpected_reply  # noqa: E402
-from bnpfed.inference.permutation import batch_norm_moments, client_slice, derive_spec  # noqa: E402
+from bnpfed.matching.permutation import batch_norm_moments, client_slice, derive_spec  # noqa: E402
 from bnpfed.models import LeNet, simple_cnn_bn  # noqa: E402
 from bnpfed.posterior import GaussianPosterior  # noqa: E402
 

@@ -85,7 +85,7 @@ def test_pooled_heads_on_flower_are_the_in_process_federation_bit_for_bit(temper
     # asking them for their NLL sums of the predictive at every temperature); the clients score the pooled predictive
     # on their shards: together the in-process federation's evaluation of the test split; the output file holds the
     # pooled posterior (bnpfed.load_global gives it back with the in-process predictive)
-    from bnpfed.inference import PooledPosterior
+    from bnpfed.matching import PooledPosterior
     from bnpfed.saved import read_global
 
     config = {**MATCHED, "rule": "conflation", "heads": "pooled", "partition": "dirichlet",

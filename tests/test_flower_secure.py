@@ -21,7 +21,7 @@ from bnpfed.flower.local import LocalGrid  # noqa: E402
 from bnpfed.flower.records import from_array_record  # noqa: E402
 from bnpfed.flower.secure import POSTERIOR_STATE  # noqa: E402
 from bnpfed.flower.server import run_federation  # noqa: E402
-from bnpfed.secure_fusion import SECURE_RULES  # noqa: E402
+from bnpfed.combine.secure import SECURE_RULES  # noqa: E402
 
 FUSION = {"method": "fusion", "rounds": 2, "hidden": "16", "epochs": 1, "fraction-evaluate": 0.0}
 SECURE = {"secure-aggregation": True}

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from bnpfed.inference import REFERENCE_CONSTANTS, match_bayesian_layer, match_layer
+from bnpfed.matching import REFERENCE_CONSTANTS, match_bayesian_layer, match_layer
 
 GOLDEN = Path(__file__).with_name("golden") / "before_refactor.pt"
 EXACT = dict(stop="fixed-point")
@@ -119,7 +119,7 @@ def test_the_top_down_order_is_the_spec_reversed_with_the_recorded_results(golde
     """Top-down was ``match_networks(direction="top-down")`` of the deleted ``multilayer.py``; it is now the spec
     with its groups reversed, under the reference constants and under empirical Bayes (whose "average" global
     weights average the members in the spec's own layouts, as match_networks did)."""
-    from bnpfed.inference import match_by_spec
+    from bnpfed.matching import match_by_spec
     data, out = golden["inputs"], golden["outputs"]
     counts, template = data["class_counts"], mlp_template()
     ref = dict(sigma2=0.3, sigma0_2=1.0, gamma0=3.0, **REFERENCE_CONSTANTS)
@@ -136,7 +136,7 @@ def test_the_top_down_order_is_the_spec_reversed_with_the_recorded_results(golde
 def test_spec_matching_of_mlps_and_a_batch_normalised_cnn_reproduces_the_recorded_results(golden):
     from bnpfed.federated.clients import initial_network
     from bnpfed.federated.config import NetworkConfig
-    from bnpfed.inference import align_to_group, derive_spec, match_by_spec, match_group
+    from bnpfed.matching import align_to_group, derive_spec, match_by_spec, match_group
     data, out = golden["inputs"], golden["outputs"]
     counts, template = data["class_counts"], mlp_template()
     assert_same(spec_result(match_by_spec(data["mlps"], counts, template=template, seed=6, **BEFORE)),
@@ -158,7 +158,7 @@ def test_spec_matching_of_mlps_and_a_batch_normalised_cnn_reproduces_the_recorde
 def test_matched_posterior_fusion_reproduces_the_recorded_results(golden, rule):
     from bnpfed.federated.clients import initial_network
     from bnpfed.federated.config import NetworkConfig
-    from bnpfed.inference.posterior_matching import match_posteriors
+    from bnpfed.matching.posteriors import match_posteriors
     data, out = golden["inputs"], golden["outputs"]
     template = initial_network(NetworkConfig(hidden=(20,)), (1, 8, 8), 10, seed=0)
     m = match_posteriors(data["posteriors"], data["class_counts"], rule=rule, sizes=data["sizes"], template=template,

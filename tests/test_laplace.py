@@ -15,10 +15,10 @@ from bnpfed.federated.clients import fit_bayesian, initial_network, posterior_cl
 from bnpfed.federated.config import (BayesianConfig, FusionConfig, NetworkConfig, PartitionConfig, TrainingConfig)
 from bnpfed.federated.fusion import FusionFederation
 from bnpfed.federated.matched_fusion import MatchedFusionFederation, client_from_slice
-from bnpfed.inference import LaplaceClient, laplace_posterior
-from bnpfed.inference.laplace import evidence_precision, prior_sites
-from bnpfed.inference.permutation import client_slice, derive_spec
-from bnpfed.inference.posterior_matching import match_posteriors
+from bnpfed.clients import LaplaceClient, laplace_posterior
+from bnpfed.clients.laplace import evidence_precision, prior_sites
+from bnpfed.matching.permutation import client_slice, derive_spec
+from bnpfed.matching.posteriors import match_posteriors
 from bnpfed.models import IIDPrior, mlp, only_linear_weights
 
 from untouched_data import UNTOUCHED, untouched_data
@@ -86,7 +86,7 @@ class _Functional(nn.Module):
 
 
 def test_both_curvature_backends_give_the_brute_force_ggn_diagonal():
-    from bnpfed.inference.laplace import backpack_supports
+    from bnpfed.clients.laplace import backpack_supports
 
     x, y = _data()
     torch.manual_seed(2)
@@ -338,7 +338,7 @@ def _digits_laplace_clients(J=3, hidden=16, epochs=3):
 def test_matched_on_the_means_laplace_clients_get_pfnms_assignment_with_dead_units_left_out():
     """match_on="means": the assignment is PFNM's (match_by_spec on the posterior means, the same reports of dead
     units), whatever the variances; the posteriors are then fused along it (conflation here)."""
-    from bnpfed.inference import kept_units, match_by_spec, unit_activity
+    from bnpfed.matching import kept_units, match_by_spec, unit_activity
 
     ds, clients, data = _digits_laplace_clients()
     nets = [c.mean_network() for c in clients]
@@ -418,7 +418,7 @@ def test_the_held_out_choice_is_the_factor_whose_predictive_gives_the_held_out_e
     """Recomputed independently: the held-out examples are those the seeded split leaves out, each factor's NLL is
     that of a client holding N(theta*, 1 / (h + c delta)) (the evidence's delta, the curvature on the training part)
     predicting with the same draws, the choice is their argmin, and the fitted posterior is the one at it."""
-    from bnpfed.inference.laplace import HELD_OUT_SAMPLES, HELD_OUT_SCALES
+    from bnpfed.clients.laplace import HELD_OUT_SAMPLES, HELD_OUT_SCALES
     from bnpfed.posterior import GaussianPosterior
 
     client, ds = _digits_client("held-out")

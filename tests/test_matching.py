@@ -9,8 +9,8 @@ import torch
 from _reference import map_log_density, marginal_log_density
 from sklearn.metrics import adjusted_rand_score
 
-from bnpfed.inference import REFERENCE_CONSTANTS, assignment_objective, match_layer
-from bnpfed.inference.matching import average_atoms, averaging_weights
+from bnpfed.matching import REFERENCE_CONSTANTS, assignment_objective, match_layer
+from bnpfed.matching.layer import average_atoms, averaging_weights
 from bnpfed.models import FederatedLayer, log_joint, sample_federated_layer
 
 
@@ -350,7 +350,7 @@ def test_identical_neurons_merge_into_as_few_atoms_as_a_client_has_under_empiric
     keep their start and say so; the neurons merge into max_j L_j atoms (a client's neurons cannot share an atom).
     Before, the estimates fell to their floors, where joining and opening an atom score alike, and the IBP's mass
     (estimated from the atoms it had opened) kept up to every neuron apart."""
-    from bnpfed.inference import match_bayesian_layer
+    from bnpfed.matching import match_bayesian_layer
 
     layers = [torch.full((w, 6), value, dtype=torch.float64) for w in widths]
     for r in (match_layer(layers, seed=0),
@@ -562,7 +562,7 @@ def test_the_pruned_assignment_is_the_optimum_of_the_full_assignment_problem(see
     optimum and the same assignment."""
     from scipy.optimize import linear_sum_assignment
 
-    from bnpfed.inference.matcher import best_assignment
+    from bnpfed.matching.matcher import best_assignment
 
     rng = np.random.default_rng(seed)
     L_j, L = 30, 80
@@ -586,7 +586,7 @@ def test_stopping_on_the_result_keeps_the_width_and_accuracy_of_the_exact_fixed_
     from bnpfed.federated.clients import initial_network, train_network
     from bnpfed.federated.config import NetworkConfig, PartitionConfig, TrainingConfig
     from bnpfed.federated.partition import class_counts
-    from bnpfed.inference import match_by_spec
+    from bnpfed.matching import match_by_spec
 
     ds = load_dataset("digits")
     parts = PartitionConfig(clients=6).split(ds.y_train.numpy(), seed=0)
@@ -632,7 +632,7 @@ def _statistics(matcher):
 def test_rescaled_statistics_equal_a_rebuild_from_the_neurons(seed):
     """New hyper-parameters on an assigned matcher: its per-atom statistics, scaled by the ratio of the noise
     precisions (no pass over the neurons), equal those rebuilt from scratch at the new values, and so do its scores."""
-    from bnpfed.inference.matcher import make_matcher
+    from bnpfed.matching.matcher import make_matcher
     neurons, scales = _layer_with_shares(seed)
     D = neurons[0].shape[1]
     first = dict(noise=np.full(D, 0.1), prior=np.full(D, 1.0), gamma0=5.0, mu0=np.zeros(D))
@@ -661,7 +661,7 @@ def test_rescaled_statistics_equal_a_rebuild_from_the_neurons(seed):
 def test_scores_equal_the_per_neuron_formula():
     """The low-rank score matrix equals the score of the module docstring computed neuron by neuron, atom by atom,
     on shared and per-client coordinates (marginal objective)."""
-    from bnpfed.inference.matcher import make_matcher
+    from bnpfed.matching.matcher import make_matcher
     neurons, scales = _layer_with_shares(3)
     D = neurons[0].shape[1]
     values = dict(noise=np.r_[np.full(D - 3, 0.05), np.full(3, 0.2)], prior=np.r_[np.full(D - 3, 0.8), np.full(3, 1.5)],
@@ -695,8 +695,8 @@ def test_scores_equal_the_per_neuron_formula():
 
 def test_pooled_moments_equal_the_residual_computation():
     """sigma2 and sigma0_2 from sums of the atom means (no residual array) equal the plain residual formulas."""
-    from bnpfed.inference.empirical_bayes import PooledMoments
-    from bnpfed.inference.matcher import make_matcher
+    from bnpfed.matching.empirical_bayes import PooledMoments
+    from bnpfed.matching.matcher import make_matcher
     layer = sample_federated_layer(8, 6, seed=4, gamma0=5.0, sigma2=0.05)
     neurons = [n.numpy().astype(np.float64) for n in layer.neurons]
     result = match_layer(neurons, seed=0)
@@ -720,7 +720,7 @@ def test_pooled_moments_equal_the_residual_computation():
 def test_direct_cross_products_over_freed_storage_rows_equal_the_products_with_each_active_atom():
     """After a wide first pass most storage rows are freed (the atoms merged); the direct (L_j, L) products read the
     active atoms' rows only, and equal x_l . g_i computed atom by atom."""
-    from bnpfed.inference.matcher import make_matcher
+    from bnpfed.matching.matcher import make_matcher
     layer = sample_federated_layer(6, 10, seed=2, gamma0=4.0, sigma2=0.05)
     neurons = [n.numpy().astype(np.float64) for n in layer.neurons]
     D = neurons[0].shape[1]
@@ -742,7 +742,7 @@ def test_direct_cross_products_over_freed_storage_rows_equal_the_products_with_e
 def test_direct_cross_products_with_few_freed_rows_equal_the_products_with_each_active_atom():
     """With at most half of the storage rows freed, the product with every stored row (the freed ones' columns then
     dropped) replaces the gather of the active rows: the same x_l . g_i, atom by atom."""
-    from bnpfed.inference.matcher import make_matcher
+    from bnpfed.matching.matcher import make_matcher
     layer = sample_federated_layer(6, 10, seed=2, gamma0=4.0, sigma2=0.05)
     neurons = [n.numpy().astype(np.float64) for n in layer.neurons]
     D = neurons[0].shape[1]
@@ -763,7 +763,7 @@ def test_a_match_through_the_block_products_equals_one_through_gathered_rows(mon
     empirical Bayes on overlapping atoms from every neuron alone (the storage as wide as the layer; the merges then
     free most of it, as after a wide first pass) gives the same assignments, objective and estimates when every
     re-match gathers its atoms' rows, as the matcher did before the choice."""
-    from bnpfed.inference.matcher import LayerMatcher
+    from bnpfed.matching.matcher import LayerMatcher
     layer = sample_federated_layer(12, 20, seed=2, gamma0=8.0, sigma2=0.3)
     neurons = [n.double() for n in layer.neurons]
     ends = np.cumsum([0] + [n.shape[0] for n in neurons])
@@ -795,7 +795,7 @@ def test_a_match_through_the_block_products_equals_one_through_gathered_rows(mon
 def _jacobi_matcher(seed, with_variances=False):
     """An assigned matcher of overlapping atoms with per-client scales (and, ``with_variances``, per-neuron posterior
     variances on two coordinates), after the greedy pass and one sweep (freed rows, reused ones)."""
-    from bnpfed.inference.matcher import make_matcher
+    from bnpfed.matching.matcher import make_matcher
     neurons, scales = _layer_with_shares(seed)
     D = neurons[0].shape[1]
     rng = np.random.default_rng(seed)
@@ -843,7 +843,7 @@ def test_a_jacobi_sweep_moves_every_client_to_its_proposal_against_the_frozen_as
     """After a Jacobi sweep each neuron is on the atom it proposed against the assignment at the sweep's start (its
     new neurons alone), the statistics are those of that assignment rebuilt from the neurons, and ``moved`` counts
     the neurons whose atom's members changed (counted here pair by pair)."""
-    from bnpfed.inference.matcher import make_matcher
+    from bnpfed.matching.matcher import make_matcher
     mt = _jacobi_matcher(seed)
     old = [a.copy() for a in mt.assign]
     proposals = [mt.propose(j) for j in range(mt.J)]
@@ -899,7 +899,7 @@ def test_products_on_a_torch_device_give_the_numpy_matching(device, settings):
     """The atom sums and cross products held as torch tensors (on the CPU here, the code a GPU runs) give the
     assignments, atoms, precisions and objectives of the numpy matcher, with per-client scales and Bayesian
     neurons' per-neuron coordinates beside the shared ones."""
-    from bnpfed.inference import match_bayesian_layer
+    from bnpfed.matching import match_bayesian_layer
     neurons, scales = _layer_with_shares(4)
     for direct in ("auto", "direct"):
         a = match_layer(neurons, precisions=torch.as_tensor(scales), seed=0, cross_products=direct, **settings)
@@ -958,8 +958,8 @@ def _layer_after_a_flatten(seed=0, J=6, blocks=8, width=5):
 def test_products_on_a_client_s_own_columns_give_the_dense_matching(monkeypatch, device, cross_products, settings):
     """A client 0 on most columns has its cross products, atom sums and Gram entries computed on its own columns;
     the matching (assignments, atoms, precisions, objectives) equals the one with every column computed."""
-    import bnpfed.inference.matcher as matcher
-    from bnpfed.inference.matcher import make_matcher
+    import bnpfed.matching.matcher as matcher
+    from bnpfed.matching.matcher import make_matcher
     neurons = _layer_after_a_flatten(settings["seed"])
     assert all(c is not None and c.size < neurons[0].shape[1] / 2 for c in make_matcher(neurons).columns_of)
     if device is not None and cross_products == "gram":
@@ -975,7 +975,7 @@ def test_products_on_a_client_s_own_columns_give_the_dense_matching(monkeypatch,
 
 
 def test_the_gram_matrix_from_client_blocks_equals_the_full_product():
-    from bnpfed.inference.matcher import make_matcher
+    from bnpfed.matching.matcher import make_matcher
     neurons = _layer_after_a_flatten(3, J=5)
     mt = make_matcher(neurons)
     D = neurons[0].shape[1]
@@ -997,8 +997,8 @@ def _atom_sums_neuron_by_neuron(neurons, labels, L, F):
 def test_the_atom_sums_of_an_assignment_are_its_members_sums(layer):
     """``shared_sums`` (what the pooled moments read) equals the sum of each atom's members, counted neuron by
     neuron, whether clients have few columns or all."""
-    from bnpfed.inference.atom_sums import shared_sums
-    from bnpfed.inference.matcher import make_matcher
+    from bnpfed.matching.atom_sums import shared_sums
+    from bnpfed.matching.matcher import make_matcher
     neurons = _layer_after_a_flatten(5) if layer == "after a flatten" else _layer_with_shares(5)[0]
     mt = make_matcher(neurons)
     assert any(c is not None for c in mt.columns_of) == (layer == "after a flatten")
@@ -1018,8 +1018,8 @@ def test_compact_rows_give_the_matching_of_the_dense_arrays(settings, cross_prod
     """The neurons as CompactRows (no (N, D) array of them anywhere: the matcher, the estimator's moments and the
     atom sums read each client's own columns) give the dense arrays' matching: assignments, atoms, precisions,
     objectives, estimates and the full log likelihood."""
-    from bnpfed.inference.layer_inputs import CompactRows
-    from bnpfed.inference.matcher import make_matcher
+    from bnpfed.matching.layer_inputs import CompactRows
+    from bnpfed.matching.matcher import make_matcher
     neurons = _layer_after_a_flatten(settings["seed"], J=8)
     rows = [CompactRows.from_dense(v) for v in neurons]
     mt = make_matcher(rows)
@@ -1040,9 +1040,9 @@ def test_compact_rows_give_the_matching_of_the_dense_arrays(settings, cross_prod
 def test_compact_atom_moments_in_blocks_equal_the_whole_sums():
     """The pooled moments' per-atom ``||S_i / W_i||^2`` and per-coordinate ``sum_i S_i / W_i``, atom block by atom
     block (a wide layer's), equal those of the whole (L, |F|) sums, counted neuron by neuron."""
-    from bnpfed.inference.atom_sums import shared_atom_moments, shared_moments
-    from bnpfed.inference.layer_inputs import CompactRows
-    from bnpfed.inference.matcher import make_matcher
+    from bnpfed.matching.atom_sums import shared_atom_moments, shared_moments
+    from bnpfed.matching.layer_inputs import CompactRows
+    from bnpfed.matching.matcher import make_matcher
     neurons = _layer_after_a_flatten(4, J=7)
     mt = make_matcher([CompactRows.from_dense(v) for v in neurons])
     rng = np.random.default_rng(1)
@@ -1063,8 +1063,8 @@ def test_compact_atom_moments_in_blocks_equal_the_whole_sums():
 def test_a_compact_client_on_most_columns_makes_the_layer_dense():
     """CompactRows are a way of holding the data, not a different model: where some client uses more than
     SPARSE_SHARE of the shared columns, the matcher holds the layer dense, with the same matching."""
-    from bnpfed.inference.layer_inputs import CompactRows
-    from bnpfed.inference.matcher import make_matcher
+    from bnpfed.matching.layer_inputs import CompactRows
+    from bnpfed.matching.matcher import make_matcher
     neurons = _layer_after_a_flatten(6)
     neurons[0] = torch.as_tensor(np.random.default_rng(0).normal(size=tuple(neurons[0].shape)))
     rows = [CompactRows.from_dense(v) for v in neurons]
@@ -1075,7 +1075,7 @@ def test_a_compact_client_on_most_columns_makes_the_layer_dense():
 
 
 def test_the_average_of_compact_rows_is_the_average_of_the_dense_ones():
-    from bnpfed.inference.layer_inputs import CompactRows
+    from bnpfed.matching.layer_inputs import CompactRows
     neurons = _layer_after_a_flatten(7)
     rng = np.random.default_rng(2)
     labels = [rng.choice(9, size=len(v), replace=False) for v in neurons]
@@ -1088,8 +1088,8 @@ def test_the_average_of_compact_rows_is_the_average_of_the_dense_ones():
 
 
 def test_compact_rows_are_refused_where_they_do_not_apply():
-    from bnpfed.inference import match_bayesian_layer
-    from bnpfed.inference.layer_inputs import CompactRows
+    from bnpfed.matching import match_bayesian_layer
+    from bnpfed.matching.layer_inputs import CompactRows
     with pytest.raises(ValueError, match="columns: expected increasing coordinates in \\[0, 4\\)"):
         CompactRows(np.ones((2, 2)), [3, 1], 4)
     with pytest.raises(ValueError, match="values: expected shape \\(L_j, 3\\)"):
@@ -1105,8 +1105,8 @@ def test_the_result_takes_its_atoms_from_the_storage_block_by_block_as_at_once(m
     rows at a time: one row a block gives the atoms of one block for the whole, and both are the posterior means of
     the assignment, (mu0 / sigma0_2 + sum_j w_jd x_jd) / (1 / sigma0_2 + sum_j w_jd) with w_jd = s_jd / sigma2 --
     on a dense layer, a layer after a Flatten held compact, and with a per-client coordinate (PFNM's class shares)."""
-    from bnpfed.inference import matcher as matcher_module
-    from bnpfed.inference.layer_inputs import CompactRows
+    from bnpfed.matching import matcher as matcher_module
+    from bnpfed.matching.layer_inputs import CompactRows
     rng = np.random.default_rng(3)
     pool = rng.normal(size=(12, 9))   # overlapping atoms: each client holds 5 of 12, seen with noise
     dense = _layer_after_a_flatten(3) if kind == "flatten" else [

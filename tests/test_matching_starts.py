@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from scipy.stats import multivariate_normal
 
-from bnpfed.inference.matcher import make_matcher
+from bnpfed.matching.matcher import make_matcher
 
 
 def _brute_force(V, U, s, labels, noise, prior, mu0, gamma0):
@@ -65,7 +65,7 @@ def test_both_starts_keep_the_likelier_fixed_point_and_it_is_closer_to_the_truth
     likelier and closer."""
     import torch  # noqa: F401  (the model samples through torch)
 
-    from bnpfed.inference import match_layer
+    from bnpfed.matching import match_layer
     from bnpfed.models.beta_bernoulli import sample_federated_layer
 
     err_small, err_both, err_even, noise_small, noise_both = 0, 0, 0, 0.0, 0.0
@@ -90,7 +90,7 @@ def test_both_starts_keep_the_likelier_fixed_point_and_it_is_closer_to_the_truth
 
 
 def test_one_start_where_the_noise_is_given_or_fixed():
-    from bnpfed.inference import match_layer
+    from bnpfed.matching import match_layer
 
     rng = np.random.default_rng(1)
     V = [rng.normal(size=(6, 4)) for _ in range(3)]
@@ -104,7 +104,7 @@ def test_one_start_where_the_noise_is_given_or_fixed():
 def test_the_second_start_reading_the_first_starts_gram_matrix_matches_as_direct_products_do():
     """The even-split start reuses the Gram matrix the small-noise start took (its noise differs, so the precision
     ratio is applied when it is read): same starts, same labels, same likelihoods as with direct products."""
-    from bnpfed.inference import match_layer
+    from bnpfed.matching import match_layer
     from bnpfed.models.beta_bernoulli import sample_federated_layer
 
     layer = sample_federated_layer(8, 12, seed=4, gamma0=10.0, sigma2=0.5, sigma0_2=1.0)
@@ -124,7 +124,7 @@ def test_a_federation_runs_each_layer_from_the_even_split_unless_asked_for_both_
 
     from bnpfed.federated import NetworkConfig, PFNMConfig
     from bnpfed.federated.clients import initial_network
-    from bnpfed.inference import match_by_spec
+    from bnpfed.matching import match_by_spec
 
     assert PFNMConfig().starts == "even-split" and PFNMConfig().matcher_kwargs()["starts"] == "even-split"
     template = initial_network(NetworkConfig(hidden=(12,)), (6,), 3, seed=0)
@@ -161,7 +161,7 @@ def test_the_schedule_and_the_matcher_device_reach_every_group_through_the_confi
 
     from bnpfed.federated import NetworkConfig, PFNMConfig
     from bnpfed.federated.clients import initial_network
-    from bnpfed.inference import match_by_spec
+    from bnpfed.matching import match_by_spec
 
     template = initial_network(NetworkConfig(hidden=(12,)), (6,), 3, seed=0)
     states = [initial_network(NetworkConfig(hidden=(12,)), (6,), 3, seed=j).state_dict() for j in range(4)]

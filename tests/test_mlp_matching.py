@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from bnpfed.inference import PermutationSpec, assignment_objective, match_by_spec, match_layer
+from bnpfed.matching import PermutationSpec, assignment_objective, match_by_spec, match_layer
 from bnpfed.models import mlp, sample_federated_layer
 
 
@@ -402,7 +402,7 @@ def test_a_layer_fn_without_the_empirical_bayes_keywords_is_not_passed_them():
 
 
 def test_the_k_means_baseline_still_plugs_in():
-    from bnpfed.federated.baselines import kmeans_layer
+    from bnpfed.baselines.averaging import kmeans_layer
 
     nets = [random_net([6, 5, 3], seed) for seed in range(3)]
     r = match_by_spec(mlps(nets), None, layer_fn=kmeans_layer(4), seed=0)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from bnpfed.inference.permutation import (
+from bnpfed.matching.permutation import (
     Axis,
     Group,
     PermutationSpec,
@@ -22,7 +22,7 @@ from bnpfed.inference.permutation import (
     unit_vectors,
     verify_spec,
 )
-from bnpfed.inference.layout import group_layout
+from bnpfed.matching.layout import group_layout
 from bnpfed.models import LeNet, mlp, simple_cnn, simple_cnn_bn
 
 EXACT = dict(hyperparameters="fixed", sigma2=1e-8, sigma0_2=1.0, gamma0=1.0)

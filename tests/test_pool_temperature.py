@@ -1,4 +1,4 @@
-"""The temperature of pooled heads (bnpfed.inference.pooled_heads: pool_nll, fit_temperature, PooledHeads'
+"""The temperature of pooled heads (bnpfed.matching.pooled_heads: pool_nll, fit_temperature, PooledHeads'
 temperature; pool_temperature="fit" in PFNM's and matched fusion's federations): each claim against an independent
 computation, and the fit against data drawn from a tempered model."""
 
@@ -16,8 +16,8 @@ from bnpfed.federated.matched_fusion import MatchedFusionFederation
 from bnpfed.federated.methods import ExperimentConfig, run_experiment
 from bnpfed.federated.partition import partition_dirichlet
 from bnpfed.federated.pfnm import PFNMFederation
-from bnpfed.inference import PooledHeads
-from bnpfed.inference.pooled_heads import TEMPERATURES, fit_temperature, pool_nll, set_temperature
+from bnpfed.matching import PooledHeads
+from bnpfed.matching.pooled_heads import TEMPERATURES, fit_temperature, pool_nll, set_temperature
 from bnpfed.seeding import Stream, derive_seed
 
 

@@ -1,5 +1,5 @@
 """The clients' own output layers on PFNM's global body, pooled log-linearly with class-share weights
-(bnpfed.inference.pooled_heads): each claim of its docstring against an independent computation."""
+(bnpfed.matching.pooled_heads): each claim of its docstring against an independent computation."""
 
 import math
 
@@ -12,9 +12,9 @@ from bnpfed.federated.config import NetworkConfig, PartitionConfig, PFNMConfig, 
 from bnpfed.federated.methods import ExperimentConfig, run_experiment
 from bnpfed.federated.partition import partition_dirichlet
 from bnpfed.federated.pfnm import PFNMFederation
-from bnpfed.inference import (PooledHeads, client_heads, derive_spec, match_by_spec, pool_log_probabilities, pooled_network,
-                              unit_activity)
-from bnpfed.inference.pooled_heads import pooling_weights
+from bnpfed.matching import (PooledHeads, client_heads, derive_spec, match_by_spec, pool_log_probabilities,
+                             pooled_network, unit_activity)
+from bnpfed.matching.pooled_heads import pooling_weights
 from bnpfed.metrics import count_parameters
 from bnpfed.saved import load_global, save_global
 

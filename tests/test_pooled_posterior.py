@@ -1,4 +1,4 @@
-"""Matched posterior fusion with the clients' own posterior output layers pooled (bnpfed.inference.PooledPosterior,
+"""Matched posterior fusion with the clients' own posterior output layers pooled (bnpfed.matching.PooledPosterior,
 methods match-<rule>-pooled): the predictive against a Monte Carlo estimate written out by hand, the point-mass
 limit against the pooled network, and the rows and refusals around it."""
 
@@ -13,9 +13,9 @@ from bnpfed.federated.config import BayesianConfig, FusionConfig, NetworkConfig,
 from bnpfed.federated.matched_fusion import MatchedFusionFederation
 from bnpfed.federated.methods import ExperimentConfig, available_methods, run_experiment
 from bnpfed.federated.partition import partition_dirichlet
-from bnpfed.inference import PooledPosterior, match_by_spec, pooled_network
-from bnpfed.inference.pooled_heads import sample_state
-from bnpfed.inference.posterior_matching import client_posterior
+from bnpfed.matching import PooledPosterior, match_by_spec, pooled_network
+from bnpfed.matching.pooled_heads import sample_state
+from bnpfed.matching.posteriors import client_posterior
 
 
 @pytest.fixture(scope="module")

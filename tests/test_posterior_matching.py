@@ -13,9 +13,9 @@ from bnpfed.federated.config import (FUSION_TRAINING, BayesianConfig, FusionConf
                                      TrainingConfig)
 from bnpfed.federated.matched_fusion import MatchedFusionFederation
 from bnpfed.federated.methods import ExperimentConfig, available_methods, run_experiment
-from bnpfed.inference.bayesian_matching import match_bayesian_layer
-from bnpfed.inference.permutation import client_slice, derive_spec, network_from_state
-from bnpfed.inference.posterior_matching import MIN_VARIANCE, client_posterior, fuse_members, match_posteriors
+from bnpfed.matching.bayesian_layer import match_bayesian_layer
+from bnpfed.matching.permutation import client_slice, derive_spec, network_from_state
+from bnpfed.matching.posteriors import MIN_VARIANCE, client_posterior, fuse_members, match_posteriors
 
 RULES = ("eaa", "gaa", "log_variance", "conflation")
 #: tiny noise and a wide prior: copies of one unit merge, distinct units stay apart
@@ -469,7 +469,7 @@ PVI_FIXED = dict(hyperparameters="fixed", tau2=1e-3, sigma0_2=1.0, gamma0=1.0)
 
 
 def test_a_cavity_is_the_posterior_divided_by_the_factor_and_the_factor_the_posterior_over_the_cavity():
-    from bnpfed.inference.posterior_matching import cavity, pvi_factor
+    from bnpfed.matching.posteriors import cavity, pvi_factor
 
     _, _, clients = _pvi_clients()
     q, c = clients
@@ -512,7 +512,7 @@ def test_under_pvi_a_round_in_which_no_client_learns_leaves_the_global_posterior
     """If every client's new posterior is just its slice (it learned nothing new), its new factor is its old one and
     the fused posterior is unchanged; fusing the slices by conflation instead would count the data twice (the
     precision of every two-member unit doubles)."""
-    from bnpfed.inference.posterior_matching import cavity, pvi_factor
+    from bnpfed.matching.posteriors import cavity, pvi_factor
 
     net, spec, clients = _pvi_clients()
     first = match_posteriors(clients, rule="pvi", template=net, seed=0, prior_variance=0.5, **PVI_FIXED)
@@ -549,7 +549,7 @@ def test_pvi_rounds_train_against_the_cavity_and_are_reproducible(digits):
     assert {"cavity_at_prior", "improper"} <= set(records[-1].metrics)
     assert records[-1].metrics["accuracy"] > 0.5
     # the next round's client j trains against its cavity: its slice of the global posterior over its factor
-    from bnpfed.inference.posterior_matching import cavity
+    from bnpfed.matching.posteriors import cavity
 
     j = 1
     expected, _ = cavity(fed.match.client_slice(fed.matched.index(j)), fed.pvi.factors[j], 1.0)
@@ -583,7 +583,7 @@ def test_pvi_refuses_what_it_cannot_run():
 
 def test_where_the_matchers_empirical_bayes_starts_reaches_every_group_of_matched_fusion():
     """``starts``: the even split alone by default, both starts (the likelier kept) on request, as
-    :func:`~bnpfed.inference.match_bayesian_layer` takes it; :class:`FusionConfig` checks and carries it."""
+    :func:`~bnpfed.matching.match_bayesian_layer` takes it; :class:`FusionConfig` checks and carries it."""
     from bnpfed.federated import FusionConfig
 
     net, locs, variances = bayesian_net(1, False)
@@ -603,7 +603,7 @@ def test_the_matchers_device_reaches_every_group_of_matched_fusion():
     fused posteriors, on the posteriors and on the means; it is the default matchers' option, refused with a given
     ``layer_fn``; :class:`FusionConfig` checks and carries it as ``matcher_device``."""
     from bnpfed.federated import FusionConfig
-    from bnpfed.inference import match_bayesian_layer
+    from bnpfed.matching import match_bayesian_layer
 
     net, locs, variances = bayesian_net(1, False)
     spec, clients = permuted_copies(net, locs, variances, 3, (4,))

@@ -18,8 +18,8 @@ from bnpfed.federated.config import BayesianConfig, FusionConfig, NetworkConfig,
 from bnpfed.federated.fusion import FusionFederation
 from bnpfed.federated.matched_fusion import MatchedFusionFederation, tempered
 from bnpfed.federated.methods import ExperimentConfig, run_experiment
-from bnpfed.inference import BayesianClient
-from bnpfed.inference.pooled_heads import TEMPERATURES
+from bnpfed.clients import BayesianClient
+from bnpfed.matching.pooled_heads import TEMPERATURES
 from bnpfed.models import Categorical, Gaussian, mlp, only_linear_weights
 from bnpfed.saved import read_global, save_global
 from bnpfed.seeding import Stream, derive_seed
@@ -149,7 +149,7 @@ def test_a_laplace_predictives_temperature_divides_every_draws_logits():
     """The linearised predictive at temperature T is the mean over its draws of softmax(logits / T), its draws those
     of sample_outputs (the same seed, the same draws); at 1 it is the untempered predictive bit for bit."""
     pytest.importorskip("laplace")
-    from bnpfed.inference import LaplaceClient
+    from bnpfed.clients import LaplaceClient
 
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(60, 5, generator=g), torch.randint(0, 3, (60,), generator=g)

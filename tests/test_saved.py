@@ -12,7 +12,7 @@ from bnpfed.data import load_dataset
 from bnpfed.federated.clients import initial_network, train_network
 from bnpfed.federated.config import NetworkConfig, TrainingConfig
 from bnpfed.federated.partition import class_counts
-from bnpfed.inference import match_by_spec
+from bnpfed.matching import match_by_spec
 from bnpfed.metrics import classification_report, count_parameters
 from bnpfed.saved import read_global, save_global
 from user_networks import UserCNN, UserMixingNet
@@ -96,7 +96,7 @@ def test_bnpfed_match_writes_the_global_network_that_match_by_spec_builds(kind, 
                                                                   "--input-shape", "1,8,8"])])
 def test_bnpfed_match_heads_pooled_writes_the_matched_body_with_the_clients_pooled_heads(kind, extra, folder, tmp_path,
                                                                                        digits, capsys):
-    from bnpfed.inference import pooled_network
+    from bnpfed.matching import pooled_network
 
     name, state = kind.split("-")[0], kind.endswith("-state")
     out = tmp_path / "pooled.pt"
@@ -123,8 +123,8 @@ def test_bnpfed_match_heads_pooled_writes_the_matched_body_with_the_clients_pool
 
 
 def test_bnpfed_match_without_counts_estimates_the_class_shares_and_says_so(folder, tmp_path, capsys, digits):
-    from bnpfed.inference import derive_spec
-    from bnpfed.inference.class_shares import estimate_class_shares
+    from bnpfed.matching import derive_spec
+    from bnpfed.matching.class_shares import estimate_class_shares
 
     assert main(["match", *files(folder, "mlp"), "--out", str(tmp_path / "g.pt")]) == 0
     assert "note: no --counts: each client's class shares estimated" in capsys.readouterr().out
@@ -142,7 +142,7 @@ def test_bnpfed_match_without_counts_estimates_the_class_shares_and_says_so(fold
 
 def reports(nets, digits, parts, spec):
     """Every client's activity report on its own training data, as JSON (what --activity reads)."""
-    from bnpfed.inference import unit_activity
+    from bnpfed.matching import unit_activity
 
     return [{g: a.tolist() for g, a in unit_activity(n, digits.x_train[p], spec).items()} for n, p in zip(nets, parts)]
 
@@ -153,7 +153,7 @@ def test_bnpfed_match_with_the_clients_activity_reports_leaves_their_dead_units_
     """--activity: the units dead on their client's data join no global unit, exactly as match_by_spec with the
     same reports (PFNMConfig's inactive="drop", bnpfed pfnm's default); without it every unit is matched, and the
     result says so."""
-    from bnpfed.inference import derive_spec, kept_units
+    from bnpfed.matching import derive_spec, kept_units
 
     nets = [torch.load(f, weights_only=False) for f in files(folder, kind)]
     spec = derive_spec(nets[0], digits.input_shape)
@@ -238,7 +238,7 @@ def bad(folder, tmp_path):
     (lambda f, b: [str(b / f"mixing{j}.pt") for j in range(3)], r"MODEL: cannot match these networks: .*cumsum"),
 ])
 def test_bad_input_to_bnpfed_match_is_named_before_any_matching(argv, message, folder, bad, capsys, monkeypatch):
-    import bnpfed.inference as inference
+    import bnpfed.matching as inference
 
     called = []
     if message != "--sigma2":

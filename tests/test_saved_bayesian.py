@@ -15,9 +15,10 @@ from bnpfed.federated.clients import initial_network
 from bnpfed.federated.config import FusionConfig, NetworkConfig
 from bnpfed.federated.partition import class_counts
 from bnpfed.federated.server import fuse_posteriors
-from bnpfed.inference import BayesianClient, LaplaceClient, PooledPosterior, derive_spec, match_by_spec
-from bnpfed.inference.class_shares import estimate_class_shares
-from bnpfed.inference.posterior_matching import match_posteriors
+from bnpfed.clients import BayesianClient, LaplaceClient
+from bnpfed.matching import PooledPosterior, derive_spec, match_by_spec
+from bnpfed.matching.class_shares import estimate_class_shares
+from bnpfed.matching.posteriors import match_posteriors
 from bnpfed.metrics import classification_report
 from bnpfed.models import IIDPrior, LeNet, only_linear_weights
 from bnpfed.saved import read_global, save_global
@@ -237,7 +238,7 @@ def test_bnpfed_match_posteriors_with_activity_reports_leaves_the_dead_units_out
                                                                               capsys):
     """--activity with Laplace clients: match_posteriors with the same reports (matched on the means, the units dead
     on their client's data left out first)."""
-    from bnpfed.inference import unit_activity
+    from bnpfed.matching import unit_activity
 
     clients = loaded(folder, "laplace")
     means = [c.mean_network() for c in clients]
@@ -325,7 +326,7 @@ def test_bnpfed_match_posteriors_align_none_fuses_laplace_clients_weight_by_weig
 ])
 def test_bad_input_to_bnpfed_match_posteriors_is_named_before_any_fusion(argv, message, folder, tmp_path, capsys,
                                                                         monkeypatch):
-    from bnpfed.inference import posterior_matching
+    from bnpfed.matching import posteriors as posterior_matching
 
     (folder / "fractional.json").write_text(json.dumps([[0.5] * 10] * 3))
     for name, change in (("nan", lambda p: p["loc"]), ("negative", lambda p: p["variance"])):
@@ -409,7 +410,7 @@ def test_bnpfed_match_posteriors_heads_pooled_writes_the_pooled_posterior_of_the
     """A matched posterior with the clients' own posterior heads pooled (a PooledPosterior) is written as kind
     "pooled-posterior" and loads back with the same predictive as ``PooledPosterior.of_match`` of the same match;
     the file's module is its pooled posterior-mean network."""
-    from bnpfed.inference.posterior_matching import client_posterior
+    from bnpfed.matching.posteriors import client_posterior
 
     out = tmp_path / "pooled.pt"
     assert main(["match", *files(folder, kind), *extra, "--posteriors", "--heads", "pooled", "--counts",
@@ -440,7 +441,7 @@ def test_bnpfed_match_posteriors_heads_pooled_writes_the_pooled_posterior_of_the
 
 
 def test_a_pooled_posterior_round_trips_through_save_global_with_its_temperature(folder, digits, tmp_path):
-    from bnpfed.inference.posterior_matching import client_posterior
+    from bnpfed.matching.posteriors import client_posterior
 
     clients = loaded(folder, "mlp")
     match = match_posteriors(clients, torch.ones(3, 10), input_shape=digits.input_shape,

@@ -1,4 +1,4 @@
-"""Posterior fusion from sums over clients (bnpfed.secure_fusion): the rules secure aggregation can compute are
+"""Posterior fusion from sums over clients (bnpfed.combine.secure): the rules secure aggregation can compute are
 the rules of bnpfed.combine, exactly, for any reference, with every client or only some."""
 
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from bnpfed.combine import average_deterministic, fuse
-from bnpfed.secure_fusion import (SECURE_RULES, deterministic_from_sum, deterministic_statistic, fuse_sums,
+from bnpfed.combine.secure import (SECURE_RULES, deterministic_from_sum, deterministic_statistic, fuse_sums,
                                   join_limbs, quantisation_bound, quantization_range, split_limbs, statistic_names,
                                   sum_statistics)
 

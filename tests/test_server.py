@@ -13,7 +13,7 @@ from bnpfed.federated.config import FusionConfig, PFNMConfig
 from bnpfed.federated.server import (average_states, batch_norm_step, client_start, client_weights, clients_per_round,
                                      fedma_group_step, fuse_posteriors, matched_parameters, pfnm_step, sample_clients,
                                      with_statistics)
-from bnpfed.inference.permutation import client_slice, derive_spec, match_by_spec, network_from_state
+from bnpfed.matching.permutation import client_slice, derive_spec, match_by_spec, network_from_state
 from bnpfed.models import LeNet, mlp, simple_cnn, simple_cnn_bn
 from bnpfed.posterior import GaussianPosterior
 from bnpfed.seeding import Stream, derive_seed, torch_generator

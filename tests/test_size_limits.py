@@ -1,4 +1,4 @@
-"""A global network of the size a user asks for (bnpfed.inference.size): ``max_width`` and ``max_params`` met inside
+"""A global network of the size a user asks for (bnpfed.matching.size): ``max_width`` and ``max_params`` met inside
 the Beta-Bernoulli model, by the IBP mass, never by truncating; the result is the model's own match at the lowered
 gamma0, and what the limit cost is said."""
 
@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from bnpfed.federated.config import PFNMConfig
-from bnpfed.inference import derive_spec, match_by_spec
-from bnpfed.inference.size import BISECTIONS, BRACKET, SizeLimitError, fit_size, minimum_widths, parameter_count
+from bnpfed.matching import derive_spec, match_by_spec
+from bnpfed.matching.size import BISECTIONS, BRACKET, SizeLimitError, fit_size, minimum_widths, parameter_count
 from bnpfed.metrics import count_parameters
 from bnpfed.models import mlp
 
@@ -161,7 +161,7 @@ def test_limits_below_what_any_assignment_allows_are_refused_before_matching():
 
 
 def test_a_matcher_without_an_ibp_mass_cannot_take_a_limit():
-    from bnpfed.federated.baselines import kmeans_layer
+    from bnpfed.baselines.averaging import kmeans_layer
     nets = federation()
     with pytest.raises(ValueError, match="max_width: applies to a Beta-Bernoulli matcher"):
         match_by_spec(nets, seed=0, max_width=30, layer_fn=kmeans_layer(25))
@@ -340,7 +340,7 @@ def test_lenet_limited_to_its_ensembles_size_on_digits():
 def test_fedma_matches_one_group_within_its_max_width():
     """FedMA's one-group step takes the group's max_width as match_by_spec does (the same search: its match equals
     match_by_spec's for the first group)."""
-    from bnpfed.inference import match_group
+    from bnpfed.matching import match_group
     nets = federation(hidden=(20, 12))
     spec = derive_spec(nets[0], (D_IN,))
     whole = match_by_spec(nets, seed=0, max_width=[30, None])
@@ -357,7 +357,7 @@ def test_fedmas_default_budget_overdrawn_below_limits_the_groups_above_to_one_cl
     """Under max_params="auto" (FedMA's default) a budget the groups below already overdrew is best effort: the
     groups above are limited to one client's width; an explicit budget is refused as before."""
     from bnpfed.federated.server import fedma_width_limits
-    from bnpfed.inference.size import SizeLimitError
+    from bnpfed.matching.size import SizeLimitError
     nets = federation(hidden=(20, 12))
     spec = derive_spec(nets[0], (D_IN,))
     states = [n.state_dict() for n in nets]
@@ -405,8 +405,8 @@ def test_pooled_heads_are_priced_as_the_j_output_layers_the_pooled_network_carri
     (:func:`pooled_network`): ``parameter_count(..., heads=J)`` is that network's count, a ``max_params`` between
     the fused and the pooled network's own size binds and is met by the pooled network, and the last group's units
     are priced with their J output columns (D_g by hand)."""
-    from bnpfed.inference import pooled_network
-    from bnpfed.inference.size import head_parameters
+    from bnpfed.matching import pooled_network
+    from bnpfed.matching.size import head_parameters
 
     nets = federation(hidden=(20, 12))
     spec = derive_spec(nets[0], (D_IN,))

@@ -14,7 +14,7 @@ from torch import nn
 from torch.testing import assert_close
 
 from bnpfed.data import load_dataset
-from bnpfed.inference import BayesianClient, DeterministicClient, MeanFieldELBO, MeanFieldGuide, TrainingDiverged
+from bnpfed.clients import BayesianClient, DeterministicClient, MeanFieldELBO, MeanFieldGuide, TrainingDiverged
 from bnpfed.models import Gaussian, IIDPrior, LayerwisePrior, LeNet, mlp, only_linear_weights
 from bnpfed.posterior import GaussianPosterior
 from bnpfed.seeding import seeded

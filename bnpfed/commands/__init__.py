@@ -5,4 +5,6 @@ A command parses arguments, calls the library, and prints / plots / writes resul
 
 from bnpfed.commands import demo, evaluate, flower, fuse, match, pfnm
 
+__all__ = ["COMMANDS"]
+
 COMMANDS = [demo, pfnm, fuse, match, evaluate, flower]

@@ -36,12 +36,12 @@ from torch import Tensor
 
 from bnpfed.data import (CIFAR10_JPEG, DATASET_NAMES, NPZ_FORMAT, NPZ_PREFIX, Dataset, load_dataset,
                          standardize_together)
-from bnpfed.inference import TrainingDiverged
-from bnpfed.inference.augment import AUGMENTATIONS
-from bnpfed.inference.size import SizeLimitError
-from bnpfed.inference.svi import OPTIMIZERS
+from bnpfed.clients import TrainingDiverged
+from bnpfed.clients import AUGMENTATIONS
+from bnpfed.matching import SizeLimitError
+from bnpfed.clients import OPTIMIZERS
 from bnpfed.report import plural
-from bnpfed.federated.config import PARTITION_ALIASES, PARTITIONS, PartitionConfig, TrainingConfig
+from bnpfed.federated import PARTITION_ALIASES, PARTITIONS, PartitionConfig, TrainingConfig
 
 __all__ = [
     "HelpFormatter",
@@ -75,7 +75,7 @@ __all__ = [
     "warn",
 ]
 
-#: What a run that fails while training raises: :class:`~bnpfed.inference.TrainingDiverged` (a NaN or infinite loss
+#: What a run that fails while training raises: :class:`~bnpfed.clients.TrainingDiverged` (a NaN or infinite loss
 #: or parameter, which says where and why), or another error from deep inside a fit; the commands print it as one
 #: line and exit with status 1.
 TRAINING_ERRORS = (TrainingDiverged, RuntimeError, ValueError, FloatingPointError)
@@ -122,7 +122,7 @@ def fail(prog: str, message: str, status: int = 2) -> int:
 
 
 def training_failure(error: BaseException, start: Optional[str] = None) -> str:
-    """One line for an error raised while training: a :class:`~bnpfed.inference.TrainingDiverged` says where and
+    """One line for an error raised while training: a :class:`~bnpfed.clients.TrainingDiverged` says where and
     why itself (and, when the first loss was already not finite, ``start``: the flags that set the starting point);
     any other error gives its type and the first line of its message."""
     text = str(error).strip()

@@ -1,5 +1,5 @@
 """``bnpfed demo``: sample a federated layer from the Beta-Bernoulli model, match it, print how well the matching
-recovered it (:func:`bnpfed.inference.recovery.match_recovery`).
+recovered it (:func:`bnpfed.matching.recovery.match_recovery`).
 
 Examples::
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from bnpfed.commands._args import HelpFormatter, UsageError, check_output_path, fail, flag_message, paragraphs
-from bnpfed.inference import recovery
+from bnpfed.matching import recovery
 from bnpfed.report import command_record, command_results, format_table, write_json
 
 PROG = "bnpfed demo"

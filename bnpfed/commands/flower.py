@@ -199,7 +199,7 @@ def _sim(args, flower_config) -> int:
 
     results = []
     if args.local:
-        from bnpfed.flower.local import LocalGrid
+        from bnpfed.flower import LocalGrid
 
         results.append(server.run_federation(LocalGrid(client_app, args.supernodes), config))
     else:

@@ -20,19 +20,18 @@ from dataclasses import asdict
 import torch
 
 from bnpfed.combine import available_rules
-from bnpfed.inference.driver import STARTS, STOPS
-from bnpfed.inference.posterior_matching import ATOM_POSTERIOR, MATCH_ON, PVI, matched_rules
+from bnpfed.matching import STARTS, STOPS
+from bnpfed.matching import ATOM_POSTERIOR, MATCH_ON, PVI, matched_rules
 from bnpfed.commands import _args
 from bnpfed.commands._args import HelpFormatter, UsageError, fail, flag_message, warn
 from bnpfed.federated import methods
-from bnpfed.federated.clients import initial_network
-from bnpfed.federated.config import (CLIENT_KINDS, CLIENT_WEIGHTS, FUSION_TRAINING, INITIALISATIONS, LAPLACE_PRIORS,
-                                     PAPER_MIN_VARIANCE, PRIORS, PRIOR_VARIANCES, PVI_DAMPING, ROUND_PRIORS,
-                                     LATER_ROUNDS, BayesianConfig, FusionConfig, NetworkConfig, PFNMConfig,
-                                     config_dict)
-from bnpfed.federated.methods import ExperimentConfig
-from bnpfed.federated.fusion import FUSION_ARCHITECTURES
-from bnpfed.federated.matched_fusion import MatchedFusionFederation
+from bnpfed.federated import initial_network
+from bnpfed.federated import (CLIENT_KINDS, CLIENT_WEIGHTS, FUSION_TRAINING, INITIALISATIONS, LAPLACE_PRIORS,
+                              PAPER_MIN_VARIANCE, PRIORS, PRIOR_VARIANCES, PVI_DAMPING, ROUND_PRIORS, LATER_ROUNDS,
+                              BayesianConfig, FusionConfig, NetworkConfig, PFNMConfig, config_dict)
+from bnpfed.federated import ExperimentConfig
+from bnpfed.federated import FUSION_ARCHITECTURES
+from bnpfed.federated import MatchedFusionFederation
 from bnpfed.report import (command_record, command_results, format_table, line_styles, pyplot, save_figure,
                            write_json)
 from bnpfed.validation import check_choice

@@ -1,8 +1,8 @@
 """``bnpfed match``: pre-trained local networks in, one global network file out (PFNM's own use case: the models are
-available, their data are not), through :func:`bnpfed.inference.match_by_spec` and :func:`bnpfed.saved.save_global`;
-with ``--posteriors``, saved Bayesian clients (variational, :class:`~bnpfed.inference.BayesianClient`, or Laplace,
-:class:`~bnpfed.inference.LaplaceClient`) in, one global posterior out, matched
-(:func:`bnpfed.inference.posterior_matching.match_posteriors`) or weight by weight
+available, their data are not), through :func:`bnpfed.matching.match_by_spec` and :func:`bnpfed.saved.save_global`;
+with ``--posteriors``, saved Bayesian clients (variational, :class:`~bnpfed.clients.BayesianClient`, or Laplace,
+:class:`~bnpfed.clients.LaplaceClient`) in, one global posterior out, matched
+(:func:`bnpfed.matching.posteriors.match_posteriors`) or weight by weight
 (:func:`bnpfed.federated.server.fuse_posteriors`).
 
 Examples::
@@ -31,11 +31,11 @@ from torch import nn
 from bnpfed.commands import _args
 from bnpfed.commands._args import HelpFormatter, UsageError, fail, flag_message
 from bnpfed.commands.pfnm import hyper_values, max_params, max_widths
-from bnpfed.federated.clients import initial_network
+from bnpfed.federated import initial_network
 from bnpfed.combine import available_rules
-from bnpfed.federated.config import ARCHITECTURES, FusionConfig, NetworkConfig, PFNMConfig, config_dict
-from bnpfed.inference import LaplaceClient
-from bnpfed.inference.posterior_matching import MATCH_ON, MIN_VARIANCE
+from bnpfed.federated import ARCHITECTURES, FusionConfig, NetworkConfig, PFNMConfig, config_dict
+from bnpfed.clients import LaplaceClient
+from bnpfed.matching import MATCH_ON, MIN_VARIANCE
 from bnpfed.metrics import count_parameters
 from bnpfed.report import command_record, command_results, format_table, write_json
 from bnpfed.saved import FORMAT, global_from_record, load_torch_file, save_global
@@ -67,10 +67,10 @@ def add_parser(sub):
     g.add_argument("--counts", metavar="PATH",
                    help="JSON: a J x C table of each client's training examples per class (its class shares weigh "
                    "the output layer), or 'uniform' (every client holds every class equally). Default: estimated "
-                   "from each network's own output layer (bnpfed.inference.class_shares), and the result says so")
+                   "from each network's own output layer (bnpfed.matching.class_shares), and the result says so")
     g.add_argument("--activity", metavar="PATH",
                    help="JSON: one report per client in MODEL order, each {group: [one activity per unit]} as "
-                   "bnpfed.inference.unit_activity computes it on the client's own data; the units with activity 0 "
+                   "bnpfed.matching.unit_activity computes it on the client's own data; the units with activity 0 "
                    "(dead on that data) are left out before matching, as bnpfed pfnm leaves them out. Default: "
                    "every unit matched, dead ones included, and the result says so")
     g.add_argument("--show-spec", action="store_true", help="print the derived permutation spec")
@@ -93,9 +93,9 @@ def add_parser(sub):
                    help="the global network's output layer: fused (default; PFNM's class-share average of the "
                    "clients' output layers) or pooled (every client's own output layer on the global units its units "
                    "were matched to, log-probabilities pooled with the class shares: "
-                   "bnpfed.inference.pooled_network; J output layers instead of one, far better under label skew, "
+                   "bnpfed.matching.pooled_network; J output layers instead of one, far better under label skew, "
                    "benchmarks/README.md); with --posteriors (--align match) the clients' own posterior output "
-                   "layers, pooled inside every weight draw (bnpfed.inference.PooledPosterior)")
+                   "layers, pooled inside every weight draw (bnpfed.matching.PooledPosterior)")
     g.add_argument("--seed", type=int, default=0, help="seed of the sweeps' client order (and of the pooling rule's "
                    "draws), >= 0")
     g.add_argument("--matcher-device", metavar="DEVICE",
@@ -205,7 +205,7 @@ def _input_shape(net: nn.Module, given) -> tuple:
 
 def _checked_spec(template: nn.Module, input_shape):
     """The template's permutation spec, derived and verified, or a UsageError naming the MODEL files."""
-    from bnpfed.inference import derive_spec, verify_spec
+    from bnpfed.matching import derive_spec, verify_spec
 
     try:
         spec = derive_spec(template, input_shape)
@@ -217,9 +217,9 @@ def _checked_spec(template: nn.Module, input_shape):
 
 def _activity(path, states: list, spec) -> list | None:
     """``--activity``: the clients' reports (one ``{group: (L,) float64 tensor}`` per client), checked against the
-    spec and every client's widths (:func:`~bnpfed.inference.activity.kept_per_client`); None without the flag."""
-    from bnpfed.inference.activity import kept_per_client
-    from bnpfed.inference.layout import width
+    spec and every client's widths (:func:`~bnpfed.matching.activity.kept_per_client`); None without the flag."""
+    from bnpfed.matching import kept_per_client
+    from bnpfed.matching import width
 
     if path is None:
         return None
@@ -254,7 +254,7 @@ def _activity_notes(activity) -> list[str]:
     """What the result says about dead units."""
     if activity is None:
         return ["no --activity: every unit matched, dead ones included (give the clients' reports, "
-                "bnpfed.inference.unit_activity on their own data, to leave those out)"]
+                "bnpfed.matching.unit_activity on their own data, to leave those out)"]
     dead = sum(int((a == 0).sum()) for report in activity for a in report.values())
     return [f"--activity: {dead} unit(s) dead on their client's data left out before matching"]
 
@@ -328,7 +328,7 @@ def prepare(args) -> dict:
         if bad:
             raise UsageError(f"MODEL: {path!r} holds NaN or infinite values in {', '.join(bad[:3])}")
     template, input_shape = _template(args, clients[0], args.input_shape)
-    from bnpfed.inference.class_shares import estimate_class_shares
+    from bnpfed.matching import estimate_class_shares
 
     spec = _checked_spec(template, input_shape)
     reference = template.state_dict()
@@ -363,7 +363,7 @@ def run(args) -> int:
         return fail(PROG, flag_message(error))
     if args.posteriors:
         return run_posteriors(args, plan)
-    from bnpfed.inference import match_by_spec
+    from bnpfed.matching import match_by_spec
 
     spec = plan["spec"]
     if args.show_spec:
@@ -375,7 +375,7 @@ def run(args) -> int:
     except ValueError as error:  # per-group values of the wrong count, and the like: named as flags
         return fail(PROG, flag_message(error))
     if args.heads == "pooled":
-        from bnpfed.inference import pooled_network
+        from bnpfed.matching import pooled_network
 
         try:
             network = pooled_network(match, plan["clients"])
@@ -409,7 +409,7 @@ def run(args) -> int:
 def _counts_notes(source: str) -> list[str]:
     return {"given": [], "uniform": ["--counts uniform: every client taken to hold every class equally"],
             "estimated": ["no --counts: each client's class shares estimated from its own output layer "
-                          "(bnpfed.inference.class_shares; give --counts when you have them)"]}[source]
+                          "(bnpfed.matching.class_shares; give --counts when you have them)"]}[source]
 
 
 def _report(args, widths, hyperparameters, parameters, local, notes, settings) -> None:
@@ -490,7 +490,7 @@ def prepare_posteriors(args) -> dict:
                                  f"shapes of {args.models[0]!r}; {path!r} has {wrong} of shape {other.get(wrong)}, "
                                  f"not {shapes[wrong]} (use --align match)")
     input_shape = _input_shape(template, args.input_shape)
-    from bnpfed.inference.class_shares import estimate_class_shares
+    from bnpfed.matching import estimate_class_shares
 
     spec = _checked_spec(template, input_shape)
     with torch.no_grad():
@@ -515,8 +515,8 @@ def prepare_posteriors(args) -> dict:
 
 
 def _client_kind(client) -> str:
-    """``"laplace"`` for a :class:`~bnpfed.inference.LaplaceClient`, ``"variational"`` for a
-    :class:`~bnpfed.inference.BayesianClient` (:class:`~bnpfed.federated.config.BayesianConfig`'s ``client``)."""
+    """``"laplace"`` for a :class:`~bnpfed.clients.LaplaceClient`, ``"variational"`` for a
+    :class:`~bnpfed.clients.BayesianClient` (:class:`~bnpfed.federated.config.BayesianConfig`'s ``client``)."""
     return "laplace" if isinstance(client, LaplaceClient) else "variational"
 
 
@@ -529,10 +529,11 @@ def _variational(first) -> tuple:
 
 def run_posteriors(args, plan) -> int:
     """Fuse the saved clients' posteriors (matched or weight by weight) and write the global Bayesian client."""
-    from bnpfed.federated.server import fuse_posteriors
-    from bnpfed.inference import BayesianClient, network_from_state
-    from bnpfed.inference.layout import width
-    from bnpfed.inference.posterior_matching import match_posteriors
+    from bnpfed.federated import fuse_posteriors
+    from bnpfed.clients import BayesianClient
+    from bnpfed.matching import network_from_state
+    from bnpfed.matching import width
+    from bnpfed.matching import match_posteriors
 
     clients, fusion, spec = plan["clients"], plan["fusion"], plan["spec"]
     first, laplace = clients[0], plan["kind"] == "laplace"
@@ -558,8 +559,8 @@ def run_posteriors(args, plan) -> int:
         except ValueError as error:
             return fail(PROG, flag_message(error))
         if args.heads == "pooled":   # the fused body, every client's own posterior head pooled inside every draw
-            from bnpfed.inference import PooledPosterior
-            from bnpfed.inference.posterior_matching import client_posterior
+            from bnpfed.matching import PooledPosterior
+            from bnpfed.matching import client_posterior
 
             try:
                 client = PooledPosterior.of_match(match, [client_posterior(c) for c in clients])

@@ -24,12 +24,12 @@ import torch
 from bnpfed.commands import _args
 from bnpfed.commands._args import HelpFormatter, UsageError, fail, flag_message, warn
 from bnpfed.federated import methods
-from bnpfed.federated.clients import initial_network
-from bnpfed.federated.config import (ARCHITECTURES, HEADS, INITIALISATIONS, PFNM_NETWORK, PFNM_TRAINING,
-                                     FusionConfig, NetworkConfig, PFNMConfig, config_dict)
-from bnpfed.federated.methods import ExperimentConfig
-from bnpfed.inference import derive_spec
-from bnpfed.inference.driver import STARTS, STOPS
+from bnpfed.federated import initial_network
+from bnpfed.federated import (ARCHITECTURES, HEADS, INITIALISATIONS, PFNM_NETWORK, PFNM_TRAINING, FusionConfig,
+                              NetworkConfig, PFNMConfig, config_dict)
+from bnpfed.federated import ExperimentConfig
+from bnpfed.matching import derive_spec
+from bnpfed.matching import STARTS, STOPS
 from bnpfed.report import (command_record, command_results, format_table, line_styles, pyplot, save_figure,
                            write_json)
 from bnpfed.validation import check_positives

@@ -1,62 +1,64 @@
-"""The federated floor: partitions, configs, the clients' and the server's steps, the federations, the experiments.
+"""The federated loop: partitions, configs, the clients' and the server's steps, the federations, the experiments.
 
-* :mod:`~bnpfed.federated.partition`: splitting a dataset among clients (IID, label-Dirichlet);
-* :mod:`~bnpfed.federated.config`: one small frozen dataclass per concern (partition, network, local training,
-  Bayesian clients, PFNM server, fusion server);
-* :mod:`~bnpfed.federated.clients` and :mod:`~bnpfed.federated.server`: the steps, written once, that the in-process
-  federations and the Flower apps both call;
-* :mod:`~bnpfed.federated.pfnm`, :mod:`~bnpfed.federated.fusion`: PFNM, posterior fusion and FedAvg round by round;
-* :mod:`~bnpfed.federated.rounds`: what a matching server remembers between rounds (in process and on Flower);
-* :mod:`~bnpfed.federated.registry`: the comparison methods' names (a registry of runners);
-* :mod:`~bnpfed.federated.experiment`: the experiment harness (:class:`~bnpfed.federated.experiment.ExperimentConfig`,
-  :class:`~bnpfed.federated.experiment.Experiment`);
-* :mod:`~bnpfed.federated.methods`: the built-in methods' runners, :func:`run_experiment`.
+This is the folder's one public face: import from ``bnpfed.federated``; the files behind it are private to it.
+
+* splitting a dataset among clients: :func:`partition_homogeneous`, :func:`partition_dirichlet`,
+  :func:`class_counts`, :func:`class_shares`, :func:`train_validation_split`;
+* the settings, one small frozen dataclass per concern: :class:`PartitionConfig`, :class:`NetworkConfig`,
+  :class:`TrainingConfig`, :class:`BayesianConfig`, :class:`PFNMConfig`, :class:`FusionConfig`, and
+  :class:`ExperimentConfig` for the experiment harness;
+* the steps, written once, that the in-process federations and the Flower apps both call: a client's
+  (:func:`initial_network`, :func:`train_network`, :func:`fit_bayesian`, ...) and the server's (:func:`pfnm_step`,
+  :func:`fuse_posteriors`, :func:`matched_fusion_step`, :func:`average_states`, ...); what a matching server
+  remembers between rounds (:class:`MatchRounds`, :class:`PVIFactors`);
+* the federations, round by round: :class:`PFNMFederation`, :class:`FusionFederation`, :class:`FedAvgFederation`,
+  :class:`MatchedFusionFederation`;
+* the experiment harness: :func:`run_experiment` runs the registered comparison methods
+  (:func:`register_method`, :func:`available_methods`) on one partition and returns a table.
 """
 
-from bnpfed.federated.partition import (
-    TrainValidationSplit,
-    class_counts,
-    class_shares,
-    partition_dirichlet,
-    partition_homogeneous,
-    train_validation_split,
-)
-from bnpfed.federated.config import (
-    FUSION_TRAINING,
-    PFNM_NETWORK,
-    PFNM_TRAINING,
-    BayesianConfig,
-    FusionConfig,
-    NetworkConfig,
-    PartitionConfig,
-    PFNMConfig,
-    TrainingConfig,
-)
-from bnpfed.federated.fusion import FedAvgFederation, FusionFederation
+from bnpfed.federated.partition import (TrainValidationSplit, class_counts, class_shares, partition_dirichlet,
+                                        partition_homogeneous, train_validation_split)
+from bnpfed.federated.config import (ARCHITECTURES, CLIENT_KINDS, CLIENT_WEIGHTS, FIT, FUSION_TRAINING, HEADS,
+                                     INITIALISATIONS, LAPLACE_PRIORS, LATER_ROUNDS, PAPER_MIN_VARIANCE, PARTITION_ALIASES,
+                                     PARTITIONS, PFNM_NETWORK, PFNM_TRAINING, PRIOR_VARIANCES, PRIORS, PVI_DAMPING,
+                                     ROUND_PRIORS, BayesianConfig, FusionConfig, LocalSchedule, NetworkConfig,
+                                     PartitionConfig, PFNMConfig, TrainingConfig, config_dict)
+from bnpfed.federated.clients import (batch_norm_moments_step, bayesian_client, build_network, fit_bayesian,
+                                      initial_network, pool_nll_step, pooled_posterior_nll_step, posterior_client,
+                                      posterior_nll_step, start_round_prior_, train_network, unit_activity_step)
+from bnpfed.federated.server import (FusionStep, average_states, batch_norm_steps, client_weights,
+                                     clients_per_round, floor_variances, fuse_posteriors, matched_fusion_step,
+                                     mean_sigma, pfnm_step, sample_clients, with_statistics)
+from bnpfed.federated.rounds import Architecture, HoldsRounds, MatchRounds, PVIFactors
+from bnpfed.federated.fusion import FUSION_ARCHITECTURES, FedAvgFederation, FusionFederation, check_fusion_network
+from bnpfed.federated.matched_fusion import (MatchedFusionFederation, bayesian_from_match, client_from_slice,
+                                             pvi_factors, tempered)
 from bnpfed.federated.pfnm import PFNMFederation
 from bnpfed.federated.methods import ExperimentConfig, available_methods, register_method, run_experiment
 
 __all__ = [
-    "TrainValidationSplit",
-    "class_counts",
-    "class_shares",
-    "partition_dirichlet",
-    "partition_homogeneous",
+    # partitions
+    "TrainValidationSplit", "class_counts", "class_shares", "partition_dirichlet", "partition_homogeneous",
     "train_validation_split",
-    "FUSION_TRAINING",
-    "PFNM_NETWORK",
-    "PFNM_TRAINING",
-    "BayesianConfig",
-    "ExperimentConfig",
-    "FusionConfig",
-    "NetworkConfig",
-    "PartitionConfig",
-    "PFNMConfig",
-    "TrainingConfig",
-    "FedAvgFederation",
-    "FusionFederation",
-    "PFNMFederation",
-    "available_methods",
-    "register_method",
-    "run_experiment",
+    # settings
+    "PartitionConfig", "NetworkConfig", "TrainingConfig", "LocalSchedule", "BayesianConfig", "PFNMConfig",
+    "FusionConfig", "ExperimentConfig", "config_dict", "FUSION_TRAINING", "PFNM_NETWORK", "PFNM_TRAINING",
+    "ARCHITECTURES", "CLIENT_KINDS", "CLIENT_WEIGHTS", "FIT", "HEADS", "INITIALISATIONS", "LAPLACE_PRIORS",
+    "LATER_ROUNDS", "PAPER_MIN_VARIANCE", "PARTITIONS", "PARTITION_ALIASES", "PRIORS", "PRIOR_VARIANCES",
+    "PVI_DAMPING", "ROUND_PRIORS",
+    # the clients' steps
+    "build_network", "initial_network", "train_network", "bayesian_client", "fit_bayesian", "posterior_client",
+    "start_round_prior_", "batch_norm_moments_step", "unit_activity_step", "pool_nll_step",
+    "pooled_posterior_nll_step", "posterior_nll_step",
+    # the server's steps and round state
+    "FusionStep", "clients_per_round", "sample_clients", "client_weights", "fuse_posteriors", "floor_variances",
+    "matched_fusion_step", "average_states", "pfnm_step", "batch_norm_steps", "with_statistics", "mean_sigma",
+    "Architecture", "HoldsRounds", "MatchRounds", "PVIFactors", "bayesian_from_match", "client_from_slice",
+    "pvi_factors", "tempered",
+    # federations
+    "FUSION_ARCHITECTURES", "check_fusion_network", "FedAvgFederation", "FusionFederation",
+    "MatchedFusionFederation", "PFNMFederation",
+    # experiments
+    "available_methods", "register_method", "run_experiment",
 ]

@@ -36,10 +36,11 @@ import torch
 from torch import Tensor, nn
 
 from bnpfed.federated.config import BayesianConfig, NetworkConfig, TrainingConfig
-from bnpfed.inference import BayesianClient, DeterministicClient, LaplaceClient, MeanFieldELBO, derive_spec
-from bnpfed.inference.activity import unit_activity
-from bnpfed.inference.pooled_heads import PooledPosterior, pool_nll, pooled_heads_layer
-from bnpfed.inference.permutation import BatchNormMoments, batch_norm_moments
+from bnpfed.clients import BayesianClient, DeterministicClient, LaplaceClient, MeanFieldELBO
+from bnpfed.matching import derive_spec
+from bnpfed.matching import unit_activity
+from bnpfed.matching import PooledPosterior, pool_nll, pooled_heads_layer
+from bnpfed.matching import BatchNormMoments, batch_norm_moments
 from bnpfed.models import LeNet, mlp, reference_init_, simple_cnn
 from bnpfed.seeding import Stream, derive_seed, seeded, torch_generator
 
@@ -143,7 +144,7 @@ def batch_norm_moments_step(net: nn.Module, x: Tensor, batch_size: int, layer: O
     """A client's step of re-estimating the global network's batch-norm statistics: the moments of batch norm
     ``layer``'s inputs (None: every batch norm's) of ``net`` over the client's training inputs ``x``, the network in
     eval mode, in consecutive batches of ``batch_size`` in the order it holds them
-    (:func:`~bnpfed.inference.permutation.batch_norm_moments`; the server sums them over the clients and sets the
+    (:func:`~bnpfed.matching.permutation.batch_norm_moments`; the server sums them over the clients and sets the
     layers one at a time, front to back, :func:`~bnpfed.federated.server.batch_norm_steps`). Empty for a network
     without batch norm."""
     return batch_norm_moments(net, [x[i:i + batch_size] for i in range(0, len(x), batch_size)],
@@ -154,7 +155,7 @@ def unit_activity_step(net: nn.Module, x: Tensor, input_shape: Sequence[int], ba
                        ) -> dict[str, Tensor]:
     """A client's report on its own hidden units: per group of the network's permutation spec, each unit's largest
     absolute contribution to the next layer over the client's training inputs ``x``
-    (:func:`~bnpfed.inference.activity.unit_activity`; 0 exactly: a unit dead on the client's data, which the server
+    (:func:`~bnpfed.matching.activity.unit_activity`; 0 exactly: a unit dead on the client's data, which the server
     leaves out of matching under ``PFNMConfig.inactive="drop"``)."""
     return unit_activity(net, x, derive_spec(net, input_shape), batch_size=batch_size)
 
@@ -162,23 +163,23 @@ def unit_activity_step(net: nn.Module, x: Tensor, input_shape: Sequence[int], ba
 @torch.no_grad()
 def pool_nll_step(net: nn.Module, x: Tensor, y: Tensor, batch_size: int = 1024) -> Tensor:
     """A client's scores of a network with pooled heads on its own data: the summed negative log-likelihood of its
-    labels at every temperature of :data:`~bnpfed.inference.pooled_heads.TEMPERATURES`
-    (:func:`~bnpfed.inference.pooled_heads.pool_nll` of the network's outputs at temperature 1), what the server adds
-    up to choose the pool's temperature (:func:`~bnpfed.inference.pooled_heads.fit_temperature`)."""
+    labels at every temperature of :data:`~bnpfed.matching.pooled_heads.TEMPERATURES`
+    (:func:`~bnpfed.matching.pooled_heads.pool_nll` of the network's outputs at temperature 1), what the server adds
+    up to choose the pool's temperature (:func:`~bnpfed.matching.pooled_heads.fit_temperature`)."""
     net = net.eval()
     scale = float(pooled_heads_layer(net).temperature)   # its outputs are the pool over its temperature
     return _summed_pool_nll(lambda xb: net(xb) * scale, x, y, batch_size)
 
 
 def _summed_pool_nll(outputs: Callable[[Tensor], Tensor], x: Tensor, y: Tensor, batch_size: int) -> Tensor:
-    """:func:`~bnpfed.inference.pooled_heads.pool_nll` of ``outputs`` (at temperature 1) over ``x`` batch by batch,
+    """:func:`~bnpfed.matching.pooled_heads.pool_nll` of ``outputs`` (at temperature 1) over ``x`` batch by batch,
     summed: one client's reply to a temperature fit."""
     return sum(pool_nll(outputs(x[i:i + batch_size]), y[i:i + batch_size]) for i in range(0, len(x), batch_size))
 
 
 def pooled_posterior_nll_step(pooled: PooledPosterior, x: Tensor, y: Tensor, num_samples: int, seed: int,
                               batch_size: int = 1000) -> Tensor:
-    """:func:`pool_nll_step` for a :class:`~bnpfed.inference.PooledPosterior`: the predictive of ``num_samples``
+    """:func:`pool_nll_step` for a :class:`~bnpfed.matching.PooledPosterior`: the predictive of ``num_samples``
     draws from ``seed`` (the same draws on every client and batch) on the client's own data, at every temperature."""
     return _summed_pool_nll(lambda xb: pooled.log_pools(xb, num_samples, seed), x, y, batch_size)
 
@@ -186,8 +187,8 @@ def pooled_posterior_nll_step(pooled: PooledPosterior, x: Tensor, y: Tensor, num
 def posterior_nll_step(client: BayesianClient, x: Tensor, y: Tensor, num_samples: int, seed: int,
                        batch_size: int = 1000) -> Tensor:
     """:func:`pool_nll_step` for a global Bayesian client: its posterior predictive of ``num_samples`` draws from
-    ``seed`` (:meth:`~bnpfed.inference.BayesianClient.sample_outputs`, batch by batch as its ``predict_proba`` runs)
-    on the client's own data, at every temperature of :data:`~bnpfed.inference.pooled_heads.TEMPERATURES` (the
+    ``seed`` (:meth:`~bnpfed.clients.BayesianClient.sample_outputs`, batch by batch as its ``predict_proba`` runs)
+    on the client's own data, at every temperature of :data:`~bnpfed.matching.pooled_heads.TEMPERATURES` (the
     network's logits, whatever temperature its likelihood holds): what the server adds up to choose the predictive's
     temperature (``FusionConfig(temperature="fit")``)."""
     return _summed_pool_nll(lambda xb: client.sample_outputs(xb, num_samples, seed), x, y, batch_size)
@@ -203,7 +204,7 @@ def bayesian_client(net: nn.Module, bayesian: BayesianConfig) -> BayesianClient:
 
 def posterior_client(net: nn.Module, bayesian: BayesianConfig) -> BayesianClient | LaplaceClient:
     """A client of (a copy of) ``net`` of ``bayesian.client`` 's kind: :func:`bayesian_client` (variational), or a
-    :class:`~bnpfed.inference.LaplaceClient` whose Bayesian sites are those ``bayesian`` 's prior makes Bayesian."""
+    :class:`~bnpfed.clients.LaplaceClient` whose Bayesian sites are those ``bayesian`` 's prior makes Bayesian."""
     if bayesian.client == "laplace":
         return LaplaceClient(net, bayesian.build_prior(), prior_precision=bayesian.laplace_prior)
     return bayesian_client(net, bayesian)
@@ -212,7 +213,7 @@ def posterior_client(net: nn.Module, bayesian: BayesianConfig) -> BayesianClient
 def start_round_prior_(client: BayesianClient, bayesian: BayesianConfig, round: int) -> BayesianClient:
     """Weight-wise fusion's client of round ``round``, holding the global posterior it starts from: with
     ``bayesian.round_prior == "posterior"`` and from round 2 on, that posterior becomes its prior too
-    (:meth:`~bnpfed.inference.BayesianClient.update_prior_`); else it keeps the configured prior. The in-process
+    (:meth:`~bnpfed.clients.BayesianClient.update_prior_`); else it keeps the configured prior. The in-process
     federation and the Flower client app both call it. Returns ``client``."""
     if round > 1 and bayesian.round_prior == "posterior":
         client.update_prior_(client.posterior())
@@ -224,7 +225,7 @@ def fit_bayesian(client: BayesianClient | LaplaceClient, x: Tensor, y: Tensor, t
     """Client ``index`` 's local step of round ``round``: ``training.schedule(round)`` epochs, drawing from ``(seed,
     FIT, round, index)``. A variational client runs SVI, the guide's scales at ``scale_lr_factor`` times the
     schedule's rate (``BayesianConfig.scale_lr_factor``), and the loss returned is its last epoch's negative ELBO per
-    example. A :class:`~bnpfed.inference.LaplaceClient` trains its network exactly as :func:`train_network` does
+    example. A :class:`~bnpfed.clients.LaplaceClient` trains its network exactly as :func:`train_network` does
     (the same network, to the bit), then fits its Laplace posterior on the same data (with ``laplace_prior=
     "held-out"`` on all but a held-out tenth, which chooses the prior precision); the loss returned is its last
     epoch's mean cross-entropy. On the CPU only (``training.device`` must be ``"cpu"``)."""

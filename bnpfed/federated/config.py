@@ -39,13 +39,13 @@ from typing import Any, NamedTuple, Optional, Sequence, Union
 import numpy as np
 import pyro.distributions as dist
 
-from bnpfed.inference.augment import check_augment
-from bnpfed.inference.posterior_matching import ATOM_POSTERIOR, MATCH_ON, PVI, matched_rules
-from bnpfed.inference.driver import SCHEDULES, STARTS, STOPS
-from bnpfed.inference.matching import REFERENCE_CONSTANTS
-from bnpfed.inference.svi import check_optimizer
+from bnpfed.clients import check_augment
+from bnpfed.matching import ATOM_POSTERIOR, MATCH_ON, PVI, matched_rules
+from bnpfed.matching import SCHEDULES, STARTS, STOPS
+from bnpfed.matching import REFERENCE_CONSTANTS
+from bnpfed.clients import check_optimizer
 from bnpfed.federated.partition import holdout_split, partition_dirichlet, partition_homogeneous
-from bnpfed.models.priors import EmpiricalBayesPrior, IIDPrior, Prior, only_linear_weights
+from bnpfed.models import EmpiricalBayesPrior, IIDPrior, Prior, only_linear_weights
 from bnpfed.seeding import Stream, derive_seed
 from bnpfed.validation import (check_bool, check_choice, check_device, check_float, check_fraction, check_int,
                                check_ints, check_positive)
@@ -99,12 +99,12 @@ PRIOR_VARIANCES = ("fixed", "empirical-bayes")
 #: PVI's default damping: on MNIST (J = 10, Dirichlet(0.5), 10 rounds, clients at the tempered optimum) the parallel
 #: update diverged at 1, 0.5 and 0.25 and rose every round at 0.1 (benchmarks/README.md, "PVI rounds").
 PVI_DAMPING = 0.1
-#: How a Bayesian client gets its posterior: by SVI on the ELBO (:class:`~bnpfed.inference.BayesianClient`), or by
+#: How a Bayesian client gets its posterior: by SVI on the ELBO (:class:`~bnpfed.clients.BayesianClient`), or by
 #: training its network as a PFNM client does and a diagonal Laplace approximation after the fact
-#: (:class:`~bnpfed.inference.LaplaceClient`, prior precision per site by the marginal likelihood).
+#: (:class:`~bnpfed.clients.LaplaceClient`, prior precision per site by the marginal likelihood).
 CLIENT_KINDS = ("variational", "laplace")
 #: A Laplace client's prior precision: each weight matrix's evidence maximiser, or those scaled by the factor a
-#: held-out tenth of the client's data prefers (:class:`~bnpfed.inference.LaplaceClient`'s ``prior_precision``).
+#: held-out tenth of the client's data prefers (:class:`~bnpfed.clients.LaplaceClient`'s ``prior_precision``).
 LAPLACE_PRIORS = ("marglik", "held-out")
 #: What a variational client's prior is in the rounds after the first (:class:`BayesianConfig`'s ``round_prior``):
 #: the configured prior, the global posterior only where its SVI starts (the default), or the global posterior (its
@@ -263,7 +263,7 @@ class TrainingConfig:
         on the CPU only: another device is refused there. The same seed gives the same mini-batches on every device;
         the floating-point results of another device differ in the last digits.
     :param str augment: each mini-batch's images drawn through a random transform before the step (data
-        augmentation, :mod:`bnpfed.inference.augment`): ``"none"`` (default), ``"crop"`` (reflect-pad 4 pixels, a
+        augmentation, :mod:`bnpfed.clients.augment`): ``"none"`` (default), ``"crop"`` (reflect-pad 4 pixels, a
         random crop back to size) or ``"crop-flip"`` (and a left-right flip with probability 1/2: CIFAR-10's usual
         transforms, NIID-Bench's). Images ``(C, H, W)`` only (:meth:`check_inputs`); every client and every kind
         of client (deterministic, variational, Laplace) trains with it; evaluation, matching and the clients'
@@ -347,9 +347,9 @@ class BayesianConfig:
         object, only ``"fixed"`` (the object says what it is). Default ``"fixed"``.
     :param float kl_weight: lambda, the weight of the KL term in the clients' loss, > 0: 1 is the ELBO; lambda < 1 a
         tempered ("cold") posterior, each example's likelihood counted 1/lambda times
-        (:class:`~bnpfed.inference.MeanFieldELBO`). Default 1.
+        (:class:`~bnpfed.clients.MeanFieldELBO`). Default 1.
     :param float scale_lr_factor: the guide's scales learn at ``scale_lr_factor`` times the schedule's learning rate
-        (:meth:`~bnpfed.inference.BayesianClient.fit`'s ``scale_lr``), > 0. Default 1: one rate for all, the
+        (:meth:`~bnpfed.clients.BayesianClient.fit`'s ``scale_lr``), > 0. Default 1: one rate for all, the
         recorded behaviour, where the scales barely leave ``init_scale`` in a round's few hundred steps. 10 reaches
         the variational optimum; under the paper's N(0, 1) prior that optimum underfits (784-100-10 on 6,000 MNIST
         digits, 10 epochs: accuracy 0.873 against 0.932 at factor 1; benchmarks/README.md), so 1 stays the default
@@ -357,7 +357,7 @@ class BayesianConfig:
     :param str client: ``"variational"`` (default; SVI) or ``"laplace"``: each client trains its network by maximum
         likelihood, exactly as a PFNM client does (the same seeds give the same networks), and takes the diagonal
         Laplace posterior of the sites ``prior`` makes Bayesian, with each site's prior precision by the marginal
-        likelihood (:class:`~bnpfed.inference.LaplaceClient`). For matched fusion (the clients' posteriors are
+        likelihood (:class:`~bnpfed.clients.LaplaceClient`). For matched fusion (the clients' posteriors are
         matched and fused; the global network is then a mean-field Gaussian network like any other); in later
         rounds a client starts from its slice's means, its prior the zero-mean evidence one (the slice is no prior).
         The settings of SVI (``prior_scale``, ``init_scale``, ``prior_variance``, ``kl_weight``,
@@ -451,7 +451,7 @@ class PFNMConfig:
     By default nothing is set by hand: every hidden layer's hyper-parameters (the atoms' prior mean ``mu0`` and
     variance ``sigma0_2``, the local noise variance ``sigma2``, the IBP mass ``gamma0``) are estimated from the
     clients' weights alone while matching (empirical Bayes, as SPAHM does; see
-    :func:`~bnpfed.inference.match_layer`), with the marginal objective. A value given here fixes that
+    :func:`~bnpfed.matching.match_layer`), with the marginal objective. A value given here fixes that
     hyper-parameter and turns its estimation off.
 
     :param sigma2: local noise variance, > 0: one value, one per hidden layer, or None (estimated). Default None.
@@ -461,7 +461,7 @@ class PFNMConfig:
         ``"fixed"`` (none is estimated; those left None take the reference code's value 1, and the atoms' prior mean
         is 0 for weights and 0.1 for biases). Default ``"empirical-bayes"``.
     :param str constants: ``"bnpfed"`` (the exact objective: popularity factor 2, no caps) or ``"reference"`` (the
-        published code's constants and fixed hyper-parameters, :data:`~bnpfed.inference.REFERENCE_CONSTANTS`).
+        published code's constants and fixed hyper-parameters, :data:`~bnpfed.matching.REFERENCE_CONSTANTS`).
         Default ``"bnpfed"``.
     :param str objective: ``"map"`` (published) or ``"marginal"`` (atoms integrated out); None: marginal under
         empirical Bayes (the only objective it uses), MAP with fixed hyper-parameters. Default None.
@@ -477,7 +477,7 @@ class PFNMConfig:
         global unit the average of its members, the logits the clients' averaged class by class) or
         ``"posterior-mean"`` (the atoms' posterior means, as published); None: ``"average"`` under empirical Bayes
         (its posterior means blur rarely shared units towards the estimated prior mean), ``"posterior-mean"`` with
-        fixed hyper-parameters (:func:`~bnpfed.inference.match_by_spec`). Default None.
+        fixed hyper-parameters (:func:`~bnpfed.matching.match_by_spec`). Default None.
     :param int layerwise_retrain: 0 (PFNM: every layer matched at once) or E >= 1: FedMA's layer-wise scheme (Wang et
         al., ICLR 2020): match the lowest group (layer), give every client the matched units, freeze them, let the
         clients retrain the layers above for E epochs on their own data, match the next group, and so on (the
@@ -496,20 +496,20 @@ class PFNMConfig:
         at once; on trained MNIST layers it does not settle: benchmarks/README.md). Default ``"gauss-seidel"``.
     :param str matcher_device: where the matcher's shared-coordinate products run: None (default: numpy on the
         CPU) or a torch device (``"cuda"``, ``"cuda:1"``; ``"cpu"``: torch on the CPU); the scores and the assignment
-        problems stay on the CPU (:func:`~bnpfed.inference.match_layer`'s ``device``). Where the clients train is
+        problems stay on the CPU (:func:`~bnpfed.matching.match_layer`'s ``device``). Where the clients train is
         :class:`TrainingConfig`'s ``device``.
     :param str inactive: what the server does with the units a client reports inactive on its own data (exactly 0
-        wherever they enter the next layer: dead ReLU units; :mod:`bnpfed.inference.activity`): ``"drop"`` (left out
+        wherever they enter the next layer: dead ReLU units; :mod:`bnpfed.matching.activity`): ``"drop"`` (left out
         before matching: the client's network computes the same without them) or ``"keep"`` (matched like any
         other, bnpfed before 2026-12). Default ``"drop"``.
     :param max_width: the most global units per hidden layer (group): an int (every group), one per group in the
         spec's order (None: no limit), or None (default: the model's own widths). Met inside the model by lowering the
-        group's IBP mass (:mod:`bnpfed.inference.size`), never by truncating.
+        group's IBP mass (:mod:`bnpfed.matching.size`), never by truncating.
     :param max_params: the most parameters of the global network: an int, ``"ensemble"`` (no more than the
         clients' networks together: what it replaces), None (the model's own size) or ``"auto"`` (default:
         ``"ensemble"`` under FedMA's layer-wise scheme, None for PFNM: :attr:`parameter_limit`). Met by pricing
         every parameter in the prior (each group's IBP mass times ``exp(-lambda D_g)``, ``D_g`` the parameters one of
-        its units owns: :mod:`bnpfed.inference.size`). FedMA's layer-wise scheme, which matches one group at a time,
+        its units owns: :mod:`bnpfed.matching.size`). FedMA's layer-wise scheme, which matches one group at a time,
         splits it into a ``max_width`` per group first (:func:`~bnpfed.federated.server.fedma_width_limits`). A
         budget the matcher cannot meet is refused in round 1 and met as far as it can in every later round
         (:meth:`best_effort_in`: the smallest match found, ``SizeSearch.met`` False). Why
@@ -533,18 +533,18 @@ class PFNMConfig:
     :param str heads: the global network's output layer, ``"fused"`` (default: PFNM's class-share average of the
         clients' output layers) or ``"pooled"`` (every matched client's own output layer on the global units its
         units were matched to, log-probabilities pooled with the class shares:
-        :func:`~bnpfed.inference.pooled_network`; J output layers instead of one; the method ``pfnm`` then gives the
+        :func:`~bnpfed.matching.pooled_network`; J output layers instead of one; the method ``pfnm`` then gives the
         row ``pfnm-pooled``, the federations' names end in ``-pooled``, and Flower's clients score the pooled
         network). Under label skew the averaged layer sums the clients' logits class by class and loses 10-11 points
         on Fashion-MNIST Dirichlet(0.5) that the pool keeps (benchmarks/README.md, "The output layer under label
         skew"). The clients start the next round from their slices either way. ``max_params`` prices the J output
         layers the pooled network carries (each unit of the group they read with its J columns:
-        :func:`~bnpfed.inference.match_by_spec`'s ``heads``; FedMA's budget split likewise); ``max_width`` and the
+        :func:`~bnpfed.matching.match_by_spec`'s ``heads``; FedMA's budget split likewise); ``max_width`` and the
         hyper-parameter selection see the hidden layers, which the heads do not change.
     :param pool_temperature: ``heads="pooled"``: the pool's temperature, a number > 0 (default 1: the pool itself)
         or ``"fit"``: each matched client scores the pooled network on its own training data at every temperature
-        of :data:`~bnpfed.inference.pooled_heads.TEMPERATURES` and the server keeps the one of least summed negative
-        log-likelihood (:func:`~bnpfed.inference.pooled_heads.fit_temperature`; on Flower a query to the matched
+        of :data:`~bnpfed.matching.pooled_heads.TEMPERATURES` and the server keeps the one of least summed negative
+        log-likelihood (:func:`~bnpfed.matching.pooled_heads.fit_temperature`; on Flower a query to the matched
         clients, ``step`` ``"pool-nll"``). Under label skew the pool is under-confident at 1 (benchmarks/README.md,
         "Pooled heads in matched fusion, and their temperature").
 
@@ -679,7 +679,7 @@ class PFNMConfig:
         return self.best_effort_budget or round > 1
 
     def matcher_kwargs(self) -> dict[str, Any]:
-        """Keywords of :func:`~bnpfed.inference.match_by_spec` (hyper-parameters, objective, order,
+        """Keywords of :func:`~bnpfed.matching.match_by_spec` (hyper-parameters, objective, order,
         sweeps, and the reference constants when asked for)."""
         kwargs: dict[str, Any] = dict(direction=self.direction)
         if self.fixed:
@@ -728,7 +728,7 @@ class FusionConfig:
         own posterior of each matched unit's atom) or ``"pvi"`` (partitioned variational inference: the prior times
         the members' approximate-likelihood factors, and in later rounds every client trains against its cavity
         instead of its slice, so that its data is not counted twice; every client in every round): see
-        :mod:`bnpfed.inference.posterior_matching`. Default ``"conflation"``.
+        :mod:`bnpfed.matching.posteriors`. Default ``"conflation"``.
     :param str weights: client weights ``b_k``: ``"size"`` (``n_k / sum_j n_j`` over the clients of the round, the
         paper's) or ``"uniform"``. Default ``"size"``.
     :param int pooling_samples: N of the pooling rule (client k contributes ``floor(b_k N)`` draws), >= 2.
@@ -742,7 +742,7 @@ class FusionConfig:
     :param float fraction: share of the clients sampled each round, in (0, 1]. Default 1.
     :param str align: ``"none"`` (weight i of one client fused with weight i of the others: meaningful when the
         clients share an initialisation) or ``"match"`` (the clients' hidden units matched first, each global unit's
-        members fused: :func:`~bnpfed.inference.posterior_matching.match_posteriors`). Default ``"none"``.
+        members fused: :func:`~bnpfed.matching.posteriors.match_posteriors`). Default ``"none"``.
     :param tau2: ``align="match"``: the extra variance between two clients' copies of a unit, > 0, one value or one
         per hidden permutation; None (default) estimates it per group (empirical Bayes, with the atoms' prior and the
         IBP mass).
@@ -763,7 +763,7 @@ class FusionConfig:
         or ``"auto"`` (default: ``"means"`` for Laplace clients, whose post-hoc posteriors keep most weights at their
         prior variance so that on the posteriors nothing merges; ``"posteriors"`` for variational clients:
         :meth:`matches_on`). The posteriors are fused along the assignment either way
-        (:func:`~bnpfed.inference.posterior_matching.match_posteriors`).
+        (:func:`~bnpfed.matching.posteriors.match_posteriors`).
     :param str matcher_device: ``align="match"``: where the matcher's cross products run, None (default: numpy on the
         CPU) or a torch device (:class:`PFNMConfig`'s ``matcher_device``); the Bayesian clients train on the CPU.
     :param str later_rounds: ``align="match"``: the rounds after the first. ``"rematch"``: each client starts from
@@ -779,24 +779,24 @@ class FusionConfig:
     :param str heads: ``align="match"``: the global network's output layer, ``"fused"`` (default: the rule fuses the
         clients' output layers like every other layer) or ``"pooled"`` (the clients' own posterior output layers of
         the last round on the fused body, their log-probabilities pooled with the class shares inside every weight
-        draw: :class:`~bnpfed.inference.PooledPosterior`; J output layers instead of one; under label skew the
+        draw: :class:`~bnpfed.matching.PooledPosterior`; J output layers instead of one; under label skew the
         fused layer averages the clients' logits class by class, which the pool does not: benchmarks/README.md,
         "The output layer under label skew"). The clients start their next round from their slices of the fused
         posterior either way.
     :param pool_temperature: ``heads="pooled"``: the pool's temperature in every draw, a number > 0 (default 1) or
         ``"fit"`` (each matched client scores the pooled predictive on its own training data at every temperature of
-        :data:`~bnpfed.inference.pooled_heads.TEMPERATURES`, the server keeps the best summed one; on Flower too),
+        :data:`~bnpfed.matching.pooled_heads.TEMPERATURES`, the server keeps the best summed one; on Flower too),
         as :class:`PFNMConfig`'s.
     :param temperature: ``align="match"`` with the fused output layer: the global posterior predictive's
         temperature, ``p(y | x) = 1/S sum_s softmax(f(x; w_s) / T)`` (the global client's likelihood
         ``Categorical(temperature=T)``), a number > 0 (default 1: the posterior's own predictive) or ``"fit"``:
         each matched client scores the predictive's draws on its own training data at every temperature of
-        :data:`~bnpfed.inference.pooled_heads.TEMPERATURES` and the server keeps the least summed NLL, as for the
+        :data:`~bnpfed.matching.pooled_heads.TEMPERATURES` and the server keeps the least summed NLL, as for the
         pool. The fused predictive is under-confident on its clients' data (MNIST IID, 784-100-10, J = 10, seeds
         0-2: matched conflation's ECE 0.0247 -> 0.0128, its floor 0.0125, at the fitted 0.86; OOD AUROC -0.002;
         benchmarks/README.md, "Every matched rule one shot"); after ten rounds the clients' training data, fitted
         better than the test split, over-sharpen it (ECE +0.002). With Laplace clients the draws are those of the
-        global model's linearised predictive (:attr:`~bnpfed.inference.LaplaceClient.temperature`). In process,
+        global model's linearised predictive (:attr:`~bnpfed.clients.LaplaceClient.temperature`). In process,
         ``bnpfed fuse --temperature`` and on Flower (run-config key ``temperature``). With ``heads="pooled"`` the
         pool's temperature is ``pool_temperature``.
     """

@@ -36,9 +36,9 @@ from bnpfed.federated.registry import MATCH_PREFIX, POOLED_SUFFIX, available_met
 from bnpfed.federated.results import MethodResult, Selection
 from bnpfed.federated.selection import select_hyperparameters
 from bnpfed.federated.server import clients_per_round, pfnm_step, with_statistics
-from bnpfed.inference.batch_norm import batch_norm_order
-from bnpfed.inference.permutation import SpecMatch, derive_spec
-from bnpfed.inference.posterior_matching import matched_rules
+from bnpfed.matching import batch_norm_order
+from bnpfed.matching import SpecMatch, derive_spec
+from bnpfed.matching import matched_rules
 from bnpfed.metrics import classification_report, ece_noise_floor, expected_calibration_error, ood_auroc
 from bnpfed.report import plural
 from bnpfed.validation import check_choice, check_fraction, check_int, check_positives
@@ -245,8 +245,8 @@ class Experiment:
 
     def keep(self, method: str, net, match=None, predictive: Optional[dict] = None) -> None:
         """Record the global model ``method`` built, a network or a Bayesian client (and the match it came from, if
-        any: a :class:`~bnpfed.inference.permutation.SpecMatch` or a
-        :class:`~bnpfed.inference.posterior_matching.PosteriorMatch`): what ``bnpfed pfnm --save-global`` and
+        any: a :class:`~bnpfed.matching.permutation.SpecMatch` or a
+        :class:`~bnpfed.matching.posteriors.PosteriorMatch`): what ``bnpfed pfnm --save-global`` and
         ``bnpfed fuse --save-global`` write (:func:`bnpfed.saved.save_global`)."""
         kept = {"network": net}
         if predictive is not None:  # a Bayesian network's draws, {"samples": S, "seed": s}, as the row scored it
@@ -297,7 +297,7 @@ class Experiment:
         """A global network's batch-norm running statistics re-estimated from every client's training inputs (the
         client step :func:`~bnpfed.federated.clients.batch_norm_moments_step`, the server step
         :func:`~bnpfed.federated.server.batch_norm_step`), written into ``target`` (a
-        :class:`~bnpfed.inference.permutation.SpecMatch` or a network); nothing happens without batch norm. Returns
+        :class:`~bnpfed.matching.permutation.SpecMatch` or a network); nothing happens without batch norm. Returns
         ``target``."""
         net = target.network() if isinstance(target, SpecMatch) else target
         layers = batch_norm_order(net, self.dataset.input_shape)

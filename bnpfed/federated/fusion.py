@@ -73,8 +73,8 @@ from bnpfed.federated.clients import (bayesian_client, fit_bayesian, initial_net
 from bnpfed.federated.config import BayesianConfig, FusionConfig, NetworkConfig, TrainingConfig
 from bnpfed.federated.federation import Federation, reestimate_statistics
 from bnpfed.federated.server import average_states, fuse_posteriors, mean_sigma, with_statistics
-from bnpfed.inference import DeterministicClient
-from bnpfed.inference.batch_norm import batch_norm_order
+from bnpfed.clients import DeterministicClient
+from bnpfed.matching import batch_norm_order
 from bnpfed.posterior import GaussianPosterior
 from bnpfed.seeding import Stream, derive_seed
 from bnpfed.validation import check_int
@@ -120,7 +120,7 @@ class FusionFederation(Federation):
     :param initial_clients: with ``fusion.own_init``, optionally the J clients after round 1's local SVI with these
         settings and seed (an experiment's Bayesian clients): round 1 then reuses them.
 
-    Attributes: ``clients`` (J :class:`~bnpfed.inference.BayesianClient` s), ``global_model`` (the server's
+    Attributes: ``clients`` (J :class:`~bnpfed.clients.BayesianClient` s), ``global_model`` (the server's
     client, holding the global model, used for evaluation), ``global_posterior`` (``{site: GaussianPosterior}``),
     ``global_deterministic`` (the averaged deterministic parameters), ``round``, ``history``.
     """
@@ -203,7 +203,7 @@ class FedAvgFederation(Federation):
     :param str weights: client weights ``b_k``, ``"size"`` or ``"uniform"``. Default ``"size"``.
     :param float fraction: share of the clients sampled per round. Default 1.
 
-    Attributes: ``global_model`` (a :class:`~bnpfed.inference.DeterministicClient` holding the average),
+    Attributes: ``global_model`` (a :class:`~bnpfed.clients.DeterministicClient` holding the average),
     ``global_state``, ``round``, ``history``.
     """
 

@@ -21,7 +21,7 @@ Round ``t = 1 .. T``:
 4. the global Bayesian network is evaluated: the Monte Carlo posterior predictive (softmax averaged over S weight
    draws from ``(seed, PREDICT, t)``), and the posterior-mean network's accuracy beside it. With
    ``FusionConfig(heads="pooled")`` the global network's output layer is the clients' own posterior output layers
-   pooled log-linearly with the class shares (:class:`~bnpfed.inference.PooledPosterior`; method
+   pooled log-linearly with the class shares (:class:`~bnpfed.matching.PooledPosterior`; method
    ``match-<rule>-pooled``) instead of their fusion.
 
 The in-process federation and the Flower strategy call the same server step, so with every client answering they
@@ -61,12 +61,13 @@ from bnpfed.federated.fusion import check_fusion_network
 from bnpfed.federated.partition import class_counts
 from bnpfed.federated.rounds import Architecture, HoldsRounds, MatchRounds, PVIFactors
 from bnpfed.federated.server import match_hyperparameters, matched_fusion_step
-from bnpfed.inference import BayesianClient, LaplaceClient, PooledPosterior
-from bnpfed.inference.permutation import network_from_state
-from bnpfed.inference.pooled_heads import fit_temperature
-from bnpfed.inference.posterior_matching import PVI, PosteriorMatch, client_posterior
+from bnpfed.clients import BayesianClient, LaplaceClient
+from bnpfed.matching import PooledPosterior
+from bnpfed.matching import network_from_state
+from bnpfed.matching import fit_temperature
+from bnpfed.matching import PVI, PosteriorMatch, client_posterior
 from bnpfed.metrics import count_parameters
-from bnpfed.models.likelihoods import Categorical
+from bnpfed.models import Categorical
 from bnpfed.posterior import GaussianPosterior
 from bnpfed.seeding import Stream, derive_seed
 from bnpfed.validation import check_positive
@@ -86,10 +87,10 @@ def client_from_slice(template: nn.Module, locs, variances, bayesian: BayesianCo
     train in the next round, its prior as ``bayesian.round_prior`` says: the configured one (None, ``"prior"``) or
     the slice itself (``"posterior"``; each client has a prior object of its own); ``prior``: ``(means, variances)``
     of its Bayesian sites to be its prior instead (PVI's cavity). With ``as_prior`` and Laplace clients
-    (``bayesian.client``), a :class:`~bnpfed.inference.LaplaceClient` of that network at the means instead (its
+    (``bayesian.client``), a :class:`~bnpfed.clients.LaplaceClient` of that network at the means instead (its
     next fit starts there; the variances are no prior of a Laplace client); without ``as_prior`` (the global
     network) a client of the configured prior holding them, for Laplace clients
-    :meth:`~bnpfed.inference.LaplaceClient.holding` (the linearised predictive suits a posterior of Laplace
+    :meth:`~bnpfed.clients.LaplaceClient.holding` (the linearised predictive suits a posterior of Laplace
     clients)."""
     net = network_from_state(template, locs)
     if bayesian.client == "laplace":
@@ -118,8 +119,8 @@ def bayesian_from_match(match: PosteriorMatch, bayesian: BayesianConfig) -> Baye
 def tempered(client: BayesianClient | LaplaceClient, temperature: float) -> BayesianClient | LaplaceClient:
     """``client`` (in place, returned) with its predictive's temperature set to ``temperature``: its posterior
     predictive then averages ``softmax(f(x; w_s) / temperature)`` over its draws (a variational client through its
-    likelihood, :class:`~bnpfed.models.likelihoods.Categorical`; a :class:`~bnpfed.inference.LaplaceClient` over the
-    draws of its linearised predictive, :attr:`~bnpfed.inference.LaplaceClient.temperature`); for a global client,
+    likelihood, :class:`~bnpfed.models.likelihoods.Categorical`; a :class:`~bnpfed.clients.LaplaceClient` over the
+    draws of its linearised predictive, :attr:`~bnpfed.clients.LaplaceClient.temperature`); for a global client,
     which no one trains."""
     if isinstance(client, LaplaceClient):
         client.temperature = float(check_positive(temperature, "temperature"))
@@ -167,8 +168,8 @@ class MatchedFusionFederation(HoldsRounds, Federation):
         (shared by several rules in an experiment): round 1 then reuses them.
 
     Attributes: ``clients`` (the J clients as they last trained), ``match`` (the last
-    :class:`~bnpfed.inference.posterior_matching.PosteriorMatch`), ``global_model`` (its Bayesian network, the fused
-    output layer's), ``pooled`` (with ``fusion.heads="pooled"``, the :class:`~bnpfed.inference.PooledPosterior` the
+    :class:`~bnpfed.matching.posteriors.PosteriorMatch`), ``global_model`` (its Bayesian network, the fused
+    output layer's), ``pooled`` (with ``fusion.heads="pooled"``, the :class:`~bnpfed.matching.PooledPosterior` the
     predictions come from; else None), ``spec``, ``template``, ``class_counts``.
     """
 

@@ -20,7 +20,7 @@ match):
 * ``kmeans``: k-means over the pooled units of every group (layer, conv channels), at PFNM's global widths;
 * ``pfnm``: PFNM in one communication round, hyper-parameters chosen by ``select``;
 * ``pfnm-pooled``: the same match, its global network's output layer replaced by the clients' own output layers
-  pooled log-linearly with class-share weights (:mod:`bnpfed.inference.pooled_heads`: what PFNM's averaged output
+  pooled log-linearly with class-share weights (:mod:`bnpfed.matching.pooled_heads`: what PFNM's averaged output
   layer loses under label skew; the same predictions as ``pfnm`` when every class's shares are equal); under a
   ``max_params`` budget a match that prices the J output layers;
 * ``pfnm-rounds``: PFNM with ``rounds`` communication rounds;
@@ -39,13 +39,13 @@ match):
 * ``match-<rule>-pooled`` for each rule: the same, with the clients' own posterior output layers pooled log-linearly
   with class-share weights in place of the fused output layer (``FusionConfig(heads="pooled")``, which makes
   ``match-<rule>`` pooled too,
-  :class:`~bnpfed.inference.PooledPosterior`), as ``pfnm-pooled`` does for PFNM;
+  :class:`~bnpfed.matching.PooledPosterior`), as ``pfnm-pooled`` does for PFNM;
 * ``ensemble-bayesian`` (its row is named ``ensemble``): the mean of those Bayesian clients' predictive
   distributions after round 1.
 * the fusion baselines of the literature since, one shot from the local networks
-  (:func:`~bnpfed.federated.baselines.aligned_average`): ``weight-matching`` (Git Re-Basin, Ainsworth et al., ICLR
+  (:func:`~bnpfed.baselines.averaging.aligned_average`): ``weight-matching`` (Git Re-Basin, Ainsworth et al., ICLR
   2023), ``ot-fusion`` and ``ot-fusion-sinkhorn`` (Singh & Jaggi, NeurIPS 2020; exact and entropic plans); and from
-  the Bayesian clients ``kl-fusion`` (Claici et al., ICML 2020; :mod:`bnpfed.inference.kl_fusion`).
+  the Bayesian clients ``kl-fusion`` (Claici et al., ICML 2020; :mod:`bnpfed.baselines.kl_fusion`).
 
 Usage::
 
@@ -74,8 +74,7 @@ from tqdm.auto import tqdm
 
 from bnpfed.combine import available_rules
 from bnpfed.data import Dataset
-from bnpfed.federated.baselines import (aligned_average, ensemble_proba, fedavg_network, kmeans_networks,
-                                       reference_client)
+from bnpfed.baselines import aligned_average, ensemble_proba, fedavg_network, kmeans_networks, reference_client
 from bnpfed.federated.clients import initial_network
 from bnpfed.federated.config import EB_DEFAULTS
 from bnpfed.federated.experiment import HELD_OUT, SELECTIONS, Experiment, ExperimentConfig, network_widths
@@ -87,10 +86,10 @@ from bnpfed.federated.registry import (MATCH_PREFIX, POOLED_SUFFIX, Runner, avai
 from bnpfed.federated.results import ExperimentResult, MethodResult, Selection
 from bnpfed.federated.selection import select_hyperparameters
 from bnpfed.federated.server import match_hyperparameters, pfnm_step
-from bnpfed.inference.kl_fusion import kl_fusion
-from bnpfed.inference.permutation import SpecMatch
-from bnpfed.inference.posterior_matching import matched_rules
-from bnpfed.inference.pooled_heads import pooled_network
+from bnpfed.baselines import kl_fusion
+from bnpfed.matching import SpecMatch
+from bnpfed.matching import matched_rules
+from bnpfed.matching import pooled_network
 from bnpfed.metrics import count_parameters
 from bnpfed.seeding import Stream, derive_seed
 
@@ -217,7 +216,7 @@ _POOLED_NOTE = "the clients' own output layers pooled log-linearly with class-sh
 def _pooled_row(experiment: Experiment, name: str, net: nn.Module, match: SpecMatch, note: str,
                 **extra) -> MethodResult:
     """The row of ``net``, ``match``'s global body with the clients' own output layers pooled
-    (:mod:`bnpfed.inference.pooled_heads`) at ``pfnm.pool_temperature`` (``"fit"``: every client scores it on its
+    (:mod:`bnpfed.matching.pooled_heads`) at ``pfnm.pool_temperature`` (``"fit"``: every client scores it on its
     training data), kept under ``name``."""
     temperature = temper_pool(net, experiment.pfnm.pool_temperature, experiment.client_data)
     if temperature != 1:
@@ -299,7 +298,7 @@ def _fedma_pooled(experiment: Experiment) -> MethodResult:
     return row
 
 
-#: The alignment baselines (:func:`~bnpfed.federated.baselines.aligned_average`) and their papers.
+#: The alignment baselines (:func:`~bnpfed.baselines.averaging.aligned_average`) and their papers.
 ALIGNMENT_METHODS = {"weight-matching": "Git Re-Basin weight matching (Ainsworth et al. 2023)",
                      "ot-fusion": "OT fusion, exact plan (Singh & Jaggi 2020)",
                      "ot-fusion-sinkhorn": "OT fusion, Sinkhorn plan (Singh & Jaggi 2020)"}

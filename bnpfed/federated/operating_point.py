@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from bnpfed.federated.config import PFNMConfig
 from bnpfed.federated.results import Selection
 from bnpfed.federated.server import pfnm_step
-from bnpfed.inference.permutation import SpecMatch
+from bnpfed.matching import SpecMatch
 from bnpfed.metrics import count_parameters
 from bnpfed.validation import check_positives
 

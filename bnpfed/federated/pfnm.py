@@ -14,11 +14,11 @@ from round to round.
 Batch norm: after every match the global network's running statistics are re-estimated from the matched clients'
 data (each computes :func:`~bnpfed.federated.clients.batch_norm_moments_step` of the global network, the server sums
 them, :func:`~bnpfed.federated.server.batch_norm_step`); the members' mean statistics the match gives leave a merged
-network near chance (see :mod:`bnpfed.inference.permutation`).
+network near chance (see :mod:`bnpfed.matching.permutation`).
 
 FedMA's layer-wise scheme (``PFNMConfig(layerwise_retrain=E)``, E >= 1): within a round, the server matches the
 lowest group only (:func:`~bnpfed.federated.server.fedma_group_step`); every client takes the matched units
-(:func:`~bnpfed.inference.permutation.align_to_group`: the global units of that layer, the next layer's input
+(:func:`~bnpfed.matching.permutation.align_to_group`: the global units of that layer, the next layer's input
 columns re-indexed to them), its batch-norm statistics are re-estimated, the clients retrain everything above for E
 epochs with the matched layers frozen (:func:`~bnpfed.federated.clients.train_network` with ``frozen``), and the
 server matches the next group, up to the last hidden one (which carries the output layer). Then every client holds
@@ -58,9 +58,9 @@ from bnpfed.federated.partition import class_counts
 from bnpfed.federated.rounds import Architecture, HoldsRounds, MatchRounds
 from bnpfed.federated.server import (drop_inactive, ensemble_parameters, fedma_group_step, fedma_width_limits,
                                      matched_parameters, pfnm_step, with_statistics)
-from bnpfed.inference.permutation import SpecMatch, align_to_group
-from bnpfed.inference.matching import averaging_weights
-from bnpfed.inference.pooled_heads import fit_temperature, pooled_network, set_temperature
+from bnpfed.matching import SpecMatch, align_to_group
+from bnpfed.matching import averaging_weights
+from bnpfed.matching import fit_temperature, pooled_network, set_temperature
 from bnpfed.metrics import count_parameters
 
 __all__ = ["PFNMFederation", "temper_pool"]
@@ -68,7 +68,7 @@ __all__ = ["PFNMFederation", "temper_pool"]
 
 def temper_pool(net: nn.Module, value, client_data: Sequence[tuple[Tensor, Tensor]]) -> float:
     """Set the temperature of ``net`` 's pooled heads to ``value`` (a number) or, with ``"fit"``, to
-    :func:`~bnpfed.inference.pooled_heads.fit_temperature` of every client's
+    :func:`~bnpfed.matching.pooled_heads.fit_temperature` of every client's
     :func:`~bnpfed.federated.clients.pool_nll_step` on its ``(x, y)`` of ``client_data``; return it."""
     if value == FIT:
         value = fit_temperature([pool_nll_step(net, x, y) for x, y in client_data])
@@ -92,7 +92,7 @@ class PFNMFederation(HoldsRounds, Federation):
 
     Attributes: ``rounds`` (the server's :class:`~bnpfed.federated.rounds.MatchRounds`: the last match, the clients
     it matched, what each client was sent), ``match`` and ``matched`` (the last
-    :class:`~bnpfed.inference.permutation.SpecMatch` and its clients), ``class_counts`` ((J, C) training examples per
+    :class:`~bnpfed.matching.permutation.SpecMatch` and its clients), ``class_counts`` ((J, C) training examples per
     class of each client), ``architecture`` (the clients' network kind: ``template``, ``spec``, ``batch_norms``),
     ``spec`` and ``template`` (its spec and template network).
     """
@@ -225,7 +225,7 @@ class PFNMFederation(HoldsRounds, Federation):
 
     def pooled_network(self) -> nn.Module:
         """The last round's global network with the matched clients' own output layers in place of its averaged
-        one, pooled log-linearly with class-share weights (:func:`~bnpfed.inference.pooled_network`; under FedMA's
+        one, pooled log-linearly with class-share weights (:func:`~bnpfed.matching.pooled_network`; under FedMA's
         layer-wise scheme the output layers as the clients retrained them before the last group was matched)."""
         if self.match is None:
             raise ValueError("no round has run yet: the federation has no global network")

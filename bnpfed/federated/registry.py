@@ -20,7 +20,7 @@ from typing import Callable, Optional
 
 from bnpfed.combine import available_rules
 from bnpfed.federated.results import MethodResult
-from bnpfed.inference.posterior_matching import matched_rules
+from bnpfed.matching import matched_rules
 
 __all__ = ["MATCH_PREFIX", "POOLED_SUFFIX", "Runner", "available_methods", "register_method", "registered_runner",
            "unregister_method"]

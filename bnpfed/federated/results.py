@@ -11,7 +11,7 @@ from typing import Optional
 import numpy as np
 
 from bnpfed.federated.config import PFNMConfig
-from bnpfed.inference.permutation import SpecMatch
+from bnpfed.matching import SpecMatch
 from bnpfed.report import json_safe
 
 __all__ = ["ExperimentResult", "MethodResult", "Selection"]

@@ -31,9 +31,9 @@ from torch import Tensor, nn
 from bnpfed.federated.clients import initial_network
 from bnpfed.federated.config import NetworkConfig
 from bnpfed.federated.server import match_hyperparameters, mean_sigma
-from bnpfed.inference.batch_norm import batch_norm_order
-from bnpfed.inference.permutation import PermutationSpec, derive_spec, network_from_state
-from bnpfed.inference.posterior_matching import cavity, pvi_factor
+from bnpfed.matching import batch_norm_order
+from bnpfed.matching import PermutationSpec, derive_spec, network_from_state
+from bnpfed.matching import cavity, pvi_factor
 from bnpfed.validation import check_bool, check_fraction, check_positive
 
 __all__ = ["Architecture", "HoldsRounds", "MatchRounds", "PVIFactors"]
@@ -87,8 +87,8 @@ class MatchRounds:
     :param bool whole: after round 1 every client starts from the whole global model (matched fusion's
         ``later_rounds="fixed"``), not from its slice. Default False.
 
-    Attributes: ``match`` (the last match: a :class:`~bnpfed.inference.SpecMatch` or a
-    :class:`~bnpfed.inference.posterior_matching.PosteriorMatch`; None before round 1 ends), ``matched`` (the clients
+    Attributes: ``match`` (the last match: a :class:`~bnpfed.matching.SpecMatch` or a
+    :class:`~bnpfed.matching.posteriors.PosteriorMatch`; None before round 1 ends), ``matched`` (the clients
     it matched, in its order), ``sent`` (client -> the global ids per group of the units it was sent this round, None
     when it started from its own initialisation).
     """
@@ -145,7 +145,7 @@ class MatchRounds:
 
 
 class PVIFactors:
-    """The server's PVI bookkeeping between rounds (:data:`~bnpfed.inference.posterior_matching.PVI`): per client its
+    """The server's PVI bookkeeping between rounds (:data:`~bnpfed.matching.posteriors.PVI`): per client its
     approximate-likelihood factor ``t_j`` (natural parameters per Bayesian site, in its own units), and this round
     the cavity ``c_j = slice_j / t_j`` it was sent to train against.
 

@@ -15,7 +15,7 @@ from torch import nn
 from bnpfed.federated.config import EB_DEFAULTS, PFNMConfig
 from bnpfed.federated.results import Selection
 from bnpfed.federated.server import pfnm_step
-from bnpfed.inference.permutation import SpecMatch
+from bnpfed.matching import SpecMatch
 
 __all__ = ["select_hyperparameters"]
 

@@ -42,12 +42,12 @@ from torch import Tensor, nn
 
 from bnpfed.combine import average_deterministic, fuse_sites
 from bnpfed.federated.config import CLIENT_WEIGHTS, FusionConfig, PFNMConfig
-from bnpfed.inference.activity import drop_units, kept_per_client
-from bnpfed.inference.layout import width
-from bnpfed.inference.permutation import (BatchNormMoments, GroupMatch, PermutationSpec, SpecMatch,
-                                          batch_norm_statistics, match_by_spec, match_group)
-from bnpfed.inference.posterior_matching import MIN_VARIANCE, PVI, match_posteriors
-from bnpfed.inference.size import SizeLimitError, minimum_widths, proportional_widths
+from bnpfed.matching import drop_units, kept_per_client
+from bnpfed.matching import width
+from bnpfed.matching import (BatchNormMoments, GroupMatch, PermutationSpec, SpecMatch, batch_norm_statistics,
+                             match_by_spec, match_group)
+from bnpfed.matching import MIN_VARIANCE, PVI, match_posteriors
+from bnpfed.matching import SizeLimitError, minimum_widths, proportional_widths
 from bnpfed.metrics import count_parameters
 from bnpfed.posterior import GaussianPosterior
 from bnpfed.seeding import Stream, derive_seed, numpy_rng, torch_generator
@@ -188,15 +188,15 @@ def matched_fusion_step(clients: Sequence, class_counts, sizes: Sequence[int], c
                         activity: Optional[Sequence[Mapping[str, Tensor]]] = None):
     """Matched posterior fusion's server step (``config.align == "match"``): the clients' hidden units matched group
     by group under the heteroscedastic Beta-Bernoulli model, every global unit's members fused with ``config.rule``
-    (:func:`~bnpfed.inference.posterior_matching.match_posteriors`).
+    (:func:`~bnpfed.matching.posteriors.match_posteriors`).
 
     Member weights are the clients' example counts (``config.weights="size"``) or equal (``"uniform"``); the output
     coordinates use the class shares. Fused variances are floored at ``config.min_variance`` (at
-    :data:`~bnpfed.inference.posterior_matching.MIN_VARIANCE` when that is 0). The sweeps and the pooling draws derive
+    :data:`~bnpfed.matching.posteriors.MIN_VARIANCE` when that is 0). The sweeps and the pooling draws derive
     from ``derive_seed(seed, MATCH, round)``.
 
     :param clients: per client, its ``(locs, variances)``
-        (:func:`~bnpfed.inference.posterior_matching.client_posterior`).
+        (:func:`~bnpfed.matching.posteriors.client_posterior`).
     :param class_counts: ``(J, C)`` training examples per class of each client.
     :param sizes: per client, ``n_k``.
     :param starts: None in round 1; later, per client, the global ids of its units per group it started the round
@@ -206,7 +206,7 @@ def matched_fusion_step(clients: Sequence, class_counts, sizes: Sequence[int], c
     :param str match_on: what the assignment is computed from, ``config.matches_on(client kind)``: ``"posteriors"``
         or ``"means"`` (then ``activity``, per client its :func:`~bnpfed.federated.clients.unit_activity_step` of its
         posterior-mean network, leaves its dead units out).
-    :returns: :class:`~bnpfed.inference.posterior_matching.PosteriorMatch`.
+    :returns: :class:`~bnpfed.matching.posteriors.PosteriorMatch`.
     """
     if not isinstance(config, FusionConfig):
         raise ValueError(f"config: expected a FusionConfig, got {type(config).__name__}")
@@ -229,7 +229,7 @@ def matched_fusion_step(clients: Sequence, class_counts, sizes: Sequence[int], c
 
 def matched_client_start(match, k: Optional[int]) -> tuple[dict, dict, dict]:
     """What a client starts a round of matched posterior fusion from: ``(locs, variances, ids)``, as
-    :meth:`~bnpfed.inference.posterior_matching.PosteriorMatch.client_start` gives them (its slice of the global
+    :meth:`~bnpfed.matching.posteriors.PosteriorMatch.client_start` gives them (its slice of the global
     posterior if it was the ``k``-th client matched last round, else the whole posterior)."""
     (locs, variances), ids = match.client_start(k)
     return locs, variances, ids
@@ -260,10 +260,10 @@ def _warm_start(config: PFNMConfig, starts, J: int) -> Optional[dict[str, list[T
 def drop_inactive(states: Sequence[Mapping[str, Tensor]], spec: PermutationSpec,
                   activity: Sequence[Mapping[str, Tensor]],
                   starts: Optional[Sequence[Optional[Mapping[str, Tensor]]]] = None) -> tuple[list, Optional[list]]:
-    """The clients' ``state_dict`` s without the units they report inactive (:mod:`bnpfed.inference.activity`), and
+    """The clients' ``state_dict`` s without the units they report inactive (:mod:`bnpfed.matching.activity`), and
     their ``starts`` (global ids per group, as :func:`pfnm_step` takes them) restricted to the units kept: what
     FedMA's layer-wise matching starts from (:func:`pfnm_step` does the same inside
-    :func:`~bnpfed.inference.match_by_spec`)."""
+    :func:`~bnpfed.matching.match_by_spec`)."""
     kept = kept_per_client(activity, spec, [{g.name: width(s, g, f"states[{j}]") for g in spec.groups}
                                             for j, s in enumerate(states)])
     states = [drop_units(s, spec, k) for s, k in zip(states, kept)]
@@ -286,7 +286,7 @@ def pfnm_step(client_nets: Sequence, class_counts, config: PFNMConfig, *, seed: 
               input_shape: Optional[Sequence[int]] = None,
               activity: Optional[Sequence[Mapping[str, Tensor]]] = None) -> SpecMatch:
     """PFNM's server step: match the clients' networks (in the given order) into one global network, group by group
-    of the permutation spec (:func:`~bnpfed.inference.permutation.match_by_spec`; for an MLP the hidden layers),
+    of the permutation spec (:func:`~bnpfed.matching.permutation.match_by_spec`; for an MLP the hidden layers),
     with ``config``'s hyper-parameters (estimated per group by default), bottom-up or, with
     ``config.direction="top-down"`` (the published order), top-down.
 
@@ -300,14 +300,14 @@ def pfnm_step(client_nets: Sequence, class_counts, config: PFNMConfig, *, seed: 
         global ids of its units per group (``{group: ids}``) that :func:`client_start` gave it. With
         ``config.warm_start`` the matching starts from that assignment (the previous round's, as the published code
         does) instead of a greedy pass; without it every round re-matches from scratch.
-    :param spec: the networks' :class:`~bnpfed.inference.permutation.PermutationSpec` (default: derived from
+    :param spec: the networks' :class:`~bnpfed.matching.permutation.PermutationSpec` (default: derived from
         ``template``, or client 0's network, and ``input_shape``).
     :param template: a network of the clients' kind the global one is built from (default client 0's).
     :param input_shape: the shape of one input, to derive the spec of a convolutional network.
     :param activity: per client, its report on its units (:func:`~bnpfed.federated.clients.unit_activity_step`);
         with ``config.inactive="drop"`` the units inactive on the client's data are left out before matching
         (``SpecMatch.kept_units``), with ``"keep"`` the reports are not used. None: every unit is matched.
-    :returns: :class:`~bnpfed.inference.permutation.SpecMatch` (``state``, ``assignments``, ``widths``,
+    :returns: :class:`~bnpfed.matching.permutation.SpecMatch` (``state``, ``assignments``, ``widths``,
         ``network()``, ``client_slice(j)``).
 
     ``max_params="ensemble"`` with a ``template`` is the clients at the template's size together (their own
@@ -318,7 +318,7 @@ def pfnm_step(client_nets: Sequence, class_counts, config: PFNMConfig, *, seed: 
     from round ``config.limit_from_round`` on (:meth:`PFNMConfig.in_round`); in every round after the first
     (:meth:`PFNMConfig.best_effort_in`) a ``max_params`` the matcher cannot meet keeps the smallest match found
     (``size_searches["parameters"]`` says ``met=False``) instead of failing the federation mid-way; in round 1 it
-    is refused (:class:`~bnpfed.inference.size.SizeLimitError`).
+    is refused (:class:`~bnpfed.matching.size.SizeLimitError`).
     """
     if config.layerwise_retrain:
         config = replace(config, layerwise_retrain=0)
@@ -340,8 +340,8 @@ def match_hyperparameters(match) -> list[dict]:
     coordinates; matched fusion's ``tau2``, ``sigma0_2``, ``gamma0`` and its ``_point`` / ``_scaled`` pairs), ``mu0``
     (a list, one per coordinate of the group's unit vectors), ``estimated`` (the names estimated), ``converged``,
     ``sweeps`` (sweeps run after the first assignment) and ``notes`` (the estimator's fallbacks, if any). Empty for a
-    matcher without hyper-parameters (k-means). ``match``: a :class:`~bnpfed.inference.permutation.SpecMatch` or a
-    :class:`~bnpfed.inference.posterior_matching.PosteriorMatch`."""
+    matcher without hyper-parameters (k-means). ``match``: a :class:`~bnpfed.matching.permutation.SpecMatch` or a
+    :class:`~bnpfed.matching.posteriors.PosteriorMatch`."""
     out = []
     for result in match.layer_results.values():
         h = getattr(result, "hyperparameters", None)
@@ -369,7 +369,7 @@ def mean_sigma(variances) -> float:
 
 def client_start(match, j: Optional[int]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """What a client starts its next round from (a ``state_dict``), and the global ids of its units per group:
-    :meth:`~bnpfed.inference.permutation.SpecMatch.client_start` (its slice of the global network if it was matched,
+    :meth:`~bnpfed.matching.permutation.SpecMatch.client_start` (its slice of the global network if it was matched,
     ``j`` its position among the matched clients, else, ``j`` None, the whole global network)."""
     return match.client_start(j)
 
@@ -403,7 +403,7 @@ def batch_norm_step(moments: Sequence[Mapping[str, BatchNormMoments]]) -> dict[s
 
 def batch_norm_steps(layers: Sequence[str], moments_of: Callable[[str, dict[str, Tensor]], Sequence]
                      ) -> dict[str, Tensor]:
-    """REPAIR's reset one batch norm at a time, front to back (:func:`~bnpfed.inference.batch_norm.batch_norm_order`):
+    """REPAIR's reset one batch norm at a time, front to back (:func:`~bnpfed.matching.batch_norm.batch_norm_order`):
     for each of ``layers``, ``moments_of(layer, statistics)`` gives the clients' moments of that layer's inputs under
     the global network carrying ``statistics`` (those set so far), and :func:`batch_norm_step` pools them. Returns the
     statistics of every layer set, for :func:`with_statistics`; it stops at the first layer no client sent moments for
@@ -440,10 +440,10 @@ def fedma_group_step(client_states: Sequence[Mapping[str, Tensor]], class_counts
                      best_effort: bool = False) -> GroupMatch:
     """FedMA's server step for one group (Wang et al. 2020): match group ``group`` of the clients' networks, whose
     groups before it are the matched ones already (every client holds them, unit for unit, after
-    :func:`~bnpfed.inference.permutation.align_to_group`), with ``config``'s hyper-parameters for that group; its
+    :func:`~bnpfed.matching.permutation.align_to_group`), with ``config``'s hyper-parameters for that group; its
     sweeps draw from ``derive_seed(seed, MATCH, round) + c`` (c its position in the spec), as in :func:`pfnm_step`.
     ``starts`` warm-starts it as in :func:`pfnm_step`; ``best_effort``: a width limit the matcher cannot meet gives
-    the smallest match found, noted (:func:`~bnpfed.inference.fedma.match_group`)."""
+    the smallest match found, noted (:func:`~bnpfed.matching.fedma.match_group`)."""
     kwargs = config.matcher_kwargs()
     kwargs.pop("direction")   # FedMA matches bottom-up (PFNMConfig refuses layer-wise top-down)
     init = _warm_start(config, starts, len(client_states))
@@ -460,7 +460,7 @@ def fedma_width_limits(config: PFNMConfig, spec: PermutationSpec, template: nn.M
     """The config FedMA's next group step runs with: ``config.max_params`` turned into a ``max_width`` per group (FedMA
     matches one group at a time, before the widths above it are known): ``floor(k m_g)``, ``m_g`` the most units one
     client holds in group g, at the largest k whose network fits the budget with the groups already ``matched`` at
-    their global widths (:func:`~bnpfed.inference.size.proportional_widths`; called before each group, so the budget
+    their global widths (:func:`~bnpfed.matching.size.proportional_widths`; called before each group, so the budget
     the groups below left unused goes to the ones above), each the smaller of that and ``config.max_width``'s for the
     group. ``ensemble``: the clients' networks' parameters together (``max_params="ensemble"``, FedMA's default
     ``"auto"``). ``config`` itself when it has no limit (:attr:`~bnpfed.federated.config.PFNMConfig.parameter_limit`

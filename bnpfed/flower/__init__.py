@@ -10,7 +10,7 @@ and clients as :mod:`bnpfed.federated`, run as real server and client processes.
   They sample partitions, check every reply at the boundary and call the server steps of
   :mod:`bnpfed.federated.server`; no aggregation math is written here.
 * :mod:`bnpfed.flower.secure`: :class:`SecureFusionStrategy`, weight-wise posterior fusion under SecAgg+ (the server
-  sees sums over clients, :mod:`bnpfed.secure_fusion`, and counts, never one client's posterior).
+  sees sums over clients, :mod:`bnpfed.combine.secure`, and counts, never one client's posterior).
 * :mod:`bnpfed.flower.client`: the ClientApp (``bnpfed.flower.client:app``), light to import (Flower only);
   :mod:`bnpfed.flower.client_steps`: what it does with each message, with Torch, Pyro and the data; the steps are
   :mod:`bnpfed.federated.clients`'.
@@ -33,7 +33,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 _STRATEGIES = ("FedAvgStrategy", "MatchedFusionStrategy", "PFNMStrategy", "PosteriorFusionStrategy")
 _SECURE = ("SecureFusionStrategy", "SecureMatchedFusionStrategy")
 
-__all__ = sorted([*_STRATEGIES, *_SECURE, "ReplyError"])
+__all__ = sorted([*_STRATEGIES, *_SECURE, "ReplyError", "LocalGrid", "run_federation"])
 
 
 def __getattr__(name: str):
@@ -43,6 +43,10 @@ def __getattr__(name: str):
         from bnpfed.flower import secure as module
     elif name == "ReplyError":
         from bnpfed.flower import records as module
+    elif name == "LocalGrid":
+        from bnpfed.flower import local as module
+    elif name == "run_federation":
+        from bnpfed.flower import server as module
     else:
         raise AttributeError(f"module 'bnpfed.flower' has no attribute {name!r}")
     return getattr(module, name)

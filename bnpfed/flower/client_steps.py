@@ -44,7 +44,7 @@ alone decides. The steps are :mod:`bnpfed.federated.clients`' (the in-process fe
   its prior the configured one or (``round-prior = "posterior"``) that slice, or the cavity sent beside it under
   PVI (:func:`~bnpfed.federated.matched_fusion.client_from_slice`); fitted by
   :func:`~bnpfed.federated.clients.fit_bayesian`; reply with its posterior
-  (:func:`~bnpfed.inference.posterior_matching.client_posterior`), ``num-examples``, ``class-counts``,
+  (:func:`~bnpfed.matching.posteriors.client_posterior`), ``num-examples``, ``class-counts``,
   ``train-loss`` and its posterior-mean network's units' activity on its data (``activity:<group>``; read when the
   server matches on the means, ``match-on``);
 * ``evaluate``: accuracy, NLL and Brier score of the global model on the test shard, and the per-bin calibration
@@ -66,13 +66,13 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 from bnpfed.data import Dataset, load_dataset
-from bnpfed.federated.clients import (batch_norm_moments_step, bayesian_client, fit_bayesian, initial_network,
-                                      pool_nll_step, pooled_posterior_nll_step, posterior_client, posterior_nll_step,
-                                      start_round_prior_, train_network, unit_activity_step)
-from bnpfed.federated.config import BayesianConfig, NetworkConfig, PartitionConfig
-from bnpfed.federated.matched_fusion import client_from_slice, tempered
-from bnpfed.federated.partition import class_counts
-from bnpfed.federated.rounds import Architecture
+from bnpfed.federated import (batch_norm_moments_step, bayesian_client, fit_bayesian, initial_network, pool_nll_step,
+                              pooled_posterior_nll_step, posterior_client, posterior_nll_step, start_round_prior_,
+                              train_network, unit_activity_step)
+from bnpfed.federated import BayesianConfig, NetworkConfig, PartitionConfig
+from bnpfed.federated import client_from_slice, tempered
+from bnpfed.federated import class_counts
+from bnpfed.federated import Architecture
 from bnpfed.flower.config import ClientSettings, client_settings
 from bnpfed.flower.secure import client_at_widths, keep_for_secure_sum
 from bnpfed.flower.records import (
@@ -98,9 +98,10 @@ from bnpfed.flower.records import (
     to_array_record,
     POOL_NLL,
 )
-from bnpfed.inference import BayesianClient, PooledPosterior
-from bnpfed.inference.pooled_heads import attach_heads
-from bnpfed.inference.posterior_matching import client_posterior
+from bnpfed.clients import BayesianClient
+from bnpfed.matching import PooledPosterior
+from bnpfed.matching import attach_heads
+from bnpfed.matching import client_posterior
 from bnpfed.metrics import calibration_gaps, classification_report
 from bnpfed.seeding import Stream, derive_seed
 
@@ -311,7 +312,7 @@ def _moments(msg: Message, context: Context) -> Message:
 def _pool_nll(msg: Message, context: Context) -> Message:
     """The pool-temperature step: this client's summed NLL, on its own training data, of the global network (or
     posterior predictive) with pooled heads it was sent (at temperature 1), at every temperature of
-    :data:`~bnpfed.inference.pooled_heads.TEMPERATURES`, as the in-process federation computes it."""
+    :data:`~bnpfed.matching.pooled_heads.TEMPERATURES`, as the in-process federation computes it."""
     c = _Client(msg, context)
     x, y = c.train_data
     record = msg.content.array_records[ARRAYS]
@@ -328,7 +329,7 @@ def _pool_nll(msg: Message, context: Context) -> Message:
 
 def _posterior_nll(msg: Message, context: Context) -> Message:
     """The predictive-temperature step: this client's summed NLL, on its own training data, of the matched global
-    posterior's predictive it was sent, at every temperature of :data:`~bnpfed.inference.pooled_heads.TEMPERATURES`
+    posterior's predictive it was sent, at every temperature of :data:`~bnpfed.matching.pooled_heads.TEMPERATURES`
     (:func:`~bnpfed.federated.clients.posterior_nll_step`, the draws of the round's evaluation), as the in-process
     federation computes it."""
     c = _Client(msg, context)

@@ -53,10 +53,10 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping, Union
 
 from bnpfed.data import DATASET_NAMES, NPZ_PREFIX
-from bnpfed.federated.config import (FUSION_TRAINING, PFNM_NETWORK, PFNM_TRAINING, BayesianConfig, FusionConfig,
-                                     NetworkConfig, PartitionConfig, PFNMConfig, TrainingConfig, config_dict)
-from bnpfed.federated.fusion import check_fusion_network
-from bnpfed.secure_fusion import SECURE_RULES
+from bnpfed.federated import (FUSION_TRAINING, PFNM_NETWORK, PFNM_TRAINING, BayesianConfig, FusionConfig, NetworkConfig,
+                              PartitionConfig, PFNMConfig, TrainingConfig, config_dict)
+from bnpfed.federated import check_fusion_network
+from bnpfed.combine import SECURE_RULES
 from bnpfed.validation import check_choice, check_fraction, check_int, check_positive
 
 __all__ = [
@@ -158,18 +158,18 @@ class FlowerRun:
 class SecureAggregationConfig:
     """Weight-wise posterior fusion under secure aggregation (SecAgg+, Flower's ``SecAggPlusWorkflow`` and
     ``secaggplus_mod``): the server learns the sums over the clients of their statistics
-    (:mod:`bnpfed.secure_fusion`) and their example counts, never one client's posterior
+    (:mod:`bnpfed.combine.secure`) and their example counts, never one client's posterior
     (:class:`~bnpfed.flower.secure.SecureFusionStrategy`).
 
     :param bool secure_aggregation: fuse under SecAgg+ (``method = "fusion"``, a rule of
-        :data:`~bnpfed.secure_fusion.SECURE_RULES`; with ``align = "match"``, round 1 matches the clients' units in
+        :data:`~bnpfed.combine.secure.SECURE_RULES`; with ``align = "match"``, round 1 matches the clients' units in
         the clear and later rounds fuse at the matched widths under SecAgg+,
         :class:`~bnpfed.flower.secure.SecureMatchedFusionStrategy`). Default False.
     :param float secagg_clipping_range: ``c``, a power of two: every statistic, centred and scaled at the global
         posterior sent (shifts in its standard deviations, ratios of variances; deterministic parameters' weighted
         shifts unscaled), must lie in ``[-c, c]`` -- a client whose does not fails its round with a message naming
         this key, rather than be clipped. Each travels in two limbs of ``Q = 2^32 / 2^ceil(log2(K + 1))`` levels,
-        so the sums are off by less than ``K (2c / Q)^2 / 2c`` (:func:`~bnpfed.secure_fusion.quantisation_bound`:
+        so the sums are off by less than ``K (2c / Q)^2 / 2c`` (:func:`~bnpfed.combine.secure.quantisation_bound`:
         1.8e-11 at 10 clients). Default ``2^16`` (trained MNIST clients reach variance ratios of ~1e4 against the
         initial posterior in round 1).
     :param float secagg_shares: the share of a round's clients each client splits its secret keys among (SecAgg+'s

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
 
-from bnpfed.inference.permutation import BatchNormMoments, PermutationSpec
+from bnpfed.matching import BatchNormMoments, PermutationSpec
 from bnpfed.posterior import GaussianPosterior
 from bnpfed.validation import check_names, check_tensor
 
@@ -142,7 +142,7 @@ def state_from_arrays(arrays: Mapping[str, np.ndarray], spec: PermutationSpec, t
     template's; the spec's parameters finite floating point, the other entries (``num_batches_tracked``) of the
     template's dtype.
 
-    >>> from bnpfed.inference.permutation import derive_spec
+    >>> from bnpfed.matching.permutation import derive_spec
     >>> from bnpfed.models import mlp
     >>> net = mlp(4, [3], 2)
     >>> spec, state = derive_spec(net, (4,)), net.state_dict()
@@ -277,8 +277,8 @@ def posterior_from_arrays(arrays: Mapping[str, np.ndarray], expected: Mapping[st
 
 def matched_posterior_to_record(locs: Mapping[str, Any], variances: Mapping[str, Any]) -> ArrayRecord:
     """A Bayesian network of any widths as ``(locs, variances)`` (every ``state_dict`` entry's posterior mean or
-    value; the Bayesian sites' posterior variances: :func:`~bnpfed.inference.posterior_matching.client_posterior`,
-    :meth:`~bnpfed.inference.posterior_matching.PosteriorMatch.client_slice`) in the posterior layout: the sites of
+    value; the Bayesian sites' posterior variances: :func:`~bnpfed.matching.posteriors.client_posterior`,
+    :meth:`~bnpfed.matching.posteriors.PosteriorMatch.client_slice`) in the posterior layout: the sites of
     ``variances`` as ``"loc/"`` and ``"variance/"``, the other entries of ``locs`` as ``"param/"``; dtypes kept."""
     return posterior_to_record({k: GaussianPosterior(locs[k], v) for k, v in variances.items()},
                                {k: v for k, v in locs.items() if k not in variances})
@@ -350,8 +350,8 @@ def split_temperature(arrays: Mapping[str, np.ndarray]) -> tuple[dict[str, np.nd
 
 def with_heads(record: ArrayRecord, heads: Mapping[str, Any]) -> ArrayRecord:
     """``record`` (a global network or matched posterior) with pooled heads added as ``"heads/<name>"``: ``heads``
-    as :func:`~bnpfed.inference.pooled_heads_of` (with the pool's ``temperature`` added) or
-    :meth:`~bnpfed.inference.PooledPosterior.heads` give them (``weight``, ``bias``, ``pool_weights``,
+    as :func:`~bnpfed.matching.pooled_heads_of` (with the pool's ``temperature`` added) or
+    :meth:`~bnpfed.matching.PooledPosterior.heads` give them (``weight``, ``bias``, ``pool_weights``,
     ``temperature``; a posterior's ``weight_variance``, ``bias_variance`` too)."""
     names = {k.replace("-", "_") for k in _HEAD_ARRAYS}
     if not names <= set(heads) or not set(heads) <= names | {k.replace("-", "_") for k in _HEAD_VARIANCES}:
@@ -392,7 +392,7 @@ def matched_posterior_from_arrays(arrays: Mapping[str, np.ndarray], spec: Permut
     throughout; ``widths[group]`` when given), finite floating point; each variance of its mean's shape, finite,
     > 0. ``locs`` come in the template's order, ``variances`` in the order of ``sites``.
 
-    >>> from bnpfed.inference.permutation import derive_spec
+    >>> from bnpfed.matching.permutation import derive_spec
     >>> from bnpfed.models import mlp
     >>> net = mlp(4, [3], 2)
     >>> spec, state = derive_spec(net, (4,)), net.state_dict()

@@ -1,7 +1,7 @@
 """Weight-wise posterior fusion under secure aggregation (SecAgg+) as a Flower strategy.
 
 The rules EAA, GAA, log-variance averaging and conflation need only sums over clients of per-client statistics
-(:mod:`bnpfed.secure_fusion`), and Flower ships a protocol that computes such sums without showing the server any
+(:mod:`bnpfed.combine.secure`), and Flower ships a protocol that computes such sums without showing the server any
 one client's vector: SecAgg+ (Bell et al., CCS 2020), the server's ``SecAggPlusWorkflow`` and the clients'
 ``secaggplus_mod``. A round of :class:`SecureFusionStrategy` has two steps:
 
@@ -10,8 +10,8 @@ one client's vector: SecAgg+ (Bell et al., CCS 2020), the server's ``SecAggPlusW
    example count ``n_k`` and training loss only;
 2. **secure sum**: the server computes the client weights ``b_k`` from the counts and runs SecAgg+ with the clients
    that answered: every client sends its statistics, centred and scaled at the global posterior it was sent
-   (:func:`~bnpfed.secure_fusion.sum_statistics` with its ``b_k`` and ``b_max``), masked; the server unmasks only
-   their sum and fuses from it (:func:`~bnpfed.secure_fusion.fuse_sums`). A client that drops out during the
+   (:func:`~bnpfed.combine.secure.sum_statistics` with its ``b_k`` and ``b_max``), masked; the server unmasks only
+   their sum and fuses from it (:func:`~bnpfed.combine.secure.fuse_sums`). A client that drops out during the
    protocol is left out of the sum (SecAgg+ reconstructs its masks from its neighbours' shares) and the weights of
    the others are renormalised, so the global posterior is the rule over the clients that remained; with fewer
    clients left than the reconstruction threshold, the round fails with a message saying so.
@@ -27,8 +27,8 @@ server's view, not the differences between successive global models (no differen
 
 What the quantisation costs: each statistic must lie in ``[-c, c]`` (a client whose statistic would be clipped
 fails its round instead, naming ``secagg-clipping-range``) and travels in two limbs of ``Q`` levels each
-(:func:`~bnpfed.secure_fusion.split_limbs`); the sums are off by less than ``K (2c / Q)^2 / 2c``
-(:func:`~bnpfed.secure_fusion.quantisation_bound`), in units of the global posterior's standard deviation
+(:func:`~bnpfed.combine.secure.split_limbs`); the sums are off by less than ``K (2c / Q)^2 / 2c``
+(:func:`~bnpfed.combine.secure.quantisation_bound`), in units of the global posterior's standard deviation
 (locations) or of its variance (variances), plus float64 rounding. The measured effect on the fused moments is in
 ``benchmarks/README.md``.
 
@@ -59,17 +59,16 @@ from flwr.server.workflow.constant import Key as WorkflowKey
 from flwr.server.workflow.secure_aggregation.secaggplus_workflow import WorkflowState
 from flwr.serverapp import Grid
 
-from bnpfed.federated.config import BayesianConfig, FusionConfig, NetworkConfig
-from bnpfed.federated.matched_fusion import bayesian_from_match, client_from_slice
-from bnpfed.federated.server import client_weights, floor_variances, mean_sigma
+from bnpfed.federated import BayesianConfig, FusionConfig, NetworkConfig
+from bnpfed.federated import bayesian_from_match, client_from_slice
+from bnpfed.federated import client_weights, floor_variances, mean_sigma
 from bnpfed.flower.config import SecureAggregationConfig
 from bnpfed.flower.records import (NodeIdentity, array_shapes, from_array_record, posterior_from_arrays,
                                    posterior_to_record, read_finite)
 from bnpfed.flower.strategies import LOGGER, Accepted, MatchedFusionStrategy, PosteriorFusionStrategy
 from bnpfed.posterior import GaussianPosterior
-from bnpfed.secure_fusion import (deterministic_from_sum, deterministic_statistic, fuse_sums, join_limbs,
-                                  quantisation_bound, quantization_range, split_limbs, statistic_names,
-                                  sum_statistics)
+from bnpfed.combine import (deterministic_from_sum, deterministic_statistic, fuse_sums, join_limbs, quantisation_bound,
+                            quantization_range, split_limbs, statistic_names, sum_statistics)
 
 __all__ = ["POSTERIOR_STATE", "REFERENCE_STATE", "SecureFusionStrategy", "SecureMatchedFusionStrategy",
            "client_at_widths", "client_statistics", "keep_for_secure_sum", "secure_fit", "statistic_keys"]
@@ -95,7 +94,7 @@ def client_statistics(posterior: Mapping[str, np.ndarray], reference: Mapping[st
                       weight: float, max_weight: float, clipping_range: float, quantization_range: int
                       ) -> list[np.ndarray]:
     """A client's vector for the secure sum (float64): for every statistic of :func:`statistic_keys`, in that
-    order, its two limbs (:func:`~bnpfed.secure_fusion.split_limbs`). A deterministic parameter's statistic
+    order, its two limbs (:func:`~bnpfed.combine.secure.split_limbs`). A deterministic parameter's statistic
     ``b_k (theta_k - theta_g)`` travels unscaled.
 
     :param posterior: its arrays as :func:`~bnpfed.flower.records.posterior_to_record` lays them out.
@@ -157,7 +156,7 @@ class SecureFusionStrategy(PosteriorFusionStrategy):
     (``history[r]["quantisation_bound"]``, in units of the global posterior's standard deviations and variances).
 
     :param FusionConfig fusion: as for :class:`~bnpfed.flower.strategies.PosteriorFusionStrategy` (a rule of
-        :data:`~bnpfed.secure_fusion.SECURE_RULES`).
+        :data:`~bnpfed.combine.secure.SECURE_RULES`).
     :param SecureAggregationConfig secure: the clipping range, the shares and the reconstruction threshold.
     :param kwargs: as for :class:`~bnpfed.flower.strategies.PosteriorFusionStrategy`.
     """
@@ -277,7 +276,7 @@ class SecureMatchedFusionStrategy(SecureFusionStrategy):
     sees only the sums of the secure rounds.
 
     :param FusionConfig fusion: as for :class:`~bnpfed.flower.strategies.MatchedFusionStrategy` (``align =
-        "match"``, a rule of :data:`~bnpfed.secure_fusion.SECURE_RULES`).
+        "match"``, a rule of :data:`~bnpfed.combine.secure.SECURE_RULES`).
     :param SecureAggregationConfig secure: as for :class:`SecureFusionStrategy`.
     :param NetworkConfig network: the clients' network kind (without batch norm).
     :param BayesianConfig bayesian: the clients' prior.

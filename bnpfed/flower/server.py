@@ -34,8 +34,8 @@ import torch
 from flwr.app import ArrayRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
-from bnpfed.federated.clients import initial_network
-from bnpfed.federated.matched_fusion import client_from_slice, tempered
+from bnpfed.federated import initial_network
+from bnpfed.federated import client_from_slice, tempered
 from bnpfed.flower.client_steps import initial_global_model
 from bnpfed.flower.config import FlowerSettings, parse_run_config
 from bnpfed.flower.secure import SecureFusionStrategy, SecureMatchedFusionStrategy, client_at_widths
@@ -43,8 +43,8 @@ from bnpfed.flower.records import (from_array_record, matched_posterior_from_arr
                                    state_to_record, split_heads, split_temperature)
 from bnpfed.flower.strategies import (LOGGER, FedAvgStrategy, MatchedFusionStrategy, PFNMStrategy,
                                       PosteriorFusionStrategy)
-from bnpfed.inference.permutation import derive_spec, network_from_state
-from bnpfed.inference.pooled_heads import PooledPosterior, attach_heads
+from bnpfed.matching import derive_spec, network_from_state
+from bnpfed.matching import PooledPosterior, attach_heads
 from bnpfed.report import command_record, command_results, write_json
 from bnpfed.saved import save_global
 from bnpfed.seeding import Stream, derive_seed

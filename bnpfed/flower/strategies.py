@@ -55,14 +55,14 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from bnpfed.federated.clients import bayesian_client
-from bnpfed.federated.config import BayesianConfig, FusionConfig, NetworkConfig, PFNMConfig
-from bnpfed.federated.matched_fusion import pvi_factors
-from bnpfed.federated.rounds import Architecture, HoldsRounds, MatchRounds
-from bnpfed.federated.server import (average_states, batch_norm_steps, clients_per_round, fuse_posteriors,
-                                     matched_fusion_step, mean_sigma, pfnm_step, sample_clients, with_statistics)
-from bnpfed.inference.layout import width
-from bnpfed.inference.posterior_matching import client_posterior
+from bnpfed.federated import bayesian_client
+from bnpfed.federated import BayesianConfig, FusionConfig, NetworkConfig, PFNMConfig
+from bnpfed.federated import pvi_factors
+from bnpfed.federated import Architecture, HoldsRounds, MatchRounds
+from bnpfed.federated import (average_states, batch_norm_steps, clients_per_round, fuse_posteriors, matched_fusion_step,
+                              mean_sigma, pfnm_step, sample_clients, with_statistics)
+from bnpfed.matching import width
+from bnpfed.matching import client_posterior
 from bnpfed.flower.records import (
     ARRAYS,
     CLIENT,
@@ -93,10 +93,10 @@ from bnpfed.flower.records import (
     with_temperature,
     POOL_NLL,
 )
-from bnpfed.federated.config import FIT
-from bnpfed.inference.pooled_heads import TEMPERATURES, fit_temperature
-from bnpfed.inference import PooledPosterior
-from bnpfed.inference.pooled_heads import pooled_heads_of
+from bnpfed.federated import FIT
+from bnpfed.matching import TEMPERATURES, fit_temperature
+from bnpfed.matching import PooledPosterior
+from bnpfed.matching import pooled_heads_of
 from bnpfed.metrics import ece_from_gaps
 from bnpfed.seeding import Stream
 from bnpfed.validation import check_fraction, check_int, check_positive
@@ -461,7 +461,7 @@ class _RoundStrategy(Strategy):
                          clients: Sequence[int]) -> float:
         """The pooled heads' temperature: ``value`` (a number), or with ``"fit"`` the one of least summed NLL over
         ``clients``' replies to a ``query`` (``step`` ``"pool-nll"``) carrying ``record`` with ``heads`` at
-        temperature 1, summed in partition order (:func:`~bnpfed.inference.pooled_heads.fit_temperature`; 1 with a
+        temperature 1, summed in partition order (:func:`~bnpfed.matching.pooled_heads.fit_temperature`; 1 with a
         warning when nobody answers)."""
         if value != FIT:
             return float(value)
@@ -473,7 +473,7 @@ class _RoundStrategy(Strategy):
                            what: str) -> float:
         """The temperature of least summed NLL over ``clients``' replies to a ``query`` (``step``: ``"pool-nll"``,
         ``"posterior-nll"``) carrying ``probe`` at temperature 1, summed in partition order
-        (:func:`~bnpfed.inference.pooled_heads.fit_temperature`; 1 with a warning when nobody answers)."""
+        (:func:`~bnpfed.matching.pooled_heads.fit_temperature`; 1 with a warning when nobody answers)."""
         def parse(reply: Message) -> Accepted:
             arrays, _, j, n = self._identity_and_count(reply)
             sums = arrays.get(POOL_NLL)
@@ -552,7 +552,7 @@ class PFNMStrategy(_MatchingStrategy):
         (120 s), ``query_timeout`` (600 s; also the deadline of the batch-norm step), ``client_config`` (sent to
         every client in every message).
 
-    Attributes: ``match`` (the last :class:`~bnpfed.inference.permutation.SpecMatch`), ``matched`` (the clients
+    Attributes: ``match`` (the last :class:`~bnpfed.matching.permutation.SpecMatch`), ``matched`` (the clients
     it matched, in its order), ``spec`` and ``template`` (after :meth:`connect`), ``history``.
     """
 
@@ -747,7 +747,7 @@ class MatchedFusionStrategy(_MatchingStrategy):
 
     Round 1: each sampled client builds its own initial network from its partition id (an empty ``ArrayRecord``
     is sent), runs SVI and replies with its posterior (:func:`~bnpfed.flower.records.matched_posterior_to_record`
-    of :func:`~bnpfed.inference.posterior_matching.client_posterior`), ``num-examples``, ``class-counts`` and
+    of :func:`~bnpfed.matching.posteriors.client_posterior`), ``num-examples``, ``class-counts`` and
     ``train-loss``. The server matches the clients' hidden units and fuses every global unit's members
     (:func:`~bnpfed.federated.server.matched_fusion_step`, clients in partition order). Round r > 1: a client
     matched last round gets its slice of the global posterior (its start; its prior as the run's ``round-prior``
@@ -758,7 +758,7 @@ class MatchedFusionStrategy(_MatchingStrategy):
     Evaluation: the clients score the global Bayesian network (its posterior predictive, as fusion's) on their test
     shards; with ``fusion.heads = "pooled"`` the global record carries the round's clients' own posterior output
     layers beside it (:func:`~bnpfed.flower.records.with_heads` of the
-    :class:`~bnpfed.inference.PooledPosterior` the in-process federation predicts with), and the clients score that.
+    :class:`~bnpfed.matching.PooledPosterior` the in-process federation predicts with), and the clients score that.
 
     Usage (``grid`` is any Flower ``Grid``; :func:`bnpfed.flower.server.run_federation` builds this)::
 
@@ -777,7 +777,7 @@ class MatchedFusionStrategy(_MatchingStrategy):
         ``BayesianConfig()``.
     :param kwargs: as for :class:`PFNMStrategy`.
 
-    Attributes: ``match`` (the last :class:`~bnpfed.inference.posterior_matching.PosteriorMatch`), ``matched``
+    Attributes: ``match`` (the last :class:`~bnpfed.matching.posteriors.PosteriorMatch`), ``matched``
     (the clients it matched, in its order), ``spec`` and ``template`` (after :meth:`connect`), ``history``.
     """
 

@@ -1,99 +1,43 @@
-"""Inference: Hungarian MAP matching of neurons (PFNM), permutation specs (matching any feed-forward network), and
-SVI for Bayesian clients.
+"""Moved in bnpfed 0.2: ``bnpfed.inference`` held six rooms in one folder; each now has a folder and a face of its
+own. Matching of neurons and networks is :mod:`bnpfed.matching`; the clients (variational, Laplace, guides, the ELBO,
+image crops) are :mod:`bnpfed.clients`; the fusion baselines (weight matching, OT fusion, KL-fusion) are
+:mod:`bnpfed.baselines`. Every old name and module here still works, with a ``DeprecationWarning`` naming its new
+path, until 0.3."""
 
-The matching floor, one job a file: :mod:`~bnpfed.inference.matcher` (the one layer matcher: per-neuron,
-per-coordinate noise, the Hungarian re-match, the full log likelihood), :mod:`~bnpfed.inference.driver` (sweeps and
-estimates alternated, from one start or two), :mod:`~bnpfed.inference.layer_inputs` (its inputs checked; ``CompactRows``, a client's units on the columns it uses),
-:mod:`~bnpfed.inference.atom_sums` (the sums the estimates read, client by client),
-:mod:`~bnpfed.inference.empirical_bayes` (its two estimators), :mod:`~bnpfed.inference.matching` and
-:mod:`~bnpfed.inference.bayesian_matching` (the homoscedastic and the heteroscedastic model: ``match_layer``,
-``match_bayesian_layer``), :mod:`~bnpfed.inference.spec`, :mod:`~bnpfed.inference.derive`,
-:mod:`~bnpfed.inference.layout`, :mod:`~bnpfed.inference.assembly` (permutation specs),
-:mod:`~bnpfed.inference.network_matching` (the one network driver, ``match_by_spec``),
-:mod:`~bnpfed.inference.fedma` (one group at a time), :mod:`~bnpfed.inference.posterior_matching` (the driver with a
-fusing step), :mod:`~bnpfed.inference.batch_norm`, :mod:`~bnpfed.inference.activity` (the units a client reports
-inactive on its data, left out of matching), :mod:`~bnpfed.inference.size` (a width or parameter count asked for,
-met through the IBP mass), :mod:`~bnpfed.inference.pooled_heads` (the clients' own output layers on the global
-body, pooled log-linearly); :mod:`~bnpfed.inference.permutation` is the public face of the spec
-floor. The clients: :mod:`~bnpfed.inference.svi` (variational, by SVI; deterministic), :mod:`~bnpfed.inference.laplace`
-(a trained network's diagonal Laplace posterior), :mod:`~bnpfed.inference.augment` (random crops and flips of their
-training images)."""
+from __future__ import annotations
 
-from bnpfed.inference.matching import REFERENCE_CONSTANTS, MatchResult, assignment_objective, match_layer
-from bnpfed.inference.bayesian_matching import bayesian_assignment_objective, match_bayesian_layer
-from bnpfed.inference.matching import average_atoms, averaging_weights
-from bnpfed.inference.layer_inputs import CompactRows
-from bnpfed.inference.permutation import (
-    BatchNormMoments,
-    GroupMatch,
-    PermutationSpec,
-    SpecMatch,
-    align_to_group,
-    batch_norm_moments,
-    client_slice,
-    derive_spec,
-    match_by_spec,
-    match_group,
-    network_from_state,
-    reestimate_batch_norm,
-    set_batch_norm_statistics,
-    unit_vectors,
-    verify_spec,
-)
+import importlib
 
-from bnpfed.inference.activity import drop_units, inactive_units, kept_units, unit_activity
-from bnpfed.inference.size import SizeSearch, parameter_count
-from bnpfed.inference.pooled_heads import (PooledHeads, PooledPosterior, client_heads, pool_log_probabilities,
-                                          pooled_network)
-from bnpfed.inference.augment import AUGMENTATIONS, random_crop_flip
-from bnpfed.inference.guides import MeanFieldGuide
-from bnpfed.inference.elbo import MeanFieldELBO
-from bnpfed.inference.svi import BayesianClient, DeterministicClient, TrainingDiverged
-from bnpfed.inference.laplace import LaplaceClient, laplace_posterior
+from bnpfed._moved import warn_moved
 
-__all__ = [
-    "REFERENCE_CONSTANTS",
-    "MatchResult",
-    "assignment_objective",
-    "average_atoms",
-    "averaging_weights",
-    "CompactRows",
-    "match_layer",
-    "match_bayesian_layer",
-    "bayesian_assignment_objective",
-    "BatchNormMoments",
-    "GroupMatch",
-    "PermutationSpec",
-    "SpecMatch",
-    "align_to_group",
-    "batch_norm_moments",
-    "client_slice",
-    "derive_spec",
-    "match_by_spec",
-    "match_group",
-    "network_from_state",
-    "reestimate_batch_norm",
-    "set_batch_norm_statistics",
-    "unit_vectors",
-    "verify_spec",
-    "drop_units",
-    "inactive_units",
-    "kept_units",
-    "unit_activity",
-    "SizeSearch",
-    "parameter_count",
-    "PooledHeads",
-    "PooledPosterior",
-    "client_heads",
-    "pool_log_probabilities",
-    "pooled_network",
-    "AUGMENTATIONS",
-    "random_crop_flip",
-    "MeanFieldGuide",
-    "MeanFieldELBO",
-    "BayesianClient",
-    "DeterministicClient",
-    "TrainingDiverged",
-    "LaplaceClient",
-    "laplace_posterior",
-]
+#: Old names of this package's face, and the face that holds each now.
+_FACES = {
+    **dict.fromkeys(
+        ("REFERENCE_CONSTANTS", "MatchResult", "assignment_objective", "average_atoms", "averaging_weights",
+         "CompactRows", "match_layer", "match_bayesian_layer", "bayesian_assignment_objective", "BatchNormMoments",
+         "GroupMatch", "PermutationSpec", "SpecMatch", "align_to_group", "batch_norm_moments", "client_slice",
+         "derive_spec", "match_by_spec", "match_group", "network_from_state", "reestimate_batch_norm",
+         "set_batch_norm_statistics", "unit_vectors", "verify_spec", "drop_units", "inactive_units", "kept_units",
+         "unit_activity", "SizeSearch", "parameter_count", "PooledHeads", "PooledPosterior", "client_heads",
+         "pool_log_probabilities", "pooled_network"), "bnpfed.matching"),
+    **dict.fromkeys(
+        ("AUGMENTATIONS", "random_crop_flip", "MeanFieldGuide", "MeanFieldELBO", "BayesianClient",
+         "DeterministicClient", "TrainingDiverged", "LaplaceClient", "laplace_posterior"), "bnpfed.clients"),
+}
+
+#: Old module names under this package (each a file of two lines that aliases its new module).
+_MODULES = ("activity", "alignment", "assembly", "atom_sums", "augment", "batch_norm", "bayesian_matching",
+            "class_shares", "derive", "driver", "elbo", "empirical_bayes", "fedma", "guides", "kl_fusion", "laplace",
+            "layer_inputs", "layout", "match_result", "matcher", "matching", "network_matching", "permutation",
+            "pooled_heads", "posterior_matching", "recovery", "scoring", "size", "spec", "svi")
+
+__all__ = sorted(_FACES)
+
+
+def __getattr__(name: str):
+    if name in _FACES:
+        warn_moved(f"bnpfed.inference.{name}", f"{_FACES[name]}.{name}")
+        return getattr(importlib.import_module(_FACES[name]), name)
+    if name in _MODULES:
+        return importlib.import_module(f"bnpfed.inference.{name}")
+    raise AttributeError(f"module 'bnpfed.inference' has no attribute {name!r}")

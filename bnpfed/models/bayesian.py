@@ -122,7 +122,7 @@ class BayesianNetwork(nn.Module):
     def template(self) -> nn.Module:
         """A plain torch copy of the network this Bayesian network was built from (its parameters as they were
         given): the structure that matching and fusion rebuild global networks from
-        (:func:`~bnpfed.inference.posterior_matching.match_posteriors`)."""
+        (:func:`~bnpfed.matching.posteriors.match_posteriors`)."""
         return copy.deepcopy(self._template)
 
     @property
@@ -219,7 +219,7 @@ class BayesianNetwork(nn.Module):
 
         :param Tensor x: inputs, ``(B, ...)``.
         :param int num_samples: S, the number of weight draws. Default 10.
-        :param guide: a guide of this model, e.g. :class:`bnpfed.inference.MeanFieldGuide`; ``None`` samples the prior.
+        :param guide: a guide of this model, e.g. :class:`bnpfed.clients.MeanFieldGuide`; ``None`` samples the prior.
         :param int seed: if given, draws use this seed (Torch's global random state is left as it was).
         :returns: what the likelihood's ``predictive`` returns: ``(B, num_classes)`` probabilities for
             ``Categorical``, a ``GaussianPredictive(mean, variance)`` for ``Gaussian``.

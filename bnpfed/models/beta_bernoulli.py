@@ -21,7 +21,7 @@ each of its neurons, posterior means and posterior variances. Each neuron first 
 ``u_jl ~ neuron_variance`` (in R^D, entries >= 0; 0 for a deterministic coordinate such as a bias), and then its
 mean ``v_jl ~ N(theta_i, (u_jl + tau2) / s_j)`` (the precision scales divide the whole variance, as the matcher's
 noise precision ``w = s / (u + tau2)`` has it): the heteroscedastic model of
-:mod:`bnpfed.inference.bayesian_matching`, ``tau2`` the extra variance of a unit across clients that the posterior
+:mod:`bnpfed.matching.bayesian_layer`, ``tau2`` the extra variance of a unit across clients that the posterior
 variances alone understate. Without ``neuron_variance`` this is the
 homoscedastic model above (u = 0). The density of the ``u_j`` sites does not depend on the assignment or the atoms,
 so it is a constant of any matching objective.
@@ -29,8 +29,8 @@ so it is a constant of any matching objective.
 **A size prior.** A network of L atoms of D coordinates each holds L D parameters; multiplying the IBP prior by
 ``exp(-lambda L D)`` (a price of lambda nats per parameter) gives ``gamma0^L exp(-lambda L D) = (gamma0 e^{-lambda
 D})^L`` times terms free of L, i.e. this same program with mass ``gamma0 exp(-lambda D)`` (and a constant). So a
-global network of a size asked for (``max_width``, ``max_params`` of :func:`~bnpfed.inference.match_by_spec`) is
-this model at a lower mass, ``gamma0 exp(-t)``, found by :mod:`bnpfed.inference.size`; one program serves both.
+global network of a size asked for (``max_width``, ``max_params`` of :func:`~bnpfed.matching.match_by_spec`) is
+this model at a lower mass, ``gamma0 exp(-t)``, found by :mod:`bnpfed.matching.size`; one program serves both.
 
 A client may use no atom at all (its number of atoms is Poisson(gamma0) marginally, so with probability
 ``exp(-gamma0)``): it then has no neurons, an empty assignment and no ``perm_j`` / ``v_j`` sites, and it still counts
@@ -249,7 +249,7 @@ def beta_bernoulli_layer(
         (module docstring). None (default): the homoscedastic model, ``variances`` of the result None.
     :param float tau2: with ``neuron_variance`` (required then, refused without it): the extra variance of a unit
         across clients that the posterior variances understate, tau2 of
-        :func:`~bnpfed.inference.match_bayesian_layer`.
+        :func:`~bnpfed.matching.match_bayesian_layer`.
     :returns: :class:`FederatedLayer` with the sampled (or conditioned) atoms, assignments, neurons and (with
         ``neuron_variance``) posterior variances.
     """

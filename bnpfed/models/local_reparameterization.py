@@ -21,7 +21,7 @@ Two implementations of the same draw:
   call of the forward pass.
 - :class:`LocalReparameterizedLinear`, a module-level layer: an ``nn.Linear`` told the moments of its weight (and
   bias) before a forward pass draws its pre-activations directly, at no cost to the other layers. The fast ELBO of
-  :class:`~bnpfed.inference.MeanFieldELBO` uses it.
+  :class:`~bnpfed.clients.MeanFieldELBO` uses it.
 
 Both draw ``b`` with :func:`sample_linear`.
 

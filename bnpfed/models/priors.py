@@ -135,7 +135,7 @@ class Prior(ABC):
             p(w_s) <- N(w_s | loc_s, diag(variance_s))     for every site s in ``posterior``
 
         :param Mapping posterior: ``{site: GaussianPosterior}`` or ``{site: (loc, variance)}``, e.g. a client's
-            :meth:`~bnpfed.inference.BayesianClient.posterior` or a server's fused posterior; sites this prior has
+            :meth:`~bnpfed.clients.BayesianClient.posterior` or a server's fused posterior; sites this prior has
             made Bayesian (in a network it was applied to), finite tensors of the site's shape, variances > 0.
             The tensors are copied.
         :returns: ``self``.
@@ -305,7 +305,7 @@ class EmpiricalBayesPrior(Prior):
         =>  v_s = 1/D_s sum_j (mu_sj^2 + sigma_sj^2)                                  (D_s: the site's size)
 
     (variational EM's M-step; MacKay's evidence framework for a Gaussian weight prior). A
-    :class:`~bnpfed.inference.BayesianClient` with this prior calls :meth:`estimate_` before its first optimiser
+    :class:`~bnpfed.clients.BayesianClient` with this prior calls :meth:`estimate_` before its first optimiser
     step and after every one, so the prior follows the fit (``init_scale`` is the prior only before any fit): a
     prior a thousand times wider than the weights it describes, as the paper's N(0, 1) is for a 784-100-10 MLP, no
     longer dominates ``-ELBO / n``.

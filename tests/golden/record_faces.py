@@ -89,7 +89,7 @@ def match_files() -> dict:
 def combine_rules() -> dict:
     """Every weight-wise rule and its sums form on one seeded input."""
     from bnpfed import combine
-    from bnpfed.secure_fusion import SECURE_RULES, fuse_sums, sum_statistics
+    from bnpfed.combine.secure import SECURE_RULES, fuse_sums, sum_statistics
 
     g = torch.Generator().manual_seed(0)
     locs = torch.randn(4, 7, generator=g)

@@ -21,7 +21,7 @@ and everything above them accept.
 **Per-coordinate weights.** ``weights`` may also be ``(K, *shape)``: a weight ``b_kd`` per client and coordinate,
 normalised coordinate by coordinate (``b_kd / sum_k b_kd``; 0 where client k has nothing to say about coordinate d,
 as when the members of one matched global unit hold different subsets of its coordinates,
-:mod:`bnpfed.inference.posterior_matching`). The formulas above then hold coordinate by coordinate, with ``b_max``
+:mod:`bnpfed.matching.posteriors`). The formulas above then hold coordinate by coordinate, with ``b_max``
 the largest weight of each coordinate. The closed-form rules take such weights whole; a rule registered without
 ``per_coordinate=True`` (``pooling``, and a user's own by default) is called once per pattern of weights (the
 coordinates whose weight columns are equal), with those columns' ``(K,)`` weights.

@@ -1,0 +1,551 @@
+"""Federated clients: a variational Bayesian client trained by SVI, and a deterministic (FedAvg) client.
+
+A Bayesian client k fits a posterior ``q_k(w)`` (by default mean-field Gaussian, ``N(mu_k, sigma_k^2)``) to its
+``n_k`` examples by maximising the ELBO divided by ``n_k`` (Ozer et al. 2022):
+
+    L_k(q) = 1/n_k sum_i E_q[log p(y_i | x_i, w)] - 1/n_k KL(q(w) || p(w))
+
+estimated on mini-batches (the model's data plate scales a batch's log-likelihood by ``n_k / B``), with the KL in
+closed form and Adam, for E local epochs. A server fuses the clients' :meth:`BayesianClient.posterior` s with
+:mod:`bnpfed.combine` and sends the result back through :meth:`BayesianClient.load_posterior`; where a client's
+prior is the last round's global posterior, :meth:`BayesianClient.update_prior_` makes it so.
+
+A client is composed, as in TyXe: a network, a prior object, a likelihood object, a guide factory, an ELBO. The
+default ELBO, :class:`~bnpfed.clients.elbo.MeanFieldELBO`, computes ``TraceMeanField_ELBO`` 's loss straight from
+the guide's parameters for the mean-field Gaussian guide and Normal priors (as fast as a hand-written
+Bayes-by-backprop step) and runs the Pyro program otherwise; any Pyro ELBO can be passed instead.
+
+Isolation: a client's parameters are its own tensors: the guide's are ``nn.Parameter`` s of its guide module, the
+deterministic ones belong to its :class:`~bnpfed.models.BayesianNetwork` 's private copy of the network, which
+always runs in Pyro's ``module_local_params`` mode (otherwise ``PyroModule`` parameters are registered in Pyro's
+global parameter store by name, and two copies of one architecture would share them). A ``torch.optim.Adam`` over
+exactly those tensors minimises the ELBO's ``differentiable_loss`` — the PyTorch form of ``pyro.infer.SVI``, whose
+``PyroOptim`` looks parameters up in the global store. The global store's contents are never changed, so any
+number of clients of one architecture coexist, with each other and with a user's own Pyro code.
+
+Randomness: ``fit(seed=s)`` shuffles with a ``torch.Generator`` seeded with ``s`` and draws all samples under
+``torch.random.fork_rng`` seeded with ``s``: the same seed gives the same numbers, and the global random state is
+left untouched. Each ``fit`` starts a fresh Adam state.
+
+Divergence: a loss that becomes NaN or infinite, or parameters that do, stop ``fit`` with a
+:class:`TrainingDiverged` that says where and why, instead of a traceback from deep inside Pyro.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+from typing import Any, Callable, Iterable, Mapping, Optional
+
+import numpy as np
+import pyro.infer
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from bnpfed.clients.augment import augmenter, check_augment
+from bnpfed.clients.elbo import MeanFieldELBO
+from bnpfed.clients.guides import MeanFieldGuide
+from bnpfed.models import BayesianNetwork
+from bnpfed.models import Categorical, Likelihood
+from bnpfed.models import Prior
+from bnpfed.posterior import GaussianPosterior
+from bnpfed.seeding import Stream, seeded, torch_generator
+from bnpfed.validation import (check_bool, check_choice, check_float, check_int, check_names, check_positive,
+                               check_tensor)
+
+__all__ = ["BayesianClient", "DeterministicClient", "TrainingDiverged"]
+
+#: The initial posterior standard deviation of the default guide.
+DEFAULT_INIT_SCALE = 1e-2
+#: A fit has converged when its last epochs improved the mean -ELBO per example by less than this fraction (or by
+#: less than their Monte Carlo spread: :func:`_convergence`).
+CONVERGENCE_TOLERANCE = 1e-3
+#: The most epochs in each of the two windows :func:`_convergence` compares.
+CONVERGENCE_WINDOW = 20
+
+
+class TrainingDiverged(RuntimeError):
+    """``fit`` stopped because the loss or a parameter became NaN or infinite.
+
+    Attributes: ``epoch`` (1-based), ``step`` (1-based, within the epoch; 0 when found at the end of an epoch),
+    ``loss`` (the last loss seen, ``nan`` if none), ``lr``.
+    """
+
+    def __init__(self, trainer: str, epoch: int, step: int, steps: int, loss: float, lr: float, what: str):
+        self.epoch, self.step, self.loss, self.lr = epoch, step, loss, lr
+        self._args = (trainer, epoch, step, steps, loss, lr, what)
+        where = f"epoch {epoch}, step {step} of {steps}" if step else f"the end of epoch {epoch}"
+        if epoch == 1 and step == 1:
+            cause = ("This is before any parameter update, so the network or the data produce it, not the learning "
+                     "rate.")
+        else:
+            cause = (f"The likely cause is a learning rate too large for this model and data (lr={lr!r}): try one 10 "
+                     f"to 100 times smaller. The parameters are left as that step made them: load a posterior or a "
+                     f"state before fitting again.")
+        super().__init__(f"{trainer} diverged at {where}: {what}. {cause}")
+
+    def __reduce__(self):  # so that it crosses process boundaries (Flower client apps) intact
+        return type(self), self._args
+
+
+class BayesianClient:
+    """A client holding a variational posterior over the Bayesian parameters of its copy of a network.
+
+    Usage::
+
+        >>> import torch
+        >>> from bnpfed.models import LeNet, only_linear_weights
+        >>> x, y = torch.randn(32, 1, 8, 8), torch.randint(0, 10, (32,))
+        >>> client = BayesianClient(LeNet(image_size=8), only_linear_weights(), local_reparameterization=True)
+        >>> client = client.fit(x, y, epochs=2, batch_size=16, lr=1e-3, seed=0)
+        >>> len(client.losses_)                                    # mean -ELBO per example, one per epoch
+        2
+        >>> posterior = client.posterior()                          # {site: GaussianPosterior(loc, variance)}
+        >>> list(posterior), tuple(posterior["fc3.weight"].loc.shape)
+        (['fc1.weight', 'fc2.weight', 'fc3.weight'], (10, 84))
+        >>> client.load_posterior(posterior)                        # e.g. a server's fused posterior
+        >>> client = client.update_prior_(posterior)                # ... and the next round's prior
+        >>> client.predict_proba(x, num_samples=4, seed=0).shape
+        torch.Size([32, 10])
+
+    Regression is a likelihood away::
+
+        >>> from bnpfed.models import Gaussian, mlp
+        >>> reg = BayesianClient(mlp(1, [8], 1), only_linear_weights(), likelihood=Gaussian(scale=0.1))
+        >>> reg = reg.fit(torch.randn(16, 1), torch.randn(16), epochs=1, batch_size=8, lr=1e-2, seed=0)
+        >>> reg.predict(torch.zeros(3, 1), num_samples=4, seed=0).variance.shape
+        torch.Size([3])
+
+    :param nn.Module net: the network (deep-copied; the user's module is not changed). Clients built from the same
+        ``net`` start from the same weights, as federated clients should.
+    :param Prior prior: which parameters are Bayesian and their priors, e.g. ``only_linear_weights()``.
+    :param Likelihood likelihood: the observation model: ``Categorical()`` (default, classification) or
+        ``Gaussian(scale)`` (regression).
+    :param guide: a factory ``init_values -> guide``: called with ``{site: initial value}`` (the network's own
+        initialisation), it returns the guide, an ``nn.Module`` that is a Pyro guide of the model; for the federated
+        methods it also has ``posterior()`` and ``load_posterior(...)``. Default
+        ``functools.partial(MeanFieldGuide, init_scale=init_scale)``.
+    :param elbo: the objective: an object with ``differentiable_loss(model, guide, x, y, dataset_size=n)``
+        returning -ELBO. Default :class:`~bnpfed.clients.elbo.MeanFieldELBO` (closed-form fast path, else Pyro's
+        ``TraceMeanField_ELBO``); a Pyro ELBO (``pyro.infer.Trace_ELBO()``, ...) runs under ``bnn.context()``.
+    :param bool local_reparameterization: train and predict with the local reparameterisation trick. Default False.
+    :param float init_scale: initial posterior standard deviation of every Bayesian weight in the default guide;
+        means start at the network's own initial values. Default ``1e-2``. Not allowed together with ``guide``
+        (give it to your factory).
+
+    Attributes: ``bnn`` (the :class:`BayesianNetwork`), ``guide`` (the guide module), ``elbo``, ``losses_`` (mean
+    negative ELBO per example, one per epoch of the last ``fit``), ``converged_`` and ``notes_`` (whether that fit
+    converged; see :meth:`fit`).
+    """
+
+    def __init__(self, net: nn.Module, prior: Prior, *, likelihood: Optional[Likelihood] = None,
+                 guide: Optional[Callable[[Mapping[str, Tensor]], nn.Module]] = None, elbo: Any = None,
+                 local_reparameterization: bool = False, init_scale: Optional[float] = None):
+        self.bnn = BayesianNetwork(net, prior, likelihood=likelihood, local_reparameterization=local_reparameterization)
+        if guide is None:
+            scale = DEFAULT_INIT_SCALE if init_scale is None else init_scale
+            guide = functools.partial(MeanFieldGuide, init_scale=scale)
+        elif init_scale is not None:
+            raise ValueError(f"init_scale: sets the default guide's scale; with guide= given, pass it to the guide "
+                             f"factory instead, got init_scale={init_scale!r}")
+        if isinstance(guide, nn.Module) or not callable(guide):
+            raise ValueError("guide: expected a factory init_values -> guide, such as "
+                             f"functools.partial(MeanFieldGuide, init_scale=0.1), got {guide!r}")
+        self.guide = guide(self.bnn.init_values)
+        if not isinstance(self.guide, nn.Module):
+            raise ValueError(f"guide: expected the factory to return a torch.nn.Module guide, got "
+                             f"{type(self.guide).__name__}")
+        self.elbo = MeanFieldELBO() if elbo is None else elbo
+        if not callable(getattr(self.elbo, "differentiable_loss", None)):
+            raise ValueError(f"elbo: expected an object with differentiable_loss(model, guide, ...) such as "
+                             f"MeanFieldELBO() or pyro.infer.TraceMeanField_ELBO(), got {elbo!r}")
+        self.losses_: list[float] = []
+        self.converged_: Optional[bool] = None
+        self.notes_: list[str] = []
+
+    def fit(self, x: Tensor, y: Tensor, *, epochs: int = 1, batch_size: int = 64, lr: float = 1e-3, seed: int = 0,
+            amsgrad: bool = False, scale_lr: Optional[float] = None, augment: str = "none") -> "BayesianClient":
+        """Run SVI on the local data ``x`` ``(n, ...)``, ``y`` (targets the likelihood accepts, e.g. ``(n,)`` labels
+        in ``0 .. num_classes - 1``) for ``epochs`` passes of mini-batches of ``batch_size`` with Adam (AMSGrad if
+        ``amsgrad``) at learning rate ``lr``; every random step uses ``seed``. Returns ``self``.
+
+        The guide's scale parameters (``rho``, ``sigma = softplus(rho)``, about ``log sigma`` for small sigma) may
+        have their own learning rate ``scale_lr``: Adam moves a parameter by about its learning rate per step, so at
+        one rate for all, a weight's mean (of size ~0.03) moves by a few percent a step while its scale moves by
+        0.1 %, and after a few hundred steps the scales are still near ``init_scale`` (784-100-10 on 6,000 MNIST
+        digits, 10 epochs at 1e-3: sd 0.025 from 0.01). ``scale_lr = 10 * lr`` reaches the variational optimum
+        there, where weights no datum touches sit at their prior; but at that optimum the paper's N(0, 1) prior
+        swamps the data (accuracy 0.873 against 0.932; benchmarks/README.md): pair it with a tempered ELBO
+        (a ``kl_weight`` < 1 of :class:`MeanFieldELBO`) or :class:`~bnpfed.models.EmpiricalBayesPrior`. Default
+        None: ``lr`` (one rate for all, the recorded behaviour). Only for a guide with scale parameters ``rhos``
+        (:class:`MeanFieldGuide`).
+
+        ``augment``: each mini-batch's images drawn through a random transform before the step, ``"none"``
+        (default), ``"crop"`` or ``"crop-flip"`` (:mod:`bnpfed.clients.augment`; images ``(n, C, H, W)`` only).
+
+        With an estimable prior (``prior.estimable``, e.g. :class:`~bnpfed.models.EmpiricalBayesPrior`), the prior
+        is estimated from the guide before the first step and after every step (``prior.estimate_(...)`` on the
+        sites whose prior is not a posterior), so it is a function of the fit alone, not of earlier fits (a client
+        rebuilt each round, as on Flower, gets the same numbers as one kept).
+
+        After the fit, ``losses_`` holds each epoch's mean ``-ELBO / n``, ``converged_`` whether the last epochs
+        improved it by less than :data:`CONVERGENCE_TOLERANCE` (relative, 1e-3) or than their Monte Carlo spread
+        (:func:`_convergence`; a fit of one epoch is not judged: None), and ``notes_`` says so in words when it has
+        not.
+
+        :raises ValueError: naming the argument, for bad data or settings (checked before any training).
+        :raises TrainingDiverged: when the loss or a parameter becomes NaN or infinite.
+        """
+        n = _check_x(x)
+        self.bnn.likelihood.check_targets(y, n, self._probe(x))
+        y = self.bnn.likelihood.targets(y)
+        lr = check_positive(lr, "lr")
+        rhos = getattr(self.guide, "rhos", None)
+        if scale_lr is None or scale_lr == lr:
+            scale_lr = None  # one parameter group: exactly the recorded steps
+        elif not isinstance(rhos, nn.ParameterList):
+            raise ValueError(f"scale_lr: sets the learning rate of a MeanFieldGuide's scales (rhos); the guide "
+                             f"{type(self.guide).__name__} has none, got scale_lr={scale_lr!r}")
+        else:
+            scale_lr = check_positive(scale_lr, "scale_lr")
+        scale_ids = {id(p) for p in rhos} if scale_lr is not None else set()
+        named = [*(("bnn." + k, p) for k, p in self.bnn.named_parameters()),
+                 *(("guide." + k, p) for k, p in self.guide.named_parameters() if id(p) not in scale_ids)]
+        scales = [("guide." + k, p) for k, p in self.guide.named_parameters() if id(p) in scale_ids]
+        prior = self.bnn.prior
+        after_step = None
+        estimated = [name for name in self.bnn.bayesian_sites if name not in prior.posterior_sites]
+        if prior.estimable and estimated:
+            def after_step():
+                posterior = self.guide.posterior()
+                prior.estimate_({name: posterior[name] for name in estimated})
+
+            after_step()  # from the guide the fit starts at: the estimate never depends on earlier fits
+
+        def loss(xb, yb):
+            return self._loss(xb, yb, n)
+
+        self.losses_ = _train(named, loss, x, y, epochs=epochs, batch_size=batch_size, lr=lr, seed=seed,
+                              amsgrad=amsgrad, trainer="BayesianClient.fit", scale_params=scales, scale_lr=scale_lr,
+                              after_step=after_step, augment=augment)
+        self.converged_, self.notes_ = _convergence(self.losses_)
+        return self
+
+    def loss(self, x: Tensor, y: Tensor, dataset_size: Optional[int] = None) -> Tensor:
+        """The training objective on a batch: a one-sample estimate of ``-ELBO / n_k``,
+
+            ( KL(q || p) - n_k / B sum_{i in batch} E_q[log p(y_i | x_i, w)] ) / n_k
+
+        with the KL in closed form. Differentiable in the guide's and the deterministic parameters.
+
+        :param int dataset_size: ``n_k``, the size of the local dataset the batch comes from. Default ``len(x)``.
+        """
+        _, n = self.bnn.check_batch(x, y, dataset_size)
+        return self._loss(x, self.bnn.likelihood.targets(y), n)
+
+    def _loss(self, x: Tensor, y: Tensor, n: int) -> Tensor:
+        if isinstance(self.elbo, pyro.infer.ELBO):
+            with self.bnn.context():
+                return self.elbo.differentiable_loss(self.bnn, self.guide, x, y, dataset_size=n) / n
+        return self.elbo.differentiable_loss(self.bnn, self.guide, x, y, dataset_size=n) / n
+
+    @torch.no_grad()
+    def _probe(self, x: Tensor) -> Tensor:
+        """The network's output for ``x[0]`` (in eval mode, so no random draw and no running statistic changes), for
+        checks of the targets; a ``ValueError`` naming ``x`` if the network cannot run on it."""
+        values = {name: value.to(device=x.device, dtype=x.dtype) for name, value in self.bnn.init_values.items()}
+        return _probe(lambda: self.bnn.output_at(x[:1], values), self.bnn, x)
+
+    def posterior(self) -> dict[str, GaussianPosterior]:
+        """``{site: GaussianPosterior(loc, variance)}`` for every Bayesian site, copies of the guide's current
+        values."""
+        return self.guide.posterior()
+
+    def load_posterior(self, posterior: Mapping[str, Any]) -> None:
+        """Set the guide to ``{site: GaussianPosterior or (loc, variance)}`` (exactly the Bayesian sites), in place;
+        see :meth:`MeanFieldGuide.load_posterior`. Raises ``ValueError`` naming the site on a bad entry."""
+        self.guide.load_posterior(posterior)
+
+    def update_prior_(self, posterior: Mapping[str, Any]) -> "BayesianClient":
+        """Make ``posterior`` (``{site: GaussianPosterior or (loc, variance)}``, some or all Bayesian sites) the
+        prior of those sites: ``self.bnn.prior.update_(posterior)`` (see :meth:`Prior.update_`; the prior object is
+        shared by every network built with it). Returns ``self``."""
+        self.bnn.prior.update_(posterior)
+        return self
+
+    def deterministic_state(self) -> dict[str, Tensor]:
+        """``{name: tensor}`` copies of the parameters the prior keeps deterministic (empty if there are none)."""
+        return _state(self.bnn.net)
+
+    def load_deterministic(self, state: Mapping[str, Tensor]) -> None:
+        """Overwrite the deterministic parameters in place with ``state`` (exactly their names and shapes)."""
+        _load_state(self.bnn.net, state, "state")
+
+    @torch.no_grad()
+    def mean_network(self) -> nn.Module:
+        """The posterior-mean network: a plain torch copy of the network (no Pyro) with every Bayesian weight at its
+        posterior mean and the deterministic parameters and buffers as they are now, in eval mode. A client built
+        from it (same prior) has the same deterministic parameters and its guide's means start there."""
+        net = self.bnn.template()
+        state = net.state_dict()
+        state.update({name: b.detach().clone() for name, b in self.bnn.net.named_buffers()})
+        state.update(self.deterministic_state())
+        state.update({site: p.loc.detach().clone() for site, p in self.posterior().items()})
+        net.load_state_dict(state)
+        return net.eval()
+
+    def predict(self, x: Tensor, num_samples: int = 10, seed: Optional[int] = None) -> Any:
+        """The posterior predictive from ``num_samples`` draws from the guide, as the likelihood aggregates them
+        (see :meth:`BayesianNetwork.predict`): class probabilities ``(B, num_classes)`` for ``Categorical``, a
+        ``GaussianPredictive(mean, variance)`` for ``Gaussian``."""
+        return self.bnn.predict(x, num_samples=num_samples, guide=self.guide, seed=seed)
+
+    def sample_outputs(self, x: Tensor, num_samples: int = 10, seed: Optional[int] = None) -> Tensor:
+        """``(S, B, ...)`` the network's outputs (logits) under the ``num_samples`` draws from the guide that
+        :meth:`predict` aggregates."""
+        return self.bnn.sample_outputs(x, num_samples=num_samples, guide=self.guide, seed=seed)
+
+    def predict_proba(self, x: Tensor, num_samples: int = 10, seed: Optional[int] = None) -> Tensor:
+        """Posterior predictive class probabilities ``(B, num_classes)``: the softmax averaged over ``num_samples``
+        draws from the guide (:meth:`predict` for a ``Categorical`` likelihood; at its temperature)."""
+        if not isinstance(self.bnn.likelihood, Categorical):
+            raise ValueError(f"predict_proba: the likelihood {self.bnn.likelihood!r} has no class probabilities; "
+                             "use predict")
+        return self.predict(x, num_samples=num_samples, seed=seed)
+
+
+class DeterministicClient:
+    """A FedAvg client: the same network trained by maximum likelihood (cross-entropy, Adam), the baseline of the
+    federated loop.
+
+    Usage::
+
+        >>> import torch
+        >>> from bnpfed.models import mlp
+        >>> x, y = torch.randn(20, 4), torch.randint(0, 2, (20,))
+        >>> client = DeterministicClient(mlp(4, [3], 2)).fit(x, y, epochs=2, batch_size=8, lr=1e-2, seed=0)
+        >>> sorted(client.state())                                  # what FedAvg averages
+        ['1.bias', '1.weight', '3.bias', '3.weight']
+        >>> client.load_state(client.state())
+        >>> client.predict_proba(x).shape
+        torch.Size([20, 2])
+
+    :param nn.Module net: the network (deep-copied; the user's module is not changed); ``net(x)`` returns logits.
+
+    Attributes: ``net`` (the copy), ``losses_`` (mean cross-entropy per example, one per epoch of the last ``fit``).
+    """
+
+    def __init__(self, net: nn.Module):
+        if not isinstance(net, nn.Module):
+            raise ValueError(f"net: expected a torch.nn.Module, got {type(net).__name__}")
+        self.net = copy.deepcopy(net)
+        self.losses_: list[float] = []
+
+    def fit(self, x: Tensor, y: Tensor, *, epochs: int = 1, batch_size: int = 64, lr: float = 1e-3, seed: int = 0,
+            amsgrad: bool = False, weight_decay: float = 0.0, optimizer: str = "adam",
+            momentum: Optional[float] = None, augment: str = "none") -> "DeterministicClient":
+        """Minimise the mean cross-entropy on ``x`` ``(n, ...)``, ``y`` ``(n,)`` labels; same schedule, seeding,
+        ``augment`` and checks as :meth:`BayesianClient.fit`; ``weight_decay`` adds ``weight_decay * ||theta||^2 /
+        2`` to the loss (the L2 term of the PFNM reference, 1e-6 there). ``optimizer``: ``"adam"`` (default) or
+        ``"sgd"`` (with ``momentum``, None for none: FedAvg's usual local step). Returns ``self``."""
+        n = _check_x(x)
+        Categorical().check_targets(y, n, _probe(lambda: self.net(x[:1]), self.net, x))
+        y = Categorical().targets(y)
+
+        def loss(xb, yb):
+            return F.cross_entropy(self.net(xb), yb)
+
+        self.losses_ = _train(list(self.net.named_parameters()), loss, x, y, epochs=epochs, batch_size=batch_size,
+                              lr=lr, seed=seed, amsgrad=amsgrad, weight_decay=weight_decay, optimizer=optimizer,
+                              momentum=momentum, trainer="DeterministicClient.fit", augment=augment)
+        return self
+
+    @torch.no_grad()
+    def predict_proba(self, x: Tensor) -> Tensor:
+        """Class probabilities ``(B, num_classes)``, the softmax of the network's logits."""
+        return self.net(x).softmax(-1)
+
+    def state(self) -> dict[str, Tensor]:
+        """``{name: tensor}`` copies of all the network's parameters."""
+        return _state(self.net)
+
+    def load_state(self, state: Mapping[str, Tensor]) -> None:
+        """Overwrite the network's parameters in place with ``state`` (exactly their names and shapes)."""
+        _load_state(self.net, state, "state")
+
+
+#: The local optimisers: Adam (optionally AMSGrad) or SGD (optionally with momentum).
+OPTIMIZERS = ("adam", "sgd")
+
+
+def check_optimizer(optimizer: str, momentum: Optional[float], amsgrad: bool) -> None:
+    """``optimizer`` one of :data:`OPTIMIZERS`; ``momentum`` (in [0, 1)) with SGD only, ``amsgrad`` with Adam only."""
+    check_choice(optimizer, OPTIMIZERS, "optimizer")
+    if momentum is not None:
+        if optimizer != "sgd":
+            raise ValueError(f"momentum: SGD's momentum; expected None with optimizer={optimizer!r}, got {momentum!r}")
+        check_float(momentum, "momentum", low=0.0, high=1.0, high_open=True)
+    if amsgrad and optimizer != "adam":
+        raise ValueError(f"amsgrad: the AMSGrad variant of Adam; expected False with optimizer={optimizer!r}")
+
+
+def _train(
+    named_params: Iterable[tuple[str, Tensor]],
+    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    x: Tensor,
+    y: Tensor,
+    *,
+    epochs: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+    amsgrad: bool = False,
+    weight_decay: float = 0.0,
+    optimizer: str = "adam",
+    momentum: Optional[float] = None,
+    trainer: str = "fit",
+    scale_params: Iterable[tuple[str, Tensor]] = (),
+    scale_lr: Optional[float] = None,
+    after_step: Optional[Callable[[], None]] = None,
+    augment: str = "none",
+) -> list[float]:
+    """Adam (``optimizer="adam"``, optionally AMSGrad) or SGD (``"sgd"``, with ``momentum``, None for none), with
+    coupled L2 ``weight_decay``, on ``loss_fn(x_batch, y_batch)`` over shuffled mini-batches; returns the mean loss of
+    each epoch. ``scale_params`` learn at ``scale_lr`` (the others at ``lr``); ``after_step()`` runs after every
+    optimiser step. ``augment`` (:data:`~bnpfed.clients.augment.AUGMENTATIONS`) draws each mini-batch's images
+    through its transform, from a generator of its own (``(seed, AUGMENT)``), so the mini-batches are the same as
+    without it. Raises :class:`TrainingDiverged` on a non-finite loss or parameter."""
+    epochs = check_int(epochs, "epochs", low=1)
+    batch_size = check_int(batch_size, "batch_size", low=1)
+    lr = check_positive(lr, "lr")
+    seed = check_int(seed, "seed", low=-(2**63), high=2**64 - 1)
+    amsgrad = check_bool(amsgrad, "amsgrad")
+    weight_decay = check_float(weight_decay, "weight_decay", low=0.0)
+    check_optimizer(optimizer, momentum, amsgrad)
+    check_augment(augment, tuple(x.shape[1:]))
+    transform = augmenter(augment)
+    named_params, scale_params = list(named_params), list(scale_params)
+    groups = [{"params": [p for _, p in named_params]}]
+    if scale_params:
+        groups.append({"params": [p for _, p in scale_params], "lr": scale_lr})
+    named_params += scale_params
+    # foreach: one kernel per operation for all parameters instead of one per parameter, the same numbers (small
+    # networks' steps are dominated by per-call overhead; the default on CPU is the per-parameter loop)
+    if optimizer == "sgd":
+        optim = torch.optim.SGD(groups, lr=lr, momentum=momentum or 0.0, weight_decay=weight_decay, foreach=True)
+    else:
+        optim = torch.optim.Adam(groups, lr=lr, amsgrad=amsgrad, weight_decay=weight_decay, foreach=True)
+    shuffle = torch.Generator().manual_seed(seed)
+    draws = None if transform is None else torch_generator(seed % 2**64, Stream.AUGMENT)
+    n = x.shape[0]
+    steps = math.ceil(n / batch_size)
+    losses = []
+    with seeded(seed, x.device):
+        for epoch in range(1, epochs + 1):
+            order = torch.randperm(n, generator=shuffle).to(x.device)
+            total = 0.0
+            for step, start in enumerate(range(0, n, batch_size), 1):
+                batch = order[start : start + batch_size]
+                xb = x[batch] if transform is None else transform(x[batch], draws)
+                try:
+                    loss = loss_fn(xb, y[batch])
+                except ValueError as error:
+                    # after a step of training, a NaN parameter, or a distribution refusing its parameters (Pyro's
+                    # Normal with a scale that underflowed to 0), is divergence; before any step it is a real error
+                    bad = _first_not_finite(named_params)
+                    first = epoch == 1 and step == 1
+                    if first or (bad is None and "Expected parameter" not in str(error)):
+                        raise
+                    what = (f"parameter {bad} is not finite" if bad is not None
+                            else f"a distribution refused its parameters ({str(error).splitlines()[0]})")
+                    raise TrainingDiverged(trainer, epoch, step, steps, math.nan, lr, what) from error
+                value = loss.item()
+                if not math.isfinite(value):
+                    raise TrainingDiverged(trainer, epoch, step, steps, value, lr, f"the loss is {value}")
+                optim.zero_grad()
+                loss.backward()
+                optim.step()
+                if after_step is not None:
+                    after_step()
+                total += value * batch.numel()
+            bad = _first_not_finite(named_params)
+            if bad is not None:
+                raise TrainingDiverged(trainer, epoch, 0, steps, value, lr, f"parameter {bad} is not finite")
+            losses.append(total / n)
+    return losses
+
+
+def _convergence(losses: list[float]) -> tuple[Optional[bool], list[str]]:
+    """``(converged, notes)`` of a fit's epoch losses; None (not judged) after one epoch.
+
+    An epoch's loss is a Monte Carlo estimate (weights drawn at every step), so one epoch against the one before
+    mostly compares noise when an epoch has few steps. The mean of the last ``W`` epochs is compared with the mean of
+    the ``W`` before them (``W = min(CONVERGENCE_WINDOW, len // 4)``): converged when it improved by less than
+    :data:`CONVERGENCE_TOLERANCE` of its size or by less than twice the standard error of the difference (no
+    improvement the noise does not explain). Fewer than 8 epochs: the last against the one before."""
+    if len(losses) < 2:
+        return None, []
+    W = min(CONVERGENCE_WINDOW, len(losses) // 4)
+    if W < 2:
+        previous, last, spread = losses[-2], losses[-1], 0.0
+    else:
+        before, after = np.asarray(losses[-2 * W:-W]), np.asarray(losses[-W:])
+        previous, last = float(before.mean()), float(after.mean())
+        spread = 2.0 * math.sqrt((before.var(ddof=1) + after.var(ddof=1)) / W)
+    change = (previous - last) / max(abs(last), 1e-12)
+    if change < CONVERGENCE_TOLERANCE or previous - last < spread:
+        return True, []
+    what = "the last epoch" if W < 2 else f"the last {W} epochs (against the {W} before)"
+    noise = "" if W < 2 else f", more than their Monte Carlo spread {spread:.3g}"
+    return False, [f"not converged: {what} still lowered -ELBO/n by {100 * change:.2g} % "
+                   f"({previous:.6g} -> {last:.6g}{noise}; converged is under {100 * CONVERGENCE_TOLERANCE:.2g} %); "
+                   "train more epochs or raise lr / scale_lr"]
+
+
+def _first_not_finite(named_params) -> Optional[str]:
+    with torch.no_grad():
+        return next((name for name, p in named_params if not bool(torch.isfinite(p).all())), None)
+
+
+def _check_x(x) -> int:
+    if not torch.is_tensor(x) or x.dim() < 1 or x.shape[0] < 1:
+        raise ValueError(f"x: expected a tensor of shape (n, ...) with n >= 1, got {_describe(x)}")
+    if not x.is_floating_point():
+        raise ValueError(f"x: expected a floating-point tensor, got dtype {x.dtype}")
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError("x: contains NaN or infinite values")
+    return x.shape[0]
+
+
+@torch.no_grad()
+def _probe(run: Callable[[], Tensor], net: nn.Module, x: Tensor) -> Tensor:
+    """``run()`` (the network on ``x[:1]``) with every module of ``net`` in eval mode, restored afterwards."""
+    modes = [(module, module.training) for module in net.modules()]
+    net.eval()
+    try:
+        return run()
+    except (RuntimeError, ValueError, IndexError) as error:
+        raise ValueError(f"x: the network cannot run on inputs of shape {tuple(x.shape[1:])}: {error}") from error
+    finally:
+        for module, mode in modes:
+            module.training = mode
+
+
+def _describe(value) -> str:
+    return f"a tensor of shape {tuple(value.shape)}" if torch.is_tensor(value) else repr(value)
+
+
+def _state(net: nn.Module) -> dict[str, Tensor]:
+    return {name: param.detach().clone() for name, param in net.named_parameters()}
+
+
+@torch.no_grad()
+def _load_state(net: nn.Module, state, argument: str) -> None:
+    params = dict(net.named_parameters())
+    check_names(state, {name: p.shape for name, p in params.items()}, argument, "parameter")
+    for name, param in params.items():
+        check_tensor(state[name], param.shape, f"{argument}[{name!r}]")
+    for name, param in params.items():
+        param.copy_(state[name])
