@@ -12,10 +12,12 @@ every docstring is rewritten, outside code, as follows:
 * a literal block (a paragraph ending in ``::`` and the indented block after it) becomes a fenced code block
   (``pycon`` when it holds ``>>>`` lines, else ``python`` when it parses as Python, else ``text``), and a doctest
   block outside one becomes a ``pycon`` block;
+* a face that imports its names lazily (``bnpfed.flower``) gets them as members, from its ``__all__`` at run time;
 * a docstring with numpydoc's sections (``Parameters`` over a line of dashes) is parsed as numpydoc;
 * characters that Markdown would take for markup in plain reST prose are escaped: ``<`` before a letter (which
-  Markdown would read as an HTML tag and drop: ``match-<rule>``), a ``>`` opening a line (a block quote), and
-  ``][`` (a reference link that autorefs would try to resolve: ``x[j][k]``); ``` `` ``` code spans keep their text.
+  Markdown would read as an HTML tag and drop: ``match-<rule>``), a ``>`` opening a line (a block quote),
+  ``][`` (a reference link that autorefs would try to resolve: ``x[j][k]``) and ``*`` between two words (a
+  product, ``H*W``, not emphasis); code spans keep their text.
 
 Loaded by mkdocstrings-python (``extensions: [docs/griffe_rst.py]`` in ``mkdocs.yml``).
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import ast
 import html
+import importlib
 import re
 from typing import Any
 
@@ -42,8 +45,13 @@ class RstToMarkdown(griffe.Extension):
 
     def on_package(self, *, pkg: griffe.Module, loader: griffe.GriffeLoader, **kwargs: Any) -> None:
         self.collection = loader.modules_collection
+        for face_name in FACES:
+            add_lazy_exports(pkg, face_name)
         self.public = public_paths(pkg)
+        records = []
         for obj in walk(pkg):
+            if obj.is_class and is_record(obj):
+                records.append(obj)
             if obj.docstring is not None:
                 obj.docstring.value = self.convert(obj.docstring.value, obj)
                 if NUMPY_SECTION.search(obj.docstring.value):
@@ -51,13 +59,8 @@ class RstToMarkdown(griffe.Extension):
                     # their "name : type" lines show the type as code already: reST's ``...`` inside it would show
                     obj.docstring.value = re.sub(r"^(\w+ : .*)$", lambda m: m.group(1).replace("``", ""),
                                                  obj.docstring.value, flags=re.M)
-                if obj.is_class and any("NamedTuple" in str(base) for base in obj.bases):
-                    # a NamedTuple's fields are its constructor's parameters, which Griffe does not see: they are
-                    # shown as its attributes instead (Griffe's ``:var`` takes the type from the annotation)
-                    obj.docstring.value = re.sub(r"^(\s*):param (?:[^:]+ )?(\w+):", r"\1:var \2:",
-                                                   obj.docstring.value, flags=re.M)
-                if obj.is_class:
-                    hide_described_fields(obj)
+        for cls in records:
+            describe_fields(cls)
 
     # ------------------------------------------------------------------ blocks
 
@@ -105,6 +108,7 @@ class RstToMarkdown(griffe.Extension):
         line = re.sub(r"<(?=[A-Za-z/!?])", "&lt;", line)
         line = re.sub(r"^(\s*)>", r"\1\\>", line)
         line = line.replace("][", "]\\[")
+        line = re.sub(r"(?<=[\w)])\*(?=[\w(])", r"\\*", line)   # a product, 400*120, not emphasis
         return re.sub("\x00(\\d+)\x00", lambda m: kept[int(m.group(1))], line)
 
     def role(self, kind: str, target: str, obj: griffe.Object) -> str:
@@ -149,6 +153,20 @@ class RstToMarkdown(griffe.Extension):
         return canonical
 
 
+def add_lazy_exports(pkg: griffe.Module, face_name: str) -> None:
+    """A face that imports its names on first use (a module ``__getattr__``, as ``bnpfed.flower`` does, so that a
+    SuperNode's process loads Flower alone) has no members Griffe can see: its ``__all__`` is read by importing it,
+    and each name becomes an alias of the object where it is defined, so that the face's page lists it."""
+    face = pkg.get_member(face_name.removeprefix("bnpfed."))
+    if face.exports or "__getattr__" not in face.members:
+        return
+    module = importlib.import_module(face_name)
+    for name in module.__all__:
+        obj = getattr(module, name)
+        face.set_member(name, griffe.Alias(name, f"{obj.__module__}.{obj.__qualname__}", parent=face))
+    face.exports = list(module.__all__)
+
+
 def public_paths(pkg: griffe.Module) -> dict[str, str]:
     """Canonical path -> the path under the first face (in the order of ``FACES``) whose ``__all__`` lists it."""
     found: dict[str, str] = {}
@@ -174,17 +192,35 @@ FACES = ("bnpfed.models", "bnpfed.clients", "bnpfed.matching", "bnpfed.combine",
          "bnpfed.federated", "bnpfed.flower", "bnpfed.data", "bnpfed.metrics", "bnpfed.saved")
 
 
-FIELD = re.compile(r"^\s*:(?:param|var|ivar|cvar)\b[^:\n]*?(\w+):", re.M)
+def is_record(cls: griffe.Class) -> bool:
+    """A dataclass or a NamedTuple: a class whose fields are its constructor's parameters."""
+    return (any("dataclass" in str(d.value) for d in cls.decorators)
+            or any("NamedTuple" in str(base) for base in cls.bases))
 
 
-def hide_described_fields(cls: griffe.Class) -> None:
-    """Leave out of the page a class's attributes that have no docstring of their own and that its docstring
-    describes already (a dataclass's fields are its ``:param`` lines): each would be listed a second time, without
-    text. They stay members (the dataclass extension reads them for ``__init__``), marked not public."""
-    for name in FIELD.findall(cls.docstring.value):
-        member = cls.members.get(name)
+def describe_fields(cls: griffe.Class) -> None:
+    """A record's ``:param`` lines moved onto its fields: each field undocumented so far gets its parameter's
+    description as its docstring, and the line leaves the class docstring. Else every field would be listed twice,
+    once described under Parameters and once as a bare attribute (and a NamedTuple's parameters, which Griffe does
+    not see in a signature, would be warned about)."""
+    if cls.docstring is None:
+        return
+    lines, kept, i = cls.docstring.value.split("\n"), [], 0
+    while i < len(lines):
+        field = re.match(r"(\s*):param (?:[^:]*\s)?(\w+):(.*)$", lines[i])
+        end = i + 1
+        if field:
+            while end < len(lines) and lines[end].strip() and indent_of(lines[end]) > len(field.group(1)):
+                end += 1
+        member = cls.members.get(field.group(2)) if field else None
         if member is not None and not member.is_alias and member.is_attribute and member.docstring is None:
-            member.public = False
+            text = " ".join([field.group(3).strip(), *(x.strip() for x in lines[i + 1:end])])
+            member.docstring = griffe.Docstring(text, parent=member, parser=cls.docstring.parser,
+                                                parser_options=cls.docstring.parser_options)
+        else:
+            kept.extend(lines[i:end])
+        i = end
+    cls.docstring.value = "\n".join(kept)
 
 
 def walk(obj: griffe.Object):

@@ -21,7 +21,7 @@ from mkdocs.structure.files import File, Files
 ROOT = Path(__file__).resolve().parent.parent
 TUTORIALS = ROOT / "tutorials"
 CLI_MARKER = "<!-- bnpfed-cli-help -->"
-HELP_COLUMNS = 110  # argparse wraps --help at the terminal's width; a fixed one makes the page the same everywhere
+HELP_COLUMNS = 100  # argparse wraps --help at the terminal's width; a fixed one makes the page the same everywhere
 
 
 @mkdocs.plugins.event_priority(100)  # before mkdocs-jupyter's on_files, which turns .ipynb files into pages
