@@ -53,7 +53,7 @@ class RstToMarkdown(griffe.Extension):
             if obj.is_class and is_record(obj):
                 records.append(obj)
             if obj.docstring is not None:
-                obj.docstring.value = self.convert(obj.docstring.value, obj)
+                obj.docstring.value = hoist_trailing_prose(self.convert(obj.docstring.value, obj))
                 if NUMPY_SECTION.search(obj.docstring.value):
                     obj.docstring.parser = griffe.Parser.numpy  # a few docstrings have numpydoc's sections
                     # their "name : type" lines show the type as code already: reST's ``...`` inside it would show
@@ -190,6 +190,33 @@ def public_paths(pkg: griffe.Module) -> dict[str, str]:
 # bnpfed.models, where they live)
 FACES = ("bnpfed.models", "bnpfed.clients", "bnpfed.matching", "bnpfed.combine", "bnpfed.baselines",
          "bnpfed.federated", "bnpfed.flower", "bnpfed.data", "bnpfed.metrics", "bnpfed.saved")
+
+
+FIELD_LINE = re.compile(r":(?:param|parameter|arg|argument|key|keyword|type|returns?|rtype|raises?|except|exception"
+                        r"|var|ivar|cvar|yields?)\b")
+
+
+def hoist_trailing_prose(text: str) -> str:
+    """Prose that follows the ``:param`` fields (an "Attributes: ..." paragraph) moved above them: Griffe's Sphinx
+    parser would append it to the last field's description."""
+    lines = text.split("\n")
+    first = next((i for i, line in enumerate(lines) if FIELD_LINE.match(line)), None)
+    if first is None:
+        return text
+    fields, prose, i, fence = [], [], first, False
+    while i < len(lines):
+        line = lines[i]
+        starts_prose = line.strip() and not line[0].isspace() and not FIELD_LINE.match(line)
+        if starts_prose or (prose and (fence or not FIELD_LINE.match(line))):
+            if line.lstrip().startswith("```"):
+                fence = not fence
+            prose.append(line)
+        else:
+            fields.append(line)
+        i += 1
+    if not prose:
+        return text
+    return "\n".join([*lines[:first], *prose, "", *fields]).rstrip() + "\n"
 
 
 def is_record(cls: griffe.Class) -> bool:
