@@ -5,8 +5,9 @@ VENV ?= .venv
 CONSTRAINTS ?= constraints.txt
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.bnpfed-installed
+DOCS_STAMP := $(VENV)/.bnpfed-docs-installed
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench docs clean
 
 install: $(STAMP)
 
@@ -28,5 +29,14 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/run.py
 
+# the docs site into site/, strictly: a warning (a broken link, a docstring griffe cannot parse, a missing page)
+# fails the build. Its packages have their own stamp, so `make test` does not need them.
+$(DOCS_STAMP): $(STAMP) pyproject.toml $(CONSTRAINTS)
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build site *.egg-info
