@@ -18,8 +18,8 @@
   connected weights Bayesian, local reparameterisation, client weights by data size), on a shorter schedule, every
   rule and FedAvg, next to the published accuracy and ECE (100 bins).
 
-Every timing runs on one torch thread (see benchmarks/fusion.md). Results and the commands that produced them are
-in benchmarks/fusion.md.
+Every timing runs on one torch thread (on shared cores, OpenMP regions wait on descheduled peers). Results and the
+commands that produced them are in the docs' benchmark page on posterior fusion (docs/benchmarks/fusion.md).
 
 Usage: python benchmarks/bench_fusion.py [--part fuse,svi,paper] [--baseline-ref HEAD] [--svi-repeats 3]
                                          [--rounds 5] ...
@@ -56,7 +56,7 @@ PUBLISHED_ACCURACY = {"fedavg": 89.6, "eaa": 90.1, "gaa": 89.8, "log_variance": 
                       "conflation": 89.9}
 PUBLISHED_ECE = {"fedavg": 8.0, "eaa": 3.0}
 
-#: The shorter schedule of ``paper_setting`` (see benchmarks/fusion.md for why these values).
+#: The shorter schedule of ``paper_setting`` (the benchmark archive, docs/benchmarks/archive.md, says why).
 PAPER_SCHEDULE = dict(rounds=5, local_epochs=1, batch_size=64, lr=1e-3)
 
 
@@ -351,7 +351,7 @@ def run(parts=("fuse", "svi", "paper"), *, quick: bool = False, baseline_ref: st
         svi_repeats: int = 3, **paper_kwargs) -> None:
     """Print every requested table (``quick``: K = 10 only, one SVI epoch, no paper setting)."""
     old = torch.get_num_threads()
-    torch.set_num_threads(1)  # see benchmarks/fusion.md: on shared cores, OpenMP regions wait on descheduled peers
+    torch.set_num_threads(1)  # on shared cores, OpenMP regions wait on descheduled peers
     try:
         _run(parts, quick=quick, baseline_ref=baseline_ref, svi_repeats=svi_repeats, **paper_kwargs)
     finally:

@@ -32,8 +32,8 @@ precision (scipy's brentq in log delta) rather than by laplace-torch's gradient 
 
 **The prior precision on held-out data** (``prior_precision="held-out"``). The evidence above is that of the
 *diagonal* posterior, which drops the curvature's correlations; the linearised predictive of such a posterior is
-under-confident (an MNIST client of 6,000 digits: ECE 0.23 at the evidence's precisions, 0.012 at 100 times them;
-benchmarks/README.md), the failure Laplace Redux meets and answers with a prior precision tuned on validation data.
+under-confident (the docs' benchmark page on calibration measures it on MNIST clients), the failure Laplace Redux
+meets and answers with a prior precision tuned on validation data.
 Here the client holds out ``held_out`` of its examples (a seeded split), trains and fits the curvature on the rest,
 and scales every site's evidence precision by the factor ``c`` of :data:`HELD_OUT_SCALES` whose linearised predictive
 gives the held-out examples the lowest negative log-likelihood (the same :data:`HELD_OUT_SAMPLES` draws of ``eps`` for

@@ -174,10 +174,10 @@ class BayesianClient:
         The guide's scale parameters (``rho``, ``sigma = softplus(rho)``, about ``log sigma`` for small sigma) may
         have their own learning rate ``scale_lr``: Adam moves a parameter by about its learning rate per step, so at
         one rate for all, a weight's mean (of size ~0.03) moves by a few percent a step while its scale moves by
-        0.1 %, and after a few hundred steps the scales are still near ``init_scale`` (784-100-10 on 6,000 MNIST
-        digits, 10 epochs at 1e-3: sd 0.025 from 0.01). ``scale_lr = 10 * lr`` reaches the variational optimum
-        there, where weights no datum touches sit at their prior; but at that optimum the paper's N(0, 1) prior
-        swamps the data (accuracy 0.873 against 0.932; benchmarks/README.md): pair it with a tempered ELBO
+        0.1 %, and after a few hundred steps the scales are still near ``init_scale``. ``scale_lr = 10 * lr``
+        reaches the variational optimum, where weights no datum touches sit at their prior; but at that optimum the
+        paper's N(0, 1) prior swamps the data (the docs' benchmark page on calibration, one client at its
+        variational optimum): pair it with a tempered ELBO
         (a ``kl_weight`` < 1 of :class:`MeanFieldELBO`) or :class:`~bnpfed.models.EmpiricalBayesPrior`. Default
         None: ``lr`` (one rate for all, the recorded behaviour). Only for a guide with scale parameters ``rhos``
         (:class:`MeanFieldGuide`).

@@ -69,7 +69,8 @@ POOLING_CHUNK_ELEMENTS = 1 << 24
 #: Number of floats one block of a rule's ``(K, numel)`` temporaries may hold (4 MiB of float32).
 #: :func:`log_variance` and :func:`conflation` work through the weights one block of columns at a time: a block
 #: stays in cache, and no ``(K, numel)`` tensor is allocated (for a large layer, the page faults of a fresh
-#: allocation of that size cost several times the reading of the inputs; see ``benchmarks/fusion.md``).
+#: allocation of that size cost several times the reading of the inputs: the throughput section of the docs'
+#: benchmark page on posterior fusion).
 BLOCK_ELEMENTS = 1 << 20
 
 

@@ -32,17 +32,17 @@ Randomness (:mod:`bnpfed.seeding`): the initial network from ``(seed, INIT)``, t
 and the baseline therefore start from the same network and see the same sampled clients; the same seed gives the
 same results, and Torch's global random state is left untouched.
 
-Defaults (why): they suit the bundled digits data (J = 10 clients of about 135 examples, MLP 64-100-10), where
-they bring every rule to FedAvg's accuracy in about five rounds. With the paper's N(0, 1) prior and clients that
-small, the KL term of ``-ELBO / n_k`` is about 200 nats per example against a likelihood of about 2, and its
-gradient on each posterior scale never changes sign, so Adam moves every ``log sigma`` up by about ``lr`` per
-step until the likelihood pushes back. Starting the scales at ``init_scale=1e-2`` and taking few steps per round
-(batch 32, E = 2 local epochs: 10 steps on a digits client) at ``lr=1e-2`` lets the means learn as fast as FedAvg's
-weights while the scales grow by about 10% per round; the rules then differ through the spread they give the
-fused posterior (GAA and conflation divide its variance by about J a round, pooling widens it by the
-clients' disagreement). With larger clients, lower ``lr`` as the steps per round grow (the Fashion-MNIST
-benchmark, 94 steps of 64 examples per epoch, uses ``lr=1e-3``). Local reparameterisation is on, as in the paper. See
-``benchmarks/fusion.md`` for the numbers.
+Defaults (why): they suit the bundled digits data (J = 10 clients of about 135 examples, MLP 64-100-10), where they
+bring every rule to FedAvg's accuracy in a few rounds. With the paper's N(0, 1) prior and clients that small, the KL
+term of ``-ELBO / n_k`` (a sum over thousands of weights, divided by about a hundred examples) is two orders of
+magnitude above the likelihood term, and its gradient on each posterior scale never changes sign, so Adam moves
+every ``log sigma`` up by about ``lr`` per step until the likelihood pushes back. Starting the scales at
+``init_scale=1e-2`` and taking few steps per round (batch 32, E = 2 local epochs: 10 steps on a digits client) at
+``lr=1e-2`` lets the means learn as fast as FedAvg's weights while the scales grow by about 10% per round; the rules
+then differ through the spread they give the fused posterior (GAA and conflation divide its variance by about J a
+round, pooling widens it by the clients' disagreement). With larger clients, lower ``lr`` as the steps per round
+grow (the Fashion-MNIST benchmark, 94 steps of 64 examples per epoch, uses ``lr=1e-3``). Local reparameterisation is
+on, as in the paper. The docs' benchmark page on posterior fusion has the numbers.
 
 Usage::
 
@@ -110,7 +110,7 @@ class FusionFederation(Federation):
     :param parts: J index arrays into ``dataset.y_train``, one per client.
     :param NetworkConfig network: the network every client shares (its initial weights from ``(seed, INIT)``; with
         ``fusion.own_init`` each client starts round 1 from its own, ``(seed, INIT, 0, j + 1)``: the one-shot
-        baseline that fusing weight by weight without alignment is; on MNIST 0.41-0.60 one shot, a damped average).
+        baseline that fusing weight by weight without alignment is: a damped average of unaligned units).
     :param TrainingConfig training: the clients' local SVI schedule.
     :param BayesianConfig bayesian: prior, initial posterior scale, local reparameterisation.
     :param FusionConfig fusion: the rule, client weights, pooling draws, variance floor, client sampling.

@@ -4,7 +4,8 @@ within one standard error of the best.
 Empirical Bayes estimates each hidden layer's noise variance ``sigma2`` from the clients' weights alone; how far
 apart two units may be and still be one atom follows from it, and so does the global width. The estimate describes
 the weights, not the function: a smaller ``sigma2`` keeps more units apart, a wider and (on MNIST) more accurate
-network, a larger one merges more (benchmarks/README.md, "the accuracy-parameters plane"). The operating point is
+network, a larger one merges more (the docs' benchmark page on one-shot matching draws that plane). The operating
+point is
 chosen the way a model size is chosen elsewhere in statistics, by the *one-standard-error rule* (Breiman et al.,
 *Classification and Regression Trees*, 1984; Hastie, Tibshirani & Friedman, *The Elements of Statistical Learning*,
 section 7.10): among candidates of increasing size, the smallest whose held-out accuracy is within one standard
@@ -49,7 +50,7 @@ __all__ = ["co_correct_counts", "paired_standard_errors", "one_standard_error_ch
            "candidate_scores_step", "check_noise_to_scale", "select_operating_point", "NOISE_FACTORS"]
 
 #: The default factors of the estimated noise variance: the estimate itself (1) and candidates on either side, the
-#: finer steps where MNIST's accuracy-parameters plane bends (benchmarks/README.md).
+#: finer steps where MNIST's accuracy-width plane bends (the docs' benchmark page on one-shot matching).
 NOISE_FACTORS = (2.0, 1.4, 0.8, 0.65, 0.5, 0.4, 0.3)
 
 

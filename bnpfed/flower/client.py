@@ -2,7 +2,7 @@
 
 On a SuperNode every message runs in a fresh ``flwr-clientapp`` process that imports this module first, so the
 module imports Flower alone; the handlers import the client's steps (:mod:`bnpfed.flower.client_steps`: torch,
-Pyro, the data, about 3 s of CPU) when a message needs them. Three of the four stages of SecAgg+
+Pyro, the data: seconds of CPU) when a message needs them. Three of the four stages of SecAgg+
 (``secaggplus_mod``: setup, key sharing, unmasking) need none of it; the masked-vector stage calls
 :func:`~bnpfed.flower.secure.secure_fit`.
 

@@ -29,8 +29,8 @@ What the quantisation costs: each statistic must lie in ``[-c, c]`` (a client wh
 fails its round instead, naming ``secagg-clipping-range``) and travels in two limbs of ``Q`` levels each
 (:func:`~bnpfed.combine.secure.split_limbs`); the sums are off by less than ``K (2c / Q)^2 / 2c``
 (:func:`~bnpfed.combine.secure.quantisation_bound`), in units of the global posterior's standard deviation
-(locations) or of its variance (variances), plus float64 rounding. The measured effect on the fused moments is in
-``benchmarks/README.md``.
+(locations) or of its variance (variances), plus float64 rounding. The measured effect on the fused moments is on
+the docs' benchmark page on posterior fusion (secure aggregation).
 
 Matching (PFNM, matched fusion) needs each client's units in the clear: the assignment is computed from them.
 The compromise is to match once in the clear and then fuse aligned posteriors under secure aggregation, where the

@@ -4,9 +4,9 @@ A hidden unit of a trained ReLU network can be *dead* on its client's data: its 
 for a convolutional channel, at every position), so nothing downstream ever sees it. Such units are not evidence
 about the global atoms -- their incoming weights are whatever the initialisation and the first steps left -- yet
 they look alike across clients, and under empirical Bayes their tight agreement sets the noise variance of the whole
-layer: on MNIST 784-100-10 (J = 10) 12-27 of each client's 100 units are dead, the estimated noise is then 0.005
-while truly matched trained units lie about 0.09 apart per coordinate, and nothing else merges
-(benchmarks/README.md, *Compression*).
+layer: the estimated noise then falls to the distance between dead units, far below the distance at which truly
+matched trained units lie apart, and nothing else merges (the docs' benchmark page on one-shot matching measures
+it).
 
 * :func:`unit_activity` (a client step, on the client's own data): per group of the permutation spec, each unit's
   largest absolute contribution ``a_u = max |x_u|`` over the inputs, read where the units enter the next layer (the

@@ -9,10 +9,10 @@ minus the mean, over the standard deviation) it is scale-free; the estimate is
     share_jk = softmax_k( z(W_j 1)_k / T )
 
 with ``W_j`` client j's output weights (C, H) and the temperature ``T`` = :data:`TEMPERATURE`. It is a heuristic,
-not a posterior, and its form and T were chosen on the measurements of benchmarks/README.md ("Class shares without
-class counts": PFNM's accuracy with the estimate against the true counts and uniform shares on label-skewed MNIST,
-Fashion-MNIST and digits federations); adding the standardised output bias helped on one federation and hurt on
-another, so the bias is not used.
+not a posterior, and its form and T were chosen on measurements (PFNM's accuracy with the estimate against the true
+counts and uniform shares on label-skewed MNIST, Fashion-MNIST and digits federations: the docs' benchmark page on
+one-shot matching, "Pre-trained networks without class counts"); adding the standardised output bias helped on one
+federation and hurt on another, so the bias is not used.
 
 Usage::
 
@@ -33,7 +33,7 @@ from bnpfed.validation import check_positive
 
 __all__ = ["TEMPERATURE", "estimate_class_shares", "estimate_shares"]
 
-#: T of the module docstring: the estimate's sharpness (benchmarks/README.md, "Class shares without class counts")
+#: T of the module docstring: the estimate's sharpness (chosen on the measurements the module docstring names)
 TEMPERATURE = 0.5
 
 

@@ -209,8 +209,8 @@ class _Estimator:
         changes, the stopping rule on the result's: the atom prior N(mu0, sigma0_2 I) then moved by at most rtol^2 / 2
         nats per coordinate (its Kullback-Leibler divergence), the size of change the relative test allows a
         variance (a relative change r moves N(0, s) by about r^2 / 4 nats). The largest change is the wrong measure
-        there: mu0 is the mean of the L atom means, and at J = 500 the few hundred neurons that still move each sweep
-        shift some coordinate of it by a few % of sqrt(sigma0_2) for ten sweeps after everything else has settled)."""
+        there: mu0 is the mean of the L atom means, and with hundreds of clients the few neurons that still move each
+        sweep keep shifting some coordinate of it for many sweeps after everything else has settled)."""
         if mu0 not in ("max", "rms"):
             raise ValueError(f"mu0: expected 'max' or 'rms', got {mu0!r}")
         for name in self.names:

@@ -79,8 +79,8 @@ with data on d, ``Q_d = sum_i w_i (xbar_id - xbar_wd)^2`` (xbar_wd the w-weighte
 whose mean is mostly noise gets little weight. (With equal W_id it is the unweighted formula.) A layer with no
 coordinate of all scales 1 estimates sigma2 and sigma0_2 this way.
 
-One sigma2 serves every client (a noise variance per client was measured and not kept: no gain on MNIST at twice
-the matching time; benchmarks/README.md).
+One sigma2 serves every client (a noise variance per client was measured and not kept: no gain in accuracy, for
+twice the matching time; the benchmark archive of the docs has the numbers).
 
 Degenerate cases. No atom with two members (every neuron alone): sigma2 is not estimable and keeps its previous value.
 Fewer than two atoms with data on every coordinate (one atom, with mu0 estimated): sigma0_2 keeps its previous value.
@@ -102,14 +102,12 @@ start merges only neurons far closer than a typical pair first, and a few tight 
 (units dead on the client's data, whose weights are left near their initial values) then set the noise; the even
 split (``sigma2 = sigma0_2 = T / 2``) merges widely in its first pass and settles at a fixed point with a larger
 noise. ``starts="both"`` runs both and keeps the one of higher marginal likelihood ``log p(Z, V)`` (at its own
-estimates, every normalising constant included): on MNIST 784-100-10 (J = 10) the small-noise one wins by 2.6-3.1 x
-10^4 nats while the dead units are matched, the even split by 3.7-4.0 x 10^4 nats once the clients leave them out
-(:mod:`bnpfed.matching.activity`), at 156-157 global units instead of 759-804. With the dead units left out, on
-MNIST-trained MLPs and LeNets (J = 10-100) the small-noise start was likelier in 5 of 13 layers, all of LeNet, by 17
-to 163 nats (LeNet's conv1 at J = 25 then keeps 41 channels where the even split keeps 22), the global network's
-accuracy the same to 0.15 points; on layers sampled from the model it was never likelier by more than 9 nats, and it
-over-split where atoms overlap (benchmarks/README.md). So the default (``starts="even-split"``) runs the even split
-alone, at 0.3-0.75 of the time of both. If the first pass from the small noise
+estimates, every normalising constant included). While the clients' dead units are matched the small-noise fixed
+point is the likelier; once the clients leave them out (:mod:`bnpfed.matching.activity`) the even split is, on
+trained MLP layers by a wide margin and at a fraction of the width, and where the small-noise start wins (some
+LeNet layers) it wins by little, with an equally accurate global network; on layers sampled from the model it
+over-splits where atoms overlap. So the default (``starts="even-split"``) runs the even split alone, at a fraction
+of the time of both (the docs' benchmark page on scale has the comparison). If the first pass from the small noise
 leaves every neuron alone (sigma2 not estimable: nothing agrees that closely), it is redone from the even split
 (noted). It stops when a sweep changed no assignment and no estimate moved by more than ``EB_RTOL`` (relative; mu0
 relative to sqrt(sigma0_2)) -- by default already when at most 2 % of the neurons moved in a sweep and no estimate by
@@ -274,8 +272,8 @@ def match_layer(
     :param str stop: empirical Bayes: ``"result"`` (default) stops once a sweep moved at most 2 % of the neurons
         (:data:`~bnpfed.matching.matcher.STOP_MOVED`) and no estimate by more than 1 %
         (:data:`~bnpfed.matching.matcher.STOP_RTOL`; mu0 by the root mean square of its changes over the
-        coordinates): on trained MNIST layers (J = 10-200) widths within 3 % and accuracy within 0.001 of the exact
-        fixed point at 0.3-0.8 of its sweeps; ``"fixed-point"`` sweeps until nothing changes (``EB_RTOL``).
+        coordinates), as good as settled on trained layers at a fraction of the exact rule's sweeps (the docs'
+        benchmark page on scale); ``"fixed-point"`` sweeps until nothing changes (``EB_RTOL``).
     :param str starts: empirical Bayes with the noise estimated from the data's start: ``"even-split"`` (default)
         runs the alternation from the even split; ``"both"`` runs it from the small-noise start as well and keeps the
         assignment of higher ``log p(Z, V)`` at its own estimates (``MatchResult.log_likelihood``, every constant
@@ -285,7 +283,8 @@ def match_layer(
     :param str schedule: how a sweep re-matches the clients: ``"gauss-seidel"`` (default) one after the other in a
         seeded random order, each given the moves of those before it (coordinate ascent); ``"jacobi"`` every client
         against the assignment at the sweep's start, all moved at once (independent re-matches, which could run in
-        parallel; no coordinate ascent, and on trained MNIST layers it does not settle: benchmarks/README.md).
+        parallel; no coordinate ascent, and on trained layers it does not settle: the docs' benchmark page on
+        scale).
     :param device: None (default: numpy on the CPU) or a torch device (``"cuda"``, ``"cuda:1"``, ``"cpu"``) for the
         shared coordinates' atom sums and the (L_j, D) x (D, L) cross products, the largest work of a wide layer
         (:class:`~bnpfed.matching.matcher.LayerMatcher`); the scores and the LSA stay on the CPU, the Gram matrix is

@@ -110,8 +110,8 @@ STOP_RTOL = 1e-2
 #: tenth of them), and where all of its neurons are 0 every product with them is 0.
 SPARSE_SHARE = 0.5
 
-#: Under empirical Bayes, the sweeps a matching is expected to run (measured on trained MNIST and LeNet layers: 8 to
-#: 13 at J = 10-25), for the choice of the Gram matrix after the first assignment.
+#: Under empirical Bayes, the sweeps a matching is expected to run (about what trained MLP and LeNet layers take at
+#: a few tens of clients), for the choice of the Gram matrix after the first assignment.
 EB_EXPECTED_SWEEPS = 8
 
 
@@ -639,7 +639,7 @@ class LayerMatcher:
         changed (``moved``: the neurons whose atom's members changed). Unlike :meth:`sweep` (Gauss-Seidel: each
         client sees the moves of those before it) the clients' re-matches are independent of each other, so they
         could run in parallel, but the step is no coordinate ascent: clients moving at once can undo each other
-        (measured in benchmarks/README.md)."""
+        (the docs' benchmark page on scale: on trained layers Jacobi sweeps do not settle)."""
         a = np.concatenate(self.assign)   # propose leaves every assignment as it was
         new, fresh = [], self.n_rows
         for j in range(self.J):
@@ -697,8 +697,7 @@ class LayerMatcher:
     def _cross(self, j: int, active: np.ndarray) -> np.ndarray:
         """(L_j, L) products ``x_l . g_i`` of client j's neurons l with the active atoms i (sorted storage rows):
         from the Gram matrix when it is used, else one matrix product with the active atoms' rows (gathered: the
-        storage keeps the rows atoms freed, which after a wide first pass can be most of them -- at J = 200 on MNIST
-        17,000 rows for 400 atoms)."""
+        storage keeps the rows atoms freed, which after a wide first pass can be most of them)."""
         if self.gram is not None:
             return self._gram_cross(j, active)
         n = self.n_rows
@@ -818,9 +817,9 @@ class LayerMatcher:
     def _take_rows(self, rows: np.ndarray) -> np.ndarray:
         """The ``g_F`` rows ``rows`` (increasing) of the storage on the CPU. In numpy, moved to its first ``rows.size``
         rows in place, a block at a time, and the storage cut to them: the result's atoms with no (L, |F|) copy beside
-        the storage (LeNet's fc1 at J = 500: 4.5 GB); the storage is handed over with them and the matcher left
-        unassigned (the next :meth:`set_hyperparameters` takes new storage, as after :meth:`unassign`). On a torch
-        device, copied to the CPU (the storage stays)."""
+        the storage (gigabytes for LeNet's fc1 at hundreds of clients); the storage is handed over with them and the
+        matcher left unassigned (the next :meth:`set_hyperparameters` takes new storage, as after :meth:`unassign`).
+        On a torch device, copied to the CPU (the storage stays)."""
         if self.device is not None:
             return self._here(self.gF[self._there(rows)])
         gF, self.gF = self.gF, None

@@ -740,7 +740,7 @@ def match_by_spec(
     def in_network_dtype(match: GroupMatch) -> GroupMatch:
         """The group's average in the dtype its parameters have in the network (when they share one narrower than
         float64): the state built from it is the same, and a wide group's (L, D) atoms take half the memory while the
-        groups after it are matched (LeNet's fc1 at J = 500: 5 GB in float64)."""
+        groups after it are matched (gigabytes for LeNet's fc1 at hundreds of clients)."""
         dtypes = {states[0][seg.param].dtype for seg in match.layout.segments}
         if combine == "average" and len(dtypes) == 1:
             dtype = dtypes.pop()

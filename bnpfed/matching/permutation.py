@@ -79,27 +79,12 @@ of the running statistics): each client sends :func:`batch_norm_moments` of its 
 pass, batch norms in training mode), the server sums them and calls :func:`set_batch_norm_statistics`
 (:func:`reestimate_batch_norm` does both in one process).
 
-Measured: ``simple_cnn_bn(1, 8)`` on the bundled 8x8 digits, J = 5 clients from independent initialisations (40
-epochs of Adam each), seeds 0-2, test accuracy of the one-shot global network matched under empirical Bayes with the
-atoms' posterior means as the global weights (``global_weights="posterior-mean"``), mean over the seeds (range):
-
-================  ==============  ==================  =================  ===================================
-partition         local (mean)    members' mean       re-estimated       BN folded into the conv, then match
-================  ==============  ==================  =================  ===================================
-homogeneous       0.906           0.234 (0.11-0.30)   0.957 (0.95-0.97)  0.158 (0.10-0.21)
-Dirichlet(0.5)    0.678           0.303 (0.22-0.47)   0.910 (0.86-0.94)  0.413 (0.30-0.50)
-================  ==============  ==================  =================  ===================================
-
-(Empirical Bayes merged conv1's 30 channels into 18-25 and fc2's 420 units into 312-340.) The members' means alone
-leave the merged network near chance; re-estimated statistics put it well above the clients' mean. With the default
-global weights under empirical Bayes (the members' average, ``global_weights="average"``) the gap is smaller but
-still there: J = 10, 40 epochs, seed 0 (tutorial 04): members' mean statistics 0.887, re-estimated 0.918 (with
-posterior means: 0.116 and 0.918). Folding each batch
-norm into its convolution before matching (the global network's batch norms then the identity) does no better than
-the members' means, and the global network would lose its batch norms for the rounds that follow, so it is not
-offered. With fixed hyper-parameters
-that merged no unit at all (sigma2 = 0.2, sigma0_2 = 1, gamma0 = 5: the clients' networks side by side) the three were
-0.87-0.97, 0.90-0.98 and 0.89-0.97.
+Why re-estimate: a merged channel's statistics are not its members' mean statistics, and with the members' means
+alone a matched batch-normalised CNN can sit near chance where re-estimated statistics put it above the clients' own
+networks (the docs' benchmark page on one-shot matching, "Batch norm after matching"; tutorial 04 shows it on the
+digits). Folding each batch norm into its convolution before matching (the global network's batch norms then the
+identity) does no better than the members' means, and the global network would lose its batch norms for the rounds
+that follow, so it is not offered. Where nothing merges (the clients' networks side by side) the three agree.
 
 From matched atoms back to a network: :func:`state_from_atoms` lays each group's atoms out into the parameters it
 owns, :func:`network_from_state` rebuilds the template with the matched widths (Linear features, Conv2d channels,

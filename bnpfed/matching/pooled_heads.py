@@ -5,10 +5,10 @@ sum_j' n_j'k`` (the class shares, :func:`~bnpfed.matching.averaging_weights`): w
 network computes ``z_k(x) = sum_j omega_jk z_jk(x)``, the clients' *logits* averaged class by class. A client's
 logits are defined only up to a term ``c_j(x)`` common to its classes (its softmax does not see it), and under label
 skew that term stops cancelling: class k's logit comes from the clients that hold k, so a client whose logits run
-large (a few classes learnt confidently, nothing learnt about the others) makes its classes win on every input. On
-Fashion-MNIST under Dirichlet(0.5) (LeNet, J = 10, seed 2; benchmarks/README.md) that average of the clients' own
-networks is 0.651 accurate where the average of their probabilities is 0.871, and PFNM's global network, 0.652, is
-that average again: the matching costs nothing there, the output rule everything.
+large (a few classes learnt confidently, nothing learnt about the others) makes its classes win on every input.
+Under strong label skew that average of the clients' own networks, with no matching at all, can be far less accurate
+than the average of their probabilities, and PFNM's global network is that average again: the matching costs
+nothing there, the output rule everything (the docs' benchmark page on one-shot matching measures it).
 
 The pooled output takes each client's output layer as it trained it, reading the global units its own units were
 matched to (``h_S_j(x)``, the members' averages), and pools the clients' *log-probabilities* class by class:
@@ -152,10 +152,9 @@ def pool_nll(log_pool: Tensor, y: Tensor, temperatures: Tensor = TEMPERATURES) -
 def fit_temperature(nll_sums: Sequence[Tensor], temperatures: Tensor = TEMPERATURES) -> float:
     """The temperature of ``temperatures`` at which the clients' summed negative log-likelihoods (each client's
     :func:`pool_nll` on its own data) add up to the least: a temperature scaling (Guo et al., ICML 2017) of the pool
-    fitted by the federation, no data leaving a client. The clients' *training* data serve when nothing is held out:
-    on MNIST and Fashion-MNIST under Dirichlet(0.5) (784-100-10, 10 epochs) the training data's best temperature was
-    the test split's to one grid step (0.60 against 0.60 on MNIST, 0.60 against 0.65 on Fashion-MNIST;
-    benchmarks/README.md); clients that fit their data to a loss near 0 would choose one too low."""
+    fitted by the federation, no data leaving a client. The clients' *training* data serve when nothing is held out
+    (their best temperature was the test split's to a grid step in the docs' benchmark page on calibration); clients
+    that fit their data to a loss near 0 would choose one too low."""
     total = torch.stack([torch.as_tensor(s, dtype=torch.float64) for s in nll_sums]).sum(0)
     temperatures = torch.as_tensor(temperatures, dtype=torch.float64)
     if total.shape != temperatures.shape or not torch.isfinite(total).all():

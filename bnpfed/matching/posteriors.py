@@ -88,16 +88,18 @@ the posterior means alone (:func:`~bnpfed.matching.layer.match_layer`, tau2 in t
 sigma2: the heteroscedastic model with every ``u = 0``), the posteriors fused along it as above. This is for
 posteriors whose variances say more about the prior than about the data: a post-hoc Laplace posterior of a network
 trained without weight decay keeps most weights at their prior variance, so under the heteroscedastic model every unit
-is uninformative and nothing merges (benchmarks/README.md, *Laplace clients*); on the means the units merge as PFNM's
-do. With the clients' ``activity`` reports (:mod:`bnpfed.matching.activity`) the units dead on a client's data are
-left out first, as :func:`~bnpfed.matching.network.match_by_spec` leaves them out: they join no global unit.
+is uninformative and nothing merges (the docs' benchmark page on calibration, Laplace clients); on the means the
+units merge as PFNM's do. With the clients' ``activity`` reports (:mod:`bnpfed.matching.activity`) the units dead on a
+client's data are left out first, as :func:`~bnpfed.matching.network.match_by_spec` leaves them out: they join no
+global unit.
 
 **Rounds.** :meth:`PosteriorMatch.client_slice` gives a client its own units of the global posterior (its assignment
 in every group): in PFNM with communication (Yurochkin et al. 2019, section 3.3) that slice is the client's next
 starting point; by default it trains under its configured prior again, and with
 ``BayesianConfig(round_prior="posterior")`` the slice is its next prior too
 (:func:`~bnpfed.clients.BayesianClient.update_prior_`), which counts the client's data once more every round
-(:class:`~bnpfed.federated.config.BayesianConfig`; benchmarks/README.md, "What held matched rounds back").
+(:class:`~bnpfed.federated.config.BayesianConfig`; the docs' benchmark page on posterior fusion, matched fusion
+over rounds).
 
 Usage: two clients hold one Bayesian MLP with its hidden units permuted; matching and fusing puts it back together::
 

@@ -20,7 +20,7 @@ length of group g's unit vectors. ``max_params`` puts a price on parameters: the
 (``D_max`` the largest ``D_g`` of the model's own match), ``t`` found by :func:`fit_size`, every group's own
 ``max_width`` applied inside each run. Units are given up where they cost most (a fully connected layer after a
 Flatten, not the first convolution); one factor on every group's gamma0 would instead collapse the small early layers
-first (measured: benchmarks/README.md).
+first (the docs' benchmark page on communication and size has the measurements).
 
 **The search** (:func:`fit_size`): the model's own match (``t = 0``) if it fits; else the strengths in
 :data:`BRACKET` in turn until a match fits, then :data:`BISECTIONS` bisections between the last strength that did not
