@@ -15,21 +15,18 @@ Examples::
 
 from __future__ import annotations
 
-import argparse
+from dataclasses import asdict, replace
 from pathlib import Path
-from dataclasses import asdict
 
 import torch
 
-from bnpfed.commands import _args
+from bnpfed.commands import _args, _options
 from bnpfed.commands._args import HelpFormatter, UsageError, fail, flag_message, warn
 from bnpfed.federated import methods
 from bnpfed.federated import initial_network
-from bnpfed.federated import (ARCHITECTURES, HEADS, INITIALISATIONS, PFNM_NETWORK, PFNM_TRAINING, FusionConfig,
-                              NetworkConfig, PFNMConfig, config_dict)
-from bnpfed.federated import ExperimentConfig
+from bnpfed.federated import (PFNM_NETWORK, PFNM_TRAINING, ExperimentConfig, FusionConfig, NetworkConfig,
+                              PartitionConfig, PFNMConfig, TrainingConfig, config_dict)
 from bnpfed.matching import derive_spec
-from bnpfed.matching import STARTS, STOPS
 from bnpfed.report import (command_record, command_results, format_table, line_styles, pyplot, save_figure,
                            write_json)
 from bnpfed.validation import check_positives
@@ -67,224 +64,66 @@ def add_parser(sub):
         help="PFNM federated experiment: local models, ensemble, FedAvg, k-means, PFNM, FedMA (one round or more)",
         description=_args.paragraphs(
             "J clients train networks (MLPs, LeNet, FedMA's simple CNN with or without batch norm) on their "
-            "partitions; the server matches their units (hidden neurons, conv channels) into one global network "
-            "(PFNM, Yurochkin et al. 2019) and the command compares it with the local models, their uniform "
-            "ensemble, FedAvg, k-means at PFNM's widths and, with --layerwise-retrain, FedMA's layer-wise matching "
-            "(Wang et al. 2020). The training defaults are the PFNM reference code's. A global network with batch "
-            "norm gets its running statistics re-estimated from the clients' data after every match or average."),
-        epilog=_args.examples(__doc__, SERVER_SECONDS),
-        formatter_class=HelpFormatter,
-    )
+            "partitions; the server matches their units into one global network (PFNM, Yurochkin et al. 2019), "
+            "compared with the local models, their ensemble, FedAvg, k-means at PFNM's widths and, with "
+            "--layerwise-retrain, FedMA (Wang et al. 2020). The training defaults are the PFNM reference code's."),
+        epilog=_args.examples(__doc__, SERVER_SECONDS), formatter_class=HelpFormatter, usage="%(prog)s [options]")
+    _args.add_help_all(p)
     _args.add_data_arguments(p, standardize=False,
                              standardize_help="standardise inputs with the train split's mean and standard deviation;"
                              " --no-standardize keeps pixels in [0, 1], as the PFNM reference code does")
-    _args.add_partition_arguments(p, many_clients=True,
-                                  clients_help="number of clients J, or a list such as 5,10,20 (one experiment "
-                                  "each, and a plot against J)")
-    g = p.add_argument_group("network", "the clients' network")
-    g.add_argument("--arch", choices=ARCHITECTURES, default=PFNM_NETWORK.arch,
-                   help="mlp (ReLU MLP of --hidden), lenet (LeNet-5, conv1 padded by 2), lenet-paper (LeNet-5 as Ozer "
-                   "et al.'s code has it), simple-cnn (FedMA's CIFAR-10 network: conv 6, conv 16, fc 120, 84) or "
-                   "simple-cnn-bn (the same with batch norm after each convolution); the convolutional networks take "
-                   "the images as they are (any channels, square; at least 4x4 for lenet, 8x8 for the others)")
-    g.add_argument("--hidden", type=_args.ints, metavar="H[,H...]",
-                   help="hidden widths of the clients' MLPs, e.g. 100 or 100,100 (--arch mlp only; default: "
-                   f"{','.join(map(str, PFNM_NETWORK.hidden))})")
-    g.add_argument("--init", choices=INITIALISATIONS, default=PFNM_NETWORK.init,
-                   help="reference: the PFNM code's (weights N(0, 0.1^2), biases 0.1); torch: PyTorch's")
-    g.add_argument("--shared-init", action="store_true",
-                   help="every client starts from one initialisation (default: each from its own, as PFNM allows)")
-    _args.add_training_arguments(p, PFNM_TRAINING, what="defaults: the PFNM reference code's", device=(
-        "where the clients train and the server's matcher computes its cross products: cpu (the matcher's numpy "
-        "path), or cuda[:N] when torch sees one (the networks come back to the CPU; the matcher's scores and "
-        "assignment problems stay there; numbers differ from the CPU's in the last digits)"))
-    d = PFNMConfig()
-    g = p.add_argument_group("matching", "the PFNM server: Beta-Bernoulli process matching of the neurons")
-    estimated = ("default: estimated per hidden layer from the clients' weights (empirical Bayes); a value fixes it "
-                 "(one, or one per hidden layer, 'auto' estimating that layer's)")
-    g.add_argument("--sigma2", type=hyper_values, default=None, metavar="S[,S...]",
-                   help="local noise variance: how far a client's neuron may sit from its global neuron; larger gives "
-                   f"a narrower global network. {estimated}")
-    g.add_argument("--sigma0-2", type=hyper_values, default=None, metavar="S[,S...]",
-                   help=f"prior variance of the global neurons. {estimated}")
-    g.add_argument("--gamma0", type=hyper_values, default=None, metavar="G[,G...]",
-                   help=f"IBP mass: how readily new global neurons open. {estimated}")
-    g.add_argument("--hyperparameters", choices=("empirical-bayes", "fixed"), default=d.hyperparameters,
-                   help="empirical-bayes: estimate every hyper-parameter not given (and the prior mean of every "
-                   "coordinate) from the clients' weights while matching; fixed: estimate none (those not given "
-                   "are 1, as in the reference code)")
-    g.add_argument("--constants", choices=("bnpfed", "reference"), default=d.constants,
-                   help="bnpfed: the exact objective (popularity factor 2, no caps); reference: the published "
-                   "code's constants")
-    g.add_argument("--objective", choices=("map", "marginal"), default=None,
-                   help="map (published) or marginal (atoms integrated out). Default: marginal under empirical "
-                   "Bayes, map with fixed hyper-parameters")
-    g.add_argument("--direction", choices=("bottom-up", "top-down"), default=d.direction,
-                   help="order of the layers (top-down is the published one)")
-    g.add_argument("--sweeps", type=int, metavar="N", default=None,
-                   help="at most this many remove-and-rematch sweeps after the first assignment. Default: 5 with "
-                   "fixed hyper-parameters; under empirical Bayes until the assignment and the estimates settle")
-    g.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=d.warm_start,
-                   help="in rounds after the first, start matching from the assignment the clients' networks came "
-                   "from (as the published code does); --no-warm-start re-matches from scratch")
-    g.add_argument("--global-weights", choices=("average", "posterior-mean"), default=None,
-                   help="the global network's weights: average (each global unit the average of its members, the "
-                   "logits the clients' averaged class by class) or posterior-mean (the atoms' posterior means, as "
-                   "published). Default: average under empirical Bayes, posterior-mean with fixed hyper-parameters")
-    g.add_argument("--starts", choices=STARTS, default=d.starts,
-                   help="empirical Bayes: run each layer's estimation from the even split (default), from the "
-                   "small-noise start as well and keep the likelier (both: about twice the time), or from the "
-                   "small-noise start only (bnpfed before 2026-12)")
-    g.add_argument("--stop", choices=STOPS, default=d.stop,
-                   help="empirical Bayes: when each layer's sweeps stop: once a sweep moved at most 2 percent of the "
-                   "neurons and no estimate by more than 1 percent (result, default), or when nothing changes "
-                   "(fixed-point: the exact rule, 1.2-3.3x the sweeps on trained MNIST layers)")
-    g.add_argument("--inactive", choices=("drop", "keep"), default=d.inactive,
-                   help="units a client reports dead on its own data (0 wherever they enter the next layer): drop "
-                   "leaves them out of matching (the client's network computes the same without them); keep "
-                   "matches them like any other (bnpfed before 2026-12)")
-    g.add_argument("--max-width", type=max_widths, default=None, metavar="W[,W...]",
-                   help="the most global units per hidden layer (one, or one per hidden layer, 'none' for no limit "
-                   "there), met inside the model by lowering the layer's IBP mass gamma0 (never by truncating); at "
-                   "least the most units one client has there. Default: the model's own widths")
-    g.add_argument("--max-params", type=max_params_or_none, default=d.max_params, metavar="N|ensemble|none|auto",
-                   help="the most parameters of the global network: a number, 'ensemble' (no more than the "
-                   "clients' networks together) or 'none' (the model's own size), met by pricing every parameter in "
-                   "the prior (each layer's gamma0 times exp(-lambda x its unit's parameters)). Default 'auto': "
-                   "'ensemble' for fedma (its retraining between layers makes the budget cheap), none for pfnm")
-    g.add_argument("--limit-from-round", type=int, metavar="R", default=d.limit_from_round,
-                   help="the first round of pfnm-rounds that --max-width / --max-params apply to (earlier rounds "
-                   "match at the model's own size). 2 keeps round 1 one-shot PFNM and holds the later rounds, whose "
-                   "clients retrain slices of one global network, to the limit, met as far as the matcher can: with "
-                   "--max-params ensemble a CNN's global network shrinks below the ensemble's size over the rounds. "
-                   "Default 1 (every round)")
-    g.add_argument("--heads", choices=HEADS, default=d.heads,
-                   help="the global network's output layer in every PFNM and FedMA row: fused (default; the "
-                   "class-share average of the clients' output layers) or pooled (each matched client's own output "
-                   "layer on the global units its units were matched to, log-probabilities pooled with the class "
-                   "shares; J output layers instead of one, far better under label skew, benchmarks/README.md; the "
-                   "rows' names end in -pooled). The methods pfnm-pooled and fedma-pooled give such rows beside "
-                   "the fused ones")
-    g.add_argument("--pool-temperature", type=_args.pool_temperature, metavar="T|fit", default=d.pool_temperature,
-                   help=_args.POOL_TEMPERATURE_HELP)
-    g.add_argument("--layerwise-retrain", type=int, metavar="EPOCHS", default=d.layerwise_retrain,
-                   help="FedMA's layer-wise scheme (the fedma method, added to the default methods when > 0): match a "
-                   "layer, freeze it, let the clients retrain the layers above for EPOCHS epochs, match the next "
-                   "layer, ...; 0: fedma (if asked for by --methods) retrains for --round-epochs")
+    g = p.add_argument_group("clients and partition")
+    g.add_argument("--clients", type=_args.ints, default=(PartitionConfig().clients,), metavar="J[,J...]",
+                   help="the number of clients J, or a list such as 5,10,20 (one experiment each, and a plot against J)")
+    _options.add_config_options(p, PartitionConfig, PartitionConfig(), group=g, exclude=("clients",))
+    _options.add_config_options(p, NetworkConfig, PFNM_NETWORK, title="network", helps={"shared_init": (
+        "every client starts from one initialisation (PFNM does not need it; default: each from its own)")})
+    _options.add_config_options(p, TrainingConfig, PFNM_TRAINING, title="local training",
+                                description="defaults: the PFNM reference code's", helps={"device": DEVICE_HELP},
+                                defaults={"amsgrad": "on with --optimizer adam, off with sgd"})
+    _options.add_config_options(p, PFNMConfig, PFNMConfig(), title="matching",
+                                description="the PFNM server: Beta-Bernoulli process matching of the units",
+                                exclude=("matcher_device",), helps={"fraction": FRACTION_HELP})
     e = ExperimentConfig()
-    g = p.add_argument_group("hyper-parameter selection",
-                             "choose sigma2 / sigma0_2 / gamma0 from grids, or the operating point on held-out data")
-    g.add_argument("--select", choices=methods.SELECTIONS, default=e.select,
-                   help="none: use --sigma2 / --sigma0-2 / --gamma0 (estimated where not given); federated: a grid "
-                   "of fixed values, the best one-shot accuracy on the clients' held-out splits; pooled-train: that "
-                   "grid on all clients' pooled training data (the reference code's way, which a federation does not "
-                   "have); operating-point: empirical Bayes, then its estimated sigma2 scaled by each of "
-                   "--noise-factors, and the narrowest global network within --tolerance paired standard errors of "
-                   "the best accuracy on the clients' held-out splits (each client sends only counts)")
-    g.add_argument("--grid-sigma2", type=_args.floats, default=e.grid_sigma2, metavar="S,S,...",
-                   help="candidates of sigma2 (--select federated or pooled-train)")
-    g.add_argument("--grid-sigma0-2", type=_args.floats, default=e.grid_sigma0_2, metavar="S,S,...",
-                   help="candidates of sigma0_2 (--select federated or pooled-train)")
-    g.add_argument("--grid-gamma0", type=_args.floats, default=e.grid_gamma0, metavar="G,G,...",
-                   help="candidates of gamma0 (--select federated or pooled-train)")
-    g.add_argument("--noise-factors", type=_args.floats, default=e.noise_factors, metavar="F,F,...",
-                   help="factors of the estimated sigma2, none of them 1 (the estimate is always a candidate; "
-                   "--select operating-point). Default: " + ",".join(f"{f:g}" for f in e.noise_factors))
-    g.add_argument("--tolerance", type=float, default=e.tolerance, metavar="SE",
-                   help="standard errors of --select operating-point's rule, >= 0 (0: the most accurate candidate)")
-    g.add_argument("--holdout", type=float, metavar="F", default=e.holdout,
-                   help="share of each client's data held out for --select federated or operating-point, in (0, 1)")
-    g = p.add_argument_group("experiment")
-    g.add_argument("--methods", type=_args.names, metavar="M,M,...",
-                   help=f"methods to run, of {', '.join(methods.available_methods())} (default: "
-                   f"{','.join(DEFAULT_METHODS)}, and pfnm-rounds when --rounds > 1)")
-    g.add_argument("--rounds", type=int, metavar="T",
-                   help=f"communication rounds of the multi-round methods (fedavg, pfnm-rounds; default: {e.rounds}; "
-                   "not with --width-sweep, which matches the first round's local models)")
-    g.add_argument("--fraction", type=float, metavar="F", default=d.fraction,
-                   help="share of the clients sampled each round, in (0, 1]")
-    g.add_argument("--ece-bins", type=int, metavar="BINS", default=e.ece_bins,
-                   help="bins of the expected calibration error")
+    _options.add_config_options(
+        p, ExperimentConfig, e, title="experiment", exclude=("predictive_samples",),
+        helps={"methods": "the methods to run, one row each: names, or specs name:key=value such as "
+               "pfnm:heads=pooled, fusion:rule=gaa, match:rule=eaa. The methods: "
+               f"{', '.join(methods.available_methods())}; bnpfed.federated.method_options lists a method's options",
+               "rounds": "communication rounds of the multi-round methods (fedavg, pfnm-rounds, fedma-rounds); not "
+               "with --width-sweep, which matches the first round's local models"},
+        defaults={"methods": f"{','.join(DEFAULT_METHODS)}, and pfnm-rounds with --rounds > 1, fedma (and "
+                             "fedma-rounds) with --layerwise-retrain",
+                  "rounds": f"{e.rounds}"})
     g = p.add_argument_group("width sweep", "instead of the comparison: accuracy against global width")
     g.add_argument("--width-sweep", action="store_true",
                    help="train the local models once and match them with every --sweep-sigma2 x --sweep-gamma0, "
                    "under both sets of constants")
-    g.add_argument("--sweep-sigma2", type=_args.floats, metavar="S,S,...",
-                   help="sigma2 values of the sweep (--width-sweep only; the default, "
-                   f"{','.join(map(str, SWEEP_SIGMA2))}, spreads the width from about one client's to about J "
-                   "clients' on digits)")
-    g.add_argument("--sweep-gamma0", type=_args.floats, metavar="G,G,...",
-                   help=f"gamma0 values of the sweep (--width-sweep only; default: {','.join(map(str, SWEEP_GAMMA0))})")
+    _args.hidden(g.add_argument(
+        "--sweep-sigma2", type=_args.floats, metavar="S,S,...",
+        help=f"sigma2 values of the sweep (default: {','.join(map(str, SWEEP_SIGMA2))}, from about one client's "
+        "width to about J clients' on digits)"))
+    _args.hidden(g.add_argument("--sweep-gamma0", type=_args.floats, metavar="G,G,...",
+                                   help=f"gamma0 values of the sweep (default: {','.join(map(str, SWEEP_GAMMA0))})"))
     g = _args.add_output_arguments(p, threads=1, json_help="write the flags, settings, versions and results as JSON",
-                               plot_help="write a figure (PNG): accuracy and global width per method (one round), "
-                               "per round (--rounds > 1), against J (several --clients) or against width "
-                               "(--width-sweep)")
+                                   plot_help="write a figure (PNG): accuracy and global width per method, per round "
+                                   "(--rounds > 1), against J (several --clients) or against width (--width-sweep)")
     g.add_argument("--save-global", metavar="DIR",
-                   help="write every global network a method built (pfnm, pfnm-rounds, kmeans, fedma, fedavg, "
-                   "fedavg-oneshot) to DIR/<method>.pt (DIR/J<J>/<method>.pt with several --clients), each readable "
-                   "by bnpfed.load_global and bnpfed evaluate")
+                   help="write every global network a method built to DIR/<method>.pt (DIR/J<J>/ with several "
+                   "--clients), each readable by bnpfed.load_global and bnpfed evaluate")
+    _options.add_experimental_option(p, PFNMConfig.EXPERIMENTAL, old=("starts", "stop", "inactive"))
     p.set_defaults(func=run)
 
 
+#: ``--device``'s help here: the clients' device and the matcher's.
+DEVICE_HELP = ("where the clients train and the server's matcher computes its cross products: cpu or cuda[:N]. On cpu "
+               "the matcher takes its numpy path; on a CUDA device torch sees, the networks come back to the CPU, "
+               "where the scores and the assignment problems stay (numbers differ from the CPU's in the last digits)")
+#: ``--fraction``'s help here: PFNM's client sampling and FedAvg's.
+FRACTION_HELP = "the share of the clients sampled each round, in (0, 1] (PFNM's rounds and FedAvg's)"
+
+
 # ------------------------------------------------------------------------------------------------ run
-
-
-def hyper_values(value: str) -> tuple:
-    """argparse type of ``--sigma2`` / ``--sigma0-2`` / ``--gamma0``: comma-separated numbers, ``auto`` for a layer
-    whose value is estimated (their bounds are :class:`~bnpfed.federated.config.PFNMConfig`'s)."""
-    items = [v.strip() for v in value.split(",")]
-    try:
-        out = tuple(None if v.lower() == "auto" else float(v) for v in items)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers or 'auto', e.g. 0.3 or 0.3,auto, got "
-                                         f"{value!r}") from None
-    if not items or any(not v for v in items):
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers or 'auto', e.g. 0.3 or 0.3,auto, got "
-                                         f"{value!r}")
-    return out
-
-
-def max_widths(value: str) -> tuple:
-    """argparse type of ``--max-width``: comma-separated ints >= 1, ``none`` for a layer without a limit."""
-    items = [v.strip() for v in value.split(",")]
-    message = f"expected comma-separated ints >= 1 or 'none', e.g. 200 or none,200, got {value!r}"
-    try:
-        out = tuple(None if v.lower() == "none" else int(v) for v in items)
-    except ValueError:
-        raise argparse.ArgumentTypeError(message) from None
-    if any(v is not None and v < 1 for v in out):
-        raise argparse.ArgumentTypeError(message)
-    return out
-
-
-def max_params(value: str):
-    """argparse type of ``--max-params``: an int >= 1 or ``ensemble``."""
-    if value.strip().lower() == "ensemble":
-        return "ensemble"
-    try:
-        return _args.positive_int(value)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1 or 'ensemble', got {value!r}") from None
-
-
-def max_params_or_none(value: str):
-    """argparse type of ``bnpfed pfnm --max-params``: what :func:`max_params` reads, ``none`` (None: the model's own
-    size) or ``auto`` (the config's default)."""
-    word = value.strip().lower()
-    if word in ("none", "auto"):
-        return None if word == "none" else "auto"
-    try:
-        return max_params(value)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, 'ensemble', 'none' or 'auto', got {value!r}") from None
-
-
-def _one_or_many(values):
-    """A flag's comma-separated values: None (not given: estimated), one value for every layer, or one per hidden
-    layer."""
-    if values is None:
-        return None
-    return values[0] if len(values) == 1 else values
 
 
 def prepare(args) -> dict:
@@ -302,57 +141,38 @@ def prepare(args) -> dict:
         if args.width_sweep:
             raise UsageError("--save-global: expected only without --width-sweep (the sweep keeps no network)")
         _args.check_save_global(args.save_global)
-    for flag, default in (("max_width", None), ("max_params", PFNMConfig().max_params)):
-        if args.width_sweep and getattr(args, flag) != default:
-            raise UsageError(f"--{flag.replace('_', '-')}: expected only without --width-sweep (the sweep shows the "
-                             f"widths each sigma2 and gamma0 give)")
-    if args.width_sweep and args.select != "none":
-        raise UsageError(f"--select: expected only without --width-sweep (the sweep shows every sigma2 and gamma0 "
-                         f"instead of choosing one), got --select {args.select}")
-    if args.width_sweep and args.rounds is not None:
-        raise UsageError(f"--rounds: expected only without --width-sweep (the sweep matches the first round's local "
-                         f"models), got --rounds {args.rounds}")
+    for name in ("max_width", "max_params", "select", "rounds"):
+        if args.width_sweep and getattr(args, name) is not None:
+            raise UsageError(f"--{name.replace('_', '-')}: expected only without --width-sweep (the sweep matches the "
+                             f"first round's local models with every sigma2 and gamma0 and shows the widths they "
+                             f"give), got --{name.replace('_', '-')} {getattr(args, name)}")
     for name, default in (("sweep_sigma2", SWEEP_SIGMA2), ("sweep_gamma0", SWEEP_GAMMA0)):
         if getattr(args, name) is None:
             setattr(args, name, default)
         elif not args.width_sweep:
             raise UsageError(f"--{name.replace('_', '-')}: expected only with --width-sweep (the values it sweeps)")
-    if args.rounds is None:
-        args.rounds = ExperimentConfig().rounds
-    partitions = [_args.partition_config(args, J) for J in args.clients]
-    network = NetworkConfig(arch=args.arch, hidden=_args.hidden_widths(args, PFNM_NETWORK.hidden), init=args.init,
-                            shared_init=args.shared_init)
-    training = _args.training_config(args, PFNM_TRAINING)
-    pfnm = PFNMConfig(sigma2=_one_or_many(args.sigma2), sigma0_2=_one_or_many(args.sigma0_2),
-                      gamma0=_one_or_many(args.gamma0), hyperparameters=args.hyperparameters,
-                      constants=args.constants, objective=args.objective, direction=args.direction,
-                      sweeps=args.sweeps, warm_start=args.warm_start, fraction=args.fraction,
-                      global_weights=args.global_weights, layerwise_retrain=args.layerwise_retrain,
-                      starts=args.starts, stop=args.stop, inactive=args.inactive,
-                      matcher_device=None if torch.device(training.device).type == "cpu" else training.device,
-                      max_width=_one_or_many(args.max_width), max_params=args.max_params,
-                      limit_from_round=args.limit_from_round, heads=args.heads,
-                      pool_temperature=args.pool_temperature)
-    fusion = FusionConfig(fraction=args.fraction)  # FedAvg's client sampling
-    chosen = args.methods
-    if chosen is None:
-        chosen = DEFAULT_METHODS + (("pfnm-rounds",) if args.rounds > 1 else ())
-        if args.layerwise_retrain:
-            chosen += ("fedma",) + (("fedma-rounds",) if args.rounds > 1 else ())
-    if args.pool_temperature != 1 and args.heads == "fused" and not any(m.endswith("-pooled") for m in chosen):
-        raise UsageError(f"--pool-temperature: the temperature of pooled heads; expected it only with --heads pooled "
-                         f"or a -pooled method (pfnm-pooled, fedma-pooled), got --heads fused and --methods "
-                         f"{','.join(chosen)}")
-    config = ExperimentConfig(methods=chosen, rounds=args.rounds, seed=args.seed, select=args.select,
-                              grid_sigma2=args.grid_sigma2, grid_sigma0_2=args.grid_sigma0_2,
-                              grid_gamma0=args.grid_gamma0, noise_factors=args.noise_factors,
-                              tolerance=args.tolerance, holdout=args.holdout, ece_bins=args.ece_bins)
+    partitions = [_options.config_from_args(PartitionConfig, args, PartitionConfig(), clients=J) for J in args.clients]
+    network = _options.network_config(args, PFNM_NETWORK)
+    training = _options.training_config(args, PFNM_TRAINING)
+    experimental = _options.experimental_from_args(args, PROG)
+    pfnm = _options.config_from_args(
+        PFNMConfig, args, PFNMConfig(), experimental=experimental,
+        matcher_device=None if torch.device(training.device).type == "cpu" else training.device)
+    fusion = FusionConfig(fraction=pfnm.fraction)  # FedAvg's client sampling
+    config = _options.config_from_args(ExperimentConfig, args, ExperimentConfig(), seed=args.seed)
+    if args.methods is None:
+        chosen = DEFAULT_METHODS + (("pfnm-rounds",) if config.rounds > 1 else ())
+        if pfnm.layerwise_retrain:
+            chosen += ("fedma",) + (("fedma-rounds",) if config.rounds > 1 else ())
+        config = replace(config, methods=chosen)
+    methods.check_methods(config, dict(pfnm=pfnm, fusion=fusion, partition=partitions[0], network=network,
+                                       training=training, config=config))
     if config.select == "operating-point" and pfnm.fixed:
         raise UsageError("--select operating-point: expected empirical Bayes (it scales the estimated sigma2), got "
                          + ("--constants reference" if pfnm.constants == "reference" else "--hyperparameters fixed"))
     if config.select == "operating-point" and pfnm.sigma2 is not None:
         raise UsageError(f"--sigma2: expected it left to the estimate with --select operating-point (which scales "
-                         f"the estimate), got {','.join(f'{v:g}' for v in args.sigma2)}")
+                         f"the estimate), got {args.sigma2}")
     if args.width_sweep:
         check_positives(args.sweep_sigma2, "sweep_sigma2")
         check_positives(args.sweep_gamma0, "sweep_gamma0")
@@ -361,19 +181,19 @@ def prepare(args) -> dict:
         _args.check_partition(partition, dataset, config.seed)
     training.check_inputs(dataset.input_shape)
     net = initial_network(network, dataset.input_shape, dataset.num_classes, seed=config.seed, client=0)
-    _check_per_group(args, derive_spec(net, dataset.input_shape))
+    _check_per_group(pfnm, derive_spec(net, dataset.input_shape))
     return dict(dataset=dataset, partitions=partitions, network=network, training=training, pfnm=pfnm, fusion=fusion,
                 config=config)
 
 
-def _check_per_group(args, spec) -> None:
+def _check_per_group(pfnm: PFNMConfig, spec) -> None:
     """--sigma2 / --sigma0-2 / --gamma0 / --max-width with several values: one per matched group (hidden layer or
     conv channels), checked before anything trains."""
     names = [g.name for g in spec.groups]
-    for flag, values in (("--sigma2", args.sigma2), ("--sigma0-2", args.sigma0_2), ("--gamma0", args.gamma0),
-                         ("--max-width", args.max_width)):
-        if values is not None and len(values) > 1 and len(values) != len(names):
-            raise UsageError(f"{flag}: expected one value or one per matched group ({len(names)}: "
+    for name in ("sigma2", "sigma0_2", "gamma0", "max_width"):
+        values = getattr(pfnm, name)
+        if isinstance(values, tuple) and len(values) != len(names):
+            raise UsageError(f"--{name.replace('_', '-')}: expected one value or one per matched group ({len(names)}: "
                              f"{', '.join(names)}), got {len(values)}")
 
 

@@ -14,7 +14,8 @@ This is the folder's one public face: import from ``bnpfed.federated``; the file
 * the federations, round by round: :class:`PFNMFederation`, :class:`FusionFederation`, :class:`FedAvgFederation`,
   :class:`MatchedFusionFederation`;
 * the experiment harness: :func:`run_experiment` runs the registered comparison methods
-  (:func:`register_method`, :func:`available_methods`) on one partition and returns a table.
+  (:func:`register_method`, :func:`available_methods`; a method's options in its spec, ``match:rule=gaa``:
+  :func:`method_spec`) on one partition and returns a table.
 """
 
 from bnpfed.federated.partition import (TrainValidationSplit, class_counts, class_shares, partition_dirichlet,
@@ -35,7 +36,8 @@ from bnpfed.federated.fusion import FUSION_ARCHITECTURES, FedAvgFederation, Fusi
 from bnpfed.federated.matched_fusion import (MatchedFusionFederation, bayesian_from_match, client_from_slice,
                                              pvi_factors, tempered)
 from bnpfed.federated.pfnm import PFNMFederation
-from bnpfed.federated.methods import ExperimentConfig, available_methods, register_method, run_experiment
+from bnpfed.federated.methods import (ExperimentConfig, MethodOption, MethodSpec, available_methods, check_methods,
+                                      method_options, method_spec, register_method, run_experiment)
 
 __all__ = [
     # partitions
@@ -60,5 +62,6 @@ __all__ = [
     "FUSION_ARCHITECTURES", "check_fusion_network", "FedAvgFederation", "FusionFederation",
     "MatchedFusionFederation", "PFNMFederation",
     # experiments
-    "available_methods", "register_method", "run_experiment",
+    "available_methods", "check_methods", "method_options", "method_spec", "MethodOption", "MethodSpec",
+    "register_method", "run_experiment",
 ]

@@ -186,8 +186,9 @@ class PartitionConfig:
                           "--node-config; a simulation's number of SuperNodes), not a run config key",
                           help="J, the number of clients, >= 1.")
     partition: str = option("iid", choices=PARTITIONS, help=(
-        '``"iid"`` (shuffle and cut into J near-equal parts) or ``"dirichlet"`` (label-Dirichlet shares with '
-        'concentration ``alpha``); ``"homogeneous"``/``"homo"`` and ``"hetero"``/``"heterogeneous"`` are aliases.'))
+        'how the training split is divided: ``"iid"`` or ``"dirichlet"``. ``"iid"`` shuffles it and cuts it into J '
+        'near-equal parts; ``"dirichlet"`` gives each client label-Dirichlet shares of concentration ``alpha``. '
+        '``"homogeneous"``/``"homo"`` and ``"hetero"``/``"heterogeneous"`` are aliases.'))
     alpha: float = option(0.5, metavar="ALPHA", help=(
         'the Dirichlet concentration of ``partition="dirichlet"``, > 0 (small: few classes per client).'))
     min_size: int = option(10, metavar="N", shown=False, help=(
@@ -228,8 +229,8 @@ class NetworkConfig:
     """The clients' network (:func:`~bnpfed.federated.clients.build_network`)."""
 
     arch: str = option("mlp", choices=ARCHITECTURES, help=(
-        '``"mlp"`` (a ReLU MLP of widths ``hidden`` on flattened inputs), ``"lenet"`` (LeNet-5, conv1 padded by 2), '
-        '``"lenet-paper"`` (LeNet-5 as Ozer et al.\'s code has it, no padding), ``"simple-cnn"`` (FedMA\'s CIFAR-10 '
+        'the clients\' network. ``"mlp"``: a ReLU MLP of widths ``hidden`` on flattened inputs; ``"lenet"`` (LeNet-5, '
+        'conv1 padded by 2), ``"lenet-paper"`` (LeNet-5 as Ozer et al.\'s code has it, no padding), ``"simple-cnn"`` (FedMA\'s CIFAR-10 '
         'network: conv 6, conv 16, fc 120, 84) or ``"simple-cnn-bn"`` (the same with batch norm after each '
         'convolution); the convolutional ones take images ``(C, H, H)`` as they come (any channels, at least 8x8; '
         '4x4 for ``"lenet"``).'))
@@ -282,7 +283,7 @@ class TrainingConfig:
         'the learning-rate factor per round, in (0, 1]: round r trains at ``lr * lr_decay ** (r - 1)``.'))
     device: str = option("cpu", metavar="DEVICE", help=(
         'where the deterministic clients train (PFNM\'s, FedAvg\'s, FedMA\'s retraining): ``"cpu"`` or a CUDA device '
-        'torch sees (``"cuda"``, ``"cuda:1"``); the trained networks come back to the CPU, where the server matches '
+        'torch sees (``"cuda"``, ``"cuda:1"``). The trained networks come back to the CPU, where the server matches '
         'and averages them. The Bayesian clients\' SVI runs on the CPU only. The same seed gives the same '
         'mini-batches on every device; another device\'s numbers differ in the last digits.'))
     optimizer: str = option("adam", choices=OPTIMIZERS, shown=False, help=(
@@ -348,10 +349,10 @@ class BayesianConfig:
     (``client="laplace"``, :class:`~bnpfed.clients.LaplaceClient`)."""
 
     prior: Union[str, Prior] = option("linear-weights", choices=PRIORS, help=(
-        'a :class:`~bnpfed.models.Prior` object (every client built from this config shares it, so '
-        '``Prior.update_`` on it reaches them all), or the name of a standard one, built anew for each client: '
-        '``"linear-weights"`` (N(0, prior_scale^2) on the ``nn.Linear`` weight matrices only, Ozer et al.\'s choice) '
-        'or ``"all"`` (on every parameter).'))
+        'the prior: the name of a standard one, ``"linear-weights"`` (N(0, prior_scale^2) on the ``nn.Linear`` '
+        'weight matrices only, Ozer et al.\'s choice) or ``"all"`` (on every parameter), or a '
+        ':class:`~bnpfed.models.Prior` object. A named prior is built anew for each client; a prior object is shared '
+        'by every client built from this config, so ``Prior.update_`` on it reaches them all.'))
     prior_scale: float = option(1.0, metavar="SCALE", help=(
         'the standard deviation of a named prior (unused with a prior object).'))
     init_scale: float = option(1e-2, metavar="SCALE", shown=False, help=(
@@ -373,8 +374,8 @@ class BayesianConfig:
         'barely leave ``init_scale`` in a round\'s few hundred steps; 10 reaches the variational optimum, which '
         'under the N(0, 1) prior underfits.'))
     client: str = option("variational", choices=CLIENT_KINDS, help=(
-        '``"variational"`` (SVI on the ELBO) or ``"laplace"``: each client trains its network by maximum likelihood '
-        'as a PFNM client does (the same seeds give the same networks) and takes the diagonal Laplace posterior of '
+        'how a client gets its posterior: ``"variational"`` (SVI on the ELBO) or ``"laplace"`` (matched fusion '
+        'only). A Laplace client trains its network by maximum likelihood as a PFNM client does (the same seeds give the same networks) and takes the diagonal Laplace posterior of '
         'the sites ``prior`` makes Bayesian, each site\'s prior precision by the marginal likelihood; for matched '
         'fusion, where a later round\'s client starts from its slice\'s means under the zero-mean evidence prior. The '
         'settings of SVI (``prior_scale``, ``init_scale``, ``prior_variance``, ``kl_weight``, ``scale_lr_factor``) '
@@ -443,7 +444,7 @@ class BayesianConfig:
 #: (``replace(config.experimental, **EB_DEFAULTS)``).
 EB_DEFAULTS = dict(starts="even-split", stop="result")
 
-_PER_LAYER = ' one value, one per hidden layer (None for a layer estimated), or None: estimated per layer.'
+_PER_LAYER = ' one value, one per hidden layer (None for a layer estimated), or None, estimated per layer.'
 
 
 @reads_experimental("starts", "stop", "schedule", "inactive")
@@ -465,14 +466,14 @@ class PFNMConfig:
 
     sigma2: Union[None, float, tuple[Optional[float], ...]] = option(
         None, metavar="S[,S...]", null=("none", "auto"), default_text="None (estimated)", help=(
-            'the local noise variance (how far a client\'s neuron may sit from its global neuron; larger: a narrower '
-            'global network), > 0:' + _PER_LAYER))
+            'the local noise variance, > 0:' + _PER_LAYER + ' How far a client\'s neuron may sit from its global '
+            'neuron: larger values give a narrower global network.'))
     sigma0_2: Union[None, float, tuple[Optional[float], ...]] = option(
         None, metavar="S[,S...]", null=("none", "auto"), default_text="None (estimated)", help=(
-            'the prior variance of the global atoms, > 0:' + _PER_LAYER))
+            'the prior variance of the global atoms, > 0, as ``sigma2``.'))
     gamma0: Union[None, float, tuple[Optional[float], ...]] = option(
         None, metavar="G[,G...]", null=("none", "auto"), default_text="None (estimated)", help=(
-            'the IBP mass (how readily new global neurons open), > 0:' + _PER_LAYER))
+            'the IBP mass, > 0, as ``sigma2``. How readily new global neurons open.'))
     hyperparameters: str = option("empirical-bayes", choices=("empirical-bayes", "fixed"), shown=False, help=(
         '``"empirical-bayes"`` (those left None are estimated per layer, and the atoms\' prior mean per coordinate) '
         'or ``"fixed"`` (none is estimated: those left None take the reference code\'s value 1, and the atoms\' prior '
@@ -499,9 +500,9 @@ class PFNMConfig:
         'posterior means, as published; under empirical Bayes they blur rarely shared units towards the estimated '
         'prior mean).'))
     layerwise_retrain: int = option(0, metavar="EPOCHS", help=(
-        '0 (PFNM: every layer matched at once) or E >= 1: FedMA\'s layer-wise scheme (Wang et al., ICLR 2020): match '
-        'the lowest group (layer), freeze it, let the clients retrain the layers above for E epochs, match the next '
-        'group, and so on (the ``fedma`` method); bottom-up only.'))
+        'FedMA\'s layer-wise scheme (the ``fedma`` method; Wang et al., ICLR 2020): 0 (PFNM: every layer matched at '
+        'once) or E >= 1 retraining epochs. The server matches the lowest group (layer), freezes it, lets the clients '
+        'retrain the layers above for E epochs, matches the next group, and so on; bottom-up only.'))
     matcher_device: Optional[str] = option(None, metavar="DEVICE", shown=False, default_text=(
         "None (numpy on the CPU)"), help=(
         'where the matcher\'s shared-coordinate products run: a torch device (``"cuda"``, ``"cuda:1"``; ``"cpu"``: '
@@ -509,14 +510,14 @@ class PFNMConfig:
         ':class:`TrainingConfig`\'s ``device``.'))
     max_width: Union[None, int, tuple[Optional[int], ...]] = option(
         None, metavar="W[,W...]", default_text="None (the model's own widths)", help=(
-            'the most global units per hidden layer (group): an int (every group), one per group in the spec\'s order '
-            '(None: no limit there), or None; met inside the model by lowering the group\'s IBP mass '
+            'the most global units per hidden layer (group): an int, one per group in the spec\'s order (None: no '
+            'limit there), or None. Met inside the model by lowering the group\'s IBP mass '
             '(:mod:`bnpfed.matching.size`), never by truncating.'))
     max_params: Union[None, int, str] = option("auto", metavar="N|ensemble|none|auto", help=(
         'the most parameters of the global network: an int, ``"ensemble"`` (no more than the clients\' networks '
-        'together: what it replaces), None (the model\'s own size) or ``"auto"`` (``"ensemble"`` under FedMA\'s '
-        'layer-wise scheme, whose retraining between groups repairs what a merge costs; None for PFNM: '
-        ':attr:`parameter_limit`). Met by pricing every parameter in the prior (each group\'s IBP mass times '
+        'together), None (the model\'s own size) or ``"auto"`` (``"ensemble"`` for FedMA, None for PFNM). '
+        '``"auto"`` is ``"ensemble"`` under FedMA\'s layer-wise scheme, whose retraining between groups repairs what a '
+        'merge costs, and None for PFNM (:attr:`parameter_limit`). Met by pricing every parameter in the prior (each group\'s IBP mass times '
         '``exp(-lambda D_g)``, ``D_g`` the parameters one of its units owns); FedMA splits it into a ``max_width`` per '
         'group first. A budget the matcher cannot meet is refused in round 1 and met as far as it can in every later '
         'round (:meth:`best_effort_in`).'))
@@ -527,10 +528,11 @@ class PFNMConfig:
         'matcher can (a ``max_width`` below what a client holds is still refused). Needs a limit; not with '
         '``layerwise_retrain``.'))
     heads: str = option("fused", choices=HEADS, help=(
-        'the global network\'s output layer: ``"fused"`` (PFNM\'s class-share average of the clients\' output '
-        'layers) or ``"pooled"`` (every matched client\'s own output layer on the global units its units were matched '
-        'to, log-probabilities pooled with the class shares: :func:`~bnpfed.matching.pooled_network`; J output layers '
-        'instead of one, for label skew; the rows\' names end in ``-pooled``). The clients start the next round from '
+        'the global network\'s output layer: ``"fused"`` (the class-share average of the clients\' output layers) '
+        'or ``"pooled"`` (the clients\' own, pooled; rows ``pfnm-pooled``, ...). With ``"pooled"`` every matched '
+        'client\'s own output layer sits on the global units its units were matched to, their log-probabilities '
+        'pooled with the class shares (:func:`~bnpfed.matching.pooled_network`): J output layers instead of one, for '
+        'label skew. The clients start the next round from '
         'their slices either way; ``max_params`` prices the J output layers.'))
     pool_temperature: Union[float, str] = option(1.0, metavar="T|fit", shown=False, help=(
         '``heads="pooled"``: the pool\'s temperature, a number > 0 (1: the pool itself) or ``"fit"``: each matched '
@@ -698,9 +700,9 @@ class FusionConfig:
     fraction: float = option(1.0, metavar="F", help=(
         'the share of the clients sampled each round, in (0, 1] (``max(1, floor(fraction * J))`` clients).'))
     align: str = option("none", choices=ALIGNMENTS, help=(
-        '``"none"`` (weight i of one client fused with weight i of the others: meaningful when the clients share an '
-        'initialisation) or ``"match"`` (the clients\' hidden units matched first, each global unit\'s members '
-        'fused).'))
+        'how the clients\' weights are lined up: ``"none"`` (weight i of one client fused with weight i of the '
+        'others: meaningful when the clients share an initialisation) or ``"match"`` (the clients\' hidden units '
+        'matched first, each global unit\'s members fused).'))
     tau2: Union[None, float, tuple[float, ...]] = option(None, metavar="V[,V...]", shown=False, default_text=(
         "None (estimated per group)"), help=(
         '``align="match"``: the extra variance between two clients\' copies of a unit, > 0, one value or one per '

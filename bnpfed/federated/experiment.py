@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields, replace
-from typing import Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 import torch
@@ -32,8 +32,8 @@ from bnpfed.federated.config import (BayesianConfig, FusionConfig, NetworkConfig
 from bnpfed.federated.federation import EVAL_CHUNK, Federation, reestimate_statistics
 from bnpfed.federated.operating_point import NOISE_FACTORS, check_noise_to_scale, select_operating_point
 from bnpfed.federated.partition import class_counts, holdout_split
-from bnpfed.federated.registry import (available_methods, method_options, method_spec, resolve_options,
-                                      row_name)
+from bnpfed.federated.registry import (MethodSpec, available_methods, method_options, method_spec,
+                                      resolve_options, row_name)
 from bnpfed.federated.results import MethodResult, Selection
 from bnpfed.federated.selection import select_hyperparameters
 from bnpfed.federated.server import clients_per_round, pfnm_step, with_statistics
@@ -44,7 +44,7 @@ from bnpfed.report import plural
 from bnpfed.schema import documented, option
 from bnpfed.validation import check_choice, check_fraction, check_int, check_positives
 
-__all__ = ["Experiment", "ExperimentConfig", "HELD_OUT", "SELECTIONS", "network_widths"]
+__all__ = ["Experiment", "ExperimentConfig", "HELD_OUT", "SELECTIONS", "check_methods", "network_widths"]
 
 
 #: How PFNM's hyper-parameters are chosen (:attr:`ExperimentConfig.select`); those that hold each client's
@@ -54,7 +54,7 @@ HELD_OUT = ("federated", "operating-point")
 
 
 def _selection_help() -> str:
-    return ('how PFNM\'s sigma2 / sigma0_2 / gamma0 are chosen: ``"none"`` (as given, estimated where not given), '
+    return ('how PFNM\'s sigma2 / sigma0_2 / gamma0 are chosen. ``"none"``: as given (estimated where not given); '
             '``"federated"`` (a grid of fixed values, the best one-shot accuracy on the clients\' held-out splits), '
             '``"pooled-train"`` (that grid on all clients\' pooled training data, as the reference code does; a '
             'federation does not have it) or ``"operating-point"`` (empirical Bayes, then the estimated sigma2 scaled '
@@ -129,6 +129,36 @@ class ExperimentConfig:
         check_int(self.predictive_samples, "predictive_samples", low=1)
 
 
+def check_methods(config: ExperimentConfig, configs: Mapping[str, Any]) -> list[MethodSpec]:
+    """``config.methods`` as specs, checked against the other configs of the experiment (``configs``: ``{"pfnm":
+    PFNMConfig, "fusion": FusionConfig, ...}``, each method's options resolved from them): no two specs give one row
+    (``pfnm`` with ``heads="pooled"`` configured and ``pfnm:heads=pooled``), a pool temperature other than 1 only
+    where some row pools its heads, the fused predictive's temperature only where a matched row fuses them. What
+    :class:`Experiment` checks before anything runs, and a command before it loads its data."""
+    pfnm, fusion = configs["pfnm"], configs["fusion"]
+    specs = [method_spec(m) for m in config.methods]
+    rows: dict[str, str] = {}
+    for spec in specs:   # two specs that give one row (pfnm with heads="pooled" configured, pfnm:heads=pooled)
+        row = row_name(spec, configs)
+        if row is not None and row in rows:
+            raise ValueError(f"methods: {rows[row]!r} and {str(spec)!r} both give the row {row!r}; expected one of "
+                             f"them")
+        if row is not None:
+            rows[row] = str(spec)
+
+    def heads(kind: str, reads: str) -> bool:   # some method's output layer of this kind, from this config
+        return any(value == kind and method_options(spec.name)[key].reads == reads
+                   for spec in specs for key, value in resolve_options(spec, configs).items() if key == "heads")
+
+    check_pool_temperature_applies(pfnm, pfnm.heads == "pooled" or heads("pooled", "pfnm"))
+    check_pool_temperature_applies(fusion, fusion.heads == "pooled" or heads("pooled", "fusion"))
+    if fusion.temperature != 1 and not heads("fused", "fusion"):
+        raise ValueError(f"fusion.temperature: the predictive temperature of matched fusion's fused output layer; "
+                         f"expected 1 without a match row of fused heads among the methods, got "
+                         f"{fusion.temperature!r}")
+    return specs
+
+
 # ------------------------------------------------------------------------------------------------ the experiment
 
 
@@ -178,27 +208,7 @@ class Experiment:
             check_noise_to_scale(pfnm)
         configs = {"partition": partition, "network": network, "training": training, "pfnm": pfnm,
                    "fusion": fusion, "bayesian": bayesian, "config": config}
-        self.specs = [method_spec(m) for m in config.methods]
-        rows: dict[str, str] = {}
-        for spec in self.specs:   # two specs that give one row (pfnm with heads="pooled" configured, pfnm:heads=pooled)
-            row = row_name(spec, configs)
-            if row is not None and row in rows:
-                raise ValueError(f"methods: {rows[row]!r} and {str(spec)!r} both give the row {row!r}; expected one "
-                                 f"of them")
-            if row is not None:
-                rows[row] = str(spec)
-
-        def heads(kind: str, reads: str) -> bool:   # some method's output layer of this kind, from this config
-            return any(value == kind and method_options(spec.name)[key].reads == reads
-                       for spec in self.specs for key, value in resolve_options(spec, configs).items()
-                       if key == "heads")
-
-        check_pool_temperature_applies(pfnm, pfnm.heads == "pooled" or heads("pooled", "pfnm"))
-        check_pool_temperature_applies(fusion, fusion.heads == "pooled" or heads("pooled", "fusion"))
-        if fusion.temperature != 1 and not heads("fused", "fusion"):
-            raise ValueError(f"fusion.temperature: the predictive temperature of matched fusion's fused output layer; "
-                             f"expected 1 without a match row of fused heads among the methods, got "
-                             f"{fusion.temperature!r}")
+        self.specs = check_methods(config, configs)
         self.configs = configs
         training.check_inputs(dataset.input_shape)
         self.ood = ood

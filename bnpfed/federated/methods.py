@@ -77,7 +77,8 @@ from bnpfed.data import Dataset
 from bnpfed.baselines import aligned_average, ensemble_proba, fedavg_network, kmeans_networks, reference_client
 from bnpfed.federated.clients import initial_network
 from bnpfed.federated.config import EB_DEFAULTS, HEADS
-from bnpfed.federated.experiment import HELD_OUT, SELECTIONS, Experiment, ExperimentConfig, network_widths
+from bnpfed.federated.experiment import (HELD_OUT, SELECTIONS, Experiment, ExperimentConfig, check_methods,
+                                         network_widths)
 from bnpfed.federated.fusion import FedAvgFederation, FusionFederation
 from bnpfed.federated.matched_fusion import MatchedFusionFederation, bayesian_from_match
 from bnpfed.federated.pfnm import PFNMFederation, temper_pool
@@ -108,6 +109,7 @@ __all__ = [   # with the names that moved to experiment.py and registry.py, whic
     "MethodResult",
     "Selection",
     "available_methods",
+    "check_methods",
     "method_options",
     "method_spec",
     "register_method",
