@@ -46,6 +46,7 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 __all__ = [
+    "METADATA",
     "Option",
     "coerce",
     "default_of",
@@ -58,6 +59,7 @@ __all__ = [
     "options",
     "parse_assignments",
     "render",
+    "summary",
 ]
 
 #: The metadata key under which a field keeps its :class:`Option`.
@@ -177,6 +179,27 @@ def render(text: str, names: Mapping[str, str], assign: str = "{name} {value}") 
         return inner
 
     return " ".join(_LITERAL.sub(word, _ROLE.sub(role, text)).split())
+
+
+_SENTENCE_END = re.compile(r"\.\s+(?=[A-Z`])")
+
+
+def summary(text: str) -> str:
+    """The first sentence of a help text (up to the first full stop outside brackets and literals that a capital
+    or a literal follows): what a command's default ``--help`` and an app's run-config comment show; the rest is for ``--help-all`` and
+    the docstring."""
+    depth, literal = 0, False
+    for i, char in enumerate(text):
+        if text.startswith("``", i):
+            literal = not literal
+        elif char in "([" and not literal:
+            depth += 1
+        elif char in ")]" and not literal:
+            depth = max(0, depth - 1)
+        elif (char == "." and depth == 0 and not literal and _SENTENCE_END.match(text, i)
+              and text[max(0, i - 3):i] not in ("e.g", "i.e")):
+            return text[:i + 1]
+    return text
 
 
 def _type_word(annotation) -> str:

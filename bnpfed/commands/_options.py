@@ -31,10 +31,10 @@ from bnpfed.commands._args import UsageError, briefly, help_width, hidden, parag
 from bnpfed.experimental import ExperimentalOptions
 from bnpfed.federated import (BayesianConfig, ExperimentConfig, FusionConfig, NetworkConfig, PartitionConfig,
                               PFNMConfig, TrainingConfig)
-from bnpfed.schema import coerce, default_of, flag_of, option_of, options, render
+from bnpfed.schema import coerce, default_of, flag_of, option_of, options, render, summary
 
 __all__ = ["add_config_options", "add_experimental_option", "config_from_args", "experimental_from_args", "flags",
-           "given", "network_config", "shown_default", "summary", "training_config"]
+           "given", "network_config", "shown_default", "training_config"]
 
 #: The configs whose fields are flags somewhere (their names, as ``--name``, in every help text).
 CONFIGS = (PartitionConfig, NetworkConfig, TrainingConfig, BayesianConfig, PFNMConfig, FusionConfig, ExperimentConfig)
@@ -57,26 +57,6 @@ def help_text(text: str) -> str:
     if text.endswith(".") and not text.endswith("..."):
         text = text[:-1]
     return text.replace("%", "%%")
-
-
-_SENTENCE_END = re.compile(r"\.\s+(?=[A-Z`])")
-
-
-def summary(text: str) -> str:
-    """The first sentence of a help text (up to the first full stop outside brackets and literals that a capital
-    or a literal follows): what the default ``--help`` shows; ``--help-all`` shows the whole text."""
-    depth, literal = 0, False
-    for i, char in enumerate(text):
-        if text.startswith("``", i):
-            literal = not literal
-        elif char in "([" and not literal:
-            depth += 1
-        elif char in ")]" and not literal:
-            depth = max(0, depth - 1)
-        elif (char == "." and depth == 0 and not literal and _SENTENCE_END.match(text, i)
-              and text[max(0, i - 3):i] not in ("e.g", "i.e")):
-            return text[:i + 1]
-    return text
 
 
 def shown_default(value: Any) -> str:

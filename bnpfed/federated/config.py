@@ -37,7 +37,7 @@ Usage::
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, is_dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, ClassVar, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
@@ -142,14 +142,17 @@ def check_pool_temperature_applies(config, pooled: bool) -> None:
 
 
 def config_dict(config) -> dict:
-    """A config as plain JSON-ready values (a prior object becomes its ``repr``, a nested config its dict)."""
+    """A config as plain JSON-ready values (a prior object becomes its ``repr``; the probes a config reads from its
+    ``experimental`` options stand beside its fields, as they did before they moved there, so that a record reads
+    the same)."""
     out = {}
     for f in fields(config):
         value = getattr(config, f.name)
+        if isinstance(value, ExperimentalOptions):
+            out.update({name: getattr(value, name) for name in type(config).EXPERIMENTAL})
+            continue
         if isinstance(value, Prior):
             value = repr(value)
-        elif is_dataclass(value):
-            value = config_dict(value)
         elif isinstance(value, tuple):
             value = list(value)
         out[f.name] = value
