@@ -136,13 +136,15 @@ def _recorded(cls) -> str:
 
 
 def given(cls, args) -> dict[str, Any]:
-    """The flags of ``cls``'s fields that were given, as the fields' values (coerced, not yet checked)."""
+    """The flags of ``cls``'s fields that were given, as the fields' values (coerced, not yet checked; ``args`` then
+    holds them so, as a command's JSON record of its flags shows them)."""
     hints = typing.get_type_hints(cls)
     out = {}
     for name in getattr(args, _recorded(cls), ()):
         raw = getattr(args, name, None)
         if raw is not None:
             out[name] = coerce(raw, hints[name], name, option_of(cls, name).null)
+            setattr(args, name, out[name])
     return out
 
 

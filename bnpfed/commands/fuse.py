@@ -164,6 +164,7 @@ def prepare(args) -> dict:
         raise UsageError(f"--device: expected cpu for posterior fusion (the Bayesian clients' SVI runs on the CPU "
                          f"only), got {training.device}")
     experimental = _options.experimental_from_args(args, PROG)
+    experimental.check_read_by(args._experimental_reads, PROG)
     bayesian = _options.config_from_args(BayesianConfig, args, BayesianConfig(),
                                          experimental=experimental.only(BayesianConfig.EXPERIMENTAL))
     bayesian.check_training(training)
@@ -266,8 +267,8 @@ def run(args) -> int:
             result = methods.run_experiment(dataset, progress=progress, log=_args.round_log(progress), ood=ood,
                                             **plan)
     except _args.TRAINING_ERRORS as error:
-        start = (f"--init-scale {args.init_scale:g} (the guide's initial posterior sd: the first weights are drawn at "
-                 f"that scale; default {BayesianConfig().init_scale:g}) and --init {args.init}")
+        start = (f"--init-scale {plan['bayesian'].init_scale:g} (the guide's initial posterior sd: the first weights are "
+                 f"drawn at that scale; default {BayesianConfig().init_scale:g}) and --init {plan['network'].init}")
         return fail(PROG, _args.training_failure(error, start), 1)
     except KeyboardInterrupt:
         return fail(PROG, "interrupted", 130)

@@ -235,8 +235,8 @@ class NetworkConfig:
         'the clients\' network. ``"mlp"``: a ReLU MLP of widths ``hidden`` on flattened inputs; ``"lenet"`` (LeNet-5, '
         'conv1 padded by 2), ``"lenet-paper"`` (LeNet-5 as Ozer et al.\'s code has it, no padding), ``"simple-cnn"`` (FedMA\'s CIFAR-10 '
         'network: conv 6, conv 16, fc 120, 84) or ``"simple-cnn-bn"`` (the same with batch norm after each '
-        'convolution); the convolutional ones take images ``(C, H, H)`` as they come (any channels, at least 8x8; '
-        '4x4 for ``"lenet"``).'))
+        'convolution); the convolutional ones take images ``(C, H, H)`` as they come (any channels, square; at least '
+        '4x4 for lenet, 8x8 for the others).'))
     hidden: tuple[int, ...] = option((100,), metavar="H[,H...]", help=(
         'the hidden widths of the MLP, e.g. ``100`` or ``200,100`` (the convolutional networks\' widths are fixed).'))
     init: str = option("torch", choices=INITIALISATIONS, shown=False, help=(

@@ -126,7 +126,7 @@ def available_methods() -> list[str]:
 def method_options(name: str) -> dict[str, MethodOption]:
     """The options the method ``name`` takes."""
     if name not in _METHODS:
-        raise ValueError(f"methods: expected a method of {available_methods()}, got {name!r}")
+        raise ValueError(f"methods: expected one of {available_methods()}, got {name!r}")
     return dict(_METHODS[name].options)
 
 
@@ -181,8 +181,8 @@ def method_spec(value) -> MethodSpec:
             text = new
     name, *parts = text.split(":")
     if name not in _METHODS:
-        raise ValueError(f"methods: expected a method of {available_methods()} (options as name:key=value), got "
-                         f"{value!r}")
+        raise ValueError(f"methods: expected one of {available_methods()} (a name, or name:key=value with its "
+                         f"options), got {value!r}")
     options = _METHODS[name].options
     given: dict[str, str] = {}
     for part in parts:
