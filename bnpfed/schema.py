@@ -186,8 +186,8 @@ _SENTENCE_END = re.compile(r"\.\s+(?=[A-Z`])")
 
 def summary(text: str) -> str:
     """The first sentence of a help text (up to the first full stop outside brackets and literals that a capital
-    or a literal follows): what a command's default ``--help`` and an app's run-config comment show; the rest is for ``--help-all`` and
-    the docstring."""
+    or a literal follows): what a command's default ``--help`` and an app's run-config comment show; the rest is
+    for ``--help-all`` and the docstring."""
     depth, literal = 0, False
     for i, char in enumerate(text):
         if text.startswith("``", i):

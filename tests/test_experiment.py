@@ -132,9 +132,9 @@ def test_a_methods_options_are_looked_up_in_the_registry_not_parsed_from_its_nam
             method_spec(text)
 
 
-@pytest.mark.parametrize("old, new", [("match-gaa-pooled", "match:rule=gaa:heads=pooled"), ("match-pvi", "match:rule=pvi"),
-                                      ("pfnm-pooled", "pfnm:heads=pooled"), ("fedma-pooled", "fedma:heads=pooled"),
-                                      ("conflation", "fusion:rule=conflation")])
+@pytest.mark.parametrize("old, new", [("match-gaa-pooled", "match:rule=gaa:heads=pooled"),
+                                      ("match-pvi", "match:rule=pvi"), ("pfnm-pooled", "pfnm:heads=pooled"),
+                                      ("fedma-pooled", "fedma:heads=pooled"), ("conflation", "fusion:rule=conflation")])
 def test_the_old_method_names_keep_working_for_one_release_and_name_their_spec(old, new):
     with pytest.warns(DeprecationWarning, match=f"write '{new}'"):
         assert str(method_spec(old)) == new

@@ -12,7 +12,7 @@ from bnpfed.data import load_dataset
 from bnpfed.federated.config import (FUSION_TRAINING, BayesianConfig, FusionConfig, NetworkConfig, PartitionConfig,
                                      TrainingConfig)
 from bnpfed.federated.matched_fusion import MatchedFusionFederation
-from bnpfed.federated.methods import ExperimentConfig, available_methods, run_experiment
+from bnpfed.federated.methods import ExperimentConfig, available_methods, method_options, run_experiment
 from bnpfed.matching.bayesian_layer import match_bayesian_layer
 from bnpfed.matching.permutation import client_slice, derive_spec, network_from_state
 from bnpfed.matching.posteriors import MIN_VARIANCE, client_posterior, fuse_members, match_posteriors
@@ -294,18 +294,18 @@ def test_a_round_prior_is_refused_where_it_does_not_apply(digits):
         BayesianConfig(round_prior="slice")
 
 
-def test_match_methods_are_registered_for_every_rule():
+def test_matched_fusion_is_one_method_whose_rule_is_an_option_of_every_rule():
     for rule in ("eaa", "gaa", "log_variance", "pooling", "conflation"):
-        assert f"match-{rule}" in available_methods()
-    assert "ensemble-bayesian" in available_methods()
+        assert rule in method_options("match")["rule"].values() and rule in method_options("fusion")["rule"].values()
+    assert "ensemble-bayesian" in available_methods() and "match" in available_methods()
 
 
 def test_an_experiment_gives_the_rows_of_the_issue_table(digits):
     ood = 1.0 - digits.x_test      # inverted digits
     result = run_experiment(digits, partition=PartitionConfig(clients=3), network=NetworkConfig(hidden=(16,)),
                             training=FUSION_TRAINING, fusion=FusionConfig(own_init=True),
-                            config=ExperimentConfig(methods=("ensemble-bayesian", "pfnm", "eaa", "match-eaa"),
-                                                    ece_bins=100), ood=ood)
+                            config=ExperimentConfig(methods=("ensemble-bayesian", "pfnm", "fusion:rule=eaa",
+                                                             "match:rule=eaa"), ece_bins=100), ood=ood)
     names = [r.method for r in result.rows]
     assert names == ["ensemble", "pfnm", "eaa", "match-eaa"]
     for row in result.rows:
@@ -439,7 +439,8 @@ def test_the_atom_posterior_rule_is_the_models_conjugate_posterior_of_every_matc
 
 
 def test_the_atom_posterior_rule_is_a_matched_method_and_needs_matching():
-    assert "match-atom-posterior" in available_methods() and "atom-posterior" not in available_methods()
+    assert "atom-posterior" in method_options("match")["rule"].values()
+    assert "atom-posterior" not in method_options("fusion")["rule"].values()
     assert FusionConfig(rule="atom-posterior", align="match").rule == "atom-posterior"
     with pytest.raises(ValueError, match="rule: 'atom-posterior' fuses matched units"):
         FusionConfig(rule="atom-posterior")

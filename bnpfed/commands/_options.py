@@ -84,11 +84,12 @@ def add_config_options(parser, cls, base, *, title: Optional[str] = None, descri
                        defaults: Optional[Mapping[str, Optional[str]]] = None,
                        metavars: Optional[Mapping[str, str]] = None):
     """A flag per option field of ``cls`` (all of them, in the class's order, but ``exclude`` and those the schema
-    keeps off the command line; or ``only`` these, in this order), in ``group`` or a new group ``title``. ``base``: the command's defaults (an
-    instance of ``cls``), shown in the help; ``show`` / ``hide``: fields shown in (left out of) the default
-    ``--help`` against the schema's ``shown``; ``helps``: a command's own help of a field; ``defaults``: how the
-    help says a field's default (None: not said); ``metavars``: a command's own placeholder of a field. Returns the group; :func:`config_from_args` reads the flags
-    back."""
+    keeps off the command line; or ``only`` these, in this order), in ``group`` or a new group ``title``.
+    ``base``: the command's defaults (an instance of ``cls``), shown in the help; ``show`` / ``hide``: fields shown
+    in (left out of) the default ``--help`` against the schema's ``shown``; ``helps``: a command's own help of a
+    field; ``defaults``: how the help says a field's default (None: not said); ``metavars``: a command's own
+    placeholder of a field. The default ``--help`` shows the first sentence of a help (``--help-all`` all of it).
+    Returns the group; :func:`config_from_args` reads the flags back."""
     if group is None:
         group = parser.add_argument_group(title, description)
     hints = typing.get_type_hints(cls)

@@ -155,7 +155,8 @@ def _fail(message: str, status: int = 2) -> int:
 
 
 def _keys(flower_config, toml: bool = False) -> int:
-    print(flower_config.app_config_toml() if toml else format_table(flower_config.describe_keys()), end="\n" * (not toml))
+    print(flower_config.app_config_toml() if toml else format_table(flower_config.describe_keys()),
+          end="" if toml else "\n")
     return 0
 
 

@@ -267,8 +267,9 @@ def run(args) -> int:
             result = methods.run_experiment(dataset, progress=progress, log=_args.round_log(progress), ood=ood,
                                             **plan)
     except _args.TRAINING_ERRORS as error:
-        start = (f"--init-scale {plan['bayesian'].init_scale:g} (the guide's initial posterior sd: the first weights are "
-                 f"drawn at that scale; default {BayesianConfig().init_scale:g}) and --init {plan['network'].init}")
+        start = (f"--init-scale {plan['bayesian'].init_scale:g} (the guide's initial posterior sd: the first weights "
+                 f"are drawn at that scale; default {BayesianConfig().init_scale:g}) and --init "
+                 f"{plan['network'].init}")
         return fail(PROG, _args.training_failure(error, start), 1)
     except KeyboardInterrupt:
         return fail(PROG, "interrupted", 130)

@@ -36,10 +36,8 @@ PROG = "bnpfed pfnm"
 #: ``fedma-rounds`` when --rounds > 1, with --layerwise-retrain).
 DEFAULT_METHODS = ("local", "ensemble", "fedavg-oneshot", "fedavg", "kmeans", "pfnm")
 COLUMNS = ["method", "accuracy", "nll", "hidden", "parameters", "rounds", "server_seconds", "note"]
-#: --width-sweep's grid. On digits (J = 10, hidden 100, pixels in [0, 1], the reference training) it takes the
-#: global width from about one client's (100) to about J clients' (1000): with gamma0 = 1e-3 the width falls from
-#: ~1000 to 100 between sigma2 = 0.02 and 0.1, with gamma0 = 1 between 0.3 and 0.7 (the reference constants cap
-#: it at 700).
+#: --width-sweep's grid: chosen to take the global width on the bundled digits from about one client's to about J
+#: clients' (a larger sigma2 merges more; gamma0 sets how readily new units open).
 SWEEP_SIGMA2 = (0.01, 0.02, 0.03, 0.04, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.7)
 SWEEP_GAMMA0 = (1e-3, 1.0)
 WIDTH_LABEL = "global width (hidden neurons, all layers)"
@@ -74,7 +72,8 @@ def add_parser(sub):
                              " --no-standardize keeps pixels in [0, 1], as the PFNM reference code does")
     g = p.add_argument_group("clients and partition")
     g.add_argument("--clients", type=_args.ints, default=(PartitionConfig().clients,), metavar="J[,J...]",
-                   help="the number of clients J, or a list such as 5,10,20 (one experiment each, and a plot against J)")
+                   help="the number of clients J, or a list such as 5,10,20 (one experiment each, and a plot against "
+                   "J)")
     _options.add_config_options(p, PartitionConfig, PartitionConfig(), group=g, exclude=("clients",))
     _options.add_config_options(p, NetworkConfig, PFNM_NETWORK, title="network", helps={"shared_init": (
         "every client starts from one initialisation (PFNM does not need it; default: each from its own)")})

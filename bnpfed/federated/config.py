@@ -232,11 +232,11 @@ class NetworkConfig:
     """The clients' network (:func:`~bnpfed.federated.clients.build_network`)."""
 
     arch: str = option("mlp", choices=ARCHITECTURES, help=(
-        'the clients\' network. ``"mlp"``: a ReLU MLP of widths ``hidden`` on flattened inputs; ``"lenet"`` (LeNet-5, '
-        'conv1 padded by 2), ``"lenet-paper"`` (LeNet-5 as Ozer et al.\'s code has it, no padding), ``"simple-cnn"`` (FedMA\'s CIFAR-10 '
-        'network: conv 6, conv 16, fc 120, 84) or ``"simple-cnn-bn"`` (the same with batch norm after each '
-        'convolution); the convolutional ones take images ``(C, H, H)`` as they come (any channels, square; at least '
-        '4x4 for lenet, 8x8 for the others).'))
+        'the clients\' network. ``"mlp"``: a ReLU MLP of widths ``hidden`` on flattened inputs; ``"lenet"`` '
+        '(LeNet-5, conv1 padded by 2), ``"lenet-paper"`` (LeNet-5 as Ozer et al.\'s code has it, no padding), '
+        '``"simple-cnn"`` (FedMA\'s CIFAR-10 network: conv 6, conv 16, fc 120, 84) or ``"simple-cnn-bn"`` (the '
+        'same with batch norm after each convolution); the convolutional ones take images ``(C, H, H)`` as they come '
+        '(any channels, square; at least 4x4 for lenet, 8x8 for the others).'))
     hidden: tuple[int, ...] = option((100,), metavar="H[,H...]", help=(
         'the hidden widths of the MLP, e.g. ``100`` or ``200,100`` (the convolutional networks\' widths are fixed).'))
     init: str = option("torch", choices=INITIALISATIONS, shown=False, help=(
@@ -378,9 +378,10 @@ class BayesianConfig:
         'under the N(0, 1) prior underfits.'))
     client: str = option("variational", choices=CLIENT_KINDS, help=(
         'how a client gets its posterior: ``"variational"`` (SVI on the ELBO) or ``"laplace"`` (matched fusion '
-        'only). A Laplace client trains its network by maximum likelihood as a PFNM client does (the same seeds give the same networks) and takes the diagonal Laplace posterior of '
-        'the sites ``prior`` makes Bayesian, each site\'s prior precision by the marginal likelihood; for matched '
-        'fusion, where a later round\'s client starts from its slice\'s means under the zero-mean evidence prior. The '
+        'only). A Laplace client trains its network by maximum likelihood as a PFNM client does (the same seeds '
+        'give the same networks) and takes the diagonal Laplace posterior of the sites ``prior`` makes Bayesian, '
+        'each site\'s prior precision by the marginal likelihood; for matched fusion, where a later round\'s client '
+        'starts from its slice\'s means under the zero-mean evidence prior. The '
         'settings of SVI (``prior_scale``, ``init_scale``, ``prior_variance``, ``kl_weight``, ``scale_lr_factor``) '
         'keep their defaults with it.'))
     laplace_prior: str = option("marglik", choices=LAPLACE_PRIORS, shown=False, help=(
@@ -520,10 +521,10 @@ class PFNMConfig:
         'the most parameters of the global network: an int, ``"ensemble"`` (no more than the clients\' networks '
         'together), None (the model\'s own size) or ``"auto"`` (``"ensemble"`` for FedMA, None for PFNM). '
         '``"auto"`` is ``"ensemble"`` under FedMA\'s layer-wise scheme, whose retraining between groups repairs what a '
-        'merge costs, and None for PFNM (:attr:`parameter_limit`). Met by pricing every parameter in the prior (each group\'s IBP mass times '
-        '``exp(-lambda D_g)``, ``D_g`` the parameters one of its units owns); FedMA splits it into a ``max_width`` per '
-        'group first. A budget the matcher cannot meet is refused in round 1 and met as far as it can in every later '
-        'round (:meth:`best_effort_in`).'))
+        'merge costs, and None for PFNM (:attr:`parameter_limit`). Met by pricing every parameter in the prior '
+        '(each group\'s IBP mass times ``exp(-lambda D_g)``, ``D_g`` the parameters one of its units owns); FedMA '
+        'splits it into a ``max_width`` per group first. A budget the matcher cannot meet is refused in round 1 and '
+        'met as far as it can in every later round (:meth:`best_effort_in`).'))
     limit_from_round: int = option(1, metavar="R", shown=False, help=(
         'the first round of PFNM\'s whole-network step (in process and on Flower) that ``max_width`` / '
         '``max_params`` apply to; the rounds before match at the model\'s own size. 2 keeps round 1 one-shot PFNM and '

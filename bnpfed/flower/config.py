@@ -340,8 +340,8 @@ def _toml(value: Any) -> str:
 
 def app_config_toml() -> str:
     """The ``[tool.flwr.app.config]`` table of a Flower app: every key with its default, each under the first
-    sentence of its help (:func:`~bnpfed.schema.summary`; ``bnpfed flower keys --toml`` prints it). ``flwr run --run-config`` overrides only
-    the keys an app lists, so an app lists them all."""
+    sentence of its help (:func:`~bnpfed.schema.summary`; ``bnpfed flower keys --toml`` prints it). ``flwr run
+    --run-config`` overrides only the keys an app lists, so an app lists them all."""
     defaults = run_config_defaults()
     names = {key_of(f.name): key_of(f.name) for cls in CONFIGS.values() for f, _ in options(cls)}
     names.update({f.name: key_of(f.name) for cls in CONFIGS.values() for f, _ in options(cls)})
