@@ -33,5 +33,12 @@ def test_the_comment_after_available_methods_names_every_method_it_prints():
         named |= {"match-" + rule for rule in available_rules()}
     if "match-<rule>(-pooled)" in comment:   # the matched rows with the clients' output layers pooled too
         named |= {"match-" + rule + "-pooled" for rule in available_rules()}
+    # a method with options is named by its spec (match:rule=...) or by the rows of bnpfed 0.1's names: matched
+    # fusion's match-<rule>, weight-wise fusion's rules by name
+    named |= {word.split(":")[0] for word in re.findall(r"[\w-]+:[\w=:<>-]+", comment)}
+    if "match-<rule>" in comment:
+        named.add("match")
+    if set(available_rules()) <= named:
+        named.add("fusion")
     missing = [m for m in available_methods() if m not in named]
     assert not missing, f"the comment leaves out {missing}"
