@@ -184,10 +184,12 @@ def add_experimental_option(parser, reads: Sequence[str], *, old: Sequence[str] 
     lines = [paragraphs("probes measured worse than the defaults, kept to re-run those measurements: --experimental "
                         "KEY=VALUE,... with the keys")]
     for name in reads:
-        f = next(f for f, _ in options(ExperimentalOptions) if f.name == name)
-        lines.append(textwrap.fill(f"{name.replace('_', '-')}: {render(option_of(ExperimentalOptions, name).help, {})}"
-                                   f" (default: {shown_default(default_of(f))})", help_width(), initial_indent="  ",
-                                   subsequent_indent="      ", break_on_hyphens=False))
+        f, opt = next((f, opt) for f, opt in options(ExperimentalOptions) if f.name == name)
+        default = (re.sub(r"^None \((.*)\)$", r"\1", render(opt.default_text, {})) if opt.default_text is not None
+                   else shown_default(default_of(f)))
+        lines.append(textwrap.fill(f"{name.replace('_', '-')}: {render(opt.help, {})} (default: {default})",
+                                   help_width(), initial_indent="  ", subsequent_indent="      ",
+                                   break_on_hyphens=False))
     group = parser.add_argument_group("experimental (bnpfed.experimental)", "\n".join(lines))
     group.full_description, group.description = group.description, None
     hidden(group.add_argument("--experimental", metavar="KEY=VALUE,...",
