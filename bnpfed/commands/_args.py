@@ -26,6 +26,7 @@ import os
 import re
 import sys
 import textwrap
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Collection, Mapping, Optional
@@ -58,6 +59,7 @@ __all__ = [
     "fail",
     "flag_message",
     "hidden",
+    "notices",
     "floats",
     "ints",
     "load_data",
@@ -360,6 +362,18 @@ def check_partition(partition: PartitionConfig, dataset: Dataset, seed: int) -> 
         partition.split(dataset.y_train.numpy(), seed)
     except RuntimeError as error:
         raise UsageError(f"--min-size: {one_line(error)} (--min-size, --alpha)") from None
+
+
+@contextmanager
+def notices(prog: str):
+    """The ``DeprecationWarning`` s bnpfed raises in the block (an old method name, an old run-config key) as
+    one-line notices ``prog: note: ...`` on stderr, where a user of the command sees them (Python hides them from
+    a command by default)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", DeprecationWarning)
+        yield
+    for message in dict.fromkeys(str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)):
+        print(f"{prog}: note: {one_line(message, 600)}", file=sys.stderr)
 
 
 @contextmanager

@@ -22,7 +22,7 @@ import os
 import re
 import sys
 
-from bnpfed.commands._args import positive_float, positive_int
+from bnpfed.commands._args import notices, positive_float, positive_int
 from bnpfed.report import command_record, format_table, write_json
 
 LOOPBACK = """\
@@ -194,7 +194,8 @@ def _sim(args, flower_config) -> int:
     # every key and value is checked before anything starts (Ray, the grid)
     try:
         config = _run_config(args.run_config)
-        settings = flower_config.parse_run_config(config)
+        with notices("bnpfed flower"):   # a run-config key of bnpfed 0.1 says its new form
+            settings = flower_config.parse_run_config(config)
     except ValueError as error:
         return _fail(f"--run-config: {error}")
     if settings.run.min_nodes > args.supernodes:

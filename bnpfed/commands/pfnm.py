@@ -158,7 +158,8 @@ def prepare(args) -> dict:
         PFNMConfig, args, PFNMConfig(), experimental=experimental,
         matcher_device=None if torch.device(training.device).type == "cpu" else training.device)
     fusion = FusionConfig(fraction=pfnm.fraction)  # FedAvg's client sampling
-    config = _options.config_from_args(ExperimentConfig, args, ExperimentConfig(), seed=args.seed)
+    with _args.notices(PROG):   # a method name of bnpfed 0.1 (pfnm-pooled) says its spec
+        config = _options.config_from_args(ExperimentConfig, args, ExperimentConfig(), seed=args.seed)
     if args.methods is None:
         chosen = DEFAULT_METHODS + (("pfnm-rounds",) if config.rounds > 1 else ())
         if pfnm.layerwise_retrain:
