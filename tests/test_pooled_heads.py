@@ -277,12 +277,12 @@ def test_a_parameter_budget_holds_the_pooled_rows_j_output_layers():
             ds, partition=PartitionConfig(clients=3, partition="dirichlet"), network=NetworkConfig(hidden=(16,)),
             training=TrainingConfig(epochs=2), pfnm=pfnm, config=ExperimentConfig(methods=methods, seed=0)).rows}
 
-    own = rows(PFNMConfig(), ("pfnm", "pfnm-pooled"))
+    own = rows(PFNMConfig(), ("pfnm", "pfnm:heads=pooled"))
     budget = (own["pfnm"].parameters + own["pfnm-pooled"].parameters) // 2
-    limited = rows(PFNMConfig(max_params=budget), ("pfnm", "pfnm-pooled"))
+    limited = rows(PFNMConfig(max_params=budget), ("pfnm", "pfnm:heads=pooled"))
     assert limited["pfnm"].parameters == own["pfnm"].parameters          # one output layer: the budget does not bind
     assert own["pfnm-pooled"].parameters > budget >= limited["pfnm-pooled"].parameters
     assert "J output layers priced" in limited["pfnm-pooled"].note
-    fedma = rows(PFNMConfig(layerwise_retrain=1, max_params=budget), ("fedma", "fedma-pooled"))
+    fedma = rows(PFNMConfig(layerwise_retrain=1, max_params=budget), ("fedma", "fedma:heads=pooled"))
     assert fedma["fedma-pooled"].parameters <= budget and fedma["fedma"].parameters <= budget
     assert fedma["fedma-pooled"].hidden[0] < fedma["fedma"].hidden[0]

@@ -191,6 +191,9 @@ def prepare(args) -> dict:
                              f"--align match, got --align {align}")
     if args.heads != "fused" and not match:
         raise UsageError(f"--heads: expected only with --align match, got --align {align}")
+    if values.get("temperature", 1) != 1 and not match:
+        raise UsageError(f"--temperature: the predictive temperature of the match-RULE rows; expected it only with "
+                         f"--align match, got --align {align}")
     if values.get("temperature", 1) != 1 and args.heads == "pooled":
         raise UsageError("--temperature: the fused output layer's (match-RULE rows); with --heads pooled every row "
                          "pools its heads, whose temperature is --pool-temperature; expected --heads fused or both")

@@ -418,7 +418,7 @@ class BayesianConfig:
                                      f"(client='laplace') do not run; expected its default {default!r}, got "
                                      f"{getattr(self, name)!r}")
             if self.round_prior is not None:
-                raise ValueError(f"experimental: round_prior is a setting of the variational clients' SVI, which "
+                raise ValueError(f"experimental: round_prior: a setting of the variational clients' SVI, which "
                                  f"Laplace clients (client='laplace') do not run; expected it unset, got "
                                  f"{self.round_prior!r}")
 
