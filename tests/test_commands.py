@@ -473,7 +473,7 @@ def test_fuse_takes_pvi_rounds_with_align_match_every_client_and_its_damping():
     assert "match:rule=pvi" in plan["config"].methods and "fusion:rule=pvi" not in plan["config"].methods
     with pytest.raises(Exception, match="--rule pvi: expected only with --align match"):
         fuse.prepare(parsed(["fuse", "--rule", "pvi"]))
-    with pytest.raises(Exception, match="--experimental: pvi_damping: expected only with --rule pvi"):
+    with pytest.raises(Exception, match="--experimental: pvi-damping: expected only with --rule pvi"):
         fuse.prepare(parsed(["fuse", "--align", "match", "--experimental", "pvi-damping=0.3"]))
     with pytest.raises(Exception, match="--fraction: --rule pvi keeps every client's factor"):
         fuse.prepare(parsed(["fuse", "--align", "match", "--rule", "pvi", "--fraction", "0.5"]))

@@ -37,6 +37,7 @@ from torch import Tensor
 from bnpfed.data import (CIFAR10_JPEG, DATASET_NAMES, NPZ_FORMAT, NPZ_PREFIX, Dataset, load_dataset,
                          standardize_together)
 from bnpfed.clients import TrainingDiverged
+from bnpfed.experimental import keyed
 from bnpfed.matching import SizeLimitError
 from bnpfed.report import plural
 from bnpfed.federated import PartitionConfig
@@ -102,7 +103,7 @@ def flag_message(error: Exception, *, aliases: Optional[Mapping[str, str]] = Non
     """The message of a config error ``"<field>: ..."`` with the field named as its flag, ``--<field with - for
     _>`` (or ``aliases[field]``). Only ``fields`` and the aliases are fields when ``fields`` is given; any other
     message gets ``default`` in front, when given."""
-    message = one_line(error)
+    message = keyed(one_line(error))   # a probe as --experimental spells it
     aliases = dict(aliases or {})
     match = _FIELD.match(message)
     if match and (fields is None or match.group(1) in fields or match.group(1) in aliases):
@@ -371,9 +372,12 @@ def notices(prog: str):
     a command by default)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", DeprecationWarning)
-        yield
-    for message in dict.fromkeys(str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)):
-        print(f"{prog}: note: {one_line(message, 600)}", file=sys.stderr)
+        try:
+            yield
+        finally:   # said before an error the block raises, too
+            for message in dict.fromkeys(str(w.message) for w in caught
+                                         if issubclass(w.category, DeprecationWarning)):
+                print(f"{prog}: note: {one_line(message, 600)}", file=sys.stderr)
 
 
 @contextmanager

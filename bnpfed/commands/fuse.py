@@ -202,13 +202,13 @@ def prepare(args) -> dict:
                          "or both, got --heads fused")
     _args.check_ood_flags(args)
     if experimental.round_prior is not None and PVI in args.rule:
-        raise UsageError(f"--experimental: round_prior: --rule {PVI} trains every client against its cavity; "
+        raise UsageError(f"--experimental: round-prior: --rule {PVI} trains every client against its cavity; "
                          f"expected it unset with that rule, got round-prior={experimental.round_prior}")
     if experimental.pvi_damping is not None and PVI not in args.rule:
-        raise UsageError(f"--experimental: pvi_damping: expected only with --rule {PVI}, got --rule "
+        raise UsageError(f"--experimental: pvi-damping: expected only with --rule {PVI}, got --rule "
                          f"{','.join(args.rule)}")
     if experimental.later_rounds == "fixed" and PVI in args.rule:
-        raise UsageError(f"--experimental: later_rounds=fixed: --rule {PVI} keeps each client's factor in its own "
+        raise UsageError(f"--experimental: later-rounds=fixed: --rule {PVI} keeps each client's factor in its own "
                          f"units; expected rematch with it")
     if PVI in args.rule and values.get("fraction", 1) != 1:
         raise UsageError(f"--fraction: --rule {PVI} keeps every client's factor from round to round, so every "

@@ -13,7 +13,8 @@ refuses the others), the text form ``bnpfed pfnm --experimental starts=both,stop
 its probes. The docs' benchmark pages (scale; fusion) hold the measurements.
 """
 
-from bnpfed.experimental.options import (INACTIVE, LATER_ROUNDS, PVI_DAMPING, ROUND_PRIORS, ExperimentalOptions,
+from bnpfed.experimental.options import (INACTIVE, LATER_ROUNDS, PVI_DAMPING, ROUND_PRIORS, ExperimentalOptions, keyed,
                                          reads_experimental)
 
-__all__ = ["ExperimentalOptions", "INACTIVE", "LATER_ROUNDS", "PVI_DAMPING", "ROUND_PRIORS", "reads_experimental"]
+__all__ = ["ExperimentalOptions", "INACTIVE", "LATER_ROUNDS", "PVI_DAMPING", "ROUND_PRIORS", "keyed",
+           "reads_experimental"]

@@ -11,6 +11,8 @@ Usage::
     Traceback (most recent call last):
     ...
     ValueError: experimental: starts: expected one of ['even-split', 'both', 'small-noise'], got 'all'
+    >>> keyed("experimental: later_rounds: expected 'auto' with align='none'")
+    "experimental: later-rounds: expected 'auto' with align='none'"
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from bnpfed.matching import SCHEDULES, STARTS, STOPS
 from bnpfed.schema import coerce, documented, key_of, option, parse_assignments
 from bnpfed.validation import check_choice, check_fraction
 
-__all__ = ["ExperimentalOptions", "INACTIVE", "LATER_ROUNDS", "PVI_DAMPING", "ROUND_PRIORS", "reads_experimental"]
+__all__ = ["ExperimentalOptions", "INACTIVE", "LATER_ROUNDS", "PVI_DAMPING", "ROUND_PRIORS", "keyed",
+           "reads_experimental"]
 
 #: What PFNM does with the units a client reports inactive on its own data: left out, or matched like any other.
 INACTIVE = ("drop", "keep")
@@ -128,6 +131,18 @@ class ExperimentalOptions:
         if stray:
             raise ValueError(f"experimental: {owner} reads {', '.join(reads) or 'no probe'}; expected no other, got "
                              f"{', '.join(f'{n}={getattr(self, n)!r}' for n in stray)}")
+
+
+def keyed(message: str) -> str:
+    """A config's error about a probe, ``"experimental: later_rounds: ..."``, with the probe named as a command line
+    and a run config write it (``later-rounds``, the key of ``--experimental`` and of the Flower key)."""
+    head, sep, rest = message.partition(": ")
+    if head not in ("experimental", "--experimental") or not sep:
+        return message
+    name, sep, tail = rest.partition(":")
+    if sep and name in {f.name for f in fields(ExperimentalOptions)}:
+        return f"{head}: {key_of(name)}:{tail}"
+    return message
 
 
 def reads_experimental(*names: str):

@@ -62,7 +62,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping
 
 from bnpfed.data import DATASET_NAMES, NPZ_PREFIX
-from bnpfed.experimental import ExperimentalOptions
+from bnpfed.experimental import ExperimentalOptions, keyed
 from bnpfed.federated import (FUSION_TRAINING, PFNM_NETWORK, PFNM_TRAINING, BayesianConfig, FusionConfig, NetworkConfig,
                               PartitionConfig, PFNMConfig, TrainingConfig, config_dict)
 from bnpfed.federated import check_fusion_network
@@ -382,7 +382,7 @@ def _build(cls, values: Mapping[str, Any], base=None):
     try:
         return replace(base, **values) if base is not None else cls(**values)
     except ValueError as error:
-        message = str(error)
+        message = keyed(str(error))   # a probe as the key experimental spells it
         for f in fields(cls):
             if message.startswith(f.name) and message[len(f.name):len(f.name) + 1] in (":", "["):
                 message = config_key(f.name) + message[len(f.name):]
