@@ -29,7 +29,6 @@ Usage::
 
 from __future__ import annotations
 
-import re
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
@@ -74,7 +73,6 @@ class _Method:
 
 
 _METHODS: dict[str, _Method] = {}
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
 def register_method(name: str, runner: Runner, *, overwrite: bool = False,
@@ -88,8 +86,9 @@ def register_method(name: str, runner: Runner, *, overwrite: bool = False,
     :param label: ``label(options) -> str``, the name of the method's one row under those (resolved) options, when it
         has one row whose name the options decide (the experiment refuses two specs that give one row name).
     """
-    if not isinstance(name, str) or not _NAME.match(name):
-        raise ValueError(f"name: expected a non-empty name of letters, digits, '-', '_' and '.', got {name!r}")
+    if not isinstance(name, str) or not name or ":" in name:
+        raise ValueError(f"name: expected a non-empty string without ':' (which starts a spec's options), got "
+                         f"{name!r}")
     if not callable(runner):
         raise ValueError(f"runner: expected a callable runner(experiment), got {type(runner).__name__}")
     if (name in _METHODS or name in available_rules()) and not overwrite:
