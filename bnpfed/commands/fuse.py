@@ -1,5 +1,6 @@
 """``bnpfed fuse``: federated variational Bayesian networks fused by the rules of Ozer et al. (2022), against FedAvg,
-through :func:`bnpfed.federated.methods.run_experiment` (every fusion rule is a method there).
+through :func:`bnpfed.federated.methods.run_experiment` (``fusion:rule=R`` and ``match:rule=R`` rows, one per rule and
+kind of output layer). Its flags are the fields of the configs (``--help`` the usual ones, ``--help-all`` every one).
 
 Examples::
 
@@ -9,6 +10,7 @@ Examples::
     bnpfed fuse --align match --rounds 1 --epochs 10                # match units of independently initialised clients
     bnpfed fuse --align match --dataset mnist --data-dir DIR --ood fashion-mnist --ood-data-dir DIR2
     bnpfed fuse --align match --rounds 1 --baselines kl-fusion,weight-matching,ot-fusion   # the literature's
+    bnpfed fuse --align match --rule eaa,gaa --heads both          # rows match-eaa, match-eaa-pooled, match-gaa, ...
 """
 
 from __future__ import annotations
