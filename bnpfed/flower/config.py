@@ -516,8 +516,8 @@ def _check_secure(secure: SecureAggregationConfig, method: str, fusion: FusionCo
         return
     if method != "fusion":
         raise ValueError(f"secure-aggregation: expected method=\"fusion\" (weight-wise posterior fusion needs only "
-                         f"sums over clients; with align=\"match\" round 1 matches in the clear, then fuses under SecAgg+), "
-                         f"got method={method!r}")
+                         f"sums over clients; with align=\"match\" round 1 matches in the clear, then fuses under "
+                         f"SecAgg+), got method={method!r}")
     if fusion.rule not in SECURE_RULES:
         raise ValueError(f"rule: expected one of {list(SECURE_RULES)} with secure-aggregation (pooling draws from "
                          f"each client's posterior: not a sum of fixed statistics), got {fusion.rule!r}")
