@@ -23,8 +23,8 @@ from bnpfed.federated.partition import (TrainValidationSplit, class_counts, clas
 from bnpfed.federated.config import (ARCHITECTURES, CLIENT_KINDS, CLIENT_WEIGHTS, FIT, FUSION_TRAINING, HEADS,
                                      INITIALISATIONS, LAPLACE_PRIORS, LATER_ROUNDS, PAPER_MIN_VARIANCE,
                                      PARTITION_ALIASES, PARTITIONS, PFNM_NETWORK, PFNM_TRAINING, PRIOR_VARIANCES,
-                                     PRIORS, PVI_DAMPING, ROUND_PRIORS, BayesianConfig, FusionConfig, LocalSchedule, NetworkConfig,
-                                     PartitionConfig, PFNMConfig, TrainingConfig, config_dict)
+                                     PRIORS, PVI_DAMPING, ROUND_PRIORS, BayesianConfig, FusionConfig, LocalSchedule,
+                                     NetworkConfig, PartitionConfig, PFNMConfig, TrainingConfig, config_dict)
 from bnpfed.federated.clients import (batch_norm_moments_step, bayesian_client, build_network, fit_bayesian,
                                       initial_network, pool_nll_step, pooled_posterior_nll_step, posterior_client,
                                       posterior_nll_step, start_round_prior_, train_network, unit_activity_step)
