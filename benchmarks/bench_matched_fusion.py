@@ -37,6 +37,7 @@ from bnpfed.federated.config import (LAPLACE_PRIORS, LATER_ROUNDS, ROUND_PRIORS,
                                      NetworkConfig, PartitionConfig, PFNMConfig, TrainingConfig)
 from bnpfed.federated.methods import ExperimentConfig, run_experiment
 from bnpfed.models import IIDPrior
+from bnpfed.experimental import ExperimentalOptions
 
 from bench_pfnm import _done, _emit  # noqa: E402  (the resumable JSON-lines files of every real-data benchmark)
 
@@ -61,8 +62,8 @@ def _bayesian(args) -> BayesianConfig:
         return BayesianConfig(client=args.client, prior=IIDPrior(expose=args.expose.split(",")),
                               laplace_prior=args.laplace_prior)
     return BayesianConfig(init_scale=args.init_scale, prior_variance=args.prior_variance, kl_weight=args.kl_weight,
-                          scale_lr_factor=args.scale_lr_factor, client=args.client, round_prior=args.round_prior,
-                          laplace_prior=args.laplace_prior)
+                          scale_lr_factor=args.scale_lr_factor, client=args.client, laplace_prior=args.laplace_prior,
+                          experimental=ExperimentalOptions(round_prior=args.round_prior))
 
 
 def _pool_temperature(value: str):
@@ -111,14 +112,15 @@ def _one_round(part: str, methods, datasets, dirs, out: Path, seeds, args) -> No
 
 
 def part_oneshot(datasets, dirs, out: Path, seeds, args) -> None:
-    methods = ("ensemble-bayesian", "pfnm", "fedavg") + RULES + tuple(f"match-{r}" for r in RULES)
+    methods = (("ensemble-bayesian", "pfnm", "fedavg") + tuple(f"fusion:rule={r}" for r in RULES)
+               + tuple(f"match:rule={r}" for r in RULES))
     if args.methods:
         methods = tuple(args.methods.split(","))
     _one_round("oneshot", methods, datasets, dirs, out, seeds, args)
 
 
 #: Issue 20's rows: the published fusion methods beside matched Bayesian fusion, on the same clients.
-BASELINES = ("ensemble-bayesian", "pfnm", "match-eaa", "match-conflation", "kl-fusion", "weight-matching",
+BASELINES = ("ensemble-bayesian", "pfnm", "match:rule=eaa", "match:rule=conflation", "kl-fusion", "weight-matching",
              "ot-fusion")
 
 
@@ -140,14 +142,15 @@ def part_rounds(datasets, dirs, out: Path, seeds, args) -> None:
                 continue
             t0 = time.perf_counter()
             matched_only = args.rule in ("pvi", "atom-posterior")   # rules of matched units: no weight-wise row
-            methods = ((f"match-{args.rule}",) if matched_only else (f"match-{args.rule}", args.rule, "fedavg"))
+            methods = ((f"match:rule={args.rule}",) if matched_only
+                       else (f"match:rule={args.rule}", f"fusion:rule={args.rule}", "fedavg"))
             result = run_experiment(
                 ds, ood=ood, partition=PartitionConfig(clients=args.clients, partition="dirichlet"),
                 network=NetworkConfig(hidden=(100,)),
                 training=TrainingConfig(epochs=args.epochs, batch_size=64, lr=args.lr, round_epochs=args.round_epochs),
                 bayesian=_bayesian(args), fusion=FusionConfig(
-                    rule=args.rule, pvi_damping=args.pvi_damping, later_rounds=args.later_rounds,
-                    temperature=args.temperature,
+                    rule=args.rule, temperature=args.temperature, experimental=ExperimentalOptions(
+                        pvi_damping=args.pvi_damping, later_rounds=args.later_rounds),
                     align="match" if matched_only or args.later_rounds != "auto" or args.temperature != 1
                     else "none"),
                 config=ExperimentConfig(methods=tuple(args.methods.split(",")) if args.methods else methods,

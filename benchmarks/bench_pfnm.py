@@ -62,6 +62,7 @@ from bnpfed.federated.pfnm import PFNMFederation
 from bnpfed.federated.server import match_hyperparameters, pfnm_step
 from bnpfed.clients.augment import AUGMENTATIONS
 from bnpfed.metrics import count_parameters
+from bnpfed.experimental import ExperimentalOptions
 
 HERE = Path(__file__).parent
 DEFAULT_DATA = HERE.parent.parent / "shared" / "data" / "mnist"
@@ -497,7 +498,8 @@ def part_compress(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=(
         rows["pfnm"]["layers"] = _layers(result.selection.match)
         rows["pfnm"]["nonzero"] = _nonzero(result.selection.match.network())
         before = pfnm_step(result.local_models, result.class_counts,
-                           PFNMConfig(starts="small-noise", inactive="keep"), seed=seed, round=1,
+                           PFNMConfig(experimental=ExperimentalOptions(starts="small-noise", inactive="keep")),
+                           seed=seed, round=1,
                            input_shape=ds.input_shape)
         net = before.network()
         rows["pfnm (before)"] = dict(accuracy=_accuracy(net, ds), hidden=before.hidden_sizes,
@@ -513,7 +515,7 @@ def part_pooled(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("i
     models."""
     tag = "" if pool_temperature == 1 else f"/T={pool_temperature}"
     for key, J, partition, seed in _settings(out, f"pooled/{name}/{arch}{tag}", Js, partitions, seeds):
-        configs = _configs(J, partition, seed, methods=("local", "ensemble", "pfnm", "pfnm-pooled"))
+        configs = _configs(J, partition, seed, methods=("local", "ensemble", "pfnm", "pfnm:heads=pooled"))
         configs["network"] = replace(PFNM_NETWORK, arch=arch)
         configs["pfnm"] = PFNMConfig(pool_temperature=pool_temperature)
         configs["training"] = _training(name)
@@ -641,13 +643,13 @@ def part_size(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("iid
     tag += "" if fedma_rounds == 1 else f"/fedma-rounds={fedma_rounds}"
     tag += "" if row_set != "fedma-half" else "/half"
     for key, J, partition, seed in _settings(out, f"size/{name}/{arch}{tag}", Js, partitions, seeds):
-        configs = _configs(J, partition, seed, methods=("local", "ensemble", "pfnm", "pfnm-pooled"))
+        configs = _configs(J, partition, seed, methods=("local", "ensemble", "pfnm", "pfnm:heads=pooled"))
         configs["network"] = replace(PFNM_NETWORK, arch=arch)
         configs["training"] = training
         configs["pfnm"] = PFNMConfig()
         experiment = Experiment(ds, **configs)
         rows = {}
-        for method in ("local", "ensemble", "pfnm", "pfnm-pooled"):
+        for method in ("local", "ensemble", "pfnm", "pfnm:heads=pooled"):
             for r in run_method(experiment, method):
                 rows[r.method] = dict(_row(r), parameters=r.parameters)
         nets, counts = experiment.local_models(), experiment.class_counts

@@ -36,6 +36,7 @@ import subprocess
 import sys
 import time
 import tracemalloc
+from bnpfed.experimental import ExperimentalOptions
 from dataclasses import replace
 from pathlib import Path
 
@@ -206,7 +207,8 @@ def interleaved(J: int, repeats: int, *, net: str = "mlp", data_dir=str(DEFAULT_
     from bnpfed.federated.server import pfnm_step
     torch.set_num_threads(1)
     saved, template, activity = _federation(data_dir, cache, net, J, inactive=inactive, progress=True)
-    configs = {mode: _pfnm_config(mode) for mode in MODES} | {"both": PFNMConfig(starts="both")}
+    both = PFNMConfig(experimental=ExperimentalOptions(starts="both"))
+    configs = {mode: _pfnm_config(mode) for mode in MODES} | {"both": both}
     best = dict.fromkeys(configs, float("inf"))
     groups: dict[str, float] = {}   # each group's best seconds under empirical Bayes (the default)
     for _ in range(repeats):
@@ -256,12 +258,13 @@ def _pfnm_records(nets_and_clients, configs, group_record, *, data_dir, cache, o
 
 def starts(nets_and_clients, *, data_dir=str(DEFAULT_DATA), cache=str(DEFAULT_CACHE), out=None) -> list[dict]:
     """Per (network, J), dead units left out, one thread: ``pfnm_step`` with both starts of empirical Bayes
-    (``PFNMConfig(starts="both")``) and with the even split alone (the default), in this process: every group's
+    (``ExperimentalOptions(starts="both")``) and with the even split alone (the default), in this process: every group's
     two log likelihoods and widths, which start was kept, the seconds and the global network's MNIST test accuracy.
     One line per (network, J, group) in the returned rows; ``out``: JSON lines, one per (network, J), resumed."""
     from bnpfed.federated.config import PFNMConfig
     rows = []
-    for record in _pfnm_records(nets_and_clients, (("both", PFNMConfig(starts="both")), ("even-split", PFNMConfig())),
+    both = PFNMConfig(experimental=ExperimentalOptions(starts="both"))
+    for record in _pfnm_records(nets_and_clients, (("both", both), ("even-split", PFNMConfig())),
                                 lambda r: dict(atoms=r.num_atoms, seconds=r.seconds, starts=r.starts),
                                 data_dir=data_dir, cache=cache, out=out):
         net, J = record["net"], record["J"]
@@ -283,13 +286,14 @@ def starts(nets_and_clients, *, data_dir=str(DEFAULT_DATA), cache=str(DEFAULT_CA
 
 
 def stops(nets_and_clients, *, data_dir=str(DEFAULT_DATA), cache=str(DEFAULT_CACHE), out=None) -> list[dict]:
-    """Per (network, J), dead units left out, one thread: ``pfnm_step`` under the exact fixed point
-    (``PFNMConfig(stop="fixed-point")``) and under the stopping rule on the result (the default), in this process:
-    per group the sweeps, widths and seconds, and the global network's MNIST test accuracy. One row per (network, J);
+    """Per (network, J), dead units left out, one thread: ``pfnm_step`` under the exact fixed point (the probe
+    ``ExperimentalOptions(stop="fixed-point")``) and under the stopping rule on the result (the default), in this
+    process: per group the sweeps, widths and seconds, and the global network's MNIST test accuracy. One row per (network, J);
     ``out``: JSON lines, one per (network, J), resumed."""
     from bnpfed.federated.config import PFNMConfig
     rows = []
-    for record in _pfnm_records(nets_and_clients, (("fixed-point", PFNMConfig(stop="fixed-point")),
+    exact = PFNMConfig(experimental=ExperimentalOptions(stop="fixed-point"))
+    for record in _pfnm_records(nets_and_clients, (("fixed-point", exact),
                                                    ("result", PFNMConfig())),
                                 lambda r: dict(atoms=r.num_atoms, sweeps=r.sweeps_run, converged=bool(r.converged),
                                                log_likelihood=r.log_likelihood),
@@ -309,13 +313,15 @@ def stops(nets_and_clients, *, data_dir=str(DEFAULT_DATA), cache=str(DEFAULT_CAC
 
 def schedules(nets_and_clients, *, data_dir=str(DEFAULT_DATA), cache=str(DEFAULT_CACHE), out=None) -> list[dict]:
     """Per (network, J), dead units left out, one thread: ``pfnm_step`` with Gauss-Seidel sweeps (the default: each
-    client re-matched given the moves of those before it) and with Jacobi sweeps (``PFNMConfig(schedule="jacobi")``:
-    every client against the assignment at the sweep's start, moved at once), under empirical Bayes and under the
+    client re-matched given the moves of those before it) and with Jacobi sweeps (the probe
+    ``ExperimentalOptions(schedule="jacobi")``: every client against the assignment at the sweep's start, moved at once), under empirical Bayes and under the
     reference's fixed values, in this process: per group the sweeps, whether it settled, the widths, ``log p(Z, V)``,
     the neurons moved in the last sweep, the seconds and the global network's MNIST test accuracy. One row per
     (network, J, hyper-parameters); ``out``: JSON lines, one per (network, J), resumed."""
-    from dataclasses import replace as with_
-    configs = [(f"{mode}/{schedule}", with_(_pfnm_config(mode), schedule=schedule)) for mode in MODES
+    def with_(config, schedule):
+        return replace(config, experimental=replace(config.experimental, schedule=schedule))
+
+    configs = [(f"{mode}/{schedule}", with_(_pfnm_config(mode), schedule)) for mode in MODES
                for schedule in ("gauss-seidel", "jacobi")]
     rows = []
     for record in _pfnm_records(nets_and_clients, configs,

@@ -1,8 +1,11 @@
-"""The ``bnpfed`` command line: the entry point, ``--help``, and ``bnpfed demo``."""
+"""The ``bnpfed`` command line: the entry point, ``--help`` (short) and ``--help-all``, and ``bnpfed demo``."""
 
 import json
+import re
 import subprocess
 import sys
+
+import pytest
 
 from bnpfed.cli import main
 
@@ -40,3 +43,32 @@ def test_demo_noise_is_an_alias_of_sigma2(tmp_path):
     assert main(["demo", "--clients", "3", "--dim", "10", "--noise", "0.05", "--json", str(path)]) == 0
     payload = json.loads(path.read_text())
     assert payload["settings"]["sigma2"] == 0.05 and payload["results"]["runs"][0]["rows"][1]["sigma2"] == 0.1
+
+
+@pytest.mark.parametrize("command", ["pfnm", "fuse"])
+def test_the_default_help_shows_what_a_user_needs_in_at_most_120_lines_and_help_all_every_flag(command, capsys,
+                                                                                               monkeypatch):
+    import argparse
+
+    from bnpfed.cli import build_parser
+    from bnpfed.commands import _args
+
+    monkeypatch.setattr(_args, "help_width", lambda: 100)   # a terminal of 102 columns
+    for flag in ("--help", "--help-all"):
+        with pytest.raises(SystemExit) as stop:
+            main([command, flag])
+        assert stop.value.code == 0
+    short, whole = capsys.readouterr().out.split(f"usage: bnpfed {command}")[1:]
+    assert len(short.splitlines()) <= 120 < len(whole.splitlines())
+    parser = build_parser()._subparsers._group_actions[0].choices[command]
+    hidden = [a for a in parser._actions if getattr(a, "full_help", None) is not None]
+    assert hidden and all(a.full_help for a in hidden)
+    for action in parser._actions:
+        if action.help is argparse.SUPPRESS and getattr(action, "full_help", None) is None:
+            continue   # a flag of bnpfed 0.1 that keeps working for one release (--starts: --experimental)
+        for option in action.option_strings:
+            assert re.search(rf"(^|\s|, ){re.escape(option)}\b", whole, re.M), option
+            shown = action.help is not argparse.SUPPRESS
+            assert bool(re.search(rf"(^|\s|, ){re.escape(option)}[ ,\n]", short.split("examples:")[0], re.M)) \
+                or not shown, option
+    assert "--experimental KEY=VALUE" in whole and "--experimental" not in short

@@ -19,12 +19,14 @@ from bnpfed.federated.pfnm import PFNMFederation
 from bnpfed.federated.server import client_start, matched_parameters
 from bnpfed.matching.permutation import client_slice, network_from_state, reestimate_batch_norm
 from bnpfed.metrics import count_parameters
+from bnpfed.experimental import ExperimentalOptions
 
 TRAIN = TrainingConfig(epochs=1, round_epochs=1)
 #: A matcher that merges only identical units: the clients' permuted copies come back as one network.
 # every unit matched: a unit dead on one client's data may be alive on another's, and the copies are matched back
 # unit for unit only when none is left out
-EXACT = PFNMConfig(hyperparameters="fixed", sigma2=1e-8, sigma0_2=1.0, gamma0=1.0, inactive="keep")
+EXACT = PFNMConfig(hyperparameters="fixed", sigma2=1e-8, sigma0_2=1.0, gamma0=1.0,
+                   experimental=ExperimentalOptions(inactive="keep"))
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +140,8 @@ def test_fedma_retrains_only_the_layers_above_the_matched_ones(digits, parts, ar
 
 @pytest.mark.parametrize("inactive", ["keep", "drop"])
 def test_fedma_with_communication_starts_each_client_from_its_slice(digits, parts, inactive):
-    fed = federation(digits, parts, "simple-cnn-bn", pfnm=PFNMConfig(layerwise_retrain=1, inactive=inactive))
+    fed = federation(digits, parts, "simple-cnn-bn",
+                     pfnm=PFNMConfig(layerwise_retrain=1, experimental=ExperimentalOptions(inactive=inactive)))
     first = fed.run_round()
     match = fed.match
     second = fed.run_round()

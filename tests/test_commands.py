@@ -13,6 +13,7 @@ from bnpfed.cli import build_parser, main
 from bnpfed.commands import fuse, pfnm
 from bnpfed.data import NPZ_FORMAT
 from bnpfed.federated import methods
+from bnpfed.experimental import ExperimentalOptions
 from bnpfed.federated.config import PAPER_MIN_VARIANCE, BayesianConfig, PartitionConfig, PFNMConfig, TrainingConfig
 from bnpfed.report import RECORD_SCHEMA, command_record, command_results, read_record
 from bnpfed.clients import TrainingDiverged
@@ -108,8 +109,11 @@ PFNM_ONLY = [
     (["--sigma0-2", "0"], "--sigma0-2"),
     (["--gamma0", "0"], "--gamma0"),
     (["--sweeps", "-1"], "--sweeps"),
-    (["--stop", "exact"], "--stop"),
-    (["--stop", "fixed-point", "--hyperparameters", "fixed"], "--stop"),   # empirical Bayes only
+    (["--experimental", "stop=exact"], "--experimental"),
+    (["--experimental", "stop=fixed-point", "--hyperparameters", "fixed"], "--experimental"),   # empirical Bayes only
+    (["--experimental", "later-rounds=fixed"], "--experimental"),   # matched fusion's, not read by pfnm
+    (["--experimental", "starts"], "--experimental"),
+    (["--experimental", "nope=1"], "--experimental"),
     (["--holdout", "1.5"], "--holdout"),
     (["--grid-sigma2", "0.1,0"], "--grid-sigma2"),
     (["--select", "operating-point", "--grid-gamma0", "1"], "--grid-gamma0"),   # a grid of another selection
@@ -152,10 +156,11 @@ FUSE_ONLY = [
     (["--rule", "foo"], "--rule"),
     (["--match-on", "means"], "--match-on"),   # only with --align match
     (["--align", "match", "--match-on", "weights"], "--match-on"),
-    (["--starts", "both"], "--starts"),   # only with --align match
-    (["--align", "match", "--starts", "even"], "--starts"),
-    (["--stop", "fixed-point"], "--stop"),   # only with --align match
-    (["--align", "match", "--stop", "exact"], "--stop"),
+    (["--experimental", "starts=both"], "--experimental"),   # only with --align match
+    (["--align", "match", "--experimental", "starts=even"], "--experimental"),
+    (["--experimental", "stop=fixed-point"], "--experimental"),   # only with --align match
+    (["--align", "match", "--experimental", "stop=exact"], "--experimental"),
+    (["--align", "match", "--experimental", "schedule=jacobi"], "--experimental"),   # PFNM's, not fuse's
     (["--rule", "eaa,eaa"], "--rule"),
     (["--local-epochs", "0"], "--epochs"),
     (["--min-variance", "-1"], "--min-variance"),
@@ -301,7 +306,7 @@ def test_pfnm_one_round_prints_its_hyper_parameters_and_writes_json_and_a_bar_ch
     assert "server_seconds: the server's aggregation time" in out
     assert f"wrote results to {out_json}" in out and f"wrote plot to {out_png}" in out
     payload = check_record(out_json, "pfnm")
-    assert payload["arguments"]["sigma2"] == [0.3] and payload["settings"]["pfnm"]["sigma2"] == 0.3
+    assert payload["arguments"]["sigma2"] == 0.3 and payload["settings"]["pfnm"]["sigma2"] == 0.3
     assert payload["settings"]["partition"]["clients"] == 3 and payload["settings"]["training"]["epochs"] == 1
     rows = payload["results"]["runs"][0]["rows"]
     assert [r["method"] for r in rows] == ["local-mean", "local-min", "local-max", "ensemble", "pfnm", "kmeans"]
@@ -367,7 +372,7 @@ def test_fuse_prints_the_table_and_writes_json_and_a_grid_of_panels(tmp_path, ca
     settings = payload["settings"]
     assert settings["training"]["epochs"] == 1 and settings["partition"]["partition"] == "dirichlet"
     assert settings["fusion"]["weights"] == "uniform" and settings["config"]["predictive_samples"] == 2
-    assert settings["config"]["methods"] == ["eaa", "conflation", "fedavg"]
+    assert settings["config"]["methods"] == ["fusion:rule=eaa", "fusion:rule=conflation", "fedavg"]
     rows = payload["results"]["runs"][0]["rows"]
     assert [r["method"] for r in rows] == ["eaa", "conflation", "fedavg"]
     assert all(len(r["history"]) == 2 for r in rows) and rows[2]["mean_sigma"] is None
@@ -409,8 +414,9 @@ def test_fuse_takes_the_clients_prior_variance_kl_weight_and_scale_rate():
 
 def test_fuse_takes_the_atom_posterior_rule_with_align_match_only():
     plan = fuse.prepare(parsed(["fuse", "--align", "match", "--rule", "conflation,atom-posterior"]))
-    assert "match-atom-posterior" in plan["config"].methods and "match-conflation" in plan["config"].methods
-    assert "conflation" in plan["config"].methods and "atom-posterior" not in plan["config"].methods
+    assert "match:rule=atom-posterior" in plan["config"].methods and "match:rule=conflation" in plan["config"].methods
+    assert "fusion:rule=conflation" in plan["config"].methods
+    assert "fusion:rule=atom-posterior" not in plan["config"].methods
     with pytest.raises(Exception, match="--rule atom-posterior: expected only with --align match"):
         fuse.prepare(parsed(["fuse", "--rule", "atom-posterior"]))
 
@@ -419,38 +425,56 @@ def test_fuse_takes_pooled_heads_with_align_match_and_not_with_save_global(tmp_p
     plan = fuse.prepare(parsed(["fuse", "--align", "match", "--rule", "conflation", "--heads", "both",
                                 "--rounds", "1"]))
     methods = plan["config"].methods
-    assert methods.index("pfnm-pooled") == methods.index("pfnm") + 1
-    assert methods[-2:] == ("match-conflation", "match-conflation-pooled")
+    assert methods.index("pfnm:heads=pooled") == methods.index("pfnm") + 1
+    assert methods[-2:] == ("match:rule=conflation", "match:rule=conflation:heads=pooled")
     pooled = fuse.prepare(parsed(["fuse", "--align", "match", "--rule", "eaa", "--heads", "pooled"]))
-    assert "match-eaa-pooled" in pooled["config"].methods and "match-eaa" not in pooled["config"].methods
+    assert "match:rule=eaa:heads=pooled" in pooled["config"].methods
+    assert "match:rule=eaa" not in pooled["config"].methods
     rounds = fuse.prepare(parsed(["fuse", "--align", "match", "--rule", "eaa", "--heads", "pooled", "--rounds", "2"]))
-    assert "pfnm-rounds" in rounds["config"].methods and "pfnm-pooled" not in rounds["config"].methods
+    assert "pfnm-rounds" in rounds["config"].methods and "pfnm:heads=pooled" not in rounds["config"].methods
     with pytest.raises(Exception, match="--heads: expected only with --align match"):
         fuse.prepare(parsed(["fuse", "--heads", "pooled"]))
     saving = fuse.prepare(parsed(["fuse", "--align", "match", "--heads", "both", "--save-global", str(tmp_path)]))
-    assert "match-conflation-pooled" in saving["config"].methods   # written as a pooled-posterior file
+    assert "match:rule=conflation:heads=pooled" in saving["config"].methods   # written as a pooled-posterior file
 
 
 def test_fuse_takes_where_the_matchers_empirical_bayes_starts_with_align_match():
-    assert fuse.prepare(parsed(["fuse", "--align", "match", "--starts", "both"]))["fusion"].starts == "both"
+    plan = fuse.prepare(parsed(["fuse", "--align", "match", "--experimental", "starts=both"]))
+    assert plan["fusion"].starts == "both" and plan["bayesian"].experimental == ExperimentalOptions()
     assert fuse.prepare(parsed(["fuse", "--align", "match"]))["fusion"].starts == "even-split"
 
 
-def test_fuse_and_pfnm_take_the_stopping_rule_of_empirical_bayes():
-    assert fuse.prepare(parsed(["fuse", "--align", "match", "--stop", "fixed-point"]))["fusion"].stop == "fixed-point"
+def test_fuse_and_pfnm_take_the_stopping_rule_of_empirical_bayes_as_a_probe():
+    plan = fuse.prepare(parsed(["fuse", "--align", "match", "--experimental", "stop=fixed-point"]))
+    assert plan["fusion"].stop == "fixed-point"
     assert fuse.prepare(parsed(["fuse", "--align", "match"]))["fusion"].stop == "result"
-    assert pfnm.prepare(parsed(["pfnm", "--stop", "fixed-point"]))["pfnm"].stop == "fixed-point"
+    assert pfnm.prepare(parsed(["pfnm", "--experimental", "stop=fixed-point"]))["pfnm"].stop == "fixed-point"
     assert pfnm.prepare(parsed(["pfnm"]))["pfnm"].stop == "result"
 
 
+@pytest.mark.parametrize("command, old, new", [
+    ("pfnm", ["--starts", "both", "--inactive", "keep"], "starts=both,inactive=keep"),
+    ("fuse", ["--align", "match", "--later-rounds", "rematch", "--round-prior", "posterior"],
+     "later-rounds=rematch,round-prior=posterior")])
+def test_the_probe_flags_of_bnpfed_0_1_keep_working_with_a_notice_naming_the_new_form(command, old, new, capsys):
+    plan = {"pfnm": pfnm, "fuse": fuse}[command].prepare(parsed([command, *old]))
+    err = capsys.readouterr().err
+    assert f"write --experimental {new}" in err and err.count("\n") == 1, err
+    probes = ExperimentalOptions.from_text(new)
+    for name in probes.set_fields():
+        config = plan["bayesian"] if name == "round_prior" else plan["pfnm" if command == "pfnm" else "fusion"]
+        assert getattr(config, name) == getattr(probes, name)
+
+
 def test_fuse_takes_pvi_rounds_with_align_match_every_client_and_its_damping():
-    plan = fuse.prepare(parsed(["fuse", "--align", "match", "--rule", "pvi,conflation", "--pvi-damping", "0.3"]))
+    plan = fuse.prepare(parsed(["fuse", "--align", "match", "--rule", "pvi,conflation", "--experimental",
+                                "pvi-damping=0.3"]))
     assert plan["fusion"].pvi_damping == 0.3 and plan["fusion"].rule == "pvi"
-    assert "match-pvi" in plan["config"].methods and "pvi" not in plan["config"].methods
+    assert "match:rule=pvi" in plan["config"].methods and "fusion:rule=pvi" not in plan["config"].methods
     with pytest.raises(Exception, match="--rule pvi: expected only with --align match"):
         fuse.prepare(parsed(["fuse", "--rule", "pvi"]))
-    with pytest.raises(Exception, match="--pvi-damping: expected only with --rule pvi"):
-        fuse.prepare(parsed(["fuse", "--align", "match", "--pvi-damping", "0.3"]))
+    with pytest.raises(Exception, match="--experimental: pvi-damping: expected only with --rule pvi"):
+        fuse.prepare(parsed(["fuse", "--align", "match", "--experimental", "pvi-damping=0.3"]))
     with pytest.raises(Exception, match="--fraction: --rule pvi keeps every client's factor"):
         fuse.prepare(parsed(["fuse", "--align", "match", "--rule", "pvi", "--fraction", "0.5"]))
 
@@ -468,7 +492,7 @@ def test_pfnm_keeps_pixels_in_0_1_unless_told_and_adds_pfnm_rounds_for_several_r
 
 def test_pfnm_max_params_defaults_to_the_configs_auto_and_reads_none_and_ensemble():
     assert pfnm.prepare(parsed(["pfnm"]))["pfnm"].max_params == "auto" == PFNMConfig().max_params
-    for given, expected in (("none", None), ("ensemble", "ensemble"), ("5000", 5000), ("AUTO", "auto")):
+    for given, expected in (("none", None), ("ensemble", "ensemble"), ("5000", 5000), ("auto", "auto")):
         assert pfnm.prepare(parsed(["pfnm", "--max-params", given]))["pfnm"].max_params == expected
 
 
@@ -499,11 +523,15 @@ def test_the_same_config_field_has_the_same_flag_in_pfnm_and_fuse():
 
 
 @pytest.mark.parametrize("command", ["pfnm", "fuse", "demo"])
-def test_every_option_has_help_and_a_readable_default(command):
+def test_every_option_has_help_and_a_readable_default(command, capsys):
     parser = subparser(command)
     for action in parser._actions:
         assert action.help, action.option_strings
     text = " ".join(parser.format_help().split())
+    if command != "demo":   # the whole help: every flag, every text
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--help-all"])
+        text = " ".join(capsys.readouterr().out.split())
     for noise in ("(default: None)", "(default: (", "(default: [", "(default: True)", "(default: False)"):
         assert noise not in text
     if command != "demo":
@@ -657,7 +685,7 @@ def test_the_smallest_images_the_pfnm_help_states_are_those_each_network_takes(c
     from bnpfed.federated.config import NetworkConfig
 
     with pytest.raises(SystemExit):
-        main(["pfnm", "--help"])
+        main(["pfnm", "--help-all"])
     text = " ".join(capsys.readouterr().out.split())
     stated = re.search(r"at least (\d+)x\d+ for lenet, (\d+)x\d+ for the others", text)
     assert stated, text

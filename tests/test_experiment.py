@@ -9,8 +9,10 @@ import pytest
 from bnpfed.combine import rules as combine
 from bnpfed.data import load_dataset
 from bnpfed.federated.config import PFNM_NETWORK, NetworkConfig, PartitionConfig, PFNMConfig, TrainingConfig
-from bnpfed.federated.methods import (ExperimentConfig, MethodResult, available_methods, register_method,
-                                      run_experiment, width_sweep)
+from bnpfed.experimental import ExperimentalOptions
+from bnpfed.federated.config import FusionConfig
+from bnpfed.federated.methods import (ExperimentConfig, MethodOption, MethodResult, available_methods, check_methods,
+                                      method_options, method_spec, register_method, run_experiment, width_sweep)
 from bnpfed.federated.registry import unregister_method
 
 
@@ -116,14 +118,67 @@ def test_adding_a_method_is_one_function_and_one_registration(digits):
         unregister_method("best-local")
 
 
-def test_every_fusion_rule_is_a_method_and_so_is_a_newly_registered_rule(digits):
-    assert set(combine.available_rules()) <= set(available_methods())
+def test_a_methods_options_are_looked_up_in_the_registry_not_parsed_from_its_name():
+    spec = method_spec("match:heads=pooled:rule=gaa")
+    assert (spec.name, spec.given(), str(spec)) == ("match", {"rule": "gaa", "heads": "pooled"},
+                                                     "match:rule=gaa:heads=pooled")
+    assert ExperimentConfig(methods=("pfnm", "match:rule=eaa")).methods == ("pfnm", "match:rule=eaa")
+    for text, message in (("pfnm:rule=gaa", "pfnm takes the options \\['heads'\\], got 'rule'"),
+                          ("match:rule=nope", "match's rule: expected one of"),
+                          ("match:rule=gaa:rule=eaa", "expected each option once"),
+                          ("match:rule", "expected name:key=value options"),
+                          ("nope", "methods: expected one of")):
+        with pytest.raises(ValueError, match=message):
+            method_spec(text)
+
+
+@pytest.mark.parametrize("old, new", [("match-gaa-pooled", "match:rule=gaa:heads=pooled"),
+                                      ("match-pvi", "match:rule=pvi"), ("pfnm-pooled", "pfnm:heads=pooled"),
+                                      ("fedma-pooled", "fedma:heads=pooled"), ("conflation", "fusion:rule=conflation")])
+def test_the_old_method_names_keep_working_for_one_release_and_name_their_spec(old, new):
+    with pytest.warns(DeprecationWarning, match=f"write '{new}'"):
+        assert str(method_spec(old)) == new
+    with pytest.warns(DeprecationWarning):
+        assert ExperimentConfig(methods=(old,)).methods == (new,)
+
+
+def test_two_specs_that_give_one_row_are_refused_before_anything_runs():
+    configs = dict(pfnm=PFNMConfig(heads="pooled"), fusion=FusionConfig())
+    with pytest.raises(ValueError, match="'pfnm' and 'pfnm:heads=pooled' both give the row 'pfnm-pooled'"):
+        check_methods(ExperimentConfig(methods=("pfnm", "pfnm:heads=pooled")), configs)
+    assert len(check_methods(ExperimentConfig(methods=("pfnm", "pfnm:heads=pooled")),
+                             dict(pfnm=PFNMConfig(), fusion=FusionConfig()))) == 2
+    with pytest.raises(ValueError, match="pool_temperature: the temperature of pooled heads"):
+        check_methods(ExperimentConfig(methods=("pfnm",)), dict(pfnm=PFNMConfig(pool_temperature=2.0),
+                                                                 fusion=FusionConfig()))
+
+
+def test_a_registered_method_takes_its_options_with_their_defaults_from_the_configs(digits):
+    calls = []
+
+    def rows(experiment, weights):
+        calls.append(weights)
+        return MethodResult(f"uniform-{weights}", accuracy=0.5)
+
+    register_method("uniform", rows, options={"weights": MethodOption(("size", "uniform"), "fusion", "weights")},
+                    label=lambda o: f"uniform-{o['weights']}")
+    try:
+        assert method_options("uniform")["weights"].values() == ["size", "uniform"]
+        result = run_experiment(digits, partition=PartitionConfig(clients=2), network=NetworkConfig(hidden=(8,)),
+                                config=ExperimentConfig(methods=("uniform", "uniform:weights=uniform")))
+        assert calls == ["size", "uniform"] and [r.method for r in result.rows] == ["uniform-size", "uniform-uniform"]
+    finally:
+        unregister_method("uniform")
+
+
+def test_every_fusion_rule_is_an_option_of_fusion_and_so_is_a_newly_registered_rule(digits):
+    assert set(combine.available_rules()) <= set(method_options("fusion")["rule"].values())
     combine.register_rule("first", lambda locs, variances, weights, **_: (locs[0], variances[0]))
     try:
-        assert "first" in available_methods()
+        assert "first" in method_options("fusion")["rule"].values()
         result = run_experiment(load_dataset("digits"), partition=PartitionConfig(clients=2),
                                 network=NetworkConfig(hidden=(8,)), training=TrainingConfig(epochs=1),
-                                config=ExperimentConfig(methods=("first",), predictive_samples=2))
+                                config=ExperimentConfig(methods=("fusion:rule=first",), predictive_samples=2))
         row = result.row("first")
         assert math.isfinite(row.accuracy) and row.mean_sigma > 0 and row.history[0]["round"] == 1
     finally:
@@ -144,7 +199,7 @@ def test_a_grid_of_fixed_values_is_chosen_from_a_config_with_empirical_bayes_set
     from bnpfed.federated.config import EB_DEFAULTS
     result = run_experiment(digits, partition=PartitionConfig(clients=3), network=PFNM_NETWORK,
                             training=TrainingConfig(epochs=2, amsgrad=True),
-                            pfnm=PFNMConfig(starts="both", stop="fixed-point"),
+                            pfnm=PFNMConfig(experimental=ExperimentalOptions(starts="both", stop="fixed-point")),
                             config=ExperimentConfig(methods=("pfnm",), select="federated", grid_sigma2=(0.1, 1.0),
                                                     grid_gamma0=(1.0,)))
     chosen = result.selection.config

@@ -15,6 +15,7 @@ from bnpfed.federated.fusion import FedAvgFederation, FusionFederation
 from bnpfed.federated.pfnm import PFNMFederation
 from bnpfed.clients import BayesianClient, DeterministicClient
 from bnpfed.seeding import Stream, derive_seed, torch_generator
+from bnpfed.experimental import ExperimentalOptions
 
 METRICS = ("accuracy", "nll", "ece", "brier")
 NET = NetworkConfig(hidden=(16,))
@@ -102,7 +103,8 @@ def test_a_client_of_round_two_trains_under_the_configured_prior_unless_told_to_
     where SVI starts, not a prior: nothing is counted twice), or with ``round_prior="posterior"`` the global
     posterior it starts from."""
     parts = PartitionConfig(clients=3).split(digits.y_train.numpy(), seed=0)
-    federation = fusion(digits, parts, "conflation", bayesian=BayesianConfig(round_prior=round_prior))
+    federation = fusion(digits, parts, "conflation",
+                        bayesian=BayesianConfig(experimental=ExperimentalOptions(round_prior=round_prior)))
     priors = {}
     original_fit = BayesianClient.fit
 

@@ -31,7 +31,7 @@ from bnpfed.cli import main  # noqa: E402
 from bnpfed.combine import available_rules  # noqa: E402
 from bnpfed.federated.server import client_start, sample_clients  # noqa: E402
 from bnpfed.flower.client import app as client_app  # noqa: E402
-from bnpfed.flower.config import parse_run_config, run_config_defaults  # noqa: E402
+from bnpfed.flower.config import app_config_toml, parse_run_config, run_config_defaults  # noqa: E402
 from bnpfed.flower.local import LocalGrid  # noqa: E402
 from bnpfed.flower.records import (ReplyError, from_array_record, moments_from_arrays,  # noqa: E402
                                    moments_to_record, posterior_from_arrays, posterior_to_record, state_from_arrays,
@@ -302,7 +302,7 @@ def test_in_round_two_each_pfnm_client_starts_from_what_client_start_gives_it():
                             ("conflation", {"prior-variance": "empirical-bayes", "kl-weight": 0.1,
                                             "scale-lr-factor": 10.0}),
                             # round 2 under the global posterior as prior
-                            ("conflation", {"round-prior": "posterior"})])
+                            ("conflation", {"experimental": "round-prior=posterior"})])
 def test_fusion_on_flower_is_the_in_process_federation_bit_for_bit(rule, extra):
     config = {**FUSION, "rule": rule, **extra}
     assert_same_as_in_process(run_federation(LocalGrid(client_app, CLIENTS), config), config)
@@ -457,6 +457,10 @@ BAD_RUN_CONFIGS = [
     ('rounds 2', "expected KEY=VALUE pairs, .*got 'rounds 2'"),
     ('method=pfnm', r"expected KEY=VALUE pairs, .*got text that does not read \(The provided configuration string "
                     r"is in an invalid format"),
+    ('experimental="starts=all"', r"experimental: starts: expected one of \['even-split', 'both', 'small-noise'\]"),
+    ('experimental="bogus=1"', "experimental: bogus: expected one of the experimental options"),
+    ('experimental="starts"', "experimental: expected KEY=VALUE pairs"),
+    ('method="pfnm" experimental="round-prior=posterior"', "experimental: round-prior, a Bayesian client's prior"),
 ]
 
 
@@ -511,7 +515,9 @@ def test_the_run_config_speaks_the_configs_words():
 
 
 def test_the_example_apps_run_config_lists_every_key_with_its_default():
-    app_config = tomllib.loads((APP_DIR / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    text = (APP_DIR / "pyproject.toml").read_text()
+    assert text[text.index("[tool.flwr.app.config]"):] == app_config_toml()   # generated: `bnpfed flower keys --toml`
+    app_config = tomllib.loads(text)["tool"]["flwr"]["app"]["config"]
     assert app_config == run_config_defaults()
     for method in ("pfnm", "fusion"):
         assert parse_run_config({**app_config, "method": method}) == parse_run_config({"method": method})
@@ -610,6 +616,20 @@ def test_bnpfed_flower_keys_lists_every_run_config_key(capsys):
     for key in run_config_defaults():
         assert re.search(rf"^{re.escape(key)} ", text, re.M), key
     assert "auto (pfnm: 10, fusion: 2, fedavg: 2)" in text
+    assert main(["flower", "keys", "--toml"]) == 0
+    assert capsys.readouterr().out == app_config_toml()
+
+
+def test_the_probes_are_one_key_and_their_keys_of_bnpfed_0_1_keep_working_with_a_warning():
+    settings = parse_run_config({"method": "fusion", "align": "match", "experimental": "later-rounds=rematch,"
+                                 "round-prior=posterior,starts=both"})
+    assert (settings.fusion.later_rounds, settings.fusion.starts, settings.pfnm.starts) == ("rematch", "both", "both")
+    assert settings.bayesian.round_prior == "posterior" and settings.fusion.experimental.round_prior is None
+    assert settings.client_record()["experimental"] == "round-prior=posterior"   # what the clients read
+    with pytest.warns(DeprecationWarning, match='write experimental = "later-rounds=rematch,round-prior=posterior"'):
+        old = parse_run_config({"method": "fusion", "align": "match", "later-rounds": "rematch",
+                                "round-prior": "posterior", "experimental": "starts=both"})
+    assert old == settings
 
 
 def test_bnpfed_flower_sim_local_prints_accuracy_per_round_and_writes_the_common_json(tmp_path, capsys):

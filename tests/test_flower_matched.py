@@ -41,7 +41,7 @@ def test_matched_fusion_on_flower_is_the_in_process_federation_bit_for_bit():
 
 def test_fixed_later_rounds_on_flower_are_the_in_process_federation_bit_for_bit():
     # round 2: every client trains the whole global posterior, the server fuses it unit by unit (no matching)
-    config = {**MATCHED, "rule": "conflation", "later-rounds": "fixed", "rounds": 3}
+    config = {**MATCHED, "rule": "conflation", "experimental": "later-rounds=fixed", "rounds": 3}
     result = run_federation(LocalGrid(client_app, CLIENTS), config)
     reference = assert_same_as_in_process(result, config)
     assert len({tuple(r["hidden"]) for r in result.history}) == 1   # the width of round 1, kept
@@ -53,7 +53,7 @@ def test_matched_fusion_with_empirical_bayes_priors_on_flower_is_the_in_process_
     # (round-prior "posterior"; by default the configured prior, the test above); every unit fused by the matching
     # model's own atom posterior
     config = {**MATCHED, "prior-variance": "empirical-bayes", "kl-weight": 0.1, "scale-lr-factor": 10.0,
-              "rule": "atom-posterior", "round-prior": "posterior"}
+              "rule": "atom-posterior", "experimental": "round-prior=posterior"}
     assert_same_as_in_process(run_federation(LocalGrid(client_app, CLIENTS), config), config)
 
 
@@ -113,7 +113,8 @@ def test_pooled_heads_on_flower_are_the_in_process_federation_bit_for_bit(temper
 
 def test_each_client_starts_round_two_from_its_slice_or_else_the_whole_posterior_bit_for_bit():
     # re-matched rounds (later-rounds "rematch"; by default every client gets the whole posterior: the test above)
-    config = {**MATCHED, **FRACTION, "rule": "pooling", "fraction-evaluate": 0.0, "later-rounds": "rematch"}
+    config = {**MATCHED, **FRACTION, "rule": "pooling", "fraction-evaluate": 0.0,
+              "experimental": "later-rounds=rematch"}
     sent = {}
     assert_same_as_in_process(run_federation(LocalGrid(recording(sent), CLIENTS), config), config)
     first = in_process({**config, "rounds": 1})

@@ -6,7 +6,9 @@ numbers to float tolerance. Empirical Bayes then swept to the exact fixed point;
 (``stop="result"``), so these runs ask for ``stop="fixed-point"`` (``EXACT``); it then ran from the small-noise
 start alone and matched every unit, where it now runs from the even split and a federation leaves out the units its
 clients report inactive (issue "compression by default"), so the runs ask for ``starts="small-noise"`` and the PFNM
-runs for ``inactive="keep"`` as well (``BEFORE``)."""
+runs for ``inactive="keep"`` as well (``BEFORE``). Those settings are probes now, passed as
+``experimental=ExperimentalOptions(...)`` (:mod:`bnpfed.experimental`); the methods are asked for by their specs
+(``match:rule=conflation`` for the ``match-conflation`` row)."""
 
 from pathlib import Path
 
@@ -183,21 +185,22 @@ def test_a_short_experiment_of_eleven_methods_reproduces_the_recorded_rows(golde
     from dataclasses import asdict
 
     from bnpfed.data import load_dataset
+    from bnpfed.experimental import ExperimentalOptions
     from bnpfed.federated import (BayesianConfig, ExperimentConfig, FusionConfig, NetworkConfig, PartitionConfig,
                                   PFNMConfig, TrainingConfig, run_experiment)
 
-    methods = ("local", "ensemble", "fedavg", "kmeans", "pfnm", "pfnm-rounds", "fedma", "conflation",
-               "match-conflation", "match-pooling", "ensemble-bayesian")
-    matched = ("match-conflation", "match-pooling")   # their rounds under the slice as prior, as recorded
+    methods = ("local", "ensemble", "fedavg", "kmeans", "pfnm", "pfnm-rounds", "fedma", "fusion:rule=conflation",
+               "match:rule=conflation", "match:rule=pooling", "ensemble-bayesian")
+    matched = ("match:rule=conflation", "match:rule=pooling")   # their rounds under the slice as prior, as recorded
 
     def run(names, round_prior, later_rounds="auto"):
         return run_experiment(load_dataset("digits", standardize=False),
                               partition=PartitionConfig(clients=3, partition="dirichlet"),
                               network=NetworkConfig(hidden=(16,)), training=TrainingConfig(epochs=3),
-                              pfnm=PFNMConfig(**BEFORE, inactive="keep"),
-                              fusion=FusionConfig(**BEFORE, later_rounds=later_rounds,
+                              pfnm=PFNMConfig(experimental=ExperimentalOptions(**BEFORE, inactive="keep")),
+                              fusion=FusionConfig(experimental=ExperimentalOptions(**BEFORE, later_rounds=later_rounds),
                                                   align="match" if later_rounds != "auto" else "none"),
-                              bayesian=BayesianConfig(round_prior=round_prior),
+                              bayesian=BayesianConfig(experimental=ExperimentalOptions(round_prior=round_prior)),
                               config=ExperimentConfig(methods=names, rounds=2, seed=0)).rows
 
     others = run(tuple(m for m in methods if m not in matched), None)   # ends with the Bayesian ensemble's row

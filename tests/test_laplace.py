@@ -313,7 +313,7 @@ def test_bnpfed_fuse_takes_laplace_clients_with_align_match_only():
     plan = fuse.prepare(parsed(["fuse", "--align", "match", "--client", "laplace"]))
     assert plan["bayesian"].client == "laplace"
     assert not [m for m in plan["config"].methods if m in ("eaa", "gaa", "conflation")]
-    assert "match-eaa" in plan["config"].methods
+    assert "match:rule=eaa" in plan["config"].methods
     with pytest.raises(Exception, match="--client laplace: expected only with --align match"):
         fuse.prepare(parsed(["fuse", "--client", "laplace"]))
     with pytest.raises(ValueError, match="kl_weight: a setting of the variational clients' SVI"):

@@ -8,6 +8,7 @@ import pytest
 from scipy.stats import multivariate_normal
 
 from bnpfed.matching.matcher import make_matcher
+from bnpfed.experimental import ExperimentalOptions
 
 
 def _brute_force(V, U, s, labels, noise, prior, mu0, gamma0):
@@ -131,10 +132,12 @@ def test_a_federation_runs_each_layer_from_the_even_split_unless_asked_for_both_
     states = [initial_network(NetworkConfig(hidden=(12,)), (6,), 3, seed=j).state_dict() for j in range(4)]
     counts = torch.ones(4, 3)
     for starts, n in (("even-split", 0), ("both", 2)):
-        match = match_by_spec(states, counts, template=template, seed=0, **PFNMConfig(starts=starts).matcher_kwargs())
+        config = PFNMConfig(experimental=ExperimentalOptions(starts=starts))
+        match = match_by_spec(states, counts, template=template, seed=0, **config.matcher_kwargs())
         assert all(len(r.starts) == n for r in match.layer_results.values())
     with pytest.raises(ValueError, match="starts: applies under empirical Bayes only"):
-        PFNMConfig(starts="both", hyperparameters="fixed", sigma2=1.0, sigma0_2=1.0, gamma0=1.0)
+        PFNMConfig(hyperparameters="fixed", sigma2=1.0, sigma0_2=1.0, gamma0=1.0,
+                   experimental=ExperimentalOptions(starts="both"))
 
 
 def test_the_stopping_rule_is_a_setting_of_empirical_bayes_only():
@@ -143,18 +146,20 @@ def test_the_stopping_rule_is_a_setting_of_empirical_bayes_only():
     methods of an experiment beside weight-wise ones, so it takes it with any ``align``; ``bnpfed fuse`` refuses
     ``--stop`` without ``--align match``.)"""
     from bnpfed.federated import FusionConfig, PFNMConfig
-    assert PFNMConfig(stop="fixed-point").matcher_kwargs()["stop"] == "fixed-point"
+    assert PFNMConfig(experimental=ExperimentalOptions(stop="fixed-point")).matcher_kwargs()["stop"] == "fixed-point"
     with pytest.raises(ValueError, match="stop: applies under empirical Bayes only"):
-        PFNMConfig(stop="fixed-point", hyperparameters="fixed", sigma2=1.0, sigma0_2=1.0, gamma0=1.0)
+        PFNMConfig(hyperparameters="fixed", sigma2=1.0, sigma0_2=1.0, gamma0=1.0,
+                   experimental=ExperimentalOptions(stop="fixed-point"))
     with pytest.raises(ValueError, match="stop: applies under empirical Bayes only"):
-        PFNMConfig(stop="fixed-point", constants="reference")
-    assert FusionConfig(align="match", stop="fixed-point").stop == "fixed-point"
+        PFNMConfig(constants="reference", experimental=ExperimentalOptions(stop="fixed-point"))
+    assert FusionConfig(align="match", experimental=ExperimentalOptions(stop="fixed-point")).stop == "fixed-point"
     with pytest.raises(ValueError, match="stop: expected one of"):
-        FusionConfig(stop="exact")
+        FusionConfig(experimental=ExperimentalOptions(stop="exact"))
 
 
 def test_the_schedule_and_the_matcher_device_reach_every_group_through_the_config():
-    """``PFNMConfig(schedule=, matcher_device=)`` travel to each group's matcher (a Jacobi sweep moves every client at once,
+    """``PFNMConfig(matcher_device=)`` and the probe ``ExperimentalOptions(schedule=)`` travel to each group's matcher
+    (a Jacobi sweep moves every client at once,
     so its sweeps repeat no Gauss-Seidel run's; torch on the CPU gives the numpy path's match), and bad values are
     refused by name."""
     import torch
@@ -173,9 +178,9 @@ def test_the_schedule_and_the_matcher_device_reach_every_group_through_the_confi
         assert [a.tolist() for a in r.assignments] == [a.tolist() for a in on_torch.layer_results[g].assignments]
         torch.testing.assert_close(on_torch.layer_results[g].global_atoms, r.global_atoms, rtol=1e-9, atol=1e-10)
     jacobi = match_by_spec(states, counts, template=template, seed=0,
-                           **PFNMConfig(schedule="jacobi").matcher_kwargs())
+                           **PFNMConfig(experimental=ExperimentalOptions(schedule="jacobi")).matcher_kwargs())
     assert all(r.sweeps_run >= 1 and r.hyperparameter_history for r in jacobi.layer_results.values())
     with pytest.raises(ValueError, match="schedule: expected one of"):
-        PFNMConfig(schedule="parallel")
+        PFNMConfig(experimental=ExperimentalOptions(schedule="parallel"))
     with pytest.raises(ValueError, match="matcher_device: expected"):
         PFNMConfig(matcher_device="gpu")

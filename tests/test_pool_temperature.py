@@ -127,5 +127,5 @@ def test_a_temperature_without_pooled_heads_is_refused(skewed):
     result = run_experiment(ds, partition=PartitionConfig(clients=3, partition="dirichlet"),
                             network=NetworkConfig(hidden=(8,)), training=TrainingConfig(epochs=1),
                             pfnm=PFNMConfig(pool_temperature="fit"),
-                            config=ExperimentConfig(methods=("pfnm", "pfnm-pooled")))
+                            config=ExperimentConfig(methods=("pfnm", "pfnm:heads=pooled")))
     assert "at temperature" in result.row("pfnm-pooled").note and "temperature" not in result.row("pfnm").note

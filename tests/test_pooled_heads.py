@@ -199,7 +199,7 @@ def test_pfnm_pooled_method_row_beside_pfnm():
     ds = load_dataset("digits", standardize=False)
     result = run_experiment(ds, partition=PartitionConfig(clients=3, partition="dirichlet"),
                             network=NetworkConfig(hidden=(16,)), training=TrainingConfig(epochs=2),
-                            config=ExperimentConfig(methods=("pfnm", "pfnm-pooled"), seed=0))
+                            config=ExperimentConfig(methods=("pfnm", "pfnm:heads=pooled"), seed=0))
     pfnm, pooled = result.rows
     assert pooled.method == "pfnm-pooled" and pooled.hidden == pfnm.hidden
     L, C, J = pfnm.hidden[0], 10, 3
@@ -250,7 +250,7 @@ def test_fedma_pooled_row_has_fedmas_body():
     result = run_experiment(ds, partition=PartitionConfig(clients=3, partition="dirichlet"),
                             network=NetworkConfig(hidden=(16,)), training=TrainingConfig(epochs=2),
                             pfnm=PFNMConfig(layerwise_retrain=1),
-                            config=ExperimentConfig(methods=("fedma", "fedma-pooled"), seed=0))
+                            config=ExperimentConfig(methods=("fedma", "fedma:heads=pooled"), seed=0))
     fedma, pooled = result.rows
     assert pooled.method == "fedma-pooled" and pooled.hidden == fedma.hidden
     assert pooled.parameters == fedma.parameters + 2 * 10 * (fedma.hidden[0] + 1)
@@ -258,8 +258,9 @@ def test_fedma_pooled_row_has_fedmas_body():
 
 def test_a_pooled_config_and_a_pooled_method_giving_one_row_name_twice_are_refused():
     ds = load_dataset("digits", standardize=False)
-    with pytest.raises(ValueError, match="methods: with heads='pooled' configured, 'pfnm' already gives the row"):
-        run_experiment(ds, pfnm=PFNMConfig(heads="pooled"), config=ExperimentConfig(methods=("pfnm", "pfnm-pooled")))
+    with pytest.raises(ValueError, match="'pfnm' and 'pfnm:heads=pooled' both give the row 'pfnm-pooled'"):
+        run_experiment(ds, pfnm=PFNMConfig(heads="pooled"),
+                       config=ExperimentConfig(methods=("pfnm", "pfnm:heads=pooled")))
     result = run_experiment(ds, partition=PartitionConfig(clients=3), network=NetworkConfig(hidden=(8,)),
                             training=TrainingConfig(epochs=1), pfnm=PFNMConfig(heads="pooled"),
                             config=ExperimentConfig(methods=("pfnm",)))
@@ -276,12 +277,12 @@ def test_a_parameter_budget_holds_the_pooled_rows_j_output_layers():
             ds, partition=PartitionConfig(clients=3, partition="dirichlet"), network=NetworkConfig(hidden=(16,)),
             training=TrainingConfig(epochs=2), pfnm=pfnm, config=ExperimentConfig(methods=methods, seed=0)).rows}
 
-    own = rows(PFNMConfig(), ("pfnm", "pfnm-pooled"))
+    own = rows(PFNMConfig(), ("pfnm", "pfnm:heads=pooled"))
     budget = (own["pfnm"].parameters + own["pfnm-pooled"].parameters) // 2
-    limited = rows(PFNMConfig(max_params=budget), ("pfnm", "pfnm-pooled"))
+    limited = rows(PFNMConfig(max_params=budget), ("pfnm", "pfnm:heads=pooled"))
     assert limited["pfnm"].parameters == own["pfnm"].parameters          # one output layer: the budget does not bind
     assert own["pfnm-pooled"].parameters > budget >= limited["pfnm-pooled"].parameters
     assert "J output layers priced" in limited["pfnm-pooled"].note
-    fedma = rows(PFNMConfig(layerwise_retrain=1, max_params=budget), ("fedma", "fedma-pooled"))
+    fedma = rows(PFNMConfig(layerwise_retrain=1, max_params=budget), ("fedma", "fedma:heads=pooled"))
     assert fedma["fedma-pooled"].parameters <= budget and fedma["fedma"].parameters <= budget
     assert fedma["fedma-pooled"].hidden[0] < fedma["fedma"].hidden[0]

@@ -11,7 +11,7 @@ import torch
 from bnpfed.data import load_dataset
 from bnpfed.federated.config import BayesianConfig, FusionConfig, NetworkConfig, PartitionConfig, TrainingConfig
 from bnpfed.federated.matched_fusion import MatchedFusionFederation
-from bnpfed.federated.methods import ExperimentConfig, available_methods, run_experiment
+from bnpfed.federated.methods import ExperimentConfig, available_methods, method_options, run_experiment
 from bnpfed.federated.partition import partition_dirichlet
 from bnpfed.matching import PooledPosterior, match_by_spec, pooled_network
 from bnpfed.matching.pooled_heads import sample_state
@@ -135,8 +135,9 @@ def test_pooled_rows_beside_the_fused_ones_on_the_same_match():
     result = run_experiment(ds, partition=PartitionConfig(clients=3, partition="dirichlet"),
                             network=NetworkConfig(hidden=(16,)), training=TrainingConfig(epochs=2),
                             bayesian=BayesianConfig(), fusion=FusionConfig(align="match"),
-                            config=ExperimentConfig(methods=("match-conflation", "match-conflation-pooled",
-                                                             "match-eaa-pooled"), seed=0))
+                            config=ExperimentConfig(methods=("match:rule=conflation",
+                                                             "match:rule=conflation:heads=pooled",
+                                                             "match:rule=eaa:heads=pooled"), seed=0))
     fused, pooled, eaa = result.rows
     assert (pooled.method, eaa.method) == ("match-conflation-pooled", "match-eaa-pooled")
     assert pooled.hidden == fused.hidden                       # the same clients, the same match
@@ -146,7 +147,8 @@ def test_pooled_rows_beside_the_fused_ones_on_the_same_match():
     # every row's global model is kept for a file: the pooled ones as their PooledPosterior
     assert set(result.global_models) == {"match-conflation", "match-conflation-pooled", "match-eaa-pooled"}
     assert isinstance(result.global_models["match-conflation-pooled"]["network"], PooledPosterior)
-    assert "match-conflation-pooled" in available_methods() and "match-atom-posterior-pooled" in available_methods()
+    assert "match" in available_methods() and method_options("match")["heads"].values() == ["fused", "pooled"]
+    assert "atom-posterior" in method_options("match")["rule"].values()
 
 
 def test_bad_input_is_refused_naming_the_argument(federation):

@@ -12,10 +12,11 @@ from bnpfed.data import load_dataset
 from bnpfed.federated.config import (FUSION_TRAINING, BayesianConfig, FusionConfig, NetworkConfig, PartitionConfig,
                                      TrainingConfig)
 from bnpfed.federated.matched_fusion import MatchedFusionFederation
-from bnpfed.federated.methods import ExperimentConfig, available_methods, run_experiment
+from bnpfed.federated.methods import ExperimentConfig, available_methods, method_options, run_experiment
 from bnpfed.matching.bayesian_layer import match_bayesian_layer
 from bnpfed.matching.permutation import client_slice, derive_spec, network_from_state
 from bnpfed.matching.posteriors import MIN_VARIANCE, client_posterior, fuse_members, match_posteriors
+from bnpfed.experimental import ExperimentalOptions
 
 RULES = ("eaa", "gaa", "log_variance", "conflation")
 #: tiny noise and a wide prior: copies of one unit merge, distinct units stay apart
@@ -202,8 +203,10 @@ def run_rounds(ds, rounds=2, seed=0, rule="conflation", round_prior=None, later_
     parts = PartitionConfig(clients=3).split(ds.y_train.numpy(), seed=0)
     federation = MatchedFusionFederation(ds, parts, network=NetworkConfig(hidden=(16,)),
                                          training=TrainingConfig(epochs=2, lr=1e-2),
-                                         bayesian=BayesianConfig(round_prior=round_prior),
-                                         fusion=FusionConfig(rule=rule, align="match", later_rounds=later_rounds),
+                                         bayesian=BayesianConfig(
+                                             experimental=ExperimentalOptions(round_prior=round_prior)),
+                                         fusion=FusionConfig(rule=rule, align="match", experimental=ExperimentalOptions(
+                                             later_rounds=later_rounds)),
                                          seed=seed)
     records, matches = [], []
     for _ in range(rounds):
@@ -272,40 +275,40 @@ def test_fixed_later_rounds_give_every_client_the_whole_global_posterior_and_fus
 
 def test_fixed_later_rounds_are_refused_where_they_do_not_apply():
     with pytest.raises(ValueError, match="later_rounds: matched fusion's rounds after the first"):
-        FusionConfig(later_rounds="fixed")
+        FusionConfig(experimental=ExperimentalOptions(later_rounds="fixed"))
     with pytest.raises(ValueError, match="later_rounds: rule 'pvi' keeps each client's factor in its own units"):
-        FusionConfig(rule="pvi", align="match", later_rounds="fixed")
+        FusionConfig(rule="pvi", align="match", experimental=ExperimentalOptions(later_rounds="fixed"))
     # "auto": PVI re-matches, every other rule keeps the assignment
     assert FusionConfig(rule="pvi", align="match").rounds_after_first() == "rematch"
     assert FusionConfig(align="match").rounds_after_first() == "fixed"
     with pytest.raises(ValueError, match=r"later_rounds: expected one of \['auto', 'rematch', 'fixed'\]"):
-        FusionConfig(align="match", later_rounds="frozen")
+        FusionConfig(align="match", experimental=ExperimentalOptions(later_rounds="frozen"))
 
 
 def test_a_round_prior_is_refused_where_it_does_not_apply(digits):
     parts = PartitionConfig(clients=3).split(digits.y_train.numpy(), seed=0)
     with pytest.raises(ValueError, match="round_prior: rule 'pvi' trains every client against its cavity"):
         MatchedFusionFederation(digits, parts, network=NetworkConfig(hidden=(16,)), training=TrainingConfig(),
-                                bayesian=BayesianConfig(round_prior="prior"),
+                                bayesian=BayesianConfig(experimental=ExperimentalOptions(round_prior="prior")),
                                 fusion=FusionConfig(rule="pvi", align="match"), seed=0)
     with pytest.raises(ValueError, match="round_prior: a setting of the variational clients' SVI"):
-        BayesianConfig(client="laplace", round_prior="posterior")
+        BayesianConfig(client="laplace", experimental=ExperimentalOptions(round_prior="posterior"))
     with pytest.raises(ValueError, match=r"round_prior: expected one of \['prior', 'posterior'\]"):
-        BayesianConfig(round_prior="slice")
+        BayesianConfig(experimental=ExperimentalOptions(round_prior="slice"))
 
 
-def test_match_methods_are_registered_for_every_rule():
+def test_matched_fusion_is_one_method_whose_rule_is_an_option_of_every_rule():
     for rule in ("eaa", "gaa", "log_variance", "pooling", "conflation"):
-        assert f"match-{rule}" in available_methods()
-    assert "ensemble-bayesian" in available_methods()
+        assert rule in method_options("match")["rule"].values() and rule in method_options("fusion")["rule"].values()
+    assert "ensemble-bayesian" in available_methods() and "match" in available_methods()
 
 
 def test_an_experiment_gives_the_rows_of_the_issue_table(digits):
     ood = 1.0 - digits.x_test      # inverted digits
     result = run_experiment(digits, partition=PartitionConfig(clients=3), network=NetworkConfig(hidden=(16,)),
                             training=FUSION_TRAINING, fusion=FusionConfig(own_init=True),
-                            config=ExperimentConfig(methods=("ensemble-bayesian", "pfnm", "eaa", "match-eaa"),
-                                                    ece_bins=100), ood=ood)
+                            config=ExperimentConfig(methods=("ensemble-bayesian", "pfnm", "fusion:rule=eaa",
+                                                             "match:rule=eaa"), ece_bins=100), ood=ood)
     names = [r.method for r in result.rows]
     assert names == ["ensemble", "pfnm", "eaa", "match-eaa"]
     for row in result.rows:
@@ -439,7 +442,8 @@ def test_the_atom_posterior_rule_is_the_models_conjugate_posterior_of_every_matc
 
 
 def test_the_atom_posterior_rule_is_a_matched_method_and_needs_matching():
-    assert "match-atom-posterior" in available_methods() and "atom-posterior" not in available_methods()
+    assert "atom-posterior" in method_options("match")["rule"].values()
+    assert "atom-posterior" not in method_options("fusion")["rule"].values()
     assert FusionConfig(rule="atom-posterior", align="match").rule == "atom-posterior"
     with pytest.raises(ValueError, match="rule: 'atom-posterior' fuses matched units"):
         FusionConfig(rule="atom-posterior")
@@ -567,7 +571,7 @@ def test_pvi_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="rule: 'pvi' fuses matched units"):
         FusionConfig(rule="pvi")
     with pytest.raises(ValueError, match="pvi_damping: expected a number in"):
-        FusionConfig(rule="pvi", align="match", pvi_damping=0.0)
+        FusionConfig(rule="pvi", align="match", experimental=ExperimentalOptions(pvi_damping=0.0))
     ds = load_dataset("digits")
     parts = PartitionConfig(clients=2).split(ds.y_train.numpy(), seed=0)
     for bayesian in (BayesianConfig(prior_variance="empirical-bayes"), BayesianConfig(client="laplace")):
@@ -593,9 +597,10 @@ def test_where_the_matchers_empirical_bayes_starts_reaches_every_group_of_matche
     both = match_posteriors(clients, counts, spec, template=net, seed=0, starts="both")
     assert all(not r.starts for r in default.layer_results.values())
     assert all([s["start"] for s in r.starts] == ["small-noise", "even-split"] for r in both.layer_results.values())
-    assert FusionConfig().starts == "even-split" and FusionConfig(align="match", starts="both").starts == "both"
+    assert FusionConfig().starts == "even-split"
+    assert FusionConfig(align="match", experimental=ExperimentalOptions(starts="both")).starts == "both"
     with pytest.raises(ValueError, match="starts: expected one of"):
-        FusionConfig(align="match", starts="even")
+        FusionConfig(align="match", experimental=ExperimentalOptions(starts="even"))
 
 
 def test_the_matchers_device_reaches_every_group_of_matched_fusion():

@@ -115,10 +115,11 @@ def test_a_temperature_where_it_does_not_apply_is_refused():
     with pytest.raises(ValueError, match="fusion.temperature: .*weight-wise"):
         FusionFederation(ds, parts, network=NetworkConfig(hidden=(16,)), training=TrainingConfig(epochs=1),
                          bayesian=BayesianConfig(), fusion=FusionConfig(align="match", temperature="fit"), seed=0)
-    with pytest.raises(ValueError, match="fusion.temperature: .*without a match-<rule> row"):
+    with pytest.raises(ValueError, match="fusion.temperature: .*without a match row of fused heads"):
         run_experiment(ds, partition=PartitionConfig(clients=3), network=NetworkConfig(hidden=(16,)),
                        fusion=FusionConfig(align="match", temperature="fit"),
-                       config=ExperimentConfig(methods=("pfnm", "conflation", "match-conflation-pooled"), seed=0))
+                       config=ExperimentConfig(methods=("pfnm", "fusion:rule=conflation",
+                                                        "match:rule=conflation:heads=pooled"), seed=0))
     client = BayesianClient(mlp(4, [3], 1), only_linear_weights(), likelihood=Gaussian(scale=1.0))
     with pytest.raises(ValueError, match="client: expected a classifier"):
         tempered(client, 0.5)
@@ -129,8 +130,8 @@ def test_an_experiments_weight_wise_rows_keep_their_own_predictive(capsys):
     and bnpfed fuse takes --temperature (refused where it does not apply)."""
     ds = load_dataset("digits")
     kwargs = dict(partition=PartitionConfig(clients=3), network=NetworkConfig(hidden=(16,)),
-                  training=TrainingConfig(epochs=1), config=ExperimentConfig(methods=("conflation",
-                                                                                     "match-conflation"), seed=0))
+                  training=TrainingConfig(epochs=1), config=ExperimentConfig(methods=("fusion:rule=conflation",
+                                                                                     "match:rule=conflation"), seed=0))
     plain = {r.method: r for r in run_experiment(ds, fusion=FusionConfig(align="match", own_init=True),
                                                  **kwargs).rows}
     fitted = {r.method: r for r in run_experiment(ds, fusion=FusionConfig(align="match", own_init=True,

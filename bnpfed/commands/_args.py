@@ -22,11 +22,11 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import re
 import sys
 import textwrap
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Collection, Mapping, Optional
@@ -37,20 +37,20 @@ from torch import Tensor
 from bnpfed.data import (CIFAR10_JPEG, DATASET_NAMES, NPZ_FORMAT, NPZ_PREFIX, Dataset, load_dataset,
                          standardize_together)
 from bnpfed.clients import TrainingDiverged
-from bnpfed.clients import AUGMENTATIONS
+from bnpfed.experimental import keyed
 from bnpfed.matching import SizeLimitError
-from bnpfed.clients import OPTIMIZERS
 from bnpfed.report import plural
-from bnpfed.federated import PARTITION_ALIASES, PARTITIONS, PartitionConfig, TrainingConfig
+from bnpfed.federated import PartitionConfig
 
 __all__ = [
+    "HelpAll",
     "HelpFormatter",
     "TRAINING_ERRORS",
     "UsageError",
     "add_data_arguments",
+    "add_help_all",
     "add_output_arguments",
-    "add_partition_arguments",
-    "add_training_arguments",
+    "briefly",
     "check_output_path",
     "check_partition",
     "check_threads",
@@ -59,6 +59,8 @@ __all__ = [
     "examples",
     "fail",
     "flag_message",
+    "hidden",
+    "notices",
     "floats",
     "ints",
     "load_data",
@@ -70,8 +72,7 @@ __all__ = [
     "positive_float",
     "positive_int",
     "training_failure",
-    "partition_config",
-    "training_config",
+
     "warn",
 ]
 
@@ -102,7 +103,7 @@ def flag_message(error: Exception, *, aliases: Optional[Mapping[str, str]] = Non
     """The message of a config error ``"<field>: ..."`` with the field named as its flag, ``--<field with - for
     _>`` (or ``aliases[field]``). Only ``fields`` and the aliases are fields when ``fields`` is given; any other
     message gets ``default`` in front, when given."""
-    message = one_line(error)
+    message = keyed(one_line(error))   # a probe as --experimental spells it
     aliases = dict(aliases or {})
     match = _FIELD.match(message)
     if match and (fields is None or match.group(1) in fields or match.group(1) in aliases):
@@ -185,6 +186,42 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
                 or not action.option_strings):
             return text
         return f"{text} (default: {_shown(default)})".replace("%", "%%").replace("%%(", "%(")
+
+
+def hidden(action: argparse.Action) -> argparse.Action:
+    """Leave ``action`` out of the default ``--help``; ``--help-all`` shows it."""
+    action.full_help = action.help
+    action.help = argparse.SUPPRESS
+    return action
+
+
+def briefly(action: argparse.Action, short: str) -> argparse.Action:
+    """Show ``short`` as ``action``'s help in the default ``--help``; ``--help-all`` shows its whole help."""
+    action.full_help = action.help
+    action.help = short
+    return action
+
+
+class HelpAll(argparse.Action):
+    """``--help-all``: the help with every flag (those :func:`hidden` left out of ``--help`` too), then exit."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        for action in parser._actions:
+            if getattr(action, "full_help", None) is not None:
+                action.help = action.full_help
+        for group in parser._action_groups:
+            if getattr(group, "full_description", None) is not None:
+                group.description = group.full_description
+        parser.print_help()
+        parser.exit()
+
+
+def add_help_all(parser) -> None:
+    parser.add_argument("--help-all", action=HelpAll,
+                        help="show every option, with those this help leaves out, and exit")
 
 
 def help_width() -> int:
@@ -281,72 +318,23 @@ def names(value: str) -> tuple[str, ...]:
 def add_data_arguments(parser, *, standardize: Optional[bool], standardize_help: str) -> None:
     """``--dataset``, ``--data-dir``, ``--download``, ``--standardize/--no-standardize``."""
     g = parser.add_argument_group("data")
-    g.add_argument("--dataset", type=dataset_name, default="digits", metavar="NAME",
-                   help=f"{', '.join(DATASET_NAMES)} or {NPZ_PREFIX}PATH. digits (scikit-learn's 8x8 digits) needs "
-                   f"no files; mnist, fashion-mnist and cifar10 are read with torchvision from --data-dir; cifar10 "
-                   f"from {CIFAR10_JPEG} (a JPEG copy: decoded once, and said so on stderr) in --data-dir when "
-                   f"torchvision's pickles are not there; {NPZ_PREFIX}PATH is {NPZ_FORMAT}")
+    briefly(g.add_argument(
+        "--dataset", type=dataset_name, default="digits", metavar="NAME",
+        help=f"{', '.join(DATASET_NAMES)} or {NPZ_PREFIX}PATH. digits (scikit-learn's 8x8 digits) needs no files; "
+        f"mnist, fashion-mnist and cifar10 are read with torchvision from --data-dir; cifar10 from {CIFAR10_JPEG} "
+        f"(a JPEG copy: decoded once, and said so on stderr) in --data-dir when torchvision's pickles are not there; "
+        f"{NPZ_PREFIX}PATH is {NPZ_FORMAT}"),
+        f"{', '.join(DATASET_NAMES)} (bundled digits; the others read from --data-dir) or {NPZ_PREFIX}PATH (an .npz "
+        "file of the splits)")
     g.add_argument("--data-dir", metavar="DIR", help="torchvision's root folder for mnist / fashion-mnist / cifar10 "
                    f"(required for those; for cifar10 also the folder of {CIFAR10_JPEG})")
-    g.add_argument("--download", action="store_true", help="let torchvision download missing files into --data-dir")
+    hidden(g.add_argument("--download", action="store_true",
+                          help="let torchvision download missing files into --data-dir"))
     g.add_argument("--standardize", action=argparse.BooleanOptionalAction, default=standardize,
                    help=standardize_help)
-    g.add_argument("--num-classes", type=int, metavar="C",
-                   help=f"{NPZ_PREFIX}PATH only: the number of classes when some have no example in the file "
-                   "(default: the largest label + 1, every class with an example)")
-
-
-def add_partition_arguments(parser, *, clients_help: str, many_clients: bool) -> None:
-    """``--clients``, ``--partition``, ``--alpha``, ``--min-size`` (:class:`PartitionConfig`)."""
-    d = PartitionConfig()
-    g = parser.add_argument_group("clients and partition")
-    if many_clients:
-        g.add_argument("--clients", type=ints, default=(d.clients,), metavar="J[,J...]", help=clients_help)
-    else:
-        g.add_argument("--clients", type=int, default=d.clients, metavar="J", help=clients_help)
-    g.add_argument("--partition", choices=PARTITIONS + tuple(PARTITION_ALIASES), default=d.partition,
-                   metavar="{" + ",".join(PARTITIONS) + "}",
-                   help="iid: shuffle and cut into J near-equal parts; dirichlet: label-Dirichlet(--alpha) shares "
-                   f"per client (aliases: {', '.join(f'{k}={v}' for k, v in PARTITION_ALIASES.items())})")
-    g.add_argument("--alpha", type=float, metavar="ALPHA", default=d.alpha,
-                   help="Dirichlet concentration of --partition dirichlet; small: few classes per client")
-    g.add_argument("--min-size", type=int, metavar="N", default=d.min_size,
-                   help="fewest examples a client may hold (--partition dirichlet redraws until it holds)")
-
-
-DEVICE_HELP = ("where the clients train: cpu, or cuda[:N] when torch sees one (the networks come back to the CPU, "
-               "where the server matches them; numbers differ from the CPU's in the last digits)")
-
-
-def add_training_arguments(parser, defaults: TrainingConfig, *, epochs_aliases=(), what: str,
-                           device: str = DEVICE_HELP) -> None:
-    """The fields of :class:`TrainingConfig` under the same flags in every command: ``--epochs``, ``--batch-size``,
-    ``--lr``, ``--weight-decay``, ``--amsgrad``, ``--optimizer``, ``--momentum``, ``--augment``, ``--round-epochs``,
-    ``--lr-decay``, ``--device`` (its help ``device``: what the device means to the command)."""
-    g = parser.add_argument_group("local training", f"Adam (or SGD) on mini-batches; {what}")
-    g.add_argument("--epochs", *epochs_aliases, dest="epochs", type=int, metavar="E", default=defaults.epochs,
-                   help="local epochs of round 1 (and of every round unless --round-epochs)")
-    g.add_argument("--batch-size", type=int, metavar="N", default=defaults.batch_size, help="mini-batch size")
-    g.add_argument("--lr", type=float, default=defaults.lr, help="the learning rate")
-    g.add_argument("--weight-decay", type=float, metavar="L2", default=defaults.weight_decay, help="L2 strength, >= 0")
-    g.add_argument("--amsgrad", action=argparse.BooleanOptionalAction, default=None,
-                   help="the AMSGrad variant of Adam (default: " + ("on with --optimizer adam, off with sgd"
-                                                                    if defaults.amsgrad else "off") + ")")
-    g.add_argument("--optimizer", choices=OPTIMIZERS, default=defaults.optimizer,
-                   help="the deterministic clients' optimiser: adam or sgd (NIID-Bench's FedAvg: sgd, --lr 0.01, "
-                   "--momentum 0.9); the variational clients' SVI runs adam only")
-    g.add_argument("--momentum", type=float, metavar="M", default=defaults.momentum,
-                   help="--optimizer sgd: its momentum, in [0, 1) (default: none)")
-    g.add_argument("--augment", choices=AUGMENTATIONS, default=defaults.augment,
-                   help="each mini-batch's images through a random transform: crop (reflect-pad 4 pixels, crop back "
-                   "to size) or crop-flip (and a left-right flip half the time: CIFAR-10's, NIID-Bench's); images "
-                   "only (default: none)")
-    g.add_argument("--round-epochs", type=int, metavar="E", default=defaults.round_epochs,
-                   help="local epochs of rounds 2, 3, ..." + ("" if defaults.round_epochs is not None
-                                                             else " (default: --epochs)"))
-    g.add_argument("--lr-decay", type=float, metavar="FACTOR", default=defaults.lr_decay,
-                   help="learning-rate factor per round, in (0, 1]: round r trains at lr * lr_decay^(r - 1)")
-    g.add_argument("--device", default=defaults.device, metavar="DEVICE", help=device)
+    hidden(g.add_argument("--num-classes", type=int, metavar="C",
+                          help=f"{NPZ_PREFIX}PATH only: the number of classes when some have no example in the file "
+                          "(default: the largest label + 1, every class with an example)"))
 
 
 def add_output_arguments(parser, *, threads: Optional[int], json_help: str, plot_help: str):
@@ -357,39 +345,14 @@ def add_output_arguments(parser, *, threads: Optional[int], json_help: str, plot
                    "sampling), >= 0")
     g.add_argument("--json", metavar="PATH", help=json_help)
     g.add_argument("--plot", metavar="PATH", help=plot_help)
-    g.add_argument("--no-progress", action="store_true", help="no progress bar or per-round lines on stderr")
-    g.add_argument("--threads", type=int, metavar="N", default=threads,
-                   help="torch CPU threads, >= 1" + (" (default: torch's choice)" if threads is None else
-                                                     "; the clients' small networks train fastest on one"))
+    hidden(g.add_argument("--no-progress", action="store_true", help="no progress bar or per-round lines on stderr"))
+    hidden(g.add_argument("--threads", type=int, metavar="N", default=threads,
+                          help="torch CPU threads, >= 1" + (" (default: torch's choice)" if threads is None else
+                                                            "; the clients' small networks train fastest on one")))
     return g
 
 
 # ------------------------------------------------------------------------------------------------ checks
-
-
-def partition_config(args, clients: int) -> PartitionConfig:
-    return PartitionConfig(clients=clients, partition=args.partition, alpha=args.alpha, min_size=args.min_size)
-
-
-def hidden_widths(args, default: tuple) -> tuple:
-    """``--hidden`` (None when not given: ``default``); an error with any ``--arch`` but mlp, whose widths it is."""
-    if args.hidden is None:
-        return tuple(default)
-    if args.arch != "mlp":
-        raise UsageError(f"--hidden: expected only with --arch mlp (the widths of {args.arch} are fixed), got --arch "
-                         f"{args.arch}")
-    return args.hidden
-
-
-def training_config(args, defaults: TrainingConfig) -> TrainingConfig:
-    """The command's :class:`TrainingConfig`; ``--amsgrad`` not given is ``defaults.amsgrad`` with Adam and off with
-    SGD (AMSGrad is a variant of Adam: a default of the command's Adam schedule does not refuse ``--optimizer sgd``;
-    ``--amsgrad`` given with it does)."""
-    amsgrad = args.amsgrad if args.amsgrad is not None else defaults.amsgrad_for(args.optimizer)
-    return TrainingConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
-                          weight_decay=args.weight_decay, amsgrad=amsgrad, round_epochs=args.round_epochs,
-                          lr_decay=args.lr_decay, device=args.device, optimizer=args.optimizer,
-                          momentum=args.momentum, augment=args.augment)
 
 
 def check_partition(partition: PartitionConfig, dataset: Dataset, seed: int) -> None:
@@ -400,6 +363,21 @@ def check_partition(partition: PartitionConfig, dataset: Dataset, seed: int) -> 
         partition.split(dataset.y_train.numpy(), seed)
     except RuntimeError as error:
         raise UsageError(f"--min-size: {one_line(error)} (--min-size, --alpha)") from None
+
+
+@contextmanager
+def notices(prog: str):
+    """The ``DeprecationWarning`` s bnpfed raises in the block (an old method name, an old run-config key) as
+    one-line notices ``prog: note: ...`` on stderr, where a user of the command sees them (Python hides them from
+    a command by default)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", DeprecationWarning)
+        try:
+            yield
+        finally:   # said before an error the block raises, too
+            for message in dict.fromkeys(str(w.message) for w in caught
+                                         if issubclass(w.category, DeprecationWarning)):
+                print(f"{prog}: note: {one_line(message, 600)}", file=sys.stderr)
 
 
 @contextmanager
@@ -509,24 +487,3 @@ def load_data_and_ood(args, *, standardize: bool) -> tuple[Dataset, Optional[Ten
         return dataset, other.x_test
     dataset, (ood,) = standardize_together(dataset, other.x_test)
     return dataset, ood
-
-
-def pool_temperature(value: str):
-    """argparse type of ``--pool-temperature``: a number > 0 or ``fit`` (chosen by the clients' data)."""
-    word = value.strip().lower()
-    if word == "fit":
-        return "fit"
-    try:
-        number = float(word)
-    except ValueError:
-        number = math.nan
-    if not math.isfinite(number) or number <= 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0 or 'fit', got {value!r}")
-    return number
-
-
-#: ``--pool-temperature``'s help, shared by bnpfed pfnm and bnpfed fuse.
-POOL_TEMPERATURE_HELP = ("the temperature of the pooled heads' pool (the -pooled rows): a number > 0 (default 1) or "
-                         "fit (every client scores the pooled network on its own training data at 61 temperatures "
-                         "from 0.05 to 5, the least summed negative log-likelihood wins; under label skew the pool "
-                         "at 1 is under-confident, benchmarks/README.md)")

@@ -8,6 +8,7 @@ Examples::
 
     bnpfed flower --help                                   # how to start a SuperLink, SuperNodes and a run
     bnpfed flower keys                                     # every run config key and its default
+    bnpfed flower keys --toml                              # the [tool.flwr.app.config] table of an app
     bnpfed flower sim --supernodes 3 --run-config 'method="fusion" rule="gaa" rounds=3'
     bnpfed flower sim --local --run-config 'method="pfnm" rounds=2 hidden="50"' --json out.json
     bnpfed flower sim --local --run-config 'method="fusion" align="match" rule="eaa" rounds=2'
@@ -21,7 +22,7 @@ import os
 import re
 import sys
 
-from bnpfed.commands._args import positive_float, positive_int
+from bnpfed.commands._args import notices, positive_float, positive_int
 from bnpfed.report import command_record, format_table, write_json
 
 LOOPBACK = """\
@@ -125,8 +126,12 @@ def add_parser(sub):
     sim.add_argument("--local", action="store_true", help="in-process grid instead of Ray (quick, for debugging)")
     sim.add_argument("--cpus-per-client", type=positive_float, default=1.0, help="Ray CPUs per virtual SuperNode")
     sim.add_argument("--json", metavar="PATH", help="write the per-round record as JSON")
-    actions.add_parser("keys", help="list every run config key with its default",
-                       description="Every key of [tool.flwr.app.config] / --run-config with its default.")
+    keys = actions.add_parser("keys", help="list every run config key with its default",
+                              description="Every key of [tool.flwr.app.config] / --run-config with its default, "
+                              "generated from the config dataclasses.")
+    keys.add_argument("--toml", action="store_true",
+                      help="print the [tool.flwr.app.config] table of an app instead (every key, its default and "
+                      "its help as a comment): what examples/flower_app/pyproject.toml holds")
     p.set_defaults(func=run, flower_parser=p)
 
 
@@ -139,7 +144,7 @@ def run(args) -> int:
     except ImportError as error:
         return _fail(str(error))
     if args.flower_action == "keys":
-        return _keys(flower_config)
+        return _keys(flower_config, args.toml)
     return _sim(args, flower_config)
 
 
@@ -149,8 +154,9 @@ def _fail(message: str, status: int = 2) -> int:
     return status
 
 
-def _keys(flower_config) -> int:
-    print(format_table(flower_config.describe_keys()))
+def _keys(flower_config, toml: bool = False) -> int:
+    print(flower_config.app_config_toml() if toml else format_table(flower_config.describe_keys()),
+          end="" if toml else "\n")
     return 0
 
 
@@ -188,7 +194,8 @@ def _sim(args, flower_config) -> int:
     # every key and value is checked before anything starts (Ray, the grid)
     try:
         config = _run_config(args.run_config)
-        settings = flower_config.parse_run_config(config)
+        with notices("bnpfed flower"):   # a run-config key of bnpfed 0.1 says its new form
+            settings = flower_config.parse_run_config(config)
     except ValueError as error:
         return _fail(f"--run-config: {error}")
     if settings.run.min_nodes > args.supernodes:

@@ -28,14 +28,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from bnpfed.commands import _args
+from bnpfed.commands import _args, _options
 from bnpfed.commands._args import HelpFormatter, UsageError, fail, flag_message
-from bnpfed.commands.pfnm import hyper_values, max_params, max_widths
 from bnpfed.federated import initial_network
 from bnpfed.combine import available_rules
-from bnpfed.federated import ARCHITECTURES, FusionConfig, NetworkConfig, PFNMConfig, config_dict
+from bnpfed.federated import ARCHITECTURES, HEADS, FusionConfig, NetworkConfig, PFNMConfig, config_dict
 from bnpfed.clients import LaplaceClient
-from bnpfed.matching import MATCH_ON, MIN_VARIANCE
+from bnpfed.matching import MIN_VARIANCE
+from bnpfed.validation import check_choice
 from bnpfed.metrics import count_parameters
 from bnpfed.report import command_record, command_results, format_table, write_json
 from bnpfed.saved import FORMAT, global_from_record, load_torch_file, save_global
@@ -44,7 +44,6 @@ PROG = "bnpfed match"
 
 
 def add_parser(sub):
-    d = PFNMConfig()
     p = sub.add_parser(
         "match", help="match pre-trained local networks (files) into one global network file",
         description=_args.paragraphs(
@@ -54,6 +53,7 @@ def add_parser(sub):
             "global network with its spec, widths per group, hyper-parameters and class shares to --out "
             "(bnpfed.load_global(path) reads it back). The files hold pickles: match only models you trust."),
         epilog=_args.examples(__doc__), formatter_class=HelpFormatter)
+    _args.add_help_all(p)
     p.add_argument("models", nargs="+", metavar="MODEL", help="the clients' model files, one per client (J >= 2)")
     p.add_argument("--out", required=True, metavar="PATH", help="where to write the global network (.pt)")
     g = p.add_argument_group("the networks")
@@ -76,32 +76,23 @@ def add_parser(sub):
     g.add_argument("--show-spec", action="store_true", help="print the derived permutation spec")
     g = p.add_argument_group("matching", "as bnpfed pfnm; with --posteriors --align match the same but --sigma2 "
                              "(--tau2 instead)")
-    g.add_argument("--sigma2", type=hyper_values, metavar="S[,S...]",
-                   help="local noise variance (default: estimated per group, empirical Bayes; not with --posteriors)")
-    g.add_argument("--sigma0-2", type=hyper_values, metavar="S[,S...]", help="prior variance of the global units")
-    g.add_argument("--gamma0", type=hyper_values, metavar="G[,G...]", help="IBP mass")
-    g.add_argument("--hyperparameters", choices=("empirical-bayes", "fixed"), default=d.hyperparameters,
-                   help="empirical-bayes: estimate what is not given; fixed: those not given are 1")
-    g.add_argument("--sweeps", type=int, metavar="N", help="at most this many sweeps per group")
-    g.add_argument("--max-width", type=max_widths, metavar="W[,W...]",
-                   help="the most global units per group (one, or one per group, 'none' for no limit there), met "
-                   "inside the model by lowering the group's IBP mass (not with --posteriors)")
-    g.add_argument("--max-params", type=max_params, metavar="N|ensemble",
-                   help="the most parameters of the global network, or 'ensemble' (no more than the clients' networks "
-                   "together), met by pricing every parameter in the prior (not with --posteriors)")
-    g.add_argument("--heads", choices=("fused", "pooled"), default="fused",
-                   help="the global network's output layer: fused (default; PFNM's class-share average of the "
-                   "clients' output layers) or pooled (every client's own output layer on the global units its units "
-                   "were matched to, log-probabilities pooled with the class shares: "
-                   "bnpfed.matching.pooled_network; J output layers instead of one, far better under label skew, "
-                   "benchmarks/README.md); with --posteriors (--align match) the clients' own posterior output "
-                   "layers, pooled inside every weight draw (bnpfed.matching.PooledPosterior)")
+    names = ("sigma2", "sigma0_2", "gamma0", "hyperparameters", "sweeps", "max_width", "max_params", "heads",
+             "matcher_device")
+    _options.add_config_options(p, PFNMConfig, PFNMConfig(), group=g, only=names, show=names, helps={
+        "sigma2": "the local noise variance, > 0: one value, or one per group ('auto' for a group estimated); not "
+                  "with --posteriors",
+        "max_width": "the most global units per group (one, or one per group, 'none' for no limit there), met "
+                     "inside the model by lowering the group's IBP mass; not with --posteriors",
+        "max_params": "the most parameters of the global network, or 'ensemble' (no more than the clients' networks "
+                      "together), met by pricing every parameter in the prior; not with --posteriors",
+        "heads": "the global network's output layer: fused (PFNM's class-share average of the clients' output "
+                 "layers) or pooled (every client's own output layer on the global units its units were matched to, "
+                 "log-probabilities pooled with the class shares: bnpfed.matching.pooled_network; J output layers "
+                 "instead of one, for label skew); with --posteriors (--align match) the clients' own posterior "
+                 "output layers, pooled inside every weight draw (bnpfed.matching.PooledPosterior)"},
+        defaults={"max_params": "none (the model's own size)"})
     g.add_argument("--seed", type=int, default=0, help="seed of the sweeps' client order (and of the pooling rule's "
                    "draws), >= 0")
-    g.add_argument("--matcher-device", metavar="DEVICE",
-                   help="where the matcher computes its cross products: cuda[:N] when torch sees one, or cpu (torch "
-                   "there); default: its numpy path on the CPU")
-    fusion = FusionConfig()
     g = p.add_argument_group("posterior fusion (--posteriors)", "the MODEL files are Bayesian clients (variational "
                              "BayesianClient or post-hoc LaplaceClient, all of one kind) saved by "
                              "bnpfed.save_global(path, client, method=...) or bnpfed fuse --save-global: their "
@@ -109,25 +100,17 @@ def add_parser(sub):
                              "Laplace global keeps the linearised predictive)")
     g.add_argument("--posteriors", action="store_true",
                    help="fuse the posteriors of saved Bayesian clients instead of matching deterministic networks")
-    g.add_argument("--rule", choices=available_rules(),
-                   help=f"the fusion rule of bnpfed.combine (default: {fusion.rule})")
-    g.add_argument("--align", choices=("match", "none"),
-                   help="match (default): match the clients' hidden units (Beta-Bernoulli model, on what --match-on "
-                   "says) and fuse every global unit's members; none: fuse weight i of every client with weight i of "
-                   "the others (clients of one shared initialisation and one width only)")
-    g.add_argument("--tau2", type=hyper_values, metavar="V[,V...]",
-                   help="--align match: the extra variance between two clients' copies of a unit, > 0 (with "
-                   "--match-on means the noise variance sigma2 of PFNM's model; default: estimated per group)")
-    g.add_argument("--match-on", choices=("auto",) + MATCH_ON,
-                   help="--align match: what the assignment is computed from: posteriors (the heteroscedastic "
-                   "model on the posterior means and variances), means (PFNM's model on the posterior means alone) "
-                   "or auto (default: means for Laplace clients, posteriors for variational ones; "
-                   "FusionConfig.match_on)")
-    g.add_argument("--pooling-samples", type=int, metavar="N",
-                   help=f"N of the pooling rule (default: {fusion.pooling_samples})")
-    g.add_argument("--min-variance", type=float, metavar="V",
-                   help=f"floor on every fused variance, > 0 (default: {MIN_VARIANCE:g} with --align match, "
-                   f"{fusion.min_variance:g} with --align none)")
+    names = ("rule", "align", "tau2", "match_on", "pooling_samples", "min_variance")
+    _options.add_config_options(p, FusionConfig, FusionConfig(), group=g, only=names, show=names, helps={
+        "rule": f"the fusion rule of bnpfed.combine, one of {', '.join(available_rules())} (or a registered one)",
+        "align": "match: match the clients' hidden units (Beta-Bernoulli model, on what --match-on says) and fuse "
+                 "every global unit's members; none: fuse weight i of every client with weight i of the others "
+                 "(clients of one shared initialisation and one width only)",
+        "tau2": "--align match: the extra variance between two clients' copies of a unit, > 0 (with --match-on "
+                "means the noise variance sigma2 of PFNM's model)",
+        "min_variance": "a floor on every fused variance, > 0"},
+        defaults={"align": "match", "min_variance": f"{MIN_VARIANCE:g} with --align match, "
+                                                    f"{FusionConfig().min_variance:g} with --align none"})
     g.add_argument("--json", metavar="PATH", help="also write the widths and hyper-parameters as JSON")
     p.set_defaults(func=run)
 
@@ -297,6 +280,7 @@ def prepare(args) -> dict:
         raise UsageError(f"MODEL: expected at least two clients' models, got {len(args.models)}")
     if args.seed < 0:
         raise UsageError(f"--seed: expected an integer >= 0, got {args.seed}")
+    args.heads = check_choice(args.heads or "fused", HEADS, "heads")
     if args.posteriors and args.heads != "fused" and args.align == "none":
         raise UsageError(f"--heads {args.heads}: the clients' own heads on the units theirs were matched to; expected "
                          "--align match with --posteriors (weight-by-weight fusion matches nothing)")
@@ -343,15 +327,9 @@ def prepare(args) -> dict:
     if counts is None:
         counts = estimate_class_shares(clients, spec)
     activity = _activity(args.activity, [c.state_dict() if isinstance(c, nn.Module) else c for c in clients], spec)
-    pfnm = PFNMConfig(sigma2=_one(args.sigma2), sigma0_2=_one(args.sigma0_2), gamma0=_one(args.gamma0),
-                      hyperparameters=args.hyperparameters, sweeps=args.sweeps, max_width=_one(args.max_width),
-                      max_params=args.max_params, matcher_device=args.matcher_device, heads=args.heads)
+    pfnm = _options.config_from_args(PFNMConfig, args, PFNMConfig(max_params=None))
     return dict(clients=clients, template=template, input_shape=input_shape, spec=spec, counts=counts,
                 counts_source=source, pfnm=pfnm, activity=activity)
-
-
-def _one(values):
-    return None if values is None else (values[0] if len(values) == 1 else values)
 
 
 def run(args) -> int:
@@ -447,7 +425,7 @@ def _read_bayesian(path: str):
 
 def prepare_posteriors(args) -> dict:
     """``--posteriors``: the saved Bayesian clients read and checked, the flags that do not apply refused."""
-    align = args.align or "match"
+    align = check_choice(args.align or "match", ("match", "none"), "align")
     for flag, value in (("--arch", args.arch), ("--module", args.module), ("--sigma2", args.sigma2)):
         if value is not None:
             why = ("the files hold whole Bayesian networks" if flag != "--sigma2" else
@@ -462,7 +440,7 @@ def prepare_posteriors(args) -> dict:
         if args.activity is not None:
             raise UsageError("--activity: expected only with --align match (--align none matches nothing, so no unit "
                              "is left out)")
-        if args.hyperparameters != PFNMConfig().hyperparameters:
+        if args.hyperparameters is not None:
             raise UsageError("--hyperparameters: expected only with --align match (--align none matches nothing)")
     clients = [_read_bayesian(path) for path in args.models]
     first = clients[0]
@@ -502,16 +480,18 @@ def prepare_posteriors(args) -> dict:
     if counts is None and align == "match":
         counts = estimate_class_shares(means, spec)
     activity = _activity(args.activity, [m.state_dict() for m in means], spec)
-    fusion = FusionConfig(rule=args.rule or FusionConfig().rule, weights="size",
-                          pooling_samples=FusionConfig().pooling_samples if args.pooling_samples is None
-                          else args.pooling_samples,
-                          min_variance=(MIN_VARIANCE if align == "match" else FusionConfig().min_variance)
-                          if args.min_variance is None else args.min_variance,
-                          align=align, tau2=_one(args.tau2), match_on=args.match_on or "auto")
+    floor = MIN_VARIANCE if align == "match" else FusionConfig().min_variance
+    fusion = _options.config_from_args(FusionConfig, args, FusionConfig(weights="size", min_variance=floor),
+                                       align=align)
+    check_choice(fusion.rule, available_rules(), "rule")   # a rule of bnpfed.combine (no atom-posterior, pvi)
     if align == "match" and not fusion.min_variance > 0:
         raise UsageError(f"--min-variance: expected a floor > 0 with --align match, got {args.min_variance}")
+    pfnm = _options.given(PFNMConfig, args)   # the matcher's settings (those that apply to posteriors)
     return dict(clients=clients, kind=kind, means=means, template=template, input_shape=input_shape, spec=spec,
-                counts=counts, counts_source=source, fusion=fusion, activity=activity)
+                counts=counts, counts_source=source, fusion=fusion, activity=activity,
+                matching=dict(sigma0_2=pfnm.get("sigma0_2"), gamma0=pfnm.get("gamma0"),
+                              hyperparameters=pfnm.get("hyperparameters", "empirical-bayes"),
+                              sweeps=pfnm.get("sweeps")))
 
 
 def _client_kind(client) -> str:
@@ -551,8 +531,7 @@ def run_posteriors(args, plan) -> int:
         try:
             match = match_posteriors(clients, counts, spec, rule=fusion.rule, sizes=sizes,
                                      input_shape=plan["input_shape"], template=plan["template"], tau2=fusion.tau2,
-                                     sigma0_2=_one(args.sigma0_2), gamma0=_one(args.gamma0),
-                                     hyperparameters=args.hyperparameters, sweeps=args.sweeps, seed=args.seed,
+                                     seed=args.seed, **plan["matching"],
                                      num_samples=fusion.pooling_samples, min_variance=fusion.min_variance,
                                      match_on=fusion.matches_on(plan["kind"]), activity=plan["activity"],
                                      device=args.matcher_device)

@@ -14,16 +14,17 @@ This is the folder's one public face: import from ``bnpfed.federated``; the file
 * the federations, round by round: :class:`PFNMFederation`, :class:`FusionFederation`, :class:`FedAvgFederation`,
   :class:`MatchedFusionFederation`;
 * the experiment harness: :func:`run_experiment` runs the registered comparison methods
-  (:func:`register_method`, :func:`available_methods`) on one partition and returns a table.
+  (:func:`register_method`, :func:`available_methods`; a method's options in its spec, ``match:rule=gaa``:
+  :func:`method_spec`) on one partition and returns a table.
 """
 
 from bnpfed.federated.partition import (TrainValidationSplit, class_counts, class_shares, partition_dirichlet,
                                         partition_homogeneous, train_validation_split)
 from bnpfed.federated.config import (ARCHITECTURES, CLIENT_KINDS, CLIENT_WEIGHTS, FIT, FUSION_TRAINING, HEADS,
-                                     INITIALISATIONS, LAPLACE_PRIORS, LATER_ROUNDS, PAPER_MIN_VARIANCE, PARTITION_ALIASES,
-                                     PARTITIONS, PFNM_NETWORK, PFNM_TRAINING, PRIOR_VARIANCES, PRIORS, PVI_DAMPING,
-                                     ROUND_PRIORS, BayesianConfig, FusionConfig, LocalSchedule, NetworkConfig,
-                                     PartitionConfig, PFNMConfig, TrainingConfig, config_dict)
+                                     INITIALISATIONS, LAPLACE_PRIORS, LATER_ROUNDS, PAPER_MIN_VARIANCE,
+                                     PARTITION_ALIASES, PARTITIONS, PFNM_NETWORK, PFNM_TRAINING, PRIOR_VARIANCES,
+                                     PRIORS, PVI_DAMPING, ROUND_PRIORS, BayesianConfig, FusionConfig, LocalSchedule,
+                                     NetworkConfig, PartitionConfig, PFNMConfig, TrainingConfig, config_dict)
 from bnpfed.federated.clients import (batch_norm_moments_step, bayesian_client, build_network, fit_bayesian,
                                       initial_network, pool_nll_step, pooled_posterior_nll_step, posterior_client,
                                       posterior_nll_step, start_round_prior_, train_network, unit_activity_step)
@@ -35,7 +36,8 @@ from bnpfed.federated.fusion import FUSION_ARCHITECTURES, FedAvgFederation, Fusi
 from bnpfed.federated.matched_fusion import (MatchedFusionFederation, bayesian_from_match, client_from_slice,
                                              pvi_factors, tempered)
 from bnpfed.federated.pfnm import PFNMFederation
-from bnpfed.federated.methods import ExperimentConfig, available_methods, register_method, run_experiment
+from bnpfed.federated.methods import (ExperimentConfig, MethodOption, MethodSpec, available_methods, check_methods,
+                                      method_options, method_spec, register_method, run_experiment)
 
 __all__ = [
     # partitions
@@ -60,5 +62,6 @@ __all__ = [
     "FUSION_ARCHITECTURES", "check_fusion_network", "FedAvgFederation", "FusionFederation",
     "MatchedFusionFederation", "PFNMFederation",
     # experiments
-    "available_methods", "register_method", "run_experiment",
+    "available_methods", "check_methods", "method_options", "method_spec", "MethodOption", "MethodSpec",
+    "register_method", "run_experiment",
 ]

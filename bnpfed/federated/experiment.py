@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields, replace
-from typing import Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 import torch
@@ -32,18 +32,19 @@ from bnpfed.federated.config import (BayesianConfig, FusionConfig, NetworkConfig
 from bnpfed.federated.federation import EVAL_CHUNK, Federation, reestimate_statistics
 from bnpfed.federated.operating_point import NOISE_FACTORS, check_noise_to_scale, select_operating_point
 from bnpfed.federated.partition import class_counts, holdout_split
-from bnpfed.federated.registry import MATCH_PREFIX, POOLED_SUFFIX, available_methods
+from bnpfed.federated.registry import (MethodSpec, available_methods, method_options, method_spec,
+                                      resolve_options, row_name)
 from bnpfed.federated.results import MethodResult, Selection
 from bnpfed.federated.selection import select_hyperparameters
 from bnpfed.federated.server import clients_per_round, pfnm_step, with_statistics
 from bnpfed.matching import batch_norm_order
 from bnpfed.matching import SpecMatch, derive_spec
-from bnpfed.matching import matched_rules
 from bnpfed.metrics import classification_report, ece_noise_floor, expected_calibration_error, ood_auroc
 from bnpfed.report import plural
+from bnpfed.schema import documented, option
 from bnpfed.validation import check_choice, check_fraction, check_int, check_positives
 
-__all__ = ["Experiment", "ExperimentConfig", "HELD_OUT", "SELECTIONS", "network_widths"]
+__all__ = ["Experiment", "ExperimentConfig", "HELD_OUT", "SELECTIONS", "check_methods", "network_widths"]
 
 
 #: How PFNM's hyper-parameters are chosen (:attr:`ExperimentConfig.select`); those that hold each client's
@@ -52,51 +53,56 @@ SELECTIONS = ("none", "federated", "pooled-train", "operating-point")
 HELD_OUT = ("federated", "operating-point")
 
 
+def _selection_help() -> str:
+    return ('how PFNM\'s sigma2 / sigma0_2 / gamma0 are chosen. ``"none"``: as given (estimated where not given); '
+            '``"federated"`` (a grid of fixed values, the best one-shot accuracy on the clients\' held-out splits), '
+            '``"pooled-train"`` (that grid on all clients\' pooled training data, as the reference code does; a '
+            'federation does not have it) or ``"operating-point"`` (empirical Bayes, then the estimated sigma2 scaled '
+            'by each of ``noise_factors``, and the narrowest global network within ``tolerance`` paired standard '
+            'errors of the best on the clients\' held-out splits: :mod:`bnpfed.federated.operating_point`).')
+
+
+@documented
 @dataclass(frozen=True)
 class ExperimentConfig:
-    """The experiment around the federations (not sent to Flower).
+    """The experiment around the federations (not sent to Flower, whose run has ``rounds`` and ``seed`` of its own)."""
 
-    :param tuple methods: names from :func:`~bnpfed.federated.registry.available_methods`, run in this order.
-    :param int rounds: communication rounds of the multi-round methods, >= 1. Default 1.
-    :param int seed: the one seed every random step derives from (:mod:`bnpfed.seeding`), >= 0. Default 0.
-    :param str select: how PFNM's sigma2 / sigma0_2 / gamma0 are chosen: ``"none"`` (as given), ``"federated"``
-        (a grid of fixed values, the best on the clients' held-out splits), ``"pooled-train"`` (that grid on all
-        clients' pooled training data, as the reference code does; a federation does not have it) or
-        ``"operating-point"`` (empirical Bayes, then the estimated sigma2 scaled by each of ``noise_factors``; the
-        narrowest global network within ``tolerance`` paired standard errors of the best on the clients' held-out
-        splits: :mod:`bnpfed.federated.operating_point`). Default ``"none"``.
-    :param tuple grid_sigma2: candidates of ``"federated"`` and ``"pooled-train"`` (and ``grid_sigma0_2``,
-        ``grid_gamma0``); only with those.
-    :param tuple noise_factors: the factors of the estimated sigma2 under ``"operating-point"`` (each > 0, none 1:
-        the estimate itself is always a candidate); only with it.
-    :param float tolerance: the standard errors of ``"operating-point"``'s rule, >= 0; only with it. Default 1.
-    :param float holdout: share of each client's data held out for ``select="federated"`` or
-        ``"operating-point"``, in (0, 1); only with those (the clients then train on the rest).
-    :param int ece_bins: equal-width bins of the expected calibration error. Default 15.
-    :param int predictive_samples: weight draws S of a Bayesian posterior predictive. Default 10.
-    """
-
-    methods: tuple[str, ...] = ("local", "ensemble", "fedavg", "pfnm")
-    rounds: int = 1
-    seed: int = 0
-    select: str = "none"
-    grid_sigma2: tuple[float, ...] = (0.05, 0.1, 0.3, 1.0)
-    grid_sigma0_2: tuple[float, ...] = (1.0,)
-    grid_gamma0: tuple[float, ...] = (1e-3, 1.0)
-    noise_factors: tuple[float, ...] = NOISE_FACTORS
-    tolerance: float = 1.0
-    holdout: float = 0.1
-    ece_bins: int = 15
-    predictive_samples: int = 10
+    methods: tuple[str, ...] = option(("local", "ensemble", "fedavg", "pfnm"), metavar="M,M,...", key=False,
+                                      choices=available_methods, help=(
+        'the methods to run, in this order, each a name or a spec ``name:key=value`` whose options the registry '
+        'lists (:mod:`bnpfed.federated.registry`): e.g. ``pfnm``, ``pfnm:heads=pooled``, ``fusion:rule=gaa``, '
+        '``match:rule=conflation:heads=pooled``; one row each (a few methods give several).'))
+    rounds: int = option(1, metavar="T", key=False, help="communication rounds of the multi-round methods, >= 1.")
+    seed: int = option(0, metavar="SEED", cli=False, key=False, help=(
+        'the one seed every random step derives from (:mod:`bnpfed.seeding`), >= 0.'))
+    select: str = option("none", choices=SELECTIONS, key=False, help=_selection_help())
+    grid_sigma2: tuple[float, ...] = option((0.05, 0.1, 0.3, 1.0), metavar="S,S,...", shown=False, key=False, help=(
+        'the candidates of sigma2 under ``select="federated"`` or ``"pooled-train"`` only.'))
+    grid_sigma0_2: tuple[float, ...] = option((1.0,), metavar="S,S,...", shown=False, key=False, help=(
+        'the candidates of sigma0_2, as ``grid_sigma2``.'))
+    grid_gamma0: tuple[float, ...] = option((1e-3, 1.0), metavar="G,G,...", shown=False, key=False, help=(
+        'the candidates of gamma0, as ``grid_sigma2``.'))
+    noise_factors: tuple[float, ...] = option(NOISE_FACTORS, metavar="F,F,...", shown=False, key=False, help=(
+        'the factors of the estimated sigma2 under ``select="operating-point"`` only, each > 0 and none 1 (the '
+        'estimate itself is always a candidate).'))
+    tolerance: float = option(1.0, metavar="SE", shown=False, key=False, help=(
+        'the standard errors of ``select="operating-point"``\'s rule, >= 0 (0: the most accurate candidate); with '
+        'it only.'))
+    holdout: float = option(0.1, metavar="F", shown=False, key=False, help=(
+        'the share of each client\'s data held out for ``select="federated"`` or ``"operating-point"``, in (0, 1); '
+        'with those only (the clients then train on the rest).'))
+    ece_bins: int = option(15, metavar="BINS", shown=False, key=False, help=(
+        'equal-width bins of the expected calibration error.'))
+    predictive_samples: int = option(10, metavar="S", shown=False, key=False, help=(
+        'weight draws S of a Bayesian posterior predictive.'))
 
     def __post_init__(self):
         methods = self.methods
         if isinstance(methods, str) or not isinstance(methods, (tuple, list)) or not methods:
-            raise ValueError(f"methods: expected a non-empty sequence of names from {available_methods()}, got "
-                             f"{methods!r}")
-        object.__setattr__(self, "methods", tuple(methods))
-        for m in self.methods:
-            check_choice(m, available_methods(), "methods")
+            raise ValueError(f"methods: expected a non-empty sequence of method names or specs from "
+                             f"{available_methods()}, got {methods!r}")
+        specs = tuple(str(method_spec(m)) for m in methods)
+        object.__setattr__(self, "methods", specs)
         if len(set(self.methods)) != len(self.methods):
             raise ValueError(f"methods: expected each method at most once, got {list(self.methods)}")
         check_int(self.rounds, "rounds", low=1)
@@ -121,6 +127,36 @@ class ExperimentConfig:
                                  f"with select={self.select!r}")
         check_int(self.ece_bins, "ece_bins", low=1)
         check_int(self.predictive_samples, "predictive_samples", low=1)
+
+
+def check_methods(config: ExperimentConfig, configs: Mapping[str, Any]) -> list[MethodSpec]:
+    """``config.methods`` as specs, checked against the other configs of the experiment (``configs``: ``{"pfnm":
+    PFNMConfig, "fusion": FusionConfig, ...}``, each method's options resolved from them): no two specs give one row
+    (``pfnm`` with ``heads="pooled"`` configured and ``pfnm:heads=pooled``), a pool temperature other than 1 only
+    where some row pools its heads, the fused predictive's temperature only where a matched row fuses them. What
+    :class:`Experiment` checks before anything runs, and a command before it loads its data."""
+    pfnm, fusion = configs["pfnm"], configs["fusion"]
+    specs = [method_spec(m) for m in config.methods]
+    rows: dict[str, str] = {}
+    for spec in specs:   # two specs that give one row (pfnm with heads="pooled" configured, pfnm:heads=pooled)
+        row = row_name(spec, configs)
+        if row is not None and row in rows:
+            raise ValueError(f"methods: {rows[row]!r} and {str(spec)!r} both give the row {row!r}; expected one of "
+                             f"them")
+        if row is not None:
+            rows[row] = str(spec)
+
+    def heads(kind: str, reads: str) -> bool:   # some method's output layer of this kind, from this config
+        return any(value == kind and method_options(spec.name)[key].reads == reads
+                   for spec in specs for key, value in resolve_options(spec, configs).items() if key == "heads")
+
+    check_pool_temperature_applies(pfnm, pfnm.heads == "pooled" or heads("pooled", "pfnm"))
+    check_pool_temperature_applies(fusion, fusion.heads == "pooled" or heads("pooled", "fusion"))
+    if fusion.temperature != 1 and not heads("fused", "fusion"):
+        raise ValueError(f"fusion.temperature: the predictive temperature of matched fusion's fused output layer; "
+                         f"expected 1 without a match row of fused heads among the methods, got "
+                         f"{fusion.temperature!r}")
+    return specs
 
 
 # ------------------------------------------------------------------------------------------------ the experiment
@@ -170,23 +206,10 @@ class Experiment:
                                  f"shape), got {tuple(ood.shape)} {ood.dtype}")
         if config.select == "operating-point":
             check_noise_to_scale(pfnm)
-        pooled = [m for m in config.methods if isinstance(m, str) and m.endswith(POOLED_SUFFIX)]
-        for m in pooled:   # with pooled heads configured, m and m-pooled would be two rows of the same name
-            base = m[:-len(POOLED_SUFFIX)]
-            heads = fusion.heads if base.startswith(MATCH_PREFIX) else pfnm.heads
-            if base in config.methods and heads == "pooled" and base in ("pfnm", "fedma") + tuple(
-                    MATCH_PREFIX + r for r in matched_rules()):
-                raise ValueError(f"methods: with heads='pooled' configured, {base!r} already gives the row {m!r}; "
-                                 f"expected one of {base!r} and {m!r}")
-        check_pool_temperature_applies(pfnm, pfnm.heads == "pooled" or any(not m.startswith(MATCH_PREFIX)
-                                                                           for m in pooled))
-        check_pool_temperature_applies(fusion, fusion.heads == "pooled" or any(m.startswith(MATCH_PREFIX)
-                                                                               for m in pooled))
-        fused_matched = [m for m in config.methods if isinstance(m, str) and m.startswith(MATCH_PREFIX)
-                         and not m.endswith(POOLED_SUFFIX)]
-        if fusion.temperature != 1 and not fused_matched:
-            raise ValueError(f"fusion.temperature: the predictive temperature of matched fusion's fused output layer; "
-                             f"expected 1 without a match-<rule> row among the methods, got {fusion.temperature!r}")
+        configs = {"partition": partition, "network": network, "training": training, "pfnm": pfnm,
+                   "fusion": fusion, "bayesian": bayesian, "config": config}
+        self.specs = check_methods(config, configs)
+        self.configs = configs
         training.check_inputs(dataset.input_shape)
         self.ood = ood
         self.dataset, self.partition, self.network, self.training = dataset, partition, network, training

@@ -21,8 +21,8 @@ Round ``t = 1 .. T``:
 4. the global Bayesian network is evaluated: the Monte Carlo posterior predictive (softmax averaged over S weight
    draws from ``(seed, PREDICT, t)``), and the posterior-mean network's accuracy beside it. With
    ``FusionConfig(heads="pooled")`` the global network's output layer is the clients' own posterior output layers
-   pooled log-linearly with the class shares (:class:`~bnpfed.matching.PooledPosterior`; method
-   ``match-<rule>-pooled``) instead of their fusion.
+   pooled log-linearly with the class shares (:class:`~bnpfed.matching.PooledPosterior`; the method
+   ``match:rule=<rule>:heads=pooled``, rows ``match-<rule>-pooled``) instead of their fusion.
 
 The in-process federation and the Flower strategy call the same server step, so with every client answering they
 give the same global posterior.
@@ -160,7 +160,7 @@ class MatchedFusionFederation(HoldsRounds, Federation):
     :param TrainingConfig training: the clients' local SVI schedule.
     :param BayesianConfig bayesian: the round-1 prior, initial posterior scale, local reparameterisation.
     :param FusionConfig fusion: the rule, member weights, ``tau2``, pooling draws, variance floor, client sampling,
-        the output layer (``heads``: with ``"pooled"`` the method is ``match-<rule>-pooled``).
+        the output layer (``heads``: with ``"pooled"`` the federation's name is ``match-<rule>-pooled``).
     :param int seed: the experiment's seed.
     :param int ece_bins: bins of the calibration error. Default 15.
     :param int predictive_samples: weight draws S of the posterior predictive. Default 10.

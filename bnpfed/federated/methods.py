@@ -3,8 +3,9 @@ of :mod:`bnpfed.combine`.
 
 A runner takes the :class:`Experiment` (the data, its partition, the configs, and what several methods share:
 the clients' local models, PFNM's selected hyper-parameters) and returns one or more :class:`MethodResult` rows.
-Adding a method is one function and one :func:`register_method` line; every fusion rule registered with
-:func:`bnpfed.combine.register_rule` is a method too (posterior fusion with that rule).
+Adding a method is one function and one :func:`register_method` line (with the options it takes); every fusion rule
+registered with :func:`bnpfed.combine.register_rule` is an option of ``fusion`` and ``match`` too. A method's options
+are written ``name:key=value`` (:mod:`bnpfed.federated.registry`); those left out take the configs' values.
 
 Built-in methods (Yurochkin et al. 2019, section 4; Wang et al. 2020; Ozer et al. 2022), for any
 :class:`~bnpfed.federated.config.NetworkConfig` architecture (MLP, LeNet, FedMA's simple CNN with or without batch
@@ -18,28 +19,27 @@ match):
 * ``fedavg``: FedAvg from a shared initialisation over ``rounds`` rounds (one round: the one-shot baseline with a
   shared initialisation);
 * ``kmeans``: k-means over the pooled units of every group (layer, conv channels), at PFNM's global widths;
-* ``pfnm``: PFNM in one communication round, hyper-parameters chosen by ``select``;
-* ``pfnm-pooled``: the same match, its global network's output layer replaced by the clients' own output layers
+* ``pfnm``: PFNM in one communication round, hyper-parameters chosen by ``select``; ``pfnm:heads=pooled`` (row
+  ``pfnm-pooled``): the same match, its global network's output layer replaced by the clients' own output layers
   pooled log-linearly with class-share weights (:mod:`bnpfed.matching.pooled_heads`: what PFNM's averaged output
   layer loses under label skew; the same predictions as ``pfnm`` when every class's shares are equal); under a
   ``max_params`` budget a match that prices the J output layers;
-* ``pfnm-rounds``: PFNM with ``rounds`` communication rounds;
+* ``pfnm-rounds``: PFNM with ``rounds`` communication rounds (``heads`` as ``pfnm``'s);
 * ``fedma``: FedMA's layer-wise scheme in one round (Wang et al., ICLR 2020): match a layer, freeze it, let the
   clients retrain the layers above for ``pfnm.layerwise_retrain`` epochs (the schedule's epochs of a later round
-  when 0), match the next layer, ...;
-* ``fedma-pooled``: ``fedma`` with the clients' own output layers (as they retrained them before the last group was
-  matched) pooled log-linearly with class-share weights, as ``pfnm-pooled`` (its budget split holding them);
+  when 0), match the next layer, ...; ``fedma:heads=pooled``: with the clients' own output layers (as they retrained
+  them before the last group was matched) pooled, as ``pfnm``'s, its budget split holding them;
 * ``fedma-rounds``: FedMA with ``rounds`` communication rounds (each client starting a round from its slice);
-* each fusion rule (``eaa``, ``gaa``, ``log_variance``, ``pooling``, ``conflation``): variational Bayesian clients
-  whose posteriors the server fuses with that rule weight by weight, ``rounds`` rounds (from one shared
-  initialisation, or each from its own with ``fusion.own_init``);
-* ``match-<rule>`` for each rule: Bayesian clients from their own initialisations whose hidden units the server
-  matches (heteroscedastic Beta-Bernoulli model) before fusing each global unit's members with the rule, ``rounds``
-  rounds (:class:`~bnpfed.federated.matched_fusion.MatchedFusionFederation`);
-* ``match-<rule>-pooled`` for each rule: the same, with the clients' own posterior output layers pooled log-linearly
-  with class-share weights in place of the fused output layer (``FusionConfig(heads="pooled")``, which makes
-  ``match-<rule>`` pooled too,
-  :class:`~bnpfed.matching.PooledPosterior`), as ``pfnm-pooled`` does for PFNM;
+* ``fusion:rule=R`` for each fusion rule R (``eaa``, ``gaa``, ``log_variance``, ``pooling``, ``conflation``, or a
+  registered one; rows named by the rule): variational Bayesian clients whose posteriors the server fuses with that
+  rule weight by weight, ``rounds`` rounds (from one shared initialisation, or each from its own with
+  ``fusion.own_init``);
+* ``match:rule=R`` for each rule of matched fusion (rows ``match-R``): Bayesian clients from their own
+  initialisations whose hidden units the server matches (heteroscedastic Beta-Bernoulli model) before fusing each
+  global unit's members with the rule, ``rounds`` rounds (:class:`~bnpfed.federated.matched_fusion.
+  MatchedFusionFederation`); ``match:rule=R:heads=pooled`` (rows ``match-R-pooled``): the clients' own posterior
+  output layers pooled log-linearly with class-share weights in place of the fused output layer
+  (:class:`~bnpfed.matching.PooledPosterior`), as ``pfnm:heads=pooled`` does for PFNM;
 * ``ensemble-bayesian`` (its row is named ``ensemble``): the mean of those Bayesian clients' predictive
   distributions after round 1.
 * the fusion baselines of the literature since, one shot from the local networks
@@ -76,13 +76,15 @@ from bnpfed.combine import available_rules
 from bnpfed.data import Dataset
 from bnpfed.baselines import aligned_average, ensemble_proba, fedavg_network, kmeans_networks, reference_client
 from bnpfed.federated.clients import initial_network
-from bnpfed.federated.config import EB_DEFAULTS
-from bnpfed.federated.experiment import HELD_OUT, SELECTIONS, Experiment, ExperimentConfig, network_widths
+from bnpfed.federated.config import EB_DEFAULTS, HEADS
+from bnpfed.federated.experiment import (HELD_OUT, SELECTIONS, Experiment, ExperimentConfig, check_methods,
+                                         network_widths)
 from bnpfed.federated.fusion import FedAvgFederation, FusionFederation
 from bnpfed.federated.matched_fusion import MatchedFusionFederation, bayesian_from_match
 from bnpfed.federated.pfnm import PFNMFederation, temper_pool
-from bnpfed.federated.registry import (MATCH_PREFIX, POOLED_SUFFIX, Runner, available_methods, register_method,
-                                       registered_runner, unregister_method)
+from bnpfed.federated.registry import (MATCH_PREFIX, POOLED_SUFFIX, MethodOption, MethodSpec, Runner,
+                                       available_methods, method_options, method_spec, register_method, runner_of,
+                                       unregister_method)
 from bnpfed.federated.results import ExperimentResult, MethodResult, Selection
 from bnpfed.federated.selection import select_hyperparameters
 from bnpfed.federated.server import match_hyperparameters, pfnm_step
@@ -96,6 +98,8 @@ from bnpfed.seeding import Stream, derive_seed
 __all__ = [   # with the names that moved to experiment.py and registry.py, which keep working from here
     "HELD_OUT",
     "MATCH_PREFIX",
+    "MethodOption",
+    "MethodSpec",
     "POOLED_SUFFIX",
     "Runner",
     "SELECTIONS",
@@ -105,6 +109,9 @@ __all__ = [   # with the names that moved to experiment.py and registry.py, whic
     "MethodResult",
     "Selection",
     "available_methods",
+    "check_methods",
+    "method_options",
+    "method_spec",
     "register_method",
     "unregister_method",
     "network_widths",
@@ -113,21 +120,6 @@ __all__ = [   # with the names that moved to experiment.py and registry.py, whic
     "select_hyperparameters",
     "width_sweep",
 ]
-
-
-def _runner(name: str) -> Runner:
-    registered = registered_runner(name)
-    if registered is not None:
-        return registered
-    if name in available_rules():
-        return lambda experiment: _fusion(experiment, name)
-    if isinstance(name, str) and name.startswith(MATCH_PREFIX):
-        rule = name[len(MATCH_PREFIX):]
-        if rule in matched_rules():
-            return lambda experiment: _matched_fusion(experiment, rule)
-        if rule.endswith(POOLED_SUFFIX) and rule[:-len(POOLED_SUFFIX)] in matched_rules():
-            return lambda experiment: _matched_fusion(experiment, rule[:-len(POOLED_SUFFIX)], pooled=True)
-    raise ValueError(f"methods: expected names from {available_methods()}, got {name!r}")
 
 
 # ------------------------------------------------------------------------------------------------ runners
@@ -183,11 +175,14 @@ def _fedavg(experiment: Experiment) -> MethodResult:
     return row
 
 
-def _pfnm(experiment: Experiment) -> MethodResult:
-    if experiment.pfnm.heads == "pooled":   # the config asks for the pooled output layer: that row
+def _pfnm(experiment: Experiment, heads: str) -> MethodResult:
+    if heads == "pooled":   # the pooled output layer: that row
         return _pfnm_pooled(experiment)
     selection = experiment.selection()
     match = selection.match
+    if selection.config.heads == "pooled" and selection.config.parameter_limit is not None:
+        # the selection's match priced J output layers (the config's heads): this row carries one
+        match = experiment.one_shot_match(replace(selection.config, heads="fused", layerwise_retrain=0))
     net = match.network()
     experiment.keep("pfnm", net, match)
     if selection.by == "none":
@@ -252,8 +247,8 @@ def _pfnm_federation(experiment: Experiment, layerwise_retrain: int, heads: Opti
                           initial_models=experiment.local_models() if config.fraction >= 1 else None)
 
 
-def _pfnm_rounds(experiment: Experiment) -> MethodResult:
-    federation = _pfnm_federation(experiment, 0)
+def _pfnm_rounds(experiment: Experiment, heads: str) -> MethodResult:
+    federation = _pfnm_federation(experiment, 0, heads)
     start = "warm" if federation.pfnm.warm_start else "cold"
     pooled = f"; {_POOLED_NOTE}" if federation.pfnm.heads == "pooled" else ""
     row = experiment.federation_row(federation, experiment.config.rounds, note=f"{start}-started matching{pooled}")
@@ -281,20 +276,15 @@ def _fedma_federation(experiment: Experiment, rounds: int, name: str, heads: Opt
     return federation, row
 
 
-def _fedma(experiment: Experiment, rounds: int, name: str) -> MethodResult:
-    federation, row = _fedma_federation(experiment, rounds, name)
+def _fedma(experiment: Experiment, rounds: int, name: str, heads: str) -> MethodResult:
+    """FedMA's federation for ``rounds`` rounds, its output layer ``heads`` (pooled: the federation's own pooled
+    network at ``pfnm.pool_temperature``, its budget split holding the J heads)."""
+    federation, row = _fedma_federation(experiment, rounds, name, heads)
+    if federation.pfnm.heads == "pooled":
+        temperature = federation.history[-1].metrics["pool_temperature"]
+        if temperature != 1:
+            row.note += f", at temperature {temperature:.3g}"
     experiment.keep(federation.method, federation.global_network(), federation.match)
-    return row
-
-
-def _fedma_pooled(experiment: Experiment) -> MethodResult:
-    """FedMA's federation with its output layer pooled (its budget split holding the J heads); the row is the
-    federation's own pooled network at ``pfnm.pool_temperature``."""
-    federation, row = _fedma_federation(experiment, 1, "fedma-pooled", heads="pooled")
-    temperature = federation.history[-1].metrics["pool_temperature"]
-    if temperature != 1:
-        row.note += f", at temperature {temperature:.3g}"
-    experiment.keep("fedma-pooled", federation.global_network(), federation.match)
     return row
 
 
@@ -373,8 +363,7 @@ def _bayesian_ensemble(experiment: Experiment) -> MethodResult:
         note="mean of the Bayesian clients' predictive distributions")
 
 
-def _matched_fusion(experiment: Experiment, rule: str, pooled: bool = False) -> MethodResult:
-    heads = "pooled" if pooled else experiment.fusion.heads   # match-<rule>-pooled, or the config's heads
+def _matched_fusion(experiment: Experiment, rule: str, heads: str) -> MethodResult:
     federation = MatchedFusionFederation(experiment.dataset, experiment.parts, network=experiment.network,
                                          training=experiment.training, bayesian=experiment.bayesian,
                                          fusion=replace(experiment.fusion, rule=rule, align="match", heads=heads,
@@ -415,15 +404,34 @@ def _kl_fusion(experiment: Experiment) -> MethodResult:
                                           f"{reference_client(sizes)}, at the clients' width")
 
 
+#: The option ``heads`` of PFNM's and FedMA's methods (its default: ``pfnm.heads``), and of matched fusion (its
+#: default: ``fusion.heads``).
+_PFNM_HEADS = MethodOption(HEADS, "pfnm", "the global network's output layer: fused, or the clients' own pooled")
+_MATCH_HEADS = MethodOption(HEADS, "fusion", "the global posterior's output layer: fused, or the clients' own pooled")
+
+
+def _suffix(options: dict) -> str:
+    return "-pooled" if options["heads"] == "pooled" else ""
+
+
 for _name, _fn in (("local", _local), ("ensemble", _ensemble), ("ensemble-bayesian", _bayesian_ensemble),
-                   ("fedavg-oneshot", _fedavg_oneshot),
-                   ("fedavg", _fedavg), ("kmeans", _kmeans), ("pfnm", _pfnm), ("pfnm-pooled", _pfnm_pooled),
-                   ("pfnm-rounds", _pfnm_rounds),
-                   ("fedma", lambda e: _fedma(e, 1, "fedma")), ("fedma-pooled", _fedma_pooled),
-                   *((m, functools.partial(_aligned, method=m)) for m in ALIGNMENT_METHODS),
-                   ("kl-fusion", _kl_fusion),
-                   ("fedma-rounds", lambda e: _fedma(e, e.config.rounds, "fedma-rounds"))):
+                   ("fedavg-oneshot", _fedavg_oneshot), ("fedavg", _fedavg), ("kmeans", _kmeans)):
     register_method(_name, _fn)
+register_method("pfnm", _pfnm, options={"heads": _PFNM_HEADS}, label=lambda o: "pfnm" + _suffix(o))
+register_method("pfnm-rounds", _pfnm_rounds, options={"heads": _PFNM_HEADS},
+                label=lambda o: "pfnm-rounds" + _suffix(o))
+register_method("fedma", lambda e, heads: _fedma(e, 1, "fedma", heads), options={"heads": _PFNM_HEADS},
+                label=lambda o: "fedma" + _suffix(o))
+register_method("fedma-rounds", lambda e, heads: _fedma(e, e.config.rounds, "fedma-rounds", heads),
+                options={"heads": _PFNM_HEADS}, label=lambda o: "fedma-rounds" + _suffix(o))
+for _name in ALIGNMENT_METHODS:
+    register_method(_name, functools.partial(_aligned, method=_name))
+register_method("kl-fusion", _kl_fusion)
+register_method("fusion", _fusion, label=lambda o: o["rule"], options={"rule": MethodOption(
+    available_rules, "fusion", "the fusion rule, weight by weight (bnpfed.combine)")})
+register_method("match", _matched_fusion, label=lambda o: f"match-{o['rule']}" + _suffix(o), options={
+    "rule": MethodOption(matched_rules, "fusion", "the rule that fuses each global unit's members"),
+    "heads": _MATCH_HEADS})
 
 
 # ------------------------------------------------------------------------------------------------ entry points
@@ -432,7 +440,7 @@ for _name, _fn in (("local", _local), ("ensemble", _ensemble), ("ensemble-bayesi
 def run_method(experiment: "Experiment", method: str) -> list[MethodResult]:
     """The rows of one method on ``experiment`` (its local models trained on first use and kept for the next
     method): what :func:`run_experiment` does per method, for a caller that records each method as it ends."""
-    out = _runner(method)(experiment)
+    out = runner_of(method_spec(method), experiment.configs)(experiment)
     rows = out if isinstance(out, list) else [out]
     for row in rows:
         row.width = int(sum(row.hidden))
@@ -484,7 +492,7 @@ def width_sweep(dataset: Dataset, *, sigma2: Sequence[float], gamma0: Sequence[f
     for name, s2, g in tqdm(grid, desc="matching", disable=not progress, leave=False):
         candidate = replace(experiment.pfnm, hyperparameters="fixed", constants=name, sigma2=s2, gamma0=g,
                             direction="top-down" if name == "reference" else experiment.pfnm.direction,
-                            **EB_DEFAULTS)
+                            experimental=replace(experiment.pfnm.experimental, **EB_DEFAULTS))
         match = experiment.reestimate(pfnm_step(models, experiment.class_counts, candidate, seed=experiment.seed,
                                                 round=1, input_shape=experiment.input_shape,
                                                 activity=experiment.activity()))

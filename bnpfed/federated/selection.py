@@ -46,7 +46,8 @@ def select_hyperparameters(local_models: Sequence[nn.Module], class_counts, vali
         raise ValueError("validation: expected at least one held-out example, got none")
     for s2, s02, g in itertools.product(grid_sigma2, grid_sigma0_2, grid_gamma0):
         # fixed values: the settings of empirical Bayes (its starts and stopping rule) go back to their defaults
-        candidate = replace(pfnm, hyperparameters="fixed", sigma2=s2, sigma0_2=s02, gamma0=g, **EB_DEFAULTS)
+        candidate = replace(pfnm, hyperparameters="fixed", sigma2=s2, sigma0_2=s02, gamma0=g,
+                            experimental=replace(pfnm.experimental, **EB_DEFAULTS))
         match = pfnm_step(local_models, class_counts, candidate, seed=seed, round=1, input_shape=input_shape,
                           activity=activity)
         if reestimate is not None:

@@ -18,8 +18,16 @@ keys: a config field's name with ``-`` for ``_`` (``sigma0_2`` is ``sigma0-2``, 
 * :class:`SecureAggregationConfig`: weight-wise posterior fusion under SecAgg+ (``secure-aggregation``,
   ``secagg-*``).
 
-Values are converted to the field's type: a tuple is a list or a comma-separated string (``hidden = "100,100"``,
-``sigma2 = "0.3,1"``), a bool may be ``"true"`` / ``"false"``, an optional int may be ``"none"``. The network and
+The keys, their defaults and their checks are generated from the configs' schema (:mod:`bnpfed.schema`): a field
+declared once is a key here, a flag of the commands and a ``:param`` line of its class; ``bnpfed flower keys`` lists
+them and :func:`app_config_toml` writes the ``[tool.flwr.app.config]`` table of an app (the example app's
+``pyproject.toml`` is that table, which a test checks). The probes of :mod:`bnpfed.experimental` are one key,
+``experimental = "starts=both,later-rounds=rematch"``, split among the configs that read them; their bnpfed 0.1 keys
+(``starts``, ``stop``, ``later-rounds``, ...) keep working for one release with a ``DeprecationWarning``.
+
+Values are converted to the field's type (:func:`bnpfed.schema.coerce`): a tuple is a list or a comma-separated string
+(``hidden = "100,100"``, ``sigma2 = "0.3,1"``), a bool may be ``"true"`` / ``"false"``, an optional int may be
+``"none"``. The network and
 training keys whose defaults differ between the methods (PFNM's are the reference code's,
 :data:`~bnpfed.federated.config.PFNM_TRAINING` and :data:`~bnpfed.federated.config.PFNM_NETWORK`; posterior
 fusion's the config defaults) take ``"auto"``: the method's default. Every key and value is checked before anything
@@ -47,26 +55,31 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import types
+import textwrap
 import typing
+import warnings
 from dataclasses import dataclass, fields, replace
-from typing import Any, Mapping, Union
+from typing import Any, Mapping
 
 from bnpfed.data import DATASET_NAMES, NPZ_PREFIX
+from bnpfed.experimental import ExperimentalOptions, keyed
 from bnpfed.federated import (FUSION_TRAINING, PFNM_NETWORK, PFNM_TRAINING, BayesianConfig, FusionConfig, NetworkConfig,
                               PartitionConfig, PFNMConfig, TrainingConfig, config_dict)
 from bnpfed.federated import check_fusion_network
 from bnpfed.combine import SECURE_RULES
+from bnpfed.schema import METADATA, coerce, documented, key_of, option, options, render, summary
 from bnpfed.validation import check_choice, check_fraction, check_int, check_positive
 
 __all__ = [
     "AUTO",
+    "EXPERIMENTAL",
     "ClientSettings",
     "CONFIGS",
     "SecureAggregationConfig",
     "METHODS",
     "FlowerRun",
     "FlowerSettings",
+    "app_config_toml",
     "auto_keys",
     "client_settings",
     "config_key",
@@ -84,51 +97,42 @@ AUTO = "auto"
 
 def config_key(field_name: str) -> str:
     """The Flower key of a config field: ``sigma0_2`` -> ``sigma0-2``."""
-    return field_name.replace("_", "-")
+    return key_of(field_name)
 
 
+@documented
 @dataclass(frozen=True)
 class FlowerRun:
-    """The run: which method, on which data, for how many rounds, how long to wait for whom, where to write.
+    """The run: which method, on which data, for how many rounds, how long to wait for whom, where to write."""
 
-    :param str method: ``"pfnm"``, ``"fusion"`` (posterior fusion: weight by weight from one shared
-        initialisation, or with ``align = "match"`` matched posterior fusion, each client from its own
-        initialisation) or ``"fedavg"`` (FedAvg from one shared initialisation, with fusion's network, schedule,
-        ``weights`` and ``fraction``). Default ``"pfnm"``.
-    :param str dataset: the dataset every client loads (:func:`bnpfed.data.load_dataset`; ``mnist`` and the other
-        torchvision sets from each SuperNode's ``data-dir`` node config). Default ``"digits"`` (bundled).
-    :param str standardize: ``"true"``, ``"false"`` or ``"auto"``: as the method's command does (PFNM keeps pixels in
-        [0, 1] as the reference code, posterior fusion and FedAvg standardise). Default ``"auto"``.
-    :param int rounds: communication rounds. Default 1.
-    :param int seed: the experiment's seed, every random stream's root (:mod:`bnpfed.seeding`). Default 0.
-    :param float fraction_evaluate: share of the clients that score the global model on their test shards after
-        each round, in [0, 1] (0: no evaluation). Default 1 (every shard: the whole test split).
-    :param int predictive_samples: weight draws S of a Bayesian posterior predictive (fusion's evaluation).
-        Default 10.
-    :param int min_nodes: SuperNodes with a partition that must be connected before round 1; 0: every partition
-        (all J). Default 0.
-    :param int min_replies: usable replies a round needs; fewer stops the run with a message naming every rejected
-        and missing client. Default 1.
-    :param float node_timeout: seconds to wait for ``min_nodes`` SuperNodes. Default 120.
-    :param float round_timeout: seconds to wait for the replies of a round (and of a partition query); clients that
-        have not answered by then are left out. Default 600.
-    :param str output_dir: if set, the ServerApp writes ``<method>-summary.json``, ``<method>-global.npz`` (the
-        final global model's arrays) and ``<method>-global.pt`` (the global model as :func:`bnpfed.saved.save_global`
-        writes it: PFNM's network, posterior fusion's Bayesian client) there. Default ``""`` (nothing written).
-    """
-
-    method: str = "pfnm"
-    dataset: str = "digits"
-    standardize: str = AUTO
-    rounds: int = 1
-    seed: int = 0
-    fraction_evaluate: float = 1.0
-    predictive_samples: int = 10
-    min_nodes: int = 0
-    min_replies: int = 1
-    node_timeout: float = 120.0
-    round_timeout: float = 600.0
-    output_dir: str = ""
+    method: str = option("pfnm", choices=METHODS, help=(
+        '``"pfnm"``, ``"fusion"`` (posterior fusion: weight by weight from one shared initialisation, or with '
+        '``align="match"`` matched posterior fusion, each client from its own initialisation) or ``"fedavg"`` '
+        '(FedAvg from one shared initialisation, with fusion\'s network, schedule, ``weights`` and ``fraction``).'))
+    dataset: str = option("digits", help=(
+        'the dataset every client loads (:func:`bnpfed.data.load_dataset`: the bundled ``"digits"``; ``mnist`` and '
+        'the other torchvision sets from each SuperNode\'s ``data-dir`` node config).'))
+    standardize: str = option(AUTO, choices=("true", "false", AUTO), help=(
+        '``"true"``, ``"false"`` or ``"auto"``: as the method\'s command does (PFNM keeps pixels in [0, 1] as the '
+        'reference code, posterior fusion and FedAvg standardise).'))
+    rounds: int = option(1, help="communication rounds.")
+    seed: int = option(0, help="the experiment's seed, every random stream's root (:mod:`bnpfed.seeding`).")
+    fraction_evaluate: float = option(1.0, help=(
+        'the share of the clients that score the global model on their test shards after each round, in [0, 1] (0: '
+        'no evaluation; 1: every shard, the whole test split).'))
+    predictive_samples: int = option(10, help=(
+        'weight draws S of a Bayesian posterior predictive (fusion\'s evaluation).'))
+    min_nodes: int = option(0, help=(
+        'SuperNodes with a partition that must be connected before round 1; 0: every partition (all J).'))
+    min_replies: int = option(1, help=(
+        'usable replies a round needs; fewer stops the run with a message naming every rejected and missing client.'))
+    node_timeout: float = option(120.0, help="seconds to wait for ``min_nodes`` SuperNodes.")
+    round_timeout: float = option(600.0, help=(
+        'seconds to wait for the replies of a round (and of a partition query); clients that have not answered by '
+        'then are left out.'))
+    output_dir: str = option("", help=(
+        'if set, the ServerApp writes ``<method>-summary.json``, ``<method>-global.npz`` (the final global model\'s '
+        'arrays) and ``<method>-global.pt`` (the global model as :func:`bnpfed.saved.save_global` writes it) there.'))
 
     def __post_init__(self):
         check_choice(self.method, METHODS, "method")
@@ -154,34 +158,30 @@ class FlowerRun:
         return self.method in ("fusion", "fedavg") if self.standardize == AUTO else self.standardize == "true"
 
 
+@documented
 @dataclass(frozen=True)
 class SecureAggregationConfig:
     """Weight-wise posterior fusion under secure aggregation (SecAgg+, Flower's ``SecAggPlusWorkflow`` and
     ``secaggplus_mod``): the server learns the sums over the clients of their statistics
     (:mod:`bnpfed.combine.secure`) and their example counts, never one client's posterior
-    (:class:`~bnpfed.flower.secure.SecureFusionStrategy`).
+    (:class:`~bnpfed.flower.secure.SecureFusionStrategy`)."""
 
-    :param bool secure_aggregation: fuse under SecAgg+ (``method = "fusion"``, a rule of
-        :data:`~bnpfed.combine.secure.SECURE_RULES`; with ``align = "match"``, round 1 matches the clients' units in
-        the clear and later rounds fuse at the matched widths under SecAgg+,
-        :class:`~bnpfed.flower.secure.SecureMatchedFusionStrategy`). Default False.
-    :param float secagg_clipping_range: ``c``, a power of two: every statistic, centred and scaled at the global
-        posterior sent (shifts in its standard deviations, ratios of variances; deterministic parameters' weighted
-        shifts unscaled), must lie in ``[-c, c]`` -- a client whose does not fails its round with a message naming
-        this key, rather than be clipped. Each travels in two limbs of ``Q = 2^32 / 2^ceil(log2(K + 1))`` levels,
-        so the sums are off by less than ``K (2c / Q)^2 / 2c`` (:func:`~bnpfed.combine.secure.quantisation_bound`:
-        1.8e-11 at 10 clients). Default ``2^16`` (trained MNIST clients reach variance ratios of ~1e4 against the
-        initial posterior in round 1).
-    :param float secagg_shares: the share of a round's clients each client splits its secret keys among (SecAgg+'s
-        ``num_shares`` as a proportion), in (0, 1]. Default 1 (every client).
-    :param float secagg_threshold: the share of those shares needed to reconstruct a dropped client's masks
-        (``reconstruction_threshold``), in (0, 1]; a round in which fewer clients remain fails. Default 0.5.
-    """
-
-    secure_aggregation: bool = False
-    secagg_clipping_range: float = 65536.0
-    secagg_shares: float = 1.0
-    secagg_threshold: float = 0.5
+    secure_aggregation: bool = option(False, help=(
+        'fuse under SecAgg+ (``method="fusion"``, a rule of :data:`~bnpfed.combine.secure.SECURE_RULES`; with '
+        '``align="match"``, round 1 matches the clients\' units in the clear and later rounds fuse at the matched '
+        'widths under SecAgg+, :class:`~bnpfed.flower.secure.SecureMatchedFusionStrategy`).'))
+    secagg_clipping_range: float = option(65536.0, help=(
+        '``c``, a power of two: every statistic, centred and scaled at the global posterior sent (shifts in its '
+        'standard deviations, ratios of variances; deterministic parameters\' weighted shifts unscaled), must lie in '
+        '``[-c, c]``; a client whose does not fails its round with a message naming this key, rather than be clipped. '
+        'Each travels in two limbs of ``Q = 2^32 / 2^ceil(log2(K + 1))`` levels, so the sums are off by less than '
+        '``K (2c / Q)^2 / 2c`` (:func:`~bnpfed.combine.secure.quantisation_bound`).'))
+    secagg_shares: float = option(1.0, help=(
+        'the share of a round\'s clients each client splits its secret keys among (SecAgg+\'s ``num_shares`` as a '
+        'proportion), in (0, 1].'))
+    secagg_threshold: float = option(0.5, help=(
+        'the share of those shares needed to reconstruct a dropped client\'s masks (``reconstruction_threshold``), '
+        'in (0, 1]; a round in which fewer clients remain fails.'))
 
     def __post_init__(self):
         if not isinstance(self.secure_aggregation, bool):
@@ -197,9 +197,19 @@ class SecureAggregationConfig:
 #: The configs of a run, by name, as :class:`FlowerSettings` holds them (``run`` first).
 CONFIGS = {"run": FlowerRun, "partition": PartitionConfig, "network": NetworkConfig, "training": TrainingConfig,
            "bayesian": BayesianConfig, "pfnm": PFNMConfig, "fusion": FusionConfig, "secure": SecureAggregationConfig}
-#: Fields that are not run config keys, and why.
-_NOT_KEYS = {("partition", "clients"): "the number of clients J is the SuperNodes' num-partitions (their "
-             "--node-config; a simulation's number of SuperNodes), not a run config key"}
+#: The one key of the probes (:class:`~bnpfed.experimental.ExperimentalOptions`), ``"key=value,..."``; each config
+#: that reads some of them gets those.
+EXPERIMENTAL = "experimental"
+#: The configs whose ``experimental`` field the key fills, each with the probes it reads.
+_READ_BY = ("pfnm", "fusion", "bayesian")
+
+
+def _not_key(name: str, f: dataclasses.Field):
+    """Why field ``f`` of config ``name`` is not a run config key (a sentence), or None when it is one."""
+    opt = f.metadata.get(METADATA)
+    if opt is None or opt.key is True:
+        return None
+    return opt.key if isinstance(opt.key, str) else "not a run config key"
 #: Each method's defaults of the configs whose defaults depend on the method.
 _METHOD_DEFAULTS = {"pfnm": {"network": PFNM_NETWORK, "training": PFNM_TRAINING},
                     "fusion": {"network": NetworkConfig(), "training": FUSION_TRAINING}}
@@ -235,23 +245,30 @@ class FlowerSettings:
         for name in ("partition", "network", "training", "bayesian"):
             for f in fields(CONFIGS[name]):
                 value = getattr(getattr(self, name), f.name)
-                if (name, f.name) in _NOT_KEYS or value is None:  # None travels as an absent key
+                if _not_key(name, f) is not None or value is None:  # None travels as an absent key
                     continue
                 if not isinstance(value, (bool, int, float, str, tuple)):
                     raise ValueError(f"{config_key(f.name)}: expected one of the named choices (a value that can "
                                      f"travel to Flower clients), got a {type(value).__name__}")
                 out[config_key(f.name)] = list(value) if isinstance(value, tuple) else value
+        if self.bayesian.experimental.set_fields():   # the clients' probe (round-prior) travels in its text form
+            out[EXPERIMENTAL] = self.bayesian.experimental.spec()
         return out
 
 
 def _keys() -> dict[str, list[tuple[str, dataclasses.Field]]]:
-    """``{key: [(config name, field), ...]}`` (``fraction`` belongs to two configs)."""
+    """``{key: [(config name, field), ...]}`` (``fraction`` belongs to two configs), in the configs' order; the
+    configs' ``experimental`` fields are one key, :data:`EXPERIMENTAL`."""
     out: dict[str, list] = {}
     for name, cls in CONFIGS.items():
-        for f in fields(cls):
-            if (name, f.name) not in _NOT_KEYS:
+        for f, _ in options(cls):
+            if _not_key(name, f) is None:
                 out.setdefault(config_key(f.name), []).append((name, f))
     return out
+
+
+#: bnpfed 0.1's keys of the probes, now in :data:`EXPERIMENTAL`: accepted until 0.3 with a DeprecationWarning.
+_OLD_PROBE_KEYS = {key_of(f.name): f.name for f in fields(ExperimentalOptions)}
 
 
 def auto_keys() -> set[str]:
@@ -265,7 +282,7 @@ def auto_keys() -> set[str]:
 
 def run_config_defaults() -> dict[str, Any]:
     """Every run config key with its default as a run config holds it (``"auto"`` for the method-dependent keys,
-    tuples comma-separated): what ``[tool.flwr.app.config]`` of an app lists."""
+    tuples comma-separated, ``""`` for no probe): what ``[tool.flwr.app.config]`` of an app lists."""
     auto = auto_keys()
     out = {}
     for key, owners in _keys().items():
@@ -278,6 +295,7 @@ def run_config_defaults() -> dict[str, Any]:
             out[key] = "none"   # TOML has no null; "none" reads back as None
         else:
             out[key] = ",".join(map(str, value)) if isinstance(value, tuple) else value
+    out[EXPERIMENTAL] = ""
     return out
 
 
@@ -287,6 +305,9 @@ def describe_keys() -> list[dict[str, str]]:
     auto = auto_keys()
     rows = []
     for key, value in run_config_defaults().items():
+        if key == EXPERIMENTAL:
+            rows.append({"key": key, "default": '""', "config": "ExperimentalOptions (bnpfed.experimental)"})
+            continue
         owners = _keys()[key]
         if key in auto:
             name, f = owners[0]
@@ -299,96 +320,61 @@ def describe_keys() -> list[dict[str, str]]:
     return rows
 
 
+# ------------------------------------------------------------------------------------------------ the app's table
+
+
+#: What each config's part of ``[tool.flwr.app.config]`` is headed with.
+_TITLES = {"run": "the run", "partition": "the partition (J is the SuperNodes' num-partitions)",
+           "network": "the network", "training": "local training", "bayesian": "Bayesian clients, posterior fusion",
+           "pfnm": "the PFNM server", "fusion": "the posterior-fusion server",
+           "secure": "secure aggregation: weight-wise fusion under SecAgg+"}
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def app_config_toml() -> str:
+    """The ``[tool.flwr.app.config]`` table of a Flower app: every key with its default, each under the first
+    sentence of its help (:func:`~bnpfed.schema.summary`; ``bnpfed flower keys --toml`` prints it). ``flwr run
+    --run-config`` overrides only the keys an app lists, so an app lists them all."""
+    defaults = run_config_defaults()
+    names = {key_of(f.name): key_of(f.name) for cls in CONFIGS.values() for f, _ in options(cls)}
+    names.update({f.name: key_of(f.name) for cls in CONFIGS.values() for f, _ in options(cls)})
+    lines = ["[tool.flwr.app.config]"]
+    done = set()
+    for name, cls in CONFIGS.items():
+        keys = [(config_key(f.name), opt) for f, opt in options(cls)
+                if _not_key(name, f) is None and config_key(f.name) not in done]
+        if not keys:
+            continue
+        lines.append(f"# --- {_TITLES[name]} ({cls.__name__})")
+        for key, opt in keys:
+            text = render(summary(opt.help), names, "{name}={value}")
+            if key in auto_keys():
+                text += ' "auto": the method\'s default.'
+            lines += textwrap.wrap(text, 118, initial_indent="# ", subsequent_indent="# ", break_on_hyphens=False)
+            lines.append(f"{key} = {_toml(defaults[key])}")
+            done.add(key)
+    text = render(option_of_experimental_help(), names, "{name}={value}")
+    lines.append("# --- probes measured worse than the defaults (bnpfed.experimental.ExperimentalOptions)")
+    lines += textwrap.wrap(text, 118, initial_indent="# ", subsequent_indent="# ", break_on_hyphens=False)
+    lines.append(f'{EXPERIMENTAL} = ""')
+    return "\n".join(lines) + "\n"
+
+
+def option_of_experimental_help() -> str:
+    """The comment of the :data:`EXPERIMENTAL` key: its form and the probes it takes."""
+    keys = ", ".join(key_of(f.name) for f in fields(ExperimentalOptions))
+    return (f'the probes to set, "key=value,..." (keys: {keys}); each config that reads one gets it '
+            f'(:class:`~bnpfed.experimental.ExperimentalOptions`).')
+
+
 # ------------------------------------------------------------------------------------------------ conversion
-
-
-def _describe(hint) -> str:
-    if hint is bool:
-        return "true or false"
-    if hint is int:
-        return "an int"
-    if hint is float:
-        return "a number"
-    if hint is str:
-        return "a string"
-    return "a value"
-
-
-def _scalar(value: Any, hint, key: str) -> Any:
-    """``value`` as the scalar type ``hint`` (bool, int, float, str)."""
-    ok = True
-    if hint is bool:
-        if isinstance(value, str) and value.strip().lower() in ("true", "false"):
-            return value.strip().lower() == "true"
-        ok = isinstance(value, bool)
-    elif hint is int:
-        if isinstance(value, str):
-            try:
-                return int(value.strip())
-            except ValueError:
-                ok = False
-        elif isinstance(value, float) and value.is_integer():
-            return int(value)
-        ok = ok and isinstance(value, int) and not isinstance(value, bool)
-    elif hint is float:
-        if isinstance(value, str):
-            try:
-                value = float(value.strip())
-            except ValueError:
-                ok = False
-        ok = ok and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        if ok:
-            return float(value)
-    elif hint is str:
-        ok = isinstance(value, str)
-    if not ok:
-        raise ValueError(f"{key}: expected {_describe(hint)}, got {value!r}")
-    return value
-
-
-def _items(value: Any) -> list:
-    if isinstance(value, str):
-        return [v.strip() for v in value.split(",") if v.strip()]
-    if isinstance(value, (list, tuple)):
-        return list(value)
-    return [value]
-
-
-def _coerce(value: Any, hint, key: str) -> Any:
-    """``value`` (from a run config or a ``ConfigRecord``) as the field type ``hint``."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin is tuple:  # tuple[X, ...]
-        items = _items(value)
-        if not items:
-            raise ValueError(f"{key}: expected one or more comma-separated values, got {value!r}")
-        return tuple(_coerce(v, args[0], key) for v in items)
-    if origin in (Union, types.UnionType):
-        options = [a for a in args if a is not type(None)]
-        if len(options) < len(args) and (value is None or (isinstance(value, str)
-                                                            and value.strip().lower() in ("none", ""))):
-            return None
-        if any(isinstance(a, type) and a is not str and not typing.get_origin(a) and a not in (int, float, bool)
-               for a in options):  # Union[str, Prior]: a name, over Flower
-            return _scalar(value, str, key)
-        tuples = [a for a in options if typing.get_origin(a) is tuple]
-        scalars = [a for a in options if typing.get_origin(a) is not tuple]
-        if tuples and (isinstance(value, (list, tuple)) or (isinstance(value, str) and "," in value)):
-            return _coerce(value, tuples[0], key)
-        if len(scalars) == 2 and str in scalars:   # Union[int, str]: a number where it reads as one, else a name
-            other = next(a for a in scalars if a is not str)
-            try:
-                return _coerce(value, other, key)
-            except ValueError:
-                return _scalar(value, str, key)
-        if len(scalars) == 1:
-            try:
-                return _coerce(value, scalars[0], key)
-            except ValueError:
-                if tuples:
-                    raise ValueError(f"{key}: expected {_describe(scalars[0])} or comma-separated ones, got "
-                                     f"{value!r}") from None
-                raise
-    return _scalar(value, hint, key)
 
 
 def _build(cls, values: Mapping[str, Any], base=None):
@@ -396,7 +382,7 @@ def _build(cls, values: Mapping[str, Any], base=None):
     try:
         return replace(base, **values) if base is not None else cls(**values)
     except ValueError as error:
-        message = str(error)
+        message = keyed(str(error))   # a probe as the key experimental spells it
         for f in fields(cls):
             if message.startswith(f.name) and message[len(f.name):len(f.name) + 1] in (":", "["):
                 message = config_key(f.name) + message[len(f.name):]
@@ -413,15 +399,39 @@ def _config_values(config: Mapping[str, Any], name: str, *, auto: bool) -> dict[
     cls = CONFIGS[name]
     hints = typing.get_type_hints(cls)
     out = {}
-    for f in fields(cls):
+    for f, opt in options(cls):
         key = config_key(f.name)
-        if key not in config or (name, f.name) in _NOT_KEYS:
+        if key not in config or _not_key(name, f) is not None:
             continue
         value = config[key]
         if auto and isinstance(value, str) and value.strip().lower() == AUTO and key in auto_keys():
             continue
-        out[f.name] = _coerce(value, hints[f.name], key)
+        out[f.name] = coerce(value, hints[f.name], key, opt.null)
     return out
+
+
+def _experimental(config: Mapping[str, Any]) -> ExperimentalOptions:
+    """The probes of a run config: its :data:`EXPERIMENTAL` key, and bnpfed 0.1's keys of them (a
+    ``DeprecationWarning`` naming the new form)."""
+    probes = ExperimentalOptions.from_text(_scalar_text(config.get(EXPERIMENTAL, "")))
+    old = {field: config[key] for key, field in _OLD_PROBE_KEYS.items() if key in config}
+    if old:
+        hints = typing.get_type_hints(ExperimentalOptions)
+        values = {field: coerce(value, hints[field], key_of(field)) for field, value in old.items()}
+        try:
+            probes = replace(probes, **values)
+        except ValueError as error:
+            raise ValueError(key_of(str(error).split(":", 1)[0]) + ":" + str(error).split(":", 1)[1]) from None
+        warnings.warn(f"run config keys {', '.join(key_of(f) for f in old)}: moved to the key {EXPERIMENTAL} in bnpfed "
+                      f"0.2, write {EXPERIMENTAL} = \"{probes.only(tuple(old)).spec()}\" (the old keys go in 0.3)",
+                      DeprecationWarning, stacklevel=3)
+    return probes
+
+
+def _scalar_text(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{EXPERIMENTAL}: expected \"key=value,...\" (a string), got {value!r}")
+    return value
 
 
 def parse_run_config(config: Mapping[str, Any]) -> FlowerSettings:
@@ -433,16 +443,23 @@ def parse_run_config(config: Mapping[str, Any]) -> FlowerSettings:
         raise ValueError(f"run config: expected a mapping of keys to values, got {type(config).__name__}")
     known = _keys()
     for key in config:
-        if key not in known:
-            for (name, field_name), why in _NOT_KEYS.items():
-                if key == config_key(field_name):
-                    raise ValueError(f"{key}: {why}")
+        if key not in known and key != EXPERIMENTAL and key not in _OLD_PROBE_KEYS:
+            for name, cls in CONFIGS.items():
+                for f in fields(cls):
+                    why = _not_key(name, f)
+                    if why is not None and key == config_key(f.name) and f.name != EXPERIMENTAL:
+                        raise ValueError(f"{key}: {why}")
             raise ValueError(f"{key}: not a run config key (`bnpfed flower keys` lists them)")
     run = _build(FlowerRun, _config_values(config, "run", auto=False))
     built = {"run": run}
+    probes = _experimental(config)
+    read = set()
     for name in ("partition", "network", "training", "bayesian", "pfnm", "fusion", "secure"):
         base = _METHOD_DEFAULTS[run.method].get(name)
         values = _config_values(config, name, auto=True)
+        if name in _READ_BY:   # each config its own probes
+            values["experimental"] = probes.only(CONFIGS[name].EXPERIMENTAL)
+            read |= set(CONFIGS[name].EXPERIMENTAL)
         if name in _HEADS_OF and _HEADS_OF[name] != run.method:   # heads: the output layer of the method's server
             values.pop("heads", None)
             values.pop("pool_temperature", None)
@@ -450,6 +467,7 @@ def parse_run_config(config: Mapping[str, Any]) -> FlowerSettings:
             schedule = base or TrainingConfig()
             values["amsgrad"] = schedule.amsgrad_for(values.get("optimizer", schedule.optimizer))
         built[name] = _build(CONFIGS[name], values, base)
+    probes.check_read_by(sorted(read), "a Flower run")
     if built["pfnm"].layerwise_retrain:
         raise ValueError(f"layerwise-retrain: expected 0 on Flower (FedMA's layer-wise scheme runs in process: "
                          f"bnpfed pfnm --layerwise-retrain), got {built['pfnm'].layerwise_retrain}")
@@ -458,8 +476,8 @@ def parse_run_config(config: Mapping[str, Any]) -> FlowerSettings:
         built["bayesian"].check_training(built["training"])   # optimizer: SVI runs Adam
         built["fusion"].client_prior(built["bayesian"])   # round-prior: raises where it does not apply
     elif built["bayesian"].round_prior is not None:
-        raise ValueError(f"round-prior: a Bayesian client's prior in later rounds (method=\"fusion\"); expected "
-                         f"it unset with method={run.method!r}, got {built['bayesian'].round_prior!r}")
+        raise ValueError(f"experimental: round-prior, a Bayesian client's prior in later rounds (method=\"fusion\"); "
+                         f"expected it unset with method={run.method!r}, got {built['bayesian'].round_prior!r}")
     if built["bayesian"].client != "variational" and (run.method != "fusion" or built["fusion"].align != "match"):
         raise ValueError(f"client: Laplace clients serve matched posterior fusion (method=\"fusion\", "
                          f"align=\"match\"), got client={built['bayesian'].client!r} with method={run.method!r}, "
@@ -497,9 +515,9 @@ def _check_secure(secure: SecureAggregationConfig, method: str, fusion: FusionCo
                                  f"{getattr(secure, f.name)!r} without it")
         return
     if method != "fusion":
-        raise ValueError(f"secure-aggregation: expected method=\"fusion\" (weight-wise posterior fusion needs only sums "
-                         f"over clients; with align=\"match\" round 1 matches in the clear, then fuses under SecAgg+), "
-                         f"got method={method!r}")
+        raise ValueError(f"secure-aggregation: expected method=\"fusion\" (weight-wise posterior fusion needs only "
+                         f"sums over clients; with align=\"match\" round 1 matches in the clear, then fuses under "
+                         f"SecAgg+), got method={method!r}")
     if fusion.rule not in SECURE_RULES:
         raise ValueError(f"rule: expected one of {list(SECURE_RULES)} with secure-aggregation (pooling draws from "
                          f"each client's posterior: not a sum of fixed statistics), got {fusion.rule!r}")
@@ -536,10 +554,12 @@ def client_settings(record: Mapping[str, Any], clients: int) -> ClientSettings:
         if key not in record:
             raise ValueError(f"{key}: missing from the server's message")
     configs = {name: _build(CONFIGS[name], _config_values(record, name, auto=False))
-               for name in ("network", "training", "bayesian")}
+               for name in ("network", "training")}
+    configs["bayesian"] = _build(BayesianConfig, {**_config_values(record, "bayesian", auto=False),
+                                                  "experimental": _experimental(record)})
     partition = _build(PartitionConfig, {**_config_values(record, "partition", auto=False), "clients": clients})
-    return ClientSettings(dataset=_scalar(record["dataset"], str, "dataset"),
-                          standardize=_scalar(record["standardize"], bool, "standardize"),
+    return ClientSettings(dataset=coerce(record["dataset"], str, "dataset"),
+                          standardize=coerce(record["standardize"], bool, "standardize"),
                           seed=check_int(record["seed"], "seed", low=0),
                           predictive_samples=check_int(record["predictive-samples"], "predictive-samples", low=1),
                           partition=partition, **configs)

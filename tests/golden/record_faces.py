@@ -3,7 +3,8 @@ extension point" (``tests/golden/before_faces.pt``). ``tests/test_golden_faces.p
 code and compares.
 
 Run from the repository root: ``python tests/golden/record_faces.py`` (about a minute on two cores). Recorded at
-commit 7d58df7, before any file moved.
+commit 7d58df7, before any file moved; the pfnm line asked for ``pfnm-pooled`` then, ``pfnm:heads=pooled`` now (the
+option schema of issue 50: the same row).
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ OUT = HERE / "before_faces.pt"
 COMMANDS = {
     "demo": ["demo", "--clients", "4", "--dim", "12", "--seed", "3"],
     "pfnm": ["pfnm", "--clients", "3", "--hidden", "16", "--epochs", "1", "--rounds", "2", "--threads", "1",
-             "--methods", "local,ensemble,fedavg,kmeans,pfnm,pfnm-rounds,fedma,pfnm-pooled,weight-matching,ot-fusion",
-             "--partition", "dirichlet", "--seed", "1"],
+             "--methods", "local,ensemble,fedavg,kmeans,pfnm,pfnm-rounds,fedma,pfnm:heads=pooled,weight-matching,"
+             "ot-fusion", "--partition", "dirichlet", "--seed", "1"],
     "pfnm_cnn": ["pfnm", "--clients", "2", "--arch", "lenet", "--epochs", "1", "--rounds", "1", "--threads", "1",
                  "--methods", "pfnm,fedavg", "--seed", "2"],
     "fuse": ["fuse", "--clients", "3", "--epochs", "1", "--rounds", "2", "--threads", "1", "--rule", "all",
