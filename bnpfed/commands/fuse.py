@@ -27,11 +27,12 @@ from bnpfed.commands._args import HelpFormatter, UsageError, fail, flag_message,
 from bnpfed.federated import methods
 from bnpfed.federated import initial_network
 from bnpfed.federated import (CLIENT_KINDS, CLIENT_WEIGHTS, FUSION_TRAINING, INITIALISATIONS, LAPLACE_PRIORS,
-                              PAPER_MIN_VARIANCE, PRIORS, PRIOR_VARIANCES, PVI_DAMPING, ROUND_PRIORS, LATER_ROUNDS,
+                              PAPER_MIN_VARIANCE, PRIOR_VARIANCES, PVI_DAMPING, ROUND_PRIORS, LATER_ROUNDS,
                               BayesianConfig, FusionConfig, NetworkConfig, PFNMConfig, config_dict)
 from bnpfed.federated import ExperimentConfig
 from bnpfed.federated import FUSION_ARCHITECTURES
 from bnpfed.federated import MatchedFusionFederation
+from bnpfed.models import available_likelihoods, available_priors
 from bnpfed.report import (command_record, command_results, format_table, line_styles, pyplot, save_figure,
                            write_json)
 from bnpfed.validation import check_choice
@@ -91,9 +92,12 @@ def add_parser(sub):
     g.add_argument("--init", choices=INITIALISATIONS, default=network.init,
                    help="initialisation of the shared initial network: torch (PyTorch's) or reference (PFNM's)")
     g = p.add_argument_group("Bayesian clients", "a mean-field Gaussian posterior per Bayesian weight, fitted by SVI")
-    g.add_argument("--prior", choices=PRIORS, default=bayes.prior,
+    g.add_argument("--prior", choices=available_priors(), default=bayes.prior,
                    help="which parameters are Bayesian, with a N(0, prior_scale^2) prior: linear-weights (the fully "
-                   "connected weight matrices, as in the paper) or all")
+                   "connected weight matrices, as in the paper) or all; or a prior a --plugin registered")
+    g.add_argument("--likelihood", choices=available_likelihoods(), default=bayes.likelihood,
+                   help="the clients' observation model: categorical (classification), or a classification "
+                   "likelihood a --plugin registered")
     g.add_argument("--prior-scale", type=float, metavar="SCALE", default=bayes.prior_scale,
                    help="the prior's standard deviation")
     g.add_argument("--init-scale", type=float, metavar="SCALE", default=bayes.init_scale,
@@ -264,7 +268,7 @@ def prepare(args) -> dict:
                               prior_variance=args.prior_variance, kl_weight=args.kl_weight,
                               scale_lr_factor=args.scale_lr_factor, client=args.client,
                               local_reparameterization=args.local_reparameterization, round_prior=args.round_prior,
-                              laplace_prior=args.laplace_prior)
+                              laplace_prior=args.laplace_prior, likelihood=args.likelihood)
     bayesian.check_training(training)
     for rule in args.rule:
         check_choice(rule, matched_rules(), "rule")
@@ -322,9 +326,10 @@ def prepare(args) -> dict:
     if args.baselines is not None:
         if not match:
             raise UsageError(f"--baselines: expected only with --align match, got --align {args.align}")
-        for name in args.baselines:
-            if name not in BASELINES:
-                raise UsageError(f"--baselines: expected names among {', '.join(BASELINES)}, got {name!r}")
+        for name in args.baselines:   # the built-in baselines, or a method a plugin registered
+            if name not in BASELINES and methods.registered_runner(name) is None:
+                raise UsageError(f"--baselines: expected names among {', '.join(BASELINES)} or a method a --plugin "
+                                 f"registered, got {name!r}")
     fedavg = () if args.no_fedavg else (FEDAVG,)
     if match:
         # weight-wise fusion from the own initialisations trains variational clients from the global posterior

@@ -37,7 +37,6 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
-import pyro.distributions as dist
 
 from bnpfed.clients import check_augment
 from bnpfed.matching import ATOM_POSTERIOR, MATCH_ON, PVI, matched_rules
@@ -45,7 +44,8 @@ from bnpfed.matching import SCHEDULES, STARTS, STOPS
 from bnpfed.matching import REFERENCE_CONSTANTS
 from bnpfed.clients import check_optimizer
 from bnpfed.federated.partition import holdout_split, partition_dirichlet, partition_homogeneous
-from bnpfed.models import EmpiricalBayesPrior, IIDPrior, Prior, only_linear_weights
+from bnpfed.models import (LIKELIHOODS, PRIOR_VARIANCES, PRIORS, Categorical, Likelihood, Prior,
+                           available_likelihoods, available_priors, build_likelihood, build_prior)
 from bnpfed.seeding import Stream, derive_seed
 from bnpfed.validation import (check_bool, check_choice, check_device, check_float, check_fraction, check_int,
                                check_ints, check_positive)
@@ -66,6 +66,7 @@ __all__ = [
     "PFNM_TRAINING",
     "PRIORS",
     "PRIOR_VARIANCES",
+    "LIKELIHOODS",
     "ROUND_PRIORS",
     "LATER_ROUNDS",
     "HEADS",
@@ -90,12 +91,9 @@ ARCHITECTURES = ("mlp", "lenet", "lenet-paper", "simple-cnn", "simple-cnn-bn")
 #: ``"torch"``: PyTorch's default initialisation; ``"reference"``: the PFNM reference code's (weights N(0, 0.1^2),
 #: biases 0.1).
 INITIALISATIONS = ("torch", "reference")
-#: Named priors of :class:`BayesianConfig`: N(0, prior_scale^2) on the ``nn.Linear`` weight matrices only (Ozer et
-#: al.'s choice) or on every parameter.
-PRIORS = ("linear-weights", "all")
-#: How a named prior's variance is set: ``prior_scale^2`` throughout, or each client's type-II maximum-likelihood
-#: estimate per site (:class:`~bnpfed.models.EmpiricalBayesPrior`, starting at ``prior_scale``).
-PRIOR_VARIANCES = ("fixed", "empirical-bayes")
+# PRIORS (the built-in named priors of BayesianConfig: N(0, prior_scale^2) on the nn.Linear weight matrices only,
+# Ozer et al.'s choice, or on every parameter), PRIOR_VARIANCES and LIKELIHOODS live in bnpfed.models beside the
+# registry of names that plugins add to (available_priors, available_likelihoods); they are re-exported here.
 #: PVI's default damping: on MNIST (J = 10, Dirichlet(0.5), 10 rounds, clients at the tempered optimum) the parallel
 #: update diverged at 1, 0.5 and 0.25 and rose every round at 0.1 (benchmarks/README.md, "PVI rounds").
 PVI_DAMPING = 0.1
@@ -334,9 +332,10 @@ class BayesianConfig:
     """What makes a client Bayesian: a prior over (some of) the network's parameters and a mean-field Gaussian guide.
 
     :param prior: a :class:`~bnpfed.models.Prior` object (any prior at all; every client built from this config
-        shares it, so ``Prior.update_`` on it reaches them all), or the name of a standard one: ``"linear-weights"``
-        (N(0, prior_scale^2) on the ``nn.Linear`` weight matrices only, Ozer et al.'s choice) or ``"all"`` (on every
-        parameter), built anew for each client. Default ``"linear-weights"``.
+        shares it, so ``Prior.update_`` on it reaches them all), or the name of one
+        (:func:`~bnpfed.models.available_priors`: ``"linear-weights"``, N(0, prior_scale^2) on the ``nn.Linear``
+        weight matrices only, Ozer et al.'s choice; ``"all"``, on every parameter; and any a plugin registered with
+        :func:`~bnpfed.models.register_prior`), built anew for each client. Default ``"linear-weights"``.
     :param float prior_scale: the standard deviation of a named prior (unused with a prior object). Default 1.
     :param float init_scale: the guide's initial posterior standard deviation. Default ``1e-2``.
     :param bool local_reparameterization: train and predict with the local reparameterisation trick (the paper
@@ -371,6 +370,11 @@ class BayesianConfig:
         Dirichlet(0.5), 10 rounds, matched conflation 0.9581 against 0.9708 with ``"prior"``; benchmarks/README.md).
         None (default): ``"prior"``. Rule ``"pvi"`` trains every client against its cavity and takes None only
         (:meth:`FusionConfig.client_prior`).
+    :param likelihood: the clients' observation model: a :class:`~bnpfed.models.Likelihood` object or the name of
+        one (:func:`~bnpfed.models.available_likelihoods`: ``"categorical"``, and any a plugin registered with
+        :func:`~bnpfed.models.register_likelihood`). The federations classify (accuracy, NLL, calibration of class
+        probabilities), so it must be a :class:`~bnpfed.models.Categorical` (or a subclass). Variational clients
+        only: a Laplace client trains by cross-entropy. Default ``"categorical"``.
     :param str laplace_prior: ``client="laplace"`` only: each weight matrix's prior precision ``"marglik"`` (default:
         its evidence maximiser) or ``"held-out"`` (those scaled by one factor, chosen by the held-out negative
         log-likelihood of the linearised predictive on a tenth of the client's data held out from its training;
@@ -387,10 +391,11 @@ class BayesianConfig:
     client: str = "variational"
     round_prior: Optional[str] = None
     laplace_prior: str = "marglik"
+    likelihood: Union[str, Likelihood] = "categorical"
 
     def __post_init__(self):
         if not isinstance(self.prior, Prior):
-            check_choice(self.prior, PRIORS, "prior")
+            check_choice(self.prior, available_priors(), "prior")
         check_positive(self.prior_scale, "prior_scale")
         check_positive(self.init_scale, "init_scale")
         check_bool(self.local_reparameterization, "local_reparameterization")
@@ -408,6 +413,17 @@ class BayesianConfig:
         if self.laplace_prior != "marglik" and self.client != "laplace":
             raise ValueError(f"laplace_prior: a Laplace client's prior precision; expected its default 'marglik' with "
                              f"client={self.client!r}, got {self.laplace_prior!r}")
+        if not isinstance(self.likelihood, Likelihood):
+            check_choice(self.likelihood, available_likelihoods(), "likelihood")
+        if not isinstance(self.build_likelihood(), Categorical):
+            raise ValueError(f"likelihood: expected a classification likelihood (a Categorical or a subclass: the "
+                             f"federations score class probabilities), got {self.likelihood!r}")
+        if not isinstance(self.prior, Prior):
+            self.build_prior()   # a plugin's prior without an empirical-Bayes form says so here, before any work
+        if self.client == "laplace" and self.likelihood != "categorical":
+            raise ValueError(f"likelihood: a variational client's observation model; Laplace clients "
+                             f"(client='laplace') train by cross-entropy, expected 'categorical', got "
+                             f"{self.likelihood!r}")
         if self.client == "laplace":
             defaults = {f.name: f.default for f in fields(self)}
             for name in ("prior_scale", "init_scale", "prior_variance", "kl_weight", "scale_lr_factor",
@@ -426,14 +442,17 @@ class BayesianConfig:
                              f"client='variational', got {training.optimizer!r}")
 
     def build_prior(self) -> Prior:
-        """The prior object (a new one for a named prior)."""
+        """The prior object (a new one for a named prior: :func:`~bnpfed.models.build_prior` at ``prior_scale`` and
+        ``prior_variance``)."""
         if isinstance(self.prior, Prior):
             return self.prior
-        if self.prior_variance == "empirical-bayes":
-            expose = None if self.prior == "linear-weights" else ["*"]
-            return EmpiricalBayesPrior(expose, init_scale=float(self.prior_scale))
-        weight_prior = dist.Normal(0.0, float(self.prior_scale))
-        return only_linear_weights(weight_prior) if self.prior == "linear-weights" else IIDPrior(weight_prior)
+        return build_prior(self.prior, scale=float(self.prior_scale), variance=self.prior_variance)
+
+    def build_likelihood(self) -> Likelihood:
+        """The likelihood object (a new one for a named likelihood: :func:`~bnpfed.models.build_likelihood`)."""
+        if isinstance(self.likelihood, Likelihood):
+            return self.likelihood
+        return build_likelihood(self.likelihood)
 
 
 # ------------------------------------------------------------------------------------------------ servers

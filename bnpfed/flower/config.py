@@ -9,7 +9,7 @@ keys: a config field's name with ``-`` for ``_`` (``sigma0_2`` is ``sigma0-2``, 
 
 * :class:`FlowerRun`, the run itself: ``method``, ``dataset``, ``standardize``, ``rounds``, ``seed``,
   ``fraction-evaluate``, ``predictive-samples``, ``min-nodes``, ``min-replies``, ``node-timeout``,
-  ``round-timeout``, ``output-dir``;
+  ``round-timeout``, ``output-dir``, ``plugins``;
 * :class:`~bnpfed.federated.config.PartitionConfig` (but ``clients``: J is the SuperNodes' ``num-partitions``),
   :class:`~bnpfed.federated.config.NetworkConfig`, :class:`~bnpfed.federated.config.TrainingConfig`,
   :class:`~bnpfed.federated.config.BayesianConfig` (what the clients need);
@@ -17,6 +17,10 @@ keys: a config field's name with ``-`` for ``_`` (``sigma0_2`` is ``sigma0-2``, 
   their ``fraction``, the share of clients a round trains, is one key);
 * :class:`SecureAggregationConfig`: weight-wise posterior fusion under SecAgg+ (``secure-aggregation``,
   ``secagg-*``).
+
+``plugins`` (comma-separated module names, :mod:`bnpfed.plugins`) is read first: the server imports them before it
+checks any other key (a ``method``, ``rule``, ``prior`` or ``likelihood`` a plugin registers is then known), and
+sends them with every message, so that every client imports them before it reads its settings.
 
 Values are converted to the field's type: a tuple is a list or a comma-separated string (``hidden = "100,100"``,
 ``sigma2 = "0.3,1"``), a bool may be ``"true"`` / ``"false"``, an optional int may be ``"none"``. The network and
@@ -55,8 +59,9 @@ from typing import Any, Mapping, Union
 from bnpfed.data import DATASET_NAMES, NPZ_PREFIX
 from bnpfed.federated import (FUSION_TRAINING, PFNM_NETWORK, PFNM_TRAINING, BayesianConfig, FusionConfig, NetworkConfig,
                               PartitionConfig, PFNMConfig, TrainingConfig, config_dict)
-from bnpfed.federated import check_fusion_network
+from bnpfed.federated import available_federated_methods, check_fusion_network
 from bnpfed.combine import SECURE_RULES
+from bnpfed.plugins import PluginError, load_plugins, plugin_names
 from bnpfed.validation import check_choice, check_fraction, check_int, check_positive
 
 __all__ = [
@@ -75,8 +80,9 @@ __all__ = [
     "run_config_defaults",
 ]
 
-#: The methods a Flower run has: PFNM's neuron matching, posterior fusion (``align`` ``"none"`` or ``"match"``),
-#: FedAvg (the baseline, from one shared initialisation).
+#: The built-in methods of a Flower run: PFNM's neuron matching, posterior fusion (``align`` ``"none"`` or
+#: ``"match"``), FedAvg (the baseline, from one shared initialisation). Besides them, every federated method
+#: registered (:func:`~bnpfed.federated.register_federated_method`, a plugin's too) is a method.
 METHODS = ("pfnm", "fusion", "fedavg")
 #: The value of a method-dependent key that asks for the method's default.
 AUTO = "auto"
@@ -93,12 +99,15 @@ class FlowerRun:
 
     :param str method: ``"pfnm"``, ``"fusion"`` (posterior fusion: weight by weight from one shared
         initialisation, or with ``align = "match"`` matched posterior fusion, each client from its own
-        initialisation) or ``"fedavg"`` (FedAvg from one shared initialisation, with fusion's network, schedule,
+        initialisation), ``"fedavg"`` (FedAvg from one shared initialisation, with fusion's network, schedule,
+        ``weights`` and ``fraction``), or the name of a registered federated method
+        (:func:`~bnpfed.federated.available_federated_methods`, run as FedAvg's: fusion's network and schedule,
         ``weights`` and ``fraction``). Default ``"pfnm"``.
     :param str dataset: the dataset every client loads (:func:`bnpfed.data.load_dataset`; ``mnist`` and the other
         torchvision sets from each SuperNode's ``data-dir`` node config). Default ``"digits"`` (bundled).
     :param str standardize: ``"true"``, ``"false"`` or ``"auto"``: as the method's command does (PFNM keeps pixels in
-        [0, 1] as the reference code, posterior fusion and FedAvg standardise). Default ``"auto"``.
+        [0, 1] as the reference code, posterior fusion, FedAvg and the registered federated methods standardise).
+        Default ``"auto"``.
     :param int rounds: communication rounds. Default 1.
     :param int seed: the experiment's seed, every random stream's root (:mod:`bnpfed.seeding`). Default 0.
     :param float fraction_evaluate: share of the clients that score the global model on their test shards after
@@ -115,6 +124,9 @@ class FlowerRun:
     :param str output_dir: if set, the ServerApp writes ``<method>-summary.json``, ``<method>-global.npz`` (the
         final global model's arrays) and ``<method>-global.pt`` (the global model as :func:`bnpfed.saved.save_global`
         writes it: PFNM's network, posterior fusion's Bayesian client) there. Default ``""`` (nothing written).
+    :param str plugins: comma-separated modules the server and every client import first (:mod:`bnpfed.plugins`;
+        :func:`parse_run_config` loads them); each must be importable on every machine of the federation. Default
+        ``""`` (none; the entry points of the group ``bnpfed.plugins`` are loaded anyway).
     """
 
     method: str = "pfnm"
@@ -129,9 +141,10 @@ class FlowerRun:
     node_timeout: float = 120.0
     round_timeout: float = 600.0
     output_dir: str = ""
+    plugins: str = ""
 
     def __post_init__(self):
-        check_choice(self.method, METHODS, "method")
+        check_choice(self.method, METHODS + tuple(available_federated_methods()), "method")
         if not isinstance(self.dataset, str) or not (self.dataset in DATASET_NAMES or (
                 self.dataset.startswith(NPZ_PREFIX) and len(self.dataset) > len(NPZ_PREFIX))):
             raise ValueError(f"dataset: expected one of {list(DATASET_NAMES)} or {NPZ_PREFIX}PATH, got "
@@ -147,11 +160,24 @@ class FlowerRun:
         check_positive(self.round_timeout, "round_timeout")
         if not isinstance(self.output_dir, str):
             raise ValueError(f"output_dir: expected a path (a string), got {self.output_dir!r}")
+        if not isinstance(self.plugins, str):
+            raise ValueError(f"plugins: expected comma-separated module names (a string), got {self.plugins!r}")
+
+    @property
+    def plugin_modules(self) -> list[str]:
+        """The modules of ``plugins``, in order."""
+        return plugin_names(self.plugins)
+
+    @property
+    def federated(self) -> bool:
+        """Whether ``method`` is a registered federated method (:class:`~bnpfed.flower.method_strategy.
+        MethodStrategy`), not a built-in one."""
+        return self.method not in METHODS
 
     @property
     def standardized(self) -> bool:
         """Whether the clients standardise their inputs."""
-        return self.method in ("fusion", "fedavg") if self.standardize == AUTO else self.standardize == "true"
+        return (self.method != "pfnm") if self.standardize == AUTO else self.standardize == "true"
 
 
 @dataclass(frozen=True)
@@ -206,6 +232,11 @@ _METHOD_DEFAULTS = {"pfnm": {"network": PFNM_NETWORK, "training": PFNM_TRAINING}
 _METHOD_DEFAULTS["fedavg"] = _METHOD_DEFAULTS["fusion"]   # bnpfed fuse's baseline: its network and schedule
 
 
+def _method_defaults(method: str) -> dict:
+    """The defaults of ``method``'s method-dependent configs: a registered federated method's are FedAvg's."""
+    return _METHOD_DEFAULTS.get(method, _METHOD_DEFAULTS["fedavg"])
+
+
 @dataclass(frozen=True)
 class FlowerSettings:
     """Every setting of a Flower run, one config per concern. ``partition.clients`` is the config's default until
@@ -232,6 +263,8 @@ class FlowerSettings:
         partition, network, training and Bayesian configs. The client rebuilds them with :func:`client_settings`."""
         out = {"dataset": self.run.dataset, "standardize": self.run.standardized, "seed": self.run.seed,
                "predictive-samples": self.run.predictive_samples}
+        if self.run.plugin_modules:   # every client imports them first (bnpfed.flower.client)
+            out["plugins"] = self.run.plugin_modules
         for name in ("partition", "network", "training", "bayesian"):
             for f in fields(CONFIGS[name]):
                 value = getattr(getattr(self, name), f.name)
@@ -431,6 +464,10 @@ def parse_run_config(config: Mapping[str, Any]) -> FlowerSettings:
     """
     if not isinstance(config, Mapping):
         raise ValueError(f"run config: expected a mapping of keys to values, got {type(config).__name__}")
+    try:   # first: a method, rule, prior or likelihood a plugin registers is then known
+        load_plugins(_scalar(config.get("plugins", ""), str, "plugins"))
+    except PluginError as error:
+        raise ValueError(f"plugins: {error}") from None
     known = _keys()
     for key in config:
         if key not in known:
@@ -441,7 +478,7 @@ def parse_run_config(config: Mapping[str, Any]) -> FlowerSettings:
     run = _build(FlowerRun, _config_values(config, "run", auto=False))
     built = {"run": run}
     for name in ("partition", "network", "training", "bayesian", "pfnm", "fusion", "secure"):
-        base = _METHOD_DEFAULTS[run.method].get(name)
+        base = _method_defaults(run.method).get(name)
         values = _config_values(config, name, auto=True)
         if name in _HEADS_OF and _HEADS_OF[name] != run.method:   # heads: the output layer of the method's server
             values.pop("heads", None)
