@@ -12,6 +12,7 @@ Examples::
     bnpfed flower sim --local --run-config 'method="pfnm" rounds=2 hidden="50"' --json out.json
     bnpfed flower sim --local --run-config 'method="fusion" align="match" rule="eaa" rounds=2'
     bnpfed flower sim --local --run-config 'method="fedavg" rounds=3'
+    bnpfed flower sim --plugin examples.fedpa --run-config 'method="fedpa" optimizer="sgd" lr=0.05 rounds=3'
 """
 
 from __future__ import annotations
@@ -188,6 +189,11 @@ def _sim(args, flower_config) -> int:
     # every key and value is checked before anything starts (Ray, the grid)
     try:
         config = _run_config(args.run_config)
+        given = config.get("plugins", "")
+        if getattr(args, "plugin", None) and isinstance(given, str):
+            # --plugin's modules are the run's plugins too, so that every (simulated) node imports them
+            modules = dict.fromkeys([*args.plugin, *(p.strip() for p in given.split(","))])
+            config["plugins"] = ",".join(m for m in modules if m)
         settings = flower_config.parse_run_config(config)
     except ValueError as error:
         return _fail(f"--run-config: {error}")
