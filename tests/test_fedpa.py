@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,8 @@ SGD = TrainingConfig(epochs=3, optimizer="sgd", lr=0.05)
 
 @pytest.fixture
 def fedpa():
-    """The example imported as a plugin would be (it registers ``"fedpa"``); undone afterwards."""
+    """The example imported afresh, as a plugin would be (it registers ``"fedpa"``); undone afterwards."""
+    sys.modules.pop(MODULE, None)
     with restored_registries([MODULE]):
         yield importlib.import_module(MODULE)
 
@@ -223,6 +225,7 @@ def test_in_process_fedpa_learns_and_its_rounds_are_seeded(fedpa, digits_parts):
 
 def test_bnpfed_pfnm_runs_fedpa_from_the_plugin_beside_fedavg(tmp_path):
     out = tmp_path / "out.json"
+    sys.modules.pop(MODULE, None)
     with restored_registries([MODULE]):
         assert main(["pfnm", "--plugin", MODULE, "--methods", "fedpa,fedavg", "--optimizer", "sgd", "--lr", "0.05",
                      "--epochs", "3", "--round-epochs", "3", "--rounds", "2", "--clients", "3", "--hidden", "16",
@@ -260,6 +263,25 @@ def test_a_flower_simulation_of_fedpa_gives_the_in_process_global_model(monkeypa
 
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     config = {**FLOWER, **FRACTION}
+    sys.modules.pop(MODULE, None)
     with restored_registries([MODULE]):
         results = simulate({"fedpa": config})
         assert_same_as_in_process(results["fedpa"], config)
+
+
+@pytest.mark.slow
+def test_a_superlink_and_three_supernodes_on_loopback_run_fedpa_from_the_plugins_key(tmp_path, monkeypatch):
+    """Real processes: the ServerApp and every ClientApp message (a fresh process on a SuperNode) import the
+    example from the run config's plugins; the global model is the in-process one."""
+    pytest.importorskip("flwr", reason="Flower is not installed (pip install 'bnpfed[flower]')")
+    from flower_harness import FRACTION, assert_same_model, assert_same_rounds, in_process, loopback
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    config = {**FLOWER, **FRACTION}
+    sys.modules.pop(MODULE, None)
+    with restored_registries([MODULE]):
+        with loopback(tmp_path) as deployment:
+            for name, summary, arrays in deployment.run({"fedpa": config}):
+                reference = in_process(config)
+                assert_same_rounds(summary["results"]["rounds"], reference)
+                assert_same_model(arrays, reference)
