@@ -72,9 +72,11 @@ def posterior_delta(samples: Tensor, theta: Tensor, rho: float) -> Tensor:
     :returns: ``(d,)`` in ``theta``'s dtype (computed in float64).
     """
     if not (torch.is_tensor(samples) and samples.dim() == 2 and samples.shape[0] >= 1):
-        raise ValueError(f"samples: expected a tensor (l, d) of l >= 1 samples, got {getattr(samples, 'shape', samples)}")
+        raise ValueError(f"samples: expected a tensor (l, d) of l >= 1 samples, got "
+                         f"{getattr(samples, 'shape', samples)}")
     if not (torch.is_tensor(theta) and theta.shape == samples.shape[1:]):
-        raise ValueError(f"theta: expected a tensor of shape ({samples.shape[1]},), got {getattr(theta, 'shape', theta)}")
+        raise ValueError(f"theta: expected a tensor of shape ({samples.shape[1]},), got "
+                         f"{getattr(theta, 'shape', theta)}")
     if isinstance(rho, bool) or not isinstance(rho, (int, float)) or not math.isfinite(rho) or rho < 0:
         raise ValueError(f"rho: expected a finite number >= 0, got {rho!r}")
     x = samples.to(torch.float64)

@@ -126,7 +126,8 @@ def test_on_gaussian_client_posteriors_fedpas_fixed_point_is_the_product_mode_an
     for _, _, draws in clients:
         l = len(draws)
         shrink = 1 / (1 + (l - 1) * rho)
-        estimated.append((draws.mean(0), shrink * torch.eye(3, dtype=torch.float64) + (1 - shrink) * torch.cov(draws.T)))
+        covariance = shrink * torch.eye(3, dtype=torch.float64) + (1 - shrink) * torch.cov(draws.T)
+        estimated.append((draws.mean(0), covariance))
     expected = product_mode([m for m, _ in estimated], [s for _, s in estimated], weights)
     # the server's step size against the largest curvature of the global quadratic, with momentum
     hessian = sum(b * torch.linalg.inv(s) for b, (_, s) in zip(weights, estimated))
@@ -253,6 +254,17 @@ def test_on_flower_fedpa_is_the_in_process_federation_bit_for_bit(fedpa):
     result = run_federation(LocalGrid(client_app, CLIENTS), config)
     reference = assert_same_as_in_process(result, config)
     assert [r["delta_norm"] for r in result.history] == [r.metrics["delta_norm"] for r in reference.history]
+
+
+def test_bnpfed_flower_sim_plugin_makes_the_module_the_runs_plugins(tmp_path):
+    pytest.importorskip("flwr", reason="Flower is not installed (pip install 'bnpfed[flower]')")
+    out = tmp_path / "sim.json"
+    sys.modules.pop(MODULE, None)
+    with restored_registries([MODULE]):
+        assert main(["flower", "sim", "--local", "--plugin", MODULE, "--run-config",
+                     'method="fedpa" optimizer="sgd" lr=0.05 epochs=2 rounds=1 hidden="8"', "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["settings"]["run"]["plugins"] == MODULE and record["settings"]["run"]["method"] == "fedpa"
 
 
 @pytest.mark.slow

@@ -105,7 +105,8 @@ def nan_at_0(update):
     (lambda u: {"not": "an update"}, r"Broken.client_step: expected a ClientUpdate, got dict"),
     (drop_key, r"Broken.client_step update: expected exactly the entries .* missing \['1.bias'\]"),
     (lambda u: ClientUpdate({**u.update, "1.weight": u.update["1.weight"][:, :3]}),
-     r"Broken.client_step update\['1.weight'\]: expected shape \(16, 64\) and dtype torch.float32, got shape \(16, 3\)"),
+     r"Broken.client_step update\['1.weight'\]: expected shape \(16, 64\) and dtype torch.float32, got shape "
+     r"\(16, 3\)"),
     (lambda u: ClientUpdate({**u.update, "1.bias": u.update["1.bias"].double()}),
      r"update\['1.bias'\]: expected shape \(16,\) and dtype torch.float32, got shape \(16,\) and dtype torch.float64"),
     (nan_at_0, r"update\['1.weight'\]: expected finite values, got 1 NaN or infinite"),

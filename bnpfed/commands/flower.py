@@ -106,7 +106,8 @@ def add_parser(sub):
         description="PFNM and posterior fusion as a Flower app (bnpfed.flower, examples/flower_app): method=\"pfnm\", "
         "or method=\"fusion\" with align=\"none\" (weight by weight, one shared initialisation) or align=\"match\" "
         "(matched posterior fusion: each client from its own initialisation, hidden units matched, then fused), or "
-        "method=\"fedavg\" (the FedAvg baseline, the in-process fedavg method's server step). "
+        "method=\"fedavg\" (the FedAvg baseline, the in-process fedavg method's server step), or the name of a "
+        "registered federated method (one a plugin registers: --plugin MODULE, or the run config's plugins). "
         "`bnpfed pfnm` and `bnpfed fuse` run everything on one machine; this runs the same servers and clients as "
         "Flower strategies and client apps.",
         epilog=GUIDE,

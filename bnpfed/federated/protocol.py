@@ -209,14 +209,17 @@ def check_tensors(values: Any, like: Mapping[str, Tensor], label: str) -> dict[s
     ...
     ValueError: update['w']: expected shape (3,) and dtype torch.float32, got shape (2,) and dtype torch.float32
 
+    :param values: what a step returned.
+    :param like: ``{name: tensor}`` of the expected shapes and dtypes (values unused).
+    :param str label: what ``values`` is, for the message.
     :raises ValueError: ``"<label>...: ..."`` naming the entry.
     """
     if not isinstance(values, Mapping):
         raise ValueError(f"{label}: expected a dict of tensors, got {type(values).__name__}")
     missing, extra = [k for k in like if k not in values], [k for k in values if k not in like]
     if missing or extra:
-        raise ValueError(f"{label}: expected exactly the entries {list(like)}, got "
-                         + "; ".join(([f"missing {missing}"] if missing else []) + ([f"extra {extra}"] if extra else [])))
+        wrong = ([f"missing {missing}"] if missing else []) + ([f"extra {extra}"] if extra else [])
+        raise ValueError(f"{label}: expected exactly the entries {list(like)}, got " + "; ".join(wrong))
     out = {}
     for key, ref in like.items():
         value = values[key]
@@ -257,7 +260,11 @@ def _metrics(values: Any, label: str) -> dict[str, float]:
 
 def initial_global_state(method: FederatedMethod, template: nn.Module) -> dict[str, Tensor]:
     """``method`` 's global state before round 1 from the shared initial network ``template`` (checked: a dict of
-    finite tensors whose global network can be built)."""
+    finite tensors whose global network can be built).
+
+    :param FederatedMethod method: the method.
+    :param nn.Module template: the shared initial network (a copy is handed to the method).
+    """
     state = _kept(method.initial_state(copy.deepcopy(template)), "initial_state")
     method.global_network(state, template)
     return state
@@ -271,6 +278,16 @@ def client_step(method: FederatedMethod, template: nn.Module, state: Mapping[str
     ``template``) and the client's data, its returns checked (:func:`check_tensors` against
     :meth:`FederatedMethod.expected_update`).
 
+    :param FederatedMethod method: the method.
+    :param nn.Module template: the shared initial network (the architecture the global network is built on).
+    :param dict state: the global state sent.
+    :param Tensor x: the client's training inputs.
+    :param Tensor y: its labels.
+    :param TrainingConfig training: the local training settings.
+    :param int seed: the experiment's seed.
+    :param int round: the round, from 1.
+    :param int client: the client's index.
+    :param dict client_state: what the client kept from its last round (None: nothing yet).
     :raises ValueError: naming what the step returned wrong.
     """
     task = ClientTask(network=method.global_network(state, template).train(), state=state, x=x, y=y,
@@ -292,6 +309,15 @@ def server_step(method: FederatedMethod, state: Mapping[str, Tensor], server_sta
     :meth:`FederatedMethod.server_step` on the :class:`ServerTask`, its new state checked against ``state``'s
     entries, shapes and dtypes.
 
+    :param FederatedMethod method: the method.
+    :param dict state: the global state the clients were sent.
+    :param dict server_state: what the server kept from the last round.
+    :param list updates: the clients' updates, in client order.
+    :param list weights: their normalised weights ``b_k``.
+    :param list sizes: their numbers of training examples.
+    :param list clients: their indices.
+    :param int seed: the experiment's seed.
+    :param int round: the round, from 1.
     :raises ValueError: naming what the step returned wrong.
     """
     if not (len(updates) == len(weights) == len(sizes) == len(clients)) or not updates:
@@ -311,6 +337,8 @@ def server_step(method: FederatedMethod, state: Mapping[str, Tensor], server_sta
 def client_metrics(metrics: Sequence[Mapping[str, float]]) -> dict[str, float]:
     """Each metric's mean over the clients that reported it, in the order first seen (what a round records of its
     clients' :attr:`ClientUpdate.metrics`).
+
+    :param metrics: per client, ``{name: number}``.
 
     >>> client_metrics([{"train_loss": 1.0}, {"train_loss": 2.0, "steps": 4}])
     {'train_loss': 1.5, 'steps': 4.0}

@@ -133,7 +133,8 @@ def run_federation(grid: Grid, config: Mapping[str, Any]) -> FederationResult:
                    command_record("flower run", config, settings.as_dict(), result.results()))
         np.savez(out / f"{run.method}-global.npz", **result.arrays)
         method, model = global_model(settings, identity.input_shape, identity.num_classes, result.arrays)
-        predictive = None if run.method in ("pfnm", "fedavg") or run.federated else {   # the clients' draws of the last evaluation
+        deterministic = run.method in ("pfnm", "fedavg") or run.federated
+        predictive = None if deterministic else {   # the clients' draws of the last evaluation
             "samples": run.predictive_samples, "seed": derive_seed(run.seed, Stream.PREDICT, run.rounds)}
         save_global(out / f"{run.method}-global.pt", model, method=method, predictive=predictive,
                     notes=[f"Flower run, {run.rounds} round(s)"])
