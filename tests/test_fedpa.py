@@ -212,6 +212,13 @@ def test_a_clients_update_is_a_delta_per_parameter_from_its_samples(fedpa, digit
 # ------------------------------------------------------------------------------------------------ where it runs
 
 
+def test_the_examples_own_usage_runs(fedpa):
+    import doctest
+
+    failures, tried = doctest.testmod(fedpa, optionflags=doctest.ELLIPSIS)
+    assert tried >= 3 and failures == 0
+
+
 def test_in_process_fedpa_learns_and_its_rounds_are_seeded(fedpa, digits_parts):
     ds, parts = digits_parts
     runs = [MethodFederation(ds, parts, method="fedpa", network=NetworkConfig(hidden=(32,)), training=SGD, seed=0,

@@ -142,11 +142,11 @@ CLIENT_WEIGHTS = ("size", "uniform")
 
 
 def config_dict(config) -> dict:
-    """A config as plain JSON-ready values (a prior object becomes its ``repr``)."""
+    """A config as plain JSON-ready values (a prior or likelihood object becomes its ``repr``)."""
     out = {}
     for f in fields(config):
         value = getattr(config, f.name)
-        if isinstance(value, Prior):
+        if isinstance(value, (Prior, Likelihood)):
             value = repr(value)
         elif isinstance(value, tuple):
             value = list(value)
