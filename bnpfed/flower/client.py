@@ -2,12 +2,13 @@
 
 On a SuperNode every message runs in a fresh ``flwr-clientapp`` process that imports this module first, so the
 module imports Flower alone; the handlers import the client's steps (:mod:`bnpfed.flower.client_steps`: torch,
-Pyro, the data, about 3 s of CPU) when a message needs them. Before anything else each handler imports the plugins
-the server names in the message (``plugins``, :mod:`bnpfed.plugins`) and the entry points of the group
-``bnpfed.plugins``: a node that cannot import one answers with an error reply naming it (the server logs it and
-goes on without that node), it does not crash. Three of the four stages of SecAgg+
+Pyro, the data, about 3 s of CPU) when a message needs them. Three of the four stages of SecAgg+
 (``secaggplus_mod``: setup, key sharing, unmasking) need none of it; the masked-vector stage calls
 :func:`~bnpfed.flower.secure.secure_fit`.
+
+Plugins: before anything else each handler imports the plugins the server names in the message (``plugins``,
+:mod:`bnpfed.plugins`) and the entry points of the group ``bnpfed.plugins``; a node that cannot import one answers
+with an error reply naming it (the server logs it and goes on without that node), it does not crash.
 
 Usage (the example app under ``examples/flower_app`` does exactly this)::
 
