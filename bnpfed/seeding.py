@@ -60,6 +60,8 @@ class Stream(IntEnum):
     HOLDOUT = 8
     #: a local fit's random image transforms (crops, flips), spawned from the fit's own seed
     AUGMENT = 9
+    #: a federated method's own server-side draws in a round (:class:`~bnpfed.federated.ServerTask`)
+    SERVER = 10
 
 
 def _check_key(value, name: str) -> int:

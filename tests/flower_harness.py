@@ -47,6 +47,7 @@ from flwr.app import Array, MessageType  # noqa: E402
 from flwr.serverapp import ServerApp  # noqa: E402
 
 from bnpfed.data import load_dataset  # noqa: E402
+from bnpfed.federated import MethodFederation  # noqa: E402
 from bnpfed.federated.federation import Federation, RoundRecord  # noqa: E402
 from bnpfed.federated.fusion import FedAvgFederation, FusionFederation  # noqa: E402
 from bnpfed.federated.matched_fusion import MatchedFusionFederation  # noqa: E402
@@ -54,8 +55,9 @@ from bnpfed.federated.pfnm import PFNMFederation  # noqa: E402
 from bnpfed.flower.client import app as client_app  # noqa: E402
 from bnpfed.flower.config import FlowerSettings, parse_run_config  # noqa: E402
 from bnpfed.flower.local import LocalGrid  # noqa: E402
+from bnpfed.flower.method_strategy import MethodStrategy  # noqa: E402
 from bnpfed.flower.records import (from_array_record, matched_posterior_to_record, posterior_to_record,  # noqa: E402
-                                   state_to_record, with_heads, with_temperature)
+                                   state_to_record, to_array_record, with_heads, with_temperature)
 from bnpfed.flower.server import FederationResult, run_federation  # noqa: E402
 from bnpfed.matching.pooled_heads import pooled_heads_of  # noqa: E402
 from bnpfed.flower.strategies import (FedAvgStrategy, MatchedFusionStrategy, PFNMStrategy,  # noqa: E402
@@ -108,6 +110,11 @@ def _fedavg_options(settings: FlowerSettings) -> dict:
                 weights=settings.fusion.weights, fraction=settings.fusion.fraction)
 
 
+def _method_options(settings: FlowerSettings) -> dict:
+    return dict(method=settings.run.method, network=settings.network, training=settings.training,
+                seed=settings.run.seed, weights=settings.fusion.weights, fraction=settings.fusion.fraction)
+
+
 def _fusion_options(settings: FlowerSettings) -> dict:
     return dict(network=settings.network, training=settings.training, bayesian=settings.bayesian,
                 fusion=settings.fusion, seed=settings.run.seed, predictive_samples=settings.run.predictive_samples)
@@ -130,7 +137,7 @@ class Method:
     rounds: Mapping[str, Callable[[RoundRecord], Any]]
 
 
-#: ``{strategy: Method}``: everything in the harness that differs between the three strategies.
+#: ``{strategy: Method}``: everything in the harness that differs between the strategies.
 METHODS: dict[type, Method] = {
     PFNMStrategy: Method(PFNMFederation, _pfnm_options, pfnm_arrays, {"hidden": _metric("hidden")}),
     PosteriorFusionStrategy: Method(
@@ -144,11 +151,16 @@ METHODS: dict[type, Method] = {
                                   lambda f: matched_arrays(f.match.locs, f.match.variances, f.pooled,
                                                            f.history[-1].metrics.get("temperature")),
                                   {"hidden": _metric("hidden"), "mean_sigma": _metric("mean_sigma")}),
+    MethodStrategy: Method(MethodFederation, _method_options,
+                           lambda f: from_array_record(to_array_record(f.global_state)),
+                           {"weights": attrgetter("weights")}),
 }
 
 
 def strategy_of(settings: FlowerSettings) -> type:
     """The strategy :func:`~bnpfed.flower.server.run_federation` runs for ``settings``."""
+    if settings.run.federated:   # a registered federated method
+        return MethodStrategy
     if settings.run.method == "pfnm":
         return PFNMStrategy
     if settings.run.method == "fedavg":

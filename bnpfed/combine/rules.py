@@ -51,6 +51,7 @@ __all__ = [
     "GaussianPosterior",
     "FusionRule",
     "available_rules",
+    "unregister_rule",
     "average_deterministic",
     "conflation",
     "eaa",
@@ -111,6 +112,14 @@ def register_rule(name: str, fn: FusionRule, *, overwrite: bool = False, per_coo
     _RULES[name] = fn
     (_PER_COORDINATE.add if per_coordinate else _PER_COORDINATE.discard)(name)
     return fn
+
+
+def unregister_rule(name: str) -> FusionRule:
+    """Remove the rule ``name`` that :func:`register_rule` added (a plugin's, say) and return it."""
+    if name not in _RULES:
+        raise ValueError(f"name: expected a registered rule, got {name!r} (registered: {available_rules()})")
+    _PER_COORDINATE.discard(name)
+    return _RULES.pop(name)
 
 
 def available_rules() -> list[str]:

@@ -13,6 +13,7 @@ Examples::
     bnpfed flower sim --local --run-config 'method="pfnm" rounds=2 hidden="50"' --json out.json
     bnpfed flower sim --local --run-config 'method="fusion" align="match" rule="eaa" rounds=2'
     bnpfed flower sim --local --run-config 'method="fedavg" rounds=3'
+    bnpfed flower sim --plugin examples.fedpa --run-config 'method="fedpa" optimizer="sgd" lr=0.05 rounds=3'
 """
 
 from __future__ import annotations
@@ -106,7 +107,8 @@ def add_parser(sub):
         description="PFNM and posterior fusion as a Flower app (bnpfed.flower, examples/flower_app): method=\"pfnm\", "
         "or method=\"fusion\" with align=\"none\" (weight by weight, one shared initialisation) or align=\"match\" "
         "(matched posterior fusion: each client from its own initialisation, hidden units matched, then fused), or "
-        "method=\"fedavg\" (the FedAvg baseline, the in-process fedavg method's server step). "
+        "method=\"fedavg\" (the FedAvg baseline, the in-process fedavg method's server step), or the name of a "
+        "registered federated method (one a plugin registers: --plugin MODULE, or the run config's plugins). "
         "`bnpfed pfnm` and `bnpfed fuse` run everything on one machine; this runs the same servers and clients as "
         "Flower strategies and client apps.",
         epilog=GUIDE,
@@ -194,6 +196,11 @@ def _sim(args, flower_config) -> int:
     # every key and value is checked before anything starts (Ray, the grid)
     try:
         config = _run_config(args.run_config)
+        given = config.get("plugins", "")
+        if getattr(args, "plugin", None) and isinstance(given, str):
+            # --plugin's modules are the run's plugins too, so that every (simulated) node imports them
+            modules = dict.fromkeys([*args.plugin, *(p.strip() for p in given.split(","))])
+            config["plugins"] = ",".join(m for m in modules if m)
         with notices("bnpfed flower"):   # a run-config key of bnpfed 0.1 says its new form
             settings = flower_config.parse_run_config(config)
     except ValueError as error:

@@ -29,7 +29,7 @@ from bnpfed.federated import methods
 from bnpfed.federated import initial_network
 from bnpfed.federated import (FUSION_ARCHITECTURES, FUSION_TRAINING, PAPER_MIN_VARIANCE, BayesianConfig,
                               ExperimentConfig, FusionConfig, MatchedFusionFederation, NetworkConfig, PartitionConfig,
-                              PFNMConfig, TrainingConfig, config_dict)
+                              PFNMConfig, TrainingConfig, available_methods, config_dict)
 from bnpfed.report import (command_record, command_results, format_table, line_styles, pyplot, save_figure,
                            write_json)
 from bnpfed.validation import check_choice
@@ -221,9 +221,10 @@ def prepare(args) -> dict:
     if args.baselines is not None:
         if not match:
             raise UsageError(f"--baselines: expected only with --align match, got --align {align}")
-        for name in args.baselines:
-            if name not in BASELINES:
-                raise UsageError(f"--baselines: expected names among {', '.join(BASELINES)}, got {name!r}")
+        for name in args.baselines:   # the built-in baselines, or a method a plugin registered
+            if name not in BASELINES and name not in available_methods():
+                raise UsageError(f"--baselines: expected names among {', '.join(BASELINES)} or a method a --plugin "
+                                 f"registered, got {name!r}")
     fedavg = () if args.no_fedavg else (FEDAVG,)
     rounds = _options.given(ExperimentConfig, args).get("rounds", ROUNDS)
     if match:

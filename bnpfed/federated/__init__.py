@@ -15,13 +15,18 @@ This is the folder's one public face: import from ``bnpfed.federated``; the file
   :class:`MatchedFusionFederation`;
 * the experiment harness: :func:`run_experiment` runs the registered comparison methods
   (:func:`register_method`, :func:`available_methods`; a method's options in its spec, ``match:rule=gaa``:
-  :func:`method_spec`) on one partition and returns a table.
+  :func:`method_spec`) on one partition and returns a table;
+* a federated method in one file (:mod:`bnpfed.federated.protocol`): a :class:`FederatedMethod` (a client step
+  and a server step, on :class:`ClientTask` / :class:`ServerTask`, returning :class:`ClientUpdate` /
+  :class:`ServerUpdate`) registered with :func:`register_federated_method` runs in process
+  (:class:`MethodFederation`), in :func:`run_experiment`, on the commands' ``--methods`` and on Flower
+  (``method = "<name>"``).
 """
 
 from bnpfed.federated.partition import (TrainValidationSplit, class_counts, class_shares, partition_dirichlet,
                                         partition_homogeneous, train_validation_split)
 from bnpfed.federated.config import (ARCHITECTURES, CLIENT_KINDS, CLIENT_WEIGHTS, FIT, FUSION_TRAINING, HEADS,
-                                     INITIALISATIONS, LAPLACE_PRIORS, LATER_ROUNDS, PAPER_MIN_VARIANCE,
+                                     INITIALISATIONS, LAPLACE_PRIORS, LATER_ROUNDS, LIKELIHOODS, PAPER_MIN_VARIANCE,
                                      PARTITION_ALIASES, PARTITIONS, PFNM_NETWORK, PFNM_TRAINING, PRIOR_VARIANCES,
                                      PRIORS, PVI_DAMPING, ROUND_PRIORS, BayesianConfig, FusionConfig, LocalSchedule,
                                      NetworkConfig, PartitionConfig, PFNMConfig, TrainingConfig, config_dict)
@@ -37,7 +42,12 @@ from bnpfed.federated.matched_fusion import (MatchedFusionFederation, bayesian_f
                                              pvi_factors, tempered)
 from bnpfed.federated.pfnm import PFNMFederation
 from bnpfed.federated.methods import (ExperimentConfig, MethodOption, MethodSpec, available_methods, check_methods,
-                                      method_options, method_spec, register_method, run_experiment)
+                                      method_options, method_spec, register_method, run_experiment,
+                                      unregister_method)
+from bnpfed.federated.protocol import (ClientTask, ClientUpdate, FederatedMethod, ServerTask, ServerUpdate,
+                                       check_tensors, client_metrics, client_step, initial_global_state, server_step)
+from bnpfed.federated.generic import (MethodFederation, available_federated_methods, federated_method,
+                                      register_federated_method, unregister_federated_method)
 
 __all__ = [
     # partitions
@@ -47,7 +57,7 @@ __all__ = [
     "PartitionConfig", "NetworkConfig", "TrainingConfig", "LocalSchedule", "BayesianConfig", "PFNMConfig",
     "FusionConfig", "ExperimentConfig", "config_dict", "FUSION_TRAINING", "PFNM_NETWORK", "PFNM_TRAINING",
     "ARCHITECTURES", "CLIENT_KINDS", "CLIENT_WEIGHTS", "FIT", "HEADS", "INITIALISATIONS", "LAPLACE_PRIORS",
-    "LATER_ROUNDS", "PAPER_MIN_VARIANCE", "PARTITIONS", "PARTITION_ALIASES", "PRIORS", "PRIOR_VARIANCES",
+    "LATER_ROUNDS", "PAPER_MIN_VARIANCE", "PARTITIONS", "PARTITION_ALIASES", "PRIORS", "PRIOR_VARIANCES", "LIKELIHOODS",
     "PVI_DAMPING", "ROUND_PRIORS",
     # the clients' steps
     "build_network", "initial_network", "train_network", "bayesian_client", "fit_bayesian", "posterior_client",
@@ -63,5 +73,9 @@ __all__ = [
     "MatchedFusionFederation", "PFNMFederation",
     # experiments
     "available_methods", "check_methods", "method_options", "method_spec", "MethodOption", "MethodSpec",
-    "register_method", "run_experiment",
+    "register_method", "unregister_method", "run_experiment",
+    # a federated method in one file
+    "FederatedMethod", "ClientTask", "ClientUpdate", "ServerTask", "ServerUpdate", "register_federated_method",
+    "unregister_federated_method", "available_federated_methods", "federated_method", "MethodFederation",
+    "client_step", "server_step", "initial_global_state", "check_tensors", "client_metrics",
 ]

@@ -195,9 +195,11 @@ def posterior_nll_step(client: BayesianClient, x: Tensor, y: Tensor, num_samples
 
 
 def bayesian_client(net: nn.Module, bayesian: BayesianConfig) -> BayesianClient:
-    """A variational Bayesian client of (a copy of) ``net`` with ``bayesian``'s prior, initial posterior scale and
-    local reparameterisation; the in-process federation and the Flower client app build their clients here."""
-    return BayesianClient(net, bayesian.build_prior(), init_scale=bayesian.init_scale,
+    """A variational Bayesian client of (a copy of) ``net`` with ``bayesian``'s prior, likelihood, initial posterior
+    scale and local reparameterisation; the in-process federation and the Flower client app build their clients
+    here."""
+    return BayesianClient(net, bayesian.build_prior(), likelihood=bayesian.build_likelihood(),
+                          init_scale=bayesian.init_scale,
                           local_reparameterization=bayesian.local_reparameterization,
                           elbo=MeanFieldELBO(kl_weight=bayesian.kl_weight))
 

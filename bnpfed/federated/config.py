@@ -41,14 +41,14 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
-import pyro.distributions as dist
 
 from bnpfed.clients import AUGMENTATIONS, OPTIMIZERS, check_augment, check_optimizer
 from bnpfed.experimental import (LATER_ROUNDS, PVI_DAMPING, ROUND_PRIORS, ExperimentalOptions,
                                  reads_experimental)
 from bnpfed.matching import ATOM_POSTERIOR, MATCH_ON, PVI, REFERENCE_CONSTANTS, matched_rules
 from bnpfed.federated.partition import holdout_split, partition_dirichlet, partition_homogeneous
-from bnpfed.models import EmpiricalBayesPrior, IIDPrior, Prior, only_linear_weights
+from bnpfed.models import (LIKELIHOODS, PRIOR_VARIANCES, PRIORS, Categorical, Likelihood, Prior,
+                           available_likelihoods, available_priors, build_likelihood, build_prior)
 from bnpfed.schema import documented, option
 from bnpfed.seeding import Stream, derive_seed
 from bnpfed.validation import (check_bool, check_choice, check_device, check_float, check_fraction, check_int,
@@ -70,6 +70,7 @@ __all__ = [
     "PFNM_TRAINING",
     "PRIORS",
     "PRIOR_VARIANCES",
+    "LIKELIHOODS",
     "ROUND_PRIORS",
     "LATER_ROUNDS",
     "HEADS",
@@ -94,12 +95,9 @@ ARCHITECTURES = ("mlp", "lenet", "lenet-paper", "simple-cnn", "simple-cnn-bn")
 #: ``"torch"``: PyTorch's default initialisation; ``"reference"``: the PFNM reference code's (weights N(0, 0.1^2),
 #: biases 0.1).
 INITIALISATIONS = ("torch", "reference")
-#: Named priors of :class:`BayesianConfig`: N(0, prior_scale^2) on the ``nn.Linear`` weight matrices only (Ozer et
-#: al.'s choice) or on every parameter.
-PRIORS = ("linear-weights", "all")
-#: How a named prior's variance is set: ``prior_scale^2`` throughout, or each client's type-II maximum-likelihood
-#: estimate per site (:class:`~bnpfed.models.EmpiricalBayesPrior`, starting at ``prior_scale``).
-PRIOR_VARIANCES = ("fixed", "empirical-bayes")
+# PRIORS (the built-in named priors of BayesianConfig: N(0, prior_scale^2) on the nn.Linear weight matrices only,
+# Ozer et al.'s choice, or on every parameter), PRIOR_VARIANCES and LIKELIHOODS live in bnpfed.models beside the
+# registry of names that plugins add to (available_priors, available_likelihoods); they are re-exported here.
 #: How a Bayesian client gets its posterior: by SVI on the ELBO (:class:`~bnpfed.clients.BayesianClient`), or by
 #: training its network as a PFNM client does and a diagonal Laplace approximation after the fact
 #: (:class:`~bnpfed.clients.LaplaceClient`, prior precision per site by the marginal likelihood).
@@ -142,16 +140,16 @@ def check_pool_temperature_applies(config, pooled: bool) -> None:
 
 
 def config_dict(config) -> dict:
-    """A config as plain JSON-ready values (a prior object becomes its ``repr``; the probes a config reads from its
-    ``experimental`` options stand beside its fields, as they did before they moved there, so that a record reads
-    the same)."""
+    """A config as plain JSON-ready values (a prior or likelihood object becomes its ``repr``; the probes a config
+    reads from its ``experimental`` options stand beside its fields, as they did before they moved there, so that a
+    record reads the same)."""
     out = {}
     for f in fields(config):
         value = getattr(config, f.name)
         if isinstance(value, ExperimentalOptions):
             out.update({name: getattr(value, name) for name in type(config).EXPERIMENTAL})
             continue
-        if isinstance(value, Prior):
+        if isinstance(value, (Prior, Likelihood)):
             value = repr(value)
         elif isinstance(value, tuple):
             value = list(value)
@@ -351,11 +349,12 @@ class BayesianConfig:
     fitted by SVI (:class:`~bnpfed.clients.BayesianClient`), or a diagonal Laplace posterior after the fact
     (``client="laplace"``, :class:`~bnpfed.clients.LaplaceClient`)."""
 
-    prior: Union[str, Prior] = option("linear-weights", choices=PRIORS, help=(
+    prior: Union[str, Prior] = option("linear-weights", choices=available_priors, help=(
         'the prior: the name of a standard one, ``"linear-weights"`` (N(0, prior_scale^2) on the ``nn.Linear`` '
-        'weight matrices only, Ozer et al.\'s choice) or ``"all"`` (on every parameter), or a '
-        ':class:`~bnpfed.models.Prior` object. A named prior is built anew for each client; a prior object is shared '
-        'by every client built from this config, so ``Prior.update_`` on it reaches them all.'))
+        'weight matrices only, Ozer et al.\'s choice) or ``"all"`` (on every parameter), or one a plugin registered '
+        '(:func:`~bnpfed.models.register_prior`), or a :class:`~bnpfed.models.Prior` object. A named prior is built '
+        'anew for each client; a prior object is shared by every client built from this config, so '
+        '``Prior.update_`` on it reaches them all.'))
     prior_scale: float = option(1.0, metavar="SCALE", help=(
         'the standard deviation of a named prior (unused with a prior object).'))
     init_scale: float = option(1e-2, metavar="SCALE", shown=False, help=(
@@ -388,11 +387,17 @@ class BayesianConfig:
         '``client="laplace"`` only: each weight matrix\'s prior precision, ``"marglik"`` (its evidence maximiser) or '
         '``"held-out"`` (those scaled by one factor, chosen by the held-out negative log-likelihood of the linearised '
         'predictive on a tenth of the client\'s data, held out from its training).'))
+    likelihood: Union[str, Likelihood] = option("categorical", choices=available_likelihoods, shown=False, help=(
+        'the clients\' observation model: the name of one (``"categorical"``, or one a plugin registered with '
+        ':func:`~bnpfed.models.register_likelihood`) or a :class:`~bnpfed.models.Likelihood` object. The '
+        'federations classify (accuracy, NLL, calibration of class probabilities), so it must be a '
+        ':class:`~bnpfed.models.Categorical` (or a subclass). Variational clients only: a Laplace client trains by '
+        'cross-entropy.'))
     experimental: ExperimentalOptions = _experimental("``round_prior``")
 
     def __post_init__(self):
         if not isinstance(self.prior, Prior):
-            check_choice(self.prior, PRIORS, "prior")
+            check_choice(self.prior, available_priors(), "prior")
         check_positive(self.prior_scale, "prior_scale")
         check_positive(self.init_scale, "init_scale")
         check_bool(self.local_reparameterization, "local_reparameterization")
@@ -409,6 +414,17 @@ class BayesianConfig:
         if self.laplace_prior != "marglik" and self.client != "laplace":
             raise ValueError(f"laplace_prior: a Laplace client's prior precision; expected its default 'marglik' with "
                              f"client={self.client!r}, got {self.laplace_prior!r}")
+        if not isinstance(self.likelihood, Likelihood):
+            check_choice(self.likelihood, available_likelihoods(), "likelihood")
+        if not isinstance(self.build_likelihood(), Categorical):
+            raise ValueError(f"likelihood: expected a classification likelihood (a Categorical or a subclass: the "
+                             f"federations score class probabilities), got {self.likelihood!r}")
+        if not isinstance(self.prior, Prior):
+            self.build_prior()   # a plugin's prior without an empirical-Bayes form says so here, before any work
+        if self.client == "laplace" and self.likelihood != "categorical":
+            raise ValueError(f"likelihood: a variational client's observation model; Laplace clients "
+                             f"(client='laplace') train by cross-entropy, expected 'categorical', got "
+                             f"{self.likelihood!r}")
         if self.client == "laplace":
             defaults = {f.name: f.default for f in fields(self)}
             for name in ("prior_scale", "init_scale", "prior_variance", "kl_weight", "scale_lr_factor"):
@@ -430,14 +446,17 @@ class BayesianConfig:
                              f"client='variational', got {training.optimizer!r}")
 
     def build_prior(self) -> Prior:
-        """The prior object (a new one for a named prior)."""
+        """The prior object (a new one for a named prior: :func:`~bnpfed.models.build_prior` at ``prior_scale`` and
+        ``prior_variance``)."""
         if isinstance(self.prior, Prior):
             return self.prior
-        if self.prior_variance == "empirical-bayes":
-            expose = None if self.prior == "linear-weights" else ["*"]
-            return EmpiricalBayesPrior(expose, init_scale=float(self.prior_scale))
-        weight_prior = dist.Normal(0.0, float(self.prior_scale))
-        return only_linear_weights(weight_prior) if self.prior == "linear-weights" else IIDPrior(weight_prior)
+        return build_prior(self.prior, scale=float(self.prior_scale), variance=self.prior_variance)
+
+    def build_likelihood(self) -> Likelihood:
+        """The likelihood object (a new one for a named likelihood: :func:`~bnpfed.models.build_likelihood`)."""
+        if isinstance(self.likelihood, Likelihood):
+            return self.likelihood
+        return build_likelihood(self.likelihood)
 
 
 # ------------------------------------------------------------------------------------------------ servers

@@ -9,6 +9,9 @@ and clients as :mod:`bnpfed.federated`, run as real server and client processes.
   and :class:`FedAvgStrategy` (the FedAvg baseline, the in-process ``fedavg`` method's server step).
   They sample partitions, check every reply at the boundary and call the server steps of
   :mod:`bnpfed.federated.server`; no aggregation math is written here.
+* :mod:`bnpfed.flower.method_strategy`: :class:`MethodStrategy`, any registered federated method
+  (:mod:`bnpfed.federated.protocol`, ``method = "<name>"``, a plugin's too: ``plugins = "<module>"``), one strategy
+  for them all.
 * :mod:`bnpfed.flower.secure`: :class:`SecureFusionStrategy`, weight-wise posterior fusion under SecAgg+ (the server
   sees sums over clients, :mod:`bnpfed.combine.secure`, and counts, never one client's posterior).
 * :mod:`bnpfed.flower.client`: the ClientApp (``bnpfed.flower.client:app``), light to import (Flower only);
@@ -33,7 +36,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 _STRATEGIES = ("FedAvgStrategy", "MatchedFusionStrategy", "PFNMStrategy", "PosteriorFusionStrategy")
 _SECURE = ("SecureFusionStrategy", "SecureMatchedFusionStrategy")
 
-__all__ = sorted([*_STRATEGIES, *_SECURE, "ReplyError", "LocalGrid", "run_federation"])
+__all__ = sorted([*_STRATEGIES, *_SECURE, "MethodStrategy", "ReplyError", "LocalGrid", "run_federation"])
 
 
 def __getattr__(name: str):
@@ -41,6 +44,8 @@ def __getattr__(name: str):
         from bnpfed.flower import strategies as module
     elif name in _SECURE:
         from bnpfed.flower import secure as module
+    elif name == "MethodStrategy":
+        from bnpfed.flower import method_strategy as module
     elif name == "ReplyError":
         from bnpfed.flower import records as module
     elif name == "LocalGrid":

@@ -47,6 +47,11 @@ alone decides. The steps are :mod:`bnpfed.federated.clients`' (the in-process fe
   (:func:`~bnpfed.matching.posteriors.client_posterior`), ``num-examples``, ``class-counts``,
   ``train-loss`` and its posterior-mean network's units' activity on its data (``activity:<group>``; read when the
   server matches on the means, ``match-on``);
+* ``train``, task ``"federated-method"`` (a registered federated method, ``method = "<name>"``): the method named by
+  the message's ``federated-method`` runs its client step on the global state sent
+  (:func:`~bnpfed.federated.client_step`; its network the shared initial network's architecture carrying the state),
+  with what this client kept from its last round (in ``context.state``); reply with the update, ``num-examples`` and
+  the step's metrics, and keep what the step keeps;
 * ``evaluate``: accuracy, NLL and Brier score of the global model on the test shard, and the per-bin calibration
   gaps of ECE with 100 and 15 bins (:func:`~bnpfed.metrics.calibration_gaps`: sums over the shard, from which the
   server computes the test split's ECE exactly); fusion and matched fusion: the posterior predictive drawn from
@@ -73,6 +78,7 @@ from bnpfed.federated import BayesianConfig, NetworkConfig, PartitionConfig
 from bnpfed.federated import client_from_slice, tempered
 from bnpfed.federated import class_counts
 from bnpfed.federated import Architecture
+from bnpfed.federated import client_step, federated_method
 from bnpfed.flower.config import ClientSettings, client_settings
 from bnpfed.flower.secure import client_at_widths, keep_for_secure_sum
 from bnpfed.flower.records import (
@@ -80,6 +86,7 @@ from bnpfed.flower.records import (
     CLIENT,
     CONFIG,
     ECE_BINS,
+    METHOD_KEY,
     METRICS,
     NodeIdentity,
     activity_metrics,
@@ -95,6 +102,7 @@ from bnpfed.flower.records import (
     split_cavity,
     split_heads,
     split_temperature,
+    tensors_from_arrays,
     to_array_record,
     POOL_NLL,
 )
@@ -149,6 +157,10 @@ def _output(arch: Architecture) -> str:
 def _data_dir(context: Context) -> Optional[str]:
     value = context.node_config.get("data-dir")
     return None if value is None else str(value)
+
+
+#: Where a federated method's client keeps its state between rounds, in its node's ``context.state``.
+_KEPT = f"{METHOD_KEY}:client-state"
 
 
 def evaluation_shard(num_test: int, j: int, num_clients: int) -> np.ndarray:
@@ -389,12 +401,39 @@ def _train_matched(msg: Message, context: Context) -> Message:
     return c.reply(msg, matched_posterior_to_record(*client_posterior(client)), metrics)
 
 
+def _method_of(c: _Client):
+    """The federated method the message names, and the shared initial network of its architecture."""
+    method = federated_method(c.config.get(METHOD_KEY))
+    arch = _architecture(c.settings.network, tuple(c.ds.input_shape), c.ds.num_classes, c.settings.seed)
+    return method, arch.template
+
+
+def _train_method(msg: Message, context: Context) -> Message:
+    """A registered federated method's client step on the global state sent, with what this client kept from its
+    last round (``context.state``); reply with the update and the step's metrics, keep what the step keeps."""
+    c = _Client(msg, context)
+    method, template = _method_of(c)
+    x, y = c.train_data
+    state = tensors_from_arrays(from_array_record(msg.content.array_records[ARRAYS]), label="state")
+    kept = context.state.array_records.get(_KEPT)
+    kept = None if kept is None else tensors_from_arrays(from_array_record(kept), label="client_state")
+    update = client_step(method, template, state, x, y, c.settings.training, seed=c.settings.seed, round=c.round,
+                         client=c.j, client_state=kept)
+    context.state[_KEPT] = to_array_record(update.client_state)
+    return c.reply(msg, to_array_record(update.update), {"num-examples": int(len(y)), **update.metrics})
+
+
 def evaluate(msg: Message, context: Context) -> Message:
     """An ``evaluate``: the global model's scores on this node's test shard."""
     c = _Client(msg, context)
     x, y = c.test_data
     record = msg.content.array_records[ARRAYS]
-    if c.config["task"] in ("pfnm", "fedavg"):
+    if c.config["task"] == METHOD_KEY:
+        method, template = _method_of(c)
+        state = tensors_from_arrays(from_array_record(record), label="state")
+        with torch.no_grad():
+            probs = method.global_network(state, template).eval()(x).softmax(-1)
+    elif c.config["task"] in ("pfnm", "fedavg"):
         net = c.evaluation_network(record)
         with torch.no_grad():
             probs = net.eval()(x).softmax(-1)
@@ -414,6 +453,7 @@ def evaluate(msg: Message, context: Context) -> Message:
 
 
 _TRAIN = {"pfnm": _train_pfnm, "fedavg": _train_fedavg, "fusion": _train_fusion, "matched-fusion": _train_matched,
+          METHOD_KEY: _train_method,
           "secure-fusion": _train_fusion}
 
 

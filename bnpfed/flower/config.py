@@ -9,7 +9,7 @@ keys: a config field's name with ``-`` for ``_`` (``sigma0_2`` is ``sigma0-2``, 
 
 * :class:`FlowerRun`, the run itself: ``method``, ``dataset``, ``standardize``, ``rounds``, ``seed``,
   ``fraction-evaluate``, ``predictive-samples``, ``min-nodes``, ``min-replies``, ``node-timeout``,
-  ``round-timeout``, ``output-dir``;
+  ``round-timeout``, ``output-dir``, ``plugins``;
 * :class:`~bnpfed.federated.config.PartitionConfig` (but ``clients``: J is the SuperNodes' ``num-partitions``),
   :class:`~bnpfed.federated.config.NetworkConfig`, :class:`~bnpfed.federated.config.TrainingConfig`,
   :class:`~bnpfed.federated.config.BayesianConfig` (what the clients need);
@@ -27,7 +27,10 @@ them and :func:`app_config_toml` writes the ``[tool.flwr.app.config]`` table of 
 
 Values are converted to the field's type (:func:`bnpfed.schema.coerce`): a tuple is a list or a comma-separated string
 (``hidden = "100,100"``, ``sigma2 = "0.3,1"``), a bool may be ``"true"`` / ``"false"``, an optional int may be
-``"none"``. The network and
+``"none"``. ``plugins`` (comma-separated module names, :mod:`bnpfed.plugins`) is read first: the server imports them
+before it checks any other key (a ``method``, ``rule``, ``prior`` or ``likelihood`` a plugin registers is then
+known), and sends them with every message, so that every client imports them before it reads its settings. The
+network and
 training keys whose defaults differ between the methods (PFNM's are the reference code's,
 :data:`~bnpfed.federated.config.PFNM_TRAINING` and :data:`~bnpfed.federated.config.PFNM_NETWORK`; posterior
 fusion's the config defaults) take ``"auto"``: the method's default. Every key and value is checked before anything
@@ -65,8 +68,9 @@ from bnpfed.data import DATASET_NAMES, NPZ_PREFIX
 from bnpfed.experimental import ExperimentalOptions, keyed
 from bnpfed.federated import (FUSION_TRAINING, PFNM_NETWORK, PFNM_TRAINING, BayesianConfig, FusionConfig, NetworkConfig,
                               PartitionConfig, PFNMConfig, TrainingConfig, config_dict)
-from bnpfed.federated import check_fusion_network
+from bnpfed.federated import available_federated_methods, check_fusion_network
 from bnpfed.combine import SECURE_RULES
+from bnpfed.plugins import PluginError, load_plugins, plugin_names
 from bnpfed.schema import METADATA, coerce, documented, key_of, option, options, render, summary
 from bnpfed.validation import check_choice, check_fraction, check_int, check_positive
 
@@ -88,11 +92,17 @@ __all__ = [
     "run_config_defaults",
 ]
 
-#: The methods a Flower run has: PFNM's neuron matching, posterior fusion (``align`` ``"none"`` or ``"match"``),
-#: FedAvg (the baseline, from one shared initialisation).
+#: The built-in methods of a Flower run: PFNM's neuron matching, posterior fusion (``align`` ``"none"`` or
+#: ``"match"``), FedAvg (the baseline, from one shared initialisation). Besides them, every federated method
+#: registered (:func:`~bnpfed.federated.register_federated_method`, a plugin's too) is a method.
 METHODS = ("pfnm", "fusion", "fedavg")
 #: The value of a method-dependent key that asks for the method's default.
 AUTO = "auto"
+
+
+def flower_methods() -> tuple[str, ...]:
+    """The methods a run can name: :data:`METHODS` and every registered federated method (a plugin's too)."""
+    return METHODS + tuple(available_federated_methods())
 
 
 def config_key(field_name: str) -> str:
@@ -105,10 +115,12 @@ def config_key(field_name: str) -> str:
 class FlowerRun:
     """The run: which method, on which data, for how many rounds, how long to wait for whom, where to write."""
 
-    method: str = option("pfnm", choices=METHODS, help=(
+    method: str = option("pfnm", choices=flower_methods, help=(
         '``"pfnm"``, ``"fusion"`` (posterior fusion: weight by weight from one shared initialisation, or with '
-        '``align="match"`` matched posterior fusion, each client from its own initialisation) or ``"fedavg"`` '
-        '(FedAvg from one shared initialisation, with fusion\'s network, schedule, ``weights`` and ``fraction``).'))
+        '``align="match"`` matched posterior fusion, each client from its own initialisation), ``"fedavg"`` '
+        '(FedAvg from one shared initialisation, with fusion\'s network, schedule, ``weights`` and ``fraction``), or '
+        'the name of a registered federated method (:func:`~bnpfed.federated.available_federated_methods`, run as '
+        'FedAvg\'s: fusion\'s network and schedule, ``weights`` and ``fraction``).'))
     dataset: str = option("digits", help=(
         'the dataset every client loads (:func:`bnpfed.data.load_dataset`: the bundled ``"digits"``; ``mnist`` and '
         'the other torchvision sets from each SuperNode\'s ``data-dir`` node config).'))
@@ -133,9 +145,13 @@ class FlowerRun:
     output_dir: str = option("", help=(
         'if set, the ServerApp writes ``<method>-summary.json``, ``<method>-global.npz`` (the final global model\'s '
         'arrays) and ``<method>-global.pt`` (the global model as :func:`bnpfed.saved.save_global` writes it) there.'))
+    plugins: str = option("", help=(
+        'comma-separated modules the server and every client import first (:mod:`bnpfed.plugins`; '
+        ':func:`parse_run_config` loads them); each must be importable on every machine of the federation. Empty: '
+        'none (the entry points of the group ``bnpfed.plugins`` are loaded anyway).'))
 
     def __post_init__(self):
-        check_choice(self.method, METHODS, "method")
+        check_choice(self.method, METHODS + tuple(available_federated_methods()), "method")
         if not isinstance(self.dataset, str) or not (self.dataset in DATASET_NAMES or (
                 self.dataset.startswith(NPZ_PREFIX) and len(self.dataset) > len(NPZ_PREFIX))):
             raise ValueError(f"dataset: expected one of {list(DATASET_NAMES)} or {NPZ_PREFIX}PATH, got "
@@ -151,11 +167,24 @@ class FlowerRun:
         check_positive(self.round_timeout, "round_timeout")
         if not isinstance(self.output_dir, str):
             raise ValueError(f"output_dir: expected a path (a string), got {self.output_dir!r}")
+        if not isinstance(self.plugins, str):
+            raise ValueError(f"plugins: expected comma-separated module names (a string), got {self.plugins!r}")
+
+    @property
+    def plugin_modules(self) -> list[str]:
+        """The modules of ``plugins``, in order."""
+        return plugin_names(self.plugins)
+
+    @property
+    def federated(self) -> bool:
+        """Whether ``method`` is a registered federated method (:class:`~bnpfed.flower.method_strategy.
+        MethodStrategy`), not a built-in one."""
+        return self.method not in METHODS
 
     @property
     def standardized(self) -> bool:
         """Whether the clients standardise their inputs."""
-        return self.method in ("fusion", "fedavg") if self.standardize == AUTO else self.standardize == "true"
+        return (self.method != "pfnm") if self.standardize == AUTO else self.standardize == "true"
 
 
 @documented
@@ -216,6 +245,11 @@ _METHOD_DEFAULTS = {"pfnm": {"network": PFNM_NETWORK, "training": PFNM_TRAINING}
 _METHOD_DEFAULTS["fedavg"] = _METHOD_DEFAULTS["fusion"]   # bnpfed fuse's baseline: its network and schedule
 
 
+def _method_defaults(method: str) -> dict:
+    """The defaults of ``method``'s method-dependent configs: a registered federated method's are FedAvg's."""
+    return _METHOD_DEFAULTS.get(method, _METHOD_DEFAULTS["fedavg"])
+
+
 @dataclass(frozen=True)
 class FlowerSettings:
     """Every setting of a Flower run, one config per concern. ``partition.clients`` is the config's default until
@@ -242,6 +276,8 @@ class FlowerSettings:
         partition, network, training and Bayesian configs. The client rebuilds them with :func:`client_settings`."""
         out = {"dataset": self.run.dataset, "standardize": self.run.standardized, "seed": self.run.seed,
                "predictive-samples": self.run.predictive_samples}
+        if self.run.plugin_modules:   # every client imports them first (bnpfed.flower.client)
+            out["plugins"] = self.run.plugin_modules
         for name in ("partition", "network", "training", "bayesian"):
             for f in fields(CONFIGS[name]):
                 value = getattr(getattr(self, name), f.name)
@@ -441,6 +477,10 @@ def parse_run_config(config: Mapping[str, Any]) -> FlowerSettings:
     """
     if not isinstance(config, Mapping):
         raise ValueError(f"run config: expected a mapping of keys to values, got {type(config).__name__}")
+    try:   # first: a method, rule, prior or likelihood a plugin registers is then known
+        load_plugins(coerce(config.get("plugins", ""), str, "plugins"))
+    except PluginError as error:
+        raise ValueError(f"plugins: {error}") from None
     known = _keys()
     for key in config:
         if key not in known and key != EXPERIMENTAL and key not in _OLD_PROBE_KEYS:
@@ -455,7 +495,7 @@ def parse_run_config(config: Mapping[str, Any]) -> FlowerSettings:
     probes = _experimental(config)
     read = set()
     for name in ("partition", "network", "training", "bayesian", "pfnm", "fusion", "secure"):
-        base = _METHOD_DEFAULTS[run.method].get(name)
+        base = _method_defaults(run.method).get(name)
         values = _config_values(config, name, auto=True)
         if name in _READ_BY:   # each config its own probes
             values["experimental"] = probes.only(CONFIGS[name].EXPERIMENTAL)

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
 
+from bnpfed.federated import check_tensors
 from bnpfed.matching import BatchNormMoments, PermutationSpec
 from bnpfed.posterior import GaussianPosterior
 from bnpfed.validation import check_names, check_tensor
@@ -55,10 +56,12 @@ __all__ = [
     "CLIENT",
     "CONFIG",
     "ECE_BINS",
+    "METHOD_KEY",
     "METRICS",
     "NodeIdentity",
     "ReplyError",
     "to_array_record",
+    "tensors_from_arrays",
     "with_cavity",
     "split_cavity",
     "HEADS",
@@ -89,6 +92,8 @@ __all__ = [
 
 #: Keys of the records in a message's ``RecordDict``.
 ARRAYS, CONFIG, METRICS, CLIENT = "arrays", "config", "metrics", "client"
+#: The key of a registered federated method's name in a message's config (its ``task`` is this key too).
+METHOD_KEY = "federated-method"
 #: The bins of the ECE an evaluation reports: Ozer et al.'s 100 (``ece``) and Guo et al.'s 15 (``ece15``); each
 #: client sends its shard's per-bin gaps as ``ece-gaps-<bins>``.
 ECE_BINS = (100, 15)
@@ -119,6 +124,23 @@ def from_array_record(record: ArrayRecord) -> dict[str, np.ndarray]:
                               f"{tuple(value.shape)}")
         out[name] = value
     return out
+
+
+def tensors_from_arrays(arrays: Mapping[str, np.ndarray], like: Mapping[str, torch.Tensor] | None = None,
+                        label: str = "arrays") -> dict[str, torch.Tensor]:
+    """``{name: tensor}`` of decoded arrays, each keeping its dtype (a federated method's state or update,
+    :mod:`bnpfed.federated.protocol`); with ``like``, exactly its entries, shapes and dtypes, finite
+    (:func:`~bnpfed.federated.check_tensors`).
+
+    :raises ReplyError: naming the entry.
+    """
+    tensors = {name: torch.from_numpy(np.array(value, copy=True)) for name, value in arrays.items()}
+    if like is not None:
+        try:
+            tensors = check_tensors(tensors, like, label)
+        except ValueError as error:
+            raise ReplyError(str(error)) from None
+    return tensors
 
 
 def array_shapes(record: ArrayRecord) -> dict[str, tuple[int, ...]]:

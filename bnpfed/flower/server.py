@@ -1,7 +1,8 @@
-"""The Flower ServerApp: reads the run config, asks the SuperNodes for their partitions, builds
-:class:`~bnpfed.flower.strategies.PFNMStrategy`, :class:`~bnpfed.flower.strategies.PosteriorFusionStrategy` or (for
-``method = "fusion"`` with ``align = "match"``) :class:`~bnpfed.flower.strategies.MatchedFusionStrategy`, runs its
-rounds and writes what came out.
+"""The Flower ServerApp: reads the run config (its ``plugins`` first), asks the SuperNodes for their partitions,
+builds :class:`~bnpfed.flower.strategies.PFNMStrategy`, :class:`~bnpfed.flower.strategies.PosteriorFusionStrategy`,
+(for ``method = "fusion"`` with ``align = "match"``) :class:`~bnpfed.flower.strategies.MatchedFusionStrategy`,
+:class:`~bnpfed.flower.strategies.FedAvgStrategy` or, for a registered federated method,
+:class:`~bnpfed.flower.method_strategy.MethodStrategy`, runs its rounds and writes what came out.
 
 The run config (``[tool.flwr.app.config]`` of the app, then ``flwr run --run-config``) is one flat namespace of the
 configs of :mod:`bnpfed.federated.config` plus the run's own keys (:mod:`bnpfed.flower.config`); every key and value
@@ -34,13 +35,14 @@ import torch
 from flwr.app import ArrayRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
-from bnpfed.federated import initial_network
+from bnpfed.federated import federated_method, initial_network
 from bnpfed.federated import client_from_slice, tempered
 from bnpfed.flower.client_steps import initial_global_model
 from bnpfed.flower.config import FlowerSettings, parse_run_config
 from bnpfed.flower.secure import SecureFusionStrategy, SecureMatchedFusionStrategy, client_at_widths
+from bnpfed.flower.method_strategy import MethodStrategy
 from bnpfed.flower.records import (from_array_record, matched_posterior_from_arrays, posterior_from_arrays,
-                                   state_to_record, split_heads, split_temperature)
+                                   state_to_record, split_heads, split_temperature, tensors_from_arrays)
 from bnpfed.flower.strategies import (LOGGER, FedAvgStrategy, MatchedFusionStrategy, PFNMStrategy,
                                       PosteriorFusionStrategy)
 from bnpfed.matching import derive_spec, network_from_state
@@ -91,7 +93,9 @@ def run_federation(grid: Grid, config: Mapping[str, Any]) -> FederationResult:
                   min_replies=run.min_replies, node_timeout=run.node_timeout, query_timeout=run.round_timeout,
                   client_config=settings.client_record())
     matched = run.method == "fusion" and settings.fusion.align == "match"
-    if run.method == "pfnm":
+    if run.federated:   # a registered federated method: the one generic strategy
+        strategy = MethodStrategy(run.method, settings.fusion, network=settings.network, **common)
+    elif run.method == "pfnm":
         strategy = PFNMStrategy(settings.pfnm, network=settings.network, **common)
     elif run.method == "fedavg":
         strategy = FedAvgStrategy(settings.fusion, network=settings.network, **common)
@@ -108,7 +112,9 @@ def run_federation(grid: Grid, config: Mapping[str, Any]) -> FederationResult:
     identity = strategy.connect(grid)
     settings.training.check_inputs(identity.input_shape)   # augment: images only, known once the nodes report
     settings = settings.with_clients(identity.num_partitions)
-    if run.method == "pfnm" or matched:  # each client starts round 1 from its own initialisation
+    if run.federated:   # the method's initial global state, from the shared initial network
+        initial = strategy.initial_arrays()
+    elif run.method == "pfnm" or matched:  # each client starts round 1 from its own initialisation
         initial = ArrayRecord()
     elif run.method == "fedavg":  # the shared initial network
         initial = state_to_record(initial_network(settings.network, identity.input_shape, identity.num_classes,
@@ -127,7 +133,8 @@ def run_federation(grid: Grid, config: Mapping[str, Any]) -> FederationResult:
                    command_record("flower run", config, settings.as_dict(), result.results()))
         np.savez(out / f"{run.method}-global.npz", **result.arrays)
         method, model = global_model(settings, identity.input_shape, identity.num_classes, result.arrays)
-        predictive = None if run.method in ("pfnm", "fedavg") else {   # the clients' draws of the last evaluation
+        deterministic = run.method in ("pfnm", "fedavg") or run.federated
+        predictive = None if deterministic else {   # the clients' draws of the last evaluation
             "samples": run.predictive_samples, "seed": derive_seed(run.seed, Stream.PREDICT, run.rounds)}
         save_global(out / f"{run.method}-global.pt", model, method=method, predictive=predictive,
                     notes=[f"Flower run, {run.rounds} round(s)"])
@@ -140,6 +147,8 @@ def global_model(settings: FlowerSettings, input_shape, num_classes: int, arrays
     matched widths), for :func:`bnpfed.saved.save_global` (``bnpfed.load_global``, ``bnpfed evaluate``)."""
     run = settings.run
     template = initial_network(settings.network, input_shape, num_classes, seed=run.seed)
+    if run.federated:
+        return run.method, federated_method(run.method).global_network(tensors_from_arrays(arrays), template)
     if run.method in ("pfnm", "fedavg"):
         arrays, heads = split_heads(arrays)   # PFNM with pooled heads: they replace the output layer
         net = network_from_state(template, {k: torch.as_tensor(v) for k, v in arrays.items()})

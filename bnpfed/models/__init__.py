@@ -1,4 +1,6 @@
-"""Pyro generative programs: the Beta-Bernoulli neuron model of PFNM, and Bayesian neural networks."""
+"""Pyro generative programs: the Beta-Bernoulli neuron model of PFNM, and Bayesian neural networks; priors and
+likelihoods by name (:func:`register_prior`, :func:`register_likelihood`: what a config's ``prior`` and
+``likelihood`` take, and what a plugin can add to)."""
 
 from bnpfed.models.beta_bernoulli import (
     FederatedLayer,
@@ -16,6 +18,19 @@ from bnpfed.models.local_reparameterization import (
     LocalReparameterizedLinear,
     local_reparameterization,
     sample_linear,
+)
+from bnpfed.models.named import (
+    LIKELIHOODS,
+    PRIOR_VARIANCES,
+    PRIORS,
+    available_likelihoods,
+    available_priors,
+    build_likelihood,
+    build_prior,
+    register_likelihood,
+    register_prior,
+    unregister_likelihood,
+    unregister_prior,
 )
 from bnpfed.models.networks import LeNet, mlp, reference_init_, simple_cnn, simple_cnn_bn
 from bnpfed.models.priors import (
@@ -46,6 +61,17 @@ __all__ = [
     "LocalReparameterizedLinear",
     "local_reparameterization",
     "sample_linear",
+    "LIKELIHOODS",
+    "PRIORS",
+    "PRIOR_VARIANCES",
+    "available_likelihoods",
+    "available_priors",
+    "build_likelihood",
+    "build_prior",
+    "register_likelihood",
+    "register_prior",
+    "unregister_likelihood",
+    "unregister_prior",
     "LeNet",
     "mlp",
     "reference_init_",

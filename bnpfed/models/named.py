@@ -1,0 +1,168 @@
+"""Priors and likelihoods by name: the names a config (:class:`~bnpfed.federated.BayesianConfig`), a command's
+``--prior`` / ``--likelihood`` and a Flower run config's ``prior`` / ``likelihood`` keys take, as a registry that a
+plugin (:mod:`bnpfed.plugins`) can add to, like the fusion rules of :mod:`bnpfed.combine`.
+
+* a named prior is a factory ``factory(scale, variance) -> Prior``: ``scale`` is the config's ``prior_scale`` (the
+  prior's standard deviation), ``variance`` one of :data:`PRIOR_VARIANCES` (``"fixed"``: that scale throughout;
+  ``"empirical-bayes"``: each client's own estimate, starting at it). A factory that has no empirical-Bayes form
+  raises ``ValueError("prior_variance: ...")``. Built in: ``"linear-weights"`` (N(0, scale^2) on the ``nn.Linear``
+  weight matrices, Ozer et al.'s choice) and ``"all"`` (on every parameter);
+* a named likelihood is a factory ``factory() -> Likelihood``. Built in: ``"categorical"``
+  (:class:`~bnpfed.models.likelihoods.Categorical`, classification).
+
+Usage::
+
+    >>> import pyro.distributions as dist
+    >>> from bnpfed.models import IIDPrior
+    >>> _ = register_prior("laplace-all", lambda scale, variance: IIDPrior(dist.Laplace(0.0, scale)))
+    >>> type(build_prior("laplace-all", scale=0.5)).__name__, "laplace-all" in available_priors()
+    ('IIDPrior', True)
+    >>> _ = unregister_prior("laplace-all")
+    >>> build_likelihood("categorical")
+    Categorical()
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import pyro.distributions as dist
+
+from bnpfed.models.likelihoods import Categorical, Likelihood
+from bnpfed.models.priors import EmpiricalBayesPrior, IIDPrior, Prior, only_linear_weights
+
+__all__ = ["LIKELIHOODS", "PRIORS", "PRIOR_VARIANCES", "LikelihoodFactory", "PriorFactory", "available_likelihoods",
+           "available_priors", "build_likelihood", "build_prior", "register_likelihood", "register_prior",
+           "unregister_likelihood", "unregister_prior"]
+
+#: ``factory(scale, variance) -> Prior``.
+PriorFactory = Callable[[float, str], Prior]
+#: ``factory() -> Likelihood``.
+LikelihoodFactory = Callable[[], Likelihood]
+
+#: How a named prior's variance is set: ``scale^2`` throughout, or each client's type-II maximum-likelihood estimate
+#: per site (:class:`~bnpfed.models.EmpiricalBayesPrior`, starting at ``scale``).
+PRIOR_VARIANCES = ("fixed", "empirical-bayes")
+#: The built-in prior names (:func:`available_priors` lists those plugins add too).
+PRIORS = ("linear-weights", "all")
+#: The built-in likelihood names (:func:`available_likelihoods` lists those plugins add too).
+LIKELIHOODS = ("categorical",)
+
+_PRIORS: dict[str, PriorFactory] = {}
+_LIKELIHOODS: dict[str, LikelihoodFactory] = {}
+
+
+def _check_name(name, registry: dict, what: str, overwrite: bool) -> None:
+    if not isinstance(name, str) or not name.strip() or name != name.strip() or "," in name:
+        raise ValueError(f"name: expected a non-empty {what} name without spaces at its ends or commas, got {name!r}")
+    if name in registry and not overwrite:
+        raise ValueError(f"name: expected a {what} name not registered yet, got {name!r}, which is; pass "
+                         "overwrite=True to replace it")
+
+
+def register_prior(name: str, factory: PriorFactory, *, overwrite: bool = False) -> PriorFactory:
+    """Make ``factory`` the prior named ``name`` (a config's ``prior``, ``bnpfed fuse --prior``, the run config's
+    ``prior``).
+
+    :param str name: the prior's name.
+    :param callable factory: ``factory(scale, variance) -> Prior`` (module docstring).
+    :param bool overwrite: replace a prior registered under ``name``; default False raises instead.
+    :returns: ``factory``.
+    """
+    _check_name(name, _PRIORS, "prior", overwrite)
+    if not callable(factory):
+        raise ValueError(f"factory: expected a callable factory(scale, variance) -> Prior, got "
+                         f"{type(factory).__name__}")
+    _PRIORS[name] = factory
+    return factory
+
+
+def unregister_prior(name: str) -> PriorFactory:
+    """Remove the prior ``name`` and return its factory."""
+    if name not in _PRIORS:
+        raise ValueError(f"name: expected a registered prior, got {name!r} (registered: {available_priors()})")
+    return _PRIORS.pop(name)
+
+
+def available_priors() -> list[str]:
+    """The prior names, in registration order (built-ins first)."""
+    return list(_PRIORS)
+
+
+def build_prior(name: str, *, scale: float = 1.0, variance: str = "fixed") -> Prior:
+    """The prior ``name`` at ``scale`` with its ``variance`` (:data:`PRIOR_VARIANCES`), a new object each call.
+
+    :raises ValueError: ``"prior: ..."`` for an unknown name, ``"prior_variance: ..."`` for a variance it has no form
+        of, or a factory that returns no :class:`~bnpfed.models.Prior`.
+    """
+    if not isinstance(name, str) or name not in _PRIORS:
+        raise ValueError(f"prior: expected one of {available_priors()} (or a Prior object), got {name!r}")
+    if variance not in PRIOR_VARIANCES:
+        raise ValueError(f"prior_variance: expected one of {list(PRIOR_VARIANCES)}, got {variance!r}")
+    prior = _PRIORS[name](float(scale), variance)
+    if not isinstance(prior, Prior):
+        raise ValueError(f"prior: the factory of {name!r} returned a {type(prior).__name__}, expected a "
+                         f"bnpfed.models.Prior")
+    return prior
+
+
+def register_likelihood(name: str, factory: LikelihoodFactory, *, overwrite: bool = False) -> LikelihoodFactory:
+    """Make ``factory`` the likelihood named ``name`` (a config's ``likelihood``, ``bnpfed fuse --likelihood``, the
+    run config's ``likelihood``).
+
+    :param str name: the likelihood's name.
+    :param callable factory: ``factory() -> Likelihood``.
+    :param bool overwrite: replace a likelihood registered under ``name``; default False raises instead.
+    :returns: ``factory``.
+    """
+    _check_name(name, _LIKELIHOODS, "likelihood", overwrite)
+    if not callable(factory):
+        raise ValueError(f"factory: expected a callable factory() -> Likelihood, got {type(factory).__name__}")
+    _LIKELIHOODS[name] = factory
+    return factory
+
+
+def unregister_likelihood(name: str) -> LikelihoodFactory:
+    """Remove the likelihood ``name`` and return its factory."""
+    if name not in _LIKELIHOODS:
+        raise ValueError(f"name: expected a registered likelihood, got {name!r} (registered: "
+                         f"{available_likelihoods()})")
+    return _LIKELIHOODS.pop(name)
+
+
+def available_likelihoods() -> list[str]:
+    """The likelihood names, in registration order (built-ins first)."""
+    return list(_LIKELIHOODS)
+
+
+def build_likelihood(name: str) -> Likelihood:
+    """The likelihood ``name``, a new object each call.
+
+    :raises ValueError: ``"likelihood: ..."`` for an unknown name, or a factory that returns no
+        :class:`~bnpfed.models.Likelihood`.
+    """
+    if not isinstance(name, str) or name not in _LIKELIHOODS:
+        raise ValueError(f"likelihood: expected one of {available_likelihoods()} (or a Likelihood object), got "
+                         f"{name!r}")
+    likelihood = _LIKELIHOODS[name]()
+    if not isinstance(likelihood, Likelihood):
+        raise ValueError(f"likelihood: the factory of {name!r} returned a {type(likelihood).__name__}, expected a "
+                         f"bnpfed.models.Likelihood")
+    return likelihood
+
+
+def _linear_weights(scale: float, variance: str) -> Prior:
+    if variance == "empirical-bayes":
+        return EmpiricalBayesPrior(None, init_scale=scale)
+    return only_linear_weights(dist.Normal(0.0, scale))
+
+
+def _all(scale: float, variance: str) -> Prior:
+    if variance == "empirical-bayes":
+        return EmpiricalBayesPrior(["*"], init_scale=scale)
+    return IIDPrior(dist.Normal(0.0, scale))
+
+
+register_prior("linear-weights", _linear_weights)
+register_prior("all", _all)
+register_likelihood("categorical", Categorical)
