@@ -21,9 +21,8 @@ from bnpfed.plugins import PluginError, load_plugins
 
 #: The flag that names a plugin module, on every command.
 PLUGIN_FLAG = "--plugin"
-PLUGIN_HELP = ("import MODULE before anything else (repeatable): the fusion rules, priors, likelihoods and methods "
-               "it registers are then accepted by every flag that takes a registered name; the entry points of the "
-               "group bnpfed.plugins are loaded too")
+PLUGIN_HELP = ("import MODULE first (repeatable): the rules, priors, likelihoods and methods it registers "
+               "become names every flag accepts")
 
 
 class CommandParser(argparse.ArgumentParser):

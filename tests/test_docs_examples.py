@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from bnpfed.combine import rules
-from bnpfed.federated import registry
+from bnpfed.federated import generic, registry
+from bnpfed.models import named
 
 DOCS = Path(__file__).parent.parent / "docs"
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
@@ -24,11 +25,14 @@ def test_the_docs_have_python_snippets_on_every_guide_and_extending_page():
 
 @pytest.fixture
 def scratch_registries(monkeypatch):
-    """Copies of the rule and method registries: a snippet that registers its own rule or method (the extending
+    """Copies of the registries (rules, methods, federated methods, named priors and likelihoods): a snippet that registers its own rule or method (the extending
     pages do) leaves the others' registries as they were."""
     monkeypatch.setattr(rules, "_RULES", dict(rules._RULES))
     monkeypatch.setattr(rules, "_PER_COORDINATE", set(rules._PER_COORDINATE))
     monkeypatch.setattr(registry, "_METHODS", dict(registry._METHODS))
+    monkeypatch.setattr(generic, "_FEDERATED", dict(generic._FEDERATED))
+    monkeypatch.setattr(named, "_PRIORS", dict(named._PRIORS))
+    monkeypatch.setattr(named, "_LIKELIHOODS", dict(named._LIKELIHOODS))
 
 
 @pytest.mark.parametrize("page, index, code", SNIPPETS,
