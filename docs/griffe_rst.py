@@ -61,6 +61,7 @@ class RstToMarkdown(griffe.Extension):
                                                  obj.docstring.value, flags=re.M)
         for cls in records:
             describe_fields(cls)
+            show_option_defaults(cls, self.convert)
 
     # ------------------------------------------------------------------ blocks
 
@@ -85,7 +86,11 @@ class RstToMarkdown(griffe.Extension):
                 while end < len(lines) and lines[end].strip():
                     end += 1
                 block = [x[indent_of(line):] for x in lines[i:end]]
-                out.extend(fence(block, indent_of(line), language="pycon"))
+                # an example indented under prose (not a list item's continuation) is fenced at the prose's indent:
+                # Markdown would read a fence indented four spaces deeper as literal text of an indented code block
+                before = next((x for x in reversed(out) if x.strip()), "")
+                pad = indent_of(line) if indent_of(before) >= indent_of(line) else indent_of(before)
+                out.extend(fence(block, pad, language="pycon"))
                 i = end
                 continue
             out.append(self.prose(line, obj))
@@ -248,6 +253,32 @@ def describe_fields(cls: griffe.Class) -> None:
             kept.extend(lines[i:end])
         i = end
     cls.docstring.value = "\n".join(kept)
+
+
+def show_option_defaults(cls: griffe.Class, convert) -> None:
+    """A field declared ``name: T = option(default, help=...)`` (:mod:`bnpfed.schema`) shows ``default`` as its value
+    and in the class's signature, not the whole declaration, and its ``help`` as its description (the ``:param``
+    lines :func:`bnpfed.schema.documented` writes exist only at run time; ``convert`` turns the help's reST into
+    Markdown)."""
+    for member in cls.members.values():
+        value = getattr(member, "value", None) if not member.is_alias else None
+        if (isinstance(value, griffe.ExprCall) and str(value.function) == "option" and value.arguments
+                and not isinstance(value.arguments[0], griffe.ExprKeyword)):
+            member.value = value.arguments[0]
+            helps = [a.value for a in value.arguments if isinstance(a, griffe.ExprKeyword) and a.name == "help"]
+            if helps and member.docstring is None:
+                try:
+                    text = ast.literal_eval(str(helps[0]))
+                except (ValueError, SyntaxError):
+                    continue
+                member.docstring = griffe.Docstring(convert(text[:1].upper() + text[1:], member), parent=member)
+    init = cls.members.get("__init__")
+    parameters = list(init.parameters) if init is not None and not init.is_alias else list(cls.parameters or ())
+    for parameter in parameters:
+        default = parameter.default
+        if (isinstance(default, griffe.ExprCall) and str(default.function) == "option" and default.arguments
+                and not isinstance(default.arguments[0], griffe.ExprKeyword)):
+            parameter.default = default.arguments[0]
 
 
 def walk(obj: griffe.Object):
