@@ -12,12 +12,12 @@ import torch
 from bnpfed.cli import build_parser, main
 from bnpfed.commands import fuse, pfnm
 from bnpfed.data import NPZ_FORMAT
-from bnpfed.federated import methods
+import bnpfed.federated as methods   # the face the commands call through
 from bnpfed.experimental import ExperimentalOptions
 from bnpfed.federated.config import PAPER_MIN_VARIANCE, BayesianConfig, PartitionConfig, PFNMConfig, TrainingConfig
 from bnpfed.report import RECORD_SCHEMA, command_record, command_results, read_record
 from bnpfed.clients import TrainingDiverged
-from bnpfed.matching import recovery
+import bnpfed.matching as recovery   # the face the demo calls through
 
 TINY = ["--clients", "3", "--epochs", "1", "--hidden", "16", "--no-progress"]
 

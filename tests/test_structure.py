@@ -12,6 +12,12 @@ from pathlib import Path
 
 import pytest
 
+try:
+    import flwr  # noqa: F401
+    FLOWER = True
+except ImportError:   # bnpfed.flower's face needs Flower
+    FLOWER = False
+
 PACKAGE = Path(__file__).resolve().parent.parent / "bnpfed"
 #: The deprecated paths of 0.1 (aliases of their new modules): not rooms of the house.
 DEPRECATED = {"inference", "secure_fusion.py", "_moved.py"}
@@ -57,6 +63,22 @@ def test_every_folder_is_read_through_its_face_from_other_folders():
             target = room_of(module)
             if target in FOLDERS and target != room and module != f"bnpfed.{target}" and module not in APPS:
                 behind.append(f"{path.relative_to(PACKAGE)}:{line} imports {module} (use bnpfed.{target})")
+    assert not behind, "\n".join(behind)
+
+
+def test_no_folder_takes_another_folders_module_through_its_face():
+    """``from bnpfed.matching import recovery`` reads behind the face as much as ``from bnpfed.matching.recovery``
+    does (a name the face exports that shares a file's name, such as ``kl_fusion``, is the face's, and allowed)."""
+    behind = []
+    for room, name, path in modules():
+        for module, names, line in imports(path):
+            target = room_of(module)
+            if target in FOLDERS and target != room and module == f"bnpfed.{target}":
+                face = importlib.import_module(module) if target != "flower" or FLOWER else None
+                exported = set(getattr(face, "__all__", ())) if face else set()
+                behind += [f"{path.relative_to(PACKAGE)}:{line} imports the module {module}.{n}" for n in names
+                           if (PACKAGE / target / f"{n}.py").exists() and n not in exported
+                           and f"{module}.{n}" not in APPS]
     assert not behind, "\n".join(behind)
 
 

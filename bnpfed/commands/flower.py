@@ -142,7 +142,7 @@ def run(args) -> int:
         args.flower_parser.print_help()
         return 0
     try:
-        from bnpfed.flower import config as flower_config
+        import bnpfed.flower as flower_config   # its face: the run config's names load on first use
     except ImportError as error:
         return _fail(str(error))
     if args.flower_action == "keys":

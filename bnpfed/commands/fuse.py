@@ -25,7 +25,7 @@ from bnpfed.combine import available_rules
 from bnpfed.matching import ATOM_POSTERIOR, PVI, matched_rules
 from bnpfed.commands import _args, _options
 from bnpfed.commands._args import HelpFormatter, UsageError, fail, flag_message, warn
-from bnpfed.federated import methods
+import bnpfed.federated as federated   # called through the face at run time (tests stand in for run_experiment)
 from bnpfed.federated import initial_network
 from bnpfed.federated import (FUSION_ARCHITECTURES, FUSION_TRAINING, PAPER_MIN_VARIANCE, BayesianConfig,
                               ExperimentConfig, FusionConfig, MatchedFusionFederation, NetworkConfig, PartitionConfig,
@@ -44,7 +44,7 @@ OOD_COLUMNS = ["auroc_max_prob", "auroc_entropy"]
 #: ``--heads``: the matched rows' output layers fused, pooled, or both rows.
 HEADS_CHOICES = ("fused", "pooled", "both")
 #: The one-shot fusion baselines --baselines adds (--align match).
-BASELINES = ("kl-fusion", *methods.ALIGNMENT_METHODS)
+BASELINES = ("kl-fusion", *federated.ALIGNMENT_METHODS)
 #: Metrics the plot shows, one panel each.
 #: The command's own defaults, where they differ from the configs': five rounds, ECE with 100 bins (the paper's).
 ROUNDS, ECE_BINS = 5, 100
@@ -243,7 +243,7 @@ def prepare(args) -> dict:
                                        methods=names, seed=args.seed)
     # the pfnm-pooled row beside the matched pooled rows pools at the same temperature
     pfnm = PFNMConfig(pool_temperature=fusion.pool_temperature if "pfnm:heads=pooled" in names else 1.0)
-    methods.check_methods(config, dict(partition=partition, network=network, training=training, bayesian=bayesian,
+    federated.check_methods(config, dict(partition=partition, network=network, training=training, bayesian=bayesian,
                                        fusion=fusion, pfnm=pfnm, config=config))
     dataset, ood = _args.load_data_and_ood(args, standardize=args.standardize)
     _args.check_partition(partition, dataset, config.seed)
@@ -270,7 +270,7 @@ def run(args) -> int:
     progress = not args.no_progress
     try:
         with _args.torch_threads(args.threads):
-            result = methods.run_experiment(dataset, progress=progress, log=_args.round_log(progress), ood=ood,
+            result = federated.run_experiment(dataset, progress=progress, log=_args.round_log(progress), ood=ood,
                                             **plan)
     except _args.TRAINING_ERRORS as error:
         start = (f"--init-scale {plan['bayesian'].init_scale:g} (the guide's initial posterior sd: the first weights "

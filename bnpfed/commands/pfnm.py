@@ -25,7 +25,7 @@ import torch
 
 from bnpfed.commands import _args, _options
 from bnpfed.commands._args import HelpFormatter, UsageError, fail, flag_message, warn
-from bnpfed.federated import methods
+import bnpfed.federated as federated   # called through the face at run time (tests stand in for run_experiment)
 from bnpfed.federated import initial_network
 from bnpfed.federated import (PFNM_NETWORK, PFNM_TRAINING, ExperimentConfig, FusionConfig, NetworkConfig,
                               PartitionConfig, PFNMConfig, TrainingConfig, config_dict)
@@ -91,7 +91,7 @@ def add_parser(sub):
         p, ExperimentConfig, e, title="experiment", exclude=("predictive_samples",),
         helps={"methods": "the methods to run, one row each: names, or specs name:key=value such as "
                "pfnm:heads=pooled, fusion:rule=gaa, match:rule=eaa. The methods: "
-               f"{', '.join(methods.available_methods())}; bnpfed.federated.method_options lists a method's options",
+               f"{', '.join(federated.available_methods())}; bnpfed.federated.method_options lists a method's options",
                "rounds": "communication rounds of the multi-round methods (fedavg, pfnm-rounds, fedma-rounds); not "
                "with --width-sweep, which matches the first round's local models"},
         defaults={"methods": f"{','.join(DEFAULT_METHODS)}, and pfnm-rounds with --rounds > 1, fedma (and "
@@ -168,7 +168,7 @@ def prepare(args) -> dict:
         if pfnm.layerwise_retrain:
             chosen += ("fedma",) + (("fedma-rounds",) if config.rounds > 1 else ())
         config = replace(config, methods=chosen)
-    methods.check_methods(config, dict(pfnm=pfnm, fusion=fusion, partition=partitions[0], network=network,
+    federated.check_methods(config, dict(pfnm=pfnm, fusion=fusion, partition=partitions[0], network=network,
                                        training=training, config=config))
     if config.select == "operating-point" and pfnm.fixed:
         raise UsageError("--select operating-point: expected empirical Bayes (it scales the estimated sigma2), got "
@@ -216,13 +216,13 @@ def run(args) -> int:
             if args.width_sweep:
                 # the reference constants match top-down, which only an MLP can be
                 constants = ("bnpfed", "reference") if plan["network"].arch == "mlp" else ("bnpfed",)
-                points = methods.width_sweep(dataset, sigma2=args.sweep_sigma2, gamma0=args.sweep_gamma0,
+                points = federated.width_sweep(dataset, sigma2=args.sweep_sigma2, gamma0=args.sweep_gamma0,
                                              constants=constants, progress=progress, partition=partitions[0],
                                              **_without(plan, "fusion"))
             else:
                 results = []
                 for partition in partitions:
-                    result = methods.run_experiment(dataset, partition=partition, progress=progress,
+                    result = federated.run_experiment(dataset, partition=partition, progress=progress,
                                                     log=_args.round_log(progress), **plan)
                     results.append(result)
                     _print_result(dataset.name, partition, plan, result)
@@ -248,7 +248,7 @@ def run(args) -> int:
         by = "width" if plan["network"].arch == "mlp" else "parameters"
         if args.width_sweep:
             one = initial_network(plan["network"], dataset.input_shape, dataset.num_classes, seed=0)
-            _plot_width(points, args.plot, title, sum(methods.network_widths(one, dataset.input_shape)),
+            _plot_width(points, args.plot, title, sum(federated.network_widths(one, dataset.input_shape)),
                         partitions[0].clients)
         elif len(results) > 1:
             _plot_by_clients(results, [p.clients for p in partitions], args.plot, title, by)

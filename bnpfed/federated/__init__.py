@@ -41,9 +41,10 @@ from bnpfed.federated.fusion import FUSION_ARCHITECTURES, FedAvgFederation, Fusi
 from bnpfed.federated.matched_fusion import (MatchedFusionFederation, bayesian_from_match, client_from_slice,
                                              pvi_factors, tempered)
 from bnpfed.federated.pfnm import PFNMFederation
-from bnpfed.federated.methods import (ExperimentConfig, MethodOption, MethodSpec, available_methods, check_methods,
-                                      method_options, method_spec, register_method, run_experiment,
-                                      unregister_method)
+from bnpfed.federated.results import ExperimentResult, MethodResult, Selection
+from bnpfed.federated.methods import (ALIGNMENT_METHODS, ExperimentConfig, MethodOption, MethodSpec, available_methods,
+                                      check_methods, method_options, method_spec, network_widths, register_method,
+                                      run_experiment, unregister_method, width_sweep)
 from bnpfed.federated.protocol import (ClientTask, ClientUpdate, FederatedMethod, ServerTask, ServerUpdate,
                                        check_tensors, client_metrics, client_step, initial_global_state, server_step)
 from bnpfed.federated.generic import (MethodFederation, available_federated_methods, federated_method,
@@ -73,7 +74,8 @@ __all__ = [
     "MatchedFusionFederation", "PFNMFederation",
     # experiments
     "available_methods", "check_methods", "method_options", "method_spec", "MethodOption", "MethodSpec",
-    "register_method", "unregister_method", "run_experiment",
+    "register_method", "unregister_method", "run_experiment", "width_sweep", "network_widths", "ALIGNMENT_METHODS",
+    "ExperimentResult", "MethodResult", "Selection",
     # a federated method in one file
     "FederatedMethod", "ClientTask", "ClientUpdate", "ServerTask", "ServerUpdate", "register_federated_method",
     "unregister_federated_method", "available_federated_methods", "federated_method", "MethodFederation",

@@ -35,8 +35,9 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 #: SuperNode runs) loads Flower alone, not torch and Pyro.
 _STRATEGIES = ("FedAvgStrategy", "MatchedFusionStrategy", "PFNMStrategy", "PosteriorFusionStrategy")
 _SECURE = ("SecureFusionStrategy", "SecureMatchedFusionStrategy")
+_CONFIG = ("FlowerSettings", "app_config_toml", "describe_keys", "parse_run_config", "run_config_defaults")
 
-__all__ = sorted([*_STRATEGIES, *_SECURE, "MethodStrategy", "ReplyError", "LocalGrid", "run_federation"])
+__all__ = sorted([*_STRATEGIES, *_SECURE, *_CONFIG, "MethodStrategy", "ReplyError", "LocalGrid", "run_federation"])
 
 
 def __getattr__(name: str):
@@ -44,6 +45,8 @@ def __getattr__(name: str):
         from bnpfed.flower import strategies as module
     elif name in _SECURE:
         from bnpfed.flower import secure as module
+    elif name in _CONFIG:
+        from bnpfed.flower import config as module
     elif name == "MethodStrategy":
         from bnpfed.flower import method_strategy as module
     elif name == "ReplyError":
