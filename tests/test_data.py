@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from bnpfed.data import DATASET_NAMES, NPZ_FORMAT, Dataset, load_dataset
+from bnpfed.data import DATASET_NAMES, NPZ_FORMAT, Dataset, Preprocessing, load_dataset
 
 # The shared data folder sits next to the repository (<repo root>/../shared/data) unless BNPFED_SHARED_DATA says
 # otherwise; tests that need it skip when it is absent.
@@ -455,3 +455,35 @@ def test_the_shared_cifar10_copy_loads_with_the_published_split_and_statistics()
     assert tuple(raw.x_train.shape) == (50000, 3, 32, 32) and tuple(raw.x_test.shape) == (10000, 3, 32, 32)
     assert torch.bincount(raw.y_train).tolist() == [5000] * 10 and torch.bincount(raw.y_test).tolist() == [1000] * 10
     torch.testing.assert_close(raw.x_train.mean((0, 2, 3)), torch.tensor([0.4913, 0.4821, 0.4465]), atol=2e-4, rtol=0)
+
+
+def test_a_datasets_preprocessing_prepares_raw_inputs_bit_for_bit_as_the_loader_does(tmp_path):
+    rng = np.random.default_rng(1)
+    path = tmp_path / "rgb.npz"
+    np.savez(path, x_train=rng.integers(0, 256, (40, 3, 5, 5), dtype=np.uint8), y_train=np.arange(40) % 4,
+             x_test=rng.integers(0, 256, (12, 3, 5, 5), dtype=np.uint8), y_test=np.arange(12) % 4)
+    for name in ("digits", f"npz:{path}"):
+        raw, ready = load_dataset(name, standardize=False), load_dataset(name)
+        inputs = ready.preprocessing()
+        assert raw.preprocessing().standardized is False and inputs.standardized
+        assert torch.equal(inputs.apply(raw.x_test), ready.x_test) and torch.equal(inputs.apply(raw.x_train),
+                                                                                    ready.x_train)
+        flat = ready.flat()   # a flattened copy keeps its constants, applied channel by channel
+        assert torch.equal(Preprocessing(name, flat.input_shape, flat.num_classes, inputs.mean, inputs.std).apply(
+            raw.flat().x_test), flat.x_test)
+    assert len(load_dataset(f"npz:{path}").mean) == 3   # per channel of images
+
+
+def test_preprocessing_refuses_inconsistent_constants_and_inputs_of_another_shape():
+    with pytest.raises(ValueError, match="mean, std: expected both"):
+        Preprocessing("digits", (1, 8, 8), 10, mean=(0.1,))
+    with pytest.raises(ValueError, match="mean, std: expected two tuples"):
+        Preprocessing("digits", (1, 8, 8), 10, mean=(0.1,), std=(0.0,))
+    with pytest.raises(ValueError, match="mean: expected one constant, or one per channel"):
+        Preprocessing("x", (3, 4, 4), 10, mean=(0.1, 0.2), std=(1.0, 1.0))
+    with pytest.raises(ValueError, match="classes: expected 10 class names"):
+        Preprocessing("digits", (1, 8, 8), 10, classes=("a",))
+    with pytest.raises(ValueError, match=r"x: expected inputs of shape \(N, 1, 8, 8\)"):
+        Preprocessing("digits", (1, 8, 8), 10).apply(torch.zeros(2, 64))
+    with pytest.raises(ValueError, match="inputs: expected a dict"):
+        Preprocessing.from_dict({"dataset": "digits"})

@@ -84,6 +84,12 @@ def test_the_flower_apps_pfnm_output_is_a_global_network_file_bnpfed_loads(confi
     x = reference.dataset.x_test
     with torch.no_grad():
         assert torch.equal(net(x), reference.match.network().eval()(x))  # the in-process global network
+    # the file records the clients' inputs (PFNM's: pixels in [0, 1]); bnpfed evaluate, told nothing, scores the
+    # model on those: the run's own accuracy on the whole test split
+    assert bnpfed.read_global(tmp_path / "pfnm-global.pt").inputs == reference.dataset.preprocessing()
+    assert main(["evaluate", str(tmp_path / "pfnm-global.pt"), "--json", str(tmp_path / "e.json")]) == 0
+    (row,) = json.loads((tmp_path / "e.json").read_text())["results"]["runs"][0]["rows"]
+    assert row["accuracy"] == pytest.approx(result.history[-1]["accuracy"], abs=1e-12)
 
 
 @pytest.mark.parametrize("config, temperature", [(PFNM, 1.0), (CNN_BN, 1.0), (PFNM, "fit")],
@@ -205,6 +211,7 @@ def test_the_flower_apps_fusion_output_is_a_bayesian_client_file_bnpfed_loads(co
     client = bnpfed.load_global(tmp_path / "fusion-global.pt")
     saved = bnpfed.read_global(tmp_path / "fusion-global.pt")
     assert saved.kind == "bayesian" and saved.method == ("match-eaa" if "align" in config else "conflation")
+    assert saved.inputs == reference.dataset.preprocessing() and saved.inputs.standardized   # fusion's inputs
     from bnpfed.seeding import Stream, derive_seed
     assert saved.predictive == {"samples": parse_run_config(config).run.predictive_samples,
                                 "seed": derive_seed(0, Stream.PREDICT, config["rounds"])}  # the last evaluation's

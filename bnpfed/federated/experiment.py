@@ -271,7 +271,7 @@ class Experiment:
         any: a :class:`~bnpfed.matching.permutation.SpecMatch` or a
         :class:`~bnpfed.matching.posteriors.PosteriorMatch`): what ``bnpfed pfnm --save-global`` and
         ``bnpfed fuse --save-global`` write (:func:`bnpfed.saved.save_global`)."""
-        kept = {"network": net}
+        kept = {"network": net, "inputs": self.dataset.preprocessing()}
         if predictive is not None:  # a Bayesian network's draws, {"samples": S, "seed": s}, as the row scored it
             kept["predictive"] = predictive
         if match is not None:

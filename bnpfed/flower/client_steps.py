@@ -291,7 +291,8 @@ def query(msg: Message, context: Context) -> Message:
     j, num = node_partition(context)
     config = msg.content.config_records[CONFIG]
     ds = _dataset(str(config["dataset"]), bool(config["standardize"]), _data_dir(context))
-    identity = NodeIdentity(j, num, tuple(int(s) for s in ds.input_shape), int(ds.num_classes))
+    identity = NodeIdentity(j, num, tuple(int(s) for s in ds.input_shape), int(ds.num_classes),
+                            tuple(ds.mean or ()), tuple(ds.std or ()), tuple(ds.classes or ()))
     return Message(content=RecordDict({CLIENT: identity.record()}), reply_to=msg)
 
 

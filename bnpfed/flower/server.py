@@ -137,7 +137,7 @@ def run_federation(grid: Grid, config: Mapping[str, Any]) -> FederationResult:
         predictive = None if deterministic else {   # the clients' draws of the last evaluation
             "samples": run.predictive_samples, "seed": derive_seed(run.seed, Stream.PREDICT, run.rounds)}
         save_global(out / f"{run.method}-global.pt", model, method=method, predictive=predictive,
-                    notes=[f"Flower run, {run.rounds} round(s)"])
+                    notes=[f"Flower run, {run.rounds} round(s)"], inputs=identity.preprocessing(run.dataset))
     return result
 
 

@@ -209,7 +209,9 @@ class _RoundStrategy(Strategy):
                 if known is not None:
                     for what, mine, theirs in (("num-partitions", known.num_partitions, identity.num_partitions),
                                                ("input-shape", known.input_shape, identity.input_shape),
-                                               ("num-classes", known.num_classes, identity.num_classes)):
+                                               ("num-classes", known.num_classes, identity.num_classes),
+                                               ("input-mean", known.mean, identity.mean),
+                                               ("input-std", known.std, identity.std)):
                         if mine != theirs:
                             raise ReplyError(f"{what!r}: expected {mine}, that of the other nodes, got {theirs}")
                 holder = self.nodes.get(identity.partition_id)
