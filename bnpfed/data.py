@@ -345,7 +345,9 @@ def load_dataset(name: str = "digits", *, data_dir: str | os.PathLike | None = N
     and every class has an example, unless num_classes says there are more); neither split empty.
 
     (This paragraph is :data:`NPZ_FORMAT`.) Signed integer inputs are refused rather than guessed at: their maximum
-    (2**63 - 1 for int64) is no pixel scale; save ``x.astype(np.uint8)`` or ``x.astype(np.float32)``.
+    (2**63 - 1 for int64) is no pixel scale; save ``x.astype(np.uint8)`` or ``x.astype(np.float32)``. Without
+    ``num_classes``, a class that only y_test holds is refused too (a model trained on y_train would have an output
+    no example taught).
 
     Parameters
     ----------
@@ -624,6 +626,14 @@ def _load_npz(path: str, standardize: bool = True, num_classes: int | None = Non
                              f"largest label) to have an example, got none of class(es) {shown}: relabel the "
                              f"classes 0 .. C-1, or give num_classes (--num-classes) if they are meant to be empty")
         num_classes = largest + 1
+        only_test = sorted(set(y_test.unique().tolist()) - set(y_train.unique().tolist()))
+        if only_test:   # a model trained on y_train has an output for them that no example taught
+            shown = ", ".join(map(str, only_test[:5])) + (f" and {len(only_test) - 5} more" if len(only_test) > 5
+                                                          else "")
+            raise ValueError(f"npz file {str(file)!r}: y_test: expected labels of the classes y_train holds, got "
+                             f"class(es) {shown} in y_test only (a model trained on y_train would carry an output "
+                             f"no example taught): relabel, drop those examples, or give num_classes (--num-classes) "
+                             f"if classes without training examples are meant")
     elif largest >= num_classes:
         raise ValueError(f"num_classes: expected more than the largest label of {str(file)!r} ({largest}), got "
                          f"{num_classes}")

@@ -487,3 +487,15 @@ def test_preprocessing_refuses_inconsistent_constants_and_inputs_of_another_shap
         Preprocessing("digits", (1, 8, 8), 10).apply(torch.zeros(2, 64))
     with pytest.raises(ValueError, match="inputs: expected a dict"):
         Preprocessing.from_dict({"dataset": "digits"})
+
+
+
+def test_an_npz_label_only_the_test_split_holds_is_refused_unless_num_classes_says_so(tmp_path):
+    rng = np.random.default_rng(0)
+    path = tmp_path / "extra.npz"
+    np.savez(path, x_train=rng.random((30, 4), dtype=np.float32), y_train=np.arange(30) % 3,
+             x_test=rng.random((8, 4), dtype=np.float32), y_test=np.array([0, 1, 2, 3, 0, 1, 2, 0]))
+    with pytest.raises(ValueError, match=r"y_test: expected labels of the classes y_train holds, got class\(es\) 3 "
+                                         r"in y_test only"):
+        load_dataset(f"npz:{path}")
+    assert load_dataset(f"npz:{path}", num_classes=4).num_classes == 4   # meant: said so

@@ -204,6 +204,12 @@ def bad(folder, tmp_path):
         (tmp_path / f"activity_{name}.json").write_text(json.dumps(value))
     (tmp_path / "activity_text.json").write_text("not json")
     (tmp_path / "counts_negative.json").write_text(json.dumps([[1] * 9 + [-1]] * 3))
+    nine = torch.load(folder / "mlp0.pt", weights_only=False)   # one class fewer: its last output row dropped
+    nine[-1] = torch.nn.Linear(nine[-1].in_features, 9)
+    torch.save(nine, tmp_path / "nine.pt")
+    tanh = torch.load(folder / "mlp0.pt", weights_only=False)   # the same weights behind another activation
+    tanh[2] = torch.nn.Tanh()
+    torch.save(tanh, tmp_path / "tanh.pt")
     return tmp_path
 
 
@@ -236,6 +242,13 @@ def bad(folder, tmp_path):
     (lambda f, b: [*files(f, "mlp"), "--activity", str(b / "activity_strings.json")],
      r"--activity: report 0 .* group '1': expected a list of numbers"),
     (lambda f, b: [str(b / f"mixing{j}.pt") for j in range(3)], r"MODEL: cannot match these networks: .*cumsum"),
+    (lambda f, b: [*files(f, "mlp")[:2], str(b / "nine.pt")],
+     r"MODEL: '.*nine\.pt' has 9 output classes \(3\.weight\) and '.*mlp0\.pt' 10; expected clients of one set"),
+    (lambda f, b: [*files(f, "mlp")[:2], str(b / "tanh.pt")],
+     r"MODEL: '.*tanh\.pt' is another architecture than .*: its module 2 is a Tanh, not a ReLU"),
+    (lambda f, b: [*files(f, "lenet"), "--input-shape", "3,8,8"],
+     r"--input-shape: expected the shape of an input net runs on, got \(3, 8, 8\), on which a forward pass failed "
+     r"\(RuntimeError: Given groups=1"),
 ])
 def test_bad_input_to_bnpfed_match_is_named_before_any_matching(argv, message, folder, bad, capsys, monkeypatch):
     import bnpfed.matching as inference
@@ -451,3 +464,26 @@ def test_bnpfed_match_refuses_an_out_path_that_is_one_of_its_model_files(folder,
     assert main(["match", *paths, "--out", paths[1]]) == 2
     assert "--out: expected a path other than the MODEL files" in capsys.readouterr().err
     assert open(paths[1], "rb").read() == before
+
+
+
+def test_bnpfed_match_warns_when_an_activity_report_has_a_group_dead_at_every_client(folder, tmp_path, capsys):
+    (tmp_path / "dead.json").write_text(json.dumps([{"1": [0.0] * 32}] * 3))
+    assert main(["match", *files(folder, "mlp"), "--activity", str(tmp_path / "dead.json"), "--counts", "uniform",
+                 "--out", str(tmp_path / "g.pt")]) == 0
+    out, err = capsys.readouterr()
+    assert "warning: --activity: warning: group '1' is dead at every client" in err
+    assert any("dead at every client" in n for n in read_global(tmp_path / "g.pt").notes)
+    (tmp_path / "one.json").write_text(json.dumps([{"1": [0.0] * 32}] + [{"1": [1.0] * 32}] * 2))
+    assert main(["match", *files(folder, "mlp"), "--activity", str(tmp_path / "one.json"), "--counts", "uniform",
+                 "--out", str(tmp_path / "h.pt")]) == 0
+    out, err = capsys.readouterr()
+    assert "note: --activity: group '1' is dead at client(s) 0" in out and "warning" not in err
+
+
+def test_match_by_spec_refuses_networks_of_another_kind_naming_the_module():
+    relu = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 8), torch.nn.ReLU(), torch.nn.Linear(8, 10))
+    tanh = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 8), torch.nn.Tanh(), torch.nn.Linear(8, 10))
+    with pytest.raises(ValueError, match=r"client_nets\[1\]: expected a network of the first's kind, got one whose "
+                                         r"module 2 is a Tanh, not a ReLU"):
+        match_by_spec([relu, tanh], seed=0)

@@ -53,6 +53,7 @@ __all__ = [
     "briefly",
     "check_output_path",
     "check_partition",
+    "available_cpus",
     "check_threads",
     "torch_threads",
     "dataset_name",
@@ -393,9 +394,20 @@ def torch_threads(threads: Optional[int]):
         torch.set_num_threads(before)
 
 
+def available_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the system says, else the machine's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):   # not on Linux
+        return os.cpu_count() or 1
+
+
 def check_threads(threads: Optional[int]) -> None:
-    if threads is not None and (isinstance(threads, bool) or threads < 1):
-        raise ValueError(f"threads: expected an int >= 1, got {threads}")
+    """``--threads``: an int from 1 to the CPUs this process may use (more threads than CPUs wait on each other:
+    slower, never faster)."""
+    cpus = available_cpus()
+    if threads is not None and (isinstance(threads, bool) or not 1 <= threads <= cpus):
+        raise ValueError(f"threads: expected an int from 1 to {cpus} (the CPUs this process may use), got {threads}")
 
 
 def check_output_path(path: Optional[str], flag: str, *, plot: bool = False) -> None:

@@ -23,7 +23,7 @@ import os
 import re
 import sys
 
-from bnpfed.commands._args import notices, positive_float, positive_int
+from bnpfed.commands._args import UsageError, check_output_path, notices, positive_float, positive_int, warn
 from bnpfed.report import command_record, format_table, write_json
 
 LOOPBACK = """\
@@ -195,6 +195,10 @@ def simulation_failure(error: Exception) -> str:
 def _sim(args, flower_config) -> int:
     # every key and value is checked before anything starts (Ray, the grid)
     try:
+        check_output_path(args.json, "--json")
+    except UsageError as error:
+        return _fail(str(error))
+    try:
         config = _run_config(args.run_config)
         given = config.get("plugins", "")
         if getattr(args, "plugin", None) and isinstance(given, str):
@@ -243,6 +247,8 @@ def _sim(args, flower_config) -> int:
     if "accuracy" in columns:
         print("accuracy, nll, ece (100 bins), ece15, brier: the global model on the clients' test shards together "
               "(client-side evaluation; the ECE from the shards' summed per-bin gaps)")
+    for message in result.warnings:   # as bnpfed pfnm and bnpfed fuse say them
+        warn(message)
     if args.json:
         arguments = {"supernodes": args.supernodes, "run_config": config, "local": args.local,
                      "cpus_per_client": args.cpus_per_client}

@@ -235,8 +235,33 @@ def _checked_spec(template: nn.Module, input_shape):
         spec = derive_spec(template, input_shape)
         verify_spec(template, spec, input_shape)
     except ValueError as error:
+        if str(error).startswith("input_shape:"):   # the flag's value, or the MLP's inputs it was read from
+            raise UsageError(f"--input-shape: {_args.one_line(str(error).split(': ', 1)[1])}") from None
         raise UsageError(f"MODEL: cannot match these networks: {_args.one_line(error)}") from None
     return spec
+
+
+def _check_alike(paths, nets: list, spec, first_state: dict) -> None:
+    """Every client is the first's kind of network: the same modules, layer for layer (an activation counts: a
+    Tanh network is not a ReLU network), and the same number of classes (output units). Their hidden widths may
+    differ."""
+    from bnpfed.matching import architecture_difference
+
+    if isinstance(nets[0], nn.Module):
+        for path, net in zip(paths[1:], nets[1:]):
+            where = architecture_difference(nets[0], net)
+            if where is not None:
+                raise UsageError(f"MODEL: {path!r} is another architecture than {paths[0]!r}: its {where}; "
+                                 "expected networks of one kind")
+    outputs = spec.params_of_kind("output_weight")
+    if not outputs:
+        return
+    name = outputs[0]
+    for path, net in zip(paths, nets):
+        state = net.state_dict() if isinstance(net, nn.Module) else net
+        if name in state and state[name].shape[0] != first_state[name].shape[0]:
+            raise UsageError(f"MODEL: {path!r} has {state[name].shape[0]} output classes ({name}) and {paths[0]!r} "
+                             f"{first_state[name].shape[0]}; expected clients of one set of classes")
 
 
 def _activity(path, states: list, spec) -> list | None:
@@ -280,7 +305,17 @@ def _activity_notes(activity) -> list[str]:
         return ["no --activity: every unit matched, dead ones included (give the clients' reports, "
                 "bnpfed.matching.unit_activity on their own data, to leave those out)"]
     dead = sum(int((a == 0).sum()) for report in activity for a in report.values())
-    return [f"--activity: {dead} unit(s) dead on their client's data left out before matching"]
+    notes = [f"--activity: {dead} unit(s) dead on their client's data left out before matching"]
+    for group in activity[0]:
+        gone = [j for j, report in enumerate(activity) if not bool((report[group] > 0).any())]
+        if len(gone) == len(activity):
+            notes.append(f"--activity: warning: group {group!r} is dead at every client (each keeps its first unit "
+                         "only, so that the layer is not empty): the global network answers every input alike; "
+                         "check the reports, or the clients' training")
+        elif gone:
+            notes.append(f"--activity: group {group!r} is dead at client(s) {', '.join(map(str, gone))} (each keeps "
+                         "its first unit only): their networks answer every input alike there")
+    return notes
 
 
 def _counts(path, J: int, C: int) -> tuple[torch.Tensor | None, str]:
@@ -369,6 +404,8 @@ def prepare(args) -> dict:
         if set(state) != set(reference):
             raise UsageError(f"MODEL: {path!r} is another architecture than {args.models[0]!r}: parameters "
                              f"{sorted(set(state) ^ set(reference))[:4]} differ")
+    first = clients[0].state_dict() if isinstance(clients[0], nn.Module) else clients[0]
+    _check_alike(args.models, clients, spec, first)
     with torch.no_grad():
         probe = template.eval()(torch.zeros(1, *input_shape))
     counts, source = _counts(args.counts, len(clients), int(probe.shape[-1]))
@@ -410,6 +447,9 @@ def run(args) -> int:
     else:
         network = match.network()
     notes = _counts_notes(plan["counts_source"]) + _activity_notes(plan["activity"]) + plan["input_notes"]
+    for note in notes:
+        if note.startswith("--activity: warning:"):   # said on stderr too, where a script's user sees it
+            _args.warn(note)
     if args.heads == "pooled":
         notes.append(f"--heads pooled: the {len(plan['clients'])} clients' own output layers on the matched units, "
                      "log-probabilities pooled with the class shares")
@@ -521,6 +561,7 @@ def prepare_posteriors(args) -> dict:
     from bnpfed.matching import estimate_class_shares
 
     spec = _checked_spec(template, input_shape)
+    _check_alike(args.models, means, spec, template.state_dict())
     with torch.no_grad():
         probe = template(torch.zeros(1, *input_shape))
     counts, source = _counts(args.counts, len(clients), int(probe.shape[-1]))

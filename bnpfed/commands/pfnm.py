@@ -184,20 +184,9 @@ def prepare(args) -> dict:
         _args.check_partition(partition, dataset, config.seed)
     training.check_inputs(dataset.input_shape)
     net = initial_network(network, dataset.input_shape, dataset.num_classes, seed=config.seed, client=0)
-    _check_per_group(pfnm, derive_spec(net, dataset.input_shape))
+    pfnm.check_groups(derive_spec(net, dataset.input_shape).group_names)
     return dict(dataset=dataset, partitions=partitions, network=network, training=training, pfnm=pfnm, fusion=fusion,
                 config=config)
-
-
-def _check_per_group(pfnm: PFNMConfig, spec) -> None:
-    """--sigma2 / --sigma0-2 / --gamma0 / --max-width with several values: one per matched group (hidden layer or
-    conv channels), checked before anything trains."""
-    names = [g.name for g in spec.groups]
-    for name in ("sigma2", "sigma0_2", "gamma0", "max_width"):
-        values = getattr(pfnm, name)
-        if isinstance(values, tuple) and len(values) != len(names):
-            raise UsageError(f"--{name.replace('_', '-')}: expected one value or one per matched group ({len(names)}: "
-                             f"{', '.join(names)}), got {len(values)}")
 
 
 def run(args) -> int:

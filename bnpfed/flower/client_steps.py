@@ -86,6 +86,7 @@ from bnpfed.flower.records import (
     CLIENT,
     CONFIG,
     ECE_BINS,
+    TEST_CLASS_COUNTS,
     METHOD_KEY,
     METRICS,
     NodeIdentity,
@@ -447,7 +448,8 @@ def evaluate(msg: Message, context: Context) -> Message:
             x, num_samples=c.settings.predictive_samples, seed=derive_seed(c.settings.seed, Stream.PREDICT, c.round))
     report = classification_report(probs, y)
     metrics = {"num-examples": int(len(y)), "accuracy": float(report["accuracy"]), "nll": float(report["nll"]),
-               "brier": float(report["brier"])}
+               "brier": float(report["brier"]),
+               TEST_CLASS_COUNTS: [int(n) for n in torch.bincount(y, minlength=c.ds.num_classes)]}
     for bins in ECE_BINS:  # sums over the shard's examples: the server adds them up into the test split's ECE
         metrics[f"ece-gaps-{bins}"] = [float(g) for g in calibration_gaps(probs, y, bins)]
     return c.reply(msg, None, metrics)

@@ -57,6 +57,7 @@ __all__ = [
     "CLIENT",
     "CONFIG",
     "ECE_BINS",
+    "TEST_CLASS_COUNTS",
     "METHOD_KEY",
     "METRICS",
     "NodeIdentity",
@@ -98,6 +99,8 @@ METHOD_KEY = "federated-method"
 #: The bins of the ECE an evaluation reports: Ozer et al.'s 100 (``ece``) and Guo et al.'s 15 (``ece15``); each
 #: client sends its shard's per-bin gaps as ``ece-gaps-<bins>``.
 ECE_BINS = (100, 15)
+#: The metric of an evaluation reply that counts the test shard's labels per class (the server's chance level).
+TEST_CLASS_COUNTS = "test-class-counts"
 
 class ReplyError(ValueError):
     """A client's reply the server rejects; the message says which entry is wrong and how."""

@@ -92,12 +92,13 @@ from bnpfed.flower.records import (
     with_heads,
     with_temperature,
     POOL_NLL,
+    TEST_CLASS_COUNTS,
 )
 from bnpfed.federated import FIT
 from bnpfed.matching import TEMPERATURES, fit_temperature
 from bnpfed.matching import PooledPosterior
 from bnpfed.matching import pooled_heads_of
-from bnpfed.metrics import ece_from_gaps
+from bnpfed.metrics import chance_accuracy, ece_from_gaps
 from bnpfed.seeding import Stream
 from bnpfed.validation import check_fraction, check_int, check_positive
 
@@ -409,6 +410,8 @@ class _RoundStrategy(Strategy):
                                  f"{' or '.join(map(repr, missing))} record")
             metrics = content.metric_records[METRICS]
             scores = {key: read_finite(metrics, key) for key in ("accuracy", "nll", "brier")}
+            if TEST_CLASS_COUNTS in metrics:   # the shard's labels per class (none from a client of bnpfed 0.2)
+                scores[TEST_CLASS_COUNTS] = read_class_counts(metrics, self.identity.num_classes, TEST_CLASS_COUNTS)
             gaps = {bins: read_gaps(metrics, bins) for bins in ECE_BINS}
             return Accepted(read_partition_id(content.config_records[CLIENT]), read_count(metrics), gaps, scores)
 
@@ -425,6 +428,8 @@ class _RoundStrategy(Strategy):
             self.history[-1].update(accuracy=out["accuracy"], nll=out["nll"], brier=out["brier"], ece=out["ece"],
                                     ece15=out["ece15"], test_examples=total,
                                     evaluated=[a.partition_id for a in accepted])
+            if all(TEST_CLASS_COUNTS in a.metrics for a in accepted):   # the shards' chance accuracy together
+                self.history[-1]["chance"] = chance_accuracy(sum(a.metrics[TEST_CLASS_COUNTS] for a in accepted))
         return out
 
     def reestimate_statistics(self, server_round: int, state: dict, clients: Sequence[int],

@@ -42,6 +42,7 @@ from bnpfed.matching.pooled_heads import (TEMPERATURES, PooledHeads, PooledPoste
 from bnpfed.matching.posteriors import (ATOM_POSTERIOR, MATCH_ON, MIN_VARIANCE, PVI, PosteriorMatch, cavity,
                                         client_posterior, fuse_members, match_posteriors, matched_rules, pvi_factor)
 from bnpfed.matching.recovery import RecoveryConfig, RecoveryRow, match_recovery
+from bnpfed.matching.network import architecture_difference
 
 __all__ = [
     # one layer
@@ -51,7 +52,7 @@ __all__ = [
     "Axis", "Group", "KINDS", "STATISTICS", "BN_FIXED_PRIOR_MEANS", "PermutationSpec", "derive_spec", "resolve_spec",
     "verify_spec", "VectorLayout", "UnitVectors", "unit_vectors", "width", "state_from_atoms", "network_from_state",
     "network_from_atoms", "client_slice", "SpecMatch", "match_by_spec", "GroupMatch", "match_group",
-    "align_to_group",
+    "align_to_group", "architecture_difference",
     # batch norms, inactive units, sizes, class shares
     "BatchNormMoments", "batch_norm_moments", "batch_norm_order", "batch_norm_statistics",
     "set_batch_norm_statistics", "reestimate_batch_norm", "drop_units", "inactive_units", "kept_per_client",
