@@ -38,7 +38,7 @@ from bnpfed.data import (CIFAR10_JPEG, DATASET_NAMES, NPZ_FORMAT, NPZ_PREFIX, Da
                          standardize_together)
 from bnpfed.clients import TrainingDiverged
 from bnpfed.experimental import keyed
-from bnpfed.matching import SizeLimitError
+from bnpfed.matching import MemoryLimitError, SizeLimitError
 from bnpfed.report import plural
 from bnpfed.federated import PartitionConfig
 
@@ -128,7 +128,7 @@ def training_failure(error: BaseException, start: Optional[str] = None) -> str:
     why itself (and, when the first loss was already not finite, ``start``: the flags that set the starting point);
     any other error gives its type and the first line of its message."""
     text = str(error).strip()
-    if isinstance(error, SizeLimitError):   # a --max-width / --max-params the clients' networks cannot meet
+    if isinstance(error, (SizeLimitError, MemoryLimitError)):   # a size the clients' networks cannot meet, or hold
         return flag_message(error)
     if isinstance(error, TrainingDiverged):
         if start and error.epoch == 1 and error.step == 1:

@@ -29,7 +29,7 @@ import bnpfed.federated as federated   # called through the face at run time (te
 from bnpfed.federated import initial_network
 from bnpfed.federated import (PFNM_NETWORK, PFNM_TRAINING, ExperimentConfig, FusionConfig, NetworkConfig,
                               PartitionConfig, PFNMConfig, TrainingConfig, config_dict)
-from bnpfed.matching import derive_spec
+from bnpfed.matching import check_network_matching, derive_spec
 from bnpfed.report import (command_record, command_results, format_table, line_styles, pyplot, save_figure,
                            write_json)
 from bnpfed.validation import check_positives
@@ -184,7 +184,12 @@ def prepare(args) -> dict:
         _args.check_partition(partition, dataset, config.seed)
     training.check_inputs(dataset.input_shape)
     net = initial_network(network, dataset.input_shape, dataset.num_classes, seed=config.seed, client=0)
-    pfnm.check_groups(derive_spec(net, dataset.input_shape).group_names)
+    spec = derive_spec(net, dataset.input_shape)
+    pfnm.check_groups(spec.group_names)
+    check_network_matching(spec, net.state_dict(), max(p.clients for p in partitions),   # before anything trains
+                           name="--hidden" if network.arch == "mlp" else "--arch",
+                           change="lower --hidden (the clients' widths) or --clients, or run on a machine with more "
+                                  "memory")
     return dict(dataset=dataset, partitions=partitions, network=network, training=training, pfnm=pfnm, fusion=fusion,
                 config=config)
 

@@ -45,7 +45,7 @@ from bnpfed.flower.records import (from_array_record, matched_posterior_from_arr
                                    state_to_record, split_heads, split_temperature, tensors_from_arrays)
 from bnpfed.flower.strategies import (LOGGER, FedAvgStrategy, MatchedFusionStrategy, PFNMStrategy,
                                       PosteriorFusionStrategy)
-from bnpfed.matching import derive_spec, network_from_state
+from bnpfed.matching import check_network_matching, derive_spec, network_from_state
 from bnpfed.matching import PooledPosterior, attach_heads
 from bnpfed.metrics import chance_warning
 from bnpfed.report import command_record, command_results, write_json
@@ -123,6 +123,10 @@ def run_federation(grid: Grid, config: Mapping[str, Any]) -> FederationResult:
         except ValueError as error:
             name, _, rest = str(error).partition(":")
             raise ValueError(config_key(name) + ":" + rest) from None
+        check_network_matching(derive_spec(template, identity.input_shape), template.state_dict(),
+                               identity.num_partitions, name="hidden" if settings.network.arch == "mlp" else "arch",
+                               change="lower hidden (the clients' widths), or run the server on a machine with more "
+                                      "memory")
     settings = settings.with_clients(identity.num_partitions)
     if run.federated:   # the method's initial global state, from the shared initial network
         initial = strategy.initial_arrays()
