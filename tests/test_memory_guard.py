@@ -75,8 +75,8 @@ def test_bnpfed_pfnm_and_fuse_refuse_widths_the_matcher_cannot_hold_before_anyth
         assert main([*command, "--hidden", "20000", "--clients", "3", "--no-progress"]) == 2
         err = capsys.readouterr().err
         assert re.match(rf"bnpfed {command[0]}: error: --hidden: matching 3 clients of up to 20,000 neurons .* "
-                        r"needs at least [\d.]+ GiB .* more than the 1 GiB this machine has available; lower --hidden \(the "
-                        r"clients' widths\) or --clients", err), err
+                        r"needs at least [\d.]+ GiB .* more than the 1 GiB this machine has available; lower "
+                        r"--hidden \(the clients' widths\) or --clients", err), err
 
 
 def test_the_flower_server_refuses_widths_it_cannot_match_once_the_nodes_report_before_any_training(monkeypatch):
