@@ -800,3 +800,47 @@ def test_bnpfed_flower_sim_refuses_a_json_path_it_cannot_write_before_it_runs(tm
     (tmp_path / "file").write_text("")
     assert main(["flower", "sim", "--local", "--json", str(tmp_path / "file" / "x.json")]) == 2
     assert "bnpfed flower: error: --json: expected a path in a writable folder" in capsys.readouterr().err
+
+
+def test_evaluation_sends_nothing_to_a_node_the_superlink_said_is_gone():
+    """A SuperNode dies after telling its partition: the SuperLink answers its training message with an error reply
+    NODE_UNAVAILABLE. The run goes on without it, and no later message (evaluation, the next round) is sent to it,
+    so nothing waits out a timeout for it again; the other clients' evaluation is the test split less its shard."""
+    grid = LocalGrid(client_app, CLIENTS, unavailable=[2])
+    result = run_federation(grid, {**PFNM, "round-timeout": 5.0})
+    gone = grid.node_of[2]
+    assert [(node, kind) for node, kind in grid.pushed if node == gone] == [(gone, "query"), (gone, "train")]
+    assert [r["clients"] for r in result.history] == [[0, 1], [0, 1]]
+    assert "Node Unavailable" in result.history[0]["rejected"][2] and result.history[1]["missing"] == [2]
+    assert [r["evaluated"] for r in result.history] == [[0, 1], [0, 1]]
+
+
+@pytest.mark.slow
+def test_a_killed_supernode_is_not_waited_for_again_and_a_restarted_superlink_fails_the_interrupted_run(tmp_path):
+    """Two faults of a deployment (docs/guide/flower.md, "When a machine fails"). A SuperNode killed as the run
+    starts: the SuperLink answers its training message NODE_UNAVAILABLE once its heartbeats stop, the run goes on
+    with the two others, and no evaluation or later round is sent to it. Then a SuperLink killed mid-run and
+    restarted on its --database: the SuperNodes reconnect, the interrupted run is finished:failed (its rounds are
+    not resumed), and the same run started again completes."""
+    config = {**PFNM, "min-nodes": 2, "round-timeout": 300.0}
+    with loopback(tmp_path, database=True) as deployment:
+        run_id, out = deployment.start("killed-node", config, evaluate=True)
+        deployment.kill("supernode2")
+        status = deployment.wait(run_id)
+        assert status == "finished:completed", deployment.log(run_id)[-5000:] + deployment.processes.logs()
+        history = json.loads((out / "pfnm-summary.json").read_text())["results"]["rounds"]
+        assert [r["clients"] for r in history] == [[0, 1], [0, 1]]
+        assert "Node Unavailable" in history[0]["rejected"]["2"] and history[1]["missing"] == [2]
+        assert [r["evaluated"] for r in history] == [[0, 1], [0, 1]]   # evaluation never sent to the dead node
+        log = deployment.log(run_id)
+        assert "is gone" in log and "evaluate reply of client 2" not in log
+
+        run_id, out = deployment.start("interrupted", {**config, "rounds": 3, "epochs": 3, "round-epochs": 3})
+        deployment.wait(run_id, until="running")
+        deployment.kill("superlink")
+        deployment.restart_superlink("superlink-restarted")
+        assert deployment.wait(run_id) == "finished:failed"
+        assert not (out / "pfnm-summary.json").exists()
+        run_id, out = deployment.start("again", {**config, "rounds": 3, "epochs": 3, "round-epochs": 3})
+        assert deployment.wait(run_id) == "finished:completed", deployment.log(run_id)[-5000:]
+        assert (out / "pfnm-global.pt").exists()

@@ -52,6 +52,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
@@ -181,6 +182,10 @@ class _RoundStrategy(Strategy):
         #: ``{node id: reason}`` of the nodes refused (their identity disagreed, or they answered the query with an
         #: error); not asked again.
         self.refused: dict[int, str] = {}
+        #: ``{node id: partition}`` of the nodes the SuperLink said are gone (an error reply ``NODE_UNAVAILABLE``:
+        #: no heartbeat): no message is sent to them again (their partitions count as unconnected), so a round's
+        #: evaluation does not wait out its timeout for a node its training already found gone.
+        self.gone: dict[int, int] = {}
         #: One dict per finished round (see the module docstring).
         self.history: list[dict[str, Any]] = []
         self._sent: dict[tuple[int, str], dict[int, int]] = {}  # (round, type) -> {node: partition}
@@ -230,7 +235,7 @@ class _RoundStrategy(Strategy):
 
     def refresh(self, grid: Grid) -> None:
         """Forget nodes that went away; ask the nodes that are new (or never answered) for their identity."""
-        connected = set(grid.get_node_ids())
+        connected = set(grid.get_node_ids()) - set(self.gone)
         self.nodes = {j: n for j, n in self.nodes.items() if n in connected}
         new = sorted(connected - set(self.nodes.values()) - set(self.refused))
         if new:
@@ -308,6 +313,12 @@ class _RoundStrategy(Strategy):
                 continue
             if reply.has_error():
                 rejected[j] = f"error reply (code {reply.error.code}): {reply.error.reason}"
+                if reply.error.code == ErrorCode.NODE_UNAVAILABLE:   # the SuperLink's word: no heartbeat from it
+                    self.gone[node] = j
+                    if self.nodes.get(j) == node:
+                        del self.nodes[j]
+                    LOGGER.warning("round %d: node %d (client %d) is gone (%s); no message is sent to it again",
+                                   server_round, node, j, reply.error.reason)
             else:
                 try:
                     item = parse(reply)
@@ -393,6 +404,7 @@ class _RoundStrategy(Strategy):
         """Send the global model to the clients of :func:`evaluation_clients` (every one by default)."""
         if self.fraction_evaluate == 0 or len(arrays) == 0 or self.identity is None:
             return []
+        self.refresh(grid)   # not the nodes that went away (nor those found gone in training): no wait for them
         chosen = evaluation_clients(self.num_partitions, self.fraction_evaluate, seed=self.seed, round=server_round)
         extra = dict(config)
         return self._messages(server_round, MessageType.EVALUATE, chosen, lambda j: (arrays, extra))
