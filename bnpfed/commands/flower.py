@@ -90,8 +90,10 @@ Also: --disable-runtime-dependency-installation stops the SuperLink from resolvi
 fresh environment (it would download torch); FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1 keep Flower
 from calling flower.ai; OMP_NUM_THREADS=1 suits SuperNodes on small machines (every message runs in a fresh
 process). The run config keys are the configs' fields (`bnpfed flower keys`); J is the SuperNodes'
-num-partitions. A SuperNode that dies mid-run is left out after round-timeout seconds; a round with fewer than
-min-replies usable replies stops the run with a message naming the missing clients.
+num-partitions. A SuperNode that dies mid-run is left out (once the SuperLink says it is unavailable, it is sent
+nothing more); a round with fewer than min-replies usable replies stops the run with a message naming the missing
+clients. A SuperLink restarted mid-run (with --database) marks the run finished:failed: `flwr run` it again (the
+same seed gives the same global model).
 """
 
 GUIDE = LOOPBACK + "\n" + TLS + "\n" + NOTES

@@ -116,8 +116,10 @@ class LocalGrid(Grid):
                 raise ValueError(f"dst_node_id: expected one of the nodes {self.node_ids}, got {node}")
             self.pushed.append((node, msg.metadata.message_type))
             if node in self.unavailable and msg.metadata.message_type in self.silent_types:
+                # the SuperLink's own reply, as Flower makes it: from the SuperLink, naming the message it answers
                 reply = Message(Error(ErrorCode.NODE_UNAVAILABLE, NODE_UNAVAILABLE), reply_to=msg)
                 reply.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+                reply.metadata.__dict__["_src_node_id"] = SUPERLINK_NODE_ID
                 self._replies[msg.metadata.message_id] = reply
                 continue
             if node in self.silent and msg.metadata.message_type in self.silent_types:

@@ -52,7 +52,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
-from flwr.common.constant import ErrorCode
+from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
@@ -183,12 +183,14 @@ class _RoundStrategy(Strategy):
         #: error); not asked again.
         self.refused: dict[int, str] = {}
         #: ``{node id: partition}`` of the nodes the SuperLink said are gone (an error reply ``NODE_UNAVAILABLE``:
-        #: no heartbeat): no message is sent to them again (their partitions count as unconnected), so a round's
-        #: evaluation does not wait out its timeout for a node its training already found gone.
+        #: no heartbeat; -1 for one gone before it told its partition): no message is sent to them again (their
+        #: partitions count as unconnected), so a round's evaluation does not wait out its timeout for a node its
+        #: training already found gone.
         self.gone: dict[int, int] = {}
         #: One dict per finished round (see the module docstring).
         self.history: list[dict[str, Any]] = []
         self._sent: dict[tuple[int, str], dict[int, int]] = {}  # (round, type) -> {node: partition}
+        self._pushed: dict[tuple[int, str], list[Message]] = {}  # (round, type) -> the messages sent
         self._unconnected: dict[tuple[int, str], list[int]] = {}  # (round, type) -> sampled partitions without node
 
     # ------------------------------------------------------------------------------------------------ nodes
@@ -205,10 +207,12 @@ class _RoundStrategy(Strategy):
         messages = [Message(content=RecordDict({CONFIG: config}), dst_node_id=node, message_type=MessageType.QUERY,
                             group_id="query") for node in nodes]
         for reply in sorted(grid.send_and_receive(messages, timeout=self.query_timeout),
-                            key=lambda m: m.metadata.src_node_id):
-            node = reply.metadata.src_node_id
+                            key=lambda m: self.sender(m, messages)):
+            node = self.sender(reply, messages)
             try:
                 if reply.has_error():
+                    if reply.error.code == ErrorCode.NODE_UNAVAILABLE:
+                        self.gone[node] = -1   # gone before it told its partition
                     raise ReplyError(f"error reply (code {reply.error.code}): {reply.error.reason}")
                 identity = read_identity(reply)
                 known = self.identity
@@ -291,8 +295,20 @@ class _RoundStrategy(Strategy):
             LOGGER.warning("round %d: partition(s) %s sampled for %s but no connected node holds them", server_round,
                            unconnected, message_type)
         self._sent[(server_round, message_type)] = sent
+        self._pushed[(server_round, message_type)] = messages
         self._unconnected[(server_round, message_type)] = unconnected
         return messages
+
+    def sender(self, reply: Message, messages: Iterable[Message]) -> int:
+        """The node a reply speaks for: its sender, or, for the SuperLink's own error reply about a message it could
+        not deliver (``NODE_UNAVAILABLE``: sent from the SuperLink, naming the message it answers), that message's
+        destination (``messages``: those sent, their ids set by the grid when it pushed them)."""
+        if reply.metadata.src_node_id != SUPERLINK_NODE_ID:
+            return reply.metadata.src_node_id
+        for message in messages:
+            if message.metadata.message_id and message.metadata.message_id == reply.metadata.reply_to_message_id:
+                return message.metadata.dst_node_id
+        return reply.metadata.src_node_id
 
     # ------------------------------------------------------------------------------------------------ replies
 
@@ -304,8 +320,9 @@ class _RoundStrategy(Strategy):
         sent = self._sent.get((server_round, message_type), {})
         accepted: dict[int, Accepted] = {}
         rejected: dict[int, str] = {}
+        pushed = self._pushed.get((server_round, message_type), [])
         for reply in replies:
-            node = reply.metadata.src_node_id
+            node = self.sender(reply, pushed)
             j = sent.get(node)
             if j is None or j in accepted or j in rejected:
                 LOGGER.warning("round %d: %s", server_round, unexpected_reply(reply, message_type, sent,
