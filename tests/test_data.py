@@ -11,7 +11,7 @@ import torch
 from bnpfed.data import DATASET_NAMES, NPZ_FORMAT, Dataset, Preprocessing, load_dataset
 
 # The shared data folder sits next to the repository (<repo root>/../shared/data) unless BNPFED_SHARED_DATA says
-# otherwise; tests that need it skip when it is absent.
+# otherwise (docs/guide/development.md); every test that needs it reads it from here, and skips when it is absent.
 SHARED_DATA = Path(
     os.environ.get("BNPFED_SHARED_DATA") or Path(__file__).resolve().parents[1].parent / "shared" / "data"
 )
@@ -336,6 +336,7 @@ def test_real_mnist_style_data_loads_normalised(name, folder):
         pytest.skip(f"{root} not present")
     ds = load_dataset(name, data_dir=root)
     assert ds.name == name.replace("_", "-")
+    assert ds.mean == ((0.1307,) if name == "mnist" else (0.2860,)) and len(ds.classes) == 10   # what a model records
     assert tuple(ds.x_train.shape) == (60000, 1, 28, 28) and tuple(ds.x_test.shape) == (10000, 1, 28, 28)
     assert ds.x_train.dtype == torch.float32 and ds.y_train.dtype == torch.int64
     assert ds.num_classes == 10 and ds.input_shape == (1, 28, 28)
@@ -446,7 +447,7 @@ def test_a_jpeg_container_without_its_arrays_is_refused_naming_the_file(tmp_path
         load_dataset("cifar10", data_dir=tmp_path)
 
 
-SHARED_CIFAR = Path(__file__).resolve().parents[2] / "shared" / "data" / "cifar10"
+SHARED_CIFAR = SHARED_DATA / "cifar10"
 
 
 @pytest.mark.skipif(not (SHARED_CIFAR / "cifar10_jpeg.npz").is_file(), reason="the shared CIFAR-10 copy is absent")
