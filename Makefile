@@ -3,6 +3,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 CONSTRAINTS ?= constraints.txt
+# where torch and torchvision come from, when set: e.g. PyTorch's CPU-only builds, without the 4 GB of CUDA libraries
+# (make TORCH_INDEX=https://download.pytorch.org/whl/cpu install; docs/guide/development.md)
+TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.bnpfed-installed
 DOCS_STAMP := $(VENV)/.bnpfed-docs-installed
@@ -14,6 +17,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	$(if $(TORCH_INDEX),$(PY) -m pip install -q -c $(CONSTRAINTS) torch torchvision --index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -c $(CONSTRAINTS) -e '.[vision,test,flower,ot,laplace]'
 	$(PY) -c "import torch, torchvision, pyro; print('installed torch', torch.__version__, 'torchvision', torchvision.__version__, 'pyro', pyro.__version__)"
 	touch $(STAMP)

@@ -35,7 +35,7 @@ import torch
 
 from bnpfed.validation import check_bool, check_int
 
-__all__ = ["CIFAR10_JPEG", "DATASET_NAMES", "NPZ_FORMAT", "NPZ_PREFIX", "Dataset", "load_dataset",
+__all__ = ["CIFAR10_JPEG", "DATASET_NAMES", "NPZ_FORMAT", "NPZ_PREFIX", "Dataset", "Preprocessing", "load_dataset",
            "standardize_together"]
 
 #: Names accepted by :func:`load_dataset` (besides the ``"npz:PATH"`` form); the CLI offers these as choices.
@@ -63,6 +63,9 @@ _ALIASES = {"fashion_mnist": "fashion-mnist"}
 #: Decoded once per process (PIL) and cached; a lossy copy (quality 75): accuracies come near, not equal to, figures
 #: published on the original images.
 CIFAR10_JPEG = "cifar10_jpeg.npz"
+
+#: CIFAR-10's class names, in label order (torchvision's ``CIFAR10.classes``).
+CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 
 #: The images of the JPEG container come grouped by class; they are put in one fixed random order (this seed) once
 #: decoded, so that contiguous slices (a Flower client's test shard) hold every class.
@@ -99,6 +102,10 @@ class Dataset:
     :param int num_classes: number of classes, at least 1.
     :param tuple input_shape: shape of one input, e.g. ``(1, 28, 28)``; ``(F,)`` for flat data.
     :param str source: where the data came from, in words (e.g. CIFAR-10's original pickles or its JPEG copy).
+    :param tuple mean: the per-channel (one value for feature vectors) constants the inputs were standardised with,
+        ``x = (raw - mean) / std``; None for inputs as the loader reads them (``standardize=False``). Set with ``std``.
+    :param tuple std: the matching standard deviations, each > 0; None with ``mean``.
+    :param tuple classes: the class names, ``num_classes`` of them, where the source names them; None otherwise.
     """
 
     x_train: torch.Tensor
@@ -109,9 +116,16 @@ class Dataset:
     num_classes: int
     input_shape: tuple[int, ...]
     source: str = ""
+    mean: tuple[float, ...] | None = None
+    std: tuple[float, ...] | None = None
+    classes: tuple[str, ...] | None = None
 
     def __post_init__(self):
         check_int(self.num_classes, "num_classes", low=1)
+        _check_constants(self.mean, self.std)
+        if self.classes is not None and (len(self.classes) != self.num_classes
+                                         or not all(isinstance(c, str) for c in self.classes)):
+            raise ValueError(f"classes: expected {self.num_classes} class names (num_classes), got {self.classes!r}")
         for split in ("train", "test"):
             x, y = getattr(self, f"x_{split}"), getattr(self, f"y_{split}")
             if tuple(x.shape[1:]) != tuple(self.input_shape):
@@ -148,6 +162,176 @@ class Dataset:
             input_shape=(features,),
         )
 
+    def preprocessing(self) -> Preprocessing:
+        """How these inputs were prepared (:class:`Preprocessing`): what a model trained on them records."""
+        return Preprocessing(dataset=self.name, input_shape=tuple(self.input_shape), num_classes=self.num_classes,
+                             mean=self.mean, std=self.std, classes=self.classes)
+
+
+def _check_constants(mean, std) -> None:
+    """``mean`` and ``std`` both None, or tuples of as many finite numbers (``std`` > 0)."""
+    if (mean is None) != (std is None):
+        raise ValueError(f"mean, std: expected both (the standardisation constants) or neither, got mean={mean!r}, "
+                         f"std={std!r}")
+    if mean is None:
+        return
+    ok = (isinstance(mean, tuple) and isinstance(std, tuple) and len(mean) == len(std) >= 1
+          and all(isinstance(v, float) and math.isfinite(v) for v in mean)
+          and all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in std))
+    if not ok:
+        raise ValueError(f"mean, std: expected two tuples of as many finite floats (one per channel; std > 0), got "
+                         f"mean={mean!r}, std={std!r}")
+
+
+@dataclass(frozen=True)
+class Preprocessing:
+    """How a model's inputs were prepared: the dataset they came from, the constants they were standardised with
+    (or none: inputs as :func:`load_dataset` reads them with ``standardize=False``, pixels in [0, 1]), their shape
+    and the classes. A saved global model records it (:func:`bnpfed.saved.save_global`), and ``bnpfed evaluate``
+    prepares its test inputs by it, so that a model trained on raw pixels is not scored on standardised ones.
+
+    Usage::
+
+        >>> raw = load_dataset("digits", standardize=False)
+        >>> ds = load_dataset("digits")
+        >>> inputs = ds.preprocessing()
+        >>> inputs.standardized, inputs.input_shape, inputs.num_classes
+        (True, (1, 8, 8), 10)
+        >>> bool(torch.equal(inputs.apply(raw.x_test), ds.x_test))      # raw inputs prepared as the model saw them
+        True
+        >>> raw.preprocessing().describe()
+        'not standardised (as read: pixels in [0, 1])'
+        >>> Preprocessing.from_dict(inputs.as_dict()) == inputs
+        True
+
+    :param str dataset: the dataset's name (:attr:`Dataset.name`: ``"digits"``, ``"mnist"``, ``"npz:PATH"``, ...).
+    :param tuple input_shape: the shape of one input, e.g. ``(1, 28, 28)``.
+    :param int num_classes: the number of classes.
+    :param tuple mean: per-channel means subtracted (one value for feature vectors), or None (not standardised).
+    :param tuple std: the per-channel standard deviations divided by, or None.
+    :param tuple classes: the class names, or None where the source names none.
+    """
+
+    dataset: str
+    input_shape: tuple[int, ...]
+    num_classes: int
+    mean: tuple[float, ...] | None = None
+    std: tuple[float, ...] | None = None
+    classes: tuple[str, ...] | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.dataset, str) or not self.dataset:
+            raise ValueError(f"dataset: expected the dataset's name, got {self.dataset!r}")
+        shape = self.input_shape
+        if not (isinstance(shape, tuple) and shape and all(isinstance(s, int) and not isinstance(s, bool) and s >= 1
+                                                           for s in shape)):
+            raise ValueError(f"input_shape: expected a tuple of ints >= 1, got {shape!r}")
+        check_int(self.num_classes, "num_classes", low=1)
+        _check_constants(self.mean, self.std)
+        if self.mean is not None and len(self.mean) > 1 and (math.prod(shape) % len(self.mean)
+                                                             or (len(shape) == 3 and shape[0] != len(self.mean))):
+            raise ValueError(f"mean: expected one constant, or one per channel of input_shape {shape}, got "
+                             f"{len(self.mean)}")
+        if self.classes is not None and (len(self.classes) != self.num_classes
+                                         or not all(isinstance(c, str) for c in self.classes)):
+            raise ValueError(f"classes: expected {self.num_classes} class names (num_classes), got {self.classes!r}")
+
+    @property
+    def standardized(self) -> bool:
+        """Whether the inputs were standardised."""
+        return self.mean is not None
+
+    def describe(self) -> str:
+        """In words, e.g. ``"standardised with mean (0.1307,) and std (0.3081,)"``."""
+        if not self.standardized:
+            return "not standardised (as read: pixels in [0, 1])"
+        return (f"standardised with mean ({', '.join(f'{m:.4g}' for m in self.mean)}) and std "
+                f"({', '.join(f'{v:.4g}' for v in self.std)})")
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """Inputs as :func:`load_dataset` reads them with ``standardize=False`` (``x: (N, *input_shape)``) prepared
+        as the model saw them: standardised with these constants, or as they are."""
+        x = torch.as_tensor(x)
+        if tuple(x.shape[1:]) != self.input_shape:
+            raise ValueError(f"x: expected inputs of shape (N, {', '.join(map(str, self.input_shape))}) (the model's "
+                             f"input shape), got {tuple(x.shape)}")
+        if not self.standardized:
+            return x
+        channels = len(self.mean)   # one pair for every value (digits, feature vectors), or one per channel
+        shape = (1, channels, 1)
+        mean = torch.tensor(self.mean, dtype=x.dtype).reshape(shape)
+        std = torch.tensor(self.std, dtype=x.dtype).reshape(shape)
+        return ((x.reshape(len(x), channels, -1) - mean) / std).reshape(x.shape).contiguous()
+
+    def load(self, name: str | None = None, *, data_dir: str | os.PathLike | None = None, download: bool = False,
+             num_classes: int | None = None) -> Dataset:
+        """The dataset ``name`` (default: :attr:`dataset`, the one the model was trained on; see
+        :func:`load_dataset`) with its inputs prepared by these constants: what the model expects. A dataset of
+        another input shape or class count is refused (``ValueError`` naming ``name``)."""
+        ds = load_dataset(self.dataset if name is None else name, data_dir=data_dir, download=download,
+                          standardize=False, num_classes=num_classes)
+        problems = self.mismatches(ds, prepared=False)
+        if problems:
+            raise ValueError(f"name: expected a dataset the model takes, got {ds.name!r}: {'; '.join(problems)}")
+        return dataclasses.replace(ds, x_train=self.apply(ds.x_train), x_test=self.apply(ds.x_test), mean=self.mean,
+                                   std=self.std)
+
+    def mismatches(self, dataset: Dataset, *, prepared: bool = True) -> list[str]:
+        """What keeps ``dataset`` from being the model's input, in words (empty when nothing does): another input
+        shape or class count, and (``prepared``: when ``dataset``'s inputs are already prepared) other
+        standardisation constants. Another dataset name or other class names are no mismatch: see
+        :meth:`differences`."""
+        out = []
+        if tuple(dataset.input_shape) != self.input_shape:
+            out.append(f"inputs of shape {tuple(dataset.input_shape)}, the model takes {self.input_shape}")
+        if dataset.num_classes != self.num_classes:
+            out.append(f"{dataset.num_classes} classes, the model has {self.num_classes}")
+        if prepared and not _same_constants(dataset, self):
+            out.append(f"inputs {dataset.preprocessing().describe()}, the model's were {self.describe()}")
+        return out
+
+    def differences(self, dataset: Dataset) -> list[str]:
+        """What a model trained on :attr:`dataset` may not expect of ``dataset`` although it can run on it: another
+        dataset, other class names (a note, not an error: evaluating under a shift of domain is a use)."""
+        out = []
+        if dataset.name != self.dataset:
+            out.append(f"the model was trained on {self.dataset}, not {dataset.name}")
+        if self.classes is not None and dataset.classes is not None and tuple(dataset.classes) != self.classes:
+            out.append(f"its classes are {list(self.classes)}, {dataset.name}'s {list(dataset.classes)}")
+        return out
+
+    def as_dict(self) -> dict:
+        """JSON-ready: lists for the tuples."""
+        return {"dataset": self.dataset, "input_shape": list(self.input_shape), "num_classes": self.num_classes,
+                "mean": None if self.mean is None else list(self.mean),
+                "std": None if self.std is None else list(self.std),
+                "classes": None if self.classes is None else list(self.classes)}
+
+    @classmethod
+    def from_dict(cls, record) -> Preprocessing:
+        """What :meth:`as_dict` wrote; a ``ValueError`` naming the field otherwise."""
+        keys = {"dataset", "input_shape", "num_classes", "mean", "std", "classes"}
+        if not isinstance(record, dict) or set(record) != keys:
+            raise ValueError(f"inputs: expected a dict of {sorted(keys)}, got {record!r}")
+
+        def floats(value):
+            return None if value is None else tuple(float(v) for v in value)
+
+        return cls(dataset=record["dataset"], input_shape=tuple(record["input_shape"]),
+                   num_classes=record["num_classes"], mean=floats(record["mean"]), std=floats(record["std"]),
+                   classes=None if record["classes"] is None else tuple(record["classes"]))
+
+
+def _same_constants(dataset: Dataset, inputs: Preprocessing) -> bool:
+    """Whether ``dataset`` was prepared with ``inputs``' constants (to float32's precision: the loaders' floats)."""
+    if (dataset.mean is None) != (inputs.mean is None):
+        return False
+    if dataset.mean is None:
+        return True
+    return (len(dataset.mean) == len(inputs.mean)
+            and np.allclose(dataset.mean, inputs.mean, rtol=1e-6, atol=1e-7)
+            and np.allclose(dataset.std, inputs.std, rtol=1e-6, atol=1e-7))
+
 
 def load_dataset(name: str = "digits", *, data_dir: str | os.PathLike | None = None, download: bool = False,
                  standardize: bool = True, num_classes: int | None = None) -> Dataset:
@@ -161,7 +345,9 @@ def load_dataset(name: str = "digits", *, data_dir: str | os.PathLike | None = N
     and every class has an example, unless num_classes says there are more); neither split empty.
 
     (This paragraph is :data:`NPZ_FORMAT`.) Signed integer inputs are refused rather than guessed at: their maximum
-    (2**63 - 1 for int64) is no pixel scale; save ``x.astype(np.uint8)`` or ``x.astype(np.float32)``.
+    (2**63 - 1 for int64) is no pixel scale; save ``x.astype(np.uint8)`` or ``x.astype(np.float32)``. Without
+    ``num_classes``, a class that only y_test holds is refused too (a model trained on y_train would have an output
+    no example taught).
 
     Parameters
     ----------
@@ -270,6 +456,9 @@ def _load_digits(standardize: bool = True) -> Dataset:
         name="digits",
         num_classes=10,
         input_shape=(1, 8, 8),
+        mean=(mean,) if standardize else None,
+        std=(std,) if standardize else None,
+        classes=tuple(str(c) for c in digits.target_names),
     )
 
 
@@ -332,6 +521,9 @@ def _load_vision(name: str, *, data_dir, download: bool, standardize: bool = Tru
         num_classes=len(ds.classes),
         input_shape=tuple(x_train.shape[1:]),
         source=f"torchvision's {spec.class_name} files in {os.path.join(root, spec.folder)}",
+        mean=spec.mean if standardize else None,
+        std=spec.std if standardize else None,
+        classes=tuple(str(c) for c in ds.classes),
     )
 
 
@@ -368,7 +560,9 @@ def _load_cifar10_jpeg(path: Path, spec: _VisionSpec, standardize: bool) -> Data
                                             for x, y in ((x_train, y_train), (x_test, y_test)))
     return Dataset(x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test, name="cifar10", num_classes=10,
                    input_shape=tuple(x_train.shape[1:]),
-                   source=f"the JPEG copy of CIFAR-10 (quality 75; not the original pickles) in {path}")
+                   source=f"the JPEG copy of CIFAR-10 (quality 75; not the original pickles) in {path}",
+                   mean=spec.mean if standardize else None, std=spec.std if standardize else None,
+                   classes=CIFAR10_CLASSES)
 
 
 def _images_to_tensors(data, targets, spec: _VisionSpec, standardize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -415,6 +609,7 @@ def _load_npz(path: str, standardize: bool = True, num_classes: int | None = Non
                 f"got {int(x.size - finite.sum())} NaN or infinite value(s)"
             )
     x_train_t, x_test_t = torch.from_numpy(x_train), torch.from_numpy(x_test)
+    mean = std = None
     if standardize:
         mean, std = _train_constants(x_train_t)
         x_train_t, x_test_t = _standardise(x_train_t, mean, std), _standardise(x_test_t, mean, std)
@@ -431,6 +626,14 @@ def _load_npz(path: str, standardize: bool = True, num_classes: int | None = Non
                              f"largest label) to have an example, got none of class(es) {shown}: relabel the "
                              f"classes 0 .. C-1, or give num_classes (--num-classes) if they are meant to be empty")
         num_classes = largest + 1
+        only_test = sorted(set(y_test.unique().tolist()) - set(y_train.unique().tolist()))
+        if only_test:   # a model trained on y_train has an output for them that no example taught
+            shown = ", ".join(map(str, only_test[:5])) + (f" and {len(only_test) - 5} more" if len(only_test) > 5
+                                                          else "")
+            raise ValueError(f"npz file {str(file)!r}: y_test: expected labels of the classes y_train holds, got "
+                             f"class(es) {shown} in y_test only (a model trained on y_train would carry an output "
+                             f"no example taught): relabel, drop those examples, or give num_classes (--num-classes) "
+                             f"if classes without training examples are meant")
     elif largest >= num_classes:
         raise ValueError(f"num_classes: expected more than the largest label of {str(file)!r} ({largest}), got "
                          f"{num_classes}")
@@ -442,6 +645,8 @@ def _load_npz(path: str, standardize: bool = True, num_classes: int | None = Non
         name=f"{NPZ_PREFIX}{path}",
         num_classes=num_classes,
         input_shape=tuple(x_train_t.shape[1:]),
+        mean=mean,
+        std=std,
     )
 
 
@@ -545,6 +750,9 @@ def standardize_together(dataset: Dataset, *others: torch.Tensor) -> tuple[Datas
     >>> torch.allclose(std.x_test[:5], other), round(float(std.x_train.mean()), 6) + 0.0
     (True, 0.0)
     """
+    if dataset.mean is not None:
+        raise ValueError(f"dataset: expected inputs as read (standardize=False), got {dataset.name} "
+                         f"{dataset.preprocessing().describe()} already")
     for k, x in enumerate(others):
         if tuple(x.shape[1:]) != tuple(dataset.input_shape):
             raise ValueError(f"others[{k}]: expected inputs of shape (N, {', '.join(map(str, dataset.input_shape))}) "
@@ -552,12 +760,13 @@ def standardize_together(dataset: Dataset, *others: torch.Tensor) -> tuple[Datas
     if len(dataset.input_shape) == 3:
         mean, std = _train_constants(dataset.x_train)
     else:  # flat features: one scalar pair, as the digits are standardised
-        mean, std = (float(dataset.x_train.mean()),), (float(dataset.x_train.std(unbiased=False)),)
+        mean, std = (float(dataset.x_train.mean()),), (float(dataset.x_train.std(unbiased=False)) or 1.0,)
 
     def standardise(x):
         if len(dataset.input_shape) == 3:
             return _standardise(x, mean, std)
         return (x - mean[0]) / std[0]
 
-    out = dataclasses.replace(dataset, x_train=standardise(dataset.x_train), x_test=standardise(dataset.x_test))
+    out = dataclasses.replace(dataset, x_train=standardise(dataset.x_train), x_test=standardise(dataset.x_test),
+                              mean=tuple(mean), std=tuple(std))
     return out, [standardise(torch.as_tensor(x, dtype=dataset.x_train.dtype)) for x in others]

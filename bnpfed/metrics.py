@@ -13,7 +13,7 @@ Usage::
     aurocs = ood_auroc(probs_in, probs_out)         # {"auroc_max_prob": ..., "auroc_entropy": ...}
 """
 
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -23,12 +23,15 @@ from torch import Tensor, nn
 from bnpfed.validation import check_float, check_int
 
 __all__ = [
+    "CHANCE_MARGIN",
     "NLL_EPS",
     "ROW_SUM_ATOL",
     "accuracy",
     "brier_score",
     "calibration_gaps",
     "calibration_report",
+    "chance_accuracy",
+    "chance_warning",
     "classification_report",
     "count_parameters",
     "ece_from_gaps",
@@ -41,6 +44,10 @@ __all__ = [
 
 #: Default lower clamp of :func:`nll` on the probability of the true label; only keeps ``log 0`` finite.
 NLL_EPS = 1e-12
+
+#: How far above chance (:func:`chance_accuracy`) a global model's accuracy must be for the commands not to warn that
+#: it learnt nothing (:func:`chance_warning`).
+CHANCE_MARGIN = 0.02
 
 #: How far a row of ``probs`` may sum from 1 (float32 softmax outputs are off by ~1e-7; averages of many less so).
 ROW_SUM_ATOL = 1e-4
@@ -302,3 +309,32 @@ def count_parameters(module: nn.Module) -> int:
     if not isinstance(module, nn.Module):
         raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
     return sum(p.numel() for p in module.parameters())
+
+
+def chance_accuracy(class_counts: Any) -> float:
+    """The accuracy of always answering the most frequent class: the largest class's share of ``class_counts``
+    (``(C,)`` examples per class, e.g. ``torch.bincount`` of a test split's labels).
+
+    >>> chance_accuracy([10, 30, 60])
+    0.6
+    """
+    counts = torch.as_tensor(class_counts, dtype=torch.float64)
+    if counts.dim() != 1 or not len(counts) or bool((counts < 0).any()) or not float(counts.sum()) > 0:
+        raise ValueError(f"class_counts: expected examples per class, >= 0 with a positive total, got "
+                         f"{counts.tolist()}")
+    return float(counts.max() / counts.sum())
+
+
+def chance_warning(method: str, accuracy: float, chance: float) -> Optional[str]:
+    """The warning the commands (and a Flower run) give a global model whose test ``accuracy`` is at chance, no more
+    than :data:`CHANCE_MARGIN` above ``chance`` (:func:`chance_accuracy` of the test labels); None above it.
+
+    >>> chance_warning("pfnm", 0.9, 0.1) is None
+    True
+    >>> chance_warning("pfnm", 0.1, 0.1)[:45]
+    'pfnm: test accuracy 0.100 is at chance (0.100'
+    """
+    if accuracy > chance + CHANCE_MARGIN:
+        return None
+    return (f"{method}: test accuracy {accuracy:.3f} is at chance ({chance:.3f}, the largest class's share): training "
+            "diverged or did not learn (check the learning rate, too large or too small, the epochs and the data)")

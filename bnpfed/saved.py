@@ -5,11 +5,19 @@ The file is a ``torch.save`` of a plain dict (:data:`FORMAT` ``"bnpfed-global/1"
     {"format": "bnpfed-global/1", "method": "pfnm", "module": <the global nn.Module>,
      "state_dict": {...its tensors...}, "architecture": "bnpfed.models.networks.LeNet", "spec": "<the spec, as text>",
      "widths": {group: units}, "hyperparameters": {group: {name: value}}, "class_shares": [[...]] (J, C) or None,
-     "class_shares_estimated": false, "notes": [...], "versions": {...}}
+     "class_shares_estimated": false, "notes": [...], "versions": {...},
+     "inputs": {"dataset": "mnist", "input_shape": [1, 28, 28], "num_classes": 10, "mean": null, "std": null,
+                "classes": [...]} or None}
 
 so that ``torch.load(path, weights_only=False)["module"]`` is the network with torch alone (its class must be
 importable: bnpfed's networks, or the user's own), and ``state_dict`` with ``architecture`` rebuilds it without the
 pickle. :func:`load_global` returns the network in eval mode; :func:`read_global` everything.
+
+``inputs`` is how the model's inputs were prepared (a :class:`~bnpfed.data.Preprocessing`: the dataset, the
+standardisation constants or none, the input shape, the classes), or None where the saver did not know it (a file of
+bnpfed 0.2 or before, ``bnpfed match`` on networks saved without it). ``bnpfed evaluate`` prepares its inputs by it;
+``read_global(path).inputs.load(data_dir=...)`` gives a dataset prepared the same way, and ``load_global(path,
+dataset=ds)`` refuses a ``ds`` prepared otherwise.
 
 A Bayesian global network (a :class:`~bnpfed.clients.BayesianClient`: ``bnpfed fuse --save-global``, ``bnpfed match
 --posteriors``) adds ``"kind": "bayesian"`` and what rebuilds the client::
@@ -63,6 +71,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -73,11 +82,12 @@ from torch import Tensor, nn
 from bnpfed.clients import LaplaceClient
 from bnpfed.matching import PooledPosterior
 from bnpfed.clients import BayesianClient
+from bnpfed.data import Dataset, Preprocessing
 from bnpfed.posterior import GaussianPosterior
 from bnpfed.report import json_safe, versions
 
-__all__ = ["BAYESIAN", "FORMAT", "KINDS", "SavedGlobal", "global_from_record", "load_global", "load_torch_file",
-           "read_global", "save_global"]
+__all__ = ["BAYESIAN", "FORMAT", "KINDS", "SavedGlobal", "check_inputs", "global_from_record", "load_global",
+           "load_torch_file", "read_global", "save_global"]
 
 #: The layout of a saved global network (the module docstring); a file of another layout is refused.
 FORMAT = "bnpfed-global/1"
@@ -101,7 +111,8 @@ def _plain(value):
 
 def save_global(path: str | Path, network, *, method: str, spec=None, widths: Mapping | None = None,
                 hyperparameters: Mapping | None = None, class_shares=None, class_shares_estimated: bool = False,
-                notes: Sequence[str] = (), predictive: Mapping | None = None) -> Path:
+                notes: Sequence[str] = (), predictive: Mapping | None = None,
+                inputs: Preprocessing | Dataset | None = None) -> Path:
     """Write ``network`` (a copy on the CPU, in eval mode) and what describes it to ``path`` (its folder made if
     needed); return the path.
 
@@ -118,6 +129,9 @@ def save_global(path: str | Path, network, *, method: str, spec=None, widths: Ma
     :param notes: anything the result should say (e.g. what the matching had to give up).
     :param dict predictive: a Bayesian network only: ``{"samples": S, "seed": s}``, the posterior predictive its
         method scored it with (``bnpfed evaluate`` then draws the same by default).
+    :param inputs: how the network's inputs were prepared: a :class:`~bnpfed.data.Preprocessing`, or the
+        :class:`~bnpfed.data.Dataset` it was trained on (its :meth:`~bnpfed.data.Dataset.preprocessing`); None when
+        unknown (``bnpfed evaluate`` then says so).
     """
     if not isinstance(method, str) or not method:
         raise ValueError(f"method: expected the name of the method that built the network, got {method!r}")
@@ -137,6 +151,11 @@ def save_global(path: str | Path, network, *, method: str, spec=None, widths: Ma
     else:
         raise ValueError(f"network: expected a torch.nn.Module or a bnpfed BayesianClient, LaplaceClient or "
                          f"PooledPosterior, got {type(network).__name__}")
+    if isinstance(inputs, Dataset):
+        inputs = inputs.preprocessing()
+    if inputs is not None and not isinstance(inputs, Preprocessing):
+        raise ValueError(f"inputs: expected a bnpfed.data.Preprocessing, a Dataset or None, got "
+                         f"{type(inputs).__name__}")
     kind = ("laplace" if isinstance(network, LaplaceClient) else "pooled-posterior"
             if isinstance(network, PooledPosterior) else "bayesian") if bayesian else "deterministic"
     record = {
@@ -153,6 +172,7 @@ def save_global(path: str | Path, network, *, method: str, spec=None, widths: Ma
         "class_shares_estimated": bool(class_shares_estimated),
         "notes": [str(n) for n in notes],
         "versions": versions(),
+        "inputs": None if inputs is None else inputs.as_dict(),
         **bayesian,
     }
     path = Path(path)
@@ -221,6 +241,7 @@ class SavedGlobal:
     class_shares_estimated: bool = False
     notes: list = field(default_factory=list)
     versions: dict = field(default_factory=dict)
+    inputs: Preprocessing | None = None
 
 
 def load_torch_file(path: str | Path, *, name: str, what: str):
@@ -261,6 +282,10 @@ def global_from_record(record, path: str | Path = "<record>") -> SavedGlobal:
     if kind not in KINDS:
         raise ValueError(f"path: expected a global model of kind {' or '.join(map(repr, KINDS))} in {str(path)!r}, "
                          f"got {kind!r}")
+    try:
+        inputs = None if record.get("inputs") is None else Preprocessing.from_dict(record["inputs"])
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"path: {str(path)!r} holds a record of its inputs that does not read ({error})") from None
     network = record["module"]
     network.load_state_dict(record["state_dict"])
     client = None
@@ -292,12 +317,40 @@ def global_from_record(record, path: str | Path = "<record>") -> SavedGlobal:
                        widths=dict(record["widths"]),
                        hyperparameters=dict(record["hyperparameters"]), class_shares=record["class_shares"],
                        class_shares_estimated=bool(record["class_shares_estimated"]), notes=list(record["notes"]),
-                       versions=dict(record["versions"]))
+                       versions=dict(record["versions"]), inputs=inputs)
 
 
-def load_global(path: str | Path):
+def check_inputs(saved: SavedGlobal, dataset: Dataset, name: str = "dataset") -> None:
+    """Refuse (``ValueError`` naming ``name``) a ``dataset`` the saved model cannot take as it was trained: inputs
+    of another shape, another class count, prepared otherwise (standardised or not, other constants). Another
+    dataset or other class names (a shift of domain) is a ``UserWarning``. A model that records no preprocessing (a
+    file of bnpfed 0.2) cannot be checked.
+
+    :param SavedGlobal saved: what :func:`read_global` read.
+    :param Dataset dataset: the data to use the model on.
+    :param str name: what the errors call ``dataset``."""
+    if not isinstance(dataset, Dataset):
+        raise ValueError(f"{name}: expected a bnpfed.data.Dataset, got {type(dataset).__name__}")
+    if saved.inputs is None:
+        return
+    problems = saved.inputs.mismatches(dataset)
+    if problems:
+        raise ValueError(f"{name}: expected inputs prepared as the model's ({saved.inputs.dataset}: "
+                         f"{saved.inputs.describe()}), got {'; '.join(problems)}; read_global(path).inputs.load(...) "
+                         f"loads a dataset prepared the model's way")
+    for difference in saved.inputs.differences(dataset):
+        warnings.warn(f"{name}: {difference}", UserWarning, stacklevel=3)
+
+
+def load_global(path: str | Path, *, dataset: Dataset | None = None):
     """The global model a file of :func:`save_global` holds, ready to use: the network (eval mode, on the CPU), or
     for a Bayesian file the :class:`~bnpfed.clients.BayesianClient` (:class:`~bnpfed.clients.LaplaceClient`,
-    :class:`~bnpfed.matching.PooledPosterior`)."""
+    :class:`~bnpfed.matching.PooledPosterior`).
+
+    :param dataset: the data it is to be used on, checked against the preprocessing the file records
+        (:func:`check_inputs`): a :class:`~bnpfed.data.Dataset` standardised otherwise than the model's training
+        inputs, of another input shape or class count is refused (``ValueError``), before the model is used."""
     saved = read_global(path)
+    if dataset is not None:
+        check_inputs(saved, dataset)
     return saved.network if saved.client is None else saved.client

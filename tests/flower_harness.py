@@ -410,34 +410,65 @@ class Loopback:
     """A running loopback deployment (see :func:`loopback`): its ``processes`` and the ``flwr`` CLI's environment
     ``cli_env`` (a connection ``loopback`` to its SuperLink)."""
 
-    def __init__(self, root: Path, processes: Processes, cli_env: dict):
+    def __init__(self, root: Path, processes: Processes, cli_env: dict, link_argv: tuple = (),
+                 health: Callable[[], None] | None = None):
         self.root, self.processes, self.cli_env = root, processes, cli_env
+        self.link_argv, self.health = link_argv, health
+
+    def start(self, name: str, config: dict, *, evaluate: bool = False) -> tuple[str, Path]:
+        """``flwr run`` of the example app with ``config`` (its summary and global model written to a folder of its
+        own; no evaluation unless ``evaluate``); returns ``(run id, that folder)`` at once."""
+        out = self.root / f"out-{name}"
+        overrides = {**({} if evaluate else {"fraction-evaluate": 0.0}), "round-timeout": 180.0, **config,
+                     "output-dir": str(out)}
+        run_config = " ".join(f"{k}={json.dumps(v)}" for k, v in overrides.items())
+        started = json_of(flwr_cli(self.cli_env, "run", str(APP_DIR), "loopback", "--format", "json",
+                                   "--run-config", run_config))
+        assert started.get("success") and "run-id" in started, started
+        return str(started["run-id"]), out
+
+    def status(self, run_id: str) -> str:
+        """The run's status as ``flwr ls`` says it (``pending``, ``running``, ``finished:completed``, ...)."""
+        listing = json_of(flwr_cli(self.cli_env, "ls", "loopback", "--run-id", run_id, "--format", "json"))
+        return listing["runs"][0]["status"]
+
+    def wait(self, run_id: str, until: str = "finished:") -> str:
+        """Poll the run's status (gently: each `flwr` call costs a second of CPU) until it starts with ``until``."""
+        status = ""
+        while not status.startswith(until):
+            time.sleep(3)
+            status = self.status(run_id)
+        return status
+
+    def log(self, run_id: str) -> str:
+        """The run's log (``flwr log --show``)."""
+        return subprocess.run([str(Path(sys.executable).parent / "flwr"), "log", run_id, "loopback", "--show"],
+                              env=self.cli_env, capture_output=True, text=True, timeout=60).stdout
+
+    def kill(self, name: str) -> None:
+        """SIGKILL the process ``name`` and everything it spawned (a machine that loses power), and wait for it."""
+        _, proc, _ = next(entry for entry in self.processes.started if entry[0] == name)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=15)
+
+    def restart_superlink(self, name: str) -> None:
+        """Start the SuperLink again, as ``name``, with its first arguments (the same port and ``--database``), and
+        wait until it answers ``/health``."""
+        self.processes.start(name, *self.link_argv)
+        self.health()
 
     def run(self, configs: Mapping[str, dict]) -> Iterator[tuple[str, dict, dict[str, np.ndarray]]]:
         """Start a ``flwr run`` of the example app for every run config of ``configs`` at once (no evaluation, the
         summary and global model written to a folder of its own), then yield ``(name, summary JSON, global
         arrays)`` of each as it finishes, in the order of ``configs``; fail the test, with the run's log and the
         processes', on a run that does not complete."""
-        runs = {}  # all runs at once: the SuperLink and SuperNodes serve them side by side
-        for name, config in configs.items():
-            out = self.root / f"out-{name}"
-            overrides = {**config, "output-dir": str(out), "fraction-evaluate": 0.0, "round-timeout": 180.0}
-            run_config = " ".join(f"{k}={json.dumps(v)}" for k, v in overrides.items())
-            started = json_of(flwr_cli(self.cli_env, "run", str(APP_DIR), "loopback", "--format", "json",
-                                       "--run-config", run_config))
-            assert started.get("success") and "run-id" in started, started
-            runs[name] = (str(started["run-id"]), out)
+        runs = {name: self.start(name, config) for name, config in configs.items()}   # side by side
         for name, (run_id, out) in runs.items():
             method = configs[name]["method"]
-            status = ""
-            while not status.startswith("finished:"):  # each `flwr` call costs a second of CPU: poll gently
-                time.sleep(3)
-                listing = json_of(flwr_cli(self.cli_env, "ls", "loopback", "--run-id", run_id, "--format", "json"))
-                status = listing["runs"][0]["status"]
+            status = self.wait(run_id)
             if status != "finished:completed":
-                log = subprocess.run([str(Path(sys.executable).parent / "flwr"), "log", run_id, "loopback", "--show"],
-                                     env=self.cli_env, capture_output=True, text=True, timeout=60).stdout
-                pytest.fail(f"{name} run {run_id} ended {status}\n{log[-5000:]}\n{self.processes.logs()}")
+                pytest.fail(f"{name} run {run_id} ended {status}\n{self.log(run_id)[-5000:]}\n{self.processes.logs()}")
             summary = json.loads((out / f"{method}-summary.json").read_text())
             yield name, summary, dict(np.load(out / f"{method}-global.npz"))
 
@@ -497,14 +528,15 @@ def tls_material(root: Path, num_nodes: int) -> dict:
 
 
 @contextlib.contextmanager
-def loopback(root: Path, seconds: int = DEPLOYMENT_TIMEOUT, *, secure: bool = False, num_nodes: int = CLIENTS
-             ) -> Iterator[Loopback]:
+def loopback(root: Path, seconds: int = DEPLOYMENT_TIMEOUT, *, secure: bool = False, num_nodes: int = CLIENTS,
+             database: bool = False) -> Iterator[Loopback]:
     """A SuperLink and ``num_nodes`` SuperNodes (default :data:`CLIENTS`; partition-ids 0, 1, ...) on free ports of
     127.0.0.1, separate processes with their own FLWR_HOME under ``root`` (no runtime dependency installation, no telemetry), ready once
     the SuperLink answers ``/health``. Insecure by default; with ``secure``, as a real federation runs: the SuperLink
     serves HTTPS with a certificate of a CA made for the test (:func:`tls_material`), the SuperNodes and the CLI
     verify it, and SuperNode authentication is on (``--enable-supernode-auth``): every SuperNode's public key is
     registered with ``flwr supernode register`` before it starts and it signs its requests with its private key.
+    With ``database`` the SuperLink keeps its state in ``root/state.db`` (``--database``), which a restart reads.
     The whole ``with`` block may take ``seconds``: then, or on a process that dies while starting, the test fails
     with the processes' logs. On leaving it the processes are stopped (SuperNodes first)."""
     import ssl
@@ -525,19 +557,24 @@ def loopback(root: Path, seconds: int = DEPLOYMENT_TIMEOUT, *, secure: bool = Fa
                       str(tls["key"]), "--enable-supernode-auth"] if secure else ["--insecure"])
     scheme, context = ("https", ssl.create_default_context(cafile=str(tls["ca"]))) if secure else ("http", None)
     processes = Processes(root, env)
+    link_argv = (str(bin_dir / "flower-superlink"), *link_security, "--host", "127.0.0.1", "--port", str(link_port),
+                 "--disable-runtime-dependency-installation",
+                 *(["--database", str(root / "state.db")] if database else []))
+
+    def healthy() -> None:
+        for _ in range(240):
+            with contextlib.suppress(OSError):
+                if urllib.request.urlopen(f"{scheme}://127.0.0.1:{link_port}/health", timeout=2,
+                                          context=context).status == 200:
+                    return
+            assert processes.started[-1][1].poll() is None, processes.logs()
+            time.sleep(0.5)
+        pytest.fail("the SuperLink never answered /health\n" + processes.logs())
+
     with deadline(seconds):
         try:
-            processes.start("superlink", str(bin_dir / "flower-superlink"), *link_security, "--host", "127.0.0.1",
-                            "--port", str(link_port), "--disable-runtime-dependency-installation")
-            for _ in range(240):
-                with contextlib.suppress(OSError):
-                    if urllib.request.urlopen(f"{scheme}://127.0.0.1:{link_port}/health", timeout=2,
-                                              context=context).status == 200:
-                        break
-                assert all(p.poll() is None for _, p, _ in processes.started), processes.logs()
-                time.sleep(0.5)
-            else:
-                pytest.fail("the SuperLink never answered /health\n" + processes.logs())
+            processes.start("superlink", *link_argv)
+            healthy()
             for j, port in enumerate(node_ports):
                 node_security = ["--insecure"]
                 if secure:
@@ -548,7 +585,7 @@ def loopback(root: Path, seconds: int = DEPLOYMENT_TIMEOUT, *, secure: bool = Fa
                                 f"127.0.0.1:{link_port}", "--host", "127.0.0.1", "--port", str(port),
                                 "--max-wait-time", "120", "--node-config",
                                 f"partition-id={j} num-partitions={num_nodes}")
-            yield Loopback(root, processes, cli_env)
+            yield Loopback(root, processes, cli_env, link_argv, healthy)
         except TimeoutError as error:
             pytest.fail(f"{error}\n{processes.logs()}")
         finally:

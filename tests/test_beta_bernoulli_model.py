@@ -262,3 +262,15 @@ def test_a_price_per_parameter_is_the_same_program_at_a_lower_ibp_mass(float64):
     constant = gamma0 * (1 - math.exp(-lam * D)) * sum(1 / k for k in range(1, 6))   # (gamma0 - gamma0') H_J
     for _, offset in offsets:
         assert offset == pytest.approx(constant, rel=1e-9)
+
+
+
+def test_sample_federated_layer_names_a_missing_or_unknown_keyword_before_drawing():
+    with pytest.raises(TypeError, match=r"sample_federated_layer\(\) missing 1 required keyword-only argument: "
+                                        r"'gamma0'"):
+        sample_federated_layer(3, 4, seed=0)
+    with pytest.raises(ValueError, match=r"gamma: not a keyword of beta_bernoulli_layer; expected gamma0 and any of "
+                                         r"sigma2, sigma0_2"):
+        sample_federated_layer(3, 4, seed=0, gamma0=1.0, gamma=2.0)
+    with pytest.raises(ValueError, match="seed: expected an int >= 0"):
+        sample_federated_layer(3, 4, seed=-1, gamma0=1.0)

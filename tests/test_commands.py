@@ -63,6 +63,7 @@ SHARED = [  # (argv, the flag the message must name): the same flags in pfnm and
     (["--device", "cuda:7"], "--device"),   # no CUDA device here (or not that many)
     (["--seed", "-1"], "--seed"),
     (["--threads", "0"], "--threads"),
+    (["--threads", "1000"], "--threads"),   # more than the CPUs this process may use
     (["--rounds", "0"], "--rounds"),
     (["--epochs", "0"], "--epochs"),
     (["--lr", "0"], "--lr"),

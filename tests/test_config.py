@@ -22,6 +22,8 @@ BAD = [
     (NetworkConfig, dict(hidden=(10, 0)), r"hidden\[1\]: expected an int >= 1, got 0"),
     (NetworkConfig, dict(init="xavier"), "init: expected one of"),
     (NetworkConfig, dict(shared_init="yes"), "shared_init: expected a bool"),
+    (NetworkConfig, dict(arch="lenet", hidden=(50,)), r"hidden: expected only with arch='mlp' \(the widths of lenet "
+                                                       r"are fixed\), got 50 with arch='lenet'"),
     (TrainingConfig, dict(epochs=0), "epochs: expected an int >= 1, got 0"),
     (TrainingConfig, dict(batch_size=0), "batch_size: expected an int >= 1"),
     (TrainingConfig, dict(lr=0.0), "lr: expected a positive finite number"),
@@ -187,3 +189,13 @@ def test_cuda_training_comes_back_to_the_cpu_close_to_it():
     for k, v in gpu.state_dict().items():
         assert v.device.type == "cpu"
         torch.testing.assert_close(v, cpu.state_dict()[k], rtol=1e-4, atol=1e-5)
+
+
+def test_values_per_matched_group_are_checked_against_the_networks_groups_before_anything_trains():
+    groups = ["1", "3"]   # an MLP of two hidden layers
+    PFNMConfig(sigma2=(0.1, 0.2), max_width=(8, None)).check_groups(groups)
+    with pytest.raises(ValueError, match=r"sigma0_2: expected one value or one per matched group \(2: 1, 3\), got 3"):
+        PFNMConfig(sigma0_2=(1.0, 1.0, 1.0)).check_groups(groups)
+    FusionConfig(align="match", tau2=(0.1, 0.2)).check_groups(groups)
+    with pytest.raises(ValueError, match=r"tau2: expected one value or one per matched group \(2: 1, 3\), got 1"):
+        FusionConfig(align="match", tau2=(0.1,)).check_groups(groups)

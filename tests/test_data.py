@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from bnpfed.data import DATASET_NAMES, NPZ_FORMAT, Dataset, load_dataset
+from bnpfed.data import DATASET_NAMES, NPZ_FORMAT, Dataset, Preprocessing, load_dataset
 
 # The shared data folder sits next to the repository (<repo root>/../shared/data) unless BNPFED_SHARED_DATA says
-# otherwise; tests that need it skip when it is absent.
+# otherwise (docs/guide/development.md); every test that needs it reads it from here, and skips when it is absent.
 SHARED_DATA = Path(
     os.environ.get("BNPFED_SHARED_DATA") or Path(__file__).resolve().parents[1].parent / "shared" / "data"
 )
@@ -336,6 +336,7 @@ def test_real_mnist_style_data_loads_normalised(name, folder):
         pytest.skip(f"{root} not present")
     ds = load_dataset(name, data_dir=root)
     assert ds.name == name.replace("_", "-")
+    assert ds.mean == ((0.1307,) if name == "mnist" else (0.2860,)) and len(ds.classes) == 10   # what a model records
     assert tuple(ds.x_train.shape) == (60000, 1, 28, 28) and tuple(ds.x_test.shape) == (10000, 1, 28, 28)
     assert ds.x_train.dtype == torch.float32 and ds.y_train.dtype == torch.int64
     assert ds.num_classes == 10 and ds.input_shape == (1, 28, 28)
@@ -446,7 +447,7 @@ def test_a_jpeg_container_without_its_arrays_is_refused_naming_the_file(tmp_path
         load_dataset("cifar10", data_dir=tmp_path)
 
 
-SHARED_CIFAR = Path(__file__).resolve().parents[2] / "shared" / "data" / "cifar10"
+SHARED_CIFAR = SHARED_DATA / "cifar10"
 
 
 @pytest.mark.skipif(not (SHARED_CIFAR / "cifar10_jpeg.npz").is_file(), reason="the shared CIFAR-10 copy is absent")
@@ -455,3 +456,47 @@ def test_the_shared_cifar10_copy_loads_with_the_published_split_and_statistics()
     assert tuple(raw.x_train.shape) == (50000, 3, 32, 32) and tuple(raw.x_test.shape) == (10000, 3, 32, 32)
     assert torch.bincount(raw.y_train).tolist() == [5000] * 10 and torch.bincount(raw.y_test).tolist() == [1000] * 10
     torch.testing.assert_close(raw.x_train.mean((0, 2, 3)), torch.tensor([0.4913, 0.4821, 0.4465]), atol=2e-4, rtol=0)
+
+
+def test_a_datasets_preprocessing_prepares_raw_inputs_bit_for_bit_as_the_loader_does(tmp_path):
+    rng = np.random.default_rng(1)
+    path = tmp_path / "rgb.npz"
+    np.savez(path, x_train=rng.integers(0, 256, (40, 3, 5, 5), dtype=np.uint8), y_train=np.arange(40) % 4,
+             x_test=rng.integers(0, 256, (12, 3, 5, 5), dtype=np.uint8), y_test=np.arange(12) % 4)
+    for name in ("digits", f"npz:{path}"):
+        raw, ready = load_dataset(name, standardize=False), load_dataset(name)
+        inputs = ready.preprocessing()
+        assert raw.preprocessing().standardized is False and inputs.standardized
+        assert torch.equal(inputs.apply(raw.x_test), ready.x_test) and torch.equal(inputs.apply(raw.x_train),
+                                                                                    ready.x_train)
+        flat = ready.flat()   # a flattened copy keeps its constants, applied channel by channel
+        assert torch.equal(Preprocessing(name, flat.input_shape, flat.num_classes, inputs.mean, inputs.std).apply(
+            raw.flat().x_test), flat.x_test)
+    assert len(load_dataset(f"npz:{path}").mean) == 3   # per channel of images
+
+
+def test_preprocessing_refuses_inconsistent_constants_and_inputs_of_another_shape():
+    with pytest.raises(ValueError, match="mean, std: expected both"):
+        Preprocessing("digits", (1, 8, 8), 10, mean=(0.1,))
+    with pytest.raises(ValueError, match="mean, std: expected two tuples"):
+        Preprocessing("digits", (1, 8, 8), 10, mean=(0.1,), std=(0.0,))
+    with pytest.raises(ValueError, match="mean: expected one constant, or one per channel"):
+        Preprocessing("x", (3, 4, 4), 10, mean=(0.1, 0.2), std=(1.0, 1.0))
+    with pytest.raises(ValueError, match="classes: expected 10 class names"):
+        Preprocessing("digits", (1, 8, 8), 10, classes=("a",))
+    with pytest.raises(ValueError, match=r"x: expected inputs of shape \(N, 1, 8, 8\)"):
+        Preprocessing("digits", (1, 8, 8), 10).apply(torch.zeros(2, 64))
+    with pytest.raises(ValueError, match="inputs: expected a dict"):
+        Preprocessing.from_dict({"dataset": "digits"})
+
+
+
+def test_an_npz_label_only_the_test_split_holds_is_refused_unless_num_classes_says_so(tmp_path):
+    rng = np.random.default_rng(0)
+    path = tmp_path / "extra.npz"
+    np.savez(path, x_train=rng.random((30, 4), dtype=np.float32), y_train=np.arange(30) % 3,
+             x_test=rng.random((8, 4), dtype=np.float32), y_test=np.array([0, 1, 2, 3, 0, 1, 2, 0]))
+    with pytest.raises(ValueError, match=r"y_test: expected labels of the classes y_train holds, got class\(es\) 3 "
+                                         r"in y_test only"):
+        load_dataset(f"npz:{path}")
+    assert load_dataset(f"npz:{path}", num_classes=4).num_classes == 4   # meant: said so

@@ -550,7 +550,8 @@ def test_the_estimates_need_nothing_but_the_clients_weights():
     assert list(inspect.signature(match_layer).parameters) == [
         "neurons", "sigma2", "sigma0_2", "gamma0", "mu0", "precisions", "hyperparameters", "start", "sweeps", "seed",
         "objective", "popularity_factor", "popularity_cap", "max_atoms", "new_atom_penalty",
-        "stop_at_fixed_point", "cross_products", "init_assignments", "stop", "starts", "schedule", "device"]
+        "stop_at_fixed_point", "cross_products", "init_assignments", "stop", "starts", "schedule", "device",
+        "progress"]
     network_args = list(inspect.signature(match_by_spec).parameters)
     assert network_args[:3] == ["client_nets", "class_counts", "spec"]
     assert not {"data", "dataset", "loader", "x", "y", "inputs"} & {a.lower() for a in network_args}

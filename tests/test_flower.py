@@ -84,6 +84,12 @@ def test_the_flower_apps_pfnm_output_is_a_global_network_file_bnpfed_loads(confi
     x = reference.dataset.x_test
     with torch.no_grad():
         assert torch.equal(net(x), reference.match.network().eval()(x))  # the in-process global network
+    # the file records the clients' inputs (PFNM's: pixels in [0, 1]); bnpfed evaluate, told nothing, scores the
+    # model on those: the run's own accuracy on the whole test split
+    assert bnpfed.read_global(tmp_path / "pfnm-global.pt").inputs == reference.dataset.preprocessing()
+    assert main(["evaluate", str(tmp_path / "pfnm-global.pt"), "--json", str(tmp_path / "e.json")]) == 0
+    (row,) = json.loads((tmp_path / "e.json").read_text())["results"]["runs"][0]["rows"]
+    assert row["accuracy"] == pytest.approx(result.history[-1]["accuracy"], abs=1e-12)
 
 
 @pytest.mark.parametrize("config, temperature", [(PFNM, 1.0), (CNN_BN, 1.0), (PFNM, "fit")],
@@ -118,7 +124,7 @@ FEDAVG = {"method": "fedavg", "rounds": 2, "hidden": "16", "epochs": 1}
 
 
 @pytest.mark.parametrize("config", [FEDAVG, {**FEDAVG, **FRACTION}, {**FEDAVG, "arch": "simple-cnn-bn",
-                                                                      "weights": "uniform"},
+                                                                      "weights": "uniform", "hidden": "100"},
                                     {**FEDAVG, "optimizer": "sgd", "momentum": 0.9, "lr": 0.05},
                                     {**FEDAVG, "augment": "crop-flip"}],
                          ids=["mlp", "fraction-0.67", "simple-cnn-bn-uniform", "sgd-momentum", "crop-flip"])
@@ -205,6 +211,7 @@ def test_the_flower_apps_fusion_output_is_a_bayesian_client_file_bnpfed_loads(co
     client = bnpfed.load_global(tmp_path / "fusion-global.pt")
     saved = bnpfed.read_global(tmp_path / "fusion-global.pt")
     assert saved.kind == "bayesian" and saved.method == ("match-eaa" if "align" in config else "conflation")
+    assert saved.inputs == reference.dataset.preprocessing() and saved.inputs.standardized   # fusion's inputs
     from bnpfed.seeding import Stream, derive_seed
     assert saved.predictive == {"samples": parse_run_config(config).run.predictive_samples,
                                 "seed": derive_seed(0, Stream.PREDICT, config["rounds"])}  # the last evaluation's
@@ -461,11 +468,22 @@ BAD_RUN_CONFIGS = [
     ('experimental="bogus=1"', "experimental: bogus: expected one of the experimental options"),
     ('experimental="starts"', "experimental: expected KEY=VALUE pairs"),
     ('method="pfnm" experimental="round-prior=posterior"', "experimental: round-prior, a Bayesian client's prior"),
+    # what the commands refuse, refused the same way (the configs' own checks, or the method's)
+    ('arch="lenet" hidden="50"', r"hidden: expected only with arch='mlp' \(the widths of lenet are fixed\)"),
+    ('method="pfnm" rule="gaa"', r"rule: a setting of FusionConfig, which method='pfnm' does not read"),
+    ('method="fedavg" sigma2=0.5', r"sigma2: a setting of PFNMConfig, which method='fedavg' does not read"),
+    ('method="pfnm" prior-scale=2.0', r"prior-scale: a setting of BayesianConfig, which method='pfnm' does not"),
+    ('method="fusion" tau2=0.5', r"tau2: matched fusion's \(align=\"match\"\); expected it left out with "
+                                 r"align=\"none\""),
+    ('method="fusion" experimental="pvi-damping=0.5"', r"experimental: pvi-damping: expected only with "
+                                                       r"rule=\"pvi\""),
+    ('output-dir="{file}/out"', r"output-dir: expected a folder that can be written, got '.*' \('.*' is not a "
+                                r"writable folder\)"),
 ]
 
 
 @pytest.mark.parametrize("text, message", BAD_RUN_CONFIGS, ids=[t for t, _ in BAD_RUN_CONFIGS])
-def test_bnpfed_flower_sim_checks_every_key_and_value_before_it_starts(text, message, capsys, monkeypatch):
+def test_bnpfed_flower_sim_checks_every_key_and_value_before_it_starts(text, message, capsys, monkeypatch, tmp_path):
     import flwr.simulation
 
     import bnpfed.flower.server
@@ -475,6 +493,8 @@ def test_bnpfed_flower_sim_checks_every_key_and_value_before_it_starts(text, mes
 
     monkeypatch.setattr(bnpfed.flower.server, "run_federation", started)
     monkeypatch.setattr(flwr.simulation, "run_simulation", started)
+    (tmp_path / "file").write_text("")
+    text = text.replace("{file}", str(tmp_path / "file"))
     for local in ([], ["--local"]):
         assert main(["flower", "sim", *local, "--run-config", text]) == 2
         out, err = capsys.readouterr()
@@ -747,3 +767,86 @@ def test_a_simulated_run_that_cannot_go_on_is_one_line_with_how_to_retry(monkeyp
     assert "\n" not in line and "did not all start in time" in line and "node-timeout=600" in line
     with pytest.raises(RuntimeError, match="waited 120 s"):  # the deployed app (no on_error) still fails the run
         flower_server.make_server_app({})._main(None, SimpleNamespace(run_config={}))
+
+
+
+def test_a_flower_run_at_chance_warns_as_the_commands_do(tmp_path, capsys):
+    """lr = 1e6 diverges: bnpfed pfnm warns that the global model sits at chance, and so does a Flower run (the
+    clients report their test labels per class, the server the chance level of their union): in the result, the
+    summary JSON and on bnpfed flower sim's stderr."""
+    config = {"method": "pfnm", "rounds": 1, "hidden": "8", "epochs": 1, "lr": 1e6}
+    result = run_federation(LocalGrid(client_app, CLIENTS), {**config, "output-dir": str(tmp_path)})
+    digits = in_process({**config, "lr": 0.01}).dataset
+    chance = float(torch.bincount(digits.y_test).max()) / len(digits.y_test)
+    assert result.history[-1]["chance"] == pytest.approx(chance, abs=1e-12)
+    (message,) = result.warnings
+    assert message.startswith(f"pfnm: test accuracy {result.history[-1]['accuracy']:.3f} is at chance "
+                              f"({chance:.3f}, the largest class's share)")
+    assert json.loads((tmp_path / "pfnm-summary.json").read_text())["results"]["runs"][0]["warnings"] == [message]
+    assert run_federation(LocalGrid(client_app, CLIENTS), {**config, "lr": 0.01}).warnings == []
+    capsys.readouterr()
+    assert main(["flower", "sim", "--local", "--run-config", 'method="pfnm" hidden="8" epochs=1 lr=1e6']) == 0
+    assert f"warning: {message}" in capsys.readouterr().err
+
+
+def test_a_value_per_matched_group_of_the_wrong_count_is_refused_on_flower_before_any_training():
+    grid = LocalGrid(client_app, CLIENTS)
+    with pytest.raises(ValueError, match=r"sigma0-2: expected one value or one per matched group \(1: 1\), got 2"):
+        run_federation(grid, {**PFNM, "sigma0-2": "1,2"})
+    assert {kind for _, kind in grid.calls} == {"query"}   # the nodes told their data; nobody trained
+
+
+def test_bnpfed_flower_sim_refuses_a_json_path_it_cannot_write_before_it_runs(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    assert main(["flower", "sim", "--local", "--json", str(tmp_path / "file" / "x.json")]) == 2
+    assert "bnpfed flower: error: --json: expected a path in a writable folder" in capsys.readouterr().err
+
+
+def test_evaluation_sends_nothing_to_a_node_the_superlink_said_is_gone():
+    """A SuperNode dies after telling its partition: the SuperLink answers its training message with an error reply
+    NODE_UNAVAILABLE. The run goes on without it, and no later message (evaluation, the next round) is sent to it,
+    so nothing waits out a timeout for it again; the other clients' evaluation is the test split less its shard."""
+    grid = LocalGrid(client_app, CLIENTS, unavailable=[2])
+    result = run_federation(grid, {**PFNM, "round-timeout": 5.0})
+    gone = grid.node_of[2]
+    assert [(node, kind) for node, kind in grid.pushed if node == gone] == [(gone, "query"), (gone, "train")]
+    assert [r["clients"] for r in result.history] == [[0, 1], [0, 1]]
+    assert "Node Unavailable" in result.history[0]["rejected"][2] and result.history[1]["missing"] == [2]
+    assert [r["evaluated"] for r in result.history] == [[0, 1], [0, 1]]
+
+
+@pytest.mark.slow
+def test_a_killed_supernode_is_not_waited_for_again_and_a_restarted_superlink_fails_the_interrupted_run(tmp_path):
+    """Two faults of a deployment (docs/guide/flower.md, "When a machine fails"). A SuperNode killed while it trains
+    in round 1: once its heartbeats stop the SuperLink answers its training message NODE_UNAVAILABLE, the run goes on
+    with the two others, and no evaluation or later round is sent to it. Then a SuperLink killed mid-run and
+    restarted on its --database: the SuperNodes reconnect, the interrupted run is finished:failed (its rounds are
+    not resumed), and the same run started again completes."""
+    config = {**PFNM, "epochs": 20, "min-nodes": 2, "round-timeout": 300.0}
+    with loopback(tmp_path, database=True) as deployment:
+        while len(json_of(flwr_cli(deployment.cli_env, "supernode", "ls", "loopback", "--format", "json"))
+                  .get("nodes", [])) < CLIENTS:   # every SuperNode registered before the run asks them
+            time.sleep(2)
+        run_id, out = deployment.start("killed-node", config, evaluate=True)
+        while "round 1: training client(s) [0, 1, 2]" not in deployment.log(run_id):
+            time.sleep(2)
+        deployment.kill("supernode2")   # its training message out, its ClientApp at work
+        status = deployment.wait(run_id)
+        log = deployment.log(run_id)
+        assert status == "finished:completed", log[-5000:] + deployment.processes.logs()
+        history = json.loads((out / "pfnm-summary.json").read_text())["results"]["rounds"]
+        assert [r["clients"] for r in history] == [[0, 1], [0, 1]]
+        assert "Node Unavailable" in history[0]["rejected"]["2"] and history[1]["missing"] == [2], history
+        assert [r["evaluated"] for r in history] == [[0, 1], [0, 1]]
+        assert "is gone" in log and not re.search(r"evaluate reply of client 2|no evaluate reply from client", log)
+
+        again = {**config, "epochs": 3, "rounds": 3}
+        run_id, out = deployment.start("interrupted", again)
+        deployment.wait(run_id, until="running")
+        deployment.kill("superlink")
+        deployment.restart_superlink("superlink-restarted")
+        assert deployment.wait(run_id) == "finished:failed"
+        assert not (out / "pfnm-summary.json").exists()
+        run_id, out = deployment.start("again", again)
+        assert deployment.wait(run_id) == "finished:completed", deployment.log(run_id)[-5000:]
+        assert json.loads((out / "pfnm-summary.json").read_text())["results"]["rounds"][-1]["round"] == 3

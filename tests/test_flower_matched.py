@@ -145,7 +145,9 @@ def test_a_bad_posterior_reply_is_rejected_with_its_reason_and_the_round_goes_on
 
 
 @pytest.mark.parametrize("config, message", [
-    ({**MATCHED, "arch": "simple-cnn-bn"}, r"arch: posterior fusion expected one of .* \(no batch norm"),
+    ({**{k: v for k, v in MATCHED.items() if k != "hidden"}, "arch": "simple-cnn-bn"},
+     r"arch: posterior fusion expected one of .* \(no batch norm"),
+    ({**MATCHED, "arch": "lenet"}, r"hidden: expected only with arch='mlp' \(the widths of lenet are fixed\)"),
     # weight-wise fusion too: the rule of bnpfed fuse (FusionFederation), not only of matching
     ({"method": "fusion", "arch": "simple-cnn-bn"}, r"arch: posterior fusion expected one of .* \(no batch norm"),
     ({"method": "fusion", "own-init": True}, r"own-init: expected false, or align=\"match\", on Flower "

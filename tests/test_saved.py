@@ -204,6 +204,12 @@ def bad(folder, tmp_path):
         (tmp_path / f"activity_{name}.json").write_text(json.dumps(value))
     (tmp_path / "activity_text.json").write_text("not json")
     (tmp_path / "counts_negative.json").write_text(json.dumps([[1] * 9 + [-1]] * 3))
+    nine = torch.load(folder / "mlp0.pt", weights_only=False)   # one class fewer: its last output row dropped
+    nine[-1] = torch.nn.Linear(nine[-1].in_features, 9)
+    torch.save(nine, tmp_path / "nine.pt")
+    tanh = torch.load(folder / "mlp0.pt", weights_only=False)   # the same weights behind another activation
+    tanh[2] = torch.nn.Tanh()
+    torch.save(tanh, tmp_path / "tanh.pt")
     return tmp_path
 
 
@@ -236,6 +242,13 @@ def bad(folder, tmp_path):
     (lambda f, b: [*files(f, "mlp"), "--activity", str(b / "activity_strings.json")],
      r"--activity: report 0 .* group '1': expected a list of numbers"),
     (lambda f, b: [str(b / f"mixing{j}.pt") for j in range(3)], r"MODEL: cannot match these networks: .*cumsum"),
+    (lambda f, b: [*files(f, "mlp")[:2], str(b / "nine.pt")],
+     r"MODEL: '.*nine\.pt' has 9 output classes \(3\.weight\) and '.*mlp0\.pt' 10; expected clients of one set"),
+    (lambda f, b: [*files(f, "mlp")[:2], str(b / "tanh.pt")],
+     r"MODEL: '.*tanh\.pt' is another architecture than .*: its module 2 is a Tanh, not a ReLU"),
+    (lambda f, b: [*files(f, "lenet"), "--input-shape", "3,8,8"],
+     r"--input-shape: expected the shape of an input net runs on, got \(3, 8, 8\), on which a forward pass failed "
+     r"\(RuntimeError: Given groups=1"),
 ])
 def test_bad_input_to_bnpfed_match_is_named_before_any_matching(argv, message, folder, bad, capsys, monkeypatch):
     import bnpfed.matching as inference
@@ -356,3 +369,121 @@ def test_bnpfed_match_on_the_matcher_device_writes_the_numpy_paths_network(folde
     capsys.readouterr()
     assert main(["match", *files(folder, "mlp"), "--matcher-device", "tpu", "--out", str(tmp_path / "x.pt")]) == 2
     assert "--matcher-device: expected 'cpu' or 'cuda[:N]'" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ preprocessing
+
+
+def test_a_model_saved_after_pfnm_on_raw_pixels_evaluates_to_the_runs_accuracy_with_the_defaults(tmp_path, capsys):
+    """bnpfed pfnm trains on pixels in [0, 1]; its file says so, and bnpfed evaluate, told nothing, scores the model
+    on the inputs it was trained on: the run's own accuracy and NLL. A flag that contradicts the file is refused."""
+    run, folder = tmp_path / "pfnm.json", tmp_path / "globals"
+    assert main(["pfnm", "--clients", "3", "--epochs", "1", "--hidden", "16", "--no-progress", "--methods", "pfnm",
+                 "--json", str(run), "--save-global", str(folder)]) == 0
+    (row,) = json.loads(run.read_text())["results"]["runs"][0]["rows"]
+    saved = read_global(folder / "pfnm.pt")
+    assert saved.inputs == load_dataset("digits", standardize=False).preprocessing()
+    assert not saved.inputs.standardized and saved.inputs.classes == tuple("0123456789")
+    capsys.readouterr()
+    assert main(["evaluate", str(folder / "pfnm.pt"), "--json", str(tmp_path / "e.json")]) == 0
+    out, err = capsys.readouterr()
+    assert "not standardised" in out and "note" not in err
+    (scored,) = json.loads((tmp_path / "e.json").read_text())["results"]["runs"][0]["rows"]
+    assert scored["accuracy"] == pytest.approx(row["accuracy"], abs=1e-12)
+    assert scored["nll"] == pytest.approx(row["nll"], rel=1e-9)
+    assert main(["evaluate", str(folder / "pfnm.pt"), "--standardize"]) == 2
+    assert "--standardize: expected it left out or as the file records" in capsys.readouterr().err
+    assert main(["evaluate", str(folder / "pfnm.pt"), "--no-standardize"]) == 0   # what the file says: accepted
+
+
+def test_a_file_that_records_no_preprocessing_is_scored_standardised_with_a_note(folder, tmp_path, capsys):
+    out = tmp_path / "g.pt"
+    assert main(["match", *files(folder, "mlp"), "--out", str(out)]) == 0   # plain modules: nothing to record
+    assert read_global(out).inputs is None
+    capsys.readouterr()
+    assert main(["evaluate", str(out)]) == 0
+    assert "does not record how its model's inputs were prepared" in capsys.readouterr().err
+    assert main(["evaluate", str(out), "--no-standardize"]) == 0   # told: no note
+    assert "note" not in capsys.readouterr().err
+
+
+def test_evaluate_refuses_data_the_recorded_model_cannot_take_and_notes_another_dataset(tmp_path, capsys):
+    import numpy as np
+
+    net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))
+    digits = load_dataset("digits")
+    path = save_global(tmp_path / "g.pt", net, method="pfnm", inputs=digits)
+    rng = np.random.default_rng(0)
+    for name, shape, classes in (("other", (1, 8, 8), 10), ("wide", (1, 6, 6), 10), ("three", (1, 8, 8), 3)):
+        np.savez(tmp_path / f"{name}.npz", x_train=rng.random((30, *shape)).astype(np.float32),
+                 y_train=np.arange(30) % classes, x_test=rng.random((20, *shape)).astype(np.float32),
+                 y_test=np.arange(20) % classes)
+    capsys.readouterr()
+    assert main(["evaluate", str(path), "--dataset", f"npz:{tmp_path / 'other.npz'}"]) == 0
+    err = capsys.readouterr().err
+    assert "note: the model was trained on digits" in err and "prepared as the model's were" in err
+    assert main(["evaluate", str(path), "--dataset", f"npz:{tmp_path / 'wide.npz'}"]) == 2
+    assert "--dataset: expected data the model" in capsys.readouterr().err
+    assert main(["evaluate", str(path), "--dataset", f"npz:{tmp_path / 'three.npz'}"]) == 2
+    assert "3 classes, the model has 10" in capsys.readouterr().err
+
+
+def test_load_global_refuses_a_dataset_prepared_otherwise_than_the_models_training_inputs(tmp_path):
+    net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))
+    raw = load_dataset("digits", standardize=False)
+    path = save_global(tmp_path / "g.pt", net, method="pfnm", inputs=raw)
+    assert bnpfed.load_global(path, dataset=raw) is not None
+    with pytest.raises(ValueError, match=r"dataset: expected inputs prepared as the model's .*standardised with mean"):
+        bnpfed.load_global(path, dataset=load_dataset("digits"))
+    again = read_global(path).inputs.load()   # the dataset prepared the model's way
+    assert torch.equal(again.x_test, raw.x_test) and again.preprocessing() == raw.preprocessing()
+    standardised = save_global(tmp_path / "s.pt", net, method="pfnm", inputs=load_dataset("digits"))
+    assert torch.equal(read_global(standardised).inputs.load().x_test, load_dataset("digits").x_test)
+    with pytest.raises(ValueError, match="inputs: expected a bnpfed.data.Preprocessing"):
+        save_global(tmp_path / "x.pt", net, method="pfnm", inputs="digits")
+
+
+def test_bnpfed_match_carries_the_clients_recorded_preprocessing_and_refuses_clients_prepared_otherwise(
+        folder, tmp_path, capsys):
+    nets = [torch.load(f, weights_only=False) for f in files(folder, "mlp")]
+    digits, raw = load_dataset("digits"), load_dataset("digits", standardize=False)
+    paths = [str(save_global(tmp_path / f"c{j}.pt", net, method="local", inputs=digits)) for j, net in enumerate(nets)]
+    assert main(["match", *paths, "--counts", "uniform", "--out", str(tmp_path / "g.pt")]) == 0
+    assert read_global(tmp_path / "g.pt").inputs == digits.preprocessing()
+    save_global(paths[1], nets[1], method="local", inputs=raw)
+    capsys.readouterr()
+    assert main(["match", *paths, "--counts", "uniform", "--out", str(tmp_path / "h.pt")]) == 2
+    assert "expected clients whose inputs were prepared alike" in capsys.readouterr().err
+
+
+def test_bnpfed_match_refuses_an_out_path_that_is_one_of_its_model_files(folder, tmp_path, capsys):
+    import shutil
+
+    paths = [shutil.copy(f, tmp_path) for f in files(folder, "mlp")]
+    before = open(paths[1], "rb").read()
+    assert main(["match", *paths, "--out", paths[1]]) == 2
+    assert "--out: expected a path other than the MODEL files" in capsys.readouterr().err
+    assert open(paths[1], "rb").read() == before
+
+
+
+def test_bnpfed_match_warns_when_an_activity_report_has_a_group_dead_at_every_client(folder, tmp_path, capsys):
+    (tmp_path / "dead.json").write_text(json.dumps([{"1": [0.0] * 32}] * 3))
+    assert main(["match", *files(folder, "mlp"), "--activity", str(tmp_path / "dead.json"), "--counts", "uniform",
+                 "--out", str(tmp_path / "g.pt")]) == 0
+    out, err = capsys.readouterr()
+    assert "warning: --activity: warning: group '1' is dead at every client" in err
+    assert any("dead at every client" in n for n in read_global(tmp_path / "g.pt").notes)
+    (tmp_path / "one.json").write_text(json.dumps([{"1": [0.0] * 32}] + [{"1": [1.0] * 32}] * 2))
+    assert main(["match", *files(folder, "mlp"), "--activity", str(tmp_path / "one.json"), "--counts", "uniform",
+                 "--out", str(tmp_path / "h.pt")]) == 0
+    out, err = capsys.readouterr()
+    assert "note: --activity: group '1' is dead at client(s) 0" in out and "warning" not in err
+
+
+def test_match_by_spec_refuses_networks_of_another_kind_naming_the_module():
+    relu = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 8), torch.nn.ReLU(), torch.nn.Linear(8, 10))
+    tanh = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 8), torch.nn.Tanh(), torch.nn.Linear(8, 10))
+    with pytest.raises(ValueError, match=r"client_nets\[1\]: expected a network of the first's kind, got one whose "
+                                         r"module 2 is a Tanh, not a ReLU"):
+        match_by_spec([relu, tanh], seed=0)

@@ -378,6 +378,10 @@ def test_bnpfed_fuse_save_global_writes_every_global_model_its_methods_built(tmp
                      str(tmp_path / "e.json")]) == 0
         (row,) = json.loads((tmp_path / "e.json").read_text())["results"]["runs"][0]["rows"]
         assert row["accuracy"] == pytest.approx(rows[method]["accuracy"], abs=1e-12), method
+    # on the inputs the clients saw: standardised with the train split's constants, which the file records
+    assert all(read_global(folder / f"{m}.pt").inputs == digits.preprocessing() for m in methods)
+    assert main(["evaluate", str(folder / "eaa.pt"), "--no-standardize"]) == 2
+    assert "--no-standardize: expected it left out" in capsys.readouterr().err
 
 
 def test_bnpfed_evaluate_scores_a_bayesian_file_by_its_posterior_predictive(folder, tmp_path, digits, capsys):

@@ -38,7 +38,7 @@ from bnpfed.data import (CIFAR10_JPEG, DATASET_NAMES, NPZ_FORMAT, NPZ_PREFIX, Da
                          standardize_together)
 from bnpfed.clients import TrainingDiverged
 from bnpfed.experimental import keyed
-from bnpfed.matching import SizeLimitError
+from bnpfed.matching import MemoryLimitError, SizeLimitError
 from bnpfed.report import plural
 from bnpfed.federated import PartitionConfig
 
@@ -53,6 +53,7 @@ __all__ = [
     "briefly",
     "check_output_path",
     "check_partition",
+    "available_cpus",
     "check_threads",
     "torch_threads",
     "dataset_name",
@@ -127,7 +128,7 @@ def training_failure(error: BaseException, start: Optional[str] = None) -> str:
     why itself (and, when the first loss was already not finite, ``start``: the flags that set the starting point);
     any other error gives its type and the first line of its message."""
     text = str(error).strip()
-    if isinstance(error, SizeLimitError):   # a --max-width / --max-params the clients' networks cannot meet
+    if isinstance(error, (SizeLimitError, MemoryLimitError)):   # a size the clients' networks cannot meet, or hold
         return flag_message(error)
     if isinstance(error, TrainingDiverged):
         if start and error.epoch == 1 and error.step == 1:
@@ -393,9 +394,20 @@ def torch_threads(threads: Optional[int]):
         torch.set_num_threads(before)
 
 
+def available_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the system says, else the machine's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):   # not on Linux
+        return os.cpu_count() or 1
+
+
 def check_threads(threads: Optional[int]) -> None:
-    if threads is not None and (isinstance(threads, bool) or threads < 1):
-        raise ValueError(f"threads: expected an int >= 1, got {threads}")
+    """``--threads``: an int from 1 to the CPUs this process may use (more threads than CPUs wait on each other:
+    slower, never faster)."""
+    cpus = available_cpus()
+    if threads is not None and (isinstance(threads, bool) or not 1 <= threads <= cpus):
+        raise ValueError(f"threads: expected an int from 1 to {cpus} (the CPUs this process may use), got {threads}")
 
 
 def check_output_path(path: Optional[str], flag: str, *, plot: bool = False) -> None:

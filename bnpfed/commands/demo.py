@@ -39,6 +39,8 @@ def add_parser(sub):
     p.add_argument("--sweeps", type=int, default=d.sweeps, help="matching sweeps after the greedy pass, >= 0")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the sample and the matching, >= 0")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar of the matchings' passes (the clients re-matched) on stderr")
     p.set_defaults(func=run)
 
 
@@ -51,7 +53,7 @@ def run(args) -> int:
         return fail(PROG, str(error))
     except ValueError as error:
         return fail(PROG, flag_message(error))
-    rows = [asdict(r) for r in matching.match_recovery(config)]
+    rows = [asdict(r) for r in matching.match_recovery(config, progress=not args.no_progress)]
     print(f"Beta-Bernoulli layer: J = {config.clients} clients, D = {config.dim}, gamma0 = {config.gamma0}, "
           f"noise variance sigma2 = {config.sigma2}, sigma0_2 = {config.sigma0_2}, seed {config.seed}")
     print(format_table(rows))

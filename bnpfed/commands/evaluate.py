@@ -3,9 +3,14 @@ on a dataset's test split: accuracy, NLL, ECE (``--ece-bins`` and 15 bins), Brie
 of telling in- from out-of-distribution inputs. A Bayesian global network is scored by its posterior predictive
 (the softmax averaged over ``--predictive-samples`` weight draws, seeded by ``--seed``).
 
+The test inputs are prepared as the model's training inputs were: standardised with the constants the file records,
+or kept as read (pixels in [0, 1]) for a model trained on raw pixels (``bnpfed pfnm``'s default). A
+``--standardize`` / ``--no-standardize`` that contradicts the file is refused; a file that records nothing (bnpfed
+0.2's, ``bnpfed match`` on networks saved without it) is scored on standardised inputs unless told, with a note.
+
 Examples::
 
-    bnpfed evaluate global.pt --dataset mnist --data-dir DIR --no-standardize    # as PFNM's clients saw the pixels
+    bnpfed evaluate global.pt --dataset mnist --data-dir DIR                     # inputs prepared as in training
     bnpfed evaluate global.pt --dataset mnist --data-dir DIR --ood fashion-mnist --ood-data-dir DIR2 --json e.json
     bnpfed evaluate fused/match-conflation.pt --dataset mnist --data-dir DIR --predictive-samples 50 --seed 1
 """
@@ -13,6 +18,9 @@ Examples::
 from __future__ import annotations
 
 import torch
+
+import dataclasses
+import sys
 
 from bnpfed.commands import _args
 from bnpfed.commands._args import HelpFormatter, UsageError, fail, flag_message
@@ -31,12 +39,13 @@ def add_parser(sub):
             "Load a global network file (bnpfed match, save_global) and report its accuracy, negative "
             "log-likelihood, expected calibration error and Brier score on the test split of --dataset; with --ood "
             "also the AUROC of telling in- from out-of-distribution inputs by the maximum probability and by the "
-            "entropy. The inputs must be prepared as the clients saw them in training (--standardize or not). The "
+            "entropy. The inputs are prepared as the clients saw them in training, as the file records. The "
             "file holds a pickle: evaluate only files you trust."),
         epilog=_args.examples(__doc__), formatter_class=HelpFormatter)
     p.add_argument("model", metavar="MODEL", help="the global network file")
-    _args.add_data_arguments(p, standardize=True, standardize_help="standardise inputs with the train split's "
-                             "constants (bnpfed fuse's default), or keep pixels in [0, 1] (--no-standardize: PFNM's)")
+    _args.add_data_arguments(p, standardize=None, standardize_help="standardise inputs, or keep pixels in [0, 1] "
+                             "(--no-standardize). Default: as the file records its model's training inputs "
+                             "(standardised with its constants, or not); standardised for a file that records none")
     p.add_argument("--ood", type=_args.dataset_name, metavar="NAME",
                    help="another dataset whose test images are out-of-distribution inputs (adds the AUROCs)")
     p.add_argument("--ood-data-dir", metavar="DIR", help="the folder of the --ood dataset (default: --data-dir)")
@@ -74,7 +83,7 @@ def prepare(args) -> dict:
             raise UsageError(f"--predictive-samples: expected an integer >= 1, got {args.predictive_samples}")
         if args.seed < 0:
             raise UsageError(f"--seed: expected an integer >= 0, got {args.seed}")
-    dataset, ood = _args.load_data_and_ood(args, standardize=args.standardize)
+    dataset, ood, notes = prepared_data(args, saved)
     net = saved.network
     try:
         with torch.no_grad():
@@ -85,7 +94,35 @@ def prepare(args) -> dict:
     if out.dim() != 2 or out.shape[1] != dataset.num_classes:
         raise UsageError(f"--dataset: expected a network with {dataset.num_classes} outputs (its classes), got "
                          f"output shape {tuple(out.shape[1:])}")
-    return dict(saved=saved, dataset=dataset, ood=ood)
+    return dict(saved=saved, dataset=dataset, ood=ood, notes=notes)
+
+
+def prepared_data(args, saved) -> tuple:
+    """``--dataset`` (and ``--ood``'s inputs) prepared as the file records its model's training inputs, and the
+    notes to say: ``(dataset, ood or None, notes)``. A flag that contradicts the record, or data the model cannot
+    take (another input shape or class count), is a :class:`UsageError`."""
+    inputs = saved.inputs
+    if inputs is None:   # a file of bnpfed 0.2, or of bnpfed match on networks that did not record theirs
+        standardize = True if args.standardize is None else args.standardize
+        notes = [] if args.standardize is not None else [
+            f"{args.model} does not record how its model's inputs were prepared; scoring it on standardised "
+            "inputs: pass --no-standardize if it was trained on pixels in [0, 1] (bnpfed pfnm's default)"]
+        return (*_args.load_data_and_ood(args, standardize=standardize), notes)
+    if args.standardize is not None and args.standardize != inputs.standardized:
+        flag = "--standardize" if args.standardize else "--no-standardize"
+        raise UsageError(f"{flag}: expected it left out or as the file records: the model in {args.model!r} was "
+                         f"trained on {inputs.dataset} inputs {inputs.describe()}, and is scored on inputs prepared "
+                         "the same way by default")
+    dataset, ood = _args.load_data_and_ood(args, standardize=False)
+    problems = inputs.mismatches(dataset, prepared=False)
+    if problems:
+        raise UsageError(f"--dataset: expected data the model in {args.model!r} takes, got {dataset.name}: "
+                         f"{'; '.join(problems)}")
+    notes = [f"{d}; its inputs are prepared as the model's were ({inputs.describe()})"
+             for d in inputs.differences(dataset)]
+    dataset = dataclasses.replace(dataset, x_train=inputs.apply(dataset.x_train), x_test=inputs.apply(dataset.x_test),
+                                  mean=inputs.mean, std=inputs.std)
+    return dataset, None if ood is None else inputs.apply(ood), notes
 
 
 def _probs(saved, x, args, chunk: int = 2048) -> torch.Tensor:
@@ -109,6 +146,8 @@ def run(args) -> int:
     except ValueError as error:
         return fail(PROG, flag_message(error))
     saved, dataset = plan["saved"], plan["dataset"]
+    for note in plan["notes"]:
+        print(f"{PROG}: note: {_args.one_line(note, 600)}", file=sys.stderr)
     probs = _probs(saved, dataset.x_test, args)
     row = {"method": saved.method, **classification_report(probs, dataset.y_test, n_bins=args.ece_bins)}
     row["ece15"] = expected_calibration_error(probs, dataset.y_test, n_bins=15)
@@ -117,12 +156,16 @@ def run(args) -> int:
     row["parameters"] = count_parameters(saved.network)
     how = ("" if saved.client is None else f", Bayesian: posterior predictive of {args.predictive_samples} weight "
            f"draws, seed {args.seed}")
+    prepared = ("inputs as the file records: " + saved.inputs.describe() if saved.inputs is not None else
+                "inputs " + dataset.preprocessing().describe() + ", which the file does not record")
     print(f"{args.model}: {saved.method} global network ({saved.architecture}{how}) on {dataset.name}'s test split "
-          f"({len(dataset.y_test)} examples)")
+          f"({len(dataset.y_test)} examples; {prepared})")
     print(format_table([row]))
     if args.json:
         write_json(args.json, command_record("evaluate", args, {"model": args.model, "kind": saved.kind,
-                                                               "widths": saved.widths},
+                                                               "widths": saved.widths,
+                                                               "inputs": dataset.preprocessing().as_dict(),
+                                                               "notes": plan["notes"]},
                                              command_results([{"rows": [row]}])))
         print(f"wrote results to {args.json}")
     return 0

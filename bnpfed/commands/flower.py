@@ -23,7 +23,7 @@ import os
 import re
 import sys
 
-from bnpfed.commands._args import notices, positive_float, positive_int
+from bnpfed.commands._args import UsageError, check_output_path, notices, positive_float, positive_int, warn
 from bnpfed.report import command_record, format_table, write_json
 
 LOOPBACK = """\
@@ -90,8 +90,10 @@ Also: --disable-runtime-dependency-installation stops the SuperLink from resolvi
 fresh environment (it would download torch); FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1 keep Flower
 from calling flower.ai; OMP_NUM_THREADS=1 suits SuperNodes on small machines (every message runs in a fresh
 process). The run config keys are the configs' fields (`bnpfed flower keys`); J is the SuperNodes'
-num-partitions. A SuperNode that dies mid-run is left out after round-timeout seconds; a round with fewer than
-min-replies usable replies stops the run with a message naming the missing clients.
+num-partitions. A SuperNode that dies mid-run is left out (once the SuperLink says it is unavailable, it is sent
+nothing more); a round with fewer than min-replies usable replies stops the run with a message naming the missing
+clients. A SuperLink restarted mid-run (with --database) marks the run finished:failed: `flwr run` it again (the
+same seed gives the same global model).
 """
 
 GUIDE = LOOPBACK + "\n" + TLS + "\n" + NOTES
@@ -195,6 +197,10 @@ def simulation_failure(error: Exception) -> str:
 def _sim(args, flower_config) -> int:
     # every key and value is checked before anything starts (Ray, the grid)
     try:
+        check_output_path(args.json, "--json")
+    except UsageError as error:
+        return _fail(str(error))
+    try:
         config = _run_config(args.run_config)
         given = config.get("plugins", "")
         if getattr(args, "plugin", None) and isinstance(given, str):
@@ -243,6 +249,8 @@ def _sim(args, flower_config) -> int:
     if "accuracy" in columns:
         print("accuracy, nll, ece (100 bins), ece15, brier: the global model on the clients' test shards together "
               "(client-side evaluation; the ECE from the shards' summed per-bin gaps)")
+    for message in result.warnings:   # as bnpfed pfnm and bnpfed fuse say them
+        warn(message)
     if args.json:
         arguments = {"supernodes": args.supernodes, "run_config": config, "local": args.local,
                      "cpus_per_client": args.cpus_per_client}

@@ -22,7 +22,7 @@ from dataclasses import asdict
 import torch
 
 from bnpfed.combine import available_rules
-from bnpfed.matching import ATOM_POSTERIOR, PVI, matched_rules
+from bnpfed.matching import ATOM_POSTERIOR, PVI, check_network_matching, derive_spec, matched_rules
 from bnpfed.commands import _args, _options
 from bnpfed.commands._args import HelpFormatter, UsageError, fail, flag_message, warn
 import bnpfed.federated as federated   # called through the face at run time (tests stand in for run_experiment)
@@ -248,9 +248,15 @@ def prepare(args) -> dict:
     dataset, ood = _args.load_data_and_ood(args, standardize=args.standardize)
     _args.check_partition(partition, dataset, config.seed)
     training.check_inputs(dataset.input_shape)
-    initial_network(network, dataset.input_shape, dataset.num_classes, seed=config.seed)
+    net = initial_network(network, dataset.input_shape, dataset.num_classes, seed=config.seed)
     if match:
         MatchedFusionFederation.check_network(network)
+        spec = derive_spec(net, dataset.input_shape)
+        fusion.check_groups(spec.group_names)
+        check_network_matching(spec, net.state_dict(), partition.clients,   # before anything trains
+                               name="--hidden" if network.arch == "mlp" else "--arch",
+                               change="lower --hidden (the clients' widths) or --clients, or run on a machine with "
+                                      "more memory")
     return dict(dataset=dataset, partition=partition, network=network, training=training, bayesian=bayesian,
                 fusion=fusion, pfnm=pfnm, config=config, ood=ood)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -132,22 +133,62 @@ def _factory(spec: str):
 
 
 def _read(path: str):
-    """One client's file: an ``nn.Module`` or a state dict (a mapping of tensors)."""
+    """One client's file: an ``nn.Module`` or a state dict (a mapping of tensors), and the preprocessing of its
+    inputs when the file records it (a file of :func:`~bnpfed.saved.save_global`), else None."""
     try:
         obj = load_torch_file(path, name="MODEL", what="a model file")
     except ValueError as error:
         raise UsageError(str(error)) from None
     if isinstance(obj, nn.Module):
-        return obj
+        return obj, None
     if isinstance(obj, dict) and obj.get("format") == FORMAT:  # a file bnpfed wrote (save_global)
         if obj.get("kind") in ("bayesian", "laplace"):
             raise UsageError(f"MODEL: {path!r} holds a Bayesian client; expected --posteriors to fuse Bayesian "
                              "clients")
-        return global_from_record(obj, path).network
+        try:
+            saved = global_from_record(obj, path)
+        except ValueError as error:
+            raise UsageError(f"MODEL: {str(error).split(': ', 1)[-1]}") from None
+        return saved.network, saved.inputs
     if isinstance(obj, dict) and obj and all(isinstance(k, str) and torch.is_tensor(v) for k, v in obj.items()):
-        return {k: v.detach().clone() for k, v in obj.items()}
+        return {k: v.detach().clone() for k, v in obj.items()}, None
     raise UsageError(f"MODEL: expected a network (torch.save(net)) or its state dict in {path!r}, got "
                      f"{type(obj).__name__}")
+
+
+def _common_inputs(paths, inputs: list) -> tuple:
+    """The preprocessing the clients' files record (:class:`~bnpfed.data.Preprocessing` or None), for the global
+    model, and what the result says about it: ``(inputs, notes)``. Clients trained on inputs prepared differently
+    (other constants, another shape) are refused: their units answer to different inputs."""
+    recorded = [(path, i) for path, i in zip(paths, inputs) if i is not None]
+    if not recorded:
+        return None, ["the MODEL files do not record how their inputs were prepared, so neither does the global "
+                      "model (bnpfed evaluate says so, and takes --standardize / --no-standardize)"]
+    first_path, first = recorded[0]
+    for path, other in recorded[1:]:
+        if (other.input_shape, other.num_classes, other.mean, other.std) != (first.input_shape, first.num_classes,
+                                                                            first.mean, first.std):
+            raise UsageError(f"MODEL: {path!r} was trained on inputs of shape {other.input_shape}, "
+                             f"{other.describe()}, {other.num_classes} classes, and {first_path!r} on "
+                             f"{first.input_shape}, {first.describe()}, {first.num_classes} classes; expected clients "
+                             "whose inputs were prepared alike")
+    notes = []
+    names = sorted({i.dataset for _, i in recorded})
+    if len(names) > 1:
+        notes.append(f"the clients were trained on different datasets ({', '.join(names)}); the global model "
+                     f"records {first.dataset}'s")
+    if len(recorded) < len(paths):
+        notes.append(f"{len(paths) - len(recorded)} of the {len(paths)} MODEL files record no preprocessing; the "
+                     f"global model records the others' ({first.describe()})")
+    return first, notes
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Whether paths ``a`` and ``b`` name one file (the same path, or links to one file)."""
+    a, b = Path(a).expanduser(), Path(b).expanduser()
+    if a.exists() and b.exists():
+        return os.path.samefile(a, b)
+    return a.resolve() == b.resolve()
 
 
 def _mlp_widths(state: dict) -> tuple[int, ...]:
@@ -194,8 +235,33 @@ def _checked_spec(template: nn.Module, input_shape):
         spec = derive_spec(template, input_shape)
         verify_spec(template, spec, input_shape)
     except ValueError as error:
+        if str(error).startswith("input_shape:"):   # the flag's value, or the MLP's inputs it was read from
+            raise UsageError(f"--input-shape: {_args.one_line(str(error).split(': ', 1)[1])}") from None
         raise UsageError(f"MODEL: cannot match these networks: {_args.one_line(error)}") from None
     return spec
+
+
+def _check_alike(paths, nets: list, spec, first_state: dict) -> None:
+    """Every client is the first's kind of network: the same modules, layer for layer (an activation counts: a
+    Tanh network is not a ReLU network), and the same number of classes (output units). Their hidden widths may
+    differ."""
+    from bnpfed.matching import architecture_difference
+
+    if isinstance(nets[0], nn.Module):
+        for path, net in zip(paths[1:], nets[1:]):
+            where = architecture_difference(nets[0], net)
+            if where is not None:
+                raise UsageError(f"MODEL: {path!r} is another architecture than {paths[0]!r}: its {where}; "
+                                 "expected networks of one kind")
+    outputs = spec.params_of_kind("output_weight")
+    if not outputs:
+        return
+    name = outputs[0]
+    for path, net in zip(paths, nets):
+        state = net.state_dict() if isinstance(net, nn.Module) else net
+        if name in state and state[name].shape[0] != first_state[name].shape[0]:
+            raise UsageError(f"MODEL: {path!r} has {state[name].shape[0]} output classes ({name}) and {paths[0]!r} "
+                             f"{first_state[name].shape[0]}; expected clients of one set of classes")
 
 
 def _activity(path, states: list, spec) -> list | None:
@@ -239,7 +305,17 @@ def _activity_notes(activity) -> list[str]:
         return ["no --activity: every unit matched, dead ones included (give the clients' reports, "
                 "bnpfed.matching.unit_activity on their own data, to leave those out)"]
     dead = sum(int((a == 0).sum()) for report in activity for a in report.values())
-    return [f"--activity: {dead} unit(s) dead on their client's data left out before matching"]
+    notes = [f"--activity: {dead} unit(s) dead on their client's data left out before matching"]
+    for group in activity[0]:
+        gone = [j for j, report in enumerate(activity) if not bool((report[group] > 0).any())]
+        if len(gone) == len(activity):
+            notes.append(f"--activity: warning: group {group!r} is dead at every client (each keeps its first unit "
+                         "only, so that the layer is not empty): the global network answers every input alike; "
+                         "check the reports, or the clients' training")
+        elif gone:
+            notes.append(f"--activity: group {group!r} is dead at client(s) {', '.join(map(str, gone))} (each keeps "
+                         "its first unit only): their networks answer every input alike there")
+    return notes
 
 
 def _counts(path, J: int, C: int) -> tuple[torch.Tensor | None, str]:
@@ -276,6 +352,11 @@ def prepare(args) -> dict:
     """Everything that can fail on a bad argument or file, before any matching."""
     _args.check_output_path(args.out, "--out")
     _args.check_output_path(args.json, "--json")
+    for flag, target in (("--out", args.out), ("--json", args.json)):
+        same = [path for path in args.models if target is not None and _same_file(path, target)]
+        if same:
+            raise UsageError(f"{flag}: expected a path other than the MODEL files, got {target!r}, which is "
+                             f"{same[0]!r} (it would be overwritten)")
     if len(args.models) < 2:
         raise UsageError(f"MODEL: expected at least two clients' models, got {len(args.models)}")
     if args.seed < 0:
@@ -296,7 +377,9 @@ def prepare(args) -> dict:
                          "clients)")
     if args.arch is not None and args.module is not None:
         raise UsageError("--module: expected either --arch or --module (how to rebuild state dicts), got both")
-    clients = [_read(path) for path in args.models]
+    clients, inputs = zip(*[_read(path) for path in args.models])
+    clients = list(clients)
+    inputs, input_notes = _common_inputs(args.models, list(inputs))
     kinds = {isinstance(c, nn.Module) for c in clients}
     if len(kinds) > 1:
         raise UsageError("MODEL: expected every file to hold the same kind (all whole networks or all state dicts), "
@@ -321,6 +404,8 @@ def prepare(args) -> dict:
         if set(state) != set(reference):
             raise UsageError(f"MODEL: {path!r} is another architecture than {args.models[0]!r}: parameters "
                              f"{sorted(set(state) ^ set(reference))[:4]} differ")
+    first = clients[0].state_dict() if isinstance(clients[0], nn.Module) else clients[0]
+    _check_alike(args.models, clients, spec, first)
     with torch.no_grad():
         probe = template.eval()(torch.zeros(1, *input_shape))
     counts, source = _counts(args.counts, len(clients), int(probe.shape[-1]))
@@ -329,7 +414,7 @@ def prepare(args) -> dict:
     activity = _activity(args.activity, [c.state_dict() if isinstance(c, nn.Module) else c for c in clients], spec)
     pfnm = _options.config_from_args(PFNMConfig, args, PFNMConfig(max_params=None))
     return dict(clients=clients, template=template, input_shape=input_shape, spec=spec, counts=counts,
-                counts_source=source, pfnm=pfnm, activity=activity)
+                counts_source=source, pfnm=pfnm, activity=activity, inputs=inputs, input_notes=input_notes)
 
 
 def run(args) -> int:
@@ -361,7 +446,10 @@ def run(args) -> int:
             return fail(PROG, f"--heads pooled: {error}")
     else:
         network = match.network()
-    notes = _counts_notes(plan["counts_source"]) + _activity_notes(plan["activity"])
+    notes = _counts_notes(plan["counts_source"]) + _activity_notes(plan["activity"]) + plan["input_notes"]
+    for note in notes:
+        if note.startswith("--activity: warning:"):   # said on stderr too, where a script's user sees it
+            _args.warn(note)
     if args.heads == "pooled":
         notes.append(f"--heads pooled: the {len(plan['clients'])} clients' own output layers on the matched units, "
                      "log-probabilities pooled with the class shares")
@@ -372,7 +460,7 @@ def run(args) -> int:
     save_global(args.out, network, method="pfnm" if args.heads == "fused" else "pfnm-pooled", spec=spec,
                 widths=match.widths,
                 hyperparameters=match.hyperparameters, class_shares=match.class_shares,
-                class_shares_estimated=plan["counts_source"] == "estimated", notes=notes)
+                class_shares_estimated=plan["counts_source"] == "estimated", notes=notes, inputs=plan["inputs"])
     names = dict(plan["template"].named_parameters())  # a state dict's parameters (its buffers are not)
     local = [count_parameters(c) if isinstance(c, nn.Module) else sum(v.numel() for k, v in c.items() if k in names)
              for c in plan["clients"]]
@@ -409,7 +497,7 @@ def _report(args, widths, hyperparameters, parameters, local, notes, settings) -
 
 
 def _read_bayesian(path: str):
-    """One saved Bayesian client (:func:`bnpfed.saved.read_global` of a Bayesian file)."""
+    """One saved Bayesian client's file (:func:`bnpfed.saved.read_global` of a Bayesian file)."""
     from bnpfed.saved import read_global
 
     try:
@@ -420,7 +508,7 @@ def _read_bayesian(path: str):
         raise UsageError(f"MODEL: expected a Bayesian client (saved by bnpfed.save_global(path, client, ...) or "
                          f"bnpfed fuse --save-global) with --posteriors, got a deterministic {saved.method} network in "
                          f"{path!r}")
-    return saved.client
+    return saved
 
 
 def prepare_posteriors(args) -> dict:
@@ -442,7 +530,9 @@ def prepare_posteriors(args) -> dict:
                              "is left out)")
         if args.hyperparameters is not None:
             raise UsageError("--hyperparameters: expected only with --align match (--align none matches nothing)")
-    clients = [_read_bayesian(path) for path in args.models]
+    saved = [_read_bayesian(path) for path in args.models]
+    clients = [s.client for s in saved]
+    inputs, input_notes = _common_inputs(args.models, [s.inputs for s in saved])
     first = clients[0]
     kind = _client_kind(first)
     sites = list(first.posterior())
@@ -471,6 +561,7 @@ def prepare_posteriors(args) -> dict:
     from bnpfed.matching import estimate_class_shares
 
     spec = _checked_spec(template, input_shape)
+    _check_alike(args.models, means, spec, template.state_dict())
     with torch.no_grad():
         probe = template(torch.zeros(1, *input_shape))
     counts, source = _counts(args.counts, len(clients), int(probe.shape[-1]))
@@ -488,8 +579,8 @@ def prepare_posteriors(args) -> dict:
         raise UsageError(f"--min-variance: expected a floor > 0 with --align match, got {args.min_variance}")
     pfnm = _options.given(PFNMConfig, args)   # the matcher's settings (those that apply to posteriors)
     return dict(clients=clients, kind=kind, means=means, template=template, input_shape=input_shape, spec=spec,
-                counts=counts, counts_source=source, fusion=fusion, activity=activity,
-                matching=dict(sigma0_2=pfnm.get("sigma0_2"), gamma0=pfnm.get("gamma0"),
+                counts=counts, counts_source=source, fusion=fusion, activity=activity, inputs=inputs,
+                input_notes=input_notes, matching=dict(sigma0_2=pfnm.get("sigma0_2"), gamma0=pfnm.get("gamma0"),
                               hyperparameters=pfnm.get("hyperparameters", "empirical-bayes"),
                               sweeps=pfnm.get("sweeps")))
 
@@ -577,7 +668,8 @@ def run_posteriors(args, plan) -> int:
     seconds = time.perf_counter() - t0
     how = "matched and fused" if fusion.align == "match" else "fused weight by weight"
     method = ("match-" if fusion.align == "match" else "") + fusion.rule + ("-pooled" if args.heads == "pooled" else "")
-    save_global(args.out, client, method=method, notes=notes, **described)
+    notes += plan["input_notes"]
+    save_global(args.out, client, method=method, notes=notes, inputs=plan["inputs"], **described)
     network = client.mean_network()
     print(f"{how} {len(clients)} Bayesian networks ({type(network).__name__}, input {plan['input_shape']}) with "
           f"{fusion.rule} in {seconds:.2f} s")

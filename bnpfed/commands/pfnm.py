@@ -29,7 +29,7 @@ import bnpfed.federated as federated   # called through the face at run time (te
 from bnpfed.federated import initial_network
 from bnpfed.federated import (PFNM_NETWORK, PFNM_TRAINING, ExperimentConfig, FusionConfig, NetworkConfig,
                               PartitionConfig, PFNMConfig, TrainingConfig, config_dict)
-from bnpfed.matching import derive_spec
+from bnpfed.matching import check_network_matching, derive_spec
 from bnpfed.report import (command_record, command_results, format_table, line_styles, pyplot, save_figure,
                            write_json)
 from bnpfed.validation import check_positives
@@ -184,20 +184,14 @@ def prepare(args) -> dict:
         _args.check_partition(partition, dataset, config.seed)
     training.check_inputs(dataset.input_shape)
     net = initial_network(network, dataset.input_shape, dataset.num_classes, seed=config.seed, client=0)
-    _check_per_group(pfnm, derive_spec(net, dataset.input_shape))
+    spec = derive_spec(net, dataset.input_shape)
+    pfnm.check_groups(spec.group_names)
+    check_network_matching(spec, net.state_dict(), max(p.clients for p in partitions),   # before anything trains
+                           name="--hidden" if network.arch == "mlp" else "--arch",
+                           change="lower --hidden (the clients' widths) or --clients, or run on a machine with more "
+                                  "memory")
     return dict(dataset=dataset, partitions=partitions, network=network, training=training, pfnm=pfnm, fusion=fusion,
                 config=config)
-
-
-def _check_per_group(pfnm: PFNMConfig, spec) -> None:
-    """--sigma2 / --sigma0-2 / --gamma0 / --max-width with several values: one per matched group (hidden layer or
-    conv channels), checked before anything trains."""
-    names = [g.name for g in spec.groups]
-    for name in ("sigma2", "sigma0_2", "gamma0", "max_width"):
-        values = getattr(pfnm, name)
-        if isinstance(values, tuple) and len(values) != len(names):
-            raise UsageError(f"--{name.replace('_', '-')}: expected one value or one per matched group ({len(names)}: "
-                             f"{', '.join(names)}), got {len(values)}")
 
 
 def run(args) -> int:

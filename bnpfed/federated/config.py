@@ -247,6 +247,10 @@ class NetworkConfig:
     def __post_init__(self):
         check_choice(self.arch, ARCHITECTURES, "arch")
         object.__setattr__(self, "hidden", check_ints(self.hidden, "hidden", low=1))
+        default = next(f.default for f in fields(self) if f.name == "hidden")
+        if self.arch != "mlp" and self.hidden != default:   # a width nothing would read
+            raise ValueError(f"hidden: expected only with arch='mlp' (the widths of {self.arch} are fixed), got "
+                             f"{','.join(map(str, self.hidden))} with arch={self.arch!r}")
         check_choice(self.init, INITIALISATIONS, "init")
         check_bool(self.shared_init, "shared_init")
 
@@ -330,6 +334,15 @@ class TrainingConfig:
             return LocalSchedule(self.epochs, self.lr)
         epochs = self.epochs if self.round_epochs is None else self.round_epochs
         return LocalSchedule(epochs, self.lr * self.lr_decay ** (round - 1))
+
+
+def _check_groups(config, names: Sequence[str], groups: Sequence[str]) -> None:
+    """Every field of ``names`` given as several values has one per matched group ``groups`` (the spec's order)."""
+    for name in names:
+        values = getattr(config, name)
+        if isinstance(values, tuple) and len(values) != len(groups):
+            raise ValueError(f"{name}: expected one value or one per matched group ({len(groups)}: "
+                             f"{', '.join(groups)}), got {len(values)}")
 
 
 #: The PFNM reference code's local training (``experiment.py``).
@@ -663,6 +676,14 @@ class PFNMConfig:
         check_int(round, "round", low=1)
         return self.best_effort_budget or round > 1
 
+    def check_groups(self, groups: Sequence[str]) -> None:
+        """Raises unless ``sigma2``, ``sigma0_2``, ``gamma0`` and ``max_width``, where given as several values, give
+        one per matched group (``groups``: the names of the network's permutation spec, in order), before anything
+        trains.
+
+        :param groups: the spec's group names (:attr:`~bnpfed.matching.PermutationSpec.group_names`)."""
+        _check_groups(self, ("sigma2", "sigma0_2", "gamma0", "max_width"), groups)
+
     def matcher_kwargs(self) -> dict[str, Any]:
         """Keywords of :func:`~bnpfed.matching.match_by_spec` (hyper-parameters, objective, order,
         sweeps, and the reference constants when asked for)."""
@@ -814,6 +835,13 @@ class FusionConfig:
             object.__setattr__(self, "tau2", tuple(check_positive(v, f"tau2[{i}]") for i, v in enumerate(self.tau2)))
         elif self.tau2 is not None:
             check_positive(self.tau2, "tau2")
+
+    def check_groups(self, groups: Sequence[str]) -> None:
+        """Raises unless ``tau2``, where given as several values, gives one per matched group (``groups``: the
+        names of the network's permutation spec, in order), before anything trains.
+
+        :param groups: the spec's group names (:attr:`~bnpfed.matching.PermutationSpec.group_names`)."""
+        _check_groups(self, ("tau2",), groups)
 
     def matches_on(self, client: str) -> str:
         """``match_on`` with ``"auto"`` resolved for the clients' kind (:class:`BayesianConfig`'s ``client``):

@@ -39,7 +39,8 @@ from bnpfed.federated.selection import select_hyperparameters
 from bnpfed.federated.server import clients_per_round, pfnm_step, with_statistics
 from bnpfed.matching import batch_norm_order
 from bnpfed.matching import SpecMatch, derive_spec
-from bnpfed.metrics import classification_report, ece_noise_floor, expected_calibration_error, ood_auroc
+from bnpfed.metrics import (chance_accuracy, chance_warning, classification_report, ece_noise_floor,
+                            expected_calibration_error, ood_auroc)
 from bnpfed.report import plural
 from bnpfed.schema import documented, option
 from bnpfed.validation import check_choice, check_fraction, check_int, check_positives
@@ -271,7 +272,7 @@ class Experiment:
         any: a :class:`~bnpfed.matching.permutation.SpecMatch` or a
         :class:`~bnpfed.matching.posteriors.PosteriorMatch`): what ``bnpfed pfnm --save-global`` and
         ``bnpfed fuse --save-global`` write (:func:`bnpfed.saved.save_global`)."""
-        kept = {"network": net}
+        kept = {"network": net, "inputs": self.dataset.preprocessing()}
         if predictive is not None:  # a Bayesian network's draws, {"samples": S, "seed": s}, as the row scored it
             kept["predictive"] = predictive
         if match is not None:
@@ -284,12 +285,11 @@ class Experiment:
             self.warnings.append(message)
 
     def chance_check(self, method: str, accuracy: float) -> None:
-        """Warn when ``accuracy`` is at or below chance (the largest class share of the test split, plus 0.02)."""
-        chance = float(torch.bincount(self.dataset.y_test).max()) / len(self.dataset.y_test)
-        if not accuracy > chance + 0.02:
-            self.warn(f"{method}: test accuracy {accuracy:.3f} is at chance ({chance:.3f}, the largest class's "
-                      "share): training diverged or did not learn (check the learning rate, too large or too small, "
-                      "the epochs and the data)")
+        """Warn when ``accuracy`` is at or below chance (:func:`~bnpfed.metrics.chance_warning`: the largest class
+        share of the test split, plus 0.02)."""
+        message = chance_warning(method, accuracy, chance_accuracy(torch.bincount(self.dataset.y_test)))
+        if message is not None:
+            self.warn(message)
 
     def report(self, probs: torch.Tensor, ood_probs: Optional[torch.Tensor] = None) -> dict[str, float]:
         """Accuracy, NLL, ECE (``ece_bins``), ECE with 15 bins (``ece15``), the ECE's noise floor (``ece_floor``:

@@ -86,6 +86,7 @@ from bnpfed.flower.records import (
     CLIENT,
     CONFIG,
     ECE_BINS,
+    TEST_CLASS_COUNTS,
     METHOD_KEY,
     METRICS,
     NodeIdentity,
@@ -291,7 +292,8 @@ def query(msg: Message, context: Context) -> Message:
     j, num = node_partition(context)
     config = msg.content.config_records[CONFIG]
     ds = _dataset(str(config["dataset"]), bool(config["standardize"]), _data_dir(context))
-    identity = NodeIdentity(j, num, tuple(int(s) for s in ds.input_shape), int(ds.num_classes))
+    identity = NodeIdentity(j, num, tuple(int(s) for s in ds.input_shape), int(ds.num_classes),
+                            tuple(ds.mean or ()), tuple(ds.std or ()), tuple(ds.classes or ()))
     return Message(content=RecordDict({CLIENT: identity.record()}), reply_to=msg)
 
 
@@ -446,7 +448,8 @@ def evaluate(msg: Message, context: Context) -> Message:
             x, num_samples=c.settings.predictive_samples, seed=derive_seed(c.settings.seed, Stream.PREDICT, c.round))
     report = classification_report(probs, y)
     metrics = {"num-examples": int(len(y)), "accuracy": float(report["accuracy"]), "nll": float(report["nll"]),
-               "brier": float(report["brier"])}
+               "brier": float(report["brier"]),
+               TEST_CLASS_COUNTS: [int(n) for n in torch.bincount(y, minlength=c.ds.num_classes)]}
     for bins in ECE_BINS:  # sums over the shard's examples: the server adds them up into the test split's ECE
         metrics[f"ece-gaps-{bins}"] = [float(g) for g in calibration_gaps(probs, y, bins)]
     return c.reply(msg, None, metrics)

@@ -57,11 +57,13 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
+import os
 import math
 import textwrap
 import typing
 import warnings
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 from typing import Any, Mapping
 
 from bnpfed.data import DATASET_NAMES, NPZ_PREFIX
@@ -70,6 +72,7 @@ from bnpfed.federated import (FUSION_TRAINING, PFNM_NETWORK, PFNM_TRAINING, Baye
                               PartitionConfig, PFNMConfig, TrainingConfig, config_dict)
 from bnpfed.federated import available_federated_methods, check_fusion_network
 from bnpfed.combine import SECURE_RULES
+from bnpfed.matching import PVI
 from bnpfed.plugins import PluginError, load_plugins, plugin_names
 from bnpfed.schema import METADATA, coerce, documented, key_of, option, options, render, summary
 from bnpfed.validation import check_choice, check_fraction, check_int, check_positive
@@ -470,6 +473,20 @@ def _scalar_text(value: Any) -> str:
     return value
 
 
+def _check_output_dir(folder: str) -> None:
+    """``output-dir`` is a folder that exists or can be made, and can be written: a ``ValueError`` naming the key
+    otherwise."""
+    path = Path(folder).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"output-dir: expected a folder, got {folder!r}, which is a file")
+    parent = path
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"output-dir: expected a folder that can be written, got {folder!r} ({str(parent)!r} is not "
+                         "a writable folder)")
+
+
 def parse_run_config(config: Mapping[str, Any]) -> FlowerSettings:
     """Every setting of a run from its run config (keys absent take their defaults), each key and value checked.
 
@@ -528,6 +545,9 @@ def parse_run_config(config: Mapping[str, Any]) -> FlowerSettings:
                          f"secure-aggregation={str(built['secure'].secure_aggregation).lower()}, got "
                          f"{built['fusion'].temperature!r}")
     _check_secure(built["secure"], run.method, built["fusion"])
+    _check_read(built, run.method, config)
+    if run.output_dir:   # where the server writes at the end: checked before anything is sent
+        _check_output_dir(run.output_dir)
     heads = built["pfnm"].heads if run.method == "pfnm" else built["fusion"].heads
     if "heads" in config and heads == "fused" and str(config["heads"]).strip() != "fused":
         raise ValueError(f"heads: the output layer of PFNM's or matched posterior fusion's global network "
@@ -543,6 +563,51 @@ def parse_run_config(config: Mapping[str, Any]) -> FlowerSettings:
             raise ValueError(f"heads: the output layer of matched posterior fusion in the clear; expected 'fused' "
                              f"with secure-aggregation = true, got {heads!r}")
     return FlowerSettings(**built)
+
+
+#: The configs each built-in method reads (a registered federated method reads FedAvg's): a key of none of them
+#: set to another value than its default is refused, as the method's command has no such flag.
+_READS = {"pfnm": ("run", "partition", "network", "training", "pfnm"),
+          "fusion": ("run", "partition", "network", "training", "bayesian", "fusion", "secure"),
+          "fedavg": ("run", "partition", "network", "training", "fusion")}
+#: Of the fusion config, what weight-wise fusion (``align = "none"``) does not read: matched fusion's.
+_MATCHED_ONLY = ("tau2", "matcher_device")
+
+
+def _check_read(built: Mapping[str, Any], method: str, config: Mapping[str, Any]) -> None:
+    """Refuse a key the run's method does not read (another config's, e.g. ``rule`` with ``method = "pfnm"``, or
+    matched fusion's ``tau2`` with ``align = "none"``) set to another value than its default: the commands have no
+    such flag, and a run would ignore it."""
+    reads = _READS.get(method, _READS["fedavg"])
+    owners = _keys()
+    for name in CONFIGS:
+        if name in reads or name == "secure":   # the secure keys have their own check (_check_secure)
+            continue
+        default = _method_defaults(method).get(name) or CONFIGS[name]()
+        for f, _ in options(CONFIGS[name]):
+            key = config_key(f.name)
+            if (_not_key(name, f) is not None or key not in config or f.name == EXPERIMENTAL
+                    or any(other in reads for other, _ in owners.get(key, []))):
+                continue
+            if getattr(built[name], f.name) != getattr(default, f.name):
+                raise ValueError(f"{key}: a setting of {CONFIGS[name].__name__}, which method={method!r} does not "
+                                 f"read; expected it left out (or at its default, {_shown(getattr(default, f.name))}), "
+                                 f"got {config[key]!r}")
+    fusion = built["fusion"]
+    if method == "fusion" and fusion.experimental.pvi_damping is not None and fusion.rule != PVI:
+        raise ValueError(f"experimental: pvi-damping: expected only with rule=\"{PVI}\", got rule={fusion.rule!r}")
+    if method == "fusion" and fusion.align == "none":
+        default = FusionConfig()
+        for name in _MATCHED_ONLY:
+            if config_key(name) in config and getattr(fusion, name) != getattr(default, name):
+                raise ValueError(f"{config_key(name)}: matched fusion's (align=\"match\"); expected it left out with "
+                                 f"align=\"none\", got {config[config_key(name)]!r}")
+
+
+def _shown(value: Any) -> str:
+    if value is None:
+        return '"none"'
+    return ",".join(map(str, value)) if isinstance(value, tuple) else repr(value)
 
 
 def _check_secure(secure: SecureAggregationConfig, method: str, fusion: FusionConfig) -> None:

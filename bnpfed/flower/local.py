@@ -36,6 +36,11 @@ from flwr.supercore.task_identity import TaskIdentity
 __all__ = ["LocalGrid"]
 
 
+#: The reason of the SuperLink's error reply for a node without heartbeat (Flower's own words).
+NODE_UNAVAILABLE = ("Error: Node Unavailable - The destination node failed to report a heartbeat within the expected "
+                    "interval.")
+
+
 def _over_the_wire(content: RecordDict) -> RecordDict:
     return recorddict_from_proto(recorddict_to_proto(content))
 
@@ -50,6 +55,8 @@ class LocalGrid(Grid):
     :param silent: partition ids whose nodes never reply to messages of ``silent_types``.
     :param silent_types: the message types silent nodes ignore. Default ``("train", "evaluate")``: they tell their
         partition, then go quiet (a SuperNode that dies after joining); add ``"query"`` for one that never answers.
+    :param unavailable: partition ids whose nodes died after telling their partition: messages of ``silent_types``
+        to them get the error reply the SuperLink gives for a node without heartbeat (``NODE_UNAVAILABLE``) at once.
     :param int run_id: the run id messages carry. Default 1.
     :param dict node_config: more node config every node sees (a SuperNode's ``--node-config``, e.g.
         ``{"data-dir": path}``). Default none.
@@ -58,7 +65,7 @@ class LocalGrid(Grid):
     def __init__(self, client_app: Callable[[Message, Context], Message], num_nodes: int, *,
                  partitions: Sequence[int] | None = None, run_config: Mapping[str, Any] | None = None,
                  silent: Iterable[int] = (), silent_types: Iterable[str] = ("train", "evaluate"), run_id: int = 1,
-                 node_config: Mapping[str, Any] | None = None):
+                 node_config: Mapping[str, Any] | None = None, unavailable: Iterable[int] = ()):
         if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
             raise ValueError(f"num_nodes: expected an int >= 1, got {num_nodes!r}")
         partitions = list(range(num_nodes)) if partitions is None else [int(p) for p in partitions]
@@ -72,6 +79,7 @@ class LocalGrid(Grid):
         #: ``{partition id: node id}``.
         self.node_of = {j: node for j, node in zip(partitions, self.node_ids)}
         self.silent = {self.node_of[j] for j in silent}
+        self.unavailable = {self.node_of[j] for j in unavailable}
         self.silent_types = set(silent_types)
         self.contexts = {
             node: Context(run_id=run_id, node_id=node, state=RecordDict(), run_config=dict(run_config or {}),
@@ -79,6 +87,8 @@ class LocalGrid(Grid):
             for j, node in self.node_of.items()}
         #: ``(node_id, message_type)`` of every message a ClientApp ran, in order.
         self.calls: list[tuple[int, str]] = []
+        #: ``(node_id, message_type)`` of every message pushed (to any node, answered or not), in order.
+        self.pushed: list[tuple[int, str]] = []
         self._replies: dict[str, Message] = {}
 
     def set_run(self, run: Run) -> None:
@@ -104,6 +114,14 @@ class LocalGrid(Grid):
             node = msg.metadata.dst_node_id
             if node not in self.contexts:
                 raise ValueError(f"dst_node_id: expected one of the nodes {self.node_ids}, got {node}")
+            self.pushed.append((node, msg.metadata.message_type))
+            if node in self.unavailable and msg.metadata.message_type in self.silent_types:
+                # the SuperLink's own reply, as Flower makes it: from the SuperLink, naming the message it answers
+                reply = Message(Error(ErrorCode.NODE_UNAVAILABLE, NODE_UNAVAILABLE), reply_to=msg)
+                reply.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+                reply.metadata.__dict__["_src_node_id"] = SUPERLINK_NODE_ID
+                self._replies[msg.metadata.message_id] = reply
+                continue
             if node in self.silent and msg.metadata.message_type in self.silent_types:
                 continue
             incoming = Message(_over_the_wire(msg.content), metadata=msg.metadata)

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
 
+from bnpfed.data import Preprocessing
 from bnpfed.federated import check_tensors
 from bnpfed.matching import BatchNormMoments, PermutationSpec
 from bnpfed.posterior import GaussianPosterior
@@ -56,6 +57,7 @@ __all__ = [
     "CLIENT",
     "CONFIG",
     "ECE_BINS",
+    "TEST_CLASS_COUNTS",
     "METHOD_KEY",
     "METRICS",
     "NodeIdentity",
@@ -97,6 +99,8 @@ METHOD_KEY = "federated-method"
 #: The bins of the ECE an evaluation reports: Ozer et al.'s 100 (``ece``) and Guo et al.'s 15 (``ece15``); each
 #: client sends its shard's per-bin gaps as ``ece-gaps-<bins>``.
 ECE_BINS = (100, 15)
+#: The metric of an evaluation reply that counts the test shard's labels per class (the server's chance level).
+TEST_CLASS_COUNTS = "test-class-counts"
 
 class ReplyError(ValueError):
     """A client's reply the server rejects; the message says which entry is wrong and how."""
@@ -537,16 +541,31 @@ def read_partition_id(record: Mapping[str, Any]) -> int:
 
 @dataclass(frozen=True)
 class NodeIdentity:
-    """What a SuperNode answers to the server's query: its partition, and the shape of the data it holds."""
+    """What a SuperNode answers to the server's query: its partition, the shape of the data it holds and how its
+    inputs are prepared (``mean`` / ``std``: the standardisation constants, empty when not standardised; ``classes``
+    their names, empty where the data names none; None: a client of bnpfed 0.2 that does not say)."""
 
     partition_id: int
     num_partitions: int
     input_shape: tuple[int, ...]
     num_classes: int
+    mean: tuple[float, ...] | None = None
+    std: tuple[float, ...] | None = None
+    classes: tuple[str, ...] | None = None
 
     def record(self) -> ConfigRecord:
+        said = {} if self.mean is None else {"input-mean": list(self.mean), "input-std": list(self.std),
+                                            "class-names": list(self.classes or ())}
         return ConfigRecord({"partition-id": self.partition_id, "num-partitions": self.num_partitions,
-                             "input-shape": list(self.input_shape), "num-classes": self.num_classes})
+                             "input-shape": list(self.input_shape), "num-classes": self.num_classes, **said})
+
+    def preprocessing(self, dataset: str) -> Preprocessing | None:
+        """The :class:`~bnpfed.data.Preprocessing` of the node's inputs (``dataset``: the run's), or None when the
+        node did not say."""
+        if self.mean is None:
+            return None
+        return Preprocessing(dataset=dataset, input_shape=self.input_shape, num_classes=self.num_classes,
+                             mean=self.mean or None, std=self.std or None, classes=self.classes or None)
 
 
 def read_identity(reply: Message) -> NodeIdentity:
@@ -564,7 +583,17 @@ def read_identity(reply: Message) -> NodeIdentity:
     if not isinstance(shape, list) or not shape or any(isinstance(s, bool) or not isinstance(s, int) or s < 1
                                                          for s in shape):
         raise ReplyError(f"'input-shape': expected a list of ints >= 1, got {shape!r}")
-    return NodeIdentity(j, num, tuple(shape), classes)
+    if "input-mean" not in record:   # a client of bnpfed 0.2
+        return NodeIdentity(j, num, tuple(shape), classes)
+    mean, std, names = record.get("input-mean"), record.get("input-std"), record.get("class-names")
+    if not (isinstance(mean, list) and isinstance(std, list) and len(mean) == len(std)
+            and all(isinstance(v, float) and math.isfinite(v) for v in mean)
+            and all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in std)):
+        raise ReplyError(f"'input-mean', 'input-std': expected two lists of as many finite floats (std > 0), got "
+                         f"{mean!r}, {std!r}")
+    if not (isinstance(names, list) and len(names) in (0, classes) and all(isinstance(n, str) for n in names)):
+        raise ReplyError(f"'class-names': expected {classes} names or none, got {names!r}")
+    return NodeIdentity(j, num, tuple(shape), classes, tuple(mean), tuple(std), tuple(names))
 
 
 def read_gaps(record: Mapping[str, Any], bins: int) -> np.ndarray:

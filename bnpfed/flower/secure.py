@@ -293,6 +293,7 @@ class SecureMatchedFusionStrategy(SecureFusionStrategy):
         asks only nodes it does not know)."""
         identity = self.matching.connect(grid)
         self.identity, self.nodes, self.refused = identity, dict(self.matching.nodes), dict(self.matching.refused)
+        self.gone = dict(self.matching.gone)
         return super().connect(grid)
 
     def configure_train(self, server_round, arrays, config, grid):

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -38,20 +38,21 @@ from flwr.serverapp import Grid, ServerApp
 from bnpfed.federated import federated_method, initial_network
 from bnpfed.federated import client_from_slice, tempered
 from bnpfed.flower.client_steps import initial_global_model
-from bnpfed.flower.config import FlowerSettings, parse_run_config
+from bnpfed.flower.config import FlowerSettings, config_key, parse_run_config
 from bnpfed.flower.secure import SecureFusionStrategy, SecureMatchedFusionStrategy, client_at_widths
 from bnpfed.flower.method_strategy import MethodStrategy
 from bnpfed.flower.records import (from_array_record, matched_posterior_from_arrays, posterior_from_arrays,
                                    state_to_record, split_heads, split_temperature, tensors_from_arrays)
 from bnpfed.flower.strategies import (LOGGER, FedAvgStrategy, MatchedFusionStrategy, PFNMStrategy,
                                       PosteriorFusionStrategy)
-from bnpfed.matching import derive_spec, network_from_state
+from bnpfed.matching import check_network_matching, derive_spec, network_from_state
 from bnpfed.matching import PooledPosterior, attach_heads
+from bnpfed.metrics import chance_warning
 from bnpfed.report import command_record, command_results, write_json
 from bnpfed.saved import save_global
 from bnpfed.seeding import Stream, derive_seed
 
-__all__ = ["FederationResult", "app", "global_model", "make_server_app", "run_federation"]
+__all__ = ["FederationResult", "app", "global_model", "make_server_app", "run_federation", "run_warnings"]
 
 
 @dataclass
@@ -63,19 +64,22 @@ class FederationResult:
     :param dict arrays: the final global model's arrays, ``{name: ndarray}`` in the layout of
         :mod:`bnpfed.flower.records` (PFNM: the global network's ``state_dict``).
     :param list history: one dict per round (:attr:`~bnpfed.flower.strategies.PFNMStrategy.history`).
+    :param list warnings: what the run should say, as the commands do: a global model whose accuracy on the
+        clients' test shards sits at chance (:func:`~bnpfed.metrics.chance_warning`).
     """
 
     method: str
     settings: FlowerSettings
     arrays: dict[str, np.ndarray] = field(repr=False)
     history: list[dict]
+    warnings: list[str] = field(default_factory=list)
 
     def results(self) -> dict:
         """JSON-ready ``results`` of :func:`~bnpfed.report.command_record` (arrays left out): one run whose one row
         is the method after its last round, and every round's record."""
         rounds = [{"run": 0, "method": self.method, **r} for r in self.history]
         final = {"method": self.method, **(self.history[-1] if self.history else {})}
-        return command_results([{"method": self.method, "rows": [final]}], rounds)
+        return command_results([{"method": self.method, "rows": [final], "warnings": list(self.warnings)}], rounds)
 
 
 def run_federation(grid: Grid, config: Mapping[str, Any]) -> FederationResult:
@@ -111,6 +115,18 @@ def run_federation(grid: Grid, config: Mapping[str, Any]) -> FederationResult:
         strategy = PosteriorFusionStrategy(settings.fusion, **common)
     identity = strategy.connect(grid)
     settings.training.check_inputs(identity.input_shape)   # augment: images only, known once the nodes report
+    if run.method == "pfnm" or matched:   # a value per matched group: as many as the network has, before training
+        template = initial_network(settings.network, identity.input_shape, identity.num_classes, seed=run.seed)
+        groups = derive_spec(template, identity.input_shape).group_names
+        try:
+            (settings.pfnm if run.method == "pfnm" else settings.fusion).check_groups(groups)
+        except ValueError as error:
+            name, _, rest = str(error).partition(":")
+            raise ValueError(config_key(name) + ":" + rest) from None
+        check_network_matching(derive_spec(template, identity.input_shape), template.state_dict(),
+                               identity.num_partitions, name="hidden" if settings.network.arch == "mlp" else "arch",
+                               change="lower hidden (the clients' widths), or run the server on a machine with more "
+                                      "memory")
     settings = settings.with_clients(identity.num_partitions)
     if run.federated:   # the method's initial global state, from the shared initial network
         initial = strategy.initial_arrays()
@@ -126,7 +142,9 @@ def run_federation(grid: Grid, config: Mapping[str, Any]) -> FederationResult:
                 identity.num_partitions)
     outcome = strategy.start(grid, initial, num_rounds=run.rounds, timeout=run.round_timeout)
     result = FederationResult(method=run.method, settings=settings, arrays=from_array_record(outcome.arrays),
-                              history=strategy.history)
+                              history=strategy.history, warnings=run_warnings(run.method, strategy.history))
+    for message in result.warnings:
+        LOGGER.warning("%s", message)
     if run.output_dir:
         out = Path(run.output_dir)
         write_json(out / f"{run.method}-summary.json",
@@ -137,8 +155,18 @@ def run_federation(grid: Grid, config: Mapping[str, Any]) -> FederationResult:
         predictive = None if deterministic else {   # the clients' draws of the last evaluation
             "samples": run.predictive_samples, "seed": derive_seed(run.seed, Stream.PREDICT, run.rounds)}
         save_global(out / f"{run.method}-global.pt", model, method=method, predictive=predictive,
-                    notes=[f"Flower run, {run.rounds} round(s)"])
+                    notes=[f"Flower run, {run.rounds} round(s)"], inputs=identity.preprocessing(run.dataset))
     return result
+
+
+def run_warnings(method: str, history: Sequence[Mapping[str, Any]]) -> list[str]:
+    """What a run says, as the commands do (:func:`~bnpfed.metrics.chance_warning`): the global model after the last
+    evaluated round at chance on the clients' test shards (their labels' largest class share, which they report)."""
+    last = next((r for r in reversed(history) if "accuracy" in r and "chance" in r), None)
+    if last is None:
+        return []
+    message = chance_warning(method, float(last["accuracy"]), float(last["chance"]))
+    return [] if message is None else [message]
 
 
 def global_model(settings: FlowerSettings, input_shape, num_classes: int, arrays: Mapping[str, np.ndarray]):

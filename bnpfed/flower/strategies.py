@@ -52,6 +52,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
@@ -92,12 +93,13 @@ from bnpfed.flower.records import (
     with_heads,
     with_temperature,
     POOL_NLL,
+    TEST_CLASS_COUNTS,
 )
 from bnpfed.federated import FIT
 from bnpfed.matching import TEMPERATURES, fit_temperature
 from bnpfed.matching import PooledPosterior
 from bnpfed.matching import pooled_heads_of
-from bnpfed.metrics import ece_from_gaps
+from bnpfed.metrics import chance_accuracy, ece_from_gaps
 from bnpfed.seeding import Stream
 from bnpfed.validation import check_fraction, check_int, check_positive
 
@@ -180,9 +182,15 @@ class _RoundStrategy(Strategy):
         #: ``{node id: reason}`` of the nodes refused (their identity disagreed, or they answered the query with an
         #: error); not asked again.
         self.refused: dict[int, str] = {}
+        #: ``{node id: partition}`` of the nodes the SuperLink said are gone (an error reply ``NODE_UNAVAILABLE``:
+        #: no heartbeat; -1 for one gone before it told its partition): no message is sent to them again (their
+        #: partitions count as unconnected), so a round's evaluation does not wait out its timeout for a node its
+        #: training already found gone.
+        self.gone: dict[int, int] = {}
         #: One dict per finished round (see the module docstring).
         self.history: list[dict[str, Any]] = []
         self._sent: dict[tuple[int, str], dict[int, int]] = {}  # (round, type) -> {node: partition}
+        self._pushed: dict[tuple[int, str], list[Message]] = {}  # (round, type) -> the messages sent
         self._unconnected: dict[tuple[int, str], list[int]] = {}  # (round, type) -> sampled partitions without node
 
     # ------------------------------------------------------------------------------------------------ nodes
@@ -199,17 +207,21 @@ class _RoundStrategy(Strategy):
         messages = [Message(content=RecordDict({CONFIG: config}), dst_node_id=node, message_type=MessageType.QUERY,
                             group_id="query") for node in nodes]
         for reply in sorted(grid.send_and_receive(messages, timeout=self.query_timeout),
-                            key=lambda m: m.metadata.src_node_id):
-            node = reply.metadata.src_node_id
+                            key=lambda m: self.sender(m, messages)):
+            node = self.sender(reply, messages)
             try:
                 if reply.has_error():
+                    if reply.error.code == ErrorCode.NODE_UNAVAILABLE:
+                        self.gone[node] = -1   # gone before it told its partition
                     raise ReplyError(f"error reply (code {reply.error.code}): {reply.error.reason}")
                 identity = read_identity(reply)
                 known = self.identity
                 if known is not None:
                     for what, mine, theirs in (("num-partitions", known.num_partitions, identity.num_partitions),
                                                ("input-shape", known.input_shape, identity.input_shape),
-                                               ("num-classes", known.num_classes, identity.num_classes)):
+                                               ("num-classes", known.num_classes, identity.num_classes),
+                                               ("input-mean", known.mean, identity.mean),
+                                               ("input-std", known.std, identity.std)):
                         if mine != theirs:
                             raise ReplyError(f"{what!r}: expected {mine}, that of the other nodes, got {theirs}")
                 holder = self.nodes.get(identity.partition_id)
@@ -227,7 +239,7 @@ class _RoundStrategy(Strategy):
 
     def refresh(self, grid: Grid) -> None:
         """Forget nodes that went away; ask the nodes that are new (or never answered) for their identity."""
-        connected = set(grid.get_node_ids())
+        connected = set(grid.get_node_ids()) - set(self.gone)
         self.nodes = {j: n for j, n in self.nodes.items() if n in connected}
         new = sorted(connected - set(self.nodes.values()) - set(self.refused))
         if new:
@@ -283,8 +295,20 @@ class _RoundStrategy(Strategy):
             LOGGER.warning("round %d: partition(s) %s sampled for %s but no connected node holds them", server_round,
                            unconnected, message_type)
         self._sent[(server_round, message_type)] = sent
+        self._pushed[(server_round, message_type)] = messages
         self._unconnected[(server_round, message_type)] = unconnected
         return messages
+
+    def sender(self, reply: Message, messages: Iterable[Message]) -> int:
+        """The node a reply speaks for: its sender, or, for the SuperLink's own error reply about a message it could
+        not deliver (``NODE_UNAVAILABLE``: sent from the SuperLink, naming the message it answers), that message's
+        destination (``messages``: those sent, their ids set by the grid when it pushed them)."""
+        if reply.metadata.src_node_id != SUPERLINK_NODE_ID:
+            return reply.metadata.src_node_id
+        for message in messages:
+            if message.metadata.message_id and message.metadata.message_id == reply.metadata.reply_to_message_id:
+                return message.metadata.dst_node_id
+        return reply.metadata.src_node_id
 
     # ------------------------------------------------------------------------------------------------ replies
 
@@ -296,8 +320,9 @@ class _RoundStrategy(Strategy):
         sent = self._sent.get((server_round, message_type), {})
         accepted: dict[int, Accepted] = {}
         rejected: dict[int, str] = {}
+        pushed = self._pushed.get((server_round, message_type), [])
         for reply in replies:
-            node = reply.metadata.src_node_id
+            node = self.sender(reply, pushed)
             j = sent.get(node)
             if j is None or j in accepted or j in rejected:
                 LOGGER.warning("round %d: %s", server_round, unexpected_reply(reply, message_type, sent,
@@ -305,6 +330,12 @@ class _RoundStrategy(Strategy):
                 continue
             if reply.has_error():
                 rejected[j] = f"error reply (code {reply.error.code}): {reply.error.reason}"
+                if reply.error.code == ErrorCode.NODE_UNAVAILABLE:   # the SuperLink's word: no heartbeat from it
+                    self.gone[node] = j
+                    if self.nodes.get(j) == node:
+                        del self.nodes[j]
+                    LOGGER.warning("round %d: node %d (client %d) is gone (%s); no message is sent to it again",
+                                   server_round, node, j, reply.error.reason)
             else:
                 try:
                     item = parse(reply)
@@ -390,6 +421,7 @@ class _RoundStrategy(Strategy):
         """Send the global model to the clients of :func:`evaluation_clients` (every one by default)."""
         if self.fraction_evaluate == 0 or len(arrays) == 0 or self.identity is None:
             return []
+        self.refresh(grid)   # not the nodes that went away (nor those found gone in training): no wait for them
         chosen = evaluation_clients(self.num_partitions, self.fraction_evaluate, seed=self.seed, round=server_round)
         extra = dict(config)
         return self._messages(server_round, MessageType.EVALUATE, chosen, lambda j: (arrays, extra))
@@ -407,6 +439,8 @@ class _RoundStrategy(Strategy):
                                  f"{' or '.join(map(repr, missing))} record")
             metrics = content.metric_records[METRICS]
             scores = {key: read_finite(metrics, key) for key in ("accuracy", "nll", "brier")}
+            if TEST_CLASS_COUNTS in metrics:   # the shard's labels per class (none from a client of bnpfed 0.2)
+                scores[TEST_CLASS_COUNTS] = read_class_counts(metrics, self.identity.num_classes, TEST_CLASS_COUNTS)
             gaps = {bins: read_gaps(metrics, bins) for bins in ECE_BINS}
             return Accepted(read_partition_id(content.config_records[CLIENT]), read_count(metrics), gaps, scores)
 
@@ -423,6 +457,8 @@ class _RoundStrategy(Strategy):
             self.history[-1].update(accuracy=out["accuracy"], nll=out["nll"], brier=out["brier"], ece=out["ece"],
                                     ece15=out["ece15"], test_examples=total,
                                     evaluated=[a.partition_id for a in accepted])
+            if all(TEST_CLASS_COUNTS in a.metrics for a in accepted):   # the shards' chance accuracy together
+                self.history[-1]["chance"] = chance_accuracy(sum(a.metrics[TEST_CLASS_COUNTS] for a in accepted))
         return out
 
     def reestimate_statistics(self, server_round: int, state: dict, clients: Sequence[int],

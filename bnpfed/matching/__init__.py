@@ -10,6 +10,8 @@ This is the folder's one public face: import from ``bnpfed.matching``; the files
   :func:`derive_spec`, or written by hand), and :func:`match_by_spec` matches J clients' networks group by group
   into one global network (:class:`SpecMatch`); :func:`match_group` and :func:`align_to_group` are FedMA's one group
   at a time; a size asked for (``max_width``, ``max_params``) is met through the IBP mass (:class:`SizeSearch`);
+  a layer this machine cannot hold is refused before anything is allocated (:func:`check_matching_memory`,
+  :func:`matching_bytes`);
 * what clients report: the units they hold inactive (:func:`unit_activity`), batch-norm moments
   (:func:`batch_norm_moments`), their class shares (:func:`estimate_class_shares`);
 * the global output layer under label skew: the clients' own heads pooled (:class:`PooledHeads`,
@@ -42,6 +44,9 @@ from bnpfed.matching.pooled_heads import (TEMPERATURES, PooledHeads, PooledPoste
 from bnpfed.matching.posteriors import (ATOM_POSTERIOR, MATCH_ON, MIN_VARIANCE, PVI, PosteriorMatch, cavity,
                                         client_posterior, fuse_members, match_posteriors, matched_rules, pvi_factor)
 from bnpfed.matching.recovery import RecoveryConfig, RecoveryRow, match_recovery
+from bnpfed.matching.network import architecture_difference
+from bnpfed.matching.memory import (MemoryLimitError, available_memory, check_matching_memory, check_network_matching,
+                                    matching_bytes)
 
 __all__ = [
     # one layer
@@ -51,12 +56,13 @@ __all__ = [
     "Axis", "Group", "KINDS", "STATISTICS", "BN_FIXED_PRIOR_MEANS", "PermutationSpec", "derive_spec", "resolve_spec",
     "verify_spec", "VectorLayout", "UnitVectors", "unit_vectors", "width", "state_from_atoms", "network_from_state",
     "network_from_atoms", "client_slice", "SpecMatch", "match_by_spec", "GroupMatch", "match_group",
-    "align_to_group",
+    "align_to_group", "architecture_difference",
     # batch norms, inactive units, sizes, class shares
     "BatchNormMoments", "batch_norm_moments", "batch_norm_order", "batch_norm_statistics",
     "set_batch_norm_statistics", "reestimate_batch_norm", "drop_units", "inactive_units", "kept_per_client",
     "kept_units", "unit_activity", "SizeLimitError", "SizeSearch", "minimum_widths", "parameter_count",
-    "proportional_widths", "estimate_class_shares",
+    "proportional_widths", "estimate_class_shares", "MemoryLimitError", "available_memory", "check_matching_memory",
+    "check_network_matching", "matching_bytes",
     # pooled heads
     "TEMPERATURES", "PooledHeads", "PooledPosterior", "attach_heads", "client_heads", "fit_temperature",
     "pool_log_probabilities", "pool_nll", "pooled_heads_layer", "pooled_heads_of", "pooled_network",

@@ -100,6 +100,7 @@ def match_bayesian_layer(
     starts: Literal["even-split", "both", "small-noise"] = "even-split",
     schedule: Literal["gauss-seidel", "jacobi"] = "gauss-seidel",
     device=None,
+    progress: bool = False,
     **constants,
 ) -> MatchResult:
     """Match J clients' Bayesian neurons (posterior means and variances) to global atoms under the Beta-Bernoulli
@@ -141,7 +142,8 @@ def match_bayesian_layer(
         ``"map"`` (the atoms at their MAP values, as :func:`~bnpfed.matching.layer.match_layer` has it).
     :param str stop: empirical Bayes: ``"result"`` (default) or ``"fixed-point"``, as for
         :func:`~bnpfed.matching.layer.match_layer`; ``schedule`` (``"gauss-seidel"``, ``"jacobi"``) and ``device``
-        (None or a torch device: its deterministic coordinates' products there) too.
+        (None or a torch device: its deterministic coordinates' products there) too, and ``progress`` (a progress
+        bar of each pass, default False).
     :param constants: the published code's constants, as for :func:`~bnpfed.matching.layer.match_layer`:
         ``popularity_cap``, ``max_atoms``, ``new_atom_penalty`` (``REFERENCE_CONSTANTS`` without its
         ``hyperparameters`` and ``objective``).
@@ -159,7 +161,7 @@ def match_bayesian_layer(
     return match_one_layer(means, variances, noise="tau2", given=dict(tau2=tau2, sigma0_2=sigma0_2, gamma0=gamma0),
                            mu0=mu0, precisions=precisions, hyperparameters=hyperparameters, sweeps=sweeps, seed=seed,
                            objective=objective, init_assignments=init_assignments, estimator=estimator, name="means",
-                           stop=stop, starts=starts, schedule=schedule, device=device,
+                           stop=stop, starts=starts, schedule=schedule, device=device, progress=progress,
                            popularity_factor=popularity_factor, **constants)
 
 

@@ -166,16 +166,26 @@ def derive_spec(net: nn.Module, input_shape: Sequence[int]) -> PermutationSpec:
     modes = {m: m.training for m in net.modules()}
     param = next(iter(net.parameters()), None)
     x = torch.zeros(2, *input_shape, dtype=param.dtype if param is not None else None)
+    failed = None
     try:
         net.eval()
         with torch.no_grad():
-            ShapeProp(gm).propagate(x)
+            try:   # the module itself first: ShapeProp prints a traceback of its own before it raises
+                net(x)
+            except Exception as err:  # noqa: BLE001
+                failed = err
+            if failed is None:
+                ShapeProp(gm).propagate(x)
     except Exception as err:  # noqa: BLE001
         raise ValueError(f"input_shape: expected the shape of an input net runs on, got {input_shape}, on which a "
                          f"forward pass failed: {err}") from err
     finally:
         for m, mode in modes.items():
             m.train(mode)
+    if failed is not None:
+        first = str(failed).strip().splitlines()[0] if str(failed).strip() else ""
+        raise ValueError(f"input_shape: expected the shape of an input net runs on, got {input_shape}, on which a "
+                         f"forward pass failed ({type(failed).__name__}: {first})")
 
     def shape(n) -> tuple[int, ...] | None:
         meta = n.meta.get("tensor_meta")

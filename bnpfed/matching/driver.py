@@ -7,6 +7,7 @@ share."""
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Mapping
 
@@ -18,7 +19,8 @@ from bnpfed.matching.matcher import (EB_EXPECTED_SWEEPS, STOP_MOVED, STOP_RTOL, 
                                       make_matcher)
 from bnpfed.validation import check_choice, check_int, check_positive
 
-__all__ = ["SCHEDULES", "STARTS", "STOPS", "FixedValues", "assignment_objective_of", "match_one_layer", "run_matching"]
+__all__ = ["SCHEDULES", "STARTS", "STOPS", "FixedValues", "PassProgress", "assignment_objective_of", "match_one_layer",
+           "run_matching"]
 
 #: Where empirical Bayes starts (``starts=``): the even split (the default), both starts with the likelier kept, or
 #: the small-noise start alone.
@@ -75,7 +77,7 @@ class FixedValues:
 def match_one_layer(means, variances, *, noise: str, given: Mapping[str, object], mu0, precisions,
                     hyperparameters: str, sweeps, seed, objective, init_assignments, estimator, name: str,
                     stop_at_fixed_point: bool = True, cross_products: str = "auto", stop: str = "result",
-                    starts: str = "even-split", schedule: str = "gauss-seidel",
+                    starts: str = "even-split", schedule: str = "gauss-seidel", progress: bool = False,
                     **options) -> MatchResult:
     """What :func:`~bnpfed.matching.match_layer` and :func:`~bnpfed.matching.match_bayesian_layer` share: the
     options checked, the matcher made, the given variances (``given``, named ``noise``, ``"sigma0_2"``,
@@ -107,7 +109,7 @@ def match_one_layer(means, variances, *, noise: str, given: Mapping[str, object]
         estimator = FixedValues(values, noise)
     return run_matching(matcher, estimator, init=init, sweeps=sweeps, seed=seed,
                         stop_at_fixed_point=stop_at_fixed_point, cross_products=cross_products, stop=stop,
-                        starts=starts, schedule=schedule, dtype=result_dtype(means), t0=t0)
+                        starts=starts, schedule=schedule, dtype=result_dtype(means), t0=t0, progress=progress)
 
 
 def assignment_objective_of(means, variances, assignments, *, noise: str, values: Mapping[str, object], mu0,
@@ -124,7 +126,7 @@ def assignment_objective_of(means, variances, assignments, *, noise: str, values
 
 def run_matching(matcher: LayerMatcher, estimator, *, init, sweeps: int, seed, stop_at_fixed_point: bool = True,
                  cross_products: str = "auto", stop: str = "result", starts: str = "even-split",
-                 schedule: str = "gauss-seidel", dtype, t0: float) -> MatchResult:
+                 schedule: str = "gauss-seidel", dtype, t0: float, progress: bool = False) -> MatchResult:
     """The first assignment (greedy pass at the estimator's start, or ``init``), then up to ``sweeps`` sweeps, the
     hyper-parameters re-estimated after the first assignment and after every sweep, until a sweep changes neither.
     ``starts`` (empirical Bayes, the noise from the data): ``"even-split"`` runs from the estimator's alternative
@@ -139,13 +141,54 @@ def run_matching(matcher: LayerMatcher, estimator, *, init, sweeps: int, seed, s
     stops when a sweep changed no assignment and no estimate moved by more than ``EB_RTOL``; ``"result"`` also when at
     most :data:`STOP_MOVED` of the neurons moved in a sweep and no estimate moved by more than :data:`STOP_RTOL` (mu0 by
     the root mean square of its changes over the coordinates; the assignment is then as good as settled: the docs'
-    benchmark page on scale compares the two rules on trained layers). ``schedule``: :data:`SCHEDULES`."""
+    benchmark page on scale compares the two rules on trained layers). ``schedule``: :data:`SCHEDULES`. ``progress``:
+    a progress bar of the clients re-matched in each pass (tqdm on stderr, its total the J clients)."""
     check_choice(cross_products, ("auto", "direct", "gram"), "cross_products")
     check_choice(starts, STARTS, "starts")
     check_choice(schedule, SCHEDULES, "schedule")
+    if not isinstance(progress, bool):
+        raise ValueError(f"progress: expected True or False, got {progress!r}")
+    with PassProgress(matcher, progress, sweeps) as bar:
+        return _run_matching(matcher, estimator, init=init, sweeps=sweeps, seed=seed,
+                             stop_at_fixed_point=stop_at_fixed_point, cross_products=cross_products, stop=stop,
+                             starts=starts, schedule=schedule, dtype=dtype, t0=t0, bar=bar)
+
+
+class PassProgress:
+    """A progress bar of one matching (tqdm on stderr, or nothing when off): per pass (the greedy pass, each
+    sweep) the J clients re-matched, so a wide or many-client layer shows its rate and time left. Used as a context
+    around the matching; it hooks the matcher's per-client tick."""
+
+    def __init__(self, matcher: LayerMatcher, on: bool, sweeps: int):
+        self.matcher, self.on, self.sweeps, self.bar = matcher, on, sweeps, None
+
+    def __enter__(self) -> "PassProgress":
+        if self.on:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=self.matcher.J, desc="matching: greedy pass", unit="client", leave=False,
+                            file=sys.stderr)
+            self.matcher.tick = self.bar.update
+        return self
+
+    def phase(self, what: str) -> None:
+        """A new pass: the bar back to 0 of J, described ``what``."""
+        if self.bar is not None:
+            self.bar.reset(total=self.matcher.J)
+            self.bar.set_description_str(f"matching: {what}")
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.matcher.tick = None
+
+
+def _run_matching(matcher: LayerMatcher, estimator, *, init, sweeps: int, seed, stop_at_fixed_point: bool,
+                  cross_products: str, stop: str, starts: str, schedule: str, dtype, t0: float,
+                  bar: PassProgress) -> MatchResult:
     fixed = getattr(estimator, "fixed", False)
     options = dict(sweeps=sweeps, seed=seed, stop_at_fixed_point=stop_at_fixed_point, cross_products=cross_products,
-                   stop=stop, schedule=schedule, dtype=dtype, t0=t0)
+                   stop=stop, schedule=schedule, dtype=dtype, t0=t0, bar=bar)
     alternative = None if fixed else estimator.alternative_start()
     if init is None and starts == "even-split" and alternative is not None:
         return _alternate(matcher, estimator, alternative, init=None, restart=False, **options)
@@ -170,7 +213,7 @@ def run_matching(matcher: LayerMatcher, estimator, *, init, sweeps: int, seed, s
 
 def _alternate(matcher: LayerMatcher, estimator, current: dict, *, init, restart: bool, sweeps: int, seed,
                stop_at_fixed_point: bool, cross_products: str, stop: str, schedule: str, dtype,
-               t0: float) -> MatchResult:
+               t0: float, bar: PassProgress) -> MatchResult:
     """One run of :func:`run_matching` from the estimator's values ``current`` (``restart``: redo it from the
     estimator's fallback start when the first pass left every neuron alone)."""
     fixed = getattr(estimator, "fixed", False)
@@ -178,12 +221,14 @@ def _alternate(matcher: LayerMatcher, estimator, current: dict, *, init, restart
     restarted = False
     matcher.set_hyperparameters(**estimator.coordinates(current))
     if init is None:
+        bar.phase("greedy pass")
         matcher.greedy()
         fallback = estimator.restart(matcher) if restart else None
         if fallback is not None:  # the estimator's fallback start (every neuron alone at its first start)
             current, restarted = fallback, True
             matcher.unassign()
             matcher.set_hyperparameters(**estimator.coordinates(current))
+            bar.phase("greedy pass, again from the fallback start")
             matcher.greedy()
     else:
         matcher.start_from(init)
@@ -200,6 +245,7 @@ def _alternate(matcher: LayerMatcher, estimator, current: dict, *, init, restart
     converged, run, moved = False, 0, []
     for k in range(1, sweeps + 1):
         matcher.set_hyperparameters(**estimator.coordinates(current))
+        bar.phase(f"sweep {k} (of at most {sweeps})")
         changed = matcher.sweep(rng) if schedule == "gauss-seidel" else matcher.jacobi_sweep()
         run = k
         moved.append(matcher.moved)

@@ -180,6 +180,7 @@ def match_layer(
     starts: Literal["even-split", "both", "small-noise"] = "even-split",
     schedule: Literal["gauss-seidel", "jacobi"] = "gauss-seidel",
     device=None,
+    progress: bool = False,
 ) -> MatchResult:
     """Match J clients' neurons to global atoms under the Beta-Bernoulli process (PFNM's server step), with the
     hyper-parameters estimated from the neurons (empirical Bayes, the default) or given.
@@ -295,6 +296,9 @@ def match_layer(
         Default None: the greedy pass. With the hyper-parameters fixed the sweeps only ever raise the objective from
         there (with ``max_atoms`` off), so the result is at least as good as the starting point; ``max_atoms`` limits
         only the atoms the sweeps open.
+    :param bool progress: show a progress bar of each pass (the greedy pass, every sweep: the J clients
+        re-matched; tqdm on stderr). Default False. A layer this machine's memory cannot hold is refused before
+        anything is allocated, whatever this says (:func:`~bnpfed.matching.check_matching_memory`).
     :returns: :class:`MatchResult`, with the hyper-parameters used (``hyperparameters``, their history, what was
         estimated, whether the estimation converged, and notes on its fallbacks).
     """
@@ -309,7 +313,7 @@ def match_layer(
                            mu0=mu0, precisions=precisions, hyperparameters=hyperparameters, sweeps=sweeps, seed=seed,
                            objective=objective, init_assignments=init_assignments, estimator=estimator,
                            name="neurons", stop_at_fixed_point=stop_at_fixed_point, cross_products=cross_products,
-                           stop=stop, starts=starts, schedule=schedule, device=device,
+                           stop=stop, starts=starts, schedule=schedule, device=device, progress=progress,
                            popularity_factor=popularity_factor, popularity_cap=popularity_cap, max_atoms=max_atoms,
                            new_atom_penalty=new_atom_penalty)
 

@@ -77,6 +77,7 @@ from scipy.sparse import csr_matrix
 from bnpfed.matching.atom_sums import shared_moments, shared_sums
 from bnpfed.matching.layer_inputs import CompactRows, validate_clients, validate_precisions
 from bnpfed.matching.match_result import MatchResult
+from bnpfed.matching.memory import check_matching_memory
 from bnpfed.matching.scoring import CHUNK_ELEMENTS, best_assignment, join_scores
 from bnpfed.validation import check_choice, check_device, check_float
 
@@ -121,6 +122,7 @@ def make_matcher(means, variances=None, *, precisions=None, name: str = "neurons
     """A :class:`LayerMatcher` of validated data and options (see :func:`~bnpfed.matching.layer.match_layer`
     for the options; ``device``: :class:`LayerMatcher`'s)."""
     V, U = validate_clients(means, variances, name=name)
+    check_matching_memory([v.shape[0] for v in V], V[0].shape[1], name=name)   # before the matcher allocates
     popularity_factor = check_float(popularity_factor, "popularity_factor", low=0.0)
     if popularity_cap is not None and (int(popularity_cap) != popularity_cap or popularity_cap < 1):
         raise ValueError(f"popularity_cap: expected None or an integer >= 1, got {popularity_cap!r}")
@@ -225,6 +227,9 @@ class LayerMatcher:
         self.max_atoms = max_atoms
         self.new_atom_penalty = new_atom_penalty
         self.assign: list[np.ndarray | None] = [None] * J
+        #: called after every client's (re-)match of a pass (a progress bar's update; :class:`~bnpfed.matching.
+        #: driver.PassProgress`), or None
+        self.tick = None
         self.lsa_seconds = 0.0
         self.rematches: list[tuple[int, int, int]] = []
         self.moved = 0
@@ -623,6 +628,8 @@ class LayerMatcher:
         """The first assignment: every client matched in turn given those before it, largest client first."""
         for j in np.argsort(-np.array(self.L), kind="stable"):
             self.match(int(j))
+            if self.tick is not None:
+                self.tick()
 
     def sweep(self, rng: np.random.Generator) -> bool:
         """Re-match every client once, in a random order; return whether any assignment changed (``moved``: how many
@@ -631,6 +638,8 @@ class LayerMatcher:
         changed = False
         for j in rng.permutation(self.J):
             changed |= self.match(int(j), rematch=True)
+            if self.tick is not None:
+                self.tick()
         return changed
 
     def jacobi_sweep(self) -> bool:
@@ -644,6 +653,8 @@ class LayerMatcher:
         new, fresh = [], self.n_rows
         for j in range(self.J):
             target = self.propose(j)
+            if self.tick is not None:
+                self.tick()
             opened = target < 0
             target[opened] = fresh + np.arange(opened.sum())
             fresh += int(opened.sum())

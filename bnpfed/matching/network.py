@@ -33,10 +33,10 @@ from bnpfed.matching.size import (SizeLimitError, SizeSearch, fit_size, head_par
 from bnpfed.matching.spec import PermutationSpec
 from bnpfed.validation import check_bool, check_choice, check_int
 
-__all__ = ["Clients", "GroupMatch", "GroupValues", "SpecMatch", "call_matcher", "check_global_weights",
-           "check_layer_fns", "check_size_limits", "client_states", "group_values", "limit_width", "match_by_spec",
-           "match_gamma0", "match_groups", "output_bias", "pfnm_group", "prepare_clients", "resolve_spec",
-           "warm_start_labels", "without_inactive"]
+__all__ = ["Clients", "GroupMatch", "GroupValues", "SpecMatch", "architecture_difference", "call_matcher",
+           "check_global_weights", "check_layer_fns", "check_size_limits", "client_states", "group_values",
+           "limit_width", "match_by_spec", "match_gamma0", "match_groups", "output_bias", "pfnm_group",
+           "prepare_clients", "resolve_spec", "warm_start_labels", "without_inactive"]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -232,15 +232,40 @@ def _check_state(state, spec: PermutationSpec, ref, j: int) -> dict[str, int]:
     return widths
 
 
+def architecture_difference(net: nn.Module, other: nn.Module) -> str | None:
+    """Where ``other`` is not a network of ``net``'s kind, in words, or None: the same modules, name for name and
+    class for class (an activation counts: a Tanh network is not a ReLU network). Widths may differ.
+
+    >>> architecture_difference(nn.Sequential(nn.Linear(4, 3), nn.ReLU()), nn.Sequential(nn.Linear(4, 5), nn.Tanh()))
+    'module 1 is a Tanh, not a ReLU'
+    """
+    mine, theirs = dict(net.named_modules()), dict(other.named_modules())
+    for name, module in mine.items():
+        if name in theirs and type(theirs[name]) is not type(module):
+            return f"module {name or '(the network)'} is a {type(theirs[name]).__qualname__}, not a " \
+                   f"{type(module).__qualname__}"
+    if set(net.state_dict()) != set(other.state_dict()):   # what the parameters' own check names better
+        return None
+    extra, missing = sorted(set(theirs) - set(mine)), sorted(set(mine) - set(theirs))
+    if extra or missing:
+        return ("modules differ from the first's: " + ", ".join([*(f"{n} added" for n in extra[:3]),
+                                                                 *(f"{n} missing" for n in missing[:3])]))
+    return None
+
+
 def client_states(client_nets, template=None) -> tuple[list[dict[str, Tensor]], nn.Module | None]:
     """J networks or ``state_dict`` s as detached ``state_dict`` s, and the template (the given one, or client 0's
     network)."""
     if not isinstance(client_nets, Sequence) or isinstance(client_nets, (str, bytes)) or not client_nets:
         raise ValueError("client_nets: expected a non-empty sequence of networks (nn.Module) or state dicts")
     states = []
+    first = next((net for net in client_nets if isinstance(net, nn.Module)), None)
     for j, net in enumerate(client_nets):
         if isinstance(net, nn.Module):
             template = net if template is None else template
+            other = architecture_difference(first, net)
+            if other is not None:
+                raise ValueError(f"client_nets[{j}]: expected a network of the first's kind, got one whose {other}")
             state = net.state_dict()
         elif isinstance(net, Mapping):
             state = dict(net)

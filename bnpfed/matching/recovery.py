@@ -14,6 +14,7 @@ Usage::
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -105,11 +106,15 @@ class RecoveryRow:
     seconds: float
 
 
-def match_recovery(config: RecoveryConfig) -> list[RecoveryRow]:
+def match_recovery(config: RecoveryConfig, *, progress: bool = False) -> list[RecoveryRow]:
     """Sample one layer of ``config`` and match it four ways: with the hyper-parameters fixed at the truth, the
     published (MAP) objective at the true noise variance and at twice it and the marginal objective at the true noise;
     then with every hyper-parameter estimated from the neurons alone (empirical Bayes, started 10 times off the
-    truth; its row's ``sigma2`` is the estimate); one row each."""
+    truth; its row's ``sigma2`` is the estimate); one row each.
+
+    :param RecoveryConfig config: the layer and its matching.
+    :param bool progress: show a progress bar of each matching's passes (the J clients re-matched; tqdm on stderr)
+        and a line before each of the four matchings. Default False."""
     from sklearn.metrics import adjusted_rand_score
 
     if not isinstance(config, RecoveryConfig):
@@ -120,14 +125,17 @@ def match_recovery(config: RecoveryConfig) -> list[RecoveryRow]:
     truth = torch.cat(layer.assignments).numpy()
     rows = []
     start = dict(sigma2=10 * c.sigma2, sigma0_2=c.sigma0_2 / 10, gamma0=10 * c.gamma0)
-    for objective, sigma2 in (("map", c.sigma2), ("map", 2 * c.sigma2), ("marginal", c.sigma2),
-                              ("empirical-bayes", None)):
+    runs = (("map", c.sigma2), ("map", 2 * c.sigma2), ("marginal", c.sigma2), ("empirical-bayes", None))
+    for k, (objective, sigma2) in enumerate(runs, 1):
+        if progress:
+            print(f"matching {k} of {len(runs)}: {objective}" + ("" if sigma2 is None else f" at sigma2 = {sigma2:g}"),
+                  file=sys.stderr)
         if sigma2 is None:
-            found = match_layer(layer.neurons, start=start, seed=c.seed)
+            found = match_layer(layer.neurons, start=start, seed=c.seed, progress=progress)
             sigma2 = float(found.hyperparameters["sigma2"])
         else:
             found = match_layer(layer.neurons, sigma2=sigma2, sigma0_2=c.sigma0_2, gamma0=c.gamma0, sweeps=c.sweeps,
-                                seed=c.seed, objective=objective, hyperparameters="fixed")
+                                seed=c.seed, objective=objective, hyperparameters="fixed", progress=progress)
         rows.append(RecoveryRow(objective=objective, sigma2=sigma2, true_atoms=layer.num_atoms,
                                 found_atoms=found.num_atoms,
                                 adjusted_rand=float(adjusted_rand_score(truth, torch.cat(found.assignments).numpy())),

@@ -57,6 +57,7 @@ the density of a *configuration* is ``p_seq * prod_j K_j!``; :func:`log_joint` r
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -67,7 +68,7 @@ import torch
 from pyro.distributions import constraints
 from torch import Tensor
 
-from bnpfed.validation import check_positive
+from bnpfed.validation import check_int, check_positive
 
 __all__ = [
     "FederatedLayer",
@@ -321,8 +322,15 @@ def beta_bernoulli_layer(
                           variances=variances if neuron_variance is not None else None)
 
 
-def sample_federated_layer(num_clients: int, dim: int, *, seed: int, **model_kwargs) -> FederatedLayer:
+def sample_federated_layer(num_clients: int, dim: int, *, seed: int, gamma0: float, **model_kwargs) -> FederatedLayer:
     """Draw a federated layer from :func:`beta_bernoulli_layer` with a seed (the global RNG is left untouched).
+
+    :param int num_clients: J.
+    :param int dim: D, the length of a neuron vector.
+    :param int seed: the draw's seed, >= 0.
+    :param float gamma0: the IBP mass (required, as :func:`beta_bernoulli_layer`'s).
+    :param model_kwargs: the other keywords of :func:`beta_bernoulli_layer` (``sigma2``, ``sigma0_2``, ...); another
+        name is refused (``ValueError`` naming it) before anything is drawn.
 
     Usage::
 
@@ -333,9 +341,16 @@ def sample_federated_layer(num_clients: int, dim: int, *, seed: int, **model_kwa
         >>> torch.equal(same.atoms, layer.atoms)
         True
     """
+    check_int(seed, "seed", low=0)
+    known = [name for name, p in inspect.signature(beta_bernoulli_layer).parameters.items()
+             if p.kind is inspect.Parameter.KEYWORD_ONLY and name != "gamma0"]
+    unknown = sorted(set(model_kwargs) - set(known))
+    if unknown:
+        raise ValueError(f"{unknown[0]}: not a keyword of beta_bernoulli_layer; expected gamma0 and any of "
+                         f"{', '.join(known)}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return beta_bernoulli_layer(num_clients, dim, **model_kwargs)
+        return beta_bernoulli_layer(num_clients, dim, gamma0=gamma0, **model_kwargs)
 
 
 def canonical_conditioning(neurons: Sequence[Tensor], assignments: Sequence[Tensor], atoms: Tensor,
