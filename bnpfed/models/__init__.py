@@ -12,7 +12,7 @@ from bnpfed.models.beta_bernoulli import (
     sample_federated_layer,
 )
 from bnpfed.models.bayesian import BayesianNetwork
-from bnpfed.models.likelihoods import Categorical, Gaussian, GaussianPredictive, Likelihood
+from bnpfed.models.likelihoods import Categorical, Gaussian, GaussianPredictive, Likelihood, predictive_of
 from bnpfed.models.local_reparameterization import (
     LocalReparameterizationMessenger,
     LocalReparameterizedLinear,
@@ -32,6 +32,7 @@ from bnpfed.models.named import (
     unregister_likelihood,
     unregister_prior,
 )
+from bnpfed.models.program import PyroProgram, localize_, module_local_params
 from bnpfed.models.networks import LeNet, mlp, reference_init_, simple_cnn, simple_cnn_bn
 from bnpfed.models.priors import (
     EmpiricalBayesPrior,
@@ -57,6 +58,10 @@ __all__ = [
     "Gaussian",
     "GaussianPredictive",
     "Likelihood",
+    "predictive_of",
+    "PyroProgram",
+    "localize_",
+    "module_local_params",
     "LocalReparameterizationMessenger",
     "LocalReparameterizedLinear",
     "local_reparameterization",

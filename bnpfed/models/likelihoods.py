@@ -40,7 +40,7 @@ from torch import Tensor
 
 from bnpfed.validation import check_int, check_positive
 
-__all__ = ["Categorical", "Gaussian", "GaussianPredictive", "Likelihood"]
+__all__ = ["Categorical", "Gaussian", "GaussianPredictive", "Likelihood", "predictive_of"]
 
 
 class Likelihood(ABC):
@@ -190,6 +190,36 @@ class Gaussian(Likelihood):
 
     def __repr__(self):
         return f"Gaussian(scale={self.scale})"
+
+
+def predictive_of(observations: list) -> Any:
+    """The posterior predictive of S draws' observation distributions ``p(y | x, w_s)`` (each of batch shape
+    ``(B,)``, e.g. a Pyro program's observed site under each of S draws from its guide), the mixture
+    ``1/S sum_s p(y | x, w_s)``:
+
+    * ``Categorical``: its class probabilities ``(B, C)``, ``1/S sum_s probs_s`` (as :class:`Categorical`'s);
+    * ``Normal``: a :class:`GaussianPredictive` of the mixture's moments, ``mean = 1/S sum_s loc_s`` and
+      ``variance = 1/S sum_s scale_s^2 + 1/S sum_s (loc_s - mean)^2`` (as :class:`Gaussian`'s).
+
+    :raises ValueError: for an empty list or another distribution.
+    """
+    if not observations:
+        raise ValueError("observations: expected at least one distribution, got none")
+    bases = [_base(fn) for fn in observations]
+    if all(isinstance(fn, torch.distributions.Categorical) for fn in bases):
+        return torch.stack([fn.probs for fn in bases]).mean(0)
+    if all(isinstance(fn, torch.distributions.Normal) for fn in bases):
+        locs = torch.stack([fn.loc for fn in bases])
+        variances = torch.stack([fn.scale.square().expand_as(fn.loc) for fn in bases])
+        return GaussianPredictive(locs.mean(0), variances.mean(0) + locs.var(0, unbiased=False))
+    raise ValueError(f"observations: expected Categorical or Normal distributions (the predictives bnpfed "
+                     f"aggregates), got {type(bases[0]).__name__}")
+
+
+def _base(fn):
+    while isinstance(fn, torch.distributions.Independent):
+        fn = fn.base_dist
+    return fn
 
 
 def _describe(value) -> str:
