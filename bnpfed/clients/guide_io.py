@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from torch.distributions import Independent, Normal, TransformedDistribution, biject_to, constraints, transform_to
 from torch.distributions.transforms import ComposeTransform
 
+from bnpfed.clients.guides import _real
 from bnpfed.posterior import GaussianPosterior
 from bnpfed.seeding import seeded
 from bnpfed.validation import check_names
@@ -145,7 +146,7 @@ class _Traced(GuideIO):
             if isinstance(_base(fn), Delta) and aux is not None and _normal(aux["fn"]) is not None:
                 normal = _normal(aux["fn"])                         # AutoNormal
             elif _normal(fn) is not None:
-                if not _is_real(support):
+                if not _real(support):
                     raise ValueError(f"guide: {self._name} draws site {site!r} from a Normal, but the site's support "
                                      f"is {support}: expected a Normal in the unconstrained space, mapped onto the "
                                      f"support by biject_to (TransformedDistribution, or AutoNormal)")
@@ -271,12 +272,6 @@ def _base(fn):
 def _normal(fn) -> Optional[tuple[Tensor, Tensor]]:
     fn = _base(fn)
     return (fn.loc, fn.scale) if isinstance(fn, Normal) else None
-
-
-def _is_real(support) -> bool:
-    while isinstance(support, constraints.independent):
-        support = support.base_constraint
-    return support is constraints.real
 
 
 def _find(candidates, tensor: Tensor) -> Optional[_Target]:

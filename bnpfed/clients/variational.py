@@ -196,7 +196,8 @@ class BayesianClient:
         self.bnn = BayesianNetwork(net, prior, likelihood=likelihood, local_reparameterization=local_reparameterization)
         if guide is None:
             scale = DEFAULT_INIT_SCALE if init_scale is None else init_scale
-            guide = functools.partial(MeanFieldGuide, init_scale=scale)
+            supports = {name: self.bnn.supports[name] for name in self.bnn.hyper_sites}
+            guide = functools.partial(MeanFieldGuide, init_scale=scale, **({"supports": supports} if supports else {}))
         elif init_scale is not None:
             raise ValueError(f"init_scale: sets the default guide's scale; with guide= given, pass it to the guide "
                              f"factory instead, got init_scale={init_scale!r}")
@@ -215,6 +216,11 @@ class BayesianClient:
         self._run_guide = self.guide
         if _has_protocol(self.guide):
             self._io = guide_io(self.guide, self.guide, {})
+            missing = [name for name in self.bnn.latent_sites if name not in self._io.sites]
+            if missing:
+                raise ValueError(f"guide: expected a guide of every latent site of the model "
+                                 f"{list(self.bnn.latent_sites)}, got {type(self.guide).__name__}, which has no "
+                                 f"{missing}")
         self.elbo = MeanFieldELBO() if elbo is None else elbo
 
     def _init_program(self, net, likelihood, guide, elbo, local_reparameterization, init_scale) -> None:
@@ -266,7 +272,7 @@ class BayesianClient:
             self.bnn.inspect(xs, ys)
             supports = self.bnn.supports
         else:
-            supports = {name: fn.support for name, fn in self.bnn.prior_distributions().items()}
+            supports = self.bnn.supports
         context = self.bnn.context
 
         def run():

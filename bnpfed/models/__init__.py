@@ -36,6 +36,7 @@ from bnpfed.models.program import PyroProgram, localize_, module_local_params
 from bnpfed.models.networks import LeNet, mlp, reference_init_, simple_cnn, simple_cnn_bn
 from bnpfed.models.priors import (
     EmpiricalBayesPrior,
+    HierarchicalPrior,
     IIDPrior,
     LayerwisePrior,
     Prior,
@@ -83,6 +84,7 @@ __all__ = [
     "simple_cnn",
     "simple_cnn_bn",
     "EmpiricalBayesPrior",
+    "HierarchicalPrior",
     "IIDPrior",
     "LayerwisePrior",
     "Prior",

@@ -28,8 +28,10 @@ from typing import Any, Callable, Mapping, Optional
 import pyro
 import torch
 from pyro import poutine
+from pyro.infer.autoguide.initialization import init_to_mean
 from pyro.nn.module import to_pyro_module_
 from torch import Tensor, nn
+from torch.distributions import constraints
 
 from bnpfed.models.likelihoods import Categorical, Likelihood
 from bnpfed.models.local_reparameterization import LocalReparameterizedLinear, local_reparameterization
@@ -105,7 +107,8 @@ class BayesianNetwork(nn.Module):
         pyro_net = copy.deepcopy(net)
         with _module_local_params():  # a PyroModule's parameter bookkeeping is set up when it is created
             to_pyro_module_(pyro_net)
-            #: Values of the Bayesian parameters in the user's network, ``{site: tensor}``.
+            #: Values of the Bayesian parameters in the user's network, ``{site: tensor}``, and of the prior's
+            #: hyper-parameters (their prior means), in the order of :attr:`latent_sites`.
             self.init_values: dict[str, Tensor] = prior.apply_(pyro_net)
         self.net = pyro_net
         #: Names of the Pyro sample sites of the weights, in ``net.named_parameters()`` order.
@@ -116,6 +119,20 @@ class BayesianNetwork(nn.Module):
         for name in self.bayesian_sites:
             module_name, _, attr = name.rpartition(".")
             self._site_priors[name] = pyro_net.get_submodule(module_name)._pyro_samples[attr]
+        hyper = self._read_hyper_sites()
+        #: Names of the latent sites the prior draws besides the weights (hyper-parameters, such as a per-layer
+        #: prior scale), each just before the weight site whose prior it sets; empty for a fixed prior.
+        self.hyper_sites: tuple[str, ...] = tuple(hyper)
+        #: Names of every latent site, in the order the model samples them: each weight's hyper-parameters, then
+        #: the weight.
+        self.latent_sites: tuple[str, ...] = tuple(name for site in self.bayesian_sites
+                                                   for name in (*(h for h, (owner, _, _) in hyper.items()
+                                                                  if owner == site), site))
+        #: ``{site: support}`` of every latent site (the weights' are the real numbers).
+        self.supports: dict[str, Any] = {name: constraints.real for name in self.bayesian_sites}
+        self.supports.update({h: support for h, (_, _, support) in hyper.items()})
+        self.init_values.update({h: value for h, (_, value, _) in hyper.items()})
+        self.init_values = {name: self.init_values[name] for name in self.latent_sites}
         self._build_plain(net)
         object.__setattr__(self, "_template", copy.deepcopy(net))  # not a submodule: the structure, plain torch
 
@@ -184,8 +201,54 @@ class BayesianNetwork(nn.Module):
 
     def prior_distributions(self) -> dict[str, Any]:
         """``{site: distribution}``: the prior each Bayesian site has now (after any ``prior.update_``), with the
-        site's shape as ``event_shape``."""
+        site's shape as ``event_shape``: a fixed distribution, for a prior without hyper-parameters.
+
+        :raises ValueError: for a prior with hyper-parameters (:attr:`hyper_sites`), whose weights have no fixed
+            prior: it is a function of the hyper-parameters drawn in each run of the model.
+        """
+        if self.hyper_sites:
+            raise ValueError(f"prior: {type(self.prior).__name__} draws hyper-parameters {list(self.hyper_sites)} "
+                             "in every run of the model; the weights' priors depend on them, and are no fixed "
+                             "distributions")
         return {name: site_prior(None) for name, site_prior in self._site_priors.items()}
+
+    def _read_hyper_sites(self) -> dict[str, tuple[str, Tensor, Any]]:
+        """``{hyper site: (weight site, initial value, support)}``: the sample statements each weight's prior makes
+        (traced outside any run of the model), with the value Pyro's ``init_to_mean`` gives each (its prior's
+        mean, else its median).
+
+        :raises ValueError: naming the prior and the site, for a prior that draws random values outside
+            ``pyro.sample`` statements (a prior of the site that changes from one call to the next with the
+            hyper-parameters held: a draw no guide can learn, which a closed-form ELBO would cache), or a hyper site
+            two weights' priors both draw.
+        """
+        hyper: dict[str, tuple[str, Tensor, Any]] = {}
+        for name, site_prior in self._site_priors.items():
+            with _module_local_params(), seeded(0):
+                trace = poutine.trace(site_prior).get_trace(None)
+            drawn = {h: node for h, node in trace.nodes.items() if node["type"] == "sample"}
+            for h, node in drawn.items():
+                if h in hyper or h in self._site_priors:
+                    raise ValueError(f"prior: {type(self.prior).__name__} draws the site {h!r} in the priors of both "
+                                     f"{hyper[h][0] if h in hyper else h!r} and {name!r}: a hyper-parameter is a "
+                                     "sample site of its own, drawn in one weight's prior")
+                if node["is_observed"]:
+                    raise ValueError(f"prior: {type(self.prior).__name__} observes the site {h!r} in the prior of "
+                                     f"{name!r}; expected latent hyper-parameters only")
+                with torch.no_grad(), seeded(0):
+                    value = init_to_mean(site=node)
+                hyper[h] = (name, value.detach().clone(), node["fn"].support)
+            held = {h: node["value"] for h, node in drawn.items()}
+            first = trace.nodes["_RETURN"]["value"]
+            with _module_local_params(), seeded(1):
+                second = poutine.condition(site_prior, data=held)(None)
+            point = self.init_values[name]
+            if not torch.equal(first.log_prob(point), second.log_prob(point)):
+                raise ValueError(f"prior: {type(self.prior).__name__} gives site {name!r} a different prior on every "
+                                 "call (it draws random values outside pyro.sample statements); draw a "
+                                 "hyper-parameter with pyro.sample, so that it is a latent site the guide learns, "
+                                 "never one draw fixed for the whole fit")
+        return hyper
 
     @contextlib.contextmanager
     def context(self):
