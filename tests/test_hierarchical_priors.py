@@ -1,6 +1,7 @@
 """Priors that are programs: hyper-parameters drawn in the prior are latent sites, learned, reported and fused (in
 log space); a prior that draws random values outside Pyro's sample statements is refused, never cached."""
 
+import json
 import math
 
 import pyro
@@ -8,12 +9,15 @@ import pyro.distributions as dist
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.testing import assert_close
 
-from bnpfed.clients import BayesianClient, HierarchicalPrior, IIDPrior, MeanFieldELBO, linear_weights
+from bnpfed.clients import (BayesianClient, EmpiricalBayesPrior, HierarchicalPrior, IIDPrior, LayerwisePrior,
+                            MeanFieldELBO, linear_weights, only_linear_weights)
 from bnpfed.data import load_dataset
-from bnpfed.federated import BayesianConfig, FusionConfig, FusionFederation, NetworkConfig, PartitionConfig, \
-    TrainingConfig
+from bnpfed.federated import (BayesianConfig, FusionConfig, FusionFederation, MatchedFusionFederation, NetworkConfig,
+                              PartitionConfig, TrainingConfig, pvi_prior_variance)
+from bnpfed.matching import client_slice, derive_spec, match_posteriors
 from bnpfed.models import BayesianNetwork, mlp
 from bnpfed.seeding import seeded
 
@@ -134,3 +138,107 @@ def test_a_federation_learns_and_fuses_the_per_layer_scales_in_log_space():
     logs = torch.stack([federation.clients[k].posterior()["1.weight_scale"].loc for k in record.sampled])
     assert_close(federation.global_posterior["1.weight_scale"].loc, (b * logs).sum())
     assert record.metrics["accuracy"] > 0.5
+
+
+# ------------------------------------------------------------ PVI under any prior whose sites are Gaussian
+
+
+def _pvi_federation(bayesian, digits, rounds=2):
+    parts = PartitionConfig(clients=3).split(digits.y_train.numpy(), seed=0)
+    federation = MatchedFusionFederation(digits, parts, network=NetworkConfig(hidden=(16,)),
+                                         training=TrainingConfig(epochs=1, lr=1e-2), bayesian=bayesian,
+                                         fusion=FusionConfig(rule="pvi", align="match"), seed=0)
+    return federation, federation.run(rounds=rounds)
+
+
+def test_pvi_under_the_standard_prior_given_as_an_object_is_pvi_under_the_named_prior_bit_for_bit(digits):
+    named, named_records = _pvi_federation(BayesianConfig(), digits)
+    standard = only_linear_weights(dist.Normal(0.0, 1.0))
+    given, given_records = _pvi_federation(BayesianConfig(prior=standard), digits)
+    assert given.pvi.prior_variance == {"1.weight": 1.0, "3.weight": 1.0}
+    untimed = [[{k: v for k, v in r.metrics.items() if "seconds" not in k} for r in records]
+               for records in (given_records, named_records)]
+    assert untimed[0] == untimed[1]
+    for site, p in named.match.variances.items():
+        assert torch.equal(given.match.variances[site], p) and torch.equal(given.match.locs[site],
+                                                                          named.match.locs[site])
+
+
+def test_pvi_reads_one_prior_variance_per_site_and_refuses_a_prior_that_is_no_zero_mean_gaussian(digits):
+    layerwise = LayerwisePrior({"1.weight": dist.Normal(0.0, 0.5), "3.weight": dist.Normal(0.0, 2.0)})
+    federation, records = _pvi_federation(BayesianConfig(prior=layerwise), digits, rounds=1)
+    assert federation.pvi.prior_variance == {"1.weight": 0.25, "3.weight": 4.0}
+    assert records[0].metrics["accuracy"] > 0.3
+    template = mlp(64, [16], 10)
+    for prior, message in ((IIDPrior(dist.Normal(0.5, 1.0), expose=[linear_weights]), "N\\(0, v\\)"),
+                           (IIDPrior(dist.Laplace(0.0, 1.0), expose=[linear_weights]), "N\\(0, v\\)"),
+                           (HierarchicalPrior(), "fixed Gaussian sites"),
+                           (EmpiricalBayesPrior(), "re-estimates")):
+        with pytest.raises(ValueError, match=f"fusion.rule: 'pvi' .*{message}"):
+            pvi_prior_variance(BayesianConfig(prior=prior), template)
+
+
+def test_pvi_fuses_each_sites_own_prior_once_times_the_members_factors():
+    """Round 1, a prior variance per site: a unit's coordinate of site s has precision
+    1/v_s + sum_j (1/u_j - 1/v_s), the prior of its own site counted once."""
+    net = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+    torch.manual_seed(5)
+    spec = derive_spec(net, (4,))
+    clients = []
+    for j in range(2):
+        g = torch.Generator().manual_seed(40 + j)
+        base = {k: v.detach().double() for k, v in net.state_dict().items()}
+        noisy = {k: v + 0.01 * torch.randn(v.shape, generator=g, dtype=torch.float64) for k, v in base.items()}
+        u = {k: torch.rand(v.shape, generator=g, dtype=torch.float64) * 1e-3 + 1e-4 for k, v in base.items()
+             if k.endswith("weight")}
+        perm = {"0": torch.randperm(6, generator=g) if j else torch.arange(6)}
+        clients.append((client_slice(spec, noisy, perm), client_slice(spec, u, perm)))
+    variances = {"0.weight": 0.5, "2.weight": 2.0}
+    pvi = match_posteriors(clients, rule="pvi", template=net, seed=0, prior_variance=variances,
+                           hyperparameters="fixed", tau2=1e-3, sigma0_2=1.0, gamma0=1.0)
+    (a0, a1) = pvi.assignments["0"]
+    for l in range(6):
+        i = int(a0[l])
+        l1 = int((a1 == i).nonzero())
+        for site, rows in (("0.weight", lambda t, k: t[k]), ("2.weight", lambda t, k: t[:, k])):
+            u0, u1 = rows(clients[0][1][site], l), rows(clients[1][1][site], l1)
+            lam0 = 1 / variances[site]
+            assert_close(rows(pvi.unit_variances[site], i), 1 / (lam0 + (1 / u0 - lam0) + (1 / u1 - lam0)))
+
+
+# ------------------------------------------------------------ a plugin for the command line and Flower
+
+PLUGIN = "examples.hierarchical_prior"
+
+
+def test_bnpfed_fuse_learns_the_scales_of_a_hierarchical_prior_from_the_plugin(tmp_path):
+    from registries import restored_registries
+
+    from bnpfed.cli import main
+
+    out = tmp_path / "out.json"
+    with restored_registries([PLUGIN]):
+        assert main(["fuse", "--plugin", PLUGIN, "--prior", "hierarchical", "--prior-scale", "0.5", "--rule",
+                     "gaa,eaa", "--clients", "2", "--epochs", "1", "--rounds", "1", "--hidden", "8", "--no-fedavg",
+                     "--no-progress", "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    rows = record["results"]["runs"][0]["rows"]
+    assert [r["method"] for r in rows] == ["gaa", "eaa"] and all(r["accuracy"] > 0.3 for r in rows)
+    assert record["settings"]["bayesian"]["prior"] == "hierarchical"
+
+
+def test_the_flower_app_runs_a_hierarchical_prior_with_the_plugins_key_as_in_process():
+    pytest.importorskip("flwr", reason="Flower is not installed (pip install 'bnpfed[flower]')")
+    from flower_harness import CLIENTS, FRACTION, assert_same_as_in_process
+    from registries import restored_registries
+
+    from bnpfed.flower.client import app as client_app
+    from bnpfed.flower.local import LocalGrid
+    from bnpfed.flower.server import run_federation
+
+    config = {"method": "fusion", "rule": "gaa", "prior": "hierarchical", "plugins": PLUGIN, "rounds": 2,
+              "epochs": 1, "hidden": "8", **FRACTION}
+    with restored_registries([PLUGIN]):
+        result = run_federation(LocalGrid(client_app, CLIENTS), config)
+        assert result.settings.bayesian.prior == "hierarchical"
+        assert_same_as_in_process(result, config)

@@ -57,7 +57,7 @@ from flwr.serverapp.strategy import Strategy
 
 from bnpfed.federated import bayesian_client
 from bnpfed.federated import BayesianConfig, FusionConfig, NetworkConfig, PFNMConfig
-from bnpfed.federated import pvi_factors
+from bnpfed.federated import pvi_factors, pvi_prior_variance
 from bnpfed.federated import Architecture, HoldsRounds, MatchRounds
 from bnpfed.federated import (average_states, batch_norm_steps, clients_per_round, fuse_posteriors, matched_fusion_step,
                               mean_sigma, pfnm_step, sample_clients, with_statistics)
@@ -813,6 +813,8 @@ class MatchedFusionStrategy(_MatchingStrategy):
         if not hasattr(self, "_sites"):
             locs, variances = client_posterior(bayesian_client(self.template, self.bayesian))
             self._order, self._sites = list(locs), list(variances)  # a client's (locs, variances), as it makes them
+        if self.pvi is not None and self.pvi.prior_variance is None:   # a prior read on the clients' network
+            self.pvi.prior_variance = pvi_prior_variance(self.bayesian, self.template)
         return identity
 
     def _train_content(self, server_round, j, arrays):

@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping, Optional
 import pyro
 import torch
 from pyro import poutine
-from pyro.infer.autoguide.initialization import init_to_mean
+from pyro.infer.autoguide.initialization import init_to_mean, init_to_median
 from pyro.nn.module import to_pyro_module_
 from torch import Tensor, nn
 from torch.distributions import constraints
@@ -215,7 +215,7 @@ class BayesianNetwork(nn.Module):
     def _read_hyper_sites(self) -> dict[str, tuple[str, Tensor, Any]]:
         """``{hyper site: (weight site, initial value, support)}``: the sample statements each weight's prior makes
         (traced outside any run of the model), with the value Pyro's ``init_to_mean`` gives each (its prior's
-        mean, else its median).
+        mean; without a finite one, the median of 101 draws of seed 0).
 
         :raises ValueError: naming the prior and the site, for a prior that draws random values outside
             ``pyro.sample`` statements (a prior of the site that changes from one call to the next with the
@@ -237,6 +237,8 @@ class BayesianNetwork(nn.Module):
                                      f"{name!r}; expected latent hyper-parameters only")
                 with torch.no_grad(), seeded(0):
                     value = init_to_mean(site=node)
+                    if not bool(torch.isfinite(value).all()):   # no mean (a half-Cauchy): the median of draws
+                        value = init_to_median(site=node, num_samples=101)
                 hyper[h] = (name, value.detach().clone(), node["fn"].support)
             held = {h: node["value"] for h, node in drawn.items()}
             first = trace.nodes["_RETURN"]["value"]
