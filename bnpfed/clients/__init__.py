@@ -12,8 +12,8 @@ This is the folder's one public face: import from ``bnpfed.clients``; the files 
   (:func:`laplace_posterior`);
 * priors (which parameters are random, with which law: :class:`Prior`, :class:`IIDPrior`, :class:`LayerwisePrior`,
   :class:`SitePrior`, :class:`EmpiricalBayesPrior`, :class:`HierarchicalPrior`) and likelihoods
-  (:class:`Likelihood`, :class:`Categorical`, :class:`Gaussian`), from :mod:`bnpfed.models`, where the Pyro
-  programs live; swap either in one line;
+  (:class:`Likelihood`, :class:`Categorical`, :class:`Gaussian`, :class:`StudentT`), from :mod:`bnpfed.models`,
+  where the Pyro programs live; swap either in one line;
 * the random crops and flips of local training images (:func:`random_crop_flip`).
 """
 
@@ -25,7 +25,7 @@ from bnpfed.clients.variational import OPTIMIZERS, BayesianClient, Deterministic
     check_optimizer
 from bnpfed.models import (BayesianNetwork, Categorical, EmpiricalBayesPrior, Gaussian, GaussianPredictive,
                            HierarchicalPrior, IIDPrior, LayerwisePrior, Likelihood, Prior, PyroProgram, Selector,
-                           SitePrior, linear_weights, only_linear_weights)
+                           SitePrior, StudentT, linear_weights, only_linear_weights)
 
 __all__ = [
     "BayesianClient", "DeterministicClient", "TrainingDiverged", "OPTIMIZERS", "check_optimizer",
@@ -34,5 +34,6 @@ __all__ = [
     "AUGMENTATIONS", "check_augment", "random_crop_flip",
     "BayesianNetwork", "PyroProgram", "Prior", "IIDPrior", "LayerwisePrior", "SitePrior", "EmpiricalBayesPrior",
     "HierarchicalPrior", "Selector",
-    "linear_weights", "only_linear_weights", "Likelihood", "Categorical", "Gaussian", "GaussianPredictive",
+    "linear_weights", "only_linear_weights", "Likelihood", "Categorical", "Gaussian", "StudentT",
+    "GaussianPredictive",
 ]

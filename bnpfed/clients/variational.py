@@ -462,6 +462,13 @@ class BayesianClient:
             return predictive_of(self.bnn.sample_observations(x, num_samples, self.guide, seed))
         return self.bnn.predict(x, num_samples=num_samples, guide=self.guide, seed=seed)
 
+    def sample_observations(self, x: Tensor, num_samples: int = 10, seed: Optional[int] = None) -> list:
+        """The observation distributions ``p(y | x, w_s)`` (batch shape ``(B,)``) under ``num_samples`` draws ``w_s``
+        from the guide, every latent site included (a learned noise scale): what a regression's predictive
+        intervals and their coverage are computed from (:func:`~bnpfed.metrics.regression_report`)."""
+        self._require_guide("sample_observations")
+        return self.bnn.sample_observations(x, num_samples, self.guide, seed)
+
     def sample_outputs(self, x: Tensor, num_samples: int = 10, seed: Optional[int] = None) -> Tensor:
         """``(S, B, ...)`` the network's outputs (logits; what a Pyro program returns) under the ``num_samples``
         draws from the guide that :meth:`predict` aggregates."""

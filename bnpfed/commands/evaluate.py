@@ -75,6 +75,9 @@ def prepare(args) -> dict:
         if args.seed < 0:
             raise UsageError(f"--seed: expected an integer >= 0, got {args.seed}")
     dataset, ood = _args.load_data_and_ood(args, standardize=args.standardize)
+    if dataset.task == "regression":
+        raise UsageError(f"--dataset {dataset.name}: a regression; bnpfed evaluate scores a classifier's class "
+                         "probabilities")
     net = saved.network
     try:
         with torch.no_grad():

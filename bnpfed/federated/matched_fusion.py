@@ -223,6 +223,7 @@ class MatchedFusionFederation(HoldsRounds, Federation):
         self.check_network(network)
         check_pool_temperature_applies(fusion, fusion.heads == "pooled")
         bayesian.check_training(training)
+        bayesian.check_task(dataset.task)
         training.check_inputs(dataset.input_shape)
         if initial_clients is not None and len(initial_clients) != self.num_clients:
             raise ValueError(f"initial_clients: expected one client per partition ({self.num_clients}), got "

@@ -12,7 +12,8 @@ from bnpfed.models.beta_bernoulli import (
     sample_federated_layer,
 )
 from bnpfed.models.bayesian import BayesianNetwork
-from bnpfed.models.likelihoods import Categorical, Gaussian, GaussianPredictive, Likelihood, predictive_of
+from bnpfed.models.likelihoods import (NOISE_SITE, Categorical, Gaussian, GaussianPredictive, Likelihood, StudentT,
+                                      predictive_of)
 from bnpfed.models.local_reparameterization import (
     LocalReparameterizationMessenger,
     LocalReparameterizedLinear,
@@ -59,6 +60,8 @@ __all__ = [
     "Gaussian",
     "GaussianPredictive",
     "Likelihood",
+    "NOISE_SITE",
+    "StudentT",
     "predictive_of",
     "PyroProgram",
     "localize_",

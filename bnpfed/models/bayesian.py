@@ -33,7 +33,7 @@ from pyro.nn.module import to_pyro_module_
 from torch import Tensor, nn
 from torch.distributions import constraints
 
-from bnpfed.models.likelihoods import Categorical, Likelihood
+from bnpfed.models.likelihoods import Categorical, Likelihood, StudentT, predictive_of
 from bnpfed.models.local_reparameterization import LocalReparameterizedLinear, local_reparameterization
 from bnpfed.models.priors import Prior, SitePrior
 from bnpfed.seeding import seeded
@@ -120,14 +120,16 @@ class BayesianNetwork(nn.Module):
             module_name, _, attr = name.rpartition(".")
             self._site_priors[name] = pyro_net.get_submodule(module_name)._pyro_samples[attr]
         hyper = self._read_hyper_sites()
+        hyper.update(self._likelihood_sites(hyper))
         #: Names of the latent sites the prior draws besides the weights (hyper-parameters, such as a per-layer
-        #: prior scale), each just before the weight site whose prior it sets; empty for a fixed prior.
+        #: prior scale), each just before the weight site whose prior it sets, then the likelihood's (a learned
+        #: noise scale, :meth:`Likelihood.latent_sites`); empty for a fixed prior and likelihood.
         self.hyper_sites: tuple[str, ...] = tuple(hyper)
         #: Names of every latent site, in the order the model samples them: each weight's hyper-parameters, then
-        #: the weight.
-        self.latent_sites: tuple[str, ...] = tuple(name for site in self.bayesian_sites
+        #: the weight; the likelihood's last.
+        self.latent_sites: tuple[str, ...] = tuple(name for site in (*self.bayesian_sites, None)
                                                    for name in (*(h for h, (owner, _, _) in hyper.items()
-                                                                  if owner == site), site))
+                                                                  if owner == site), *((site,) if site else ())))
         #: ``{site: support}`` of every latent site (the weights' are the real numbers).
         self.supports: dict[str, Any] = {name: constraints.real for name in self.bayesian_sites}
         self.supports.update({h: support for h, (_, _, support) in hyper.items()})
@@ -212,6 +214,22 @@ class BayesianNetwork(nn.Module):
                              "distributions")
         return {name: site_prior(None) for name, site_prior in self._site_priors.items()}
 
+    def _likelihood_sites(self, hyper: Mapping) -> dict[str, tuple[None, Tensor, Any]]:
+        """``{site: (None, initial value, support)}`` of the likelihood's latent sites, initialised as the prior's
+        hyper-parameters are."""
+        sites = {}
+        for name, fn in self.likelihood.latent_sites().items():
+            if name in hyper or name in self._site_priors:
+                raise ValueError(f"likelihood: {self.likelihood!r} draws the site {name!r}, which the prior draws too")
+            node = {"name": name, "fn": fn, "value": None, "is_observed": False, "type": "sample", "infer": {},
+                    "args": (), "kwargs": {}}
+            with torch.no_grad(), seeded(0):
+                value = init_to_mean(site=node)
+                if not bool(torch.isfinite(value).all()):
+                    value = init_to_median(site=node, num_samples=101)
+            sites[name] = (None, value.detach().clone(), fn.support)
+        return sites
+
     def _read_hyper_sites(self) -> dict[str, tuple[str, Tensor, Any]]:
         """``{hyper site: (weight site, initial value, support)}``: the sample statements each weight's prior makes
         (traced outside any run of the model), with the value Pyro's ``init_to_mean`` gives each (its prior's
@@ -287,9 +305,36 @@ class BayesianNetwork(nn.Module):
         :param guide: a guide of this model, e.g. :class:`bnpfed.clients.MeanFieldGuide`; ``None`` samples the prior.
         :param int seed: if given, draws use this seed (Torch's global random state is left as it was).
         :returns: what the likelihood's ``predictive`` returns: ``(B, num_classes)`` probabilities for
-            ``Categorical``, a ``GaussianPredictive(mean, variance)`` for ``Gaussian``.
+            ``Categorical``, a ``GaussianPredictive(mean, variance)`` for ``Gaussian``; for a likelihood with latent
+            sites (a learned noise scale), :func:`~bnpfed.models.predictive_of` the draws' observation distributions
+            (:meth:`sample_observations`).
         """
+        if self.likelihood.latent_sites() or isinstance(self.likelihood, StudentT):
+            return predictive_of(self.sample_observations(x, num_samples, guide, seed))
         return self.likelihood.predictive(self.sample_outputs(x, num_samples, guide, seed))
+
+    @torch.no_grad()
+    def sample_observations(self, x: Tensor, num_samples: int = 10, guide: Optional[Callable] = None,
+                            seed: Optional[int] = None) -> list:
+        """The observation distributions ``p(y | x, w_s)`` of ``num_samples`` draws ``w_s`` (from ``guide``, else
+        the prior), each of batch shape ``(B,)``: the model's ``"y"`` site run with every latent site (the
+        likelihood's too) replayed from the draw; the same eval mode as :meth:`predict`."""
+        num_samples = check_int(num_samples, "num_samples", low=1)
+        _batch_size(x)
+        modes = [(module, module.training) for module in self.modules()]
+        self.eval()
+        observations = []
+        try:
+            with seeded(seed, x.device), self.context():
+                for _ in range(num_samples):
+                    model = self.model
+                    if guide is not None:
+                        model = poutine.replay(self.model, trace=poutine.trace(guide).get_trace(x))
+                    observations.append(poutine.trace(model).get_trace(x).nodes["y"]["fn"])
+        finally:
+            for module, training in modes:
+                module.training = training
+        return observations
 
     @torch.no_grad()
     def sample_outputs(self, x: Tensor, num_samples: int = 10, guide: Optional[Callable] = None,
