@@ -37,8 +37,8 @@ import torch
 
 from bnpfed.validation import check_bool, check_int
 
-__all__ = ["CIFAR10_JPEG", "DATASET_NAMES", "NPZ_FORMAT", "NPZ_PREFIX", "TASKS", "Dataset", "load_dataset",
-           "standardize_together"]
+__all__ = ["CIFAR10_JPEG", "DATASET_NAMES", "NPZ_FORMAT", "NPZ_PREFIX", "TASKS", "Dataset", "dataset_task",
+           "load_dataset", "standardize_together"]
 
 #: Names accepted by :func:`load_dataset` (besides the ``"npz:PATH"`` form); the CLI offers these as choices.
 DATASET_NAMES = ("digits", "mnist", "fashion-mnist", "cifar10", "diabetes")
@@ -272,6 +272,16 @@ def load_dataset(name: str = "digits", *, data_dir: str | os.PathLike | None = N
     if canonical in _VISION:
         return _load_vision(canonical, data_dir=data_dir, download=download, standardize=standardize)
     raise ValueError(f"name: expected one of {_known_names()}, got {name!r}")
+
+
+def dataset_task(name: str) -> str:
+    """The task (:data:`TASKS`) of the dataset ``name`` without loading it: ``"regression"`` for ``"diabetes"``,
+    ``"classification"`` for the others (an ``"npz:PATH"`` file holds class labels).
+
+    >>> dataset_task("diabetes"), dataset_task("mnist")
+    ('regression', 'classification')
+    """
+    return "regression" if isinstance(name, str) and name.lower() == "diabetes" else "classification"
 
 
 def _known_names() -> str:

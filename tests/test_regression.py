@@ -175,3 +175,33 @@ def test_a_classifications_rows_keep_their_fields(digits):
     row = result.as_dict()["rows"][0]
     assert "rmse" not in row and "coverage" not in row and "accuracy" in row
     assert np.isfinite(row["accuracy"])
+
+
+def test_a_federated_regression_on_flower_trains_as_in_process_and_scores_the_whole_test_split(diabetes):
+    pytest.importorskip("flwr", reason="Flower is not installed (pip install 'bnpfed[flower]')")
+    from flower_harness import CLIENTS, assert_same_as_in_process
+
+    from bnpfed.flower.client import app as client_app
+    from bnpfed.flower.local import LocalGrid
+    from bnpfed.flower.server import run_federation
+
+    for likelihood in ("gaussian", "student-t"):
+        # weights drawn whole (local reparameterisation draws each example's pre-activations: a shard's differ)
+        config = {"method": "fusion", "rule": "gaa", "dataset": "diabetes", "likelihood": likelihood, "rounds": 2,
+                  "epochs": 2, "hidden": "8", "local-reparameterization": False}
+        result = run_federation(LocalGrid(client_app, CLIENTS), config)
+        reference = assert_same_as_in_process(result, config)
+        # the shards' example-weighted means are the whole split's scores (the same draws: one seed per round)
+        for flower, local in zip(result.history, reference.history):
+            for key in ("rmse", "nll", "coverage", "interval_width"):
+                assert flower[key] == pytest.approx(local.metrics[key], rel=1e-5), key
+
+
+def test_flower_refuses_a_regression_it_cannot_run():
+    pytest.importorskip("flwr", reason="Flower is not installed (pip install 'bnpfed[flower]')")
+    from flower_harness import assert_refused_before_any_node_is_asked
+
+    assert_refused_before_any_node_is_asked({"method": "fusion", "dataset": "diabetes"},
+                                            "likelihood: a regression's clients are variational")
+    assert_refused_before_any_node_is_asked({"method": "pfnm", "dataset": "diabetes", "likelihood": "gaussian"},
+                                            "method: 'diabetes' is a regression")

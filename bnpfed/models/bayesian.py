@@ -30,6 +30,7 @@ import torch
 from pyro import poutine
 from pyro.infer.autoguide.initialization import init_to_mean, init_to_median
 from pyro.nn.module import to_pyro_module_
+from pyro.poutine.messenger import Messenger
 from torch import Tensor, nn
 from torch.distributions import constraints
 
@@ -318,7 +319,8 @@ class BayesianNetwork(nn.Module):
                             seed: Optional[int] = None) -> list:
         """The observation distributions ``p(y | x, w_s)`` of ``num_samples`` draws ``w_s`` (from ``guide``, else
         the prior), each of batch shape ``(B,)``: the model's ``"y"`` site run with every latent site (the
-        likelihood's too) replayed from the draw; the same eval mode as :meth:`predict`."""
+        likelihood's too) replayed from the draw, and not drawn itself (:class:`Undrawn`: the weights of draw s are
+        the same for any batch); the same eval mode as :meth:`predict`."""
         num_samples = check_int(num_samples, "num_samples", low=1)
         _batch_size(x)
         modes = [(module, module.training) for module in self.modules()]
@@ -330,7 +332,7 @@ class BayesianNetwork(nn.Module):
                     model = self.model
                     if guide is not None:
                         model = poutine.replay(self.model, trace=poutine.trace(guide).get_trace(x))
-                    observations.append(poutine.trace(model).get_trace(x).nodes["y"]["fn"])
+                    observations.append(poutine.trace(Undrawn("y")(model)).get_trace(x).nodes["y"]["fn"])
         finally:
             for module, training in modes:
                 module.training = training
@@ -405,6 +407,24 @@ class BayesianNetwork(nn.Module):
             module.__dict__["weight_moments"] = None if moments is None else moments[weight]
             module.__dict__["bias_moments"] = None if moments is None or bias is None else moments[bias]
         return self._plain(x)
+
+
+class Undrawn(Messenger):
+    """Runs the named sample sites without drawing them (a placeholder value of zeros, as if observed): a trace
+    that only reads their distributions then draws the same random numbers whatever the batch size, so the weight
+    draws of a predictive are the same on a whole test split and on any shard of it.
+
+    :param str site: the site's name.
+    """
+
+    def __init__(self, site: str):
+        super().__init__()
+        self.site = site
+
+    def _process_message(self, msg):
+        if msg["type"] == "sample" and msg["name"] == self.site and msg["value"] is None:
+            msg["value"] = torch.zeros(msg["fn"].shape())
+            msg["is_observed"] = True
 
 
 def _batch_size(x) -> int:

@@ -43,7 +43,7 @@ from pyro.poutine.messenger import Messenger
 from pyro.poutine.util import site_is_subsample
 from torch import Tensor, nn
 
-from bnpfed.models.bayesian import BayesianNetwork
+from bnpfed.models.bayesian import BayesianNetwork, Undrawn
 from bnpfed.seeding import seeded
 from bnpfed.validation import check_int
 
@@ -184,9 +184,11 @@ class PyroProgram(nn.Module):
         self.observed_site = name
         self.supports = {s: trace.nodes[s]["fn"].support for s in latent}
 
-    def sample_traces(self, x: Tensor, num_samples: int, guide: Callable, seed: Optional[int] = None) -> list:
+    def sample_traces(self, x: Tensor, num_samples: int, guide: Callable, seed: Optional[int] = None,
+                      undrawn: bool = False) -> list:
         """``num_samples`` traces of the program on ``x`` (targets not given) under draws from ``guide``, with every
-        module in eval mode (restored after); the global random state is left as it was when ``seed`` is given."""
+        module in eval mode (restored after); the global random state is left as it was when ``seed`` is given.
+        ``undrawn``: the observed site is not drawn (:class:`~bnpfed.models.bayesian.Undrawn`)."""
         num_samples = check_int(num_samples, "num_samples", low=1)
         self.check_batch(x)
         modules = [m for m in (self.program, guide) if isinstance(m, nn.Module)]
@@ -198,7 +200,10 @@ class PyroProgram(nn.Module):
             with seeded(seed, x.device), module_local_params():
                 for _ in range(num_samples):
                     guide_trace = poutine.trace(self.guide_runner(guide)).get_trace(x)
-                    traces.append(poutine.trace(poutine.replay(self.call, trace=guide_trace)).get_trace(x))
+                    program = poutine.replay(self.call, trace=guide_trace)
+                    if undrawn:
+                        program = Undrawn(self.observed_site)(program)
+                    traces.append(poutine.trace(program).get_trace(x))
         finally:
             for module, training in modes:
                 module.training = training
@@ -223,4 +228,4 @@ class PyroProgram(nn.Module):
         if not self.inspected:
             raise ValueError("model: the program's sites are read on its first batch (fit, or inspect(x, y)); "
                              "it has seen none yet")
-        return [t.nodes[self.observed_site]["fn"] for t in self.sample_traces(x, num_samples, guide, seed)]
+        return [t.nodes[self.observed_site]["fn"] for t in self.sample_traces(x, num_samples, guide, seed, True)]
