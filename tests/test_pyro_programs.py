@@ -1,6 +1,8 @@
 """A client is a Pyro program: a PyroModule with PyroSample priors, or a model function with its guide, fitted,
 read as (loc, variance) per latent site in the guide's unconstrained space, written back, and fused."""
 
+import functools
+
 import pyro
 import pyro.distributions as dist
 import pytest
@@ -15,7 +17,7 @@ from torch.testing import assert_close
 
 from bnpfed.clients import BayesianClient, MeanFieldGuide
 from bnpfed.combine import available_rules, fuse_sites
-from bnpfed.models import IIDPrior, mlp
+from bnpfed.models import Gaussian, IIDPrior, mlp
 
 
 class Net(PyroModule):
@@ -270,3 +272,24 @@ def test_the_issues_program_runs_as_written_and_learns_the_hyper_scale_plain_pyr
     pyro.clear_param_store()
     # measured: 0.304 against 0.314
     assert abs(tau - reference_tau) <= 0.25 * reference_tau
+
+
+@pytest.mark.parametrize("guide", [None, AutoNormal, AutoDiagonalNormal])
+def test_a_network_with_a_prior_object_takes_pyros_autoguides_and_reaches_the_closed_form_posterior(guide):
+    """Linear regression as a network (weights and bias Bayesian, N(0, 1), Gaussian noise 0.5): every guide reaches
+    the mean-field optimum of the conjugate model, the bias a weight on a constant feature."""
+    x, y = linear_data()
+    client = BayesianClient(mlp(3, [], 1), IIDPrior(), likelihood=Gaussian(scale=SIGMA), init_scale=0.1) \
+        if guide is None else BayesianClient(mlp(3, [], 1), IIDPrior(), likelihood=Gaussian(scale=SIGMA),
+                                             guide=functools.partial(guide, init_scale=0.1))
+    client.fit(x, y, epochs=800, batch_size=10, lr=0.005, seed=0)
+    features = torch.cat([x, torch.ones(len(x), 1)], 1)
+    precision = torch.eye(4, dtype=torch.float64) + features.double().T @ features.double() / SIGMA**2
+    mean = torch.linalg.solve(precision, features.double().T @ y.double() / SIGMA**2).float()
+    variance = (1.0 / precision.diagonal()).float()
+    posterior = client.posterior()
+    loc = torch.cat([posterior["1.weight"].loc.reshape(-1), posterior["1.bias"].loc.reshape(-1)])
+    var = torch.cat([posterior["1.weight"].variance.reshape(-1), posterior["1.bias"].variance.reshape(-1)])
+    # the tolerances of the model-function test above (the same data, steps and rate)
+    assert_close(loc, mean, atol=0.02, rtol=0)
+    assert_close(var, variance, rtol=0.3, atol=0)

@@ -202,7 +202,7 @@ class BayesianClient:
             raise ValueError(f"init_scale: sets the default guide's scale; with guide= given, pass it to the guide "
                              f"factory instead, got init_scale={init_scale!r}")
         if _is_autoguide_factory(guide):
-            self.guide = guide(self.bnn.model)
+            self.guide = localize_(guide(self.bnn.model))   # built outside Pyro's module-local mode
         elif isinstance(guide, nn.Module) or not callable(guide):
             raise ValueError("guide: expected a factory init_values -> guide, such as "
                              "functools.partial(MeanFieldGuide, init_scale=0.1), or an autoguide class such as "
