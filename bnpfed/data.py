@@ -3,6 +3,8 @@
 One entry point, :func:`load_dataset`, returns a :class:`Dataset` whatever the source:
 
 - ``"digits"`` (the default everywhere): scikit-learn's bundled 8x8 handwritten digits, no files needed.
+- ``"diabetes"``: scikit-learn's bundled diabetes data, a regression (10 features, a real-valued target), no files
+  needed.
 - ``"mnist"``, ``"fashion-mnist"`` (also ``"fashion_mnist"``), ``"cifar10"``: torchvision's datasets, read from
   ``data_dir`` in torchvision's on-disk layout (the optional extra ``bnpfed[vision]``), e.g.
   ``load_dataset("mnist", data_dir="data/mnist", download=True)``. ``"cifar10"`` is read from the JPEG container
@@ -35,11 +37,14 @@ import torch
 
 from bnpfed.validation import check_bool, check_int
 
-__all__ = ["CIFAR10_JPEG", "DATASET_NAMES", "NPZ_FORMAT", "NPZ_PREFIX", "Dataset", "Preprocessing", "load_dataset",
-           "standardize_together"]
+__all__ = ["CIFAR10_JPEG", "DATASET_NAMES", "NPZ_FORMAT", "NPZ_PREFIX", "TASKS", "Dataset", "Preprocessing",
+           "dataset_task", "load_dataset", "standardize_together"]
 
 #: Names accepted by :func:`load_dataset` (besides the ``"npz:PATH"`` form); the CLI offers these as choices.
-DATASET_NAMES = ("digits", "mnist", "fashion-mnist", "cifar10")
+DATASET_NAMES = ("digits", "mnist", "fashion-mnist", "cifar10", "diabetes")
+
+#: What a dataset's targets are: class labels, or real numbers.
+TASKS = ("classification", "regression")
 
 #: Prefix of the ``"npz:PATH"`` dataset name.
 NPZ_PREFIX = "npz:"
@@ -75,6 +80,10 @@ CIFAR10_JPEG_ORDER_SEED = 0
 DIGITS_TEST_FRACTION = 0.25
 DIGITS_SPLIT_SEED = 0
 
+#: The seeded split of the diabetes data (it ships as one set of 442 patients).
+DIABETES_TEST_FRACTION = 0.25
+DIABETES_SPLIT_SEED = 0
+
 _NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")
 
 
@@ -83,7 +92,7 @@ class Dataset:
     """A train/test split held in memory as tensors.
 
     Construction checks the split (cheaply): shapes agree with ``input_shape``, ``x`` is finite floating point,
-    labels are integers in ``[0, num_classes)``.
+    labels are integers in ``[0, num_classes)`` (a regression's targets: finite floating point).
 
     Usage::
 
@@ -95,17 +104,19 @@ class Dataset:
     :param torch.Tensor x_train: inputs, float32, ``(N_train, *input_shape)``; images are ``(N, C, H, W)``,
         normalised (mean about 0, standard deviation about 1 per channel on the train split) unless loaded with
         ``standardize=False``.
-    :param torch.Tensor y_train: class labels, int64, ``(N_train,)``, in ``0 .. num_classes - 1``.
+    :param torch.Tensor y_train: class labels, int64, ``(N_train,)``, in ``0 .. num_classes - 1``; for a
+        regression (``task="regression"``) real-valued targets, float32, ``(N_train,)``.
     :param torch.Tensor x_test: inputs, float32, ``(N_test, *input_shape)``, normalised with the train constants.
     :param torch.Tensor y_test: class labels, int64, ``(N_test,)``, in ``0 .. num_classes - 1``.
     :param str name: the canonical dataset name (``"digits"``, ``"fashion-mnist"``, ``"npz:PATH"``, ...).
-    :param int num_classes: number of classes, at least 1.
+    :param int num_classes: number of classes, at least 1 (for a regression the network's outputs per example, 1).
     :param tuple input_shape: shape of one input, e.g. ``(1, 28, 28)``; ``(F,)`` for flat data.
     :param str source: where the data came from, in words (e.g. CIFAR-10's original pickles or its JPEG copy).
     :param tuple mean: the per-channel (one value for feature vectors) constants the inputs were standardised with,
         ``x = (raw - mean) / std``; None for inputs as the loader reads them (``standardize=False``). Set with ``std``.
     :param tuple std: the matching standard deviations, each > 0; None with ``mean``.
     :param tuple classes: the class names, ``num_classes`` of them, where the source names them; None otherwise.
+    :param str task: one of :data:`TASKS`, ``"classification"`` (default) or ``"regression"``.
     """
 
     x_train: torch.Tensor
@@ -119,6 +130,7 @@ class Dataset:
     mean: tuple[float, ...] | None = None
     std: tuple[float, ...] | None = None
     classes: tuple[str, ...] | None = None
+    task: str = "classification"
 
     def __post_init__(self):
         check_int(self.num_classes, "num_classes", low=1)
@@ -126,6 +138,8 @@ class Dataset:
         if self.classes is not None and (len(self.classes) != self.num_classes
                                          or not all(isinstance(c, str) for c in self.classes)):
             raise ValueError(f"classes: expected {self.num_classes} class names (num_classes), got {self.classes!r}")
+        if self.task not in TASKS:
+            raise ValueError(f"task: expected one of {list(TASKS)}, got {self.task!r}")
         for split in ("train", "test"):
             x, y = getattr(self, f"x_{split}"), getattr(self, f"y_{split}")
             if tuple(x.shape[1:]) != tuple(self.input_shape):
@@ -144,6 +158,12 @@ class Dataset:
                 raise ValueError(
                     f"y_{split}: expected shape ({x.shape[0]},), one label per row of x_{split}, got {tuple(y.shape)}"
                 )
+            if self.task == "regression":
+                if not y.is_floating_point() or not bool(torch.isfinite(y).all()):
+                    raise ValueError(f"y_{split}: expected finite real-valued regression targets, got dtype "
+                                     f"{y.dtype} with {int((~torch.isfinite(y)).sum()) if y.is_floating_point() else 0}"
+                                     " NaN or infinite value(s)")
+                continue
             if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
                 raise ValueError(f"y_{split}: expected an integer tensor of class labels, got dtype {y.dtype}")
             if y.numel() and (int(y.min()) < 0 or int(y.max()) >= self.num_classes):
@@ -374,6 +394,11 @@ def load_dataset(name: str = "digits", *, data_dir: str | os.PathLike | None = N
         ``"digits"``: 8x8 images ``(N, 1, 8, 8)`` scaled to [0, 1] (divided by 16), then standardised with the
         train split's scalar mean and standard deviation; split 75/25, stratified by class, with a fixed seed
         (:data:`DIGITS_TEST_FRACTION`, :data:`DIGITS_SPLIT_SEED`): 1347 train and 450 test images.
+        ``"diabetes"``: 442 patients' 10 features ``(N, 10)`` and a measure of disease progression a year later
+        (a regression, ``task="regression"``, ``num_classes=1``), split 75/25 with a fixed seed
+        (:data:`DIABETES_TEST_FRACTION`, :data:`DIABETES_SPLIT_SEED`): 331 train and 111 test examples; every feature
+        and the target standardised with the train split's mean and standard deviation (``standardize=False``: as
+        scikit-learn stores them, features and target in their own units).
         torchvision datasets: images ``(N, C, H, W)`` in [0, 1], normalised per channel with the standard
         constants. ``"npz:PATH"``: float32 inputs, pixels scaled to [0, 1]; ``(N, H, W)`` images become
         ``(N, 1, H, W)``; standardised with the train split's mean and (population) standard deviation, per
@@ -428,9 +453,21 @@ def load_dataset(name: str = "digits", *, data_dir: str | os.PathLike | None = N
     canonical = _ALIASES.get(name.lower(), name.lower())
     if canonical == "digits":
         return _load_digits(standardize)
+    if canonical == "diabetes":
+        return _load_diabetes(standardize)
     if canonical in _VISION:
         return _load_vision(canonical, data_dir=data_dir, download=download, standardize=standardize)
     raise ValueError(f"name: expected one of {_known_names()}, got {name!r}")
+
+
+def dataset_task(name: str) -> str:
+    """The task (:data:`TASKS`) of the dataset ``name`` without loading it: ``"regression"`` for ``"diabetes"``,
+    ``"classification"`` for the others (an ``"npz:PATH"`` file holds class labels).
+
+    >>> dataset_task("diabetes"), dataset_task("mnist")
+    ('regression', 'classification')
+    """
+    return "regression" if isinstance(name, str) and name.lower() == "diabetes" else "classification"
 
 
 def _known_names() -> str:
@@ -460,6 +497,24 @@ def _load_digits(standardize: bool = True) -> Dataset:
         std=(std,) if standardize else None,
         classes=tuple(str(c) for c in digits.target_names),
     )
+
+
+def _load_diabetes(standardize: bool = True) -> Dataset:
+    from sklearn.datasets import load_diabetes
+    from sklearn.model_selection import train_test_split
+
+    data = load_diabetes(scaled=False)
+    x, y = data.data.astype(np.float32), data.target.astype(np.float32)
+    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=DIABETES_TEST_FRACTION,
+                                                        random_state=DIABETES_SPLIT_SEED)
+    if standardize:
+        mean, std = x_train.mean(0), x_train.std(0)
+        x_train, x_test = (x_train - mean) / std, (x_test - mean) / std
+        y_mean, y_std = y_train.mean(), y_train.std()
+        y_train, y_test = (y_train - y_mean) / y_std, (y_test - y_mean) / y_std
+    return Dataset(x_train=torch.from_numpy(x_train), y_train=torch.from_numpy(y_train),
+                   x_test=torch.from_numpy(x_test), y_test=torch.from_numpy(y_test), name="diabetes", num_classes=1,
+                   input_shape=(10,), source="scikit-learn's bundled diabetes data", task="regression")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,8 @@
 """Classification metrics on predicted probabilities: accuracy, NLL, calibration error, Brier score, model size.
 
 Also out-of-distribution detection (ood_scores, ood_auroc); ROC AUC by scikit-learn, well kept and exact on ties.
+And regression metrics of a posterior predictive given as S draws' observation distributions (:func:`regression_report`:
+RMSE, NLL, central predictive intervals and their coverage).
 
 Every metric takes ``probs`` of shape ``(N, C)`` (rows are predictive distributions over C classes, e.g. a
 Bayesian network's Monte Carlo averaged softmax) and integer ``labels`` of shape ``(N,)``, and returns a Python
@@ -13,11 +15,13 @@ Usage::
     aurocs = ood_auroc(probs_in, probs_out)         # {"auroc_max_prob": ..., "auroc_entropy": ...}
 """
 
+import math
 from typing import Any, Optional
 
 import numpy as np
 import torch
 from scipy.signal import fftconvolve
+from scipy.special import stdtr
 from torch import Tensor, nn
 
 from bnpfed.validation import check_float, check_int
@@ -25,6 +29,7 @@ from bnpfed.validation import check_float, check_int
 __all__ = [
     "CHANCE_MARGIN",
     "NLL_EPS",
+    "INTERVAL_LEVEL",
     "ROW_SUM_ATOL",
     "accuracy",
     "brier_score",
@@ -40,7 +45,13 @@ __all__ = [
     "nll",
     "ood_auroc",
     "ood_scores",
+    "regression_report",
+    "regression_scores",
+    "regression_summary",
 ]
+
+#: The probability mass of the central predictive interval a regression reports (its ``coverage`` and ``width``).
+INTERVAL_LEVEL = 0.9
 
 #: Default lower clamp of :func:`nll` on the probability of the true label; only keeps ``log 0`` finite.
 NLL_EPS = 1e-12
@@ -338,3 +349,96 @@ def chance_warning(method: str, accuracy: float, chance: float) -> Optional[str]
         return None
     return (f"{method}: test accuracy {accuracy:.3f} is at chance ({chance:.3f}, the largest class's share): training "
             "diverged or did not learn (check the learning rate, too large or too small, the epochs and the data)")
+
+
+def _components(observations) -> tuple[Tensor, Tensor, Optional[float]]:
+    """``(locs, scales, df)`` of S observation distributions (``(S, N)`` each; ``df`` None for Normals)."""
+    bases = []
+    for fn in observations:
+        while isinstance(fn, torch.distributions.Independent):
+            fn = fn.base_dist
+        bases.append(fn)
+    if all(isinstance(fn, torch.distributions.Normal) for fn in bases):
+        df = None
+    elif all(isinstance(fn, torch.distributions.StudentT) for fn in bases):
+        dfs = {float(d) for fn in bases for d in torch.as_tensor(fn.df).reshape(-1).tolist()}
+        if len(dfs) != 1:
+            raise ValueError(f"observations: expected Student-t distributions of one df, got {sorted(dfs)}")
+        df = dfs.pop()
+    else:
+        raise ValueError(f"observations: expected Normal or StudentT distributions (a regression's), got "
+                         f"{type(bases[0]).__name__}")
+    locs = torch.stack([fn.loc.expand(fn.batch_shape).reshape(-1) for fn in bases]).double()
+    scales = torch.stack([fn.scale.expand(fn.batch_shape).reshape(-1) for fn in bases]).double()
+    return locs, scales, df
+
+
+def _mixture_cdf(value: Tensor, locs: Tensor, scales: Tensor, df: Optional[float]) -> Tensor:
+    z = (value - locs) / scales
+    if df is None:
+        return torch.special.ndtr(z).mean(0)
+    return torch.from_numpy(stdtr(df, z.numpy())).mean(0)
+
+
+def regression_scores(observations: Any, y: Any, level: float = INTERVAL_LEVEL) -> dict[str, Tensor]:
+    """Per example, the posterior predictive of S draws, the mixture ``p(y | x) = 1/S sum_s p_s(y | x)`` of their
+    observation distributions (Normal or Student-t, one df), scored at the target ``y``:
+
+    * ``mean``: the mixture's mean, ``1/S sum_s loc_s``;
+    * ``log_density``: ``log p(y | x)``, by log-sum-exp over the draws;
+    * ``pit``: the probability integral transform ``F(y) = 1/S sum_s F_s(y)`` (uniform on [0, 1] for a calibrated
+      predictive);
+    * ``lower``, ``upper``: the central interval of probability ``level``, the mixture's quantiles
+      ``F^{-1}((1 -+ level) / 2)`` (by bisection on its CDF, to 1e-9 of the interval's scale).
+
+    :param observations: S distributions of batch shape ``(N,)`` (e.g.
+        :meth:`~bnpfed.clients.BayesianClient.sample_observations`).
+    :param y: ``(N,)`` real-valued targets.
+    :param float level: in (0, 1). Default :data:`INTERVAL_LEVEL` (0.9).
+    :returns: ``{name: (N,) float64 tensor}``.
+    """
+    level = check_float(level, "level", low=0.0, high=1.0, low_open=True, high_open=True)
+    if not isinstance(observations, (list, tuple)) or not observations:
+        raise ValueError(f"observations: expected a non-empty list of distributions, got {type(observations).__name__}")
+    locs, scales, df = _components(observations)
+    y = torch.as_tensor(y)
+    if y.shape != locs.shape[1:] or not y.is_floating_point() or not bool(torch.isfinite(y).all()):
+        raise ValueError(f"y: expected finite real-valued targets of shape {tuple(locs.shape[1:])}, got "
+                         f"{tuple(y.shape)} of dtype {y.dtype}")
+    y = y.double()
+    S = locs.shape[0]
+    if df is None:
+        logs = torch.distributions.Normal(locs, scales).log_prob(y)
+    else:
+        logs = torch.distributions.StudentT(df, locs, scales).log_prob(y)
+    log_density = torch.logsumexp(logs, 0) - math.log(S)
+    spread = scales.max(0).values
+    low = locs.min(0).values - 1e3 * spread
+    high = locs.max(0).values + 1e3 * spread
+    bounds = []
+    for p in ((1 - level) / 2, (1 + level) / 2):
+        lo, hi = low.clone(), high.clone()
+        for _ in range(80):   # 2^-80 of 2000 scales: far below float64's own resolution of the quantile
+            mid = (lo + hi) / 2
+            below = _mixture_cdf(mid, locs, scales, df) < p
+            lo, hi = torch.where(below, mid, lo), torch.where(below, hi, mid)
+        bounds.append((lo + hi) / 2)
+    return {"mean": locs.mean(0), "log_density": log_density, "pit": _mixture_cdf(y, locs, scales, df),
+            "lower": bounds[0], "upper": bounds[1]}
+
+
+def regression_report(observations: Any, y: Any, level: float = INTERVAL_LEVEL) -> dict[str, float]:
+    """A regression's posterior predictive scored on its test targets (:func:`regression_scores`):
+    ``{"rmse", "nll", "coverage", "width"}``: the root mean squared error of the predictive mean, the mean negative
+    log predictive density, the share of targets inside the central ``level`` interval (``level`` for a calibrated
+    predictive) and the interval's mean width, in the units of ``y``."""
+    return regression_summary(regression_scores(observations, y, level), y)
+
+
+def regression_summary(scores: dict, y: Any) -> dict[str, float]:
+    """:func:`regression_report` of per-example ``scores`` (:func:`regression_scores`, e.g. of several chunks of a
+    test split concatenated) against the targets ``y``."""
+    y = torch.as_tensor(y).double()
+    inside = (scores["lower"] <= y) & (y <= scores["upper"])
+    return {"rmse": float((scores["mean"] - y).square().mean().sqrt()), "nll": float(-scores["log_density"].mean()),
+            "coverage": float(inside.double().mean()), "width": float((scores["upper"] - scores["lower"]).mean())}

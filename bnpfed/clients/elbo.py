@@ -14,8 +14,11 @@ the guide's order, then the network's own draws (local reparameterisation's pre-
 The Pyro program is the reference semantics; this is an implementation of the same objective without the two traces
 per step (tests check that both give the same loss for the same seed).
 
-Anything else (another guide, a non-Normal prior, a subclass that changes the model, local reparameterisation on a
-network where the module-level layer cannot reproduce the handler) is handed to ``TraceMeanField_ELBO`` unchanged.
+Anything else (another guide, a non-Normal prior, a prior with hyper-parameters drawn in the model, a subclass that
+changes the model, local reparameterisation on a network where the module-level layer cannot reproduce the handler)
+is handed to ``TraceMeanField_ELBO`` unchanged. The closed form is used only when every prior is a fixed
+distribution: a prior that draws a random value is never evaluated once and cached (:class:`BayesianNetwork` reads
+its draws as latent sites, or refuses it).
 
 Usage::
 
@@ -77,7 +80,7 @@ class MeanFieldELBO:
         networks really?", temper the whole posterior instead; for a Gaussian mean-field q the two agree up to
         q's entropy). Not a posterior of the model any more: say so beside results that use it. With a model or
         guide off the closed-form path the weight multiplies each Bayesian site's KL term of
-        ``TraceMeanField_ELBO`` (the sites' ``scale``).
+        ``TraceMeanField_ELBO`` (the latent sites' ``scale``, hyper-parameters included).
     """
 
     def __init__(self, kl_weight: float = 1.0):
@@ -88,12 +91,15 @@ class MeanFieldELBO:
 
     @staticmethod
     def supports(model, guide) -> bool:
-        """Whether the closed-form path applies: a :class:`BayesianNetwork` (whose ``model`` is not overridden), a
-        :class:`MeanFieldGuide` (whose ``forward`` is not overridden) over exactly its Bayesian sites, Normal priors
-        on every site, and, with local reparameterisation, a network whose Bayesian sites all belong to layers
-        the module-level layer covers (:attr:`BayesianNetwork.plain_local_reparameterization`)."""
+        """Whether the closed-form path applies: a :class:`BayesianNetwork` (whose ``model`` is not overridden) with
+        a fixed prior (no hyper-parameters drawn in the model: :attr:`BayesianNetwork.hyper_sites` empty), a
+        :class:`MeanFieldGuide` (whose ``forward`` is not overridden) over exactly its Bayesian sites, all real,
+        Normal priors on every site, and, with local reparameterisation, a network whose Bayesian sites all belong to
+        layers the module-level layer covers (:attr:`BayesianNetwork.plain_local_reparameterization`)."""
         return (isinstance(model, BayesianNetwork) and type(model).model is BayesianNetwork.model
+                and not model.hyper_sites
                 and isinstance(guide, MeanFieldGuide) and type(guide).forward is MeanFieldGuide.forward
+                and not guide.transforms
                 and set(guide.site_names) == set(model.bayesian_sites)
                 and (not model.local_reparameterization or model.plain_local_reparameterization)
                 and all(_normal(fn) is not None for fn in model.prior_distributions().values()))
@@ -125,7 +131,7 @@ class MeanFieldELBO:
                 if not isinstance(model, BayesianNetwork):
                     raise ValueError(f"kl_weight: tempers the Bayesian sites of a BayesianNetwork; the model "
                                      f"{model!r} is not one, got kl_weight={self.kl_weight!r}")
-                sites = frozenset(model.bayesian_sites)
+                sites = frozenset(model.latent_sites)
                 model, guide = (_ScaleSites(sites, self.kl_weight)(model),
                                 _ScaleSites(sites, self.kl_weight)(guide))
             with context:

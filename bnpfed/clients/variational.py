@@ -36,20 +36,22 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import types
 from typing import Any, Callable, Iterable, Mapping, Optional
 
 import numpy as np
 import pyro.infer
 import torch
+from pyro.infer.autoguide import AutoGuide, AutoNormal
+from pyro.nn import PyroModule
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bnpfed.clients.augment import augmenter, check_augment
 from bnpfed.clients.elbo import MeanFieldELBO
+from bnpfed.clients.guide_io import GuideIO, check_guide_kind, guide_io
 from bnpfed.clients.guides import MeanFieldGuide
-from bnpfed.models import BayesianNetwork
-from bnpfed.models import Categorical, Likelihood
-from bnpfed.models import Prior
+from bnpfed.models import BayesianNetwork, Categorical, Likelihood, Prior, PyroProgram, localize_, predictive_of
 from bnpfed.posterior import GaussianPosterior
 from bnpfed.seeding import Stream, seeded, torch_generator
 from bnpfed.validation import (check_bool, check_choice, check_float, check_int, check_names, check_positive,
@@ -59,6 +61,8 @@ __all__ = ["BayesianClient", "DeterministicClient", "TrainingDiverged"]
 
 #: The initial posterior standard deviation of the default guide.
 DEFAULT_INIT_SCALE = 1e-2
+#: The initial posterior standard deviation of a Pyro program's default guide, ``AutoNormal`` 's own.
+PROGRAM_INIT_SCALE = 0.1
 #: A fit has converged when its last epochs improved the mean -ELBO per example by less than this fraction (or by
 #: less than their Monte Carlo spread: :func:`_convergence`).
 CONVERGENCE_TOLERANCE = 1e-3
@@ -118,52 +122,174 @@ class BayesianClient:
         >>> reg.predict(torch.zeros(3, 1), num_samples=4, seed=0).variance.shape
         torch.Size([3])
 
-    :param nn.Module net: the network (deep-copied; the user's module is not changed). Clients built from the same
-        ``net`` start from the same weights, as federated clients should.
-    :param Prior prior: which parameters are Bayesian and their priors, e.g. ``only_linear_weights()``.
-    :param Likelihood likelihood: the observation model: ``Categorical()`` (default, classification) or
-        ``Gaussian(scale)`` (regression).
-    :param guide: a factory ``init_values -> guide``: called with ``{site: initial value}`` (the network's own
-        initialisation), it returns the guide, an ``nn.Module`` that is a Pyro guide of the model; for the federated
-        methods it also has ``posterior()`` and ``load_posterior(...)``. Default
-        ``functools.partial(MeanFieldGuide, init_scale=init_scale)``.
-    :param elbo: the objective: an object with ``differentiable_loss(model, guide, x, y, dataset_size=n)``
-        returning -ELBO. Default :class:`~bnpfed.clients.elbo.MeanFieldELBO` (closed-form fast path, else Pyro's
-        ``TraceMeanField_ELBO``); a Pyro ELBO (``pyro.infer.Trace_ELBO()``, ...) runs under ``bnn.context()``.
-    :param bool local_reparameterization: train and predict with the local reparameterisation trick. Default False.
-    :param float init_scale: initial posterior standard deviation of every Bayesian weight in the default guide;
-        means start at the network's own initial values. Default ``1e-2``. Not allowed together with ``guide``
-        (give it to your factory).
+    A Pyro user's own program is a client as it is, with no prior or likelihood object: a ``PyroModule`` whose
+    ``PyroSample`` statements are its prior and whose observed site is its likelihood, or a model function, with
+    its guide (Pyro's ``AutoNormal`` by default)::
 
-    Attributes: ``bnn`` (the :class:`BayesianNetwork`), ``guide`` (the guide module), ``elbo``, ``losses_`` (mean
-    negative ELBO per example, one per epoch of the last ``fit``), ``converged_`` and ``notes_`` (whether that fit
-    converged; see :meth:`fit`).
+        >>> import pyro, pyro.distributions as dist
+        >>> from pyro.infer.autoguide import AutoNormal
+        >>> from pyro.nn import PyroModule, PyroSample
+        >>> class Regression(PyroModule):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.tau = PyroSample(dist.HalfNormal(torch.tensor(1.0)))     # a hyper-prior, learned
+        ...         self.linear = PyroModule[torch.nn.Linear](3, 1)
+        ...         self.linear.weight = PyroSample(lambda m: dist.Normal(0.0, self.tau).expand([1, 3]).to_event(2))
+        ...     def forward(self, x, y=None):
+        ...         mean = self.linear(x)[:, 0]
+        ...         with pyro.plate("data", x.shape[0]):
+        ...             pyro.sample("obs", dist.Normal(mean, 0.5), obs=y)
+        ...         return mean
+        >>> program = Regression()
+        >>> own = BayesianClient(program, guide=AutoNormal(program))
+        >>> own = own.fit(torch.randn(16, 3), torch.randn(16), epochs=2, batch_size=8, seed=0)
+        >>> sorted(own.posterior())                                 # every latent site, in the unconstrained space
+        ['linear.weight', 'tau']
+
+    :param net: the model: a network (an ``nn.Module``, with ``prior``), or a Pyro program (with ``prior=None``): a
+        ``PyroModule`` or a function ``model(x, y=None)`` whose latent sites are global and whose one observed site is
+        observed with ``y``, in a plate of the batch's size (the client scales a mini-batch to the dataset). It is
+        deep-copied (with ``guide``, if that is a module: the user's objects are not changed). Clients built from the
+        same ``net`` start from the same weights, as federated clients should.
+    :param Prior prior: which parameters of a network are Bayesian and their priors, e.g. ``only_linear_weights()``;
+        None for a Pyro program (its own sample statements are its prior).
+    :param Likelihood likelihood: a network's observation model: ``Categorical()`` (default, classification) or
+        ``Gaussian(scale)`` (regression); None for a Pyro program (its observed site is its likelihood).
+    :param guide: with a network: a factory ``init_values -> guide`` called with ``{site: initial value}`` (the
+        network's own initialisation), or an autoguide class such as ``AutoNormal`` (built on the network's model).
+        With a Pyro program: the guide module, e.g. ``AutoNormal(model)``; default ``AutoNormal(model,
+        init_scale=init_scale or 0.1)``. Either way a guide whose latent sites are mean-field Normals in the
+        unconstrained space: :class:`MeanFieldGuide`, Pyro's ``AutoNormal`` and ``AutoDiagonalNormal``, or any guide
+        that draws each site so (other autoguides, such as ``AutoMultivariateNormal`` or a flow, are refused by
+        name). Default with a network ``functools.partial(MeanFieldGuide, init_scale=init_scale)``.
+    :param elbo: the objective: an object with ``differentiable_loss(model, guide, x, y, dataset_size=n)``
+        returning -ELBO. Default with a network :class:`~bnpfed.clients.elbo.MeanFieldELBO` (closed-form fast path,
+        else Pyro's ``TraceMeanField_ELBO``), with a Pyro program ``pyro.infer.Trace_ELBO()``; a Pyro ELBO runs under
+        the model's ``context()``.
+    :param bool local_reparameterization: train and predict with the local reparameterisation trick (a network
+        only). Default False.
+    :param float init_scale: initial posterior standard deviation of every Bayesian weight in the default guide;
+        with a network the means start at the network's own initial values. Default ``1e-2`` with a network, 0.1
+        (Pyro's) with a program. Not allowed together with ``guide`` (give it to your guide).
+
+    Attributes: ``bnn`` (the model: a :class:`BayesianNetwork`, or a :class:`~bnpfed.models.PyroProgram`),
+    ``guide`` (the guide module), ``elbo``, ``losses_`` (mean negative ELBO per example, one per epoch of the last
+    ``fit``), ``converged_`` and ``notes_`` (whether that fit converged; see :meth:`fit`).
     """
 
-    def __init__(self, net: nn.Module, prior: Prior, *, likelihood: Optional[Likelihood] = None,
-                 guide: Optional[Callable[[Mapping[str, Tensor]], nn.Module]] = None, elbo: Any = None,
-                 local_reparameterization: bool = False, init_scale: Optional[float] = None):
-        self.bnn = BayesianNetwork(net, prior, likelihood=likelihood, local_reparameterization=local_reparameterization)
-        if guide is None:
-            scale = DEFAULT_INIT_SCALE if init_scale is None else init_scale
-            guide = functools.partial(MeanFieldGuide, init_scale=scale)
-        elif init_scale is not None:
-            raise ValueError(f"init_scale: sets the default guide's scale; with guide= given, pass it to the guide "
-                             f"factory instead, got init_scale={init_scale!r}")
-        if isinstance(guide, nn.Module) or not callable(guide):
-            raise ValueError("guide: expected a factory init_values -> guide, such as "
-                             f"functools.partial(MeanFieldGuide, init_scale=0.1), got {guide!r}")
-        self.guide = guide(self.bnn.init_values)
-        if not isinstance(self.guide, nn.Module):
-            raise ValueError(f"guide: expected the factory to return a torch.nn.Module guide, got "
-                             f"{type(self.guide).__name__}")
-        self.elbo = MeanFieldELBO() if elbo is None else elbo
+    def __init__(self, net: Any, prior: Optional[Prior] = None, *, likelihood: Optional[Likelihood] = None,
+                 guide: Any = None, elbo: Any = None, local_reparameterization: bool = False,
+                 init_scale: Optional[float] = None):
+        self._io: Optional[GuideIO] = None
+        if prior is None:
+            self._init_program(net, likelihood, guide, elbo, local_reparameterization, init_scale)
+        else:
+            self._init_network(net, prior, likelihood, guide, elbo, local_reparameterization, init_scale)
         if not callable(getattr(self.elbo, "differentiable_loss", None)):
             raise ValueError(f"elbo: expected an object with differentiable_loss(model, guide, ...) such as "
                              f"MeanFieldELBO() or pyro.infer.TraceMeanField_ELBO(), got {elbo!r}")
         self.losses_: list[float] = []
         self.converged_: Optional[bool] = None
         self.notes_: list[str] = []
+
+    def _init_network(self, net, prior, likelihood, guide, elbo, local_reparameterization, init_scale) -> None:
+        self.bnn = BayesianNetwork(net, prior, likelihood=likelihood, local_reparameterization=local_reparameterization)
+        if guide is None:
+            scale = DEFAULT_INIT_SCALE if init_scale is None else init_scale
+            supports = {name: self.bnn.supports[name] for name in self.bnn.hyper_sites}
+            guide = functools.partial(MeanFieldGuide, init_scale=scale, **({"supports": supports} if supports else {}))
+        elif init_scale is not None:
+            raise ValueError(f"init_scale: sets the default guide's scale; with guide= given, pass it to the guide "
+                             f"factory instead, got init_scale={init_scale!r}")
+        if _is_autoguide_factory(guide):
+            self.guide = localize_(guide(self.bnn.model))   # built outside Pyro's module-local mode
+        elif isinstance(guide, nn.Module) or not callable(guide):
+            raise ValueError("guide: expected a factory init_values -> guide, such as "
+                             "functools.partial(MeanFieldGuide, init_scale=0.1), or an autoguide class such as "
+                             f"AutoNormal, got {guide!r}")
+        else:
+            self.guide = guide(self.bnn.init_values)
+        if not isinstance(self.guide, nn.Module):
+            raise ValueError(f"guide: expected the factory to return a torch.nn.Module guide, got "
+                             f"{type(self.guide).__name__}")
+        check_guide_kind(self.guide)
+        self._run_guide = self.guide
+        if _has_protocol(self.guide):
+            self._io = guide_io(self.guide, self.guide, {})
+            missing = [name for name in self.bnn.latent_sites if name not in self._io.sites]
+            if missing:
+                raise ValueError(f"guide: expected a guide of every latent site of the model "
+                                 f"{list(self.bnn.latent_sites)}, got {type(self.guide).__name__}, which has no "
+                                 f"{missing}")
+        self.elbo = MeanFieldELBO() if elbo is None else elbo
+
+    def _init_program(self, net, likelihood, guide, elbo, local_reparameterization, init_scale) -> None:
+        if isinstance(net, nn.Module) and not isinstance(net, PyroModule):
+            raise ValueError(f"prior: expected a Prior object for the network {type(net).__name__} (a plain torch "
+                             f"module has no random parameters), or a Pyro program (a PyroModule whose PyroSample "
+                             f"statements are its prior, or a model function) with prior=None")
+        if likelihood is not None:
+            raise ValueError(f"likelihood: a Pyro program's observed site is its likelihood; expected None with "
+                             f"prior=None, got {likelihood!r}")
+        if check_bool(local_reparameterization, "local_reparameterization"):
+            raise ValueError("local_reparameterization: applies to a network with a prior object; expected False "
+                             "with a Pyro program (prior=None)")
+        if guide is None:
+            scale = PROGRAM_INIT_SCALE if init_scale is None else check_positive(init_scale, "init_scale")
+            model = copy.deepcopy(net) if isinstance(net, nn.Module) else net
+            guide = AutoNormal(localize_(model), init_scale=float(scale))
+        else:
+            if init_scale is not None:
+                raise ValueError(f"init_scale: sets the default guide's scale; with guide= given, set it on your "
+                                 f"guide instead, got init_scale={init_scale!r}")
+            if not isinstance(guide, nn.Module):
+                raise ValueError(f"guide: expected a guide module for the program (AutoNormal(model), "
+                                 f"AutoDiagonalNormal(model), a MeanFieldGuide or a PyroModule guide: a guide "
+                                 f"function's pyro.param's live in Pyro's global store, which every client would "
+                                 f"share), got {guide!r}")
+            check_guide_kind(guide)
+            model, guide = _copy_program(net, guide)
+        self.bnn = PyroProgram(model)
+        self.guide = localize_(guide)
+        self._run_guide = self.bnn.guide_runner(self.guide)
+        if _has_protocol(self.guide):
+            self._io = guide_io(self.guide, self._run_guide, {})
+        self.elbo = pyro.infer.Trace_ELBO() if elbo is None else elbo
+
+    @property
+    def is_program(self) -> bool:
+        """Whether the client's model is a user's Pyro program (:class:`~bnpfed.models.PyroProgram`), not a network
+        with a prior object."""
+        return isinstance(self.bnn, PyroProgram)
+
+    def _ensure_guide(self, x: Tensor, y: Tensor) -> GuideIO:
+        """Read the program's sites and set the guide up (an autoguide builds its parameters on its first run) on the
+        first examples of ``(x, y)``, once; the reader of the guide's posterior."""
+        if self._io is not None and (not self.is_program or self.bnn.inspected):
+            return self._io
+        xs, ys = x[:2], y[:2]
+        if self.is_program:
+            self.bnn.inspect(xs, ys)
+            supports = self.bnn.supports
+        else:
+            supports = self.bnn.supports
+        context = self.bnn.context
+
+        def run():
+            with context():
+                return self._run_guide(xs, ys)
+
+        if self._io is None:
+            with torch.no_grad(), seeded(0):
+                run()
+            self._io = guide_io(self.guide, run, supports)
+        return self._io
+
+    def _require_guide(self, what: str) -> GuideIO:
+        if self._io is None:
+            raise ValueError(f"{what}: the guide {type(self.guide).__name__} is set up on the client's first batch "
+                             "(an autoguide builds its parameters when it first runs with data); fit first")
+        return self._io
 
     def fit(self, x: Tensor, y: Tensor, *, epochs: int = 1, batch_size: int = 64, lr: float = 1e-3, seed: int = 0,
             amsgrad: bool = False, scale_lr: Optional[float] = None, augment: str = "none") -> "BayesianClient":
@@ -199,27 +325,34 @@ class BayesianClient:
         :raises TrainingDiverged: when the loss or a parameter becomes NaN or infinite.
         """
         n = _check_x(x)
-        self.bnn.likelihood.check_targets(y, n, self._probe(x))
-        y = self.bnn.likelihood.targets(y)
+        if self.is_program:
+            if not torch.is_tensor(y) or y.dim() < 1 or y.shape[0] != n:
+                raise ValueError(f"y: expected a tensor of shape ({n}, ...) matching x, got {_describe(y)}")
+        else:
+            self.bnn.likelihood.check_targets(y, n, self._probe(x))
+            y = self.bnn.likelihood.targets(y)
         lr = check_positive(lr, "lr")
-        rhos = getattr(self.guide, "rhos", None)
+        io = self._ensure_guide(x, y)
+        scale_ids = {id(p) for p in io.scale_parameters()}
         if scale_lr is None or scale_lr == lr:
             scale_lr = None  # one parameter group: exactly the recorded steps
-        elif not isinstance(rhos, nn.ParameterList):
-            raise ValueError(f"scale_lr: sets the learning rate of a MeanFieldGuide's scales (rhos); the guide "
-                             f"{type(self.guide).__name__} has none, got scale_lr={scale_lr!r}")
+        elif not scale_ids:
+            raise ValueError(f"scale_lr: sets the learning rate of the guide's scales; the guide "
+                             f"{type(self.guide).__name__} has no parameter holding them, got scale_lr={scale_lr!r}")
         else:
             scale_lr = check_positive(scale_lr, "scale_lr")
-        scale_ids = {id(p) for p in rhos} if scale_lr is not None else set()
+        if scale_lr is None:
+            scale_ids = set()
         named = [*(("bnn." + k, p) for k, p in self.bnn.named_parameters()),
                  *(("guide." + k, p) for k, p in self.guide.named_parameters() if id(p) not in scale_ids)]
         scales = [("guide." + k, p) for k, p in self.guide.named_parameters() if id(p) in scale_ids]
-        prior = self.bnn.prior
         after_step = None
-        estimated = [name for name in self.bnn.bayesian_sites if name not in prior.posterior_sites]
-        if prior.estimable and estimated:
+        prior = None if self.is_program else self.bnn.prior
+        estimated = [] if prior is None else [name for name in self.bnn.bayesian_sites
+                                              if name not in prior.posterior_sites]
+        if prior is not None and prior.estimable and estimated:
             def after_step():
-                posterior = self.guide.posterior()
+                posterior = io.posterior()
                 prior.estimate_({name: posterior[name] for name in estimated})
 
             after_step()  # from the guide the fit starts at: the estimate never depends on earlier fits
@@ -238,18 +371,22 @@ class BayesianClient:
 
             ( KL(q || p) - n_k / B sum_{i in batch} E_q[log p(y_i | x_i, w)] ) / n_k
 
-        with the KL in closed form. Differentiable in the guide's and the deterministic parameters.
+        with the KL in closed form where the ELBO has one. Differentiable in the guide's and the deterministic
+        parameters.
 
         :param int dataset_size: ``n_k``, the size of the local dataset the batch comes from. Default ``len(x)``.
         """
         _, n = self.bnn.check_batch(x, y, dataset_size)
+        if self.is_program:
+            self._ensure_guide(x, y)
+            return self._loss(x, y, n)
         return self._loss(x, self.bnn.likelihood.targets(y), n)
 
     def _loss(self, x: Tensor, y: Tensor, n: int) -> Tensor:
         if isinstance(self.elbo, pyro.infer.ELBO):
             with self.bnn.context():
-                return self.elbo.differentiable_loss(self.bnn, self.guide, x, y, dataset_size=n) / n
-        return self.elbo.differentiable_loss(self.bnn, self.guide, x, y, dataset_size=n) / n
+                return self.elbo.differentiable_loss(self.bnn, self._run_guide, x, y, dataset_size=n) / n
+        return self.elbo.differentiable_loss(self.bnn, self._run_guide, x, y, dataset_size=n) / n
 
     @torch.no_grad()
     def _probe(self, x: Tensor) -> Tensor:
@@ -259,57 +396,95 @@ class BayesianClient:
         return _probe(lambda: self.bnn.output_at(x[:1], values), self.bnn, x)
 
     def posterior(self) -> dict[str, GaussianPosterior]:
-        """``{site: GaussianPosterior(loc, variance)}`` for every Bayesian site, copies of the guide's current
-        values."""
-        return self.guide.posterior()
+        """``{site: GaussianPosterior(loc, variance)}`` for every latent site of the model (the Bayesian weights and
+        any hyper-parameter, such as a per-layer prior scale), copies of the guide's current values, in the guide's
+        unconstrained space: a site of support S is reported as the Normal of ``biject_to(S)^{-1}`` of its value (a
+        positive scale ``tau`` as ``log tau``), the space in which the guide is a mean-field Normal and in which the
+        fusion rules of :mod:`bnpfed.combine` combine it. For a Pyro program's autoguide, after the first batch the
+        client has seen (:meth:`fit`)."""
+        return self._require_guide("posterior").posterior()
 
     def load_posterior(self, posterior: Mapping[str, Any]) -> None:
-        """Set the guide to ``{site: GaussianPosterior or (loc, variance)}`` (exactly the Bayesian sites), in place;
-        see :meth:`MeanFieldGuide.load_posterior`. Raises ``ValueError`` naming the site on a bad entry."""
-        self.guide.load_posterior(posterior)
+        """Set the guide to ``{site: GaussianPosterior or (loc, variance)}`` (exactly the latent sites, in the form
+        :meth:`posterior` gives), in place, e.g. a server's fused posterior; see
+        :meth:`MeanFieldGuide.load_posterior`. Raises ``ValueError`` naming the site on a bad entry."""
+        self._require_guide("load_posterior").load_posterior(posterior)
 
     def update_prior_(self, posterior: Mapping[str, Any]) -> "BayesianClient":
         """Make ``posterior`` (``{site: GaussianPosterior or (loc, variance)}``, some or all Bayesian sites) the
         prior of those sites: ``self.bnn.prior.update_(posterior)`` (see :meth:`Prior.update_`; the prior object is
-        shared by every network built with it). Returns ``self``."""
+        shared by every network built with it). A network with a prior object only. Returns ``self``."""
+        if self.is_program:
+            raise ValueError("update_prior_: replaces a prior object's sites by a posterior; a Pyro program's priors "
+                             "are its own sample statements (condition them in the program instead)")
         self.bnn.prior.update_(posterior)
         return self
 
     def deterministic_state(self) -> dict[str, Tensor]:
-        """``{name: tensor}`` copies of the parameters the prior keeps deterministic (empty if there are none)."""
-        return _state(self.bnn.net)
+        """``{name: tensor}`` copies of the parameters the prior keeps deterministic (a program's own parameters;
+        empty if there are none)."""
+        return _state(self._deterministic_module())
 
     def load_deterministic(self, state: Mapping[str, Tensor]) -> None:
         """Overwrite the deterministic parameters in place with ``state`` (exactly their names and shapes)."""
-        _load_state(self.bnn.net, state, "state")
+        _load_state(self._deterministic_module(), state, "state")
+
+    def _deterministic_module(self) -> nn.Module:
+        if self.is_program:
+            return self.bnn.program if isinstance(self.bnn.program, nn.Module) else nn.Module()
+        return self.bnn.net
 
     @torch.no_grad()
     def mean_network(self) -> nn.Module:
         """The posterior-mean network: a plain torch copy of the network (no Pyro) with every Bayesian weight at its
         posterior mean and the deterministic parameters and buffers as they are now, in eval mode. A client built
-        from it (same prior) has the same deterministic parameters and its guide's means start there."""
+        from it (same prior) has the same deterministic parameters and its guide's means start there. A network
+        with a prior object only."""
+        if self.is_program:
+            raise ValueError("mean_network: rebuilds the plain network of a network with a prior object; a Pyro "
+                             "program has no plain network to rebuild")
         net = self.bnn.template()
         state = net.state_dict()
         state.update({name: b.detach().clone() for name, b in self.bnn.net.named_buffers()})
         state.update(self.deterministic_state())
-        state.update({site: p.loc.detach().clone() for site, p in self.posterior().items()})
+        posterior = self.posterior()
+        state.update({site: posterior[site].loc.detach().clone() for site in self.bnn.bayesian_sites})
         net.load_state_dict(state)
         return net.eval()
 
     def predict(self, x: Tensor, num_samples: int = 10, seed: Optional[int] = None) -> Any:
         """The posterior predictive from ``num_samples`` draws from the guide, as the likelihood aggregates them
         (see :meth:`BayesianNetwork.predict`): class probabilities ``(B, num_classes)`` for ``Categorical``, a
-        ``GaussianPredictive(mean, variance)`` for ``Gaussian``."""
+        ``GaussianPredictive(mean, variance)`` for ``Gaussian``; for a Pyro program, as its observed site's
+        distributions aggregate (:func:`~bnpfed.models.predictive_of`)."""
+        self._require_guide("predict")
+        if self.is_program:
+            return predictive_of(self.bnn.sample_observations(x, num_samples, self.guide, seed))
         return self.bnn.predict(x, num_samples=num_samples, guide=self.guide, seed=seed)
 
+    def sample_observations(self, x: Tensor, num_samples: int = 10, seed: Optional[int] = None) -> list:
+        """The observation distributions ``p(y | x, w_s)`` (batch shape ``(B,)``) under ``num_samples`` draws ``w_s``
+        from the guide, every latent site included (a learned noise scale): what a regression's predictive
+        intervals and their coverage are computed from (:func:`~bnpfed.metrics.regression_report`)."""
+        self._require_guide("sample_observations")
+        return self.bnn.sample_observations(x, num_samples, self.guide, seed)
+
     def sample_outputs(self, x: Tensor, num_samples: int = 10, seed: Optional[int] = None) -> Tensor:
-        """``(S, B, ...)`` the network's outputs (logits) under the ``num_samples`` draws from the guide that
-        :meth:`predict` aggregates."""
+        """``(S, B, ...)`` the network's outputs (logits; what a Pyro program returns) under the ``num_samples``
+        draws from the guide that :meth:`predict` aggregates."""
+        self._require_guide("sample_outputs")
         return self.bnn.sample_outputs(x, num_samples=num_samples, guide=self.guide, seed=seed)
 
     def predict_proba(self, x: Tensor, num_samples: int = 10, seed: Optional[int] = None) -> Tensor:
         """Posterior predictive class probabilities ``(B, num_classes)``: the softmax averaged over ``num_samples``
-        draws from the guide (:meth:`predict` for a ``Categorical`` likelihood; at its temperature)."""
+        draws from the guide (:meth:`predict` for a ``Categorical`` likelihood, or a program's ``Categorical``
+        observed site; at its temperature)."""
+        if self.is_program:
+            prediction = self.predict(x, num_samples=num_samples, seed=seed)
+            if not torch.is_tensor(prediction):
+                raise ValueError(f"predict_proba: the program's observed site {self.bnn.observed_site!r} is no "
+                                 "Categorical and has no class probabilities; use predict")
+            return prediction
         if not isinstance(self.bnn.likelihood, Categorical):
             raise ValueError(f"predict_proba: the likelihood {self.bnn.likelihood!r} has no class probabilities; "
                              "use predict")
@@ -502,6 +677,62 @@ def _convergence(losses: list[float]) -> tuple[Optional[bool], list[str]]:
     return False, [f"not converged: {what} still lowered -ELBO/n by {100 * change:.2g} % "
                    f"({previous:.6g} -> {last:.6g}{noise}; converged is under {100 * CONVERGENCE_TOLERANCE:.2g} %); "
                    "train more epochs or raise lr / scale_lr"]
+
+
+def _copy_program(model, guide) -> tuple[Any, nn.Module]:
+    """Deep copies of a program and its guide, the guide's own reference to the model (an autoguide's) pointing to
+    the copy. (An autoguide drops its model when copied, and from the original too, which is put back.)"""
+    autoguides = [m for m in guide.modules() if isinstance(m, AutoGuide)]
+    models = [m._model for m in autoguides]
+    memo: dict = {}
+    model_copy = copy.deepcopy(model, memo) if isinstance(model, nn.Module) else model
+    if isinstance(model_copy, nn.Module):
+        _rebind_closures_(model_copy, memo)
+    models_copy = copy.deepcopy(models, memo)
+    try:
+        guide_copy = copy.deepcopy(guide, memo)
+    finally:
+        for module, held in zip(autoguides, models):
+            module._model = held
+    for module, held in zip((m for m in guide_copy.modules() if isinstance(m, AutoGuide)), models_copy):
+        module._model = held
+    return model_copy, guide_copy
+
+
+def _rebind_closures_(module: nn.Module, memo: dict) -> None:
+    """Point the ``PyroSample`` functions of a copied program at the copy: ``lambda m: dist.Normal(0, self.tau)``
+    closes over the original module (``self``), which a deep copy keeps (functions are copied by reference), so the
+    copy would draw ``tau`` from the original, outside the copy's trace. Each such function is remade with its
+    closure's contents copied through ``memo`` (the original module's copy is the copy)."""
+    for sub in module.modules():
+        samples = sub.__dict__.get("_pyro_samples", {})
+        for name, prior in list(samples.items()):
+            if isinstance(prior, types.FunctionType) and prior.__closure__:
+                cells = tuple(_copied_cell(cell, memo) for cell in prior.__closure__)
+                remade = types.FunctionType(prior.__code__, prior.__globals__, prior.__name__, prior.__defaults__,
+                                            cells)
+                remade.__kwdefaults__ = prior.__kwdefaults__
+                samples[name] = remade
+
+
+def _copied_cell(cell, memo: dict):
+    try:
+        contents = cell.cell_contents
+    except ValueError:   # a name the function closes over that is not bound yet
+        return types.CellType()
+    return types.CellType(copy.deepcopy(contents, memo))
+
+
+def _is_autoguide_factory(guide) -> bool:
+    """An autoguide class (``AutoNormal``), or a ``functools.partial`` of one: built on the model."""
+    func = guide.func if isinstance(guide, functools.partial) else guide
+    return isinstance(func, type) and issubclass(func, AutoGuide)
+
+
+def _has_protocol(guide) -> bool:
+    """A guide that reads and writes its own posterior (:class:`MeanFieldGuide`)."""
+    return (callable(getattr(guide, "posterior", None)) and callable(getattr(guide, "load_posterior", None))
+            and not isinstance(guide, AutoGuide))
 
 
 def _first_not_finite(named_params) -> Optional[str]:

@@ -321,12 +321,13 @@ def add_data_arguments(parser, *, standardize: Optional[bool], standardize_help:
     g = parser.add_argument_group("data")
     briefly(g.add_argument(
         "--dataset", type=dataset_name, default="digits", metavar="NAME",
-        help=f"{', '.join(DATASET_NAMES)} or {NPZ_PREFIX}PATH. digits (scikit-learn's 8x8 digits) needs no files; "
+        help=f"{', '.join(DATASET_NAMES)} or {NPZ_PREFIX}PATH. digits (scikit-learn's 8x8 digits) and diabetes "
+        f"(scikit-learn's diabetes regression: with --likelihood gaussian or student-t) need no files; "
         f"mnist, fashion-mnist and cifar10 are read with torchvision from --data-dir; cifar10 from {CIFAR10_JPEG} "
         f"(a JPEG copy: decoded once, and said so on stderr) in --data-dir when torchvision's pickles are not there; "
         f"{NPZ_PREFIX}PATH is {NPZ_FORMAT}"),
-        f"{', '.join(DATASET_NAMES)} (bundled digits; the others read from --data-dir) or {NPZ_PREFIX}PATH (an .npz "
-        "file of the splits)")
+        f"{', '.join(DATASET_NAMES)} (bundled digits, diabetes; the others read from --data-dir) or "
+        f"{NPZ_PREFIX}PATH (an .npz file of the splits)")
     g.add_argument("--data-dir", metavar="DIR", help="torchvision's root folder for mnist / fashion-mnist / cifar10 "
                    f"(required for those; for cifar10 also the folder of {CIFAR10_JPEG})")
     hidden(g.add_argument("--download", action="store_true",

@@ -84,6 +84,9 @@ def prepare(args) -> dict:
         if args.seed < 0:
             raise UsageError(f"--seed: expected an integer >= 0, got {args.seed}")
     dataset, ood, notes = prepared_data(args, saved)
+    if dataset.task == "regression":
+        raise UsageError(f"--dataset {dataset.name}: a regression; bnpfed evaluate scores a classifier's class "
+                         "probabilities")
     net = saved.network
     try:
         with torch.no_grad():

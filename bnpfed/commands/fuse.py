@@ -41,6 +41,8 @@ COLUMNS = ["method", "accuracy", "nll", "ece", "ece_floor", "brier", "mean_sigma
 MATCH_COLUMNS = ["method", "accuracy", "nll", "ece", "ece_floor", "ece15", "brier", "width", "parameters", "rounds",
                  "server_seconds"]
 OOD_COLUMNS = ["auroc_max_prob", "auroc_entropy"]
+#: A regression's table (``--dataset diabetes``): the posterior predictive's RMSE, NLL, and its central 90 % interval.
+REGRESSION_COLUMNS = ["method", "rmse", "nll", "coverage", "interval_width", "mean_sigma", "rounds", "server_seconds"]
 #: ``--heads``: the matched rows' output layers fused, pooled, or both rows.
 HEADS_CHOICES = ("fused", "pooled", "both")
 #: The one-shot fusion baselines --baselines adds (--align match).
@@ -57,6 +59,11 @@ SERVER_SECONDS = ("server_seconds: the server's aggregation time (fusion or aver
                   "Bayesian weights (- for FedAvg, which has none). ece_floor: the ECE a perfectly calibrated model "
                   "with the same confidences would show on this test split (an ece near it is as calibrated as the "
                   "split can tell).")
+#: The legend of a regression's table.
+REGRESSION_LEGEND = ("rmse: of the posterior predictive's mean; nll: its mean negative log density at the test "
+                     "targets; coverage: the share of test targets inside its central 90 % interval (0.9 when calibrated); "
+                     "interval_width: that interval's mean width (in the targets' units, standardised unless "
+                     "--no-standardize); server_seconds: the server's fusion time summed over the rounds.")
 
 
 def add_parser(sub):
@@ -246,6 +253,16 @@ def prepare(args) -> dict:
     federated.check_methods(config, dict(partition=partition, network=network, training=training, bayesian=bayesian,
                                        fusion=fusion, pfnm=pfnm, config=config))
     dataset, ood = _args.load_data_and_ood(args, standardize=args.standardize)
+    if dataset.task == "regression":
+        if match:
+            raise UsageError(f"--align match: matches the units of classifiers; --dataset {dataset.name} is a "
+                             "regression, fused weight by weight: expected --align none")
+        if FEDAVG in names:
+            raise UsageError(f"--dataset {dataset.name}: a regression, whose rows are the posterior fusion rules; "
+                             "FedAvg's baseline classifies: pass --no-fedavg")
+        if ood is not None:
+            raise UsageError(f"--ood: scores a classifier's confidence; --dataset {dataset.name} is a regression")
+    bayesian.check_task(dataset.task)
     _args.check_partition(partition, dataset, config.seed)
     training.check_inputs(dataset.input_shape)
     net = initial_network(network, dataset.input_shape, dataset.num_classes, seed=config.seed)
@@ -289,11 +306,12 @@ def run(args) -> int:
         if row.method == "pfnm-rounds":  # one name per method across runs (one shot or with rounds)
             row.method = "pfnm"
     kept = {("pfnm" if m == "pfnm-rounds" else m): v for m, v in result.global_models.items()}
-    columns = MATCH_COLUMNS if args.align == "match" else COLUMNS
+    columns = (REGRESSION_COLUMNS if dataset.task == "regression" else MATCH_COLUMNS if args.align == "match"
+               else COLUMNS)
     if ood is not None:
         columns = columns[:columns.index("brier") + 1] + OOD_COLUMNS + columns[columns.index("brier") + 1:]
     print(format_table([asdict(r) for r in result.rows], columns))
-    print(SERVER_SECONDS)
+    print(REGRESSION_LEGEND if dataset.task == "regression" else SERVER_SECONDS)
     for message in result.warnings:
         warn(message)
     if args.json:

@@ -180,6 +180,9 @@ def prepare(args) -> dict:
         check_positives(args.sweep_sigma2, "sweep_sigma2")
         check_positives(args.sweep_gamma0, "sweep_gamma0")
     dataset = _args.load_data(args, standardize=args.standardize)
+    if dataset.task == "regression":
+        raise UsageError(f"--dataset {dataset.name}: a regression; bnpfed pfnm matches and averages classifiers "
+                         "(a regression is fused weight by weight: bnpfed fuse --likelihood gaussian --no-fedavg)")
     for partition in partitions:
         _args.check_partition(partition, dataset, config.seed)
     training.check_inputs(dataset.input_shape)

@@ -39,7 +39,7 @@ from bnpfed.federated.server import (FusionStep, average_states, batch_norm_step
 from bnpfed.federated.rounds import Architecture, HoldsRounds, MatchRounds, PVIFactors
 from bnpfed.federated.fusion import FUSION_ARCHITECTURES, FedAvgFederation, FusionFederation, check_fusion_network
 from bnpfed.federated.matched_fusion import (MatchedFusionFederation, bayesian_from_match, client_from_slice,
-                                             pvi_factors, tempered)
+                                             pvi_factors, pvi_prior_variance, tempered)
 from bnpfed.federated.pfnm import PFNMFederation
 from bnpfed.federated.results import ExperimentResult, MethodResult, Selection
 from bnpfed.federated.methods import (ALIGNMENT_METHODS, ExperimentConfig, MethodOption, MethodSpec, available_methods,
@@ -68,7 +68,7 @@ __all__ = [
     "FusionStep", "clients_per_round", "sample_clients", "client_weights", "fuse_posteriors", "floor_variances",
     "matched_fusion_step", "average_states", "pfnm_step", "batch_norm_steps", "with_statistics", "mean_sigma",
     "Architecture", "HoldsRounds", "MatchRounds", "PVIFactors", "bayesian_from_match", "client_from_slice",
-    "pvi_factors", "tempered",
+    "pvi_factors", "pvi_prior_variance", "tempered",
     # federations
     "FUSION_ARCHITECTURES", "check_fusion_network", "FedAvgFederation", "FusionFederation",
     "MatchedFusionFederation", "PFNMFederation",

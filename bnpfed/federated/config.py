@@ -212,8 +212,14 @@ class PartitionConfig:
                              f"examples over {self.clients} clients), got {self.min_size}")
 
     def split(self, labels, seed: int) -> list[np.ndarray]:
-        """The J clients' sorted index arrays into ``labels``, drawn from the stream ``(seed, PARTITION)``."""
+        """The J clients' sorted index arrays into ``labels``, drawn from the stream ``(seed, PARTITION)``. A
+        regression's targets (real values) have no classes to skew: ``"iid"`` only."""
         labels = np.asarray(labels)
+        if labels.dtype.kind == "f":
+            if self.partition != "iid":
+                raise ValueError(f"partition: {self.partition!r} draws each client's share of every class; a "
+                                 "regression's targets have none: expected 'iid'")
+            labels = np.zeros(len(labels), dtype=np.int64)   # only their number counts
         self.check_fits(len(labels))
         rng = derive_seed(seed, Stream.PARTITION)
         if self.partition == "iid":
@@ -402,10 +408,10 @@ class BayesianConfig:
         'predictive on a tenth of the client\'s data, held out from its training).'))
     likelihood: Union[str, Likelihood] = option("categorical", choices=available_likelihoods, shown=False, help=(
         'the clients\' observation model: the name of one (``"categorical"``, or one a plugin registered with '
-        ':func:`~bnpfed.models.register_likelihood`) or a :class:`~bnpfed.models.Likelihood` object. The '
-        'federations classify (accuracy, NLL, calibration of class probabilities), so it must be a '
-        ':class:`~bnpfed.models.Categorical` (or a subclass). Variational clients only: a Laplace client trains by '
-        'cross-entropy.'))
+        ':func:`~bnpfed.models.register_likelihood`) or a :class:`~bnpfed.models.Likelihood` object. A '
+        'classification\'s is a :class:`~bnpfed.models.Categorical` (or a subclass); a regression\'s (``--dataset '
+        'diabetes``) ``"gaussian"`` or ``"student-t"`` (each noise scale learned). Variational clients only: a '
+        'Laplace client trains by cross-entropy.'))
     experimental: ExperimentalOptions = _experimental("``round_prior``")
 
     def __post_init__(self):
@@ -429,9 +435,7 @@ class BayesianConfig:
                              f"client={self.client!r}, got {self.laplace_prior!r}")
         if not isinstance(self.likelihood, Likelihood):
             check_choice(self.likelihood, available_likelihoods(), "likelihood")
-        if not isinstance(self.build_likelihood(), Categorical):
-            raise ValueError(f"likelihood: expected a classification likelihood (a Categorical or a subclass: the "
-                             f"federations score class probabilities), got {self.likelihood!r}")
+        self.build_likelihood()
         if not isinstance(self.prior, Prior):
             self.build_prior()   # a plugin's prior without an empirical-Bayes form says so here, before any work
         if self.client == "laplace" and self.likelihood != "categorical":
@@ -450,6 +454,19 @@ class BayesianConfig:
                 raise ValueError(f"experimental: round_prior: a setting of the variational clients' SVI, which "
                                  f"Laplace clients (client='laplace') do not run; expected it unset, got "
                                  f"{self.round_prior!r}")
+
+    def check_task(self, task: str) -> None:
+        """The likelihood fits the dataset's task (:data:`~bnpfed.data.TASKS`): a classification's is a
+        :class:`~bnpfed.models.Categorical` (or a subclass: the federations score class probabilities), a
+        regression's any other (``"gaussian"``, ``"student-t"``), for variational clients."""
+        classifies = isinstance(self.build_likelihood(), Categorical)
+        if task == "classification" and not classifies:
+            raise ValueError(f"likelihood: expected a classification likelihood (a Categorical or a subclass: the "
+                             f"federations score class probabilities), got {self.likelihood!r}")
+        if task == "regression" and (classifies or self.client != "variational"):
+            raise ValueError(f"likelihood: a regression's clients are variational with a likelihood of real "
+                             f"values ('gaussian', 'student-t', a Gaussian or StudentT object); got "
+                             f"likelihood={self.likelihood!r}, client={self.client!r}")
 
     def check_training(self, training: "TrainingConfig") -> None:
         """``training`` can train these clients: the variational clients' SVI runs Adam only (a ``training``

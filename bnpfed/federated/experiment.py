@@ -212,6 +212,12 @@ class Experiment:
         self.specs = check_methods(config, configs)
         self.configs = configs
         training.check_inputs(dataset.input_shape)
+        bayesian.check_task(dataset.task)
+        if dataset.task == "regression":
+            others = [spec for spec in config.methods if method_spec(spec).name != "fusion"]
+            if others:
+                raise ValueError(f"methods: {dataset.name!r} is a regression, which runs weight-wise posterior "
+                                 f"fusion only (fusion:rule=RULE); expected no others, got {others}")
         self.ood = ood
         self.dataset, self.partition, self.network, self.training = dataset, partition, network, training
         self.pfnm, self.fusion, self.bayesian, self.config = pfnm, fusion, bayesian, config
@@ -223,7 +229,9 @@ class Experiment:
             self.parts, self.validation_parts = holdout_split(parts, config.holdout, self.seed)
         else:
             self.parts, self.validation_parts = parts, [np.zeros(0, dtype=np.int64) for _ in parts]
-        self.class_counts = class_counts(labels, self.parts, dataset.num_classes)
+        # a regression has one "class": every client's examples
+        self.class_counts = (class_counts(labels, self.parts, dataset.num_classes) if dataset.task == "classification"
+                             else np.array([[len(p)] for p in self.parts], dtype=np.int64))
         self.client_data = [(dataset.x_train[torch.as_tensor(i)], dataset.y_train[torch.as_tensor(i)])
                             for i in self.parts]
         self.warnings: list[str] = []
@@ -286,7 +294,9 @@ class Experiment:
 
     def chance_check(self, method: str, accuracy: float) -> None:
         """Warn when ``accuracy`` is at or below chance (:func:`~bnpfed.metrics.chance_warning`: the largest class
-        share of the test split, plus 0.02)."""
+        share of the test split, plus 0.02); a regression has none."""
+        if self.dataset.task == "regression":
+            return
         message = chance_warning(method, accuracy, chance_accuracy(torch.bincount(self.dataset.y_test)))
         if message is not None:
             self.warn(message)

@@ -22,7 +22,8 @@ from torch import Tensor, nn
 from bnpfed.data import Dataset
 from bnpfed.federated.clients import batch_norm_moments_step
 from bnpfed.federated.server import batch_norm_steps, sample_clients
-from bnpfed.metrics import classification_report, ece_noise_floor, expected_calibration_error
+from bnpfed.metrics import (classification_report, ece_noise_floor, expected_calibration_error, regression_scores,
+                            regression_summary)
 from bnpfed.validation import check_fraction, check_int
 
 __all__ = ["EVAL_CHUNK", "Federation", "RoundRecord", "check_parts", "reestimate_statistics"]
@@ -90,10 +91,17 @@ class Federation(ABC):
 
     #: The method's name in results.
     method: str = ""
+    #: The tasks (:data:`~bnpfed.data.TASKS`) this federation runs: a regression needs a Bayesian predictive of real
+    #: values, which weight-wise posterior fusion has (:class:`~bnpfed.federated.fusion.FusionFederation`).
+    tasks: tuple[str, ...] = ("classification",)
 
     def __init__(self, dataset: Dataset, parts: Sequence, *, seed: int, fraction: float = 1.0, ece_bins: int = 15):
         if not isinstance(dataset, Dataset):
             raise ValueError(f"dataset: expected a bnpfed.data.Dataset, got {type(dataset).__name__}")
+        if dataset.task not in self.tasks:
+            raise ValueError(f"dataset: {dataset.name!r} is a {dataset.task}; {type(self).__name__} runs "
+                             f"{' and '.join(self.tasks)} only (a regression: weight-wise posterior fusion, "
+                             "FusionFederation)")
         self.dataset = dataset
         self.seed = check_int(seed, "seed", low=0)
         self.fraction = check_fraction(fraction, "fraction")
@@ -135,13 +143,30 @@ class Federation(ABC):
     def evaluate(self) -> dict[str, float]:
         """``accuracy``, ``nll``, ``ece`` (``ece_bins`` bins), ``ece15`` (15 bins) and ``brier`` of the global model on
         the test split, and ``ece_floor``: the ECE (``ece_bins`` bins) a perfectly calibrated model with the same
-        confidences would show on it (:func:`~bnpfed.metrics.ece_noise_floor`)."""
+        confidences would show on it (:func:`~bnpfed.metrics.ece_noise_floor`). For a regression, ``rmse``,
+        ``nll``, ``coverage`` and ``interval_width`` of the posterior predictive's central 90 % interval
+        (:func:`~bnpfed.metrics.regression_report`)."""
+        if self.dataset.task == "regression":
+            return self._evaluate_regression()
         x = self.dataset.x_test
         probs = torch.cat([self.predict_proba(x[i:i + EVAL_CHUNK]) for i in range(0, len(x), EVAL_CHUNK)])
         out = classification_report(probs, self.dataset.y_test, n_bins=self.ece_bins)
         out["ece15"] = expected_calibration_error(probs, self.dataset.y_test, 15)
         out["ece_floor"] = ece_noise_floor(probs, self.ece_bins)
         return out
+
+    def _evaluate_regression(self) -> dict[str, float]:
+        x, y = self.dataset.x_test, self.dataset.y_test
+        chunks = [regression_scores(self.predict_observations(x[i:i + EVAL_CHUNK]), y[i:i + EVAL_CHUNK])
+                  for i in range(0, len(x), EVAL_CHUNK)]
+        out = regression_summary({k: torch.cat([c[k] for c in chunks]) for k in chunks[0]}, y)
+        out["interval_width"] = out.pop("width")
+        return out
+
+    def predict_observations(self, x: Tensor) -> list:
+        """The global model's posterior predictive on ``x`` as S draws' observation distributions (a regression's;
+        :meth:`~bnpfed.clients.BayesianClient.sample_observations`)."""
+        raise ValueError(f"{type(self).__name__} has no posterior predictive of real values")
 
     @abstractmethod
     def _round(self, round: int, sampled: list[int]) -> tuple[list[float], dict]:

@@ -135,6 +135,7 @@ class FusionFederation(Federation):
         self.initial_clients = initial_clients
         _check_configs(network=network, training=training, bayesian=bayesian, fusion=fusion)
         training.check_inputs(dataset.input_shape)
+        bayesian.check_task(dataset.task)
         self.bayesian = bayesian
         if bayesian.client != "variational":
             raise ValueError(f"bayesian.client: weight-wise posterior fusion trains variational clients from the "
@@ -185,6 +186,14 @@ class FusionFederation(Federation):
                               "mean_sigma": mean_sigma(g.variance for g in self.global_posterior.values()),
                               "min_variance": step.min_variance, "floored": step.floored,
                               "server_seconds": step.seconds}
+
+    tasks = ("classification", "regression")
+
+    def predict_observations(self, x: Tensor) -> list:
+        """A regression's posterior predictive: the observation distributions of ``predictive_samples`` draws from
+        the global posterior, drawn from ``(seed, PREDICT, round)``."""
+        return self.global_model.sample_observations(x, num_samples=self.predictive_samples,
+                                                     seed=derive_seed(self.seed, Stream.PREDICT, self.round))
 
     def predict_proba(self, x: Tensor) -> Tensor:
         """The posterior predictive: softmax averaged over ``predictive_samples`` weight draws from the global

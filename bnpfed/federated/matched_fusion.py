@@ -67,13 +67,13 @@ from bnpfed.matching import network_from_state
 from bnpfed.matching import fit_temperature
 from bnpfed.matching import PVI, PosteriorMatch, client_posterior
 from bnpfed.metrics import count_parameters
-from bnpfed.models import Categorical
+from bnpfed.models import PRIORS, BayesianNetwork, Categorical, Prior
 from bnpfed.posterior import GaussianPosterior
 from bnpfed.seeding import Stream, derive_seed
 from bnpfed.validation import check_positive
 
 __all__ = ["MatchedFusionFederation", "bayesian_from_match", "client_from_slice", "matched_hyperparameters",
-           "pvi_factors", "tempered"]
+           "pvi_factors", "pvi_prior_variance", "tempered"]
 
 
 def _posterior(locs, variances, like: dict[str, Tensor]) -> dict[str, GaussianPosterior]:
@@ -92,7 +92,13 @@ def client_from_slice(template: nn.Module, locs, variances, bayesian: BayesianCo
     network) a client of the configured prior holding them, for Laplace clients
     :meth:`~bnpfed.clients.LaplaceClient.holding` (the linearised predictive suits a posterior of Laplace
     clients)."""
-    net = network_from_state(template, locs)
+    state = template.state_dict()
+    # a posterior's sites that are no parameter of the network (a prior's hyper-parameters) go to the guide only
+    net = network_from_state(template, {k: v for k, v in locs.items() if k in state or k not in variances})
+    if isinstance(bayesian.prior, Prior) and (prior is not None or (as_prior and bayesian.round_prior == "posterior")):
+        # a prior of its own: a prior object is shared by every client built from the config, and this one's
+        # prior becomes its own posterior or cavity
+        bayesian = replace(bayesian, prior=bayesian.prior.initial())
     if bayesian.client == "laplace":
         if as_prior:
             return posterior_client(net, bayesian)
@@ -132,19 +138,52 @@ def tempered(client: BayesianClient | LaplaceClient, temperature: float) -> Baye
     return client
 
 
-def pvi_factors(fusion: FusionConfig, bayesian: BayesianConfig) -> Optional[PVIFactors]:
+def pvi_factors(fusion: FusionConfig, bayesian: BayesianConfig, template: Optional[nn.Module] = None
+                ) -> Optional[PVIFactors]:
     """The server's PVI bookkeeping for ``fusion.rule == "pvi"`` (None otherwise), after checking that the clients
-    can take part: variational clients under a fixed named prior ``N(0, prior_scale^2)`` (the factors are measured
-    against it)."""
+    can take part: variational clients under a fixed zero-mean Gaussian prior (the factors are measured against it):
+    a built-in named prior ``N(0, prior_scale^2)``, or any prior (a named one a plugin registered, a prior object)
+    whose every Bayesian site is a zero-mean Normal of one variance (:func:`pvi_prior_variance`, read on
+    ``template``, a network of the clients' kind; without one, ``prior_variance`` is set when it is known)."""
     if fusion.rule != PVI:
         return None
-    if bayesian.client != "variational" or not isinstance(bayesian.prior, str) or bayesian.prior_variance != "fixed":
+    if bayesian.client != "variational" or bayesian.prior_variance != "fixed":
         raise ValueError(f"fusion.rule: {PVI!r} trains variational clients against their cavities under a fixed "
-                         f"named prior N(0, prior_scale^2); expected client='variational', a named prior and "
-                         f"prior_variance='fixed', got client={bayesian.client!r}, prior={bayesian.prior!r}, "
-                         f"prior_variance={bayesian.prior_variance!r}")
+                         f"zero-mean Gaussian prior; expected client='variational' and prior_variance='fixed', got "
+                         f"client={bayesian.client!r}, prior_variance={bayesian.prior_variance!r}")
     damping = PVI_DAMPING if fusion.pvi_damping is None else fusion.pvi_damping
-    return PVIFactors(bayesian.prior_scale ** 2, damping)
+    if isinstance(bayesian.prior, str) and bayesian.prior in PRIORS:
+        return PVIFactors(bayesian.prior_scale ** 2, damping)
+    return PVIFactors(None if template is None else pvi_prior_variance(bayesian, template), damping)
+
+
+def pvi_prior_variance(bayesian: BayesianConfig, template: nn.Module) -> dict[str, float]:
+    """``{site: v_s}``: the variance of each Bayesian site's prior under ``bayesian``'s prior on a network of the
+    clients' kind, which PVI measures the clients' factors against; every site's prior must be ``N(0, v_s)`` with
+    one ``v_s`` for all its entries (it is then the prior of every unit a match puts there).
+
+    :raises ValueError: ``"fusion.rule: ..."`` naming the site, for a prior that is not.
+    """
+    prior = bayesian.build_prior()
+    if prior.estimable:
+        raise ValueError(f"fusion.rule: {PVI!r} measures the clients' factors against a fixed prior; expected one, "
+                         f"got {prior!r}, which each client re-estimates")
+    try:
+        distributions = BayesianNetwork(template, prior.initial()).prior_distributions()
+    except ValueError as error:
+        raise ValueError(f"fusion.rule: {PVI!r} expected a prior with fixed Gaussian sites: {error}") from None
+    variances = {}
+    for site, fn in distributions.items():
+        base = fn
+        while isinstance(base, torch.distributions.Independent):
+            base = base.base_dist
+        ok = isinstance(base, torch.distributions.Normal)
+        ok = ok and bool((base.loc == 0).all()) and bool((base.scale == base.scale.reshape(-1)[0]).all())
+        if not ok:
+            raise ValueError(f"fusion.rule: {PVI!r} expected the prior of every Bayesian site to be N(0, v) with one "
+                             f"variance v for the site, got {fn!r} for {site!r}")
+        variances[site] = float(base.scale.reshape(-1)[0]) ** 2
+    return variances
 
 
 #: The hyper-parameter table of a match (one function for PFNM and matched fusion alike).
@@ -184,6 +223,7 @@ class MatchedFusionFederation(HoldsRounds, Federation):
         self.check_network(network)
         check_pool_temperature_applies(fusion, fusion.heads == "pooled")
         bayesian.check_training(training)
+        bayesian.check_task(dataset.task)
         training.check_inputs(dataset.input_shape)
         if initial_clients is not None and len(initial_clients) != self.num_clients:
             raise ValueError(f"initial_clients: expected one client per partition ({self.num_clients}), got "
@@ -200,7 +240,7 @@ class MatchedFusionFederation(HoldsRounds, Federation):
         self.clients: list[Optional[BayesianClient]] = [None] * self.num_clients
         self.global_model: Optional[BayesianClient] = None
         self.pooled: Optional[PooledPosterior] = None
-        self.pvi = pvi_factors(fusion, bayesian)
+        self.pvi = pvi_factors(fusion, bayesian, self.architecture.template)
         fusion.client_prior(bayesian)   # raises if bayesian.round_prior does not apply to this fusion
 
     @staticmethod

@@ -14,7 +14,10 @@ from bnpfed.federated.config import PFNMConfig
 from bnpfed.matching import SpecMatch
 from bnpfed.report import json_safe
 
-__all__ = ["ExperimentResult", "MethodResult", "Selection"]
+__all__ = ["REGRESSION", "ExperimentResult", "MethodResult", "Selection"]
+
+#: A regression's fields of a row (:class:`MethodResult`), left out of a classification's.
+REGRESSION = ("rmse", "coverage", "interval_width")
 
 
 @dataclass
@@ -44,6 +47,11 @@ class MethodResult:
     :param list hyperparameters: PFNM's hyper-parameters per hidden layer of the final match, estimated or fixed
         (:func:`~bnpfed.federated.server.match_hyperparameters`); empty for the other methods.
     :param str note: what distinguishes the row.
+    :param float rmse: a regression's (the dataset's ``task``): the root mean squared error of the posterior
+        predictive's mean on the test split (``nll`` its mean negative log predictive density; ``accuracy``, ``ece``
+        and ``brier`` NaN); ``coverage`` the share of test targets inside its central 90 % interval,
+        ``interval_width`` the interval's mean width. NaN for a classification, whose rows leave them out of
+        :meth:`ExperimentResult.as_dict`.
     """
 
     method: str
@@ -64,14 +72,28 @@ class MethodResult:
     history: list = field(default_factory=list)
     hyperparameters: list = field(default_factory=list)
     note: str = ""
+    rmse: float = math.nan
+    coverage: float = math.nan
+    interval_width: float = math.nan
 
     @classmethod
     def from_metrics(cls, method: str, metrics: dict, **fields) -> "MethodResult":
-        """A row from a metrics dict (``accuracy``, ``nll``, ``ece``, ``brier``, e.g. ``Experiment.report(probs)``)
-        and any other fields."""
+        """A row from a metrics dict (``accuracy``, ``nll``, ``ece``, ``brier``, e.g. ``Experiment.report(probs)``;
+        a regression's ``rmse``, ``nll``, ``coverage``, ``interval_width``) and any other fields."""
+        if "rmse" in metrics:
+            return cls(method=method, accuracy=math.nan, nll=metrics["nll"], **{k: metrics[k] for k in REGRESSION},
+                       **fields)
         extra = {k: metrics[k] for k in ("ece15", "ece_floor", "auroc_max_prob", "auroc_entropy") if k in metrics}
         return cls(method=method, accuracy=metrics["accuracy"], nll=metrics["nll"], ece=metrics["ece"],
                    brier=metrics["brier"], **extra, **fields)
+
+    def as_dict(self) -> dict:
+        """The row as a dict; a classification's leaves out the regression's fields (:data:`REGRESSION`)."""
+        row = asdict(self)
+        if all(isinstance(row[k], float) and math.isnan(row[k]) for k in REGRESSION):
+            for k in REGRESSION:
+                del row[k]
+        return row
 
 
 @dataclass
@@ -129,7 +151,7 @@ class ExperimentResult:
     def as_dict(self) -> dict:
         """JSON-ready (NaN becomes None): settings, rows (with their per-round histories), client sizes, local
         accuracies, selection, warnings."""
-        return json_safe({"settings": self.settings, "rows": [asdict(r) for r in self.rows],
+        return json_safe({"settings": self.settings, "rows": [r.as_dict() for r in self.rows],
                           "client_sizes": self.client_sizes, "local_accuracies": self.local_accuracies,
                           "selection": None if self.selection is None else self.selection.as_dict(),
                           "warnings": self.warnings})

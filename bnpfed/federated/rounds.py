@@ -33,8 +33,8 @@ from bnpfed.federated.config import NetworkConfig
 from bnpfed.federated.server import match_hyperparameters, mean_sigma
 from bnpfed.matching import batch_norm_order
 from bnpfed.matching import PermutationSpec, derive_spec, network_from_state
-from bnpfed.matching import cavity, pvi_factor
-from bnpfed.validation import check_bool, check_fraction, check_positive
+from bnpfed.matching import cavity, check_prior_variance, pvi_factor
+from bnpfed.validation import check_bool, check_fraction
 
 __all__ = ["Architecture", "HoldsRounds", "MatchRounds", "PVIFactors"]
 
@@ -153,15 +153,18 @@ class PVIFactors:
     ``t_j <- (1 - damping) t_j + damping q_j / c_j`` in natural parameters (all clients update at once, and the
     undamped parallel update overshoots: Bui et al. 2018, Ashman et al. 2022).
 
-    :param float prior_variance: the clients' zero-mean prior variance.
+    :param prior_variance: the clients' zero-mean prior variance, one for every site or ``{site: variance}``; None
+        until it is known (:meth:`cavity` and :meth:`update` need it: set ``prior_variance`` first).
     :param float damping: in (0, 1].
 
     Attributes: ``factors`` (client -> ``(precisions, etas)``), ``improper`` (this round's cavity coordinates set to
     the prior, summed over its clients).
     """
 
-    def __init__(self, prior_variance: float, damping: float = 1.0):
-        self.prior_variance = check_positive(prior_variance, "prior_variance")
+    def __init__(self, prior_variance: Any, damping: float = 1.0):
+        if prior_variance is not None:
+            check_prior_variance(prior_variance, prior_variance if isinstance(prior_variance, Mapping) else ())
+        self.prior_variance = prior_variance
         self.damping = check_fraction(damping, "damping")
         self.factors: dict[int, tuple[dict, dict]] = {}
         self.sent: dict[int, tuple] = {}

@@ -360,7 +360,8 @@ def match_hyperparameters(match) -> list[dict]:
 
 def mean_sigma(variances) -> float:
     """The mean posterior standard deviation over every weight of the given variance tensors (the Bayesian sites of
-    a global posterior)."""
+    a global posterior; with a hierarchical prior its hyper-parameters too, a few entries in the unconstrained space
+    among the weights')."""
     variances = [torch.as_tensor(v).reshape(-1) for v in variances]
     if not variances:
         raise ValueError("variances: expected the posterior variances of at least one site, got none")

@@ -55,7 +55,9 @@ alone decides. The steps are :mod:`bnpfed.federated.clients`' (the in-process fe
 * ``evaluate``: accuracy, NLL and Brier score of the global model on the test shard, and the per-bin calibration
   gaps of ECE with 100 and 15 bins (:func:`~bnpfed.metrics.calibration_gaps`: sums over the shard, from which the
   server computes the test split's ECE exactly); fusion and matched fusion: the posterior predictive drawn from
-  ``(seed, PREDICT, round)``, as in process.
+  ``(seed, PREDICT, round)``, as in process. A regression (``dataset = "diabetes"``): the predictive's mean
+  squared error, NLL, coverage and width of its central 90 % interval on the shard
+  (:func:`~bnpfed.metrics.regression_scores`), means the server weighs by the shards' sizes.
 
 :func:`query`, :func:`train` and :func:`evaluate` are the handlers of the ClientApp (:mod:`bnpfed.flower.client`).
 """
@@ -111,7 +113,7 @@ from bnpfed.clients import BayesianClient
 from bnpfed.matching import PooledPosterior
 from bnpfed.matching import attach_heads
 from bnpfed.matching import client_posterior
-from bnpfed.metrics import calibration_gaps, classification_report
+from bnpfed.metrics import calibration_gaps, classification_report, regression_scores
 from bnpfed.seeding import Stream, derive_seed
 
 __all__ = ["evaluate", "evaluation_shard", "initial_global_model", "node_partition", "query", "train"]
@@ -439,6 +441,16 @@ def evaluate(msg: Message, context: Context) -> Message:
         net = c.evaluation_network(record)
         with torch.no_grad():
             probs = net.eval()(x).softmax(-1)
+    elif c.ds.task == "regression":   # weight-wise fusion's global posterior, its predictive of real values
+        draws = c.global_client(record).sample_observations(
+            x, num_samples=c.settings.predictive_samples, seed=derive_seed(c.settings.seed, Stream.PREDICT, c.round))
+        scores = regression_scores(draws, y)
+        inside = (scores["lower"] <= y.double()) & (y.double() <= scores["upper"])
+        return c.reply(msg, None, {"num-examples": int(len(y)),
+                                   "squared-error": float((scores["mean"] - y.double()).square().mean()),
+                                   "nll": float(-scores["log_density"].mean()),
+                                   "coverage": float(inside.double().mean()),
+                                   "interval-width": float((scores["upper"] - scores["lower"]).mean())})
     else:
         model = c.pooled_posterior(record) if c.config["task"] == "matched-fusion" else None
         if model is None:

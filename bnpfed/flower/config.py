@@ -66,7 +66,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
 
-from bnpfed.data import DATASET_NAMES, NPZ_PREFIX
+from bnpfed.data import DATASET_NAMES, NPZ_PREFIX, dataset_task
 from bnpfed.experimental import ExperimentalOptions, keyed
 from bnpfed.federated import (FUSION_TRAINING, PFNM_NETWORK, PFNM_TRAINING, BayesianConfig, FusionConfig, NetworkConfig,
                               PartitionConfig, PFNMConfig, TrainingConfig, config_dict)
@@ -528,6 +528,10 @@ def parse_run_config(config: Mapping[str, Any]) -> FlowerSettings:
     if built["pfnm"].layerwise_retrain:
         raise ValueError(f"layerwise-retrain: expected 0 on Flower (FedMA's layer-wise scheme runs in process: "
                          f"bnpfed pfnm --layerwise-retrain), got {built['pfnm'].layerwise_retrain}")
+    built["bayesian"].check_task(dataset_task(run.dataset))   # the likelihood fits the dataset's targets
+    if dataset_task(run.dataset) == "regression" and (run.method != "fusion" or built["fusion"].align != "none"):
+        raise ValueError(f"method: {run.dataset!r} is a regression, fused weight by weight (method=\"fusion\", "
+                         f"align=\"none\"); got method={run.method!r}, align={built['fusion'].align!r}")
     if run.method == "fusion":
         _check_fusion(built["fusion"], built["network"])
         built["bayesian"].check_training(built["training"])   # optimizer: SVI runs Adam

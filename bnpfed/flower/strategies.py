@@ -58,7 +58,7 @@ from flwr.serverapp.strategy import Strategy
 
 from bnpfed.federated import bayesian_client
 from bnpfed.federated import BayesianConfig, FusionConfig, NetworkConfig, PFNMConfig
-from bnpfed.federated import pvi_factors
+from bnpfed.federated import pvi_factors, pvi_prior_variance
 from bnpfed.federated import Architecture, HoldsRounds, MatchRounds
 from bnpfed.federated import (average_states, batch_norm_steps, clients_per_round, fuse_posteriors, matched_fusion_step,
                               mean_sigma, pfnm_step, sample_clients, with_statistics)
@@ -105,6 +105,9 @@ from bnpfed.validation import check_fraction, check_int, check_positive
 
 __all__ = ["LOGGER", "Accepted", "FedAvgStrategy", "MatchedFusionStrategy", "PFNMStrategy", "PosteriorFusionStrategy",
            "evaluation_clients", "unexpected_reply"]
+
+#: The scores of a regression's evaluation reply, each a mean over the shard.
+REGRESSION_SCORES = ("squared-error", "nll", "coverage", "interval-width")
 
 #: Where rejections, missing clients and round summaries are logged: a child of Flower's logger, so the lines show
 #: up in the ServerApp's console and in ``flwr log``.
@@ -429,7 +432,8 @@ class _RoundStrategy(Strategy):
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> Optional[MetricRecord]:
         """Example-weighted means of the clients' ``accuracy``, ``nll`` and ``brier`` on their test shards, and the
         ECE of their union with 100 and 15 bins (``ece``, ``ece15``) from the sums of their per-bin gaps: what the
-        in-process federation reports on the whole test split."""
+        in-process federation reports on the whole test split. A regression's: the example-weighted means of the
+        shards' squared error (its root: ``rmse``), ``nll``, ``coverage`` and ``interval_width``."""
         def parse(reply: Message) -> Accepted:
             content = reply.content
             missing = [key for key, kind in ((METRICS, content.metric_records), (CLIENT, content.config_records))
@@ -438,6 +442,9 @@ class _RoundStrategy(Strategy):
                 raise ReplyError(f"evaluation reply: expected its {METRICS!r} and {CLIENT!r} records, got no "
                                  f"{' or '.join(map(repr, missing))} record")
             metrics = content.metric_records[METRICS]
+            if "squared-error" in metrics:   # a regression's shard
+                scores = {key: read_finite(metrics, key) for key in REGRESSION_SCORES}
+                return Accepted(read_partition_id(content.config_records[CLIENT]), read_count(metrics), None, scores)
             scores = {key: read_finite(metrics, key) for key in ("accuracy", "nll", "brier")}
             if TEST_CLASS_COUNTS in metrics:   # the shard's labels per class (none from a client of bnpfed 0.2)
                 scores[TEST_CLASS_COUNTS] = read_class_counts(metrics, self.identity.num_classes, TEST_CLASS_COUNTS)
@@ -449,6 +456,19 @@ class _RoundStrategy(Strategy):
             return None
         total = sum(a.num_examples for a in accepted)
         out = MetricRecord({"num-examples": total})
+        if any(a.payload is None for a in accepted):
+            if not all(a.payload is None for a in accepted):
+                raise ReplyError("evaluation replies: expected one task's scores, got a regression's and a "
+                                 "classification's")
+            means = {key: float(sum(a.metrics[key] * a.num_examples for a in accepted) / total)
+                     for key in REGRESSION_SCORES}
+            scores = {"rmse": math.sqrt(means["squared-error"]), "nll": means["nll"], "coverage": means["coverage"],
+                      "interval_width": means["interval-width"]}
+            for key, value in scores.items():
+                out[key] = value
+            if self.history and self.history[-1]["round"] == server_round:
+                self.history[-1].update(**scores, test_examples=total, evaluated=[a.partition_id for a in accepted])
+            return out
         for key in ("accuracy", "nll", "brier"):
             out[key] = float(sum(a.metrics[key] * a.num_examples for a in accepted) / total)
         for bins, key in zip(ECE_BINS, ("ece", "ece15")):
@@ -849,6 +869,8 @@ class MatchedFusionStrategy(_MatchingStrategy):
         if not hasattr(self, "_sites"):
             locs, variances = client_posterior(bayesian_client(self.template, self.bayesian))
             self._order, self._sites = list(locs), list(variances)  # a client's (locs, variances), as it makes them
+        if self.pvi is not None and self.pvi.prior_variance is None:   # a prior read on the clients' network
+            self.pvi.prior_variance = pvi_prior_variance(self.bayesian, self.template)
         return identity
 
     def _train_content(self, server_round, j, arrays):

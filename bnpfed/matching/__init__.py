@@ -42,7 +42,8 @@ from bnpfed.matching.pooled_heads import (TEMPERATURES, PooledHeads, PooledPoste
                                           fit_temperature, pool_log_probabilities, pool_nll, pooled_heads_layer,
                                           pooled_heads_of, pooled_network, set_temperature)
 from bnpfed.matching.posteriors import (ATOM_POSTERIOR, MATCH_ON, MIN_VARIANCE, PVI, PosteriorMatch, cavity,
-                                        client_posterior, fuse_members, match_posteriors, matched_rules, pvi_factor)
+                                        check_prior_variance, client_posterior, fuse_members, match_posteriors,
+                                        matched_rules, prior_precision, pvi_factor)
 from bnpfed.matching.recovery import RecoveryConfig, RecoveryRow, match_recovery
 from bnpfed.matching.network import architecture_difference
 from bnpfed.matching.memory import (MemoryLimitError, available_memory, check_matching_memory, check_network_matching,
@@ -68,8 +69,8 @@ __all__ = [
     "pool_log_probabilities", "pool_nll", "pooled_heads_layer", "pooled_heads_of", "pooled_network",
     "set_temperature",
     # matched posterior fusion
-    "ATOM_POSTERIOR", "MATCH_ON", "MIN_VARIANCE", "PVI", "PosteriorMatch", "cavity", "client_posterior",
-    "fuse_members", "match_posteriors", "matched_rules", "pvi_factor",
+    "ATOM_POSTERIOR", "MATCH_ON", "MIN_VARIANCE", "PVI", "PosteriorMatch", "cavity", "check_prior_variance",
+    "client_posterior", "fuse_members", "match_posteriors", "matched_rules", "prior_precision", "pvi_factor",
     # the demo
     "RecoveryConfig", "RecoveryRow", "match_recovery",
 ]

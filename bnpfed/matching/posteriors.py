@@ -124,7 +124,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Mapping, Sequence
+from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -143,8 +143,9 @@ from bnpfed.models import Prior
 from bnpfed.posterior import GaussianPosterior
 from bnpfed.validation import check_choice, check_int, check_positive
 
-__all__ = ["ATOM_POSTERIOR", "MATCH_ON", "MIN_VARIANCE", "PVI", "PosteriorMatch", "cavity", "client_posterior",
-           "fuse_members", "match_means", "match_posteriors", "matched_rules", "pvi_factor"]
+__all__ = ["ATOM_POSTERIOR", "MATCH_ON", "MIN_VARIANCE", "PVI", "PosteriorMatch", "cavity", "check_prior_variance",
+           "client_posterior", "fuse_members", "match_means", "match_posteriors", "matched_rules", "prior_precision",
+           "pvi_factor"]
 
 #: What a matched fusion's assignment is computed from (:func:`match_posteriors`' ``match_on``).
 MATCH_ON = ("posteriors", "means")
@@ -167,17 +168,37 @@ def matched_rules() -> tuple[str, ...]:
     return (*available_rules(), ATOM_POSTERIOR, PVI)
 
 
+def check_prior_variance(prior_variance: Any, sites: Iterable[str]) -> None:
+    """The clients' zero-mean prior of rule ``"pvi"``: one variance ``v > 0`` for every Bayesian site, or a mapping
+    ``{site: v_s}`` naming each of ``sites``; else a ``ValueError`` naming ``prior_variance``."""
+    if isinstance(prior_variance, Mapping):
+        missing = [k for k in sites if k not in prior_variance]
+        if missing:
+            raise ValueError(f"prior_variance: expected a variance for every Bayesian site, got none for {missing}")
+        for k, v in prior_variance.items():
+            check_positive(v, f"prior_variance[{k!r}]")
+    else:
+        check_positive(prior_variance, "prior_variance")
+
+
+def prior_precision(prior_variance: Any, site: str) -> float:
+    """``1 / v_s``, the prior precision of ``site`` under ``prior_variance`` (a float, or ``{site: v_s}``)."""
+    return 1.0 / float(prior_variance[site] if isinstance(prior_variance, Mapping) else prior_variance)
+
+
 def cavity(posterior: tuple[Mapping[str, Tensor], Mapping[str, Tensor]],
-           factor: tuple[Mapping[str, Tensor], Mapping[str, Tensor]], prior_variance: float
+           factor: tuple[Mapping[str, Tensor], Mapping[str, Tensor]], prior_variance: Any
            ) -> tuple[tuple[dict, dict], int]:
     """PVI's cavity ``posterior / factor`` per Bayesian site, ``((means, variances), improper)``: natural parameters
     subtracted (``factor`` given as ``(precisions, etas)``); where the cavity's precision would fall below the
     prior's ``1 / prior_variance`` (the other clients' factors would make it wider than the prior) it is the prior
-    ``N(0, prior_variance)`` there, and ``improper`` counts those coordinates."""
+    ``N(0, prior_variance)`` there, and ``improper`` counts those coordinates. ``prior_variance``: one variance, or
+    ``{site: variance}`` (:func:`check_prior_variance`)."""
     (locs, variances), (lam_t, eta_t) = posterior, factor
-    lam0 = 1.0 / check_positive(prior_variance, "prior_variance")
+    check_prior_variance(prior_variance, variances)
     means, out_var, improper = {}, {}, 0
     for k, v in variances.items():
+        lam0 = prior_precision(prior_variance, k)
         v = v.to(torch.float64)
         lam = 1.0 / v - lam_t[k].to(torch.float64)
         eta = locs[k].to(torch.float64) / v - eta_t[k].to(torch.float64)
@@ -190,14 +211,15 @@ def cavity(posterior: tuple[Mapping[str, Tensor], Mapping[str, Tensor]],
 
 
 def pvi_factor(posterior: tuple[Mapping[str, Tensor], Mapping[str, Tensor]],
-               cavity_: tuple[Mapping[str, Tensor], Mapping[str, Tensor]] | None, prior_variance: float
+               cavity_: tuple[Mapping[str, Tensor], Mapping[str, Tensor]] | None, prior_variance: Any
                ) -> tuple[dict, dict]:
     """Client j's approximate-likelihood factor ``t_j = q_j / c_j`` per Bayesian site as natural parameters
     ``(precisions, etas)``; ``cavity_`` None: the prior ``N(0, prior_variance)``."""
     locs, variances = posterior
-    lam0 = 1.0 / check_positive(prior_variance, "prior_variance")
+    check_prior_variance(prior_variance, variances)
     precisions, etas = {}, {}
     for k, v in variances.items():
+        lam0 = prior_precision(prior_variance, k)
         v = v.to(torch.float64)
         if cavity_ is None:
             lam_c, eta_c = torch.full_like(v, lam0), torch.zeros_like(v)
@@ -482,7 +504,7 @@ def match_posteriors(
     stop: Literal["fixed-point", "result"] = "result",
     starts: Literal["even-split", "both", "small-noise"] = "even-split",
     factors=None,
-    prior_variance: float = 1.0,
+    prior_variance: Any = 1.0,
     match_on: Literal["posteriors", "means"] = "posteriors",
     activity=None,
     device=None,
@@ -522,7 +544,8 @@ def match_posteriors(
         see :func:`~bnpfed.matching.layer.match_layer`); passed to the default ``layer_fn`` only.
     :param factors: ``rule="pvi"``: per client its factor ``(precisions, etas)`` per Bayesian site, in its own
         coordinates (:func:`pvi_factor`, possibly damped); None (round 1): each client's posterior over the prior.
-    :param float prior_variance: ``rule="pvi"``: the variance of the clients' zero-mean prior.
+    :param prior_variance: ``rule="pvi"``: the variance of the clients' zero-mean prior, one float for every site or
+        ``{site: variance}`` (:func:`check_prior_variance`).
     :param str match_on: what the assignment is computed from: ``"posteriors"`` (default: the heteroscedastic
         model, every neuron seen with its posterior variances plus tau2) or ``"means"`` (PFNM's model on the posterior
         means, :func:`match_means`); the posteriors are fused along it either way (module docstring). Not with a
@@ -557,6 +580,11 @@ def match_posteriors(
             raise ValueError(f"clients[{j}]: expected the Bayesian sites {sites} of client 0, got {sorted(v)}")
     spec = resolve_spec(spec, template, input_shape,
                         missing="spec: expected a PermutationSpec or a template network to derive it from")
+    unknown = [k for k in sites if k not in spec.kinds]
+    if unknown:
+        raise ValueError(f"clients: expected posteriors of the network's parameters, got sites {unknown} that are "
+                         "none (a prior's hyper-parameters: matching aligns a network's units; fuse such a posterior "
+                         "weight by weight, align='none')")
     stats = [k for k, kind in spec.kinds.items() if kind in STATISTICS]
     if stats:
         raise ValueError(f"spec: batch-norm running statistics ({stats[:2]}...) are no posterior to fuse; expected a "
@@ -569,7 +597,7 @@ def match_posteriors(
         channels.update(_factor_channels(pairs, locs, factors, prior_variance))
     elif factors is not None:
         raise ValueError(f"factors: expected only with rule={PVI!r}, got rule={rule!r}")
-    elif prior_variance != 1.0:
+    elif isinstance(prior_variance, Mapping) or prior_variance != 1.0:
         raise ValueError(f"prior_variance: the clients' prior of rule={PVI!r}; expected the default 1 with "
                          f"rule={rule!r}, got {prior_variance!r}")
     data = prepare_clients(channels, spec, class_counts)
@@ -606,7 +634,10 @@ def match_posteriors(
             precision = torch.as_tensor(r.posterior_precision, dtype=torch.float64)
             var = torch.where(bayesian, torch.clamp(1.0 / precision, min=min_variance), torch.zeros_like(loc))
         elif rule == PVI:            # the prior times the members' factors
-            lam = torch.full((L, layout.D), 1.0 / prior_variance, dtype=torch.float64)
+            prior_row = torch.cat([torch.full((s.stop - s.start,), prior_precision(prior_variance, s.param)
+                                              if s.param in sites else 1.0, dtype=torch.float64)
+                                   for s in layout.segments])
+            lam = prior_row.expand(L, layout.D).clone()
             eta = torch.zeros(L, layout.D, dtype=torch.float64)
             for j, a in enumerate(assignments):
                 held = rows["held"][j]
@@ -614,7 +645,7 @@ def match_posteriors(
                 eta.index_add_(0, a, held * rows["factor_eta"][j])
             bad = bayesian & (lam <= 0)
             improper[0] += int(bad.sum())
-            lam = torch.where(bad, torch.full_like(lam, 1.0 / prior_variance), lam)
+            lam = torch.where(bad, prior_row.expand_as(lam), lam)
             eta = torch.where(bad, torch.zeros_like(eta), eta)
             loc = torch.where(bayesian, eta / lam, loc)
             var = torch.where(bayesian, torch.clamp(1.0 / lam, min=min_variance), var)
@@ -637,11 +668,13 @@ def match_posteriors(
             else:
                 w = weights[k]
             if out_b in sites and rule == PVI:   # every client's factor of the class's bias
-                lam = 1.0 / prior_variance + sum(f[out_b][k] for f in data.channels["factor_precision"])
+                lam = prior_precision(prior_variance, out_b) + sum(f[out_b][k]
+                                                                   for f in data.channels["factor_precision"])
                 eta = sum(f[out_b][k] for f in data.channels["factor_eta"])
                 if lam <= 0:
                     improper[0] += 1
-                    lam, eta = torch.tensor(1.0 / prior_variance, dtype=torch.float64), torch.tensor(0.0)
+                    lam = torch.tensor(prior_precision(prior_variance, out_b), dtype=torch.float64)
+                    eta = torch.tensor(0.0)
                 bias_loc[k], bias_var[k] = eta / lam, torch.clamp(1.0 / lam, min=min_variance)
             elif out_b in sites:
                 fused = fuse(b_locs[who, k], b_vars[who, k], "conflation" if rule == ATOM_POSTERIOR else rule,
@@ -667,7 +700,7 @@ def match_posteriors(
 
 def _factor_channels(pairs, locs, factors, prior_variance) -> dict[str, list]:
     """The clients' PVI factors as two more channels (every ``state_dict`` key; 0 off the Bayesian sites)."""
-    prior_variance = check_positive(prior_variance, "prior_variance")
+    check_prior_variance(prior_variance, pairs[0][1])
     J = len(pairs)
     if factors is not None and (not isinstance(factors, Sequence) or len(factors) != J):
         raise ValueError(f"factors: expected one (precisions, etas) pair per client ({J}), got {type(factors)}")

@@ -12,7 +12,8 @@ from bnpfed.models.beta_bernoulli import (
     sample_federated_layer,
 )
 from bnpfed.models.bayesian import BayesianNetwork
-from bnpfed.models.likelihoods import Categorical, Gaussian, GaussianPredictive, Likelihood
+from bnpfed.models.likelihoods import (NOISE_SITE, Categorical, Gaussian, GaussianPredictive, Likelihood, StudentT,
+                                      predictive_of)
 from bnpfed.models.local_reparameterization import (
     LocalReparameterizationMessenger,
     LocalReparameterizedLinear,
@@ -32,9 +33,11 @@ from bnpfed.models.named import (
     unregister_likelihood,
     unregister_prior,
 )
+from bnpfed.models.program import PyroProgram, localize_, module_local_params
 from bnpfed.models.networks import LeNet, mlp, reference_init_, simple_cnn, simple_cnn_bn
 from bnpfed.models.priors import (
     EmpiricalBayesPrior,
+    HierarchicalPrior,
     IIDPrior,
     LayerwisePrior,
     Prior,
@@ -57,6 +60,12 @@ __all__ = [
     "Gaussian",
     "GaussianPredictive",
     "Likelihood",
+    "NOISE_SITE",
+    "StudentT",
+    "predictive_of",
+    "PyroProgram",
+    "localize_",
+    "module_local_params",
     "LocalReparameterizationMessenger",
     "LocalReparameterizedLinear",
     "local_reparameterization",
@@ -78,6 +87,7 @@ __all__ = [
     "simple_cnn",
     "simple_cnn_bn",
     "EmpiricalBayesPrior",
+    "HierarchicalPrior",
     "IIDPrior",
     "LayerwisePrior",
     "Prior",

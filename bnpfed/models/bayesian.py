@@ -28,10 +28,13 @@ from typing import Any, Callable, Mapping, Optional
 import pyro
 import torch
 from pyro import poutine
+from pyro.infer.autoguide.initialization import init_to_mean, init_to_median
 from pyro.nn.module import to_pyro_module_
+from pyro.poutine.messenger import Messenger
 from torch import Tensor, nn
+from torch.distributions import constraints
 
-from bnpfed.models.likelihoods import Categorical, Likelihood
+from bnpfed.models.likelihoods import Categorical, Likelihood, StudentT, predictive_of
 from bnpfed.models.local_reparameterization import LocalReparameterizedLinear, local_reparameterization
 from bnpfed.models.priors import Prior, SitePrior
 from bnpfed.seeding import seeded
@@ -105,7 +108,8 @@ class BayesianNetwork(nn.Module):
         pyro_net = copy.deepcopy(net)
         with _module_local_params():  # a PyroModule's parameter bookkeeping is set up when it is created
             to_pyro_module_(pyro_net)
-            #: Values of the Bayesian parameters in the user's network, ``{site: tensor}``.
+            #: Values of the Bayesian parameters in the user's network, ``{site: tensor}``, and of the prior's
+            #: hyper-parameters (their prior means), in the order of :attr:`latent_sites`.
             self.init_values: dict[str, Tensor] = prior.apply_(pyro_net)
         self.net = pyro_net
         #: Names of the Pyro sample sites of the weights, in ``net.named_parameters()`` order.
@@ -116,6 +120,22 @@ class BayesianNetwork(nn.Module):
         for name in self.bayesian_sites:
             module_name, _, attr = name.rpartition(".")
             self._site_priors[name] = pyro_net.get_submodule(module_name)._pyro_samples[attr]
+        hyper = self._read_hyper_sites()
+        hyper.update(self._likelihood_sites(hyper))
+        #: Names of the latent sites the prior draws besides the weights (hyper-parameters, such as a per-layer
+        #: prior scale), each just before the weight site whose prior it sets, then the likelihood's (a learned
+        #: noise scale, :meth:`Likelihood.latent_sites`); empty for a fixed prior and likelihood.
+        self.hyper_sites: tuple[str, ...] = tuple(hyper)
+        #: Names of every latent site, in the order the model samples them: each weight's hyper-parameters, then
+        #: the weight; the likelihood's last.
+        self.latent_sites: tuple[str, ...] = tuple(name for site in (*self.bayesian_sites, None)
+                                                   for name in (*(h for h, (owner, _, _) in hyper.items()
+                                                                  if owner == site), *((site,) if site else ())))
+        #: ``{site: support}`` of every latent site (the weights' are the real numbers).
+        self.supports: dict[str, Any] = {name: constraints.real for name in self.bayesian_sites}
+        self.supports.update({h: support for h, (_, _, support) in hyper.items()})
+        self.init_values.update({h: value for h, (_, value, _) in hyper.items()})
+        self.init_values = {name: self.init_values[name] for name in self.latent_sites}
         self._build_plain(net)
         object.__setattr__(self, "_template", copy.deepcopy(net))  # not a submodule: the structure, plain torch
 
@@ -184,8 +204,72 @@ class BayesianNetwork(nn.Module):
 
     def prior_distributions(self) -> dict[str, Any]:
         """``{site: distribution}``: the prior each Bayesian site has now (after any ``prior.update_``), with the
-        site's shape as ``event_shape``."""
+        site's shape as ``event_shape``: a fixed distribution, for a prior without hyper-parameters.
+
+        :raises ValueError: for a prior with hyper-parameters (:attr:`hyper_sites`), whose weights have no fixed
+            prior: it is a function of the hyper-parameters drawn in each run of the model.
+        """
+        if self.hyper_sites:
+            raise ValueError(f"prior: {type(self.prior).__name__} draws hyper-parameters {list(self.hyper_sites)} "
+                             "in every run of the model; the weights' priors depend on them, and are no fixed "
+                             "distributions")
         return {name: site_prior(None) for name, site_prior in self._site_priors.items()}
+
+    def _likelihood_sites(self, hyper: Mapping) -> dict[str, tuple[None, Tensor, Any]]:
+        """``{site: (None, initial value, support)}`` of the likelihood's latent sites, initialised as the prior's
+        hyper-parameters are."""
+        sites = {}
+        for name, fn in self.likelihood.latent_sites().items():
+            if name in hyper or name in self._site_priors:
+                raise ValueError(f"likelihood: {self.likelihood!r} draws the site {name!r}, which the prior draws too")
+            node = {"name": name, "fn": fn, "value": None, "is_observed": False, "type": "sample", "infer": {},
+                    "args": (), "kwargs": {}}
+            with torch.no_grad(), seeded(0):
+                value = init_to_mean(site=node)
+                if not bool(torch.isfinite(value).all()):
+                    value = init_to_median(site=node, num_samples=101)
+            sites[name] = (None, value.detach().clone(), fn.support)
+        return sites
+
+    def _read_hyper_sites(self) -> dict[str, tuple[str, Tensor, Any]]:
+        """``{hyper site: (weight site, initial value, support)}``: the sample statements each weight's prior makes
+        (traced outside any run of the model), with the value Pyro's ``init_to_mean`` gives each (its prior's
+        mean; without a finite one, the median of 101 draws of seed 0).
+
+        :raises ValueError: naming the prior and the site, for a prior that draws random values outside
+            ``pyro.sample`` statements (a prior of the site that changes from one call to the next with the
+            hyper-parameters held: a draw no guide can learn, which a closed-form ELBO would cache), or a hyper site
+            two weights' priors both draw.
+        """
+        hyper: dict[str, tuple[str, Tensor, Any]] = {}
+        for name, site_prior in self._site_priors.items():
+            with _module_local_params(), seeded(0):
+                trace = poutine.trace(site_prior).get_trace(None)
+            drawn = {h: node for h, node in trace.nodes.items() if node["type"] == "sample"}
+            for h, node in drawn.items():
+                if h in hyper or h in self._site_priors:
+                    raise ValueError(f"prior: {type(self.prior).__name__} draws the site {h!r} in the priors of both "
+                                     f"{hyper[h][0] if h in hyper else h!r} and {name!r}: a hyper-parameter is a "
+                                     "sample site of its own, drawn in one weight's prior")
+                if node["is_observed"]:
+                    raise ValueError(f"prior: {type(self.prior).__name__} observes the site {h!r} in the prior of "
+                                     f"{name!r}; expected latent hyper-parameters only")
+                with torch.no_grad(), seeded(0):
+                    value = init_to_mean(site=node)
+                    if not bool(torch.isfinite(value).all()):   # no mean (a half-Cauchy): the median of draws
+                        value = init_to_median(site=node, num_samples=101)
+                hyper[h] = (name, value.detach().clone(), node["fn"].support)
+            held = {h: node["value"] for h, node in drawn.items()}
+            first = trace.nodes["_RETURN"]["value"]
+            with _module_local_params(), seeded(1):
+                second = poutine.condition(site_prior, data=held)(None)
+            point = self.init_values[name]
+            if not torch.equal(first.log_prob(point), second.log_prob(point)):
+                raise ValueError(f"prior: {type(self.prior).__name__} gives site {name!r} a different prior on every "
+                                 "call (it draws random values outside pyro.sample statements); draw a "
+                                 "hyper-parameter with pyro.sample, so that it is a latent site the guide learns, "
+                                 "never one draw fixed for the whole fit")
+        return hyper
 
     @contextlib.contextmanager
     def context(self):
@@ -222,9 +306,37 @@ class BayesianNetwork(nn.Module):
         :param guide: a guide of this model, e.g. :class:`bnpfed.clients.MeanFieldGuide`; ``None`` samples the prior.
         :param int seed: if given, draws use this seed (Torch's global random state is left as it was).
         :returns: what the likelihood's ``predictive`` returns: ``(B, num_classes)`` probabilities for
-            ``Categorical``, a ``GaussianPredictive(mean, variance)`` for ``Gaussian``.
+            ``Categorical``, a ``GaussianPredictive(mean, variance)`` for ``Gaussian``; for a likelihood with latent
+            sites (a learned noise scale), :func:`~bnpfed.models.predictive_of` the draws' observation distributions
+            (:meth:`sample_observations`).
         """
+        if self.likelihood.latent_sites() or isinstance(self.likelihood, StudentT):
+            return predictive_of(self.sample_observations(x, num_samples, guide, seed))
         return self.likelihood.predictive(self.sample_outputs(x, num_samples, guide, seed))
+
+    @torch.no_grad()
+    def sample_observations(self, x: Tensor, num_samples: int = 10, guide: Optional[Callable] = None,
+                            seed: Optional[int] = None) -> list:
+        """The observation distributions ``p(y | x, w_s)`` of ``num_samples`` draws ``w_s`` (from ``guide``, else
+        the prior), each of batch shape ``(B,)``: the model's ``"y"`` site run with every latent site (the
+        likelihood's too) replayed from the draw, and not drawn itself (:class:`Undrawn`: the weights of draw s are
+        the same for any batch); the same eval mode as :meth:`predict`."""
+        num_samples = check_int(num_samples, "num_samples", low=1)
+        _batch_size(x)
+        modes = [(module, module.training) for module in self.modules()]
+        self.eval()
+        observations = []
+        try:
+            with seeded(seed, x.device), self.context():
+                for _ in range(num_samples):
+                    model = self.model
+                    if guide is not None:
+                        model = poutine.replay(self.model, trace=poutine.trace(guide).get_trace(x))
+                    observations.append(poutine.trace(Undrawn("y")(model)).get_trace(x).nodes["y"]["fn"])
+        finally:
+            for module, training in modes:
+                module.training = training
+        return observations
 
     @torch.no_grad()
     def sample_outputs(self, x: Tensor, num_samples: int = 10, guide: Optional[Callable] = None,
@@ -295,6 +407,24 @@ class BayesianNetwork(nn.Module):
             module.__dict__["weight_moments"] = None if moments is None else moments[weight]
             module.__dict__["bias_moments"] = None if moments is None or bias is None else moments[bias]
         return self._plain(x)
+
+
+class Undrawn(Messenger):
+    """Runs the named sample sites without drawing them (a placeholder value of zeros, as if observed): a trace
+    that only reads their distributions then draws the same random numbers whatever the batch size, so the weight
+    draws of a predictive are the same on a whole test split and on any shard of it.
+
+    :param str site: the site's name.
+    """
+
+    def __init__(self, site: str):
+        super().__init__()
+        self.site = site
+
+    def _process_message(self, msg):
+        if msg["type"] == "sample" and msg["name"] == self.site and msg["value"] is None:
+            msg["value"] = torch.zeros(msg["fn"].shape())
+            msg["is_observed"] = True
 
 
 def _batch_size(x) -> int:

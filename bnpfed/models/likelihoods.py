@@ -9,8 +9,10 @@ A likelihood says four things, and :class:`~bnpfed.models.bayesian.BayesianNetwo
   returns (:meth:`Likelihood.predictive`);
 - which targets are valid (:meth:`Likelihood.check_targets`), so that ``fit`` fails at the boundary with a message.
 
-:class:`Categorical` is classification (logits in, probabilities out); :class:`Gaussian` is regression with a known
-noise scale. A new observation model is a new subclass; nothing else changes.
+:class:`Categorical` is classification (logits in, probabilities out); :class:`Gaussian` and :class:`StudentT` are
+regression, with a known noise scale or one learned as a latent site of the model (:data:`NOISE_SITE`, drawn from its
+prior in every run, :meth:`Likelihood.latent_sites`: a client's guide learns it, its posterior reports it, the fusion
+rules fuse it in log space). A new observation model is a new subclass; nothing else changes.
 
 Usage::
 
@@ -33,6 +35,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any, NamedTuple, Optional
 
+import pyro
 import pyro.distributions as dist
 import torch
 import torch.nn.functional as F
@@ -40,7 +43,10 @@ from torch import Tensor
 
 from bnpfed.validation import check_int, check_positive
 
-__all__ = ["Categorical", "Gaussian", "GaussianPredictive", "Likelihood"]
+__all__ = ["NOISE_SITE", "Categorical", "Gaussian", "GaussianPredictive", "Likelihood", "StudentT", "predictive_of"]
+
+#: The latent site of a regression likelihood's learned noise scale.
+NOISE_SITE = "noise_scale"
 
 
 class Likelihood(ABC):
@@ -77,6 +83,11 @@ class Likelihood(ABC):
     def targets(self, y: Tensor) -> Tensor:
         """Valid targets (:meth:`check_targets`) in the dtype the likelihood computes with (default: as given)."""
         return y
+
+    def latent_sites(self) -> dict[str, Any]:
+        """``{site: prior}``: the latent sites :meth:`distribution` draws with ``pyro.sample`` (a learned noise
+        scale), which a model reads as hyper-parameters; none by default."""
+        return {}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -143,39 +154,41 @@ class Categorical(Likelihood):
 
 
 class GaussianPredictive(NamedTuple):
-    """The moments of a Gaussian likelihood's posterior predictive (a mixture of S Gaussians), each of the targets'
-    shape."""
+    """The moments of a regression likelihood's posterior predictive (a mixture of S draws' distributions), each of
+    the targets' shape."""
 
     mean: Tensor
     variance: Tensor
 
 
-class Gaussian(Likelihood):
-    """Regression: ``y_i ~ N(f(x_i; w), scale^2)`` elementwise, with a known noise scale.
+class _Regression(Likelihood):
+    """What :class:`Gaussian` and :class:`StudentT` share: targets of the output's shape (``(B,)`` for an output
+    ``(B, 1)``), and a noise scale that is known or a latent site."""
 
-    Targets have the shape of the network's output, except that an output ``(B, 1)`` (one regression target, as
-    ``nn.Linear(h, 1)`` gives) has targets ``(B,)``.
-
-    The predictive from S draws is the mixture ``1/S sum_s N(f(x; w_s), scale^2)``; :meth:`predictive` returns its
-    mean and variance, ``mean = 1/S sum_s f_s`` and ``variance = scale^2 + 1/S sum_s (f_s - mean)^2``.
-
-    :param float scale: the noise standard deviation, in the units of ``y``. Default 1.
-    """
-
-    def __init__(self, scale: float = 1.0):
-        self.scale = check_positive(scale, "scale")
+    def __init__(self, scale: Optional[float], scale_prior: Optional[dist.TorchDistribution]):
+        if scale is None:
+            scale_prior = dist.HalfNormal(1.0) if scale_prior is None else scale_prior
+            if not isinstance(scale_prior, torch.distributions.Distribution) or scale_prior.event_shape != () \
+                    or scale_prior.batch_shape != ():
+                raise ValueError(f"scale_prior: expected a scalar pyro distribution of the noise scale, got "
+                                 f"{scale_prior!r}")
+            self.scale, self.scale_prior = None, scale_prior
+        else:
+            if scale_prior is not None:
+                raise ValueError(f"scale_prior: the prior of a learned noise scale; expected None with a known "
+                                 f"scale={scale!r}, got {scale_prior!r}")
+            self.scale, self.scale_prior = check_positive(scale, "scale"), None
 
     @staticmethod
     def _loc(output: Tensor) -> Tensor:
         return output[..., 0] if output.dim() == 2 and output.shape[-1] == 1 else output
 
-    def distribution(self, output):
-        loc = self._loc(output)
-        return dist.Normal(loc, self.scale).to_event(loc.dim() - 1)
+    def _noise(self):
+        """The noise scale of this run: the known one, or a draw at :data:`NOISE_SITE`."""
+        return self.scale if self.scale is not None else pyro.sample(NOISE_SITE, self.scale_prior)
 
-    def predictive(self, outputs):
-        locs = self._loc(outputs.flatten(0, 1)).unflatten(0, outputs.shape[:2])
-        return GaussianPredictive(locs.mean(0), self.scale**2 + locs.var(0, unbiased=False))
+    def latent_sites(self):
+        return {} if self.scale is not None else {NOISE_SITE: self.scale_prior}
 
     def check_targets(self, y, n, output, label="y"):
         shape = (n, *self._loc(output).shape[1:])
@@ -188,8 +201,106 @@ class Gaussian(Likelihood):
             raise ValueError(f"{label}: expected finite regression targets, got "
                              f"{int((~torch.isfinite(y)).sum())} NaN or infinite value(s)")
 
+    def __setstate__(self, state):   # files written before a noise scale could be learned
+        self.__dict__.update({"scale_prior": None, **state})
+
+    def _scale_repr(self) -> str:
+        return f"scale={self.scale}" if self.scale is not None else f"scale=None, scale_prior={self.scale_prior!r}"
+
+
+class Gaussian(_Regression):
+    """Regression: ``y_i ~ N(f(x_i; w), scale^2)`` elementwise, with a known noise scale, or one learned:
+    ``scale ~ scale_prior`` at the latent site :data:`NOISE_SITE`.
+
+    Targets have the shape of the network's output, except that an output ``(B, 1)`` (one regression target, as
+    ``nn.Linear(h, 1)`` gives) has targets ``(B,)``.
+
+    The predictive from S draws is the mixture ``1/S sum_s N(f(x; w_s), scale_s^2)``; :meth:`predictive` returns its
+    mean and variance, ``mean = 1/S sum_s f_s`` and ``variance = scale^2 + 1/S sum_s (f_s - mean)^2`` (a known
+    scale; with a learned one the model's draws give it, :func:`predictive_of`).
+
+    :param float scale: the noise standard deviation, in the units of ``y``; None: learned. Default 1.
+    :param scale_prior: the prior of a learned scale, a scalar distribution on the positive numbers. Default
+        ``HalfNormal(1)`` (with ``scale=None``).
+    """
+
+    def __init__(self, scale: Optional[float] = 1.0, scale_prior: Optional[dist.TorchDistribution] = None):
+        super().__init__(scale, scale_prior)
+
+    def distribution(self, output):
+        loc = self._loc(output)
+        return dist.Normal(loc, self._noise()).to_event(loc.dim() - 1)
+
+    def predictive(self, outputs):
+        if self.scale is None:
+            raise ValueError("likelihood: a learned noise scale is a latent site; the predictive comes from the "
+                             "model's draws (BayesianNetwork.predict), not from the outputs alone")
+        locs = self._loc(outputs.flatten(0, 1)).unflatten(0, outputs.shape[:2])
+        return GaussianPredictive(locs.mean(0), self.scale**2 + locs.var(0, unbiased=False))
+
     def __repr__(self):
-        return f"Gaussian(scale={self.scale})"
+        return f"Gaussian({self._scale_repr()})"
+
+
+class StudentT(_Regression):
+    """Robust regression: ``y_i ~ StudentT(df, f(x_i; w), scale)`` elementwise (heavy tails: an outlier costs the
+    fit far less than under a Gaussian), with a known noise scale or one learned at :data:`NOISE_SITE`.
+
+    Targets as :class:`Gaussian`'s. The predictive of S draws is the mixture of their Student-t distributions; its
+    moments (``df > 2``) are ``mean = 1/S sum_s f_s``, ``variance = 1/S sum_s scale_s^2 df / (df - 2) +
+    1/S sum_s (f_s - mean)^2`` (:func:`predictive_of`).
+
+    :param float df: the degrees of freedom, > 0. Default 4.
+    :param float scale: the noise scale, in the units of ``y``; None (default): learned.
+    :param scale_prior: the prior of a learned scale. Default ``HalfNormal(1)`` (with ``scale=None``).
+    """
+
+    def __init__(self, df: float = 4.0, scale: Optional[float] = None,
+                 scale_prior: Optional[dist.TorchDistribution] = None):
+        self.df = float(check_positive(df, "df"))
+        super().__init__(scale, scale_prior)
+
+    def distribution(self, output):
+        loc = self._loc(output)
+        return dist.StudentT(self.df, loc, self._noise()).to_event(loc.dim() - 1)
+
+    def predictive(self, outputs):
+        raise ValueError("likelihood: a Student-t predictive comes from the model's draws (BayesianNetwork.predict, "
+                         "predictive_of)")
+
+    def __repr__(self):
+        return f"StudentT(df={self.df:g}, {self._scale_repr()})"
+
+
+def predictive_of(observations: list) -> Any:
+    """The posterior predictive of S draws' observation distributions ``p(y | x, w_s)`` (each of batch shape
+    ``(B,)``, e.g. a Pyro program's observed site under each of S draws from its guide), the mixture
+    ``1/S sum_s p(y | x, w_s)``:
+
+    * ``Categorical``: its class probabilities ``(B, C)``, ``1/S sum_s probs_s`` (as :class:`Categorical`'s);
+    * ``Normal``: a :class:`GaussianPredictive` of the mixture's moments, ``mean = 1/S sum_s loc_s`` and
+      ``variance = 1/S sum_s scale_s^2 + 1/S sum_s (loc_s - mean)^2`` (as :class:`Gaussian`'s);
+    * ``StudentT`` (df > 2): the same moments, each draw's variance ``scale_s^2 df / (df - 2)``.
+
+    :raises ValueError: for an empty list or another distribution.
+    """
+    if not observations:
+        raise ValueError("observations: expected at least one distribution, got none")
+    bases = [_base(fn) for fn in observations]
+    if all(isinstance(fn, torch.distributions.Categorical) for fn in bases):
+        return torch.stack([fn.probs for fn in bases]).mean(0)
+    if all(isinstance(fn, (torch.distributions.Normal, torch.distributions.StudentT)) for fn in bases):
+        locs = torch.stack([fn.loc.expand(fn.batch_shape) for fn in bases])
+        variances = torch.stack([fn.variance.expand(fn.batch_shape) for fn in bases])
+        return GaussianPredictive(locs.mean(0), variances.mean(0) + locs.var(0, unbiased=False))
+    raise ValueError(f"observations: expected Categorical, Normal or StudentT distributions (the predictives bnpfed "
+                     f"aggregates), got {type(bases[0]).__name__}")
+
+
+def _base(fn):
+    while isinstance(fn, torch.distributions.Independent):
+        fn = fn.base_dist
+    return fn
 
 
 def _describe(value) -> str:

@@ -8,7 +8,9 @@ plugin (:mod:`bnpfed.plugins`) can add to, like the fusion rules of :mod:`bnpfed
   raises ``ValueError("prior_variance: ...")``. Built in: ``"linear-weights"`` (N(0, scale^2) on the ``nn.Linear``
   weight matrices, Ozer et al.'s choice) and ``"all"`` (on every parameter);
 * a named likelihood is a factory ``factory() -> Likelihood``. Built in: ``"categorical"``
-  (:class:`~bnpfed.models.likelihoods.Categorical`, classification).
+  (:class:`~bnpfed.models.likelihoods.Categorical`, classification), and for regression ``"gaussian"`` and
+  ``"student-t"`` (:class:`~bnpfed.models.likelihoods.Gaussian`, :class:`~bnpfed.models.likelihoods.StudentT` with 4
+  degrees of freedom), each with its noise scale learned (``HalfNormal(1)`` prior, on standardised targets).
 
 Usage::
 
@@ -28,7 +30,7 @@ from typing import Callable
 
 import pyro.distributions as dist
 
-from bnpfed.models.likelihoods import Categorical, Likelihood
+from bnpfed.models.likelihoods import Categorical, Gaussian, Likelihood, StudentT
 from bnpfed.models.priors import EmpiricalBayesPrior, IIDPrior, Prior, only_linear_weights
 
 __all__ = ["LIKELIHOODS", "PRIORS", "PRIOR_VARIANCES", "LikelihoodFactory", "PriorFactory", "available_likelihoods",
@@ -46,7 +48,7 @@ PRIOR_VARIANCES = ("fixed", "empirical-bayes")
 #: The built-in prior names (:func:`available_priors` lists those plugins add too).
 PRIORS = ("linear-weights", "all")
 #: The built-in likelihood names (:func:`available_likelihoods` lists those plugins add too).
-LIKELIHOODS = ("categorical",)
+LIKELIHOODS = ("categorical", "gaussian", "student-t")
 
 _PRIORS: dict[str, PriorFactory] = {}
 _LIKELIHOODS: dict[str, LikelihoodFactory] = {}
@@ -166,3 +168,5 @@ def _all(scale: float, variance: str) -> Prior:
 register_prior("linear-weights", _linear_weights)
 register_prior("all", _all)
 register_likelihood("categorical", Categorical)
+register_likelihood("gaussian", lambda: Gaussian(scale=None))
+register_likelihood("student-t", lambda: StudentT(4.0, scale=None))

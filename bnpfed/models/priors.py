@@ -41,6 +41,7 @@ from fnmatch import fnmatchcase
 from types import MappingProxyType
 from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
+import pyro
 import pyro.distributions as dist
 import torch
 from pyro.distributions.torch_distribution import TorchDistributionMixin as Distribution
@@ -50,8 +51,8 @@ from torch import Tensor, nn
 from bnpfed.posterior import GaussianPosterior
 from bnpfed.validation import check_float
 
-__all__ = ["EmpiricalBayesPrior", "IIDPrior", "LayerwisePrior", "Prior", "Selector", "SitePrior", "linear_weights",
-           "only_linear_weights"]
+__all__ = ["EmpiricalBayesPrior", "HierarchicalPrior", "IIDPrior", "LayerwisePrior", "Prior", "Selector", "SitePrior",
+           "linear_weights", "only_linear_weights"]
 
 #: A name pattern, an ``nn.Module`` subclass, or a callable ``(name, module) -> bool``.
 Selector = Union[str, type, Callable[[str, nn.Module], bool]]
@@ -408,6 +409,78 @@ class EmpiricalBayesPrior(Prior):
         return f"EmpiricalBayesPrior(init_scale={self.init_scale!r}, variances={self.variances!r})"
 
 
+class HierarchicalPrior(Prior):
+    """A zero-mean Gaussian prior per site whose scale is itself random: a per-layer scale with a hyper-prior (ARD
+    by layer; with a heavy-tailed hyper-prior, horseshoe-like).
+
+    Every chosen site s (by default the ``nn.Linear`` weight matrices) has one scale ``tau_s``:
+
+        tau_s ~ scale                              (default HalfNormal(1))
+        w_sj | tau_s ~ N(0, tau_s^2)               for every entry j of the site
+
+    ``tau_s`` is a latent site of the model named ``f"{s}_scale"`` (``"fc1.weight_scale"``), drawn in every run
+    just before the weights it scales: a guide learns it with the weights
+    (:class:`~bnpfed.clients.MeanFieldGuide` as a Normal of ``log tau_s``), a client's
+    :meth:`~bnpfed.clients.BayesianClient.posterior` reports it, and the fusion rules fuse it as any site, in log
+    space. The full-Bayes counterpart of :class:`EmpiricalBayesPrior`'s point estimate of the same variance. Its
+    weights have no fixed prior, so a client's ELBO is Pyro's (``TraceMeanField_ELBO``: the weights' KL term in
+    closed form given the drawn scale, the scale's by Monte Carlo), not the closed-form fast path.
+
+    Usage::
+
+        >>> import pyro.distributions as dist
+        >>> from bnpfed.models import BayesianNetwork, mlp
+        >>> bnn = BayesianNetwork(mlp(4, [3], 2), HierarchicalPrior(dist.HalfNormal(1.0)))
+        >>> bnn.latent_sites                                 # each layer's scale, then its weights
+        ('1.weight_scale', '1.weight', '3.weight_scale', '3.weight')
+        >>> round(bnn.init_values["1.weight_scale"].item(), 4)         # a guide starts at the hyper-prior's mean
+        0.7979
+
+    :param Distribution scale: the hyper-prior of each site's scale, a scalar distribution on the positive numbers.
+        Default ``HalfNormal(1)``.
+    :param expose: selectors of the parameters to make Bayesian (see the module docstring); ``None`` (default):
+        the ``nn.Linear`` weight matrices (:func:`linear_weights`).
+    :param hide: selectors of parameters to keep deterministic; they win over ``expose``. Default none.
+    """
+
+    #: The suffix of a site's scale site (``"fc1.weight" + SUFFIX``).
+    SUFFIX = "_scale"
+
+    def __init__(self, scale: Optional[Distribution] = None, expose: Optional[Iterable[Selector]] = None,
+                 hide: Iterable[Selector] = ()):
+        scale = dist.HalfNormal(1.0) if scale is None else scale
+        _check_distribution(scale, "scale")
+        if not _positive(scale.support):
+            raise ValueError(f"scale: expected a distribution on the positive numbers (a prior scale), got {scale!r} "
+                             f"with support {scale.support}")
+        self.scale = scale
+        self._selection = IIDPrior(dist.Normal(0.0, 1.0), expose=[linear_weights] if expose is None else expose,
+                                   hide=hide)
+
+    def distribution(self, name, module, param):
+        return self._selection.distribution(name, module, param)
+
+    def apply_(self, net):
+        self._selection._used = set()
+        return super().apply_(net)
+
+    def _check_selectors_used(self, names):
+        self._selection._check_selectors_used(names)
+
+    def site_distribution(self, name, default):
+        tau = pyro.sample(name + self.SUFFIX, self.scale)
+        shape = default.event_shape
+        return dist.Normal(torch.zeros((), dtype=tau.dtype), tau).expand(shape).to_event(len(shape))
+
+    def update_(self, posterior):
+        raise ValueError("posterior: a hierarchical prior's weights are Normal given their drawn scale; a posterior "
+                         "as their prior would drop the scale from the model (keep the hierarchical prior, or use a "
+                         "prior without hyper-parameters)")
+
+    def __repr__(self) -> str:
+        return f"HierarchicalPrior(scale={self.scale!r})"
+
+
 def only_linear_weights(distribution: Optional[Distribution] = None) -> IIDPrior:
     """Ozer et al. (2022)'s choice: only the weight matrices of ``nn.Linear`` layers are Bayesian; convolutions and
     all biases stay deterministic.
@@ -423,6 +496,11 @@ def _matches(selector: Selector, name: str, module: nn.Module) -> bool:
     if isinstance(selector, type):
         return isinstance(module, selector)
     return bool(selector(name, module))
+
+
+def _positive(support) -> bool:
+    return isinstance(support, (torch.distributions.constraints._GreaterThan,
+                                torch.distributions.constraints._GreaterThanEq)) and support.lower_bound == 0
 
 
 def _check_selector(selector, argument: str) -> None:
