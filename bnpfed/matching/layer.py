@@ -59,7 +59,9 @@ estimates solve these identities for the unknowns:
   (L_d - 1)/L_d) and ``k_d = L_d`` where mu0_d is given; floored at ``SIGMA0_2_FLOOR * sigma2``;
 * ``gamma0 = L / H_J``: the IBP gives a configuration of L atoms the probability ``gamma0^L exp(-gamma0 H_J)`` times
   terms free of gamma0 (:func:`~bnpfed.models.beta_bernoulli.log_joint`), and ``d/dgamma0 [L log gamma0 - gamma0
-  H_J] = L / gamma0 - H_J`` vanishes there: the maximum-likelihood value (L is Poisson(gamma0 H_J)).
+  H_J] = L / gamma0 - H_J`` vanishes there: the maximum-likelihood value (L is Poisson(gamma0 H_J)). With the
+  two-parameter IBP's concentration c given, ``gamma0 = L / sum_j c/(c + j - 1)``; with ``concentration=None`` the
+  two are estimated together by maximum likelihood (:mod:`~bnpfed.matching.ibp`).
 
 With every s_jd = 1 (``S_id`` the sum of the members' v_d, ``Q_id`` of their squares, m_i members) these are
 ``sigma2 = sum_{i,d} (Q_id - S_id^2 / m_i) / (D (sum_i m_i - L))``, ``mu0_d = (1/L) sum_i S_id / m_i`` and
@@ -164,6 +166,7 @@ def match_layer(
     gamma0: float | None = None,
     mu0=None,
     precisions=None,
+    concentration: float | None = 1.0,
     hyperparameters: Literal["empirical-bayes", "fixed"] = "empirical-bayes",
     start: Mapping[str, object] | None = None,
     sweeps: int | None = None,
@@ -239,6 +242,11 @@ def match_layer(
         j's noise variance on coordinate d is ``sigma2 / s_jd``. A zero marks a coordinate the client says nothing
         about (PFNM: the output weights of a class the client never saw); each client with neurons needs some
         s_jd > 0 (the row of a client without neurons is never used: any finite values >= 0).
+    :param float concentration: c > 0 of the two-parameter Indian buffet process (Ghahramani, Griffiths & Sollich
+        2007), the ``concentration`` of :func:`~bnpfed.models.beta_bernoulli_layer`: the popularity term becomes
+        ``log(m/(J - 1 + c - m))`` and a new atom's ``2 log(gamma0 c/(J - 1 + c))`` (:mod:`~bnpfed.matching.ibp`).
+        Default 1, PFNM's one-parameter IBP; None: estimated with gamma0 under empirical Bayes (its maximum-likelihood
+        value, reported in ``hyperparameters`` as ``"concentration"``, as is any value other than 1).
     :param str hyperparameters: ``"empirical-bayes"`` (default): estimate the hyper-parameters not given, with the
         marginal objective; ``"fixed"``: use the given ones (sigma2, sigma0_2 and gamma0 required).
     :param dict start: empirical Bayes: starting values of some estimated hyper-parameters (keys ``"mu0"``,
@@ -305,7 +313,8 @@ def match_layer(
 
     if hyperparameters == "fixed" and start is not None:
         raise ValueError(f"start: expected None with hyperparameters='fixed' (nothing is estimated), got {start!r}")
-    return match_one_layer(neurons, None, noise="sigma2", given=dict(sigma0_2=sigma0_2, sigma2=sigma2, gamma0=gamma0),
+    return match_one_layer(neurons, None, noise="sigma2", given=dict(sigma0_2=sigma0_2, sigma2=sigma2, gamma0=gamma0,
+                                                                     concentration=concentration),
                            mu0=mu0, precisions=precisions, hyperparameters=hyperparameters, sweeps=sweeps, seed=seed,
                            objective=objective, init_assignments=init_assignments, estimator=estimator,
                            name="neurons", stop_at_fixed_point=stop_at_fixed_point, cross_products=cross_products,
@@ -326,6 +335,7 @@ def assignment_objective(
     objective: Literal["map", "marginal"] = "map",
     popularity_factor: float = 2.0,
     popularity_cap: int | None = None,
+    concentration: float = 1.0,
 ) -> float:
     """The objective F (or F_marg) of :func:`match_layer` at a given assignment and given hyper-parameters.
 
@@ -334,7 +344,8 @@ def assignment_objective(
         ``MatchResult.hyperparameters`` can be passed as they are).
     """
     return assignment_objective_of(neurons, None, assignments, noise="sigma2",
-                                   values=dict(sigma2=sigma2, sigma0_2=sigma0_2, gamma0=gamma0), mu0=mu0,
+                                   values=dict(sigma2=sigma2, sigma0_2=sigma0_2, gamma0=gamma0,
+                                               concentration=concentration), mu0=mu0,
                                    precisions=precisions, name="neurons", objective=objective,
                                    popularity_factor=popularity_factor, popularity_cap=popularity_cap)
 

@@ -11,6 +11,7 @@ from bnpfed.models.beta_bernoulli import (
     log_joint,
     sample_federated_layer,
 )
+from bnpfed.models.noise import NoiseLaw, StudentTNoise
 from bnpfed.models.bayesian import BayesianNetwork
 from bnpfed.models.likelihoods import Categorical, Gaussian, GaussianPredictive, Likelihood
 from bnpfed.models.local_reparameterization import (
@@ -52,6 +53,8 @@ __all__ = [
     "gaussian_noise",
     "log_joint",
     "sample_federated_layer",
+    "NoiseLaw",
+    "StudentTNoise",
     "BayesianNetwork",
     "Categorical",
     "Gaussian",
