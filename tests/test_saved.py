@@ -137,6 +137,8 @@ def test_bnpfed_match_takes_a_hand_written_spec_from_a_file(folder, tmp_path, ca
     assert main(["match", *common, "--spec", str(path), "--show-spec", "--out", str(tmp_path / "a.pt")]) == 0
     assert str(spec) in capsys.readouterr().out
     assert main(["match", *common, "--out", str(tmp_path / "b.pt")]) == 0
+    assert "batch norm(s): each global unit keeps the mean of its members' running statistics" in \
+        capsys.readouterr().out
     x = torch.randn(4, 1, 8, 8, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert_close(bnpfed.load_global(tmp_path / "a.pt")(x), bnpfed.load_global(tmp_path / "b.pt")(x))

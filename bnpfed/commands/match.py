@@ -403,6 +403,7 @@ def run(args) -> int:
         notes += [f"{group}: {n}" for n in getattr(result, "notes", [])]
     if "parameters" in match.size_searches:
         notes.append(match.size_searches["parameters"].note())
+    notes += _batch_norm_notes(spec)
     save_global(args.out, network, method="pfnm" if args.heads == "fused" else "pfnm-pooled", spec=spec,
                 widths=match.widths,
                 hyperparameters=match.hyperparameters, class_shares=match.class_shares,
@@ -416,6 +417,17 @@ def run(args) -> int:
                 "input_shape": list(plan["input_shape"])}
     _report(args, match.widths, match.hyperparameters, count_parameters(network), local, notes, settings)
     return 0
+
+
+def _batch_norm_notes(spec) -> list[str]:
+    """What the result says about batch norms: matched from files, their running statistics are the means of the
+    members' (no data was seen), and how to re-estimate them from data the user holds."""
+    statistics = spec.params_of_kind("running_mean")
+    if not statistics:
+        return []
+    return [f"{len(statistics)} batch norm(s): each global unit keeps the mean of its members' running statistics "
+            "(no data was seen here; a merged unit's activations are not its members' average): re-estimate them "
+            "from data you hold: bnpfed.matching.reestimate_batch_norm(bnpfed.load_global(OUT), [batches, ...])"]
 
 
 def _counts_notes(source: str) -> list[str]:
