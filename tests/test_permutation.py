@@ -286,7 +286,8 @@ class AddsItsInput(nn.Module):
      r"expected no batch norm after the output layer '2' \(not supported\), got 3\.weight"),
     (nn.Sequential(nn.Conv2d(1, 2, 3), nn.Linear(2, 2)), (1, 4, 4), r"into module '1' \(Linear\), got one of shape"),
     (nn.Sequential(nn.Linear(4, 3), nn.Unflatten(1, (3, 1))), (4,), r"module '1' \(Unflatten\)"),
-], ids=["conv1d", "lstm", "x-plus-wx", "concatenation", "residual-add", "grouped-conv", "bn-after-output", "linear-on-4d",
+], ids=["conv1d", "lstm", "x-plus-wx", "concatenation", "residual-add", "grouped-conv", "bn-after-output",
+        "linear-on-4d",
         "unflatten"])
 def test_an_unsupported_module_is_named_with_its_type(net, input_shape, message):
     with pytest.raises(ValueError, match=message):
@@ -329,8 +330,9 @@ def test_a_resnet_s_skips_tie_each_stage_into_one_permutation(blocks):
     spec = derive_spec(net, (3, 8, 8))
     assert len(spec.groups) == 3 + 3 * blocks
     stage2 = spec.group("layers.%d.conv2" % blocks)
-    assert {a.param for a in stage2.axes} >= {f"layers.{blocks}.shortcut.0.weight", f"layers.{blocks}.shortcut.1.weight",
-                                             f"layers.{blocks}.bn2.running_var", f"layers.{2 * blocks - 1}.conv2.weight"}
+    assert {a.param for a in stage2.axes} >= {
+        f"layers.{blocks}.shortcut.0.weight", f"layers.{blocks}.shortcut.1.weight", f"layers.{blocks}.bn2.running_var",
+        f"layers.{2 * blocks - 1}.conv2.weight"}
     verify_spec(randomize_(net, 1), spec, (3, 8, 8))
 
 

@@ -1,7 +1,7 @@
-"""``bnpfed mixture``: the federated Gaussian mixture on a real data set (:func:`bnpfed.federated.run_mixture_experiment`):
-each client fits a Pyro mixture to its own data, the server matches and fuses the components (the Beta-Bernoulli
-process decides how many), and the held-out log-likelihood is compared with each client's own mixture, the union of
-the clients' mixtures and a mixture fitted to the pooled data.
+"""``bnpfed mixture``: the federated Gaussian mixture on a real data set
+(:func:`bnpfed.federated.run_mixture_experiment`): each client fits a Pyro mixture to its own data, the server
+matches and fuses the components (the Beta-Bernoulli process decides how many), and the held-out log-likelihood is
+compared with each client's own mixture, the union of the clients' mixtures and a mixture fitted to the pooled data.
 
 Examples::
 

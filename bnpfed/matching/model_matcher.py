@@ -22,12 +22,13 @@ mean of ``f / f_Laplace`` under the Laplace Gaussian by :data:`QUADRATURE_NODES`
 Gaussian :data:`QUADRATURE_WIDTH` times as wide (the weights normalised: ``C_d`` is 1 exactly when the integrand is
 Gaussian). The Laplace approximation alone misses the heavy tails: with Student-t noise of 2 degrees of freedom it
 undervalues an atom of one neuron by about 0.3 nats per coordinate, and the matcher then merges what it should not;
-the correction brings the error below 0.005 nats (tests/test_model_matching.py). The objective is ``sum_i A(S_i)`` plus the IBP's
-terms (:mod:`~bnpfed.matching.ibp`: ``2 log(gamma0 c/(J - 1 + c))`` per atom and the popularity terms), and client j's
-neuron l scores ``A(S_i + l) - A(S_i) + popularity(m_i)`` against atom i and ``A({l}) + 2 log(gamma0 c/(J - 1 + c))``
-against a new one: exact changes of the objective, so the Hungarian re-matches are coordinate ascent, as on the fast
-path. On Gaussian layers both objectives equal the fast path's (up to a constant of the neurons), and so do the
-assignments (a test pins them).
+the correction brings the error below 0.005 nats (tests/test_model_matching.py).
+
+The objective is ``sum_i A(S_i)`` plus the IBP's terms (:mod:`~bnpfed.matching.ibp`: ``2 log(gamma0 c/(J - 1 + c))``
+per atom and the popularity terms), and client j's neuron l scores ``A(S_i + l) - A(S_i) + popularity(m_i)`` against
+atom i and ``A({l}) + 2 log(gamma0 c/(J - 1 + c))`` against a new one: exact changes of the objective, so the
+Hungarian re-matches are coordinate ascent, as on the fast path. On Gaussian layers both objectives equal the fast
+path's (up to a constant of the neurons), and so do the assignments (a test pins them).
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ group (``num_batches_tracked`` is left alone). :func:`derive_spec` finds all thi
 pass; :func:`verify_spec` checks any spec numerically.
 
 **Writing a spec by hand.** For a network :func:`derive_spec` does not understand (a concatenation, a layer whose
-input and output channels one skip ties), list the groups yourself, in the order they are to be matched, and a kind for every parameter::
+input and output channels one skip ties), list the groups yourself, in the order they are to be matched, and a kind
+for every parameter::
 
     >>> from torch import nn
     >>> class Residual(nn.Module):                       # stem, then x + conv2(relu(conv1(x))), pool, classifier
