@@ -6,13 +6,15 @@ import numpy as np
 from scipy import stats
 
 
-def ibp_configuration_logprob(counts, J, gamma0):
+def ibp_configuration_logprob(counts, J, gamma0, c=1.0):
     """log of the Beta-Bernoulli (IBP) prior of a configuration of distinguishable atoms:
-    L log g - g H_J + sum_i log[(m_i - 1)! (J - m_i)! / J!]."""
-    H = sum(1.0 / j for j in range(1, J + 1))
-    lp = len(counts) * math.log(gamma0) - gamma0 * H
+    L log g - g H_J + sum_i log[(m_i - 1)! (J - m_i)! / J!]; with a concentration c (Ghahramani, Griffiths & Sollich
+    2007, eq. 10 with the K_h! of identical columns left out): L log(g c) - g sum_j c/(c + j - 1) + sum_i log B(m_i,
+    J - m_i + c)."""
+    rate = sum(c / (c + j - 1) for j in range(1, J + 1))
+    lp = len(counts) * math.log(gamma0 * c) - gamma0 * rate
     for m in counts:
-        lp += math.lgamma(m) + math.lgamma(J - m + 1) - math.lgamma(J + 1)
+        lp += math.lgamma(m) + math.lgamma(J - m + c) - math.lgamma(J + c)
     return lp
 
 
@@ -25,7 +27,7 @@ def groups_of(assignments):
     return groups
 
 
-def map_log_density(neurons, assignments, *, sigma2, sigma0_2, gamma0, mu0=0.0, precisions=None):
+def map_log_density(neurons, assignments, *, sigma2, sigma0_2, gamma0, mu0=0.0, precisions=None, concentration=1.0):
     """log p_conf(Z, theta_hat, V) with every atom at its posterior mode, from scipy's normal log-densities,
     without the uniform-permutation factor."""
     J = len(neurons)
@@ -33,7 +35,7 @@ def map_log_density(neurons, assignments, *, sigma2, sigma0_2, gamma0, mu0=0.0, 
     mu0 = np.broadcast_to(np.asarray(mu0, dtype=float), (D,))
     s = np.ones((J, D)) if precisions is None else np.asarray(precisions, dtype=float)
     groups = groups_of(assignments)
-    lp = ibp_configuration_logprob([len(g) for g in groups.values()], J, gamma0)
+    lp = ibp_configuration_logprob([len(g) for g in groups.values()], J, gamma0, concentration)
     for members in groups.values():
         prec = 1.0 / sigma0_2 + sum(s[j] / sigma2 for j, _ in members)
         num = mu0 / sigma0_2 + sum(s[j] * np.asarray(neurons[j][l], dtype=float) / sigma2 for j, l in members)
@@ -44,7 +46,8 @@ def map_log_density(neurons, assignments, *, sigma2, sigma0_2, gamma0, mu0=0.0, 
     return lp
 
 
-def marginal_log_density(neurons, assignments, *, sigma2, sigma0_2, gamma0, mu0=0.0, precisions=None):
+def marginal_log_density(neurons, assignments, *, sigma2, sigma0_2, gamma0, mu0=0.0, precisions=None,
+                         concentration=1.0):
     """log p_conf(Z, V) with every atom integrated out: per atom and coordinate the members' values are jointly
     Gaussian with mean mu0 and covariance sigma0_2 11^T + diag(sigma2 / s)."""
     J = len(neurons)
@@ -52,7 +55,7 @@ def marginal_log_density(neurons, assignments, *, sigma2, sigma0_2, gamma0, mu0=
     mu0 = np.broadcast_to(np.asarray(mu0, dtype=float), (D,))
     s = np.ones((J, D)) if precisions is None else np.asarray(precisions, dtype=float)
     groups = groups_of(assignments)
-    lp = ibp_configuration_logprob([len(g) for g in groups.values()], J, gamma0)
+    lp = ibp_configuration_logprob([len(g) for g in groups.values()], J, gamma0, concentration)
     for members in groups.values():
         m = len(members)
         for d in range(D):

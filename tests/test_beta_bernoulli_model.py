@@ -12,6 +12,7 @@ from scipy import stats
 
 from bnpfed.models import (
     FederatedLayer,
+    StudentTNoise,
     UniformPermutation,
     beta_bernoulli_layer,
     canonical_conditioning,
@@ -244,6 +245,8 @@ def test_bad_model_arguments_raise():
         beta_bernoulli_layer(2, 3, gamma0=1.0, sigma2=1.0, atom_prior=dist.Normal(torch.zeros(4), 1.0))
     with pytest.raises(ValueError, match="mu0"):
         beta_bernoulli_layer(2, 3, gamma0=1.0, sigma2=1.0, mu0=torch.zeros(4))
+    with pytest.raises(ValueError, match="concentration: expected a positive finite number, got 0.0"):
+        beta_bernoulli_layer(2, 3, gamma0=1.0, sigma2=1.0, concentration=0.0)
 
 
 def test_a_price_per_parameter_is_the_same_program_at_a_lower_ibp_mass(float64):
@@ -274,3 +277,56 @@ def test_sample_federated_layer_names_a_missing_or_unknown_keyword_before_drawin
         sample_federated_layer(3, 4, seed=0, gamma0=1.0, gamma=2.0)
     with pytest.raises(ValueError, match="seed: expected an int >= 0"):
         sample_federated_layer(3, 4, seed=-1, gamma0=1.0)
+
+
+def test_concentration_one_is_the_one_parameter_program():
+    """concentration=1 draws exactly what the program drew before it had a concentration."""
+    a = sample_federated_layer(6, 4, seed=5, gamma0=5.0, sigma2=0.1)
+    b = sample_federated_layer(6, 4, seed=5, gamma0=5.0, sigma2=0.1, concentration=1.0)
+    assert torch.equal(a.atoms, b.atoms) and all(torch.equal(x, y) for x, y in zip(a.neurons, b.neurons))
+
+
+def test_two_parameter_ibp_moments_match_closed_form():
+    """With concentration c every client still uses gamma0 atoms on average, and the number of atoms is
+    Poisson(gamma0 sum_j c / (c + j - 1)): more atoms than at c = 1, each held by fewer clients."""
+    J, gamma0, c, n = 5, 4.0, 5.0, 400
+    per_client, atoms = [], []
+    for seed in range(n):
+        layer = sample_federated_layer(J, 1, seed=seed, gamma0=gamma0, sigma2=1.0, concentration=c)
+        per_client.append(np.mean([a.numel() for a in layer.assignments]))
+        atoms.append(layer.num_atoms)
+    rate = sum(c / (c + j - 1) for j in range(1, J + 1))
+    assert rate > harmonic(J)
+    # 4 standard errors (per client Poisson(gamma0) marginally; the atoms Poisson(gamma0 * rate))
+    assert abs(np.mean(per_client) - gamma0) < 4 * math.sqrt(gamma0 / n)
+    assert abs(np.mean(atoms) - gamma0 * rate) < 4 * math.sqrt(gamma0 * rate / n)
+
+
+@pytest.mark.parametrize("c", [0.5, 5.0])
+def test_log_joint_with_a_concentration_equals_closed_form(float64, c):
+    """The conditioned trace's density is the two-parameter IBP's (Ghahramani et al. 2007) with the Gaussian terms."""
+    J, D, gamma0, sigma2, sigma0_2 = 5, 3, 3.0, 0.2, 1.5
+    mu0 = torch.zeros(D)
+    layer = sample_federated_layer(J, D, seed=4, gamma0=gamma0, sigma2=sigma2, sigma0_2=sigma0_2, concentration=c)
+    kw = dict(gamma0=gamma0, sigma2=sigma2, sigma0_2=sigma0_2, mu0=mu0)
+    _, gaussian_conf = closed_form_log_joint(layer, torch.ones(J, D), **kw)
+    counts = layer.counts.tolist()
+    expected = gaussian_conf - ibp_configuration_logprob(counts, J, gamma0) + ibp_configuration_logprob(
+        counts, J, gamma0, c)
+    got = log_joint(layer, configuration=True, concentration=c, **kw).item()
+    assert got == pytest.approx(expected, rel=1e-10)
+
+
+def test_a_student_t_noise_law_scores_as_scipy_and_refuses_to_sample_with_a_free_df(float64):
+    layer = sample_federated_layer(3, 5, seed=0, gamma0=4.0, sigma2=0.1, noise=StudentTNoise(df=2.0))
+    resid = np.concatenate([(v - layer.atoms[a]).numpy().ravel() for v, a in zip(layer.neurons, layer.assignments)])
+    delta = stats.t.logpdf(resid, 2.0, 0, math.sqrt(0.1)).sum() - stats.norm.logpdf(resid, 0, math.sqrt(0.1)).sum()
+    lp = log_joint(layer, gamma0=4.0, sigma2=0.1, noise=StudentTNoise(df=2.0))
+    assert (lp - log_joint(layer, gamma0=4.0, sigma2=0.1)).item() == pytest.approx(delta, rel=1e-10)
+    with pytest.raises(ValueError, match="df: expected a value to sample or score with, got None"):
+        sample_federated_layer(3, 5, seed=0, gamma0=4.0, sigma2=0.1, noise=StudentTNoise())
+    with pytest.raises(ValueError, match=r"df: expected None \(estimated\) or a number in"):
+        StudentTNoise(df=-1.0)
+    with pytest.raises(ValueError, match="scale: expected a parameter of StudentTNoise"):
+        StudentTNoise(df=2.0).with_values(scale=1.0)
+    assert StudentTNoise().with_values(df=3.0).parameters == {"df": 3.0}

@@ -19,7 +19,7 @@ SNIPPETS = [(page, index, code) for page in sorted(DOCS.rglob("*.md"))
 def test_the_docs_have_python_snippets_on_every_guide_and_extending_page():
     pages = {page.relative_to(DOCS).as_posix() for page, _, _ in SNIPPETS}
     expected = {"index.md", "guide/pfnm.md", "guide/fusion.md", "guide/own-models.md", "extending/rule.md",
-                "extending/prior.md", "extending/likelihood.md"}
+                "extending/prior.md", "extending/likelihood.md", "extending/model.md"}
     assert expected <= pages, f"no python snippet on {sorted(expected - pages)}"
 
 

@@ -548,7 +548,9 @@ def test_bad_arguments_raise_naming_them(kwargs, match):
 def test_the_estimates_need_nothing_but_the_clients_weights():
     """No data argument anywhere: the layer API takes neurons (and their precision scales) only."""
     assert list(inspect.signature(match_layer).parameters) == [
-        "neurons", "sigma2", "sigma0_2", "gamma0", "mu0", "precisions", "hyperparameters", "start", "sweeps", "seed",
+        "neurons", "sigma2", "sigma0_2", "gamma0", "mu0", "precisions", "atom_prior", "noise", "concentration",
+        "hyperparameters", "start",
+        "sweeps", "seed",
         "objective", "popularity_factor", "popularity_cap", "max_atoms", "new_atom_penalty",
         "stop_at_fixed_point", "cross_products", "init_assignments", "stop", "starts", "schedule", "device",
         "progress"]

@@ -5,6 +5,7 @@ matching permuted copies of a CNN gives the network back, an MLP's spec is deriv
 import pytest
 import torch
 from torch import nn
+from user_networks import ResNet
 
 from bnpfed.matching.permutation import (
     Axis,
@@ -108,6 +109,8 @@ NETWORKS = {
     "conv-chain": (conv_chain, (2, 8, 8)),
     "bn-mlp": (bn_mlp, (3, 4)),
     "residual (hand-written spec)": (Residual, (2, 4, 4)),
+    "resnet (identity and projection skips, batch norms on both branches)": (
+        lambda: ResNet(blocks=2, width=3, classes=4, channels=2), (2, 8, 8)),
 }
 
 
@@ -248,6 +251,16 @@ class Block(nn.Module):
         return x + self.conv(x)
 
 
+class Concatenates(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Conv2d(3, 2, 1), nn.Conv2d(3, 2, 1)
+        self.fc = nn.Linear(4 * 4 * 4, 2)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(torch.cat([self.a(x), self.b(x)], 1), 1))
+
+
 class AddsItsInput(nn.Module):
     def __init__(self):
         super().__init__()
@@ -262,16 +275,19 @@ class AddsItsInput(nn.Module):
     (nn.Sequential(nn.Conv1d(1, 2, 3), nn.Flatten(), nn.Linear(12, 2)), (1, 8), r"module '0' \(Conv1d\)"),
     (nn.Sequential(nn.Linear(4, 3), nn.LSTM(3, 3)), (4,), r"module '1' \(LSTM\)"),
     (nn.Sequential(nn.Conv2d(3, 3, 1), nn.Sequential(Block()), nn.Flatten(), nn.Linear(48, 2)), (3, 4, 4),
-     r"module '1.0' \(Block\)"),
+     r"one tying the input and the output channels of one layer \('1.0.conv.weight': x \+ W x"),
+    (Concatenates(), (3, 4, 4), r"expected operations derive_spec understands, got function 'cat'"),
     (AddsItsInput(), (3, 4, 4),
-     r"net: expected operations derive_spec understands, got function 'add' \(graph node 'add'\)"),
+     r"net: expected a residual addition of two permuted tensors, got function 'add' \(graph node 'add'\) adding "
+     r"the network's input"),
     (nn.Sequential(nn.Conv2d(4, 4, 3, groups=2), nn.Flatten(), nn.Linear(16, 2)), (4, 4, 4),
      r"module '0' \(Conv2d\) with groups=2"),
     (nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2), nn.BatchNorm1d(2)), (4,),
      r"expected no batch norm after the output layer '2' \(not supported\), got 3\.weight"),
     (nn.Sequential(nn.Conv2d(1, 2, 3), nn.Linear(2, 2)), (1, 4, 4), r"into module '1' \(Linear\), got one of shape"),
     (nn.Sequential(nn.Linear(4, 3), nn.Unflatten(1, (3, 1))), (4,), r"module '1' \(Unflatten\)"),
-], ids=["conv1d", "lstm", "custom-block", "residual-add", "grouped-conv", "bn-after-output", "linear-on-4d",
+], ids=["conv1d", "lstm", "x-plus-wx", "concatenation", "residual-add", "grouped-conv", "bn-after-output",
+        "linear-on-4d",
         "unflatten"])
 def test_an_unsupported_module_is_named_with_its_type(net, input_shape, message):
     with pytest.raises(ValueError, match=message):
@@ -296,6 +312,28 @@ def test_verify_spec_catches_a_spec_that_misses_an_axis():
                               else g for g in spec.groups], spec.kinds)
     with pytest.raises(ValueError, match=r"spec: expected symmetries of net .*, got a change of its outputs by"):
         verify_spec(LeNet(image_size=8), broken, (1, 8, 8))
+
+
+def test_the_derived_spec_of_a_residual_block_is_the_hand_written_one():
+    """The skip ties the stem's channels to conv2's: derive_spec finds the two permutations written by hand."""
+    derived = derive_spec(Residual(), (2, 4, 4))
+    assert derived.group_names == RESIDUAL_SPEC.group_names and derived.kinds == RESIDUAL_SPEC.kinds
+    for mine, theirs in zip(derived.groups, RESIDUAL_SPEC.groups):
+        assert set(mine.axes) == set(theirs.axes)
+
+
+@pytest.mark.parametrize("blocks", [1, 3])
+def test_a_resnet_s_skips_tie_each_stage_into_one_permutation(blocks):
+    """ResNet-20's layout (blocks=3): one permutation per stage (the stem or the projection, every block's second
+    convolution and batch norm, the skips) and one per block's inner channels: 3 + 3 * blocks groups, verified."""
+    net = ResNet(blocks=blocks, width=4, classes=10, channels=3)
+    spec = derive_spec(net, (3, 8, 8))
+    assert len(spec.groups) == 3 + 3 * blocks
+    stage2 = spec.group("layers.%d.conv2" % blocks)
+    assert {a.param for a in stage2.axes} >= {
+        f"layers.{blocks}.shortcut.0.weight", f"layers.{blocks}.shortcut.1.weight", f"layers.{blocks}.bn2.running_var",
+        f"layers.{2 * blocks - 1}.conv2.weight"}
+    verify_spec(randomize_(net, 1), spec, (3, 8, 8))
 
 
 def test_a_hand_written_residual_spec_is_a_symmetry_of_the_network():

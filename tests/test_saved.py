@@ -15,7 +15,7 @@ from bnpfed.federated.partition import class_counts
 from bnpfed.matching import match_by_spec
 from bnpfed.metrics import classification_report, count_parameters
 from bnpfed.saved import read_global, save_global
-from user_networks import UserCNN, UserMixingNet
+from user_networks import UserCNN, UserMixingNet, make_resnet
 
 
 def trained(make, digits, parts, epochs=3):
@@ -36,7 +36,8 @@ def bnpfed_net(arch, digits):
 def folder(tmp_path_factory, digits, parts):
     """Each kind's three local models saved the two ways a user has them: whole modules and state dicts."""
     root = tmp_path_factory.mktemp("models")
-    kinds = {"mlp": bnpfed_net("mlp", digits), "lenet": bnpfed_net("lenet", digits), "user": lambda j: UserCNN()}
+    kinds = {"mlp": bnpfed_net("mlp", digits), "lenet": bnpfed_net("lenet", digits), "user": lambda j: UserCNN(),
+             "resnet": lambda j: make_resnet()}
     for kind, make in kinds.items():
         for j, net in enumerate(trained(make, digits, parts)):
             torch.save(net, root / f"{kind}{j}.pt")
@@ -72,6 +73,7 @@ def test_a_saved_global_network_loads_back_and_predicts_the_same(kind, folder, t
     ("mlp-state", ["--arch", "mlp"]),
     ("lenet-state", ["--arch", "lenet", "--input-shape", "1,8,8"]),
     ("user-state", ["--module", "user_networks:make", "--input-shape", "1,8,8"]),
+    ("resnet-state", ["--module", "user_networks:make_resnet", "--input-shape", "1,8,8"]),   # residual: derived
 ])
 def test_bnpfed_match_writes_the_global_network_that_match_by_spec_builds(kind, extra, folder, tmp_path, digits,
                                                                          capsys):
@@ -120,6 +122,35 @@ def test_bnpfed_match_heads_pooled_writes_the_matched_body_with_the_clients_pool
     limited = read_global(tmp_path / "limited.pt")
     assert count_parameters(limited.network) <= limit
     assert any(n.startswith("max_params") for n in limited.notes)
+
+
+def test_bnpfed_match_takes_a_hand_written_spec_from_a_file(folder, tmp_path, capsys):
+    """--spec FILE: the spec as JSON (PermutationSpec.to_dict), checked on the networks; here the ResNet's derived
+    spec written out gives the derived matching, and a spec that misses an axis or is not JSON is refused by name."""
+    from bnpfed.matching import PermutationSpec, derive_spec
+
+    spec = derive_spec(make_resnet(), (1, 8, 8))
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec.to_dict()))
+    common = [*files(folder, "resnet", True), "--module", "user_networks:make_resnet", "--input-shape", "1,8,8",
+              "--counts", str(folder / "counts.json")]
+    assert main(["match", *common, "--spec", str(path), "--show-spec", "--out", str(tmp_path / "a.pt")]) == 0
+    assert str(spec) in capsys.readouterr().out
+    assert main(["match", *common, "--out", str(tmp_path / "b.pt")]) == 0
+    assert "batch norm(s): each global unit keeps the mean of its members' running statistics" in \
+        capsys.readouterr().out
+    x = torch.randn(4, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert_close(bnpfed.load_global(tmp_path / "a.pt")(x), bnpfed.load_global(tmp_path / "b.pt")(x))
+    broken = spec.to_dict()
+    broken["groups"][0]["axes"] = [a for a in broken["groups"][0]["axes"] if a[0] != "layers.0.conv1.weight"]
+    path.write_text(json.dumps(broken))
+    assert main(["match", *common, "--spec", str(path), "--out", str(tmp_path / "c.pt")]) == 2
+    assert "does not describe these networks" in capsys.readouterr().err
+    path.write_text(json.dumps({"groups": [{"name": "x", "axes": [["conv.weight", "0"]]}], "kinds": {}}))
+    assert main(["match", *common, "--spec", str(path), "--out", str(tmp_path / "c.pt")]) == 2
+    assert "--spec.groups[0].axes[0]: expected [param, dim] or [param, dim, block]" in capsys.readouterr().err
+    assert PermutationSpec.from_dict(spec.to_dict()) == spec
 
 
 def test_bnpfed_match_without_counts_estimates_the_class_shares_and_says_so(folder, tmp_path, capsys, digits):

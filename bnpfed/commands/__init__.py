@@ -3,8 +3,8 @@
 A command parses arguments, calls the library, and prints / plots / writes results; it adds no math of its own.
 """
 
-from bnpfed.commands import demo, evaluate, flower, fuse, match, pfnm
+from bnpfed.commands import demo, evaluate, flower, fuse, match, mixture, pfnm
 
 __all__ = ["COMMANDS"]
 
-COMMANDS = [demo, pfnm, fuse, match, evaluate, flower]
+COMMANDS = [demo, pfnm, fuse, match, mixture, evaluate, flower]

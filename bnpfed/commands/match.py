@@ -10,6 +10,8 @@ Examples::
     bnpfed match client0.pt client1.pt client2.pt --out global.pt          # whole modules (torch.save(net))
     bnpfed match c*.pt --arch lenet --input-shape 1,28,28 --counts counts.json --out global.pt   # state dicts
     bnpfed match c*.pt --module mypkg.nets:make_cnn --input-shape 3,32,32 --show-spec --out global.pt
+    bnpfed match c*.pt --module mypkg.nets:make_resnet --input-shape 3,32,32 --out global.pt   # residual: derived too
+    bnpfed match c*.pt --module mypkg.nets:make_net --input-shape 3,32,32 --spec spec.json --out global.pt
     bnpfed match c*.pt --counts counts.json --activity activity.json --out global.pt   # dead units left out
     bnpfed match c*.pt --counts counts.json --heads pooled --out global.pt   # label skew: the clients' heads pooled
     bnpfed match b*.pt --posteriors --rule conflation --out global.pt      # Bayesian clients (bnpfed.save_global)
@@ -74,7 +76,12 @@ def add_parser(sub):
                    "bnpfed.matching.unit_activity computes it on the client's own data; the units with activity 0 "
                    "(dead on that data) are left out before matching, as bnpfed pfnm leaves them out. Default: "
                    "every unit matched, dead ones included, and the result says so")
-    g.add_argument("--show-spec", action="store_true", help="print the derived permutation spec")
+    g.add_argument("--spec", metavar="PATH",
+                   help="JSON: the networks' permutation spec written by hand, for what derive_spec cannot read "
+                   "({\"groups\": [{\"name\": ..., \"axes\": [[param, dim(, block)], ...]}, ...], \"kinds\": "
+                   "{param: kind}}: bnpfed.matching.PermutationSpec.from_dict); checked numerically on the networks. "
+                   "Default: derived from the network (residual additions included)")
+    g.add_argument("--show-spec", action="store_true", help="print the permutation spec (derived or --spec's)")
     g = p.add_argument_group("matching", "as bnpfed pfnm; with --posteriors --align match the same but --sigma2 "
                              "(--tau2 instead)")
     names = ("sigma2", "sigma0_2", "gamma0", "hyperparameters", "sweeps", "max_width", "max_params", "heads",
@@ -227,17 +234,44 @@ def _input_shape(net: nn.Module, given) -> tuple:
     return (linear[0].in_features,)
 
 
-def _checked_spec(template: nn.Module, input_shape):
-    """The template's permutation spec, derived and verified, or a UsageError naming the MODEL files."""
+def _read_spec(path: str):
+    """The permutation spec in a JSON file (:meth:`~bnpfed.matching.PermutationSpec.to_dict`'s format), or a
+    UsageError naming --spec."""
+    from bnpfed.matching import PermutationSpec
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as error:
+        raise UsageError(f"--spec: cannot read {path!r} ({error.strerror or error})") from None
+    except json.JSONDecodeError as error:
+        raise UsageError(f"--spec: expected a JSON file, got {path!r}, which is not JSON ({error})") from None
+    try:
+        return PermutationSpec.from_dict(data, where="--spec")
+    except ValueError as error:
+        raise UsageError(_args.one_line(error)) from None
+
+
+def _checked_spec(template: nn.Module, input_shape, spec_path: str | None = None):
+    """The template's permutation spec, read from ``spec_path`` (``--spec``) or derived, and verified, or a
+    UsageError naming --spec or the MODEL files."""
     from bnpfed.matching import derive_spec, verify_spec
 
+    if spec_path is not None:
+        spec = _read_spec(spec_path)
+        try:
+            verify_spec(template, spec, input_shape)
+        except ValueError as error:
+            raise UsageError(f"--spec: {spec_path!r} does not describe these networks: "
+                             f"{_args.one_line(error)}") from None
+        return spec
     try:
         spec = derive_spec(template, input_shape)
         verify_spec(template, spec, input_shape)
     except ValueError as error:
         if str(error).startswith("input_shape:"):   # the flag's value, or the MLP's inputs it was read from
             raise UsageError(f"--input-shape: {_args.one_line(str(error).split(': ', 1)[1])}") from None
-        raise UsageError(f"MODEL: cannot match these networks: {_args.one_line(error)}") from None
+        raise UsageError(f"MODEL: cannot match these networks: {_args.one_line(error)} (or give the spec with "
+                         f"--spec FILE)") from None
     return spec
 
 
@@ -397,7 +431,7 @@ def prepare(args) -> dict:
     template, input_shape = _template(args, clients[0], args.input_shape)
     from bnpfed.matching import estimate_class_shares
 
-    spec = _checked_spec(template, input_shape)
+    spec = _checked_spec(template, input_shape, args.spec)
     reference = template.state_dict()
     for path, client in zip(args.models, clients):
         state = client.state_dict() if isinstance(client, nn.Module) else client
@@ -457,6 +491,7 @@ def run(args) -> int:
         notes += [f"{group}: {n}" for n in getattr(result, "notes", [])]
     if "parameters" in match.size_searches:
         notes.append(match.size_searches["parameters"].note())
+    notes += _batch_norm_notes(spec)
     save_global(args.out, network, method="pfnm" if args.heads == "fused" else "pfnm-pooled", spec=spec,
                 widths=match.widths,
                 hyperparameters=match.hyperparameters, class_shares=match.class_shares,
@@ -470,6 +505,17 @@ def run(args) -> int:
                 "input_shape": list(plan["input_shape"])}
     _report(args, match.widths, match.hyperparameters, count_parameters(network), local, notes, settings)
     return 0
+
+
+def _batch_norm_notes(spec) -> list[str]:
+    """What the result says about batch norms: matched from files, their running statistics are the means of the
+    members' (no data was seen), and how to re-estimate them from data the user holds."""
+    statistics = spec.params_of_kind("running_mean")
+    if not statistics:
+        return []
+    return [f"{len(statistics)} batch norm(s): each global unit keeps the mean of its members' running statistics "
+            "(no data was seen here; a merged unit's activations are not its members' average): re-estimate them "
+            "from data you hold: bnpfed.matching.reestimate_batch_norm(bnpfed.load_global(OUT), [batches, ...])"]
 
 
 def _counts_notes(source: str) -> list[str]:
@@ -522,7 +568,7 @@ def prepare_posteriors(args) -> dict:
     if align == "none":
         for flag, value in (("--tau2", args.tau2), ("--sigma0-2", args.sigma0_2), ("--gamma0", args.gamma0),
                             ("--match-on", args.match_on), ("--matcher-device", args.matcher_device),
-                            ("--sweeps", args.sweeps), ("--show-spec", args.show_spec or None)):
+                            ("--sweeps", args.sweeps), ("--show-spec", args.show_spec or None), ("--spec", args.spec)):
             if value is not None:
                 raise UsageError(f"{flag}: expected only with --align match (--align none matches nothing)")
         if args.activity is not None:
@@ -560,7 +606,7 @@ def prepare_posteriors(args) -> dict:
     input_shape = _input_shape(template, args.input_shape)
     from bnpfed.matching import estimate_class_shares
 
-    spec = _checked_spec(template, input_shape)
+    spec = _checked_spec(template, input_shape, args.spec)
     _check_alike(args.models, means, spec, template.state_dict())
     with torch.no_grad():
         probe = template(torch.zeros(1, *input_shape))

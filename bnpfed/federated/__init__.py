@@ -20,7 +20,10 @@ This is the folder's one public face: import from ``bnpfed.federated``; the file
   and a server step, on :class:`ClientTask` / :class:`ServerTask`, returning :class:`ClientUpdate` /
   :class:`ServerUpdate`) registered with :func:`register_federated_method` runs in process
   (:class:`MethodFederation`), in :func:`run_experiment`, on the commands' ``--methods`` and on Flower
-  (``method = "<name>"``).
+  (``method = "<name>"``);
+* a federated Gaussian mixture (:func:`fuse_mixtures`: the clients' components matched by the Beta-Bernoulli
+  process, :func:`~bnpfed.matching.match_components`), and its experiment on held-out data
+  (:func:`run_mixture_experiment`, ``bnpfed mixture``).
 """
 
 from bnpfed.federated.partition import (TrainValidationSplit, class_counts, class_shares, partition_dirichlet,
@@ -47,6 +50,8 @@ from bnpfed.federated.methods import (ALIGNMENT_METHODS, ExperimentConfig, Metho
                                       run_experiment, unregister_method, width_sweep)
 from bnpfed.federated.protocol import (ClientTask, ClientUpdate, FederatedMethod, ServerTask, ServerUpdate,
                                        check_tensors, client_metrics, client_step, initial_global_state, server_step)
+from bnpfed.federated.mixture import (FederatedMixture, MixtureConfig, MixtureRow, fuse_mixtures,
+                                      run_mixture_experiment)
 from bnpfed.federated.generic import (MethodFederation, available_federated_methods, federated_method,
                                       register_federated_method, unregister_federated_method)
 
@@ -80,4 +85,6 @@ __all__ = [
     "FederatedMethod", "ClientTask", "ClientUpdate", "ServerTask", "ServerUpdate", "register_federated_method",
     "unregister_federated_method", "available_federated_methods", "federated_method", "MethodFederation",
     "client_step", "server_step", "initial_global_state", "check_tensors", "client_metrics",
+    # the federated Gaussian mixture
+    "FederatedMixture", "MixtureConfig", "MixtureRow", "fuse_mixtures", "run_mixture_experiment",
 ]

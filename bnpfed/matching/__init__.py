@@ -18,7 +18,13 @@ This is the folder's one public face: import from ``bnpfed.matching``; the files
   :func:`pooled_network`, :class:`PooledPosterior`);
 * matched posterior fusion: :func:`match_posteriors` matches Bayesian clients' units and fuses each global unit's
   members with a rule of :mod:`bnpfed.combine` (:class:`PosteriorMatch`);
-* the demo's question, does matching recover a layer drawn from its own model: :func:`match_recovery`.
+* the demo's question, does matching recover a layer drawn from its own model: :func:`match_recovery`;
+* the exchangeable components of any locally fitted models (mixture components, topics): :func:`match_components`
+  (SPAHM), the same matcher.
+
+The matcher reads the model: :func:`match_layer` takes :func:`~bnpfed.models.beta_bernoulli_layer`'s ``atom_prior``,
+``noise`` and ``concentration``; Gaussian models take the closed forms, others the general path
+(:mod:`bnpfed.matching.model_matcher`).
 """
 
 from bnpfed.matching.layer import REFERENCE_CONSTANTS, MatchResult, assignment_objective, average_atoms, \
@@ -48,6 +54,7 @@ from bnpfed.matching.recovery import RecoveryConfig, RecoveryRow, match_recovery
 from bnpfed.matching.network import architecture_difference
 from bnpfed.matching.memory import (MemoryLimitError, available_memory, check_matching_memory, check_network_matching,
                                     matching_bytes)
+from bnpfed.matching.components import match_components
 
 __all__ = [
     # one layer
@@ -73,4 +80,6 @@ __all__ = [
     "client_posterior", "fuse_members", "match_posteriors", "matched_rules", "prior_precision", "pvi_factor",
     # the demo
     "RecoveryConfig", "RecoveryRow", "match_recovery",
+    # the components of any model
+    "match_components",
 ]

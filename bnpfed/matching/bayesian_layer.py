@@ -90,6 +90,7 @@ def match_bayesian_layer(
     gamma0: float | None = None,
     mu0=None,
     precisions=None,
+    concentration: float | None = 1.0,
     hyperparameters: Literal["empirical-bayes", "fixed"] = "empirical-bayes",
     sweeps: int | None = None,
     seed: int | None = None,
@@ -130,6 +131,8 @@ def match_bayesian_layer(
     :param float gamma0: IBP mass; None: estimated (required with ``"fixed"``).
     :param mu0: prior mean of the atoms, scalar or (D,); None: estimated under empirical Bayes, 0 with ``"fixed"``.
     :param precisions: optional (J, D) per-client precision scales s_jd >= 0 (0: client j has no data on d).
+    :param float concentration: the two-parameter IBP's concentration c, as for
+        :func:`~bnpfed.matching.layer.match_layer` (default 1; None: estimated).
     :param str hyperparameters: ``"empirical-bayes"`` (default) or ``"fixed"``.
     :param int sweeps: remove-and-rematch passes after the first assignment: this many (less any skipped at a fixed
         point, the objective then repeating its last value) with ``"fixed"``, default 5; at most this many under
@@ -158,7 +161,8 @@ def match_bayesian_layer(
     def estimator(matcher, given):
         return PauleMandel(matcher, given, None if mu0 is None else validate_mu0(mu0, matcher.D))
 
-    return match_one_layer(means, variances, noise="tau2", given=dict(tau2=tau2, sigma0_2=sigma0_2, gamma0=gamma0),
+    return match_one_layer(means, variances, noise="tau2", given=dict(tau2=tau2, sigma0_2=sigma0_2, gamma0=gamma0,
+                                                                      concentration=concentration),
                            mu0=mu0, precisions=precisions, hyperparameters=hyperparameters, sweeps=sweeps, seed=seed,
                            objective=objective, init_assignments=init_assignments, estimator=estimator, name="means",
                            stop=stop, starts=starts, schedule=schedule, device=device, progress=progress,
@@ -176,6 +180,7 @@ def bayesian_assignment_objective(
     mu0=0.0,
     precisions=None,
     popularity_factor: float = 2.0,
+    concentration: float = 1.0,
 ) -> float:
     """The objective F of :func:`match_bayesian_layer` (module docstring) at a given assignment and hyper-parameters.
 
@@ -191,5 +196,6 @@ def bayesian_assignment_objective(
         True
     """
     return assignment_objective_of(means, variances, assignments, noise="tau2",
-                                   values=dict(tau2=tau2, sigma0_2=sigma0_2, gamma0=gamma0), mu0=mu0,
+                                   values=dict(tau2=tau2, sigma0_2=sigma0_2, gamma0=gamma0,
+                                               concentration=concentration), mu0=mu0,
                                    precisions=precisions, name="means", popularity_factor=popularity_factor)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import operator
 from typing import Sequence
 
 import torch
@@ -36,6 +37,12 @@ _ELEMENTWISE_METHODS = {"relu", "relu_", "tanh", "tanh_", "sigmoid", "sigmoid_",
 _POOL_FUNCTIONS = {F.max_pool2d, F.avg_pool2d, F.adaptive_avg_pool2d, F.adaptive_max_pool2d, torch.max_pool2d}
 _RESHAPE_FUNCTIONS = {torch.flatten, torch.reshape}
 _RESHAPE_METHODS = {"flatten", "view", "reshape"}
+#: a residual connection: two tensors added (``x + f(x)``, ``out += shortcut(x)``, ``torch.add``)
+_ADD_FUNCTIONS = {operator.add, operator.iadd, torch.add}
+_ADD_METHODS = {"add", "add_"}
+#: a global average over the spatial axes, (N, C, H, W) -> (N, C): ``x.mean((2, 3))``
+_MEAN = {torch.mean}
+_MEAN_METHODS = {"mean"}
 
 
 def _describe(node, net: nn.Module) -> str:
@@ -50,7 +57,8 @@ def _describe(node, net: nn.Module) -> str:
 
 def _step_kind(node, net: nn.Module) -> str:
     """What a graph node does to the channel axis: 'linear', 'conv', 'bn', 'pass' (elementwise or pooling: keeps it),
-    'pool' (a 2-d pooling), 'reshape' (checked to be a flatten by shapes); raises for anything else."""
+    'pool' (a 2-d pooling), 'reshape' (checked to be a flatten by shapes), 'add' (a residual addition), 'mean' (a
+    spatial average, checked by shapes); raises for anything else."""
     where = _describe(node, net)
     if node.op == "call_module":
         m = net.get_submodule(node.target)
@@ -77,6 +85,10 @@ def _step_kind(node, net: nn.Module) -> str:
                          f"elementwise activations, Dropout, 2-d pooling, Flatten, Sequential), got {where}; "
                          f"write the PermutationSpec by hand (see bnpfed.matching.permutation)")
     if node.op == "call_function":
+        if node.target in _ADD_FUNCTIONS:
+            return "add"
+        if node.target in _MEAN:
+            return "mean"
         if node.target in _ELEMENTWISE_FUNCTIONS:
             return "pass"
         if node.target in _POOL_FUNCTIONS:
@@ -84,6 +96,10 @@ def _step_kind(node, net: nn.Module) -> str:
         if node.target in _RESHAPE_FUNCTIONS:
             return "reshape"
     if node.op == "call_method":
+        if node.target in _ADD_METHODS:
+            return "add"
+        if node.target in _MEAN_METHODS:
+            return "mean"
         if node.target in _ELEMENTWISE_METHODS:
             return "pass"
         if node.target in _RESHAPE_METHODS:
@@ -93,12 +109,13 @@ def _step_kind(node, net: nn.Module) -> str:
 
 
 def _trace(net: nn.Module):
-    """The torch.fx graph of ``net``, with every submodule other than an ``nn.Sequential`` a leaf."""
+    """The torch.fx graph of ``net``: torch's own layers are leaves (an ``nn.Sequential`` excepted), a module of the
+    user's own (a residual block) is read through its ``forward``."""
     import torch.fx
 
     class _Tracer(torch.fx.Tracer):
         def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-            return not isinstance(m, nn.Sequential)
+            return not isinstance(m, nn.Sequential) and type(m).__module__.startswith("torch.")
 
     try:
         graph = _Tracer().trace(net)
@@ -112,16 +129,42 @@ def _trace(net: nn.Module):
 def derive_spec(net: nn.Module, input_shape: Sequence[int]) -> PermutationSpec:
     """The permutation spec of a feed-forward network, from its module tree and a forward pass.
 
-    ``net`` is an ``nn.Sequential`` (nested ones allowed) -- or any module whose ``forward`` is one chain of such
-    steps, such as :class:`~bnpfed.models.LeNet` (read with ``torch.fx``) -- of ``Linear``, ``Conv2d`` (groups=1),
+    ``net`` is an ``nn.Sequential`` (nested ones allowed) -- or any module whose ``forward`` torch.fx can read, such
+    as :class:`~bnpfed.models.LeNet` or a residual network -- of ``Linear``, ``Conv2d`` (groups=1),
     ``BatchNorm1d/2d``, elementwise activations (ReLU, Tanh, Sigmoid, GELU, LeakyReLU, ... and their functional
-    forms), ``Dropout``, 2-d max / average / adaptive pooling, and ``Flatten`` (or ``flatten`` / ``view`` /
-    ``reshape`` to ``(N, features)``). Every Linear and Conv2d but the last opens a group (its rows and bias, a batch
+    forms), ``Dropout``, 2-d max / average / adaptive pooling, spatial means (``x.mean((2, 3))``), ``Flatten`` (or
+    ``flatten`` / ``view`` / ``reshape`` to ``(N, features)``), and **residual additions** (``x + f(x)``, ``out +=
+    shortcut(x)``, ``torch.add``). Every Linear and Conv2d but the last opens a group (its rows and bias, a batch
     norm after it, and the next Linear's or Conv2d's input columns: in blocks of H*W across a Flatten, H*W traced by
-    a forward pass of zeros of shape ``(2, *input_shape)`` in eval mode); the last one is the output layer.
+    a forward pass of zeros of shape ``(2, *input_shape)`` in eval mode); the last one is the output layer. An
+    addition ties the permutations of the two tensors it joins into one group (Git Re-Basin's residual specs): an
+    identity skip ties a block's last convolution to the channels it adds to, a projection skip (a 1x1 convolution,
+    with its batch norm) ties the projection to the block's last convolution, and every batch norm on either branch
+    joins its layer's group. A merged group is named after its first layer in forward order, and the groups are
+    matched in that order.
 
-    Anything else -- a residual connection (two tensors combined), an LSTM, a Conv1d, a module of your own -- raises
-    a ``ValueError`` naming it (qualified name and type): write the spec by hand then.
+    Anything else -- a concatenation, an addition to the network's input itself, an LSTM, a Conv1d, a module of
+    your own -- raises a ``ValueError`` naming it (qualified name and type): write the spec by hand then
+    (``bnpfed match --spec FILE`` reads one from a file: :meth:`PermutationSpec.from_dict`).
+
+    A residual block (the stem's channels and the block's second convolution are one permutation)::
+
+        >>> class Block(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.stem, self.bn = nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4)
+        ...         self.conv1, self.conv2 = nn.Conv2d(4, 5, 3, padding=1), nn.Conv2d(5, 4, 3, padding=1)
+        ...         self.fc = nn.Linear(4, 2)
+        ...     def forward(self, x):
+        ...         x = torch.relu(self.bn(self.stem(x)))
+        ...         x = torch.relu(x + self.conv2(torch.relu(self.conv1(x))))
+        ...         return self.fc(x.mean((2, 3)))
+        >>> print(derive_spec(Block(), (1, 6, 6)))  # doctest: +NORMALIZE_WHITESPACE
+        PermutationSpec: 2 hidden permutations, matched in this order
+          stem: stem.weight[0], stem.bias[0], bn.weight[0], bn.bias[0], bn.running_mean[0], bn.running_var[0],
+            conv1.weight[1], conv2.weight[0], conv2.bias[0], fc.weight[1]
+          conv1: conv1.weight[0], conv1.bias[0], conv2.weight[1]
+          output layer (axis 0 = classes): fc.weight, fc.bias
 
     >>> from bnpfed.models import LeNet
     >>> print(derive_spec(LeNet(), (1, 28, 28)))
@@ -191,24 +234,60 @@ def derive_spec(net: nn.Module, input_shape: Sequence[int]) -> PermutationSpec:
         meta = n.meta.get("tensor_meta")
         return tuple(meta.shape) if meta is not None and hasattr(meta, "shape") else None
 
-    # walk the chain: each step takes the previous step's tensor and nothing else (steps that give no tensor,
-    # such as x.size(0) for a view, are read by the reshape they feed)
+    # walk the graph in its (topological) order: every tensor carries the group permuting its channel axis, with
+    # its block (entries per unit after a Flatten), or None (the input: no permutation acts on it). A step takes one
+    # tensor; a residual addition takes two, whose groups must then be one permutation: they are merged (union-find,
+    # as Git Re-Basin ties the permutations a skip connection joins).
     steps = [n for n in nodes if n.op not in ("placeholder", "output") and shape(n) is not None]
-    prev = placeholders[0]
-    current: tuple[int, int] | None = None  # (index of the group on axis 1, block) or None: the input, not permuted
+    perm: dict = {placeholders[0]: None}
     groups: list[tuple[str, list[Axis]]] = []
+    root: list[int] = []   # union-find over groups: a merged group points at the earliest one it was merged with
+
+    def find(c: int) -> int:
+        while root[c] != c:
+            root[c] = root[root[c]]
+            c = root[c]
+        return c
+
     kinds: dict[str, str] = {}
     producers: list[str] = []  # the Linear and Conv2d layers, in order
+    produced: dict[str, int] = {}  # a producer's group
     for node in steps:
         kind = _step_kind(node, net)
         tensors = [a for a in node.all_input_nodes if shape(a) is not None]
-        if tensors != [prev]:
-            raise ValueError(f"net: expected one chain of steps, each taking the previous step's tensor, got "
-                             f"{_describe(node, net)}, which takes {[t.name for t in tensors]} where the chain "
-                             f"holds {prev.name!r} (a residual connection or a branch?); write the PermutationSpec "
-                             f"by hand")
         where = _describe(node, net)
-        s_in, s_out = shape(prev), shape(node)
+        if kind == "add" and len(tensors) == 1:   # a tensor plus a number: elementwise
+            kind = "pass"
+        if kind == "add":
+            if len(tensors) != 2:
+                raise ValueError(f"net: expected an addition of two tensors, got {where} adding {len(tensors)}")
+            first, second = (perm[t] for t in tensors)
+            if first is None and second is None:
+                perm[node] = None
+                continue
+            if first is None or second is None:
+                raise ValueError(f"net: expected a residual addition of two permuted tensors, got {where} adding the "
+                                 f"network's input (which no permutation acts on) to a layer's output (not "
+                                 f"supported); write the PermutationSpec by hand")
+            if first[1] != second[1] or shape(tensors[0]) != shape(tensors[1]):
+                raise ValueError(f"net: expected a residual addition of two tensors of one shape, got {where} adding "
+                                 f"shapes {shape(tensors[0])} and {shape(tensors[1])}")
+            a, b = sorted((find(first[0]), find(second[0])))
+            if a != b:   # one permutation from here on: b's axes join a's
+                groups[a][1].extend(groups[b][1])
+                groups[b] = (groups[b][0], [])
+                root[b] = a
+            perm[node] = (a, first[1])
+            continue
+        if len(tensors) != 1:
+            raise ValueError(f"net: expected steps that take one tensor (or a residual addition of two), got {where}, "
+                             f"which takes {[t.name for t in tensors]} (a concatenation or a branch?); write the "
+                             f"PermutationSpec by hand")
+        source = tensors[0]
+        current = perm[source]
+        if current is not None:
+            current = (find(current[0]), current[1])
+        s_in, s_out = shape(source), shape(node)
         if kind in ("linear", "conv"):
             name, m = node.target, net.get_submodule(node.target)
             want = 2 if kind == "linear" else 4
@@ -230,6 +309,8 @@ def derive_spec(net: nn.Module, input_shape: Sequence[int]) -> PermutationSpec:
             producers.append(name)
             groups.append((name, [Axis(f"{name}.weight", 0)] + ([Axis(f"{name}.bias", 0)] if m.bias is not None
                                                                    else [])))
+            root.append(len(groups) - 1)
+            produced[name] = len(groups) - 1
             current = (len(groups) - 1, 1)
         elif kind == "bn":
             name, m = node.target, net.get_submodule(node.target)
@@ -252,6 +333,10 @@ def derive_spec(net: nn.Module, input_shape: Sequence[int]) -> PermutationSpec:
             if current is not None and current[1] != 1:
                 raise ValueError(f"net: expected a pooling of channels, got {where} pooling flattened channels (not "
                                  f"supported)")
+        elif kind == "mean":
+            if not (len(s_in) == 4 and s_out == s_in[:2] and (current is None or current[1] == 1)):
+                raise ValueError(f"net: expected means over the spatial axes, (N, C, H, W) to (N, C) (the only ones "
+                                 f"understood), got {where} reducing {s_in} to {s_out}")
         elif kind == "reshape":
             if s_out == s_in:
                 pass
@@ -261,20 +346,35 @@ def derive_spec(net: nn.Module, input_shape: Sequence[int]) -> PermutationSpec:
             else:
                 raise ValueError(f"net: expected reshapes that flatten to (N, features) (the only ones understood), "
                                  f"got {where} reshaping {s_in} to {s_out}")
-        prev = node
+        perm[node] = current
     output = [n for n in nodes if n.op == "output"][0]
-    if output.all_input_nodes != [prev]:
-        raise ValueError(f"net: expected a module that returns its last step's tensor, got module '' "
-                         f"({type(net).__name__}), which returns something else")
+    returned = [a for a in output.all_input_nodes if shape(a) is not None]
     if not producers:
         raise ValueError(f"net: expected a Linear or Conv2d layer, got module '' ({type(net).__name__}) with none")
     # the last Linear / Conv2d is the output layer: its units are the classes, not permuted
     out_name = producers[-1]
-    out_group = groups.pop()
-    if any(a.param.split(".")[:-1] != out_name.split(".") for a in out_group[1]):
-        bn = next(a.param for a in out_group[1] if a.param.split(".")[:-1] != out_name.split("."))
+    out_index = produced[out_name]
+    if len(returned) != 1 or output.all_input_nodes != returned or perm[returned[0]] is None or \
+            find(perm[returned[0]][0]) != out_index:
+        raise ValueError(f"net: expected a module that returns its last layer's output, got module '' "
+                         f"({type(net).__name__}), which returns something else")
+    out_group = groups[out_index]
+    foreign = [a.param for a in out_group[1] if a.param.split(".")[:-1] != out_name.split(".")]
+    if any(kinds.get(p, "").startswith("bn_") or kinds.get(p) in ("running_mean", "running_var") for p in foreign):
+        bn = next(p for p in foreign if kinds[p] not in ("weight", "bias"))
         raise ValueError(f"net: expected no batch norm after the output layer {out_name!r} (not supported), got "
                          f"{bn}")
+    if foreign or find(out_index) != out_index:
+        raise ValueError(f"net: expected no residual addition joining the output layer {out_name!r} (not "
+                         f"supported), got one joining it to {foreign[0] if foreign else 'an earlier layer'}")
+    groups = [g for c, g in enumerate(groups) if root[c] == c and c != out_index]
+    for name, axes in groups:
+        params = [a.param for a in axes]
+        twice = next((p for p in params if params.count(p) > 1), None)
+        if twice is not None:
+            raise ValueError(f"net: expected residual additions that join different layers' channels, got one tying "
+                             f"the input and the output channels of one layer ({twice!r}: x + W x, one permutation on "
+                             f"both axes of a weight; not supported); write the PermutationSpec by hand")
     kinds[f"{out_name}.weight"] = "output_weight"
     if f"{out_name}.bias" in kinds:
         kinds[f"{out_name}.bias"] = "output_bias"

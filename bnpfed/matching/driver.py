@@ -40,7 +40,8 @@ class FixedValues:
     """The estimator of a matching whose hyper-parameters are all given (nothing is estimated).
 
     :param dict values: the given values in the order the result reports them: ``"mu0"`` a (D,) array, the noise
-        (named ``noise``), ``"sigma0_2"`` and ``"gamma0"`` floats.
+        (named ``noise``), ``"sigma0_2"`` and ``"gamma0"`` floats, and the IBP's ``"concentration"`` where it is not
+        1.
     :param str noise: the noise variance's name (``"sigma2"``, ``"tau2"``).
     """
 
@@ -68,7 +69,7 @@ class FixedValues:
     def coordinates(self, values: dict) -> dict:
         D = values["mu0"].shape[0]
         return dict(noise=np.full(D, values[self.noise]), prior=np.full(D, values["sigma0_2"]),
-                    gamma0=values["gamma0"], mu0=values["mu0"])
+                    gamma0=values["gamma0"], mu0=values["mu0"], concentration=values.get("concentration", 1.0))
 
     def public(self, values: dict, dtype) -> dict:
         return {k: torch.as_tensor(v, dtype=dtype) if k == "mu0" else v for k, v in values.items()}
@@ -81,8 +82,9 @@ def match_one_layer(means, variances, *, noise: str, given: Mapping[str, object]
                     **options) -> MatchResult:
     """What :func:`~bnpfed.matching.match_layer` and :func:`~bnpfed.matching.match_bayesian_layer` share: the
     options checked, the matcher made, the given variances (``given``, named ``noise``, ``"sigma0_2"``,
-    ``"gamma0"``) checked, and the matching run with ``estimator(matcher, given)`` under empirical Bayes, or with
-    every value given (:class:`FixedValues`, mu0 0 by default)."""
+    ``"gamma0"``, and the IBP's ``"concentration"``: None estimated) checked, and the matching run with
+    ``estimator(matcher, given)`` under empirical Bayes, or with every value given (:class:`FixedValues`, mu0 0 by
+    default; the concentration reported where it is not 1)."""
     t0 = time.perf_counter()
     eb = check_choice(hyperparameters, ("empirical-bayes", "fixed"), "hyperparameters") == "empirical-bayes"
     check_choice(cross_products, ("auto", "direct", "gram"), "cross_products")
@@ -101,11 +103,13 @@ def match_one_layer(means, variances, *, noise: str, given: Mapping[str, object]
     if eb:
         estimator = estimator(matcher, given)
     else:
-        for n in (noise, "sigma0_2", "gamma0"):
+        for n in (noise, "sigma0_2", "gamma0", "concentration"):
             if n not in given:
                 raise ValueError(f"{n}: expected a positive finite number with hyperparameters='fixed' (nothing is "
                                  f"estimated), got None; pass {n}=... or use hyperparameters='empirical-bayes'")
         values = {"mu0": validate_mu0(0.0 if mu0 is None else mu0, matcher.D), **given}
+        if values["concentration"] == 1.0:   # the one-parameter IBP: not reported
+            del values["concentration"]
         estimator = FixedValues(values, noise)
     return run_matching(matcher, estimator, init=init, sweeps=sweeps, seed=seed,
                         stop_at_fixed_point=stop_at_fixed_point, cross_products=cross_products, stop=stop,
@@ -115,9 +119,10 @@ def match_one_layer(means, variances, *, noise: str, given: Mapping[str, object]
 def assignment_objective_of(means, variances, assignments, *, noise: str, values: Mapping[str, object], mu0,
                             precisions, name: str, **options) -> float:
     """The objective at a given assignment and given hyper-parameters (``values``: the noise, named ``noise``,
-    ``sigma0_2``, ``gamma0``)."""
+    ``sigma0_2``, ``gamma0``, and optionally ``concentration``)."""
     matcher = make_matcher(means, variances, precisions=precisions, name=name, **options)
     given = {n: check_positive(values[n], n) for n in (noise, "sigma0_2", "gamma0")}
+    given["concentration"] = check_positive(values.get("concentration", 1.0), "concentration")
     estimator = FixedValues({"mu0": validate_mu0(mu0, matcher.D), **given}, noise)
     matcher.set_hyperparameters(**estimator.coordinates(estimator.values))
     matcher.start_from(validate_labels(assignments, matcher.L, "assignments"))

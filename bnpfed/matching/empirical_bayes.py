@@ -29,6 +29,7 @@ from scipy.optimize import brentq
 from scipy.sparse import csr_matrix
 
 from bnpfed.matching.atom_sums import shared_atom_moments, shared_moments, shared_sums
+from bnpfed.matching.ibp import CONCENTRATION_RANGE, ibp_estimates
 from bnpfed.matching.layer_inputs import validate_mu0
 from bnpfed.matching.matcher import LayerMatcher
 from bnpfed.validation import check_positive
@@ -66,7 +67,7 @@ def validate_start(start, given: Mapping[str, object], D: int) -> dict:
     sigma0_2, sigma2, gamma0 (and their ``_scaled`` variances), none of them given."""
     if start is None:
         return {}
-    allowed = ("mu0", "sigma0_2", "sigma2", "gamma0", "sigma0_2_scaled", "sigma2_scaled")
+    allowed = ("mu0", "sigma0_2", "sigma2", "gamma0", "sigma0_2_scaled", "sigma2_scaled", "concentration")
     if not isinstance(start, Mapping):
         raise ValueError(f"start: expected a dict of starting values (keys among {list(allowed[:4])}), got "
                          f"{type(start).__name__}")
@@ -123,6 +124,9 @@ class _Estimator:
             (None, None, None) if matcher.compact and np.array_equal(coords, matcher.F) else matcher.columns(coords)))
             for coords, suffix in pairs]
         self._pooled = {}   # per block suffix, its pooled moments (both starts read them)
+        #: the IBP's concentration: estimated when not given (it starts at 1), reported when estimated or not 1
+        self.concentration_free = "concentration" not in self.given
+        self.ibp_names = ["concentration"] if self.concentration_free or self.given["concentration"] != 1.0 else []
         empty = [j for j in range(self.J) if matcher.L[j] == 0]
         if empty:
             self.note(f"client(s) {empty} hold no neurons: counted in J (H_J), nowhere else")
@@ -160,7 +164,8 @@ class _Estimator:
         neurons' means where it is not given (NaN in ``mu0``); gamma0 the neurons per client. A block without spread
         (:data:`FLAT_NOTE`) starts from :data:`EB_START_NOISE_SHARE` whatever ``share``: its variances are not
         estimable, and at that share identical neurons merge (every start is then the same there)."""
-        values = {"gamma0": self.given.get("gamma0", start.get("gamma0", self.N / self.J))}
+        values = {"gamma0": self.given.get("gamma0", start.get("gamma0", self.N / self.J)),
+                  "concentration": self.given.get("concentration", start.get("concentration", 1.0))}
         mu = mu0.copy()
         for coords, suffix, v, u, s in self.blocks:
             if suffix not in self._pooled:
@@ -228,13 +233,29 @@ class _Estimator:
         noise, prior = np.empty(self.D), np.empty(self.D)
         for coords, suffix, *_ in self.blocks:
             noise[coords], prior[coords] = values[self.noise + suffix], values["sigma0_2" + suffix]
-        return dict(noise=noise, prior=prior, gamma0=values["gamma0"], mu0=values["mu0"])
+        return dict(noise=noise, prior=prior, gamma0=values["gamma0"], mu0=values["mu0"],
+                    concentration=values["concentration"])
 
     def public(self, values: dict, dtype) -> dict:
         return dict(mu0=torch.as_tensor(values["mu0"], dtype=dtype), **{n: float(values[n]) for n in self.names})
 
     def _gamma0(self, L: int) -> float:
         return L / float(np.sum(1.0 / np.arange(1, self.J + 1)))
+
+    def update_ibp(self, flat: np.ndarray, L: int, out: dict) -> None:
+        """gamma0 and the concentration, where estimated, at the assignment of flat labels ``flat`` (L atoms): their
+        maximum-likelihood values (:func:`~bnpfed.matching.ibp.ibp_estimates`; gamma0 ``L / H_J`` at c = 1)."""
+        if not self.concentration_free:
+            if "gamma0" in self.estimated:
+                c = out["concentration"]
+                out["gamma0"] = self._gamma0(L) if c == 1.0 else ibp_estimates(np.zeros(L), self.J, c=c)[0]
+            return
+        gamma0 = None if "gamma0" in self.estimated else out["gamma0"]
+        out["gamma0"], out["concentration"], at_bound = ibp_estimates(np.bincount(flat, minlength=L), self.J,
+                                                                       gamma0=gamma0)
+        if at_bound:
+            self.note(f"the concentration stopped at the end of its range {CONCENTRATION_RANGE} (every atom held by "
+                      "one client pushes it up, every atom held by all down)")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -267,7 +288,7 @@ class PooledMoments(_Estimator):
             self.note(f"{silent.size} coordinate(s) with precision 0 at every client (first: {int(silent[0])}) carry "
                       "no data: skipped; mu0 there keeps its starting value")
         self.names = ["sigma0_2", "sigma2", "gamma0"] + (["sigma0_2_scaled", "sigma2_scaled"] if self.two_blocks
-                                                         else [])
+                                                         else []) + self.ibp_names
         self.estimated = (("mu0",) if self.mu0_free.any() else ()) + tuple(n for n in self.names
                                                                              if n.removesuffix("_scaled") not in given)
         self._first = self._start(EB_START_NOISE_SHARE, start, mu0)
@@ -374,8 +395,7 @@ class PooledMoments(_Estimator):
                 out["sigma0_2" + suffix] = SIGMA0_2_FLOOR * noise
             else:
                 out["sigma0_2" + suffix] = float(value)
-        if "gamma0" in self.estimated:
-            out["gamma0"] = self._gamma0(L)
+        self.update_ibp(flat, L, out)
         return out
 
     @staticmethod
@@ -499,10 +519,11 @@ class PauleMandel(_Estimator):
                        for c, suffix, v, u, sc in self.blocks]
         self.mu0 = mu0
         suffixes = [suffix for _, suffix, *_ in self.blocks]
-        self.names = [n + suffix for suffix in suffixes for n in ("tau2", "sigma0_2")] + ["gamma0"]
+        self.names = [n + suffix for suffix in suffixes for n in ("tau2", "sigma0_2")] + ["gamma0"] + self.ibp_names
         self.estimated = (("mu0",) if mu0 is None else ()) + tuple(
             n + suffix for suffix in ("", "_point", "_scaled") if suffix in suffixes
-            for n in ("tau2", "sigma0_2") if n not in given) + (("gamma0",) if "gamma0" not in given else ())
+            for n in ("tau2", "sigma0_2") if n not in given) + (("gamma0",) if "gamma0" not in given else ()) + (
+            ("concentration",) if self.concentration_free else ())
         mu = np.full(D, np.nan) if mu0 is None else mu0
         self._first, self._even = self._start(EB_START_NOISE_SHARE, {}, mu), self._start(0.5, {}, mu)
         self._restartable = "tau2" in self.estimated
@@ -543,6 +564,5 @@ class PauleMandel(_Estimator):
                 centre = estimate_mu0(membership, v, u, s, tau2, out["sigma0_2" + suffix])
                 mu[coords] = np.where(np.isnan(centre), mu[coords], centre)
         out["mu0"] = mu
-        if "gamma0" in self.estimated:
-            out["gamma0"] = self._gamma0(L)
+        self.update_ibp(flat, L, out)
         return out

@@ -59,7 +59,9 @@ estimates solve these identities for the unknowns:
   (L_d - 1)/L_d) and ``k_d = L_d`` where mu0_d is given; floored at ``SIGMA0_2_FLOOR * sigma2``;
 * ``gamma0 = L / H_J``: the IBP gives a configuration of L atoms the probability ``gamma0^L exp(-gamma0 H_J)`` times
   terms free of gamma0 (:func:`~bnpfed.models.beta_bernoulli.log_joint`), and ``d/dgamma0 [L log gamma0 - gamma0
-  H_J] = L / gamma0 - H_J`` vanishes there: the maximum-likelihood value (L is Poisson(gamma0 H_J)).
+  H_J] = L / gamma0 - H_J`` vanishes there: the maximum-likelihood value (L is Poisson(gamma0 H_J)). With the
+  two-parameter IBP's concentration c given, ``gamma0 = L / sum_j c/(c + j - 1)``; with ``concentration=None`` the
+  two are estimated together by maximum likelihood (:mod:`~bnpfed.matching.ibp`).
 
 With every s_jd = 1 (``S_id`` the sum of the members' v_d, ``Q_id`` of their squares, m_i members) these are
 ``sigma2 = sum_{i,d} (Q_id - S_id^2 / m_i) / (D (sum_i m_i - L))``, ``mu0_d = (1/L) sum_i S_id / m_i`` and
@@ -131,7 +133,9 @@ from torch import Tensor
 
 from bnpfed.matching.empirical_bayes import (EB_RTOL, EB_START_NOISE_SHARE, SIGMA0_2_FLOOR, SIGMA2_FLOOR,
                                               PooledMoments, validate_start)
-from bnpfed.matching.layer_inputs import CompactRows, validate_mu0
+from bnpfed.matching.layer_inputs import CompactRows, validate_clients, validate_mu0
+from bnpfed.matching.model_layer import gaussian_model, match_model_layer
+from bnpfed.models import gaussian_noise
 from bnpfed.matching.driver import assignment_objective_of, match_one_layer
 from bnpfed.matching.matcher import MatchResult
 
@@ -164,6 +168,9 @@ def match_layer(
     gamma0: float | None = None,
     mu0=None,
     precisions=None,
+    atom_prior=None,
+    noise=None,
+    concentration: float | None = 1.0,
     hyperparameters: Literal["empirical-bayes", "fixed"] = "empirical-bayes",
     start: Mapping[str, object] | None = None,
     sweeps: int | None = None,
@@ -204,7 +211,18 @@ def match_layer(
         >>> result.converged, result.estimated, result.sweeps_run
         (True, ('mu0', 'sigma0_2', 'sigma2', 'gamma0'), 2)
 
-    (gamma0 = L / H_J = 49 / 2.929: the IBP mass most likely to give the 49 atoms this draw has.) A value that is
+    (gamma0 = L / H_J = 49 / 2.929: the IBP mass most likely to give the 49 atoms this draw has.) The model's own
+    noise law, here Student-t of 2 degrees of freedom (heavy tails: the Gaussian matcher splits them), is given as
+    ``noise=`` (the general path)::
+
+        >>> from bnpfed.models import StudentTNoise
+        >>> heavy = sample_federated_layer(5, 30, seed=0, gamma0=5.0, sigma2=0.05, sigma0_2=0.5,
+        ...                                noise=StudentTNoise(df=2.0))
+        >>> result = match_layer(heavy.neurons, noise=StudentTNoise(df=2.0), seed=0)
+        >>> result.num_atoms, heavy.num_atoms, match_layer(heavy.neurons, seed=0).num_atoms
+        (14, 14, 17)
+
+    A value that is
     given is held fixed, the others are still estimated; ``hyperparameters="fixed"`` estimates nothing (its defaults
     are the published ones: the MAP objective, 5 sweeps, mu0 = 0)::
 
@@ -240,6 +258,24 @@ def match_layer(
         j's noise variance on coordinate d is ``sigma2 / s_jd``. A zero marks a coordinate the client says nothing
         about (PFNM: the output weights of a class the client never saw); each client with neurons needs some
         s_jd > 0 (the row of a client without neurons is never used: any finite values >= 0).
+    :param atom_prior: the model's atom prior, as :func:`~bnpfed.models.beta_bernoulli_layer` takes it: a
+        ``pyro.distributions`` law of each coordinate (batch shape () or (D,), or such a law ``.to_event(1)``), held
+        fixed (``mu0`` and ``sigma0_2`` then None). Default None: ``Normal(mu0, sqrt(sigma0_2))``. A Normal of one
+        scale is that prior (the fast path); any other takes the general path
+        (:mod:`~bnpfed.matching.model_matcher`: the same objectives from the model's log densities, each atom at its
+        MAP value given its members).
+    :param noise: the model's noise law ``noise(loc, variance) -> Distribution`` (one law per coordinate; variance
+        ``sigma2 / s_jd``), as :func:`~bnpfed.models.beta_bernoulli_layer` takes it. None or
+        :func:`~bnpfed.models.gaussian_noise`: Gaussian (the fast path, unless ``atom_prior`` is not Gaussian); any
+        other callable takes the general path. A :class:`~bnpfed.models.NoiseLaw` with free parameters
+        (``StudentTNoise(df=None)``) has them estimated by empirical Bayes with sigma2 (the model's log likelihood
+        with the atoms integrated out: :mod:`~bnpfed.matching.model_layer`). The general path takes neither
+        ``start``, ``starts`` other than ``"even-split"``, ``cross_products="gram"`` nor ``schedule="jacobi"``.
+    :param float concentration: c > 0 of the two-parameter Indian buffet process (Ghahramani, Griffiths & Sollich
+        2007), the ``concentration`` of :func:`~bnpfed.models.beta_bernoulli_layer`: the popularity term becomes
+        ``log(m/(J - 1 + c - m))`` and a new atom's ``2 log(gamma0 c/(J - 1 + c))`` (:mod:`~bnpfed.matching.ibp`).
+        Default 1, PFNM's one-parameter IBP; None: estimated with gamma0 under empirical Bayes (its maximum-likelihood
+        value, reported in ``hyperparameters`` as ``"concentration"``, as is any value other than 1).
     :param str hyperparameters: ``"empirical-bayes"`` (default): estimate the hyper-parameters not given, with the
         marginal objective; ``"fixed"``: use the given ones (sigma2, sigma0_2 and gamma0 required).
     :param dict start: empirical Bayes: starting values of some estimated hyper-parameters (keys ``"mu0"``,
@@ -302,6 +338,24 @@ def match_layer(
     :returns: :class:`MatchResult`, with the hyper-parameters used (``hyperparameters``, their history, what was
         estimated, whether the estimation converged, and notes on its fallbacks).
     """
+    if atom_prior is not None or (noise is not None and noise is not gaussian_noise):
+        V, _ = validate_clients(neurons, None, name="neurons")
+        fast = gaussian_model(atom_prior, noise, V[0].shape[1])
+        if fast is None:
+            return match_model_layer(
+                neurons, atom_prior=atom_prior, noise=noise if noise is not None else gaussian_noise, sigma2=sigma2,
+                sigma0_2=sigma0_2, gamma0=gamma0, mu0=mu0, precisions=precisions, concentration=concentration,
+                hyperparameters=hyperparameters, start=start, sweeps=sweeps, seed=seed, objective=objective,
+                popularity_factor=popularity_factor, popularity_cap=popularity_cap, max_atoms=max_atoms,
+                new_atom_penalty=new_atom_penalty, stop_at_fixed_point=stop_at_fixed_point,
+                cross_products=cross_products, init_assignments=init_assignments, stop=stop, starts=starts,
+                schedule=schedule, device=device)
+        if fast[0] is not None:   # a Gaussian atom prior of one scale: the fast path's mu0 and sigma0_2
+            for name, value in (("mu0", mu0), ("sigma0_2", sigma0_2)):
+                if value is not None:
+                    raise ValueError(f"{name}: expected None with atom_prior (the prior is given whole), got {value!r}")
+            mu0, sigma0_2 = fast
+
     def estimator(matcher, given):
         mu0v = np.full(matcher.D, np.nan) if mu0 is None else validate_mu0(mu0, matcher.D, estimable=True)
         first = validate_start(start, {**given, **({"mu0": mu0} if not np.isnan(mu0v).any() else {})}, matcher.D)
@@ -309,7 +363,8 @@ def match_layer(
 
     if hyperparameters == "fixed" and start is not None:
         raise ValueError(f"start: expected None with hyperparameters='fixed' (nothing is estimated), got {start!r}")
-    return match_one_layer(neurons, None, noise="sigma2", given=dict(sigma0_2=sigma0_2, sigma2=sigma2, gamma0=gamma0),
+    return match_one_layer(neurons, None, noise="sigma2", given=dict(sigma0_2=sigma0_2, sigma2=sigma2, gamma0=gamma0,
+                                                                     concentration=concentration),
                            mu0=mu0, precisions=precisions, hyperparameters=hyperparameters, sweeps=sweeps, seed=seed,
                            objective=objective, init_assignments=init_assignments, estimator=estimator,
                            name="neurons", stop_at_fixed_point=stop_at_fixed_point, cross_products=cross_products,
@@ -330,6 +385,7 @@ def assignment_objective(
     objective: Literal["map", "marginal"] = "map",
     popularity_factor: float = 2.0,
     popularity_cap: int | None = None,
+    concentration: float = 1.0,
 ) -> float:
     """The objective F (or F_marg) of :func:`match_layer` at a given assignment and given hyper-parameters.
 
@@ -338,7 +394,8 @@ def assignment_objective(
         ``MatchResult.hyperparameters`` can be passed as they are).
     """
     return assignment_objective_of(neurons, None, assignments, noise="sigma2",
-                                   values=dict(sigma2=sigma2, sigma0_2=sigma0_2, gamma0=gamma0), mu0=mu0,
+                                   values=dict(sigma2=sigma2, sigma0_2=sigma0_2, gamma0=gamma0,
+                                               concentration=concentration), mu0=mu0,
                                    precisions=precisions, name="neurons", objective=objective,
                                    popularity_factor=popularity_factor, popularity_cap=popularity_cap)
 

@@ -19,8 +19,10 @@ class MatchResult:
     :func:`~bnpfed.matching.bayesian_layer.match_bayesian_layer`.
 
     :param Tensor global_atoms: (L, D) posterior means ``g_i / P_i`` given the assignment (at the final
-        hyper-parameters).
-    :param Tensor posterior_precision: (L, D) posterior precisions ``P_i`` (all coordinates shared: a read-only view).
+        hyper-parameters); on the general path (a model that is not Gaussian) the atoms' MAP values.
+    :param Tensor posterior_precision: (L, D) posterior precisions ``P_i`` (all coordinates shared: a read-only view);
+        on the general path the curvatures ``-l''`` of the atoms' log densities at their MAP values (the Laplace
+        approximation's precisions).
     :param list assignments: J long tensors of length L_j with values in [0, L), distinct within a client (empty
         for a client without neurons).
     :param Tensor counts: (L,) number of clients on each atom (m_i).
@@ -31,7 +33,9 @@ class MatchResult:
     :param float lsa_seconds: part of ``seconds`` spent inside ``linear_sum_assignment``.
     :param list rematches: one ``(client, L_j, L)`` per client (re-)matching, L the atoms it was scored against.
     :param dict hyperparameters: the final values, estimated or given (``"mu0"`` a (D,) tensor, the variances and
-        ``"gamma0"`` floats; the names are the matcher's: see its docstring).
+        ``"gamma0"`` floats; ``"concentration"``, the two-parameter IBP's c, where it was estimated or is not 1; on
+        the general path a :class:`~bnpfed.models.NoiseLaw`'s named parameters, and no ``"mu0"`` or ``"sigma0_2"``
+        with an ``atom_prior`` given; the names are the matcher's: see its docstring).
     :param list hyperparameter_history: the values (dicts as ``hyperparameters``) after the first assignment and
         after every sweep; the last entry is ``hyperparameters``. With fixed hyper-parameters every entry holds the
         given values (as many as ``objective``).

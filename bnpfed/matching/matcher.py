@@ -24,6 +24,8 @@ marginal likelihood; Yurochkin et al., "Statistical Model Aggregation via Parame
     F(Z) = sum_i [ sum_d (g_id^2/P_id - g0_d^2/P0) + 2 log(gamma0/J) + c sum_{k=1}^{m_i-1} log(k/(J-k)) ]
     F_marg(Z) = F(Z) - sum_i sum_d log(P_id / P0)
 
+With the two-parameter IBP's concentration (``concentration``, default 1) ``2 log(gamma0/J)`` is ``2 log(gamma0
+conc/(J - 1 + conc))`` and ``log(k/(J-k))`` is ``log(k/(J - 1 + conc - k))`` (:mod:`~bnpfed.matching.ibp`).
 The extra Occam factor of F_marg charges every atom for the precision it concentrates; :mod:`~bnpfed.matching.
 layer` and :mod:`~bnpfed.matching.bayesian_layer` say which log densities these are. A client without
 neurons (the Beta-Bernoulli process gives one with probability exp(-gamma0)) holds no atom and adds nothing to the
@@ -75,6 +77,7 @@ import torch
 from scipy.sparse import csr_matrix
 
 from bnpfed.matching.atom_sums import shared_moments, shared_sums
+from bnpfed.matching.ibp import ibp_log_prob, new_atom_term, popularity_terms
 from bnpfed.matching.layer_inputs import CompactRows, validate_clients, validate_precisions
 from bnpfed.matching.match_result import MatchResult
 from bnpfed.matching.memory import check_matching_memory
@@ -218,12 +221,8 @@ class LayerMatcher:
         self.shared_moments_: tuple | None = None  # the neurons' sums on the shared block (atom_sums.shared_moments)
         self.gram_tau: float | None = None  # the shared-coordinate precision when the Gram matrix was computed
         self.marginal = marginal
-        m = np.arange(J + 1, dtype=np.float64)
-        mc = np.minimum(m, popularity_cap) if popularity_cap is not None else m
-        with np.errstate(divide="ignore"):
-            self.pop = float(popularity_factor) * (np.log(mc) - np.log(J - mc))  # joining an atom of m others
-        self.pop_cum = np.zeros(J + 1)
-        self.pop_cum[2:] = np.cumsum(self.pop[1:J])  # pop_cum[m] = sum_{k=1}^{m-1} pop[k]
+        self.popularity_factor, self.popularity_cap = float(popularity_factor), popularity_cap
+        self._set_concentration(1.0)
         self.max_atoms = max_atoms
         self.new_atom_penalty = new_atom_penalty
         self.assign: list[np.ndarray | None] = [None] * J
@@ -236,6 +235,14 @@ class LayerMatcher:
         self.hyper: tuple | None = None
         self.tau = self.g0F = self.inv_noise_C = self.P0C = self.g0C = None  # set by set_hyperparameters
         self.m: np.ndarray | None = None  # atoms' member counts, and the storage's capacity (set by reset)
+
+    def _set_concentration(self, c: float) -> None:
+        """The popularity terms at the IBP's concentration c (:mod:`~bnpfed.matching.ibp`)."""
+        self.concentration = float(c)
+        J = self.J
+        self.pop = popularity_terms(J, c, self.popularity_factor, self.popularity_cap)  # joining an atom of m others
+        self.pop_cum = np.zeros(J + 1)
+        self.pop_cum[2:] = np.cumsum(self.pop[1:J])  # pop_cum[m] = sum_{k=1}^{m-1} pop[k]
 
     def client_rows(self, flat: np.ndarray) -> list[np.ndarray]:
         """Client j's rows (``L_j`` of them, views) of an (N, k) array of all neurons in client order."""
@@ -301,11 +308,18 @@ class LayerMatcher:
         return v, (u if u is not None and (u > 0).any() else None), scales
 
     # --- hyper-parameters -------------------------------------------------------------------------------------------
-    def set_hyperparameters(self, *, noise: np.ndarray, prior: np.ndarray, gamma0: float, mu0: np.ndarray) -> None:
+    def set_hyperparameters(self, *, noise: np.ndarray, prior: np.ndarray, gamma0: float, mu0: np.ndarray,
+                            concentration: float = 1.0) -> None:
         """Score with these values from now on: ``noise`` (D,) the per-coordinate noise t_d, ``prior`` (D,) the prior
-        variance sigma0_2_d, ``mu0`` (D,) the prior mean. The per-neuron contributions are recomputed and the per-atom
-        statistics of the current assignment follow (:meth:`_rescale`, or rebuilt when some neuron has a posterior
-        variance); nothing happens if the values are unchanged."""
+        variance sigma0_2_d, ``mu0`` (D,) the prior mean, ``gamma0`` and ``concentration`` the IBP's mass and c. The
+        per-neuron contributions are recomputed and the per-atom statistics of the current assignment follow
+        (:meth:`_rescale`, or rebuilt when some neuron has a posterior variance); nothing happens if the values are
+        unchanged (a new concentration changes only the popularity and new-atom terms)."""
+        if float(concentration) != self.concentration:
+            self._set_concentration(concentration)
+            if self.hyper is not None:
+                self.log_new = 2.0 * new_atom_term(self.J, self.gamma0, self.concentration)
+                self.new_scores = [self._new_atom_scores(j) for j in range(self.J)]
         key = (noise.tobytes(), prior.tobytes(), float(gamma0), mu0.tobytes())
         if key == self.hyper:
             return
@@ -363,7 +377,7 @@ class LayerMatcher:
         self.wN = [self.sN[j][None, :] / ((u if u is not None else 0.0) + noise[N][None, :])
                    for j, u in enumerate(self.uN)]
         self.xN = [w * v for w, v in zip(self.wN, self.vN)]
-        self.log_new = 2.0 * math.log(gamma0 / self.J)
+        self.log_new = 2.0 * new_atom_term(self.J, gamma0, self.concentration)
         self.gamma0 = float(gamma0)
         self.new_scores = [self._new_atom_scores(j) for j in range(self.J)]
         if old is not None:
@@ -799,13 +813,17 @@ class LayerMatcher:
         ``w > 0``), with every normalising constant -- so that, unlike the objectives, it compares assignments
         reached at *different* hyper-parameters (the two starts of :func:`~bnpfed.matching.driver.run_matching`).
         Per atom and coordinate
-        the Gaussian part is ``-(1/2) [sum_members (log(2 pi / w) + w v^2) + log(P/P0) + g0^2/P0 - g^2/P]``."""
+        the Gaussian part is ``-(1/2) [sum_members (log(2 pi / w) + w v^2) + log(P/P0) + g0^2/P0 - g^2/P]``; with a
+        concentration c the IBP part is :func:`~bnpfed.matching.ibp.ibp_log_prob`'s."""
         active = np.flatnonzero(self.m[: self.n_rows] > 0)
         m = self.m[active]
         J = self.J
-        ll = active.size * math.log(self.gamma0) - self.gamma0 * float(np.sum(1.0 / np.arange(
-            1, J + 1)))
-        ll += float(sum(math.lgamma(k) + math.lgamma(J - k + 1) - math.lgamma(J + 1) for k in m))
+        if self.concentration == 1.0:
+            ll = active.size * math.log(self.gamma0) - self.gamma0 * float(np.sum(1.0 / np.arange(
+                1, J + 1)))
+            ll += float(sum(math.lgamma(k) + math.lgamma(J - k + 1) - math.lgamma(J + 1) for k in m))
+        else:
+            ll = ibp_log_prob(m, J, self.gamma0, self.concentration)
         gauss = 0.0
         if self.F.size:
             P = self.P0 + m * self.tau

@@ -22,8 +22,9 @@ batch norm after a layer adds its ``weight``, ``bias``, ``running_mean`` and ``r
 group (``num_batches_tracked`` is left alone). :func:`derive_spec` finds all this from the module tree and a forward
 pass; :func:`verify_spec` checks any spec numerically.
 
-**Writing a spec by hand.** For a network :func:`derive_spec` does not understand (a residual block, a module of
-your own), list the groups yourself, in the order they are to be matched, and a kind for every parameter::
+**Writing a spec by hand.** For a network :func:`derive_spec` does not understand (a concatenation, a layer whose
+input and output channels one skip ties), list the groups yourself, in the order they are to be matched, and a kind
+for every parameter::
 
     >>> from torch import nn
     >>> class Residual(nn.Module):                       # stem, then x + conv2(relu(conv1(x))), pool, classifier
@@ -50,6 +51,19 @@ your own), list the groups yourself, in the order they are to be matched, and a 
       stem: stem.weight[0], stem.bias[0], conv2.weight[0], conv2.bias[0], conv1.weight[1], fc.weight[1]
       conv1: conv1.weight[0], conv1.bias[0], conv2.weight[1]
       output layer (axis 0 = classes): fc.weight, fc.bias
+
+A residual block like this one needs no hand-written spec any more: :func:`derive_spec` ties the permutations a
+residual addition joins (identity and projection skips, batch norms on either branch). **A spec in a file**, for what
+the derivation cannot read, is the JSON of :meth:`PermutationSpec.to_dict` (``bnpfed match --spec FILE`` reads it
+with :meth:`PermutationSpec.from_dict` and checks it on the networks)::
+
+    {"groups": [{"name": "stem", "axes": [["stem.weight", 0], ["stem.bias", 0], ["conv2.weight", 0],
+                                          ["conv2.bias", 0], ["conv1.weight", 1], ["fc.weight", 1]]},
+                {"name": "conv1", "axes": [["conv1.weight", 0], ["conv1.bias", 0], ["conv2.weight", 1]]}],
+     "kinds": {"stem.weight": "weight", "stem.bias": "bias", "conv1.weight": "weight", "conv1.bias": "bias",
+               "conv2.weight": "weight", "conv2.bias": "bias", "fc.weight": "output_weight", "fc.bias": "output_bias"}}
+
+(an axis is ``[param, dim]``, or ``[param, dim, block]`` with a block other than 1).
 
 Kinds: ``"weight"`` and ``"bias"`` (of a Linear or Conv2d), ``"bn_weight"``, ``"bn_bias"``, ``"running_mean"``,
 ``"running_var"`` (of a batch norm), ``"output_weight"`` and ``"output_bias"`` (of the output layer, whose axis 0

@@ -165,6 +165,50 @@ class PermutationSpec:
     def params_of_kind(self, *kinds: str) -> list[str]:
         return [p for p, k in self.kinds.items() if k in kinds]
 
+    def to_dict(self) -> dict:
+        """The spec as plain data (the file format of ``bnpfed match --spec FILE``, as JSON): ``{"groups": [{"name":
+        ..., "axes": [[param, dim], [param, dim, block], ...]}, ...], "kinds": {param: kind, ...}}``, groups in
+        matching order, an axis's block given when it is not 1.
+
+        >>> spec = PermutationSpec([Group("a", [Axis("a.w", 0), Axis("b.w", 1, 4)])], {"a.w": "weight",
+        ...                                                                          "b.w": "output_weight"})
+        >>> spec.to_dict()["groups"]
+        [{'name': 'a', 'axes': [['a.w', 0], ['b.w', 1, 4]]}]
+        >>> PermutationSpec.from_dict(spec.to_dict()) == spec
+        True
+        """
+        return {"groups": [{"name": g.name, "axes": [[a.param, a.dim] + ([a.block] if a.block != 1 else [])
+                                                     for a in g.axes]} for g in self.groups],
+                "kinds": dict(self.kinds)}
+
+    @classmethod
+    def from_dict(cls, data, *, where: str = "spec") -> PermutationSpec:
+        """The spec written as :meth:`to_dict` writes it (a file's JSON), checked as the constructor checks it; a
+        malformed entry raises a ``ValueError`` naming its place (``where``, then the path inside)."""
+        if not isinstance(data, Mapping) or set(data) != {"groups", "kinds"}:
+            got = sorted(data) if isinstance(data, Mapping) else type(data).__name__
+            raise ValueError(f"{where}: expected an object with the keys 'groups' and 'kinds', got {got}")
+        groups_data, kinds = data["groups"], data["kinds"]
+        if not isinstance(groups_data, list) or not groups_data:
+            raise ValueError(f"{where}.groups: expected a non-empty list of groups, got {groups_data!r}")
+        if not isinstance(kinds, Mapping) or not all(isinstance(k, str) and isinstance(v, str)
+                                                     for k, v in kinds.items()):
+            raise ValueError(f"{where}.kinds: expected an object of parameter name -> kind, got {kinds!r}")
+        groups = []
+        for i, g in enumerate(groups_data):
+            here = f"{where}.groups[{i}]"
+            if not isinstance(g, Mapping) or set(g) != {"name", "axes"} or not isinstance(g["axes"], list):
+                raise ValueError(f"{here}: expected an object with 'name' and a list 'axes', got {g!r}")
+            axes = []
+            for k, a in enumerate(g["axes"]):
+                if not (isinstance(a, list) and len(a) in (2, 3) and isinstance(a[0], str)
+                        and all(isinstance(x, int) and not isinstance(x, bool) for x in a[1:])):
+                    raise ValueError(f"{here}.axes[{k}]: expected [param, dim] or [param, dim, block] (a name and "
+                                     f"integers), got {a!r}")
+                axes.append(Axis(*a))
+            groups.append(Group(g["name"], axes))
+        return cls(groups=groups, kinds=dict(kinds))
+
     def __str__(self) -> str:
         n = len(self.groups)
         lines = [f"PermutationSpec: {n} hidden permutation{'s' if n != 1 else ''}, matched in this order"]

@@ -1,4 +1,5 @@
-"""Pyro generative programs: the Beta-Bernoulli neuron model of PFNM, and Bayesian neural networks; priors and
+"""Pyro generative programs: the Beta-Bernoulli neuron model of PFNM (with its noise laws, :class:`NoiseLaw`), a
+Gaussian mixture (the local model of the federated mixture), and Bayesian neural networks; priors and
 likelihoods by name (:func:`register_prior`, :func:`register_likelihood`: what a config's ``prior`` and
 ``likelihood`` take, and what a plugin can add to)."""
 
@@ -11,6 +12,8 @@ from bnpfed.models.beta_bernoulli import (
     log_joint,
     sample_federated_layer,
 )
+from bnpfed.models.noise import NoiseLaw, StudentTNoise
+from bnpfed.models.mixture import GaussianMixture, fit_gaussian_mixture, gaussian_mixture
 from bnpfed.models.bayesian import BayesianNetwork
 from bnpfed.models.likelihoods import (NOISE_SITE, Categorical, Gaussian, GaussianPredictive, Likelihood, StudentT,
                                       predictive_of)
@@ -55,6 +58,11 @@ __all__ = [
     "gaussian_noise",
     "log_joint",
     "sample_federated_layer",
+    "NoiseLaw",
+    "StudentTNoise",
+    "GaussianMixture",
+    "fit_gaussian_mixture",
+    "gaussian_mixture",
     "BayesianNetwork",
     "Categorical",
     "Gaussian",

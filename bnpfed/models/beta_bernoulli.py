@@ -5,12 +5,14 @@ a neural network is a set of neurons; a neuron is a vector in R^D (its incoming 
 layer above is already matched, its outgoing weights). Across J clients the story is:
 
 * global neurons (atoms) ``theta_i ~ N(mu0, sigma0_2 I)`` in R^D, ``mu0`` possibly different per coordinate;
-* a Beta-Bernoulli process with mass ``gamma0`` decides which atoms client j uses. With the Beta process' weights
-  integrated out it is the Indian buffet process (Griffiths & Ghahramani 2011), written here in its sequential
-  form: client j (counting from 1) takes each atom already used by m_i of the first j - 1 clients with probability
-  ``m_i / j`` and opens ``Poisson(gamma0 / j)`` new ones. This form needs **no truncation**: the number of atoms is
-  finite with probability one (its mean is ``gamma0 * H_J``, H_J the J-th harmonic number), and every client uses
-  ``gamma0`` atoms on average;
+* a Beta-Bernoulli process with mass ``gamma0`` and concentration ``c`` (1 unless ``concentration`` says otherwise)
+  decides which atoms client j uses. With the Beta process' weights integrated out it is the Indian buffet process
+  (Griffiths & Ghahramani 2011; with c the two-parameter IBP of Ghahramani, Griffiths & Sollich 2007), written here
+  in its sequential form: client j (counting from 1) takes each atom already used by m_i of the first j - 1 clients
+  with probability ``m_i / (c + j - 1)`` and opens ``Poisson(gamma0 c / (c + j - 1))`` new ones. This form needs
+  **no truncation**: the number of atoms is finite with probability one (its mean is ``gamma0 sum_{j=1}^J c / (c + j
+  - 1)``, ``gamma0 H_J`` at c = 1, H_J the J-th harmonic number), and every client uses ``gamma0`` atoms on average.
+  A larger c shares atoms less: more atoms, each held by fewer clients;
 * each atom that client j uses gives one local neuron ``v_jl ~ N(theta_i, sigma2 / s_j)`` with per-coordinate
   precision scales ``s_j`` (1 by default; PFNM's output-layer coordinates use the client's class shares);
 * a client's neurons come in a uniformly random order (``perm_j``): hidden units are permutation invariant, and
@@ -48,9 +50,11 @@ Sites, for client ``j = 0 .. J-1`` (a site with nothing to sample is left out, a
 Atoms are labelled in order of first use (client 0's new atoms first). A trace of this program has density
 ``p_seq`` with the IBP prior in its *sequential, labelled* form:
 
-    log p_seq(Z) = L log gamma0 - gamma0 H_J + sum_i log[(m_i - 1)! (J - m_i)! / J!] - sum_j log K_j!
+    log p_seq(Z) = L log(gamma0 c) - gamma0 sum_{j=1}^J c / (c + j - 1) + sum_i log B(m_i, J - m_i + c)
+                   - sum_j log K_j!
 
-where m_i counts the clients using atom i and K_j the atoms first used by client j. The K_j! orderings of a
+where m_i counts the clients using atom i, K_j the atoms first used by client j and B the Beta function; at c = 1
+it is ``L log gamma0 - gamma0 H_J + sum_i log[(m_i - 1)! (J - m_i)! / J!] - sum_j log K_j!``. The K_j! orderings of a
 client's new atoms are distinct traces of one configuration (which neurons share an atom, and the atoms' values), so
 the density of a *configuration* is ``p_seq * prod_j K_j!``; :func:`log_joint` returns either.
 """
@@ -198,6 +202,7 @@ def beta_bernoulli_layer(
     noise: Callable[[Tensor, Tensor], dist.Distribution] = gaussian_noise,
     neuron_variance: dist.Distribution | None = None,
     tau2: float | None = None,
+    concentration: float = 1.0,
 ) -> FederatedLayer:
     """Pyro program of one federated layer under the Beta-Bernoulli process (see the module docstring).
 
@@ -251,6 +256,9 @@ def beta_bernoulli_layer(
     :param float tau2: with ``neuron_variance`` (required then, refused without it): the extra variance of a unit
         across clients that the posterior variances understate, tau2 of
         :func:`~bnpfed.matching.match_bayesian_layer`.
+    :param float concentration: c > 0 of the two-parameter IBP (default 1, the one-parameter IBP of PFNM): client j
+        (from 1) takes an atom of m earlier users with probability ``m / (c + j - 1)`` and opens ``Poisson(gamma0 c /
+        (c + j - 1))`` new ones (module docstring).
     :returns: :class:`FederatedLayer` with the sampled (or conditioned) atoms, assignments, neurons and (with
         ``neuron_variance``) posterior variances.
     """
@@ -259,6 +267,7 @@ def beta_bernoulli_layer(
         if value < 1:
             raise ValueError(f"{name}: expected an int >= 1, got {value}")
     gamma0 = check_positive(gamma0, "gamma0")
+    c = check_positive(concentration, "concentration")
     if neuron_variance is None:
         if tau2 is not None:
             raise ValueError(f"tau2: expected None without neuron_variance (the homoscedastic model's noise is "
@@ -290,10 +299,10 @@ def beta_bernoulli_layer(
     for j in range(J):
         num_old = atoms.shape[0]
         if num_old:
-            z = pyro.sample(f"z_{j}", dist.Bernoulli(counts / (j + 1)).to_event(1))
+            z = pyro.sample(f"z_{j}", dist.Bernoulli(counts / (c + j)).to_event(1))
         else:
             z = torch.zeros(0)
-        num_new = int(pyro.sample(f"new_{j}", dist.Poisson(torch.tensor(gamma0 / (j + 1)))))
+        num_new = int(pyro.sample(f"new_{j}", dist.Poisson(torch.tensor(gamma0 * c / (c + j)))))
         if num_new:
             with pyro.plate(f"atoms_{j}", num_new):
                 theta_new = pyro.sample(f"theta_{j}", atom_prior)
