@@ -294,10 +294,10 @@ def _debiased_squared(counts: Tensor, confidences: Tensor, correct: Tensor, n_bi
     n = int(round(float(counts[0].sum())))
     m = min(n_bins, n // 2)   # every bin then holds at least 2 examples
     # bin b holds the positions p with floor(p m / n) = b: [ceil(b n / m), ceil((b + 1) n / m))
-    bounds = (torch.arange(m + 1, dtype=torch.float64) * n / m).ceil()
-    bounds[-1] = n
+    bounds = ((torch.arange(m + 1) * n + m - 1) // m).double()   # in integers: exact
     filled = counts.cumsum(1)                                    # positions taken by examples 0..k
-    k = torch.searchsorted(filled, bounds.expand(len(counts), -1).contiguous(), right=True).clamp_(max=counts.shape[1] - 1)
+    k = torch.searchsorted(filled, bounds.expand(len(counts), -1).contiguous(), right=True)
+    k = k.clamp_(max=counts.shape[1] - 1)
     before = torch.cat([torch.zeros(len(counts), 1, dtype=torch.float64), filled], 1).gather(1, k)
 
     def cumulative(values: Tensor) -> Tensor:   # sum of values over the first `bounds` positions
