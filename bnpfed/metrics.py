@@ -362,45 +362,42 @@ _RESAMPLE_CHUNK = 100
 
 
 class _Resampler:
-    """What the metrics of one predictor need per test example, to recompute them on resamples of the examples."""
+    """What the metrics of one predictor need per test example, to recompute them on resamples of the examples, each
+    resample given by how many times it holds each example (so that every metric is a matrix product or a cumulative
+    sum over the examples, not a loop)."""
 
     def __init__(self, probs: Tensor, labels: Tensor, ece_bins: int):
         probs = probs.double().cpu()
         labels = labels.cpu()
         self.n = len(labels)
         self.ece_bins = ece_bins
-        self.confidences, predictions = probs.max(dim=1)
-        self.correct = (predictions == labels).double()
-        self.nll = -probs.gather(1, labels[:, None])[:, 0].clamp_min(NLL_EPS).log()
-        self.brier = (probs - torch.nn.functional.one_hot(labels, probs.shape[1]).double()).square().sum(1)
-        self.gap = self.correct - self.confidences
-        edges = {m: torch.linspace(0, 1, m + 1, dtype=torch.float64) for m in {ece_bins, 15}}
-        self.bins = {m: (torch.bucketize(self.confidences, e, right=False) - 1).clamp_(0, m - 1)
-                     for m, e in edges.items()}
-        self.order = torch.sort(self.confidences, stable=True).indices    # position -> example
-        self.rank = torch.empty_like(self.order)
-        self.rank[self.order] = torch.arange(self.n)                        # example -> position
+        confidences, predictions = probs.max(dim=1)
+        correct = (predictions == labels).double()
+        nll = -probs.gather(1, labels[:, None])[:, 0].clamp_min(NLL_EPS).log()
+        brier = (probs - torch.nn.functional.one_hot(labels, probs.shape[1]).double()).square().sum(1)
+        self.means = torch.stack([correct, nll, brier], 1)              # (N, 3): the metrics that are means
+        self.gaps = {}                                                  # bins -> (N, bins): each example's gap in its bin
+        for m in {ece_bins, 15}:
+            edges = torch.linspace(0, 1, m + 1, dtype=torch.float64)
+            bins = (torch.bucketize(confidences, edges, right=False) - 1).clamp_(0, m - 1)
+            self.gaps[m] = torch.zeros(self.n, m, dtype=torch.float64).index_put_(
+                (torch.arange(self.n), bins), correct - confidences)
+        self.order = torch.sort(confidences, stable=True).indices      # position -> example
+        self.sorted_confidences, self.sorted_correct = confidences[self.order], correct[self.order]
 
-    def _ece(self, idx: Tensor, m: int) -> Tensor:
-        gaps = torch.zeros(idx.shape[0], m, dtype=torch.float64).scatter_add_(1, self.bins[m][idx], self.gap[idx])
-        return gaps.abs().sum(1) / self.n
-
-    def metrics(self, idx: Tensor, which: Sequence[str]) -> dict[str, Tensor]:
-        """Each metric in ``which`` on each resample, ``idx``: (B, N) example indices; (B,) each."""
+    def metrics(self, counts: Tensor, which: Sequence[str]) -> dict[str, Tensor]:
+        """Each metric in ``which`` on each resample, ``counts``: (B, N) how many times each holds each example; (B,)
+        each."""
         out = {}
+        means = counts @ self.means / self.n if any(m in ("accuracy", "nll", "brier") for m in which) else None
         for name in which:
             if name in ("accuracy", "nll", "brier"):
-                values = {"accuracy": self.correct, "nll": self.nll, "brier": self.brier}[name]
-                out[name] = values[idx].mean(1)
-            elif name == "ece":
-                out[name] = self._ece(idx, self.ece_bins)
-            elif name == "ece15":
-                out[name] = self._ece(idx, 15)
+                out[name] = means[:, ("accuracy", "nll", "brier").index(name)]
+            elif name in ("ece", "ece15"):
+                out[name] = (counts @ self.gaps[self.ece_bins if name == "ece" else 15]).abs().sum(1) / self.n
             else:   # ece_debiased: the resample sorted by confidence, ties by index, as the original
-                counts = torch.zeros(idx.shape[0], self.n, dtype=torch.float64).scatter_add_(
-                    1, self.rank[idx], torch.ones(idx.shape, dtype=torch.float64))
-                out[name] = _debiased_squared(counts, self.confidences[self.order], self.correct[self.order], 15
-                                              ).clamp_min(0).sqrt()
+                out[name] = _debiased_squared(counts[:, self.order], self.sorted_confidences, self.sorted_correct,
+                                              15).clamp_min(0).sqrt()
         return out
 
 
@@ -427,8 +424,10 @@ def _bootstrap(resamplers: Sequence[_Resampler], metrics: tuple[str, ...], resam
     values: list[dict[str, list]] = [{m: [] for m in metrics} for _ in resamplers]
     for start in range(0, resamples, _RESAMPLE_CHUNK):
         idx = torch.from_numpy(rng.integers(0, n, size=(min(_RESAMPLE_CHUNK, resamples - start), n)))
+        counts = torch.zeros(idx.shape, dtype=torch.float64).scatter_add_(1, idx, torch.ones(idx.shape,
+                                                                                             dtype=torch.float64))
         for out, resampler in zip(values, resamplers):
-            for name, v in resampler.metrics(idx, metrics).items():
+            for name, v in resampler.metrics(counts, metrics).items():
                 out[name].append(v.numpy())
     return [{m: np.concatenate(v[m]) for m in metrics} for v in values]
 
@@ -493,7 +492,7 @@ def paired_bootstrap(probs_a: Any, probs_b: Any, labels: Any, *, metrics: Sequen
     if "ece_debiased" in metrics:
         _check_debiased_examples(len(labels))
     a, b = _Resampler(probs_a, labels, ece_bins), _Resampler(probs_b, labels, ece_bins)
-    point_a, point_b = (r.metrics(torch.arange(r.n)[None], metrics) for r in (a, b))
+    point_a, point_b = (r.metrics(torch.ones(1, r.n, dtype=torch.float64), metrics) for r in (a, b))
     values_a, values_b = _bootstrap([a, b], metrics, resamples, seed)
     out = {}
     for m in metrics:

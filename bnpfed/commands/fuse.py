@@ -31,15 +31,16 @@ from bnpfed.federated import (FUSION_ARCHITECTURES, FUSION_TRAINING, PAPER_MIN_V
                               ExperimentConfig, FusionConfig, MatchedFusionFederation, NetworkConfig, PartitionConfig,
                               PFNMConfig, TrainingConfig, available_methods, config_dict)
 from bnpfed.report import (command_record, command_results, format_table, line_styles, pyplot, save_figure,
-                           write_json)
+                           with_intervals, write_json)
 from bnpfed.validation import check_choice
 
 PROG = "bnpfed fuse"
 FEDAVG = "fedavg"
-COLUMNS = ["method", "accuracy", "nll", "ece", "ece_floor", "brier", "mean_sigma", "rounds", "server_seconds"]
+COLUMNS = ["method", "accuracy", "accuracy_95", "nll", "ece", "ece_floor", "ece15", "ece_debiased", "brier",
+           "mean_sigma", "rounds", "server_seconds"]
 #: ``--align match``'s table: the metrics that line up across runs (issue "matching Bayesian neurons").
-MATCH_COLUMNS = ["method", "accuracy", "nll", "ece", "ece_floor", "ece15", "brier", "width", "parameters", "rounds",
-                 "server_seconds"]
+MATCH_COLUMNS = ["method", "accuracy", "accuracy_95", "nll", "ece", "ece_floor", "ece15", "ece_debiased", "brier",
+                 "width", "parameters", "rounds", "server_seconds"]
 OOD_COLUMNS = ["auroc_max_prob", "auroc_entropy"]
 #: ``--heads``: the matched rows' output layers fused, pooled, or both rows.
 HEADS_CHOICES = ("fused", "pooled", "both")
@@ -56,7 +57,8 @@ SERVER_SECONDS = ("server_seconds: the server's aggregation time (fusion or aver
                   "training and evaluation are not included. mean_sigma: the mean posterior standard deviation of the "
                   "Bayesian weights (- for FedAvg, which has none). ece_floor: the ECE a perfectly calibrated model "
                   "with the same confidences would show on this test split (an ece near it is as calibrated as the "
-                  "split can tell).")
+                  "split can tell). ece_debiased: Kumar et al.'s debiased L2 calibration error (15 equal-mass bins), "
+                  "the split's noise taken out. accuracy_95: a 95 % bootstrap interval over the test examples.")
 
 
 def add_parser(sub):
@@ -288,11 +290,15 @@ def run(args) -> int:
     for row in result.rows:
         if row.method == "pfnm-rounds":  # one name per method across runs (one shot or with rounds)
             row.method = "pfnm"
+    for comparison in result.comparisons:
+        if comparison["method"] == "pfnm-rounds":
+            comparison["method"] = "pfnm"
     kept = {("pfnm" if m == "pfnm-rounds" else m): v for m, v in result.global_models.items()}
     columns = MATCH_COLUMNS if args.align == "match" else COLUMNS
     if ood is not None:
         columns = columns[:columns.index("brier") + 1] + OOD_COLUMNS + columns[columns.index("brier") + 1:]
-    print(format_table([asdict(r) for r in result.rows], columns))
+    print(format_table(with_intervals([asdict(r) for r in result.rows]), columns))
+    _args.print_comparisons(result.comparisons, len(result.test_labels))
     print(SERVER_SECONDS)
     for message in result.warnings:
         warn(message)
@@ -337,7 +343,8 @@ def _title(name: str, plan: dict) -> str:
 
 #: What each panel shows, by metric.
 PANEL_TITLES = {"accuracy": "test accuracy", "nll": "negative log-likelihood", "ece": "expected calibration error",
-                "brier": "Brier score", "mean_sigma": "mean posterior sigma",
+                "ece15": "ECE, 15 bins", "ece_debiased": "debiased L2 calibration error", "brier": "Brier score",
+                "mean_sigma": "mean posterior sigma",
                 "auroc_max_prob": "OOD AUROC (max probability)", "auroc_entropy": "OOD AUROC (entropy)"}
 
 
@@ -382,12 +389,24 @@ def _same_as(rows, metrics) -> dict[str, str]:
     return same
 
 
+def _interval_bar(ax, row, metric: str, value: float, at: float, color, horizontal: bool) -> None:
+    """The row's 95 % bootstrap interval of ``metric`` (its final model's) as an error bar at ``value``, across the
+    panel (``horizontal``: the one-round panels, methods on the vertical axis) or up it at round ``at``."""
+    interval = (row.intervals or {}).get(metric)
+    if not interval:
+        return
+    err = [[max(value - interval[0], 0.0)], [max(interval[1] - value, 0.0)]]
+    ax.errorbar([value] if horizontal else [at], [at] if horizontal else [value], xerr=err if horizontal else None,
+                yerr=None if horizontal else err, fmt="none", ecolor=color, elinewidth=1.2, capsize=3)
+
+
 def plot_rounds(result, path, title: str = "") -> None:
-    """A grid of panels, one per metric (accuracy, NLL, ECE, Brier, mean posterior sigma, and the OOD AUROCs when
-    measured), the legend in a panel of its own. Over several rounds: one line per multi-round method (FedAvg in
-    black), the one-shot methods (the ensemble, PFNM) as dashed horizontal lines. One round: a dot per method on
-    each panel, methods on the vertical axis (no round axis to speak of). A method whose points cover an earlier
-    one's (:func:`_same_as`) says so in the legend."""
+    """A grid of panels, one per metric (accuracy, NLL, ECE, ECE with 15 bins, the debiased calibration error,
+    Brier, mean posterior sigma, and the OOD AUROCs when measured), the legend in a panel of its own. Over several
+    rounds: one line per multi-round method (FedAvg in black), the one-shot methods (the ensemble, PFNM) as dashed
+    horizontal lines. One round: a dot per method on each panel, methods on the vertical axis (no round axis to speak
+    of). The final model's 95 % bootstrap interval is an error bar (:func:`_interval_bar`). A method whose points
+    cover an earlier one's (:func:`_same_as`) says so in the legend."""
     plt = pyplot()
     rows = list(result.rows)
     metrics = [m for m in PANEL_TITLES if any(_value(getattr(r, m, None)) is not None for r in rows)]
@@ -416,18 +435,22 @@ def plot_rounds(result, path, title: str = "") -> None:
                     style = styles[r.method]
                     ax.plot([value], [i], linestyle="none", marker=style["marker"], color=style["color"],
                             markerfacecolor=style["markerfacecolor"], ms=7, label=labels[r.method])
+                    _interval_bar(ax, r, metric, value, i, style["color"], horizontal=True)
                     ax.text(value, i, f"  {value:.3g}", va="center", fontsize=7)
             ax.set_yticks(y, [r.method for r in rows], fontsize=8)
             ax.set_ylim(len(rows) - 0.5, -0.5)
             ax.margins(x=0.25)
             ax.grid(axis="x", alpha=0.3)
         else:
-            for r in rows:
+            for k, r in enumerate(rows):
                 if len(r.history) > 1:
                     rounds = [h["round"] for h in r.history]
                     values = [_value(h.get(metric)) for h in r.history]
                     if all(v is not None for v in values):
                         ax.plot(rounds, values, label=labels[r.method], **styles[r.method])
+                        dodge = 0.05 * (k - (len(rows) - 1) / 2)   # the methods' bars side by side
+                        _interval_bar(ax, r, metric, values[-1], rounds[-1] + dodge, styles[r.method]["color"],
+                                      horizontal=False)
                 elif _value(getattr(r, metric, None)) is not None:
                     ax.axhline(getattr(r, metric), ls="--", lw=1.2, color=styles[r.method]["color"],
                                label=f"{labels[r.method]} (one shot)")

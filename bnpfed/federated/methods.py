@@ -115,6 +115,8 @@ __all__ = [   # with the names that moved to experiment.py and registry.py, whic
     "register_method",
     "unregister_method",
     "network_widths",
+    "COMPARED_WITH",
+    "comparisons",
     "run_experiment",
     "run_method",
     "select_hyperparameters",
@@ -444,6 +446,8 @@ def run_method(experiment: "Experiment", method: str) -> list[MethodResult]:
     rows = out if isinstance(out, list) else [out]
     for row in rows:
         row.width = int(sum(row.hidden))
+        if row.test_probs is not None and not row.intervals:
+            row.intervals = experiment.intervals(row.test_probs)
         # every global model is checked against chance (the local rows are checked once, by their mean: one client
         # of a skewed partition may well sit at chance; one-shot FedAvg of clients from their own initialisations
         # is at chance by construction, its note says so)
@@ -474,7 +478,27 @@ def run_experiment(dataset: Dataset, *, progress: bool = False, log: Optional[Ca
     return ExperimentResult(settings=experiment.settings(), rows=rows, client_sizes=[len(p) for p in experiment.parts],
                             local_accuracies=accuracies, selection=experiment.selected,
                             warnings=experiment.warnings, local_models=local, class_counts=experiment.class_counts,
-                            global_models=experiment.global_models)
+                            global_models=experiment.global_models, comparisons=comparisons(experiment, rows),
+                            test_labels=experiment.dataset.y_test)
+
+
+#: The rows every other row is compared with, paired on the test examples (:func:`comparisons`), the first one run:
+#: the clients' ensemble, the target one-shot fusion is judged against (J times the parameters, one round), else
+#: FedAvg, the baseline of the methods with communication.
+COMPARED_WITH = ("ensemble", "fedavg")
+
+
+def comparisons(experiment: Experiment, rows: Sequence[MethodResult]) -> list[dict]:
+    """Every row of one global model minus the reference row (the first of :data:`COMPARED_WITH` that ran), paired
+    on the same test examples (:meth:`Experiment.paired`): ``[{"method": ..., "against": "ensemble", "accuracy":
+    {"difference", "low", "high"}, "nll": ..., ...}]``; empty without a reference row."""
+    kept = {r.method: r for r in rows if r.test_probs is not None}
+    against = next((name for name in COMPARED_WITH if name in kept), None)
+    if against is None:
+        return []
+    reference = kept[against]
+    return [{"method": row.method, "against": against, **experiment.paired(row.test_probs, reference.test_probs)}
+            for row in rows if row is not reference and row.test_probs is not None]
 
 
 def width_sweep(dataset: Dataset, *, sigma2: Sequence[float], gamma0: Sequence[float],
