@@ -193,7 +193,7 @@ def test_two_specs_that_give_one_row_are_refused_before_anything_runs():
     assert len(check_methods(ExperimentConfig(methods=("pfnm", "pfnm:heads=pooled")),
                              dict(pfnm=PFNMConfig(), fusion=FusionConfig()))) == 2
     with pytest.raises(ValueError, match="pool_temperature: the temperature of pooled heads"):
-        check_methods(ExperimentConfig(methods=("pfnm",)), dict(pfnm=PFNMConfig(pool_temperature=2.0),
+        check_methods(ExperimentConfig(methods=("pfnm",)), dict(pfnm=PFNMConfig(pool_temperature=2.0, heads="fused"),
                                                                  fusion=FusionConfig()))
 
 

@@ -42,8 +42,8 @@ COLUMNS = ["method", "accuracy", "accuracy_95", "nll", "ece", "ece_floor", "ece1
 MATCH_COLUMNS = ["method", "accuracy", "accuracy_95", "nll", "ece", "ece_floor", "ece15", "ece_debiased", "brier",
                  "width", "parameters", "rounds", "server_seconds"]
 OOD_COLUMNS = ["auroc_max_prob", "auroc_entropy"]
-#: ``--heads``: the matched rows' output layers fused, pooled, or both rows.
-HEADS_CHOICES = ("fused", "pooled", "both")
+#: ``--heads``: the matched rows' output layers chosen by the clients' class shares, fused, pooled, or both rows.
+HEADS_CHOICES = ("auto", "fused", "pooled", "both")
 #: The one-shot fusion baselines --baselines adds (--align match).
 BASELINES = ("kl-fusion", *federated.ALIGNMENT_METHODS)
 #: Metrics the plot shows, one panel each.
@@ -57,8 +57,11 @@ SERVER_SECONDS = ("server_seconds: the server's aggregation time (fusion or aver
                   "training and evaluation are not included. mean_sigma: the mean posterior standard deviation of the "
                   "Bayesian weights (- for FedAvg, which has none). ece_floor: the ECE a perfectly calibrated model "
                   "with the same confidences would show on this test split (an ece near it is as calibrated as the "
-                  "split can tell). ece_debiased: Kumar et al.'s debiased L2 calibration error (15 equal-mass bins), "
-                  "the split's noise taken out. accuracy_95: a 95 % bootstrap interval over the test examples.")
+                  "split can tell).")
+#: What the table's calibration and interval columns are (printed under it).
+INTERVALS_NOTE = ("ece15: the ECE with 15 bins; ece_debiased: Kumar et al.'s debiased L2 calibration error (15 "
+                  "equal-mass bins), the test split's noise taken out; accuracy_95: a 95 % bootstrap interval over the "
+                  "test examples (--json: every metric's).")
 
 
 def add_parser(sub):
@@ -98,10 +101,10 @@ def add_parser(sub):
                    help=f"the fusion rules to compare, one row each: all, or a list of {', '.join(available_rules())}; "
                    f"with --align match also {ATOM_POSTERIOR} (the matching model's own posterior of each unit) and "
                    f"{PVI} (partitioned variational inference)")
-    g.add_argument("--heads", choices=HEADS_CHOICES, default="fused",
-                   help="--align match: the matched rows' output layer: fused (rows match-RULE), pooled (the clients' "
-                   "own posterior output layers pooled with their class shares inside every draw: rows "
-                   "match-RULE-pooled, and pfnm-pooled beside pfnm) or both rows")
+    g.add_argument("--heads", choices=HEADS_CHOICES, default="auto",
+                   help="--align match: the output layer of the rows match-RULE and pfnm: auto (pooled when the "
+                   "clients' class shares differ, else fused), fused, pooled (the clients' own posterior output "
+                   "layers pooled with their class shares in every draw: rows match-RULE-pooled, pfnm-pooled) or both")
     _options.add_config_options(
         p, FusionConfig, fusion, group=g, exclude=("rule", "heads"),
         helps={"align": "none: fuse weight i of every client with weight i of the others (the rows named by the "
@@ -193,7 +196,7 @@ def prepare(args) -> dict:
         if name in experimental.set_fields() and not match:
             raise UsageError(f"--experimental: {name} is matched fusion's (its matcher's); expected it only with "
                              f"--align match, got --align {align}")
-    if args.heads != "fused" and not match:
+    if args.heads not in ("auto", "fused") and not match:
         raise UsageError(f"--heads: expected only with --align match, got --align {align}")
     if values.get("temperature", 1) != 1 and not match:
         raise UsageError(f"--temperature: the predictive temperature of the match-RULE rows; expected it only with "
@@ -218,6 +221,7 @@ def prepare(args) -> dict:
         raise UsageError(f"--fraction: --rule {PVI} keeps every client's factor from round to round, so every "
                          f"client takes part in every round; expected 1, got {values['fraction']}")
     fusion = _options.config_from_args(FusionConfig, args, FusionConfig(), rule=args.rule[0],
+                                       heads="auto" if args.heads == "auto" else "fused",   # the rows' specs say
                                        own_init=match if args.own_init is None else args.own_init,
                                        experimental=experimental.only(FusionConfig.EXPERIMENTAL))
     if args.baselines is not None:
@@ -234,8 +238,9 @@ def prepare(args) -> dict:
         # after round 1, so Laplace clients have the matched rows only (said in --client's help)
         weight_wise = (tuple(f"fusion:rule={r}" for r in args.rule if r not in (ATOM_POSTERIOR, PVI))
                        if bayesian.client == "variational" else ())
-        kinds = {"fused": ("",), "pooled": (":heads=pooled",), "both": ("", ":heads=pooled")}[args.heads]
-        pfnm = (("pfnm",) + (("pfnm:heads=pooled",) if args.heads != "fused" else ()) if rounds == 1
+        kinds = {"auto": ("",), "fused": ("",), "pooled": (":heads=pooled",),
+                 "both": ("", ":heads=pooled")}[args.heads]
+        pfnm = (("pfnm",) + (("pfnm:heads=pooled",) if args.heads in ("pooled", "both") else ()) if rounds == 1
                 else ("pfnm-rounds",))
         names = ("ensemble-bayesian",) + pfnm + fedavg + weight_wise + tuple(
             f"match:rule={rule}{kind}" for rule in args.rule for kind in kinds) + tuple(args.baselines or ())
@@ -243,8 +248,10 @@ def prepare(args) -> dict:
         names = tuple(f"fusion:rule={rule}" for rule in args.rule) + fedavg
     config = _options.config_from_args(ExperimentConfig, args, ExperimentConfig(rounds=ROUNDS, ece_bins=ECE_BINS),
                                        methods=names, seed=args.seed)
-    # the pfnm-pooled row beside the matched pooled rows pools at the same temperature
-    pfnm = PFNMConfig(pool_temperature=fusion.pool_temperature if "pfnm:heads=pooled" in names else 1.0)
+    # the pfnm-pooled row beside the matched pooled rows pools at the same temperature (under auto: pfnm's own)
+    pooled_pfnm = "pfnm:heads=pooled" in names or args.heads == "auto"
+    pfnm = PFNMConfig(heads="auto" if args.heads == "auto" else "fused",
+                      pool_temperature=fusion.pool_temperature if pooled_pfnm else 1.0)
     federated.check_methods(config, dict(partition=partition, network=network, training=training, bayesian=bayesian,
                                        fusion=fusion, pfnm=pfnm, config=config))
     dataset, ood = _args.load_data_and_ood(args, standardize=args.standardize)
@@ -300,6 +307,7 @@ def run(args) -> int:
     print(format_table(with_intervals([asdict(r) for r in result.rows]), columns))
     _args.print_comparisons(result.comparisons, len(result.test_labels))
     print(SERVER_SECONDS)
+    print(INTERVALS_NOTE)
     for message in result.warnings:
         warn(message)
     if args.json:

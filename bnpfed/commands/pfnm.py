@@ -86,7 +86,10 @@ def add_parser(sub):
                                 defaults={"amsgrad": "on with --optimizer adam, off with sgd"})
     _options.add_config_options(p, PFNMConfig, PFNMConfig(), title="matching",
                                 description="the PFNM server: Beta-Bernoulli process matching of the units",
-                                exclude=("matcher_device",), helps={"fraction": FRACTION_HELP})
+                                exclude=("matcher_device",), helps={"fraction": FRACTION_HELP, "heads": (
+                                    "the global network's output layer: auto (pooled when the clients' class shares "
+                                    "differ, else fused), fused (their class-share average) or pooled (the clients' "
+                                    "own, pooled)")})
     e = ExperimentConfig()
     _options.add_config_options(
         p, ExperimentConfig, e, title="experiment", exclude=("predictive_samples",),

@@ -155,7 +155,7 @@ def check_methods(config: ExperimentConfig, configs: Mapping[str, Any]) -> list[
 
     check_pool_temperature_applies(pfnm, pfnm.heads == "pooled" or heads("pooled", "pfnm"))
     check_pool_temperature_applies(fusion, fusion.heads == "pooled" or heads("pooled", "fusion"))
-    if fusion.temperature != 1 and not heads("fused", "fusion"):
+    if fusion.temperature != 1 and not (heads("fused", "fusion") or heads("auto", "fusion")):   # auto: then fused
         raise ValueError(f"fusion.temperature: the predictive temperature of matched fusion's fused output layer; "
                          f"expected 1 without a match row of fused heads among the methods, got "
                          f"{fusion.temperature!r}")
@@ -225,7 +225,7 @@ class Experiment:
         training.check_inputs(dataset.input_shape)
         self.ood = ood
         self.dataset, self.partition, self.network, self.training = dataset, partition, network, training
-        self.pfnm, self.fusion, self.bayesian, self.config = pfnm, fusion, bayesian, config
+        self.bayesian, self.config = bayesian, config
         self.seed = config.seed
         self.input_shape = tuple(dataset.input_shape)
         labels = dataset.y_train.numpy()
@@ -235,6 +235,9 @@ class Experiment:
         else:
             self.parts, self.validation_parts = parts, [np.zeros(0, dtype=np.int64) for _ in parts]
         self.class_counts = class_counts(labels, self.parts, dataset.num_classes)
+        # heads="auto" chosen by the clients' class shares; the methods' options still read the configs as given
+        # (self.configs: pfnm:heads=auto's row is "pfnm" whichever output layer it gets), and resolve "auto" here
+        self.pfnm, self.fusion = pfnm.with_heads(self.class_counts), fusion.with_heads(self.class_counts)
         self.client_data = [(dataset.x_train[torch.as_tensor(i)], dataset.y_train[torch.as_tensor(i)])
                             for i in self.parts]
         self.warnings: list[str] = []
@@ -252,8 +255,18 @@ class Experiment:
     def num_clients(self) -> int:
         return len(self.parts)
 
+    def pfnm_heads(self, heads: str) -> str:
+        """A PFNM or FedMA method's ``heads`` option with ``"auto"`` resolved as the experiment's PFNM config resolves
+        it (:meth:`~bnpfed.federated.config.PFNMConfig.with_heads`)."""
+        return replace(self.configs["pfnm"], heads=heads).with_heads(self.class_counts).heads
+
+    def match_heads(self, heads: str) -> str:
+        """A matched-fusion method's ``heads`` option with ``"auto"`` resolved for ``align="match"``
+        (:meth:`~bnpfed.federated.config.FusionConfig.with_heads`)."""
+        return replace(self.configs["fusion"], align="match", heads=heads).with_heads(self.class_counts).heads
+
     def settings(self) -> dict:
-        """Every config as plain values."""
+        """Every config as plain values (``heads="auto"`` as the clients' class shares resolved it)."""
         return {name: config_dict(getattr(self, name)) for name in
                 ("partition", "network", "training", "pfnm", "fusion", "bayesian", "config")}
 
@@ -307,8 +320,9 @@ class Experiment:
         (``ece_debiased``: :func:`~bnpfed.metrics.debiased_calibration_error`, with 2 test examples or more), the
         ECE's noise floor (``ece_floor``: :func:`~bnpfed.metrics.ece_noise_floor`, ``ece_bins``) and Brier score of
         test-set probabilities, as a :class:`Report` that carries the probabilities themselves (``probs``, not a
-        key: a row keeps them for its intervals, :meth:`intervals`); with ``ood_probs`` (the same predictor on the out-of-distribution images) also
-        ``auroc_max_prob`` and ``auroc_entropy`` (:func:`~bnpfed.metrics.ood_auroc`)."""
+        key: a row keeps them for its intervals, :meth:`intervals`); with ``ood_probs`` (the same predictor on the
+        out-of-distribution images) also ``auroc_max_prob`` and ``auroc_entropy`` (:func:`~bnpfed.metrics.ood_auroc`).
+        """
         out = Report(classification_report(probs, self.dataset.y_test, n_bins=self.config.ece_bins))
         out["ece15"] = expected_calibration_error(probs, self.dataset.y_test, 15)
         if len(probs) >= 2:

@@ -178,8 +178,8 @@ def _fedavg(experiment: Experiment) -> MethodResult:
 
 
 def _pfnm(experiment: Experiment, heads: str) -> MethodResult:
-    if heads == "pooled":   # the pooled output layer: that row
-        return _pfnm_pooled(experiment)
+    if experiment.pfnm_heads(heads) == "pooled":   # the pooled output layer: that row (named "pfnm" under "auto")
+        return _pfnm_pooled(experiment, "pfnm" if heads == "auto" else "pfnm-pooled")
     selection = experiment.selection()
     match = selection.match
     if selection.config.heads == "pooled" and selection.config.parameter_limit is not None:
@@ -208,6 +208,8 @@ def _limits(match) -> str:
 
 
 _POOLED_NOTE = "the clients' own output layers pooled log-linearly with class-share weights"
+#: What a row's note adds when heads="auto" pooled its output layers.
+_AUTO_NOTE = " (heads auto: the clients' class shares differ)"
 
 
 def _pooled_row(experiment: Experiment, name: str, net: nn.Module, match: SpecMatch, note: str,
@@ -224,23 +226,24 @@ def _pooled_row(experiment: Experiment, name: str, net: nn.Module, match: SpecMa
                                      hyperparameters=match_hyperparameters(match), note=note, **extra)
 
 
-def _pfnm_pooled(experiment: Experiment) -> MethodResult:
+def _pfnm_pooled(experiment: Experiment, name: str) -> MethodResult:
     selection = experiment.selection()
-    match, note = selection.match, f"one shot; pfnm's global body, {_POOLED_NOTE}"
+    auto = _AUTO_NOTE if name == "pfnm" else ""
+    match, note = selection.match, f"one shot; pfnm's global body, {_POOLED_NOTE}{auto}"
     config = replace(selection.config, layerwise_retrain=0)   # pfnm_step's: PFNM's whole-network budget
     if config.heads == "fused" and config.parameter_limit is not None:
         # pfnm's match priced one output layer: this row carries J, so its budget is met by a match that prices them
         match = experiment.one_shot_match(replace(config, heads="pooled"))
-        note = f"one shot; pfnm matched with its J output layers priced in max_params, {_POOLED_NOTE}"
-    return _pooled_row(experiment, "pfnm-pooled", pooled_network(match, experiment.local_models()), match,
+        note = f"one shot; pfnm matched with its J output layers priced in max_params, {_POOLED_NOTE}{auto}"
+    return _pooled_row(experiment, name, pooled_network(match, experiment.local_models()), match,
                        note=note + _limits(match))
 
 
 def _pfnm_federation(experiment: Experiment, layerwise_retrain: int, heads: Optional[str] = None) -> PFNMFederation:
     """PFNM's (``layerwise_retrain`` 0) or FedMA's federation at the selected config, its output layer ``heads``
-    (default: the config's)."""
+    (default: the config's; ``"auto"`` resolved by the clients' class shares)."""
     config = replace(experiment.selection().config, layerwise_retrain=layerwise_retrain,
-                     heads=heads or experiment.selection().config.heads)
+                     heads=experiment.pfnm_heads(heads) if heads else experiment.selection().config.heads)
     if config.heads == "fused":   # its temperature is for the pooled rows (pfnm-pooled, fedma-pooled)
         config = replace(config, pool_temperature=1.0)
     return PFNMFederation(experiment.dataset, experiment.parts, network=experiment.network,
@@ -251,8 +254,10 @@ def _pfnm_federation(experiment: Experiment, layerwise_retrain: int, heads: Opti
 
 def _pfnm_rounds(experiment: Experiment, heads: str) -> MethodResult:
     federation = _pfnm_federation(experiment, 0, heads)
+    if heads == "auto":   # the row's name is the spec's, whichever output layer "auto" chose
+        federation.method = "pfnm-rounds"
     start = "warm" if federation.pfnm.warm_start else "cold"
-    pooled = f"; {_POOLED_NOTE}" if federation.pfnm.heads == "pooled" else ""
+    pooled = f"; {_POOLED_NOTE}" + (_AUTO_NOTE if heads == "auto" else "") if federation.pfnm.heads == "pooled" else ""
     row = experiment.federation_row(federation, experiment.config.rounds, note=f"{start}-started matching{pooled}")
     experiment.keep(federation.method, federation.global_network(), federation.match)
     return row
@@ -271,9 +276,10 @@ def _fedma_federation(experiment: Experiment, rounds: int, name: str, heads: Opt
     epochs = fedma_epochs(experiment)
     federation = _pfnm_federation(experiment, epochs, heads)
     pooled = federation.pfnm.heads == "pooled"
-    federation.method = name + ("-pooled" if pooled and not name.endswith("-pooled") else "")
+    auto = heads == "auto"   # the row's name is the spec's, whichever output layer "auto" chose
+    federation.method = name + ("-pooled" if pooled and not auto and not name.endswith("-pooled") else "")
     row = experiment.federation_row(federation, rounds, note=f"layer-wise, {epochs} retraining epoch(s) a layer"
-                                                           + (f"; {_POOLED_NOTE}" if pooled else ""))
+                                    + (f"; {_POOLED_NOTE}" + (_AUTO_NOTE if auto else "") if pooled else ""))
     row.hyperparameters = match_hyperparameters(federation.match)
     return federation, row
 
@@ -366,19 +372,22 @@ def _bayesian_ensemble(experiment: Experiment) -> MethodResult:
 
 
 def _matched_fusion(experiment: Experiment, rule: str, heads: str) -> MethodResult:
+    auto, heads = heads == "auto", experiment.match_heads(heads)
+    given = experiment.configs["fusion"]
     federation = MatchedFusionFederation(experiment.dataset, experiment.parts, network=experiment.network,
                                          training=experiment.training, bayesian=experiment.bayesian,
                                          fusion=replace(experiment.fusion, rule=rule, align="match", heads=heads,
-                                                        pool_temperature=experiment.fusion.pool_temperature
+                                                        pool_temperature=given.pool_temperature
                                                         if heads == "pooled" else 1.0,
-                                                        temperature=experiment.fusion.temperature
-                                                        if heads == "fused" else 1.0),
+                                                        temperature=given.temperature if heads == "fused" else 1.0),
                                          seed=experiment.seed, ece_bins=experiment.config.ece_bins,
                                          predictive_samples=experiment.config.predictive_samples,
                                          initial_clients=experiment.bayesian_clients())
     pooled = heads == "pooled"   # a fused body with the J clients' posterior heads (a PooledPosterior)
+    if auto:   # the row's name is the spec's, whichever output layer "auto" chose
+        federation.method = f"match-{rule}"
     row = experiment.federation_row(federation, experiment.config.rounds, note="matched posterior fusion" + (
-        f"; {_POOLED_NOTE}, inside every draw" if pooled else ""))
+        f"; {_POOLED_NOTE}, inside every draw" + (_AUTO_NOTE if auto else "") if pooled else ""))
     experiment.keep(federation.method, federation.pooled if pooled else federation.global_model, federation.match,
                     predictive=_predictive(federation))
     return row
@@ -408,11 +417,14 @@ def _kl_fusion(experiment: Experiment) -> MethodResult:
 
 #: The option ``heads`` of PFNM's and FedMA's methods (its default: ``pfnm.heads``), and of matched fusion (its
 #: default: ``fusion.heads``).
-_PFNM_HEADS = MethodOption(HEADS, "pfnm", "the global network's output layer: fused, or the clients' own pooled")
-_MATCH_HEADS = MethodOption(HEADS, "fusion", "the global posterior's output layer: fused, or the clients' own pooled")
+_PFNM_HEADS = MethodOption(HEADS, "pfnm", "the global network's output layer: fused, the clients' own pooled, or "
+                                          "auto (pooled when the clients' class shares differ)")
+_MATCH_HEADS = MethodOption(HEADS, "fusion", "the global posterior's output layer: fused, the clients' own pooled, or "
+                                             "auto (pooled when the clients' class shares differ)")
 
 
 def _suffix(options: dict) -> str:
+    """A row's name says ``-pooled`` when the spec asks for pooled heads (``"auto"``: the name of the spec alone)."""
     return "-pooled" if options["heads"] == "pooled" else ""
 
 
