@@ -503,8 +503,11 @@ def test_pfnm_keeps_pixels_in_0_1_unless_told_and_adds_pfnm_rounds_for_several_r
     assert plan["pfnm"].warm_start and plan["network"].init == "reference" and plan["training"].amsgrad
     plan = pfnm.prepare(parsed(["pfnm", "--standardize", "--rounds", "3", "--no-warm-start", "--fraction", "0.5"]))
     assert float(plan["dataset"].x_train.min()) < 0
-    assert plan["config"].methods == pfnm.DEFAULT_METHODS + ("pfnm-rounds",)
+    # with rounds, fedavg runs them: one round of it from the shared init stays in the one-shot comparison
+    assert plan["config"].methods == pfnm.DEFAULT_METHODS + ("fedavg-oneshot:init=shared", "pfnm-rounds")
     assert not plan["pfnm"].warm_start and plan["pfnm"].fraction == plan["fusion"].fraction == 0.5
+    plan = pfnm.prepare(parsed(["pfnm", "--rounds", "3", "--shared-init"]))   # fedavg-oneshot is that row then
+    assert plan["config"].methods == pfnm.DEFAULT_METHODS + ("pfnm-rounds",)
 
 
 def test_pfnm_max_params_defaults_to_the_configs_auto_and_reads_none_and_ensemble():

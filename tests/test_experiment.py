@@ -248,3 +248,21 @@ def test_a_grid_of_fixed_values_is_chosen_from_a_config_with_empirical_bayes_set
                                                     grid_gamma0=(1.0,)))
     chosen = result.selection.config
     assert chosen.fixed and {k: getattr(chosen, k) for k in EB_DEFAULTS} == EB_DEFAULTS
+
+
+def test_one_round_of_fedavg_from_a_shared_init_is_a_one_shot_row_beside_fedavg_from_own_inits(digits):
+    """fedavg-oneshot:init=shared averages clients trained once from one initialisation: the same network as fedavg
+    after one round; fedavg-oneshot (own initialisations) is the other row. The option's default follows
+    network.shared_init, and the rows are named by it."""
+    result = run(digits, clients=3, epochs=2, methods=("fedavg-oneshot", "fedavg-oneshot:init=shared", "fedavg"))
+    own, shared, fedavg = result.rows
+    assert (own.method, shared.method) == ("fedavg-oneshot", "fedavg-oneshot-shared")
+    assert (own.note, shared.note) == ("each client from its own init", "one round from a shared init")
+    assert [shared.accuracy, shared.nll, shared.parameters] == [fedavg.accuracy, fedavg.nll, fedavg.parameters]
+    assert shared.nll < own.nll   # averaging units of one initialisation, not of unrelated ones
+    assert method_options("fedavg-oneshot")["init"].values() == ["own", "shared"]
+    configs = dict(network=NetworkConfig(shared_init=True), pfnm=PFNMConfig(), fusion=FusionConfig())
+    with pytest.raises(ValueError, match="'fedavg-oneshot' and 'fedavg-oneshot:init=shared' both give the row"):
+        check_methods(ExperimentConfig(methods=("fedavg-oneshot", "fedavg-oneshot:init=shared")), configs)
+    with pytest.raises(ValueError, match="reads, default: expected exactly one"):
+        MethodOption(("a", "b"), None, "no way to read it")

@@ -35,7 +35,8 @@ from bnpfed.report import (command_record, command_results, format_table, line_s
 from bnpfed.validation import check_positives
 
 PROG = "bnpfed pfnm"
-#: The methods run unless --methods says otherwise (``pfnm-rounds`` too when --rounds > 1; ``fedma``, and
+#: The methods run unless --methods says otherwise (``pfnm-rounds`` too when --rounds > 1, and one round of FedAvg
+#: from a shared initialisation, ``fedavg-oneshot:init=shared``, which ``fedavg`` is at one round; ``fedma``, and
 #: ``fedma-rounds`` when --rounds > 1, with --layerwise-retrain).
 DEFAULT_METHODS = ("local", "ensemble", "fedavg-oneshot", "fedavg", "kmeans", "pfnm")
 COLUMNS = ["method", "accuracy", "accuracy_95", "nll", "ece15", "hidden", "parameters", "rounds", "server_seconds",
@@ -98,7 +99,8 @@ def add_parser(sub):
                f"{', '.join(federated.available_methods())}; bnpfed.federated.method_options lists a method's options",
                "rounds": "communication rounds of the multi-round methods (fedavg, pfnm-rounds, fedma-rounds); not "
                "with --width-sweep, which matches the first round's local models"},
-        defaults={"methods": f"{','.join(DEFAULT_METHODS)}, and pfnm-rounds with --rounds > 1, fedma (and "
+        defaults={"methods": f"{','.join(DEFAULT_METHODS)} (fedavg: one round from a shared init at --rounds 1), "
+                             "and fedavg-oneshot:init=shared and pfnm-rounds with --rounds > 1, fedma (and "
                              "fedma-rounds) with --layerwise-retrain",
                   "rounds": f"{e.rounds}"})
     g = p.add_argument_group("width sweep", "instead of the comparison: accuracy against global width")
@@ -168,7 +170,8 @@ def prepare(args) -> dict:
     with _args.notices(PROG):   # a method name of bnpfed 0.1 (pfnm-pooled) says its spec
         config = _options.config_from_args(ExperimentConfig, args, ExperimentConfig(), seed=args.seed)
     if args.methods is None:
-        chosen = DEFAULT_METHODS + (("pfnm-rounds",) if config.rounds > 1 else ())
+        shared = ("fedavg-oneshot:init=shared",) if config.rounds > 1 and not network.shared_init else ()
+        chosen = DEFAULT_METHODS + shared + (("pfnm-rounds",) if config.rounds > 1 else ())
         if pfnm.layerwise_retrain:
             chosen += ("fedma",) + (("fedma-rounds",) if config.rounds > 1 else ())
         config = replace(config, methods=chosen)
