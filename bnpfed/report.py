@@ -38,9 +38,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-__all__ = ["RECORD_SCHEMA", "CommandRecord", "command_record", "command_results", "format_table", "json_safe",
-           "line_styles", "plural", "pyplot", "read_record", "round_records", "save_figure", "versions",
-           "write_json"]
+__all__ = ["COMPARED_METRICS", "RECORD_SCHEMA", "CommandRecord", "command_record", "command_results",
+           "comparison_rows", "format_table", "interval_text", "json_safe", "line_styles", "plural", "pyplot",
+           "read_record", "round_records", "save_figure", "versions", "with_intervals", "write_json"]
 
 
 def _cell(value: Any, digits: int) -> str:
@@ -53,6 +53,44 @@ def _cell(value: Any, digits: int) -> str:
     if isinstance(value, (list, tuple)):
         return "-".join(str(v) for v in value)
     return str(value)
+
+
+def interval_text(interval, digits: int = 4) -> str:
+    """``[low, high]`` as text, ``"[0.9412, 0.9501]"``; ``"-"`` without one (None or empty).
+
+    >>> interval_text([0.94123, 0.95])
+    '[0.9412, 0.9500]'
+    """
+    if not interval:
+        return "-"
+    low, high = interval
+    return f"[{low:.{digits}f}, {high:.{digits}f}]"
+
+
+def with_intervals(rows: Sequence[dict], metrics: Sequence[str] = ("accuracy",), digits: int = 4) -> list[dict]:
+    """``rows`` (result rows as dicts, with their ``intervals``) with a column ``<metric>_95`` per metric: the row's
+    95 % interval as :func:`interval_text` (``-`` where the row has none)."""
+    return [{**row, **{f"{m}_95": interval_text((row.get("intervals") or {}).get(m), digits) for m in metrics}}
+            for row in rows]
+
+
+#: The metrics a command's table of paired comparisons shows (its JSON has every one).
+COMPARED_METRICS = ("accuracy", "nll", "ece15", "ece_debiased")
+
+
+def comparison_rows(comparisons: Sequence[dict], metrics: Sequence[str] = COMPARED_METRICS,
+                    digits: int = 4) -> list[dict]:
+    """A table of paired comparisons (an experiment's ``comparisons``): one row per method, one cell per metric,
+    ``"difference [low, high]"``.
+
+    >>> comparison_rows([{"method": "pfnm", "against": "ensemble",
+    ...                   "accuracy": {"difference": -0.012, "low": -0.015, "high": -0.009}}], ["accuracy"])
+    [{'method': 'pfnm', 'accuracy': '-0.0120 [-0.0150, -0.0090]'}]
+    """
+    def cell(d: dict) -> str:
+        return f"{d['difference']:.{digits}f} {interval_text((d['low'], d['high']), digits)}"
+
+    return [{"method": c["method"], **{m: cell(c[m]) for m in metrics if m in c}} for c in comparisons]
 
 
 def plural(n: int, word: str) -> str:

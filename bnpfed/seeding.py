@@ -62,6 +62,9 @@ class Stream(IntEnum):
     AUGMENT = 9
     #: a federated method's own server-side draws in a round (:class:`~bnpfed.federated.ServerTask`)
     SERVER = 10
+    #: the bootstrap resamples of the test examples behind a result's confidence intervals
+    #: (:func:`~bnpfed.metrics.bootstrap_intervals`)
+    BOOTSTRAP = 11
 
 
 def _check_key(value, name: str) -> int:

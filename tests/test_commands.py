@@ -316,8 +316,18 @@ def test_pfnm_one_round_prints_its_hyper_parameters_and_writes_json_and_a_bar_ch
     ax_acc, ax_width = fig.axes
     assert ax_acc.get_xlabel() == "test accuracy" and "width" in ax_width.get_xlabel()
     assert [t.get_text() for t in ax_acc.get_yticklabels()] == [r["method"] for r in rows]
-    assert not ax_acc.lines and fig.legends == [] and ax_acc.get_legend() is None
+    assert fig.legends == [] and ax_acc.get_legend() is None
+    from matplotlib.container import ErrorbarContainer
+    bars = [c for c in ax_acc.containers if isinstance(c, ErrorbarContainer)]   # a 95 % interval per model's row
+    assert len(bars) == len([r for r in rows if r["intervals"]]) == len(rows) - 1   # all but local-mean
+    for bar, row in zip(bars, [r for r in rows if r["intervals"]]):
+        segment = bar.lines[2][0].get_segments()[0]
+        assert [segment[0][0], segment[1][0]] == pytest.approx(row["intervals"]["accuracy"])
     assert "digits" in fig._suptitle.get_text() and "J = 3" in fig._suptitle.get_text()
+    assert "paired with the ensemble on the same 450 test examples" in out
+    comparisons = payload["results"]["runs"][0]["comparisons"]
+    assert [c["method"] for c in comparisons] == ["local-min", "local-max", "pfnm", "kmeans"]
+    assert all(c["against"] == "ensemble" and c["accuracy"]["low"] <= c["accuracy"]["high"] for c in comparisons)
 
 
 def test_pfnm_over_rounds_plots_curves_per_round_with_integer_ticks(tmp_path, figures):
@@ -378,9 +388,15 @@ def test_fuse_prints_the_table_and_writes_json_and_a_grid_of_panels(tmp_path, ca
     assert [r["method"] for r in rows] == ["eaa", "conflation", "fedavg"]
     assert all(len(r["history"]) == 2 for r in rows) and rows[2]["mean_sigma"] is None
     (fig,) = figures
-    assert len(fig.axes) == 6 and not fig.axes[5].axison
-    assert [t.get_text() for t in fig.axes[5].get_legend().get_texts()] == ["eaa", "conflation", "fedavg"]
-    assert all(ax.get_legend() is None for ax in fig.axes[:5])
+    # accuracy, NLL, ECE, ECE with 15 bins, the debiased error, Brier, mean sigma; the legend; one panel spare
+    assert len(fig.axes) == 9 and not fig.axes[7].axison and not fig.axes[8].axison
+    assert [ax.get_title() for ax in fig.axes[3:5]] == ["ECE, 15 bins", "debiased L2 calibration error"]
+    assert [t.get_text() for t in fig.axes[7].get_legend().get_texts()] == ["eaa", "conflation", "fedavg"]
+    assert all(ax.get_legend() is None for ax in fig.axes[:7])
+    from matplotlib.container import ErrorbarContainer   # each line's final model: its 95 % interval
+    assert len([c for c in fig.axes[0].containers if isinstance(c, ErrorbarContainer)]) == 3
+    assert "paired with the fedavg on the same" in out   # no ensemble row: FedAvg is the reference
+    assert [c["method"] for c in payload["results"]["runs"][0]["comparisons"]] == ["eaa", "conflation"]
     assert "J = 3" in fig._suptitle.get_text() and "dirichlet" in fig._suptitle.get_text()
 
 
@@ -487,8 +503,11 @@ def test_pfnm_keeps_pixels_in_0_1_unless_told_and_adds_pfnm_rounds_for_several_r
     assert plan["pfnm"].warm_start and plan["network"].init == "reference" and plan["training"].amsgrad
     plan = pfnm.prepare(parsed(["pfnm", "--standardize", "--rounds", "3", "--no-warm-start", "--fraction", "0.5"]))
     assert float(plan["dataset"].x_train.min()) < 0
-    assert plan["config"].methods == pfnm.DEFAULT_METHODS + ("pfnm-rounds",)
+    # with rounds, fedavg runs them: one round of it from the shared init stays in the one-shot comparison
+    assert plan["config"].methods == pfnm.DEFAULT_METHODS + ("fedavg-oneshot:init=shared", "pfnm-rounds")
     assert not plan["pfnm"].warm_start and plan["pfnm"].fraction == plan["fusion"].fraction == 0.5
+    plan = pfnm.prepare(parsed(["pfnm", "--rounds", "3", "--shared-init"]))   # fedavg-oneshot is that row then
+    assert plan["config"].methods == pfnm.DEFAULT_METHODS + ("pfnm-rounds",)
 
 
 def test_pfnm_max_params_defaults_to_the_configs_auto_and_reads_none_and_ensemble():

@@ -34,6 +34,50 @@ def homogeneous_run(digits):
     return run(digits, methods=("local", "ensemble", "fedavg-oneshot", "pfnm", "kmeans"))
 
 
+def test_every_row_of_one_model_carries_its_bootstrap_intervals_and_its_paired_difference_from_the_ensemble(
+        homogeneous_run, digits):
+    """A row's intervals are bootstrap_intervals of its own test probabilities under the experiment's seed; its
+    comparison with the ensemble is paired_bootstrap of the two rows' probabilities; local-mean (a mean over models)
+    has none. The metrics are the row's."""
+    from bnpfed.metrics import bootstrap_intervals, debiased_calibration_error, paired_bootstrap
+    from bnpfed.seeding import Stream, derive_seed
+
+    result = homogeneous_run
+    seed = derive_seed(0, Stream.BOOTSTRAP)
+    assert result.row("local-mean").intervals == {} and result.row("local-mean").test_probs is None
+    for row in result.rows[1:]:
+        expected = bootstrap_intervals(row.test_probs, digits.y_test, seed=seed, ece_bins=15)
+        assert row.intervals == {m: list(v) for m, v in expected.items()}, row.method
+        assert row.intervals["accuracy"][0] <= row.accuracy <= row.intervals["accuracy"][1]
+        assert row.ece_debiased == debiased_calibration_error(row.test_probs, digits.y_test)
+    ensemble = result.row("ensemble").test_probs
+    assert [c["method"] for c in result.comparisons] == ["local-min", "local-max", "fedavg-oneshot", "pfnm", "kmeans"]
+    pfnm = next(c for c in result.comparisons if c["method"] == "pfnm")
+    assert pfnm == {"method": "pfnm", "against": "ensemble",
+                    **paired_bootstrap(result.row("pfnm").test_probs, ensemble, digits.y_test, seed=seed, ece_bins=15)}
+    assert pfnm["accuracy"]["difference"] == pytest.approx(result.row("pfnm").accuracy
+                                                           - result.row("ensemble").accuracy, abs=1e-12)
+    assert result.paired("pfnm", "ensemble", seed=seed, ece_bins=15) == {k: v for k, v in pfnm.items()
+                                                                          if k not in ("method", "against")}
+    with pytest.raises(ValueError, match="local-mean: expected a row that kept its test probabilities"):
+        result.paired("local-mean", "pfnm")
+    assert json.loads(json.dumps(result.as_dict()))["comparisons"][0]["against"] == "ensemble"
+
+
+def test_a_row_of_rounds_carries_the_intervals_of_its_final_global_model(digits):
+    from bnpfed.metrics import bootstrap_intervals
+    from bnpfed.seeding import Stream, derive_seed
+
+    result = run(digits, clients=3, epochs=1, methods=("fedavg",), rounds=2)
+    row = result.row("fedavg")
+    assert len(row.history) == 2 and "ece_debiased" in row.history[-1] and "intervals" not in row.history[-1]
+    assert row.accuracy == pytest.approx(float((row.test_probs.argmax(1) == digits.y_test).double().mean()))
+    seed = derive_seed(0, Stream.BOOTSTRAP)
+    assert row.intervals["nll"] == list(bootstrap_intervals(row.test_probs, digits.y_test, metrics=["nll"],
+                                                            seed=seed)["nll"])
+    assert result.comparisons == []   # no ensemble row, and FedAvg is the row itself
+
+
 def test_one_shot_pfnm_beats_the_mean_local_model_and_fedavg_without_shared_init(homogeneous_run):
     pfnm = homogeneous_run.row("pfnm").accuracy
     assert pfnm > homogeneous_run.row("local-mean").accuracy
@@ -149,7 +193,7 @@ def test_two_specs_that_give_one_row_are_refused_before_anything_runs():
     assert len(check_methods(ExperimentConfig(methods=("pfnm", "pfnm:heads=pooled")),
                              dict(pfnm=PFNMConfig(), fusion=FusionConfig()))) == 2
     with pytest.raises(ValueError, match="pool_temperature: the temperature of pooled heads"):
-        check_methods(ExperimentConfig(methods=("pfnm",)), dict(pfnm=PFNMConfig(pool_temperature=2.0),
+        check_methods(ExperimentConfig(methods=("pfnm",)), dict(pfnm=PFNMConfig(pool_temperature=2.0, heads="fused"),
                                                                  fusion=FusionConfig()))
 
 
@@ -204,3 +248,21 @@ def test_a_grid_of_fixed_values_is_chosen_from_a_config_with_empirical_bayes_set
                                                     grid_gamma0=(1.0,)))
     chosen = result.selection.config
     assert chosen.fixed and {k: getattr(chosen, k) for k in EB_DEFAULTS} == EB_DEFAULTS
+
+
+def test_one_round_of_fedavg_from_a_shared_init_is_a_one_shot_row_beside_fedavg_from_own_inits(digits):
+    """fedavg-oneshot:init=shared averages clients trained once from one initialisation: the same network as fedavg
+    after one round; fedavg-oneshot (own initialisations) is the other row. The option's default follows
+    network.shared_init, and the rows are named by it."""
+    result = run(digits, clients=3, epochs=2, methods=("fedavg-oneshot", "fedavg-oneshot:init=shared", "fedavg"))
+    own, shared, fedavg = result.rows
+    assert (own.method, shared.method) == ("fedavg-oneshot", "fedavg-oneshot-shared")
+    assert (own.note, shared.note) == ("each client from its own init", "one round from a shared init")
+    assert [shared.accuracy, shared.nll, shared.parameters] == [fedavg.accuracy, fedavg.nll, fedavg.parameters]
+    assert shared.nll < own.nll   # averaging units of one initialisation, not of unrelated ones
+    assert method_options("fedavg-oneshot")["init"].values() == ["own", "shared"]
+    configs = dict(network=NetworkConfig(shared_init=True), pfnm=PFNMConfig(), fusion=FusionConfig())
+    with pytest.raises(ValueError, match="'fedavg-oneshot' and 'fedavg-oneshot:init=shared' both give the row"):
+        check_methods(ExperimentConfig(methods=("fedavg-oneshot", "fedavg-oneshot:init=shared")), configs)
+    with pytest.raises(ValueError, match="reads, default: expected exactly one"):
+        MethodOption(("a", "b"), None, "no way to read it")

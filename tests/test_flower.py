@@ -92,15 +92,17 @@ def test_the_flower_apps_pfnm_output_is_a_global_network_file_bnpfed_loads(confi
     assert row["accuracy"] == pytest.approx(result.history[-1]["accuracy"], abs=1e-12)
 
 
-@pytest.mark.parametrize("config, temperature", [(PFNM, 1.0), (CNN_BN, 1.0), (PFNM, "fit")],
-                         ids=["mlp", "simple-cnn-bn", "mlp-fitted-temperature"])
-def test_pfnm_with_pooled_heads_on_flower_is_the_in_process_federation_bit_for_bit(config, temperature, tmp_path):
+@pytest.mark.parametrize("config, temperature, heads", [(PFNM, 1.0, "pooled"), (CNN_BN, 1.0, "pooled"),
+                                                       (PFNM, "fit", "pooled"), (PFNM, 1.0, "auto")],
+                         ids=["mlp", "simple-cnn-bn", "mlp-fitted-temperature", "mlp-auto"])
+def test_pfnm_with_pooled_heads_on_flower_is_the_in_process_federation_bit_for_bit(config, temperature, heads,
+                                                                                   tmp_path):
     # the server sends the matched clients' own output layers beside the global network (with "fit" after asking
     # the matched clients for their NLL sums at every temperature), the clients score the pooled network on their
-    # shards, and the output file is the pooled network
+    # shards, and the output file is the pooled network; heads="auto" pools them on this label-skewed split
     import bnpfed
 
-    config = {**config, "heads": "pooled", "partition": "dirichlet", "pool-temperature": temperature}
+    config = {**config, "heads": heads, "partition": "dirichlet", "pool-temperature": temperature}
     result = run_federation(LocalGrid(client_app, CLIENTS), {**config, "output-dir": str(tmp_path)})
     reference = assert_same_as_in_process(result, config)
     assert reference.method == "pfnm-rounds-pooled"

@@ -181,7 +181,8 @@ def test_a_short_experiment_of_eleven_methods_reproduces_the_recorded_rows(golde
     against 0.015033 (accuracy and widths unchanged); that row is compared to 2e-3. The recording's matched rounds
     trained each client of round 2 from its slice, under that slice as prior, and matched again, the defaults then:
     ``round_prior="posterior"`` and ``later_rounds="rematch"`` here (the configured prior alone gives match-conflation
-    0.929 against the recorded 0.867)."""
+    0.929 against the recorded 0.867). The output layers are asked for as recorded, fused (under the Dirichlet split the
+    default pools the clients' own since issue 53)."""
     from dataclasses import asdict
 
     from bnpfed.data import load_dataset
@@ -197,9 +198,10 @@ def test_a_short_experiment_of_eleven_methods_reproduces_the_recorded_rows(golde
         return run_experiment(load_dataset("digits", standardize=False),
                               partition=PartitionConfig(clients=3, partition="dirichlet"),
                               network=NetworkConfig(hidden=(16,)), training=TrainingConfig(epochs=3),
-                              pfnm=PFNMConfig(experimental=ExperimentalOptions(**BEFORE, inactive="keep")),
+                              pfnm=PFNMConfig(experimental=ExperimentalOptions(**BEFORE, inactive="keep"),
+                                              heads="fused"),
                               fusion=FusionConfig(experimental=ExperimentalOptions(**BEFORE, later_rounds=later_rounds),
-                                                  align="match" if later_rounds != "auto" else "none"),
+                                                  align="match" if later_rounds != "auto" else "none", heads="fused"),
                               bayesian=BayesianConfig(experimental=ExperimentalOptions(round_prior=round_prior)),
                               config=ExperimentConfig(methods=names, rounds=2, seed=0)).rows
 

@@ -30,14 +30,20 @@ def recorder():
 #: Settings added to the configs since the recording, with the value that is the recorded behaviour: a run's
 #: ``settings`` list them now, and at that value they change nothing (any other value is a difference).
 ADDED_SETTINGS = {("bayesian", "likelihood"): "categorical"}
+#: What a result reports since the recording, beside what it reported then (issue 53: the debiased calibration error,
+#: bootstrap intervals, the paired comparisons with the ensemble): left out where the recording lacks them, and the
+#: rest compared as recorded.
+ADDED_FIELDS = ("ece_debiased", "intervals", "comparisons")
 
 
 def without_added_settings(new, old):
     """``new`` without the :data:`ADDED_SETTINGS` the recording ``old`` lacks, where they hold the recorded
-    behaviour's value."""
+    behaviour's value, and without the :data:`ADDED_FIELDS` it lacks."""
     if isinstance(new, dict) and isinstance(old, dict):
         out = {}
         for key, value in new.items():
+            if key in ADDED_FIELDS and key not in old:
+                continue
             if key == "settings" and isinstance(value, dict) and isinstance(old.get(key), dict):
                 value = {section: ({k: v for k, v in entries.items()
                                     if not (k not in old[key].get(section, {}) and (section, k) in ADDED_SETTINGS

@@ -118,14 +118,14 @@ def test_a_temperature_without_pooled_heads_is_refused(skewed):
         PFNMConfig(heads="pooled", pool_temperature="hot")
     with pytest.raises(ValueError, match="pool_temperature: the temperature of pooled heads"):
         PFNMFederation(ds, parts, network=NetworkConfig(hidden=(8,)), training=TrainingConfig(epochs=1),
-                       pfnm=PFNMConfig(pool_temperature=0.5), seed=0)
+                       pfnm=PFNMConfig(pool_temperature=0.5, heads="fused"), seed=0)
     with pytest.raises(ValueError, match="pool_temperature: the temperature of pooled heads"):
         run_experiment(ds, partition=PartitionConfig(clients=3), network=NetworkConfig(hidden=(8,)),
-                       training=TrainingConfig(epochs=1), pfnm=PFNMConfig(pool_temperature="fit"),
+                       training=TrainingConfig(epochs=1), pfnm=PFNMConfig(pool_temperature="fit", heads="fused"),
                        config=ExperimentConfig(methods=("pfnm",)))
     # a pooled method is what reads it
     result = run_experiment(ds, partition=PartitionConfig(clients=3, partition="dirichlet"),
                             network=NetworkConfig(hidden=(8,)), training=TrainingConfig(epochs=1),
-                            pfnm=PFNMConfig(pool_temperature="fit"),
+                            pfnm=PFNMConfig(pool_temperature="fit", heads="fused"),
                             config=ExperimentConfig(methods=("pfnm", "pfnm:heads=pooled")))
     assert "at temperature" in result.row("pfnm-pooled").note and "temperature" not in result.row("pfnm").note

@@ -199,7 +199,7 @@ def test_pfnm_pooled_method_row_beside_pfnm():
     ds = load_dataset("digits", standardize=False)
     result = run_experiment(ds, partition=PartitionConfig(clients=3, partition="dirichlet"),
                             network=NetworkConfig(hidden=(16,)), training=TrainingConfig(epochs=2),
-                            config=ExperimentConfig(methods=("pfnm", "pfnm:heads=pooled"), seed=0))
+                            config=ExperimentConfig(methods=("pfnm:heads=fused", "pfnm:heads=pooled"), seed=0))
     pfnm, pooled = result.rows
     assert pooled.method == "pfnm-pooled" and pooled.hidden == pfnm.hidden
     L, C, J = pfnm.hidden[0], 10, 3
@@ -250,7 +250,7 @@ def test_fedma_pooled_row_has_fedmas_body():
     result = run_experiment(ds, partition=PartitionConfig(clients=3, partition="dirichlet"),
                             network=NetworkConfig(hidden=(16,)), training=TrainingConfig(epochs=2),
                             pfnm=PFNMConfig(layerwise_retrain=1),
-                            config=ExperimentConfig(methods=("fedma", "fedma:heads=pooled"), seed=0))
+                            config=ExperimentConfig(methods=("fedma:heads=fused", "fedma:heads=pooled"), seed=0))
     fedma, pooled = result.rows
     assert pooled.method == "fedma-pooled" and pooled.hidden == fedma.hidden
     assert pooled.parameters == fedma.parameters + 2 * 10 * (fedma.hidden[0] + 1)
@@ -277,12 +277,87 @@ def test_a_parameter_budget_holds_the_pooled_rows_j_output_layers():
             ds, partition=PartitionConfig(clients=3, partition="dirichlet"), network=NetworkConfig(hidden=(16,)),
             training=TrainingConfig(epochs=2), pfnm=pfnm, config=ExperimentConfig(methods=methods, seed=0)).rows}
 
-    own = rows(PFNMConfig(), ("pfnm", "pfnm:heads=pooled"))
+    own = rows(PFNMConfig(heads="fused"), ("pfnm", "pfnm:heads=pooled"))
     budget = (own["pfnm"].parameters + own["pfnm-pooled"].parameters) // 2
-    limited = rows(PFNMConfig(max_params=budget), ("pfnm", "pfnm:heads=pooled"))
+    limited = rows(PFNMConfig(max_params=budget, heads="fused"), ("pfnm", "pfnm:heads=pooled"))
     assert limited["pfnm"].parameters == own["pfnm"].parameters          # one output layer: the budget does not bind
     assert own["pfnm-pooled"].parameters > budget >= limited["pfnm-pooled"].parameters
     assert "J output layers priced" in limited["pfnm-pooled"].note
-    fedma = rows(PFNMConfig(layerwise_retrain=1, max_params=budget), ("fedma", "fedma:heads=pooled"))
+    fedma = rows(PFNMConfig(layerwise_retrain=1, max_params=budget, heads="fused"), ("fedma", "fedma:heads=pooled"))
     assert fedma["fedma-pooled"].parameters <= budget and fedma["fedma"].parameters <= budget
     assert fedma["fedma-pooled"].hidden[0] < fedma["fedma"].hidden[0]
+
+
+# ------------------------------------------------------------------------------------------------ heads="auto"
+
+
+def test_the_homogeneity_test_is_pearsons_chi_squared_without_continuity_correction():
+    import numpy as np
+    from scipy.stats import chi2_contingency
+
+    from bnpfed.matching import homogeneity_p_value
+
+    rng = np.random.default_rng(0)
+    for J, C in ((2, 2), (3, 10), (10, 10)):
+        counts = rng.integers(1, 60, size=(J, C))
+        assert homogeneity_p_value(counts) == pytest.approx(chi2_contingency(counts, correction=False).pvalue,
+                                                            rel=1e-9, abs=1e-300)
+    # a class nobody holds and a client with nothing are left out (their expected counts are 0)
+    table = [[5, 0, 3], [4, 0, 6], [0, 0, 0]]
+    assert homogeneity_p_value(table) == pytest.approx(
+        chi2_contingency([[5, 3], [4, 6]], correction=False).pvalue, rel=1e-9)
+    assert homogeneity_p_value([[3, 4, 5]]) == 1.0 and homogeneity_p_value([[3], [4]]) == 1.0
+    with pytest.raises(ValueError, match="class_counts: expected a"):
+        homogeneity_p_value([[1, -1], [2, 2]])
+
+
+def test_auto_heads_are_pooled_under_label_skew_and_fused_on_a_random_split():
+    from bnpfed.federated.partition import class_counts
+    from bnpfed.matching import chosen_heads
+
+    y = load_dataset("digits", standardize=False).y_train.numpy()
+    for seed in range(5):
+        for J in (3, 10):
+            iid = class_counts(y, PartitionConfig(clients=J).split(y, seed), 10)
+            skewed = class_counts(y, PartitionConfig(clients=J, partition="dirichlet").split(y, seed), 10)
+            assert chosen_heads("auto", iid) == "fused" and chosen_heads("auto", skewed) == "pooled"
+            assert chosen_heads("fused", skewed) == "fused" and chosen_heads("pooled", iid) == "pooled"
+    with pytest.raises(ValueError, match="heads: expected one of"):
+        chosen_heads("mixed", iid)
+
+
+def test_auto_heads_in_the_configs_follow_a_temperature_that_was_asked_for():
+    from bnpfed.federated.config import FusionConfig
+
+    equal, skewed = [[50, 50], [50, 50]], [[90, 10], [10, 90]]
+    assert PFNMConfig().heads == "auto" and FusionConfig().heads == "auto"
+    assert PFNMConfig().with_heads(skewed).heads == "pooled" and PFNMConfig().with_heads(equal).heads == "fused"
+    assert PFNMConfig(pool_temperature="fit").with_heads(equal).heads == "pooled"
+    assert PFNMConfig(heads="fused").with_heads(skewed).heads == "fused"
+    assert FusionConfig().with_heads(skewed).heads == "fused"                 # weight by weight: nothing to pool
+    assert FusionConfig(align="match").with_heads(skewed).heads == "pooled"
+    assert FusionConfig(align="match", temperature=2.0).with_heads(skewed).heads == "fused"
+    assert FusionConfig(align="match", pool_temperature=2.0).with_heads(equal).heads == "pooled"
+    with pytest.raises(ValueError, match="temperature, pool_temperature: .* expected one of them 1"):
+        FusionConfig(align="match", temperature=2.0, pool_temperature=2.0)
+
+
+def test_the_default_pfnm_row_is_the_pooled_one_under_label_skew_and_the_fused_one_on_a_random_split():
+    ds = load_dataset("digits", standardize=False)
+
+    def rows(partition, methods, pfnm=PFNMConfig()):
+        result = run_experiment(ds, partition=PartitionConfig(clients=3, partition=partition),
+                                network=NetworkConfig(hidden=(16,)), training=TrainingConfig(epochs=2), pfnm=pfnm,
+                                config=ExperimentConfig(methods=methods, seed=0))
+        return {r.method: r for r in result.rows}, result.settings
+
+    def same(a, b):
+        return [a.accuracy, a.nll, a.parameters, a.hidden] == [b.accuracy, b.nll, b.parameters, b.hidden]
+
+    skewed, settings = rows("dirichlet", ("pfnm", "pfnm:heads=pooled"))
+    assert same(skewed["pfnm"], skewed["pfnm-pooled"]) and settings["pfnm"]["heads"] == "pooled"
+    assert "heads auto: the clients' class shares differ" in skewed["pfnm"].note
+    iid, settings = rows("iid", ("pfnm",))
+    fused, _ = rows("iid", ("pfnm",), PFNMConfig(heads="fused"))
+    assert same(iid["pfnm"], fused["pfnm"]) and iid["pfnm"].note == fused["pfnm"].note
+    assert settings["pfnm"]["heads"] == "fused"   # what "auto" chose, in the record

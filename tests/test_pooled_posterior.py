@@ -134,7 +134,7 @@ def test_pooled_rows_beside_the_fused_ones_on_the_same_match():
     ds = load_dataset("digits")
     result = run_experiment(ds, partition=PartitionConfig(clients=3, partition="dirichlet"),
                             network=NetworkConfig(hidden=(16,)), training=TrainingConfig(epochs=2),
-                            bayesian=BayesianConfig(), fusion=FusionConfig(align="match"),
+                            bayesian=BayesianConfig(), fusion=FusionConfig(align="match", heads="fused"),
                             config=ExperimentConfig(methods=("match:rule=conflation",
                                                              "match:rule=conflation:heads=pooled",
                                                              "match:rule=eaa:heads=pooled"), seed=0))
@@ -147,7 +147,7 @@ def test_pooled_rows_beside_the_fused_ones_on_the_same_match():
     # every row's global model is kept for a file: the pooled ones as their PooledPosterior
     assert set(result.global_models) == {"match-conflation", "match-conflation-pooled", "match-eaa-pooled"}
     assert isinstance(result.global_models["match-conflation-pooled"]["network"], PooledPosterior)
-    assert "match" in available_methods() and method_options("match")["heads"].values() == ["fused", "pooled"]
+    assert "match" in available_methods() and method_options("match")["heads"].values() == ["auto", "fused", "pooled"]
     assert "atom-posterior" in method_options("match")["rule"].values()
 
 

@@ -80,8 +80,8 @@ def test_bnpfed_match_writes_the_global_network_that_match_by_spec_builds(kind, 
     name, state = kind.split("-")[0], kind.endswith("-state")
     out = tmp_path / "global.pt"
     counts = str(folder / "counts.json")
-    assert main(["match", *files(folder, name, state), *extra, "--counts", counts, "--out", str(out),
-                 "--json", str(tmp_path / "m.json")]) == 0
+    assert main(["match", "--heads", "fused", *files(folder, name, state), *extra, "--counts", counts, "--out",
+                 str(out), "--json", str(tmp_path / "m.json")]) == 0
     text = capsys.readouterr().out
     assert f"wrote the global network to {out}" in text and "no --counts" not in text
     nets = [torch.load(f, weights_only=False) for f in files(folder, name)]
@@ -199,7 +199,7 @@ def test_bnpfed_match_with_the_clients_activity_reports_leaves_their_dead_units_
     (tmp_path / "activity.json").write_text(json.dumps(report))
     counts = torch.tensor(json.loads((folder / "counts.json").read_text()))
     models = [str(model0), *files(folder, kind)[1:]]
-    argv = ["match", *models, *extra, "--counts", str(folder / "counts.json")]
+    argv = ["match", "--heads", "fused", *models, *extra, "--counts", str(folder / "counts.json")]
     assert main([*argv, "--activity", str(tmp_path / "activity.json"), "--out", str(tmp_path / "a.pt")]) == 0
     text = capsys.readouterr().out
     dead = sum(int((torch.tensor(v) == 0).sum()) for r in report for v in r.values())
@@ -518,3 +518,23 @@ def test_match_by_spec_refuses_networks_of_another_kind_naming_the_module():
     with pytest.raises(ValueError, match=r"client_nets\[1\]: expected a network of the first's kind, got one whose "
                                          r"module 2 is a Tanh, not a ReLU"):
         match_by_spec([relu, tanh], seed=0)
+
+
+def test_bnpfed_match_pools_the_heads_by_default_when_the_counted_class_shares_differ(folder, tmp_path, capsys):
+    """--heads auto (the default): the label-skewed clients' counts differ (pooled, as --heads pooled writes it);
+    uniform counts agree (fused); without counts the estimated shares are not tested (fused, and the note says
+    how to pool)."""
+    counts = str(folder / "counts.json")
+    assert main(["match", *files(folder, "mlp"), "--counts", counts, "--out", str(tmp_path / "auto.pt")]) == 0
+    assert "--heads auto: pooled (the clients' class counts differ: chi-squared" in capsys.readouterr().out
+    assert main(["match", *files(folder, "mlp"), "--counts", counts, "--heads", "pooled",
+                 "--out", str(tmp_path / "pooled.pt")]) == 0
+    auto, pooled = read_global(tmp_path / "auto.pt"), read_global(tmp_path / "pooled.pt")
+    assert auto.method == pooled.method == "pfnm-pooled"
+    for a, b in zip(auto.network.state_dict().values(), pooled.network.state_dict().values()):
+        assert torch.equal(a, b)
+    assert main(["match", *files(folder, "mlp"), "--counts", "uniform", "--out", str(tmp_path / "u.pt")]) == 0
+    assert "--heads auto: fused (the clients' class counts agree" in capsys.readouterr().out
+    assert read_global(tmp_path / "u.pt").method == "pfnm"
+    assert main(["match", *files(folder, "mlp"), "--out", str(tmp_path / "e.pt")]) == 0
+    assert "--heads auto: fused (without --counts the class shares are estimated" in capsys.readouterr().out

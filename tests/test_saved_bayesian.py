@@ -149,7 +149,7 @@ def loaded(folder, kind):
 def test_bnpfed_match_posteriors_writes_the_global_posterior_match_posteriors_builds(kind, extra, folder, tmp_path,
                                                                                    digits, capsys):
     out = tmp_path / "g.pt"
-    assert main(["match", *files(folder, kind), *extra, "--posteriors", "--rule", "gaa", "--counts",
+    assert main(["match", "--heads", "fused", *files(folder, kind), *extra, "--posteriors", "--rule", "gaa", "--counts",
                  str(folder / "counts.json"), "--out", str(out), "--json", str(tmp_path / "m.json")]) == 0
     assert f"wrote the global posterior to {out}" in capsys.readouterr().out
     clients = loaded(folder, kind)
@@ -215,7 +215,7 @@ def test_bnpfed_match_posteriors_takes_laplace_clients_matched_on_their_means_by
     for match_on in ("means", "posteriors"):
         out = tmp_path / f"{match_on}.pt"
         flag = [] if match_on == "means" else ["--match-on", match_on]
-        assert main(["match", *files(folder, "laplace"), "--posteriors", *flag, "--counts",
+        assert main(["match", "--heads", "fused", *files(folder, "laplace"), "--posteriors", *flag, "--counts",
                      str(folder / "counts.json"), "--out", str(out)]) == 0
         assert "no --activity: every unit matched, dead ones included" in capsys.readouterr().out
         match = match_posteriors(clients, counts, rule=FusionConfig().rule, sizes=sizes,
@@ -246,8 +246,8 @@ def test_bnpfed_match_posteriors_with_activity_reports_leaves_the_dead_units_out
     activity = [unit_activity(m, digits.x_train[p], spec) for m, p in zip(means, parts)]
     (tmp_path / "activity.json").write_text(json.dumps([{g: a.tolist() for g, a in r.items()} for r in activity]))
     out = tmp_path / "g.pt"
-    assert main(["match", *files(folder, "laplace"), "--posteriors", "--counts", str(folder / "counts.json"),
-                 "--activity", str(tmp_path / "activity.json"), "--out", str(out)]) == 0
+    assert main(["match", "--heads", "fused", *files(folder, "laplace"), "--posteriors", "--counts",
+                 str(folder / "counts.json"), "--activity", str(tmp_path / "activity.json"), "--out", str(out)]) == 0
     dead = sum(int((a == 0).sum()) for r in activity for a in r.values())
     assert dead > 0 and f"--activity: {dead} unit(s) dead" in capsys.readouterr().out
     counts = torch.tensor(json.loads((folder / "counts.json").read_text()))
@@ -263,7 +263,7 @@ def test_bnpfed_match_posteriors_with_activity_reports_leaves_the_dead_units_out
 
 def test_bnpfed_match_posteriors_match_on_means_for_variational_clients_is_pfnms_assignment(folder, tmp_path, digits):
     out = tmp_path / "g.pt"
-    assert main(["match", *files(folder, "mlp"), "--posteriors", "--match-on", "means", "--counts",
+    assert main(["match", "--heads", "fused", *files(folder, "mlp"), "--posteriors", "--match-on", "means", "--counts",
                  str(folder / "counts.json"), "--out", str(out)]) == 0
     clients = loaded(folder, "mlp")
     counts = torch.tensor(json.loads((folder / "counts.json").read_text()))

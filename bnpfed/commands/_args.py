@@ -39,7 +39,7 @@ from bnpfed.data import (CIFAR10_JPEG, DATASET_NAMES, NPZ_FORMAT, NPZ_PREFIX, Da
 from bnpfed.clients import TrainingDiverged
 from bnpfed.experimental import keyed
 from bnpfed.matching import MemoryLimitError, SizeLimitError
-from bnpfed.report import plural
+from bnpfed.report import comparison_rows, format_table, plural
 from bnpfed.federated import PartitionConfig
 
 __all__ = [
@@ -153,6 +153,17 @@ def round_log(progress: bool):
     from tqdm.auto import tqdm
 
     return lambda line: tqdm.write(line, file=sys.stderr)
+
+
+def print_comparisons(comparisons, examples: int) -> None:
+    """The table of an experiment's paired comparisons (:func:`~bnpfed.report.comparison_rows`), under a line that
+    says how to read it; nothing without any."""
+    if not comparisons:
+        return
+    against = comparisons[0]["against"]
+    print(f"paired with the {against} on the same {examples} test examples: method - {against}, 95 % bootstrap "
+          "interval (an interval without 0 is a difference the test split resolves; --json has every metric):")
+    print(format_table(comparison_rows(comparisons)))
 
 
 def warn(message: str) -> None:

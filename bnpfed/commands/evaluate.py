@@ -1,7 +1,9 @@
 """``bnpfed evaluate``: a saved global network (:func:`bnpfed.saved.save_global`, ``bnpfed match``, ``--save-global``)
-on a dataset's test split: accuracy, NLL, ECE (``--ece-bins`` and 15 bins), Brier score, and with ``--ood`` the AUROC
-of telling in- from out-of-distribution inputs. A Bayesian global network is scored by its posterior predictive
-(the softmax averaged over ``--predictive-samples`` weight draws, seeded by ``--seed``).
+on a dataset's test split: accuracy, NLL, ECE (``--ece-bins`` and 15 bins), the debiased L2 calibration error
+(:func:`~bnpfed.metrics.debiased_calibration_error`), Brier score, each with a 95 % bootstrap interval over the test
+examples (:func:`~bnpfed.metrics.bootstrap_intervals`, resampled as an experiment of seed 0 resamples), and with
+``--ood`` the AUROC of telling in- from out-of-distribution inputs. A Bayesian global network is scored by its
+posterior predictive (the softmax averaged over ``--predictive-samples`` weight draws, seeded by ``--seed``).
 
 The test inputs are prepared as the model's training inputs were: standardised with the constants the file records,
 or kept as read (pixels in [0, 1]) for a model trained on raw pixels (``bnpfed pfnm``'s default). A
@@ -24,8 +26,10 @@ import sys
 
 from bnpfed.commands import _args
 from bnpfed.commands._args import HelpFormatter, UsageError, fail, flag_message
-from bnpfed.metrics import classification_report, count_parameters, expected_calibration_error, ood_auroc
-from bnpfed.report import command_record, command_results, format_table, write_json
+from bnpfed.metrics import (INTERVAL_METRICS, bootstrap_intervals, classification_report, count_parameters,
+                            debiased_calibration_error, expected_calibration_error, ood_auroc)
+from bnpfed.report import command_record, command_results, format_table, with_intervals, write_json
+from bnpfed.seeding import Stream, derive_seed
 
 PROG = "bnpfed evaluate"
 #: Weight draws of a Bayesian network's posterior predictive when --predictive-samples is not given (bnpfed fuse's).
@@ -154,6 +158,12 @@ def run(args) -> int:
     probs = _probs(saved, dataset.x_test, args)
     row = {"method": saved.method, **classification_report(probs, dataset.y_test, n_bins=args.ece_bins)}
     row["ece15"] = expected_calibration_error(probs, dataset.y_test, n_bins=15)
+    if len(probs) >= 2:
+        row["ece_debiased"] = debiased_calibration_error(probs, dataset.y_test)
+    metrics = INTERVAL_METRICS if len(probs) >= 2 else tuple(m for m in INTERVAL_METRICS if m != "ece_debiased")
+    row["intervals"] = {m: list(v) for m, v in bootstrap_intervals(
+        probs, dataset.y_test, metrics=metrics, ece_bins=args.ece_bins,
+        seed=derive_seed(0, Stream.BOOTSTRAP)).items()}
     if plan["ood"] is not None:
         row.update(ood_auroc(probs, _probs(saved, plan["ood"], args)))
     row["parameters"] = count_parameters(saved.network)
@@ -163,7 +173,10 @@ def run(args) -> int:
                 "inputs " + dataset.preprocessing().describe() + ", which the file does not record")
     print(f"{args.model}: {saved.method} global network ({saved.architecture}{how}) on {dataset.name}'s test split "
           f"({len(dataset.y_test)} examples; {prepared})")
-    print(format_table([row]))
+    print(format_table(with_intervals([row], ("accuracy", "nll", "ece15")),
+                       [k for k in row if k != "intervals"] + ["accuracy_95", "nll_95", "ece15_95"]))
+    print("*_95: 95 % bootstrap intervals over the test examples (--json: every metric's); ece_debiased: Kumar et "
+          "al.'s debiased L2 calibration error, 15 equal-mass bins")
     if args.json:
         write_json(args.json, command_record("evaluate", args, {"model": args.model, "kind": saved.kind,
                                                                "widths": saved.widths,

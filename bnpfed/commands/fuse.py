@@ -31,20 +31,21 @@ from bnpfed.federated import (FUSION_ARCHITECTURES, FUSION_TRAINING, PAPER_MIN_V
                               ExperimentConfig, FusionConfig, MatchedFusionFederation, NetworkConfig, PartitionConfig,
                               PFNMConfig, TrainingConfig, available_methods, config_dict)
 from bnpfed.report import (command_record, command_results, format_table, line_styles, pyplot, save_figure,
-                           write_json)
+                           with_intervals, write_json)
 from bnpfed.validation import check_choice
 
 PROG = "bnpfed fuse"
 FEDAVG = "fedavg"
-COLUMNS = ["method", "accuracy", "nll", "ece", "ece_floor", "brier", "mean_sigma", "rounds", "server_seconds"]
+COLUMNS = ["method", "accuracy", "accuracy_95", "nll", "ece", "ece_floor", "ece15", "ece_debiased", "brier",
+           "mean_sigma", "rounds", "server_seconds"]
 #: ``--align match``'s table: the metrics that line up across runs (issue "matching Bayesian neurons").
-MATCH_COLUMNS = ["method", "accuracy", "nll", "ece", "ece_floor", "ece15", "brier", "width", "parameters", "rounds",
-                 "server_seconds"]
+MATCH_COLUMNS = ["method", "accuracy", "accuracy_95", "nll", "ece", "ece_floor", "ece15", "ece_debiased", "brier",
+                 "width", "parameters", "rounds", "server_seconds"]
 OOD_COLUMNS = ["auroc_max_prob", "auroc_entropy"]
 #: A regression's table (``--dataset diabetes``): the posterior predictive's RMSE, NLL, and its central 90 % interval.
 REGRESSION_COLUMNS = ["method", "rmse", "nll", "coverage", "interval_width", "mean_sigma", "rounds", "server_seconds"]
-#: ``--heads``: the matched rows' output layers fused, pooled, or both rows.
-HEADS_CHOICES = ("fused", "pooled", "both")
+#: ``--heads``: the matched rows' output layers chosen by the clients' class shares, fused, pooled, or both rows.
+HEADS_CHOICES = ("auto", "fused", "pooled", "both")
 #: The one-shot fusion baselines --baselines adds (--align match).
 BASELINES = ("kl-fusion", *federated.ALIGNMENT_METHODS)
 #: Metrics the plot shows, one panel each.
@@ -61,9 +62,14 @@ SERVER_SECONDS = ("server_seconds: the server's aggregation time (fusion or aver
                   "split can tell).")
 #: The legend of a regression's table.
 REGRESSION_LEGEND = ("rmse: of the posterior predictive's mean; nll: its mean negative log density at the test "
-                     "targets; coverage: the share of test targets inside its central 90 % interval (0.9 when calibrated); "
+                     "targets; coverage: the share of test targets inside its central 90 % interval (0.9 when "
+                     "calibrated); "
                      "interval_width: that interval's mean width (in the targets' units, standardised unless "
                      "--no-standardize); server_seconds: the server's fusion time summed over the rounds.")
+#: What the table's calibration and interval columns are (printed under it).
+INTERVALS_NOTE = ("ece15: the ECE with 15 bins; ece_debiased: Kumar et al.'s debiased L2 calibration error (15 "
+                  "equal-mass bins), the test split's noise taken out; accuracy_95: a 95 % bootstrap interval over the "
+                  "test examples (--json: every metric's).")
 
 
 def add_parser(sub):
@@ -103,10 +109,10 @@ def add_parser(sub):
                    help=f"the fusion rules to compare, one row each: all, or a list of {', '.join(available_rules())}; "
                    f"with --align match also {ATOM_POSTERIOR} (the matching model's own posterior of each unit) and "
                    f"{PVI} (partitioned variational inference)")
-    g.add_argument("--heads", choices=HEADS_CHOICES, default="fused",
-                   help="--align match: the matched rows' output layer: fused (rows match-RULE), pooled (the clients' "
-                   "own posterior output layers pooled with their class shares inside every draw: rows "
-                   "match-RULE-pooled, and pfnm-pooled beside pfnm) or both rows")
+    g.add_argument("--heads", choices=HEADS_CHOICES, default="auto",
+                   help="--align match: the output layer of the rows match-RULE and pfnm: auto (pooled when the "
+                   "clients' class shares differ, else fused), fused, pooled (the clients' own posterior output "
+                   "layers pooled with their class shares in every draw: rows match-RULE-pooled, pfnm-pooled) or both")
     _options.add_config_options(
         p, FusionConfig, fusion, group=g, exclude=("rule", "heads"),
         helps={"align": "none: fuse weight i of every client with weight i of the others (the rows named by the "
@@ -198,7 +204,7 @@ def prepare(args) -> dict:
         if name in experimental.set_fields() and not match:
             raise UsageError(f"--experimental: {name} is matched fusion's (its matcher's); expected it only with "
                              f"--align match, got --align {align}")
-    if args.heads != "fused" and not match:
+    if args.heads not in ("auto", "fused") and not match:
         raise UsageError(f"--heads: expected only with --align match, got --align {align}")
     if values.get("temperature", 1) != 1 and not match:
         raise UsageError(f"--temperature: the predictive temperature of the match-RULE rows; expected it only with "
@@ -223,6 +229,7 @@ def prepare(args) -> dict:
         raise UsageError(f"--fraction: --rule {PVI} keeps every client's factor from round to round, so every "
                          f"client takes part in every round; expected 1, got {values['fraction']}")
     fusion = _options.config_from_args(FusionConfig, args, FusionConfig(), rule=args.rule[0],
+                                       heads="auto" if args.heads == "auto" else "fused",   # the rows' specs say
                                        own_init=match if args.own_init is None else args.own_init,
                                        experimental=experimental.only(FusionConfig.EXPERIMENTAL))
     if args.baselines is not None:
@@ -239,8 +246,9 @@ def prepare(args) -> dict:
         # after round 1, so Laplace clients have the matched rows only (said in --client's help)
         weight_wise = (tuple(f"fusion:rule={r}" for r in args.rule if r not in (ATOM_POSTERIOR, PVI))
                        if bayesian.client == "variational" else ())
-        kinds = {"fused": ("",), "pooled": (":heads=pooled",), "both": ("", ":heads=pooled")}[args.heads]
-        pfnm = (("pfnm",) + (("pfnm:heads=pooled",) if args.heads != "fused" else ()) if rounds == 1
+        kinds = {"auto": ("",), "fused": ("",), "pooled": (":heads=pooled",),
+                 "both": ("", ":heads=pooled")}[args.heads]
+        pfnm = (("pfnm",) + (("pfnm:heads=pooled",) if args.heads in ("pooled", "both") else ()) if rounds == 1
                 else ("pfnm-rounds",))
         names = ("ensemble-bayesian",) + pfnm + fedavg + weight_wise + tuple(
             f"match:rule={rule}{kind}" for rule in args.rule for kind in kinds) + tuple(args.baselines or ())
@@ -248,8 +256,10 @@ def prepare(args) -> dict:
         names = tuple(f"fusion:rule={rule}" for rule in args.rule) + fedavg
     config = _options.config_from_args(ExperimentConfig, args, ExperimentConfig(rounds=ROUNDS, ece_bins=ECE_BINS),
                                        methods=names, seed=args.seed)
-    # the pfnm-pooled row beside the matched pooled rows pools at the same temperature
-    pfnm = PFNMConfig(pool_temperature=fusion.pool_temperature if "pfnm:heads=pooled" in names else 1.0)
+    # the pfnm-pooled row beside the matched pooled rows pools at the same temperature (under auto: pfnm's own)
+    pooled_pfnm = "pfnm:heads=pooled" in names or args.heads == "auto"
+    pfnm = PFNMConfig(heads="auto" if args.heads == "auto" else "fused",
+                      pool_temperature=fusion.pool_temperature if pooled_pfnm else 1.0)
     federated.check_methods(config, dict(partition=partition, network=network, training=training, bayesian=bayesian,
                                        fusion=fusion, pfnm=pfnm, config=config))
     dataset, ood = _args.load_data_and_ood(args, standardize=args.standardize)
@@ -305,13 +315,21 @@ def run(args) -> int:
     for row in result.rows:
         if row.method == "pfnm-rounds":  # one name per method across runs (one shot or with rounds)
             row.method = "pfnm"
+    for comparison in result.comparisons:
+        if comparison["method"] == "pfnm-rounds":
+            comparison["method"] = "pfnm"
     kept = {("pfnm" if m == "pfnm-rounds" else m): v for m, v in result.global_models.items()}
     columns = (REGRESSION_COLUMNS if dataset.task == "regression" else MATCH_COLUMNS if args.align == "match"
                else COLUMNS)
     if ood is not None:
         columns = columns[:columns.index("brier") + 1] + OOD_COLUMNS + columns[columns.index("brier") + 1:]
-    print(format_table([asdict(r) for r in result.rows], columns))
-    print(REGRESSION_LEGEND if dataset.task == "regression" else SERVER_SECONDS)
+    print(format_table(with_intervals([asdict(r) for r in result.rows]), columns))
+    if dataset.task == "regression":
+        print(REGRESSION_LEGEND)
+    else:
+        _args.print_comparisons(result.comparisons, len(result.test_labels))
+        print(SERVER_SECONDS)
+        print(INTERVALS_NOTE)
     for message in result.warnings:
         warn(message)
     if args.json:
@@ -355,7 +373,8 @@ def _title(name: str, plan: dict) -> str:
 
 #: What each panel shows, by metric.
 PANEL_TITLES = {"accuracy": "test accuracy", "nll": "negative log-likelihood", "ece": "expected calibration error",
-                "brier": "Brier score", "mean_sigma": "mean posterior sigma",
+                "ece15": "ECE, 15 bins", "ece_debiased": "debiased L2 calibration error", "brier": "Brier score",
+                "mean_sigma": "mean posterior sigma",
                 "auroc_max_prob": "OOD AUROC (max probability)", "auroc_entropy": "OOD AUROC (entropy)"}
 
 
@@ -400,12 +419,24 @@ def _same_as(rows, metrics) -> dict[str, str]:
     return same
 
 
+def _interval_bar(ax, row, metric: str, value: float, at: float, color, horizontal: bool) -> None:
+    """The row's 95 % bootstrap interval of ``metric`` (its final model's) as an error bar at ``value``, across the
+    panel (``horizontal``: the one-round panels, methods on the vertical axis) or up it at round ``at``."""
+    interval = (row.intervals or {}).get(metric)
+    if not interval:
+        return
+    err = [[max(value - interval[0], 0.0)], [max(interval[1] - value, 0.0)]]
+    ax.errorbar([value] if horizontal else [at], [at] if horizontal else [value], xerr=err if horizontal else None,
+                yerr=None if horizontal else err, fmt="none", ecolor=color, elinewidth=1.2, capsize=3)
+
+
 def plot_rounds(result, path, title: str = "") -> None:
-    """A grid of panels, one per metric (accuracy, NLL, ECE, Brier, mean posterior sigma, and the OOD AUROCs when
-    measured), the legend in a panel of its own. Over several rounds: one line per multi-round method (FedAvg in
-    black), the one-shot methods (the ensemble, PFNM) as dashed horizontal lines. One round: a dot per method on
-    each panel, methods on the vertical axis (no round axis to speak of). A method whose points cover an earlier
-    one's (:func:`_same_as`) says so in the legend."""
+    """A grid of panels, one per metric (accuracy, NLL, ECE, ECE with 15 bins, the debiased calibration error,
+    Brier, mean posterior sigma, and the OOD AUROCs when measured), the legend in a panel of its own. Over several
+    rounds: one line per multi-round method (FedAvg in black), the one-shot methods (the ensemble, PFNM) as dashed
+    horizontal lines. One round: a dot per method on each panel, methods on the vertical axis (no round axis to speak
+    of). The final model's 95 % bootstrap interval is an error bar (:func:`_interval_bar`). A method whose points
+    cover an earlier one's (:func:`_same_as`) says so in the legend."""
     plt = pyplot()
     rows = list(result.rows)
     metrics = [m for m in PANEL_TITLES if any(_value(getattr(r, m, None)) is not None for r in rows)]
@@ -434,18 +465,22 @@ def plot_rounds(result, path, title: str = "") -> None:
                     style = styles[r.method]
                     ax.plot([value], [i], linestyle="none", marker=style["marker"], color=style["color"],
                             markerfacecolor=style["markerfacecolor"], ms=7, label=labels[r.method])
+                    _interval_bar(ax, r, metric, value, i, style["color"], horizontal=True)
                     ax.text(value, i, f"  {value:.3g}", va="center", fontsize=7)
             ax.set_yticks(y, [r.method for r in rows], fontsize=8)
             ax.set_ylim(len(rows) - 0.5, -0.5)
             ax.margins(x=0.25)
             ax.grid(axis="x", alpha=0.3)
         else:
-            for r in rows:
+            for k, r in enumerate(rows):
                 if len(r.history) > 1:
                     rounds = [h["round"] for h in r.history]
                     values = [_value(h.get(metric)) for h in r.history]
                     if all(v is not None for v in values):
                         ax.plot(rounds, values, label=labels[r.method], **styles[r.method])
+                        dodge = 0.05 * (k - (len(rows) - 1) / 2)   # the methods' bars side by side
+                        _interval_bar(ax, r, metric, values[-1], rounds[-1] + dodge, styles[r.method]["color"],
+                                      horizontal=False)
                 elif _value(getattr(r, metric, None)) is not None:
                     ax.axhline(getattr(r, metric), ls="--", lw=1.2, color=styles[r.method]["color"],
                                label=f"{labels[r.method]} (one shot)")

@@ -395,8 +395,8 @@ def prepare(args) -> dict:
         raise UsageError(f"MODEL: expected at least two clients' models, got {len(args.models)}")
     if args.seed < 0:
         raise UsageError(f"--seed: expected an integer >= 0, got {args.seed}")
-    args.heads = check_choice(args.heads or "fused", HEADS, "heads")
-    if args.posteriors and args.heads != "fused" and args.align == "none":
+    args.heads = check_choice(args.heads or "auto", HEADS, "heads")
+    if args.posteriors and args.heads == "pooled" and args.align == "none":
         raise UsageError(f"--heads {args.heads}: the clients' own heads on the units theirs were matched to; expected "
                          "--align match with --posteriors (weight-by-weight fusion matches nothing)")
     if args.posteriors:
@@ -443,12 +443,35 @@ def prepare(args) -> dict:
     with torch.no_grad():
         probe = template.eval()(torch.zeros(1, *input_shape))
     counts, source = _counts(args.counts, len(clients), int(probe.shape[-1]))
+    heads_note = _auto_heads(args, counts, source)
     if counts is None:
         counts = estimate_class_shares(clients, spec)
     activity = _activity(args.activity, [c.state_dict() if isinstance(c, nn.Module) else c for c in clients], spec)
     pfnm = _options.config_from_args(PFNMConfig, args, PFNMConfig(max_params=None))
     return dict(clients=clients, template=template, input_shape=input_shape, spec=spec, counts=counts,
-                counts_source=source, pfnm=pfnm, activity=activity, inputs=inputs, input_notes=input_notes)
+                counts_source=source, pfnm=pfnm, activity=activity, inputs=inputs, input_notes=input_notes,
+                heads_note=heads_note)
+
+
+def _auto_heads(args, counts, source: str) -> list[str]:
+    """``--heads auto`` resolved (``args.heads`` set to ``"fused"`` or ``"pooled"``) and the note that says how:
+    pooled when the clients' class counts differ (:func:`~bnpfed.matching.chosen_heads`), fused without counts (the
+    estimated shares of the output layers are no counts to test) or without matching (``--align none``). Empty
+    when ``--heads`` was given."""
+    from bnpfed.matching import SHARES_DIFFER_LEVEL, homogeneity_p_value
+
+    if args.heads != "auto":
+        return []
+    if counts is None or source == "estimated" or (args.posteriors and args.align == "none"):
+        args.heads = "fused"
+        why = ("--align none matches nothing" if args.posteriors and args.align == "none" else
+               "without --counts the class shares are estimated, not counted, so whether they differ is not tested; "
+               "--heads pooled pools the clients' own output layers, the choice under label skew")
+        return [f"--heads auto: fused ({why})"]
+    p = homogeneity_p_value(counts)
+    args.heads = "pooled" if p < SHARES_DIFFER_LEVEL else "fused"
+    return [f"--heads auto: {args.heads} (the clients' class counts {'differ' if p < SHARES_DIFFER_LEVEL else 'agree'}"
+            f": chi-squared test of homogeneity p = {p:.3g}, against {SHARES_DIFFER_LEVEL:g})"]
 
 
 def run(args) -> int:
@@ -480,7 +503,8 @@ def run(args) -> int:
             return fail(PROG, f"--heads pooled: {error}")
     else:
         network = match.network()
-    notes = _counts_notes(plan["counts_source"]) + _activity_notes(plan["activity"]) + plan["input_notes"]
+    notes = (_counts_notes(plan["counts_source"]) + plan["heads_note"] + _activity_notes(plan["activity"])
+             + plan["input_notes"])
     for note in notes:
         if note.startswith("--activity: warning:"):   # said on stderr too, where a script's user sees it
             _args.warn(note)
@@ -611,6 +635,7 @@ def prepare_posteriors(args) -> dict:
     with torch.no_grad():
         probe = template(torch.zeros(1, *input_shape))
     counts, source = _counts(args.counts, len(clients), int(probe.shape[-1]))
+    heads_note = _auto_heads(args, counts, source)
     if counts is not None and not bool((counts == counts.round()).all()):
         raise UsageError("--counts: expected whole numbers of examples with --posteriors (their row sums are the "
                          "clients' sizes, the weights of their posteriors)")
@@ -626,9 +651,9 @@ def prepare_posteriors(args) -> dict:
     pfnm = _options.given(PFNMConfig, args)   # the matcher's settings (those that apply to posteriors)
     return dict(clients=clients, kind=kind, means=means, template=template, input_shape=input_shape, spec=spec,
                 counts=counts, counts_source=source, fusion=fusion, activity=activity, inputs=inputs,
-                input_notes=input_notes, matching=dict(sigma0_2=pfnm.get("sigma0_2"), gamma0=pfnm.get("gamma0"),
-                              hyperparameters=pfnm.get("hyperparameters", "empirical-bayes"),
-                              sweeps=pfnm.get("sweeps")))
+                input_notes=input_notes, heads_note=heads_note,
+                matching=dict(sigma0_2=pfnm.get("sigma0_2"), gamma0=pfnm.get("gamma0"), sweeps=pfnm.get("sweeps"),
+                              hyperparameters=pfnm.get("hyperparameters", "empirical-bayes")))
 
 
 def _client_kind(client) -> str:
@@ -663,6 +688,7 @@ def run_posteriors(args, plan) -> int:
             "no --counts: every client's posterior weighs the same (give --counts for weights by size)"]
     else:
         sizes, notes = [int(n) for n in counts.sum(1)], _counts_notes(source)
+    notes += plan["heads_note"]
     t0 = time.perf_counter()
     if fusion.align == "match":
         try:

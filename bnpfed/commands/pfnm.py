@@ -31,14 +31,16 @@ from bnpfed.federated import (PFNM_NETWORK, PFNM_TRAINING, ExperimentConfig, Fus
                               PartitionConfig, PFNMConfig, TrainingConfig, config_dict)
 from bnpfed.matching import check_network_matching, derive_spec
 from bnpfed.report import (command_record, command_results, format_table, line_styles, pyplot, save_figure,
-                           write_json)
+                           with_intervals, write_json)
 from bnpfed.validation import check_positives
 
 PROG = "bnpfed pfnm"
-#: The methods run unless --methods says otherwise (``pfnm-rounds`` too when --rounds > 1; ``fedma``, and
+#: The methods run unless --methods says otherwise (``pfnm-rounds`` too when --rounds > 1, and one round of FedAvg
+#: from a shared initialisation, ``fedavg-oneshot:init=shared``, which ``fedavg`` is at one round; ``fedma``, and
 #: ``fedma-rounds`` when --rounds > 1, with --layerwise-retrain).
 DEFAULT_METHODS = ("local", "ensemble", "fedavg-oneshot", "fedavg", "kmeans", "pfnm")
-COLUMNS = ["method", "accuracy", "nll", "hidden", "parameters", "rounds", "server_seconds", "note"]
+COLUMNS = ["method", "accuracy", "accuracy_95", "nll", "ece15", "hidden", "parameters", "rounds", "server_seconds",
+           "note"]
 #: --width-sweep's grid: chosen to take the global width on the bundled digits from about one client's to about J
 #: clients' (a larger sigma2 merges more; gamma0 sets how readily new units open).
 SWEEP_SIGMA2 = (0.01, 0.02, 0.03, 0.04, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.7)
@@ -85,7 +87,10 @@ def add_parser(sub):
                                 defaults={"amsgrad": "on with --optimizer adam, off with sgd"})
     _options.add_config_options(p, PFNMConfig, PFNMConfig(), title="matching",
                                 description="the PFNM server: Beta-Bernoulli process matching of the units",
-                                exclude=("matcher_device",), helps={"fraction": FRACTION_HELP})
+                                exclude=("matcher_device",), helps={"fraction": FRACTION_HELP, "heads": (
+                                    "the global network's output layer: auto (pooled when the clients' class shares "
+                                    "differ, else fused), fused (their class-share average) or pooled (the clients' "
+                                    "own, pooled)")})
     e = ExperimentConfig()
     _options.add_config_options(
         p, ExperimentConfig, e, title="experiment", exclude=("predictive_samples",),
@@ -94,7 +99,8 @@ def add_parser(sub):
                f"{', '.join(federated.available_methods())}; bnpfed.federated.method_options lists a method's options",
                "rounds": "communication rounds of the multi-round methods (fedavg, pfnm-rounds, fedma-rounds); not "
                "with --width-sweep, which matches the first round's local models"},
-        defaults={"methods": f"{','.join(DEFAULT_METHODS)}, and pfnm-rounds with --rounds > 1, fedma (and "
+        defaults={"methods": f"{','.join(DEFAULT_METHODS)} (fedavg: one round from a shared init at --rounds 1), "
+                             "and fedavg-oneshot:init=shared and pfnm-rounds with --rounds > 1, fedma (and "
                              "fedma-rounds) with --layerwise-retrain",
                   "rounds": f"{e.rounds}"})
     g = p.add_argument_group("width sweep", "instead of the comparison: accuracy against global width")
@@ -164,7 +170,8 @@ def prepare(args) -> dict:
     with _args.notices(PROG):   # a method name of bnpfed 0.1 (pfnm-pooled) says its spec
         config = _options.config_from_args(ExperimentConfig, args, ExperimentConfig(), seed=args.seed)
     if args.methods is None:
-        chosen = DEFAULT_METHODS + (("pfnm-rounds",) if config.rounds > 1 else ())
+        shared = ("fedavg-oneshot:init=shared",) if config.rounds > 1 and not network.shared_init else ()
+        chosen = DEFAULT_METHODS + shared + (("pfnm-rounds",) if config.rounds > 1 else ())
         if pfnm.layerwise_retrain:
             chosen += ("fedma",) + (("fedma-rounds",) if config.rounds > 1 else ())
         config = replace(config, methods=chosen)
@@ -322,7 +329,8 @@ def _print_result(name: str, partition, plan: dict, result) -> None:
                   f"{_hyper(selection.config)}")
             print(format_table(selection.curve, [c for c in ("sigma2", "sigma0_2", "gamma0", "hidden", "validation",
                                                              "test") if c in selection.curve[0]]))
-    print(format_table([asdict(r) for r in result.rows], COLUMNS))
+    print(format_table(with_intervals([asdict(r) for r in result.rows]), COLUMNS))
+    _args.print_comparisons(result.comparisons, len(result.test_labels))
     layers = _layer_table(result.rows)
     if layers:
         print("PFNM hyper-parameters per hidden layer (conv channels count as a layer; the final match's; "
@@ -388,8 +396,8 @@ def _legend_right(fig, axes) -> None:
 
 
 def _plot_one_round(result, path: str, title: str, by: str = "width") -> None:
-    """One round: a bar per method, test accuracy on the left, global width (``by="parameters"``: parameter count,
-    the convolutional networks' measure) on the right."""
+    """One round: a bar per method, test accuracy (with its 95 % bootstrap interval) on the left, global width
+    (``by="parameters"``: parameter count, the convolutional networks' measure) on the right."""
     plt = pyplot()
     rows = result.rows
     names = [r.method for r in rows]
@@ -399,6 +407,11 @@ def _plot_one_round(result, path: str, title: str, by: str = "width") -> None:
     accuracies = [r.accuracy for r in rows]
     widths = [_size_of(r, by) for r in rows]
     ax_acc.barh(y, accuracies, color=[colors[n] for n in names])
+    for i, r in enumerate(rows):   # the 95 % bootstrap interval over the test examples
+        if r.intervals.get("accuracy"):
+            low, high = r.intervals["accuracy"]
+            ax_acc.errorbar([r.accuracy], [i], xerr=[[max(r.accuracy - low, 0.0)], [max(high - r.accuracy, 0.0)]],
+                            fmt="none", ecolor="black", elinewidth=1, capsize=3)
     ax_width.barh(y, widths, color=[colors[n] for n in names])
     for i, (a, w) in enumerate(zip(accuracies, widths)):
         ax_acc.text(a, i, f" {a:.3f}", va="center", fontsize=8)

@@ -45,7 +45,8 @@ import numpy as np
 from bnpfed.clients import AUGMENTATIONS, OPTIMIZERS, check_augment, check_optimizer
 from bnpfed.experimental import (LATER_ROUNDS, PVI_DAMPING, ROUND_PRIORS, ExperimentalOptions,
                                  reads_experimental)
-from bnpfed.matching import ATOM_POSTERIOR, MATCH_ON, PVI, REFERENCE_CONSTANTS, matched_rules
+from bnpfed.matching import (ATOM_POSTERIOR, HEAD_CHOICES, MATCH_ON, PVI, REFERENCE_CONSTANTS, chosen_heads,
+                             matched_rules)
 from bnpfed.federated.partition import holdout_split, partition_dirichlet, partition_homogeneous
 from bnpfed.models import (LIKELIHOODS, PRIOR_VARIANCES, PRIORS, Categorical, Likelihood, Prior,
                            available_likelihoods, available_priors, build_likelihood, build_prior)
@@ -105,10 +106,10 @@ CLIENT_KINDS = ("variational", "laplace")
 #: A Laplace client's prior precision: each weight matrix's evidence maximiser, or those scaled by the factor a
 #: held-out tenth of the client's data prefers (:class:`~bnpfed.clients.LaplaceClient`'s ``prior_precision``).
 LAPLACE_PRIORS = ("marglik", "held-out")
-#: Matched fusion's output layer (:class:`FusionConfig`'s ``heads``) and PFNM's (:class:`PFNMConfig`'s): the fusion
-#: (or average) of the clients' output layers, or the clients' own output layers pooled log-linearly with the class
-#: shares.
-HEADS = ("fused", "pooled")
+#: Matched fusion's output layer (:class:`FusionConfig`'s ``heads``) and PFNM's (:class:`PFNMConfig`'s): ``"auto"``
+#: (pooled when the clients' class shares differ, :func:`~bnpfed.matching.chosen_heads`), the fusion (or average) of
+#: the clients' output layers, or the clients' own output layers pooled log-linearly with the class shares.
+HEADS = HEAD_CHOICES
 #: ``pool_temperature="fit"``: the pool's temperature chosen by the clients' data.
 FIT = "fit"
 #: Client weights ``b_k`` of posterior fusion: proportional to the local data size, or uniform.
@@ -133,8 +134,9 @@ def check_pool_temperature(value, name: str = "pool_temperature") -> None:
 
 
 def check_pool_temperature_applies(config, pooled: bool) -> None:
-    """Refuse ``config.pool_temperature`` other than 1 unless ``pooled`` (something pools heads with it)."""
-    if config.pool_temperature != 1 and not pooled:
+    """Refuse ``config.pool_temperature`` other than 1 unless ``pooled`` (something pools heads with it, or may:
+    ``heads="auto"``)."""
+    if config.pool_temperature != 1 and not pooled and config.heads != "auto":
         raise ValueError(f"pool_temperature: the temperature of pooled heads; expected 1 without them (heads="
                          f"{config.heads!r}), got {config.pool_temperature!r}")
 
@@ -580,13 +582,15 @@ class PFNMConfig:
         'holds the later rounds, whose clients retrain slices of one global network, to the limit, met as far as the '
         'matcher can (a ``max_width`` below what a client holds is still refused). Needs a limit; not with '
         '``layerwise_retrain``.'))
-    heads: str = option("fused", choices=HEADS, help=(
-        'the global network\'s output layer: ``"fused"`` (the class-share average of the clients\' output layers) '
-        'or ``"pooled"`` (the clients\' own, pooled; rows ``pfnm-pooled``, ...). With ``"pooled"`` every matched '
-        'client\'s own output layer sits on the global units its units were matched to, their log-probabilities '
-        'pooled with the class shares (:func:`~bnpfed.matching.pooled_network`): J output layers instead of one, for '
-        'label skew. The clients start the next round from '
-        'their slices either way; ``max_params`` prices the J output layers.'))
+    heads: str = option("auto", choices=HEADS, help=(
+        'the global network\'s output layer: ``"fused"`` (the class-share average of the clients\' output layers), '
+        '``"pooled"`` (the clients\' own, pooled; rows ``pfnm-pooled``, ...) or ``"auto"``: pooled when the clients\' '
+        'class shares differ (a chi-squared test of their class counts, :func:`~bnpfed.matching.chosen_heads`: label '
+        'skew), else fused, which the pool equals for equal shares (a ``pool_temperature`` other than 1 asks for the '
+        'pool). Pooled: every matched client\'s own output layer sits on the global units its units were matched to, '
+        'their log-probabilities pooled with the class shares (:func:`~bnpfed.matching.pooled_network`): J output '
+        'layers instead of one. The clients start the next round from their slices either way; ``max_params`` '
+        'prices the J output layers.'))
     pool_temperature: Union[float, str] = option(1.0, metavar="T|fit", shown=False, help=(
         '``heads="pooled"``: the pool\'s temperature, a number > 0 (1: the pool itself) or ``"fit"``: each matched '
         'client scores the pooled network on its own training data at every temperature of '
@@ -693,6 +697,14 @@ class PFNMConfig:
         check_int(round, "round", low=1)
         return self.best_effort_budget or round > 1
 
+    def with_heads(self, class_counts) -> "PFNMConfig":
+        """This config with ``heads="auto"`` resolved for clients of these ``(J, C)`` class counts: ``"pooled"`` with a
+        ``pool_temperature`` other than 1, else :func:`~bnpfed.matching.chosen_heads` (pooled when the class shares
+        differ); the config itself when ``heads`` is given."""
+        if self.heads != "auto":
+            return self
+        return replace(self, heads="pooled" if self.pool_temperature != 1 else chosen_heads("auto", class_counts))
+
     def check_groups(self, groups: Sequence[str]) -> None:
         """Raises unless ``sigma2``, ``sigma0_2``, ``gamma0`` and ``max_width``, where given as several values, give
         one per matched group (``groups``: the names of the network's permutation spec, in order), before anything
@@ -782,12 +794,14 @@ class FusionConfig:
         "None (numpy on the CPU)"), help=(
         '``align="match"``: where the matcher\'s cross products run, a torch device (:class:`PFNMConfig`\'s '
         '``matcher_device``); the Bayesian clients train on the CPU.'))
-    heads: str = option("fused", choices=HEADS, help=(
+    heads: str = option("auto", choices=HEADS, help=(
         '``align="match"``: the global network\'s output layer, ``"fused"`` (the rule fuses the clients\' output '
-        'layers like every other layer) or ``"pooled"`` (the clients\' own posterior output layers of the last round '
+        'layers like every other layer), ``"pooled"`` (the clients\' own posterior output layers of the last round '
         'on the fused body, their log-probabilities pooled with the class shares inside every weight draw: '
-        ':class:`~bnpfed.matching.PooledPosterior`; J output layers instead of one, for label skew). The clients '
-        'start their next round from their slices of the fused posterior either way.'))
+        ':class:`~bnpfed.matching.PooledPosterior`; J output layers instead of one) or ``"auto"``: pooled when the '
+        'clients\' class shares differ (label skew, :func:`~bnpfed.matching.chosen_heads`), else fused; fused '
+        'without ``align="match"`` or with a ``temperature`` other than 1, pooled with a ``pool_temperature`` other '
+        'than 1. The clients start their next round from their slices of the fused posterior either way.'))
     pool_temperature: Union[float, str] = option(1.0, metavar="T|fit", shown=False, help=(
         '``heads="pooled"``: the pool\'s temperature in every draw, a number > 0 or ``"fit"`` (chosen by the matched '
         'clients\' training data, as :class:`PFNMConfig`\'s).'))
@@ -808,10 +822,13 @@ class FusionConfig:
         if self.temperature != 1 and self.align != "match":
             raise ValueError(f"temperature: the predictive temperature of matched fusion's global posterior; expected "
                              f"1 with align={self.align!r}, got {self.temperature!r}")
-        if self.temperature != 1 and self.heads != "fused":
+        if self.temperature != 1 and self.heads == "pooled":
             raise ValueError(f"temperature: the fused output layer's predictive temperature; with heads="
                              f"{self.heads!r} the pool's is pool_temperature; expected 1, got {self.temperature!r}")
-        if self.heads != "fused" and self.align != "match":
+        if self.temperature != 1 and self.pool_temperature != 1:
+            raise ValueError(f"temperature, pool_temperature: the fused output layer's temperature and the pooled "
+                             f"one's; expected one of them 1, got {self.temperature!r} and {self.pool_temperature!r}")
+        if self.heads == "pooled" and self.align != "match":
             raise ValueError(f"heads: the output layer of matched fusion (the clients' own heads placed at the global "
                              f"units their units were matched to); expected 'fused' with align={self.align!r}, got "
                              f"{self.heads!r}")
@@ -859,6 +876,17 @@ class FusionConfig:
 
         :param groups: the spec's group names (:attr:`~bnpfed.matching.PermutationSpec.group_names`)."""
         _check_groups(self, ("tau2",), groups)
+
+    def with_heads(self, class_counts) -> "FusionConfig":
+        """This config with ``heads="auto"`` resolved for clients of these ``(J, C)`` class counts: ``"fused"`` without
+        ``align="match"`` or with a ``temperature`` other than 1 (the fused layer's), ``"pooled"`` with a
+        ``pool_temperature`` other than 1, else :func:`~bnpfed.matching.chosen_heads` (pooled when the class shares
+        differ); the config itself when ``heads`` is given."""
+        if self.heads != "auto":
+            return self
+        if self.align != "match" or self.temperature != 1:
+            return replace(self, heads="fused")
+        return replace(self, heads="pooled" if self.pool_temperature != 1 else chosen_heads("auto", class_counts))
 
     def matches_on(self, client: str) -> str:
         """``match_on`` with ``"auto"`` resolved for the clients' kind (:class:`BayesianConfig`'s ``client``):

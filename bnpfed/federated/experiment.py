@@ -39,13 +39,15 @@ from bnpfed.federated.selection import select_hyperparameters
 from bnpfed.federated.server import clients_per_round, pfnm_step, with_statistics
 from bnpfed.matching import batch_norm_order
 from bnpfed.matching import SpecMatch, derive_spec
-from bnpfed.metrics import (chance_accuracy, chance_warning, classification_report, ece_noise_floor,
-                            expected_calibration_error, ood_auroc)
+from bnpfed.metrics import (INTERVAL_METRICS, bootstrap_intervals, chance_accuracy, chance_warning,
+                            classification_report, debiased_calibration_error, ece_noise_floor,
+                            expected_calibration_error, ood_auroc, paired_bootstrap)
 from bnpfed.report import plural
+from bnpfed.seeding import Stream, derive_seed
 from bnpfed.schema import documented, option
 from bnpfed.validation import check_choice, check_fraction, check_int, check_positives
 
-__all__ = ["Experiment", "ExperimentConfig", "HELD_OUT", "SELECTIONS", "check_methods", "network_widths"]
+__all__ = ["Experiment", "ExperimentConfig", "HELD_OUT", "Report", "SELECTIONS", "check_methods", "network_widths"]
 
 
 #: How PFNM's hyper-parameters are chosen (:attr:`ExperimentConfig.select`); those that hold each client's
@@ -153,7 +155,7 @@ def check_methods(config: ExperimentConfig, configs: Mapping[str, Any]) -> list[
 
     check_pool_temperature_applies(pfnm, pfnm.heads == "pooled" or heads("pooled", "pfnm"))
     check_pool_temperature_applies(fusion, fusion.heads == "pooled" or heads("pooled", "fusion"))
-    if fusion.temperature != 1 and not heads("fused", "fusion"):
+    if fusion.temperature != 1 and not (heads("fused", "fusion") or heads("auto", "fusion")):   # auto: then fused
         raise ValueError(f"fusion.temperature: the predictive temperature of matched fusion's fused output layer; "
                          f"expected 1 without a match row of fused heads among the methods, got "
                          f"{fusion.temperature!r}")
@@ -161,6 +163,15 @@ def check_methods(config: ExperimentConfig, configs: Mapping[str, Any]) -> list[
 
 
 # ------------------------------------------------------------------------------------------------ the experiment
+
+
+class Report(dict):
+    """A row's metrics (a dict, as :meth:`Experiment.report` gives them) and, as the attribute ``probs``, the ``(N,
+    C)`` test probabilities they were computed from (None where not at hand): what
+    :meth:`MethodResult.from_metrics <bnpfed.federated.results.MethodResult.from_metrics>` keeps for the row's
+    intervals. Not a key, so that ``MethodResult(name, **report)`` still takes the metrics alone."""
+
+    probs: Optional[torch.Tensor] = None
 
 
 class Experiment:
@@ -220,7 +231,7 @@ class Experiment:
                                  f"fusion only (fusion:rule=RULE); expected no others, got {others}")
         self.ood = ood
         self.dataset, self.partition, self.network, self.training = dataset, partition, network, training
-        self.pfnm, self.fusion, self.bayesian, self.config = pfnm, fusion, bayesian, config
+        self.bayesian, self.config = bayesian, config
         self.seed = config.seed
         self.input_shape = tuple(dataset.input_shape)
         labels = dataset.y_train.numpy()
@@ -232,6 +243,9 @@ class Experiment:
         # a regression has one "class": every client's examples
         self.class_counts = (class_counts(labels, self.parts, dataset.num_classes) if dataset.task == "classification"
                              else np.array([[len(p)] for p in self.parts], dtype=np.int64))
+        # heads="auto" chosen by the clients' class shares; the methods' options still read the configs as given
+        # (self.configs: pfnm:heads=auto's row is "pfnm" whichever output layer it gets), and resolve "auto" here
+        self.pfnm, self.fusion = pfnm.with_heads(self.class_counts), fusion.with_heads(self.class_counts)
         self.client_data = [(dataset.x_train[torch.as_tensor(i)], dataset.y_train[torch.as_tensor(i)])
                             for i in self.parts]
         self.warnings: list[str] = []
@@ -249,8 +263,18 @@ class Experiment:
     def num_clients(self) -> int:
         return len(self.parts)
 
+    def pfnm_heads(self, heads: str) -> str:
+        """A PFNM or FedMA method's ``heads`` option with ``"auto"`` resolved as the experiment's PFNM config resolves
+        it (:meth:`~bnpfed.federated.config.PFNMConfig.with_heads`)."""
+        return replace(self.configs["pfnm"], heads=heads).with_heads(self.class_counts).heads
+
+    def match_heads(self, heads: str) -> str:
+        """A matched-fusion method's ``heads`` option with ``"auto"`` resolved for ``align="match"``
+        (:meth:`~bnpfed.federated.config.FusionConfig.with_heads`)."""
+        return replace(self.configs["fusion"], align="match", heads=heads).with_heads(self.class_counts).heads
+
     def settings(self) -> dict:
-        """Every config as plain values."""
+        """Every config as plain values (``heads="auto"`` as the clients' class shares resolved it)."""
         return {name: config_dict(getattr(self, name)) for name in
                 ("partition", "network", "training", "pfnm", "fusion", "bayesian", "config")}
 
@@ -301,17 +325,40 @@ class Experiment:
         if message is not None:
             self.warn(message)
 
-    def report(self, probs: torch.Tensor, ood_probs: Optional[torch.Tensor] = None) -> dict[str, float]:
-        """Accuracy, NLL, ECE (``ece_bins``), ECE with 15 bins (``ece15``), the ECE's noise floor (``ece_floor``:
-        :func:`~bnpfed.metrics.ece_noise_floor`, ``ece_bins``) and Brier score of test-set probabilities;
-        with ``ood_probs`` (the same predictor on the out-of-distribution images) also ``auroc_max_prob`` and
-        ``auroc_entropy`` (:func:`~bnpfed.metrics.ood_auroc`)."""
-        out = classification_report(probs, self.dataset.y_test, n_bins=self.config.ece_bins)
+    def report(self, probs: torch.Tensor, ood_probs: Optional[torch.Tensor] = None) -> "Report":
+        """Accuracy, NLL, ECE (``ece_bins``), ECE with 15 bins (``ece15``), the debiased L2 calibration error
+        (``ece_debiased``: :func:`~bnpfed.metrics.debiased_calibration_error`, with 2 test examples or more), the
+        ECE's noise floor (``ece_floor``: :func:`~bnpfed.metrics.ece_noise_floor`, ``ece_bins``) and Brier score of
+        test-set probabilities, as a :class:`Report` that carries the probabilities themselves (``probs``, not a
+        key: a row keeps them for its intervals, :meth:`intervals`); with ``ood_probs`` (the same predictor on the
+        out-of-distribution images) also ``auroc_max_prob`` and ``auroc_entropy`` (:func:`~bnpfed.metrics.ood_auroc`).
+        """
+        out = Report(classification_report(probs, self.dataset.y_test, n_bins=self.config.ece_bins))
         out["ece15"] = expected_calibration_error(probs, self.dataset.y_test, 15)
+        if len(probs) >= 2:
+            out["ece_debiased"] = debiased_calibration_error(probs, self.dataset.y_test)
         out["ece_floor"] = ece_noise_floor(probs, self.config.ece_bins)
         if ood_probs is not None:
             out.update(ood_auroc(probs, ood_probs))
+        out.probs = probs
         return out
+
+    def intervals(self, probs: torch.Tensor) -> dict[str, list[float]]:
+        """95 % percentile bootstrap intervals of every metric of :data:`~bnpfed.metrics.INTERVAL_METRICS` (``ece``
+        with ``ece_bins``) over the test examples, ``{metric: [low, high]}``: :func:`~bnpfed.metrics.
+        bootstrap_intervals` with the seed ``derive_seed(seed, Stream.BOOTSTRAP)``, so every row of the experiment is
+        resampled alike. ``ece_debiased`` needs 2 test examples or more (left out below)."""
+        metrics = INTERVAL_METRICS if len(probs) >= 2 else tuple(m for m in INTERVAL_METRICS if m != "ece_debiased")
+        found = bootstrap_intervals(probs, self.dataset.y_test, metrics=metrics, ece_bins=self.config.ece_bins,
+                                    seed=derive_seed(self.seed, Stream.BOOTSTRAP))
+        return {m: list(v) for m, v in found.items()}
+
+    def paired(self, probs_a: torch.Tensor, probs_b: torch.Tensor) -> dict[str, dict[str, float]]:
+        """Two predictors' metrics on the test split, ``a - b``, each with a paired 95 % bootstrap interval
+        (:func:`~bnpfed.metrics.paired_bootstrap`, resampled as :meth:`intervals` resamples)."""
+        metrics = INTERVAL_METRICS if len(probs_a) >= 2 else tuple(m for m in INTERVAL_METRICS if m != "ece_debiased")
+        return paired_bootstrap(probs_a, probs_b, self.dataset.y_test, metrics=metrics, ece_bins=self.config.ece_bins,
+                                seed=derive_seed(self.seed, Stream.BOOTSTRAP))
 
     def predictions(self, predict: Callable[[torch.Tensor], torch.Tensor]
                     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -457,7 +504,8 @@ class Experiment:
                          + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
                                      for k, v in shown.items()))
         history = [dict(r.metrics) for r in federation.history]
-        final = dict(history[-1])
+        final = Report(history[-1])
+        final.probs = federation.test_probs
         if self.ood is not None:
             probs, ood_probs = self.predictions(federation.predict_proba)
             final.update(ood_auroc(probs, ood_probs))

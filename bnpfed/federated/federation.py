@@ -22,8 +22,8 @@ from torch import Tensor, nn
 from bnpfed.data import Dataset
 from bnpfed.federated.clients import batch_norm_moments_step
 from bnpfed.federated.server import batch_norm_steps, sample_clients
-from bnpfed.metrics import (classification_report, ece_noise_floor, expected_calibration_error, regression_scores,
-                            regression_summary)
+from bnpfed.metrics import (classification_report, debiased_calibration_error, ece_noise_floor,
+                            expected_calibration_error, regression_scores, regression_summary)
 from bnpfed.validation import check_fraction, check_int
 
 __all__ = ["EVAL_CHUNK", "Federation", "RoundRecord", "check_parts", "reestimate_statistics"]
@@ -112,6 +112,8 @@ class Federation(ABC):
         self.sizes = [len(idx) for idx in self.parts]
         self.round = 0
         self.history: list[RoundRecord] = []
+        #: (N, C) the global model's probabilities on the test split at the last evaluation (None before one)
+        self.test_probs: Optional[Tensor] = None
 
     def sample_clients(self, round: int) -> list[int]:
         """The clients of round ``round``: :func:`~bnpfed.federated.server.sample_clients`."""
@@ -142,16 +144,21 @@ class Federation(ABC):
 
     def evaluate(self) -> dict[str, float]:
         """``accuracy``, ``nll``, ``ece`` (``ece_bins`` bins), ``ece15`` (15 bins) and ``brier`` of the global model on
-        the test split, and ``ece_floor``: the ECE (``ece_bins`` bins) a perfectly calibrated model with the same
-        confidences would show on it (:func:`~bnpfed.metrics.ece_noise_floor`). For a regression, ``rmse``,
-        ``nll``, ``coverage`` and ``interval_width`` of the posterior predictive's central 90 % interval
+        the test split, ``ece_debiased`` (:func:`~bnpfed.metrics.debiased_calibration_error`, where the test split
+        has 2 examples or more), and ``ece_floor``: the ECE (``ece_bins`` bins) a perfectly calibrated model with the
+        same confidences would show on it (:func:`~bnpfed.metrics.ece_noise_floor`). The test probabilities are kept
+        as ``test_probs`` (the last evaluation's). For a regression, ``rmse``, ``nll``, ``coverage`` and
+        ``interval_width`` of the posterior predictive's central 90 % interval
         (:func:`~bnpfed.metrics.regression_report`)."""
         if self.dataset.task == "regression":
             return self._evaluate_regression()
         x = self.dataset.x_test
         probs = torch.cat([self.predict_proba(x[i:i + EVAL_CHUNK]) for i in range(0, len(x), EVAL_CHUNK)])
+        self.test_probs = probs
         out = classification_report(probs, self.dataset.y_test, n_bins=self.ece_bins)
         out["ece15"] = expected_calibration_error(probs, self.dataset.y_test, 15)
+        if len(probs) >= 2:
+            out["ece_debiased"] = debiased_calibration_error(probs, self.dataset.y_test)
         out["ece_floor"] = ece_noise_floor(probs, self.ece_bins)
         return out
 

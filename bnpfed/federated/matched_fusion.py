@@ -221,6 +221,8 @@ class MatchedFusionFederation(HoldsRounds, Federation):
             if not isinstance(value, kind):
                 raise ValueError(f"{name}: expected a {kind.__name__}, got {type(value).__name__}")
         self.check_network(network)
+        counts = class_counts(dataset.y_train.numpy(), [p.numpy() for p in self.parts], dataset.num_classes)
+        fusion = fusion.with_heads(counts)   # heads="auto": pooled when the clients' class shares differ
         check_pool_temperature_applies(fusion, fusion.heads == "pooled")
         bayesian.check_training(training)
         bayesian.check_task(dataset.task)
@@ -232,8 +234,7 @@ class MatchedFusionFederation(HoldsRounds, Federation):
         self.training, self.bayesian, self.fusion = training, bayesian, fusion
         self.method = f"match-{fusion.rule}" + ("-pooled" if fusion.heads == "pooled" else "")
         self.predictive_samples = int(predictive_samples)
-        self.class_counts = class_counts(dataset.y_train.numpy(), [p.numpy() for p in self.parts],
-                                         dataset.num_classes)
+        self.class_counts = counts
         self.architecture = Architecture.of(self.network, dataset.input_shape, dataset.num_classes, seed=seed)
         self.rounds = MatchRounds(self.architecture, whole=fusion.rounds_after_first() == "fixed")
         self.initial_clients = initial_clients

@@ -14,8 +14,10 @@ match):
 
 * ``local``: the clients' own networks (rows ``local-mean``, ``local-min``, ``local-max``);
 * ``ensemble``: the uniform average of their predicted probabilities (J times the parameters);
-* ``fedavg-oneshot``: one FedAvg average of the local networks, each from its own initialisation unless
-  ``network.shared_init`` (near chance without a shared initialisation: the point of the baseline);
+* ``fedavg-oneshot``: one FedAvg average of the local networks, each from its own initialisation (near chance: the
+  point of the baseline); ``fedavg-oneshot:init=shared`` (row ``fedavg-oneshot-shared``): one round of FedAvg from a
+  shared initialisation, the simplest strong one-shot baseline (the default ``init`` follows
+  ``network.shared_init``);
 * ``fedavg``: FedAvg from a shared initialisation over ``rounds`` rounds (one round: the one-shot baseline with a
   shared initialisation);
 * ``kmeans``: k-means over the pooled units of every group (layer, conv channels), at PFNM's global widths;
@@ -115,6 +117,8 @@ __all__ = [   # with the names that moved to experiment.py and registry.py, whic
     "register_method",
     "unregister_method",
     "network_widths",
+    "COMPARED_WITH",
+    "comparisons",
     "run_experiment",
     "run_method",
     "select_hyperparameters",
@@ -150,18 +154,24 @@ def _ensemble(experiment: Experiment) -> MethodResult:
                                      note="uniform average of the clients' softmax")
 
 
-def _fedavg_oneshot(experiment: Experiment) -> MethodResult:
-    models = experiment.local_models()
+def _fedavg_oneshot(experiment: Experiment, init: str) -> MethodResult:
+    shared = init == "shared"
+    models = experiment.local_models(shared=shared)
     t0 = time.perf_counter()
     net = fedavg_network(models, [len(p) for p in experiment.parts])
     seconds = time.perf_counter() - t0
     experiment.reestimate(net)
-    experiment.keep("fedavg-oneshot", net)
-    shared = experiment.network.shared_init
-    return MethodResult.from_metrics("fedavg-oneshot", experiment.evaluate_network(net),
+    name = _fedavg_oneshot_label({"init": init})
+    experiment.keep(name, net)
+    return MethodResult.from_metrics(name, experiment.evaluate_network(net),
                                      hidden=network_widths(net, experiment.input_shape),
                                      parameters=count_parameters(net), server_seconds=seconds,
-                                     note="shared init" if shared else "each client from its own init")
+                                     note="one round from a shared init" if shared else "each client from its own init")
+
+
+def _fedavg_oneshot_label(options: dict) -> str:
+    """``fedavg-oneshot`` (the clients from their own initialisations), ``fedavg-oneshot-shared`` (from one)."""
+    return "fedavg-oneshot" + ("-shared" if options["init"] == "shared" else "")
 
 
 def _fedavg(experiment: Experiment) -> MethodResult:
@@ -176,8 +186,8 @@ def _fedavg(experiment: Experiment) -> MethodResult:
 
 
 def _pfnm(experiment: Experiment, heads: str) -> MethodResult:
-    if heads == "pooled":   # the pooled output layer: that row
-        return _pfnm_pooled(experiment)
+    if experiment.pfnm_heads(heads) == "pooled":   # the pooled output layer: that row (named "pfnm" under "auto")
+        return _pfnm_pooled(experiment, "pfnm" if heads == "auto" else "pfnm-pooled")
     selection = experiment.selection()
     match = selection.match
     if selection.config.heads == "pooled" and selection.config.parameter_limit is not None:
@@ -206,6 +216,8 @@ def _limits(match) -> str:
 
 
 _POOLED_NOTE = "the clients' own output layers pooled log-linearly with class-share weights"
+#: What a row's note adds when heads="auto" pooled its output layers.
+_AUTO_NOTE = " (heads auto: the clients' class shares differ)"
 
 
 def _pooled_row(experiment: Experiment, name: str, net: nn.Module, match: SpecMatch, note: str,
@@ -222,23 +234,24 @@ def _pooled_row(experiment: Experiment, name: str, net: nn.Module, match: SpecMa
                                      hyperparameters=match_hyperparameters(match), note=note, **extra)
 
 
-def _pfnm_pooled(experiment: Experiment) -> MethodResult:
+def _pfnm_pooled(experiment: Experiment, name: str) -> MethodResult:
     selection = experiment.selection()
-    match, note = selection.match, f"one shot; pfnm's global body, {_POOLED_NOTE}"
+    auto = _AUTO_NOTE if name == "pfnm" else ""
+    match, note = selection.match, f"one shot; pfnm's global body, {_POOLED_NOTE}{auto}"
     config = replace(selection.config, layerwise_retrain=0)   # pfnm_step's: PFNM's whole-network budget
     if config.heads == "fused" and config.parameter_limit is not None:
         # pfnm's match priced one output layer: this row carries J, so its budget is met by a match that prices them
         match = experiment.one_shot_match(replace(config, heads="pooled"))
-        note = f"one shot; pfnm matched with its J output layers priced in max_params, {_POOLED_NOTE}"
-    return _pooled_row(experiment, "pfnm-pooled", pooled_network(match, experiment.local_models()), match,
+        note = f"one shot; pfnm matched with its J output layers priced in max_params, {_POOLED_NOTE}{auto}"
+    return _pooled_row(experiment, name, pooled_network(match, experiment.local_models()), match,
                        note=note + _limits(match))
 
 
 def _pfnm_federation(experiment: Experiment, layerwise_retrain: int, heads: Optional[str] = None) -> PFNMFederation:
     """PFNM's (``layerwise_retrain`` 0) or FedMA's federation at the selected config, its output layer ``heads``
-    (default: the config's)."""
+    (default: the config's; ``"auto"`` resolved by the clients' class shares)."""
     config = replace(experiment.selection().config, layerwise_retrain=layerwise_retrain,
-                     heads=heads or experiment.selection().config.heads)
+                     heads=experiment.pfnm_heads(heads) if heads else experiment.selection().config.heads)
     if config.heads == "fused":   # its temperature is for the pooled rows (pfnm-pooled, fedma-pooled)
         config = replace(config, pool_temperature=1.0)
     return PFNMFederation(experiment.dataset, experiment.parts, network=experiment.network,
@@ -249,8 +262,10 @@ def _pfnm_federation(experiment: Experiment, layerwise_retrain: int, heads: Opti
 
 def _pfnm_rounds(experiment: Experiment, heads: str) -> MethodResult:
     federation = _pfnm_federation(experiment, 0, heads)
+    if heads == "auto":   # the row's name is the spec's, whichever output layer "auto" chose
+        federation.method = "pfnm-rounds"
     start = "warm" if federation.pfnm.warm_start else "cold"
-    pooled = f"; {_POOLED_NOTE}" if federation.pfnm.heads == "pooled" else ""
+    pooled = f"; {_POOLED_NOTE}" + (_AUTO_NOTE if heads == "auto" else "") if federation.pfnm.heads == "pooled" else ""
     row = experiment.federation_row(federation, experiment.config.rounds, note=f"{start}-started matching{pooled}")
     experiment.keep(federation.method, federation.global_network(), federation.match)
     return row
@@ -269,9 +284,10 @@ def _fedma_federation(experiment: Experiment, rounds: int, name: str, heads: Opt
     epochs = fedma_epochs(experiment)
     federation = _pfnm_federation(experiment, epochs, heads)
     pooled = federation.pfnm.heads == "pooled"
-    federation.method = name + ("-pooled" if pooled and not name.endswith("-pooled") else "")
+    auto = heads == "auto"   # the row's name is the spec's, whichever output layer "auto" chose
+    federation.method = name + ("-pooled" if pooled and not auto and not name.endswith("-pooled") else "")
     row = experiment.federation_row(federation, rounds, note=f"layer-wise, {epochs} retraining epoch(s) a layer"
-                                                           + (f"; {_POOLED_NOTE}" if pooled else ""))
+                                    + (f"; {_POOLED_NOTE}" + (_AUTO_NOTE if auto else "") if pooled else ""))
     row.hyperparameters = match_hyperparameters(federation.match)
     return federation, row
 
@@ -364,19 +380,22 @@ def _bayesian_ensemble(experiment: Experiment) -> MethodResult:
 
 
 def _matched_fusion(experiment: Experiment, rule: str, heads: str) -> MethodResult:
+    auto, heads = heads == "auto", experiment.match_heads(heads)
+    given = experiment.configs["fusion"]
     federation = MatchedFusionFederation(experiment.dataset, experiment.parts, network=experiment.network,
                                          training=experiment.training, bayesian=experiment.bayesian,
                                          fusion=replace(experiment.fusion, rule=rule, align="match", heads=heads,
-                                                        pool_temperature=experiment.fusion.pool_temperature
+                                                        pool_temperature=given.pool_temperature
                                                         if heads == "pooled" else 1.0,
-                                                        temperature=experiment.fusion.temperature
-                                                        if heads == "fused" else 1.0),
+                                                        temperature=given.temperature if heads == "fused" else 1.0),
                                          seed=experiment.seed, ece_bins=experiment.config.ece_bins,
                                          predictive_samples=experiment.config.predictive_samples,
                                          initial_clients=experiment.bayesian_clients())
     pooled = heads == "pooled"   # a fused body with the J clients' posterior heads (a PooledPosterior)
+    if auto:   # the row's name is the spec's, whichever output layer "auto" chose
+        federation.method = f"match-{rule}"
     row = experiment.federation_row(federation, experiment.config.rounds, note="matched posterior fusion" + (
-        f"; {_POOLED_NOTE}, inside every draw" if pooled else ""))
+        f"; {_POOLED_NOTE}, inside every draw" + (_AUTO_NOTE if auto else "") if pooled else ""))
     experiment.keep(federation.method, federation.pooled if pooled else federation.global_model, federation.match,
                     predictive=_predictive(federation))
     return row
@@ -406,17 +425,23 @@ def _kl_fusion(experiment: Experiment) -> MethodResult:
 
 #: The option ``heads`` of PFNM's and FedMA's methods (its default: ``pfnm.heads``), and of matched fusion (its
 #: default: ``fusion.heads``).
-_PFNM_HEADS = MethodOption(HEADS, "pfnm", "the global network's output layer: fused, or the clients' own pooled")
-_MATCH_HEADS = MethodOption(HEADS, "fusion", "the global posterior's output layer: fused, or the clients' own pooled")
+_PFNM_HEADS = MethodOption(HEADS, "pfnm", "the global network's output layer: fused, the clients' own pooled, or "
+                                          "auto (pooled when the clients' class shares differ)")
+_MATCH_HEADS = MethodOption(HEADS, "fusion", "the global posterior's output layer: fused, the clients' own pooled, or "
+                                             "auto (pooled when the clients' class shares differ)")
 
 
 def _suffix(options: dict) -> str:
+    """A row's name says ``-pooled`` when the spec asks for pooled heads (``"auto"``: the name of the spec alone)."""
     return "-pooled" if options["heads"] == "pooled" else ""
 
 
 for _name, _fn in (("local", _local), ("ensemble", _ensemble), ("ensemble-bayesian", _bayesian_ensemble),
-                   ("fedavg-oneshot", _fedavg_oneshot), ("fedavg", _fedavg), ("kmeans", _kmeans)):
+                   ("fedavg", _fedavg), ("kmeans", _kmeans)):
     register_method(_name, _fn)
+register_method("fedavg-oneshot", _fedavg_oneshot, label=_fedavg_oneshot_label, options={"init": MethodOption(
+    ("own", "shared"), None, "the clients' initialisations before their one round: each its own, or one shared",
+    default=lambda configs: "shared" if configs["network"].shared_init else "own")})
 register_method("pfnm", _pfnm, options={"heads": _PFNM_HEADS}, label=lambda o: "pfnm" + _suffix(o))
 register_method("pfnm-rounds", _pfnm_rounds, options={"heads": _PFNM_HEADS},
                 label=lambda o: "pfnm-rounds" + _suffix(o))
@@ -444,10 +469,12 @@ def run_method(experiment: "Experiment", method: str) -> list[MethodResult]:
     rows = out if isinstance(out, list) else [out]
     for row in rows:
         row.width = int(sum(row.hidden))
+        if row.test_probs is not None and not row.intervals:
+            row.intervals = experiment.intervals(row.test_probs)
         # every global model is checked against chance (the local rows are checked once, by their mean: one client
         # of a skewed partition may well sit at chance; one-shot FedAvg of clients from their own initialisations
         # is at chance by construction, its note says so)
-        expected = row.method == "fedavg-oneshot" and not experiment.network.shared_init
+        expected = row.method == "fedavg-oneshot"
         if not row.method.startswith("local") and not expected:
             experiment.chance_check(row.method, row.accuracy)
     return rows
@@ -474,7 +501,27 @@ def run_experiment(dataset: Dataset, *, progress: bool = False, log: Optional[Ca
     return ExperimentResult(settings=experiment.settings(), rows=rows, client_sizes=[len(p) for p in experiment.parts],
                             local_accuracies=accuracies, selection=experiment.selected,
                             warnings=experiment.warnings, local_models=local, class_counts=experiment.class_counts,
-                            global_models=experiment.global_models)
+                            global_models=experiment.global_models, comparisons=comparisons(experiment, rows),
+                            test_labels=experiment.dataset.y_test)
+
+
+#: The rows every other row is compared with, paired on the test examples (:func:`comparisons`), the first one run:
+#: the clients' ensemble, the target one-shot fusion is judged against (J times the parameters, one round), else
+#: FedAvg, the baseline of the methods with communication.
+COMPARED_WITH = ("ensemble", "fedavg")
+
+
+def comparisons(experiment: Experiment, rows: Sequence[MethodResult]) -> list[dict]:
+    """Every row of one global model minus the reference row (the first of :data:`COMPARED_WITH` that ran), paired
+    on the same test examples (:meth:`Experiment.paired`): ``[{"method": ..., "against": "ensemble", "accuracy":
+    {"difference", "low", "high"}, "nll": ..., ...}]``; empty without a reference row."""
+    kept = {r.method: r for r in rows if r.test_probs is not None}
+    against = next((name for name in COMPARED_WITH if name in kept), None)
+    if against is None:
+        return []
+    reference = kept[against]
+    return [{"method": row.method, "against": against, **experiment.paired(row.test_probs, reference.test_probs)}
+            for row in rows if row is not reference and row.test_probs is not None]
 
 
 def width_sweep(dataset: Dataset, *, sigma2: Sequence[float], gamma0: Sequence[float],

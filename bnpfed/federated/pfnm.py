@@ -111,6 +111,9 @@ class PFNMFederation(HoldsRounds, Federation):
         if initial_models is not None and len(initial_models) != self.num_clients:
             raise ValueError(f"initial_models: expected one network per client ({self.num_clients}), got "
                              f"{len(initial_models)}")
+        self.class_counts = class_counts(dataset.y_train.numpy(), [p.numpy() for p in self.parts],
+                                         dataset.num_classes)
+        pfnm = pfnm.with_heads(self.class_counts)   # heads="auto": pooled when the clients' class shares differ
         check_pool_temperature_applies(pfnm, pfnm.heads == "pooled")
         self.network, self.training, self.pfnm = network, training, pfnm
         if pfnm.layerwise_retrain:
@@ -118,8 +121,6 @@ class PFNMFederation(HoldsRounds, Federation):
         if pfnm.heads == "pooled":
             self.method += "-pooled"
         self.initial_models = initial_models
-        self.class_counts = class_counts(dataset.y_train.numpy(), [p.numpy() for p in self.parts],
-                                         dataset.num_classes)
         self.architecture = Architecture.of(network, dataset.input_shape, dataset.num_classes, seed=seed)
         self.rounds = MatchRounds(self.architecture)
         self.matched_states: Optional[list] = None   # the sampled clients' states the last round matched

@@ -53,13 +53,21 @@ class MethodOption:
     :param choices: a callable returning the values it takes (asked at each check, so that a registry's additions
         count: ``matched_rules``), or a sequence.
     :param str reads: the experiment's config whose field of the option's name gives its value when a spec leaves it
-        out (``"pfnm"``: ``experiment.pfnm.heads``).
+        out (``"pfnm"``: ``experiment.pfnm.heads``); None when no config holds it, ``default`` then gives it.
     :param str help: what it chooses.
+    :param default: with ``reads`` None, ``default(configs) -> str``: the option's value when a spec leaves it out,
+        from the experiment's configs (``{"network": NetworkConfig, ...}``).
     """
 
     choices: Any
-    reads: str
+    reads: Optional[str]
     help: str
+    default: Optional[Callable[[Mapping[str, Any]], str]] = None
+
+    def __post_init__(self):
+        if (self.reads is None) == (self.default is None):
+            raise ValueError(f"reads, default: expected exactly one (a config to read, or a default from the "
+                             f"configs), got reads={self.reads!r} and default={self.default!r}")
 
     def values(self) -> list[str]:
         return list(self.choices() if callable(self.choices) else self.choices)
@@ -203,7 +211,8 @@ def resolve_options(spec: MethodSpec, configs: Mapping[str, Any]) -> dict[str, s
     """Every option of ``spec``'s method: the given ones, the others from ``configs`` (``{"pfnm": PFNMConfig,
     ...}``: an experiment's) as each option :attr:`~MethodOption.reads`."""
     given = spec.given()
-    return {key: given[key] if key in given else getattr(configs[option.reads], key)
+    return {key: given[key] if key in given else
+            option.default(configs) if option.reads is None else getattr(configs[option.reads], key)
             for key, option in _METHODS[spec.name].options.items()}
 
 

@@ -9,9 +9,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 import numpy as np
+from torch import Tensor
 
 from bnpfed.federated.config import PFNMConfig
 from bnpfed.matching import SpecMatch
+from bnpfed.metrics import paired_bootstrap
 from bnpfed.report import json_safe
 
 __all__ = ["REGRESSION", "ExperimentResult", "MethodResult", "Selection"]
@@ -36,6 +38,9 @@ class MethodResult:
     :param float mean_sigma: the mean posterior standard deviation of the Bayesian weights (NaN for deterministic
         methods).
     :param float ece15: the ECE with 15 bins (``ece`` has the experiment's ``ece_bins``).
+    :param float ece_debiased: Kumar et al.'s debiased L2 calibration error, 15 equal-mass bins
+        (:func:`~bnpfed.metrics.debiased_calibration_error`): the test split's noise taken out, so calibration
+        differences show where a binned ECE sits at its floor.
     :param float ece_floor: the ECE (``ece_bins``) that a perfectly calibrated model with the same confidences would
         show on the test split (:func:`~bnpfed.metrics.ece_noise_floor`): an ``ece`` near it is as calibrated as the
         test split can tell; NaN where the probabilities were not at hand (Flower's shard sums).
@@ -43,6 +48,10 @@ class MethodResult:
         in- from out-of-distribution inputs by the maximum predicted probability (``auroc_entropy``: by the
         predictive entropy); NaN without one.
     :param int width: the sum of ``hidden`` (set when the experiment ends).
+    :param dict intervals: 95 % percentile bootstrap intervals over the test examples, ``{metric: [low, high]}`` for
+        ``accuracy``, ``nll``, ``brier``, ``ece``, ``ece15``, ``ece_debiased`` (:func:`~bnpfed.metrics.
+        bootstrap_intervals`, seeded by the experiment's seed); empty for ``local-mean``, a mean over the clients'
+        models rather than one model.
     :param list history: the metrics after every round (dicts; see :class:`~bnpfed.federated.federation.RoundRecord`).
     :param list hyperparameters: PFNM's hyper-parameters per hidden layer of the final match, estimated or fixed
         (:func:`~bnpfed.federated.server.match_hyperparameters`); empty for the other methods.
@@ -66,9 +75,11 @@ class MethodResult:
     mean_sigma: float = math.nan
     ece15: float = math.nan
     ece_floor: float = math.nan
+    ece_debiased: float = math.nan
     auroc_max_prob: float = math.nan
     auroc_entropy: float = math.nan
     width: int = 0
+    intervals: dict = field(default_factory=dict)
     history: list = field(default_factory=list)
     hyperparameters: list = field(default_factory=list)
     note: str = ""
@@ -76,16 +87,26 @@ class MethodResult:
     coverage: float = math.nan
     interval_width: float = math.nan
 
+    #: The row's global model's probabilities on the test split (``(N, C)``), when the metrics came with them: not a
+    #: field (not written to JSON); what the intervals and the paired comparisons resample.
+    test_probs = None
+
     @classmethod
     def from_metrics(cls, method: str, metrics: dict, **fields) -> "MethodResult":
         """A row from a metrics dict (``accuracy``, ``nll``, ``ece``, ``brier``, e.g. ``Experiment.report(probs)``;
-        a regression's ``rmse``, ``nll``, ``coverage``, ``interval_width``) and any other fields."""
+        a regression's ``rmse``, ``nll``, ``coverage``, ``interval_width``) and any other fields; the test
+        probabilities a :class:`~bnpfed.federated.experiment.Report` carries (``metrics.probs``), if any, become
+        :attr:`test_probs`."""
         if "rmse" in metrics:
             return cls(method=method, accuracy=math.nan, nll=metrics["nll"], **{k: metrics[k] for k in REGRESSION},
                        **fields)
-        extra = {k: metrics[k] for k in ("ece15", "ece_floor", "auroc_max_prob", "auroc_entropy") if k in metrics}
-        return cls(method=method, accuracy=metrics["accuracy"], nll=metrics["nll"], ece=metrics["ece"],
-                   brier=metrics["brier"], **extra, **fields)
+        extra = {k: metrics[k] for k in ("ece15", "ece_floor", "ece_debiased", "auroc_max_prob", "auroc_entropy",
+                                         "intervals") if k in metrics}
+        row = cls(method=method, accuracy=metrics["accuracy"], nll=metrics["nll"], ece=metrics["ece"],
+                  brier=metrics["brier"], **extra, **fields)
+        if getattr(metrics, "probs", None) is not None:
+            row.test_probs = metrics.probs
+        return row
 
     def as_dict(self) -> dict:
         """The row as a dict; a classification's leaves out the regression's fields (:data:`REGRESSION`)."""
@@ -128,7 +149,9 @@ class ExperimentResult:
     Attributes: ``settings`` (every config as plain values), ``rows`` (:class:`MethodResult` s in the order run),
     ``local_accuracies`` (each client's test accuracy, when its local model was trained), ``selection`` (PFNM's,
     when PFNM ran), ``client_sizes``, ``warnings`` (a method that diverged or sits at chance accuracy, said
-    plainly), and, not serialised, ``local_models`` and ``class_counts``.
+    plainly), ``comparisons`` (every row's paired difference from the ensemble's on the same test examples,
+    :meth:`paired`, when an ensemble row ran), and, not serialised, ``local_models``, ``class_counts`` and
+    ``test_labels``.
     """
 
     settings: dict
@@ -140,6 +163,8 @@ class ExperimentResult:
     local_models: list = field(default_factory=list, repr=False)
     class_counts: Optional[np.ndarray] = field(default=None, repr=False)
     global_models: dict = field(default_factory=dict, repr=False)
+    comparisons: list[dict] = field(default_factory=list)
+    test_labels: Optional[Tensor] = field(default=None, repr=False)
 
     def row(self, method: str) -> MethodResult:
         """The row named ``method``."""
@@ -148,10 +173,22 @@ class ExperimentResult:
                 return r
         raise KeyError(f"no row for method {method!r}; rows: {[r.method for r in self.rows]}")
 
+    def paired(self, a: str, b: str, **kwargs) -> dict[str, dict[str, float]]:
+        """Row ``a``'s metrics minus row ``b``'s on the same test examples, each with its paired bootstrap interval
+        (:func:`~bnpfed.metrics.paired_bootstrap`; ``kwargs`` go to it: ``metrics``, ``resamples``, ``level``,
+        ``seed``, ``ece_bins``). Both rows must carry their test probabilities (every row of one model does; not
+        ``local-mean``)."""
+        rows = {name: self.row(name) for name in (a, b)}
+        for name, row in rows.items():
+            if row.test_probs is None or self.test_labels is None:
+                raise ValueError(f"{name}: expected a row that kept its test probabilities (one global model), got "
+                                 f"{name!r} without them")
+        return paired_bootstrap(rows[a].test_probs, rows[b].test_probs, self.test_labels, **kwargs)
+
     def as_dict(self) -> dict:
         """JSON-ready (NaN becomes None): settings, rows (with their per-round histories), client sizes, local
         accuracies, selection, warnings."""
         return json_safe({"settings": self.settings, "rows": [r.as_dict() for r in self.rows],
                           "client_sizes": self.client_sizes, "local_accuracies": self.local_accuracies,
                           "selection": None if self.selection is None else self.selection.as_dict(),
-                          "warnings": self.warnings})
+                          "warnings": self.warnings, "comparisons": self.comparisons})

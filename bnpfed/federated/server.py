@@ -322,6 +322,7 @@ def pfnm_step(client_nets: Sequence, class_counts, config: PFNMConfig, *, seed: 
     """
     if config.layerwise_retrain:
         config = replace(config, layerwise_retrain=0)
+    config = config.with_heads(class_counts)   # heads="auto": pooled (its J heads priced) when the shares differ
     init = _warm_start(config, starts, len(client_nets))
     later = config.best_effort_in(round)   # a limit met as far as the matcher can (after round 1)
     config = config.in_round(round)

@@ -553,16 +553,19 @@ def parse_run_config(config: Mapping[str, Any]) -> FlowerSettings:
     if run.output_dir:   # where the server writes at the end: checked before anything is sent
         _check_output_dir(run.output_dir)
     heads = built["pfnm"].heads if run.method == "pfnm" else built["fusion"].heads
-    if "heads" in config and heads == "fused" and str(config["heads"]).strip() != "fused":
+    if "heads" in config and str(config["heads"]).strip() != heads:   # the key went to no config the method reads
         raise ValueError(f"heads: the output layer of PFNM's or matched posterior fusion's global network "
-                         f"(method=\"pfnm\", or \"fusion\" with align=\"match\"); expected 'fused' with "
-                         f"method={run.method!r}, got {config['heads']!r}")
+                         f"(method=\"pfnm\", or \"fusion\" with align=\"match\"); expected it left out (or "
+                         f"{heads!r}) with method={run.method!r}, got {config['heads']!r}")
     temperature = built["pfnm"].pool_temperature if run.method == "pfnm" else built["fusion"].pool_temperature
     given = str(config.get("pool-temperature", "1")).strip()
     if heads == "fused" and (temperature != 1 or given not in ("1", "1.0")):
         raise ValueError(f"pool-temperature: the temperature of pooled heads; expected 1 without them (heads = "
                          f"'fused', method={run.method!r}), got {config['pool-temperature']!r}")
-    if run.method == "fusion" and heads != "fused":
+    if run.method == "fusion" and heads == "auto" and built["secure"].secure_aggregation:
+        # the pool needs the clients' own output layers in the clear: "auto" is the fused layer under SecAgg+
+        built["fusion"] = dataclasses.replace(built["fusion"], heads="fused")
+    elif run.method == "fusion" and heads == "pooled":
         if built["secure"].secure_aggregation:
             raise ValueError(f"heads: the output layer of matched posterior fusion in the clear; expected 'fused' "
                              f"with secure-aggregation = true, got {heads!r}")

@@ -639,7 +639,10 @@ class PFNMStrategy(_MatchingStrategy):
     def _aggregate(self, server_round, accepted):
         clients = [a.partition_id for a in accepted]
         activity = None if self.pfnm.inactive != "drop" else [a.payload[2] for a in accepted]
-        match = pfnm_step([a.payload[0] for a in accepted], np.stack([a.payload[1] for a in accepted]), self.pfnm,
+        counts = np.stack([a.payload[1] for a in accepted])
+        # heads="auto": chosen once, by the class counts of round 1's clients (all of them in process)
+        self.pfnm = self.pfnm.with_heads(counts)
+        match = pfnm_step([a.payload[0] for a in accepted], counts, self.pfnm,
                           seed=self.seed, round=server_round, starts=self.rounds.warm_start(clients), spec=self.spec,
                           template=self.template, activity=activity)
         self.rounds.update(match, clients)
@@ -893,7 +896,10 @@ class MatchedFusionStrategy(_MatchingStrategy):
         clients = [a.partition_id for a in accepted]
         posteriors = [a.payload[0] for a in accepted]
         pvi = {} if self.pvi is None else self.pvi.step_arguments(clients, posteriors)
-        match = matched_fusion_step(posteriors, np.stack([a.payload[1] for a in accepted]),
+        counts = np.stack([a.payload[1] for a in accepted])
+        # heads="auto": chosen once, by the class counts of round 1's clients (all of them in process)
+        self.fusion = self.fusion.with_heads(counts)
+        match = matched_fusion_step(posteriors, counts,
                                     [a.num_examples for a in accepted], self.fusion, seed=self.seed,
                                     round=server_round, starts=self.rounds.warm_start(clients), spec=self.spec,
                                     template=self.template, match_on=self.match_on,

@@ -44,9 +44,10 @@ from bnpfed.matching.batch_norm import batch_norm_order
 from bnpfed.matching.activity import drop_units, inactive_units, kept_per_client, kept_units, unit_activity
 from bnpfed.matching.size import SizeLimitError, SizeSearch, minimum_widths, parameter_count, proportional_widths
 from bnpfed.matching.class_shares import estimate_class_shares
-from bnpfed.matching.pooled_heads import (TEMPERATURES, PooledHeads, PooledPosterior, attach_heads, client_heads,
-                                          fit_temperature, pool_log_probabilities, pool_nll, pooled_heads_layer,
-                                          pooled_heads_of, pooled_network, set_temperature)
+from bnpfed.matching.pooled_heads import (HEAD_CHOICES, SHARES_DIFFER_LEVEL, chosen_heads, homogeneity_p_value,
+                                          shares_differ, TEMPERATURES, PooledHeads, PooledPosterior, attach_heads,
+                                          client_heads, fit_temperature, pool_log_probabilities, pool_nll,
+                                          pooled_heads_layer, pooled_heads_of, pooled_network, set_temperature)
 from bnpfed.matching.posteriors import (ATOM_POSTERIOR, MATCH_ON, MIN_VARIANCE, PVI, PosteriorMatch, cavity,
                                         check_prior_variance, client_posterior, fuse_members, match_posteriors,
                                         matched_rules, prior_precision, pvi_factor)
@@ -72,6 +73,7 @@ __all__ = [
     "proportional_widths", "estimate_class_shares", "MemoryLimitError", "available_memory", "check_matching_memory",
     "check_network_matching", "matching_bytes",
     # pooled heads
+    "HEAD_CHOICES", "SHARES_DIFFER_LEVEL", "chosen_heads", "homogeneity_p_value", "shares_differ",
     "TEMPERATURES", "PooledHeads", "PooledPosterior", "attach_heads", "client_heads", "fit_temperature",
     "pool_log_probabilities", "pool_nll", "pooled_heads_layer", "pooled_heads_of", "pooled_network",
     "set_temperature",

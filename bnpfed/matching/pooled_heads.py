@@ -50,10 +50,21 @@ from torch import Tensor, nn
 from bnpfed.matching.permutation import network_from_state
 from bnpfed.validation import check_positive
 
-__all__ = ["PooledHeads", "PooledPosterior", "TEMPERATURES", "attach_heads", "client_heads", "fit_temperature",
-           "pool_log_probabilities", "pool_nll", "pooled_heads_layer", "pooled_heads_of", "pooled_network",
-           "pooling_weights",
-           "sample_state", "set_temperature"]
+__all__ = ["HEAD_CHOICES", "PooledHeads", "PooledPosterior", "SHARES_DIFFER_LEVEL", "TEMPERATURES", "attach_heads",
+           "chosen_heads", "client_heads", "fit_temperature", "homogeneity_p_value", "pool_log_probabilities",
+           "pool_nll", "pooled_heads_layer", "pooled_heads_of", "pooled_network", "pooling_weights", "sample_state",
+           "set_temperature", "shares_differ"]
+
+#: What a global network's output layer can be: ``"auto"`` (pooled when the clients' class shares differ,
+#: :func:`chosen_heads`), ``"fused"`` (the class-share average or fusion of the clients' output layers) or ``"pooled"``
+#: (the clients' own output layers pooled log-linearly with the class shares).
+HEAD_CHOICES = ("auto", "fused", "pooled")
+
+#: ``heads="auto"``: the level of Pearson's chi-squared test of homogeneity of the clients' class counts below which
+#: their class shares differ (:func:`shares_differ`). A random split (IID) has equal shares in expectation, and passes
+#: the test (fused heads, unchanged) with probability 1 - 1e-3; a label-skewed one (Dirichlet(0.5), shards) fails it
+#: by hundreds of orders of magnitude.
+SHARES_DIFFER_LEVEL = 1e-3
 
 
 def pooling_weights(class_shares) -> Tensor:
@@ -73,6 +84,58 @@ def pooling_weights(class_shares) -> Tensor:
         raise ValueError("class_shares: expected every held class's shares to sum to 1 over the clients "
                          f"(n_jk / sum_j' n_j'k), got sums {total.tolist()}")
     return torch.where(total > 0, s, torch.full_like(s, 1.0 / s.shape[0]))
+
+
+def homogeneity_p_value(class_counts) -> float:
+    """The p-value of Pearson's chi-squared test that the J clients draw their examples from one class distribution
+    (Pearson 1900; a test of homogeneity of the ``(J, C)`` contingency table of training examples per class):
+    ``X^2 = sum_jk (n_jk - e_jk)^2 / e_jk`` with ``e_jk = n_j. n_.k / n``, referred to chi-squared with ``(J' - 1)
+    (C' - 1)`` degrees of freedom, J' and C' the clients and classes with any example. 1 when fewer than two clients or
+    classes hold examples (nothing can differ).
+
+    >>> homogeneity_p_value([[10, 10], [10, 10]])
+    1.0
+    >>> homogeneity_p_value([[100, 0], [0, 100]]) < 1e-40
+    True
+    """
+    from scipy.stats import chi2
+
+    counts = torch.as_tensor(class_counts, dtype=torch.float64)
+    if counts.ndim != 2 or not bool(torch.isfinite(counts).all()) or bool((counts < 0).any()):
+        raise ValueError(f"class_counts: expected a (J, C) table of examples per class, >= 0, got shape "
+                         f"{tuple(counts.shape)}")
+    counts = counts[counts.sum(1) > 0][:, counts.sum(0) > 0]
+    if counts.shape[0] < 2 or counts.shape[1] < 2:
+        return 1.0
+    expected = counts.sum(1, keepdim=True) * counts.sum(0, keepdim=True) / counts.sum()
+    statistic = float(((counts - expected).square() / expected).sum())
+    return float(chi2.sf(statistic, (counts.shape[0] - 1) * (counts.shape[1] - 1)))
+
+
+def shares_differ(class_counts, level: float = SHARES_DIFFER_LEVEL) -> bool:
+    """Whether the clients' class shares differ: :func:`homogeneity_p_value` of their ``(J, C)`` class counts below
+    ``level`` (default :data:`SHARES_DIFFER_LEVEL`)."""
+    return homogeneity_p_value(class_counts) < level
+
+
+def chosen_heads(heads: str, class_counts) -> str:
+    """The output layer ``heads`` asks for given the clients' ``(J, C)`` class counts: ``"fused"`` or ``"pooled"`` as
+    given, and ``"auto"`` as ``"pooled"`` when their class shares differ (:func:`shares_differ`), else ``"fused"``
+    (also without counts, ``class_counts`` None).
+    With equal shares the pool predicts what the class-share average of the output layers predicts (module
+    docstring), so the fused layer, one instead of J, loses nothing there; under label skew the average is what
+    fails, and the pool is the default.
+
+    >>> chosen_heads("auto", [[50, 50], [50, 50]]), chosen_heads("auto", [[90, 10], [10, 90]])
+    ('fused', 'pooled')
+    """
+    if heads not in HEAD_CHOICES:
+        raise ValueError(f"heads: expected one of {list(HEAD_CHOICES)}, got {heads!r}")
+    if heads != "auto":
+        return heads
+    if class_counts is None:   # no counts (a match that weighs every client alike): nothing says the shares differ
+        return "fused"
+    return "pooled" if shares_differ(class_counts) else "fused"
 
 
 def pool_log_probabilities(logits: Tensor, weights: Tensor) -> Tensor:
