@@ -141,6 +141,18 @@ def make_matcher(means, variances=None, *, precisions=None, name: str = "neurons
                         device=device)
 
 
+def new_columns(j: int, L_j: int, L: int, max_atoms: int | None) -> int:
+    """How many new atoms client ``j`` (``L_j`` neurons) may open beside the ``L`` atoms in use: all ``L_j`` without
+    a cap, else what ``max_atoms`` leaves (at least one), refused when that cannot hold the client's neurons."""
+    if max_atoms is None:
+        return L_j
+    n_new = min(L_j, max(max_atoms - L, 1))
+    if L + n_new < L_j:
+        raise ValueError(f"max_atoms: expected enough atoms for client {j} ({L_j} neurons), got {max_atoms}, which "
+                         f"leaves it {L + n_new}: raise max_atoms")
+    return n_new
+
+
 def _columns(idx: np.ndarray):
     """``idx`` (sorted coordinates) as a slice when it is one run of consecutive coordinates (a column block written
     at memory speed instead of scattered column by column), else itself."""
@@ -531,12 +543,7 @@ class LayerMatcher:
         """
         L_j, tau, P0 = self.L[j], self.tau, self.P0
         L = active.size
-        n_new = L_j
-        if self.max_atoms is not None:
-            n_new = min(L_j, max(self.max_atoms - L, 1))
-            if L + n_new < L_j:
-                raise ValueError(f"max_atoms: expected enough atoms for client {j} ({L_j} neurons), got "
-                                 f"{self.max_atoms}, which leaves it {L + n_new}: raise max_atoms")
+        n_new = new_columns(j, L_j, L, self.max_atoms)
         S = np.empty((L_j, L + n_new))
         S[:, L:] = self.new_scores[j][:, None]
         if self.new_atom_penalty == "log_k":

@@ -42,6 +42,7 @@ import torch
 
 from bnpfed.matching.ibp import ibp_log_prob, new_atom_term, popularity_terms
 from bnpfed.matching.match_result import MatchResult
+from bnpfed.matching.matcher import new_columns
 from bnpfed.matching.scoring import best_assignment
 
 __all__ = ["NEWTON_STEPS", "NEWTON_TOL", "PAIR_ELEMENTS", "QUADRATURE_NODES", "QUADRATURE_WIDTH", "ModelLaw",
@@ -426,12 +427,7 @@ class ModelMatcher:
         L_j, L = self.L[j], active.size
         fits = self._candidates(j, active)
         joined = self.worth(fits[1], fits[3]).cpu().numpy()                 # (L_j, L + 1)
-        n_new = L_j
-        if self.max_atoms is not None:
-            n_new = min(L_j, max(self.max_atoms - L, 1))
-            if L + n_new < L_j:
-                raise ValueError(f"max_atoms: expected enough atoms for client {j} ({L_j} neurons), got "
-                                 f"{self.max_atoms}, which leaves it {L + n_new}: raise max_atoms")
+        n_new = new_columns(j, L_j, L, self.max_atoms)
         S = np.empty((L_j, L + n_new))
         rows = torch.as_tensor(active, device=self.device)
         before = self.worth(self.value[rows], self.M[rows]).cpu().numpy() if L else np.zeros(0)
