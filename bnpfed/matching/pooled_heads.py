@@ -15,7 +15,9 @@ matched to (``h_S_j(x)``, the members' averages), and pools the clients' *log-pr
 
     log p(k | x) = sum_j omega_jk log softmax_k(W_j h(x) + b_j) + const(x),
 
-a logarithmic opinion pool (Genest & Zidek 1986) with the class shares as weights. Each client's term is at most 0,
+a log-linear pool whose weights depend on the class (the class shares); a logarithmic opinion pool (Genest & Zidek
+1986) has one weight per client for every class, so this is one only when the shares are equal. Each client's term is
+at most 0,
 so a client can only lower a class it knows about, never raise one by the scale of its logits. When every class's
 shares are equal (``omega_jk = 1/J``) the pool is the averaged logits up to a term common to the classes, so it
 predicts exactly what PFNM's global network predicts when that network's weights are the members' average (the
