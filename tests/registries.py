@@ -1,6 +1,6 @@
 """Test helper (not a test module): run a test with what plugins register undone afterwards, so that the rules,
-priors, likelihoods, programs and methods one test registers do not leak into the others (``--rule all`` runs every rule;
-the README lists every method)."""
+priors, likelihoods, programs and methods one test registers do not leak into the others (``--rule all`` runs every
+rule; the README lists every method)."""
 
 from __future__ import annotations
 
