@@ -199,3 +199,44 @@ def test_a_programs_own_parameters_start_equal_and_are_averaged_with_the_sizes_w
     expected = sum(float(b[k]) * fed.clients[k].deterministic_state()["fc.bias"] for k in range(3))
     torch.testing.assert_close(fed.global_deterministic["fc.bias"], expected, rtol=1e-6, atol=1e-7)
     assert not torch.equal(expected, starts[0])
+
+
+class LinearRegression(PyroModule):
+    """A Bayesian linear regression as a Pyro user writes it, its noise scale a latent site with a HalfNormal prior:
+    the observed site is a Normal, so the federation predicts real values with intervals."""
+
+    def __init__(self, features=10):
+        super().__init__()
+        self.sigma = PyroSample(dist.HalfNormal(torch.tensor(1.0)))
+        self.linear = PyroModule[nn.Linear](features, 1)
+        self.linear.weight = PyroSample(dist.Normal(0.0, 1.0).expand([1, features]).to_event(2))
+        self.linear.bias = PyroSample(dist.Normal(0.0, 1.0).expand([1]).to_event(1))
+
+    def forward(self, x, y=None):
+        mean, sigma = self.linear(x)[:, 0], self.sigma   # sigma drawn outside the plate: one for the dataset
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Normal(mean, sigma), obs=y)
+        return mean
+
+
+def test_a_regression_program_is_federated_with_its_noise_scale_fused_and_its_intervals_scored():
+    diabetes = load_dataset("diabetes")
+    parts = PartitionConfig(clients=3).split(diabetes.y_train.numpy(), seed=0)
+    fed = FusionFederation(diabetes, parts, network=NetworkConfig(), training=TrainingConfig(epochs=20, lr=2e-2),
+                           bayesian=BayesianConfig(program=LinearRegression), fusion=FusionConfig(rule="gaa"), seed=0)
+    metrics = fed.run(2)[-1].metrics
+    assert {"rmse", "nll", "coverage", "interval_width"} <= set(metrics) and "accuracy" not in metrics
+    assert "sigma" in fed.global_posterior   # the noise scale, fused in log space as any site
+    assert metrics["rmse"] < 0.85 and 0.7 <= metrics["coverage"] <= 1.0, metrics   # targets standardised: sd 1
+    for program, error in ((lambda: Net(), r"x: the program cannot run on inputs of shape \(10,\)"),
+                           (lambda: (classifier, AutoNormal(classifier)),
+                            "program: a regression's clients need an observed site of a Normal")):
+        with pytest.raises(ValueError, match=error):
+            FusionFederation(diabetes, parts, network=NetworkConfig(), training=TrainingConfig(epochs=1),
+                             bayesian=BayesianConfig(program=program), fusion=FusionConfig(), seed=0)
+
+
+def classifier(x, y=None):
+    w = pyro.sample("w", dist.Normal(torch.zeros(10, 3), 1.0).to_event(2))
+    with pyro.plate("data", x.shape[0]):
+        return pyro.sample("obs", dist.Categorical(logits=x @ w), obs=y)
