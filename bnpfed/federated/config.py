@@ -959,8 +959,9 @@ class FusionConfig:
     def client_prior(self, bayesian: BayesianConfig) -> str:
         """What a client of ``bayesian`` trains against in the rounds after the first under this fusion:
         ``"cavity"`` (rule ``"pvi"``: the global posterior's slice divided by the client's own factor), ``"prior"``
-        (the configured prior; ``bayesian.round_prior`` None or ``"prior"``, and always for Laplace clients, whose
-        slice is no prior) or ``"posterior"`` (the global posterior it starts from, or its slice of a matched one).
+        (the configured prior, or a Pyro program's own sample statements, ``bayesian.program``;
+        ``bayesian.round_prior`` None or ``"prior"``, and always for Laplace clients, whose slice is no prior) or
+        ``"posterior"`` (the global posterior it starts from, or its slice of a matched one).
         Raises when ``bayesian.round_prior`` is set with rule ``"pvi"``, where it does not apply."""
         if not isinstance(bayesian, BayesianConfig):
             raise ValueError(f"bayesian: expected a BayesianConfig, got {type(bayesian).__name__}")
