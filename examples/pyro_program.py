@@ -9,7 +9,7 @@ latent site, ``tau`` included (in its guide's unconstrained space, ``log tau``).
 
 Usage (from the repository root, so that ``examples`` is importable; on Flower every machine needs it importable)::
 
-    bnpfed fuse --plugin examples.pyro_program --program digits-net --rule all --rounds 3
+    bnpfed fuse --plugin examples.pyro_program --program digits-net --rule all --rounds 3 --epochs 10 --lr 0.01
     bnpfed flower sim --plugin examples.pyro_program --run-config 'method="fusion" program="digits-net" rounds=3'
 
     >>> from bnpfed.federated import BayesianConfig
