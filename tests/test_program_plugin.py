@@ -77,3 +77,21 @@ def test_the_flower_app_federates_the_program_from_the_plugins_key_as_in_process
         assert "loc/tau" in result.arrays
         reference = assert_same_as_in_process(result, config)   # the global posterior, bit for bit
         assert reference.history[-1].metrics["accuracy"] > 0.2
+
+
+def test_a_flower_run_of_a_program_writes_its_arrays_and_says_that_no_network_file_is_written(tmp_path, caplog):
+    pytest.importorskip("flwr", reason="Flower is not installed (pip install 'bnpfed[flower]')")
+    from flower_harness import CLIENTS
+
+    from bnpfed.flower.client import app as client_app
+    from bnpfed.flower.local import LocalGrid
+    from bnpfed.flower.server import run_federation
+
+    config = {"method": "fusion", "program": "digits-net", "plugins": PLUGIN, "rounds": 1, "epochs": 1,
+              "output-dir": str(tmp_path)}
+    with restored_registries([PLUGIN]):
+        run_federation(LocalGrid(client_app, CLIENTS), config)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fusion-global.npz", "fusion-summary.json"]
+    assert "saved as its arrays only" in caplog.text
+    summary = json.loads((tmp_path / "fusion-summary.json").read_text())
+    assert summary["settings"]["bayesian"]["program"] == "digits-net"
