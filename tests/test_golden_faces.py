@@ -29,7 +29,7 @@ def recorder():
 
 #: Settings added to the configs since the recording, with the value that is the recorded behaviour: a run's
 #: ``settings`` list them now, and at that value they change nothing (any other value is a difference).
-ADDED_SETTINGS = {("bayesian", "likelihood"): "categorical"}
+ADDED_SETTINGS = {("bayesian", "likelihood"): "categorical", ("bayesian", "program"): None}
 #: What a result reports since the recording, beside what it reported then (issue 53: the debiased calibration error,
 #: bootstrap intervals, the paired comparisons with the ensemble): left out where the recording lacks them, and the
 #: rest compared as recorded.

@@ -293,3 +293,29 @@ def test_a_network_with_a_prior_object_takes_pyros_autoguides_and_reaches_the_cl
     # the tolerances of the model-function test above (the same data, steps and rate)
     assert_close(loc, mean, atol=0.02, rtol=0)
     assert_close(var, variance, rtol=0.3, atol=0)
+
+
+def test_the_default_guide_reads_a_hyper_prior_that_a_pyrosample_function_closes_over():
+    """Without guide=, the client copies the program itself: the copy's fc1.weight prior must draw the copy's tau
+    (a function closing over the original module would draw the original's, outside the copy's sites)."""
+    x, y = torch.randn(8, 64), torch.randint(0, 10, (8,))
+    client = BayesianClient(Net()).prepare(x, y)
+    assert sorted(client.posterior()) == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight", "tau"]
+    model = Net()
+    given = BayesianClient(model, guide=AutoNormal(model)).prepare(x, y)
+    for site, g in given.posterior().items():   # the same program, the same initial guide either way
+        assert torch.equal(g.loc, client.posterior()[site].loc) and torch.equal(g.variance,
+                                                                              client.posterior()[site].variance)
+
+
+def test_prepare_checks_its_arguments_and_sets_the_guide_up_without_training():
+    x, y = torch.randn(8, 64), torch.randint(0, 10, (8,))
+    client = BayesianClient(Net())
+    with pytest.raises(ValueError, match="posterior: the guide AutoNormal is set up on the client's first batch"):
+        client.posterior()
+    with pytest.raises(ValueError, match=r"y: expected a tensor of shape \(8, ...\) matching x"):
+        client.prepare(x, y[:3])
+    assert client.prepare(x, y) is client and client.losses_ == []
+    before = client.posterior()
+    client.prepare(x, y)   # set up already: nothing changes
+    assert all(torch.equal(g.loc, client.posterior()[s].loc) for s, g in before.items())

@@ -236,7 +236,7 @@ class BayesianClient:
                              "with a Pyro program (prior=None)")
         if guide is None:
             scale = PROGRAM_INIT_SCALE if init_scale is None else check_positive(init_scale, "init_scale")
-            model = copy.deepcopy(net) if isinstance(net, nn.Module) else net
+            model = _copy_model(net)
             guide = AutoNormal(localize_(model), init_scale=float(scale))
         else:
             if init_scale is not None:
@@ -285,10 +285,26 @@ class BayesianClient:
             self._io = guide_io(self.guide, run, supports)
         return self._io
 
+    def prepare(self, x: Tensor, y: Tensor) -> "BayesianClient":
+        """Set the guide up on the first examples of ``(x, y)`` without training: a Pyro program's sites are read and
+        an autoguide builds its parameters (its initial values drawn from seed 0, the same for every client of one
+        program, as :meth:`fit` does on its first batch), so that :meth:`posterior` and :meth:`load_posterior` work
+        before any fit (a federation's server, or a client that starts from a fused posterior). Nothing changes for a
+        guide set up already. Returns ``self``."""
+        n = _check_x(x)
+        if not torch.is_tensor(y) or y.dim() < 1 or y.shape[0] != n:
+            raise ValueError(f"y: expected a tensor of shape ({n}, ...) matching x, got {_describe(y)}")
+        if not self.is_program:
+            self.bnn.likelihood.check_targets(y, n, self._probe(x))
+            y = self.bnn.likelihood.targets(y)
+        self._ensure_guide(x, y)
+        return self
+
     def _require_guide(self, what: str) -> GuideIO:
         if self._io is None:
             raise ValueError(f"{what}: the guide {type(self.guide).__name__} is set up on the client's first batch "
-                             "(an autoguide builds its parameters when it first runs with data); fit first")
+                             "(an autoguide builds its parameters when it first runs with data); fit or prepare "
+                             "first")
         return self._io
 
     def fit(self, x: Tensor, y: Tensor, *, epochs: int = 1, batch_size: int = 64, lr: float = 1e-3, seed: int = 0,
@@ -685,9 +701,7 @@ def _copy_program(model, guide) -> tuple[Any, nn.Module]:
     autoguides = [m for m in guide.modules() if isinstance(m, AutoGuide)]
     models = [m._model for m in autoguides]
     memo: dict = {}
-    model_copy = copy.deepcopy(model, memo) if isinstance(model, nn.Module) else model
-    if isinstance(model_copy, nn.Module):
-        _rebind_closures_(model_copy, memo)
+    model_copy = _copy_model(model, memo)
     models_copy = copy.deepcopy(models, memo)
     try:
         guide_copy = copy.deepcopy(guide, memo)
@@ -697,6 +711,17 @@ def _copy_program(model, guide) -> tuple[Any, nn.Module]:
     for module, held in zip((m for m in guide_copy.modules() if isinstance(m, AutoGuide)), models_copy):
         module._model = held
     return model_copy, guide_copy
+
+
+def _copy_model(model, memo: Optional[dict] = None):
+    """A deep copy of a program module whose ``PyroSample`` functions point at the copy (:func:`_rebind_closures_`);
+    a model function is returned as it is."""
+    if not isinstance(model, nn.Module):
+        return model
+    memo = {} if memo is None else memo
+    model_copy = copy.deepcopy(model, memo)
+    _rebind_closures_(model_copy, memo)
+    return model_copy
 
 
 def _rebind_closures_(module: nn.Module, memo: dict) -> None:

@@ -123,7 +123,7 @@ def add_parser(sub):
                "own_init": "weight-wise rows: each client starts from its own initialisation instead of a shared one"},
         defaults={"min_variance": f"{fusion.min_variance:g}; exp(-8) = {PAPER_MIN_VARIANCE:.4g} with --paper",
                   "own_init": "off with --align none, on with --align match"})
-    g.add_argument("--no-fedavg", action="store_true", help="skip the FedAvg baseline")
+    g.add_argument("--no-fedavg", action="store_true", help="skip the FedAvg baseline (none with --program)")
     g.add_argument("--baselines", type=_args.names, metavar="M[,M...]",
                    help="--align match: also these fusion baselines, one shot: kl-fusion (Claici et al. 2020), "
                    "weight-matching (Git Re-Basin), ot-fusion, ot-fusion-sinkhorn (Singh & Jaggi 2020)")
@@ -183,6 +183,9 @@ def prepare(args) -> dict:
     bayesian = _options.config_from_args(BayesianConfig, args, BayesianConfig(),
                                          experimental=experimental.only(BayesianConfig.EXPERIMENTAL))
     bayesian.check_training(training)
+    if bayesian.program is not None and args.save_global is not None:
+        raise UsageError(f"--save-global: writes a global network (bnpfed.load_global); a Pyro program's global "
+                         f"posterior is no network, expected it left out with --program {bayesian.program}")
     for rule in args.rule:
         check_choice(rule, matched_rules(), "rule")
     values = _options.given(FusionConfig, args)
@@ -232,6 +235,8 @@ def prepare(args) -> dict:
                                        heads="auto" if args.heads == "auto" else "fused",   # the rows' specs say
                                        own_init=match if args.own_init is None else args.own_init,
                                        experimental=experimental.only(FusionConfig.EXPERIMENTAL))
+    if bayesian.program is not None:
+        federated.check_program_fusion(network, fusion)   # the network's flags and --align match, before training
     if args.baselines is not None:
         if not match:
             raise UsageError(f"--baselines: expected only with --align match, got --align {align}")
@@ -239,7 +244,8 @@ def prepare(args) -> dict:
             if name not in BASELINES and name not in available_methods():
                 raise UsageError(f"--baselines: expected names among {', '.join(BASELINES)} or a method a --plugin "
                                  f"registered, got {name!r}")
-    fedavg = () if args.no_fedavg else (FEDAVG,)
+    # FedAvg's baseline trains a network: a program's rows are the fusion rules (as a regression's, said in --help-all)
+    fedavg = () if args.no_fedavg or bayesian.program is not None else (FEDAVG,)
     rounds = _options.given(ExperimentConfig, args).get("rounds", ROUNDS)
     if match:
         # weight-wise fusion from the own initialisations trains variational clients from the global posterior
@@ -351,24 +357,27 @@ def _partition(partition) -> str:
 def _describe(name: str, plan: dict) -> str:
     partition, network, training = plan["partition"], plan["network"], plan["training"]
     bayesian, fusion, config = plan["bayesian"], plan["fusion"], plan["config"]
-    arch = _arch(network)
+    arch = _arch(network) if bayesian.program is None else f"Pyro program {bayesian.program}, no FedAvg row"
     later = "" if training.round_epochs is None else f" (later rounds {training.round_epochs})"
     schedule = f"{_args.plural(config.rounds, 'round')} x {_args.plural(training.epochs, 'local epoch')}{later}"
     align = (" matched (hidden units of independently initialised clients)" if fusion.align == "match"
              else " weight by weight" + (" from each client's own initialisation" if fusion.own_init else ""))
     return (f"posterior fusion{align}: {name}, J = {partition.clients} clients, {_partition(partition)}, fraction "
-            f"{fusion.fraction:g}, {schedule}, {arch}, prior {bayesian.prior} N(0, {bayesian.prior_scale:g}^2), "
+            f"{fusion.fraction:g}, {schedule}, {arch}, prior "
+            f"{'its own' if bayesian.program else f'{bayesian.prior} N(0, {bayesian.prior_scale:g}^2)'}, "
             f"weights {fusion.weights}, min variance {fusion.min_variance:.3g}, ECE with {config.ece_bins} bins, "
             f"seed {config.seed}")
 
 
-def _arch(network) -> str:
+def _arch(network, program=None) -> str:
+    if program is not None:
+        return f"Pyro program {program}"
     return f"MLP hidden {list(network.hidden)}" if network.arch == "mlp" else network.arch
 
 
 def _title(name: str, plan: dict) -> str:
     return (f"posterior fusion on {name}: J = {plan['partition'].clients} clients, {_partition(plan['partition'])}, "
-            f"{_arch(plan['network'])}, {_args.plural(plan['config'].rounds, 'round')}")
+            f"{_arch(plan['network'], plan['bayesian'].program)}, {_args.plural(plan['config'].rounds, 'round')}")
 
 
 #: What each panel shows, by metric.

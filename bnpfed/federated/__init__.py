@@ -33,14 +33,16 @@ from bnpfed.federated.config import (ARCHITECTURES, CLIENT_KINDS, CLIENT_WEIGHTS
                                      PARTITION_ALIASES, PARTITIONS, PFNM_NETWORK, PFNM_TRAINING, PRIOR_VARIANCES,
                                      PRIORS, PVI_DAMPING, ROUND_PRIORS, BayesianConfig, FusionConfig, LocalSchedule,
                                      NetworkConfig, PartitionConfig, PFNMConfig, TrainingConfig, config_dict)
-from bnpfed.federated.clients import (batch_norm_moments_step, bayesian_client, build_network, fit_bayesian,
-                                      initial_network, pool_nll_step, pooled_posterior_nll_step, posterior_client,
-                                      posterior_nll_step, start_round_prior_, train_network, unit_activity_step)
+from bnpfed.federated.clients import (batch_norm_moments_step, bayesian_client, build_network, check_program_task,
+                                      fit_bayesian, initial_network, pool_nll_step, pooled_posterior_nll_step,
+                                      posterior_client, posterior_nll_step, program_client, server_program_client,
+                                      start_round_prior_, train_network, unit_activity_step)
 from bnpfed.federated.server import (FusionStep, average_states, batch_norm_steps, client_weights,
                                      clients_per_round, floor_variances, fuse_posteriors, matched_fusion_step,
                                      mean_sigma, pfnm_step, sample_clients, with_statistics)
 from bnpfed.federated.rounds import Architecture, HoldsRounds, MatchRounds, PVIFactors
-from bnpfed.federated.fusion import FUSION_ARCHITECTURES, FedAvgFederation, FusionFederation, check_fusion_network
+from bnpfed.federated.fusion import (FUSION_ARCHITECTURES, FedAvgFederation, FusionFederation, check_fusion_network,
+                                    check_program_fusion)
 from bnpfed.federated.matched_fusion import (MatchedFusionFederation, bayesian_from_match, client_from_slice,
                                              pvi_factors, pvi_prior_variance, tempered)
 from bnpfed.federated.pfnm import PFNMFederation
@@ -67,6 +69,7 @@ __all__ = [
     "PVI_DAMPING", "ROUND_PRIORS",
     # the clients' steps
     "build_network", "initial_network", "train_network", "bayesian_client", "fit_bayesian", "posterior_client",
+    "program_client", "server_program_client", "check_program_task",
     "start_round_prior_", "batch_norm_moments_step", "unit_activity_step", "pool_nll_step",
     "pooled_posterior_nll_step", "posterior_nll_step",
     # the server's steps and round state
@@ -75,7 +78,7 @@ __all__ = [
     "Architecture", "HoldsRounds", "MatchRounds", "PVIFactors", "bayesian_from_match", "client_from_slice",
     "pvi_factors", "pvi_prior_variance", "tempered",
     # federations
-    "FUSION_ARCHITECTURES", "check_fusion_network", "FedAvgFederation", "FusionFederation",
+    "FUSION_ARCHITECTURES", "check_fusion_network", "check_program_fusion", "FedAvgFederation", "FusionFederation",
     "MatchedFusionFederation", "PFNMFederation",
     # experiments
     "available_methods", "check_methods", "method_options", "method_spec", "MethodOption", "MethodSpec",

@@ -7,6 +7,9 @@
 * :func:`batch_norm_moments_step`: the moments of a (global) network's batch-norm inputs on the client's data, from
   which the server re-estimates the running statistics after a match or an average;
 * :func:`bayesian_client`: a variational Bayesian client of a network (posterior fusion's clients);
+* :func:`program_client`: a client of ``BayesianConfig.program``, a user's Pyro program (posterior fusion's clients
+  when a config names one), :func:`server_program_client` the server's, and :func:`check_program_task`: its observed
+  site fits the dataset's task;
 * :func:`posterior_client`: the client of ``BayesianConfig.client``'s kind (variational, or Laplace) that matched
   fusion's clients are;
 * :func:`fit_bayesian`: its local step in a round (SVI; or, for a Laplace client, PFNM's training and the Laplace
@@ -44,9 +47,9 @@ from bnpfed.matching import BatchNormMoments, batch_norm_moments
 from bnpfed.models import LeNet, mlp, reference_init_, simple_cnn
 from bnpfed.seeding import Stream, derive_seed, seeded, torch_generator
 
-__all__ = ["batch_norm_moments_step", "bayesian_client", "build_network", "fit_bayesian", "initial_network",
-           "pool_nll_step", "pooled_posterior_nll_step", "posterior_client", "posterior_nll_step", "start_round_prior_",
-           "train_network"]
+__all__ = ["batch_norm_moments_step", "bayesian_client", "build_network", "check_program_task", "fit_bayesian",
+           "initial_network", "pool_nll_step", "pooled_posterior_nll_step", "posterior_client", "posterior_nll_step",
+           "program_client", "server_program_client", "start_round_prior_", "train_network"]
 
 
 def build_network(network: NetworkConfig, input_shape: Sequence[int], num_classes: int) -> nn.Module:
@@ -202,6 +205,59 @@ def bayesian_client(net: nn.Module, bayesian: BayesianConfig) -> BayesianClient:
                           init_scale=bayesian.init_scale,
                           local_reparameterization=bayesian.local_reparameterization,
                           elbo=MeanFieldELBO(kl_weight=bayesian.kl_weight))
+
+
+def program_client(bayesian: BayesianConfig, x: Tensor, y: Tensor, *, seed: int) -> BayesianClient:
+    """A variational client of ``bayesian.program``, a user's Pyro program: the factory called afresh under the
+    stream ``(seed, INIT, 0, 0)`` (the same for every client and the server: a program's own parameters, if it has
+    any, start equal on every client, as a shared initialisation does; Torch's global random state is left as it
+    was), the client built as :class:`~bnpfed.clients.BayesianClient` builds a program (its guide the factory's, or
+    ``AutoNormal``; Pyro's ``Trace_ELBO``) and its guide set up on the first examples of ``(x, y)``
+    (:meth:`~bnpfed.clients.BayesianClient.prepare`: its initial values from seed 0, the same on every client).
+    The in-process federation and the Flower client app build their program clients here."""
+    if bayesian.program is None:
+        raise ValueError("bayesian.program: expected a Pyro program (a registered name or a factory), got None")
+    with seeded(derive_seed(seed, Stream.INIT, 0, 0)):
+        model, guide = bayesian.build_program()
+    return BayesianClient(model, guide=guide).prepare(x, y)
+
+
+def server_program_client(bayesian: BayesianConfig, input_shape: Sequence[int], task: str, *,
+                          seed: int) -> BayesianClient:
+    """The server's model of ``bayesian.program`` before round 1, holding the initial global posterior: a
+    :func:`program_client` set up on two all-zero examples of ``input_shape`` (targets 0: integers for a
+    ``"classification"``, reals for a ``"regression"``), so that the server needs no data; the guide's initial values
+    are drawn from seed 0 whatever the examples (an autoguide's from the program's priors), so each client set up on
+    its own data and the server start from the same posterior. The in-process federation and the Flower server both
+    start from it.
+
+    :raises ValueError: ``"program: ..."`` when the program's observed site does not fit ``task``
+        (:func:`check_program_task`), before any training."""
+    x = torch.zeros(2, *(int(s) for s in input_shape))
+    y = torch.zeros(2, dtype=torch.long if task == "classification" else torch.get_default_dtype())
+    client = program_client(bayesian, x, y, seed=seed)
+    check_program_task(client, task, x)
+    return client
+
+
+def check_program_task(client: BayesianClient, task: str, x: Tensor) -> None:
+    """A program client's observed site fits the dataset's ``task`` (:data:`~bnpfed.data.TASKS`): a classification's
+    is a ``Categorical`` (its predictive is class probabilities), a regression's a ``Normal`` or ``StudentT`` (its
+    predictive a mean and a variance); checked on one draw of the predictive on ``x[:1]``, before any training.
+
+    :raises ValueError: ``"program: ..."`` naming the task and what the program's observed site gives.
+    """
+    try:
+        predicted = client.predict(x[:1], num_samples=1, seed=0)
+    except ValueError as error:
+        raise ValueError(f"program: its observed site {client.bnn.observed_site!r} has no predictive bnpfed "
+                         f"aggregates ({error})") from None
+    classifies = torch.is_tensor(predicted)
+    if (task == "classification") != classifies:
+        raise ValueError(f"program: a {task}'s clients need an observed site of "
+                         f"{'a Categorical' if task == 'classification' else 'a Normal or StudentT'} distribution; "
+                         f"the program's {client.bnn.observed_site!r} gives "
+                         f"{'class probabilities' if classifies else 'real values'}")
 
 
 def posterior_client(net: nn.Module, bayesian: BayesianConfig) -> BayesianClient | LaplaceClient:

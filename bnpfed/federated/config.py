@@ -37,10 +37,12 @@ Usage::
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
+from torch import nn
 
 from bnpfed.clients import AUGMENTATIONS, OPTIMIZERS, check_augment, check_optimizer
 from bnpfed.experimental import (LATER_ROUNDS, PVI_DAMPING, ROUND_PRIORS, ExperimentalOptions,
@@ -49,7 +51,8 @@ from bnpfed.matching import (ATOM_POSTERIOR, HEAD_CHOICES, MATCH_ON, PVI, REFERE
                              matched_rules)
 from bnpfed.federated.partition import holdout_split, partition_dirichlet, partition_homogeneous
 from bnpfed.models import (LIKELIHOODS, PRIOR_VARIANCES, PRIORS, Categorical, Likelihood, Prior,
-                           available_likelihoods, available_priors, build_likelihood, build_prior)
+                           available_likelihoods, available_priors, available_programs, build_likelihood, build_prior,
+                           build_program)
 from bnpfed.schema import documented, option
 from bnpfed.seeding import Stream, derive_seed
 from bnpfed.validation import (check_bool, check_choice, check_device, check_float, check_fraction, check_int,
@@ -142,7 +145,8 @@ def check_pool_temperature_applies(config, pooled: bool) -> None:
 
 
 def config_dict(config) -> dict:
-    """A config as plain JSON-ready values (a prior or likelihood object becomes its ``repr``; the probes a config
+    """A config as plain JSON-ready values (a prior or likelihood object becomes its ``repr``, a program's factory
+    its ``module.qualname``; the probes a config
     reads from its ``experimental`` options stand beside its fields, as they did before they moved there, so that a
     record reads the same)."""
     out = {}
@@ -153,6 +157,8 @@ def config_dict(config) -> dict:
             continue
         if isinstance(value, (Prior, Likelihood)):
             value = repr(value)
+        elif callable(value):   # a program's factory: its name
+            value = f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', repr(value))}"
         elif isinstance(value, tuple):
             value = list(value)
         out[f.name] = value
@@ -414,6 +420,15 @@ class BayesianConfig:
         'classification\'s is a :class:`~bnpfed.models.Categorical` (or a subclass); a regression\'s (``--dataset '
         'diabetes``) ``"gaussian"`` or ``"student-t"`` (each noise scale learned). Variational clients only: a '
         'Laplace client trains by cross-entropy.'))
+    program: Union[str, Callable, None] = option(None, metavar="NAME", shown=False, choices=available_programs,
+                                                 help=(
+        'a user\'s Pyro program as every client\'s model, instead of a network with a prior and a likelihood: the '
+        'name of one a plugin registered (:func:`~bnpfed.models.register_program`) or, in Python, a factory '
+        '``factory() -> PyroModule`` or ``factory() -> (model, guide)`` that each client calls (its ``PyroSample`` '
+        'statements are the prior, its observed site the likelihood, its guide ``AutoNormal`` unless it gives one). '
+        'Weight-wise posterior fusion only; what the program says itself (``prior``, ``prior_scale``, '
+        '``prior_variance``, ``likelihood``, ``init_scale``, ``local_reparameterization``) keeps its default, '
+        'and ``kl_weight`` stays 1 (its ELBO is Pyro\'s ``Trace_ELBO``).'))
     experimental: ExperimentalOptions = _experimental("``round_prior``")
 
     def __post_init__(self):
@@ -444,6 +459,8 @@ class BayesianConfig:
             raise ValueError(f"likelihood: a variational client's observation model; Laplace clients "
                              f"(client='laplace') train by cross-entropy, expected 'categorical', got "
                              f"{self.likelihood!r}")
+        if self.program is not None:
+            self._check_program()
         if self.client == "laplace":
             defaults = {f.name: f.default for f in fields(self)}
             for name in ("prior_scale", "init_scale", "prior_variance", "kl_weight", "scale_lr_factor"):
@@ -457,10 +474,48 @@ class BayesianConfig:
                                  f"Laplace clients (client='laplace') do not run; expected it unset, got "
                                  f"{self.round_prior!r}")
 
+    #: The settings a Pyro program says itself (its sample statements, its observed site, its guide), which keep
+    #: their defaults with ``program``.
+    PROGRAM_DEFINES = ("prior", "prior_scale", "prior_variance", "likelihood", "init_scale",
+                       "local_reparameterization", "client", "laplace_prior")
+
+    def _check_program(self) -> None:
+        if isinstance(self.program, str):
+            if self.program not in available_programs():
+                raise ValueError(f"program: expected one of {available_programs()} (a plugin registers them with "
+                                 f"register_program), or in Python a factory, got {self.program!r}")
+        elif not callable(self.program) or isinstance(self.program, nn.Module):
+            raise ValueError(f"program: expected a registered program's name or a factory() -> PyroModule or (model, "
+                             f"guide) that every client calls (not a program itself: each client needs its own), "
+                             f"got {self.program!r}")
+        defaults = {f.name: f.default for f in fields(self)}
+        for name in self.PROGRAM_DEFINES:
+            if getattr(self, name) is not defaults[name] and getattr(self, name) != defaults[name]:
+                raise ValueError(f"{name}: a setting of a network's clients that a Pyro program says itself (its "
+                                 f"sample statements, observed site and guide); expected its default "
+                                 f"{defaults[name]!r} with program={self.program!r}, got {getattr(self, name)!r}")
+        if self.kl_weight != 1:
+            raise ValueError(f"kl_weight: tempers a network's ELBO; a Pyro program's clients run Pyro's Trace_ELBO, "
+                             f"expected 1 with program={self.program!r}, got {self.kl_weight!r}")
+        if self.round_prior == "posterior":
+            raise ValueError(f"experimental: round_prior: 'posterior' makes a network's prior object the global "
+                             f"posterior; a Pyro program's priors are its own sample statements, which every round "
+                             f"keeps; expected None or 'prior' with program={self.program!r}")
+
+    def build_program(self) -> tuple:
+        """A fresh ``(model, guide)`` of ``program`` (:func:`~bnpfed.models.build_program`; ``guide`` None for the
+        client's default); a ``ValueError`` without a program."""
+        if self.program is None:
+            raise ValueError("program: expected a Pyro program (a registered name or a factory), got None")
+        return build_program(self.program)
+
     def check_task(self, task: str) -> None:
         """The likelihood fits the dataset's task (:data:`~bnpfed.data.TASKS`): a classification's is a
         :class:`~bnpfed.models.Categorical` (or a subclass: the federations score class probabilities), a
-        regression's any other (``"gaussian"``, ``"student-t"``), for variational clients."""
+        regression's any other (``"gaussian"``, ``"student-t"``), for variational clients. With ``program`` the
+        program's observed site decides (:func:`~bnpfed.federated.clients.check_program_task`, on the program)."""
+        if self.program is not None:
+            return
         classifies = isinstance(self.build_likelihood(), Categorical)
         if task == "classification" and not classifies:
             raise ValueError(f"likelihood: expected a classification likelihood (a Categorical or a subclass: the "
@@ -904,8 +959,9 @@ class FusionConfig:
     def client_prior(self, bayesian: BayesianConfig) -> str:
         """What a client of ``bayesian`` trains against in the rounds after the first under this fusion:
         ``"cavity"`` (rule ``"pvi"``: the global posterior's slice divided by the client's own factor), ``"prior"``
-        (the configured prior; ``bayesian.round_prior`` None or ``"prior"``, and always for Laplace clients, whose
-        slice is no prior) or ``"posterior"`` (the global posterior it starts from, or its slice of a matched one).
+        (the configured prior, or a Pyro program's own sample statements, ``bayesian.program``;
+        ``bayesian.round_prior`` None or ``"prior"``, and always for Laplace clients, whose slice is no prior) or
+        ``"posterior"`` (the global posterior it starts from, or its slice of a matched one).
         Raises when ``bayesian.round_prior`` is set with rule ``"pvi"``, where it does not apply."""
         if not isinstance(bayesian, BayesianConfig):
             raise ValueError(f"bayesian: expected a BayesianConfig, got {type(bayesian).__name__}")

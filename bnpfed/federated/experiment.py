@@ -29,6 +29,7 @@ from bnpfed.data import Dataset
 from bnpfed.federated.clients import fit_bayesian, initial_network, posterior_client, train_network, unit_activity_step
 from bnpfed.federated.config import (BayesianConfig, FusionConfig, NetworkConfig, PFNMConfig, PartitionConfig,
                                      TrainingConfig, check_pool_temperature_applies, config_dict)
+from bnpfed.federated.fusion import check_program_fusion
 from bnpfed.federated.federation import EVAL_CHUNK, Federation, reestimate_statistics
 from bnpfed.federated.operating_point import NOISE_FACTORS, check_noise_to_scale, select_operating_point
 from bnpfed.federated.partition import class_counts, holdout_split
@@ -229,6 +230,13 @@ class Experiment:
             if others:
                 raise ValueError(f"methods: {dataset.name!r} is a regression, which runs weight-wise posterior "
                                  f"fusion only (fusion:rule=RULE); expected no others, got {others}")
+        if bayesian.program is not None:
+            others = [spec for spec in config.methods if method_spec(spec).name != "fusion"]
+            if others:
+                raise ValueError(f"methods: a Pyro program's clients (bayesian.program) run weight-wise posterior "
+                                 f"fusion only (fusion:rule=RULE; the other methods train networks); expected no "
+                                 f"others, got {others}")
+            check_program_fusion(network, fusion)
         self.ood = ood
         self.dataset, self.partition, self.network, self.training = dataset, partition, network, training
         self.bayesian, self.config = bayesian, config

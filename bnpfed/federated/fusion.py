@@ -62,14 +62,15 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import fields
 from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from bnpfed.data import Dataset
-from bnpfed.federated.clients import (bayesian_client, fit_bayesian, initial_network, start_round_prior_,
-                                     train_network)
+from bnpfed.federated.clients import (bayesian_client, fit_bayesian, initial_network, program_client,
+                                     server_program_client, start_round_prior_, train_network)
 from bnpfed.federated.config import BayesianConfig, FusionConfig, NetworkConfig, TrainingConfig
 from bnpfed.federated.federation import Federation, reestimate_statistics
 from bnpfed.federated.server import average_states, fuse_posteriors, mean_sigma, with_statistics
@@ -79,7 +80,8 @@ from bnpfed.posterior import GaussianPosterior
 from bnpfed.seeding import Stream, derive_seed
 from bnpfed.validation import check_int
 
-__all__ = ["FUSION_ARCHITECTURES", "FedAvgFederation", "FusionFederation", "check_fusion_network"]
+__all__ = ["FUSION_ARCHITECTURES", "FedAvgFederation", "FusionFederation", "check_fusion_network",
+           "check_program_fusion"]
 
 #: The architectures of :class:`~bnpfed.federated.config.NetworkConfig` posterior fusion takes: those without batch
 #: norm (a batch norm's running statistics are no posterior to fuse, and averaging them is not what the paper does).
@@ -93,6 +95,28 @@ def check_fusion_network(network: NetworkConfig) -> NetworkConfig:
         raise ValueError(f"arch: posterior fusion expected one of {list(FUSION_ARCHITECTURES)} (no batch norm: its "
                          f"running statistics are no posterior), got {network.arch!r}")
     return network
+
+
+def check_program_fusion(network: NetworkConfig, fusion: FusionConfig) -> None:
+    """The rules of posterior fusion with a user's Pyro program (``BayesianConfig.program``), in process or on
+    Flower, before anything trains: the program is the network, so ``network`` keeps every default (``arch``,
+    ``hidden``, ...); the fusion is weight-wise (``fusion.align="none"``: matching reads a network's layers) from one
+    shared start (not ``fusion.own_init``: every client's guide starts at the program's initial values).
+
+    :raises ValueError: naming the setting that does not apply.
+    """
+    for f in fields(network):
+        if getattr(network, f.name) != f.default:
+            raise ValueError(f"{f.name}: a setting of the network that a Pyro program replaces "
+                             f"(bayesian.program); expected its default {f.default!r}, got "
+                             f"{getattr(network, f.name)!r}")
+    if fusion.align != "none":
+        raise ValueError(f"align: matched fusion lines up a network's hidden units; a Pyro program's clients are "
+                         f"fused site by site, expected 'none' with bayesian.program, got {fusion.align!r}")
+    if fusion.own_init:
+        raise ValueError("own_init: a Pyro program's clients all start from the program's initial values (its guide's "
+                         "from seed 0, its own parameters from the shared stream); expected False with "
+                         "bayesian.program")
 
 
 def _check_configs(**configs) -> None:
@@ -112,7 +136,13 @@ class FusionFederation(Federation):
         ``fusion.own_init`` each client starts round 1 from its own, ``(seed, INIT, 0, j + 1)``: the one-shot
         baseline that fusing weight by weight without alignment is: a damped average of unaligned units).
     :param TrainingConfig training: the clients' local SVI schedule.
-    :param BayesianConfig bayesian: prior, initial posterior scale, local reparameterisation.
+    :param BayesianConfig bayesian: prior, initial posterior scale, local reparameterisation; or a user's Pyro program
+        (``bayesian.program``, a registered name or a factory): every client and the server's model are then the
+        program (:func:`~bnpfed.federated.clients.program_client`), fused site by site, every latent site
+        (hyper-parameters included) in its guide's unconstrained space; ``network`` keeps its defaults
+        (:func:`check_program_fusion`). In the rounds after the first a program's client starts from the fused
+        posterior and trains against the program's own prior (its sample statements), as a network's client trains
+        against the configured prior under the default ``round_prior``.
     :param FusionConfig fusion: the rule, client weights, pooling draws, variance floor, client sampling.
     :param int seed: the experiment's seed.
     :param int ece_bins: bins of the calibration error. Default 15.
@@ -141,7 +171,10 @@ class FusionFederation(Federation):
             raise ValueError(f"bayesian.client: weight-wise posterior fusion trains variational clients from the "
                              f"global posterior each round; Laplace clients serve matched fusion "
                              f"(MatchedFusionFederation, fusion.align='match'), got client={bayesian.client!r}")
-        check_fusion_network(network)
+        if bayesian.program is not None:
+            check_program_fusion(network, fusion)
+        else:
+            check_fusion_network(network)
         if fusion.temperature != 1:
             raise ValueError(f"fusion.temperature: the predictive temperature of matched fusion's global posterior "
                              f"(MatchedFusionFederation); expected 1 for weight-wise fusion, got "
@@ -151,12 +184,16 @@ class FusionFederation(Federation):
         self.training, self.fusion = training, fusion
         self.method = fusion.rule
         self.predictive_samples = check_int(predictive_samples, "predictive_samples", low=1)
-        net = initial_network(network, dataset.input_shape, dataset.num_classes, seed=seed)  # the shared one
-        self.global_model = bayesian_client(net, bayesian)
         self.shared_init = not fusion.own_init
-        self.clients = [bayesian_client(net if self.shared_init else initial_network(
-            network, dataset.input_shape, dataset.num_classes, seed=seed, client=j), bayesian)
-            for j in range(self.num_clients)]
+        if bayesian.program is not None:   # a user's Pyro program: every client and the server call its factory
+            self.global_model = server_program_client(bayesian, dataset.input_shape, dataset.task, seed=seed)
+            self.clients = [program_client(bayesian, x, y, seed=seed) for x, y in self.client_data]
+        else:
+            net = initial_network(network, dataset.input_shape, dataset.num_classes, seed=seed)  # the shared one
+            self.global_model = bayesian_client(net, bayesian)
+            self.clients = [bayesian_client(net if self.shared_init else initial_network(
+                network, dataset.input_shape, dataset.num_classes, seed=seed, client=j), bayesian)
+                for j in range(self.num_clients)]
         self.global_posterior: dict[str, GaussianPosterior] = dict(self.global_model.posterior())
         self.global_deterministic: dict[str, Tensor] = self.global_model.deterministic_state()
 

@@ -225,6 +225,10 @@ class MatchedFusionFederation(HoldsRounds, Federation):
         fusion = fusion.with_heads(counts)   # heads="auto": pooled when the clients' class shares differ
         check_pool_temperature_applies(fusion, fusion.heads == "pooled")
         bayesian.check_training(training)
+        if bayesian.program is not None:
+            raise ValueError("bayesian.program: matched fusion lines up a network's hidden units, which a Pyro "
+                             "program does not expose; a program's clients are fused site by site "
+                             "(FusionFederation, align='none'), expected no program here")
         bayesian.check_task(dataset.task)
         training.check_inputs(dataset.input_shape)
         if initial_clients is not None and len(initial_clients) != self.num_clients:

@@ -357,9 +357,10 @@ def _fusion(experiment: Experiment, rule: str) -> MethodResult:
     experiment.keep(rule, federation.global_model, predictive=_predictive(federation))
     row.parameters = sum(g.loc.numel() for g in federation.global_posterior.values()) + sum(
         p.numel() for p in federation.global_deterministic.values())
-    plain = initial_network(experiment.network, experiment.input_shape, experiment.dataset.num_classes,
-                            seed=experiment.seed)   # the Bayesian network's plain twin, of the same widths
-    row.hidden = network_widths(plain, experiment.input_shape)
+    if experiment.bayesian.program is None:   # a program has no network whose widths a row could give
+        plain = initial_network(experiment.network, experiment.input_shape, experiment.dataset.num_classes,
+                                seed=experiment.seed)   # the Bayesian network's plain twin, of the same widths
+        row.hidden = network_widths(plain, experiment.input_shape)
     return row
 
 

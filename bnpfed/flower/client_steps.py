@@ -74,8 +74,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 
 from bnpfed.data import Dataset, load_dataset
 from bnpfed.federated import (batch_norm_moments_step, bayesian_client, fit_bayesian, initial_network, pool_nll_step,
-                              pooled_posterior_nll_step, posterior_client, posterior_nll_step, start_round_prior_,
-                              train_network, unit_activity_step)
+                              pooled_posterior_nll_step, posterior_client, posterior_nll_step, program_client,
+                              server_program_client, start_round_prior_, train_network, unit_activity_step)
 from bnpfed.federated import BayesianConfig, NetworkConfig, PartitionConfig
 from bnpfed.federated import client_from_slice, tempered
 from bnpfed.federated import class_counts
@@ -206,10 +206,18 @@ class _Client:
     def global_client(self, record: ArrayRecord) -> BayesianClient:
         """A Bayesian client of the configured architecture carrying the global model in ``record`` (the layout of
         :func:`~bnpfed.flower.records.posterior_to_record`), at its widths: the shared initial network's, or a
-        matched global network's (secure fusion after a round of matching); its prior the configured one."""
+        matched global network's (secure fusion after a round of matching); its prior the configured one. With a
+        Pyro program (``program``), a :func:`~bnpfed.federated.clients.program_client` holding it, its prior the
+        program's own."""
+        posterior, params = posterior_from_arrays(from_array_record(record), array_shapes(record))
+        if self.settings.bayesian.program is not None:   # a user's Pyro program, set up on this node's data
+            x, y = self.train_data
+            client = program_client(self.settings.bayesian, x[:2], y[:2], seed=self.settings.seed)
+            client.load_posterior(posterior)
+            client.load_deterministic(params)
+            return client
         arch = _architecture(self.settings.network, tuple(self.ds.input_shape), self.ds.num_classes,
                              self.settings.seed)
-        posterior, params = posterior_from_arrays(from_array_record(record), array_shapes(record))
         return client_at_widths(arch.template, posterior, params, self.settings.bayesian)
 
     def matched_client(self, record: ArrayRecord, *, as_prior: bool) -> BayesianClient:
@@ -269,16 +277,20 @@ class _Client:
 
 
 def initial_global_model(network: NetworkConfig, bayesian: BayesianConfig, input_shape: Sequence[int],
-                         num_classes: int, *, seed: int) -> ArrayRecord:
+                         num_classes: int, *, seed: int, task: str = "classification") -> ArrayRecord:
     """Posterior fusion's global model before round 1 (the initial posterior and deterministic parameters of a
-    Bayesian client of the shared initial network), packed for
+    Bayesian client of the shared initial network, or with ``bayesian.program`` of the program's
+    :func:`~bnpfed.federated.clients.server_program_client` for the dataset's ``task``), packed for
     :class:`~bnpfed.flower.strategies.PosteriorFusionStrategy`.
 
     >>> record = initial_global_model(NetworkConfig(hidden=(8,)), BayesianConfig(), (1, 8, 8), 10, seed=0)
     >>> sorted(record)
     ['loc/1.weight', 'loc/3.weight', 'param/1.bias', 'param/3.bias', 'variance/1.weight', 'variance/3.weight']
     """
-    client = bayesian_client(initial_network(network, input_shape, num_classes, seed=seed), bayesian)
+    if bayesian.program is not None:   # a user's Pyro program, its initial posterior as in process
+        client = server_program_client(bayesian, input_shape, task, seed=seed)
+    else:
+        client = bayesian_client(initial_network(network, input_shape, num_classes, seed=seed), bayesian)
     return posterior_to_record(client.posterior(), client.deterministic_state())
 
 

@@ -70,7 +70,7 @@ from bnpfed.data import DATASET_NAMES, NPZ_PREFIX, dataset_task
 from bnpfed.experimental import ExperimentalOptions, keyed
 from bnpfed.federated import (FUSION_TRAINING, PFNM_NETWORK, PFNM_TRAINING, BayesianConfig, FusionConfig, NetworkConfig,
                               PartitionConfig, PFNMConfig, TrainingConfig, config_dict)
-from bnpfed.federated import available_federated_methods, check_fusion_network
+from bnpfed.federated import available_federated_methods, check_fusion_network, check_program_fusion
 from bnpfed.combine import SECURE_RULES
 from bnpfed.matching import PVI
 from bnpfed.plugins import PluginError, load_plugins, plugin_names
@@ -533,7 +533,7 @@ def parse_run_config(config: Mapping[str, Any]) -> FlowerSettings:
         raise ValueError(f"method: {run.dataset!r} is a regression, fused weight by weight (method=\"fusion\", "
                          f"align=\"none\"); got method={run.method!r}, align={built['fusion'].align!r}")
     if run.method == "fusion":
-        _check_fusion(built["fusion"], built["network"])
+        _check_fusion(built["fusion"], built["network"], built["bayesian"], built["secure"])
         built["bayesian"].check_training(built["training"])   # optimizer: SVI runs Adam
         built["fusion"].client_prior(built["bayesian"])   # round-prior: raises where it does not apply
     elif built["bayesian"].round_prior is not None:
@@ -635,10 +635,19 @@ def _check_secure(secure: SecureAggregationConfig, method: str, fusion: FusionCo
                          f"each client's posterior: not a sum of fixed statistics), got {fusion.rule!r}")
 
 
-def _check_fusion(fusion: FusionConfig, network: NetworkConfig) -> None:
+def _check_fusion(fusion: FusionConfig, network: NetworkConfig, bayesian: BayesianConfig,
+                  secure: SecureAggregationConfig) -> None:
     """What posterior fusion on Flower does not run: a network with batch norm (the rule of every posterior fusion,
     :func:`~bnpfed.federated.fusion.check_fusion_network`), weight-wise fusion from the clients' own
-    initialisations."""
+    initialisations; with a Pyro program (``program``), what does not apply to one
+    (:func:`~bnpfed.federated.fusion.check_program_fusion`) and secure aggregation (its sums are laid out by a
+    network's layers)."""
+    if bayesian.program is not None:
+        check_program_fusion(network, fusion)
+        if secure.secure_aggregation:
+            raise ValueError("secure-aggregation: its masked sums are laid out by a network's layers; expected false "
+                             "with a Pyro program (program), got true")
+        return
     check_fusion_network(network)
     if fusion.align == "none" and fusion.own_init:
         raise ValueError("own-init: expected false, or align=\"match\", on Flower (weight-wise fusion from each "

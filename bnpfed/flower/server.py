@@ -35,6 +35,7 @@ import torch
 from flwr.app import ArrayRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
+from bnpfed.data import dataset_task
 from bnpfed.federated import federated_method, initial_network
 from bnpfed.federated import client_from_slice, tempered
 from bnpfed.flower.client_steps import initial_global_model
@@ -137,7 +138,7 @@ def run_federation(grid: Grid, config: Mapping[str, Any]) -> FederationResult:
                                                   seed=run.seed).state_dict())
     else:
         initial = initial_global_model(settings.network, settings.bayesian, identity.input_shape,
-                                       identity.num_classes, seed=run.seed)
+                                       identity.num_classes, seed=run.seed, task=dataset_task(run.dataset))
     LOGGER.info("bnpfed %s: %d round(s), dataset %s, %d clients", run.method, run.rounds, run.dataset,
                 identity.num_partitions)
     outcome = strategy.start(grid, initial, num_rounds=run.rounds, timeout=run.round_timeout)
@@ -150,6 +151,10 @@ def run_federation(grid: Grid, config: Mapping[str, Any]) -> FederationResult:
         write_json(out / f"{run.method}-summary.json",
                    command_record("flower run", config, settings.as_dict(), result.results()))
         np.savez(out / f"{run.method}-global.npz", **result.arrays)
+        if settings.bayesian.program is not None:
+            LOGGER.warning("%s", f"program: a Pyro program's global posterior is saved as its arrays only "
+                                 f"({run.method}-global.npz; the .pt file of bnpfed.load_global holds networks)")
+            return result
         method, model = global_model(settings, identity.input_shape, identity.num_classes, result.arrays)
         deterministic = run.method in ("pfnm", "fedavg") or run.federated
         predictive = None if deterministic else {   # the clients' draws of the last evaluation

@@ -1,7 +1,8 @@
 """Pyro generative programs: the Beta-Bernoulli neuron model of PFNM (with its noise laws, :class:`NoiseLaw`), a
 Gaussian mixture (the local model of the federated mixture), and Bayesian neural networks; priors and
-likelihoods by name (:func:`register_prior`, :func:`register_likelihood`: what a config's ``prior`` and
-``likelihood`` take, and what a plugin can add to)."""
+likelihoods and a user's Pyro programs by name (:func:`register_prior`, :func:`register_likelihood`,
+:func:`register_program`: what a config's ``prior``, ``likelihood`` and ``program`` take, and what a plugin can add
+to)."""
 
 from bnpfed.models.beta_bernoulli import (
     FederatedLayer,
@@ -29,12 +30,17 @@ from bnpfed.models.named import (
     PRIORS,
     available_likelihoods,
     available_priors,
+    available_programs,
     build_likelihood,
     build_prior,
+    build_program,
+    program_of,
     register_likelihood,
     register_prior,
+    register_program,
     unregister_likelihood,
     unregister_prior,
+    unregister_program,
 )
 from bnpfed.models.program import PyroProgram, localize_, module_local_params
 from bnpfed.models.networks import LeNet, mlp, reference_init_, simple_cnn, simple_cnn_bn
@@ -83,12 +89,17 @@ __all__ = [
     "PRIOR_VARIANCES",
     "available_likelihoods",
     "available_priors",
+    "available_programs",
     "build_likelihood",
     "build_prior",
+    "build_program",
+    "program_of",
     "register_likelihood",
     "register_prior",
+    "register_program",
     "unregister_likelihood",
     "unregister_prior",
+    "unregister_program",
     "LeNet",
     "mlp",
     "reference_init_",

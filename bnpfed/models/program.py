@@ -150,15 +150,20 @@ class PyroProgram(nn.Module):
         """Read the program's sites from one run on the batch ``(x, y)`` (and one on its first example, to tell
         global latent sites from per-example ones): ``latent_sites``, ``observed_site``, ``supports``.
 
-        :raises ValueError: for a program with no observed site or more than one, whose observed site is not
+        :raises ValueError: ``"x: ..."`` for a program that cannot run on the batch (its error's first line); for a
+            program with no observed site or more than one, whose observed site is not
             observed with ``y``, that scales its observed site itself (a subsampled plate: the client does the
             scaling), or with latent sites whose shape follows the batch (per-example latent variables: a client's
             posterior is global).
         """
         batch = self.check_batch(x, y)[0]
-        with seeded(0):
-            trace = poutine.trace(self.call).get_trace(x, y)
-            first = poutine.trace(self.call).get_trace(x[:1], y[:1]) if batch > 1 else trace
+        try:
+            with seeded(0):
+                trace = poutine.trace(self.call).get_trace(x, y)
+                first = poutine.trace(self.call).get_trace(x[:1], y[:1]) if batch > 1 else trace
+        except (RuntimeError, ValueError, IndexError, TypeError) as error:
+            raise ValueError(f"x: the program cannot run on inputs of shape {tuple(x.shape[1:])} and targets of "
+                             f"dtype {y.dtype}: {type(error).__name__}: {str(error).splitlines()[0]}") from error
         samples = [(name, site) for name, site in trace.nodes.items()
                    if site["type"] == "sample" and not site_is_subsample(site)]
         observed = [name for name, site in samples if site["is_observed"]]
