@@ -9,7 +9,7 @@ with its weights, and weight-wise fusion fuses them as any site, in log space.
 Usage (from the repository root, so that ``examples`` is importable; on Flower every machine needs it importable)::
 
     bnpfed fuse --plugin examples.hierarchical_prior --prior hierarchical --rule gaa,conflation --rounds 3
-    bnpfed flower sim --plugin examples.hierarchical_prior --run-config 'prior="hierarchical" rounds=3'
+    bnpfed flower sim --plugin examples.hierarchical_prior --run-config 'method="fusion" prior="hierarchical" rounds=3'
 
     >>> from bnpfed.federated import BayesianConfig
     >>> BayesianConfig(prior="hierarchical", prior_scale=0.5).build_prior()
