@@ -55,7 +55,9 @@ def test_svi_reduces_the_loss_and_separates_blobs(local_reparameterization):
 def test_bayesian_lenet_with_the_paper_preset_learns_digits():
     ds = load_dataset("digits")
     client = BayesianClient(LeNet(image_size=8), only_linear_weights(), local_reparameterization=True)
-    client.fit(ds.x_train[:300], ds.y_train[:300], epochs=8, batch_size=50, lr=0.01, seed=0)
+    # one rate for all: in these 48 steps the scales at the default ten times lr climb to the prior's size before
+    # the means have grown (the ELBO's transient, near chance here: 0.14), which is not what this test is about
+    client.fit(ds.x_train[:300], ds.y_train[:300], epochs=8, batch_size=50, lr=0.01, scale_lr=0.01, seed=0)
     assert client.losses_[-1] < client.losses_[0]
     assert accuracy(client.predict_proba(ds.x_test, seed=0), ds.y_test) > 0.6  # chance is 0.1
 
