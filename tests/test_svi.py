@@ -431,7 +431,7 @@ def test_loss_and_training_equal_the_pyro_implementation_before_the_fast_path(ne
         client = BayesianClient(net, IIDPrior(), local_reparameterization=local_reparameterization, init_scale=0.1)
         with seeded(1):
             loss = client.loss(x[:10], y[:10], dataset_size=40)
-        fit = dict(epochs=2, batch_size=16, lr=0.01, seed=3)
+        fit = dict(epochs=2, batch_size=16, lr=0.01, scale_lr=0.01, seed=3)   # one rate for all, as pinned
     else:
         g = torch.Generator().manual_seed(5)
         x, y = torch.randn(12, 1, 8, 8, generator=g), torch.randint(0, 10, (12,), generator=g)
@@ -441,7 +441,7 @@ def test_loss_and_training_equal_the_pyro_implementation_before_the_fast_path(ne
                                 init_scale=0.05)
         with seeded(2):
             loss = client.loss(x[:6], y[:6], dataset_size=12)
-        fit = dict(epochs=2, batch_size=4, lr=0.01, seed=4)
+        fit = dict(epochs=2, batch_size=4, lr=0.01, scale_lr=0.01, seed=4)    # one rate for all, as pinned
     expected_loss, expected_losses = PINNED[network, local_reparameterization]
     assert_close(loss.item(), expected_loss, rtol=1e-5, atol=0)
     client.fit(x, y, **fit)
