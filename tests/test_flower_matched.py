@@ -52,7 +52,7 @@ def test_matched_fusion_with_empirical_bayes_priors_on_flower_is_the_in_process_
     # round 1: each client's own prior variance per weight matrix; round 2: its slice of the posterior as prior
     # (round-prior "posterior"; by default the configured prior, the test above); every unit fused by the matching
     # model's own atom posterior
-    config = {**MATCHED, "prior-variance": "empirical-bayes", "kl-weight": 0.1, "scale-lr-factor": 10.0,
+    config = {**MATCHED, "prior-variance": "empirical-bayes", "kl-weight": 0.1, "scale-lr-factor": 1.0,
               "rule": "atom-posterior", "experimental": "round-prior=posterior"}
     assert_same_as_in_process(run_federation(LocalGrid(client_app, CLIENTS), config), config)
 

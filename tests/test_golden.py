@@ -202,7 +202,8 @@ def test_a_short_experiment_of_eleven_methods_reproduces_the_recorded_rows(golde
                                               heads="fused"),
                               fusion=FusionConfig(experimental=ExperimentalOptions(**BEFORE, later_rounds=later_rounds),
                                                   align="match" if later_rounds != "auto" else "none", heads="fused"),
-                              bayesian=BayesianConfig(experimental=ExperimentalOptions(round_prior=round_prior)),
+                              bayesian=BayesianConfig(scale_lr_factor=1.0,
+                                                      experimental=ExperimentalOptions(round_prior=round_prior)),
                               config=ExperimentConfig(methods=names, rounds=2, seed=0)).rows
 
     others = run(tuple(m for m in methods if m not in matched), None)   # ends with the Bayesian ensemble's row

@@ -274,7 +274,7 @@ def test_a_federation_of_laplace_clients_fuses_and_predicts_with_the_linearised_
 
 
 def test_laplace_clients_refuse_the_settings_of_svi_and_weight_wise_fusion():
-    for name, value in (("kl_weight", 0.1), ("scale_lr_factor", 10.0), ("prior_variance", "empirical-bayes"),
+    for name, value in (("kl_weight", 0.1), ("scale_lr_factor", 1.0), ("prior_variance", "empirical-bayes"),
                         ("init_scale", 0.1), ("prior_scale", 0.5)):
         with pytest.raises(ValueError, match=f"{name}: a setting of the variational clients' SVI"):
             BayesianConfig(client="laplace", **{name: value})

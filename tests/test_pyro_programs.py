@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributions import constraints
 from torch.testing import assert_close
 
-from bnpfed.clients import BayesianClient, MeanFieldGuide
+from bnpfed.clients import SCALE_LR_FACTOR, BayesianClient, MeanFieldGuide
 from bnpfed.combine import available_rules, fuse_sites
 from bnpfed.models import Gaussian, IIDPrior, mlp
 
@@ -237,8 +237,13 @@ def test_three_program_clients_fuse_under_every_rule_into_a_model_that_predicts(
     clients = []
     for j, part in enumerate(parts):
         model = Net()
+        # one rate for all (scale_lr=lr): one shot, weight by weight, the clients' units are aligned only while
+        # their posteriors stay narrow around the shared start; at the default ten-times rate their scales reach the
+        # prior's size within these 30 epochs, the clients drift apart (alone 0.52-0.57) and one-shot fusion is at
+        # chance but for conflation (0.27; measured), which is what issue 51's clients at their optimum change
         clients.append(BayesianClient(model, guide=AutoNormal(model)).fit(x[part], y[part], epochs=30,
-                                                                          batch_size=32, lr=1e-2, seed=j))
+                                                                          batch_size=32, lr=1e-2, scale_lr=1e-2,
+                                                                          seed=j))
     server = clients[0]
     for rule in available_rules():
         fused = fuse_sites([c.posterior() for c in clients], rule, torch.full((3,), 1 / 3), num_samples=10,
@@ -257,20 +262,24 @@ def test_the_issues_program_runs_as_written_and_learns_the_hyper_scale_plain_pyr
     client = BayesianClient(model, guide=AutoNormal(model))
     client.fit(x, y, epochs=60, seed=0); posterior = client.posterior()   # noqa: E702 (the issue's line)
     assert "tau" in posterior
-    assert accuracy(client.predict_proba(x_test, seed=0), y_test) > 0.85   # measured 0.93
-    # plain Pyro SVI on the same model and data: the same guide, Adam at the client's default rate, as many steps
-    # (full batches; the client's are mini-batches of 64 scaled to the dataset)
+    # measured 0.724 at the defaults (the scales at ten times lr, towards the ELBO's optimum, which under these
+    # priors fits 1,437 digits less closely: 0.93 at one rate for all, the default before 0.2)
+    assert accuracy(client.predict_proba(x_test, seed=0), y_test) > 0.6
+    # plain Pyro SVI on the same model and data: the same guide, Adam at the client's default rates (its scales at
+    # SCALE_LR_FACTOR times the means'), as many steps (full batches; the client's are mini-batches of 64 scaled to
+    # the dataset)
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
     reference, reference_guide = Net(), None
     reference_guide = AutoNormal(reference)
-    svi = SVI(reference, reference_guide, pyro.optim.Adam({"lr": 1e-3}), Trace_ELBO())
+    rates = pyro.optim.Adam(lambda name: {"lr": SCALE_LR_FACTOR * 1e-3 if ".scales." in name else 1e-3})
+    svi = SVI(reference, reference_guide, rates, Trace_ELBO())
     for _ in range(60 * -(-len(x) // 64)):
         svi.step(x, y)
     tau = posterior["tau"].loc.exp().item()               # the median of tau, exp of its unconstrained mean
     reference_tau = pyro.param("AutoNormal.locs.tau").exp().item()
     pyro.clear_param_store()
-    # measured: 0.304 against 0.314
+    # measured: 0.433 against 0.461 (0.304 against 0.314 at one rate for all)
     assert abs(tau - reference_tau) <= 0.25 * reference_tau
 
 
@@ -282,7 +291,9 @@ def test_a_network_with_a_prior_object_takes_pyros_autoguides_and_reaches_the_cl
     client = BayesianClient(mlp(3, [], 1), IIDPrior(), likelihood=Gaussian(scale=SIGMA), init_scale=0.1) \
         if guide is None else BayesianClient(mlp(3, [], 1), IIDPrior(), likelihood=Gaussian(scale=SIGMA),
                                              guide=functools.partial(guide, init_scale=0.1))
-    client.fit(x, y, epochs=800, batch_size=10, lr=0.005, seed=0)
+    # one rate for all: at the default ten times lr the scales' last iterate jitters by Adam's step (the bias's
+    # variance 55 % off the closed form after these 800 epochs; measured), and this test is about the guides
+    client.fit(x, y, epochs=800, batch_size=10, lr=0.005, scale_lr=0.005, seed=0)
     features = torch.cat([x, torch.ones(len(x), 1)], 1)
     precision = torch.eye(4, dtype=torch.float64) + features.double().T @ features.double() / SIGMA**2
     mean = torch.linalg.solve(precision, features.double().T @ y.double() / SIGMA**2).float()

@@ -55,7 +55,9 @@ def test_svi_reduces_the_loss_and_separates_blobs(local_reparameterization):
 def test_bayesian_lenet_with_the_paper_preset_learns_digits():
     ds = load_dataset("digits")
     client = BayesianClient(LeNet(image_size=8), only_linear_weights(), local_reparameterization=True)
-    client.fit(ds.x_train[:300], ds.y_train[:300], epochs=8, batch_size=50, lr=0.01, seed=0)
+    # one rate for all: in these 48 steps the scales at the default ten times lr climb to the prior's size before
+    # the means have grown (the ELBO's transient, near chance here: 0.14), which is not what this test is about
+    client.fit(ds.x_train[:300], ds.y_train[:300], epochs=8, batch_size=50, lr=0.01, scale_lr=0.01, seed=0)
     assert client.losses_[-1] < client.losses_[0]
     assert accuracy(client.predict_proba(ds.x_test, seed=0), ds.y_test) > 0.6  # chance is 0.1
 
@@ -429,7 +431,7 @@ def test_loss_and_training_equal_the_pyro_implementation_before_the_fast_path(ne
         client = BayesianClient(net, IIDPrior(), local_reparameterization=local_reparameterization, init_scale=0.1)
         with seeded(1):
             loss = client.loss(x[:10], y[:10], dataset_size=40)
-        fit = dict(epochs=2, batch_size=16, lr=0.01, seed=3)
+        fit = dict(epochs=2, batch_size=16, lr=0.01, scale_lr=0.01, seed=3)   # one rate for all, as pinned
     else:
         g = torch.Generator().manual_seed(5)
         x, y = torch.randn(12, 1, 8, 8, generator=g), torch.randint(0, 10, (12,), generator=g)
@@ -439,7 +441,7 @@ def test_loss_and_training_equal_the_pyro_implementation_before_the_fast_path(ne
                                 init_scale=0.05)
         with seeded(2):
             loss = client.loss(x[:6], y[:6], dataset_size=12)
-        fit = dict(epochs=2, batch_size=4, lr=0.01, seed=4)
+        fit = dict(epochs=2, batch_size=4, lr=0.01, scale_lr=0.01, seed=4)    # one rate for all, as pinned
     expected_loss, expected_losses = PINNED[network, local_reparameterization]
     assert_close(loss.item(), expected_loss, rtol=1e-5, atol=0)
     client.fit(x, y, **fit)

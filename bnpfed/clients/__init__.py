@@ -21,14 +21,14 @@ from bnpfed.clients.augment import AUGMENTATIONS, check_augment, random_crop_fli
 from bnpfed.clients.elbo import MeanFieldELBO
 from bnpfed.clients.guides import MeanFieldGuide
 from bnpfed.clients.laplace import LaplaceClient, LaplaceFit, laplace_posterior
-from bnpfed.clients.variational import OPTIMIZERS, BayesianClient, DeterministicClient, TrainingDiverged, \
-    check_optimizer
+from bnpfed.clients.variational import OPTIMIZERS, SCALE_LR_FACTOR, BayesianClient, DeterministicClient, \
+    TrainingDiverged, check_optimizer
 from bnpfed.models import (BayesianNetwork, Categorical, EmpiricalBayesPrior, Gaussian, GaussianPredictive,
                            HierarchicalPrior, IIDPrior, LayerwisePrior, Likelihood, Prior, PyroProgram, Selector,
                            SitePrior, StudentT, linear_weights, only_linear_weights)
 
 __all__ = [
-    "BayesianClient", "DeterministicClient", "TrainingDiverged", "OPTIMIZERS", "check_optimizer",
+    "BayesianClient", "DeterministicClient", "TrainingDiverged", "OPTIMIZERS", "check_optimizer", "SCALE_LR_FACTOR",
     "LaplaceClient", "LaplaceFit", "laplace_posterior",
     "MeanFieldGuide", "MeanFieldELBO",
     "AUGMENTATIONS", "check_augment", "random_crop_flip",

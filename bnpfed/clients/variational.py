@@ -57,12 +57,16 @@ from bnpfed.seeding import Stream, seeded, torch_generator
 from bnpfed.validation import (check_bool, check_choice, check_float, check_int, check_names, check_positive,
                                check_tensor)
 
-__all__ = ["BayesianClient", "DeterministicClient", "TrainingDiverged"]
+__all__ = ["BayesianClient", "DeterministicClient", "TrainingDiverged", "SCALE_LR_FACTOR"]
 
 #: The initial posterior standard deviation of the default guide.
 DEFAULT_INIT_SCALE = 1e-2
 #: The initial posterior standard deviation of a Pyro program's default guide, ``AutoNormal`` 's own.
 PROGRAM_INIT_SCALE = 0.1
+#: The guide's scales learn at this multiple of the means' learning rate unless ``fit(scale_lr=)`` says otherwise:
+#: at one rate for all they barely leave their initial value in a few hundred steps, at 10 times it a client reaches
+#: its variational optimum (the docs' benchmark page on calibration, "Which default reaches the optimum").
+SCALE_LR_FACTOR = 10.0
 #: A fit has converged when its last epochs improved the mean -ELBO per example by less than this fraction (or by
 #: less than their Monte Carlo spread: :func:`_convergence`).
 CONVERGENCE_TOLERANCE = 1e-3
@@ -313,16 +317,14 @@ class BayesianClient:
         in ``0 .. num_classes - 1``) for ``epochs`` passes of mini-batches of ``batch_size`` with Adam (AMSGrad if
         ``amsgrad``) at learning rate ``lr``; every random step uses ``seed``. Returns ``self``.
 
-        The guide's scale parameters (``rho``, ``sigma = softplus(rho)``, about ``log sigma`` for small sigma) may
-        have their own learning rate ``scale_lr``: Adam moves a parameter by about its learning rate per step, so at
-        one rate for all, a weight's mean (of size ~0.03) moves by a few percent a step while its scale moves by
-        0.1 %, and after a few hundred steps the scales are still near ``init_scale``. ``scale_lr = 10 * lr``
-        reaches the variational optimum, where weights no datum touches sit at their prior; but at that optimum the
-        paper's N(0, 1) prior swamps the data (the docs' benchmark page on calibration, one client at its
-        variational optimum): pair it with a tempered ELBO
-        (a ``kl_weight`` < 1 of :class:`MeanFieldELBO`) or :class:`~bnpfed.models.EmpiricalBayesPrior`. Default
-        None: ``lr`` (one rate for all, the recorded behaviour). Only for a guide with scale parameters ``rhos``
-        (:class:`MeanFieldGuide`).
+        The guide's scale parameters (``rho``, ``sigma = softplus(rho)``, about ``log sigma`` for small sigma;
+        an autoguide's scales) have their own learning rate ``scale_lr``: Adam moves a parameter by about its learning
+        rate per step, so at one rate for all, a weight's mean (of size ~0.03) moves by a few percent a step while its
+        scale moves by 0.1 %, and after a few hundred steps the scales are still near ``init_scale``. Default None:
+        :data:`SCALE_LR_FACTOR` (10) times ``lr``, which reaches the variational optimum of the ELBO, where weights
+        no datum touches sit at their prior (the docs' benchmark page on calibration, "Which default reaches the
+        optimum"); ``scale_lr=lr`` is one rate for all (the behaviour before 0.2). A guide without scale parameters
+        takes one rate, and an explicit ``scale_lr`` other than ``lr`` is refused for it.
 
         ``augment``: each mini-batch's images drawn through a random transform before the step, ``"none"``
         (default), ``"crop"`` or ``"crop-flip"`` (:mod:`bnpfed.clients.augment`; images ``(n, C, H, W)`` only).
@@ -350,8 +352,11 @@ class BayesianClient:
         lr = check_positive(lr, "lr")
         io = self._ensure_guide(x, y)
         scale_ids = {id(p) for p in io.scale_parameters()}
-        if scale_lr is None or scale_lr == lr:
-            scale_lr = None  # one parameter group: exactly the recorded steps
+        default = scale_lr is None
+        if default:
+            scale_lr = SCALE_LR_FACTOR * lr
+        if scale_lr == lr or (default and not scale_ids):
+            scale_lr = None  # one parameter group: exactly the steps of one rate for all
         elif not scale_ids:
             raise ValueError(f"scale_lr: sets the learning rate of the guide's scales; the guide "
                              f"{type(self.guide).__name__} has no parameter holding them, got scale_lr={scale_lr!r}")

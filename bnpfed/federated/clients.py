@@ -39,7 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from bnpfed.federated.config import BayesianConfig, NetworkConfig, TrainingConfig
-from bnpfed.clients import BayesianClient, DeterministicClient, LaplaceClient, MeanFieldELBO
+from bnpfed.clients import SCALE_LR_FACTOR, BayesianClient, DeterministicClient, LaplaceClient, MeanFieldELBO
 from bnpfed.matching import derive_spec
 from bnpfed.matching import unit_activity
 from bnpfed.matching import PooledPosterior, pool_nll, pooled_heads_layer
@@ -279,14 +279,15 @@ def start_round_prior_(client: BayesianClient, bayesian: BayesianConfig, round: 
 
 
 def fit_bayesian(client: BayesianClient | LaplaceClient, x: Tensor, y: Tensor, training: TrainingConfig, *,
-                 seed: int, round: int, index: int, scale_lr_factor: float = 1.0) -> float:
+                 seed: int, round: int, index: int, scale_lr_factor: float = SCALE_LR_FACTOR) -> float:
     """Client ``index`` 's local step of round ``round``: ``training.schedule(round)`` epochs, drawing from ``(seed,
     FIT, round, index)``. A variational client runs SVI, the guide's scales at ``scale_lr_factor`` times the
-    schedule's rate (``BayesianConfig.scale_lr_factor``), and the loss returned is its last epoch's negative ELBO per
-    example. A :class:`~bnpfed.clients.LaplaceClient` trains its network exactly as :func:`train_network` does
-    (the same network, to the bit), then fits its Laplace posterior on the same data (with ``laplace_prior=
-    "held-out"`` on all but a held-out tenth, which chooses the prior precision); the loss returned is its last
-    epoch's mean cross-entropy. On the CPU only (``training.device`` must be ``"cpu"``)."""
+    schedule's rate (``BayesianConfig.scale_lr_factor``; default :data:`~bnpfed.clients.SCALE_LR_FACTOR`), and the
+    loss returned is its last epoch's negative ELBO per example. A :class:`~bnpfed.clients.LaplaceClient` trains
+    its network exactly as :func:`train_network` does (the same network, to the bit), then fits its Laplace
+    posterior on the same data (with ``laplace_prior="held-out"`` on all but a held-out tenth, which chooses the
+    prior precision); the loss returned is its last epoch's mean cross-entropy. On the CPU only (``training.device``
+    must be ``"cpu"``)."""
     if torch.device(training.device).type != "cpu":
         raise ValueError(f"training.device: expected 'cpu' for the Bayesian clients' SVI (it runs on the CPU only), "
                          f"got {training.device!r}")
@@ -294,9 +295,9 @@ def fit_bayesian(client: BayesianClient | LaplaceClient, x: Tensor, y: Tensor, t
     common = dict(epochs=schedule.epochs, batch_size=training.batch_size, lr=schedule.lr,
                   seed=derive_seed(seed, Stream.FIT, round, index), amsgrad=training.amsgrad)
     if isinstance(client, LaplaceClient):
-        if scale_lr_factor != 1.0:
-            raise ValueError(f"scale_lr_factor: a setting of the variational clients' SVI; expected 1 for a Laplace "
-                             f"client, got {scale_lr_factor!r}")
+        if scale_lr_factor != SCALE_LR_FACTOR:
+            raise ValueError(f"scale_lr_factor: a setting of the variational clients' SVI; expected its default "
+                             f"{SCALE_LR_FACTOR!r} for a Laplace client, got {scale_lr_factor!r}")
         client.fit(x, y, **common, weight_decay=training.weight_decay, optimizer=training.optimizer,
                    momentum=training.momentum, augment=training.augment)
     else:

@@ -44,7 +44,7 @@ from typing import Any, NamedTuple, Optional, Sequence, Union
 import numpy as np
 from torch import nn
 
-from bnpfed.clients import AUGMENTATIONS, OPTIMIZERS, check_augment, check_optimizer
+from bnpfed.clients import AUGMENTATIONS, OPTIMIZERS, SCALE_LR_FACTOR, check_augment, check_optimizer
 from bnpfed.experimental import (LATER_ROUNDS, PVI_DAMPING, ROUND_PRIORS, ExperimentalOptions,
                                  reads_experimental)
 from bnpfed.matching import (ATOM_POSTERIOR, HEAD_CHOICES, MATCH_ON, PVI, REFERENCE_CONSTANTS, chosen_heads,
@@ -397,11 +397,11 @@ class BayesianConfig:
     kl_weight: float = option(1.0, metavar="LAMBDA", shown=False, help=(
         'lambda, the weight of the KL term in the clients\' loss, > 0: 1 is the ELBO; lambda < 1 a tempered ("cold") '
         'posterior, each example\'s likelihood counted 1/lambda times (:class:`~bnpfed.clients.MeanFieldELBO`).'))
-    scale_lr_factor: float = option(1.0, metavar="F", shown=False, help=(
+    scale_lr_factor: float = option(SCALE_LR_FACTOR, metavar="F", shown=False, help=(
         'the guide\'s scales learn at this multiple of the schedule\'s learning rate, > 0 '
-        '(:meth:`~bnpfed.clients.BayesianClient.fit`\'s ``scale_lr``): 1 is one rate for all, where the scales '
-        'barely leave ``init_scale`` in a round\'s few hundred steps; 10 reaches the variational optimum, which '
-        'under the N(0, 1) prior underfits.'))
+        '(:meth:`~bnpfed.clients.BayesianClient.fit`\'s ``scale_lr``): 10 reaches the variational optimum of the '
+        'ELBO (the default since 0.2); 1 is one rate for all, where the scales barely leave ``init_scale`` in a '
+        'round\'s few hundred steps (the recorded behaviour before 0.2).'))
     client: str = option("variational", choices=CLIENT_KINDS, help=(
         'how a client gets its posterior: ``"variational"`` (SVI on the ELBO) or ``"laplace"`` (matched fusion '
         'only). A Laplace client trains its network by maximum likelihood as a PFNM client does (the same seeds '

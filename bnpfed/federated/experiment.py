@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields, replace
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -324,6 +324,18 @@ class Experiment:
         if message not in self.warnings:
             self.warnings.append(message)
 
+    def convergence_check(self, what: str, clients: Sequence) -> None:
+        """Warn when some of ``clients`` ' last fits had not converged (their ``converged_`` False: the last epochs
+        still lowered -ELBO/n beyond their Monte Carlo spread; :meth:`~bnpfed.clients.BayesianClient.fit`). A
+        client with no verdict (not a variational client, not fitted, or a fit of one epoch) is not counted."""
+        judged = [c.converged_ for c in clients if getattr(c, "converged_", None) is not None]
+        unconverged = sum(not verdict for verdict in judged)
+        if unconverged:
+            self.warn(f"{what}: {unconverged} of {len(judged)} variational clients' last local fits had not "
+                      f"converged (-ELBO/n still falling beyond its Monte Carlo spread): their posteriors are not at "
+                      f"the ELBO's optimum; train more local epochs (TrainingConfig.epochs, round_epochs: --epochs, "
+                      f"--round-epochs) or raise the learning rate")
+
     def chance_check(self, method: str, accuracy: float) -> None:
         """Warn when ``accuracy`` is at or below chance (:func:`~bnpfed.metrics.chance_warning`: the largest class
         share of the test split, plus 0.02); a regression has none."""
@@ -459,6 +471,7 @@ class Experiment:
                 clients.append(client)
                 self.tick(f"client {j + 1}")
             self._bayesian = clients
+            self.convergence_check("the Bayesian clients (round 1)", clients)
         return self._bayesian
 
     def one_shot_match(self, config: PFNMConfig) -> SpecMatch:
@@ -511,6 +524,7 @@ class Experiment:
                 self.log(f"{federation.method} round {record.round}: "
                          + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
                                      for k, v in shown.items()))
+        self.convergence_check(federation.method, getattr(federation, "clients", ()))
         history = [dict(r.metrics) for r in federation.history]
         final = Report(history[-1])
         final.probs = federation.test_probs

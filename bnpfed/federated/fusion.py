@@ -32,17 +32,18 @@ Randomness (:mod:`bnpfed.seeding`): the initial network from ``(seed, INIT)``, t
 and the baseline therefore start from the same network and see the same sampled clients; the same seed gives the
 same results, and Torch's global random state is left untouched.
 
-Defaults (why): they suit the bundled digits data (J = 10 clients of about 135 examples, MLP 64-100-10), where they
-bring every rule to FedAvg's accuracy in a few rounds. With the paper's N(0, 1) prior and clients that small, the KL
-term of ``-ELBO / n_k`` (a sum over thousands of weights, divided by about a hundred examples) is two orders of
-magnitude above the likelihood term, and its gradient on each posterior scale never changes sign, so Adam moves
-every ``log sigma`` up by about ``lr`` per step until the likelihood pushes back. Starting the scales at
-``init_scale=1e-2`` and taking few steps per round (batch 32, E = 2 local epochs: 10 steps on a digits client) at
-``lr=1e-2`` lets the means learn as fast as FedAvg's weights while the scales grow by about 10% per round; the rules
-then differ through the spread they give the fused posterior (GAA and conflation divide its variance by about J a
-round, pooling widens it by the clients' disagreement). With larger clients, lower ``lr`` as the steps per round
-grow (the Fashion-MNIST benchmark, 94 steps of 64 examples per epoch, uses ``lr=1e-3``). Local reparameterisation is
-on, as in the paper. The docs' benchmark page on posterior fusion has the numbers.
+Defaults (why): the bundled digits data (J = 10 clients of about 135 examples, MLP 64-100-10), batch 32, E = 2 local
+epochs a round (10 steps on a digits client) at ``lr=1e-2``, the paper's N(0, 1) prior and the ELBO. Since 0.2 the
+guide's scales learn at ten times the means' rate (``BayesianConfig.scale_lr_factor``), so that a client's variances
+are the ELBO's rather than the optimiser's: they reach the prior's size within a few hundred steps wherever the data
+do not pin a weight down. GAA and conflation divide the fused
+variance by about J a round and keep FedAvg's accuracy; EAA, log-variance averaging and pooling pass the clients'
+width on, every round restarts the clients from a posterior about as wide as the prior, and on clients this small
+their global model falls towards chance within five rounds (one rate for all, ``scale_lr_factor=1``, the behaviour
+before 0.2, kept every scale near ``init_scale=1e-2`` and every rule near FedAvg). With larger clients, lower ``lr``
+as the steps per round grow (the Fashion-MNIST benchmark, 94 steps of 64 examples per epoch, uses ``lr=1e-3``).
+Local reparameterisation is on, as in the paper. The docs' benchmark pages on posterior fusion and on calibration
+("Which default reaches the optimum") have the numbers.
 
 Usage::
 
