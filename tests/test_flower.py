@@ -238,7 +238,9 @@ def test_cifar10_from_its_jpeg_container_runs_on_flower_as_in_process(tmp_path):
 
 
 @pytest.mark.parametrize("config", [LENET, CNN_BN, {**CNN_BN, **FRACTION},
-                                    {**LENET, "max-params": 45000, "limit-from-round": 2},
+                                    # at the MLP's rate, which these LeNets trained at before issue 53 (at the CNNs'
+                                    # 1e-3 one epoch leaves round 2's match above the budget)
+                                    {**LENET, "max-params": 45000, "limit-from-round": 2, "lr": 0.01},
                                     {**CNN_BN, **FRACTION, "max-params": "ensemble", "limit-from-round": 2}],
                          ids=["lenet", "simple-cnn-bn", "simple-cnn-bn-fraction-0.67", "lenet-limit-from-round-2",
                               "simple-cnn-bn-fraction-0.67-limit-from-round-2"])
