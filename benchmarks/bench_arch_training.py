@@ -86,6 +86,9 @@ def main() -> None:
                 key = f"{name}/{arch}/epochs={args.epochs}/{schedule}/seed={seed}"
                 if key in done:
                     continue
+                if not (Path(args.data_root) / folder).exists():
+                    print(f"{key}: skipped, no data under {Path(args.data_root) / folder}", flush=True)
+                    continue
                 if name not in loaded:
                     loaded[name] = load_dataset(name, data_dir=Path(args.data_root) / folder,
                                                 standardize=args.standardize)

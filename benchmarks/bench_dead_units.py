@@ -120,6 +120,9 @@ def main() -> None:
                 key = f"{name}/{partition}/seed={seed}"
                 if key in done:
                     continue
+                if not (Path(args.data_root) / FOLDERS[name]).exists():
+                    print(f"{key}: skipped, no data under {Path(args.data_root) / FOLDERS[name]}", flush=True)
+                    continue
                 if name not in loaded:
                     loaded[name] = load_dataset(name, data_dir=Path(args.data_root) / FOLDERS[name],
                                                 standardize=args.standardize)
