@@ -113,3 +113,73 @@ def test_a_flower_client_sends_its_activity_as_metrics_and_the_server_reads_it_b
         read_activity({"activity:1": [1.0, 0.0]}, spec.group_names)
     with pytest.raises(ReplyError, match="'activity:1'"):
         read_activity({"activity:1": [1.0, -1.0], "activity:3": [0.0]}, spec.group_names)
+
+
+def _experiment(select: str, inactive: str):
+    from bnpfed.data import load_dataset
+    from bnpfed.experimental import ExperimentalOptions
+    from bnpfed.federated import ExperimentConfig, PartitionConfig, PFNMConfig, TrainingConfig
+    from bnpfed.federated.experiment import Experiment
+
+    return Experiment(load_dataset("digits"), partition=PartitionConfig(clients=3),
+                      training=TrainingConfig(epochs=1), pfnm=PFNMConfig(experimental=ExperimentalOptions(
+                          inactive=inactive)), config=ExperimentConfig(methods=("pfnm",), select=select, seed=0))
+
+
+def _nets_with_a_unit_that_fires_on_held_out_inputs_only(experiment):
+    """Per client an MLP 64-8-10 whose unit 0 fires on some of its held-out inputs and on none of its training
+    inputs (a random direction whose largest value over the held-out split exceeds that over the training split,
+    the bias set between the two), every other unit from a random draw."""
+    g = torch.Generator().manual_seed(3)
+    nets = []
+    for (x, _), held in zip(experiment.client_data, experiment.validation_parts):
+        x_held = experiment.dataset.x_train[torch.as_tensor(held)]
+        net = nn.Sequential(nn.Flatten(), nn.Linear(64, 8), nn.ReLU(), nn.Linear(8, 10))
+        with torch.no_grad():
+            for p in net.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+            while True:
+                w = torch.randn(64, generator=g)
+                train_max, held_max = float((x.flatten(1) @ w).max()), float((x_held.flatten(1) @ w).max())
+                if held_max > train_max + 1e-3:
+                    break
+            net[1].weight[0] = w
+            net[1].bias[0] = -(train_max + held_max) / 2
+        nets.append(net)
+    return nets
+
+
+@pytest.mark.parametrize("select", ["federated", "operating-point"])
+def test_a_unit_is_left_out_only_if_inactive_on_the_clients_held_out_inputs_too(select, monkeypatch):
+    """Under ``inactive="drop"`` a client's report is its units' largest activity over its training and its
+    held-out inputs (a unit silent on its training data that fires on held-out data is kept); under
+    ``"drop-train"`` over its training inputs alone (the rule before issue 53), which leaves that unit out."""
+    from bnpfed.federated import unit_activity_step
+
+    reports = {}
+    for inactive in ("drop", "drop-train", "keep"):
+        experiment = _experiment(select, inactive)
+        nets = _nets_with_a_unit_that_fires_on_held_out_inputs_only(experiment)
+        monkeypatch.setattr(experiment, "local_models", lambda shared=None, nets=nets: nets)
+        reports[inactive] = experiment.activity()
+        assert all(len(h) for h in experiment.validation_parts)
+    assert reports["keep"] is None
+    shape = experiment.input_shape
+    spec = derive_spec(nets[0], shape)
+    for j, ((x, _), held) in enumerate(zip(experiment.client_data, experiment.validation_parts)):
+        train = unit_activity_step(nets[j], x, shape)
+        other = unit_activity_step(nets[j], experiment.dataset.x_train[torch.as_tensor(held)], shape)
+        assert torch.equal(reports["drop-train"][j]["1"], train["1"])
+        assert torch.equal(reports["drop"][j]["1"], torch.maximum(train["1"], other["1"]))
+        assert train["1"][0] == 0 < other["1"][0]
+        assert 0 in kept_units(reports["drop"][j], spec)["1"].tolist()
+        assert 0 not in kept_units(reports["drop-train"][j], spec)["1"].tolist()
+
+
+def test_without_a_held_out_split_drop_reads_the_training_inputs():
+    experiment = _experiment("none", "drop")
+    assert all(len(h) == 0 for h in experiment.validation_parts)
+    nets = [nn.Sequential(nn.Flatten(), nn.Linear(64, 8), nn.ReLU(), nn.Linear(8, 10)) for _ in range(3)]
+    experiment.local_models = lambda shared=None: nets
+    for net, report, (x, _) in zip(nets, experiment.activity(), experiment.client_data):
+        assert torch.equal(report["1"], unit_activity(net, x, derive_spec(net, experiment.input_shape))["1"])

@@ -496,6 +496,24 @@ def test_fuse_takes_pvi_rounds_with_align_match_every_client_and_its_damping():
         fuse.prepare(parsed(["fuse", "--align", "match", "--rule", "pvi", "--fraction", "0.5"]))
 
 
+@pytest.mark.parametrize("command", [pfnm, fuse], ids=["pfnm", "fuse"])
+def test_the_cnns_train_at_the_cnn_rate_unless_lr_is_given_and_help_says_which(command, capsys):
+    from bnpfed.federated import CNN_LR, FUSION_TRAINING, PFNM_TRAINING
+    name = command.__name__.rsplit(".", 1)[-1]
+    mlp_rate = {"pfnm": PFNM_TRAINING, "fuse": FUSION_TRAINING}[name].lr
+    assert mlp_rate == 0.01 and CNN_LR == 0.001
+    assert command.prepare(parsed([name, "--arch", "mlp"]))["training"].lr == mlp_rate
+    for arch in ("lenet", "simple-cnn"):
+        plan = command.prepare(parsed([name, "--arch", arch]))
+        assert plan["training"].lr == CNN_LR
+        assert command.prepare(parsed([name, "--arch", arch, "--lr", "0.01"]))["training"].lr == 0.01
+    assert command.prepare(parsed([name, "--arch", "mlp", "--lr", "0.003"]))["training"].lr == 0.003
+    with pytest.raises(SystemExit):
+        main([name, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--lr LR the learning rate (default: 0.01" in text and "0.001 for" in text
+
+
 def test_pfnm_keeps_pixels_in_0_1_unless_told_and_adds_pfnm_rounds_for_several_rounds():
     plan = pfnm.prepare(parsed(["pfnm"]))
     assert float(plan["dataset"].x_train.min()) >= 0

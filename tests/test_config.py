@@ -1,13 +1,14 @@
 """The configuration shape: one small frozen dataclass per concern, each checking every field by name."""
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
-from bnpfed.federated.config import (PAPER_MIN_VARIANCE, PFNM_TRAINING, BayesianConfig, FusionConfig, LocalSchedule,
-                                     NetworkConfig, PartitionConfig, PFNMConfig, TrainingConfig, config_dict,
-                                     holdout_split)
+from bnpfed.federated.config import (ARCHITECTURES, CNN_LR, FUSION_TRAINING, PAPER_MIN_VARIANCE, PFNM_TRAINING,
+                                     BayesianConfig, FusionConfig, LocalSchedule, NetworkConfig, PartitionConfig,
+                                     PFNMConfig, TrainingConfig, config_dict, holdout_split, training_for)
 from bnpfed.federated.methods import ExperimentConfig
 from bnpfed.models import IIDPrior, Prior
 
@@ -87,6 +88,20 @@ def test_the_reference_schedule_retrains_five_epochs_with_a_decayed_rate():
     epochs, lr = PFNM_TRAINING.schedule(4)
     assert epochs == 5 and lr == pytest.approx(0.01 * 0.99 ** 3)
     assert TrainingConfig(epochs=3).schedule(7) == LocalSchedule(3, 1e-2)
+
+
+@pytest.mark.parametrize("base", [PFNM_TRAINING, FUSION_TRAINING, TrainingConfig(epochs=3, lr=0.5, batch_size=7)],
+                         ids=["pfnm", "fusion", "custom"])
+def test_the_convolutional_networks_train_at_the_cnn_rate_and_the_mlp_at_its_schedules_own(base):
+    assert training_for("mlp", base) is base
+    for arch in ARCHITECTURES:
+        if arch == "mlp":
+            continue
+        cnn = training_for(arch, base)
+        assert cnn.lr == CNN_LR == 1e-3
+        assert replace(cnn, lr=base.lr) == base   # nothing but the rate changes
+    with pytest.raises(ValueError, match="arch: expected one of .*got 'resnet'"):
+        training_for("resnet", base)
 
 
 def test_a_partition_is_drawn_from_the_seed_and_checked_against_the_data_before_anything_trains():

@@ -27,9 +27,9 @@ from bnpfed.commands import _args, _options
 from bnpfed.commands._args import HelpFormatter, UsageError, fail, flag_message, warn
 import bnpfed.federated as federated   # called through the face at run time (tests stand in for run_experiment)
 from bnpfed.federated import initial_network
-from bnpfed.federated import (FUSION_ARCHITECTURES, FUSION_TRAINING, PAPER_MIN_VARIANCE, BayesianConfig,
+from bnpfed.federated import (CNN_LR, FUSION_ARCHITECTURES, FUSION_TRAINING, PAPER_MIN_VARIANCE, BayesianConfig,
                               ExperimentConfig, FusionConfig, MatchedFusionFederation, NetworkConfig, PartitionConfig,
-                              PFNMConfig, TrainingConfig, available_methods, config_dict)
+                              PFNMConfig, TrainingConfig, available_methods, config_dict, training_for)
 from bnpfed.report import (command_record, command_results, format_table, line_styles, pyplot, save_figure,
                            with_intervals, write_json)
 from bnpfed.validation import check_choice
@@ -99,10 +99,12 @@ def add_parser(sub):
     _options.add_config_options(p, BayesianConfig, bayes, title="Bayesian clients",
                                 description="a mean-field Gaussian posterior per Bayesian weight, fitted by SVI")
     g = _options.add_config_options(p, TrainingConfig, FUSION_TRAINING, title="local training",
-                                    description="the Bayesian clients' SVI and FedAvg's clients alike",
+                                    description=f"the Bayesian clients' SVI and FedAvg's clients alike; the CNNs at "
+                                    f"--lr {CNN_LR:g}",
                                     hide=("round_epochs", "device"), helps={"device": (
                                         "cpu only: the Bayesian clients' SVI runs on the CPU (the flag is here so "
-                                        "that every command takes the same settings)")})
+                                        "that every command takes the same settings)")},
+                                    defaults={"lr": f"{FUSION_TRAINING.lr:g}, {CNN_LR:g} for a CNN"})
     g.add_argument("--local-epochs", dest="epochs", help=argparse.SUPPRESS)   # bnpfed 0.1's name of --epochs
     g = p.add_argument_group("fusion (the server)")
     g.add_argument("--rule", type=_rules, default="all", metavar="all|R,R,...",
@@ -174,7 +176,7 @@ def prepare(args) -> dict:
     partition = _options.config_from_args(PartitionConfig, args, PartitionConfig())
     network = _options.network_config(args, NetworkConfig())
     check_choice(network.arch, FUSION_ARCHITECTURES, "arch")
-    training = _options.training_config(args, FUSION_TRAINING)
+    training = _options.training_config(args, training_for(network.arch, FUSION_TRAINING))
     if torch.device(training.device).type != "cpu":
         raise UsageError(f"--device: expected cpu for posterior fusion (the Bayesian clients' SVI runs on the CPU "
                          f"only), got {training.device}")

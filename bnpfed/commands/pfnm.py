@@ -27,8 +27,8 @@ from bnpfed.commands import _args, _options
 from bnpfed.commands._args import HelpFormatter, UsageError, fail, flag_message, warn
 import bnpfed.federated as federated   # called through the face at run time (tests stand in for run_experiment)
 from bnpfed.federated import initial_network
-from bnpfed.federated import (PFNM_NETWORK, PFNM_TRAINING, ExperimentConfig, FusionConfig, NetworkConfig,
-                              PartitionConfig, PFNMConfig, TrainingConfig, config_dict)
+from bnpfed.federated import (CNN_LR, PFNM_NETWORK, PFNM_TRAINING, ExperimentConfig, FusionConfig, NetworkConfig,
+                              PartitionConfig, PFNMConfig, TrainingConfig, config_dict, training_for)
 from bnpfed.matching import check_network_matching, derive_spec
 from bnpfed.report import (command_record, command_results, format_table, line_styles, pyplot, save_figure,
                            with_intervals, write_json)
@@ -83,8 +83,11 @@ def add_parser(sub):
     _options.add_config_options(p, NetworkConfig, PFNM_NETWORK, title="network", helps={"shared_init": (
         "every client starts from one initialisation (PFNM does not need it; default: each from its own)")})
     _options.add_config_options(p, TrainingConfig, PFNM_TRAINING, title="local training",
-                                description="defaults: the PFNM reference code's", helps={"device": DEVICE_HELP},
-                                defaults={"amsgrad": "on with --optimizer adam, off with sgd"})
+                                description=f"defaults: the PFNM reference code's; the CNNs at --lr {CNN_LR:g} "
+                                "(measured better)",
+                                helps={"device": DEVICE_HELP},
+                                defaults={"amsgrad": "on with --optimizer adam, off with sgd",
+                                          "lr": f"{PFNM_TRAINING.lr:g} for --arch mlp, {CNN_LR:g} for the CNNs"})
     _options.add_config_options(p, PFNMConfig, PFNMConfig(), title="matching",
                                 description="the PFNM server: Beta-Bernoulli process matching of the units",
                                 exclude=("matcher_device",), helps={"fraction": FRACTION_HELP, "heads": (
@@ -161,7 +164,7 @@ def prepare(args) -> dict:
             raise UsageError(f"--{name.replace('_', '-')}: expected only with --width-sweep (the values it sweeps)")
     partitions = [_options.config_from_args(PartitionConfig, args, PartitionConfig(), clients=J) for J in args.clients]
     network = _options.network_config(args, PFNM_NETWORK)
-    training = _options.training_config(args, PFNM_TRAINING)
+    training = _options.training_config(args, training_for(network.arch, PFNM_TRAINING))
     experimental = _options.experimental_from_args(args, PROG)
     pfnm = _options.config_from_args(
         PFNMConfig, args, PFNMConfig(), experimental=experimental,

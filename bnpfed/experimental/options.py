@@ -30,8 +30,10 @@ from bnpfed.validation import check_choice, check_fraction
 __all__ = ["ExperimentalOptions", "INACTIVE", "LATER_ROUNDS", "PVI_DAMPING", "ROUND_PRIORS", "keyed",
            "reads_experimental"]
 
-#: What PFNM does with the units a client reports inactive on its own data: left out, or matched like any other.
-INACTIVE = ("drop", "keep")
+#: What PFNM does with the units a client reports inactive: left out when inactive on every example it holds (its
+#: training split and, where it holds one out, its held-out split), left out when inactive on its training split
+#: alone (bnpfed before issue 53), or matched like any other.
+INACTIVE = ("drop", "drop-train", "keep")
 #: Matched fusion's rounds after the first: each client from its slice and the units matched again, or every client
 #: from the whole global posterior with the assignment fixed.
 LATER_ROUNDS = ("rematch", "fixed")
@@ -66,9 +68,12 @@ class ExperimentalOptions:
         'before it) or ``"jacobi"`` (all against the assignment at the sweep\'s start, moved at once; on trained '
         'layers it does not settle). PFNM.'))
     inactive: str = option("drop", choices=INACTIVE, help=(
-        'the units a client reports inactive on its own data (exactly 0 wherever they enter the next layer): '
-        '``"drop"`` (left out before matching; the client\'s network computes the same without them) or '
-        '``"keep"`` (matched like any other: bnpfed before 2026-12). PFNM.'))
+        'the units a client reports inactive (exactly 0 wherever they enter the next layer): ``"drop"`` (left out '
+        'before matching when inactive on every example the client holds: its training split and, where it holds '
+        'one out -- ``select="federated"`` or ``"operating-point"`` -- its held-out split too; the client\'s '
+        'network computes the same without them on all of it), ``"drop-train"`` (left out when inactive on the '
+        'training split alone: bnpfed before issue 53) or ``"keep"`` (matched like any other: bnpfed before '
+        '2026-12). PFNM.'))
     later_rounds: str = option("auto", choices=("auto",) + LATER_ROUNDS, help=(
         'matched fusion\'s rounds after the first: ``"fixed"`` (every client starts from the whole global '
         'posterior, fused global unit by global unit with the assignment it was sent), ``"rematch"`` (each client '

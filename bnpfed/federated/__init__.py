@@ -28,11 +28,12 @@ This is the folder's one public face: import from ``bnpfed.federated``; the file
 
 from bnpfed.federated.partition import (TrainValidationSplit, class_counts, class_shares, partition_dirichlet,
                                         partition_homogeneous, train_validation_split)
-from bnpfed.federated.config import (ARCHITECTURES, CLIENT_KINDS, CLIENT_WEIGHTS, FIT, FUSION_TRAINING, HEADS,
+from bnpfed.federated.config import (ARCHITECTURES, CLIENT_KINDS, CLIENT_WEIGHTS, CNN_LR, FIT, FUSION_TRAINING, HEADS,
                                      INITIALISATIONS, LAPLACE_PRIORS, LATER_ROUNDS, LIKELIHOODS, PAPER_MIN_VARIANCE,
                                      PARTITION_ALIASES, PARTITIONS, PFNM_NETWORK, PFNM_TRAINING, PRIOR_VARIANCES,
                                      PRIORS, PVI_DAMPING, ROUND_PRIORS, BayesianConfig, FusionConfig, LocalSchedule,
-                                     NetworkConfig, PartitionConfig, PFNMConfig, TrainingConfig, config_dict)
+                                     NetworkConfig, PartitionConfig, PFNMConfig, TrainingConfig, config_dict,
+                                     training_for)
 from bnpfed.federated.clients import (batch_norm_moments_step, bayesian_client, build_network, check_program_task,
                                       fit_bayesian, initial_network, pool_nll_step, pooled_posterior_nll_step,
                                       posterior_client, posterior_nll_step, program_client, server_program_client,
@@ -64,6 +65,7 @@ __all__ = [
     # settings
     "PartitionConfig", "NetworkConfig", "TrainingConfig", "LocalSchedule", "BayesianConfig", "PFNMConfig",
     "FusionConfig", "ExperimentConfig", "config_dict", "FUSION_TRAINING", "PFNM_NETWORK", "PFNM_TRAINING",
+    "CNN_LR", "training_for",
     "ARCHITECTURES", "CLIENT_KINDS", "CLIENT_WEIGHTS", "FIT", "HEADS", "INITIALISATIONS", "LAPLACE_PRIORS",
     "LATER_ROUNDS", "PAPER_MIN_VARIANCE", "PARTITIONS", "PARTITION_ALIASES", "PRIORS", "PRIOR_VARIANCES", "LIKELIHOODS",
     "PVI_DAMPING", "ROUND_PRIORS",

@@ -159,7 +159,8 @@ def unit_activity_step(net: nn.Module, x: Tensor, input_shape: Sequence[int], ba
     """A client's report on its own hidden units: per group of the network's permutation spec, each unit's largest
     absolute contribution to the next layer over the client's training inputs ``x``
     (:func:`~bnpfed.matching.activity.unit_activity`; 0 exactly: a unit dead on the client's data, which the server
-    leaves out of matching under ``PFNMConfig.inactive="drop"``)."""
+    leaves out of matching unless ``PFNMConfig.inactive="keep"``; the one-shot harness adds the client's held-out
+    inputs under ``"drop"``, :meth:`~bnpfed.federated.experiment.Experiment.activity`)."""
     return unit_activity(net, x, derive_spec(net, input_shape), batch_size=batch_size)
 
 

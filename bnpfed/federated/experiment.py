@@ -446,12 +446,19 @@ class Experiment:
 
     def activity(self) -> Optional[list[dict]]:
         """Each client's report on the units of its local model (:func:`~bnpfed.federated.clients.
-        unit_activity_step` on its own training inputs), when PFNM drops inactive units (``pfnm.inactive``)."""
-        if self.pfnm.inactive != "drop":
+        unit_activity_step`), when PFNM drops inactive units (``pfnm.inactive``): under ``"drop"`` on every example
+        the client holds, its training inputs and, where it holds some out (``config.select`` ``"federated"`` or
+        ``"operating-point"``), its held-out inputs too, so that a unit is left out only if it is inactive on
+        inputs it was not trained on as well; under ``"drop-train"`` on its training inputs alone."""
+        if self.pfnm.inactive == "keep":
             return None
         if self._activity is None:
-            self._activity = [unit_activity_step(net, x, self.input_shape, self.training.batch_size)
-                              for net, (x, _) in zip(self.local_models(), self.client_data)]
+            reports = []
+            for net, (x, _), held in zip(self.local_models(), self.client_data, self.validation_parts):
+                if self.pfnm.inactive == "drop" and len(held):   # a unit's activity: its largest over both
+                    x = torch.cat([x, self.dataset.x_train[torch.as_tensor(held)]])
+                reports.append(unit_activity_step(net, x, self.input_shape, self.training.batch_size))
+            self._activity = reports
         return self._activity
 
     def bayesian_clients(self) -> list:

@@ -149,7 +149,7 @@ class PFNMFederation(HoldsRounds, Federation):
         states = [{k: v.detach() for k, v in n.state_dict().items()} for n in nets]
         starts = self.rounds.warm_start(sampled)
         activity = None
-        if self.pfnm.inactive == "drop":   # each client's report on its units, on its own data
+        if self.pfnm.inactive != "keep":   # each client's report on its units, on its own (training) data
             activity = [unit_activity_step(net, self.client_data[j][0], self.dataset.input_shape,
                                            self.training.batch_size) for net, j in zip(nets, sampled)]
         if self.pfnm.layerwise_retrain:

@@ -305,8 +305,9 @@ def pfnm_step(client_nets: Sequence, class_counts, config: PFNMConfig, *, seed: 
     :param template: a network of the clients' kind the global one is built from (default client 0's).
     :param input_shape: the shape of one input, to derive the spec of a convolutional network.
     :param activity: per client, its report on its units (:func:`~bnpfed.federated.clients.unit_activity_step`);
-        with ``config.inactive="drop"`` the units inactive on the client's data are left out before matching
-        (``SpecMatch.kept_units``), with ``"keep"`` the reports are not used. None: every unit is matched.
+        with ``config.inactive`` ``"drop"`` or ``"drop-train"`` the units inactive on the data the report was read on
+        are left out before matching (``SpecMatch.kept_units``), with ``"keep"`` the reports are not used. None:
+        every unit is matched.
     :returns: :class:`~bnpfed.matching.permutation.SpecMatch` (``state``, ``assignments``, ``widths``,
         ``network()``, ``client_slice(j)``).
 
@@ -331,7 +332,7 @@ def pfnm_step(client_nets: Sequence, class_counts, config: PFNMConfig, *, seed: 
     kwargs = dict(config.matcher_kwargs(), **({"best_effort": True} if later and config.parameter_limit else {}))
     return match_by_spec(list(client_nets), class_counts, spec, input_shape=input_shape, template=template,
                          seed=derive_seed(seed, Stream.MATCH, round), warm_start=init,
-                         activity=activity if config.inactive == "drop" else None, **kwargs)
+                         activity=activity if config.inactive != "keep" else None, **kwargs)
 
 
 def match_hyperparameters(match) -> list[dict]:

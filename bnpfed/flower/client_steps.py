@@ -25,7 +25,7 @@ alone decides. The steps are :mod:`bnpfed.federated.clients`' (the in-process fe
   from :func:`~bnpfed.federated.clients.initial_network` (its own initialisation); train it with
   :func:`~bnpfed.federated.clients.train_network`; reply with its state, ``num-examples``, ``class-counts`` and
   its units' activity on its data (``activity:<group>``, :func:`~bnpfed.federated.clients.unit_activity_step`;
-  the server leaves the inactive units out under ``inactive = "drop"``);
+  the server leaves the inactive units out unless ``inactive = "keep"``);
 * ``train``, task ``"fedavg"``: the global network sent (round 1 the shared initialisation), trained with
   :func:`~bnpfed.federated.clients.train_network`; reply with its state and ``num-examples``;
 * ``train``, task ``"fusion"``: a :func:`~bnpfed.federated.clients.bayesian_client` of the shared initial network

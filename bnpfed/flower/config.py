@@ -70,6 +70,7 @@ from bnpfed.data import DATASET_NAMES, NPZ_PREFIX, dataset_task
 from bnpfed.experimental import ExperimentalOptions, keyed
 from bnpfed.federated import (FUSION_TRAINING, PFNM_NETWORK, PFNM_TRAINING, BayesianConfig, FusionConfig, NetworkConfig,
                               PartitionConfig, PFNMConfig, TrainingConfig, config_dict)
+from bnpfed.federated import CNN_LR, training_for
 from bnpfed.federated import available_federated_methods, check_fusion_network, check_program_fusion
 from bnpfed.combine import SECURE_RULES
 from bnpfed.matching import PVI
@@ -310,9 +311,13 @@ def _keys() -> dict[str, list[tuple[str, dataclasses.Field]]]:
 _OLD_PROBE_KEYS = {key_of(f.name): f.name for f in fields(ExperimentalOptions)}
 
 
+#: Keys whose default depends on the network's ``arch`` (:func:`~bnpfed.federated.config.training_for`).
+ARCH_KEYS = {"lr": f"{CNN_LR:g} for a CNN"}
+
+
 def auto_keys() -> set[str]:
-    """The keys whose default depends on the method (they take ``"auto"``)."""
-    out = set()
+    """The keys whose default depends on the method or the architecture (they take ``"auto"``)."""
+    out = set(ARCH_KEYS)
     for name in ("network", "training"):
         pfnm, fusion = _METHOD_DEFAULTS["pfnm"][name], _METHOD_DEFAULTS["fusion"][name]
         out |= {config_key(f.name) for f in fields(CONFIGS[name]) if getattr(pfnm, f.name) != getattr(fusion, f.name)}
@@ -354,7 +359,7 @@ def describe_keys() -> list[dict[str, str]]:
             for method in METHODS:
                 v = getattr(_METHOD_DEFAULTS[method][name], f.name)
                 each.append(f"{method}: {','.join(map(str, v)) if isinstance(v, tuple) else v}")
-            value = f"{AUTO} ({', '.join(each)})"
+            value = f"{AUTO} ({', '.join(each)}{'; ' + ARCH_KEYS[key] if key in ARCH_KEYS else ''})"
         rows.append({"key": key, "default": str(value), "config": ", ".join(CONFIGS[n].__name__ for n, _ in owners)})
     return rows
 
@@ -395,7 +400,7 @@ def app_config_toml() -> str:
         for key, opt in keys:
             text = render(summary(opt.help), names, "{name}={value}")
             if key in auto_keys():
-                text += ' "auto": the method\'s default.'
+                text += ' "auto": the method\'s default' + (f" ({ARCH_KEYS[key]})." if key in ARCH_KEYS else ".")
             lines += textwrap.wrap(text, 118, initial_indent="# ", subsequent_indent="# ", break_on_hyphens=False)
             lines.append(f"{key} = {_toml(defaults[key])}")
             done.add(key)
@@ -520,6 +525,8 @@ def parse_run_config(config: Mapping[str, Any]) -> FlowerSettings:
         if name in _HEADS_OF and _HEADS_OF[name] != run.method:   # heads: the output layer of the method's server
             values.pop("heads", None)
             values.pop("pool_temperature", None)
+        if name == "training":   # the method's schedule, at the CNNs' rate for a convolutional arch
+            base = training_for(built["network"].arch, base or TrainingConfig())
         if name == "training" and "amsgrad" not in values:   # left to the method: its Adam default gives way to SGD
             schedule = base or TrainingConfig()
             values["amsgrad"] = schedule.amsgrad_for(values.get("optimizer", schedule.optimizer))

@@ -633,12 +633,12 @@ class PFNMStrategy(_MatchingStrategy):
         arrays, metrics, j, n = self._identity_and_count(reply)
         state = state_from_arrays(arrays, self.spec, self.template.state_dict(), widths=self.rounds.widths(j))
         counts = read_class_counts(metrics, self.identity.num_classes)
-        activity = read_activity(metrics, self.spec.group_names) if self.pfnm.inactive == "drop" else None
+        activity = read_activity(metrics, self.spec.group_names) if self.pfnm.inactive != "keep" else None
         return Accepted(j, n, (state, counts, activity), metrics)
 
     def _aggregate(self, server_round, accepted):
         clients = [a.partition_id for a in accepted]
-        activity = None if self.pfnm.inactive != "drop" else [a.payload[2] for a in accepted]
+        activity = None if self.pfnm.inactive == "keep" else [a.payload[2] for a in accepted]
         counts = np.stack([a.payload[1] for a in accepted])
         # heads="auto": chosen once, by the class counts of round 1's clients (all of them in process)
         self.pfnm = self.pfnm.with_heads(counts)

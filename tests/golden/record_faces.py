@@ -6,7 +6,8 @@ Run from the repository root: ``python tests/golden/record_faces.py`` (about a m
 commit 7d58df7, before any file moved; the pfnm line asked for ``pfnm-pooled`` then, ``pfnm:heads=pooled`` now (the
 option schema of issue 50: the same row), and ``--heads fused`` since issue 53 made the pooled heads the default
 under label skew (its Dirichlet split): the recorded output layer, asked for by name; the variational clients' runs
-``--scale-lr-factor 1`` since issue 51 made 10 the default (one learning rate for all was the recorded behaviour).
+``--scale-lr-factor 1`` since issue 51 made 10 the default (one learning rate for all was the recorded behaviour);
+likewise the LeNet line's ``--lr 0.01``, the rate it trained at before the CNNs' default became 1e-3.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ COMMANDS = {
              "--methods", "local,ensemble,fedavg,kmeans,pfnm,pfnm-rounds,fedma,pfnm:heads=pooled,weight-matching,"
              "ot-fusion", "--partition", "dirichlet", "--heads", "fused", "--seed", "1"],
     "pfnm_cnn": ["pfnm", "--clients", "2", "--arch", "lenet", "--epochs", "1", "--rounds", "1", "--threads", "1",
-                 "--methods", "pfnm,fedavg", "--seed", "2"],
+                 "--methods", "pfnm,fedavg", "--lr", "0.01", "--seed", "2"],
     "fuse": ["fuse", "--clients", "3", "--epochs", "1", "--rounds", "2", "--threads", "1", "--rule", "all",
              "--scale-lr-factor", "1", "--seed", "0"],
     "fuse_match": ["fuse", "--clients", "3", "--epochs", "1", "--rounds", "2", "--threads", "1", "--align", "match",
