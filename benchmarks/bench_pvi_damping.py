@@ -1,0 +1,117 @@
+"""PVI's damping (issue 53, item 4): final accuracy, NLL and calibration, and what is left of a round-1 error, for
+each damping rho, over seeds, on ``bnpfed fuse``'s own settings.
+
+Each configuration is one ``bnpfed fuse --align match --rule pvi --experimental pvi-damping=RHO`` run (the command's
+defaults otherwise: the bundled digits, J = 10 IID clients, MLP 100, 2 local epochs, N(0, 1) prior), ``--rounds``
+rounds, its JSON kept whole in the line (per-round metrics of ``match-pvi`` and of ``pfnm`` rounds, every final
+metric's bootstrap interval over the test examples). A client's factor moves rho of the way to its new value from the
+second round on, so a round-1 error in a factor is ``(1 - rho) ** (R - 1)`` of itself after R rounds when the later
+updates are exact (a Gaussian likelihood: ``tests/test_pvi_damping.py``); the line records that number beside the
+measured ones.
+
+JSON lines to ``--out``, resumable (finished keys are skipped). ``--summary`` prints the table from ``--out``.
+
+    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 python benchmarks/bench_pvi_damping.py --dampings 0.1,0.3,0.5,1 \\
+        --seeds 0,1,2 --rounds 10 --out benchmarks/results/pvi_damping_digits.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent
+
+
+def _done(out: Path) -> set:
+    if not out.exists():
+        return set()
+    return {json.loads(line)["key"] for line in out.read_text().splitlines() if line.strip()}
+
+
+def run_one(rho: float, seed: int, rounds: int, extra: list[str]) -> dict:
+    """One ``bnpfed fuse`` run of PVI at damping ``rho``; returns its JSON document."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "run.json"
+        command = [sys.executable, "-m", "bnpfed.cli", "fuse", "--align", "match", "--rule", "pvi", "--no-fedavg",
+                   "--rounds", str(rounds), "--seed", str(seed), "--experimental", f"pvi-damping={rho}",
+                   "--no-progress", "--json", str(path)] + extra
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        subprocess.run(command, check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
+        return json.loads(path.read_text())
+
+
+def summarize(document: dict, rho: float, rounds: int) -> dict:
+    """The line's numbers: the final row of ``match-pvi`` (with intervals), its per-round history, and the closed-form
+    share of a round-1 factor error left after each round."""
+    results = document["results"]
+    rows = {row["method"]: row for row in results["runs"][0]["rows"]}
+    history = [{k: r.get(k) for k in ("round", "accuracy", "nll", "ece15", "ece_debiased", "brier", "mean_sigma",
+                                      "hidden", "improper", "cavity_at_prior")}
+               for r in results["rounds"] if r["method"] == "match-pvi"]
+    keep = ("accuracy", "nll", "ece", "ece15", "ece_debiased", "brier", "width", "mean_sigma", "intervals")
+    return {"rows": {m: {k: row.get(k) for k in keep} for m, row in rows.items()}, "history": history,
+            "error_left": [(1 - rho) ** (r - 1) for r in range(1, rounds + 1)]}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dampings", default="0.1,0.3,0.5,1")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--tag", default="", help="appended to the key (for runs with --extra)")
+    p.add_argument("--extra", default="", help="further bnpfed fuse flags, one string (e.g. '--dataset mnist ...')")
+    p.add_argument("--out", type=Path, default=HERE / "results" / "pvi_damping_digits.jsonl")
+    p.add_argument("--summary", action="store_true", help="print the table from --out instead of running")
+    args = p.parse_args(argv)
+    if args.summary:
+        print_summary(args.out)
+        return
+    done = _done(args.out)
+    extra = args.extra.split()
+    for rho in [float(x) for x in args.dampings.split(",")]:
+        for seed in [int(x) for x in args.seeds.split(",")]:
+            key = f"pvi/rho={rho}/seed={seed}/rounds={args.rounds}{args.tag}"
+            if key in done:
+                continue
+            t0 = time.perf_counter()
+            line = dict(key=key, rho=rho, seed=seed, rounds=args.rounds, extra=args.extra,
+                        **summarize(run_one(rho, seed, args.rounds, extra), rho, args.rounds),
+                        wall_seconds=time.perf_counter() - t0)
+            with args.out.open("a") as f:
+                f.write(json.dumps(line) + "\n")
+            print(key, line["rows"]["match-pvi"]["accuracy"], f"{line['wall_seconds']:.0f}s", flush=True)
+
+
+def print_summary(out: Path, at=(5, 10)) -> None:
+    """Per damping (and tag): the mean over seeds of accuracy, NLL and ECE-15 at the rounds ``at``, the seeds' range,
+    each seed's widest bootstrap interval, the number of rounds where accuracy fell, and the error left."""
+    lines = [json.loads(x) for x in out.read_text().splitlines() if x.strip()]
+    groups: dict = {}
+    for line in lines:
+        groups.setdefault((line["rho"], line["key"].split("rounds=")[1]), []).append(line)
+    for (rho, tail), group in sorted(groups.items()):
+        for r in at:
+            hs = [next((h for h in g["history"] if h["round"] == r), None) for g in group]
+            if any(h is None for h in hs):
+                continue
+            acc = [h["accuracy"] for h in hs]
+            nll = [h["nll"] for h in hs]
+            ece = [h["ece15"] for h in hs]
+            drops = sum(sum(1 for a, b in zip(g["history"], g["history"][1:]) if b["accuracy"] < a["accuracy"] - 1e-9)
+                        for g in group)
+            print(f"rho={rho:<4} {tail:<16} R={r:<2} n={len(group)} acc {statistics.mean(acc):.4f} "
+                  f"[{min(acc):.4f}, {max(acc):.4f}]  nll {statistics.mean(nll):.4f} [{min(nll):.4f}, {max(nll):.4f}]"
+                  f"  ece15 {statistics.mean(ece):.4f}  left {(1 - rho) ** (r - 1):.3f}  accuracy drops {drops}")
+
+
+if __name__ == "__main__":
+    main()
