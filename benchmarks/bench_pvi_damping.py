@@ -37,19 +37,30 @@ def _done(out: Path) -> set:
     return {json.loads(line)["key"] for line in out.read_text().splitlines() if line.strip()}
 
 
-def run_one(rho: float, seed: int, rounds: int, extra: list[str]) -> dict:
-    """One ``bnpfed fuse`` run of PVI at damping ``rho``; returns its JSON document."""
+#: The prototype of a harmonic schedule (the k-th update of a factor moves 1/k of the way), run as ``rho="harmonic"``.
+HARMONIC = HERE / "results" / "pvi_damping_harmonic.py.txt"
+
+
+def run_one(rho, seed: int, rounds: int, extra: list[str]) -> dict:
+    """One ``bnpfed fuse`` run of PVI at damping ``rho`` (a number, or ``"harmonic"``: the prototype
+    :data:`HARMONIC`); returns its JSON document."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "run.json"
-        command = [sys.executable, "-m", "bnpfed.cli", "fuse", "--align", "match", "--rule", "pvi", "--no-fedavg",
-                   "--rounds", str(rounds), "--seed", str(seed), "--experimental", f"pvi-damping={rho}",
-                   "--no-progress", "--json", str(path)] + extra
+        head = [sys.executable, str(HARMONIC)] if rho == "harmonic" else [sys.executable, "-m", "bnpfed.cli"]
+        damping = [] if rho == "harmonic" else ["--experimental", f"pvi-damping={rho}"]
+        command = head + ["fuse", "--align", "match", "--rule", "pvi", "--no-fedavg", "--rounds", str(rounds),
+                          "--seed", str(seed), *damping, "--no-progress", "--json", str(path)] + extra
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         subprocess.run(command, check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
         return json.loads(path.read_text())
 
 
-def summarize(document: dict, rho: float, rounds: int) -> dict:
+def error_left(rho, r: int) -> float:
+    """The share of a round-1 factor error left after round ``r`` when the later updates are exact."""
+    return 1.0 / r if rho == "harmonic" else (1 - rho) ** (r - 1)
+
+
+def summarize(document: dict, rho, rounds: int) -> dict:
     """The line's numbers: the final row of ``match-pvi`` (with intervals), its per-round history, and the closed-form
     share of a round-1 factor error left after each round."""
     results = document["results"]
@@ -59,12 +70,12 @@ def summarize(document: dict, rho: float, rounds: int) -> dict:
                for r in results["rounds"] if r["method"] == "match-pvi"]
     keep = ("accuracy", "nll", "ece", "ece15", "ece_debiased", "brier", "width", "mean_sigma", "intervals")
     return {"rows": {m: {k: row.get(k) for k in keep} for m, row in rows.items()}, "history": history,
-            "error_left": [(1 - rho) ** (r - 1) for r in range(1, rounds + 1)]}
+            "error_left": [error_left(rho, r) for r in range(1, rounds + 1)]}
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dampings", default="0.1,0.3,0.5,1")
+    p.add_argument("--dampings", default="0.1,0.3,0.5,1", help="numbers in (0, 1], or harmonic (the prototype)")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--tag", default="", help="appended to the key (for runs with --extra)")
@@ -77,7 +88,7 @@ def main(argv=None) -> None:
         return
     done = _done(args.out)
     extra = args.extra.split()
-    for rho in [float(x) for x in args.dampings.split(",")]:
+    for rho in [x if x == "harmonic" else float(x) for x in args.dampings.split(",")]:
         for seed in [int(x) for x in args.seeds.split(",")]:
             key = f"pvi/rho={rho}/seed={seed}/rounds={args.rounds}{args.tag}"
             if key in done:
@@ -97,7 +108,7 @@ def print_summary(out: Path, at=(5, 10)) -> None:
     lines = [json.loads(x) for x in out.read_text().splitlines() if x.strip()]
     groups: dict = {}
     for line in lines:
-        groups.setdefault((line["rho"], line["key"].split("rounds=")[1]), []).append(line)
+        groups.setdefault((str(line["rho"]), line["key"].split("rounds=")[1]), []).append(line)
     for (rho, tail), group in sorted(groups.items()):
         for r in at:
             hs = [next((h for h in g["history"] if h["round"] == r), None) for g in group]
@@ -108,9 +119,10 @@ def print_summary(out: Path, at=(5, 10)) -> None:
             ece = [h["ece15"] for h in hs]
             drops = sum(sum(1 for a, b in zip(g["history"], g["history"][1:]) if b["accuracy"] < a["accuracy"] - 1e-9)
                         for g in group)
-            print(f"rho={rho:<4} {tail:<16} R={r:<2} n={len(group)} acc {statistics.mean(acc):.4f} "
+            left = error_left(rho if rho == "harmonic" else float(rho), r)
+            print(f"rho={rho:<8} {tail:<16} R={r:<2} n={len(group)} acc {statistics.mean(acc):.4f} "
                   f"[{min(acc):.4f}, {max(acc):.4f}]  nll {statistics.mean(nll):.4f} [{min(nll):.4f}, {max(nll):.4f}]"
-                  f"  ece15 {statistics.mean(ece):.4f}  left {(1 - rho) ** (r - 1):.3f}  accuracy drops {drops}")
+                  f"  ece15 {statistics.mean(ece):.4f}  left {left:.3f}  accuracy drops {drops}")
 
 
 if __name__ == "__main__":
