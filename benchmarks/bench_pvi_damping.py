@@ -46,18 +46,27 @@ def run_one(rho, seed: int, rounds: int, extra: list[str]) -> dict:
     :data:`HARMONIC`); returns its JSON document."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "run.json"
-        head = [sys.executable, str(HARMONIC)] if rho == "harmonic" else [sys.executable, "-m", "bnpfed.cli"]
-        damping = [] if rho == "harmonic" else ["--experimental", f"pvi-damping={rho}"]
+        schedule = isinstance(rho, str)
+        head = [sys.executable, str(HARMONIC)] if schedule else [sys.executable, "-m", "bnpfed.cli"]
+        damping = [] if schedule else ["--experimental", f"pvi-damping={rho}"]
         command = head + ["fuse", "--align", "match", "--rule", "pvi", "--no-fedavg", "--rounds", str(rounds),
                           "--seed", str(seed), *damping, "--no-progress", "--json", str(path)] + extra
         env = dict(os.environ, PYTHONPATH=str(ROOT))
+        if schedule:   # "harmonic" or "harmonic-floor=F": rho_k = max(1/k, F)
+            env["PVI_HARMONIC_FLOOR"] = rho.partition("=")[2] or "0"
         subprocess.run(command, check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
         return json.loads(path.read_text())
 
 
 def error_left(rho, r: int) -> float:
     """The share of a round-1 factor error left after round ``r`` when the later updates are exact."""
-    return 1.0 / r if rho == "harmonic" else (1 - rho) ** (r - 1)
+    if isinstance(rho, str):   # prod_{k=2..r} (1 - max(1/k, floor))
+        floor = float(rho.partition("=")[2] or 0)
+        left = 1.0
+        for k in range(2, r + 1):
+            left *= 1 - max(1.0 / k, floor)
+        return left
+    return (1 - rho) ** (r - 1)
 
 
 def summarize(document: dict, rho, rounds: int) -> dict:
@@ -75,7 +84,8 @@ def summarize(document: dict, rho, rounds: int) -> dict:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dampings", default="0.1,0.3,0.5,1", help="numbers in (0, 1], or harmonic (the prototype)")
+    p.add_argument("--dampings", default="0.1,0.3,0.5,1",
+                   help="numbers in (0, 1], harmonic or harmonic-floor=F (the prototype: rho_k = max(1/k, F))")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--tag", default="", help="appended to the key (for runs with --extra)")
@@ -88,7 +98,7 @@ def main(argv=None) -> None:
         return
     done = _done(args.out)
     extra = args.extra.split()
-    for rho in [x if x == "harmonic" else float(x) for x in args.dampings.split(",")]:
+    for rho in [x if x.startswith("harmonic") else float(x) for x in args.dampings.split(",")]:
         for seed in [int(x) for x in args.seeds.split(",")]:
             key = f"pvi/rho={rho}/seed={seed}/rounds={args.rounds}{args.tag}"
             if key in done:
@@ -102,7 +112,16 @@ def main(argv=None) -> None:
             print(key, line["rows"]["match-pvi"]["accuracy"], f"{line['wall_seconds']:.0f}s", flush=True)
 
 
-def print_summary(out: Path, at=(5, 10)) -> None:
+def label(rho: str) -> str:
+    """A damping's name in the table: the number, ``1/k (harmonic)`` or ``max(1/k, F)``."""
+    if rho == "harmonic":
+        return "1/k (harmonic)"
+    if rho.startswith("harmonic-floor="):
+        return f"max(1/k, {rho.partition('=')[2]})"
+    return rho
+
+
+def print_summary(out: Path, at=(5, 10, 25)) -> None:
     """A markdown table, one line per damping (and rounds of the run): the share of a round-1 error left after the
     rounds ``at`` (closed form), the mean over seeds of accuracy and NLL at each (the seeds' range in brackets), the
     final round's ECE-15, the mean of the seeds' 95 % bootstrap intervals of the final accuracy (half-width), and how
@@ -116,23 +135,20 @@ def print_summary(out: Path, at=(5, 10)) -> None:
             "accuracy interval (last round)", "seeds below round 1"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
-    order = sorted(groups.items(), key=lambda kv: (kv[0][2], kv[0][1], kv[0][0] == "harmonic",
-                                                   float(kv[0][0]) if kv[0][0] != "harmonic" else 0))
+    order = sorted(groups.items(), key=lambda kv: (kv[0][2], kv[0][1], kv[0][0].startswith("harmonic"),
+                                                   kv[0][0] if kv[0][0].startswith("harmonic") else float(kv[0][0])))
     for (rho, rounds, _), group in order:
         def cell(metric, r, digits=4):
             values = [next(h[metric] for h in g["history"] if h["round"] == r) for g in group]
             if len(values) == 1:
                 return f"{values[0]:.{digits}f}"
             return f"{statistics.mean(values):.{digits}f} [{min(values):.{digits}f}, {max(values):.{digits}f}]"
-        rs = [r for r in at if r <= rounds]
-        if rounds not in rs:
-            rs.append(rounds)
-        left = [f"{error_left(rho if rho == 'harmonic' else float(rho), r):.3f}" for r in at]
+        left = [f"{error_left(rho if rho.startswith('harmonic') else float(rho), r):.3f}" for r in at]
         intervals = [g["rows"]["match-pvi"]["intervals"]["accuracy"] for g in group]
         widths = [(high - low) / 2 for low, high in intervals]
         below = sum(1 for g in group if g["history"][-1]["accuracy"] < g["history"][0]["accuracy"])
         print("| " + " | ".join([
-            "1/k (harmonic)" if rho == "harmonic" else rho, str(rounds), ",".join(str(g["seed"]) for g in group),
+            label(rho), str(rounds), ",".join(str(g["seed"]) for g in group),
             *left, *(cell("accuracy", r) if r <= rounds else "-" for r in at),
             *(cell("nll", r, 3) if r <= rounds else "-" for r in at), cell("ece15", rounds),
             f"+/- {statistics.mean(widths):.4f}", f"{below} of {len(group)}"]) + " |")

@@ -549,7 +549,8 @@ def test_pvi_rounds_train_against_the_cavity_and_are_reproducible(digits):
     fed, records = run()
     _, again = run()
     assert [r.metrics["accuracy"] for r in records] == [r.metrics["accuracy"] for r in again]
-    assert fed.method == "match-pvi" and fed.pvi.damping == 0.1
+    assert fed.method == "match-pvi" and fed.pvi.damping is None   # the harmonic schedule
+    assert [fed.pvi.step(j) for j in range(3)] == [1 / 3] * 3   # the third update of every factor
     assert {"cavity_at_prior", "improper"} <= set(records[-1].metrics)
     assert records[-1].metrics["accuracy"] > 0.5
     # the next round's client j trains against its cavity: its slice of the global posterior over its factor
@@ -662,16 +663,17 @@ def _gaussian_pvi_rounds(damping: float, rounds: int, error: float):
     return errors
 
 
-@pytest.mark.parametrize("damping", [0.1, 0.3, 0.5, 1.0])
+@pytest.mark.parametrize("damping", [0.1, 0.3, 0.5, 1.0, None])
 def test_pvi_damping_leaves_one_minus_damping_to_the_r_minus_1_of_a_round_1_error_after_r_rounds(damping):
     """Round 1's factors are undamped; from round 2 on each factor moves ``damping`` of the way to its new value, so on
     a conjugate (Gaussian) likelihood, where every later reply is exact, a round-1 error is
     ``(1 - damping) ** (R - 1)`` of itself after R rounds: closed form, to float64 rounding. Undamped (1) PVI is
-    exact from round 2."""
+    exact from round 2. The harmonic schedule (``damping=None``: the k-th update moves 1/k of the way) leaves
+    ``prod_{k=2..R} (1 - 1/k) = 1 / R``."""
     J, n, error, rounds = 4, 5, 0.3, 8
     errors = _gaussian_pvi_rounds(damping, rounds, error)
     for r, (d_lam, d_eta) in enumerate(errors, start=1):
-        left = (1 - damping) ** (r - 1)
+        left = 1 / r if damping is None else (1 - damping) ** (r - 1)
         assert d_lam == pytest.approx(left * J * n * error, rel=1e-9, abs=1e-9)
         assert d_eta == pytest.approx(left * J * n * error, rel=1e-9, abs=1e-9)
     assert errors[0][0] == pytest.approx(J * n * error)   # the error is there to decay

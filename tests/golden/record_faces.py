@@ -5,7 +5,8 @@ code and compares.
 Run from the repository root: ``python tests/golden/record_faces.py`` (about a minute on two cores). Recorded at
 commit 7d58df7, before any file moved; the pfnm line asked for ``pfnm-pooled`` then, ``pfnm:heads=pooled`` now (the
 option schema of issue 50: the same row), and ``--heads fused`` since issue 53 made the pooled heads the default
-under label skew (its Dirichlet split): the recorded output layer, asked for by name.
+under label skew (its Dirichlet split): the recorded output layer, asked for by name; the fuse_match line asks for
+PVI's damping 0.1, the default when it was recorded (issue 53 made the harmonic schedule the default).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ COMMANDS = {
              "--seed", "0"],
     "fuse_match": ["fuse", "--clients", "3", "--epochs", "1", "--rounds", "2", "--threads", "1", "--align", "match",
                    "--rule", "conflation,pooling,pvi", "--heads", "both", "--baselines", "kl-fusion",
-                   "--seed", "4"],
+                   "--experimental", "pvi-damping=0.1", "--seed", "4"],
     "fuse_laplace": ["fuse", "--clients", "3", "--epochs", "1", "--rounds", "1", "--threads", "1", "--align",
                      "match", "--client", "laplace", "--rule", "conflation", "--no-fedavg", "--seed", "5"],
 }
