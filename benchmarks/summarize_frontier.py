@@ -58,6 +58,19 @@ def load(paths) -> dict:
     return groups
 
 
+def at_width(line: dict, head: str, width: float):
+    """One seed's accuracy and paired difference from its ensemble at ``width`` units: linear in log width between
+    the two points of the frontier around it (ordered by width); None outside the points' range."""
+    points = sorted(line["points"], key=lambda q: q["width"])
+    for a, b in zip(points, points[1:]):
+        if a["width"] <= width <= b["width"] and b["width"] > a["width"]:
+            t = (math.log(width) - math.log(a["width"])) / (math.log(b["width"]) - math.log(a["width"]))
+            return tuple((1 - t) * x + t * y for x, y in (
+                (a[head]["accuracy"], b[head]["accuracy"]),
+                (a[head]["vs_ensemble"]["accuracy"]["difference"], b[head]["vs_ensemble"]["accuracy"]["difference"])))
+    return None
+
+
 def table(J: int, partition: str, lines: list) -> str:
     seeds = ",".join(str(d["seed"]) for d in sorted(lines, key=lambda d: d["seed"]))
     one = lines[0] if len(lines) == 1 else None
@@ -85,6 +98,12 @@ def table(J: int, partition: str, lines: list) -> str:
                        f" | {statistics.mean(p['nll'] for p in ps):.3f} |")
     published = PUBLISHED.get((J, partition))
     if published:
+        for key, label in heads:
+            at = [at_width(d, key, published[2]) for d in lines]
+            if all(a is not None for a in at):
+                out.append(f"| bnpfed at the published width ({published[2]} units, interpolated), {label} | "
+                           f"{published[2]} | {mean_interval([a[0] for a in at])} | "
+                           f"{signed_interval([a[1] for a in at])} | - |")
         s, acc, width, ensemble = published
         against = "-" if ensemble is None else f"{acc - ensemble:+.4f} (its own ensemble {ensemble})"
         out.append(f"| published PFNM code (seeds {s}, its own local models) | {width} | {acc} | {against} | - |")
