@@ -115,7 +115,9 @@ def plot(groups: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = sorted(groups)
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+    keys = sorted(groups, key=lambda k: (k[0], k[1] != "iid"))
     fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.6), squeeze=False)
     for ax, key in zip(axes[0], keys):
         lines = groups[key]
@@ -134,10 +136,13 @@ def plot(groups: dict, path: str) -> None:
             if own is not None:
                 ax.axhline(own, color="red", linestyle=":", linewidth=0.8, label="published code's ensemble")
         ax.set_xscale("log")
-        ax.set_title(f"J = {key[0]}, {key[1]} (seeds {len(lines)})")
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_title(f"J = {key[0]}, {'IID' if key[1] == 'iid' else 'Dirichlet(0.5)'} ({len(lines)} seeds)")
         ax.set_xlabel("global width (hidden units)")
         ax.set_ylabel("MNIST test accuracy")
-    axes[0][0].legend(fontsize=7)
+    for ax in axes[0]:
+        ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
