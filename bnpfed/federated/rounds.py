@@ -160,8 +160,9 @@ class PVIFactors:
         until it is known (:meth:`cavity` and :meth:`update` need it: set ``prior_variance`` first).
     :param damping: a number in (0, 1] (1: undamped), or None: the harmonic schedule.
 
-    Attributes: ``factors`` (client -> ``(precisions, etas)``), ``improper`` (this round's cavity coordinates set to
-    the prior, summed over its clients).
+    Attributes: ``factors`` (client -> ``(precisions, etas)``), ``updates`` (client -> how many times its factor was
+    set: the k of its last update), ``improper`` (this round's cavity coordinates set to the prior, summed over its
+    clients).
     """
 
     def __init__(self, prior_variance: Any, damping: Optional[float] = 1.0):
