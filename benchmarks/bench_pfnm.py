@@ -16,6 +16,10 @@ Parts (each writes JSON lines to ``--out`` and can be resumed: finished configur
   weights) for J in {10, 25} x {IID, Dirichlet(0.5)} x seeds 0-4, beside the local models and the ensemble, with the
   estimates per layer, the sweeps they took and the matching seconds; on the same local models also fixed
   sigma2 = sigma0_2 = gamma0 = 1 (for the time ratio);
+* ``frontier``: issue 53's target (a), seed by seed for J in {10, 25} x {IID, Dirichlet(0.5)}: the local models, the
+  ensemble and the default one-shot PFNM, then on the same local models accuracy against width at factors of the
+  estimated noise variance, averaged and (under label skew) pooled output layers, each point with its bootstrap
+  intervals and its paired difference from the ensemble;
 * ``plane``: the accuracy-width plane (J = 10, IID, seed 0): fixed-hyper-parameter sweeps of sigma2 under both
   objectives (MAP and marginal), to put the empirical-Bayes points beside;
 * ``start``: PFNM's communication rounds warm-started from the previous assignment (the published code's way, the
@@ -61,6 +65,7 @@ from bnpfed.federated.methods import ExperimentConfig, Experiment, run_experimen
 from bnpfed.federated.pfnm import PFNMFederation
 from bnpfed.federated.server import match_hyperparameters, pfnm_step
 from bnpfed.clients.augment import AUGMENTATIONS
+from bnpfed.matching import pooled_network
 from bnpfed.metrics import count_parameters
 from bnpfed.experimental import ExperimentalOptions
 
@@ -729,13 +734,76 @@ def part_operating(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=
                              wall_seconds=time.perf_counter() - t0))
 
 
+#: The frontier part's factors of the empirical-Bayes noise estimate (1: the default match itself), from the most
+#: merging (narrowest) to the least.
+FRONTIER_FACTORS = (2.0, 1.4, 1.0, 0.8, 0.65, 0.5, 0.4, 0.3)
+
+
+def _scored(experiment, net, ensemble_probs) -> dict:
+    """A global network's test metrics, their bootstrap intervals over the test examples, and its paired difference
+    from the ensemble (``vs_ensemble``: accuracy and NLL, each with its paired 95 % interval)."""
+    report = experiment.evaluate_network(net)
+    paired = experiment.paired(report.probs, ensemble_probs)
+    return dict(accuracy=report["accuracy"], nll=report["nll"], ece15=report["ece15"],
+                parameters=count_parameters(net), intervals=experiment.intervals(report.probs),
+                vs_ensemble={m: paired[m] for m in ("accuracy", "nll")})
+
+
+def part_frontier(ds, out: Path, seeds, Js, *, partitions=("iid", "dirichlet")) -> None:
+    """Issue 53's restated target (a): one-shot PFNM on MNIST 784-100-10 (the published code's local training),
+    accuracy against global width, J in ``Js`` x ``partitions`` x ``seeds`` (seed by seed, so that a stopped run
+    holds every setting's first seeds): the local models, the ensemble and bnpfed's default one-shot PFNM (empirical
+    Bayes, dead units left out, ``heads="auto"``), then on the same local models the match with every group's sigma2
+    at each factor of :data:`FRONTIER_FACTORS` times its estimate (the other hyper-parameters estimated), with the
+    averaged output layer and, where the clients' class shares differ, the pooled one; every point with its test
+    metrics' bootstrap intervals and its paired difference from the ensemble."""
+    from bnpfed.federated.operating_point import _estimated_sigma2
+
+    done = _done(out)
+    for seed in seeds:
+        for J in Js:
+            for partition in partitions:
+                key = f"frontier/mnist/mlp/J={J}/{partition}/seed={seed}"
+                if key in done:
+                    continue
+                t0 = time.perf_counter()
+                configs = _configs(J, partition, seed, methods=("local", "ensemble", "pfnm"))
+                configs["pfnm"] = PFNMConfig()
+                experiment = Experiment(ds, **configs)
+                results = {r.method: r for m in ("local", "ensemble", "pfnm") for r in run_method(experiment, m)}
+                trained = time.perf_counter() - t0
+                rows = {m: dict(accuracy=r.accuracy, nll=r.nll, ece15=r.ece15, hidden=r.hidden,
+                                parameters=r.parameters, intervals=r.intervals, note=r.note)
+                        for m, r in results.items()}
+                ensemble = results["ensemble"].test_probs
+                base = experiment.selection().match
+                estimate = _estimated_sigma2(base)
+                pooled = experiment.pfnm_heads("auto") == "pooled"
+                points = []
+                for factor in FRONTIER_FACTORS:
+                    sigma2 = tuple(factor * s for s in estimate)
+                    match = base if factor == 1.0 else experiment.one_shot_match(replace(experiment.pfnm,
+                                                                                         sigma2=sigma2))
+                    point = dict(factor=factor, sigma2=list(sigma2), hidden=match.hidden_sizes,
+                                 width=sum(match.hidden_sizes),
+                                 fused=_scored(experiment, match.network(), ensemble))
+                    if pooled:
+                        point["pooled"] = _scored(experiment, pooled_network(match, experiment.local_models()),
+                                                  ensemble)
+                    points.append(point)
+                experiment.close()
+                _emit(out, key, dict(dataset="mnist", arch="mlp", J=J, partition=partition, seed=seed, rows=rows,
+                                     points=points, train_seconds=trained, wall_seconds=time.perf_counter() - t0))
+
+
 PARTS = {"reference": part_reference, "compress": part_compress, "size": part_size, "cnn": part_cnn,
          "shrink": part_shrink, "pooled": part_pooled,
          "operating": part_operating,
          "cifar": part_cifar, "niid": part_niid,
          "cnn-timing": part_cnn_timing,
          "baselines": part_baselines,
-         "eb": part_eb, "plane": part_plane, "width": part_width, "rounds": part_rounds, "start": part_start,
+         "eb": part_eb, "frontier": part_frontier, "plane": part_plane, "width": part_width, "rounds": part_rounds,
+         "start": part_start,
          "deep": part_deep, "timing": part_timing}
 
 
@@ -800,7 +868,7 @@ def main(argv=None):
     seeds = [int(s) for s in args.seeds.split(",")]
     Js = [int(j) for j in args.clients.split(",")]
     for part in args.parts.split(","):
-        if part in ("reference", "eb"):
+        if part in ("reference", "eb", "frontier"):
             PARTS[part](ds, out, seeds, Js)
         elif part == "cnn":
             part_cnn(ds, out, seeds, Js, name=args.dataset, rounds=args.rounds,

@@ -30,6 +30,10 @@ def recorder():
 #: Settings added to the configs since the recording, with the value that is the recorded behaviour: a run's
 #: ``settings`` list them now, and at that value they change nothing (any other value is a difference).
 ADDED_SETTINGS = {("bayesian", "likelihood"): "categorical", ("bayesian", "program"): None}
+#: Settings whose default changed since the recording, which the command lines now ask for at the recorded
+#: behaviour's value: recorded as None (the default then), reported as that value now (issue 53: PVI's damping, 0.1
+#: when recorded, the harmonic schedule since).
+PINNED_SETTINGS = {("fusion", "pvi_damping"): 0.1}
 #: What a result reports since the recording, beside what it reported then (issue 53: the debiased calibration error,
 #: bootstrap intervals, the paired comparisons with the ensemble): left out where the recording lacks them, and the
 #: rest compared as recorded.
@@ -66,7 +70,9 @@ def without_added_settings(new, old):
             if key in ADDED_FIELDS and key not in old:
                 continue
             if key == "settings" and isinstance(value, dict) and isinstance(old.get(key), dict):
-                value = {section: ({k: v for k, v in entries.items()
+                value = {section: ({k: (None if ((section, k) in PINNED_SETTINGS and v == PINNED_SETTINGS[section, k]
+                                                 and old[key].get(section, {}).get(k, v) is None) else v)
+                                    for k, v in entries.items()
                                     if not (k not in old[key].get(section, {}) and (section, k) in ADDED_SETTINGS
                                             and v == ADDED_SETTINGS[section, k])}
                                    if isinstance(entries, dict) else entries)

@@ -549,7 +549,8 @@ def test_pvi_rounds_train_against_the_cavity_and_are_reproducible(digits):
     fed, records = run()
     _, again = run()
     assert [r.metrics["accuracy"] for r in records] == [r.metrics["accuracy"] for r in again]
-    assert fed.method == "match-pvi" and fed.pvi.damping == 0.1
+    assert fed.method == "match-pvi" and fed.pvi.damping is None   # the harmonic schedule
+    assert [fed.pvi.step(j) for j in range(3)] == [1 / 3] * 3   # the third update of every factor
     assert {"cavity_at_prior", "improper"} <= set(records[-1].metrics)
     assert records[-1].metrics["accuracy"] > 0.5
     # the next round's client j trains against its cavity: its slice of the global posterior over its factor
@@ -625,3 +626,54 @@ def test_the_matchers_device_reaches_every_group_of_matched_fusion():
     assert FusionConfig(align="match", matcher_device="cpu").matcher_device == "cpu"
     with pytest.raises(ValueError, match="matcher_device: expected"):
         FusionConfig(align="match", matcher_device="gpu")
+
+
+def _gaussian_pvi_rounds(damping: float, rounds: int, error: float):
+    """PVI's server bookkeeping (:class:`~bnpfed.federated.PVIFactors`) on a conjugate toy: J = 4 clients, one site
+    of 5 coordinates, client j's likelihood exactly ``N(w; m_j, s_j)`` per coordinate, so its exact reply to a cavity
+    ``c`` is ``c * l_j`` and its exact factor ``l_j``. In round 1 every client replies ``p * l_j * e_j``, ``e_j`` an
+    error of precision ``error`` and precision-mean ``error`` (a client short of its optimum); after it the replies
+    are exact. Returns, per round, the global posterior's natural parameters minus the exact ones,
+    ``(precision error, precision-mean error)`` summed over the coordinates."""
+    from bnpfed.federated import PVIFactors
+
+    J, v0 = 4, 2.0
+    g = torch.Generator().manual_seed(3)
+    lam = [torch.rand(5, generator=g, dtype=torch.float64) * 3 + 0.5 for _ in range(J)]
+    eta = [torch.randn(5, generator=g, dtype=torch.float64) * lam[j] for j in range(J)]
+    exact = (1 / v0 + sum(lam), sum(eta))
+    pvi = PVIFactors(v0, damping)
+
+    def as_posterior(precision, precision_mean):
+        return {"w": precision_mean / precision}, {"w": 1 / precision}
+
+    replies = [as_posterior(1 / v0 + lam[j] + error, eta[j] + error) for j in range(J)]
+    errors = []
+    for r in range(1, rounds + 1):
+        if r > 1:   # each client from its cavity (its slice is the whole global posterior: nothing to match)
+            replies = []
+            for j in range(J):
+                means, variances = pvi.cavity(j, as_posterior(*global_))
+                m, v = means["w"], variances["w"]
+                replies.append(as_posterior(1 / v + lam[j], m / v + eta[j]))
+            assert pvi.improper == 0   # every cavity proper: the toy is exact
+        factors = pvi.update(list(range(J)), replies)
+        global_ = (1 / v0 + sum(f[0]["w"] for f in factors), sum(f[1]["w"] for f in factors))
+        errors.append(tuple(float((a - b).sum()) for a, b in zip(global_, exact)))
+    return errors
+
+
+@pytest.mark.parametrize("damping", [0.1, 0.3, 0.5, 1.0, None])
+def test_pvi_damping_leaves_one_minus_damping_to_the_r_minus_1_of_a_round_1_error_after_r_rounds(damping):
+    """Round 1's factors are undamped; from round 2 on each factor moves ``damping`` of the way to its new value, so on
+    a conjugate (Gaussian) likelihood, where every later reply is exact, a round-1 error is
+    ``(1 - damping) ** (R - 1)`` of itself after R rounds: closed form, to float64 rounding. Undamped (1) PVI is
+    exact from round 2. The harmonic schedule (``damping=None``: the k-th update moves 1/k of the way) leaves
+    ``prod_{k=2..R} (1 - 1/k) = 1 / R``."""
+    J, n, error, rounds = 4, 5, 0.3, 8
+    errors = _gaussian_pvi_rounds(damping, rounds, error)
+    for r, (d_lam, d_eta) in enumerate(errors, start=1):
+        left = 1 / r if damping is None else (1 - damping) ** (r - 1)
+        assert d_lam == pytest.approx(left * J * n * error, rel=1e-9, abs=1e-9)
+        assert d_eta == pytest.approx(left * J * n * error, rel=1e-9, abs=1e-9)
+    assert errors[0][0] == pytest.approx(J * n * error)   # the error is there to decay

@@ -40,8 +40,9 @@ LATER_ROUNDS = ("rematch", "fixed")
 #: What a variational client's prior is in the rounds after the first: the configured prior, or the global posterior
 #: (its slice under matched fusion) as its prior too.
 ROUND_PRIORS = ("prior", "posterior")
-#: PVI's damping when ``pvi_damping`` is None.
-PVI_DAMPING = 0.1
+#: PVI's damping when ``pvi_damping`` is None: None, the harmonic schedule (a client's k-th factor update moves 1/k
+#: of the way, so a round-1 error is 1/R of itself after R rounds; 0.1 before issue 53 left 0.9^(R-1)).
+PVI_DAMPING = None
 
 
 @documented
@@ -79,9 +80,10 @@ class ExperimentalOptions:
         'posterior, fused global unit by global unit with the assignment it was sent), ``"rematch"`` (each client '
         'from its slice, the units matched again, warm-started: PFNM\'s rounds) or ``"auto"`` (``"rematch"`` for '
         'rule ``"pvi"``, whose factors live in each client\'s own units; ``"fixed"`` otherwise).'))
-    pvi_damping: Optional[float] = option(None, metavar="RHO", default_text="None (``PVI_DAMPING``, 0.1)", help=(
+    pvi_damping: Optional[float] = option(None, metavar="RHO", default_text="None (the harmonic schedule)", help=(
         'rule ``"pvi"``: rho in (0, 1]; each client\'s factor moves rho of the way to its new value from the second '
-        'round on.'))
+        'round on (a round-1 error is (1 - rho)^(R-1) of itself after R rounds; 1: undamped); None: its k-th update '
+        'moves 1/k of the way (1/R left after R rounds, the steps shrinking; bnpfed before issue 53: 0.1).'))
     round_prior: Optional[str] = option(None, choices=ROUND_PRIORS, default_text='None (``"prior"``)', help=(
         'a variational client\'s prior in the rounds after the first, where it starts from the global posterior or '
         'its slice: ``"prior"`` (the configured prior; each round fuses posteriors that hold each client\'s data '

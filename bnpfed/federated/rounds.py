@@ -150,23 +150,28 @@ class PVIFactors:
     the cavity ``c_j = slice_j / t_j`` it was sent to train against.
 
     After the round its factor becomes ``q_j / c_j`` (round 1: ``q_j / p``), damped from the second update on:
-    ``t_j <- (1 - damping) t_j + damping q_j / c_j`` in natural parameters (all clients update at once, and the
-    undamped parallel update overshoots: Bui et al. 2018, Ashman et al. 2022).
+    ``t_j <- (1 - rho_k) t_j + rho_k q_j / c_j`` in natural parameters at the client's k-th update (all clients update
+    at once, and the undamped parallel update overshoots: Bui et al. 2018, Ashman et al. 2022). ``rho_k`` is
+    ``damping`` at every update, or with ``damping=None`` the harmonic schedule ``rho_k = 1 / k``: the factor after k
+    updates is then the mean of the k values it was computed as, so a round-1 error is ``1 / R`` of itself after R
+    rounds (``(1 - damping) ** (R - 1)`` at a fixed damping) while the steps shrink.
 
     :param prior_variance: the clients' zero-mean prior variance, one for every site or ``{site: variance}``; None
         until it is known (:meth:`cavity` and :meth:`update` need it: set ``prior_variance`` first).
-    :param float damping: in (0, 1].
+    :param damping: a number in (0, 1] (1: undamped), or None: the harmonic schedule.
 
-    Attributes: ``factors`` (client -> ``(precisions, etas)``), ``improper`` (this round's cavity coordinates set to
-    the prior, summed over its clients).
+    Attributes: ``factors`` (client -> ``(precisions, etas)``), ``updates`` (client -> how many times its factor was
+    set: the k of its last update), ``improper`` (this round's cavity coordinates set to the prior, summed over its
+    clients).
     """
 
-    def __init__(self, prior_variance: Any, damping: float = 1.0):
+    def __init__(self, prior_variance: Any, damping: Optional[float] = 1.0):
         if prior_variance is not None:
             check_prior_variance(prior_variance, prior_variance if isinstance(prior_variance, Mapping) else ())
         self.prior_variance = prior_variance
-        self.damping = check_fraction(damping, "damping")
+        self.damping = None if damping is None else check_fraction(damping, "damping")
         self.factors: dict[int, tuple[dict, dict]] = {}
+        self.updates: dict[int, int] = {}   # client -> how many times its factor was set
         self.sent: dict[int, tuple] = {}
         self.improper = 0
 
@@ -187,13 +192,21 @@ class PVIFactors:
         for j, posterior in zip(clients, posteriors):
             new = pvi_factor(posterior, self.sent.get(j), self.prior_variance)
             old = self.factors.get(j)
-            if old is not None and self.damping < 1:
-                rho = self.damping
+            self.updates[j] = self.updates.get(j, 0) + 1
+            rho = self.step(j)
+            if old is not None and rho < 1:
                 new = tuple({k: (1 - rho) * o[k] + rho * n[k] for k in n} for o, n in zip(old, new))
             self.factors[j] = new
             out.append(new)
         self.sent, self.improper = {}, 0
         return out
+
+    def step(self, j: int) -> float:
+        """The damping ``rho_k`` of client ``j``'s latest factor update, the k-th (1 for the first, k = 1)."""
+        k = self.updates.get(j, 0)
+        if k <= 1:
+            return 1.0
+        return 1.0 / k if self.damping is None else self.damping
 
     def step_arguments(self, clients: Sequence[int], posteriors: Sequence[tuple]) -> dict:
         """:meth:`update` of the round's replies, as the keyword arguments of
