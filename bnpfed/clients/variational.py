@@ -323,8 +323,10 @@ class BayesianClient:
         scale moves by 0.1 %, and after a few hundred steps the scales are still near ``init_scale``. Default None:
         :data:`SCALE_LR_FACTOR` (10) times ``lr``, which reaches the variational optimum of the ELBO, where weights
         no datum touches sit at their prior (the docs' benchmark page on calibration, "Which default reaches the
-        optimum"); ``scale_lr=lr`` is one rate for all (the behaviour before 0.2). A guide without scale parameters
-        takes one rate, and an explicit ``scale_lr`` other than ``lr`` is refused for it.
+        optimum"); ``scale_lr=lr`` is one rate for all (the behaviour before 0.2). A Pyro program's guide (the
+        user's own, e.g. ``AutoNormal`` at its initial scale 0.1) takes one rate by default, as Pyro's SVI trains it.
+        A guide without scale parameters takes one rate, and an explicit ``scale_lr`` other than ``lr`` is refused
+        for it.
 
         ``augment``: each mini-batch's images drawn through a random transform before the step, ``"none"``
         (default), ``"crop"`` or ``"crop-flip"`` (:mod:`bnpfed.clients.augment`; images ``(n, C, H, W)`` only).
@@ -353,8 +355,8 @@ class BayesianClient:
         io = self._ensure_guide(x, y)
         scale_ids = {id(p) for p in io.scale_parameters()}
         default = scale_lr is None
-        if default:
-            scale_lr = SCALE_LR_FACTOR * lr
+        if default:   # a Pyro program's guide is the user's: one rate for all, as Pyro's SVI trains it
+            scale_lr = lr if self.is_program else SCALE_LR_FACTOR * lr
         if scale_lr == lr or (default and not scale_ids):
             scale_lr = None  # one parameter group: exactly the steps of one rate for all
         elif not scale_ids:
