@@ -283,7 +283,8 @@ def fit_bayesian(client: BayesianClient | LaplaceClient, x: Tensor, y: Tensor, t
                  seed: int, round: int, index: int, scale_lr_factor: float = SCALE_LR_FACTOR) -> float:
     """Client ``index`` 's local step of round ``round``: ``training.schedule(round)`` epochs, drawing from ``(seed,
     FIT, round, index)``. A variational client runs SVI, the guide's scales at ``scale_lr_factor`` times the
-    schedule's rate (``BayesianConfig.scale_lr_factor``; default :data:`~bnpfed.clients.SCALE_LR_FACTOR`), and the
+    schedule's rate (``BayesianConfig.scale_lr_factor``; default :data:`~bnpfed.clients.SCALE_LR_FACTOR`; a Pyro
+    program's guide at :meth:`~bnpfed.clients.BayesianClient.fit`'s own default, one rate for all), and the
     loss returned is its last epoch's negative ELBO per example. A :class:`~bnpfed.clients.LaplaceClient` trains
     its network exactly as :func:`train_network` does (the same network, to the bit), then fits its Laplace
     posterior on the same data (with ``laplace_prior="held-out"`` on all but a held-out tenth, which chooses the
@@ -305,5 +306,7 @@ def fit_bayesian(client: BayesianClient | LaplaceClient, x: Tensor, y: Tensor, t
         if training.optimizer != "adam":
             raise ValueError(f"training.optimizer: the variational clients' SVI runs Adam; expected 'adam' with a "
                              f"variational client, got {training.optimizer!r}")
-        client.fit(x, y, **common, scale_lr=scale_lr_factor * schedule.lr, augment=training.augment)
+        # a Pyro program's guide is the user's: fit's own default, one rate for all (scale_lr_factor keeps its default)
+        scale_lr = None if client.is_program else scale_lr_factor * schedule.lr
+        client.fit(x, y, **common, scale_lr=scale_lr, augment=training.augment)
     return float(client.losses_[-1])

@@ -498,14 +498,6 @@ class BayesianConfig:
     PROGRAM_DEFINES = ("prior", "prior_scale", "prior_variance", "likelihood", "init_scale",
                        "local_reparameterization", "client", "laplace_prior", "scale_lr_factor")
 
-    def fit_scale_factor(self) -> float:
-        """The multiple of the schedule's learning rate at which the clients' guide scales learn: ``scale_lr_factor``
-        for a network's clients (bnpfed's mean-field guide, which starts its scales at ``init_scale``), 1 for a Pyro
-        program's (its guide is the user's, and trains as Pyro's own SVI trains it, one rate for all its parameters:
-        with ``AutoNormal``'s initial scale 0.1, ten times the rate left every rule's global model at chance after a
-        round of 10 epochs on digits)."""
-        return 1.0 if self.program is not None else self.scale_lr_factor
-
     def _check_program(self) -> None:
         if isinstance(self.program, str):
             if self.program not in available_programs():

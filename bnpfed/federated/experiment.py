@@ -474,7 +474,7 @@ class Experiment:
                                       client=j)
                 client = posterior_client(net, self.bayesian)
                 fit_bayesian(client, x, y, self.training, seed=self.seed, round=1, index=j,
-                             scale_lr_factor=self.bayesian.fit_scale_factor())
+                             scale_lr_factor=self.bayesian.scale_lr_factor)
                 clients.append(client)
                 self.tick(f"client {j + 1}")
             self._bayesian = clients

@@ -213,7 +213,7 @@ class FusionFederation(Federation):
             start_round_prior_(client, self.bayesian, round)
             x, y = self.client_data[k]
             losses.append(fit_bayesian(client, x, y, self.training, seed=self.seed, round=round, index=k,
-                                       scale_lr_factor=self.bayesian.fit_scale_factor()))
+                                       scale_lr_factor=self.bayesian.scale_lr_factor))
         step = fuse_posteriors([self.clients[k].posterior() for k in sampled],
                                [self.clients[k].deterministic_state() for k in sampled],
                                [self.sizes[k] for k in sampled], self.fusion, seed=self.seed, round=round)

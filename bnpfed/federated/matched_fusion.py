@@ -274,7 +274,7 @@ class MatchedFusionFederation(HoldsRounds, Federation):
             client = self._start(j)
             x, y = self.client_data[j]
             losses.append(fit_bayesian(client, x, y, self.training, seed=self.seed, round=round, index=j,
-                                       scale_lr_factor=self.bayesian.fit_scale_factor()))
+                                       scale_lr_factor=self.bayesian.scale_lr_factor))
             self.clients[j] = client
         t0 = time.perf_counter()
         posteriors = [client_posterior(self.clients[j]) for j in sampled]

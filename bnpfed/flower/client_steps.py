@@ -389,7 +389,7 @@ def _train_fusion(msg: Message, context: Context) -> Message:
     sent = msg.content.array_records[ARRAYS]
     client = start_round_prior_(c.global_client(sent), s.bayesian, c.round)
     loss = fit_bayesian(client, x, y, s.training, seed=s.seed, round=c.round, index=c.j,
-                        scale_lr_factor=s.bayesian.fit_scale_factor())
+                        scale_lr_factor=s.bayesian.scale_lr_factor)
     metrics = {"num-examples": int(len(y)), "train-loss": float(loss)}
     if c.config["task"] == "secure-fusion":
         keep_for_secure_sum(context, client.posterior(), client.deterministic_state(), sent)
@@ -409,7 +409,7 @@ def _train_matched(msg: Message, context: Context) -> Message:
     else:  # its slice of the global posterior (or the whole of it); its prior: round-prior's, or its cavity
         client = c.matched_client(sent, as_prior=True)
     loss = fit_bayesian(client, x, y, s.training, seed=s.seed, round=c.round, index=c.j,
-                        scale_lr_factor=s.bayesian.fit_scale_factor())
+                        scale_lr_factor=s.bayesian.scale_lr_factor)
     # its units' activity on its data, as PFNM's clients send it (read when the server matches on the means)
     metrics = {"num-examples": int(len(y)), "class-counts": c.class_counts(), "train-loss": float(loss),
                **activity_metrics(unit_activity_step(client.mean_network(), x, ds.input_shape,
