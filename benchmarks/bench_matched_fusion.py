@@ -14,6 +14,9 @@ Parts (JSON lines to ``--out``, resumable: finished configurations are skipped):
   with accuracy, NLL, ECE (100 and 15 bins), Brier, OOD AUROC by maximum probability and by entropy, width and
   parameters;
 * ``baselines``: KL-fusion, weight matching and OT fusion beside matched fusion (the oneshot settings);
+* ``targets-c``: issue 53's restated target (c), seed by seed: the library's default Bayesian clients one shot
+  (IID and Dirichlet(0.5)) and over ``--rounds`` rounds (Dirichlet(0.5)), matched and weight-wise fusion beside
+  PFNM and FedAvg, every row with its intervals and its paired differences from PFNM and FedAvg;
 * ``rounds``: Dirichlet(0.5), ``--rounds`` rounds (``--epochs`` local epochs in round 1, ``--round-epochs`` after):
   matched fusion (``--rule``) against weight-wise fusion with a shared initialisation (the paper's setting) and
   FedAvg, per round.
@@ -167,6 +170,66 @@ def part_rounds(datasets, dirs, out: Path, seeds, args) -> None:
                                  wall_seconds=time.perf_counter() - t0))
 
 
+#: Target (c)'s one-shot methods: the Bayesian clients' ensemble, PFNM of deterministic clients, FedAvg one round
+#: from a shared initialisation, every rule weight by weight (from a shared initialisation, the paper's setting) and
+#: after matching (the clients' own initialisations); weight by weight EAA, GAA and conflation only (each rule
+#: trains its own clients from the shared initialisation).
+TARGETS_C_ONESHOT = (("ensemble-bayesian", "pfnm", "fedavg") + tuple(f"fusion:rule={r}" for r in
+                                                                     ("eaa", "gaa", "conflation"))
+                     + tuple(f"match:rule={r}" for r in RULES))
+#: Its methods with communication (Dirichlet(0.5)): matched and weight-wise conflation, PFNM's rounds and FedAvg.
+TARGETS_C_ROUNDS = ("pfnm-rounds", "fedavg", "fusion:rule=conflation", "match:rule=conflation")
+#: The rows every other row is compared with, paired on the test examples.
+TARGETS_C_AGAINST = {"pfnm": ("pfnm", "pfnm-rounds"), "fedavg": ("fedavg",)}
+
+
+def _targets_c_row(r, references: dict, labels, seed: int) -> dict:
+    from bnpfed.metrics import paired_bootstrap
+
+    row = {m: getattr(r, m) for m in ("accuracy", "nll", "ece15", "ece_debiased", "brier", "auroc_max_prob",
+                                      "auroc_entropy", "width", "parameters", "mean_sigma")}
+    row.update(intervals=r.intervals, note=r.note, history=[
+        {k: h.get(k) for k in ("round", "accuracy", "nll", "ece15", "brier", "hidden")} for h in r.history])
+    row["paired"] = {name: paired_bootstrap(r.test_probs, ref.test_probs, labels, ece_bins=15, seed=seed)
+                     for name, ref in references.items() if ref is not r and r.test_probs is not None}
+    return row
+
+
+def part_targets_c(datasets, dirs, out: Path, seeds, args) -> None:
+    """Issue 53's restated target (c): Bayesian clients at the library's defaults (:class:`BayesianConfig`, the
+    clients at the ELBO's optimum) one shot (IID and Dirichlet(0.5), :data:`TARGETS_C_ONESHOT`) and over ``--rounds``
+    rounds (Dirichlet(0.5), :data:`TARGETS_C_ROUNDS`), every row with accuracy, NLL, ECE-15, the debiased calibration
+    error, Brier, OOD AUROC (the other data set's test images), their bootstrap intervals over the test examples and
+    its paired differences from PFNM and from FedAvg on the same test split (95 % paired bootstrap). One JSON line
+    per setting (resumable; seed by seed)."""
+    done = _done(out)
+    for seed in seeds:
+        for name in datasets:
+            ds, ood = _data(name, dirs)
+            for partition, rounds in (("iid", 1), ("dirichlet", 1), ("dirichlet", args.rounds)):
+                key = f"targets-c/{name}/J={args.clients}/{partition}/seed={seed}/rounds={rounds}"
+                if key in done:
+                    continue
+                t0 = time.perf_counter()
+                result = run_experiment(
+                    ds, ood=ood, partition=PartitionConfig(clients=args.clients, partition=partition),
+                    network=NetworkConfig(hidden=(100,)),
+                    training=TrainingConfig(epochs=args.epochs, batch_size=64, lr=args.lr,
+                                            round_epochs=args.round_epochs),
+                    bayesian=BayesianConfig(), fusion=FusionConfig(), pfnm=PFNMConfig(),
+                    config=ExperimentConfig(methods=TARGETS_C_ONESHOT if rounds == 1 else TARGETS_C_ROUNDS,
+                                            rounds=rounds, seed=seed, ece_bins=15, predictive_samples=args.samples))
+                by_name = {r.method: r for r in result.rows}
+                references = {label: next(by_name[n] for n in names if n in by_name)
+                              for label, names in TARGETS_C_AGAINST.items()}
+                _emit(out, key, dict(dataset=name, partition=partition, seed=seed, J=args.clients, rounds=rounds,
+                                     epochs=args.epochs, round_epochs=args.round_epochs, lr=args.lr,
+                                     bayesian=repr(BayesianConfig()),
+                                     rows={r.method: _targets_c_row(r, references, result.test_labels, seed)
+                                           for r in result.rows},
+                                     warnings=result.warnings, wall_seconds=time.perf_counter() - t0))
+
+
 def summary(out: Path) -> None:
     """Mean over seeds per (part, dataset, partition, method)."""
     from bnpfed.report import format_table
@@ -194,7 +257,7 @@ def main(argv=None):
     p.add_argument("--mnist-dir", default=str(SHARED / "mnist"))
     p.add_argument("--fashion-dir", default=str(SHARED / "fashion_mnist"))
     p.add_argument("--out", default=str(HERE / "results" / "matched_fusion.jsonl"))
-    p.add_argument("--parts", default="oneshot", help="comma-separated: oneshot, rounds, baselines")
+    p.add_argument("--parts", default="oneshot", help="comma-separated: oneshot, rounds, baselines, targets-c")
     p.add_argument("--datasets", default="mnist,fashion-mnist")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--clients", type=int, default=10)
@@ -246,8 +309,8 @@ def main(argv=None):
     datasets = args.datasets.split(",")
     seeds = [int(s) for s in args.seeds.split(",")]
     for part in args.parts.split(","):
-        {"oneshot": part_oneshot, "rounds": part_rounds, "baselines": part_baselines}[part](datasets, dirs, out, seeds,
-                                                                                            args)
+        {"oneshot": part_oneshot, "rounds": part_rounds, "baselines": part_baselines,
+         "targets-c": part_targets_c}[part](datasets, dirs, out, seeds, args)
 
 
 if __name__ == "__main__":

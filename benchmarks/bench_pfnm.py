@@ -39,6 +39,10 @@ Parts (each writes JSON lines to ``--out`` and can be resumed: finished configur
 * ``pooled``: one-shot PFNM and the same match with the clients' own output layers pooled log-linearly with
   class-share weights (``pfnm-pooled``), beside the local models and the ensemble (``--arch``, ``--dataset``,
   ``--partitions``);
+* ``targets-b``: issue 53's restated target (b), one set of local models per setting: the ensemble; one shot,
+  bnpfed's default PFNM, PFNM at fractions of the ensemble's size, weight matching and OT fusion; FedMA at half the
+  ensemble's parameters (one round) and ``--rounds`` rounds of PFNM held to the ensemble's size from round 2, every
+  output layer ``heads="auto"``; dense and nonzero parameters, intervals and paired differences from the ensemble;
 * ``cnn-timing``: LeNet's groups matched for J = 25 (IID, seed 0): seconds per group, best of 3, empirical Bayes
   and fixed hyper-parameters;
 * ``deep``: 784-100-100-10, top-down against bottom-up under both sets of constants (J = 10, homogeneous, seed 0);
@@ -796,12 +800,120 @@ def part_frontier(ds, out: Path, seeds, Js, *, partitions=("iid", "dirichlet")) 
                                      points=points, train_seconds=trained, wall_seconds=time.perf_counter() - t0))
 
 
+#: The one-shot curve of target (b): PFNM's size limit as fractions of the ensemble's parameters (its own size first).
+CURVE_FRACTIONS = (2.0, 1.0, 0.5)
+
+
+def _global_row(experiment, net, ensemble_probs, **extra) -> dict:
+    """A global network's accuracy, NLL, ECE-15, dense and nonzero parameters, bootstrap intervals over the test
+    examples and paired difference from the ensemble (accuracy and NLL, paired 95 % intervals)."""
+    return dict(_scored(experiment, net, ensemble_probs), nonzero=_nonzero(net), **extra)
+
+
+def part_targets_b(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=("iid", "dirichlet"),
+                   arch: str = "lenet", rounds: int = 6) -> None:
+    """Issue 53's restated target (b) on one set of local models per setting (the reference training, as the size
+    and shrink parts train them): the ensemble; one shot, bnpfed's default PFNM (``heads="auto"``: pooled where the
+    class shares differ) and PFNM held to :data:`CURVE_FRACTIONS` of the ensemble's parameters (the
+    accuracy-against-size curve), weight matching and OT fusion (exact plan) at one client's size; with
+    communication, FedMA's layer-wise scheme at half the ensemble's parameters (one round, 5 retraining epochs a
+    group, ``heads="auto"``, the pooled heads priced in the budget) and ``rounds`` rounds of PFNM held to the
+    ensemble's size from round 2 (``heads="auto"``). Every global network with dense and nonzero parameters, its
+    test metrics' intervals and its paired difference from the ensemble. One JSON line per setting and piece (keys
+    ``targets-b/<dataset>/<arch>/J=../<partition>/seed=../<piece>``; resumable per piece, a resumed setting retrains
+    its local models deterministically)."""
+    pieces = ("one-shot", "fedma-half", "pfnm-rounds")
+    done = _done(out)
+    epochs = PFNM_TRAINING.schedule(2).epochs
+    for seed in seeds:
+        for J in Js:
+            for partition in partitions:
+                base = f"targets-b/{name}/{arch}/J={J}/{partition}/seed={seed}"
+                todo = [p for p in pieces if f"{base}/{p}" not in done]
+                if not todo:
+                    continue
+                t0 = time.perf_counter()
+                configs = _configs(J, partition, seed, methods=("ensemble",), rounds=rounds)
+                configs["network"] = replace(PFNM_NETWORK, arch=arch)
+                configs["training"] = _training(name)
+                configs["pfnm"] = PFNMConfig()
+                experiment = Experiment(ds, **configs)
+                meta = dict(dataset=name, arch=arch, J=J, partition=partition, seed=seed, source=ds.source)
+                try:
+                    ensemble = run_method(experiment, "ensemble")[0]
+                    ens = dict(accuracy=ensemble.accuracy, nll=ensemble.nll, ece15=ensemble.ece15,
+                               parameters=ensemble.parameters, intervals=ensemble.intervals)
+                    probs = ensemble.test_probs
+                    nets, counts = experiment.local_models(), experiment.class_counts
+                    local = [experiment.evaluate_network(n)["accuracy"] for n in nets]
+                    heads = experiment.pfnm_heads("auto")
+                    trained = time.perf_counter() - t0
+                    if "one-shot" in todo:
+                        rows = {}
+                        for method in ("pfnm", "weight-matching", "ot-fusion"):
+                            t1 = time.perf_counter()
+                            r = run_method(experiment, method)[0]
+                            net = experiment.global_models.get(r.method, {}).get("network")
+                            rows[r.method] = dict(accuracy=r.accuracy, nll=r.nll, ece15=r.ece15,
+                                                  parameters=r.parameters, hidden=r.hidden, intervals=r.intervals,
+                                                  vs_ensemble={m: v for m, v in experiment.paired(
+                                                      r.test_probs, probs).items() if m in ("accuracy", "nll")},
+                                                  nonzero=None if net is None else _nonzero(net), note=r.note,
+                                                  seconds=time.perf_counter() - t1)
+                        for fraction in CURVE_FRACTIONS:
+                            limit = int(fraction * ensemble.parameters)
+                            t1 = time.perf_counter()
+                            config = replace(PFNMConfig(max_params=limit), heads=heads)
+                            try:
+                                match = experiment.one_shot_match(config)
+                            except ValueError as error:   # a limit below what any assignment allows
+                                rows[f"pfnm max_params={fraction:g}x"] = dict(error=str(error), limit=limit)
+                                continue
+                            net = pooled_network(match, nets) if heads == "pooled" else match.network()
+                            search = match.size_searches.get("parameters")
+                            rows[f"pfnm max_params={fraction:g}x"] = _global_row(
+                                experiment, net, probs, hidden=match.hidden_sizes, limit=limit, heads=heads,
+                                met=None if search is None else search.met, seconds=time.perf_counter() - t1)
+                        _emit(out, f"{base}/one-shot", dict(meta, ensemble=ens, local=local, heads=heads, rows=rows,
+                                                            train_seconds=trained))
+                    if "fedma-half" in todo:
+                        t1 = time.perf_counter()
+                        limit = ensemble.parameters // 2
+                        fed = PFNMFederation(experiment.dataset, experiment.parts, network=experiment.network,
+                                             training=experiment.training, seed=seed, initial_models=nets,
+                                             pfnm=PFNMConfig(layerwise_retrain=epochs, max_params=limit, heads=heads))
+                        fed.run_round()
+                        net = fed.global_network()
+                        searches = fed.match.size_searches.values()
+                        row = _global_row(experiment, net, probs, hidden=fed.match.hidden_sizes, limit=limit,
+                                          heads=heads, met=all(s.met for s in searches) if searches else None,
+                                          seconds=time.perf_counter() - t1)
+                        _emit(out, f"{base}/fedma-half", dict(meta, ensemble=ens, fedma_epochs=epochs, row=row))
+                    if "pfnm-rounds" in todo:
+                        t1 = time.perf_counter()
+                        fed = PFNMFederation(ds, experiment.parts, network=experiment.network,
+                                             training=experiment.training, seed=seed, initial_models=nets,
+                                             pfnm=PFNMConfig(max_params="ensemble", limit_from_round=2, heads=heads))
+                        r = experiment.federation_row(fed, rounds)
+                        net = fed.global_network()
+                        search = fed.match.size_searches.get("parameters")
+                        row = _global_row(experiment, net, probs, hidden=r.hidden, heads=heads, rounds=rounds,
+                                          limit=None if search is None else search.limit,
+                                          met=None if search is None else search.met,
+                                          history=[dict(round=h["round"], accuracy=h["accuracy"],
+                                                        parameters=h.get("parameters")) for h in r.history],
+                                          seconds=time.perf_counter() - t1)
+                        _emit(out, f"{base}/pfnm-rounds", dict(meta, ensemble=ens, row=row))
+                finally:
+                    experiment.close()
+
+
 PARTS = {"reference": part_reference, "compress": part_compress, "size": part_size, "cnn": part_cnn,
          "shrink": part_shrink, "pooled": part_pooled,
          "operating": part_operating,
          "cifar": part_cifar, "niid": part_niid,
          "cnn-timing": part_cnn_timing,
-         "baselines": part_baselines,
+         "baselines": part_baselines, "targets-b": part_targets_b,
          "eb": part_eb, "frontier": part_frontier, "plane": part_plane, "width": part_width, "rounds": part_rounds,
          "start": part_start,
          "deep": part_deep, "timing": part_timing}
@@ -902,6 +1014,9 @@ def main(argv=None):
             part_size(ds, out, seeds, Js, name=args.dataset, partitions=tuple(args.partitions.split(",")),
                       arch=args.arch, fedma_epochs=args.fedma_epochs, row_set=args.size_rows,
                       fedma_rounds=args.fedma_rounds)
+        elif part == "targets-b":
+            part_targets_b(ds, out, seeds, Js, name=args.dataset, partitions=tuple(args.partitions.split(",")),
+                           arch=args.arch, rounds=args.rounds)
         elif part == "cnn-timing":
             part_cnn_timing(ds, out, name=args.dataset)
         else:
