@@ -844,7 +844,7 @@ def part_targets_b(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=
                     ens = dict(accuracy=ensemble.accuracy, nll=ensemble.nll, ece15=ensemble.ece15,
                                parameters=ensemble.parameters, intervals=ensemble.intervals)
                     probs = ensemble.test_probs
-                    nets, counts = experiment.local_models(), experiment.class_counts
+                    nets = experiment.local_models()
                     local = [experiment.evaluate_network(n)["accuracy"] for n in nets]
                     heads = experiment.pfnm_heads("auto")
                     trained = time.perf_counter() - t0
