@@ -800,8 +800,11 @@ def part_frontier(ds, out: Path, seeds, Js, *, partitions=("iid", "dirichlet")) 
                                      points=points, train_seconds=trained, wall_seconds=time.perf_counter() - t0))
 
 
-#: The one-shot curve of target (b): PFNM's size limit as fractions of the ensemble's parameters (its own size first).
+#: Target (b)'s one-shot sizes: PFNM's size limit as fractions of the ensemble's parameters.
 CURVE_FRACTIONS = (2.0, 1.0, 0.5)
+#: Target (b)'s one-shot curve: every group's noise variance sigma2 at these factors of its estimate (the others
+#: estimated), as target (a)'s frontier sweeps it the other way: a larger sigma2 merges more units.
+CURVE_SIGMA2_FACTORS = (1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
 
 
 def _global_row(experiment, net, ensemble_probs, **extra) -> dict:
@@ -814,15 +817,16 @@ def part_targets_b(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=
                    arch: str = "lenet", rounds: int = 6) -> None:
     """Issue 53's restated target (b) on one set of local models per setting (the reference training, as the size
     and shrink parts train them): the ensemble; one shot, bnpfed's default PFNM (``heads="auto"``: pooled where the
-    class shares differ) and PFNM held to :data:`CURVE_FRACTIONS` of the ensemble's parameters (the
-    accuracy-against-size curve), weight matching and OT fusion (exact plan) at one client's size; with
+    class shares differ), PFNM held to :data:`CURVE_FRACTIONS` of the ensemble's parameters (a size asked for) and
+    at :data:`CURVE_SIGMA2_FACTORS` times the estimated noise variance (the accuracy-against-size curve, piece
+    ``one-shot-curve``), weight matching and OT fusion (exact plan) at one client's size; with
     communication, FedMA's layer-wise scheme at half the ensemble's parameters (one round, 5 retraining epochs a
     group, ``heads="auto"``, the pooled heads priced in the budget) and ``rounds`` rounds of PFNM held to the
     ensemble's size from round 2 (``heads="auto"``). Every global network with dense and nonzero parameters, its
     test metrics' intervals and its paired difference from the ensemble. One JSON line per setting and piece (keys
     ``targets-b/<dataset>/<arch>/J=../<partition>/seed=../<piece>``; resumable per piece, a resumed setting retrains
     its local models deterministically)."""
-    pieces = ("one-shot", "fedma-half", "pfnm-rounds")
+    pieces = ("one-shot", "fedma-half", "pfnm-rounds", "one-shot-curve")
     done = _done(out)
     epochs = PFNM_TRAINING.schedule(2).epochs
     for seed in seeds:
@@ -876,6 +880,21 @@ def part_targets_b(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=
                                 met=None if search is None else search.met, seconds=time.perf_counter() - t1)
                         _emit(out, f"{base}/one-shot", dict(meta, ensemble=ens, local=local, heads=heads, rows=rows,
                                                             train_seconds=trained))
+                    if "one-shot-curve" in todo:
+                        from bnpfed.federated.operating_point import _estimated_sigma2
+
+                        base_match = experiment.selection().match
+                        estimate = _estimated_sigma2(base_match)
+                        points = []
+                        for factor in CURVE_SIGMA2_FACTORS:
+                            t1 = time.perf_counter()
+                            sigma2 = tuple(factor * v for v in estimate)
+                            match = experiment.one_shot_match(replace(experiment.pfnm, sigma2=sigma2))
+                            net = pooled_network(match, nets) if heads == "pooled" else match.network()
+                            points.append(_global_row(experiment, net, probs, factor=factor, sigma2=list(sigma2),
+                                                      hidden=match.hidden_sizes, heads=heads,
+                                                      seconds=time.perf_counter() - t1))
+                        _emit(out, f"{base}/one-shot-curve", dict(meta, ensemble=ens, heads=heads, points=points))
                     if "fedma-half" in todo:
                         t1 = time.perf_counter()
                         limit = ensemble.parameters // 2
