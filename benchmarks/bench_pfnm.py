@@ -819,14 +819,15 @@ def part_targets_b(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=
     and shrink parts train them): the ensemble; one shot, bnpfed's default PFNM (``heads="auto"``: pooled where the
     class shares differ), PFNM held to :data:`CURVE_FRACTIONS` of the ensemble's parameters (a size asked for) and
     at :data:`CURVE_SIGMA2_FACTORS` times the estimated noise variance (the accuracy-against-size curve, piece
-    ``one-shot-curve``), weight matching and OT fusion (exact plan) at one client's size; with
+    ``one-shot-curve``), weight matching and OT fusion (exact plan) at one client's size, FedAvg one round from a
+    shared initialisation (piece ``fedavg-shared``); with
     communication, FedMA's layer-wise scheme at half the ensemble's parameters (one round, 5 retraining epochs a
     group, ``heads="auto"``, the pooled heads priced in the budget) and ``rounds`` rounds of PFNM held to the
     ensemble's size from round 2 (``heads="auto"``). Every global network with dense and nonzero parameters, its
     test metrics' intervals and its paired difference from the ensemble. One JSON line per setting and piece (keys
     ``targets-b/<dataset>/<arch>/J=../<partition>/seed=../<piece>``; resumable per piece, a resumed setting retrains
     its local models deterministically)."""
-    pieces = ("one-shot", "fedma-half", "pfnm-rounds", "one-shot-curve")
+    pieces = ("one-shot", "fedma-half", "pfnm-rounds", "one-shot-curve", "fedavg-shared")
     done = _done(out)
     epochs = PFNM_TRAINING.schedule(2).epochs
     for seed in seeds:
@@ -895,6 +896,16 @@ def part_targets_b(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=
                                                       hidden=match.hidden_sizes, heads=heads,
                                                       seconds=time.perf_counter() - t1))
                         _emit(out, f"{base}/one-shot-curve", dict(meta, ensemble=ens, heads=heads, points=points))
+                    if "fedavg-shared" in todo:   # FedAvg, one round from a shared initialisation
+                        t1 = time.perf_counter()
+                        r = run_method(experiment, "fedavg-oneshot:init=shared")[0]
+                        net = experiment.global_models.get(r.method, {}).get("network")
+                        row = dict(accuracy=r.accuracy, nll=r.nll, ece15=r.ece15, parameters=r.parameters,
+                                   nonzero=None if net is None else _nonzero(net), intervals=r.intervals,
+                                   vs_ensemble={m: v for m, v in experiment.paired(r.test_probs, probs).items()
+                                                if m in ("accuracy", "nll")}, note=r.note,
+                                   heads="fused", seconds=time.perf_counter() - t1)
+                        _emit(out, f"{base}/fedavg-shared", dict(meta, ensemble=ens, row=row))
                     if "fedma-half" in todo:
                         t1 = time.perf_counter()
                         limit = ensemble.parameters // 2
