@@ -149,6 +149,8 @@ def table_curve(lines: list) -> str:
                  and d["partition"] == partition]
         curves = {d["seed"]: d for d in lines if d["key"].endswith("/one-shot-curve") and d["dataset"] == dataset
                   and d["partition"] == partition}
+        fedavg = {d["seed"]: d for d in lines if d["key"].endswith("/fedavg-shared") and d["dataset"] == dataset
+                  and d["partition"] == partition}
         if not shots:
             continue
         seeds = ",".join(str(d["seed"]) for d in shots)
@@ -160,6 +162,9 @@ def table_curve(lines: list) -> str:
                     entries.setdefault(name, []).append(r)
             for p in curves.get(d["seed"], {}).get("points", []):
                 entries.setdefault(f"pfnm, sigma2 x {p['factor']:g}", []).append(p)
+            if d["seed"] in fedavg:
+                entries.setdefault("FedAvg, one round from a shared initialisation", []).append(
+                    fedavg[d["seed"]]["row"])
         for name, rows in entries.items():
             label = {"pfnm": "PFNM, bnpfed's default"}.get(name, name)
             params = statistics.mean(r["parameters"] for r in rows) / ENSEMBLE_PARAMETERS
@@ -201,6 +206,9 @@ def plot_b(lines: list, path: str) -> None:
                 ax.plot([p["parameters"] for p in pts], [p["accuracy"] for p in pts], "o-", color="tab:orange",
                         alpha=0.7, label="one-shot PFNM, sigma2 x 1.5-8" if first else None)
                 first = False
+            if d["key"].endswith("/fedavg-shared"):
+                ax.scatter([d["row"]["parameters"]], [d["row"]["accuracy"]], marker="D", color="tab:cyan", s=40,
+                           label="FedAvg, one round, shared init" if d["seed"] == 3 else None, zorder=4)
             if d["key"].endswith("/one-shot"):
                 for name, marker, color in (("pfnm", "o", "tab:red"), ("weight-matching", "x", "tab:purple"),
                                             ("ot-fusion", "+", "tab:brown")):
