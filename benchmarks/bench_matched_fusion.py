@@ -196,9 +196,9 @@ def _targets_c_row(r, references: dict, labels, seed: int) -> dict:
 
 def part_targets_c(datasets, dirs, out: Path, seeds, args) -> None:
     """Issue 53's restated target (c): Bayesian clients at the library's defaults (:class:`BayesianConfig`, the
-    clients at the ELBO's optimum) one shot (IID and Dirichlet(0.5), :data:`TARGETS_C_ONESHOT`) and over ``--rounds``
-    rounds (Dirichlet(0.5), :data:`TARGETS_C_ROUNDS`; ``--c-settings`` picks which), every row with accuracy, NLL, ECE-15, the debiased calibration
-    error, Brier, OOD AUROC (the other data set's test images), their bootstrap intervals over the test examples and
+    clients at the ELBO's optimum) one shot (IID and Dirichlet(0.5), :data:`TARGETS_C_ONESHOT`) or over ``--rounds``
+    rounds (Dirichlet(0.5), :data:`TARGETS_C_ROUNDS`), as ``--c-settings`` says; every row with accuracy, NLL, ECE-15,
+    the debiased calibration error, Brier, OOD AUROC (the other data set's test images), their bootstrap intervals over the test examples and
     its paired differences from PFNM and from FedAvg on the same test split (95 % paired bootstrap). One JSON line
     per setting (resumable; seed by seed)."""
     done = _done(out)

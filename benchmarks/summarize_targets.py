@@ -251,6 +251,7 @@ def _fmt(values, digits: int, signed: bool = False) -> str:
 
 
 def _c_groups(lines: list) -> dict:
+    """(dataset, partition, rounds) -> the ``targets-c`` lines of that setting."""
     groups: dict = {}
     for d in lines:
         groups.setdefault((d["dataset"], d["partition"], d["rounds"]), []).append(d)
@@ -282,7 +283,7 @@ def tables_c(lines: list) -> str:
             f"**, seeds {seeds}"
         head = "| method | " + " | ".join(label for _, label, _ in C_METRICS) + " |"
         out = [title, "", head, "|---|" + "---|" * len(C_METRICS)]
-        methods = list(group[0]["rows"])
+        methods = [m for m in group[0]["rows"] if all(m in d["rows"] for d in group)]   # in every seed's line
         for method in methods:
             cells = [_fmt([d["rows"][method][m] for d in group], digits) for m, _, digits in C_METRICS]
             out.append(f"| {C_LABELS.get(method, method)} | " + " | ".join(cells) + " |")
@@ -316,7 +317,8 @@ def plot_c(lines: list, path: str) -> None:
     metrics = (("nll", "NLL"), ("ece15", "ECE-15"), ("auroc_max_prob", "OOD AUROC (max prob.)"))
     fig, axes = plt.subplots(len(metrics), len(groups), figsize=(5 * len(groups), 3.6 * len(metrics)), squeeze=False)
     for col, ((dataset, partition, rounds), group) in enumerate(groups):
-        methods = [m for m in group[0]["rows"] if m not in ("pfnm", "pfnm-rounds")]
+        methods = [m for m in group[0]["rows"] if m not in ("pfnm", "pfnm-rounds")
+                   and all(m in d["rows"] for d in group)]
         ref = "pfnm" if "pfnm" in group[0]["rows"] else "pfnm-rounds"
         for row, (metric, label) in enumerate(metrics):
             ax = axes[row][col]
@@ -341,10 +343,10 @@ def plot_c(lines: list, path: str) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("target", choices=("b", "c"))
-    p.add_argument("path")
+    p.add_argument("paths", nargs="+", help="the part's JSON-lines files")
     p.add_argument("--plot", metavar="PNG")
     args = p.parse_args(argv)
-    lines = _lines(args.path)
+    lines = [line for path in args.paths for line in _lines(path)]
     if args.target == "b":
         print(table_b(lines))
         print()
