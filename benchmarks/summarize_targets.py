@@ -161,12 +161,15 @@ def table_curve(lines: list) -> str:
                 if "error" not in r:
                     entries.setdefault(name, []).append(r)
             for p in curves.get(d["seed"], {}).get("points", []):
-                entries.setdefault(f"pfnm, sigma2 x {p['factor']:g}", []).append(p)
+                entries.setdefault(f"PFNM, sigma2 {p['factor']:g} x its estimate", []).append(p)
             if d["seed"] in fedavg:
                 entries.setdefault("FedAvg, one round from a shared initialisation", []).append(
                     fedavg[d["seed"]]["row"])
         for name, rows in entries.items():
-            label = {"pfnm": "PFNM, bnpfed's default"}.get(name, name)
+            label = {"pfnm": "PFNM, bnpfed's default", "weight-matching": "weight matching (Git Re-Basin)",
+                     "ot-fusion": "OT fusion (exact plan)"}.get(name, name)
+            if name.startswith("pfnm max_params="):
+                label = f"PFNM asked for {name.split('=')[1]} the ensemble's parameters"
             params = statistics.mean(r["parameters"] for r in rows) / ENSEMBLE_PARAMETERS
             nonzero = [r["nonzero"] for r in rows if r.get("nonzero") is not None]
             nz = f"{statistics.mean(nonzero) / ENSEMBLE_PARAMETERS:.2f}" if nonzero else "-"
