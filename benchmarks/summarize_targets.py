@@ -207,28 +207,35 @@ def plot_b(lines: list, path: str) -> None:
             if d["key"].endswith("/one-shot-curve"):
                 pts = sorted(d["points"], key=lambda p: p["parameters"])
                 ax.plot([p["parameters"] for p in pts], [p["accuracy"] for p in pts], "o-", color="tab:orange",
-                        alpha=0.7, label="one-shot PFNM, sigma2 x 1.5-8" if first else None)
+                        alpha=0.7, label="one-shot PFNM, sigma2 1.5-8 x its estimate" if first else None)
                 first = False
             if d["key"].endswith("/fedavg-shared"):
                 ax.scatter([d["row"]["parameters"]], [d["row"]["accuracy"]], marker="D", color="tab:cyan", s=40,
-                           label="FedAvg, one round, shared init" if d["seed"] == 3 else None, zorder=4)
+                           label="FedAvg, one round from a shared init", zorder=4)
             if d["key"].endswith("/one-shot"):
                 for name, marker, color in (("pfnm", "o", "tab:red"), ("weight-matching", "x", "tab:purple"),
                                             ("ot-fusion", "+", "tab:brown")):
                     r = d["rows"][name]
                     ax.scatter([r["parameters"]], [r["accuracy"]], marker=marker, color=color, s=60,
                                label={"pfnm": "one-shot PFNM (default)", "weight-matching": "weight matching",
-                                      "ot-fusion": "OT fusion"}[name] if d["seed"] == 3 else None, zorder=4)
+                                      "ot-fusion": "OT fusion"}[name], zorder=4)
+                limited = [r for name, r in d["rows"].items() if name.startswith("pfnm max_params=")
+                           and "error" not in r]
+                ax.scatter([r["parameters"] for r in limited], [r["accuracy"] for r in limited], marker="v",
+                           color="tab:pink", label="one-shot PFNM asked for 2, 1, 0.5x the ensemble", zorder=4)
         ax.axvline(ENSEMBLE_PARAMETERS, ls=":", color="grey")
         ax.axvline(ENSEMBLE_PARAMETERS / 2, ls=":", color="lightgrey")
         ax.set_xscale("log")
         ax.set_xlabel("parameters of the global network (dense)")
         ax.set_ylabel("test accuracy")
         ax.set_title(f"LeNet, {NAMES[dataset]}, {NAMES[partition]}, J = 10")
-        top = max(ensembles)
-        ax.set_ylim(max(0.0, top - 0.35), min(1.0, top + 0.03))
-        ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
+        ax.set_ylim(0.0, 1.0)
+    handles = {}
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
+    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=4, fontsize=8)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=110)
 
 
@@ -279,8 +286,8 @@ def _resolved(lines: list, method: str, against: str, metric: str) -> str:
 
 def tables_c(lines: list) -> str:
     parts = []
-    for (dataset, partition, rounds), group in sorted(_c_groups(lines).items(), key=lambda kv: (kv[0][0], kv[0][2],
-                                                                                                kv[0][1])):
+    for (dataset, partition, rounds), group in sorted(_c_groups(lines).items(),
+                                                      key=lambda kv: (kv[0][0], kv[0][2], kv[0][1] != "iid")):
         seeds = ",".join(str(d["seed"]) for d in sorted(group, key=lambda d: d["seed"]))
         title = f"**{NAMES[dataset]}, {NAMES[partition]}, " + ("one shot" if rounds == 1 else f"{rounds} rounds") + \
             f"**, seeds {seeds}"
@@ -316,7 +323,7 @@ def plot_c(lines: list, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = sorted(_c_groups(lines).items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][1]))
+    groups = sorted(_c_groups(lines).items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][1] != "iid"))
     metrics = (("nll", "NLL"), ("ece15", "ECE-15"), ("auroc_max_prob", "OOD AUROC (max prob.)"))
     fig, axes = plt.subplots(len(metrics), len(groups), figsize=(5 * len(groups), 3.6 * len(metrics)), squeeze=False)
     for col, ((dataset, partition, rounds), group) in enumerate(groups):
@@ -335,7 +342,8 @@ def plot_c(lines: list, path: str) -> None:
             ax.axvline(0, color="black", lw=0.8)
             ax.set_yticks(range(len(methods)))
             ax.set_yticklabels([C_LABELS.get(m, m) for m in methods], fontsize=7)
-            ax.set_xlabel(f"{label} minus PFNM's (paired, mean over seeds, 95 % t-interval)", fontsize=8)
+            ax.set_xlabel(f"{label} minus PFNM's (paired; mean, 95 % t over seeds)", fontsize=8)
+            ax.tick_params(axis="x", labelsize=7)
             if row == 0:
                 when = "one shot" if rounds == 1 else f"{rounds} rounds"
                 ax.set_title(f"{NAMES[dataset]}, {NAMES[partition]}, {when}", fontsize=9)
