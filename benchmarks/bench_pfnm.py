@@ -20,6 +20,7 @@ Parts (each writes JSON lines to ``--out`` and can be resumed: finished configur
   ensemble and the default one-shot PFNM, then on the same local models accuracy against width at factors of the
   estimated noise variance, averaged and (under label skew) pooled output layers, each point with its bootstrap
   intervals and its paired difference from the ensemble;
+* ``frontier-fedavg``: target (a)'s FedAvg row, one round from a shared initialisation on the frontier's settings;
 * ``plane``: the accuracy-width plane (J = 10, IID, seed 0): fixed-hyper-parameter sweeps of sigma2 under both
   objectives (MAP and marginal), to put the empirical-Bayes points beside;
 * ``start``: PFNM's communication rounds warm-started from the previous assignment (the published code's way, the
@@ -800,6 +801,29 @@ def part_frontier(ds, out: Path, seeds, Js, *, partitions=("iid", "dirichlet")) 
                                      points=points, train_seconds=trained, wall_seconds=time.perf_counter() - t0))
 
 
+def part_frontier_fedavg(ds, out: Path, seeds, Js, *, partitions=("iid", "dirichlet")) -> None:
+    """Target (a)'s missing one-shot row: FedAvg, one round from a shared initialisation
+    (``fedavg-oneshot:init=shared``), on the frontier part's partitions and local training (J in ``Js`` x
+    ``partitions`` x ``seeds``), with its test metrics' bootstrap intervals; compared with the frontier lines' ensemble
+    and PFNM seed by seed (same partition, same test images) by ``summarize_frontier.py --fedavg``."""
+    for seed in seeds:
+        for J in Js:
+            for partition in partitions:
+                key = f"frontier-fedavg/mnist/mlp/J={J}/{partition}/seed={seed}"
+                if key in _done(out):
+                    continue
+                t0 = time.perf_counter()
+                configs = _configs(J, partition, seed, methods=("fedavg-oneshot:init=shared",))
+                configs["pfnm"] = PFNMConfig()
+                experiment = Experiment(ds, **configs)
+                r = run_method(experiment, "fedavg-oneshot:init=shared")[0]
+                experiment.close()
+                _emit(out, key, dict(dataset="mnist", arch="mlp", J=J, partition=partition, seed=seed,
+                                     row=dict(accuracy=r.accuracy, nll=r.nll, ece15=r.ece15, intervals=r.intervals,
+                                              parameters=r.parameters, note=r.note),
+                                     wall_seconds=time.perf_counter() - t0))
+
+
 #: Target (b)'s one-shot sizes: PFNM's size limit as fractions of the ensemble's parameters.
 CURVE_FRACTIONS = (2.0, 1.0, 0.5)
 #: Target (b)'s one-shot curve: every group's noise variance sigma2 at these factors of its estimate (the others
@@ -944,7 +968,8 @@ PARTS = {"reference": part_reference, "compress": part_compress, "size": part_si
          "cifar": part_cifar, "niid": part_niid,
          "cnn-timing": part_cnn_timing,
          "baselines": part_baselines, "targets-b": part_targets_b,
-         "eb": part_eb, "frontier": part_frontier, "plane": part_plane, "width": part_width, "rounds": part_rounds,
+         "eb": part_eb, "frontier": part_frontier, "frontier-fedavg": part_frontier_fedavg, "plane": part_plane,
+         "width": part_width, "rounds": part_rounds,
          "start": part_start,
          "deep": part_deep, "timing": part_timing}
 
@@ -1010,7 +1035,7 @@ def main(argv=None):
     seeds = [int(s) for s in args.seeds.split(",")]
     Js = [int(j) for j in args.clients.split(",")]
     for part in args.parts.split(","):
-        if part in ("reference", "eb", "frontier"):
+        if part in ("reference", "eb", "frontier", "frontier-fedavg"):
             PARTS[part](ds, out, seeds, Js)
         elif part == "cnn":
             part_cnn(ds, out, seeds, Js, name=args.dataset, rounds=args.rounds,

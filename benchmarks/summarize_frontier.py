@@ -147,12 +147,43 @@ def plot(groups: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def fedavg_table(groups: dict, path: str) -> str:
+    """FedAvg one round from a shared initialisation (``bench_pfnm.py --parts frontier-fedavg``) beside the same
+    seeds' ensemble and default PFNM of the frontier lines: accuracy and NLL as means over the seeds with t-intervals,
+    and FedAvg minus the ensemble and minus PFNM seed by seed (same partition, same test images), averaged with their
+    t-intervals over the seeds."""
+    fedavg = {}
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            d = json.loads(line)
+            fedavg[(d["J"], d["partition"], d["seed"])] = d["row"]
+    out = ["| J | partition | seeds | FedAvg one round, shared init | NLL | minus the ensemble | minus bnpfed's PFNM "
+           "(default) |", "|---|---|---|---|---|---|---|"]
+    for (J, partition), lines in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1] != "iid")):
+        pairs = [(d, fedavg[(J, partition, d["seed"])]) for d in sorted(lines, key=lambda d: d["seed"])
+                 if (J, partition, d["seed"]) in fedavg]
+        if not pairs:
+            continue
+        seeds = ",".join(str(d["seed"]) for d, _ in pairs)
+        accuracy = mean_interval([f["accuracy"] for _, f in pairs])
+        nll = statistics.mean(f["nll"] for _, f in pairs)
+        ensemble = signed_interval([f["accuracy"] - d["rows"]["ensemble"]["accuracy"] for d, f in pairs])
+        pfnm = signed_interval([f["accuracy"] - d["rows"]["pfnm"]["accuracy"] for d, f in pairs])
+        out.append(f"| {J} | {partition} | {seeds} | {accuracy} | {nll:.3f} | {ensemble} | {pfnm} |")
+    return "\n".join(out)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("paths", nargs="+")
     p.add_argument("--plot", help="write the accuracy-width figure here (PNG)")
+    p.add_argument("--fedavg", metavar="JSONL", help="print only the table of FedAvg one round from a shared "
+                   "initialisation (bench_pfnm.py --parts frontier-fedavg's lines) against these frontier lines")
     args = p.parse_args(argv)
     groups = load(args.paths)
+    if args.fedavg:
+        print(fedavg_table(groups, args.fedavg))
+        return
     for (J, partition), lines in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1] != "iid")):
         print(table(J, partition, lines))
         print()
