@@ -80,19 +80,22 @@ def _recorded(piece: str, dataset: str, partition: str) -> dict:
     for d in _lines(RESULTS / path):
         if path == "fedma_pooled_priced.jsonl":
             out[d["seed"]] = dict(accuracy=d["pooled"]["accuracy"], parameters=d["pooled"]["parameters"],
-                                  ensemble=d["ensemble"]["accuracy"], heads=heads)
+                                  ensemble=d["ensemble"]["accuracy"], ensemble_parameters=d["ensemble"]["parameters"],
+                                  heads=heads)
             continue
         if d["dataset"] != dataset or d["partition"] != partition:
             continue
         rows = d["rows"]
         name = row if row in rows else next(k for k in rows if k.startswith("pfnm-rounds (") and "own" not in k)
         out[d["seed"]] = dict(accuracy=rows[name]["accuracy"], parameters=rows[name]["parameters"],
-                              ensemble=rows["ensemble"]["accuracy"], heads=heads)
+                              ensemble=rows["ensemble"]["accuracy"],
+                              ensemble_parameters=rows["ensemble"]["parameters"], heads=heads)
     if piece == "pfnm-rounds" and (dataset, partition) == ("mnist", "dirichlet"):
         for d in _lines(RESULTS / RECORDED_POOLED_MNIST):
             r = d["rows"]["pfnm-rounds (ensemble from round 2)"]
             out[d["seed"]] = dict(accuracy=r["accuracy"], parameters=r["parameters"],
-                                  ensemble=d["rows"]["ensemble"]["accuracy"], heads="pooled")
+                                  ensemble=d["rows"]["ensemble"]["accuracy"],
+                                  ensemble_parameters=d["rows"]["ensemble"]["parameters"], heads="pooled")
     return out
 
 
@@ -102,24 +105,23 @@ def _measured(lines: list, piece: str, dataset: str, partition: str) -> dict:
         if d["key"].endswith("/" + piece) and d["dataset"] == dataset and d["partition"] == partition:
             r = d["row"]
             out[d["seed"]] = dict(accuracy=r["accuracy"], parameters=r["parameters"], nonzero=r["nonzero"],
-                                  ensemble=d["ensemble"]["accuracy"], heads=r["heads"], met=r.get("met"))
+                                  ensemble=d["ensemble"]["accuracy"], ensemble_parameters=d["ensemble"]["parameters"],
+                                  heads=r["heads"], met=r.get("met"))
     return out
-
-
-ENSEMBLE_PARAMETERS = 617060   # ten LeNets
 
 
 def _cell(r: dict) -> str:
     points = 100 * (r["accuracy"] - r["ensemble"])
-    size = f"{r['parameters'] / ENSEMBLE_PARAMETERS:.2f}x"
+    size = f"{r['parameters'] / r['ensemble_parameters']:.2f}x"
     if r.get("nonzero") is not None:
-        size += f", nonzero {r['nonzero'] / ENSEMBLE_PARAMETERS:.2f}x"
+        size += f", nonzero {r['nonzero'] / r['ensemble_parameters']:.2f}x"
     heads = "" if r["heads"] == "fused" else " pooled"
     return f"{r['accuracy']:.4f} ({points:+.2f}; {size}{heads})"
 
 
-def _within(r: dict, limit: float) -> bool:
-    return r["accuracy"] >= r["ensemble"] - 0.01 and r["parameters"] <= limit
+def _within(r: dict, fraction: float) -> bool:
+    """Within 1 point of the ensemble at no more than ``fraction`` of its parameters."""
+    return r["accuracy"] >= r["ensemble"] - 0.01 and r["parameters"] <= fraction * r["ensemble_parameters"]
 
 
 def table_b(lines: list) -> str:
@@ -139,10 +141,9 @@ def table_b(lines: list) -> str:
             out.append(f"| {NAMES[dataset]} | {NAMES[partition]} | {seed} | {ensemble:.4f} | "
                        f"{_cell(f) if f else '-'} | {_cell(r) if r else '-'} | {when} |")
         counts = []
-        for label, rows, limit in (("FedMA at half", fedma, ENSEMBLE_PARAMETERS / 2),
-                                   ("PFNM rounds", rounds, ENSEMBLE_PARAMETERS)):
+        for label, rows, fraction in (("FedMA at half", fedma, 0.5), ("PFNM rounds", rounds, 1.0)):
             diffs = [rows[s]["accuracy"] - rows[s]["ensemble"] for s in sorted(rows)]
-            met = sum(_within(rows[s], limit) for s in rows)
+            met = sum(_within(rows[s], fraction) for s in rows)
             mean = _fmt([100 * d for d in diffs], 2, signed=True)
             counts.append(f"{label} {met} of {len(rows)} (points, mean over the seeds [t-interval]: {mean})")
         summary.append(f"* {NAMES[dataset]}, {NAMES[partition]}: " + "; ".join(counts))
@@ -179,9 +180,10 @@ def table_curve(lines: list) -> str:
                      "ot-fusion": "OT fusion (exact plan)"}.get(name, name)
             if name.startswith("pfnm max_params="):
                 label = f"PFNM asked for {name.split('=')[1]} the ensemble's parameters"
-            params = statistics.mean(r["parameters"] for r in rows) / ENSEMBLE_PARAMETERS
+            size = statistics.mean(d["ensemble"]["parameters"] for d in shots)
+            params = statistics.mean(r["parameters"] for r in rows) / size
             nonzero = [r["nonzero"] for r in rows if r.get("nonzero") is not None]
-            nz = f"{statistics.mean(nonzero) / ENSEMBLE_PARAMETERS:.2f}" if nonzero else "-"
+            nz = f"{statistics.mean(nonzero) / size:.2f}" if nonzero else "-"
             diffs = [r["vs_ensemble"]["accuracy"]["difference"] for r in rows]
             boot = (rows[0]["vs_ensemble"]["accuracy"]["low"], rows[0]["vs_ensemble"]["accuracy"]["high"])
             acc_boot = rows[0]["intervals"]["accuracy"]
@@ -203,7 +205,8 @@ def plot_b(lines: list, path: str) -> None:
         rounds = {**_recorded("pfnm-rounds", dataset, partition),
                   **_measured(lines, "pfnm-rounds", dataset, partition)}
         ensembles = [r["ensemble"] for r in fedma.values()]
-        ax.scatter([ENSEMBLE_PARAMETERS] * len(ensembles), ensembles, marker="*", s=160, color="black",
+        size = statistics.mean(r["ensemble_parameters"] for r in fedma.values())
+        ax.scatter([size] * len(ensembles), ensembles, marker="*", s=160, color="black",
                    label="ensemble", zorder=3)
         ax.scatter([r["parameters"] for r in fedma.values()], [r["accuracy"] for r in fedma.values()], marker="^",
                    color="tab:green", label="FedMA at half (1 round)", zorder=3)
@@ -232,8 +235,8 @@ def plot_b(lines: list, path: str) -> None:
                            and "error" not in r]
                 ax.scatter([r["parameters"] for r in limited], [r["accuracy"] for r in limited], marker="v",
                            color="tab:pink", label="one-shot PFNM asked for 2, 1, 0.5x the ensemble", zorder=4)
-        ax.axvline(ENSEMBLE_PARAMETERS, ls=":", color="grey")
-        ax.axvline(ENSEMBLE_PARAMETERS / 2, ls=":", color="lightgrey")
+        ax.axvline(size, ls=":", color="grey")
+        ax.axvline(size / 2, ls=":", color="lightgrey")
         ax.set_xscale("log")
         ax.set_xlabel("parameters of the global network (dense)")
         ax.set_ylabel("test accuracy")
