@@ -39,6 +39,7 @@ from bnpfed.data import load_dataset, standardize_together
 from bnpfed.federated.config import (LAPLACE_PRIORS, LATER_ROUNDS, ROUND_PRIORS, BayesianConfig, FusionConfig,
                                      NetworkConfig, PartitionConfig, PFNMConfig, TrainingConfig)
 from bnpfed.federated.methods import ExperimentConfig, run_experiment
+from bnpfed.metrics import paired_bootstrap
 from bnpfed.models import IIDPrior
 from bnpfed.experimental import ExperimentalOptions
 
@@ -183,8 +184,6 @@ TARGETS_C_AGAINST = {"pfnm": ("pfnm", "pfnm-rounds"), "fedavg": ("fedavg",)}
 
 
 def _targets_c_row(r, references: dict, labels, seed: int) -> dict:
-    from bnpfed.metrics import paired_bootstrap
-
     row = {m: getattr(r, m) for m in ("accuracy", "nll", "ece15", "ece_debiased", "brier", "auroc_max_prob",
                                       "auroc_entropy", "width", "parameters", "mean_sigma")}
     row.update(intervals=r.intervals, note=r.note, history=[
@@ -198,9 +197,9 @@ def part_targets_c(datasets, dirs, out: Path, seeds, args) -> None:
     """Issue 53's restated target (c): Bayesian clients at the library's defaults (:class:`BayesianConfig`, the
     clients at the ELBO's optimum) one shot (IID and Dirichlet(0.5), :data:`TARGETS_C_ONESHOT`) or over ``--rounds``
     rounds (Dirichlet(0.5), :data:`TARGETS_C_ROUNDS`), as ``--c-settings`` says; every row with accuracy, NLL, ECE-15,
-    the debiased calibration error, Brier, OOD AUROC (the other data set's test images), their bootstrap intervals over the test examples and
-    its paired differences from PFNM and from FedAvg on the same test split (95 % paired bootstrap). One JSON line
-    per setting (resumable; seed by seed)."""
+    the debiased calibration error, Brier, OOD AUROC (the other data set's test images), their bootstrap intervals
+    over the test examples and its paired differences from PFNM and from FedAvg on the same test split (95 % paired
+    bootstrap). One JSON line per setting (resumable; seed by seed)."""
     done = _done(out)
     settings = {"oneshot": (("iid", 1), ("dirichlet", 1)), "rounds": (("dirichlet", args.rounds),)}[args.c_settings]
     for seed in seeds:

@@ -806,22 +806,17 @@ def part_frontier_fedavg(ds, out: Path, seeds, Js, *, partitions=("iid", "dirich
     (``fedavg-oneshot:init=shared``), on the frontier part's partitions and local training (J in ``Js`` x
     ``partitions`` x ``seeds``), with its test metrics' bootstrap intervals; compared with the frontier lines' ensemble
     and PFNM seed by seed (same partition, same test images) by ``summarize_frontier.py --fedavg``."""
-    for seed in seeds:
-        for J in Js:
-            for partition in partitions:
-                key = f"frontier-fedavg/mnist/mlp/J={J}/{partition}/seed={seed}"
-                if key in _done(out):
-                    continue
-                t0 = time.perf_counter()
-                configs = _configs(J, partition, seed, methods=("fedavg-oneshot:init=shared",))
-                configs["pfnm"] = PFNMConfig()
-                experiment = Experiment(ds, **configs)
-                r = run_method(experiment, "fedavg-oneshot:init=shared")[0]
-                experiment.close()
-                _emit(out, key, dict(dataset="mnist", arch="mlp", J=J, partition=partition, seed=seed,
-                                     row=dict(accuracy=r.accuracy, nll=r.nll, ece15=r.ece15, intervals=r.intervals,
-                                              parameters=r.parameters, note=r.note),
-                                     wall_seconds=time.perf_counter() - t0))
+    for key, J, partition, seed in _settings(out, "frontier-fedavg/mnist/mlp", Js, partitions, seeds):
+        t0 = time.perf_counter()
+        configs = _configs(J, partition, seed, methods=("fedavg-oneshot:init=shared",))
+        configs["pfnm"] = PFNMConfig()
+        experiment = Experiment(ds, **configs)
+        r = run_method(experiment, "fedavg-oneshot:init=shared")[0]
+        experiment.close()
+        _emit(out, key, dict(dataset="mnist", arch="mlp", J=J, partition=partition, seed=seed,
+                             row=dict(accuracy=r.accuracy, nll=r.nll, ece15=r.ece15, intervals=r.intervals,
+                                      parameters=r.parameters, note=r.note),
+                             wall_seconds=time.perf_counter() - t0))
 
 
 #: Target (b)'s one-shot sizes: PFNM's size limit as fractions of the ensemble's parameters.
@@ -829,6 +824,16 @@ CURVE_FRACTIONS = (2.0, 1.0, 0.5)
 #: Target (b)'s one-shot curve: every group's noise variance sigma2 at these factors of its estimate (the others
 #: estimated), as target (a)'s frontier sweeps it the other way: a larger sigma2 merges more units.
 CURVE_SIGMA2_FACTORS = (1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
+
+
+def _method_row(experiment, r, ensemble_probs, **extra) -> dict:
+    """:func:`_global_row` of a method's row ``r`` (``run_method``'s): its metrics as the row scored them, the
+    network the method kept for its nonzero parameters."""
+    net = experiment.global_models.get(r.method, {}).get("network")
+    paired = experiment.paired(r.test_probs, ensemble_probs)
+    return dict(accuracy=r.accuracy, nll=r.nll, ece15=r.ece15, parameters=r.parameters,
+                nonzero=None if net is None else _nonzero(net), intervals=r.intervals,
+                vs_ensemble={m: paired[m] for m in ("accuracy", "nll")}, note=r.note, **extra)
 
 
 def _global_row(experiment, net, ensemble_probs, **extra) -> dict:
@@ -882,13 +887,8 @@ def part_targets_b(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=
                         for method in ("pfnm", "weight-matching", "ot-fusion"):
                             t1 = time.perf_counter()
                             r = run_method(experiment, method)[0]
-                            net = experiment.global_models.get(r.method, {}).get("network")
-                            rows[r.method] = dict(accuracy=r.accuracy, nll=r.nll, ece15=r.ece15,
-                                                  parameters=r.parameters, hidden=r.hidden, intervals=r.intervals,
-                                                  vs_ensemble={m: v for m, v in experiment.paired(
-                                                      r.test_probs, probs).items() if m in ("accuracy", "nll")},
-                                                  nonzero=None if net is None else _nonzero(net), note=r.note,
-                                                  seconds=time.perf_counter() - t1)
+                            rows[r.method] = _method_row(experiment, r, probs, hidden=r.hidden,
+                                                         seconds=time.perf_counter() - t1)
                         for fraction in CURVE_FRACTIONS:
                             limit = int(fraction * ensemble.parameters)
                             t1 = time.perf_counter()
@@ -923,12 +923,7 @@ def part_targets_b(ds, out: Path, seeds, Js, *, name: str = "mnist", partitions=
                     if "fedavg-shared" in todo:   # FedAvg, one round from a shared initialisation
                         t1 = time.perf_counter()
                         r = run_method(experiment, "fedavg-oneshot:init=shared")[0]
-                        net = experiment.global_models.get(r.method, {}).get("network")
-                        row = dict(accuracy=r.accuracy, nll=r.nll, ece15=r.ece15, parameters=r.parameters,
-                                   nonzero=None if net is None else _nonzero(net), intervals=r.intervals,
-                                   vs_ensemble={m: v for m, v in experiment.paired(r.test_probs, probs).items()
-                                                if m in ("accuracy", "nll")}, note=r.note,
-                                   heads="fused", seconds=time.perf_counter() - t1)
+                        row = _method_row(experiment, r, probs, heads="fused", seconds=time.perf_counter() - t1)
                         _emit(out, f"{base}/fedavg-shared", dict(meta, ensemble=ens, row=row))
                     if "fedma-half" in todo:
                         t1 = time.perf_counter()

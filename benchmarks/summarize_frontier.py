@@ -27,25 +27,25 @@ PUBLISHED = {(10, "iid"): ("0-4", 0.9681, 413, 0.9692), (10, "dirichlet"): ("0-4
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
 
-def mean_interval(values, bootstrap=None) -> str:
-    """``mean [low, high]``: a t-interval over ``values`` (n >= 2), else ``bootstrap`` (the one seed's)."""
+def interval(values, bootstrap=None, *, digits: int = 4, signed: bool = False) -> str:
+    """``mean [low, high]``: a t-interval over ``values`` (n >= 2), else ``bootstrap`` (the one seed's, marked
+    ``b``), else the mean alone; ``digits`` decimals, with a sign when ``signed`` (a difference)."""
+    form = f"{'+' if signed else ''}.{digits}f"
     m = statistics.mean(values)
     if len(values) >= 2:
         half = T975[len(values) - 1] * statistics.stdev(values) / math.sqrt(len(values))
-        return f"{m:.4f} [{m - half:.4f}, {m + half:.4f}]"
+        return f"{m:{form}} [{m - half:{form}}, {m + half:{form}}]"
     if bootstrap is not None:
-        return f"{m:.4f} [{bootstrap[0]:.4f}, {bootstrap[1]:.4f}] b"
-    return f"{m:.4f}"
+        return f"{m:{form}} [{bootstrap[0]:{form}}, {bootstrap[1]:{form}}] b"
+    return f"{m:{form}}"
+
+
+def mean_interval(values, bootstrap=None) -> str:
+    return interval(values, bootstrap)
 
 
 def signed_interval(values, bootstrap=None) -> str:
-    m = statistics.mean(values)
-    if len(values) >= 2:
-        half = T975[len(values) - 1] * statistics.stdev(values) / math.sqrt(len(values))
-        return f"{m:+.4f} [{m - half:+.4f}, {m + half:+.4f}]"
-    if bootstrap is not None:
-        return f"{m:+.4f} [{bootstrap[0]:+.4f}, {bootstrap[1]:+.4f}] b"
-    return f"{m:+.4f}"
+    return interval(values, bootstrap, signed=True)
 
 
 def load(paths) -> dict:

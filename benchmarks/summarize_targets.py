@@ -26,7 +26,7 @@ import math
 import statistics
 from pathlib import Path
 
-from summarize_frontier import T975, mean_interval, signed_interval
+from summarize_frontier import T975, interval, mean_interval, signed_interval
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
@@ -144,7 +144,7 @@ def table_b(lines: list) -> str:
         for label, rows, fraction in (("FedMA at half", fedma, 0.5), ("PFNM rounds", rounds, 1.0)):
             diffs = [rows[s]["accuracy"] - rows[s]["ensemble"] for s in sorted(rows)]
             met = sum(_within(rows[s], fraction) for s in rows)
-            mean = _fmt([100 * d for d in diffs], 2, signed=True)
+            mean = interval([100 * d for d in diffs], digits=2, signed=True)
             counts.append(f"{label} {met} of {len(rows)} (points, mean over the seeds [t-interval]: {mean})")
         summary.append(f"* {NAMES[dataset]}, {NAMES[partition]}: " + "; ".join(counts))
     return "\n".join(out) + "\n\nWithin 1 point of the ensemble at no more than the size asked for:\n\n" + "\n".join(
@@ -263,15 +263,6 @@ C_LABELS = {"ensemble": "ensemble of the Bayesian clients", "pfnm": "PFNM (deter
             "match-pooling": "matched pooling", "match-conflation": "matched conflation"}
 
 
-def _fmt(values, digits: int, signed: bool = False) -> str:
-    m = statistics.mean(values)
-    sign = "+" if signed else ""
-    if len(values) < 2:
-        return f"{m:{sign}.{digits}f}"
-    half = T975[len(values) - 1] * statistics.stdev(values) / math.sqrt(len(values))
-    return f"{m:{sign}.{digits}f} [{m - half:{sign}.{digits}f}, {m + half:{sign}.{digits}f}]"
-
-
 def _c_groups(lines: list) -> dict:
     """(dataset, partition, rounds) -> the ``targets-c`` lines of that setting."""
     groups: dict = {}
@@ -307,7 +298,7 @@ def tables_c(lines: list) -> str:
         out = [title, "", head, "|---|" + "---|" * len(C_METRICS)]
         methods = [m for m in group[0]["rows"] if all(m in d["rows"] for d in group)]   # in every seed's line
         for method in methods:
-            cells = [_fmt([d["rows"][method][m] for d in group], digits) for m, _, digits in C_METRICS]
+            cells = [interval([d["rows"][method][m] for d in group], digits=digits) for m, _, digits in C_METRICS]
             out.append(f"| {C_LABELS.get(method, method)} | " + " | ".join(cells) + " |")
         for against in ("pfnm", "fedavg"):
             ref = next(m for m in methods if m == against or m == f"{against}-rounds")
@@ -320,7 +311,7 @@ def tables_c(lines: list) -> str:
                 cells = []
                 for m, _, digits in C_METRICS:
                     diffs = [d["rows"][method][m] - d["rows"][ref][m] for d in group]
-                    cell = _fmt(diffs, digits, signed=True)
+                    cell = interval(diffs, digits=digits, signed=True)
                     if m != "auroc_max_prob":
                         cell += f" ({_resolved(group, method, against, m)})"
                     cells.append(cell)
